@@ -1,0 +1,1 @@
+"""The only agoq package that imports megatron (house rule 1)."""
