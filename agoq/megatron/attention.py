@@ -1,0 +1,115 @@
+"""SDPA core attention for agoq's layer spec.
+
+Seam card
+---------
+Touches: ``SelfAttentionSubmodules.core_attention`` in the local GPT layer spec (spec substitution,
+  the first-choice seam); the constructor and ``forward`` signatures of
+  ``megatron.core.transformer.dot_product_attention.DotProductAttention`` (mirrored here).
+Why: the local spec's ``DotProductAttention`` is unfused: it materialises and saves the
+  ``[b, h, s, s]`` softmax probabilities for backward (50.6 GiB peak for a 350M model at seq 2048,
+  micro-batch 4 on an H200, measured by the team). ``torch.nn.functional.scaled_dot_product_attention``
+  picks the flash / cuDNN / memory-efficient kernels on GPU and saves only q, k, v, out and the
+  log-sum-exp. Both agoq and its BF16 baseline use it, so comparisons are like with like.
+Verified on: megatron-core 0.19.2.
+When disabled: ``--attention-backend megatron`` keeps Megatron's own ``DotProductAttention``.
+Guarded by: ``tests/megatron/test_attention.py`` (same output and gradients as DotProductAttention).
+
+Shape legend: s = sequence, b = micro-batch, n = heads per TP rank, g = query groups per TP rank,
+d = head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+
+class SDPACoreAttention(MegatronModule):
+    """Causal self-attention through ``scaled_dot_product_attention`` with native GQA.
+
+    Takes and returns Megatron's layouts: q ``[s, b, n, d]``, k/v ``[s, b, g, d]`` → ``[s, b, n·d]``.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
+        super().__init__(config=config)
+        _check_supported(config, attn_mask_type)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp_size = pg_collection.tp.size()
+        self.layer_number = max(1, layer_number)
+        self.num_heads_per_rank = divide(config.num_attention_heads, tp_size)
+        self.num_groups_per_rank = divide(config.num_query_groups, tp_size)
+        head_dim = divide(config.kv_channels * config.num_attention_heads, config.num_attention_heads)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout_p:
+            raise NotImplementedError(
+                f"agoq SDPA attention runs without attention dropout (LLaMA uses 0), got {dropout_p}; "
+                "set --attention-dropout 0 or use --attention-backend megatron."
+            )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError(
+                "agoq SDPA attention supports causal self-attention without an explicit mask, bias or "
+                "packed sequences; use --attention-backend megatron (or the TE spec) for those."
+            )
+        q_BNSD = query.permute(1, 2, 0, 3)
+        k_BGSD = key.permute(1, 2, 0, 3)
+        v_BGSD = value.permute(1, 2, 0, 3)
+        out_BNSD = F.scaled_dot_product_attention(
+            q_BNSD,
+            k_BGSD,
+            v_BGSD,
+            dropout_p=0.0,
+            is_causal=True,
+            scale=self.softmax_scale,
+            enable_gqa=self.num_heads_per_rank != self.num_groups_per_rank,
+        )
+        seq, batch = query.shape[0], query.shape[1]
+        return out_BNSD.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+
+def _check_supported(config: TransformerConfig, attn_mask_type: AttnMaskType) -> None:
+    problems = []
+    if attn_mask_type != AttnMaskType.causal:
+        problems.append(f"attn_mask_type={attn_mask_type.name} (only causal)")
+    if config.context_parallel_size != 1:
+        problems.append(f"context_parallel_size={config.context_parallel_size} (only 1)")
+    if config.apply_query_key_layer_scaling:
+        problems.append("apply_query_key_layer_scaling=True")
+    if config.softmax_type != "vanilla":
+        problems.append(f"softmax_type={config.softmax_type!r} (only 'vanilla')")
+    if config.window_size is not None:
+        problems.append(f"window_size={config.window_size} (no sliding window)")
+    if problems:
+        raise NotImplementedError(
+            "agoq SDPA attention does not support: " + "; ".join(problems)
+            + ". Use --attention-backend megatron for these settings."
+        )

@@ -1,0 +1,171 @@
+"""The contract between agoq and megatron-core: every Megatron symbol agoq touches, checked at start-up.
+
+Seam card
+---------
+Touches: nothing (read-only introspection of the symbols listed in :data:`CONTRACT`).
+Why: agoq relies on private and fast-moving parts of megatron-core. One table, checked before any
+  work, turns a silent behaviour change after an upgrade into one error that lists every mismatch.
+Verified on: megatron-core 0.19.2 (the only supported version; pinned in pyproject.toml).
+Guarded by: ``tests/megatron/test_contract.py``.
+
+Add a row here whenever agoq code starts to use a new Megatron symbol, parameter or field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from dataclasses import dataclass
+
+SUPPORTED_MCORE_VERSIONS = ("0.19.2",)
+
+
+@dataclass(frozen=True)
+class Symbol:
+    """A Megatron symbol agoq uses, and what agoq relies on about it.
+
+    ``params`` must all be parameters of the callable (or of the class's ``__init__``);
+    ``fields`` must all be dataclass fields; ``attrs`` must all be attributes.
+    """
+
+    path: str  # "module.path:Qualified.name"
+    why: str
+    params: tuple[str, ...] = ()
+    fields: tuple[str, ...] = ()
+    attrs: tuple[str, ...] = ()
+
+
+_TC_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+    "kv_channels", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func",
+    "add_bias_linear", "hidden_dropout", "attention_dropout", "bf16", "params_dtype", "pipeline_dtype",
+    "use_cpu_initialization", "init_method_std", "gradient_accumulation_fusion", "batch_p2p_sync",
+    "no_sync_func", "grad_sync_func", "finalize_model_grads_func", "deallocate_pipeline_outputs",
+    "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size",
+    "tensor_model_parallel_size", "sequence_parallel", "context_parallel_size", "softmax_type",
+    "window_size", "apply_query_key_layer_scaling", "recompute_granularity",
+)
+
+CONTRACT: tuple[Symbol, ...] = (
+    Symbol("megatron.core.parallel_state:initialize_model_parallel", "process groups",
+           params=("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                   "virtual_pipeline_model_parallel_size")),
+    Symbol("megatron.core.parallel_state:destroy_model_parallel", "tear-down between runs"),
+    Symbol("megatron.core.parallel_state:is_pipeline_first_stage", "per-chunk pre_process",
+           params=("ignore_virtual", "vp_stage")),
+    Symbol("megatron.core.parallel_state:is_pipeline_last_stage", "per-chunk post_process",
+           params=("ignore_virtual", "vp_stage")),
+    Symbol("megatron.core.parallel_state:get_pipeline_model_parallel_rank", "stage of this rank"),
+    Symbol("megatron.core.parallel_state:get_data_parallel_rank", "data sharding",
+           params=("with_context_parallel",)),
+    Symbol("megatron.core.parallel_state:get_data_parallel_group", "loss averaging",
+           params=("with_context_parallel",)),
+    Symbol("megatron.core.tensor_parallel:model_parallel_cuda_manual_seed",
+           "seeding; CPU runs pass inference_rng_tracker=True (no CUDA RNG state)",
+           params=("seed", "inference_rng_tracker")),
+    Symbol("megatron.core.transformer.transformer_config:TransformerConfig", "LLaMA config",
+           fields=_TC_FIELDS),
+    Symbol("megatron.core.models.gpt.gpt_layer_specs:get_gpt_layer_local_spec",
+           "base layer spec agoq substitutes into", params=("normalization",)),
+    Symbol("megatron.core.transformer.attention:SelfAttentionSubmodules",
+           "spec substitution of core attention", fields=("linear_qkv", "core_attention", "linear_proj")),
+    Symbol("megatron.core.transformer.dot_product_attention:DotProductAttention",
+           "SDPACoreAttention mirrors its constructor and forward",
+           params=("config", "layer_number", "attn_mask_type", "attention_type", "attention_dropout",
+                   "softmax_scale", "cp_comm_type", "pg_collection")),
+    Symbol("megatron.core.models.gpt:GPTModel", "one model chunk per (pp rank, vp stage)",
+           params=("config", "transformer_layer_spec", "vocab_size", "max_sequence_length",
+                   "pre_process", "post_process", "share_embeddings_and_output_weights",
+                   "position_embedding_type", "rotary_base", "vp_stage")),
+    Symbol("megatron.core.distributed:DistributedDataParallel", "grad buffers and reduction",
+           params=("config", "ddp_config", "module", "disable_bucketing")),
+    Symbol("megatron.core.distributed:DistributedDataParallelConfig", "DDP options",
+           fields=("grad_reduce_in_fp32", "overlap_grad_reduce", "use_distributed_optimizer",
+                   "check_for_nan_in_grad", "bucket_size")),
+    Symbol("megatron.core.distributed:finalize_model_grads", "end-of-step grad sync hook"),
+    Symbol("megatron.core.optimizer:get_megatron_optimizer", "Megatron's optimizer factory",
+           params=("config", "model_chunks")),
+    Symbol("megatron.core.optimizer:OptimizerConfig", "optimizer options",
+           fields=("optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
+                   "clip_grad", "bf16", "params_dtype", "use_distributed_optimizer")),
+    Symbol("megatron.core.optimizer_param_scheduler:OptimizerParamScheduler", "LR schedule",
+           params=("optimizer", "init_lr", "max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps",
+                   "lr_decay_style", "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style")),
+    Symbol("megatron.core.pipeline_parallel:get_forward_backward_func", "schedule selection"),
+    Symbol("megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_without_interleaving",
+           "1F1B keyword arguments",
+           params=("forward_step_func", "data_iterator", "model", "num_microbatches", "seq_length",
+                   "micro_batch_size", "forward_only")),
+    Symbol("megatron.core.dist_checkpointing:save", "checkpoint save",
+           params=("sharded_state_dict", "checkpoint_dir")),
+    Symbol("megatron.core.dist_checkpointing:load", "checkpoint load",
+           params=("sharded_state_dict", "checkpoint_dir")),
+)
+
+
+def installed_mcore_version() -> str:
+    try:
+        from megatron.core import package_info
+    except ImportError as exc:  # pragma: no cover - exercised only without megatron-core
+        raise RuntimeError(
+            "megatron-core is not importable. Install the supported version: "
+            f"pip install megatron-core=={SUPPORTED_MCORE_VERSIONS[0]}"
+        ) from exc
+    return package_info.__version__
+
+
+def _resolve(path: str):
+    module_name, _, qualname = path.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _param_names(obj) -> set[str]:
+    target = obj.__init__ if inspect.isclass(obj) else obj
+    return set(inspect.signature(target).parameters)
+
+
+def _check_symbol(sym: Symbol) -> list[str]:
+    try:
+        obj = _resolve(sym.path)
+    except (ImportError, AttributeError) as exc:
+        return [f"{sym.path}: missing ({type(exc).__name__}: {exc})"]
+    problems = []
+    if sym.params:
+        missing = [p for p in sym.params if p not in _param_names(obj)]
+        if missing:
+            problems.append(f"{sym.path}: parameters {missing} not found")
+    if sym.fields:
+        names = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
+        missing = [f for f in sym.fields if f not in names]
+        if missing:
+            problems.append(f"{sym.path}: dataclass fields {missing} not found")
+    missing_attrs = [a for a in sym.attrs if not hasattr(obj, a)]
+    if missing_attrs:
+        problems.append(f"{sym.path}: attributes {missing_attrs} not found")
+    return problems
+
+
+def contract_problems(contract: tuple[Symbol, ...] = CONTRACT) -> list[str]:
+    """Every mismatch between ``contract`` and the installed megatron-core (empty when all hold)."""
+    problems = []
+    version = installed_mcore_version()
+    if version not in SUPPORTED_MCORE_VERSIONS:
+        problems.append(f"megatron-core {version} is installed; agoq supports {SUPPORTED_MCORE_VERSIONS}")
+    for sym in contract:
+        problems.extend(_check_symbol(sym))
+    return problems
+
+
+def check(contract: tuple[Symbol, ...] = CONTRACT) -> None:
+    """Raise one ``RuntimeError`` listing every contract mismatch, with the fix."""
+    problems = contract_problems(contract)
+    if problems:
+        listing = "\n  - ".join(problems)
+        raise RuntimeError(
+            f"agoq's megatron-core contract does not hold ({len(problems)} problem(s)):\n  - {listing}\n"
+            f"Install the supported version: pip install megatron-core=={SUPPORTED_MCORE_VERSIONS[0]}"
+        )

@@ -1,0 +1,177 @@
+"""LLaMA on megatron-core: TransformerConfig, agoq's layer spec, one GPTModel per chunk, DDP wrap.
+
+Seam card
+---------
+Touches: ``TransformerConfig``, ``get_gpt_layer_local_spec``, ``SelfAttentionSubmodules.core_attention``
+  (spec substitution), ``GPTModel``, ``DistributedDataParallel`` (public constructors only).
+Why: building the model through the spec is the first-choice seam; agoq never patches model code.
+Verified on: megatron-core 0.19.2.
+Guarded by: ``tests/megatron/test_model.py`` and the PP/DDP tests in ``tests/megatron``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from agoq.megatron.attention import SDPACoreAttention
+
+ATTENTION_BACKENDS = ("sdpa", "megatron")
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """Architecture of a LLaMA-family decoder (RMSNorm, SwiGLU, RoPE, GQA, no biases, untied)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    seq_length: int
+    vocab_size: int  # already padded for TP (see agoq.data.tokenizer.padded_vocab_size)
+    rotary_base: int = 10000
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"--hidden-size {self.hidden_size} must be divisible by --num-attention-heads "
+                f"{self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"--num-attention-heads {self.num_attention_heads} must be divisible by "
+                f"--num-query-groups {self.num_query_groups}"
+            )
+
+    def num_parameters(self) -> int:
+        """Total parameters (embedding + layers + final norm + untied output layer)."""
+        head_dim = self.hidden_size // self.num_attention_heads
+        qkv = self.hidden_size * head_dim * (self.num_attention_heads + 2 * self.num_query_groups)
+        attn = qkv + self.hidden_size * self.hidden_size
+        mlp = 3 * self.hidden_size * self.ffn_hidden_size
+        per_layer = attn + mlp + 2 * self.hidden_size
+        return self.num_layers * per_layer + 2 * self.vocab_size * self.hidden_size + self.hidden_size
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None  # virtual pipeline chunks per rank (None = no interleaving)
+
+    def check(self, shape: LlamaShape, world_size: int) -> None:
+        """Raise ValueError naming the flag when the layout cannot run."""
+        model_parallel = self.tp * self.pp
+        if world_size % model_parallel:
+            raise ValueError(
+                f"world size {world_size} is not divisible by --tensor-model-parallel-size {self.tp} x "
+                f"--pipeline-model-parallel-size {self.pp}; launch a multiple of {model_parallel} processes"
+            )
+        chunks = self.pp * (self.vpp or 1)
+        if shape.num_layers % chunks:
+            raise ValueError(
+                f"--num-layers {shape.num_layers} is not divisible by {chunks} model chunks "
+                f"(--pipeline-model-parallel-size {self.pp}"
+                + (f" x {self.vpp} virtual stages" if self.vpp else "")
+                + "); pick a layer count or layout that divides evenly"
+            )
+        if self.vpp and self.pp < 2:
+            raise ValueError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
+        for name, value in (("--num-attention-heads", shape.num_attention_heads),
+                            ("--num-query-groups", shape.num_query_groups)):
+            if value % self.tp:
+                raise ValueError(f"{name} {value} is not divisible by --tensor-model-parallel-size {self.tp}")
+
+
+def llama_transformer_config(
+    shape: LlamaShape, layout: ParallelLayout, *, params_dtype: torch.dtype, use_cpu_initialization: bool
+) -> TransformerConfig:
+    bf16 = params_dtype == torch.bfloat16
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=shape.init_method_std,
+        bf16=bf16,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        use_cpu_initialization=use_cpu_initialization,
+        gradient_accumulation_fusion=False,  # needs APEX/TE fused wgrad kernels
+        # CPU runs: p2p has no CUDA stream to synchronize; harmless on GPU (NCCL orders the ops).
+        batch_p2p_sync=False,
+    )
+
+
+def agoq_layer_spec(attention_backend: str) -> ModuleSpec:
+    """The local GPT layer spec with agoq's substitutions (today: the core attention)."""
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend {attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    if attention_backend == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def build_model_chunks(
+    shape: LlamaShape, config: TransformerConfig, layer_spec: ModuleSpec, vpp: int | None
+) -> list[GPTModel]:
+    """One GPTModel per virtual stage of this pipeline rank (Megatron's ``get_model`` layout)."""
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=shape.vocab_size,
+            max_sequence_length=shape.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+            rotary_base=shape.rotary_base,
+            vp_stage=stage,
+        )
+        chunks.append(chunk)
+    return chunks
+
+
+def wrap_ddp(
+    chunks: list[GPTModel], config: TransformerConfig, ddp_config: DistributedDataParallelConfig,
+    device: torch.device,
+) -> list[DistributedDataParallel]:
+    wrapped = []
+    for idx, chunk in enumerate(chunks):
+        chunk.to(device)
+        if config.bf16 or config.fp16:
+            # As Megatron's get_model: casts every parameter (torch RMSNorm gains are created in
+            # fp32) and the first stage's input / last stage's output.
+            chunk = Float16Module(config, chunk)
+        # Megatron's get_model: only the first chunk uses buckets (overlap of later chunks is
+        # driven by the interleaved schedule).
+        wrapped.append(DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=idx > 0))
+    return wrapped

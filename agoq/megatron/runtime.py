@@ -1,0 +1,107 @@
+"""Process-level set-up for a megatron-core run: device, process groups, seeds, memory readings.
+
+Seam card
+---------
+Touches: ``parallel_state.initialize_model_parallel`` / ``destroy_model_parallel`` and
+  ``tensor_parallel.model_parallel_cuda_manual_seed`` (public functions).
+Why: ``megatron.training.initialize_megatron`` asserts CUDA and skips model-parallel set-up without a
+  GPU (megatron.md 1.5), so agoq initialises megatron-core itself: NCCL on GPU, gloo on CPU.
+Verified on: megatron-core 0.19.2.
+Guarded by: every multi-process test in ``tests/megatron``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from agoq.megatron.model import ParallelLayout
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+
+def choose_device(requested: str, local_rank: int) -> torch.device:
+    """``auto`` picks this rank's GPU when CUDA is available, else the CPU; ``cuda`` without a GPU raises."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--agoq-device {requested!r}: choose auto, cpu or cuda")
+    has_cuda = torch.cuda.is_available()
+    if requested == "cuda" and not has_cuda:
+        raise ValueError("--agoq-device cuda was given but no CUDA GPU is visible; use --agoq-device auto or cpu")
+    if requested == "cpu" or not has_cuda:
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(device: torch.device) -> RankInfo:
+    """Join the torchrun process group (a single process without torchrun)."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:  # plain `python script.py`: a world of one
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+    return RankInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_model_parallel(layout: ParallelLayout, seed: int, device: torch.device) -> None:
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+    )
+    # CPU: the default tracker snapshots CUDA RNG state; the inference tracker does not (megatron.md 2).
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=device.type == "cpu")
+    torch.manual_seed(seed)
+
+
+def shutdown() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def memory_reading(device: torch.device) -> dict[str, float]:
+    """GiB: allocated and peak on GPU (torch's allocator); resident set size on CPU (not comparable)."""
+    if device.type == "cuda":
+        return {
+            "allocated_gib": torch.cuda.memory_allocated(device) / GIB,
+            "peak_gib": torch.cuda.max_memory_allocated(device) / GIB,
+            "reserved_gib": torch.cuda.memory_reserved(device) / GIB,
+        }
+    return {"rss_gib": psutil.Process().memory_info().rss / GIB}
+
+
+def format_memory(reading: dict[str, float]) -> str:
+    if "peak_gib" in reading:
+        return f"mem alloc {reading['allocated_gib']:.2f} GiB | peak {reading['peak_gib']:.2f} GiB"
+    return f"mem rss {reading['rss_gib']:.2f} GiB (cpu)"

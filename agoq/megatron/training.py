@@ -1,0 +1,148 @@
+"""The training step and loop on megatron-core: forward_step, loss, schedules, optimizer, logging.
+
+Seam card
+---------
+Touches: ``get_forward_backward_func`` (schedule choice), ``finalize_model_grads`` and the
+  ``no_sync_func`` / ``grad_sync_func`` / ``finalize_model_grads_func`` config hooks, Megatron's
+  optimizer ``step()`` contract ``(update_successful, grad_norm, num_zeros)``.
+Why: the shape of Megatron's ``pretrain_gpt.py`` / ``training.train_step``, rebuilt on megatron.core
+  because ``megatron.training.pretrain`` is GPU-only in 0.19.2 (megatron.md 1.5).
+Verified on: megatron-core 0.19.2.
+Guarded by: ``tests/megatron/test_train.py`` (loss falls; PP=2 1F1B and interleaved; DDP with and
+  without the distributed optimizer) and ``tests/megatron/test_checkpoint.py``.
+
+Shape legend: b = micro-batch, s = sequence.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+
+def _loss_func(loss_mask_BS: torch.Tensor, output_BS: torch.Tensor):
+    """Mean next-token loss over unmasked tokens of one micro-batch (Megatron's 2-tuple contract)."""
+    losses = output_BS.float().reshape(-1)
+    mask = loss_mask_BS.float().reshape(-1)
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+    # clone: the schedule divides the returned loss in place by the number of micro-batches
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def make_forward_step(device: torch.device) -> Callable:
+    def forward_step(data_iterator: Iterator, model):
+        batch = next(data_iterator)
+        tokens_BS = batch["tokens"].to(device, non_blocking=True)
+        labels_BS = batch["labels"].to(device, non_blocking=True)
+        position_ids_BS = batch["position_ids"].to(device, non_blocking=True)
+        loss_mask_BS = batch["loss_mask"].to(device, non_blocking=True)
+        output_BS = model(tokens_BS, position_ids_BS, None, labels=labels_BS)
+        return output_BS, partial(_loss_func, loss_mask_BS)
+
+    return forward_step
+
+
+def configure_grad_hooks(model_chunks: list, config) -> None:
+    """Megatron's training.setup_model_and_optimizer hooks, for DDP-wrapped chunks."""
+    no_sync = [chunk.no_sync for chunk in model_chunks]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    config.grad_sync_func = None  # overlap_grad_reduce would set per-chunk start_grad_sync here
+    config.finalize_model_grads_func = finalize_model_grads
+
+
+@dataclass
+class StepResult:
+    loss: float | None  # averaged over micro-batches and data-parallel ranks; None off the last stage
+    grad_norm: float | None
+    update_successful: bool
+    seconds: float
+
+
+@dataclass
+class StepRunner:
+    """Runs one global batch: zero grads, forward/backward over micro-batches, optimizer step."""
+
+    model_chunks: list
+    optimizer: object
+    scheduler: object
+    device: torch.device
+    seq_length: int
+    micro_batch_size: int
+    global_batch_size: int
+    num_microbatches: int
+    forward_step: Callable = field(init=False)
+
+    def __post_init__(self):
+        self.forward_step = make_forward_step(self.device)
+
+    def run(self, data_iterators: list[Iterator]) -> StepResult:
+        start = time.perf_counter()
+        for chunk in self.model_chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        forward_backward = get_forward_backward_func()
+        losses = forward_backward(
+            forward_step_func=self.forward_step,
+            data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],
+            model=self.model_chunks,
+            num_microbatches=self.num_microbatches,
+            seq_length=self.seq_length,
+            micro_batch_size=self.micro_batch_size,
+            forward_only=False,
+        )
+        update_successful, grad_norm, _ = self.optimizer.step()
+        if update_successful:
+            self.scheduler.step(increment=self.global_batch_size)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        loss = _reduce_losses(losses, self.device)
+        return StepResult(
+            loss=loss,
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            update_successful=bool(update_successful),
+            seconds=time.perf_counter() - start,
+        )
+
+
+def _reduce_losses(losses: list[dict], device: torch.device) -> float | None:
+    """Average 'lm loss' over micro-batches, then over the data-parallel group (last stage only)."""
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    values = torch.stack([d["lm loss"].float() for d in losses]).mean().reshape(1).to(device)
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dist.all_reduce(values, group=group)
+    return float(values.item()) / dist.get_world_size(group=group)
+
+
+def is_logging_rank() -> bool:
+    """Megatron prints on the last pipeline stage, first tensor- and data-parallel rank."""
+    return (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    )
+
+
+def format_iteration_line(
+    iteration: int, train_iters: int, result: StepResult, *, lr: float, consumed_samples: int,
+    tokens_per_step: int, memory: str, skipped: int,
+) -> str:
+    loss = "n/a" if result.loss is None else f"{result.loss:.6f}"
+    if result.loss is not None and not math.isfinite(result.loss):
+        loss = f"{result.loss} (non-finite)"
+    grad_norm = "n/a" if result.grad_norm is None else f"{result.grad_norm:.4f}"
+    return (
+        f"iteration {iteration:6d}/{train_iters} | consumed samples: {consumed_samples} | "
+        f"elapsed time per iteration (ms): {result.seconds * 1e3:.1f} | learning rate: {lr:.4e} | "
+        f"lm loss: {loss} | grad norm: {grad_norm} | skipped iterations: {skipped} | "
+        f"tokens/s: {tokens_per_step / result.seconds:.1f} | {memory}"
+    )
