@@ -1,0 +1,180 @@
+"""Command line of ``scripts/pretrain_llama.py``: Megatron-compatible flags, ``--agoq-*`` flags, config files.
+
+Precedence (lowest to highest): built-in defaults < ``--config FILE.yaml`` < flags on the command line.
+A config file holds flag names in snake_case (``num_layers: 4``); an unknown key stops the run with
+the file, the key and the allowed keys. Unknown or abbreviated flags are errors too
+(``allow_abbrev=False``), so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+from pathlib import Path
+
+import yaml
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model (LLaMA: RMSNorm, SwiGLU, RoPE, GQA, no biases, untied embeddings)")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-query-groups", type=int, default=None, help="KV heads (GQA); default = heads (MHA)")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: LLaMA's 8/3·hidden rounded to 64")
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--attention-backend", choices=("sdpa", "megatron"), default="sdpa",
+                   help="sdpa: torch scaled_dot_product_attention (flash/cuDNN on GPU); "
+                        "megatron: Megatron's unfused DotProductAttention (saves [b,h,s,s] probabilities)")
+    g.add_argument("--fp32", action="store_true", help="fp32 parameters and compute (default: bf16)")
+
+
+def _parallel_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="enables the interleaved 1F1B schedule")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=8)
+
+
+def _optim_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("optimizer and schedule (Megatron's Adam(W), OptimizerParamScheduler)")
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--lr-warmup-iters", type=int, default=5)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--train-iters", type=int, default=30)
+    g.add_argument("--seed", type=int, default=1234)
+
+
+def _data_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="Megatron blend: PREFIX or 'W1 PREFIX1 W2 PREFIX2 ...' (.bin/.idx written by "
+                        "scripts/prepare_data.py). Default: agoq's built-in corpus, built once and cached")
+    g.add_argument("--tokenizer-model", default=None, help="SentencePiece model (required with --data-path)")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test weights")
+    g.add_argument("--data-cache-dir", default=None, help="default: $AGOQ_CACHE or ~/.cache/agoq")
+
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpoints and logging")
+    g.add_argument("--save", default=None, help="checkpoint directory (megatron.core.dist_checkpointing)")
+    g.add_argument("--load", default=None, help="resume from the latest checkpoint in this directory")
+    g.add_argument("--save-interval", type=int, default=None, help="default: only at the end")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at this iteration")
+
+
+def _agoq_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("agoq")
+    g.add_argument("--agoq-policy", default=None,
+                   help="bit-width policy YAML (default: configs/policy/agoq.yaml); see docs/policy.md")
+    g.add_argument("--agoq-disable", action="store_true", help="run plain Megatron (the baseline)")
+    g.add_argument("--agoq-device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: GPU when CUDA is available, else CPU mode (gloo, shims; correctness only)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_llama.py", allow_abbrev=False,
+        description="Pretrain a LLaMA-architecture model on megatron-core with agoq.",
+    )
+    parser.add_argument("--config", default=None, help="YAML file of flag values (snake_case keys)")
+    for add in (_model_flags, _parallel_flags, _optim_flags, _data_flags, _run_flags, _agoq_flags):
+        add(parser)
+    return parser
+
+
+def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
+    """Read a YAML config of flag values; every key must be a flag's snake_case name."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--config {path}: file not found")
+    try:
+        values = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path}: YAML syntax error: {exc}") from exc
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values")
+    allowed = {a.dest for a in parser._actions if a.dest not in ("help", "config")}
+    for key in values:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"--config {path}: unknown key {key!r}{hint}. Allowed keys: {', '.join(sorted(allowed))}"
+            )
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    first = parser.parse_args(argv)
+    if first.config:
+        try:
+            parser.set_defaults(**load_config_file(first.config, parser))
+        except ValueError as exc:
+            parser.error(str(exc))
+    args = parser.parse_args(argv)
+    _fill_derived(args)
+    try:
+        validate(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def _fill_derived(args: argparse.Namespace) -> None:
+    if args.num_query_groups is None:
+        args.num_query_groups = args.num_attention_heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 64 * -(-int(8 * args.hidden_size / 3) // 64)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    args.vpp = None
+    if args.num_layers_per_virtual_pipeline_stage:
+        per_stage = args.num_layers // args.pipeline_model_parallel_size
+        args.vpp = per_stage // args.num_layers_per_virtual_pipeline_stage
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Checks that need no process group; layout checks against the world size run at start-up."""
+    positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                "global_batch_size", "train_iters", "tensor_model_parallel_size",
+                "pipeline_model_parallel_size", "log_interval")
+    for name in positive:
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.data_path and not args.tokenizer_model:
+        raise ValueError("--data-path needs --tokenizer-model (the SentencePiece model the data was written with)")
+    nlpvs = args.num_layers_per_virtual_pipeline_stage
+    if nlpvs:
+        per_stage, rem = divmod(args.num_layers, args.pipeline_model_parallel_size)
+        if rem or per_stage % nlpvs or per_stage // nlpvs < 2:
+            raise ValueError(
+                f"--num-layers-per-virtual-pipeline-stage {nlpvs}: each of the "
+                f"{args.pipeline_model_parallel_size} stages must hold a multiple of it, and at least two "
+                f"virtual stages (--num-layers {args.num_layers})"
+            )
+    for flag in ("agoq_policy", "config", "tokenizer_model"):
+        value = getattr(args, flag)
+        if value and not Path(value).is_file():
+            raise ValueError(f"--{flag.replace('_', '-')} {value}: file not found")
+    if args.load and not Path(args.load).is_dir():
+        raise ValueError(f"--load {args.load}: directory not found (use --save to start a new run)")
