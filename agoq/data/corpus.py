@@ -169,7 +169,7 @@ def iter_jsonl_documents(path: Path, json_key: str = "text") -> Iterator[Documen
                 continue
             where = f"{path}:{line_no}"
             try:
-                obj = json.loads(line)
+                obj = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as err:
                 raise ValueError(f"{where}: invalid JSON ({err.msg} at column {err.colno}); "
                                  "each line must be one JSON object") from None
