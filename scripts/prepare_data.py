@@ -37,27 +37,42 @@ PROGRESS_EVERY_DOCS = 1000
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", nargs="+", type=Path, help=".jsonl or .txt files; none: the default dataset")
+    parser.add_argument(
+        "--input", nargs="+", type=Path, help=".jsonl or .txt files; none: the default dataset"
+    )
     parser.add_argument("--json-key", default="text", help="key of the text in each jsonl object")
-    parser.add_argument("--txt-mode", choices=TXT_MODES, default="file",
-                        help="a .txt file is one document ('file') or one per blank-line paragraph")
+    parser.add_argument(
+        "--txt-mode",
+        choices=TXT_MODES,
+        default="file",
+        help="a .txt file is one document ('file') or one per blank-line paragraph",
+    )
     tok = parser.add_mutually_exclusive_group()
-    tok.add_argument("--tokenizer-model", type=Path, help="an existing SentencePiece .model (ours or LLaMA's)")
+    tok.add_argument(
+        "--tokenizer-model", type=Path, help="an existing SentencePiece .model (ours or LLaMA's)"
+    )
     tok.add_argument("--vocab-size", type=int, help="train a tokenizer with this many pieces on the inputs")
     parser.add_argument("--tokenizer-type", choices=MODEL_TYPES, default="bpe", help="with --vocab-size")
     parser.add_argument("--output-prefix", type=Path, help="write <prefix>.bin/.idx (required with --input)")
     parser.add_argument("--workers", type=int, default=1, help="tokeniser processes (output order is kept)")
-    parser.add_argument("--cache-dir", type=Path,
-                        help="default dataset cache (no --input); default $AGOQ_CACHE or ~/.cache/agoq/data")
-    parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="default corpus cap in bytes")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        help="default dataset cache (no --input); default $AGOQ_CACHE or ~/.cache/agoq/data",
+    )
+    parser.add_argument(
+        "--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="default corpus cap in bytes"
+    )
     args = parser.parse_args(argv)
     if args.input and args.output_prefix is None:
         parser.error("--output-prefix is required with --input")
     if args.input and args.tokenizer_model is None and args.vocab_size is None:
         parser.error("give --tokenizer-model PATH or --vocab-size N (to train one on the inputs)")
     if not args.input and (args.output_prefix or args.tokenizer_model):
-        parser.error("without --input the default dataset is built in --cache-dir; "
-                     "--output-prefix/--tokenizer-model need --input")
+        parser.error(
+            "without --input the default dataset is built in --cache-dir; "
+            "--output-prefix/--tokenizer-model need --input"
+        )
     return args
 
 
@@ -73,8 +88,12 @@ class Progress:
             return
         self.last = now
         rate = num_bytes / max(now - self.start, 1e-9) / 2**20
-        print(f"\r{num_docs} documents, {num_tokens} tokens, {num_bytes / 2**20:.1f} MiB ({rate:.1f} MiB/s)",
-              end="", file=sys.stderr, flush=True)
+        print(
+            f"\r{num_docs} documents, {num_tokens} tokens, {num_bytes / 2**20:.1f} MiB ({rate:.1f} MiB/s)",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def prepare_user_data(args: argparse.Namespace) -> dict:
@@ -90,12 +109,24 @@ def prepare_user_data(args: argparse.Namespace) -> dict:
         config = TokenizerTrainConfig(vocab_size=args.vocab_size, model_type=args.tokenizer_type)
         train_sentencepiece(texts(), tokenizer_path, config)
     tokenizer = Tokenizer.load(tokenizer_path)
-    stats = build_indexed_dataset(texts(), tokenizer, args.output_prefix, workers=args.workers,
-                                  progress=Progress(), progress_every=PROGRESS_EVERY_DOCS)
+    stats = build_indexed_dataset(
+        texts(),
+        tokenizer,
+        args.output_prefix,
+        workers=args.workers,
+        progress=Progress(),
+        progress_every=PROGRESS_EVERY_DOCS,
+    )
     print(file=sys.stderr)
-    return {"prefix": str(args.output_prefix), "tokenizer_model": str(tokenizer_path),
-            "documents": stats.num_documents, "tokens": stats.num_tokens, "text_bytes": stats.num_text_bytes,
-            "skipped_empty": stats.num_skipped_empty, "seconds": round(stats.seconds, 2)}
+    return {
+        "prefix": str(args.output_prefix),
+        "tokenizer_model": str(tokenizer_path),
+        "documents": stats.num_documents,
+        "tokens": stats.num_tokens,
+        "text_bytes": stats.num_text_bytes,
+        "skipped_empty": stats.num_skipped_empty,
+        "seconds": round(stats.seconds, 2),
+    }
 
 
 def prepare_default_data(args: argparse.Namespace) -> dict:
@@ -104,10 +135,15 @@ def prepare_default_data(args: argparse.Namespace) -> dict:
     paths = ensure_default_dataset(cache_dir, max_bytes=args.max_bytes, tokenizer_config=tokenizer_config)
     manifest = json.loads(paths.manifest.read_text())
     dataset = manifest["dataset"]
-    return {"prefix": str(paths.prefix), "tokenizer_model": str(paths.tokenizer_model),
-            "manifest": str(paths.manifest), "documents": dataset["num_documents"],
-            "tokens": dataset["num_tokens"], "text_bytes": dataset["num_text_bytes"],
-            "build_seconds": round(dataset["seconds"] + manifest["tokenizer"]["train_seconds"], 2)}
+    return {
+        "prefix": str(paths.prefix),
+        "tokenizer_model": str(paths.tokenizer_model),
+        "manifest": str(paths.manifest),
+        "documents": dataset["num_documents"],
+        "tokens": dataset["num_tokens"],
+        "text_bytes": dataset["num_text_bytes"],
+        "build_seconds": round(dataset["seconds"] + manifest["tokenizer"]["train_seconds"], 2),
+    }
 
 
 def main(argv=None) -> int:

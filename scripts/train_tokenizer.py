@@ -18,20 +18,42 @@ import sys
 import time
 from pathlib import Path
 
-from agoq.data.corpus import DEFAULT_MAX_BYTES, TXT_MODES, check_input_paths, collect_stdlib_corpus, iter_input_documents
-from agoq.data.tokenizer import DEFAULT_VOCAB_SIZE, MODEL_TYPES, Tokenizer, TokenizerTrainConfig, train_sentencepiece
+from agoq.data.corpus import (
+    DEFAULT_MAX_BYTES,
+    TXT_MODES,
+    check_input_paths,
+    collect_stdlib_corpus,
+    iter_input_documents,
+)
+from agoq.data.tokenizer import (
+    DEFAULT_VOCAB_SIZE,
+    MODEL_TYPES,
+    Tokenizer,
+    TokenizerTrainConfig,
+    train_sentencepiece,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", nargs="+", type=Path, help=".jsonl or .txt files; default: the stdlib corpus")
+    parser.add_argument(
+        "--input", nargs="+", type=Path, help=".jsonl or .txt files; default: the stdlib corpus"
+    )
     parser.add_argument("--json-key", default="text", help="key of the text in each jsonl object")
-    parser.add_argument("--txt-mode", choices=TXT_MODES, default="file",
-                        help="a .txt file is one document ('file') or one per blank-line paragraph")
-    parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="stdlib corpus cap (no --input)")
+    parser.add_argument(
+        "--txt-mode",
+        choices=TXT_MODES,
+        default="file",
+        help="a .txt file is one document ('file') or one per blank-line paragraph",
+    )
+    parser.add_argument(
+        "--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="stdlib corpus cap (no --input)"
+    )
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     parser.add_argument("--model-type", choices=MODEL_TYPES, default="bpe")
-    parser.add_argument("--threads", type=int, default=2, help="trainer threads (BPE result does not depend on it)")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="trainer threads (BPE result does not depend on it)"
+    )
     parser.add_argument("--output", type=Path, required=True, help="where to write the .model file")
     return parser.parse_args(argv)
 
@@ -39,8 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        config = TokenizerTrainConfig(vocab_size=args.vocab_size, model_type=args.model_type,
-                                      num_threads=args.threads)
+        config = TokenizerTrainConfig(
+            vocab_size=args.vocab_size, model_type=args.model_type, num_threads=args.threads
+        )
         if args.input:
             paths = check_input_paths(args.input)
             texts = (doc.text for doc in iter_input_documents(paths, args.json_key, args.txt_mode))
@@ -52,8 +75,10 @@ def main(argv=None) -> int:
         print(f"train_tokenizer.py: error: {err}", file=sys.stderr)
         return 1
     tokenizer = Tokenizer.load(args.output)
-    print(f"wrote {args.output}: vocab {tokenizer.vocab_size}, eod {tokenizer.eod_id}, pad {tokenizer.pad_id}, "
-          f"sha256 {tokenizer.sha256[:16]}, {time.perf_counter() - start:.1f}s")
+    print(
+        f"wrote {args.output}: vocab {tokenizer.vocab_size}, eod {tokenizer.eod_id}, pad {tokenizer.pad_id}, "
+        f"sha256 {tokenizer.sha256[:16]}, {time.perf_counter() - start:.1f}s"
+    )
     return 0
 
 

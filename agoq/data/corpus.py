@@ -171,14 +171,17 @@ def iter_jsonl_documents(path: Path, json_key: str = "text") -> Iterator[Documen
             try:
                 obj = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: invalid JSON ({err.msg} at column {err.colno}); "
-                                 "each line must be one JSON object") from None
+                raise ValueError(
+                    f"{where}: invalid JSON ({err.msg} at column {err.colno}); "
+                    "each line must be one JSON object"
+                ) from None
             if not isinstance(obj, dict):
                 raise ValueError(f"{where}: expected a JSON object per line, got {type(obj).__name__}")
             if json_key not in obj:
                 keys = ", ".join(sorted(obj)) or "none"
-                raise ValueError(f"{where}: key {json_key!r} missing (keys present: {keys}); "
-                                 "pass --json-key <key>")
+                raise ValueError(
+                    f"{where}: key {json_key!r} missing (keys present: {keys}); pass --json-key <key>"
+                )
             text = obj[json_key]
             if not isinstance(text, str):
                 raise ValueError(f"{where}: {json_key!r} must be a string, got {type(text).__name__}")
@@ -215,7 +218,8 @@ def check_input_paths(paths: Iterable[Path]) -> list[Path]:
         if path.suffix not in SUPPORTED_INPUT_SUFFIXES:
             hint = " (parquet is not supported yet: convert it to jsonl)" if path.suffix == ".parquet" else ""
             raise NotImplementedError(
-                f"input {path}: unsupported suffix {path.suffix!r}{hint}; use one of {SUPPORTED_INPUT_SUFFIXES}"
+                f"input {path}: unsupported suffix {path.suffix!r}{hint}; "
+                f"use one of {SUPPORTED_INPUT_SUFFIXES}"
             )
         checked.append(path)
     if not checked:

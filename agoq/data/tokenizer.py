@@ -60,8 +60,10 @@ class TokenizerTrainConfig:
 
     def __post_init__(self):
         if self.vocab_size < MIN_VOCAB_SIZE:
-            raise ValueError(f"vocab_size={self.vocab_size} is below {MIN_VOCAB_SIZE} (256 byte pieces + "
-                             "specials + characters); pick e.g. 512 for tests or 4096+ for training")
+            raise ValueError(
+                f"vocab_size={self.vocab_size} is below {MIN_VOCAB_SIZE} (256 byte pieces + "
+                "specials + characters); pick e.g. 512 for tests or 4096+ for training"
+            )
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
         if self.num_threads < 1:
@@ -98,12 +100,17 @@ def train_sentencepiece(texts: Iterable[str], out_path: Path, config: TokenizerT
             allow_whitespace_only_pieces=True,
             split_digits=True,
             max_sentence_length=MAX_SENTENCE_BYTES,
-            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            pad_id=PAD_ID,
             minloglevel=2,
         )
     except RuntimeError as err:
-        raise ValueError(f"SentencePiece training failed: {err}. If the vocabulary is too large for the "
-                         "corpus, lower vocab_size or give more text") from err
+        raise ValueError(
+            f"SentencePiece training failed: {err}. If the vocabulary is too large for the "
+            "corpus, lower vocab_size or give more text"
+        ) from err
     _write_atomic(out_path, model_buf.getvalue())
     return out_path
 
@@ -156,8 +163,10 @@ class Tokenizer:
     def eod_id(self) -> int:
         eos = self._sp.eos_id()
         if eos < 0:
-            raise ValueError(f"tokenizer {self.path} has no </s> piece to mark end of document; "
-                             "train one with scripts/train_tokenizer.py")
+            raise ValueError(
+                f"tokenizer {self.path} has no </s> piece to mark end of document; "
+                "train one with scripts/train_tokenizer.py"
+            )
         return eos
 
     @property
@@ -189,10 +198,14 @@ class Tokenizer:
         return self._sp.id_to_piece(int(token_id))
 
 
-def padded_vocab_size(vocab_size: int, tp_size: int = 1, divisible_by: int = MEGATRON_VOCAB_DIVISIBLE_BY) -> int:
+def padded_vocab_size(
+    vocab_size: int, tp_size: int = 1, divisible_by: int = MEGATRON_VOCAB_DIVISIBLE_BY
+) -> int:
     """Megatron's embedding size: ``vocab_size`` rounded up to a multiple of ``divisible_by * tp_size``."""
     if vocab_size < 1 or tp_size < 1 or divisible_by < 1:
-        raise ValueError(f"need positive sizes, got vocab={vocab_size} tp={tp_size} divisible_by={divisible_by}")
+        raise ValueError(
+            f"need positive sizes, got vocab={vocab_size} tp={tp_size} divisible_by={divisible_by}"
+        )
     multiple = divisible_by * tp_size
     return math.ceil(vocab_size / multiple) * multiple
 

@@ -29,13 +29,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 from agoq.data.corpus import DEFAULT_MAX_BYTES, collect_stdlib_corpus
+from agoq.data.sampler import PretrainingSampler, iterate_batches
 from agoq.data.tokenizer import Tokenizer, TokenizerTrainConfig, encode_documents, train_sentencepiece
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,6 @@ TOKENIZER_FILE_NAME = "tokenizer.model"
 MANIFEST_FILE_NAME = "manifest.json"
 DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's example split
 DEFAULT_SEED = 1234
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -208,8 +207,9 @@ def _default_dataset_key(corpus_manifest: dict, tokenizer_config: TokenizerTrain
 
 
 def _paths_in(directory: Path) -> DatasetPaths:
-    return DatasetPaths(directory / DOCUMENT_PREFIX_NAME, directory / TOKENIZER_FILE_NAME,
-                        directory / MANIFEST_FILE_NAME)
+    return DatasetPaths(
+        directory / DOCUMENT_PREFIX_NAME, directory / TOKENIZER_FILE_NAME, directory / MANIFEST_FILE_NAME
+    )
 
 
 @contextlib.contextmanager
@@ -277,14 +277,27 @@ def _build_default_into(directory: Path, corpus, tokenizer_config: TokenizerTrai
         "key": key,
         "format_version": DEFAULT_DATASET_FORMAT_VERSION,
         "corpus": corpus.manifest,
-        "tokenizer": {**asdict(tokenizer_config), "sha256": tokenizer.sha256,
-                      "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id,
-                      "pad_id": tokenizer.pad_id, "train_seconds": round(tokenizer_seconds, 3)},
-        "dataset": {**asdict(stats), "seconds": round(stats.seconds, 3),
-                    "token_dtype": token_dtype(tokenizer.vocab_size).__name__},
+        "tokenizer": {
+            **asdict(tokenizer_config),
+            "sha256": tokenizer.sha256,
+            "vocab_size": tokenizer.vocab_size,
+            "eod_id": tokenizer.eod_id,
+            "pad_id": tokenizer.pad_id,
+            "train_seconds": round(tokenizer_seconds, 3),
+        },
+        "dataset": {
+            **asdict(stats),
+            "seconds": round(stats.seconds, 3),
+            "token_dtype": token_dtype(tokenizer.vocab_size).__name__,
+        },
     }
-    logger.info("built default dataset: %d documents, %d tokens (tokenizer %.1fs, encode %.1fs)",
-                stats.num_documents, stats.num_tokens, tokenizer_seconds, stats.seconds)
+    logger.info(
+        "built default dataset: %d documents, %d tokens (tokenizer %.1fs, encode %.1fs)",
+        stats.num_documents,
+        stats.num_tokens,
+        tokenizer_seconds,
+        stats.seconds,
+    )
     (paths.manifest).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
@@ -360,45 +373,6 @@ def build_gpt_datasets(
     return builder.build()
 
 
-class PretrainingSampler:
-    """Megatron's ``MegatronPretrainingSampler``: consecutive sample indices from ``consumed_samples``.
-
-    Each step of ``micro_batch_size * dp_size`` indices is cut into per-rank slices; rank r gets
-    ``[r * micro_batch_size, (r + 1) * micro_batch_size)``. The last incomplete step is dropped.
-    Resuming = constructing it again with the ``consumed_samples`` saved in the checkpoint.
-    """
-
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int):
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        if not 0 <= consumed_samples < total_samples:
-            raise ValueError(f"consumed_samples={consumed_samples} outside the dataset's {total_samples} "
-                             "samples; was the dataset built for fewer iterations than the checkpoint ran?")
-        self.total_samples = total_samples
-        self.consumed_samples = consumed_samples
-        self.micro_batch_size = micro_batch_size
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
-
-    def __iter__(self) -> Iterator[list[int]]:
-        step = self.micro_batch_size * self.dp_size
-        begin = self.dp_rank * self.micro_batch_size
-        for start in range(self.consumed_samples, self.total_samples - step + 1, step):
-            yield list(range(start + begin, start + begin + self.micro_batch_size))
-
-
-def iterate_batches(dataset, sampler: PretrainingSampler) -> Iterator[dict]:
-    """Micro-batch dicts (see the module docstring) of ``dataset`` in ``sampler`` order."""
-    for indices in sampler:
-        samples = [dataset[i] for i in indices]
-        batch = {key: torch.stack([sample[key] for sample in samples]) for key in BATCH_KEYS}
-        batch["attention_mask"] = None
-        yield batch
-
-
 def _num_eval_points(train_iters: int, eval_interval: int | None) -> int:
     # Megatron's get_train_valid_test_num_samples: one evaluation every eval_interval plus one at the end.
     return train_iters // eval_interval + 1 if eval_interval else 1
@@ -432,8 +406,10 @@ def build_data_iterators(
     None when ``eval_iters == 0`` (valid/test) or when this rank does not build datasets.
     """
     if global_batch_size % (micro_batch_size * dp_size):
-        raise ValueError(f"global_batch_size={global_batch_size} must be a multiple of micro_batch_size * "
-                         f"dp_size = {micro_batch_size} * {dp_size}")
+        raise ValueError(
+            f"global_batch_size={global_batch_size} must be a multiple of micro_batch_size * "
+            f"dp_size = {micro_batch_size} * {dp_size}"
+        )
     if train_iters < 1 or eval_iters < 0:
         raise ValueError(f"need train_iters >= 1 and eval_iters >= 0, got {train_iters}, {eval_iters}")
     num_samples = [
@@ -442,8 +418,15 @@ def build_data_iterators(
         eval_iters * global_batch_size,
     ]
     datasets = build_gpt_datasets(
-        blend, tokenizer, num_samples, seq_length=seq_length, seed=seed, split=split,
-        cache_dir=cache_dir, is_built_on_rank=is_built_on_rank, mmap_bin_files=mmap_bin_files,
+        blend,
+        tokenizer,
+        num_samples,
+        seq_length=seq_length,
+        seed=seed,
+        split=split,
+        cache_dir=cache_dir,
+        is_built_on_rank=is_built_on_rank,
+        mmap_bin_files=mmap_bin_files,
     )
     consumed = [consumed_samples, consumed_valid_samples, 0]
     iterators = []

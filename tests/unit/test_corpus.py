@@ -112,7 +112,10 @@ def test_jsonl_reads_documents_and_skips_blank_lines(tmp_path):
     ("content", "message"),
     [
         ('{"text": "ok"}\n{"text": "broken"\n', r"d\.jsonl:2: invalid JSON"),
-        ('{"text": "ok"}\n{"body": "x", "id": 1}\n', r"d\.jsonl:2: key 'text' missing \(keys present: body, id\); pass --json-key"),
+        (
+            '{"text": "ok"}\n{"body": "x", "id": 1}\n',
+            r"d\.jsonl:2: key 'text' missing \(keys present: body, id\); pass --json-key",
+        ),
         ('["a list"]\n', r"d\.jsonl:1: expected a JSON object"),
         ('{"text": 5}\n', r"d\.jsonl:1: 'text' must be a string"),
     ],

@@ -63,7 +63,9 @@ def test_tokenizer_byte_fallback_encodes_anything(tiny_model):
 
 
 def test_tokenizer_training_is_deterministic(tiny_texts, tiny_model, tmp_path):
-    again = train_sentencepiece(tiny_texts, tmp_path / "again.model", TokenizerTrainConfig(vocab_size=TINY_VOCAB))
+    again = train_sentencepiece(
+        tiny_texts, tmp_path / "again.model", TokenizerTrainConfig(vocab_size=TINY_VOCAB)
+    )
     assert again.read_bytes() == tiny_model.read_bytes()
     # The thread count is recorded in the model's trainer spec, so compare pieces and scores.
     one_thread = train_sentencepiece(
@@ -73,15 +75,25 @@ def test_tokenizer_training_is_deterministic(tiny_texts, tiny_model, tmp_path):
 
 
 def test_tokenizer_training_depends_on_data(tiny_texts, tiny_model, tmp_path):
-    other = train_sentencepiece(tiny_texts[::-1][: len(tiny_texts) // 2], tmp_path / "o.model",
-                                TokenizerTrainConfig(vocab_size=TINY_VOCAB))
+    other = train_sentencepiece(
+        tiny_texts[::-1][: len(tiny_texts) // 2],
+        tmp_path / "o.model",
+        TokenizerTrainConfig(vocab_size=TINY_VOCAB),
+    )
     assert _pieces_and_scores(other.read_bytes()) != _pieces_and_scores(tiny_model.read_bytes())
 
 
 def _train_foreign_model(texts, **special_ids) -> bytes:
     buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=buf, vocab_size=400,
-                                   model_type="bpe", byte_fallback=True, minloglevel=2, **special_ids)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts),
+        model_writer=buf,
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        minloglevel=2,
+        **special_ids,
+    )
     return buf.getvalue()
 
 
@@ -98,7 +110,7 @@ def test_tokenizer_without_eos_refuses_eod(tiny_texts, tmp_path):
     path = tmp_path / "no_eos.model"
     path.write_bytes(_train_foreign_model(tiny_texts[:50], eos_id=-1))
     with pytest.raises(ValueError, match="no </s> piece"):
-        Tokenizer.load(path).eod_id
+        _ = Tokenizer.load(path).eod_id
 
 
 def test_tokenizer_load_errors(tmp_path):
