@@ -24,7 +24,7 @@ def resolve(spec: PolicySpec, site: Site, schedule: ScheduleInfo | None = None) 
 
 def resolve_name(spec: PolicySpec, site: Site, schedule: ScheduleInfo | None = None) -> tuple[str, str]:
     """``(format name, source)``; source is ``rules[i]`` or ``default``, plus `` auto`` for the ladder."""
-    _check_site(spec, site, schedule)
+    _check_site(site, schedule)
     name, source = dict(spec.default)["activations"], "default"
     for rule in spec.rules:
         if rule.when.matches(site):
@@ -49,22 +49,12 @@ def auto_names(spec: PolicySpec, schedule: ScheduleInfo) -> tuple[str, ...]:
     return tuple(pick_rung(rungs, target_bits(base.bits, m, busiest), spec.auto.rounding) for m in inflight)
 
 
-def _check_site(spec: PolicySpec, site: Site, schedule: ScheduleInfo | None) -> None:
-    """Refuse sites that disagree with the schedule, and rules this run can never reach."""
+def _check_site(site: Site, schedule: ScheduleInfo | None) -> None:
     if schedule is not None and (site.pp_size, site.vp_size) != (schedule.pp_size, schedule.vp_size):
         raise ValueError(
             f"site has pp_size={site.pp_size}, vp_size={site.vp_size} but the schedule has "
             f"pp_size={schedule.pp_size}, vp_size={schedule.vp_size}; build both from the same parallel state"
         )
-    num_chunks = 1 if site.vp_size is None else site.vp_size
-    for rule in spec.rules:
-        stage = rule.when.pp_stage
-        if isinstance(stage, int) and stage >= site.pp_size:
-            raise ValueError(f"{spec.source}: rules[{rule.index}].when.pp_stage: {stage} can never match with "
-                             f"pp_size={site.pp_size}; allowed: 0..{site.pp_size - 1}, 'first', 'last'")
-        if rule.when.vp_stage is not None and rule.when.vp_stage >= num_chunks:
-            raise ValueError(f"{spec.source}: rules[{rule.index}].when.vp_stage: {rule.when.vp_stage} can never "
-                             f"match with vp_size={site.vp_size}; allowed: 0..{num_chunks - 1}")
 
 
 # ------------------------------------------------------------------------------------ sites ----
@@ -101,6 +91,22 @@ def unmatched_rules(spec: PolicySpec, sites: list[Site]) -> list[int]:
                 won.add(rule.index)
                 break
     return [r.index for r in spec.rules if r.index not in won]
+
+
+def check_rules_used(spec: PolicySpec, sites: list[Site]) -> None:
+    """Raise if a rule decides no site of this model and layout (a typo'd layer, a stage or chunk
+    beyond the pipeline, a rule shadowed by earlier ones together). Pass *all* model sites
+    (``model_sites``), not one rank's, or rules meant for other ranks look dead."""
+    dead = unmatched_rules(spec, sites)
+    if dead:
+        layers = sorted({s.layer_idx for s in sites if s.layer_idx is not None})
+        pp_size, vp_size = sites[0].pp_size, sites[0].vp_size
+        raise ValueError(
+            f"{spec.source}: {', '.join(f'rules[{i}]' for i in dead)} decide no site of this model "
+            f"(layers {layers[0] if layers else '-'}..{layers[-1] if layers else '-'}, pp_size={pp_size}, "
+            f"vp_size={vp_size}): their layers/pp_stage/vp_stage do not exist here or earlier rules "
+            "cover them; fix or delete them, or use a policy written for this layout"
+        )
 
 
 # ------------------------------------------------------------------------------------ table ----
