@@ -1,0 +1,219 @@
+"""``pretrain()``: the driver behind ``scripts/pretrain_llama.py``, on megatron.core only.
+
+Order of work (Megatron's ``training.pretrain`` shape): install agoq (contract check, CPU mode when
+there is no GPU) → process groups → data (rank 0 builds caches first) → model chunks + DDP →
+Megatron optimizer + LR schedule → resume → train loop (log, save on interval / signal / end).
+Everything that can be wrong with the input is checked before the first forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from agoq.config import AgoqConfig
+from agoq.megatron import checkpoint, runtime, training
+from agoq.megatron.install import install
+from agoq.megatron.model import ParallelLayout
+
+log = logging.getLogger("agoq.pretrain")
+
+
+def print_rank0(*parts) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*parts, flush=True)
+
+
+def print_last(*parts) -> None:
+    """Megatron's print_rank_last: the rank that sees the loss."""
+    if training.is_logging_rank():
+        print(*parts, flush=True)
+
+
+class StopSignal:
+    """SIGTERM / SIGINT / SIGUSR1 ask the loop to save and exit after the current iteration."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+    def __init__(self):
+        self.received: int | None = None
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, _frame):
+        self.received = signum
+
+    def agreed(self, device: torch.device) -> bool:
+        """True on every rank when any rank got a signal (ranks must stop at the same iteration)."""
+        flag = torch.tensor([1 if self.received is not None else 0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+@dataclass
+class Components:
+    model: list
+    optimizer: object
+    scheduler: object
+    layout: ParallelLayout
+
+
+def build_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=params_dtype == torch.bfloat16,
+        params_dtype=params_dtype,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(config, model_chunks)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
+        lr_decay_steps=args.lr_decay_iters * args.global_batch_size,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * args.global_batch_size,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def ddp_config(args, params_dtype: torch.dtype) -> DistributedDataParallelConfig:
+    # Megatron's bf16 default: accumulate and reduce gradients in fp32 (arguments.py sets
+    # accumulate_allreduce_grads_in_fp32 for bf16).
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=params_dtype != torch.float32,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+    )
+
+
+def num_microbatches(args, layout: ParallelLayout, world_size: int) -> int:
+    dp_size = world_size // (layout.tp * layout.pp)
+    per_step = args.micro_batch_size * dp_size
+    if args.global_batch_size % per_step:
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {dp_size}"
+        )
+    count = args.global_batch_size // per_step
+    if layout.vpp and count % layout.pp:
+        raise ValueError(
+            f"the interleaved schedule needs the number of micro-batches ({count}) to be a multiple of "
+            f"--pipeline-model-parallel-size {layout.pp}; raise --global-batch-size"
+        )
+    return count
+
+
+def versions_line() -> str:
+    import megatron.core
+
+    import agoq
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    return (
+        f"versions: agoq {agoq.__version__} | megatron-core {megatron.core.__version__} | "
+        f"torch {torch.__version__} | triton {triton_version} | python {sys.version.split()[0]}"
+    )
+
+
+def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy_report: Callable) -> None:
+    """Run the whole job described by ``args`` (see agoq.megatron.args)."""
+    device = runtime.choose_device(args.agoq_device, int(os.environ.get("LOCAL_RANK", "0")))
+    install(AgoqConfig(enabled=not args.agoq_disable, policy_path=args.agoq_policy, device=args.agoq_device))
+    info = runtime.init_distributed(device)
+    try:
+        _run(args, info, model_provider, datasets_provider, policy_report)
+    finally:
+        runtime.shutdown()
+
+
+def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, policy_report) -> None:
+    layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, vpp=args.vpp)
+    microbatches = num_microbatches(args, layout, info.world_size)
+    print_rank0(versions_line())
+    print_rank0(f"device: {info.device} | world size {info.world_size} | tp {layout.tp} pp {layout.pp} "
+                f"vpp {layout.vpp or 1} dp {info.world_size // (layout.tp * layout.pp)} | "
+                f"micro-batches per step {microbatches}")
+    runtime.init_model_parallel(layout, args.seed, info.device)
+    tokenizer, data_factory = datasets_provider(args)
+    model, shape = model_provider(args, layout, tokenizer, info)
+    print_rank0(policy_report(args, shape, layout, microbatches))
+    params_dtype = torch.float32 if args.fp32 else torch.bfloat16
+    optimizer, scheduler = build_optimizer(args, model, params_dtype)
+    progress = checkpoint.Progress(iteration=0, consumed_samples=0)
+    if args.load:
+        loaded = checkpoint.load_checkpoint(args.load, model, optimizer, scheduler)
+        if loaded is None:
+            print_rank0(f"--load {args.load}: no checkpoint yet, starting from scratch")
+        else:
+            progress = loaded[0]
+            print_rank0(f"resumed from {args.load} at iteration {progress.iteration} "
+                        f"({progress.consumed_samples} samples consumed)")
+    iterators = [data_factory(progress.consumed_samples) for _ in range(layout.vpp or 1)]
+    components = Components(model, optimizer, scheduler, layout)
+    _train_loop(args, info, components, iterators, microbatches, progress)
+
+
+def _train_loop(args, info, parts: Components, iterators, microbatches: int, progress) -> None:
+    runner = training.StepRunner(
+        model_chunks=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler, device=info.device,
+        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size, num_microbatches=microbatches,
+    )
+    stop = StopSignal()
+    iteration, consumed, skipped = progress.iteration, progress.consumed_samples, progress.skipped_iterations
+    tokens_per_step = args.global_batch_size * args.seq_length
+    start = time.perf_counter()
+    while iteration < args.train_iters:
+        result = runner.run(iterators)
+        iteration += 1
+        consumed += args.global_batch_size
+        skipped += 0 if result.update_successful else 1
+        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            print_last(training.format_iteration_line(
+                iteration, args.train_iters, result, lr=parts.scheduler.get_lr(parts.optimizer.param_groups[0]),
+                consumed_samples=consumed, tokens_per_step=tokens_per_step, skipped=skipped,
+                memory=runtime.format_memory(runtime.memory_reading(info.device)),
+            ))
+        state = checkpoint.Progress(iteration, consumed, skipped)
+        stopping = stop.agreed(info.device) or iteration == args.exit_interval
+        periodic = args.save_interval and iteration % args.save_interval == 0
+        if args.save and (periodic or stopping or iteration == args.train_iters):
+            path = checkpoint.save_checkpoint(args.save, state, parts.model, parts.optimizer, parts.scheduler)
+            print_rank0(f"saved checkpoint {path}")
+        if stopping:
+            print_rank0(f"stopping at iteration {iteration}"
+                        + (f" on signal {stop.received}" if stop.received else " (--exit-interval)"))
+            break
+    print_rank0(f"done: {iteration} iterations in {time.perf_counter() - start:.1f} s")
