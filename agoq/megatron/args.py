@@ -79,6 +79,8 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-interval", type=int, default=None, help="default: only at the end")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at this iteration")
+    g.add_argument("--log-json", default=None,
+                   help="also append each logged iteration as one JSON object per line to this file")
 
 
 def _agoq_flags(p: argparse.ArgumentParser) -> None:
@@ -161,6 +163,11 @@ def validate(args: argparse.Namespace) -> None:
     for name in positive:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ValueError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
+            f"{args.lr_decay_iters} (which defaults to --train-iters)"
+        )
     if args.data_path and not args.tokenizer_model:
         raise ValueError("--data-path needs --tokenizer-model (the SentencePiece model the data was written with)")
     nlpvs = args.num_layers_per_virtual_pipeline_stage

@@ -8,6 +8,7 @@ Everything that can be wrong with the input is checked before the first forward 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -15,11 +16,9 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -185,6 +184,23 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, policy
     _train_loop(args, info, components, iterators, microbatches, progress)
 
 
+def _log_iteration(args, info, parts: Components, result, iteration, consumed, skipped, tokens_per_step):
+    if not training.is_logging_rank():
+        return
+    lr = parts.scheduler.get_lr(parts.optimizer.param_groups[0])
+    memory = runtime.memory_reading(info.device)
+    print(training.format_iteration_line(
+        iteration, args.train_iters, result, lr=lr, consumed_samples=consumed, tokens_per_step=tokens_per_step,
+        skipped=skipped, memory=runtime.format_memory(memory),
+    ), flush=True)
+    if args.log_json:
+        record = {"iteration": iteration, "lm_loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
+                  "consumed_samples": consumed, "skipped_iterations": skipped, "step_seconds": result.seconds,
+                  "tokens_per_second": tokens_per_step / result.seconds, **memory}
+        with open(args.log_json, "a") as out:
+            out.write(json.dumps(record) + "\n")
+
+
 def _train_loop(args, info, parts: Components, iterators, microbatches: int, progress) -> None:
     runner = training.StepRunner(
         model_chunks=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler, device=info.device,
@@ -201,11 +217,7 @@ def _train_loop(args, info, parts: Components, iterators, microbatches: int, pro
         consumed += args.global_batch_size
         skipped += 0 if result.update_successful else 1
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            print_last(training.format_iteration_line(
-                iteration, args.train_iters, result, lr=parts.scheduler.get_lr(parts.optimizer.param_groups[0]),
-                consumed_samples=consumed, tokens_per_step=tokens_per_step, skipped=skipped,
-                memory=runtime.format_memory(runtime.memory_reading(info.device)),
-            ))
+            _log_iteration(args, info, parts, result, iteration, consumed, skipped, tokens_per_step)
         state = checkpoint.Progress(iteration, consumed, skipped)
         stopping = stop.agreed(info.device) or iteration == args.exit_interval
         periodic = args.save_interval and iteration % args.save_interval == 0
