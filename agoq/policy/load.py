@@ -133,6 +133,12 @@ def _check_mapping(source: str, key: str, value: Any, allowed_keys: tuple[str, .
             raise PolicyError(source, where, "unknown key", got=k, allowed=list(allowed_keys))
 
 
+def _builtin_names() -> str:
+    """agoq.formats.format_names() as text (a grammar string or a list of names)."""
+    names = format_names()
+    return names if isinstance(names, str) else ", ".join(names)
+
+
 class _FormatTable:
     """Declared formats plus built-in names, tracking which ones the policy uses."""
 
@@ -175,7 +181,7 @@ class _FormatTable:
             except ValueError:
                 fmt = None
             if fmt is None:
-                allowed = sorted(self.declared) + [n for n in format_names() if n not in self.declared]
+                allowed = f"a declared format {sorted(self.declared)} or a built-in name: {_builtin_names()}"
                 raise PolicyError(self.source, key, "unknown format", got=name, allowed=allowed,
                                   fix="declare it under `formats:` or use a built-in name")
         self.used[name] = fmt

@@ -132,7 +132,7 @@ def policy_table(spec: PolicySpec, sites: list[Site], schedule: ScheduleInfo | N
         name, source = resolve_name(spec, site, schedule)
         rows.append(TableRow(
             layer_idx=site.layer_idx, pp_rank=site.pp_rank, vp_stage=site.vp_stage, role=site.role,
-            format=spec.format(name).name, bits_per_element=spec.format(name).bits_per_element(),
+            format=spec.format(name).name, bits_per_element=8 * spec.format(name).bytes_per_element(),
             source=source, inflight=None if inflight is None else inflight[site.pp_rank]))
     return rows
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from agoq.formats import format_names
 from agoq.policy import AUTO, ROLES, PolicyError, load_policy, policy_from_dict
 from agoq.policy.load import MAX_LAYER_IDX
 
@@ -15,6 +16,9 @@ CONFIG_DIR = REPO_ROOT / "configs" / "policy"
 EXPECTED_CONFIGS = {"bf16.yaml", "int8.yaml", "agoq.yaml", "int4.yaml", "aggressive.yaml"}
 AUTO_SECTION = {"base": "nf4_b64", "ladder": ["int6_b64", "int8_b128", "bf16"]}
 ROLE_LIST = repr(list(ROLES))
+_NAMES = format_names()
+# The allowed-values text for format names: agoq.formats' own list or grammar, verbatim.
+BUILTIN = "a built-in name: " + (_NAMES if isinstance(_NAMES, str) else ", ".join(_NAMES))
 
 
 def _doc(**overrides) -> dict:
@@ -60,10 +64,10 @@ ERROR_CASES = [
      ["default.activations: missing", "'activations'"]),
     ("default_unknown_key", _doc(default={"activations": "bf16", "weights": "bf16"}),
      ["default.weights: unknown key", "'weights'", "['activations', 'grads', 'optim_states']"]),
-    ("default_unknown_format", _doc(default={"activations": "int3_b64"}),
-     ["default.activations: unknown format", "'int3_b64'", "'int8_b128'", "Fix: declare it"]),
+    ("default_unknown_format", _doc(default={"activations": "int7_b64"}),
+     ["default.activations: unknown format", "'int7_b64'", BUILTIN, "Fix: declare it"]),
     ("default_grads_auto", _doc(default={"activations": "bf16", "grads": AUTO}),
-     ["default.grads: unknown format", "'auto'", "'bf16'"]),
+     ["default.grads: unknown format", "'auto'", BUILTIN]),
     ("formats_not_mapping", _doc(formats=["int4"]), ["formats: must be a mapping", "['int4']"]),
     ("format_named_auto", _doc(formats={AUTO: {"kind": "int", "bits": 4, "block": 64}}),
      ["formats.auto", "'auto'", "other than 'auto'"]),
@@ -71,9 +75,9 @@ ERROR_CASES = [
      ["formats.my4.blocksize: unknown key", "'blocksize'", "'kind'", "'block'"]),
     ("format_invalid_fields", _doc(formats={"my4": {"kind": "float9", "bits": 4, "block": 64}}),
      ["formats.my4: invalid format", "'float9'", "QuantFormat fields"]),
-    ("format_shadows_builtin", _doc(formats={"int4_b64": {"kind": "int", "bits": 4, "block": 32}}),
-     ["formats.int4_b64: name is a built-in", "'block': 32", "Fix: rename it"]),
-    ("format_declared_unused", _doc(formats={"my4": {"kind": "int", "bits": 4, "block": 32}}),
+    ("format_shadows_builtin", _doc(formats={"int4_b64": {"kind": "int", "bits": 4, "block": 32, "scale": "fp32"}}),
+     ["formats.int4_b64: name is a built-in", "'block': 32", "Fix: rename it, or use the built-in name 'int4_b32'"]),
+    ("format_declared_unused", _doc(formats={"my4": {"kind": "int", "bits": 4, "block": 32, "scale": "fp32"}}),
      ["formats.my4: declared but never used", "'my4'", "Fix: delete it"]),
     ("rules_not_list", _doc(rules={"when": {}}), ["rules: must be a list", "{'when': {}}"]),
     ("rule_not_mapping", _rules("bf16"), ["rules[0]: must be a mapping", "'bf16'", "['when', 'set']"]),
@@ -87,7 +91,7 @@ ERROR_CASES = [
     ("set_missing_activations", _rules({"when": {"layers": 3}, "set": {}}),
      ["rules[0].set.activations: missing", "['activations']"]),
     ("set_unknown_format", _rules({"when": {"layers": 1}, "set": {"activations": "fp4"}}),
-     ["rules[0].set.activations: unknown format", "'fp4'", "'nf4_b64'"]),
+     ["rules[0].set.activations: unknown format", "'fp4'", BUILTIN]),
     ("unknown_role", _rules({"when": {"role": "mlp.fc3_input"}, "set": {"activations": "bf16"}}),
      ["rules[0].when.role: unknown role", "'mlp.fc3_input'", ROLE_LIST]),
     ("unknown_role_in_list", _rules({"when": {"role": ["attn.q", "attn.qq"]}, "set": {"activations": "bf16"}}),
@@ -139,7 +143,7 @@ ERROR_CASES = [
     ("auto_ladder_not_list", _doc(default={"activations": AUTO}, auto={"base": "nf4_b64", "ladder": "bf16"}),
      ["auto.ladder: must be a non-empty list", "'bf16'"]),
     ("auto_unknown_base", _doc(default={"activations": AUTO}, auto={**AUTO_SECTION, "base": "nf3"}),
-     ["auto.base: unknown format", "'nf3'", "'nf4_b64'"]),
+     ["auto.base: unknown format", "'nf3'", BUILTIN]),
     ("auto_rung_not_above_base",
      _doc(default={"activations": AUTO}, auto={"base": "nf4_b64", "ladder": ["int4_b64", "bf16"]}),
      ["auto.ladder[0]: rungs must rise strictly", "'int4_b64' has 4 bits", "Fix: order the ladder"]),
@@ -202,7 +206,7 @@ def test_load_layers_syntax_int_range_and_list(tmp_path):
 
 
 def test_load_declared_format_alias_and_builtin_names(tmp_path):
-    fields = {"kind": "int", "bits": 4, "block": 32}
+    fields = {"kind": "int", "bits": 4, "block": 32, "scale": "fp32"}
     spec = load_policy(_write(tmp_path, _doc(formats={"my4": fields}, default={"activations": "my4"},
                                             rules=[{"when": {"role": "attn.q"}, "set": {"activations": "bf16"}}])))
     assert spec.format("my4").bits == 4 and spec.format("my4").block == 32
