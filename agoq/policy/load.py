@@ -128,7 +128,7 @@ def policy_from_dict(data: Any, source: str = "<dict>") -> PolicySpec:
         raise PolicyError(
             source, "version", "unsupported version", got=data["version"], allowed=list(SUPPORTED_VERSIONS)
         )
-    table = _FormatTable(source, data.get("formats", {}))
+    table = _FormatTable(source, data.get("formats") or {})  # `formats:` left empty = none
     default = _parse_default(source, data.get("default", _MISSING), table)
     rules = _parse_rules(source, data.get("rules", []), table)
     auto = _parse_auto(source, data["auto"], table) if "auto" in data else None

@@ -61,6 +61,11 @@ ERROR_CASES = [
     ("missing_default", _doc(default=None), ["default: required", "'activations', 'grads'"]),
     ("empty_default", _doc(default={}), ["default: required", "got {}", "'optim_states'"]),
     (
+        "default_not_mapping",
+        _doc(default="bf16"),
+        ["default: must be a mapping", "got 'bf16'", "'activations'"],
+    ),
+    (
         "default_without_activations",
         _doc(default={"grads": "int8_b128"}),
         ["default.activations: missing", "'activations'"],
@@ -326,6 +331,10 @@ def test_load_empty_rules_means_defaults_only(tmp_path):
         spec = load_policy(_write(tmp_path, _doc(rules=rules) if rules is not None else _doc(rules=None)))
         assert spec.rules == () and spec.default_name("activations") == "int8_b128"
         assert spec.default_name("grads") is None
+
+
+def test_load_empty_formats_section_means_none(tmp_path):
+    assert load_policy(_write(tmp_path, "version: 1\nformats:\ndefault: {activations: bf16}\n")).rules == ()
 
 
 def test_load_layers_syntax_int_range_and_list(tmp_path):
