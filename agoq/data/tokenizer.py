@@ -83,9 +83,20 @@ def train_sentencepiece(texts: Iterable[str], out_path: Path, config: TokenizerT
     out_path = Path(out_path)
     spm.set_random_generator_seed(config.seed)
     model_buf = io.BytesIO()
+    input_errors: list[BaseException] = []
+
+    def sentences() -> Iterator[str]:
+        # SentencePiece turns exceptions raised by the iterator into RuntimeError("INTERNAL: ...");
+        # keep the original (e.g. "file.jsonl:7: invalid JSON") to re-raise it unchanged.
+        try:
+            yield from iter_training_sentences(texts)
+        except BaseException as err:
+            input_errors.append(err)
+            raise
+
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter_training_sentences(texts),
+            sentence_iterator=sentences(),
             model_writer=model_buf,
             vocab_size=config.vocab_size,
             model_type=config.model_type,
@@ -107,6 +118,8 @@ def train_sentencepiece(texts: Iterable[str], out_path: Path, config: TokenizerT
             minloglevel=2,
         )
     except RuntimeError as err:
+        if input_errors:
+            raise input_errors[0] from None
         raise ValueError(
             f"SentencePiece training failed: {err}. If the vocabulary is too large for the "
             "corpus, lower vocab_size or give more text"

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
@@ -262,6 +263,31 @@ def ensure_default_dataset(
             shutil.rmtree(tmp_dir, ignore_errors=True)
     logger.info("default dataset ready at %s", final_dir)
     return _paths_in(final_dir)
+
+
+def ensure_default_dataset_distributed(cache_dir: str | os.PathLike, **kwargs) -> DatasetPaths:
+    """:func:`ensure_default_dataset` for a job: global rank 0 builds, barrier, then the other ranks.
+
+    The others then hit rank 0's cache (shared filesystem) or build the same dataset themselves
+    under the lock (node-local cache). Raises if a rank ended up with a different dataset key (e.g.
+    another Python build on another node): use one shared cache or identical Python installs.
+    Without an initialised process group it is :func:`ensure_default_dataset`.
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return ensure_default_dataset(cache_dir, **kwargs)
+    paths = ensure_default_dataset(cache_dir, **kwargs) if dist.get_rank() == 0 else None
+    dist.barrier()
+    if paths is None:
+        paths = ensure_default_dataset(cache_dir, **kwargs)
+    keys = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, paths.prefix.parent.name)
+    if len(set(keys)) != 1:
+        raise ValueError(
+            f"ranks built different default datasets {sorted(set(keys))}: their Python stdlib differs; "
+            "pass one shared cache_dir (--data-cache-path) or use the same Python install on every node"
+        )
+    return paths
 
 
 def _build_default_into(directory: Path, corpus, tokenizer_config: TokenizerTrainConfig, key: str) -> None:

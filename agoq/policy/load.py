@@ -44,10 +44,23 @@ _MISSING = object()
 class PolicyError(ValueError):
     """A policy file problem; ``str()`` is the full user-facing message."""
 
-    def __init__(self, source: str, key: str, problem: str, got: Any = _MISSING, allowed: Any = None,
-                 fix: str | None = None):
+    def __init__(
+        self,
+        source: str,
+        key: str,
+        problem: str,
+        got: Any = _MISSING,
+        allowed: Any = None,
+        fix: str | None = None,
+    ):
         self.source, self.key, self.problem, self.got, self.allowed, self.fix = (
-            source, key, problem, got, allowed, fix)
+            source,
+            key,
+            problem,
+            got,
+            allowed,
+            fix,
+        )
         message = f"{source}: {key}: {problem}" if key else f"{source}: {problem}"
         if got is not _MISSING:
             message += f"; got {got!r}"
@@ -68,7 +81,8 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark)
+                None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark
+            )
         seen[key] = key_node.start_mark.line
     return loader.construct_mapping(node, deep=deep)
 
@@ -83,16 +97,21 @@ def load_policy(path: str | os.PathLike) -> PolicySpec:
         with open(source, encoding="utf-8") as f:
             text = f.read()
     except OSError as err:
-        raise PolicyError(source, "", f"cannot read policy file ({err.strerror or err})",
-                          fix="pass an existing readable YAML file, e.g. configs/policy/agoq.yaml") from err
+        raise PolicyError(
+            source,
+            "",
+            f"cannot read policy file ({err.strerror or err})",
+            fix="pass an existing readable YAML file, e.g. configs/policy/agoq.yaml",
+        ) from err
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - SafeLoader subclass
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown line"
         problem = getattr(err, "problem", None) or str(err)
-        raise PolicyError(source, "", f"YAML syntax error at {where}: {problem}",
-                          fix="correct the YAML at that line") from err
+        raise PolicyError(
+            source, "", f"YAML syntax error at {where}: {problem}", fix="correct the YAML at that line"
+        ) from err
     return policy_from_dict(data, source)
 
 
@@ -102,19 +121,28 @@ def policy_from_dict(data: Any, source: str = "<dict>") -> PolicySpec:
         raise PolicyError(source, "", "policy file is empty", fix="add at least `version: 1` and `default:`")
     _check_mapping(source, "", data, TOP_KEYS)
     if "version" not in data:
-        raise PolicyError(source, "version", "missing", allowed=list(SUPPORTED_VERSIONS), fix="add `version: 1`")
+        raise PolicyError(
+            source, "version", "missing", allowed=list(SUPPORTED_VERSIONS), fix="add `version: 1`"
+        )
     if _plain_int(data["version"]) not in SUPPORTED_VERSIONS:
-        raise PolicyError(source, "version", "unsupported version", got=data["version"],
-                          allowed=list(SUPPORTED_VERSIONS))
-    table = _FormatTable(source, data.get("formats", {}))
+        raise PolicyError(
+            source, "version", "unsupported version", got=data["version"], allowed=list(SUPPORTED_VERSIONS)
+        )
+    table = _FormatTable(source, data.get("formats") or {})  # `formats:` left empty = none
     default = _parse_default(source, data.get("default", _MISSING), table)
     rules = _parse_rules(source, data.get("rules", []), table)
     auto = _parse_auto(source, data["auto"], table) if "auto" in data else None
     _check_auto_usage(source, auto, default, rules)
     _check_reachable(source, rules)
     table.check_all_declared_used()
-    return PolicySpec(source=source, version=data["version"], formats=table.used_items(),
-                      default=tuple(default.items()), rules=rules, auto=auto)
+    return PolicySpec(
+        source=source,
+        version=data["version"],
+        formats=table.used_items(),
+        default=tuple(default.items()),
+        rules=rules,
+        auto=auto,
+    )
 
 
 # --------------------------------------------------------------------------------- helpers ----
@@ -125,12 +153,23 @@ def _plain_int(value: Any) -> int | None:
 
 def _check_mapping(source: str, key: str, value: Any, allowed_keys: tuple[str, ...]) -> None:
     if not isinstance(value, dict):
-        raise PolicyError(source, key or "<top level>", "must be a mapping", got=value,
-                          allowed=f"a mapping with keys {list(allowed_keys)}")
+        raise PolicyError(
+            source,
+            key or "<top level>",
+            "must be a mapping",
+            got=value,
+            allowed=f"a mapping with keys {list(allowed_keys)}",
+        )
     for k in value:
         if k not in allowed_keys:
             where = f"{key}.{k}" if key else str(k)
             raise PolicyError(source, where, "unknown key", got=k, allowed=list(allowed_keys))
+
+
+def _builtin_names() -> str:
+    """agoq.formats.format_names() as text (a grammar string or a list of names)."""
+    names = format_names()
+    return names if isinstance(names, str) else ", ".join(names)
 
 
 class _FormatTable:
@@ -148,22 +187,33 @@ class _FormatTable:
     def _declare(self, name: Any, fields: Any) -> QuantFormat:
         key = f"formats.{name}"
         if not isinstance(name, str) or not name or name == AUTO:
-            raise PolicyError(self.source, key, "format names are non-empty strings other than 'auto'", got=name)
+            raise PolicyError(
+                self.source, key, "format names are non-empty strings other than 'auto'", got=name
+            )
         field_names = tuple(f.name for f in dataclasses.fields(QuantFormat))
         _check_mapping(self.source, key, fields, field_names)
         try:
             fmt = QuantFormat(**fields)
         except (TypeError, ValueError) as err:
-            raise PolicyError(self.source, key, f"invalid format ({err})", got=fields,
-                              allowed=f"QuantFormat fields {list(field_names)}") from err
+            raise PolicyError(
+                self.source,
+                key,
+                f"invalid format ({err})",
+                got=fields,
+                allowed=f"QuantFormat fields {list(field_names)}",
+            ) from err
         try:
             builtin = parse_format(name)
         except ValueError:
             return fmt
         if builtin != fmt:
-            raise PolicyError(self.source, key, f"name is a built-in format meaning {builtin!r}, "
-                              "but the declared fields differ", got=fields,
-                              fix=f"rename it, or use the built-in name {fmt.name!r} for these fields")
+            raise PolicyError(
+                self.source,
+                key,
+                f"name is a built-in format meaning {builtin!r}, but the declared fields differ",
+                got=fields,
+                fix=f"rename it, or use the built-in name {fmt.name!r} for these fields",
+            )
         return fmt
 
     def lookup(self, key: str, name: Any) -> QuantFormat:
@@ -175,17 +225,28 @@ class _FormatTable:
             except ValueError:
                 fmt = None
             if fmt is None:
-                allowed = sorted(self.declared) + [n for n in format_names() if n not in self.declared]
-                raise PolicyError(self.source, key, "unknown format", got=name, allowed=allowed,
-                                  fix="declare it under `formats:` or use a built-in name")
+                allowed = f"a declared format {sorted(self.declared)} or a built-in name: {_builtin_names()}"
+                raise PolicyError(
+                    self.source,
+                    key,
+                    "unknown format",
+                    got=name,
+                    allowed=allowed,
+                    fix="declare it under `formats:` or use a built-in name",
+                )
         self.used[name] = fmt
         return fmt
 
     def check_all_declared_used(self) -> None:
         for name in self.declared:
             if name not in self.used:
-                raise PolicyError(self.source, f"formats.{name}", "declared but never used", got=name,
-                                  fix="delete it or refer to it from default/rules/auto")
+                raise PolicyError(
+                    self.source,
+                    f"formats.{name}",
+                    "declared but never used",
+                    got=name,
+                    fix="delete it or refer to it from default/rules/auto",
+                )
 
     def used_items(self) -> tuple[tuple[str, QuantFormat], ...]:
         return tuple(self.used.items())
@@ -193,13 +254,23 @@ class _FormatTable:
 
 def _parse_default(source: str, value: Any, table: _FormatTable) -> dict[str, str]:
     if value is _MISSING or value is None or value == {}:
-        raise PolicyError(source, "default", "required and must set activations", got=None if
-                          value is _MISSING else value, allowed=list(DEFAULT_KEYS),
-                          fix="add e.g. `default: {activations: bf16}`")
+        raise PolicyError(
+            source,
+            "default",
+            "required and must set activations",
+            got=None if value is _MISSING else value,
+            allowed=list(DEFAULT_KEYS),
+            fix="add e.g. `default: {activations: bf16}`",
+        )
     _check_mapping(source, "default", value, DEFAULT_KEYS)
     if "activations" not in value:
-        raise PolicyError(source, "default.activations", "missing (required)", allowed=list(DEFAULT_KEYS),
-                          fix="add `activations: <format>` to default")
+        raise PolicyError(
+            source,
+            "default.activations",
+            "missing (required)",
+            allowed=list(DEFAULT_KEYS),
+            fix="add `activations: <format>` to default",
+        )
     out: dict[str, str] = {}
     for key, name in value.items():
         if not (key == "activations" and name == AUTO):
@@ -212,8 +283,13 @@ def _parse_auto(source: str, value: Any, table: _FormatTable) -> AutoSpec:
     _check_mapping(source, "auto", value, AUTO_KEYS)
     for key in ("base", "ladder"):
         if key not in value:
-            raise PolicyError(source, f"auto.{key}", "missing (required)", allowed=list(AUTO_KEYS),
-                              fix="e.g. `auto: {base: nf4_b64, ladder: [int6_b64, int8_b128, bf16]}`")
+            raise PolicyError(
+                source,
+                f"auto.{key}",
+                "missing (required)",
+                allowed=list(AUTO_KEYS),
+                fix="e.g. `auto: {base: nf4_b64, ladder: [int6_b64, int8_b128, bf16]}`",
+            )
     base_fmt = table.lookup("auto.base", value["base"])
     ladder = value["ladder"]
     if not isinstance(ladder, list) or not ladder:
@@ -222,25 +298,42 @@ def _parse_auto(source: str, value: Any, table: _FormatTable) -> AutoSpec:
     for i, name in enumerate(ladder):
         fmt = table.lookup(f"auto.ladder[{i}]", name)
         if fmt.bits <= prev_bits:
-            raise PolicyError(source, f"auto.ladder[{i}]", f"rungs must rise strictly in bits above the base; "
-                              f"{name!r} has {fmt.bits} bits, {prev_name!r} before it has {prev_bits}",
-                              got=name, fix="order the ladder by bits and drop rungs not above the base")
+            raise PolicyError(
+                source,
+                f"auto.ladder[{i}]",
+                f"rungs must rise strictly in bits above the base; "
+                f"{name!r} has {fmt.bits} bits, {prev_name!r} before it has {prev_bits}",
+                got=name,
+                fix="order the ladder by bits and drop rungs not above the base",
+            )
         prev_name, prev_bits = name, fmt.bits
     rounding = value.get("rounding", "nearest")
     if rounding not in AUTO_ROUNDINGS:
-        raise PolicyError(source, "auto.rounding", "unknown rounding", got=rounding, allowed=list(AUTO_ROUNDINGS))
+        raise PolicyError(
+            source, "auto.rounding", "unknown rounding", got=rounding, allowed=list(AUTO_ROUNDINGS)
+        )
     return AutoSpec(base=value["base"], ladder=tuple(ladder), rounding=rounding)
 
 
 def _check_auto_usage(source: str, auto: AutoSpec | None, default: dict, rules: tuple[Rule, ...]) -> None:
     users = (["default.activations"] if default["activations"] == AUTO else []) + [
-        f"rules[{r.index}].set.activations" for r in rules if r.activations == AUTO]
+        f"rules[{r.index}].set.activations" for r in rules if r.activations == AUTO
+    ]
     if users and auto is None:
-        raise PolicyError(source, users[0], "`auto` needs a top-level `auto:` section", got=AUTO,
-                          fix="add `auto: {base: nf4_b64, ladder: [int6_b64, int8_b128, bf16]}`")
+        raise PolicyError(
+            source,
+            users[0],
+            "`auto` needs a top-level `auto:` section",
+            got=AUTO,
+            fix="add `auto: {base: nf4_b64, ladder: [int6_b64, int8_b128, bf16]}`",
+        )
     if auto is not None and not users:
-        raise PolicyError(source, "auto", "section is never used (no default/rule sets activations: auto)",
-                          fix="set `activations: auto` somewhere or delete the auto section")
+        raise PolicyError(
+            source,
+            "auto",
+            "section is never used (no default/rule sets activations: auto)",
+            fix="set `activations: auto` somewhere or delete the auto section",
+        )
 
 
 def _parse_rules(source: str, value: Any, table: _FormatTable) -> tuple[Rule, ...]:
@@ -264,15 +357,24 @@ def _parse_rule(source: str, index: int, item: Any, table: _FormatTable) -> Rule
         raise PolicyError(source, f"{key}.set.activations", "missing (required)", allowed=list(SET_KEYS))
     match = Match(
         layers=_parse_layers(source, f"{key}.when.layers", when["layers"]) if "layers" in when else None,
-        pp_stage=_parse_pp_stage(source, f"{key}.when.pp_stage", when["pp_stage"]) if "pp_stage" in when else None,
-        vp_stage=_parse_index(source, f"{key}.when.vp_stage", when["vp_stage"]) if "vp_stage" in when else None,
+        pp_stage=_parse_pp_stage(source, f"{key}.when.pp_stage", when["pp_stage"])
+        if "pp_stage" in when
+        else None,
+        vp_stage=_parse_index(source, f"{key}.when.vp_stage", when["vp_stage"])
+        if "vp_stage" in when
+        else None,
         roles=_parse_roles(source, f"{key}.when.role", when["role"]) if "role" in when else None,
     )
     if match.layers is not None and match.roles is not None and match.roles & LAYERLESS_ROLES:
         bad = sorted(match.roles & LAYERLESS_ROLES)
-        raise PolicyError(source, f"{key}.when.role", "these roles have no layer index, so `layers` never "
-                          "matches them", got=bad, allowed=sorted(set(ROLES) - LAYERLESS_ROLES),
-                          fix="move them to a rule without `layers`")
+        raise PolicyError(
+            source,
+            f"{key}.when.role",
+            "these roles have no layer index, so `layers` never matches them",
+            got=bad,
+            allowed=sorted(set(ROLES) - LAYERLESS_ROLES),
+            fix="move them to a rule without `layers`",
+        )
     name = item["set"]["activations"]
     if name != AUTO:
         table.lookup(f"{key}.set.activations", name)
@@ -291,8 +393,9 @@ def _parse_pp_stage(source: str, key: str, value: Any) -> int | str:
         return value
     number = _plain_int(value)
     if number is None or number < 0:
-        raise PolicyError(source, key, "bad pipeline stage", got=value,
-                          allowed="an integer >= 0, 'first' or 'last'")
+        raise PolicyError(
+            source, key, "bad pipeline stage", got=value, allowed="an integer >= 0, 'first' or 'last'"
+        )
     return number
 
 
@@ -313,8 +416,13 @@ def _parse_layers(source: str, key: str, value: Any) -> frozenset[int]:
         else:
             raise PolicyError(source, key, "bad layer selector", got=item, allowed=_LAYERS_ALLOWED)
         if lo < 0 or lo > hi or hi > MAX_LAYER_IDX:
-            raise PolicyError(source, key, f"bad layer range (global 0-based, at most {MAX_LAYER_IDX})",
-                              got=item, allowed=_LAYERS_ALLOWED)
+            raise PolicyError(
+                source,
+                key,
+                f"bad layer range (global 0-based, at most {MAX_LAYER_IDX})",
+                got=item,
+                allowed=_LAYERS_ALLOWED,
+            )
         layers.update(range(lo, hi + 1))
     return frozenset(layers)
 
@@ -333,10 +441,14 @@ def _check_reachable(source: str, rules: tuple[Rule, ...]) -> None:
     for later in rules:
         for earlier in rules[: later.index]:
             if earlier.when.covers(later.when):
-                raise PolicyError(source, f"rules[{later.index}].when", f"rule can never match: "
-                                  f"rules[{earlier.index}] comes first and matches every site it matches",
-                                  got=_describe(later.when),
-                                  fix=f"delete rules[{later.index}] or move it above rules[{earlier.index}]")
+                raise PolicyError(
+                    source,
+                    f"rules[{later.index}].when",
+                    f"rule can never match: "
+                    f"rules[{earlier.index}] comes first and matches every site it matches",
+                    got=_describe(later.when),
+                    fix=f"delete rules[{later.index}] or move it above rules[{earlier.index}]",
+                )
 
 
 def _describe(match: Match) -> dict:

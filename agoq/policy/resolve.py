@@ -33,8 +33,10 @@ def resolve_name(spec: PolicySpec, site: Site, schedule: ScheduleInfo | None = N
     if name != AUTO:
         return name, source
     if schedule is None:
-        raise ValueError(f"{spec.source}: {source} sets activations: auto, which needs the pipeline schedule; "
-                         "pass schedule=ScheduleInfo(pp_size, vp_size, num_microbatches)")
+        raise ValueError(
+            f"{spec.source}: {source} sets activations: auto, which needs the pipeline schedule; "
+            "pass schedule=ScheduleInfo(pp_size, vp_size, num_microbatches)"
+        )
     return auto_names(spec, schedule)[site.pp_rank], f"{source} auto"
 
 
@@ -69,7 +71,8 @@ def model_sites(num_layers: int, schedule: ScheduleInfo, roles: tuple[str, ...] 
     if num_layers < 1 or num_layers % (pp * chunks):
         raise NotImplementedError(
             f"model_sites supports num_layers divisible by pp_size * vp_size ({pp} * {chunks}); got "
-            f"{num_layers}: build the sites from the model (agoq.megatron.sites) for uneven splits")
+            f"{num_layers}: build the sites from the model (agoq.megatron.sites) for uneven splits"
+        )
     per_chunk = num_layers // (pp * chunks)
     sites = [Site(None, 0, pp, None if vp is None else 0, vp, "embedding.output")]
     for rank in range(pp):
@@ -130,10 +133,18 @@ def policy_table(spec: PolicySpec, sites: list[Site], schedule: ScheduleInfo | N
     rows = []
     for site in sites:
         name, source = resolve_name(spec, site, schedule)
-        rows.append(TableRow(
-            layer_idx=site.layer_idx, pp_rank=site.pp_rank, vp_stage=site.vp_stage, role=site.role,
-            format=spec.format(name).name, bits_per_element=8 * spec.format(name).bytes_per_element(),
-            source=source, inflight=None if inflight is None else inflight[site.pp_rank]))
+        rows.append(
+            TableRow(
+                layer_idx=site.layer_idx,
+                pp_rank=site.pp_rank,
+                vp_stage=site.vp_stage,
+                role=site.role,
+                format=spec.format(name).name,
+                bits_per_element=8 * spec.format(name).bytes_per_element(),
+                source=source,
+                inflight=None if inflight is None else inflight[site.pp_rank],
+            )
+        )
     return rows
 
 
@@ -165,11 +176,15 @@ def format_table(rows: list[TableRow]) -> str:
             groups.append([row.layer_idx, row.layer_idx, *key, {row.role: row.format}])
     groups = _merge_identical_runs(groups)
     header = ["layers", "pp", "vp", "inflight", *roles]
-    lines = [[_layers_text(g[0], g[1]), str(g[2]), _dash(g[3]), _dash(g[4]), *(g[5].get(r, "-") for r in roles)]
-             for g in groups]
+    lines = [
+        [_layers_text(g[0], g[1]), str(g[2]), _dash(g[3]), _dash(g[4]), *(g[5].get(r, "-") for r in roles)]
+        for g in groups
+    ]
     widths = [max(len(x) for x in col) for col in zip(header, *lines, strict=True)]
-    out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
-           for line in [header, *lines]]
+    out = [
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        for line in [header, *lines]
+    ]
     return "\n".join(out)
 
 
@@ -184,8 +199,7 @@ def _merge_identical_runs(groups: list[list]) -> list[list]:
     merged: list[list] = []
     for g in groups:
         prev = merged[-1] if merged else None
-        if (prev and g[0] is not None and prev[1] is not None and g[0] == prev[1] + 1
-                and prev[2:] == g[2:]):
+        if prev and g[0] is not None and prev[1] is not None and g[0] == prev[1] + 1 and prev[2:] == g[2:]:
             prev[1] = g[1]
         else:
             merged.append(list(g))

@@ -180,7 +180,8 @@ class PolicySpec:
             if key == name:
                 return fmt
         raise ValueError(
-            f"{self.source}: format {name!r} is not part of this policy; known: {[k for k, _ in self.formats]}"
+            f"{self.source}: format {name!r} is not part of this policy; "
+            f"known: {[k for k, _ in self.formats]}"
         )
 
     def default_name(self, key: str) -> str | None:

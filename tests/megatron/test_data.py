@@ -133,17 +133,14 @@ def test_prepare_data_trains_tokenizer_and_summarises(tiny, tmp_path, capsys):
         ),
     ],
 )
-def test_prepare_data_reports_input_errors(tiny, tmp_path, capsys, content, message):
+@pytest.mark.parametrize("train_tokenizer", [False, True], ids=["given-tokenizer", "trains-tokenizer"])
+def test_prepare_data_reports_input_errors(tiny, tmp_path, capsys, content, message, train_tokenizer):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(content)
-    argv = [
-        "--input",
-        str(bad),
-        "--tokenizer-model",
-        str(tiny["tokenizer"].path),
-        "--output-prefix",
-        str(tmp_path / "out"),
-    ]
+    tokenizer_args = (
+        ["--vocab-size", "400"] if train_tokenizer else ["--tokenizer-model", str(tiny["tokenizer"].path)]
+    )
+    argv = ["--input", str(bad), *tokenizer_args, "--output-prefix", str(tmp_path / "out")]
     assert prepare_data.main(argv) == 1
     assert message in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # no partial .bin/.idx left

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from agoq.policy import (
-    check_rules_used,
     ScheduleInfo,
     Site,
+    check_rules_used,
     format_table,
     load_policy,
     model_sites,
@@ -24,19 +24,31 @@ from agoq.policy import (
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "policy"
 
-POLICY = policy_from_dict({
-    "version": 1,
-    "default": {"activations": "int8_b128"},
-    "rules": [
-        {"when": {"role": ["attn.q", "attn.k", "attn.v", "attn.out"]}, "set": {"activations": "bf16"}},  # 0
-        {"when": {"layers": [0, 1]}, "set": {"activations": "bf16"}},  # 1
-        {"when": {"pp_stage": "last", "role": "mlp.swiglu_input"}, "set": {"activations": "int4_b64"}},  # 2
-        {"when": {"pp_stage": 1, "vp_stage": 1}, "set": {"activations": "int6_b64"}},  # 3
-        {"when": {"role": "embedding.output"}, "set": {"activations": "bf16"}},  # 4
-        {"when": {"layers": "4-7", "role": "norm.input"}, "set": {"activations": "nf4_b64"}},  # 5
-        {"when": {"pp_stage": "first", "vp_stage": 0, "role": "head.input"}, "set": {"activations": "nf4_b64"}},  # 6
-    ],
-}, source="table-policy")
+POLICY = policy_from_dict(
+    {
+        "version": 1,
+        "default": {"activations": "int8_b128"},
+        "rules": [
+            {
+                "when": {"role": ["attn.q", "attn.k", "attn.v", "attn.out"]},
+                "set": {"activations": "bf16"},
+            },  # 0
+            {"when": {"layers": [0, 1]}, "set": {"activations": "bf16"}},  # 1
+            {
+                "when": {"pp_stage": "last", "role": "mlp.swiglu_input"},
+                "set": {"activations": "int4_b64"},
+            },  # 2
+            {"when": {"pp_stage": 1, "vp_stage": 1}, "set": {"activations": "int6_b64"}},  # 3
+            {"when": {"role": "embedding.output"}, "set": {"activations": "bf16"}},  # 4
+            {"when": {"layers": "4-7", "role": "norm.input"}, "set": {"activations": "nf4_b64"}},  # 5
+            {
+                "when": {"pp_stage": "first", "vp_stage": 0, "role": "head.input"},
+                "set": {"activations": "nf4_b64"},
+            },  # 6
+        ],
+    },
+    source="table-policy",
+)
 
 # (layer_idx, pp_rank, pp_size, vp_stage, vp_size, role) -> (format name, winning source)
 RESOLVE_CASES = [
@@ -86,15 +98,22 @@ def test_resolve_auto_rule_uses_stage_ladder():
     spec = load_policy(CONFIG_DIR / "agoq.yaml")
     schedule = ScheduleInfo(pp_size=4, vp_size=None, num_microbatches=8)
     got = [resolve_name(spec, Site(8 * r, r, 4, None, None, "norm.input"), schedule) for r in range(4)]
-    assert got == [("nf4_b64", "default auto"), ("int6_b64", "default auto"),
-                   ("int8_b128", "default auto"), ("bf16", "default auto")]
+    assert got == [
+        ("nf4_b64", "default auto"),
+        ("int6_b64", "default auto"),
+        ("int8_b128", "default auto"),
+        ("bf16", "default auto"),
+    ]
     assert resolve_name(spec, Site(0, 0, 4, None, None, "attn.k"), schedule) == ("bf16", "rules[0]")
 
 
-@pytest.mark.parametrize("site,schedule,fragment", [
-    (Site(0, 0, 2, None, None, "norm.input"), ScheduleInfo(4, None, 8), "site has pp_size=2"),
-    (Site(0, 0, 4, None, None, "norm.input"), ScheduleInfo(4, 2, 8), "vp_size=None but the schedule"),
-])
+@pytest.mark.parametrize(
+    "site,schedule,fragment",
+    [
+        (Site(0, 0, 2, None, None, "norm.input"), ScheduleInfo(4, None, 8), "site has pp_size=2"),
+        (Site(0, 0, 4, None, None, "norm.input"), ScheduleInfo(4, 2, 8), "vp_size=None but the schedule"),
+    ],
+)
 def test_resolve_refuses_site_schedule_mismatch(site, schedule, fragment):
     with pytest.raises(ValueError, match=fragment):
         resolve(POLICY, site, schedule)
@@ -102,32 +121,46 @@ def test_resolve_refuses_site_schedule_mismatch(site, schedule, fragment):
 
 def test_resolve_auto_without_schedule_names_the_fix():
     spec = load_policy(CONFIG_DIR / "agoq.yaml")
-    with pytest.raises(ValueError, match=r"agoq.yaml: default sets activations: auto.*pass schedule=ScheduleInfo"):
+    with pytest.raises(
+        ValueError, match=r"agoq.yaml: default sets activations: auto.*pass schedule=ScheduleInfo"
+    ):
         resolve(spec, Site(0, 0, 1, None, None, "norm.input"))
 
 
 def test_check_rules_used_names_dead_rules_and_layout():
-    pattern = (r"table-policy: rules\[3\], rules\[5\], rules\[6\] decide no site of this model "
-               r"\(layers 0..3, pp_size=2, vp_size=None\)")
+    pattern = (
+        r"table-policy: rules\[3\], rules\[5\], rules\[6\] decide no site of this model "
+        r"\(layers 0..3, pp_size=2, vp_size=None\)"
+    )
     with pytest.raises(ValueError, match=pattern):
         check_rules_used(POLICY, model_sites(4, ScheduleInfo(pp_size=2, vp_size=None, num_microbatches=4)))
     # PP=1: the only stage is first and last, so rules[6] lives; no chunk 1, so rules[3] is dead.
     with pytest.raises(ValueError, match=r"rules\[3\] decide"):
         check_rules_used(POLICY, model_sites(8, ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1)))
-    spec = policy_from_dict({"version": 1, "default": {"activations": "bf16"},
-                             "rules": [{"when": {"pp_stage": 1, "vp_stage": 1}, "set": {"activations": "int8_b128"}}]})
-    check_rules_used(spec, model_sites(16, ScheduleInfo(pp_size=4, vp_size=2, num_microbatches=8)))  # no raise
+    spec = policy_from_dict(
+        {
+            "version": 1,
+            "default": {"activations": "bf16"},
+            "rules": [{"when": {"pp_stage": 1, "vp_stage": 1}, "set": {"activations": "int8_b128"}}],
+        }
+    )
+    check_rules_used(
+        spec, model_sites(16, ScheduleInfo(pp_size=4, vp_size=2, num_microbatches=8))
+    )  # no raise
 
 
-@pytest.mark.parametrize("args,fragment", [
-    ((0, 0, 1, None, None, "attn.qq"), "is not a role"),
-    ((None, 0, 1, None, None, "norm.input"), "must be a global 0-based layer index"),
-    ((3, 0, 1, None, None, "loss.logits"), "must be None"),
-    ((-1, 0, 1, None, None, "norm.input"), "must be >= 0"),
-    ((0, 2, 2, None, None, "norm.input"), r"pp_rank must be in \[0, pp_size=2\)"),
-    ((0, 0, 2, 0, None, "norm.input"), "both None"),
-    ((0, 0, 2, 2, 2, "norm.input"), r"vp_stage must be in \[0, vp_size=2\)"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        ((0, 0, 1, None, None, "attn.qq"), "is not a role"),
+        ((None, 0, 1, None, None, "norm.input"), "must be a global 0-based layer index"),
+        ((3, 0, 1, None, None, "loss.logits"), "must be None"),
+        ((-1, 0, 1, None, None, "norm.input"), "must be >= 0"),
+        ((0, 2, 2, None, None, "norm.input"), r"pp_rank must be in \[0, pp_size=2\)"),
+        ((0, 0, 2, 0, None, "norm.input"), "both None"),
+        ((0, 0, 2, 2, 2, "norm.input"), r"vp_stage must be in \[0, vp_size=2\)"),
+    ],
+)
 def test_site_validation(args, fragment):
     with pytest.raises(ValueError, match=fragment):
         Site(*args)
@@ -137,10 +170,15 @@ def test_model_sites_interleaved_placement_matches_megatron():
     # megatron.md §1.1 (measured): PP=2, 4 layers, VPP=2 -> 1-based layers {1,3} on rank 0, {2,4} on rank 1.
     schedule = ScheduleInfo(pp_size=2, vp_size=2, num_microbatches=4)
     sites = model_sites(4, schedule, roles=("norm.input",))
-    by_rank = {r: sorted(s.layer_idx for s in sites if s.pp_rank == r and s.layer_idx is not None) for r in (0, 1)}
+    by_rank = {
+        r: sorted(s.layer_idx for s in sites if s.pp_rank == r and s.layer_idx is not None) for r in (0, 1)
+    }
     assert by_rank == {0: [0, 2], 1: [1, 3]}
     assert [(s.role, s.pp_rank, s.vp_stage) for s in sites if s.layer_idx is None] == [
-        ("embedding.output", 0, 0), ("head.input", 1, 1), ("loss.logits", 1, 1)]
+        ("embedding.output", 0, 0),
+        ("head.input", 1, 1),
+        ("loss.logits", 1, 1),
+    ]
 
 
 def test_model_sites_uneven_split_not_modelled():
@@ -180,6 +218,11 @@ def test_to_json_round_trips_rows():
     rows = policy_table(spec, model_sites(8, schedule), schedule)
     doc = json.loads(to_json(rows, spec, schedule))
     assert doc["policy_source"].endswith("int4.yaml")
-    assert doc["schedule"] == {"pp_size": 2, "vp_size": 2, "num_microbatches": 4, "microbatch_group_size": None}
+    assert doc["schedule"] == {
+        "pp_size": 2,
+        "vp_size": 2,
+        "num_microbatches": 4,
+        "microbatch_group_size": None,
+    }
     assert [r["format"] for r in doc["rows"]] == [row.format for row in rows]
     assert {r["format"] for r in doc["rows"] if r["role"] == "mlp.swiglu_input"} == {"int8_b128"}

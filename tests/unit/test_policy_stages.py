@@ -17,11 +17,18 @@ NOMINAL_BITS = {"nf4_b64": 4, "int6_b64": 6, "int8_b128": 8, "bf16": 16}
 
 
 def _auto_spec(rounding: str = "nearest"):
-    return policy_from_dict({"version": 1, "default": {"activations": "auto"},
-                             "auto": {"base": "nf4_b64", "ladder": LADDER, "rounding": rounding}})
+    return policy_from_dict(
+        {
+            "version": 1,
+            "default": {"activations": "auto"},
+            "auto": {"base": "nf4_b64", "ladder": LADDER, "rounding": rounding},
+        }
+    )
 
 
-@pytest.mark.parametrize("pp_size,num_mb", [(1, 1), (1, 5), (2, 1), (2, 8), (4, 2), (4, 4), (4, 8), (8, 3), (8, 64)])
+@pytest.mark.parametrize(
+    "pp_size,num_mb", [(1, 1), (1, 5), (2, 1), (2, 8), (4, 2), (4, 4), (4, 8), (8, 3), (8, 64)]
+)
 def test_inflight_1f1b_is_min_stages_left_and_microbatches(pp_size, num_mb):
     schedule = ScheduleInfo(pp_size=pp_size, vp_size=None, num_microbatches=num_mb)
     assert inflight_per_rank(schedule) == tuple(min(pp_size - r, num_mb) for r in range(pp_size))
@@ -45,15 +52,27 @@ def test_inflight_interleaved_follows_megatron_warmup(args, expected):
     assert inflight_per_rank(schedule) == expected
 
 
-@pytest.mark.parametrize("kwargs,fragment", [
-    (dict(pp_size=0, vp_size=None, num_microbatches=1), "pp_size must be an int >= 1"),
-    (dict(pp_size=2, vp_size=None, num_microbatches=0), "num_microbatches must be an int >= 1"),
-    (dict(pp_size=2, vp_size=0, num_microbatches=4), "vp_size must be None or an int >= 1"),
-    (dict(pp_size=1, vp_size=2, num_microbatches=4), "needs pp_size > 1"),
-    (dict(pp_size=2, vp_size=None, num_microbatches=4, microbatch_group_size=2), "only applies to the interleaved"),
-    (dict(pp_size=4, vp_size=2, num_microbatches=2), "pp_size <= microbatch_group_size <= num_microbatches"),
-    (dict(pp_size=4, vp_size=2, num_microbatches=8, microbatch_group_size=3), "got pp_size=4, microbatch_group_size=3"),
-])
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        (dict(pp_size=0, vp_size=None, num_microbatches=1), "pp_size must be an int >= 1"),
+        (dict(pp_size=2, vp_size=None, num_microbatches=0), "num_microbatches must be an int >= 1"),
+        (dict(pp_size=2, vp_size=0, num_microbatches=4), "vp_size must be None or an int >= 1"),
+        (dict(pp_size=1, vp_size=2, num_microbatches=4), "needs pp_size > 1"),
+        (
+            dict(pp_size=2, vp_size=None, num_microbatches=4, microbatch_group_size=2),
+            "only applies to the interleaved",
+        ),
+        (
+            dict(pp_size=4, vp_size=2, num_microbatches=2),
+            "pp_size <= microbatch_group_size <= num_microbatches",
+        ),
+        (
+            dict(pp_size=4, vp_size=2, num_microbatches=8, microbatch_group_size=3),
+            "got pp_size=4, microbatch_group_size=3",
+        ),
+    ],
+)
 def test_schedule_info_validation(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         ScheduleInfo(**kwargs)
@@ -82,7 +101,10 @@ AUTO_CASES = [
 @pytest.mark.parametrize("pm,expected", AUTO_CASES, ids=[f"P{c[0][0]}_M{c[0][1]}" for c in AUTO_CASES])
 def test_auto_ladder_1f1b(pm, expected):
     pp, mb = pm
-    assert list(auto_names(_auto_spec(), ScheduleInfo(pp_size=pp, vp_size=None, num_microbatches=mb))) == expected
+    assert (
+        list(auto_names(_auto_spec(), ScheduleInfo(pp_size=pp, vp_size=None, num_microbatches=mb)))
+        == expected
+    )
 
 
 def test_auto_ladder_roundings_at_pp4():
@@ -142,7 +164,7 @@ def test_inflight_matches_megatron_get_pp_rank_microbatches():
     """Cross-check against megatron-core's own warm-up arithmetic (a duck-typed communicator
     stands in for the process group; no distributed init needed)."""
     schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
-    for pp, vp, mb in itertools.product((2, 3, 4, 8), (None, 2, 3), (1, 2, 4, 8, 12)):
+    for pp, vp, mb in itertools.product((2, 3, 4, 8), (None, 1, 2, 3), (1, 2, 4, 8, 12)):
         if vp is not None and mb < pp:
             continue
         schedule = ScheduleInfo(pp_size=pp, vp_size=vp, num_microbatches=mb)
@@ -150,6 +172,7 @@ def test_inflight_matches_megatron_get_pp_rank_microbatches():
             group = types.SimpleNamespace(size=lambda pp=pp: pp, rank=lambda rank=rank: rank)
             comm = types.SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=vp)
             total, all_warmup, warmup, _ = schedules.get_pp_rank_microbatches(
-                mb, vp or 1, schedule.group_size, p2p_communicator=comm)
+                mb, vp or 1, schedule.group_size, p2p_communicator=comm
+            )
             megatron_inflight = total if all_warmup or warmup >= total else warmup + 1
             assert inflight_microbatches(rank, schedule) == megatron_inflight, (pp, vp, mb, rank)

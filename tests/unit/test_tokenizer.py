@@ -122,6 +122,16 @@ def test_tokenizer_load_errors(tmp_path):
         Tokenizer.load(garbage)
 
 
+def test_tokenizer_training_reraises_input_errors(tiny_texts, tmp_path):
+    def texts():
+        yield from tiny_texts[:5]
+        raise ValueError("data.jsonl:7: invalid JSON")
+
+    with pytest.raises(ValueError, match=r"^data\.jsonl:7: invalid JSON$"):
+        train_sentencepiece(texts(), tmp_path / "t.model", TokenizerTrainConfig(vocab_size=TINY_VOCAB))
+    assert not (tmp_path / "t.model").exists()
+
+
 def test_tokenizer_config_validation():
     with pytest.raises(ValueError, match="below"):
         TokenizerTrainConfig(vocab_size=100)
