@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from agoq.formats import NF4_CODEBOOK, QuantFormat
+from agoq.ref.quant import ref_code_values
 
 # Elements one program instance handles: ROWS = ELEMS_PER_PROGRAM // block blocks per program.
 # 4096 bf16 elements = 8 KiB read per program keeps enough bytes in flight per SM on H100; tuned in
@@ -55,13 +56,18 @@ def seed_mix(seed: int | None) -> int:
     return mixed - (1 << 32) if mixed >= (1 << 31) else mixed
 
 
-def nf4_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """NF4 codebook (fp32, 16) and midpoints (fp32, 15; fp64 mean rounded once, as agoq.ref)."""
-    return _nf4_tables(str(device))
-
-
 @functools.lru_cache(maxsize=16)  # one small upload per device, not one per call
-def _nf4_tables(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def nf4_midpoints(device: str) -> torch.Tensor:
+    """fp32 midpoints between NF4 entries (15; fp64 mean rounded once, as agoq.ref), padded to 16."""
     cb64 = torch.tensor(NF4_CODEBOOK, dtype=torch.float64)
     mids = ((cb64[1:] + cb64[:-1]) / 2).to(torch.float32)
-    return cb64.to(torch.float32).to(device), mids.to(device)
+    return torch.cat([mids, mids[-1:]]).to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def code_values(fmt: QuantFormat, device: str) -> torch.Tensor:
+    """Per-code fp32 values for lookup-table dequantize (nf, cint, cuint), from agoq.ref itself, so
+    the kernel's values are the reference's by construction (no per-element division on GPU)."""
+    if fmt.kind not in ("nf", "cint", "cuint"):
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    return ref_code_values(fmt, device)

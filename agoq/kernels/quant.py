@@ -32,9 +32,9 @@ def _round_half_away(y):
 
 
 @triton.jit
-def _hash_uniform(idx_i64, seed_mix):
-    """agoq.ref.quant.hash_uniform on uint32 lanes (wrap-around multiplies)."""
-    h = idx_i64.to(tl.uint32) + seed_mix.to(tl.uint32, bitcast=True)
+def _hash_uniform(idx_u32, seed_mix):
+    """agoq.ref.quant.hash_uniform on uint32 lanes (flat index mod 2**32; wrap-around multiplies)."""
+    h = idx_u32 + seed_mix.to(tl.uint32, bitcast=True)
     h = h ^ (h >> 16)
     h = h * 0x85EBCA6B
     h = h ^ (h >> 13)
@@ -114,7 +114,7 @@ def _quantize_fwd_kernel(
     x_ptr,  # input, bf16/fp16/fp32, numel elements (flat, contiguous)
     codes_ptr,  # out: uint8, num_blocks * BLOCK * BITS // 8 packed codes
     scales_ptr,  # out: fp32 / fp16 / uint8 (pow2 biased exponent), num_blocks
-    mids_ptr,  # fp32 NF4 midpoints (15), only read when KIND == 1
+    mids_ptr,  # fp32 NF4 midpoints (15, padded to 16), only read when KIND == 1
     numel,  # int: number of valid input elements
     num_blocks,  # int: ceil(numel / BLOCK)
     seed_mix,  # int32: (seed * 0x9E3779B9) mod 2**32, bit-cast; stochastic rounding only
@@ -130,10 +130,13 @@ def _quantize_fwd_kernel(
     FP8_DTYPE: tl.constexpr,  # tl.float8e4nv / tl.float8e5
 ):
     # -- load ROWS blocks (one read of the input) -------------------------------------------
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK)
-    idx = rows[:, None] * BLOCK + cols[None, :]
-    x = tl.load(x_ptr + idx, mask=idx < numel, other=0.0).to(tl.float32)
+    # 64-bit program base, 32-bit offsets inside the program (cheaper per-element address math)
+    first_row = tl.program_id(0).to(tl.int64) * ROWS
+    elem_base = first_row * BLOCK
+    rows = tl.arange(0, ROWS)
+    local = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    elems_left = tl.minimum(numel - elem_base, ROWS * BLOCK).to(tl.int32)
+    x = tl.load(x_ptr + elem_base + local, mask=local < elems_left, other=0.0).to(tl.float32)
     if KIND == 4:
         x = tl.math.sqrt_rn(x)  # negative -> NaN -> non-finite block
     # -- absmax, non-finite flag, scale -------------------------------------------------------
@@ -157,23 +160,28 @@ def _quantize_fwd_kernel(
             y = tl.minimum(tl.maximum(p, 0.0), 1.0) * 255.0
             lim = 255.0
         if STOCHASTIC:
-            r = tl.floor(y + _hash_uniform(idx, seed_mix))
+            idx_u32 = elem_base.to(tl.uint32) + local.to(tl.uint32)
+            r = tl.floor(y + _hash_uniform(idx_u32, seed_mix))
         else:
             r = _round_half_away(y)
         r = tl.minimum(tl.maximum(r, -lim), lim)
         offset = 2 ** (BITS - 1) if KIND == 0 else (128 if KIND == 3 else 0)
         code = r.to(tl.int32) + offset
     elif KIND == 1:
+        # binary search over the 15 sorted midpoints: code = #(midpoints < p), ties to the lower
         code = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
-        for i in tl.static_range(15):
-            code += tl.where(p > tl.load(mids_ptr + i), 1, 0)
+        for level in tl.static_range(4):
+            step: tl.constexpr = 8 >> level
+            code += tl.where(p > tl.load(mids_ptr + code + (step - 1)), step, 0)
     else:
         y = tl.minimum(tl.maximum(p, -QMAX), QMAX)
         code = y.to(FP8_DTYPE).to(tl.uint8, bitcast=True).to(tl.int32)
     # -- pack bit planes and store -------------------------------------------------------------
-    row_ok = rows < num_blocks
+    row_ok = rows < tl.minimum(num_blocks - first_row, ROWS).to(tl.int32)
     row_bytes: tl.constexpr = BLOCK * BITS // 8
     p0_bytes: tl.constexpr = BLOCK * PLANE0 // 8
+    codes_ptr += first_row * row_bytes
+    scales_ptr += first_row
     packed0 = _pack_plane(code & ((1 << PLANE0) - 1), ROWS, BLOCK, PLANE0)
     c0 = tl.arange(0, p0_bytes)
     tl.store(codes_ptr + rows[:, None] * row_bytes + c0[None, :], packed0, mask=row_ok[:, None])
@@ -196,7 +204,7 @@ def _dequantize_fwd_kernel(
     codes_ptr,  # uint8 packed codes, num_blocks * BLOCK * BITS // 8
     scales_ptr,  # fp32 / fp16 / uint8 (pow2), num_blocks
     out_ptr,  # out: bf16/fp16/fp32, numel elements
-    codebook_ptr,  # fp32 NF4 codebook (16), only read when KIND == 1
+    values_ptr,  # fp32 value of every code (nf, cint, cuint lookup table; agoq.ref.ref_code_values)
     numel,  # int: number of valid output elements
     num_blocks,  # int
     KIND: tl.constexpr,
@@ -210,10 +218,13 @@ def _dequantize_fwd_kernel(
     PLANE1: tl.constexpr,
     FP8_DTYPE: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < num_blocks
+    first_row = tl.program_id(0).to(tl.int64) * ROWS
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < tl.minimum(num_blocks - first_row, ROWS).to(tl.int32)
     row_bytes: tl.constexpr = BLOCK * BITS // 8
     p0_bytes: tl.constexpr = BLOCK * PLANE0 // 8
+    codes_ptr += first_row * row_bytes
+    scales_ptr += first_row
     # -- scales ----------------------------------------------------------------------------------
     if SCALE == 2:
         s = _pow2_value(tl.load(scales_ptr + rows, mask=row_ok, other=127).to(tl.int32))
@@ -233,20 +244,17 @@ def _dequantize_fwd_kernel(
     # -- values ------------------------------------------------------------------------------------
     if KIND == 0:
         v = (code - 2 ** (BITS - 1)).to(tl.float32)
-    elif KIND == 1:
-        v = tl.load(codebook_ptr + code)
     elif KIND == 2:
         v = code.to(tl.uint8).to(FP8_DTYPE, bitcast=True).to(tl.float32)
-    elif KIND == 3:
-        z = tl.math.div_rn((code - 128).to(tl.float32), tl.full(code.shape, 127.0, tl.float32))
-        v = tl.math.div_rn(z, 2.0 - tl.abs(z))
     else:
-        v = tl.math.div_rn(code.to(tl.float32), tl.full(code.shape, 255.0, tl.float32))
+        v = tl.load(values_ptr + code)  # nf / cint / cuint: 16- or 256-entry table, L1-resident
     y = v * s[:, None]
     if KIND == 4:
         y = y * y
-    idx = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    tl.store(out_ptr + idx, y.to(out_ptr.dtype.element_ty), mask=idx < numel)
+    elem_base = first_row * BLOCK
+    local = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    elems_left = tl.minimum(numel - elem_base, ROWS * BLOCK).to(tl.int32)
+    tl.store(out_ptr + elem_base + local, y.to(out_ptr.dtype.element_ty), mask=local < elems_left)
 
 
 def quantize(x: torch.Tensor, fmt: QuantFormat | str, *, seed: int | None = None) -> QuantizedTensor:
@@ -259,7 +267,7 @@ def quantize(x: torch.Tensor, fmt: QuantFormat | str, *, seed: int | None = None
     num_blocks = fmt.num_blocks(x.numel())
     codes_u8 = torch.empty(fmt.code_bytes(x.numel()), dtype=torch.uint8, device=x.device)
     scales = torch.empty(num_blocks, dtype=_launch.TORCH_SCALE_DTYPES[fmt.scale], device=x.device)
-    _, mids_f32 = _launch.nf4_tables(x.device)
+    mids_f32 = _launch.nf4_midpoints(str(x.device))
     _quantize_fwd_kernel[_launch.grid(fmt, num_blocks)](
         x_flat, codes_u8, scales, mids_f32, x.numel(), num_blocks, _launch.seed_mix(seed),
         num_warps=_launch.NUM_WARPS, enable_fp_fusion=False, **_launch.constexprs(fmt),
@@ -275,9 +283,9 @@ def dequantize(q: QuantizedTensor, out_dtype: torch.dtype | None = None) -> torc
     fmt = q.fmt
     out = torch.empty(q.shape, dtype=out_dtype, device=q.codes.device)
     num_blocks = fmt.num_blocks(q.numel)
-    codebook_f32, _ = _launch.nf4_tables(q.codes.device)
+    values_f32 = _launch.code_values(fmt, str(q.codes.device))
     _dequantize_fwd_kernel[_launch.grid(fmt, num_blocks)](
-        q.codes, q.scales, out, codebook_f32, q.numel, num_blocks,
+        q.codes, q.scales, out, values_f32, q.numel, num_blocks,
         num_warps=_launch.NUM_WARPS, enable_fp_fusion=False, **_launch.constexprs(fmt),
     )  # fmt: skip
     return out

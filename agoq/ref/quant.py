@@ -33,7 +33,7 @@ import torch
 
 from agoq.formats import NF4_CODEBOOK, QuantFormat, parse_format
 
-__all__ = ["QuantizedTensor", "ref_quantize", "ref_dequantize", "hash_uniform"]
+__all__ = ["QuantizedTensor", "ref_quantize", "ref_dequantize", "hash_uniform", "ref_code_values"]
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -94,6 +94,15 @@ def hash_uniform(index_i64: torch.Tensor, seed: int) -> torch.Tensor:
     h = (h * HASH_MUL2) & _MASK32
     h = h ^ (h >> 16)
     return (h >> (32 - SR_RANDOM_BITS)).to(torch.float32) * 2.0**-SR_RANDOM_BITS
+
+
+def _div(num_f32: torch.Tensor, divisor: float) -> torch.Tensor:
+    """Correctly rounded num / divisor on every device.
+
+    PyTorch's CUDA kernel for tensor / Python-scalar multiplies by the scalar's reciprocal (not an
+    IEEE division), which changes the last bit; a tensor divisor gives a true division everywhere.
+    """
+    return num_f32 / torch.full_like(num_f32, divisor)
 
 
 def _round_nearest(y: torch.Tensor) -> torch.Tensor:
@@ -208,7 +217,7 @@ def ref_quantize(x: torch.Tensor, fmt: QuantFormat | str, *, seed: int | None = 
         xb = torch.sqrt(xb)  # negative -> NaN -> non-finite block (second moments are >= 0)
     bad = ~torch.isfinite(xb).all(dim=1)
     absmax = xb.abs().amax(dim=1) if num_blocks else torch.zeros(0, device=x.device)
-    stored, s = _encode_scale(absmax / fmt.qmax, fmt.scale)
+    stored, s = _encode_scale(_div(absmax, fmt.qmax), fmt.scale)
     bad |= ~torch.isfinite(s)
     inv = torch.where(s > 0, torch.ones_like(s) / s, 0.0)  # correctly rounded reciprocal
     p = torch.where(bad.unsqueeze(1), 0.0, xb * torch.where(bad, 0.0, inv).unsqueeze(1))
@@ -237,9 +246,15 @@ def _values(codes_i32: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     if fmt.kind == "fp8":
         return codes_i32.to(torch.uint8).view(_FP8_DTYPES[fmt.variant]).to(torch.float32)
     if fmt.kind == "cint":
-        z = (codes_i32 - 128).to(torch.float32) / 127.0
+        z = _div((codes_i32 - 128).to(torch.float32), 127.0)
         return z / (2.0 - z.abs())
-    return codes_i32.to(torch.float32) / 255.0  # cuint: sqrt domain
+    return _div(codes_i32.to(torch.float32), 255.0)  # cuint: sqrt domain
+
+
+def ref_code_values(fmt: QuantFormat, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Normalised fp32 value of every code (2**bits entries, before the scale): the lookup table a
+    kernel may gather from instead of recomputing; identical to what ref_dequantize computes."""
+    return _values(torch.arange(2**fmt.bits, dtype=torch.int32, device=device), fmt)
 
 
 def ref_dequantize(q: QuantizedTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
