@@ -1,0 +1,291 @@
+"""Triton block quantize / dequantize with the signatures and codes of agoq.ref.quant.
+
+One program handles ROWS consecutive blocks. Quantize reads the input once and does absmax, scale,
+code and bit-plane packing in registers; dequantize reads codes + scales and writes the output
+dtype directly. All arithmetic mirrors agoq.ref.quant step for step: divisions and sqrt are the
+correctly rounded ``div_rn`` / ``sqrt_rn``, and kernels are compiled with ``enable_fp_fusion=False``
+so no multiply-add is contracted into an FMA (which would change rounding and hence codes).
+
+Interpreter note (TRITON_INTERPRET=1, Triton 3.8): the fp32 -> fp8 cast of the interpreter does not
+round ties to even, so fp8 *quantize* is checked on GPU only; everything else runs there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from agoq.formats import QuantFormat, parse_format
+from agoq.kernels import _launch
+from agoq.ref.quant import QuantizedTensor, check_input, ref_dequantize, ref_quantize
+
+__all__ = ["quantize", "dequantize"]
+
+
+@triton.jit
+def _round_half_away(y):
+    a = tl.abs(y)
+    f = tl.floor(a)
+    r = f + tl.where(a - f >= 0.5, 1.0, 0.0)
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def _hash_uniform(idx_u32, seed_mix):
+    """agoq.ref.quant.hash_uniform on uint32 lanes (flat index mod 2**32; wrap-around multiplies)."""
+    h = idx_u32 + seed_mix.to(tl.uint32, bitcast=True)
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    h = h ^ (h >> 16)
+    return (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+
+
+@triton.jit
+def _pack_plane(v, ROWS: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+    """[ROWS, BLOCK] codes < 2**WIDTH -> [ROWS, BLOCK*WIDTH//8] bytes, first code in the low bits."""
+    if WIDTH == 8:
+        out = v
+    elif WIDTH == 4:
+        lo, hi = tl.split(tl.reshape(v, [ROWS, BLOCK // 2, 2]))
+        out = lo | (hi << 4)
+    elif WIDTH == 2:
+        a, b = tl.split(tl.reshape(v, [ROWS, BLOCK // 4, 2, 2]))
+        lo, hi = tl.split(a | (b << 2))
+        out = lo | (hi << 4)
+    else:
+        a, b = tl.split(tl.reshape(v, [ROWS, BLOCK // 8, 2, 2, 2]))
+        c, d = tl.split(a | (b << 1))
+        lo, hi = tl.split(c | (d << 2))
+        out = lo | (hi << 4)
+    return out.to(tl.uint8)
+
+
+@triton.jit
+def _unpack_plane(byte, ROWS: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+    """Inverse of _pack_plane: [ROWS, BLOCK*WIDTH//8] bytes (int32) -> [ROWS, BLOCK] codes."""
+    if WIDTH == 8:
+        out = byte
+    elif WIDTH == 4:
+        out = tl.reshape(tl.join(byte & 15, byte >> 4), [ROWS, BLOCK])
+    elif WIDTH == 2:
+        q0 = tl.join(byte & 3, (byte >> 4) & 3)  # codes 0 and 2 of the byte (j = 0)
+        q1 = tl.join((byte >> 2) & 3, (byte >> 6) & 3)  # codes 1 and 3 (j = 1)
+        out = tl.reshape(tl.join(q0, q1), [ROWS, BLOCK])
+    else:
+        a00 = tl.join(byte & 1, (byte >> 4) & 1)  # bits (i, j, k) = 4i + 2j + k, joined i first
+        a01 = tl.join((byte >> 1) & 1, (byte >> 5) & 1)
+        a10 = tl.join((byte >> 2) & 1, (byte >> 6) & 1)
+        a11 = tl.join((byte >> 3) & 1, (byte >> 7) & 1)
+        out = tl.reshape(tl.join(tl.join(a00, a10), tl.join(a01, a11)), [ROWS, BLOCK])
+    return out
+
+
+@triton.jit
+def _encode_scale(raw, SCALE: tl.constexpr):
+    """(stored scale, its fp32 value) as agoq.ref.quant._encode_scale; pow2 stores a biased byte."""
+    if SCALE == 0:
+        stored = raw
+        s = raw
+    elif SCALE == 1:
+        stored = raw.to(tl.float16)
+        s = stored.to(tl.float32)
+    else:
+        bits = raw.to(tl.int32, bitcast=True)
+        biased = (bits >> 23) & 0xFF
+        exp = biased - 127 + tl.where((bits & 0x7FFFFF) != 0, 1, 0)
+        exp = tl.maximum(tl.where(biased == 0, -126, exp), -126)
+        byte = tl.where(exp <= 127, exp + 127, 255)
+        stored = byte
+        s = _pow2_value(byte)
+    return stored, s
+
+
+@triton.jit
+def _pow2_value(byte_i32):
+    bits = (byte_i32 << 23) | tl.where(byte_i32 == 255, 0x400000, 0)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_fwd_kernel(
+    x_ptr,  # input, bf16/fp16/fp32, numel elements (flat, contiguous)
+    codes_ptr,  # out: uint8, num_blocks * BLOCK * BITS // 8 packed codes
+    scales_ptr,  # out: fp32 / fp16 / uint8 (pow2 biased exponent), num_blocks
+    mids_ptr,  # fp32 NF4 midpoints (15, padded to 16), only read when KIND == 1
+    numel,  # int: number of valid input elements
+    num_blocks,  # int: ceil(numel / BLOCK)
+    seed_mix,  # int32: (seed * 0x9E3779B9) mod 2**32, bit-cast; stochastic rounding only
+    KIND: tl.constexpr,  # 0 int, 1 nf, 2 fp8, 3 cint, 4 cuint
+    BITS: tl.constexpr,  # code width
+    BLOCK: tl.constexpr,  # elements per scale
+    ROWS: tl.constexpr,  # blocks per program
+    SCALE: tl.constexpr,  # 0 fp32, 1 fp16, 2 pow2
+    STOCHASTIC: tl.constexpr,  # seeded stochastic rounding
+    QMAX: tl.constexpr,  # absmax maps to this code magnitude
+    PLANE0: tl.constexpr,  # first (low) bit-plane width
+    PLANE1: tl.constexpr,  # second bit-plane width or 0
+    FP8_DTYPE: tl.constexpr,  # tl.float8e4nv / tl.float8e5
+):
+    # -- load ROWS blocks (one read of the input) -------------------------------------------
+    # 64-bit program base, 32-bit offsets inside the program (cheaper per-element address math)
+    first_row = tl.program_id(0).to(tl.int64) * ROWS
+    elem_base = first_row * BLOCK
+    rows = tl.arange(0, ROWS)
+    local = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    elems_left = tl.minimum(numel - elem_base, ROWS * BLOCK).to(tl.int32)
+    x = tl.load(x_ptr + elem_base + local, mask=local < elems_left, other=0.0).to(tl.float32)
+    if KIND == 4:
+        x = tl.math.sqrt_rn(x)  # negative -> NaN -> non-finite block
+    # -- absmax, non-finite flag, scale -------------------------------------------------------
+    xa = tl.abs(x)
+    bad = tl.max(((xa != xa) | (xa == float("inf"))).to(tl.int32), axis=1) > 0
+    raw = tl.math.div_rn(tl.max(xa, axis=1), QMAX)
+    stored, s = _encode_scale(raw, SCALE)
+    bad = bad | (s != s) | (s == float("inf"))
+    inv = tl.where((s > 0) & (~bad), tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), 0.0)
+    p = tl.where(bad[:, None], 0.0, x * inv[:, None])
+    # -- codes ----------------------------------------------------------------------------------
+    if KIND == 0 or KIND == 3 or KIND == 4:
+        if KIND == 0:
+            y = p
+            lim = QMAX
+        elif KIND == 3:
+            pc = tl.minimum(tl.maximum(p, -1.0), 1.0)
+            y = tl.math.div_rn(pc * 2.0, tl.abs(pc) + 1.0) * 127.0
+            lim = 127.0
+        else:
+            y = tl.minimum(tl.maximum(p, 0.0), 1.0) * 255.0
+            lim = 255.0
+        if STOCHASTIC:
+            idx_u32 = elem_base.to(tl.uint32) + local.to(tl.uint32)
+            r = tl.floor(y + _hash_uniform(idx_u32, seed_mix))
+        else:
+            r = _round_half_away(y)
+        r = tl.minimum(tl.maximum(r, -lim), lim)
+        offset = 2 ** (BITS - 1) if KIND == 0 else (128 if KIND == 3 else 0)
+        code = r.to(tl.int32) + offset
+    elif KIND == 1:
+        # binary search over the 15 sorted midpoints: code = #(midpoints < p), ties to the lower
+        code = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
+        for level in tl.static_range(4):
+            step: tl.constexpr = 8 >> level
+            code += tl.where(p > tl.load(mids_ptr + code + (step - 1)), step, 0)
+    else:
+        y = tl.minimum(tl.maximum(p, -QMAX), QMAX)
+        code = y.to(FP8_DTYPE).to(tl.uint8, bitcast=True).to(tl.int32)
+    # -- pack bit planes and store -------------------------------------------------------------
+    row_ok = rows < tl.minimum(num_blocks - first_row, ROWS).to(tl.int32)
+    row_bytes: tl.constexpr = BLOCK * BITS // 8
+    p0_bytes: tl.constexpr = BLOCK * PLANE0 // 8
+    codes_ptr += first_row * row_bytes
+    scales_ptr += first_row
+    packed0 = _pack_plane(code & ((1 << PLANE0) - 1), ROWS, BLOCK, PLANE0)
+    c0 = tl.arange(0, p0_bytes)
+    tl.store(codes_ptr + rows[:, None] * row_bytes + c0[None, :], packed0, mask=row_ok[:, None])
+    if PLANE1 > 0:
+        p1_bytes: tl.constexpr = BLOCK * PLANE1 // 8
+        packed1 = _pack_plane((code >> PLANE0) & ((1 << PLANE1) - 1), ROWS, BLOCK, PLANE1)
+        c1 = tl.arange(0, p1_bytes)
+        tl.store(
+            codes_ptr + rows[:, None] * row_bytes + p0_bytes + c1[None, :], packed1, mask=row_ok[:, None]
+        )
+    if SCALE == 2:
+        stored = tl.where(bad, 255, stored).to(tl.uint8)
+    else:
+        stored = tl.where(bad, float("nan"), stored.to(tl.float32)).to(scales_ptr.dtype.element_ty)
+    tl.store(scales_ptr + rows, stored, mask=row_ok)
+
+
+@triton.jit
+def _dequantize_fwd_kernel(
+    codes_ptr,  # uint8 packed codes, num_blocks * BLOCK * BITS // 8
+    scales_ptr,  # fp32 / fp16 / uint8 (pow2), num_blocks
+    out_ptr,  # out: bf16/fp16/fp32, numel elements
+    values_ptr,  # fp32 value of every code (nf, cint, cuint lookup table; agoq.ref.ref_code_values)
+    numel,  # int: number of valid output elements
+    num_blocks,  # int
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    SCALE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,  # unused (same constexpr table as quantize)
+    QMAX: tl.constexpr,  # unused
+    PLANE0: tl.constexpr,
+    PLANE1: tl.constexpr,
+    FP8_DTYPE: tl.constexpr,
+):
+    first_row = tl.program_id(0).to(tl.int64) * ROWS
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < tl.minimum(num_blocks - first_row, ROWS).to(tl.int32)
+    row_bytes: tl.constexpr = BLOCK * BITS // 8
+    p0_bytes: tl.constexpr = BLOCK * PLANE0 // 8
+    codes_ptr += first_row * row_bytes
+    scales_ptr += first_row
+    # -- scales ----------------------------------------------------------------------------------
+    if SCALE == 2:
+        s = _pow2_value(tl.load(scales_ptr + rows, mask=row_ok, other=127).to(tl.int32))
+    else:
+        s = tl.load(scales_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    # -- unpack codes ----------------------------------------------------------------------------
+    c0 = tl.arange(0, p0_bytes)
+    b0 = tl.load(codes_ptr + rows[:, None] * row_bytes + c0[None, :], mask=row_ok[:, None], other=0)
+    code = _unpack_plane(b0.to(tl.int32), ROWS, BLOCK, PLANE0)
+    if PLANE1 > 0:
+        p1_bytes: tl.constexpr = BLOCK * PLANE1 // 8
+        c1 = tl.arange(0, p1_bytes)
+        b1 = tl.load(
+            codes_ptr + rows[:, None] * row_bytes + p0_bytes + c1[None, :], mask=row_ok[:, None], other=0
+        )
+        code = code | (_unpack_plane(b1.to(tl.int32), ROWS, BLOCK, PLANE1) << PLANE0)
+    # -- values ------------------------------------------------------------------------------------
+    if KIND == 0:
+        v = (code - 2 ** (BITS - 1)).to(tl.float32)
+    elif KIND == 2:
+        v = code.to(tl.uint8).to(FP8_DTYPE, bitcast=True).to(tl.float32)
+    else:
+        v = tl.load(values_ptr + code)  # nf / cint / cuint: 16- or 256-entry table, L1-resident
+    y = v * s[:, None]
+    if KIND == 4:
+        y = y * y
+    elem_base = first_row * BLOCK
+    local = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    elems_left = tl.minimum(numel - elem_base, ROWS * BLOCK).to(tl.int32)
+    tl.store(out_ptr + elem_base + local, y.to(out_ptr.dtype.element_ty), mask=local < elems_left)
+
+
+def quantize(x: torch.Tensor, fmt: QuantFormat | str, *, seed: int | None = None) -> QuantizedTensor:
+    """Triton twin of agoq.ref.quant.ref_quantize (identical codes and scales)."""
+    fmt = parse_format(fmt)
+    check_input(x, fmt, seed)
+    if not fmt.quantized or x.numel() == 0:
+        return ref_quantize(x, fmt, seed=seed)  # a plain cast (or nothing): no kernel needed
+    x_flat = x.detach().reshape(-1).contiguous()
+    num_blocks = fmt.num_blocks(x.numel())
+    codes_u8 = torch.empty(fmt.code_bytes(x.numel()), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(num_blocks, dtype=_launch.TORCH_SCALE_DTYPES[fmt.scale], device=x.device)
+    mids_f32 = _launch.nf4_midpoints(str(x.device))
+    _quantize_fwd_kernel[_launch.grid(fmt, num_blocks)](
+        x_flat, codes_u8, scales, mids_f32, x.numel(), num_blocks, _launch.seed_mix(seed),
+        num_warps=_launch.NUM_WARPS, enable_fp_fusion=False, **_launch.constexprs(fmt),
+    )  # fmt: skip
+    return QuantizedTensor(codes_u8, scales, fmt, x.shape, x.dtype)
+
+
+def dequantize(q: QuantizedTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Triton twin of agoq.ref.quant.ref_dequantize."""
+    out_dtype = q.dtype if out_dtype is None else out_dtype
+    if not q.fmt.quantized or q.numel == 0 or out_dtype not in _launch.TL_OUT_DTYPES:
+        return ref_dequantize(q, out_dtype)  # plain cast, empty, or the reference's dtype error
+    fmt = q.fmt
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.codes.device)
+    num_blocks = fmt.num_blocks(q.numel)
+    values_f32 = _launch.code_values(fmt, str(q.codes.device))
+    _dequantize_fwd_kernel[_launch.grid(fmt, num_blocks)](
+        q.codes, q.scales, out, values_f32, q.numel, num_blocks,
+        num_warps=_launch.NUM_WARPS, enable_fp_fusion=False, **_launch.constexprs(fmt),
+    )  # fmt: skip
+    return out

@@ -1,0 +1,170 @@
+"""agoq.kernels.quant vs agoq.ref.quant: identical codes and scales, identical dequantized values.
+
+CPU: ``TRITON_INTERPRET=1 python -m pytest tests/kernels -m "not gpu"`` (own process; small sizes).
+GPU: ``python -m pytest tests/kernels`` (adds the Llama-sized shapes and fp8 quantize).
+
+Interpreter limits found on Triton 3.8 (documented in docs/numerics.md):
+- fp32 -> fp8 casts do not round ties to even, so fp8 *quantize* is GPU-only (marked ``gpu``);
+  fp8 dequantize still runs in the interpreter.
+- fp32 -> bf16 casts truncate instead of rounding to nearest even, so in interpreter mode bf16
+  outputs may differ from the reference by one bf16 ulp; fp32/fp16 outputs must match exactly.
+"""
+
+import os
+
+import pytest
+import torch
+
+from agoq.formats import NF4_CODEBOOK, parse_format
+from agoq.ref.quant import ref_dequantize, ref_quantize
+from agoq.testing.numerics import make_test_data
+
+# The interpreter evaluates NaN/Inf blocks with numpy, which warns; the values are what is tested.
+pytestmark = [pytest.mark.kernels, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+FP8_GPU = pytest.mark.gpu(reason="interpreter fp8 cast does not round ties to even (Triton 3.8)")
+
+NON_FP8 = [
+    "int8_b128", "int6_b64", "int5_b32", "int4_b64", "int3_b256", "int2_b64", "nf4_b64", "cint8_b32",
+    "cuint8_b32", "int8_b256_sp2", "int4_b32_s16", "nf4_b256_s16", "int6_b32_sp2", "int8_b128_sr",
+    "int4_b64_sr", "cint8_b32_sr", "cuint8_b32_sr",
+]  # fmt: skip
+FP8 = ["fp8e4m3_b128", "fp8e5m2_b128", "fp8e4m3_b32_sp2", "fp8e5m2_b64_s16"]
+FORMATS = NON_FP8 + [pytest.param(n, marks=FP8_GPU) for n in FP8]
+SMALL_SHAPES = [(1,), (0,), (32,), (3, 256), (1000,), (7, 33)]
+GPU_SHAPES = [(4096, 11008), (3, 1_000_003)]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _quant():
+    from agoq.kernels.quant import dequantize, quantize  # imported late: TRITON_INTERPRET is read at import
+
+    return quantize, dequantize
+
+
+def _data(fmt, shape, dtype, dist="gaussian", seed=0):
+    numel = int(torch.Size(shape).numel())
+    x = make_test_data("heavy_tailed" if dist == "heavy_tailed" else "gaussian", numel, seed=seed)
+    if dist == "zero_block" and numel:
+        x[: min(numel, fmt.block)] = 0.0
+    if dist == "constant_block" and numel:
+        x[: min(numel, fmt.block)] = -1.375
+    if fmt.kind == "cuint":
+        x = x.abs()
+    return x.reshape(shape).to(dtype=dtype, device=DEVICE)
+
+
+def _assert_same_quant(q, r):
+    assert q.fmt == r.fmt and q.shape == r.shape and q.dtype == r.dtype
+    assert q.codes.dtype == r.codes.dtype and q.scales.dtype == r.scales.dtype
+    assert torch.equal(q.codes, r.codes), "codes differ"
+    torch.testing.assert_close(q.scales, r.scales, rtol=0, atol=0, equal_nan=True)  # exact, NaN==NaN
+
+
+def _assert_same_values(y, expected):
+    assert y.shape == expected.shape and y.dtype == expected.dtype
+    if INTERPRET and y.dtype == torch.bfloat16:
+        # interpreter truncates fp32 -> bf16 (module docstring): allow one bf16 ulp, 2**-7 relative
+        torch.testing.assert_close(y.float(), expected.float(), rtol=2.0**-7, atol=0, equal_nan=True)
+    else:
+        torch.testing.assert_close(y, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def _check(x, name, seed=None):
+    quantize, dequantize = _quant()
+    fmt = parse_format(name)
+    q = quantize(x, fmt, seed=seed)
+    r = ref_quantize(x, fmt, seed=seed)
+    _assert_same_quant(q, r)
+    for out_dtype in (None, torch.float32):
+        _assert_same_values(dequantize(q, out_dtype), ref_dequantize(r, out_dtype))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("shape", SMALL_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_matches_ref_small(name, shape, dtype):
+    _check(_data(parse_format(name), shape, dtype), name, seed=17)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dist", ["gaussian", "heavy_tailed", "zero_block", "constant_block"])
+def test_kernel_matches_ref_distributions(name, dist):
+    _check(_data(parse_format(name), (5, 300), torch.bfloat16, dist, seed=4), name, seed=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NON_FP8 + FP8)
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_kernel_matches_ref_llama_sizes(name, shape):
+    _check(_data(parse_format(name), shape, torch.bfloat16, "heavy_tailed", seed=5), name, seed=99)
+
+
+@pytest.mark.parametrize("name", NON_FP8)
+def test_kernel_dequantizes_ref_codes(name):
+    """Dequantize alone, on codes from the reference (covers fp8 decode in the interpreter too)."""
+    _, dequantize = _quant()
+    for fmt_name in (name, *FP8):
+        fmt = parse_format(fmt_name)
+        r = ref_quantize(_data(fmt, (9, 70), torch.float32, seed=8), fmt, seed=1)
+        _assert_same_values(dequantize(r), ref_dequantize(r))
+
+
+@pytest.mark.parametrize("name", ["int8_b32", "int4_b64_sp2", "nf4_b64", "cint8_b32", "cuint8_b32",
+                                  pytest.param("fp8e4m3_b32", marks=FP8_GPU)])  # fmt: skip
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_kernel_non_finite_block_becomes_nan(name, bad):
+    quantize, dequantize = _quant()
+    fmt = parse_format(name)
+    x = _data(fmt, (4 * fmt.block + 3,), torch.bfloat16, seed=2)
+    x[fmt.block + 5] = bad
+    y = dequantize(quantize(x, fmt))
+    assert bool(torch.isnan(y[fmt.block : 2 * fmt.block]).all())
+    assert bool(torch.isfinite(y[: fmt.block]).all()) and bool(torch.isfinite(y[2 * fmt.block :]).all())
+    _check(x, name)
+
+
+def test_kernel_scale_overflow_and_negative_second_moment_are_nan():
+    quantize, dequantize = _quant()
+    big = torch.full((64,), 1e9, device=DEVICE)  # fp16 scale 1e9/127 overflows
+    assert bool(torch.isnan(dequantize(quantize(big, "int8_b32_s16"))).all())
+    v = torch.rand(64, device=DEVICE)
+    v[40] = -1.0
+    y = dequantize(quantize(v, "cuint8_b32"))
+    assert bool(torch.isnan(y[32:]).all()) and bool(torch.isfinite(y[:32]).all())
+
+
+def test_kernel_ties_match_ref():
+    x = torch.zeros(64, device=DEVICE)
+    x[0] = 127.0  # scale 1: p == x
+    x[1:9] = torch.tensor([0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 0.49999997, 126.5])
+    _check(x, "int8_b32")
+    _check(x, "int8_b32_sp2")
+    cb = torch.tensor(NF4_CODEBOOK)
+    mids = ((cb[1:].double() + cb[:-1].double()) / 2).float()
+    y = torch.zeros(32, device=DEVICE)
+    y[0] = 1.0
+    y[1:16] = mids.to(DEVICE)
+    _check(y, "nf4_b32")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**31 + 7, 2**40 + 3, -5])
+def test_kernel_stochastic_rounding_matches_ref_for_any_seed(seed):
+    x = _data(parse_format("int4_b64"), (3, 333), torch.float32, seed=6)
+    _check(x, "int4_b64_sr", seed=seed)
+    _check(x, "cint8_b32_sr", seed=seed)
+
+
+def test_kernel_argument_errors_match_ref():
+    quantize, _ = _quant()
+    with pytest.raises(ValueError, match="seed"):
+        quantize(torch.ones(4, device=DEVICE), "int8_b32_sr")
+    with pytest.raises(ValueError, match="bf16/fp16/fp32"):
+        quantize(torch.ones(4, dtype=torch.float64, device=DEVICE), "int8_b32")
+
+
+def test_kernel_non_contiguous_input():
+    x = _data(parse_format("int4_b64"), (64, 48), torch.bfloat16, seed=9).t()
+    _check(x, "int4_b64")
