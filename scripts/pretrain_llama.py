@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_POLICY = REPO_ROOT / "configs" / "policy" / "agoq.yaml"
@@ -62,10 +61,7 @@ def train_valid_test_datasets_provider(args):
     if args.data_path:
         blend, tokenizer_path = args.data_path, Path(args.tokenizer_model)
     else:
-        if dist.get_rank() == 0:
-            mdata.ensure_default_dataset(cache_dir)
-        dist.barrier()
-        paths = mdata.ensure_default_dataset(cache_dir)
+        paths = mdata.ensure_default_dataset_distributed(cache_dir)  # rank 0 builds, then the others read
         blend, tokenizer_path = [str(paths.prefix)], paths.tokenizer_model
     tokenizer = Tokenizer.load(tokenizer_path)
     from megatron.core import parallel_state
@@ -105,7 +101,12 @@ def policy_report(args, shape, layout, num_microbatches) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    pretrain(args, model_provider, train_valid_test_datasets_provider, policy_report)
+    try:
+        pretrain(args, model_provider, train_valid_test_datasets_provider, policy_report)
+    except (ValueError, FileNotFoundError, NotImplementedError) as exc:  # bad input: one line, no traceback
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

@@ -58,10 +58,53 @@ def _full_sharded_state_dict(model_chunks, optimizer, scheduler, progress: Progr
     return state
 
 
+def _ignore_stop_signals_in_child() -> None:
+    """Initializer of the checkpoint writer's result-queue server process.
+
+    The launcher (torchrun, slurm) delivers SIGTERM/SIGINT/SIGUSR1 to every process of the job; the
+    training ranks turn it into "save, then exit", but the writer's helper process would die and break
+    that very save (BrokenPipeError, measured). It ignores the stop signals and instead dies with its
+    parent (Linux PR_SET_PDEATHSIG), so it never outlives the rank.
+    """
+    import ctypes
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:  # not Linux/glibc: the manager's own finalizer still stops it at a normal exit
+        pass
+
+
+def _install_signal_safe_results_queue() -> None:
+    """Pre-create megatron's module-global ``_results_queue`` from a signal-proof manager process.
+
+    Touches ``dist_checkpointing.strategies.filesystem_async._results_queue`` (listed in the contract);
+    megatron creates it lazily with ``ctx.Manager().Queue()`` on the first save, which we do first.
+    """
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=_ignore_stop_signals_in_child)
+    _MANAGERS.append(manager)  # keep it alive for the process lifetime
+    filesystem_async._results_queue = manager.Queue()
+
+
+_MANAGERS: list = []
+
+
 def save_checkpoint(save_dir: str | os.PathLike, progress: Progress, model_chunks: list, optimizer,
                     scheduler, *, extra: dict | None = None) -> Path:
     """Write ``iter_N`` on every rank, then publish it in the tracker (rank 0, atomic rename)."""
     target = iteration_dir(save_dir, progress.iteration)
+    _install_signal_safe_results_queue()
     if dist.get_rank() == 0:
         target.mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -144,7 +187,9 @@ def _init_torch_optimizer_steps(optimizer) -> None:
                     state["step"] = torch.zeros((), dtype=torch.float32)
 
 
-def load_checkpoint(load_dir: str | os.PathLike, model_chunks: list, optimizer, scheduler) -> tuple[Progress, dict] | None:
+def load_checkpoint(
+    load_dir: str | os.PathLike, model_chunks: list, optimizer, scheduler
+) -> tuple[Progress, dict] | None:
     """Load the tracker's checkpoint into the model, optimizer and scheduler; None when there is none."""
     iteration = latest_iteration(load_dir)
     if iteration is None:

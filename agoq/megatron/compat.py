@@ -99,6 +99,8 @@ CONTRACT: tuple[Symbol, ...] = (
                    "micro_batch_size", "forward_only")),
     Symbol("megatron.core.dist_checkpointing:save", "checkpoint save",
            params=("sharded_state_dict", "checkpoint_dir")),
+    Symbol("megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",
+           "pre-created from a signal-proof manager so a save survives SIGTERM (checkpoint.py)"),
     Symbol("megatron.core.dist_checkpointing:load", "checkpoint load",
            params=("sharded_state_dict", "checkpoint_dir")),
 )

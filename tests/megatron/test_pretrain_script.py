@@ -70,3 +70,40 @@ def test_dp2_without_distributed_optimizer_resumes(env, tmp_path):
     run_pretrain(2, args + ["--save", str(ckpt), "--exit-interval", "2"], env=env)
     resumed = _losses(run_pretrain(2, args + ["--load", str(ckpt)], env=env).stdout)
     assert resumed == full[2:]
+
+
+def test_layout_that_does_not_divide_stops_before_training(env):
+    proc = run_pretrain(2, TINY + ["--num-layers", "3", "--pipeline-model-parallel-size", "2"], env=env, check=False)
+    assert proc.returncode != 0
+    assert "pretrain_llama.py: error: --num-layers 3 is not divisible by 2 model chunks" in proc.stderr
+    assert iteration_records(proc.stdout) == []
+
+
+def test_sigterm_saves_and_leaves_a_loadable_checkpoint(env, tmp_path):
+    """SIGTERM to torchrun mid-run: the ranks finish the iteration, save, exit; the checkpoint resumes."""
+    import signal
+    import subprocess
+    import time
+
+    from agoq.testing.procs import PRETRAIN_SCRIPT, REPO_ROOT, torchrun_command
+
+    ckpt = tmp_path / "ckpt"
+    args = TINY + ["--pipeline-model-parallel-size", "2", "--train-iters", "500", "--save", str(ckpt),
+                   "--save-interval", "2"]
+    proc = subprocess.Popen(torchrun_command(2, PRETRAIN_SCRIPT, args), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO_ROOT)
+    seen = []
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("iteration      3/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+        assert time.monotonic() < deadline, "".join(seen[-50:])
+    output = "".join(seen) + proc.communicate(timeout=120)[0]
+    saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert 3 <= saved < 500, output[-3000:]
+    assert f"iter_{saved:07d}" in output  # the tracker names a checkpoint whose save completed
+    resumed = iteration_records(run_pretrain(2, args[:-4] + ["--train-iters", str(saved + 1), "--load", str(ckpt)],
+                                             env=env).stdout)
+    assert [r["iteration"] for r in resumed] == [saved + 1]
