@@ -1,0 +1,142 @@
+"""Benchmark whole training steps of scripts/pretrain_llama.py: tokens/s and peak GPU memory per variant.
+
+Every variant runs the real script (torchrun, one process per GPU) in this one invocation, so the
+baseline and the variants share the device, the versions and the data. The script's ``--log-json``
+records are summarised as: median tokens/s and step time over the iterations after ``--warmup``,
+the peak of ``torch.cuda.max_memory_allocated`` (the logging rank, i.e. the last pipeline stage) and
+the first/last loss.
+
+    python scripts/bench_pretrain.py --suite attention --out docs/benchmarks/pretrain_attention.json
+
+Suites: ``attention`` (issue 2: SDPA vs Megatron's unfused DotProductAttention, ~350M and ~1B LLaMA
+shapes, PP=1, one GPU). ``--smoke`` runs a tiny CPU version of the suite (for CI-style checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from agoq.testing.procs import PRETRAIN_SCRIPT, child_env, torchrun_command  # noqa: E402
+
+# Shapes: LLaMA-style, bf16, seq 2048. "350m" is a GPT-3-Medium-sized body (24 x 1024, the issue's
+# 350M example); "1b" is the LLaMA-3.2-1B body (16 x 2048, 32 heads, 8 KV groups, ffn 8192).
+SHAPES = {
+    "350m": ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16",
+             "--num-query-groups", "16", "--ffn-hidden-size", "2816"],
+    "1b": ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "32",
+           "--num-query-groups", "8", "--ffn-hidden-size", "8192"],
+    "tiny": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--num-query-groups", "2", "--ffn-hidden-size", "192"],
+}
+COMMON = ["--seq-length", "2048", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "2", "--log-interval", "1"]
+
+
+def attention_suite(smoke: bool) -> list[dict]:
+    if smoke:
+        batch = ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4"]
+        return [{"name": f"tiny/{b}", "nproc": 1, "args": SHAPES["tiny"] + COMMON[2:] + batch
+                 + ["--attention-backend", b]} for b in ("sdpa", "megatron")]
+    variants = []
+    for shape, mbs, gbs in (("350m", 4, 16), ("1b", 2, 8)):
+        for backend in ("sdpa", "megatron"):
+            variants.append({
+                "name": f"{shape}/{backend}", "nproc": 1,
+                "args": SHAPES[shape] + COMMON + ["--micro-batch-size", str(mbs), "--global-batch-size", str(gbs),
+                                                  "--train-iters", "12", "--attention-backend", backend],
+            })
+    return variants
+
+
+SUITES = {"attention": attention_suite}
+
+
+def run_variant(variant: dict, workdir: Path, timeout: float) -> dict:
+    log = workdir / (variant["name"].replace("/", "_") + ".jsonl")
+    cmd = torchrun_command(variant["nproc"], PRETRAIN_SCRIPT, variant["args"] + ["--log-json", str(log)])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=REPO_ROOT)
+    result = {"name": variant["name"], "command": " ".join(cmd[1:]), "returncode": proc.returncode}
+    if proc.returncode != 0:
+        result["error_tail"] = (proc.stdout + proc.stderr)[-4000:]
+        return result
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    result["records"] = records
+    return result
+
+
+def summarise(result: dict, warmup: int) -> dict:
+    if result["returncode"] != 0:
+        return {"name": result["name"], "failed": True}
+    steady = [r for r in result["records"] if r["iteration"] > warmup] or result["records"]
+    summary = {
+        "name": result["name"],
+        "tokens_per_second_median": statistics.median(r["tokens_per_second"] for r in steady),
+        "step_ms_median": 1e3 * statistics.median(r["step_seconds"] for r in steady),
+        "first_loss": result["records"][0]["lm_loss"],
+        "last_loss": result["records"][-1]["lm_loss"],
+    }
+    if "peak_gib" in result["records"][-1]:
+        summary["peak_gib"] = max(r["peak_gib"] for r in result["records"])
+    return summary
+
+
+def environment() -> dict:
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node()}
+    try:
+        import megatron.core
+        import triton
+
+        info.update(megatron_core=megatron.core.__version__, triton=triton.__version__)
+    except ImportError as exc:
+        info["import_error"] = str(exc)
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+        info["num_gpus"] = torch.cuda.device_count()
+    else:
+        info["device"] = "cpu"
+    return info
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite", choices=sorted(SUITES), default="attention")
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--warmup", type=int, default=3, help="iterations left out of the medians")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per variant")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU version of the suite")
+    args = parser.parse_args(argv)
+    report = {
+        "suite": args.suite, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]), "environment": environment(),
+        "warmup_iterations_excluded": args.warmup, "variants": [], "summary": [],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant in SUITES[args.suite](args.smoke):
+            result = run_variant(variant, Path(tmp), args.timeout)
+            report["variants"].append(result)
+            report["summary"].append(summarise(result, args.warmup))
+            print(json.dumps(report["summary"][-1]), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    failed = [s["name"] for s in report["summary"] if s.get("failed")]
+    if failed:
+        print(f"failed variants: {failed} (see error_tail in {args.out})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
