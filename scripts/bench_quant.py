@@ -129,7 +129,8 @@ def main() -> None:
     result["throughput"] = [row for size in args.sizes_mib for row in bench_size(size, args.formats)]
     for row in result["throughput"]:
         print(f"{row['size_mib']:5d} MiB {row['format']:15s} {row['op']:10s} {row['ms']:8.3f} ms "
-              f"bf16 {row['bf16_gbps']:7.1f} GB/s moved {row['moved_gbps']:7.1f} GB/s  {row['vs_copy']:.2f}x copy",
+              f"bf16 {row['bf16_gbps']:7.1f} GB/s moved {row['moved_gbps']:7.1f} GB/s "
+              f"{row['vs_copy']:.2f}x copy",
               flush=True)  # fmt: skip
     result["sqnr"] = sqnr_rows(args.formats)
     for row in result["sqnr"]:

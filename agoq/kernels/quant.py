@@ -170,9 +170,8 @@ def _quantize_fwd_kernel(
     elif KIND == 1:
         # binary search over the 15 sorted midpoints: code = #(midpoints < p), ties to the lower
         code = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
-        for level in tl.static_range(4):
-            step: tl.constexpr = 8 >> level
-            code += tl.where(p > tl.load(mids_ptr + code + (step - 1)), step, 0)
+        for level in tl.static_range(4):  # steps 8, 4, 2, 1 (no constexpr rebinding: Triton 3.6)
+            code += tl.where(p > tl.load(mids_ptr + code + ((8 >> level) - 1)), 8 >> level, 0)
     else:
         y = tl.minimum(tl.maximum(p, -QMAX), QMAX)
         code = y.to(FP8_DTYPE).to(tl.uint8, bitcast=True).to(tl.int32)
