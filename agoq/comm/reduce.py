@@ -274,7 +274,7 @@ def _gather_into(shard_f32: torch.Tensor, *, flat: torch.Tensor, fmt: QuantForma
     quantize, dequantize = quant_ops_for(shard_f32.device)
     mine_u8 = _pack(quantize(shard_f32, fmt), 1).view(-1)
     gathered_u8 = torch.empty(world_size * mine_u8.numel(), dtype=torch.uint8, device=mine_u8.device)
-    dist.all_gather_into_tensor(gathered_u8, mine_u8, group=group)  # gloo wants a flat output
+    _all_gather_single(gathered_u8, mine_u8, group=group)  # gloo wants a flat output
     gathered_u8 = gathered_u8.view(world_size, -1)
     full = dequantize(_unpack(gathered_u8, fmt, shard_f32.numel()), flat.dtype).view(-1)
     if full.numel() == flat.numel():
@@ -283,6 +283,12 @@ def _gather_into(shard_f32: torch.Tensor, *, flat: torch.Tensor, fmt: QuantForma
     row_numel = -(-flat.numel() // world_size)
     full = full.view(world_size, -1)[:, :row_numel].reshape(-1)
     flat.copy_(full[: flat.numel()])
+
+
+def _all_gather_single(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """all_gather_into_tensor under its newer name where torch has it (2.14 deprecates the old one)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
 
 
 def make_reduce_scatter(fmt: QuantFormat | str) -> Callable:
