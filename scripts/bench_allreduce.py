@@ -126,7 +126,8 @@ def link_model(numel: int, world: int, fmt: str, local_ms: float) -> list[dict]:
 
 
 def run(rank: int, world: int, args) -> list[dict]:
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return [bench_size(s, args.format, device, args.warmup, args.iters) for s in args.sizes_mib]

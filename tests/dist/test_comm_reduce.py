@@ -111,9 +111,11 @@ def _check_case(case, results: list[dict], world_size: int) -> None:
     ref_rs = ref_reduce_scatter_8bit(case["inputs"], fmt, average=avg)
     for r, res in enumerate(results):
         for key in ("ar", "ar_async"):
-            assert torch.equal(res[key].view(torch.uint8), ref_ar.view(torch.uint8)), f"{name}: rank {r} {key} != ref"
+            same = torch.equal(res[key].view(torch.uint8), ref_ar.view(torch.uint8))
+            assert same, f"{name}: rank {r} {key} != ref"
         for key in ("rs", "rs_async"):
-            assert torch.equal(res[key].view(torch.uint8), ref_rs[r].view(torch.uint8)), f"{name}: rank {r} {key} != ref"
+            same = torch.equal(res[key].view(torch.uint8), ref_rs[r].view(torch.uint8))
+            assert same, f"{name}: rank {r} {key} != ref"
     if not fmt.startswith("int"):
         return  # fp8 has no uniform-step bound; bit-equality with the reference is the check
     exact = _exact(case)
@@ -121,7 +123,8 @@ def _check_case(case, results: list[dict], world_size: int) -> None:
     bound_ar = error_bound_8bit(case["inputs"], fmt, all_gather=True, average=avg) + _slack(case, exact)
     err_ar = (ref_ar.double() - exact).abs()
     ok = ~bad
-    assert torch.all(err_ar[ok] <= bound_ar[ok]), f"{name}: all-reduce error {float((err_ar - bound_ar)[ok].max())} over bound"
+    excess = float((err_ar - bound_ar)[ok].max())
+    assert torch.all(err_ar[ok] <= bound_ar[ok]), f"{name}: all-reduce error exceeds the bound by {excess}"
     assert torch.isnan(ref_ar[bad]).all(), f"{name}: non-finite input block not NaN after all-reduce"
     bound_rs = error_bound_8bit(case["inputs"], fmt, all_gather=False, average=avg) + _slack(case, exact)
     rs = torch.cat(ref_rs).double()

@@ -21,15 +21,19 @@ import torch
 
 pytestmark = [pytest.mark.megatron, pytest.mark.dist]
 
+from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from megatron.core import parallel_state  # noqa: E402
 
 from agoq.config import AgoqConfig  # noqa: E402
 from agoq.megatron import runtime, training  # noqa: E402
 from agoq.megatron.ddp import GradConfig, grad_memory_report, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.model import (  # noqa: E402
-    LlamaShape, ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config,
+    LlamaShape,
+    ParallelLayout,
+    agoq_layer_spec,
+    build_model_chunks,
+    llama_transformer_config,
 )
 from agoq.testing.dist import spawn_ranks  # noqa: E402
 
@@ -114,7 +118,7 @@ def _check_band(results: dict, baseline: str, others: list[str]) -> None:
             assert rel <= GRAD_REL_BOUND, f"{name}: step-1 main_grad relative error {rel:.4f}"
         losses = results[name]["losses"]
         assert losses != base, f"{name}: identical to fp32, the 8-bit path did not run"
-        for step, (a, b) in enumerate(zip(losses, base)):
+        for step, (a, b) in enumerate(zip(losses, base, strict=True)):
             assert abs(a - b) <= LOSS_BAND_REL * b, f"{name} step {step}: loss {a:.4f} vs fp32 {b:.4f}"
 
 
