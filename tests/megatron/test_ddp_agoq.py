@@ -157,7 +157,6 @@ def test_dp2_distributed_optimizer_tracks_fp32():
     _check_band(results, "fp32", ["store", "store_ef_overlap"])
 
 
-@pytest.mark.slow
 def test_pp2_dp2_tracks_fp32():
     variants = [("fp32", False, False, None), ("store", True, False, GradConfig(fmt="int8_b256"))]
     per_rank = spawn_ranks(4, _train, args=(2, variants))
