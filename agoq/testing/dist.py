@@ -1,0 +1,90 @@
+"""Run a function on W ranks of a real process group (gloo on CPU) from a test or a script.
+
+``spawn_ranks(world_size, fn, backend="gloo")`` starts one process per rank, joins them through a
+file-based rendezvous in a fresh temporary directory (no ports, so parallel test runs cannot
+collide), calls ``fn(rank, world_size, *args)`` inside an initialised default process group and
+returns every rank's return value (rank order). A failure on any rank raises ``RankError`` carrying
+that rank's traceback; a hang raises after ``timeout_s``. The idea follows flashoptim's
+``ddp_runner`` without its CUDA requirement.
+
+Processes are forked by default: the child inherits the already-imported torch (no second ~2 s
+import on a 2-core CI machine) and ``fn`` may be any callable, closures included. Use
+``start_method="spawn"`` for CUDA (a forked child cannot initialise CUDA); ``fn`` must then be a
+module-level function.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["spawn_ranks", "RankError"]
+
+DEFAULT_TIMEOUT_S = 300.0  # generous for 2 shared CPU cores; a real hang is still reported
+
+
+class RankError(RuntimeError):
+    """A rank raised (or died); the message holds its traceback or exit code."""
+
+
+def _child(rank: int, world_size: int, fn: Callable, args: tuple, backend: str, workdir: str, threads: int) -> None:
+    out = Path(workdir) / f"rank{rank}.pkl"
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        dist.init_process_group(backend, init_method=f"file://{workdir}/rendezvous", rank=rank,
+                                world_size=world_size)
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        payload = ("ok", result)
+    except BaseException:  # noqa: BLE001 - forwarded to the parent with the traceback
+        payload = ("error", traceback.format_exc())
+    with open(out, "wb") as f:
+        pickle.dump(payload, f)
+
+
+def spawn_ranks(world_size: int, fn: Callable[..., Any], backend: str = "gloo", *, args: tuple = (),
+                timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str = "fork",
+                threads_per_rank: int = 1) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results in rank order."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context(start_method)
+    with tempfile.TemporaryDirectory(prefix="agoq-ranks-") as workdir:
+        procs = [
+            ctx.Process(target=_child, args=(r, world_size, fn, args, backend, workdir, threads_per_rank))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout_s)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:
+            procs[r].kill()
+            procs[r].join()
+        if hung:
+            raise RankError(f"ranks {hung} did not finish within {timeout_s:.0f} s (deadlock in a collective?)")
+        return [_collect(workdir, r, procs[r].exitcode) for r in range(world_size)]
+
+
+def _collect(workdir: str, rank: int, exitcode: int | None) -> Any:
+    path = os.path.join(workdir, f"rank{rank}.pkl")
+    if not os.path.exists(path):
+        raise RankError(f"rank {rank} exited with code {exitcode} before reporting a result")
+    with open(path, "rb") as f:
+        status, value = pickle.load(f)
+    if status == "error":
+        raise RankError(f"rank {rank} failed:\n{value}")
+    return value

@@ -1,0 +1,27 @@
+"""scripts/bench_allreduce.py --smoke runs end to end on CPU (2 gloo ranks) and writes its JSON."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.dist]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_allreduce_smoke_writes_report(tmp_path):
+    out = tmp_path / "grads.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "bench_allreduce.py"), "--smoke", "--sizes-mib", "1",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=REPO_ROOT, env={"PYTHONPATH": str(REPO_ROOT), "PATH": ""},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["size_mib"] for r in rows] == [1]
+    row = rows[0]
+    assert row["world_size"] == 2 and row["wire_bytes_agoq_allreduce"] < row["wire_bytes_nccl_allreduce_fp32"] / 3
+    assert {m["link_gbps"] for m in row["link_model"]} and all(v > 0 for v in row["ms"].values())
