@@ -30,6 +30,7 @@ from agoq.data.tokenizer import Tokenizer, padded_vocab_size  # noqa: E402
 from agoq.megatron import data as mdata  # noqa: E402
 from agoq.megatron import model as mmodel  # noqa: E402
 from agoq.megatron.args import parse_args  # noqa: E402
+from agoq.megatron.ddp import grad_config_from_args, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.pretrain import ddp_config, pretrain  # noqa: E402
 from agoq.megatron.training import configure_grad_hooks  # noqa: E402
 from agoq.policy import ScheduleInfo, format_table, load_policy, model_sites, policy_table  # noqa: E402
@@ -50,7 +51,11 @@ def model_provider(args, layout, tokenizer, info):
         shape, layout, params_dtype=params_dtype, use_cpu_initialization=info.is_cpu
     )
     chunks = mmodel.build_model_chunks(shape, config, mmodel.agoq_layer_spec(args.attention_backend), layout.vpp)
-    model = mmodel.wrap_ddp(chunks, config, ddp_config(args, params_dtype), info.device)
+    grad = grad_config(args, load_agoq_policy(args))
+    if grad is None:
+        model = mmodel.wrap_ddp(chunks, config, ddp_config(args, params_dtype), info.device)
+    else:
+        model = wrap_ddp_agoq(chunks, config, ddp_config(args, params_dtype), info.device, grad)
     configure_grad_hooks(model, config)
     return model, shape
 
@@ -83,6 +88,18 @@ def train_valid_test_datasets_provider(args):
     return tokenizer, factory
 
 
+def load_agoq_policy(args):
+    """The policy spec (None with --agoq-disable); the default policy is configs/policy/agoq.yaml."""
+    return None if args.agoq_disable else load_policy(Path(args.agoq_policy) if args.agoq_policy else DEFAULT_POLICY)
+
+
+def grad_config(args, spec):
+    """--agoq-grads FORMAT wins over the policy's `default: {grads: ...}`; neither means float grads."""
+    if spec is not None and args.agoq_grads is None and spec.default_name("grads"):
+        args.agoq_grads = spec.default_name("grads")
+    return grad_config_from_args(args)
+
+
 def policy_report(args, shape, layout, num_microbatches) -> str:
     """Echo the policy file and its resolved per-layer, per-role table (printed on rank 0)."""
     if args.agoq_disable:
@@ -95,7 +112,9 @@ def policy_report(args, shape, layout, num_microbatches) -> str:
         f"agoq policy {path}:\n{path.read_text().rstrip()}\n"
         f"resolved per layer and role:\n{table}\n"
         "NOTE: the policy is parsed and validated; low-bit activation storage is not applied yet "
-        "(activations are saved in the training dtype)."
+        "(activations are saved in the training dtype).\n"
+        f"gradients: {args.agoq_grads or 'Megatron float main_grad'}"
+        + (f" ({args.agoq_grads_mode} mode)" if args.agoq_grads else "")
     )
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from agoq.megatron.ddp import add_grad_flags
+
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 
@@ -98,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a LLaMA-architecture model on megatron-core with agoq.",
     )
     parser.add_argument("--config", default=None, help="YAML file of flag values (snake_case keys)")
-    for add in (_model_flags, _parallel_flags, _optim_flags, _data_flags, _run_flags, _agoq_flags):
+    for add in (_model_flags, _parallel_flags, _optim_flags, _data_flags, _run_flags, _agoq_flags, add_grad_flags):
         add(parser)
     return parser
 
@@ -183,5 +185,7 @@ def validate(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value and not Path(value).is_file():
             raise ValueError(f"--{flag.replace('_', '-')} {value}: file not found")
+    if args.agoq_disable and (args.agoq_grads or args.agoq_policy):
+        raise ValueError("--agoq-disable runs the plain Megatron baseline; drop --agoq-grads / --agoq-policy")
     if args.load and not Path(args.load).is_dir():
         raise ValueError(f"--load {args.load}: directory not found (use --save to start a new run)")

@@ -103,6 +103,26 @@ CONTRACT: tuple[Symbol, ...] = (
            "pre-created from a signal-proof manager so a save survives SIGTERM (checkpoint.py)"),
     Symbol("megatron.core.dist_checkpointing:load", "checkpoint load",
            params=("sharded_state_dict", "checkpoint_dir")),
+    # 8-bit gradients (agoq/megatron/ddp.py): subclass + bucket-group class swap (private API).
+    Symbol("megatron.core.distributed:DistributedDataParallel", "subclassed for 8-bit grads",
+           params=("config", "ddp_config", "module", "disable_bucketing", "pg_collection"),
+           attrs=("_make_backward_post_hook", "zero_grad_buffer", "scale_gradients", "finish_grad_sync", "no_sync")),
+    Symbol("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup", "class swap -> AgoqBucketGroup",
+           params=("buckets", "ddp_config", "collective_group", "collective_group_size"),
+           attrs=("start_grad_sync", "finish_grad_sync", "check_grads", "register_grad_ready", "reset")),
+    Symbol("megatron.core.distributed.param_and_grad_buffer:shard_buffer", "distopt owned shard view",
+           params=("buffer", "data_parallel_world_size")),
+    Symbol("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucket", "bucket fields read",
+           params=("params", "param_data", "grad_data", "offset", "numel_unpadded", "gradient_scaling_factor",
+                   "bucket_id", "param_index_map", "params_with_extra_main_grads")),
+    Symbol("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBuffer",
+           "grad_data storage released / re-allocated", attrs=("scale_gradients", "reset")),
+    Symbol("megatron.core.distributed:DistributedDataParallelConfig", "ddp fields read by agoq",
+           fields=("use_distributed_optimizer", "overlap_grad_reduce", "average_in_collective",
+                   "check_for_nan_in_grad", "check_for_large_grads", "num_distributed_optimizer_instances",
+                   "grad_reduce_in_fp32")),
+    Symbol("megatron.core.transformer.module:Float16Module", "bf16 wrap (as Megatron's get_model)",
+           params=("config", "module")),
 )
 
 
