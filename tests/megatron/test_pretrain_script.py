@@ -25,7 +25,8 @@ def _losses(output: str) -> list[float]:
 
 
 def test_pp2_1f1b_loss_falls(env):
-    proc = run_pretrain(2, TINY + ["--pipeline-model-parallel-size", "2", "--train-iters", "20", "--lr", "1e-2"], env=env)
+    args = TINY + ["--pipeline-model-parallel-size", "2", "--train-iters", "20", "--lr", "1e-2"]
+    proc = run_pretrain(2, args, env=env)
     losses = _losses(proc.stdout)
     assert len(losses) == 20, proc.stdout[-3000:]
     # Initial loss ~ ln(vocab) for a random init; 20 steps of Adam at lr 1e-2 must cut it clearly.
