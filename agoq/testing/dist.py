@@ -7,10 +7,11 @@ returns every rank's return value (rank order). A failure on any rank raises ``R
 that rank's traceback; a hang raises after ``timeout_s``. The idea follows flashoptim's
 ``ddp_runner`` without its CUDA requirement.
 
-Processes are forked by default: the child inherits the already-imported torch (no second ~2 s
-import on a 2-core CI machine) and ``fn`` may be any callable, closures included. Use
-``start_method="spawn"`` for CUDA (a forked child cannot initialise CUDA); ``fn`` must then be a
-module-level function.
+Processes are spawned by default, so ``fn`` must be a module-level function. Forking is faster (no
+second ~2 s torch import) but deadlocked in the full CPU suite: a parent whose OpenMP/gloo threads
+already ran forks children that hang in the thread pool (measured: tests/dist hung for minutes after
+tests/unit ran in the same pytest process). ``start_method="fork"`` remains available for a fresh
+parent.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _child(rank: int, world_size: int, fn: Callable, args: tuple, backend: str, 
 
 
 def spawn_ranks(world_size: int, fn: Callable[..., Any], backend: str = "gloo", *, args: tuple = (),
-                timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str = "fork",
+                timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str = "spawn",
                 threads_per_rank: int = 1) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results in rank order."""
     if world_size < 1:
