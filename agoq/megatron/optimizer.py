@@ -78,6 +78,16 @@ class AgoqMegatronOptimizer(FP32Optimizer):
     """FP32Optimizer over agoq.optim (works on bf16 params: agoq keeps the master), with compressed
     sharded checkpoints."""
 
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        # FP32Optimizer assigns param.main_grad (fp32 with grad_reduce_in_fp32) to the bf16 param's
+        # .grad; torch >= 2.10 refuses a dtype mismatch unless grad_dtype is None. agoq reads any dtype.
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if hasattr(param, "main_grad") and param.main_grad.dtype != param.dtype:
+                    param.grad_dtype = None
+        return super().prepare_grads()
+
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
         if is_loading:
             _init_all_states(self.optimizer)
