@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from agoq.formats import QuantFormat
 from agoq.kernels import _launch
 from agoq.kernels.quant import _encode_scale, _pack_plane, _pow2_value, _round_half_away, _unpack_plane
 from agoq.ref.optim import _check_pair, adamw_scalars, lion_scalars, sgd_scalars

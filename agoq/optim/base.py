@@ -166,8 +166,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         super().load_state_dict({"state": {}, "param_groups": saved_groups})
         id_to_param = {
             pid: p
-            for saved, group in zip(saved_groups, self.param_groups)
-            for pid, p in zip(saved["params"], group["params"])
+            for saved, group in zip(saved_groups, self.param_groups, strict=False)
+            for pid, p in zip(saved["params"], group["params"], strict=False)
         }
         for pid, saved_state in state_dict["state"].items():
             p = id_to_param[pid]

@@ -71,7 +71,7 @@ def _to(t):
 
 
 def _assert_same(a, b):
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x is None:
             assert y is None
         elif isinstance(x, torch.Tensor):
@@ -191,7 +191,7 @@ def test_optimizer_class_fused_equals_unfused(name):
             opt.step()
         runs.append((model, opt))
     (m0, o0), (m1, o1) = runs
-    for p, q in zip(m0.parameters(), m1.parameters()):
+    for p, q in zip(m0.parameters(), m1.parameters(), strict=False):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
         for k, v in o0.state[p].items():
             if isinstance(v, torch.Tensor):

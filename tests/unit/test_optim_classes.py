@@ -42,7 +42,7 @@ def test_adamw_fp32_mode_tracks_torch_adamw_with_param_groups():
     _train(ref_model, ref)
     # 10 steps of lr 1e-2; per-step rounding-order differences ~2**-20 lr (see test_optim_ref._tol),
     # amplified through the data-dependent grads of the next steps: 1e-5 absolute leaves 10x margin.
-    for a, b in zip(ours_model.parameters(), ref_model.parameters()):
+    for a, b in zip(ours_model.parameters(), ref_model.parameters(), strict=False):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
@@ -82,9 +82,9 @@ def test_state_dict_round_trip_resumes_bit_identically(make):
     opt2 = make(resumed.parameters())
     opt2.load_state_dict(saved_opt)
     _train(resumed, opt2, steps=2, seed=5)
-    for a, b in zip(model.parameters(), resumed.parameters()):
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=False):
         assert torch.equal(a, b)
-    for p, q in zip(model.parameters(), resumed.parameters()):
+    for p, q in zip(model.parameters(), resumed.parameters(), strict=False):
         for k, v in opt.state[p].items():
             w = opt2.state[q][k]
             assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w

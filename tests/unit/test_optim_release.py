@@ -24,7 +24,7 @@ def test_release_matches_step_after_backward_and_frees_grads():
         opt_a.step()
         b(x).float().pow(2).mean().backward()  # each param is stepped inside backward
         assert all(p.grad is None for p in b.parameters())
-    for p, q in zip(a.parameters(), b.parameters()):
+    for p, q in zip(a.parameters(), b.parameters(), strict=False):
         assert torch.equal(p, q)
     release.remove()
     assert not release.handles
