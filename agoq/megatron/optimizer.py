@@ -69,7 +69,9 @@ def _fragment(model_sp) -> tuple[int, int]:
         return 0, 1
     counts = model_sp.axis_fragmentations or (1,) * len(model_sp.local_shape)
     index = 0
-    for off, local, count in zip(model_sp.global_offset[model_sp.prepend_axis_num :], model_sp.local_shape, counts, strict=False):
+    for off, local, count in zip(
+        model_sp.global_offset[model_sp.prepend_axis_num :], model_sp.local_shape, counts, strict=False
+    ):
         index = index * count + off // max(local, 1)
     return index, math.prod(counts)
 
