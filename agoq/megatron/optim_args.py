@@ -1,0 +1,67 @@
+"""--agoq-optimizer / --agoq-moments / --agoq-master ... flags (wired into agoq/megatron/args.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from agoq.optim.base import MASTER_CHOICES
+
+# name -> (m format, v format); v is ignored by Lion / SGD
+MOMENT_PRESETS = {
+    "flash": ("cint8_b32", "cuint8_b32"),  # FlashOptim companded int8 / uint8, fp16 scales per 32
+    "fp8": ("fp8e4m3_b128", "fp8e5m2_b128"),  # Fishman et al. 2025: m E4M3, v E5M2 (block-scaled)
+    "4bit": ("nf4_b32", "cuint8_b32"),  # NF4 m, companded uint8 v (4-bit v diverges, docs/optim.md)
+    "bf16": ("bf16", "bf16"),
+    "fp32": ("fp32", "fp32"),
+}
+OPTIMIZERS = ("torch", "adamw", "lion", "sgd")
+
+
+def parse_moments(text: str) -> tuple[str, str]:
+    """A preset name or "<m format>,<v format>" (agoq.formats names)."""
+    if text in MOMENT_PRESETS:
+        return MOMENT_PRESETS[text]
+    parts = [t.strip() for t in text.split(",")]
+    if len(parts) != 2:
+        raise ValueError(f"--agoq-moments {text!r}: use a preset {sorted(MOMENT_PRESETS)} or '<m fmt>,<v fmt>'")
+    return parts[0], parts[1]
+
+
+def add_optim_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("agoq optimizer (quantized states, split master weights)")
+    g.add_argument(
+        "--agoq-optimizer",
+        choices=OPTIMIZERS,
+        default="torch",
+        help="torch: Megatron's own Adam; adamw/lion/sgd: agoq.optim over quantized states",
+    )
+    g.add_argument(
+        "--agoq-moments", default="flash", help=f"state formats: preset {sorted(MOMENT_PRESETS)} or '<m fmt>,<v fmt>'"
+    )
+    g.add_argument(
+        "--agoq-master",
+        choices=MASTER_CHOICES,
+        default="split24",
+        help="master weight: split24 = bf16 + int8 remainder (FlashOptim), split32 = + int16, "
+        "fp32 = separate copy, none = plain bf16 update",
+    )
+    g.add_argument(
+        "--agoq-unfused",
+        action="store_true",
+        help="use the plain-PyTorch reference step instead of the fused Triton kernel",
+    )
+    g.add_argument(
+        "--agoq-small-numel",
+        type=int,
+        default=4096,
+        help="tensors with ndim < 2 or fewer elements keep fp32 states and a split32 master",
+    )
+    g.add_argument(
+        "--agoq-gradient-release",
+        action="store_true",
+        help="step each param in its backward hook and free its grad (one stage, no accumulation)",
+    )
+    g.add_argument("--agoq-sgd-momentum", type=float, default=0.9)
+    g.add_argument("--agoq-sgd-nesterov", action="store_true")
+    g.add_argument("--agoq-lion-beta1", type=float, default=0.9)
+    g.add_argument("--agoq-lion-beta2", type=float, default=0.99)

@@ -1,0 +1,217 @@
+"""QuantizedOptimizer: a torch.optim.Optimizer whose states are agoq formats and whose master weight
+may be split (FlashOptim). AdamW / Lion / SGD subclass it with their update (agoq.optim.optimizers).
+
+Per-group options (any param group may override them):
+    state_formats  {state name: format name}, e.g. {"exp_avg": "cint8_b32", "exp_avg_sq": "cuint8_b32"}
+    master         "none" (update the param in its own dtype), "fp32" (separate fp32 copy),
+                   "split24" (bf16 param + int8 remainder), "split32" (bf16 param + int16 remainder)
+    fused          True: one Triton kernel per tensor (agoq.kernels.optim); False: agoq.ref.optim
+    small_numel    tensors with ndim < 2 or numel < small_numel keep fp32 states and a split32 master
+                   (see SMALL_TENSOR_RULE)
+
+State layout (plain tensors, so state_dict / torch.save / dist_checkpointing see ordinary tensors):
+    state[p]["step"]                 0-dim fp32 tensor (Megatron reads it as a tensor)
+    state[p][f"{name}.codes"]        uint8 packed codes (fmt.code_bytes(numel))
+    state[p][f"{name}.scales"]       per-group scales (fp16 / fp32 / uint8), empty for plain formats
+    state[p]["master"]               int8 / int16 remainder or fp32 master (absent for "none")
+Formats are recorded per param in state[p]["formats"] (a str "name=fmt,...;master=...").
+
+Savings (bytes/param, excluding grads): fp32 AdamW 12 (4 master + 4 m + 4 v) vs split24 + cint8_b32 +
+cuint8_b32: 2 (bf16 param) + 1 (rho) + 1.0625 + 1.0625 = 5.125; see state_bytes().
+Caveats: split24 stalls updates below ULP(theta')/(2*127) ~ |theta| * 2**-16 (FlashOptim §caveat);
+stalled_fraction() measures it. Fused states of one tensor must share a block size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agoq.formats import QuantFormat, parse_format
+from agoq.ref.master import MASTER_NS, ref_master_merge, ref_master_split
+from agoq.ref.quant import QuantizedTensor, ref_quantize
+
+MASTER_CHOICES = ("none", "fp32", "split24", "split32")
+MASTER_DTYPES = {"split24": torch.int8, "split32": torch.int16, "fp32": torch.float32}
+# Small tensors (RMSNorm gains, biases) are < 0.1 % of a LLaMA's parameters, so full-precision states
+# cost nothing measurable; gains sit near 1.0 where split24's smallest step (2**-16) exceeds late
+# cosine-decayed AdamW steps (lr 3e-5 * ~1) and would stall (FlashOptim caveat, algorithms.md §1.2).
+SMALL_TENSOR_RULE = "ndim < 2 or numel < small_numel -> fp32 states, split32 master (if bf16/fp16)"
+DEFAULT_SMALL_NUMEL = 4096
+
+
+def check_master(master: str) -> str:
+    if master not in MASTER_CHOICES:
+        raise ValueError(f"master={master!r} is not supported; use one of {list(MASTER_CHOICES)}")
+    return master
+
+
+class QuantizedOptimizer(torch.optim.Optimizer):
+    """Base class: state allocation, (de)serialisation, accounting. Subclasses set STATE_NAMES and
+    implement _update(p, grad, master, states, group, step)."""
+
+    STATE_NAMES: tuple[str, ...] = ()
+    DEFAULT_FORMATS: dict[str, str] = {}
+
+    def __init__(self, params, defaults: dict):
+        defaults.setdefault("state_formats", dict(self.DEFAULT_FORMATS))
+        defaults.setdefault("master", "split24")
+        defaults.setdefault("fused", False)
+        defaults.setdefault("small_numel", DEFAULT_SMALL_NUMEL)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            self._check_group(group)
+
+    def _check_group(self, group: dict) -> None:
+        check_master(group["master"])
+        unknown = set(group["state_formats"]) - set(self.STATE_NAMES)
+        if unknown:
+            raise ValueError(f"{type(self).__name__} has states {list(self.STATE_NAMES)}, not {sorted(unknown)}")
+        for name, fmt in group["state_formats"].items():
+            parse_format(fmt)
+            if parse_format(fmt).rounding == "stochastic":
+                raise NotImplementedError(f"state format {fmt!r} ({name}): stochastic rounding is not supported")
+
+    # ---------------------------------------------------------------- per-param decisions
+    def is_small(self, p: torch.Tensor, group: dict) -> bool:
+        return p.ndim < 2 or p.numel() < group["small_numel"]
+
+    def formats_for(self, p: torch.Tensor, group: dict) -> dict[str, QuantFormat]:
+        if self.is_small(p, group):
+            return {name: parse_format("fp32") for name in self.active_states(group)}
+        return {
+            name: parse_format(group["state_formats"].get(name, self.DEFAULT_FORMATS[name]))
+            for name in self.active_states(group)
+        }
+
+    def master_for(self, p: torch.Tensor, group: dict) -> str:
+        """fp32 params are their own master; small 16-bit tensors get split32 (SMALL_TENSOR_RULE)."""
+        if p.dtype == torch.float32:
+            return "none"
+        if group["master"] != "none" and self.is_small(p, group):
+            return "split32"
+        return group["master"]
+
+    def active_states(self, group: dict) -> tuple[str, ...]:
+        return self.STATE_NAMES
+
+    # ---------------------------------------------------------------- state
+    def init_state(self, p: torch.Tensor, group: dict) -> dict:
+        state = self.state[p]
+        if state:
+            return state
+        fmts = self.formats_for(p, group)
+        master = self.master_for(p, group)
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        for name, fmt in fmts.items():
+            q = ref_quantize(torch.zeros(p.shape, dtype=torch.float32, device=p.device), fmt)
+            state[f"{name}.codes"], state[f"{name}.scales"] = q.codes, q.scales
+        if master in ("split24", "split32"):
+            _, rho = ref_master_split(p.detach().float(), p.dtype, MASTER_DTYPES[master])
+            state["master"] = rho  # zero: theta' is the master at start (p is already bf16)
+        elif master == "fp32":
+            state["master"] = p.detach().float().clone()
+        state["formats"] = ";".join([f"{n}={f.name}" for n, f in fmts.items()] + [f"master={master}"])
+        return state
+
+    def quantized_states(self, p: torch.Tensor) -> dict[str, QuantizedTensor]:
+        state = self.state[p]
+        out = {}
+        for item in state["formats"].split(";"):
+            name, fmt = item.split("=")
+            if name != "master":
+                out[name] = QuantizedTensor(
+                    state[f"{name}.codes"], state[f"{name}.scales"], parse_format(fmt), p.shape, torch.float32
+                )
+        return out
+
+    def fp32_master(self, p: torch.Tensor) -> torch.Tensor:
+        """The fp32 master value of p (merge of param + remainder, or the fp32 copy, or p itself)."""
+        master = self.state[p].get("master") if p in self.state else None
+        if master is None:
+            return p.detach().float()
+        if master.dtype == torch.float32:
+            return master.clone()
+        return ref_master_merge(p.detach(), master)
+
+    # ---------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.step_param(p, p.grad, group)
+        return loss
+
+    @torch.no_grad()
+    def step_param(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
+        """Update one parameter (also used by gradient release hooks)."""
+        if grad.is_sparse:
+            raise NotImplementedError("sparse gradients are not supported")
+        state = self.init_state(p, group)
+        state["step"] += 1
+        self._update(p, grad, state.get("master"), self.quantized_states(p), group, int(state["step"]))
+
+    def _update(self, p, grad, master, states, group, step) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- (de)serialisation
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Like torch.optim.Optimizer.load_state_dict, but state tensors keep their dtype (torch's
+        version casts every floating state to the param dtype: fp16 scales / fp32 masters would break)."""
+        saved_groups = state_dict["param_groups"]
+        super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        id_to_param = {
+            pid: p
+            for saved, group in zip(saved_groups, self.param_groups, strict=False)
+            for pid, p in zip(saved["params"], group["params"], strict=False)
+        }
+        for pid, saved_state in state_dict["state"].items():
+            p = id_to_param[pid]
+            self.state[p] = {
+                k: (v.detach().clone().to(p.device) if isinstance(v, torch.Tensor) else v)
+                for k, v in saved_state.items()
+            }
+            if "step" in self.state[p]:
+                self.state[p]["step"] = self.state[p]["step"].to("cpu", torch.float32)
+
+    # ---------------------------------------------------------------- accounting
+    def state_bytes(self) -> dict[str, int]:
+        """Exact bytes held: params (as stored), master remainders/copies, each state (codes + scales)."""
+        out = {"params": 0, "master": 0}
+        for group in self.param_groups:
+            for p in group["params"]:
+                out["params"] += p.numel() * p.element_size()
+                st = self.state.get(p, {})
+                for k, v in st.items():
+                    if not isinstance(v, torch.Tensor) or k == "step":
+                        continue
+                    key = "master" if k == "master" else k.split(".")[0]
+                    out[key] = out.get(key, 0) + v.numel() * v.element_size()
+        return out
+
+    def stalled_fraction(self, step_size: float) -> float:
+        """Fraction of elements whose master cannot move by an update of magnitude step_size: the
+        update is below half of the master's resolution (ULP(theta')/(2N) for split, ULP/2 for a plain
+        16-bit param). FlashOptim's check_numerics idea, measured per element instead of estimated."""
+        stalled = total = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                res = _resolution(p, self.master_for(p, group))
+                stalled += int((res / 2 > step_size).sum())
+                total += p.numel()
+        return stalled / max(total, 1)
+
+
+def _resolution(p: torch.Tensor, master: str) -> torch.Tensor:
+    """Per-element spacing of the master value: fp32 ulp, 16-bit ulp, or ULP(theta') / N for a split."""
+    from agoq.ref.master import half_ulp_exponent, pow2_f32
+
+    if p.dtype == torch.float32 or master == "fp32":
+        field = (p.detach().float().view(torch.int32) >> 23) & 0xFF
+        return pow2_f32(torch.clamp_min(field - 127, -126) - 23)
+    ulp = pow2_f32(half_ulp_exponent(p.detach()) + 1)
+    return ulp if master == "none" else ulp / (2 * MASTER_NS[MASTER_DTYPES[master]])

@@ -1,0 +1,56 @@
+"""Gradient release (FlashOptim §1.5): step each parameter inside its post-accumulate-grad hook and
+free the gradient at once, so at most one parameter's gradient is alive (saves 2 B/param for bf16).
+
+Valid only when every gradient is final after one backward: one pipeline stage, no gradient
+accumulation, no data-parallel gradient reduction (the hook fires before any all-reduce), no global
+gradient clipping and no loss scaler. check_release_compatible() names the conflicting flag.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agoq.optim.base import QuantizedOptimizer
+
+
+def check_release_compatible(*, pipeline_parallel: int = 1, grad_accumulation: int = 1, data_parallel: int = 1,
+                             clip_grad: float = 0.0, loss_scale: bool = False) -> None:  # fmt: skip
+    """Raise ValueError naming the first setting that makes gradient release invalid."""
+    conflicts = [
+        (pipeline_parallel > 1, f"--pipeline-model-parallel-size {pipeline_parallel} (needs 1)"),
+        (grad_accumulation > 1, f"gradient accumulation over {grad_accumulation} micro-batches (needs 1: "
+                                "--global-batch-size = --micro-batch-size x data-parallel size)"),
+        (data_parallel > 1, f"data-parallel size {data_parallel} (the hook steps before the gradient all-reduce)"),
+        (clip_grad > 0, f"--clip-grad {clip_grad} (global-norm clipping needs every gradient first; use 0)"),
+        (loss_scale, "fp16 loss scaling (use bf16)"),
+    ]  # fmt: skip
+    for bad, what in conflicts:
+        if bad:
+            raise ValueError(f"--agoq-gradient-release conflicts with {what}; drop one of the two")
+
+
+class GradientRelease:
+    """Registers the hooks; .remove() undoes them. optimizer.step() must not be called meanwhile
+    (every parameter is stepped in its hook); zero_grad() is unnecessary (grads are freed)."""
+
+    def __init__(self, optimizer: QuantizedOptimizer):
+        if not isinstance(optimizer, QuantizedOptimizer):
+            raise ValueError(f"gradient release needs an agoq.optim optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.handles = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self.handles.append(p.register_post_accumulate_grad_hook(self._hook(group)))
+
+    def _hook(self, group: dict):
+        def step_and_free(p: torch.Tensor) -> None:
+            self.optimizer.step_param(p, p.grad, group)
+            p.grad = None
+
+        return step_and_free
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
