@@ -205,12 +205,11 @@ def fake_main(tool: str, argv: list[str]) -> int:
 # ---- the driver -------------------------------------------------------------------------------------
 
 def _write_fake_bin(bin_dir: Path) -> None:
+    """One /bin/sh wrapper per tool; ``exec`` keeps the process id, which the signal relay relies on."""
+    me = shlex.quote(str(Path(__file__).resolve()))
     for tool in FAKE_TOOLS:
         path = bin_dir / tool
-        path.write_text(
-            f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
-            f"import slurm_dryrun\nsys.exit(slurm_dryrun.fake_main({tool!r}, sys.argv[1:]))\n"
-        )
+        path.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {me} --fake {tool} "$@"\n')
         path.chmod(0o755)
 
 
@@ -242,6 +241,9 @@ def dry_run(num_nodes: int, gpus_per_node: int, *, nodelist: str | None = None, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--fake"]:  # a stand-in called by the batch script (see _write_fake_bin)
+        return fake_main(argv[1], argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--nodes", type=int, default=int(os.environ.get("NNODES", "2")))
     parser.add_argument("--gpus-per-node", type=int, default=int(os.environ.get("GPUS_PER_NODE", "8")))
