@@ -18,6 +18,7 @@ Usage (in the train loop)::
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping
 
 # Record key (as in --log-json lines) -> TensorBoard tag. Megatron's names where Megatron logs the
@@ -93,7 +94,7 @@ class TensorBoardLogger:
         for key, value in record.items():
             if key in NOT_SCALARS or value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are Real
                 raise ValueError(f"log_iteration: {key}={value!r} is not a number")
             tag = SCALAR_TAGS.get(key, key)
             self._writer.add_scalar(tag, value, step)
