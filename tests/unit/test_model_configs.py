@@ -118,21 +118,3 @@ def test_config_fits_its_stated_layout(path):
     )
     layout.check(shape, gpus)  # ValueError naming the flag if heads / groups / layers do not divide
     assert num_microbatches(args, layout, gpus) >= pp, "fewer micro-batches than stages: pipeline bubbles only"
-
-
-def test_config_file_values_beat_defaults_and_cli_beats_config(tmp_path):
-    path = CONFIG_DIR / "llama2-7b.yaml"
-    defaults = parse_args([])
-    assert defaults.num_layers != 32
-    assert _args(path).num_layers == 32
-    args = _args(path, "--num-layers", "8", "--pipeline-model-parallel-size", "2")
-    assert (args.num_layers, args.pipeline_model_parallel_size, args.hidden_size) == (8, 2, 4096)
-
-
-def test_config_unknown_key_is_an_error_naming_the_key(tmp_path, capsys):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("num_layer: 4\n")
-    with pytest.raises(SystemExit):
-        parse_args(["--config", str(bad)])
-    err = capsys.readouterr().err
-    assert "num_layer" in err and "did you mean 'num_layers'" in err
