@@ -25,6 +25,7 @@ import itertools
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -236,7 +237,8 @@ def dry_run(num_nodes: int, gpus_per_node: int, *, nodelist: str | None = None, 
             SLURM_SUBMIT_DIR=str(REPO_ROOT), SLURM_RESTART_COUNT=str(restart_count), AGOQ_DRYRUN_DIR=tmp,
             AGOQ_DRYRUN_SIGNAL=simulate_signal or "",
         )
-        return subprocess.run(["bash", str(sbatch)], cwd=REPO_ROOT, env=child_env, stdout=subprocess.PIPE,
+        bash = shutil.which("bash") or "/bin/bash"  # looked up here: the job's PATH may not hold it
+        return subprocess.run([bash, str(sbatch)], cwd=REPO_ROOT, env=child_env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=4 * HANDSHAKE_TIMEOUT_S, check=False)
 
 

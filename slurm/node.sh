@@ -29,7 +29,17 @@ wait_for() {  # wait for PID $1 although trapped signals interrupt `wait`; retur
 }
 relay() {  # $1 = signal name
     echo "agoq node ${SLURM_NODEID} (${SLURMD_NODENAME:-$(hostname)}): relaying SIG$1 to the training processes"
-    pkill -"$1" -P "$TORCHRUN_PID" || true
+    if command -v pkill >/dev/null; then
+        pkill -"$1" -P "$TORCHRUN_PID" || true
+    else  # no procps: the kernel's list of torchrun's children
+        local file kids=() some
+        for file in /proc/"$TORCHRUN_PID"/task/*/children; do
+            some=()
+            [[ -r "$file" ]] && { read -r -a some < "$file" || true; }  # no trailing newline: read says 1
+            kids+=("${some[@]}")
+        done
+        (( ${#kids[@]} == 0 )) || kill -s "$1" "${kids[@]}" 2>/dev/null || true
+    fi
 }
 
 trap '' USR1   # inherited by torchrun: it must survive SIGUSR1 (training processes install their own handler)

@@ -108,6 +108,13 @@ def test_time_limit_signal_reaches_every_training_process_and_requeues(mode):
     assert f"[dry-run] scontrol requeue {JOB_ID}" in out
 
 
+def test_signal_relay_works_without_procps():
+    """No pkill on PATH (minimal images): slurm/node.sh falls back to /proc/<pid>/task/*/children."""
+    result = _run(env={**ENV, "PATH": "/nonexistent"}, simulate_signal="task")
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.count("training process: got SIGUSR1") == 2, result.stdout
+
+
 def test_requeue_stops_at_max_requeues():
     result = _run(env={**ENV, "MAX_REQUEUES": "3"}, simulate_signal="task", restart_count=3)
     assert "not requeueing" in result.stdout and "scontrol requeue" not in result.stdout
