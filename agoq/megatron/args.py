@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from agoq.megatron.ddp import add_grad_flags
+from agoq.megatron.optim_args import add_optim_flags
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
@@ -81,6 +82,8 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-interval", type=int, default=None, help="default: only at the end")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at this iteration")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write TensorBoard scalars and the resolved policy table here (needs `tensorboard`)")
     g.add_argument("--log-json", default=None,
                    help="also append each logged iteration as one JSON object per line to this file")
 
@@ -100,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a LLaMA-architecture model on megatron-core with agoq.",
     )
     parser.add_argument("--config", default=None, help="YAML file of flag values (snake_case keys)")
-    for add in (_model_flags, _parallel_flags, _optim_flags, _data_flags, _run_flags, _agoq_flags, add_grad_flags):
+    for add in (_model_flags, _parallel_flags, _optim_flags, _data_flags, _run_flags, _agoq_flags, add_grad_flags,
+                add_optim_flags):
         add(parser)
     return parser
 
@@ -185,7 +189,9 @@ def validate(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value and not Path(value).is_file():
             raise ValueError(f"--{flag.replace('_', '-')} {value}: file not found")
-    if args.agoq_disable and (args.agoq_grads or args.agoq_policy):
-        raise ValueError("--agoq-disable runs the plain Megatron baseline; drop --agoq-grads / --agoq-policy")
+    if args.agoq_disable and (args.agoq_grads or args.agoq_policy or args.agoq_optimizer != "torch"):
+        raise ValueError(
+            "--agoq-disable runs the plain Megatron baseline; drop --agoq-grads / --agoq-policy / --agoq-optimizer"
+        )
     if args.load and not Path(args.load).is_dir():
         raise ValueError(f"--load {args.load}: directory not found (use --save to start a new run)")

@@ -13,12 +13,9 @@ Not yet: the distributed optimizer (precision-aware TE-FusedAdam interface) rais
 
 from __future__ import annotations
 
-import math
-
 import torch
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -43,7 +40,10 @@ def param_groups(model_chunks: list) -> list[dict]:
 
 def make_agoq_optimizer(args, groups: list[dict]):
     m_fmt, v_fmt = parse_moments(args.agoq_moments)
-    common = dict(master=args.agoq_master, fused=not args.agoq_unfused, small_numel=args.agoq_small_numel)
+    # The fused Triton step needs a GPU; on the CPU (CI, CPU mode) the plain-PyTorch reference step runs,
+    # which computes the same values (tests/kernels/test_optim_kernels.py). The choice is printed at start.
+    fused = not args.agoq_unfused and torch.cuda.is_available()
+    common = dict(master=args.agoq_master, fused=fused, small_numel=args.agoq_small_numel)
     if args.agoq_optimizer == "adamw":
         return AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                      weight_decay=args.weight_decay, state_formats={"exp_avg": m_fmt, "exp_avg_sq": v_fmt},
@@ -61,19 +61,38 @@ def _init_all_states(optimizer, _config=None) -> None:
             optimizer.init_state(p, group)
 
 
-def _fragment(model_sp) -> tuple[int, int]:
-    """(index, count) of this rank's TP fragment of a model param, from its ShardedTensor."""
-    if isinstance(model_sp, ShardedTensorFactory):
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            raise NotImplementedError(f"agoq optimizer checkpoints of factory-sharded {model_sp.key} need TP=1")
-        return 0, 1
-    counts = model_sp.axis_fragmentations or (1,) * len(model_sp.local_shape)
-    index = 0
-    for off, local, count in zip(
-        model_sp.global_offset[model_sp.prepend_axis_num :], model_sp.local_shape, counts, strict=False
-    ):
-        index = index * count + off // max(local, 1)
-    return index, math.prod(counts)
+def _layer_global_names(model_chunks: list) -> dict[int, str]:
+    names = {}
+    for chunk in model_chunks:
+        for layer_name, layer in chunk.named_modules():
+            if not hasattr(layer, "layer_number") or not layer_name.split(".")[-1].isdigit():
+                continue
+            prefix = layer_name[: layer_name.rfind(".") + 1] + str(layer.layer_number - 1)
+            for param_name, param in layer.named_parameters():
+                names[id(param)] = f"{prefix}.{param_name}"
+    for chunk in model_chunks:
+        for param_name, param in chunk.named_parameters():
+            names.setdefault(id(param), param_name)
+    return {k: v.removeprefix("module.").removeprefix("module.") for k, v in names.items()}
+
+
+def _tp_fragment(param) -> tuple[tuple[int, int, int], tuple[int, ...]]:
+    """(rank offsets, replica id) of a parameter's flat state under tensor parallelism."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    if getattr(param, "tensor_model_parallel", False):
+        return (0, tp_rank, tp_size), (0, 0, dp_rank)
+    return (0, 0, 1), (0, tp_rank, dp_rank)
+
+
+_EMPTY_TENSOR = "agoq_empty_tensor_dtype"
+
+
+def _rebuild_empty(value):
+    if isinstance(value, dict) and _EMPTY_TENSOR in value:
+        return torch.empty(0, dtype=getattr(torch, value[_EMPTY_TENSOR]))
+    return value
 
 
 class AgoqMegatronOptimizer(FP32Optimizer):
@@ -94,18 +113,22 @@ class AgoqMegatronOptimizer(FP32Optimizer):
         if is_loading:
             _init_all_states(self.optimizer)
         state_dict = self.optimizer.state_dict()
-        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.get_parameters())
+        params = self.get_parameters()
         steps = set()
         for pid, st in state_dict["state"].items():
-            model_sp = id_map[pid]
-            index, count = _fragment(model_sp)
+            name = self.param_names[id(params[pid])]
+            offsets, replica_id = _tp_fragment(params[pid])
             for key, value in list(st.items()):
                 if key == "step":
                     steps.add(float(st.pop("step")))
+                elif isinstance(value, torch.Tensor) and value.numel() == 0:
+                    # dist_checkpointing cannot shard an empty tensor (modulo by its zero length); an
+                    # empty state (e.g. no master remainder) is saved as its dtype and rebuilt on load.
+                    st[key] = {_EMPTY_TENSOR: str(value.dtype).removeprefix("torch.")}
                 elif isinstance(value, torch.Tensor):
                     flat = value.reshape(-1)
                     st[key] = ShardedTensor.from_rank_offsets(
-                        f"{STATE_PREFIX}.{model_sp.key}.{key}", flat, (0, index, count), replica_id=model_sp.replica_id
+                        f"{STATE_PREFIX}.{name}.{key}", flat, offsets, replica_id=replica_id
                     )
         if len(steps) > 1:
             raise RuntimeError(f"agoq optimizer states disagree on the step count: {sorted(steps)}")
@@ -117,7 +140,7 @@ class AgoqMegatronOptimizer(FP32Optimizer):
         step = state_dict["state"].pop("common_step", None)
         params = self.get_parameters()
         for pid, st in state_dict["state"].items():
-            st = dict(st)
+            st = {k: _rebuild_empty(v) for k, v in st.items()}
             if "master" in st:
                 st["master"] = st["master"].reshape(params[pid].shape)
             if step is not None:
@@ -160,4 +183,5 @@ def build_agoq_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
                              clip_grad=args.clip_grad, params_dtype=params_dtype)  # fmt: skip
     inner = make_agoq_optimizer(args, param_groups(model_chunks))
     optimizer = AgoqMegatronOptimizer(inner, config, _init_all_states)
+    optimizer.param_names = _layer_global_names(model_chunks)
     return optimizer, build_scheduler(args, optimizer)

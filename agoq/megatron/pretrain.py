@@ -25,8 +25,11 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from agoq.config import AgoqConfig
 from agoq.megatron import checkpoint, runtime, training
+from agoq.megatron.flops import tflops_per_gpu, training_flops_per_iteration
 from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
+from agoq.megatron.optimizer import build_agoq_optimizer
+from agoq.megatron.tensorboard import open_tensorboard
 
 log = logging.getLogger("agoq.pretrain")
 
@@ -68,6 +71,7 @@ class Components:
     optimizer: object
     scheduler: object
     layout: ParallelLayout
+    flops_per_iteration: int
 
 
 def build_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
@@ -149,15 +153,19 @@ def versions_line() -> str:
 def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy_report: Callable) -> None:
     """Run the whole job described by ``args`` (see agoq.megatron.args)."""
     device = runtime.choose_device(args.agoq_device, int(os.environ.get("LOCAL_RANK", "0")))
+    stop = StopSignal()  # from the start: a signal during start-up stops the job after its first iteration
     install(AgoqConfig(enabled=not args.agoq_disable, policy_path=args.agoq_policy, device=args.agoq_device))
     info = runtime.init_distributed(device)
     try:
-        _run(args, info, model_provider, datasets_provider, policy_report)
+        _run(args, info, model_provider, datasets_provider, policy_report, stop)
     finally:
         runtime.shutdown()
+        # slurm sends USR1 to the batch step and the launcher relays it: a second copy arriving during
+        # interpreter shutdown would kill the process (exit -10) after the checkpoint was saved.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, policy_report) -> None:
+def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, policy_report, stop) -> None:
     layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, vpp=args.vpp)
     microbatches = num_microbatches(args, layout, info.world_size)
     print_rank0(versions_line())
@@ -167,9 +175,19 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, policy
     runtime.init_model_parallel(layout, args.seed, info.device)
     tokenizer, data_factory = datasets_provider(args)
     model, shape = model_provider(args, layout, tokenizer, info)
-    print_rank0(policy_report(args, shape, layout, microbatches))
+    report = policy_report(args, shape, layout, microbatches)
+    print_rank0(report)
     params_dtype = torch.float32 if args.fp32 else torch.bfloat16
-    optimizer, scheduler = build_optimizer(args, model, params_dtype)
+    if args.agoq_optimizer == "torch":
+        optimizer, scheduler = build_optimizer(args, model, params_dtype)
+    else:
+        optimizer, scheduler = build_agoq_optimizer(args, model, params_dtype)
+    if args.agoq_optimizer == "torch":
+        print_rank0("optimizer: Megatron Adam(W)")
+    else:
+        fused = not args.agoq_unfused and info.device.type == "cuda"
+        print_rank0(f"optimizer: agoq {args.agoq_optimizer} | moments {args.agoq_moments} | master "
+                    f"{args.agoq_master} | step: {'fused Triton kernel' if fused else 'reference (PyTorch)'}")
     progress = checkpoint.Progress(iteration=0, consumed_samples=0)
     if args.load:
         loaded = checkpoint.load_checkpoint(args.load, model, optimizer, scheduler)
@@ -180,34 +198,42 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, policy
             print_rank0(f"resumed from {args.load} at iteration {progress.iteration} "
                         f"({progress.consumed_samples} samples consumed)")
     iterators = [data_factory(progress.consumed_samples) for _ in range(layout.vpp or 1)]
-    components = Components(model, optimizer, scheduler, layout)
-    _train_loop(args, info, components, iterators, microbatches, progress)
+    components = Components(model, optimizer, scheduler, layout,
+                            flops_per_iteration=training_flops_per_iteration(args, shape.vocab_size))
+    tensorboard = open_tensorboard(args.tensorboard_dir, is_writer_rank=training.is_logging_rank())
+    tensorboard.log_policy_table(report)
+    try:
+        _train_loop(args, info, components, iterators, microbatches, progress, tensorboard, stop)
+    finally:
+        tensorboard.close()
 
 
-def _log_iteration(args, info, parts: Components, result, iteration, consumed, skipped, tokens_per_step):
+def _log_iteration(args, info, parts: Components, result, iteration, consumed, skipped, tokens_per_step,
+                   tensorboard):
     if not training.is_logging_rank():
         return
     lr = parts.scheduler.get_lr(parts.optimizer.param_groups[0])
     memory = runtime.memory_reading(info.device)
+    tflops = tflops_per_gpu(parts.flops_per_iteration, result.seconds, info.world_size)
     print(training.format_iteration_line(
         iteration, args.train_iters, result, lr=lr, consumed_samples=consumed, tokens_per_step=tokens_per_step,
-        skipped=skipped, memory=runtime.format_memory(memory),
+        skipped=skipped, memory=f"TFLOP/s/GPU: {tflops:.1f} | " + runtime.format_memory(memory),
     ), flush=True)
+    record = {"iteration": iteration, "lm_loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
+              "consumed_samples": consumed, "skipped_iterations": skipped, "step_seconds": result.seconds,
+              "tokens_per_second": tokens_per_step / result.seconds, "tflops_per_gpu": tflops, **memory}
+    tensorboard.log_iteration(record)
     if args.log_json:
-        record = {"iteration": iteration, "lm_loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
-                  "consumed_samples": consumed, "skipped_iterations": skipped, "step_seconds": result.seconds,
-                  "tokens_per_second": tokens_per_step / result.seconds, **memory}
         with open(args.log_json, "a") as out:
             out.write(json.dumps(record) + "\n")
 
 
-def _train_loop(args, info, parts: Components, iterators, microbatches: int, progress) -> None:
+def _train_loop(args, info, parts: Components, iterators, microbatches: int, progress, tensorboard, stop) -> None:
     runner = training.StepRunner(
         model_chunks=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler, device=info.device,
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size, num_microbatches=microbatches,
     )
-    stop = StopSignal()
     iteration, consumed, skipped = progress.iteration, progress.consumed_samples, progress.skipped_iterations
     tokens_per_step = args.global_batch_size * args.seq_length
     start = time.perf_counter()
@@ -217,7 +243,7 @@ def _train_loop(args, info, parts: Components, iterators, microbatches: int, pro
         consumed += args.global_batch_size
         skipped += 0 if result.update_successful else 1
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            _log_iteration(args, info, parts, result, iteration, consumed, skipped, tokens_per_step)
+            _log_iteration(args, info, parts, result, iteration, consumed, skipped, tokens_per_step, tensorboard)
         state = checkpoint.Progress(iteration, consumed, skipped)
         stopping = stop.agreed(info.device) or iteration == args.exit_interval
         periodic = args.save_interval and iteration % args.save_interval == 0

@@ -124,3 +124,19 @@ def test_int8_grads_dp2_distopt_track_float_grads(env):
     assert len(losses) == len(base) == 6
     assert losses[-1] < losses[0] - 0.3  # it trains
     assert losses[-1] == pytest.approx(base[-1], rel=1e-2)
+
+
+def test_agoq_optimizer_with_int8_grads_trains_and_resumes(env, tmp_path):
+    """The lean stack on Megatron: agoq AdamW (split24 master, companded int8 moments) + 8-bit grads.
+
+    Resume restores the quantized states and master corrections through dist_checkpointing. Known
+    gap (issue 6): the resumed losses match to ~1e-6 relative, not yet bit for bit, so the check is
+    a tolerance 100x tighter than any real state loss would give (a lost moment moves the loss ~1e-2).
+    """
+    args = TINY + ["--agoq-optimizer", "adamw", "--agoq-grads", "int8_b256", "--train-iters", "6", "--lr", "1e-2"]
+    full = _losses(run_pretrain(2, args, env=env).stdout)
+    assert full[-1] < full[0] - 0.5
+    ckpt = tmp_path / "ckpt"
+    run_pretrain(2, args + ["--save", str(ckpt), "--exit-interval", "3"], env=env)
+    resumed = _losses(run_pretrain(2, args + ["--load", str(ckpt)], env=env).stdout)
+    assert resumed == pytest.approx(full[3:], rel=1e-5)
