@@ -32,6 +32,7 @@ __all__ = [
     "ref_swiglu",
     "ref_swiglu_bwd",
     "pow2_ceil",
+    "finish_smooth_scale",
     "smooth_scale_per_token",
     "smooth_scale_per_channel",
     "ref_smooth_swiglu_per_token",
@@ -50,9 +51,14 @@ def _split(fc1_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gate, up
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 inputs, fp64 for fp64 (so gradcheck can run on the references)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def ref_swiglu(fc1_out: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, computed in fp32 and returned in fc1_out's dtype."""
-    gate, up = _split(fc1_out.to(torch.float32))
+    """silu(gate) * up, computed in fp32 (fp64 for fp64 input) and returned in fc1_out's dtype."""
+    gate, up = _split(fc1_out.to(_compute_dtype(fc1_out)))
     return (F.silu(gate) * up).to(fc1_out.dtype)
 
 
@@ -61,8 +67,8 @@ def ref_swiglu_bwd(fc1_out: torch.Tensor, grad_z: torch.Tensor) -> torch.Tensor:
 
     silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g))).
     """
-    gate, up = _split(fc1_out.to(torch.float32))
-    g32 = grad_z.to(torch.float32)
+    gate, up = _split(fc1_out.to(_compute_dtype(fc1_out)))
+    g32 = grad_z.to(gate.dtype)
     sig = torch.sigmoid(gate)
     d_gate = g32 * up * sig * (1 + gate * (1 - sig))
     d_up = g32 * gate * sig
@@ -79,7 +85,8 @@ def pow2_ceil(x_f32: torch.Tensor) -> torch.Tensor:
     return torch.where(x == 0, torch.ones_like(x), out)
 
 
-def _finish_scale(amax_f32: torch.Tensor, pow2: bool) -> torch.Tensor:
+def finish_smooth_scale(amax_f32: torch.Tensor, pow2: bool) -> torch.Tensor:
+    """Scale from a max: pow2 ceil (exact rescale) or the max itself; an all-zero max gives 1."""
     if pow2:
         return pow2_ceil(amax_f32)
     return torch.where(amax_f32 == 0, torch.ones_like(amax_f32), amax_f32)
@@ -88,13 +95,13 @@ def _finish_scale(amax_f32: torch.Tensor, pow2: bool) -> torch.Tensor:
 def smooth_scale_per_token(fc1_out: torch.Tensor, pow2: bool = True) -> torch.Tensor:
     """Per-token scale [..., 1] (fp32): max |up| over the (local) FFN dimension, as the authors' code."""
     _, up = _split(fc1_out.detach())
-    return _finish_scale(up.abs().amax(dim=-1, keepdim=True).to(torch.float32), pow2)
+    return finish_smooth_scale(up.abs().amax(dim=-1, keepdim=True).to(torch.float32), pow2)
 
 
 def smooth_scale_per_channel(fc1_out: torch.Tensor, pow2: bool = True) -> torch.Tensor:
     """Per-channel scale [F] (fp32): max |swiglu| over all tokens (every leading dimension)."""
     z = ref_swiglu(fc1_out.detach().to(torch.float32))
-    return _finish_scale(z.reshape(-1, z.shape[-1]).abs().amax(dim=0), pow2)
+    return finish_smooth_scale(z.reshape(-1, z.shape[-1]).abs().amax(dim=0), pow2)
 
 
 def ref_smooth_swiglu_per_token(fc1_out: torch.Tensor, pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
