@@ -58,10 +58,12 @@ def fp8_scale_from_amax(amax_f32: torch.Tensor, variant: str, margin: int = 0, p
 
 
 def fp8_amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """max |x| as fp32: over everything (0-dim) or along ``dim`` (kept as a size-1 dimension)."""
-    if dim is None:
-        return x.detach().abs().amax().to(torch.float32)
-    return x.detach().abs().amax(dim=dim, keepdim=True).to(torch.float32)
+    """max |x| as fp32: over everything (0-dim) or along ``dim`` (kept as a size-1 dimension).
+
+    The inf-norm is one reduction kernel without an |x| temporary, and exact (a max of magnitudes).
+    """
+    amax = torch.linalg.vector_norm(x.detach(), float("inf"), dim=dim, keepdim=dim is not None)
+    return amax.to(torch.float32)
 
 
 def ref_fp8_cast(x: torch.Tensor, scale_f32: torch.Tensor, variant: str) -> torch.Tensor:
