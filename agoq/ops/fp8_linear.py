@@ -59,54 +59,74 @@ def _scale(state: FP8ScalingState | None, recipe: FP8Recipe, slot: str, tensor: 
 
 
 class FP8LinearFunction(torch.autograd.Function):
-    """Device-agnostic core of :func:`fp8_linear` (x 2-D [M, K] contiguous; no bias)."""
+    """Device-agnostic core of :func:`fp8_linear` (x 2-D [M, K]; no bias)."""
 
     @staticmethod
     def forward(ctx, x2, weight, state, recipe):
-        ctx.recipe, ctx.state = recipe, state
-        ctx.x_dtype = x2.dtype
+        ctx.recipe, ctx.state, ctx.x_dtype = recipe, state, x2.dtype
         x2, weight_c = x2.contiguous(), weight.contiguous()  # no-ops for the usual contiguous tensors
         if recipe.granularity == "tensor":
-            sx = _scale(state, recipe, "x", x2)
-            sw = _scale(state, recipe, "w", weight_c)
-            x_fp8 = ref_fp8_cast(x2, sx, FORWARD_VARIANT)
-            w_fp8 = ref_fp8_cast(weight_c, sw, FORWARD_VARIANT)
-            y = _scaled_gemm(x_fp8, w_fp8.t(), sx.reciprocal(), sw.reciprocal(), x2.dtype, recipe.fast_accum_forward)
-            ctx.save_for_backward(x_fp8, weight, sx, sw)
-            return y
-        sx_row = current_scale(x2, "x", recipe, dim=1)  # [M, 1]
-        sw_row = current_scale(weight_c, "w", recipe, dim=1)  # [N, 1]
-        y = _scaled_gemm(ref_fp8_cast(x2, sx_row, FORWARD_VARIANT), ref_fp8_cast(weight_c, sw_row, FORWARD_VARIANT).t(),
-                         sx_row.reciprocal(), sw_row.reciprocal().reshape(1, -1), torch.bfloat16,
-                         recipe.fast_accum_forward)
-        sx_col = current_scale(x2, "x", recipe, dim=0)  # [1, K]: wgrad contracts over tokens
-        xt_fp8 = ref_fp8_cast(x2, sx_col, FORWARD_VARIANT).t().contiguous()  # [K, M], wgrad's layout
-        ctx.save_for_backward(xt_fp8, weight, sx_col)
+            y, saved = _forward_tensor(x2, weight_c, state, recipe)
+        else:
+            y, saved = _forward_row(x2, weight_c, recipe)
+        ctx.save_for_backward(weight, *saved)
         return y.to(x2.dtype)
 
     @staticmethod
     def backward(ctx, grad_y):
-        recipe = ctx.recipe
-        g2 = grad_y.contiguous()
-        if recipe.granularity == "tensor":
-            x_fp8, weight, sx, sw = ctx.saved_tensors
-            sg = _scale(ctx.state, recipe, "g", g2)
-            g_fp8 = ref_fp8_cast(g2, sg, BACKWARD_VARIANT)
-            w_fp8 = ref_fp8_cast(weight.contiguous(), sw, FORWARD_VARIANT)  # the forward's scale: the forward's codes
-            dx = _scaled_gemm(g_fp8, _colmajor(w_fp8), sg.reciprocal(), sw.reciprocal(), ctx.x_dtype, False)
-            dw = _scaled_gemm(g_fp8.t().contiguous(), _colmajor(x_fp8), sg.reciprocal(), sx.reciprocal(),
-                              _wgrad_dtype(weight), False)
-            return dx, dw.to(weight.dtype), None, None
-        xt_fp8, weight, sx_col = ctx.saved_tensors
-        sg_row = current_scale(g2, "g", recipe, dim=1)  # [M, 1]
-        sw_col = current_scale(weight, "w", recipe, dim=0)  # [1, K]
-        dx = _scaled_gemm(ref_fp8_cast(g2, sg_row, BACKWARD_VARIANT), _colmajor(ref_fp8_cast(weight.contiguous(), sw_col,
-                          FORWARD_VARIANT)), sg_row.reciprocal(), sw_col.reciprocal(), torch.bfloat16, False)
-        sg_col = current_scale(g2, "g", recipe, dim=0)  # [1, N]
-        gt_fp8 = ref_fp8_cast(g2, sg_col, BACKWARD_VARIANT).t().contiguous()  # [N, M]
-        dw = _scaled_gemm(gt_fp8, xt_fp8.t(), sg_col.reciprocal().reshape(-1, 1), sx_col.reciprocal(),
-                          torch.bfloat16, False)
+        weight, *saved = ctx.saved_tensors
+        g2, w_c = grad_y.contiguous(), weight.contiguous()
+        if ctx.recipe.granularity == "tensor":
+            dx, dw = _backward_tensor(g2, w_c, saved, ctx.state, ctx.recipe)
+        else:
+            dx, dw = _backward_row(g2, w_c, saved, ctx.recipe)
         return dx.to(ctx.x_dtype), dw.to(weight.dtype), None, None
+
+
+def _forward_tensor(x2, weight, state, recipe):
+    sx = _scale(state, recipe, "x", x2)
+    sw = _scale(state, recipe, "w", weight)
+    x_fp8 = ref_fp8_cast(x2, sx, FORWARD_VARIANT)
+    w_fp8 = ref_fp8_cast(weight, sw, FORWARD_VARIANT)
+    y = _scaled_gemm(x_fp8, w_fp8.t(), sx.reciprocal(), sw.reciprocal(), x2.dtype, recipe.fast_accum_forward)
+    return y, (x_fp8, sx, sw)
+
+
+def _backward_tensor(g2, weight, saved, state, recipe):
+    x_fp8, sx, sw = saved
+    sg = _scale(state, recipe, "g", g2)
+    g_fp8 = ref_fp8_cast(g2, sg, BACKWARD_VARIANT)
+    w_fp8 = ref_fp8_cast(weight, sw, FORWARD_VARIANT)  # the forward's scale: the forward's codes
+    dx = _scaled_gemm(g_fp8, _colmajor(w_fp8), sg.reciprocal(), sw.reciprocal(), g2.dtype, False)
+    dw = _scaled_gemm(g_fp8.t().contiguous(), _colmajor(x_fp8), sg.reciprocal(), sx.reciprocal(),
+                      _wgrad_dtype(weight), False)
+    return dx, dw
+
+
+def _forward_row(x2, weight, recipe):
+    sx_row = current_scale(x2, "x", recipe, dim=1)  # [M, 1]
+    sw_row = current_scale(weight, "w", recipe, dim=1)  # [N, 1]
+    x_fp8 = ref_fp8_cast(x2, sx_row, FORWARD_VARIANT)
+    w_fp8 = ref_fp8_cast(weight, sw_row, FORWARD_VARIANT)
+    y = _scaled_gemm(x_fp8, w_fp8.t(), sx_row.reciprocal(), sw_row.reciprocal().reshape(1, -1), torch.bfloat16,
+                     recipe.fast_accum_forward)
+    sx_col = current_scale(x2, "x", recipe, dim=0)  # [1, K]: wgrad contracts over tokens
+    xt_fp8 = ref_fp8_cast(x2, sx_col, FORWARD_VARIANT).t().contiguous()  # [K, M], wgrad's layout
+    return y, (xt_fp8, sx_col)
+
+
+def _backward_row(g2, weight, saved, recipe):
+    xt_fp8, sx_col = saved
+    sg_row = current_scale(g2, "g", recipe, dim=1)  # [M, 1]
+    sw_col = current_scale(weight, "w", recipe, dim=0)  # [1, K]: dgrad contracts over out_features
+    g_fp8 = ref_fp8_cast(g2, sg_row, BACKWARD_VARIANT)
+    w_fp8 = _colmajor(ref_fp8_cast(weight, sw_col, FORWARD_VARIANT))
+    dx = _scaled_gemm(g_fp8, w_fp8, sg_row.reciprocal(), sw_col.reciprocal(), torch.bfloat16, False)
+    sg_col = current_scale(g2, "g", recipe, dim=0)  # [1, N]
+    gt_fp8 = ref_fp8_cast(g2, sg_col, BACKWARD_VARIANT).t().contiguous()  # [N, M]
+    dw = _scaled_gemm(gt_fp8, xt_fp8.t(), sg_col.reciprocal().reshape(-1, 1), sx_col.reciprocal(), torch.bfloat16,
+                      False)
+    return dx, dw
 
 
 def _wgrad_dtype(weight: torch.Tensor) -> torch.dtype:
