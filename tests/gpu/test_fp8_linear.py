@@ -93,8 +93,8 @@ def test_fp8_linear_delayed_scaling_over_steps_matches_ref_with_the_same_scales(
         x = x * (1 + step)  # growing activations: the delayed scale lags and saturates a little
         scales = {slot: _next_scale(state, slot, t) for slot, t in (("x", x), ("w", w), ("g", g))}
         got = _grads(lambda a, b: fp8_linear(a, b, state, recipe), x, w, g, "cuda")
-        ref = _grads(lambda a, b: ref_fp8_linear(a.float(), b.float(), "tensor", scales["x"], scales["w"],
-                                                 scales["g"]), x, w, g, "cpu")
+        ref = _grads(lambda a, b, sc=scales: ref_fp8_linear(a.float(), b.float(), "tensor", sc["x"], sc["w"], sc["g"]),
+                     x, w, g, "cpu")
         for name, a, b in zip(("y", "dx", "dw"), got, ref, strict=True):
             assert sqnr_db(b, a) >= OP_VS_REF_FLOOR_DB, (step, name)
     assert state.num_updates == {"x": 5, "w": 5, "g": 5}
