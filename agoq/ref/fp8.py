@@ -69,11 +69,17 @@ def fp8_amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 def ref_fp8_cast(x: torch.Tensor, scale_f32: torch.Tensor, variant: str) -> torch.Tensor:
     """Saturating round-to-nearest-even cast of ``x * scale`` (fp32 product) to the FP8 dtype.
 
-    The clamp matters: torch's cast of an out-of-range value gives NaN for e4m3fn and inf for e5m2,
-    while delayed scaling expects saturation (an amax that grew since the scale was chosen).
+    The clamp matters: torch's cast does not saturate in general (e5m2 overflows to inf), while
+    delayed scaling expects saturation (an amax that grew since the scale was chosen).
+    A 0-dim scale is viewed as 1-element so type promotion makes the product fp32 in one kernel
+    (a 0-dim fp32 tensor would leave a bf16 product) and the clamp runs in place.
     """
     fmax = FP8_MAX[variant]
-    return (x.to(torch.float32) * scale_f32).clamp(-fmax, fmax).to(FP8_DTYPES[variant])
+    scale = scale_f32.reshape(1) if scale_f32.dim() == 0 else scale_f32
+    product_f32 = x * scale.to(torch.float32)
+    if product_f32.dtype != torch.float32:  # fp64 x: keep the fp32 product semantics
+        product_f32 = product_f32.to(torch.float32)
+    return product_f32.clamp_(-fmax, fmax).to(FP8_DTYPES[variant])
 
 
 def ref_fp8_qdq(x: torch.Tensor, variant: str, dim: int | None = None, scale_f32: torch.Tensor | None = None,
