@@ -1,6 +1,6 @@
 """agoq.ops.fp8_linear on CPU: argument checks, the no-silent-fallback error, and the GEMM wiring
 (transposes, layouts, scales) of FP8LinearFunction against ref_fp8_linear through torch's CPU
-``_scaled_mm`` (present in recent torch; skipped where missing). GPU runs: tests/gpu/test_fp8_linear.py."""
+``_scaled_mm`` (present in recent torch; skipped where missing). GPU runs: tests/gpu/test_fp8_linear_gpu.py."""
 
 from __future__ import annotations
 
