@@ -1,0 +1,132 @@
+"""FP8 recipe (what to scale how) and the delayed-scaling state (amax history) of one FP8 linear.
+
+Current scaling: every cast uses the amax of the tensor being cast (one extra reduction).
+Delayed scaling (Transformer Engine's ``DelayedScaling``; the FP8 paper's code, algorithms.md §2.1):
+each cast uses a scale computed from the *history* of previous amaxes, ``scale = FP8_MAX / max(history)
+/ 2**margin``, and the current amax is appended afterwards. Values that grew since saturate (the cast
+clamps). The first call of a slot has no history and uses its current amax (bootstrap) instead of
+Transformer Engine's initial scale 1.
+
+Slots of one linear: ``x`` (input, E4M3), ``w`` (weight, E4M3), ``g`` (output gradient, E5M2).
+The state is an ``nn.Module`` (buffers ``amax_history_<slot>`` [L] and ``scale_<slot>`` []) so that it
+moves with ``module.cuda()`` and is saved in the model's state dict when attached as a submodule.
+Updates *replace* the buffers (never in place): a backward pass that saved the forward's scale keeps
+seeing that scale even if another micro-batch's forward updated the state in between.
+
+Caveats: with activation recomputation the recomputed forward records its amaxes a second time (the
+history's max is unchanged by a repeated value); amaxes are not reduced across ranks (each rank scales
+its own tensors, which is exact; Transformer Engine's cross-rank amax reduction only aligns scales).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agoq.ref.fp8 import BACKWARD_VARIANT, FORWARD_VARIANT, GRANULARITIES, fp8_amax, fp8_scale_from_amax
+
+__all__ = ["FP8Recipe", "FP8ScalingState", "SCALINGS", "SLOT_VARIANTS", "current_scale"]
+
+SCALINGS = ("current", "delayed")
+SLOT_VARIANTS = {"x": FORWARD_VARIANT, "w": FORWARD_VARIANT, "g": BACKWARD_VARIANT}
+# Transformer Engine's DelayedScaling keeps 1024 amaxes by default; the FP8 paper's code 1024 / DP per
+# rank (algorithms.md §2.1). 16 reacts faster to shrinking tensors in short runs; configurable.
+DEFAULT_AMAX_HISTORY_LEN = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP8Recipe:
+    """How an FP8 linear scales its operands (pure data; validated on construction)."""
+
+    granularity: str = "tensor"
+    """tensor: one scale per tensor; row: one per row along each GEMM's contraction dim (current only)."""
+
+    scaling: str = "current"
+    """current: amax of the tensor being cast; delayed: max of the amax history (tensor granularity)."""
+
+    amax_history_len: int = DEFAULT_AMAX_HISTORY_LEN
+    """Delayed scaling: number of past amaxes whose max sets the scale."""
+
+    margin: int = 0
+    """Scale divided by 2**margin (headroom for growth under delayed scaling)."""
+
+    pow2_scales: bool = False
+    """Round scales down to a power of two (the FP8 paper's code) so scaling is exact."""
+
+    fast_accum_forward: bool = True
+    """Fast (reduced-precision) FP8 accumulation in the forward GEMM only; dgrad / wgrad always
+    accumulate in fp32 (Transformer Engine's and torchao's defaults)."""
+
+    def __post_init__(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"FP8Recipe.granularity={self.granularity!r}: use one of {GRANULARITIES}")
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"FP8Recipe.scaling={self.scaling!r}: use one of {SCALINGS}")
+        if self.granularity == "row" and self.scaling == "delayed":
+            raise ValueError("FP8Recipe: row granularity supports scaling='current' only (per-token amaxes have "
+                             "no history); use granularity='tensor' for delayed scaling")
+        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+            raise ValueError(f"FP8Recipe.amax_history_len={self.amax_history_len!r}: use an int >= 1")
+        if not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"FP8Recipe.margin={self.margin!r}: use an int >= 0")
+
+
+def current_scale(tensor: torch.Tensor, slot: str, recipe: FP8Recipe, dim: int | None = None) -> torch.Tensor:
+    """Scale of ``tensor`` from its own amax (over everything, or per ``dim`` kept as size 1)."""
+    return fp8_scale_from_amax(fp8_amax(tensor, dim), SLOT_VARIANTS[slot], recipe.margin, recipe.pow2_scales)
+
+
+class FP8ScalingState(torch.nn.Module):
+    """Delayed-scaling state of one FP8 linear (amax history and current scale per slot)."""
+
+    def __init__(self, recipe: FP8Recipe, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if recipe.scaling != "delayed":
+            raise ValueError("FP8ScalingState holds delayed-scaling history; recipe.scaling is "
+                             f"{recipe.scaling!r} (current scaling needs no state: pass scaling_state=None)")
+        self.recipe = recipe
+        self.num_updates = dict.fromkeys(SLOT_VARIANTS, 0)  # host-side: no GPU sync to test "has history"
+        for slot in SLOT_VARIANTS:
+            self.register_buffer(f"amax_history_{slot}",
+                                 torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=device))
+            self.register_buffer(f"scale_{slot}", torch.ones((), dtype=torch.float32, device=device))
+
+    def amax_history(self, slot: str) -> torch.Tensor:
+        return getattr(self, f"amax_history_{slot}")
+
+    def scale(self, slot: str) -> torch.Tensor:
+        return getattr(self, f"scale_{slot}")
+
+    def scale_and_record(self, slot: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The scale to cast ``tensor`` with now (from previous amaxes), then record its amax."""
+        if slot not in SLOT_VARIANTS:
+            raise ValueError(f"FP8 scaling slot {slot!r}: use one of {tuple(SLOT_VARIANTS)}")
+        history = self.amax_history(slot)
+        if history.device != tensor.device:
+            raise ValueError(f"FP8ScalingState is on {history.device} but the tensor is on {tensor.device}; "
+                             "move the state with the module (.to(device) / .cuda())")
+        amax = fp8_amax(tensor)
+        if self.num_updates[slot] == 0:
+            scale = fp8_scale_from_amax(amax, SLOT_VARIANTS[slot], self.recipe.margin, self.recipe.pow2_scales)
+        else:
+            scale = self.scale(slot)
+        self.record_amax(slot, amax)
+        return scale
+
+    def record_amax(self, slot: str, amax_f32: torch.Tensor) -> None:
+        """Push an amax into the slot's history (newest first) and recompute its scale (no GPU sync)."""
+        history = torch.cat([amax_f32.reshape(1).to(torch.float32), self.amax_history(slot)[:-1]])
+        setattr(self, f"amax_history_{slot}", history)
+        setattr(self, f"scale_{slot}", fp8_scale_from_amax(history.amax(), SLOT_VARIANTS[slot], self.recipe.margin,
+                                                           self.recipe.pow2_scales))
+        self.num_updates[slot] += 1
+
+    def get_extra_state(self) -> dict:
+        return {"num_updates": dict(self.num_updates)}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.num_updates = dict(state["num_updates"])
+
+    def extra_repr(self) -> str:
+        return f"recipe={self.recipe}, num_updates={self.num_updates}"

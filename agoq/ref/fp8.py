@@ -1,0 +1,166 @@
+"""Reference FP8 casting and a simulated (quantize-dequantize) FP8 linear, in plain PyTorch.
+
+This is the executable spec of :mod:`agoq.ops.fp8_linear`: the same casts, the same scales, but
+the GEMMs run on the dequantized values in fp32 instead of ``torch._scaled_mm``. It runs on CPU.
+
+Conventions (as Transformer Engine and torchao): a **scale** multiplies the high-precision tensor
+into the FP8 range, ``x_fp8 = sat(RNE(x * scale))``; its inverse ``1 / scale`` is what
+``torch._scaled_mm`` takes as ``scale_a`` / ``scale_b``. Recipe of the FP8 paper (algorithms.md
+§2.1): E4M3 for the forward operands (input, weight), E5M2 for the output gradient.
+
+Granularity:
+  tensor  one fp32 scale per tensor (0-dim).
+  row     one scale per row of the GEMM operand along the contraction dimension: forward x [M,1]
+          and w [N,1]; backward dgrad needs g per row [M,1] and w per *column* [1,K], wgrad needs
+          g per column [1,N] and x per column [1,K] (the contraction dimension changes, so each
+          operand is cast again along the other axis; torchao's rowwise recipe does the same).
+
+Scale from amax: ``scale = FP8_MAX / amax / 2**margin`` (optionally rounded down to a power of two,
+as the FP8 paper's code does); ``amax == 0`` gives scale 1 (the tensor is all zeros); a non-finite
+amax gives a NaN scale so the NaN reaches the output (nothing silent, docs/numerics.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agoq.formats import FP8_MAX
+
+__all__ = [
+    "FP8_DTYPES",
+    "fp8_scale_from_amax",
+    "fp8_amax",
+    "ref_fp8_cast",
+    "ref_fp8_qdq",
+    "ref_fp8_linear",
+    "ref_fp8_linear_fwd",
+    "ref_fp8_linear_bwd",
+]
+
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FORWARD_VARIANT = "e4m3"  # FP8 paper §2.1: E4M3 forward (weights and activations)
+BACKWARD_VARIANT = "e5m2"  # FP8 paper §2.1: E5M2 backward (gradients)
+GRANULARITIES = ("tensor", "row")
+
+
+def fp8_scale_from_amax(amax_f32: torch.Tensor, variant: str, margin: int = 0, pow2: bool = False) -> torch.Tensor:
+    """fp32 scale(s) mapping |x| <= amax onto the FP8 range (any shape; elementwise)."""
+    if variant not in FP8_DTYPES:
+        raise ValueError(f"FP8 variant {variant!r} unknown; use one of {sorted(FP8_DTYPES)}")
+    amax = amax_f32.to(torch.float32)
+    ratio = torch.full_like(amax, FP8_MAX[variant] / 2.0**margin) / amax
+    if pow2:
+        mantissa, exponent = torch.frexp(ratio)  # ratio = m * 2**e, m in [0.5, 1): floor(log2) = e - 1
+        ratio = torch.where(torch.isfinite(ratio) & (ratio > 0), torch.ldexp(torch.ones_like(mantissa), exponent - 1),
+                            ratio)
+    scale = torch.where(amax == 0, torch.ones_like(ratio), ratio)
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+
+
+def fp8_amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """max |x| as fp32: over everything (0-dim) or along ``dim`` (kept as a size-1 dimension).
+
+    The inf-norm is one reduction kernel without an |x| temporary, and exact (a max of magnitudes).
+    """
+    amax = torch.linalg.vector_norm(x.detach(), float("inf"), dim=dim, keepdim=dim is not None)
+    return amax.to(torch.float32)
+
+
+def ref_fp8_cast(x: torch.Tensor, scale_f32: torch.Tensor, variant: str) -> torch.Tensor:
+    """Saturating round-to-nearest-even cast of ``x * scale`` (fp32 product) to the FP8 dtype.
+
+    The clamp matters: torch's cast does not saturate in general (e5m2 overflows to inf), while
+    delayed scaling expects saturation (an amax that grew since the scale was chosen).
+    A 0-dim scale is viewed as 1-element so type promotion makes the product fp32 in one kernel
+    (a 0-dim fp32 tensor would leave a bf16 product) and the clamp runs in place.
+    """
+    fmax = FP8_MAX[variant]
+    scale = scale_f32.reshape(1) if scale_f32.dim() == 0 else scale_f32
+    product_f32 = x * scale.to(torch.float32)
+    if product_f32.dtype != torch.float32:  # fp64 x: keep the fp32 product semantics
+        product_f32 = product_f32.to(torch.float32)
+    return product_f32.clamp_(-fmax, fmax).to(FP8_DTYPES[variant])
+
+
+def ref_fp8_qdq(x: torch.Tensor, variant: str, dim: int | None = None, scale_f32: torch.Tensor | None = None,
+                margin: int = 0, pow2: bool = False) -> torch.Tensor:
+    """Quantize-dequantize to FP8 (fp32 result): current scaling from amax over all (dim=None) or per ``dim``."""
+    if scale_f32 is None:
+        scale_f32 = fp8_scale_from_amax(fp8_amax(x, dim), variant, margin, pow2)
+    return ref_fp8_cast(x, scale_f32, variant).to(torch.float32) / scale_f32
+
+
+def _check_granularity(granularity: str) -> None:
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity={granularity!r}: use one of {GRANULARITIES}")
+
+
+def ref_fp8_linear_fwd(x: torch.Tensor, weight: torch.Tensor, granularity: str = "tensor",
+                       x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+                       margin: int = 0, pow2: bool = False) -> torch.Tensor:
+    """y = Q(x) @ Q(w).T in fp32 (E4M3), returned in x's dtype; x [..., K], weight [N, K].
+
+    Scales: given (per-tensor delayed scaling) or current (None). Row granularity: x per token,
+    w per output channel (current scaling only).
+    """
+    _check_granularity(granularity)
+    x2 = x.reshape(-1, x.shape[-1])
+    dim = 1 if granularity == "row" else None
+    xq = ref_fp8_qdq(x2, FORWARD_VARIANT, dim, x_scale, margin, pow2)
+    wq = ref_fp8_qdq(weight, FORWARD_VARIANT, dim, w_scale, margin, pow2)
+    return (xq @ wq.t()).to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def ref_fp8_linear_bwd(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, granularity: str = "tensor",
+                       x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+                       g_scale: torch.Tensor | None = None, margin: int = 0,
+                       pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw) of the FP8 linear: dx = Q5(g) @ Q4(w), dw = Q5(g).T @ Q4(x), fp32 GEMMs.
+
+    tensor: the forward's x / w scales are reused (the op saves x_fp8 and re-casts w with the same
+    scale); row: each operand is scaled along the backward GEMM's contraction dimension.
+    """
+    _check_granularity(granularity)
+    g2 = grad_y.reshape(-1, grad_y.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
+    if granularity == "tensor":
+        gq = ref_fp8_qdq(g2, BACKWARD_VARIANT, None, g_scale, margin, pow2)
+        xq = ref_fp8_qdq(x2, FORWARD_VARIANT, None, x_scale, margin, pow2)
+        wq = ref_fp8_qdq(weight, FORWARD_VARIANT, None, w_scale, margin, pow2)
+        dx, dw = gq @ wq, gq.t() @ xq
+    else:
+        dx = ref_fp8_qdq(g2, BACKWARD_VARIANT, 1, None, margin, pow2) @ ref_fp8_qdq(
+            weight, FORWARD_VARIANT, 0, None, margin, pow2)
+        dw = ref_fp8_qdq(g2, BACKWARD_VARIANT, 0, None, margin, pow2).t() @ ref_fp8_qdq(
+            x2, FORWARD_VARIANT, 0, None, margin, pow2)
+    return dx.to(x.dtype).reshape(x.shape), dw.to(weight.dtype)
+
+
+class _RefFP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, granularity, x_scale, w_scale, g_scale, margin, pow2):
+        if granularity == "tensor":  # fix the current scales now so backward reuses the forward's
+            x_scale = fp8_scale_from_amax(fp8_amax(x), FORWARD_VARIANT, margin, pow2) if x_scale is None else x_scale
+            w_scale = (fp8_scale_from_amax(fp8_amax(weight), FORWARD_VARIANT, margin, pow2)
+                       if w_scale is None else w_scale)
+        ctx.save_for_backward(x, weight)
+        ctx.args = (granularity, x_scale, w_scale, g_scale, margin, pow2)
+        return ref_fp8_linear_fwd(x, weight, granularity, x_scale, w_scale, margin, pow2)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        granularity, x_scale, w_scale, g_scale, margin, pow2 = ctx.args
+        dx, dw = ref_fp8_linear_bwd(grad_y, x, weight, granularity, x_scale, w_scale, g_scale, margin, pow2)
+        return dx, dw, None, None, None, None, None, None
+
+
+def ref_fp8_linear(x: torch.Tensor, weight: torch.Tensor, granularity: str = "tensor",
+                   x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+                   g_scale: torch.Tensor | None = None, margin: int = 0, pow2: bool = False) -> torch.Tensor:
+    """Differentiable simulated FP8 linear (no bias): forward :func:`ref_fp8_linear_fwd`, backward
+    :func:`ref_fp8_linear_bwd`. Scales None mean current scaling; row granularity takes no scales."""
+    _check_granularity(granularity)
+    if granularity == "row" and any(s is not None for s in (x_scale, w_scale, g_scale)):
+        raise ValueError("row granularity uses current scaling only; pass no x_scale / w_scale / g_scale")
+    return _RefFP8Linear.apply(x, weight, granularity, x_scale, w_scale, g_scale, margin, pow2)

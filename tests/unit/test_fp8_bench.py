@@ -1,0 +1,28 @@
+"""scripts/bench_fp8.py --smoke runs on CPU (argument checks, plan, bf16 harness) and writes its JSON."""
+
+import json
+import subprocess
+import sys
+
+from agoq.testing.procs import REPO_ROOT, child_env
+
+SCRIPT = REPO_ROOT / "scripts" / "bench_fp8.py"
+
+
+def test_bench_fp8_smoke_writes_report(tmp_path):
+    out = tmp_path / "fp8.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], capture_output=True,
+                          text=True, timeout=240, cwd=REPO_ROOT, env=child_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["smoke"] is True
+    names = {(r["kind"], r["name"]) for r in report["rows"]}
+    assert names == {("linear", "qkv"), ("linear", "proj"), ("linear", "fc1"), ("linear", "fc2"), ("mlp", "mlp")}
+    assert all(r["ms"] > 0 for r in report["rows"])
+    assert report["summary"]["bf16"]["speedup_vs_bf16"] == 1.0
+
+
+def test_bench_fp8_rejects_tokens_not_multiple_of_16():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--tokens", "100"], capture_output=True,
+                          text=True, timeout=120, cwd=REPO_ROOT, env=child_env())
+    assert proc.returncode != 0 and "multiple of 16" in proc.stderr

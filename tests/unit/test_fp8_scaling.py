@@ -1,0 +1,88 @@
+"""agoq.ops.fp8_scaling: recipe validation and the delayed-scaling amax history (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState, current_scale
+from agoq.ref.fp8 import fp8_scale_from_amax
+
+DELAYED = FP8Recipe(scaling="delayed", amax_history_len=3)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"granularity": "block"}, "granularity"),
+        ({"scaling": "late"}, "scaling"),
+        ({"granularity": "row", "scaling": "delayed"}, "current"),
+        ({"amax_history_len": 0}, "amax_history_len"),
+        ({"margin": -1}, "margin"),
+    ],
+)
+def test_recipe_rejects_bad_values_with_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FP8Recipe(**kwargs)
+
+
+def test_state_requires_delayed_recipe():
+    with pytest.raises(ValueError, match="scaling_state=None"):
+        FP8ScalingState(FP8Recipe())
+
+
+def test_delayed_scale_bootstraps_then_uses_history_max():
+    state = FP8ScalingState(DELAYED)
+    amaxes = [2.0, 8.0, 1.0, 0.5, 0.25]
+    used = [state.scale_and_record("x", torch.tensor([a, -a / 2])) for a in amaxes]
+    expect = [fp8_scale_from_amax(torch.tensor(a), "e4m3") for a in (2.0, 2.0, 8.0, 8.0, 8.0)]
+    for got, want in zip(used, expect, strict=True):
+        assert torch.equal(got, want)
+    # after the 5th record the window (len 3) holds 0.25, 0.5, 1.0: the 8.0 has aged out
+    assert torch.equal(state.amax_history("x"), torch.tensor([0.25, 0.5, 1.0]))
+    assert torch.equal(state.scale("x"), fp8_scale_from_amax(torch.tensor(1.0), "e4m3"))
+    assert state.num_updates == {"x": 5, "w": 0, "g": 0}
+
+
+def test_gradient_slot_uses_e5m2_range():
+    state = FP8ScalingState(DELAYED)
+    state.scale_and_record("g", torch.tensor([4.0]))
+    assert torch.equal(state.scale("g"), torch.tensor(57344.0 / 4.0))
+    with pytest.raises(ValueError, match="slot"):
+        state.scale_and_record("y", torch.tensor([1.0]))
+
+
+def test_update_replaces_buffers_so_saved_scales_stay_valid():
+    state = FP8ScalingState(DELAYED)
+    first = state.scale_and_record("w", torch.tensor([1.0]))
+    before = first.clone()
+    state.scale_and_record("w", torch.tensor([100.0]))
+    state.scale_and_record("w", torch.tensor([100.0]))
+    assert torch.equal(first, before)
+
+
+def test_state_dict_round_trip_keeps_history_and_counters():
+    state = FP8ScalingState(DELAYED)
+    for a in (3.0, 5.0):
+        state.scale_and_record("x", torch.tensor([a]))
+    sd = state.state_dict()
+    assert set(sd) >= {"amax_history_x", "scale_x", "amax_history_g", "_extra_state"}
+    other = FP8ScalingState(DELAYED)
+    other.load_state_dict(sd)
+    assert other.num_updates == state.num_updates
+    x = torch.tensor([0.1])
+    assert torch.equal(other.scale_and_record("x", x), state.scale_and_record("x", x))
+
+
+def test_state_on_wrong_device_raises():
+    state = FP8ScalingState(DELAYED, device="meta")
+    with pytest.raises(ValueError, match="move the state"):
+        state.scale_and_record("x", torch.ones(2))
+
+
+def test_current_scale_per_row_and_margin():
+    x = torch.tensor([[1.0, -2.0], [0.5, 0.25]])
+    s = current_scale(x, "x", FP8Recipe(margin=1), dim=1)
+    assert torch.equal(s, torch.tensor([[448.0 / 2 / 2], [448.0 / 0.5 / 2]]))
+    p = current_scale(x, "g", FP8Recipe(pow2_scales=True))
+    assert torch.equal(p, torch.tensor(16384.0))  # 57344 / 2 = 28672 -> 2**14
