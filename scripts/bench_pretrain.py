@@ -9,7 +9,8 @@ the first/last loss.
     python scripts/bench_pretrain.py --suite attention --out docs/benchmarks/pretrain_attention.json
 
 Suites: ``attention`` (issue 2: SDPA vs Megatron's unfused DotProductAttention, ~350M and ~1B LLaMA
-shapes, PP=1, one GPU). ``--smoke`` runs a tiny CPU version of the suite (for CI-style checks).
+shapes, PP=1, one GPU); ``lean`` (issues 5/6/9: Megatron baseline vs agoq's optimizer and 8-bit
+gradients, ~1B, PP=1, one GPU). ``--smoke`` runs a tiny CPU version of the suite (for CI-style checks).
 """
 
 from __future__ import annotations
@@ -59,11 +60,26 @@ def attention_suite(smoke: bool) -> list[dict]:
     return variants
 
 
-SUITES = {"attention": attention_suite}
+def lean_suite(smoke: bool) -> list[dict]:
+    """~1B LLaMA, PP=1, one GPU, SDPA everywhere: Megatron baseline vs agoq optimizer / 8-bit grads."""
+    shape, batch = "1b", ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "12"]
+    if smoke:
+        shape, batch = "tiny", ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
+                                "--train-iters", "4"]
+    base = SHAPES[shape] + (COMMON[2:] if smoke else COMMON) + batch
+    variants = {
+        "baseline (Megatron Adam, fp32 grads)": ["--agoq-disable"],
+        "agoq adamw split24 + cint8/cuint8 moments": ["--agoq-optimizer", "adamw"],
+        "agoq adamw + int8_b256 grads (store)": ["--agoq-optimizer", "adamw", "--agoq-grads", "int8_b256"],
+    }
+    return [{"name": f"{shape}/{name}", "nproc": 1, "args": base + extra} for name, extra in variants.items()]
+
+
+SUITES = {"attention": attention_suite, "lean": lean_suite}
 
 
 def run_variant(variant: dict, workdir: Path, timeout: float) -> dict:
-    log = workdir / (variant["name"].replace("/", "_") + ".jsonl")
+    log = workdir / ("".join(c if c.isalnum() else "_" for c in variant["name"]) + ".jsonl")
     cmd = torchrun_command(variant["nproc"], PRETRAIN_SCRIPT, variant["args"] + ["--log-json", str(log)])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=REPO_ROOT)
     result = {"name": variant["name"], "command": " ".join(cmd[1:]), "returncode": proc.returncode}
