@@ -3,12 +3,12 @@
 ``ActivationStorage`` travels in the layer spec (``agoq_layer_spec(..., policy=, schedule=)``);
 each ``AgoqTransformerLayer`` calls ``assign(self)`` once built: the layer's position (global
 layer index, pipeline rank, virtual stage) resolves the policy per role, the storage rule of
-``agoq.plan_storage`` turns that into what each module stores, and the modules get their format,
+``agoq.plan.storage`` turns that into what each module stores, and the modules get their format,
 their counter key and their recompute links (norm -> QKV / fc1, SwiGLU -> fc2).
 
 Accounting, two views:
 - ``ActivationStorage.counter`` (``SavedBytesCounter``): exact bytes agoq packs, per (layer, role);
-  equal to ``agoq.plan_storage.agoq_bytes`` (the planner's formula).
+  equal to ``agoq.plan.storage.agoq_bytes`` (the planner's formula).
 - ``SavedTensorMeter``: every tensor saved for backward inside the metered region that agoq did not
   replace (Megatron's saves: attention internals, bf16 roles), de-duplicated by storage, parameters
   excluded. "Bytes held for backward" = meter bytes + counter bytes.
@@ -32,7 +32,7 @@ import torch
 from agoq.megatron.layers import AgoqMLP, AgoqRMSNorm, _AgoqLinearMixin
 from agoq.megatron.sites import layer_position
 from agoq.ops.saved_act import SavedBytesCounter
-from agoq.plan_storage import LayerStorage, layer_storage
+from agoq.plan.storage import LayerStorage, layer_storage
 from agoq.policy import LAYER_ROLES, PolicySpec, ScheduleInfo
 
 __all__ = ["ActivationStorage", "SavedTensorMeter", "storage_table"]

@@ -116,15 +116,15 @@ def test_low_bit_policy_gradients_vs_bf16(mcore_world1, policy, fmt_name, capsys
 
 
 def _dims():
-    from agoq.plan_storage import LayerDims
+    from agoq.plan.storage import LayerDims
 
     return LayerDims(seq=SEQ, micro_batch=MICRO_BATCH, hidden=64, ffn=128, heads=4, groups=2)
 
 
 @pytest.mark.parametrize("policy", ["agoq", "int8", "int4", "aggressive", "mixed"])
 def test_saved_bytes_equal_planner_formula(mcore_world1, policy, tmp_path):
-    """The counter (bytes packed at run time) equals agoq.plan_storage.agoq_bytes, per layer and role."""
-    from agoq.plan_storage import agoq_bytes
+    """The counter (bytes packed at run time) equals agoq.plan.storage.agoq_bytes, per layer and role."""
+    from agoq.plan.storage import agoq_bytes
 
     if policy == "mixed":  # norm kept by Megatron: the QKV / fc1 linears quantize their own input
         path = tmp_path / "mixed.yaml"
@@ -151,7 +151,7 @@ def test_held_bytes_agoq_vs_bf16_and_planner(mcore_world1, capsys):
     """Bytes held for backward per layer (Megatron's saves metered + agoq's counter) in bf16:
     agoq.yaml vs the planner's prediction (within 5 %) and vs the bf16 policy."""
     from agoq.megatron.activations import SavedTensorMeter
-    from agoq.plan_storage import agoq_bytes, megatron_bytes
+    from agoq.plan.storage import agoq_bytes, megatron_bytes
 
     held = {}
     for policy in ("bf16", "agoq"):
