@@ -38,7 +38,13 @@ def _model(shape_kw, policy, device, reference=None):
     from megatron.core.transformer.module import Float16Module
 
     from agoq.megatron.activations import storage_of
-    from agoq.megatron.model import LlamaShape, ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
+    from agoq.megatron.model import (
+        LlamaShape,
+        ParallelLayout,
+        agoq_layer_spec,
+        build_model_chunks,
+        llama_transformer_config,
+    )
     from agoq.policy import ScheduleInfo
 
     shape = LlamaShape(**shape_kw)

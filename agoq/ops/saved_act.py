@@ -113,10 +113,14 @@ class SavedBytesCounter:
         return self
 
 
-def quantize_saved(x: torch.Tensor, fmt: QuantFormat, key: Key, counter: SavedBytesCounter | None) -> QuantizedTensor:
+def quantize_saved(
+    x: torch.Tensor, fmt: QuantFormat, key: Key, counter: SavedBytesCounter | None
+) -> QuantizedTensor:
     """Quantize the saved copy of ``x`` (detached) and count its exact bytes."""
     if not fmt.quantized:
-        raise ValueError(f"quantize_saved needs a quantized format, got {fmt.name!r}; bf16 roles save the tensor as is")
+        raise ValueError(
+            f"quantize_saved needs a quantized format, got {fmt.name!r}; bf16 roles save the tensor as is"
+        )
     quantize, _ = quant_ops(x.device)
     q = quantize(x.detach(), fmt)
     if counter is not None:
@@ -262,8 +266,9 @@ def rmsnorm_saving_input(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float,
                          counter: SavedBytesCounter | None = None) -> tuple[torch.Tensor, RecomputeStash | None]:
     """RMSNorm with the same forward values as ``torch.nn.RMSNorm``; keeps ``fmt``-quantized x only.
 
-    Returns (y, stash); stash is None when nothing needs saving (no grad). Pass the stash to the next linear's :func:`quantized_saves` so it stores
-    nothing either (its input is recomputed from the same quantized x).
+    Returns (y, stash); stash is None when nothing needs saving (no grad). Pass the stash to the
+    next linear's :func:`quantized_saves` so it stores nothing either (its input is recomputed from
+    the same quantized x).
     """
     if not (torch.is_grad_enabled() and (x_TH.requires_grad or weight_H.requires_grad)):
         return F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps), None  # nothing is saved

@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp, mbs=args.mbs or cfg.get("micro_batch_size", 1),
                     gbs=args.gbs or cfg.get("global_batch_size", 1), seq=args.seq or cfg.get("seq_length", 2048),
                     distributed_optimizer=args.distributed_optimizer)
-    paths = [Path(p) for p in args.policies] if args.policies else [POLICY_DIR / f"{n}.yaml" for n in DEFAULT_CANDIDATES]
+    names = DEFAULT_CANDIDATES
+    paths = [Path(p) for p in args.policies] if args.policies else [POLICY_DIR / f"{n}.yaml" for n in names]
     candidates = [(p.stem, load_policy(p)) for p in paths]
     budget = parse_bytes(args.memory_budget)
     try:

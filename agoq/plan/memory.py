@@ -99,8 +99,9 @@ def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec) -> list[S
     for rank, layers in enumerate(stage_layers(shape, layout)):
         per_layer = []
         for idx, chunk in layers:
-            storage = layer_storage(policy, lambda role, i=idx, c=chunk: Site(i, rank, layout.pp, c, layout.vpp, role),
-                                    schedule)
+            storage = layer_storage(
+                policy, lambda role, i=idx, c=chunk, r=rank: Site(i, r, layout.pp, c, layout.vpp, role), schedule
+            )
             per_layer.append(sum(agoq_bytes(storage, dims).values()) + sum(megatron_bytes(storage, dims).values()))
         params = len(layers) * shape.layer_params() // layout.tp
         extra = 0
@@ -109,7 +110,8 @@ def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec) -> list[S
         if rank == layout.pp - 1:
             params += shape.vocab_size * shape.hidden_size // layout.tp + shape.hidden_size
             tokens = dims.tokens
-            extra = BF16_BYTES * tokens * shape.hidden_size + (BF16_BYTES + FP32_BYTES) * tokens * shape.vocab_size // layout.tp
+            logits = (BF16_BYTES + FP32_BYTES) * tokens * shape.vocab_size // layout.tp
+            extra = BF16_BYTES * tokens * shape.hidden_size + logits
         inflight = inflight_microbatches(rank, schedule)
         per_chunk_mb = sum(per_layer) / chunks  # one chunk-micro-batch holds one chunk's layers
         optim_share = layout.dp if layout.distributed_optimizer else 1

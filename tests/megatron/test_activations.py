@@ -27,7 +27,13 @@ def _build(policy, dtype=torch.float32, recompute=False, reference=None):
     from megatron.core.transformer.module import Float16Module
 
     from agoq.megatron.activations import storage_of
-    from agoq.megatron.model import LlamaShape, ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
+    from agoq.megatron.model import (
+        LlamaShape,
+        ParallelLayout,
+        agoq_layer_spec,
+        build_model_chunks,
+        llama_transformer_config,
+    )
     from agoq.policy import ScheduleInfo
 
     shape = LlamaShape(**SHAPE_KW)

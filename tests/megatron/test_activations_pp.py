@@ -22,7 +22,13 @@ def _rank(rank: int, world_size: int, vpp) -> dict:
     from agoq.megatron import runtime
     from agoq.megatron.activations import storage_of
     from agoq.megatron.install import install
-    from agoq.megatron.model import LlamaShape, ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
+    from agoq.megatron.model import (
+        LlamaShape,
+        ParallelLayout,
+        agoq_layer_spec,
+        build_model_chunks,
+        llama_transformer_config,
+    )
     from agoq.policy import ScheduleInfo
 
     handle = install(AgoqConfig(device="cpu"))
@@ -85,7 +91,8 @@ def _expected(vpp):
 def test_pp2_stages_get_their_auto_formats_and_bf16_is_neutral(vpp):
     from agoq.testing.dist import spawn_ranks
 
-    per_rank = spawn_ranks(2, _rank, args=(vpp,))
+    # spawn, not fork: a parent that already ran in-process megatron (mcore_world1) segfaults forked children
+    per_rank = spawn_ranks(2, _rank, args=(vpp,), start_method="spawn")
     names = _expected(vpp)
     # layer placement (megatron-core 0.19.2): no VPP: rank 0 {0,1}, rank 1 {2,3}; VPP=2: rank 0 {0,2}, rank 1 {1,3}
     placement = {None: ({0, 1}, {2, 3}), 2: ({0, 2}, {1, 3})}[vpp]

@@ -28,7 +28,7 @@ def test_stage_activations_are_inflight_times_layer_bytes():
     for stage in stages[:1]:  # first stage: no LM head term
         per_layer = 0
         for idx in stage.layers:
-            st = layer_storage(policy, lambda role, i=idx: Site(i, stage.pp_rank, 2, None, None, role), schedule)
+            st = layer_storage(policy, lambda role, i=idx, r=stage.pp_rank: Site(i, r, 2, None, None, role), schedule)
             per_layer += sum(agoq_bytes(st, dims).values()) + sum(megatron_bytes(st, dims).values())
         assert stage.inflight == 2 and stage.activations == per_layer * 2
     assert stages[0].layers == tuple(range(8)) and stages[1].layers == tuple(range(8, 16))
