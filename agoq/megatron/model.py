@@ -127,13 +127,26 @@ def llama_transformer_config(
     )
 
 
-def agoq_layer_spec(attention_backend: str) -> ModuleSpec:
-    """The local GPT layer spec with agoq's substitutions (today: the core attention)."""
+def agoq_layer_spec(attention_backend: str, policy=None, schedule=None) -> ModuleSpec:
+    """The local GPT layer spec with agoq's substitutions.
+
+    ``attention_backend``: "sdpa" (agoq's SDPACoreAttention) or "megatron" (DotProductAttention).
+    ``policy``: an activation policy (``agoq.policy.PolicySpec`` or a YAML path) or None (no agoq
+    activation storage: Megatron's modules). With a policy, the layer, norms, linears and MLP are
+    agoq's subclasses (same parameter names, checkpoints unchanged) and every layer resolves the
+    policy for its global index and pipeline stage when built; ``schedule``
+    (``agoq.policy.ScheduleInfo``) is required when the policy uses ``auto``. The storage object
+    (byte counter, assigned formats) is ``agoq.megatron.activations.storage_of(spec)``.
+    """
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend {attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
     if attention_backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if policy is not None:
+        from agoq.megatron.activations import with_activation_storage
+
+        spec = with_activation_storage(spec, policy, schedule)
     return spec
 
 

@@ -1,0 +1,316 @@
+"""Low-bit storage of activations saved for backward: quantize on save, dequantize on use.
+
+The forward pass is never changed: every op computes with the full-precision tensor; only the copy
+kept for backward is quantized (agoq formats, :mod:`agoq.formats`). Three pieces:
+
+- :func:`quantized_saves`: a ``saved_tensors_hooks`` scope around *one* autograd op (Megatron's
+  linear) that replaces exactly one saved tensor, found by identity, with a quantized copy or with
+  a recompute handle; every other saved tensor (the weight) passes through untouched.
+- :func:`rmsnorm_saving_input` / :func:`swiglu_saving_input`: autograd functions that store only
+  their *input*, quantized, and recompute the op in backward (AGoQ, algorithms.md §3.2). Their
+  output can be handed to the next linear as a :class:`RecomputeStash`, so that linear stores
+  nothing: its input is rebuilt from the same quantized tensor (norm -> QKV / fc1, SwiGLU -> fc2).
+- :class:`SavedBytesCounter`: exact bytes packed, per (layer, role), plus live and peak bytes.
+
+Device dispatch (:func:`quant_ops`): CUDA tensors use the Triton kernels of
+:mod:`agoq.kernels.quant`, every other device the reference :mod:`agoq.ref.quant`; they produce
+identical codes (tests/kernels). The choice follows the tensor's device, is logged once per path,
+and never falls back silently (a CUDA tensor without Triton raises the ImportError).
+
+Shape legend: T = tokens (any leading dims), H = hidden, F2 = 2 x FFN (SwiGLU input width).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from agoq.formats import QuantFormat
+from agoq.ref.quant import QuantizedTensor
+
+__all__ = [
+    "SavedBytesCounter",
+    "RecomputeStash",
+    "quant_ops",
+    "quantize_saved",
+    "quantized_saves",
+    "rmsnorm_saving_input",
+    "swiglu_saving_input",
+    "swiglu_reference",
+]
+
+log = logging.getLogger("agoq.ops.saved_act")
+_LOGGED_PATHS: set[str] = set()
+_LOG_LOCK = threading.Lock()
+
+Key = tuple[int | None, str]  # (global 0-based layer index or None, role)
+
+
+def quant_ops(device: torch.device) -> tuple[Callable, Callable]:
+    """(quantize, dequantize) for tensors on ``device``: Triton on CUDA, the reference elsewhere."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        from agoq.kernels.quant import dequantize, quantize  # lazily: needs Triton
+
+        path = "agoq.kernels.quant (Triton)"
+    else:
+        from agoq.ref.quant import ref_dequantize as dequantize
+        from agoq.ref.quant import ref_quantize as quantize
+
+        path = "agoq.ref.quant (reference)"
+    with _LOG_LOCK:
+        if kind not in _LOGGED_PATHS:
+            _LOGGED_PATHS.add(kind)
+            log.info("saved activations on %s tensors are quantized with %s", kind, path)
+    return quantize, dequantize
+
+
+# ----------------------------------------------------------------------------- accounting ----
+@dataclass
+class SavedBytesCounter:
+    """Bytes agoq stores for backward. ``packed`` / ``tensors`` are cumulative per (layer, role);
+    ``live`` are bytes currently held (released when the quantized copy is freed), ``peak`` their max."""
+
+    packed: dict[Key, int] = field(default_factory=dict)
+    tensors: dict[Key, int] = field(default_factory=dict)
+    live: int = 0
+    peak: int = 0
+
+    def add(self, key: Key, q: QuantizedTensor) -> None:
+        nbytes = q.nbytes
+        self.packed[key] = self.packed.get(key, 0) + nbytes
+        self.tensors[key] = self.tensors.get(key, 0) + 1
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(q.codes, self._release, nbytes)
+
+    def _release(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def reset(self) -> None:
+        """Forget cumulative counts and the peak (live bytes stay: they are still held)."""
+        self.packed.clear()
+        self.tensors.clear()
+        self.peak = self.live
+
+    def total(self) -> int:
+        return sum(self.packed.values())
+
+    def by_role(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for (_, role), nbytes in self.packed.items():
+            out[role] = out.get(role, 0) + nbytes
+        return out
+
+    def __deepcopy__(self, memo):  # shared by every layer built from a (deep-copied) spec
+        return self
+
+
+def quantize_saved(
+    x: torch.Tensor, fmt: QuantFormat, key: Key, counter: SavedBytesCounter | None
+) -> QuantizedTensor:
+    """Quantize the saved copy of ``x`` (detached) and count its exact bytes."""
+    if not fmt.quantized:
+        raise ValueError(
+            f"quantize_saved needs a quantized format, got {fmt.name!r}; bf16 roles save the tensor as is"
+        )
+    quantize, _ = quant_ops(x.device)
+    q = quantize(x.detach(), fmt)
+    if counter is not None:
+        counter.add(key, q)
+    return q
+
+
+def _dequantize(q: QuantizedTensor) -> torch.Tensor:
+    _, dequantize = quant_ops(q.codes.device)
+    return dequantize(q)
+
+
+# ------------------------------------------------------------------------- recompute stash ----
+class RecomputeStash:
+    """The quantized input of a recomputable op (RMSNorm or SwiGLU) and how to redo its forward.
+
+    The op's own backward and the next linear's backward both read the dequantized input; it is
+    dequantized once (on first use) and dropped when the op's backward has consumed it.
+    ``output_ptr`` is the data pointer of the op's forward output, so the next linear can check
+    that its input really is that output before it stores a handle instead of the tensor.
+    """
+
+    def __init__(self, q: QuantizedTensor, forward_fn: Callable[[torch.Tensor], torch.Tensor]):
+        self.q = q
+        self.forward_fn = forward_fn
+        self.output_ptr: int | None = None
+        self._x_hat: torch.Tensor | None = None
+
+    def dequantized(self) -> torch.Tensor:
+        if self._x_hat is None:
+            self._x_hat = _dequantize(self.q)
+        return self._x_hat
+
+    def recomputed_output(self) -> torch.Tensor:
+        """The op's forward output rebuilt from the dequantized input (no autograd graph)."""
+        with torch.no_grad():
+            return self.forward_fn(self.dequantized())
+
+    def consume(self) -> torch.Tensor:
+        """The dequantized input for the op's own backward; the stash then lets go of everything."""
+        x_hat = self.dequantized()
+        self._x_hat, self.q = None, None
+        return x_hat
+
+
+class _Saved:
+    """What a pack hook stores instead of a tensor; ``materialize()`` gives the tensor back."""
+
+    def materialize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _QuantizedSave(_Saved):
+    def __init__(self, q: QuantizedTensor):
+        self.q = q
+
+    def materialize(self) -> torch.Tensor:
+        return _dequantize(self.q)
+
+
+class _RecomputeSave(_Saved):
+    def __init__(self, stash: RecomputeStash):
+        self.stash = stash
+
+    def materialize(self) -> torch.Tensor:
+        return self.stash.recomputed_output()
+
+
+@contextlib.contextmanager
+def quantized_saves(target: torch.Tensor, *, fmt: QuantFormat | None = None, stash: RecomputeStash | None = None,
+                    key: Key = (None, ""), counter: SavedBytesCounter | None = None):
+    """Inside this scope, the autograd op that saves ``target`` stores it low-bit instead.
+
+    Exactly one of ``fmt`` (quantize the saved copy) or ``stash`` (store nothing; rebuild the
+    tensor from the stash in backward) is given. Other saved tensors pass through unchanged.
+    Raises RuntimeError after the scope if ``target`` was saved zero or several times while grad
+    was enabled (the wrapped op no longer saves what agoq expects: a Megatron change).
+    """
+    if (fmt is None) == (stash is None):
+        raise ValueError("quantized_saves needs exactly one of fmt= or stash=")
+    if stash is not None and stash.output_ptr != target.data_ptr():
+        raise RuntimeError(
+            "agoq: this linear's input is not the output of the recomputable op before it (norm or "
+            "SwiGLU); the layer's forward order changed. Use a bf16 policy for this role or report it."
+        )
+    hits = []
+
+    def pack(t: torch.Tensor):
+        if t is target or (t.data_ptr() == target.data_ptr() and t.shape == target.shape and t.dtype == target.dtype):
+            hits.append(1)
+            if stash is not None:
+                return _RecomputeSave(stash)
+            return _QuantizedSave(quantize_saved(t, fmt, key, counter))
+        return t
+
+    def unpack(obj):
+        return obj.materialize() if isinstance(obj, _Saved) else obj
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+    if torch.is_grad_enabled() and target.requires_grad and len(hits) != 1:
+        raise RuntimeError(
+            f"agoq: expected the wrapped op to save its input once, it saved it {len(hits)} times "
+            f"(layer/role {key}); megatron-core changed LinearWithGradAccumulationAndAsyncCommunication"
+        )
+
+
+# --------------------------------------------------------------------------------- RMSNorm ----
+class _RMSNormSavingInput(torch.autograd.Function):
+    """y = rms_norm(x) * w, storing only quantized x; backward recomputes the norm from x_hat."""
+
+    @staticmethod
+    def forward(ctx, x_TH, weight_H, eps, stash_holder):
+        y_TH = F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps)
+        stash = stash_holder["make"](x_TH, lambda xh: F.rms_norm(xh, (xh.shape[-1],), weight_H.detach(), eps))
+        stash.output_ptr = y_TH.data_ptr()
+        stash_holder["stash"] = stash
+        ctx.stash, ctx.eps = stash, eps
+        ctx.save_for_backward(weight_H)  # a parameter: no activation memory
+        return y_TH
+
+    @staticmethod
+    def backward(ctx, grad_y_TH):
+        (weight_H,) = ctx.saved_tensors
+        x_hat = ctx.stash.consume()
+        ctx.stash = None
+        with torch.enable_grad():
+            x = x_hat.detach().requires_grad_(ctx.needs_input_grad[0])
+            w = weight_H.detach().requires_grad_(ctx.needs_input_grad[1])
+            y = F.rms_norm(x, (x.shape[-1],), w, ctx.eps)
+            inputs = [t for t in (x, w) if t.requires_grad]
+            grads = iter(torch.autograd.grad(y, inputs, grad_y_TH)) if inputs else iter(())
+        grad_x = next(grads) if ctx.needs_input_grad[0] else None
+        grad_w = next(grads) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None
+
+
+def _stash_maker(fmt: QuantFormat, key: Key, counter: SavedBytesCounter | None):
+    return lambda x, fn: RecomputeStash(quantize_saved(x, fmt, key, counter), fn)
+
+
+def rmsnorm_saving_input(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float, fmt: QuantFormat, key: Key,
+                         counter: SavedBytesCounter | None = None) -> tuple[torch.Tensor, RecomputeStash | None]:
+    """RMSNorm with the same forward values as ``torch.nn.RMSNorm``; keeps ``fmt``-quantized x only.
+
+    Returns (y, stash); stash is None when nothing needs saving (no grad). Pass the stash to the
+    next linear's :func:`quantized_saves` so it stores nothing either (its input is recomputed from
+    the same quantized x).
+    """
+    if not (torch.is_grad_enabled() and (x_TH.requires_grad or weight_H.requires_grad)):
+        return F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps), None  # nothing is saved
+    holder = {"make": _stash_maker(fmt, key, counter)}
+    y_TH = _RMSNormSavingInput.apply(x_TH, weight_H, eps, holder)
+    return y_TH, holder["stash"]
+
+
+# ---------------------------------------------------------------------------------- SwiGLU ----
+def swiglu_reference(h_TF2: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
+    """Megatron's unfused gated linear unit for SwiGLU: silu(gate) * (up + offset), gate first."""
+    gate, up = torch.chunk(h_TF2, 2, dim=-1)
+    return F.silu(gate) * (up + offset)
+
+
+class _SwiGLUSavingInput(torch.autograd.Function):
+    """z = swiglu(h), storing only quantized h (the fc1 output); backward recomputes SwiGLU."""
+
+    @staticmethod
+    def forward(ctx, h_TF2, offset, stash_holder):
+        z_TF = swiglu_reference(h_TF2, offset)
+        stash = stash_holder["make"](h_TF2, lambda hh: swiglu_reference(hh, offset))
+        stash.output_ptr = z_TF.data_ptr()
+        stash_holder["stash"] = stash
+        ctx.stash, ctx.offset = stash, offset
+        return z_TF
+
+    @staticmethod
+    def backward(ctx, grad_z_TF):
+        h_hat = ctx.stash.consume()
+        ctx.stash = None
+        with torch.enable_grad():
+            h = h_hat.detach().requires_grad_(True)
+            (grad_h,) = torch.autograd.grad(swiglu_reference(h, ctx.offset), (h,), grad_z_TF)
+        return grad_h, None, None
+
+
+def swiglu_saving_input(h_TF2: torch.Tensor, fmt: QuantFormat, key: Key, counter: SavedBytesCounter | None = None,
+                        offset: float = 0.0) -> tuple[torch.Tensor, RecomputeStash | None]:
+    """SwiGLU with Megatron's forward values; keeps ``fmt``-quantized h only. Returns (z, stash)."""
+    if not (torch.is_grad_enabled() and h_TF2.requires_grad):
+        return swiglu_reference(h_TF2, offset), None  # nothing is saved
+    holder = {"make": _stash_maker(fmt, key, counter)}
+    z_TF = _SwiGLUSavingInput.apply(h_TF2, offset, holder)
+    return z_TF, holder["stash"]

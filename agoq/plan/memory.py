@@ -1,0 +1,159 @@
+"""Memory planner: predict each pipeline stage's memory under a policy, pick the richest that fits.
+
+Per stage r (bytes, one GPU): weights + gradients + optimizer states of its parameters, plus
+activations = (bytes of one chunk-micro-batch on that stage) x in-flight count M_r
+(``agoq.policy.inflight_microbatches``; with VPP every chunk holds layers / (P V) layers).
+Parameter bytes follow Megatron's bf16 recipe: bf16 weight (2), fp32 main_grad (4,
+grad_reduce_in_fp32), fp32 master + Adam m, v (12; divided by DP with the distributed optimizer).
+Per-layer activation bytes are ``agoq.plan.storage.agoq_bytes`` (exact: what agoq stores) plus
+``megatron_bytes`` (modelled: what Megatron keeps itself). The last stage adds the LM-head input
+(bf16) and the logits (bf16 output + fp32 softmax in vocab_parallel_cross_entropy); the first
+stage nothing extra (the embedding backward needs only token ids). Not modelled: the CUDA caching
+allocator's fragmentation, NCCL buffers, temporary workspaces (keep a margin in the budget).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agoq.plan.storage import BF16_BYTES, FP32_BYTES, LayerDims, agoq_bytes, layer_storage, megatron_bytes
+from agoq.policy import PolicySpec, ScheduleInfo, Site, inflight_microbatches
+
+WEIGHT_BYTES = BF16_BYTES
+GRAD_BYTES = FP32_BYTES  # Megatron main_grad with grad_reduce_in_fp32 (bf16 default)
+OPTIM_BYTES = 3 * FP32_BYTES  # fp32 master weight + Adam exp_avg + exp_avg_sq
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    vocab_size: int
+
+    def layer_params(self) -> int:
+        h, d = self.hidden_size, self.hidden_size // self.num_attention_heads
+        qkv = h * d * (self.num_attention_heads + 2 * self.num_query_groups)
+        return qkv + h * h + 3 * h * self.ffn_hidden_size + 2 * h
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    dp: int = 1
+    mbs: int = 1
+    gbs: int = 1
+    seq: int = 2048
+    distributed_optimizer: bool = False
+
+    @property
+    def num_microbatches(self) -> int:
+        per_step = self.mbs * self.dp
+        if self.gbs % per_step:
+            raise ValueError(f"--gbs {self.gbs} must be a multiple of --mbs {self.mbs} x dp {self.dp}")
+        return self.gbs // per_step
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    pp_rank: int
+    layers: tuple[int, ...]
+    inflight: int
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+def stage_layers(shape: ModelShape, layout: Layout) -> list[list[tuple[int, int | None]]]:
+    """(global layer index, vp chunk) of every rank, uniform split as megatron-core 0.19.2."""
+    chunks = layout.vpp or 1
+    if shape.num_layers % (layout.pp * chunks):
+        raise ValueError(f"--num-layers {shape.num_layers} must divide into pp x vpp = {layout.pp * chunks} chunks")
+    per_chunk = shape.num_layers // (layout.pp * chunks)
+    out = []
+    for rank in range(layout.pp):
+        layers = []
+        for chunk in range(chunks):
+            start = chunk * (shape.num_layers // chunks) + rank * per_chunk
+            layers += [(i, None if layout.vpp is None else chunk) for i in range(start, start + per_chunk)]
+        out.append(layers)
+    return out
+
+
+def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec) -> list[StageMemory]:
+    schedule = ScheduleInfo(layout.pp, layout.vpp, layout.num_microbatches)
+    dims = LayerDims(seq=layout.seq, micro_batch=layout.mbs, hidden=shape.hidden_size, ffn=shape.ffn_hidden_size,
+                     heads=shape.num_attention_heads, groups=shape.num_query_groups, tp=layout.tp)
+    chunks = layout.vpp or 1
+    result = []
+    for rank, layers in enumerate(stage_layers(shape, layout)):
+        per_layer = []
+        for idx, chunk in layers:
+            storage = layer_storage(
+                policy, lambda role, i=idx, c=chunk, r=rank: Site(i, r, layout.pp, c, layout.vpp, role), schedule
+            )
+            per_layer.append(sum(agoq_bytes(storage, dims).values()) + sum(megatron_bytes(storage, dims).values()))
+        params = len(layers) * shape.layer_params() // layout.tp
+        extra = 0
+        if rank == 0:
+            params += shape.vocab_size * shape.hidden_size // layout.tp
+        if rank == layout.pp - 1:
+            params += shape.vocab_size * shape.hidden_size // layout.tp + shape.hidden_size
+            tokens = dims.tokens
+            logits = (BF16_BYTES + FP32_BYTES) * tokens * shape.vocab_size // layout.tp
+            extra = BF16_BYTES * tokens * shape.hidden_size + logits
+        inflight = inflight_microbatches(rank, schedule)
+        per_chunk_mb = sum(per_layer) / chunks  # one chunk-micro-batch holds one chunk's layers
+        optim_share = layout.dp if layout.distributed_optimizer else 1
+        result.append(StageMemory(
+            pp_rank=rank, layers=tuple(i for i, _ in layers), inflight=inflight,
+            weights=WEIGHT_BYTES * params, grads=GRAD_BYTES * params, optimizer=OPTIM_BYTES * params // optim_share,
+            activations=int(per_chunk_mb * inflight) + extra * min(inflight, 1),
+        ))
+    return result
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '80GB', '512MiB', '1e9' -> bytes."""
+    units = {"gib": GIB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "kib": 2**10, "kb": 10**3, "b": 1}
+    low = text.strip().lower()
+    for unit, factor in units.items():
+        if low.endswith(unit):
+            return int(float(low[: -len(unit)]) * factor)
+    try:
+        return int(float(low))
+    except ValueError:
+        raise ValueError(f"--memory-budget {text!r}: write e.g. 80GiB, 141GB or a byte count") from None
+
+
+def choose_policy(shape: ModelShape, layout: Layout, candidates: list[tuple[str, PolicySpec]], budget: int):
+    """(name, stages) of the first candidate (richest first) whose every stage fits, else (None, report)."""
+    report = []
+    for name, policy in candidates:
+        stages = plan_stages(shape, layout, policy)
+        report.append((name, stages))
+        if all(s.total <= budget for s in stages):
+            return name, report
+    return None, report
+
+
+def format_report(report, budget: int) -> str:
+    lines = [f"budget {budget / GIB:.2f} GiB per GPU"]
+    for name, stages in report:
+        for s in stages:
+            fits = "fits" if s.total <= budget else "DOES NOT FIT"
+            lines.append(
+                f"{name:>12}  stage {s.pp_rank}  layers {s.layers[0]}..{s.layers[-1]}  in-flight {s.inflight:2d}  "
+                f"weights {s.weights / GIB:6.2f}  grads {s.grads / GIB:6.2f}  optim {s.optimizer / GIB:6.2f}  "
+                f"activations {s.activations / GIB:7.2f}  total {s.total / GIB:7.2f} GiB  {fits}")
+    return "\n".join(lines)

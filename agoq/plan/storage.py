@@ -1,0 +1,170 @@
+"""What each transformer-layer role actually stores under a policy, and its exact byte count.
+
+Pure Python (no torch, no Megatron): the Megatron layers (agoq.megatron.activations) and the memory
+planner (agoq.plan) apply the *same* rule, so the planner's agoq bytes equal the bytes counted at
+run time (tests/megatron/test_activations.py checks equality).
+
+The rule (docs/activations.md), per layer:
+- ``norm.input`` quantized -> both pre-norms store their quantized input and recompute the norm in
+  backward; the QKV / fc1 linears store nothing (their input is rebuilt from the same tensor), so
+  ``attn.qkv_input`` / ``mlp.fc1_input`` are "recomputed". ``norm.input`` bf16 -> Megatron's norm
+  saves as usual and ``attn.qkv_input`` / ``mlp.fc1_input`` follow their own format.
+- ``mlp.swiglu_input`` quantized -> SwiGLU stores its quantized input (fc1 output) and is recomputed;
+  fc2 stores nothing (``mlp.fc2_input`` "recomputed"). bf16 -> Megatron's SwiGLU; fc2 follows
+  ``mlp.fc2_input``.
+- ``attn.proj_input``: quantized or Megatron's save.
+- ``attn.q/k/v/out``: always what the attention kernel saves (quantizing attention internals is not
+  supported yet); a policy asking for a quantized format there is reported as "not applied".
+- bf16 anywhere means "exactly what Megatron saves" (numerics-neutral).
+
+Shape legend: T = tokens per micro-batch (seq x micro-batch), h = hidden, f = FFN hidden,
+n / g = attention heads / query groups, d = head dim, t = tensor-parallel size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from agoq.formats import QuantFormat
+from agoq.policy import LAYER_ROLES, PolicySpec, ScheduleInfo, Site, resolve
+
+MEGATRON = "megatron"  # saved by Megatron as usual (bf16 / training dtype)
+QUANTIZED = "quantized"  # agoq stores a quantized copy
+RECOMPUTED = "recomputed"  # nothing stored: rebuilt from another role's quantized tensor
+NOT_APPLIED = "not applied"  # the policy asks for a format agoq cannot apply here yet
+
+ATTENTION_INTERNALS = ("attn.q", "attn.k", "attn.v", "attn.out")
+BF16_BYTES = 2
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class RoleStorage:
+    role: str
+    requested: str  # format name the policy resolved to
+    how: str  # MEGATRON | QUANTIZED | RECOMPUTED | NOT_APPLIED
+    fmt: QuantFormat | None  # the stored format when how == QUANTIZED
+
+    def describe(self) -> str:
+        if self.how == QUANTIZED:
+            return self.fmt.name
+        if self.how == RECOMPUTED:
+            return "recomputed"
+        if self.how == NOT_APPLIED:
+            return f"bf16 (asked {self.requested}: not supported)"
+        return "bf16"
+
+
+@dataclass(frozen=True)
+class LayerStorage:
+    layer_idx: int
+    roles: dict[str, RoleStorage]
+
+    @property
+    def norm_recompute(self) -> bool:
+        return self.roles["norm.input"].how == QUANTIZED
+
+    @property
+    def swiglu_recompute(self) -> bool:
+        return self.roles["mlp.swiglu_input"].how == QUANTIZED
+
+    def fmt(self, role: str) -> QuantFormat | None:
+        """The quantized format agoq stores for ``role``, or None (Megatron's save or recomputed)."""
+        return self.roles[role].fmt
+
+
+def layer_storage(policy: PolicySpec, site_of: Callable[[str], Site], schedule: ScheduleInfo | None) -> LayerStorage:
+    """Apply the rule above to one layer; ``site_of(role)`` gives the layer's Site for a role."""
+    requested = {role: resolve(policy, site_of(role), schedule) for role in LAYER_ROLES}
+    roles: dict[str, RoleStorage] = {}
+
+    def put(role: str, how: str) -> None:
+        fmt = requested[role]
+        roles[role] = RoleStorage(role, fmt.name, how, fmt if how == QUANTIZED else None)
+
+    def own(role: str) -> str:
+        return QUANTIZED if requested[role].quantized else MEGATRON
+
+    put("norm.input", own("norm.input"))
+    for role in ("attn.qkv_input", "mlp.fc1_input"):
+        put(role, RECOMPUTED if roles["norm.input"].how == QUANTIZED else own(role))
+    put("attn.proj_input", own("attn.proj_input"))
+    put("mlp.swiglu_input", own("mlp.swiglu_input"))
+    put("mlp.fc2_input", RECOMPUTED if roles["mlp.swiglu_input"].how == QUANTIZED else own("mlp.fc2_input"))
+    for role in ATTENTION_INTERNALS:
+        put(role, NOT_APPLIED if requested[role].quantized else MEGATRON)
+    return LayerStorage(site_of("norm.input").layer_idx, roles)
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """Per-rank sizes of one layer's activations for one micro-batch."""
+
+    seq: int
+    micro_batch: int
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int
+    tp: int = 1
+
+    @property
+    def tokens(self) -> int:
+        return self.seq * self.micro_batch
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def numel(self, role: str) -> int:
+        """Elements of the tensor behind ``role`` on one tensor-parallel rank (no sequence parallel)."""
+        t, h, tp = self.tokens, self.hidden, self.tp
+        d, n, g = self.head_dim, self.heads // tp, self.groups // tp
+        return {
+            "norm.input": t * h, "attn.qkv_input": t * h, "mlp.fc1_input": t * h,
+            "attn.proj_input": t * n * d, "attn.q": t * n * d, "attn.k": t * g * d, "attn.v": t * g * d,
+            "attn.out": t * n * d, "mlp.swiglu_input": t * 2 * self.ffn // tp, "mlp.fc2_input": t * self.ffn // tp,
+        }[role]
+
+
+def agoq_bytes(storage: LayerStorage, dims: LayerDims) -> dict[str, int]:
+    """Exact bytes agoq stores per role for one micro-batch (what SavedBytesCounter counts)."""
+    out = {}
+    for role, rs in storage.roles.items():
+        if rs.how != QUANTIZED:
+            continue
+        copies = 2 if role == "norm.input" else 1  # attention and MLP pre-norm
+        out[role] = copies * rs.fmt.storage_bytes(dims.numel(role))
+    return out
+
+
+def megatron_bytes(storage: LayerStorage, dims: LayerDims) -> dict[str, int]:
+    """Modelled bytes Megatron itself keeps per role (bf16 training dtype) for one micro-batch.
+
+    Model (CUDA, megatron-core 0.19.2 local spec + agoq's SDPA attention):
+    - a plain RMSNorm keeps its input (2 B/elt) and a fp32 rstd per token;
+    - a plain linear keeps its input; plain SwiGLU keeps its input (2f) and silu(gate) (f);
+    - SDPA keeps q, k (after RoPE: own storage), out and the fp32 log-sum-exp per (token, head);
+      v is a view of the fused QKV output, so it keeps the whole [T, (n + 2g) d] buffer alive;
+      RoPE keeps its cos and sin ([s, 1, 1, d], cast to bf16 per layer) for q and for k.
+    """
+    out = {}
+    t = dims.tokens
+    n, g, d = dims.heads // dims.tp, dims.groups // dims.tp, dims.head_dim
+    for role, rs in storage.roles.items():
+        if rs.how not in (MEGATRON, NOT_APPLIED):
+            continue
+        if role == "norm.input":
+            out[role] = 2 * (BF16_BYTES * dims.numel(role) + FP32_BYTES * t)
+        elif role == "mlp.swiglu_input":
+            out[role] = BF16_BYTES * (dims.numel(role) + dims.numel("mlp.fc2_input"))
+        elif role == "attn.v":
+            out[role] = BF16_BYTES * t * (n + 2 * g) * d
+        elif role in ("attn.q", "attn.k"):
+            out[role] = BF16_BYTES * (dims.numel(role) + 2 * dims.seq * d)
+        elif role == "attn.out":
+            out[role] = BF16_BYTES * dims.numel(role) + FP32_BYTES * t * n
+        else:
+            out[role] = BF16_BYTES * dims.numel(role)
+    return out

@@ -1,0 +1,142 @@
+"""Activation memory and step time of agoq policies vs the bf16 policy (same SDPA attention), PP=1.
+
+GPU (the issue's benchmark, ~1B LLaMA, seq 4096)::
+
+    python scripts/bench_memory.py --policies bf16 agoq int8 --steps 6 --json out.json
+
+CPU smoke (tiny model; byte counts are exact, times and peaks are not meaningful)::
+
+    python scripts/bench_memory.py --smoke
+
+Per policy: bytes held for backward after one forward (Megatron's saves metered + agoq's counter),
+CUDA peak allocated memory of a training step, median step time (forward + backward + SGD), and
+the planner's per-layer prediction. Ratios are vs the bf16 policy. PP=2 on two GPUs: run
+scripts/pretrain_llama.py with --agoq-policy (not covered here yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+LLAMA_1B = dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=5632,
+                seq_length=4096, vocab_size=32000)
+TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+            seq_length=32, vocab_size=128)
+
+
+def _model(shape_kw, policy, device, reference=None):
+    from megatron.core.transformer.module import Float16Module
+
+    from agoq.megatron.activations import storage_of
+    from agoq.megatron.model import (
+        LlamaShape,
+        ParallelLayout,
+        agoq_layer_spec,
+        build_model_chunks,
+        llama_transformer_config,
+    )
+    from agoq.policy import ScheduleInfo
+
+    shape = LlamaShape(**shape_kw)
+    config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.bfloat16,
+                                      use_cpu_initialization=device.type == "cpu")
+    spec = agoq_layer_spec("sdpa", policy=REPO / "configs" / "policy" / f"{policy}.yaml",
+                           schedule=ScheduleInfo(1, None, 1))
+    (model,) = build_model_chunks(shape, config, spec, None)
+    model = Float16Module(config, model.to(device))
+    if reference is not None:
+        model.load_state_dict(reference.state_dict())
+    return model, storage_of(spec)
+
+
+def _batch(shape_kw, mbs, device):
+    tokens = torch.randint(0, shape_kw["vocab_size"], (mbs, shape_kw["seq_length"] + 1), device=device)
+    pos = torch.arange(shape_kw["seq_length"], device=device).expand(mbs, -1)
+    return tokens[:, :-1], tokens[:, 1:], pos
+
+
+def measure(shape_kw, policy, mbs, steps, device, reference=None) -> tuple[dict, object]:
+    from agoq.megatron.activations import SavedTensorMeter
+    from agoq.plan.storage import LayerDims, agoq_bytes, megatron_bytes
+
+    model, storage = _model(shape_kw, policy, device, reference)
+    tokens, labels, pos = _batch(shape_kw, mbs, device)
+    with SavedTensorMeter([model]) as meter:
+        loss = model(tokens, pos, None, labels=labels).float().mean()
+    held_layers = sum(v for k, v in meter.bytes_by_layer.items() if k is not None) + storage.counter.total()
+    loss.backward()
+    dims = LayerDims(seq=shape_kw["seq_length"], micro_batch=mbs, hidden=shape_kw["hidden_size"],
+                     ffn=shape_kw["ffn_hidden_size"], heads=shape_kw["num_attention_heads"],
+                     groups=shape_kw["num_query_groups"])
+    predicted = sum(sum(agoq_bytes(s, dims).values()) + sum(megatron_bytes(s, dims).values())
+                    for s in storage.layers.values())
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        start = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        model(tokens, pos, None, labels=labels).float().mean().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 1e-5 * p.grad
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    return {"policy": policy, "held_layer_bytes": held_layers, "head_bytes": meter.bytes_by_layer.get(None, 0),
+            "planner_layer_bytes": predicted, "peak_bytes": peak,
+            "step_s_median": statistics.median(times[1:] or times)}, model
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--policies", nargs="+", default=["bf16", "agoq", "int8"])
+    p.add_argument("--mbs", type=int, default=1)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU (2 steps)")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    from agoq.config import AgoqConfig
+    from agoq.megatron import runtime
+    from agoq.megatron.install import install
+    from agoq.megatron.model import ParallelLayout
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    handle = install(AgoqConfig(device="cpu" if device.type == "cpu" else "auto"))
+    runtime.init_distributed(device)
+    runtime.init_model_parallel(ParallelLayout(), seed=1234, device=device)
+    shape_kw, steps = (TINY, 2) if args.smoke else (LLAMA_1B, args.steps)
+    rows, reference = [], None
+    try:
+        for policy in ["bf16"] + [x for x in args.policies if x != "bf16"]:
+            row, model = measure(shape_kw, policy, args.mbs, steps, device, reference)
+            reference = reference or model
+            rows.append(row)
+    finally:
+        runtime.shutdown()
+        handle.uninstall()
+    base = rows[0]
+    for row in rows:
+        row["activation_ratio_vs_bf16"] = row["held_layer_bytes"] / base["held_layer_bytes"]
+        row["step_time_ratio_vs_bf16"] = row["step_s_median"] / base["step_s_median"]
+        row["planner_error"] = row["held_layer_bytes"] / row["planner_layer_bytes"] - 1
+        print(json.dumps(row))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": str(device), "shape": shape_kw, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
