@@ -29,6 +29,7 @@ DEFAULT_POLICY = REPO_ROOT / "configs" / "policy" / "agoq.yaml"
 from agoq.data.tokenizer import Tokenizer, padded_vocab_size  # noqa: E402
 from agoq.megatron import data as mdata  # noqa: E402
 from agoq.megatron import model as mmodel  # noqa: E402
+from agoq.megatron.activations import storage_of, storage_table  # noqa: E402
 from agoq.megatron.args import parse_args  # noqa: E402
 from agoq.megatron.ddp import grad_config_from_args, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.pretrain import ddp_config, pretrain  # noqa: E402
@@ -36,8 +37,8 @@ from agoq.megatron.training import configure_grad_hooks  # noqa: E402
 from agoq.policy import ScheduleInfo, format_table, load_policy, model_sites, policy_table  # noqa: E402
 
 
-def model_provider(args, layout, tokenizer, info):
-    """Model chunks of this pipeline rank, DDP-wrapped, and the LlamaShape they were built from."""
+def model_provider(args, layout, tokenizer, info, num_microbatches):
+    """Model chunks of this pipeline rank (DDP-wrapped), their LlamaShape and the layer spec used."""
     shape = mmodel.LlamaShape(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
@@ -50,14 +51,16 @@ def model_provider(args, layout, tokenizer, info):
     config = mmodel.llama_transformer_config(
         shape, layout, params_dtype=params_dtype, use_cpu_initialization=info.is_cpu
     )
-    chunks = mmodel.build_model_chunks(shape, config, mmodel.agoq_layer_spec(args.attention_backend), layout.vpp)
+    schedule = ScheduleInfo(pp_size=layout.pp, vp_size=layout.vpp, num_microbatches=num_microbatches)
+    spec = mmodel.agoq_layer_spec(args.attention_backend, policy=load_agoq_policy(args), schedule=schedule)
+    chunks = mmodel.build_model_chunks(shape, config, spec, layout.vpp)
     grad = grad_config(args, load_agoq_policy(args))
     if grad is None:
         model = mmodel.wrap_ddp(chunks, config, ddp_config(args, params_dtype), info.device)
     else:
         model = wrap_ddp_agoq(chunks, config, ddp_config(args, params_dtype), info.device, grad)
     configure_grad_hooks(model, config)
-    return model, shape
+    return model, shape, spec
 
 
 def train_valid_test_datasets_provider(args):
@@ -101,7 +104,7 @@ def grad_config(args, spec):
 
 
 def policy_report(args, shape, layout, num_microbatches) -> str:
-    """Echo the policy file and its resolved per-layer, per-role table (printed on rank 0)."""
+    """Echo the policy file and its resolved per-layer, per-role table for every stage (rank 0 prints)."""
     if args.agoq_disable:
         return "agoq: disabled (--agoq-disable): plain Megatron baseline"
     path = Path(args.agoq_policy) if args.agoq_policy else DEFAULT_POLICY
@@ -110,18 +113,22 @@ def policy_report(args, shape, layout, num_microbatches) -> str:
     table = format_table(policy_table(spec, model_sites(shape.num_layers, schedule), schedule))
     return (
         f"agoq policy {path}:\n{path.read_text().rstrip()}\n"
-        f"resolved per layer and role:\n{table}\n"
-        "NOTE: the policy is parsed and validated; low-bit activation storage is not applied yet "
-        "(activations are saved in the training dtype).\n"
+        f"resolved per layer and role (all stages):\n{table}\n"
         f"gradients: {args.agoq_grads or 'Megatron float main_grad'}"
         + (f" ({args.agoq_grads_mode} mode)" if args.agoq_grads else "")
     )
 
 
+def storage_report(spec) -> str | None:
+    """What this rank's layers really store for backward (printed once per pipeline stage)."""
+    storage = storage_of(spec)
+    return None if storage is None else f"activations stored for backward on this stage:\n{storage_table(storage)}"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        pretrain(args, model_provider, train_valid_test_datasets_provider, policy_report)
+        pretrain(args, model_provider, train_valid_test_datasets_provider, policy_report, storage_report)
     except (ValueError, FileNotFoundError, NotImplementedError) as exc:  # bad input: one line, no traceback
         if os.environ.get("RANK", "0") == "0":
             print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -43,6 +44,16 @@ def print_last(*parts) -> None:
     """Megatron's print_rank_last: the rank that sees the loss."""
     if training.is_logging_rank():
         print(*parts, flush=True)
+
+
+def _print_stage_first(text: str | None) -> None:
+    """Print on the first tensor- and data-parallel rank of every pipeline stage, in stage order."""
+    for stage in range(parallel_state.get_pipeline_model_parallel_world_size()):
+        if (text and parallel_state.get_pipeline_model_parallel_rank() == stage
+                and parallel_state.get_tensor_model_parallel_rank() == 0
+                and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0):
+            print(f"[pipeline stage {stage}] {text}", flush=True)
+        dist.barrier()
 
 
 class StopSignal:
@@ -72,6 +83,7 @@ class Components:
     scheduler: object
     layout: ParallelLayout
     flops_per_iteration: int
+    policy_report: str  # the resolved policy table, saved with every checkpoint
 
 
 def build_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
@@ -150,14 +162,15 @@ def versions_line() -> str:
     )
 
 
-def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy_report: Callable) -> None:
+def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy_report: Callable,
+             storage_report: Callable) -> None:
     """Run the whole job described by ``args`` (see agoq.megatron.args)."""
     device = runtime.choose_device(args.agoq_device, int(os.environ.get("LOCAL_RANK", "0")))
     stop = StopSignal()  # from the start: a signal during start-up stops the job after its first iteration
     install(AgoqConfig(enabled=not args.agoq_disable, policy_path=args.agoq_policy, device=args.agoq_device))
     info = runtime.init_distributed(device)
     try:
-        _run(args, info, model_provider, datasets_provider, policy_report, stop)
+        _run(args, info, model_provider, datasets_provider, (policy_report, storage_report), stop)
     finally:
         runtime.shutdown()
         # slurm sends USR1 to the batch step and the launcher relays it: a second copy arriving during
@@ -165,7 +178,8 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, policy_report, stop) -> None:
+def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, reports, stop) -> None:
+    policy_report, storage_report = reports
     layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, vpp=args.vpp)
     microbatches = num_microbatches(args, layout, info.world_size)
     print_rank0(versions_line())
@@ -174,9 +188,10 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, policy
                 f"micro-batches per step {microbatches}")
     runtime.init_model_parallel(layout, args.seed, info.device)
     tokenizer, data_factory = datasets_provider(args)
-    model, shape = model_provider(args, layout, tokenizer, info)
+    model, shape, spec = model_provider(args, layout, tokenizer, info, microbatches)
     report = policy_report(args, shape, layout, microbatches)
     print_rank0(report)
+    _print_stage_first(storage_report(spec))
     params_dtype = torch.float32 if args.fp32 else torch.bfloat16
     if args.agoq_optimizer == "torch":
         optimizer, scheduler = build_optimizer(args, model, params_dtype)
@@ -199,7 +214,8 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, policy
                         f"({progress.consumed_samples} samples consumed)")
     iterators = [data_factory(progress.consumed_samples) for _ in range(layout.vpp or 1)]
     components = Components(model, optimizer, scheduler, layout,
-                            flops_per_iteration=training_flops_per_iteration(args, shape.vocab_size))
+                            flops_per_iteration=training_flops_per_iteration(args, shape.vocab_size),
+                            policy_report=report)
     tensorboard = open_tensorboard(args.tensorboard_dir, is_writer_rank=training.is_logging_rank())
     tensorboard.log_policy_table(report)
     try:
@@ -248,7 +264,8 @@ def _train_loop(args, info, parts: Components, iterators, microbatches: int, pro
         stopping = stop.agreed(info.device) or iteration == args.exit_interval
         periodic = args.save_interval and iteration % args.save_interval == 0
         if args.save and (periodic or stopping or iteration == args.train_iters):
-            path = checkpoint.save_checkpoint(args.save, state, parts.model, parts.optimizer, parts.scheduler)
+            path = checkpoint.save_checkpoint(args.save, state, parts.model, parts.optimizer, parts.scheduler,
+                                              extra={"policy_report": parts.policy_report})
             print_rank0(f"saved checkpoint {path}")
         if stopping:
             print_rank0(f"stopping at iteration {iteration}"
