@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -11,11 +12,6 @@ import triton.language as tl
 from agoq.formats import NF4_CODEBOOK, QuantFormat
 from agoq.ref.quant import ref_code_values
 
-# Elements one program instance handles: ROWS = ELEMS_PER_PROGRAM // block blocks per program.
-# 4096 bf16 elements = 8 KiB read per program keeps enough bytes in flight per SM on H100; tuned in
-# scripts/bench_quant.py (docs/benchmarks/quant.md records the sweep device and date).
-ELEMS_PER_PROGRAM = 4096
-NUM_WARPS = 4
 
 KIND_IDS = {"int": 0, "nf": 1, "fp8": 2, "cint": 3, "cuint": 4}
 SCALE_IDS = {"fp32": 0, "fp16": 1, "pow2": 2}
@@ -25,12 +21,32 @@ TORCH_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "pow2": torc
 HASH_SEED_MUL = 0x9E3779B9  # same constant as agoq.ref.quant (golden-ratio seed mix)
 
 
-def rows_per_program(fmt: QuantFormat) -> int:
-    return max(1, ELEMS_PER_PROGRAM // fmt.block)
+@dataclass(frozen=True)
+class QuantConfig:
+    """Quantize launch shape: elements per program instance (ROWS = elems // block blocks) and warps."""
+
+    elems_per_program: int = 4096
+    num_warps: int = 4
 
 
-def grid(fmt: QuantFormat, num_blocks: int) -> tuple[int]:
-    return (triton.cdiv(num_blocks, rows_per_program(fmt)),)
+# Quantize launch shape per format family (kind, bits, stochastic); the codes never depend on it.
+# Provenance: scripts/bench_quant.py --sweep (see docs/benchmarks/quant.md for GPU and date).
+DEFAULT_QUANT_CONFIG = QuantConfig()
+QUANT_CONFIGS: dict[tuple[str, int, bool], QuantConfig] = {}
+# Consecutive elements per thread in the quantize kernel: 8 bf16 = one 16-byte load, and 8 codes of
+# a 4/2/1-bit plane make one 32/16/8-bit word.
+SUB_ELEMS = 8
+# Dequantize: 4096 bf16 elements (8 KiB) per program, 4 warps (H100 run of 2026-11-22, quant.md).
+DEQUANT_ELEMS_PER_PROGRAM = 4096
+DEQUANT_NUM_WARPS = 4
+
+
+def quant_config(fmt: QuantFormat) -> QuantConfig:
+    return QUANT_CONFIGS.get((fmt.kind, fmt.bits, fmt.rounding == "stochastic"), DEFAULT_QUANT_CONFIG)
+
+
+def rows_for(fmt: QuantFormat, elems_per_program: int) -> int:
+    return max(1, elems_per_program // fmt.block)
 
 
 def constexprs(fmt: QuantFormat) -> dict:
@@ -40,7 +56,6 @@ def constexprs(fmt: QuantFormat) -> dict:
         KIND=KIND_IDS[fmt.kind],
         BITS=fmt.bits,
         BLOCK=fmt.block,
-        ROWS=rows_per_program(fmt),
         SCALE=SCALE_IDS[fmt.scale],
         STOCHASTIC=fmt.rounding == "stochastic",
         QMAX=float(fmt.qmax),
