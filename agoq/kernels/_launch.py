@@ -71,12 +71,33 @@ def seed_mix(seed: int | None) -> int:
     return mixed - (1 << 32) if mixed >= (1 << 31) else mixed
 
 
-@functools.lru_cache(maxsize=16)  # one small upload per device, not one per call
-def nf4_midpoints(device: str) -> torch.Tensor:
-    """fp32 midpoints between NF4 entries (15; fp64 mean rounded once, as agoq.ref), padded to 16."""
+NF4_BUCKETS = 32  # buckets of width 1/16 over [-1, 1): narrower than the smallest midpoint gap
+
+
+def nf4_midpoints_f32() -> torch.Tensor:
+    """The 15 fp32 midpoints between NF4 entries (fp64 mean rounded once, as agoq.ref)."""
     cb64 = torch.tensor(NF4_CODEBOOK, dtype=torch.float64)
-    mids = ((cb64[1:] + cb64[:-1]) / 2).to(torch.float32)
-    return torch.cat([mids, mids[-1:]]).to(device)
+    return ((cb64[1:] + cb64[:-1]) / 2).to(torch.float32)
+
+
+def nf4_lut_cpu() -> torch.Tensor:
+    """fp32 [64]: thr[b] (the midpoint in bucket b = [-1 + b/16, -1 + (b+1)/16), +inf if none), then
+    below[b] = #(midpoints < bucket start) stored as int32 bits. Kernel: code = below[b] + (p > thr[b])."""
+    mids = nf4_midpoints_f32()
+    starts = torch.arange(NF4_BUCKETS, dtype=torch.float32) / 16.0 - 1.0  # exact in fp32
+    thr = torch.full((NF4_BUCKETS,), float("inf"))
+    for m in mids.tolist():
+        b = int((m + 1.0) * 16.0)
+        if thr[b] != float("inf"):
+            raise ValueError("NF4 bucket holds two midpoints: raise NF4_BUCKETS")
+        thr[b] = m
+    below = (mids[None, :] < starts[:, None]).sum(1).to(torch.int32)
+    return torch.cat([thr, below.view(torch.float32)])
+
+
+@functools.lru_cache(maxsize=16)  # one small upload per device, not one per call
+def nf4_lut(device: str) -> torch.Tensor:
+    return nf4_lut_cpu().to(device)
 
 
 @functools.lru_cache(maxsize=64)

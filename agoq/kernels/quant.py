@@ -29,8 +29,8 @@ __all__ = ["quantize", "dequantize", "quantize_with_config"]
 # rounds (RNE) into [n, n + 1) (a tie |y| = n - 0.5 rounds up to n; |y| just below n + 0.5 stays below
 # n + 1), while plain floor(|y| + 0.5) fails at |y| = 0.49999997. Checked exhaustively against the
 # reference rounding for every fp32 |y| < 1024 (docs/benchmarks/quant.md).
-HALF_BELOW_BITS = 0x3EFFFFFF
-SIGN_BIT = -(2**31)
+HALF_BELOW_BITS = tl.constexpr(0x3EFFFFFF)
+SIGN_BIT = tl.constexpr(-(2**31))
 
 
 @triton.jit
@@ -40,23 +40,15 @@ def _round_half_away_i32(y):
 
 
 @triton.jit
-def _floor_i32(z):
-    """floor(z) as int32 for |z| < 2**22 without the (quarter-rate) convert unit: RNE via the
-    1.5 * 2**23 magic add (exact integer in the low mantissa bits), minus one where it rounded up."""
-    t = z + 12582912.0  # 1.5 * 2**23: t - 1.5 * 2**23 = rne(z), exactly
-    n = t.to(tl.int32, bitcast=True) - 0x4B400000
-    return n - ((t - 12582912.0) > z).to(tl.int32)
-
-
-@triton.jit
 def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def _hash_uniform(idx_u32, seed_mix):
-    """agoq.ref.quant.hash_uniform on uint32 lanes (flat index mod 2**32; wrap-around multiplies)."""
-    h = idx_u32 + seed_mix.to(tl.uint32, bitcast=True)
+def _hash_uniform(local_u32, hash_base):
+    """agoq.ref.quant.hash_uniform on uint32 lanes: flat index + seed mix (mod 2**32) = in-program
+    offset + hash_base (program's first index + seed mix, one scalar add); wrap-around multiplies."""
+    h = local_u32 + hash_base.to(tl.uint32, bitcast=True)
     h = h ^ (h >> 16)
     h = h * 0x85EBCA6B
     h = h ^ (h >> 13)
@@ -66,20 +58,19 @@ def _hash_uniform(idx_u32, seed_mix):
 
 
 @triton.jit
-def _nf4_code(p, mids_ptr):
-    """#(NF4 midpoints < p) by a branch-free 4-level binary search on the 15 sorted midpoints (ties
-    go to the lower code, as searchsorted). Thresholds are selected from scalars (FSEL), no gathers."""
-    m0, m1, m2, m3 = tl.load(mids_ptr), tl.load(mids_ptr + 1), tl.load(mids_ptr + 2), tl.load(mids_ptr + 3)
-    m4, m5, m6, m7 = tl.load(mids_ptr + 4), tl.load(mids_ptr + 5), tl.load(mids_ptr + 6), tl.load(mids_ptr + 7)
-    m8, m9, m10 = tl.load(mids_ptr + 8), tl.load(mids_ptr + 9), tl.load(mids_ptr + 10)
-    m11, m12, m13, m14 = tl.load(mids_ptr + 11), tl.load(mids_ptr + 12), tl.load(mids_ptr + 13), tl.load(mids_ptr + 14)
-    b3 = p > m7
-    b2 = p > tl.where(b3, m11, m3)
-    b1 = p > tl.where(b3, tl.where(b2, m13, m9), tl.where(b2, m5, m1))
-    t0 = tl.where(b3, tl.where(b2, tl.where(b1, m14, m12), tl.where(b1, m10, m8)),
-                  tl.where(b2, tl.where(b1, m6, m4), tl.where(b1, m2, m0)))  # fmt: skip
-    b0 = p > t0
-    return tl.where(b3, 8, 0) + tl.where(b2, 4, 0) + tl.where(b1, 2, 0) + tl.where(b0, 1, 0)
+def _nf4_code(p, nf4_lut_ptr):
+    """#(NF4 midpoints < p) (ties to the lower code, as searchsorted) from a 32-bucket table.
+
+    Bucket b = trunc(16 p + 16) (clamped to 31) covers [-1 + b/16, -1 + (b+1)/16), narrower than the
+    smallest gap between NF4 midpoints (0.085), so it holds at most one midpoint thr[b] (+inf if
+    none) and code = below[b] + (p > thr[b]): one convert and two L1-resident gathers instead of a
+    4-level search. _launch.nf4_lut builds the table; tests check it against searchsorted for every
+    fp32 p in [-1.01, 1.01] (rounding of 16 p + 16 near a bucket edge included).
+    """
+    bucket = tl.minimum((p * 16.0 + 16.0).to(tl.int32).to(tl.uint32), 31).to(tl.int32)  # NaN-safe
+    thr = tl.load(nf4_lut_ptr + bucket)
+    below = tl.load(nf4_lut_ptr + 32 + bucket).to(tl.int32, bitcast=True)
+    return below + (p > thr).to(tl.int32)
 
 
 @triton.jit
@@ -154,7 +145,7 @@ def _quantize_fwd_kernel(
     x_ptr,  # input, bf16/fp16/fp32, numel elements (flat, contiguous)
     codes_ptr,  # out: uint8, num_blocks * BLOCK * BITS // 8 packed codes
     scales_ptr,  # out: fp32 / fp16 / uint8 (pow2 biased exponent), num_blocks
-    mids_ptr,  # fp32 NF4 midpoints (15, padded to 16), only read when KIND == 1
+    nf4_lut_ptr,  # fp32 [64]: NF4 bucket thresholds, then bucket base codes (bits); KIND == 1 only
     numel,  # int: number of valid input elements
     num_blocks,  # int: ceil(numel / BLOCK)
     seed_mix,  # int32: (seed * 0x9E3779B9) mod 2**32, bit-cast; stochastic rounding only
@@ -193,12 +184,13 @@ def _quantize_fwd_kernel(
     p = tl.where(bad[:, None, None], 0.0, x * inv[:, None, None])
     # -- codes ----------------------------------------------------------------------------------
     if KIND == 1:
-        code = _nf4_code(p, mids_ptr)
+        code = _nf4_code(p, nf4_lut_ptr)
     elif KIND == 2:
         y = tl.minimum(tl.maximum(p, -QMAX), QMAX)
         code = y.to(FP8_DTYPE).to(tl.uint8, bitcast=True).to(tl.int32)
     else:
-        code = _int_code(p, (elem_base + local).to(tl.uint32), seed_mix, KIND, BITS, STOCHASTIC, QMAX)
+        hash_base = (elem_base.to(tl.uint32) + seed_mix.to(tl.uint32, bitcast=True)).to(tl.int32, bitcast=True)
+        code = _int_code(p, local.to(tl.uint32), hash_base, KIND, BITS, STOCHASTIC, QMAX)
     # -- pack bit planes and store -------------------------------------------------------------
     row_ok = rows < tl.minimum(num_blocks - first_row, ROWS).to(tl.int32)
     row_bytes: tl.constexpr = BLOCK * BITS // 8
@@ -217,7 +209,7 @@ def _quantize_fwd_kernel(
 
 
 @triton.jit
-def _int_code(p, idx_u32, seed_mix, KIND: tl.constexpr, BITS: tl.constexpr, STOCHASTIC: tl.constexpr,
+def _int_code(p, local_u32, hash_base, KIND: tl.constexpr, BITS: tl.constexpr, STOCHASTIC: tl.constexpr,
               QMAX: tl.constexpr):  # fmt: skip
     """Unsigned codes of int (KIND 0), cint (3) and cuint (4), with agoq.ref's rounding and clamps."""
     if KIND == 0:
@@ -232,8 +224,8 @@ def _int_code(p, idx_u32, seed_mix, KIND: tl.constexpr, BITS: tl.constexpr, STOC
         lim = 255.0
     if STOCHASTIC:
         # floor(clamp(z)) == clamp(floor(z)) for an integer limit (floor is monotone)
-        z = tl.minimum(tl.maximum(y + _hash_uniform(idx_u32, seed_mix), -lim), lim)
-        r = _floor_i32(z)
+        z = tl.minimum(tl.maximum(y + _hash_uniform(local_u32, hash_base), -lim), lim)
+        r = tl.floor(z).to(tl.int32)
     elif KIND == 0:
         r = _round_half_away_i32(tl.minimum(tl.maximum(y, -lim), lim))  # clamp before: same result
     else:
@@ -319,10 +311,10 @@ def quantize_with_config(
     num_blocks = fmt.num_blocks(x.numel())
     codes_u8 = torch.empty(fmt.code_bytes(x.numel()), dtype=torch.uint8, device=x.device)
     scales = torch.empty(num_blocks, dtype=_launch.TORCH_SCALE_DTYPES[fmt.scale], device=x.device)
-    mids_f32 = _launch.nf4_midpoints(str(x.device))
+    nf4_lut_f32 = _launch.nf4_lut(str(x.device))
     rows = _launch.rows_for(fmt, config.elems_per_program)
     _quantize_fwd_kernel[(triton.cdiv(num_blocks, rows),)](
-        x_flat, codes_u8, scales, mids_f32, x.numel(), num_blocks, _launch.seed_mix(seed),
+        x_flat, codes_u8, scales, nf4_lut_f32, x.numel(), num_blocks, _launch.seed_mix(seed),
         num_warps=config.num_warps, enable_fp_fusion=False, ROWS=rows, SUB=_launch.SUB_ELEMS,
         **_launch.constexprs(fmt),
     )  # fmt: skip
