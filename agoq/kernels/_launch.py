@@ -30,9 +30,31 @@ class QuantConfig:
 
 
 # Quantize launch shape per format family (kind, bits, stochastic); the codes never depend on it.
-# Provenance: scripts/bench_quant.py --sweep (see docs/benchmarks/quant.md for GPU and date).
+# Provenance: `scripts/bench_quant.py --sweep` on NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton
+# 3.6.0, 2026-11-22T04:19Z (docs/benchmarks/quant_sweep.json): per family, the shape with the best
+# worst-case quantize vs-copy ratio at 256 MiB over the swept formats of that family.
 DEFAULT_QUANT_CONFIG = QuantConfig()
-QUANT_CONFIGS: dict[tuple[str, int, bool], QuantConfig] = {}
+QUANT_CONFIGS: dict[tuple[str, int, bool], QuantConfig] = {
+    ("int", 8, False): QuantConfig(4096, 4),  # _quantize_bytes_kernel: see below
+    ("int", 6, False): QuantConfig(1024, 4),
+    ("int", 5, False): QuantConfig(2048, 4),
+    ("int", 4, False): QuantConfig(2048, 4),
+    ("int", 2, False): QuantConfig(4096, 8),
+    ("nf", 4, False): QuantConfig(4096, 4),
+    ("fp8", 8, False): QuantConfig(4096, 4),  # _quantize_bytes_kernel: see below
+    ("cint", 8, False): QuantConfig(4096, 4),
+    ("cuint", 8, False): QuantConfig(8192, 8),
+    ("int", 8, True): QuantConfig(4096, 4),
+}
+# int8 (round to nearest) and fp8 use the [ROWS, BLOCK] _quantize_bytes_kernel with 4096 elements and
+# 4 warps: measured on the same H100 / Triton 3.6.0 at 2026-11-22T03:56Z (0.93-1.02 of copy, quant.md),
+# faster there than the [ROWS, G, SUB] kernel at its best swept shape (0.85-0.88).
+
+
+def uses_bytes_kernel(fmt: QuantFormat) -> bool:
+    return fmt.kind == "fp8" or (fmt.kind == "int" and fmt.bits == 8 and fmt.rounding == "nearest")
+
+
 # Consecutive elements per thread in the quantize kernel: 8 bf16 = one 16-byte load, and 8 codes of
 # a 4/2/1-bit plane make one 32/16/8-bit word.
 SUB_ELEMS = 8
