@@ -43,8 +43,8 @@ DEFAULT_FORMATS = [
 SQNR_NUMEL = 1 << 24  # 16M elements: SQNR estimate std << 0.1 dB
 TARGET_VS_COPY = 0.85  # issue 3
 TARGET_MIN_MIB = 256
-SWEEP_CONFIGS = [(1024, 4), (2048, 4), (4096, 4), (8192, 4), (2048, 8), (4096, 8), (8192, 8), (16384, 8)]  # (elems, warps)
-SWEEP_MIB = 256
+SWEEP_CONFIGS = [(1024, 4), (2048, 4), (4096, 4), (8192, 4), (2048, 8), (4096, 8), (8192, 8), (16384, 8)]
+SWEEP_MIB = 256  # SWEEP_CONFIGS: (elements per program, warps)
 SWEEP_CHECK_NUMEL = 1 << 24
 
 
@@ -123,9 +123,7 @@ def check_rows(names: list[str]) -> list[dict]:
         )
         y, yr = dequantize(q), ref_dequantize(r)
         values_equal = bool(torch.isclose(y.float(), yr.float(), rtol=0, atol=0, equal_nan=True).all())
-        out.append(
-            dict(format=name, codes_equal=codes_equal, scales_equal=scales_equal, values_equal=values_equal)
-        )
+        out.append(dict(format=name, codes_equal=codes_equal, scales_equal=scales_equal, values_equal=values_equal))
     return out
 
 
@@ -217,9 +215,7 @@ def main() -> None:
               flush=True)  # fmt: skip
     result["sqnr"] = sqnr_rows(args.formats)
     for row in result["sqnr"]:
-        print(
-            f"SQNR {row['format']:15s} {row['dist']:12s} {row['sqnr_db']:6.2f} dB (floor {row['floor_db']})"
-        )
+        print(f"SQNR {row['format']:15s} {row['dist']:12s} {row['sqnr_db']:6.2f} dB (floor {row['floor_db']})")
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

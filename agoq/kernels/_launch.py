@@ -6,12 +6,10 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
 from agoq.formats import NF4_CODEBOOK, QuantFormat
 from agoq.ref.quant import ref_code_values
-
 
 KIND_IDS = {"int": 0, "nf": 1, "fp8": 2, "cint": 3, "cuint": 4}
 SCALE_IDS = {"fp32": 0, "fp16": 1, "pow2": 2}

@@ -313,9 +313,7 @@ def _dequantize_fwd_kernel(
     if PLANE1 > 0:
         p1_bytes: tl.constexpr = BLOCK * PLANE1 // 8
         c1 = tl.arange(0, p1_bytes)
-        b1 = tl.load(
-            codes_ptr + rows[:, None] * row_bytes + p0_bytes + c1[None, :], mask=row_ok[:, None], other=0
-        )
+        b1 = tl.load(codes_ptr + rows[:, None] * row_bytes + p0_bytes + c1[None, :], mask=row_ok[:, None], other=0)
         code = code | (_unpack_plane(b1.to(tl.int32), ROWS, BLOCK, PLANE1) << PLANE0)
     # -- values ------------------------------------------------------------------------------------
     if KIND == 0:
