@@ -12,6 +12,10 @@ Target (issue 3): vs_copy >= 0.85 for every format at >= 256 MiB. Also SQNR per 
 Gaussian and heavy-tailed data, and (--check) kernel-vs-reference code equality at large sizes.
 
     python scripts/bench_quant.py --out docs/benchmarks/quant.json [--sizes-mib 64 256 1024] [--check]
+    python scripts/bench_quant.py --sweep --out sweep.json  # quantize launch shapes (QUANT_CONFIGS)
+
+--sweep times quantize for every format under each launch shape of SWEEP_CONFIGS at SWEEP_MIB, and
+checks each against the reference (codes and scales must not depend on the launch shape).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import triton
 from triton.testing import do_bench
 
 from agoq.formats import parse_format
-from agoq.kernels.quant import dequantize, quantize
+from agoq.kernels import _launch
+from agoq.kernels.quant import dequantize, quantize, quantize_with_config
 from agoq.ref.quant import ref_dequantize, ref_quantize
 from agoq.testing.numerics import gaussian_floor_db, heavy_tailed_floor_db, make_test_data, sqnr_db
 
@@ -38,10 +43,32 @@ DEFAULT_FORMATS = [
 SQNR_NUMEL = 1 << 24  # 16M elements: SQNR estimate std << 0.1 dB
 TARGET_VS_COPY = 0.85  # issue 3
 TARGET_MIN_MIB = 256
+SWEEP_CONFIGS = [(1024, 4), (2048, 4), (4096, 4), (8192, 4), (2048, 8), (4096, 8), (8192, 8), (16384, 8)]
+SWEEP_MIB = 256  # SWEEP_CONFIGS: (elements per program, warps)
+SWEEP_CHECK_NUMEL = 1 << 24
 
 
-def _time_ms(fn) -> float:
-    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+def _time_ms(fn, rep: int = 200) -> float:
+    return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+
+
+def choose_configs(sweep: list[dict]) -> dict[tuple[str, int, bool], _launch.QuantConfig]:
+    """Per QUANT_CONFIGS key: the reference-equal launch shape with the best worst-case vs_copy over
+    the formats sharing the key (the default shape is kept on a tie)."""
+    scores: dict = {}
+    for row in sweep:
+        fmt = parse_format(row["format"])
+        key = (fmt.kind, fmt.bits, fmt.rounding == "stochastic")
+        cfg = (row["elems_per_program"], row["num_warps"])
+        score = row["vs_copy"] if row["matches_ref"] else float("-inf")
+        scores.setdefault(key, {})[cfg] = min(scores.get(key, {}).get(cfg, float("inf")), score)
+    default = (_launch.DEFAULT_QUANT_CONFIG.elems_per_program, _launch.DEFAULT_QUANT_CONFIG.num_warps)
+    out = {}
+    for key, by_cfg in scores.items():
+        best = max(by_cfg, key=lambda c: (by_cfg[c], c == default))
+        if by_cfg[best] > float("-inf"):
+            out[key] = _launch.QuantConfig(*best)
+    return out
 
 
 def bench_size(size_mib: int, names: list[str]) -> list[dict]:
@@ -96,9 +123,51 @@ def check_rows(names: list[str]) -> list[dict]:
         )
         y, yr = dequantize(q), ref_dequantize(r)
         values_equal = bool(torch.isclose(y.float(), yr.float(), rtol=0, atol=0, equal_nan=True).all())
-        out.append(
-            dict(format=name, codes_equal=codes_equal, scales_equal=scales_equal, values_equal=values_equal)
-        )
+        out.append(dict(format=name, codes_equal=codes_equal, scales_equal=scales_equal, values_equal=values_equal))
+    return out
+
+
+def _warm(name: str) -> str:
+    """Compile every sweep shape of one format (run in a worker process; fills Triton's disk cache)."""
+    fmt = parse_format(name)
+    x = torch.randn(1 << 20, device="cuda", dtype=torch.bfloat16)
+    x = x.abs() if fmt.kind == "cuint" else x
+    for elems, warps in SWEEP_CONFIGS:
+        quantize_with_config(x, fmt, _launch.QuantConfig(elems, warps), seed=1)
+    dequantize(quantize(x, fmt, seed=1), torch.bfloat16)
+    torch.cuda.synchronize()
+    return name
+
+
+def sweep_rows(names: list[str]) -> list[dict]:
+    """Quantize time per launch shape at SWEEP_MIB, plus a code/scale equality check vs the reference."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(min(len(names), 16)) as pool:  # parallel compiles
+        pool.map(_warm, names)
+    numel = SWEEP_MIB * (1 << 20) // 2
+    x = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(x)
+    copy_moved = 2 * x.nbytes / _time_ms(lambda: dst.copy_(x)) / 1e6
+    xc = make_test_data("heavy_tailed", SWEEP_CHECK_NUMEL, seed=3, device="cuda", dtype=torch.bfloat16)
+    xc[1000:1100] = float("nan")
+    out = []
+    for name in names:
+        fmt = parse_format(name)
+        xin, xci = (x.abs(), xc.abs()) if fmt.kind == "cuint" else (x, xc)
+        ref = ref_quantize(xci, fmt, seed=7)
+        moved = xin.nbytes + fmt.storage_bytes(numel)
+        for elems, warps in SWEEP_CONFIGS:
+            cfg = _launch.QuantConfig(elems, warps)
+            q = quantize_with_config(xci, fmt, cfg, seed=7)
+            same = torch.equal(q.codes, ref.codes) and torch.equal(
+                torch.nan_to_num(q.scales.float(), 7.0), torch.nan_to_num(ref.scales.float(), 7.0)
+            )
+            ms = _time_ms(lambda: quantize_with_config(xin, fmt, cfg, seed=1), rep=60)  # noqa: B023
+            out.append(dict(format=name, elems_per_program=elems, num_warps=warps, ms=ms,
+                            vs_copy=moved / ms / 1e6 / copy_moved, matches_ref=same))  # fmt: skip
+            print(f"sweep {name:15s} {elems:6d} x {warps} warps {ms:7.3f} ms "
+                  f"{out[-1]['vs_copy']:.3f}x copy ref-equal={same}", flush=True)  # fmt: skip
     return out
 
 
@@ -108,6 +177,8 @@ def main() -> None:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS)
     parser.add_argument("--check", action="store_true", help="also check kernel == reference on GPU")
+    parser.add_argument("--sweep", action="store_true", help="only sweep quantize launch shapes")
+    parser.add_argument("--configs-from", help="sweep JSON: benchmark with choose_configs() of it")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_quant.py needs a CUDA GPU")
@@ -123,6 +194,16 @@ def main() -> None:
         ),  # fmt: skip
         target=dict(vs_copy=TARGET_VS_COPY, min_size_mib=TARGET_MIN_MIB),
     )
+    if args.sweep:
+        result["sweep"] = sweep_rows(args.formats)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        return
+    if args.configs_from:
+        with open(args.configs_from) as f:
+            _launch.QUANT_CONFIGS.update(choose_configs(json.load(f)["sweep"]))
+    result["quant_configs"] = {"/".join(map(str, k)): vars(v) for k, v in _launch.QUANT_CONFIGS.items()}
+    print("quantize launch shapes:", result["quant_configs"], flush=True)
     if args.check:
         result["check"] = check_rows(args.formats)
         print(json.dumps(result["check"], indent=1), flush=True)
@@ -134,9 +215,7 @@ def main() -> None:
               flush=True)  # fmt: skip
     result["sqnr"] = sqnr_rows(args.formats)
     for row in result["sqnr"]:
-        print(
-            f"SQNR {row['format']:15s} {row['dist']:12s} {row['sqnr_db']:6.2f} dB (floor {row['floor_db']})"
-        )
+        print(f"SQNR {row['format']:15s} {row['dist']:12s} {row['sqnr_db']:6.2f} dB (floor {row['floor_db']})")
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

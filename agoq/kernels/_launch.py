@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
 from agoq.formats import NF4_CODEBOOK, QuantFormat
 from agoq.ref.quant import ref_code_values
-
-# Elements one program instance handles: ROWS = ELEMS_PER_PROGRAM // block blocks per program.
-# 4096 bf16 elements = 8 KiB read per program keeps enough bytes in flight per SM on H100; tuned in
-# scripts/bench_quant.py (docs/benchmarks/quant.md records the sweep device and date).
-ELEMS_PER_PROGRAM = 4096
-NUM_WARPS = 4
 
 KIND_IDS = {"int": 0, "nf": 1, "fp8": 2, "cint": 3, "cuint": 4}
 SCALE_IDS = {"fp32": 0, "fp16": 1, "pow2": 2}
@@ -25,12 +19,54 @@ TORCH_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "pow2": torc
 HASH_SEED_MUL = 0x9E3779B9  # same constant as agoq.ref.quant (golden-ratio seed mix)
 
 
-def rows_per_program(fmt: QuantFormat) -> int:
-    return max(1, ELEMS_PER_PROGRAM // fmt.block)
+@dataclass(frozen=True)
+class QuantConfig:
+    """Quantize launch shape: elements per program instance (ROWS = elems // block blocks) and warps."""
+
+    elems_per_program: int = 4096
+    num_warps: int = 4
 
 
-def grid(fmt: QuantFormat, num_blocks: int) -> tuple[int]:
-    return (triton.cdiv(num_blocks, rows_per_program(fmt)),)
+# Quantize launch shape per format family (kind, bits, stochastic); the codes never depend on it.
+# Provenance: `scripts/bench_quant.py --sweep` on NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton
+# 3.6.0, 2026-11-22T04:19Z (docs/benchmarks/quant_sweep.json): per family, the shape with the best
+# worst-case quantize vs-copy ratio at 256 MiB over the swept formats of that family.
+DEFAULT_QUANT_CONFIG = QuantConfig()
+QUANT_CONFIGS: dict[tuple[str, int, bool], QuantConfig] = {
+    ("int", 8, False): QuantConfig(4096, 4),  # _quantize_bytes_kernel: see below
+    ("int", 6, False): QuantConfig(1024, 4),
+    ("int", 5, False): QuantConfig(2048, 4),
+    ("int", 4, False): QuantConfig(2048, 4),
+    ("int", 2, False): QuantConfig(4096, 8),
+    ("nf", 4, False): QuantConfig(4096, 4),
+    ("fp8", 8, False): QuantConfig(4096, 4),  # _quantize_bytes_kernel: see below
+    ("cint", 8, False): QuantConfig(4096, 4),
+    ("cuint", 8, False): QuantConfig(8192, 8),
+    ("int", 8, True): QuantConfig(4096, 4),
+}
+# int8 (round to nearest) and fp8 use the [ROWS, BLOCK] _quantize_bytes_kernel with 4096 elements and
+# 4 warps: measured on the same H100 / Triton 3.6.0 at 2026-11-22T03:56Z (0.93-1.02 of copy, quant.md),
+# faster there than the [ROWS, G, SUB] kernel at its best swept shape (0.85-0.88).
+
+
+def uses_bytes_kernel(fmt: QuantFormat) -> bool:
+    return fmt.kind == "fp8" or (fmt.kind == "int" and fmt.bits == 8 and fmt.rounding == "nearest")
+
+
+# Consecutive elements per thread in the quantize kernel: 8 bf16 = one 16-byte load, and 8 codes of
+# a 4/2/1-bit plane make one 32/16/8-bit word.
+SUB_ELEMS = 8
+# Dequantize: 4096 bf16 elements (8 KiB) per program, 4 warps (H100 run of 2026-11-22, quant.md).
+DEQUANT_ELEMS_PER_PROGRAM = 4096
+DEQUANT_NUM_WARPS = 4
+
+
+def quant_config(fmt: QuantFormat) -> QuantConfig:
+    return QUANT_CONFIGS.get((fmt.kind, fmt.bits, fmt.rounding == "stochastic"), DEFAULT_QUANT_CONFIG)
+
+
+def rows_for(fmt: QuantFormat, elems_per_program: int) -> int:
+    return max(1, elems_per_program // fmt.block)
 
 
 def constexprs(fmt: QuantFormat) -> dict:
@@ -40,7 +76,6 @@ def constexprs(fmt: QuantFormat) -> dict:
         KIND=KIND_IDS[fmt.kind],
         BITS=fmt.bits,
         BLOCK=fmt.block,
-        ROWS=rows_per_program(fmt),
         SCALE=SCALE_IDS[fmt.scale],
         STOCHASTIC=fmt.rounding == "stochastic",
         QMAX=float(fmt.qmax),
@@ -56,12 +91,33 @@ def seed_mix(seed: int | None) -> int:
     return mixed - (1 << 32) if mixed >= (1 << 31) else mixed
 
 
-@functools.lru_cache(maxsize=16)  # one small upload per device, not one per call
-def nf4_midpoints(device: str) -> torch.Tensor:
-    """fp32 midpoints between NF4 entries (15; fp64 mean rounded once, as agoq.ref), padded to 16."""
+NF4_BUCKETS = 32  # buckets of width 1/16 over [-1, 1): narrower than the smallest midpoint gap
+
+
+def nf4_midpoints_f32() -> torch.Tensor:
+    """The 15 fp32 midpoints between NF4 entries (fp64 mean rounded once, as agoq.ref)."""
     cb64 = torch.tensor(NF4_CODEBOOK, dtype=torch.float64)
-    mids = ((cb64[1:] + cb64[:-1]) / 2).to(torch.float32)
-    return torch.cat([mids, mids[-1:]]).to(device)
+    return ((cb64[1:] + cb64[:-1]) / 2).to(torch.float32)
+
+
+def nf4_lut_cpu() -> torch.Tensor:
+    """fp32 [64]: thr[b] (the midpoint in bucket b = [-1 + b/16, -1 + (b+1)/16), +inf if none), then
+    below[b] = #(midpoints < bucket start) stored as int32 bits. Kernel: code = below[b] + (p > thr[b])."""
+    mids = nf4_midpoints_f32()
+    starts = torch.arange(NF4_BUCKETS, dtype=torch.float32) / 16.0 - 1.0  # exact in fp32
+    thr = torch.full((NF4_BUCKETS,), float("inf"))
+    for m in mids.tolist():
+        b = int((m + 1.0) * 16.0)
+        if thr[b] != float("inf"):
+            raise ValueError("NF4 bucket holds two midpoints: raise NF4_BUCKETS")
+        thr[b] = m
+    below = (mids[None, :] < starts[:, None]).sum(1).to(torch.int32)
+    return torch.cat([thr, below.view(torch.float32)])
+
+
+@functools.lru_cache(maxsize=16)  # one small upload per device, not one per call
+def nf4_lut(device: str) -> torch.Tensor:
+    return nf4_lut_cpu().to(device)
 
 
 @functools.lru_cache(maxsize=64)
