@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from agoq.kernels import _launch
-from agoq.kernels.quant import _encode_scale, _pack_plane, _pow2_value, _round_half_away, _unpack_plane
+from agoq.kernels._pack import pack_plane as _pack_plane
+from agoq.kernels._pack import round_half_away as _round_half_away
+from agoq.kernels.quant import _encode_scale, _pow2_value, _unpack_plane
 from agoq.ref.optim import _check_pair, adamw_scalars, lion_scalars, sgd_scalars
 from agoq.ref.quant import QuantizedTensor
 
@@ -30,6 +32,7 @@ __all__ = ["adamw_step", "lion_step", "sgd_step", "fused_block"]
 # Elements per program: 2048 keeps ~8 fp32 live values per element in registers at 4 warps (16
 # elements per thread); to be tuned on H100 with scripts/bench_optim.py (docs/benchmarks/optim.md).
 ELEMS_PER_PROGRAM = 2048
+NUM_WARPS = 4  # the quantize kernel's original launch shape (H100 run 2026-11-22, docs/benchmarks/quant.md)
 PLAIN_BLOCK = 128  # tile row width when no state is quantized
 OPT_IDS = {"adamw": 0, "lion": 1, "sgd": 2}
 MASTER_IDS = {"none": 0, "split": 1, "fp32": 2}
@@ -298,7 +301,7 @@ def _state_args(q: QuantizedTensor | None, device) -> tuple[list, dict]:
         )
     c = _launch.constexprs(fmt)
     lut = _launch.code_values(fmt, str(device))
-    mids = _launch.nf4_midpoints(str(device))
+    mids = _launch.nf4_midpoints_f32().to(device)
     return [q.codes, q.scales, lut, mids], dict(
         K=c["KIND"], B=fmt.bits, SC=c["SCALE"], P0=c["PLANE0"], P1=c["PLANE1"], F8=c["FP8_DTYPE"],
         Q=c["QMAX"], PK=0,
@@ -340,7 +343,7 @@ def _launch_step(opt, param, grad, master, s1, s2, scalars, *, has_wd=False, nes
         BLOCK=block, ROWS=rows,
         K1=k1["K"], B1=k1["B"], SC1=k1["SC"], P01=k1["P0"], P11=k1["P1"], F81=k1["F8"], Q1=k1["Q"], PK1=k1["PK"],
         K2=k2["K"], B2=k2["B"], SC2=k2["SC"], P02=k2["P0"], P12=k2["P1"], F82=k2["F8"], Q2=k2["Q"], PK2=k2["PK"],
-        num_warps=_launch.NUM_WARPS, enable_fp_fusion=False,
+        num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
 
 

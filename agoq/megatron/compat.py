@@ -154,14 +154,23 @@ CONTRACT: tuple[Symbol, ...] = (
 
 
 def installed_mcore_version() -> str:
+    """The installed megatron-core release (pip's version, local build tag dropped).
+
+    ``megatron.core.package_info.__version__`` differs between wheels of one release (measured:
+    ``0.19.2`` vs ``0.19.2+5c1018a`` for the two 0.19.2 manylinux wheels), so the distribution
+    metadata is read instead.
+    """
+    from importlib import metadata
+
+    from packaging.version import Version
+
     try:
-        from megatron.core import package_info
-    except ImportError as exc:  # pragma: no cover - exercised only without megatron-core
+        return Version(metadata.version("megatron-core")).public
+    except metadata.PackageNotFoundError as exc:  # pragma: no cover - exercised only without megatron-core
         raise RuntimeError(
-            "megatron-core is not importable. Install the supported version: "
+            "megatron-core is not installed. Install the supported version: "
             f"pip install megatron-core=={SUPPORTED_MCORE_VERSIONS[0]}"
         ) from exc
-    return package_info.__version__
 
 
 def _resolve(path: str):
