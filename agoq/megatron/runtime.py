@@ -56,11 +56,11 @@ def init_distributed(device: torch.device) -> RankInfo:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:  # plain `python script.py`: a world of one
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        # Without torchrun (plain `python script.py`, in-process tests): a world of one on a free port,
+        # passed as init_method so no MASTER_* variable leaks to child processes started later.
+        init_method = None if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, init_method=init_method)
     return RankInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
