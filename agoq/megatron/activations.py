@@ -208,3 +208,9 @@ def with_activation_storage(spec, policy, schedule: ScheduleInfo | None):
 def storage_of(spec) -> ActivationStorage | None:
     """The ActivationStorage a spec from ``agoq_layer_spec(..., policy=...)`` carries (None without)."""
     return spec.params.get("agoq_storage")
+
+
+def policy_of(spec) -> PolicySpec | None:
+    """The activation policy a spec was built with (None: agoq disabled, Megatron's own storage)."""
+    storage = storage_of(spec)
+    return None if storage is None else storage.policy

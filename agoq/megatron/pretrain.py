@@ -25,7 +25,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from agoq.config import AgoqConfig
-from agoq.megatron import checkpoint, runtime, training
+from agoq.megatron import checkpoint, memory_report, runtime, training
+from agoq.megatron.activations import policy_of
 from agoq.megatron.flops import tflops_per_gpu, training_flops_per_iteration
 from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
@@ -54,6 +55,11 @@ def _print_stage_first(text: str | None) -> None:
                 and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0):
             print(f"[pipeline stage {stage}] {text}", flush=True)
         dist.barrier()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 class StopSignal:
@@ -191,6 +197,7 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     model, shape, spec = model_provider(args, layout, tokenizer, info, microbatches)
     report = policy_report(args, shape, layout, microbatches)
     print_rank0(report)
+    print_rank0(memory_report.predicted_report(args, shape, layout, policy_of(spec)))
     _print_stage_first(storage_report(spec))
     params_dtype = torch.float32 if args.fp32 else torch.bfloat16
     if args.agoq_optimizer == "torch":
@@ -225,7 +232,7 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
 
 
 def _log_iteration(args, info, parts: Components, result, iteration, consumed, skipped, tokens_per_step,
-                   tensorboard):
+                   tensorboard, eta_s: float):
     if not training.is_logging_rank():
         return
     lr = parts.scheduler.get_lr(parts.optimizer.param_groups[0])
@@ -233,7 +240,8 @@ def _log_iteration(args, info, parts: Components, result, iteration, consumed, s
     tflops = tflops_per_gpu(parts.flops_per_iteration, result.seconds, info.world_size)
     print(training.format_iteration_line(
         iteration, args.train_iters, result, lr=lr, consumed_samples=consumed, tokens_per_step=tokens_per_step,
-        skipped=skipped, memory=f"TFLOP/s/GPU: {tflops:.1f} | " + runtime.format_memory(memory),
+        skipped=skipped,
+        memory=f"TFLOP/s/GPU: {tflops:.1f} | " + runtime.format_memory(memory) + f" | ETA {_duration(eta_s)}",
     ), flush=True)
     record = {"iteration": iteration, "lm_loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
               "consumed_samples": consumed, "skipped_iterations": skipped, "step_seconds": result.seconds,
@@ -259,7 +267,10 @@ def _train_loop(args, info, parts: Components, iterators, microbatches: int, pro
         consumed += args.global_batch_size
         skipped += 0 if result.update_successful else 1
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            _log_iteration(args, info, parts, result, iteration, consumed, skipped, tokens_per_step, tensorboard)
+            eta_s = (time.perf_counter() - start) / (iteration - progress.iteration) * (args.train_iters - iteration)
+            _log_iteration(args, info, parts, result, iteration, consumed, skipped, tokens_per_step, tensorboard, eta_s)
+        if iteration in (progress.iteration + 1, args.train_iters):
+            print_rank0(memory_report.measured_report(info.device, iteration))
         state = checkpoint.Progress(iteration, consumed, skipped)
         stopping = stop.agreed(info.device) or iteration == args.exit_interval
         periodic = args.save_interval and iteration % args.save_interval == 0
