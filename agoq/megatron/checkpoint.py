@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 PROGRESS_FILE = "agoq_progress.json"  # human-readable copy of the progress counters
@@ -190,17 +191,70 @@ def _init_torch_optimizer_steps(optimizer) -> None:
 def load_checkpoint(
     load_dir: str | os.PathLike, model_chunks: list, optimizer, scheduler
 ) -> tuple[Progress, dict] | None:
-    """Load the tracker's checkpoint into the model, optimizer and scheduler; None when there is none."""
-    iteration = latest_iteration(load_dir)
-    if iteration is None:
+    """Load the newest readable checkpoint into the model, optimizer and scheduler; None when there is none.
+
+    Candidates: the tracker's iteration, then older ``iter_*`` directories, newest first. A candidate
+    whose save did not complete (no ``agoq_progress.json``, which rank 0 writes after every rank
+    finished) or that fails to load on any rank (truncated or corrupt shard) is reported and skipped.
+    """
+    latest = latest_iteration(load_dir)
+    if latest is None:
         return None
-    source = iteration_dir(load_dir, iteration)
+    for iteration in _candidate_iterations(load_dir, latest):
+        source = iteration_dir(load_dir, iteration)
+        problem, extra = _incomplete(source), {}
+        if problem is None:
+            problem, extra = _try_load(source, model_chunks, optimizer, scheduler)
+        if problem is None:
+            return Progress(**json.loads((source / PROGRESS_FILE).read_text())), extra
+        if dist.get_rank() == 0:
+            print(f"agoq checkpoint: skipping {source}: {problem}", flush=True)
+    raise FileNotFoundError(
+        f"{load_dir}: no readable checkpoint (every iter_* directory is incomplete or corrupt, see above); "
+        "start without --load or restore a checkpoint"
+    )
+
+
+def _candidate_iterations(load_dir, latest: int) -> list[int]:
+    found = []
+    for path in Path(load_dir).glob("iter_*"):
+        suffix = path.name.removeprefix("iter_")
+        if path.is_dir() and suffix.isdigit() and int(suffix) <= latest:
+            found.append(int(suffix))
+    return sorted(set(found) | {latest}, reverse=True)
+
+
+def _incomplete(source: Path) -> str | None:
     if not source.is_dir():
-        raise FileNotFoundError(f"{Path(load_dir) / TRACKER_FILE} names iteration {iteration} but {source} is missing")
-    _init_torch_optimizer_steps(optimizer)
-    template = _full_sharded_state_dict(model_chunks, optimizer, scheduler, None, is_loading=True)
-    template.pop("opt_param_scheduler")
-    state = dist_checkpointing.load(template, str(source))
+        return "directory missing"
+    if not (source / PROGRESS_FILE).is_file():
+        return f"incomplete save ({PROGRESS_FILE} missing: the save was interrupted)"
+    return None
+
+
+def _try_load(source: Path, model_chunks, optimizer, scheduler) -> tuple[str | None, dict]:
+    """Load on every rank; any rank's failure makes every rank report it (ranks must agree).
+
+    Returns (problem or None, the checkpoint's agoq extras)."""
+    error, extra = None, {}
+    try:
+        _init_torch_optimizer_steps(optimizer)
+        template = _full_sharded_state_dict(model_chunks, optimizer, scheduler, None, is_loading=True)
+        template.pop("opt_param_scheduler")
+        state = dist_checkpointing.load(template, str(source))
+        _apply_loaded_state(state, model_chunks, optimizer, scheduler)
+        extra = state.get("agoq", {})
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any read failure means "corrupt"
+        # torch DCP raises CheckpointException (a BaseException) on every rank for one rank's read error
+        error = f"{type(exc).__name__}: {str(exc)[:300]}"
+    failed = torch.tensor([0 if error is None else 1])
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        return error or "unreadable on another rank", {}
+    return None, extra
+
+
+def _apply_loaded_state(state: dict, model_chunks, optimizer, scheduler) -> None:
     if len(model_chunks) == 1:
         model_chunks[0].module.load_state_dict(state["model"])
     else:
@@ -210,4 +264,3 @@ def load_checkpoint(
         optimizer.load_state_dict(state["optimizer"])
     _set_torch_optimizer_step(optimizer, state["agoq"]["torch_optimizer_step"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
-    return Progress(**state["progress"]), state.get("agoq", {})

@@ -140,3 +140,18 @@ def test_agoq_optimizer_with_int8_grads_trains_and_resumes(env, tmp_path):
     run_pretrain(2, args + ["--save", str(ckpt), "--exit-interval", "3"], env=env)
     resumed = _losses(run_pretrain(2, args + ["--load", str(ckpt)], env=env).stdout)
     assert resumed == pytest.approx(full[3:], rel=1e-5)
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(env, tmp_path):
+    """A truncated shard in the newest checkpoint: the job says so and resumes from the one before."""
+    ckpt = tmp_path / "ckpt"
+    args = TINY + ["--pipeline-model-parallel-size", "2", "--lr-warmup-iters", "1", "--train-iters", "4",
+                   "--save", str(ckpt), "--save-interval", "2"]
+    run_pretrain(2, args, env=env)
+    shards = sorted((ckpt / "iter_0000004").glob("*.distcp"))
+    assert shards, list((ckpt / "iter_0000004").iterdir())
+    shards[0].write_bytes(shards[0].read_bytes()[: shards[0].stat().st_size // 2])  # truncate one shard
+    proc = run_pretrain(2, args[:-6] + ["--train-iters", "3", "--load", str(ckpt)], env=env)
+    assert "agoq checkpoint: skipping" in proc.stdout and "iter_0000004" in proc.stdout
+    assert "resumed from" in proc.stdout and "at iteration 2" in proc.stdout
+    assert [r["iteration"] for r in iteration_records(proc.stdout)] == [3]
