@@ -80,18 +80,20 @@ def test_layout_that_does_not_divide_stops_before_training(env):
     assert iteration_records(proc.stdout) == []
 
 
-def test_sigterm_saves_and_leaves_a_loadable_checkpoint(env, tmp_path):
-    """SIGTERM to torchrun mid-run: the ranks finish the iteration, save, exit; the checkpoint resumes."""
+def test_sigterm_saves_and_the_resumed_run_continues_the_same_losses(env, tmp_path):
+    """SIGTERM to torchrun mid-run: the ranks finish the iteration, save and exit; resuming gives the
+    losses of an uninterrupted run (issue 8)."""
     import signal
     import subprocess
     import time
 
     from agoq.testing.procs import PRETRAIN_SCRIPT, REPO_ROOT, torchrun_command
 
+    args = TINY + ["--pipeline-model-parallel-size", "2", "--train-iters", "14", "--lr", "1e-2"]
+    full = {r["iteration"]: r["loss"] for r in iteration_records(run_pretrain(2, args, env=env).stdout)}
     ckpt = tmp_path / "ckpt"
-    args = TINY + ["--pipeline-model-parallel-size", "2", "--train-iters", "500", "--save", str(ckpt),
-                   "--save-interval", "2"]
-    proc = subprocess.Popen(torchrun_command(2, PRETRAIN_SCRIPT, args), stdout=subprocess.PIPE,
+    saving = args + ["--save", str(ckpt), "--save-interval", "100"]  # only the signal triggers a save
+    proc = subprocess.Popen(torchrun_command(2, PRETRAIN_SCRIPT, saving), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO_ROOT)
     seen = []
     deadline = time.monotonic() + 240
@@ -103,11 +105,11 @@ def test_sigterm_saves_and_leaves_a_loadable_checkpoint(env, tmp_path):
         assert time.monotonic() < deadline, "".join(seen[-50:])
     output = "".join(seen) + proc.communicate(timeout=120)[0]
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
-    assert 3 <= saved < 500, output[-3000:]
-    assert f"iter_{saved:07d}" in output  # the tracker names a checkpoint whose save completed
-    resumed = iteration_records(run_pretrain(2, args[:-4] + ["--train-iters", str(saved + 1), "--load", str(ckpt)],
-                                             env=env).stdout)
-    assert [r["iteration"] for r in resumed] == [saved + 1]
+    assert 3 <= saved < 14, output[-3000:]
+    assert f"iter_{saved:07d}" in output and "stopping at iteration" in output
+    resumed = iteration_records(run_pretrain(2, saving + ["--load", str(ckpt)], env=env).stdout)
+    assert [r["iteration"] for r in resumed] == list(range(saved + 1, 15))
+    assert [r["loss"] for r in resumed] == [full[i] for i in range(saved + 1, 15)]
 
 
 def test_int8_grads_dp2_distopt_track_float_grads(env):
