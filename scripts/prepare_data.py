@@ -1,6 +1,7 @@
-"""Tokenise jsonl/txt files into a Megatron indexed dataset (.bin/.idx); with no --input, build the default.
+"""Tokenise jsonl/parquet/txt files into a Megatron indexed dataset (.bin/.idx); with no --input, build the default.
 
-Inputs: ``.jsonl`` (one JSON object per line, text under --json-key, default "text") and ``.txt``
+Inputs: ``.jsonl`` (one JSON object per line, text under --json-key, default "text"), ``.parquet``
+(one document per row, text in the column --json-key; needs pyarrow) and ``.txt``
 (``--txt-mode file``: one document per file, the default; ``paragraph``: one per blank-line-separated
 paragraph). Each document becomes one sequence followed by the tokenizer's end-of-document id.
 
@@ -38,9 +39,9 @@ PROGRESS_EVERY_DOCS = 1000
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--input", nargs="+", type=Path, help=".jsonl or .txt files; none: the default dataset"
+        "--input", nargs="+", type=Path, help=".jsonl, .parquet or .txt files; none: the default dataset"
     )
-    parser.add_argument("--json-key", default="text", help="key of the text in each jsonl object")
+    parser.add_argument("--json-key", default="text", help="key of the text in each jsonl object (column name for parquet)")
     parser.add_argument(
         "--txt-mode",
         choices=TXT_MODES,

@@ -45,7 +45,8 @@ DOC_SUFFIXES = (".txt", ".rst")
 CODE_SUFFIXES = (".py",)
 PYDOC_TOPICS_RELPATH = "pydoc_data/topics.py"
 TXT_MODES = ("file", "paragraph")
-SUPPORTED_INPUT_SUFFIXES = (".jsonl", ".txt")
+SUPPORTED_INPUT_SUFFIXES = (".jsonl", ".txt", ".parquet")
+PARQUET_BATCH_ROWS = 1024  # rows per record batch read from a parquet file (bounded memory)
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,30 @@ def iter_jsonl_documents(path: Path, json_key: str = "text") -> Iterator[Documen
             yield Document(where, text)
 
 
+def iter_parquet_documents(path: Path, text_column: str = "text") -> Iterator[Document]:
+    """One document per row of a parquet file; the text is the string column ``text_column``.
+
+    Reads in record batches (bounded memory). Needs ``pyarrow`` (``pip install 'agoq[parquet]'``).
+    """
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{path}: reading parquet needs pyarrow: pip install pyarrow (or agoq[parquet])") from None
+    parquet = pq.ParquetFile(path)
+    names = parquet.schema_arrow.names
+    if text_column not in names:
+        raise ValueError(f"{path}: column {text_column!r} missing (columns: {', '.join(names)}); pass --json-key <col>")
+    row = 0
+    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_column]):
+        for text in batch.column(0).to_pylist():
+            row += 1
+            if text is not None and not isinstance(text, str):
+                raise ValueError(
+                    f"{path}: row {row}: column {text_column!r} must hold strings, got {type(text).__name__}"
+                )
+            yield Document(f"{path}:row {row}", text or "")
+
+
 def iter_text_documents(path: Path, txt_mode: str = "file") -> Iterator[Document]:
     """A ``.txt`` file as one document (``file``) or one per blank-line-separated paragraph."""
     if txt_mode not in TXT_MODES:
@@ -216,10 +241,8 @@ def check_input_paths(paths: Iterable[Path]) -> list[Path]:
         if not path.is_file():
             raise ValueError(f"input file {path} does not exist (or is not a file)")
         if path.suffix not in SUPPORTED_INPUT_SUFFIXES:
-            hint = " (parquet is not supported yet: convert it to jsonl)" if path.suffix == ".parquet" else ""
             raise NotImplementedError(
-                f"input {path}: unsupported suffix {path.suffix!r}{hint}; "
-                f"use one of {SUPPORTED_INPUT_SUFFIXES}"
+                f"input {path}: unsupported suffix {path.suffix!r}; use one of {SUPPORTED_INPUT_SUFFIXES}"
             )
         checked.append(path)
     if not checked:
@@ -230,10 +253,12 @@ def check_input_paths(paths: Iterable[Path]) -> list[Path]:
 def iter_input_documents(
     paths: Iterable[Path], json_key: str = "text", txt_mode: str = "file", skip_empty: bool = True
 ) -> Iterator[Document]:
-    """Documents of every input file in the order given (``.jsonl`` and ``.txt``)."""
+    """Documents of every input file in the order given (``.jsonl``, ``.parquet`` and ``.txt``)."""
     for path in check_input_paths(paths):
         if path.suffix == ".jsonl":
             docs = iter_jsonl_documents(path, json_key)
+        elif path.suffix == ".parquet":
+            docs = iter_parquet_documents(path, json_key)
         else:
             docs = iter_text_documents(path, txt_mode)
         for doc in docs:

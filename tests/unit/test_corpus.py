@@ -145,8 +145,6 @@ def test_input_paths_are_checked(tmp_path):
     good = _write(tmp_path / "a.txt", "x")
     with pytest.raises(ValueError, match="does not exist"):
         check_input_paths([good, tmp_path / "missing.jsonl"])
-    with pytest.raises(NotImplementedError, match="parquet is not supported yet"):
-        check_input_paths([_write(tmp_path / "a.parquet", "")])
     with pytest.raises(NotImplementedError, match="unsupported suffix '.csv'"):
         check_input_paths([_write(tmp_path / "a.csv", "")])
     with pytest.raises(ValueError, match="no input files"):
@@ -158,3 +156,19 @@ def test_input_documents_mix_formats_in_order(tmp_path):
     txt = _write(tmp_path / "b.txt", "t1\n\nt2\n")
     texts = [d.text for d in iter_input_documents([txt, jsonl], txt_mode="paragraph")]
     assert texts == ["t1\n", "t2\n", "j1", "j2"]  # whitespace-only documents are skipped
+
+
+def test_parquet_rows_are_documents_in_order(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from agoq.data.corpus import PARQUET_BATCH_ROWS, iter_input_documents
+
+    texts = [f"document number {i}" for i in range(PARQUET_BATCH_ROWS + 3)]  # crosses a batch boundary
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), path)
+    docs = list(iter_input_documents([path]))
+    assert [d.text for d in docs] == texts
+    assert docs[-1].name == f"{path}:row {len(texts)}"
+    with pytest.raises(ValueError, match="column 'body' missing"):
+        list(iter_input_documents([path], json_key="body"))
