@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--input", nargs="+", type=Path, help=".jsonl, .parquet or .txt files; none: the default dataset"
     )
-    parser.add_argument("--json-key", default="text", help="key of the text in each jsonl object (column name for parquet)")
+    parser.add_argument("--json-key", default="text", help="jsonl key / parquet column of the text")
     parser.add_argument(
         "--txt-mode",
         choices=TXT_MODES,
