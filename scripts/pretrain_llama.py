@@ -64,7 +64,9 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
 
 
 def train_valid_test_datasets_provider(args):
-    """(tokenizer, factory(consumed_samples) -> train micro-batch iterator). Rank 0 builds caches first."""
+    """(tokenizer, factory(consumed_samples, consumed_valid_samples) -> (train, valid) micro-batch iterators).
+
+    Rank 0 builds caches first; ``valid`` is None without --eval-interval."""
     cache_dir = Path(args.data_cache_dir or os.environ.get("AGOQ_CACHE") or mdata.default_cache_dir())
     if args.data_path:
         blend, tokenizer_path = args.data_path, Path(args.tokenizer_model)
@@ -77,16 +79,19 @@ def train_valid_test_datasets_provider(args):
     dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
     dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
 
-    def factory(consumed_samples: int):
-        train_iter, _, _ = mdata.build_data_iterators(
+    eval_iters = args.eval_iters if args.eval_interval else 0
+
+    def factory(consumed_samples: int, consumed_valid_samples: int):
+        train_iter, valid_iter, _ = mdata.build_data_iterators(
             blend if len(blend) > 1 else blend[0], tokenizer,
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
             global_batch_size=args.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
             train_iters=args.train_iters, seed=args.seed, split=args.split,
             consumed_samples=consumed_samples, cache_dir=cache_dir / "indices",
+            eval_iters=eval_iters, eval_interval=args.eval_interval, consumed_valid_samples=consumed_valid_samples,
             is_built_on_rank=lambda: True,
         )
-        return train_iter
+        return train_iter, valid_iter
 
     return tokenizer, factory
 

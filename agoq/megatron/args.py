@@ -72,6 +72,9 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
                         "scripts/prepare_data.py). Default: agoq's built-in corpus, built once and cached")
     g.add_argument("--tokenizer-model", default=None, help="SentencePiece model (required with --data-path)")
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="validation loss every N iterations and at the end (default: no evaluation)")
+    g.add_argument("--eval-iters", type=int, default=2, help="global batches per evaluation")
     g.add_argument("--data-cache-dir", default=None, help="default: $AGOQ_CACHE or ~/.cache/agoq")
 
 
@@ -163,6 +166,8 @@ def _fill_derived(args: argparse.Namespace) -> None:
 
 def validate(args: argparse.Namespace) -> None:
     """Checks that need no process group; layout checks against the world size run at start-up."""
+    if args.eval_interval is not None and (args.eval_interval <= 0 or args.eval_iters <= 0):
+        raise ValueError("--eval-interval and --eval-iters must be positive")
     positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                 "global_batch_size", "train_iters", "tensor_model_parallel_size",
                 "pipeline_model_parallel_size", "log_interval")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -219,14 +220,20 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
             progress = loaded[0]
             print_rank0(f"resumed from {args.load} at iteration {progress.iteration} "
                         f"({progress.consumed_samples} samples consumed)")
-    iterators = [data_factory(progress.consumed_samples) for _ in range(layout.vpp or 1)]
+    # Megatron's valid iterator continues across evaluations; on resume it restarts where it was.
+    consumed_valid = (progress.iteration // args.eval_interval * args.eval_iters * args.global_batch_size
+                      if args.eval_interval else 0)
+    pairs = [data_factory(progress.consumed_samples, consumed_valid) for _ in range(layout.vpp or 1)]
+    iterators = [train for train, _ in pairs]
+    components_valid = [valid for _, valid in pairs] if args.eval_interval else None
     components = Components(model, optimizer, scheduler, layout,
                             flops_per_iteration=training_flops_per_iteration(args, shape.vocab_size),
                             policy_report=report)
     tensorboard = open_tensorboard(args.tensorboard_dir, is_writer_rank=training.is_logging_rank())
     tensorboard.log_policy_table(report)
     try:
-        _train_loop(args, info, components, iterators, microbatches, progress, tensorboard, stop)
+        _train_loop(args, info, components, (iterators, components_valid), microbatches, progress, tensorboard,
+                    stop)
     finally:
         tensorboard.close()
 
@@ -252,7 +259,8 @@ def _log_iteration(args, info, parts: Components, result, iteration, consumed, s
             out.write(json.dumps(record) + "\n")
 
 
-def _train_loop(args, info, parts: Components, iterators, microbatches: int, progress, tensorboard, stop) -> None:
+def _train_loop(args, info, parts: Components, data, microbatches: int, progress, tensorboard, stop) -> None:
+    iterators, valid_iterators = data
     runner = training.StepRunner(
         model_chunks=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler, device=info.device,
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
@@ -269,6 +277,12 @@ def _train_loop(args, info, parts: Components, iterators, microbatches: int, pro
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             eta_s = (time.perf_counter() - start) / (iteration - progress.iteration) * (args.train_iters - iteration)
             _log_iteration(args, info, parts, result, iteration, consumed, skipped, tokens_per_step, tensorboard, eta_s)
+        if valid_iterators and (iteration % args.eval_interval == 0 or iteration == args.train_iters):
+            loss = runner.evaluate(valid_iterators, args.eval_iters)
+            if training.is_logging_rank():
+                print(f"validation at iteration {iteration} | lm loss: {loss:.6f} | lm loss PPL: "
+                      f"{math.exp(min(loss, 50)):.3f}", flush=True)
+                tensorboard.log_iteration({"iteration": iteration, "validation_lm_loss": loss})
         if iteration in (progress.iteration + 1, args.train_iters):
             print_rank0(memory_report.measured_report(info.device, iteration))
         state = checkpoint.Progress(iteration, consumed, skipped)

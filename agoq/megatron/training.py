@@ -84,6 +84,25 @@ class StepRunner:
     def __post_init__(self):
         self.forward_step = make_forward_step(self.device)
 
+    def evaluate(self, data_iterators: list[Iterator], num_batches: int) -> float | None:
+        """Mean validation loss over ``num_batches`` global batches (forward only, no gradients)."""
+        for chunk in self.model_chunks:
+            chunk.eval()
+        total, forward_backward = 0.0, get_forward_backward_func()
+        with torch.no_grad():
+            for _ in range(num_batches):
+                losses = forward_backward(
+                    forward_step_func=self.forward_step,
+                    data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],
+                    model=self.model_chunks, num_microbatches=self.num_microbatches,
+                    seq_length=self.seq_length, micro_batch_size=self.micro_batch_size, forward_only=True,
+                )
+                loss = _reduce_losses(losses, self.device)
+                total += 0.0 if loss is None else loss
+        for chunk in self.model_chunks:
+            chunk.train()
+        return total / num_batches if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else None
+
     def run(self, data_iterators: list[Iterator]) -> StepResult:
         start = time.perf_counter()
         for chunk in self.model_chunks:

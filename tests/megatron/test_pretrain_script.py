@@ -157,3 +157,21 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(env, tmp_path)
     assert "agoq checkpoint: skipping" in proc.stdout and "iter_0000004" in proc.stdout
     assert "resumed from" in proc.stdout and "at iteration 2" in proc.stdout
     assert [r["iteration"] for r in iteration_records(proc.stdout)] == [3]
+
+
+def test_validation_loss_is_reported_and_resumes_on_the_same_batches(env, tmp_path):
+    """--eval-interval: forward-only validation on the valid split; a resumed run evaluates the same
+    validation batches (the valid iterator restarts where the uninterrupted run would be)."""
+    import re
+
+    def validation(stdout: str) -> dict[int, float]:
+        return {int(m[1]): float(m[2]) for m in re.finditer(r"validation at iteration (\d+) \| lm loss: (\S+)", stdout)}
+
+    args = TINY + ["--pipeline-model-parallel-size", "2", "--train-iters", "4", "--lr-warmup-iters", "1",
+                   "--eval-interval", "2", "--eval-iters", "1"]
+    full = validation(run_pretrain(2, args, env=env).stdout)
+    assert sorted(full) == [2, 4] and full[4] < full[2]  # it learns on held-out text
+    ckpt = tmp_path / "ckpt"
+    run_pretrain(2, args + ["--save", str(ckpt), "--exit-interval", "2"], env=env)
+    resumed = validation(run_pretrain(2, args + ["--load", str(ckpt)], env=env).stdout)
+    assert resumed == {4: full[4]}
