@@ -150,7 +150,7 @@ class AgoqMegatronOptimizer(FP32Optimizer):
 
 
 def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
-    """The same schedule as agoq.megatron.pretrain.build_optimizer."""
+    """Megatron's OptimizerParamScheduler for the run's flags (steps counted in samples, as Megatron)."""
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from agoq.config import AgoqConfig
 from agoq.megatron import checkpoint, memory_report, runtime, training
@@ -31,7 +30,7 @@ from agoq.megatron.activations import policy_of
 from agoq.megatron.flops import tflops_per_gpu, training_flops_per_iteration
 from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
-from agoq.megatron.optimizer import build_agoq_optimizer
+from agoq.megatron.optimizer import build_agoq_optimizer, build_scheduler
 from agoq.megatron.tensorboard import open_tensorboard
 
 log = logging.getLogger("agoq.pretrain")
@@ -108,19 +107,7 @@ def build_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, model_chunks)
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
-        lr_decay_steps=args.lr_decay_iters * args.global_batch_size,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * args.global_batch_size,
-        wd_incr_style="constant",
-    )
+    scheduler = build_scheduler(args, optimizer)
     return optimizer, scheduler
 
 
