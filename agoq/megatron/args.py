@@ -85,6 +85,8 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-interval", type=int, default=None, help="default: only at the end")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at this iteration")
+    g.add_argument("--debug-nonfinite-at-iteration", type=int, nargs="+", default=None, metavar="N",
+                   help="fault injection for testing: make the loss NaN at these iterations (the step is skipped)")
     g.add_argument("--tensorboard-dir", default=None,
                    help="write TensorBoard scalars and the resolved policy table here (needs `tensorboard`)")
     g.add_argument("--log-json", default=None,

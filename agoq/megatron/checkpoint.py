@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -56,7 +59,36 @@ def _full_sharded_state_dict(model_chunks, optimizer, scheduler, progress: Progr
     if progress is not None:
         state["progress"] = progress.__dict__.copy()
     state["agoq"] = dict(extra or {})
+    state["rng_state"] = _rng_sharded_object()
     return state
+
+
+def _rng_sharded_object() -> ShardedObject:
+    """This rank's RNG states (Python, NumPy, torch CPU/CUDA, Megatron's tracker), one object per
+    (pp, tp, dp) rank, as Megatron's training checkpoints keep them."""
+    rng = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    shape = (parallel_state.get_pipeline_model_parallel_world_size(),
+             parallel_state.get_tensor_model_parallel_world_size(),
+             parallel_state.get_data_parallel_world_size(with_context_parallel=True))
+    offset = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
+              parallel_state.get_data_parallel_rank(with_context_parallel=True))
+    return ShardedObject("rng_state", rng, shape, offset, replica_id=0)
+
+
+def _restore_rng(rng: dict) -> None:
+    random.setstate(rng["random"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    if rng["tracker"]:
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
 
 
 def _ignore_stop_signals_in_child() -> None:
@@ -264,3 +296,4 @@ def _apply_loaded_state(state: dict, model_chunks, optimizer, scheduler) -> None
         optimizer.load_state_dict(state["optimizer"])
     _set_torch_optimizer_step(optimizer, state["agoq"]["torch_optimizer_step"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
+    _restore_rng(state["rng_state"])

@@ -118,7 +118,9 @@ def ddp_config(args, params_dtype: torch.dtype) -> DistributedDataParallelConfig
         grad_reduce_in_fp32=params_dtype != torch.float32,
         overlap_grad_reduce=False,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        check_for_nan_in_grad=True,
+        # agoq's step checks loss and reduced gradients itself and skips a non-finite step (counted,
+        # logged); Megatron's check would stop the job from inside the gradient reduction instead.
+        check_for_nan_in_grad=False,
     )
 
 
@@ -257,10 +259,14 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
     tokens_per_step = args.global_batch_size * args.seq_length
     start = time.perf_counter()
     while iteration < args.train_iters:
+        runner.poison["now"] = iteration + 1 in (args.debug_nonfinite_at_iteration or ())
         result = runner.run(iterators)
         iteration += 1
         consumed += args.global_batch_size
-        skipped += 0 if result.update_successful else 1
+        if not result.update_successful:
+            skipped += 1
+            print_rank0(f"iteration {iteration}: non-finite loss or gradients on some rank: update skipped "
+                        f"({skipped} skipped so far)")
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             eta_s = (time.perf_counter() - start) / (iteration - progress.iteration) * (args.train_iters - iteration)
             _log_iteration(args, info, parts, result, iteration, consumed, skipped, tokens_per_step, tensorboard, eta_s)

@@ -38,7 +38,9 @@ def _loss_func(loss_mask_BS: torch.Tensor, output_BS: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def make_forward_step(device: torch.device) -> Callable:
+def make_forward_step(device: torch.device, poison: dict | None = None) -> Callable:
+    """``poison["now"]`` True makes the loss NaN (fault-injection for tests of the skip path)."""
+
     def forward_step(data_iterator: Iterator, model):
         batch = next(data_iterator)
         tokens_BS = batch["tokens"].to(device, non_blocking=True)
@@ -46,6 +48,8 @@ def make_forward_step(device: torch.device) -> Callable:
         position_ids_BS = batch["position_ids"].to(device, non_blocking=True)
         loss_mask_BS = batch["loss_mask"].to(device, non_blocking=True)
         output_BS = model(tokens_BS, position_ids_BS, None, labels=labels_BS)
+        if poison and poison.get("now"):
+            output_BS = output_BS * float("nan")
         return output_BS, partial(_loss_func, loss_mask_BS)
 
     return forward_step
@@ -80,9 +84,10 @@ class StepRunner:
     global_batch_size: int
     num_microbatches: int
     forward_step: Callable = field(init=False)
+    poison: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.forward_step = make_forward_step(self.device)
+        self.forward_step = make_forward_step(self.device, self.poison)
 
     def evaluate(self, data_iterators: list[Iterator], num_batches: int) -> float | None:
         """Mean validation loss over ``num_batches`` global batches (forward only, no gradients)."""
@@ -118,18 +123,36 @@ class StepRunner:
             micro_batch_size=self.micro_batch_size,
             forward_only=False,
         )
+        loss = _reduce_losses(losses, self.device)
+        if _any_rank_nonfinite(self.model_chunks, loss, self.device):
+            # Skip the update (Megatron's fp16 loss-scaler behaviour, applied to bf16): no optimizer or
+            # LR-schedule step; the caller counts and reports it.
+            return StepResult(loss=loss, grad_norm=None, update_successful=False,
+                              seconds=time.perf_counter() - start)
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=self.global_batch_size)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        loss = _reduce_losses(losses, self.device)
         return StepResult(
             loss=loss,
             grad_norm=None if grad_norm is None else float(grad_norm),
             update_successful=bool(update_successful),
             seconds=time.perf_counter() - start,
         )
+
+
+def _any_rank_nonfinite(model_chunks: list, loss: float | None, device: torch.device) -> bool:
+    """True on every rank when any rank's loss or reduced gradient buffer holds NaN/Inf."""
+    bad = loss is not None and not math.isfinite(loss)
+    for chunk in model_chunks:
+        for buffer in getattr(chunk, "buffers", []):
+            grad = buffer.grad_data
+            if grad.numel() and not bool(torch.isfinite(grad).all()):
+                bad = True
+    flag = torch.tensor([1 if bad else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _reduce_losses(losses: list[dict], device: torch.device) -> float | None:
@@ -155,9 +178,7 @@ def format_iteration_line(
     iteration: int, train_iters: int, result: StepResult, *, lr: float, consumed_samples: int,
     tokens_per_step: int, memory: str, skipped: int,
 ) -> str:
-    loss = "n/a" if result.loss is None else f"{result.loss:.6f}"
-    if result.loss is not None and not math.isfinite(result.loss):
-        loss = f"{result.loss} (non-finite)"
+    loss = "n/a" if result.loss is None else f"{result.loss:.6f}"  # non-finite prints as nan / inf
     grad_norm = "n/a" if result.grad_norm is None else f"{result.grad_norm:.4f}"
     return (
         f"iteration {iteration:6d}/{train_iters} | consumed samples: {consumed_samples} | "

@@ -175,3 +175,16 @@ def test_validation_loss_is_reported_and_resumes_on_the_same_batches(env, tmp_pa
     run_pretrain(2, args + ["--save", str(ckpt), "--exit-interval", "2"], env=env)
     resumed = validation(run_pretrain(2, args + ["--load", str(ckpt)], env=env).stdout)
     assert resumed == {4: full[4]}
+
+
+def test_nonfinite_step_is_skipped_counted_and_training_continues(env):
+    """A NaN loss at iteration 3 (fault injection) under PP=2: every rank skips that update (no
+    optimizer or LR step), the skip is counted and logged, and training goes on with finite losses."""
+    args = TINY + ["--pipeline-model-parallel-size", "2", "--train-iters", "5", "--lr-warmup-iters", "1",
+                   "--debug-nonfinite-at-iteration", "3"]
+    proc = run_pretrain(2, args, env=env)
+    records = iteration_records(proc.stdout)
+    assert "iteration 3: non-finite loss or gradients on some rank: update skipped (1 skipped so far)" in proc.stdout
+    assert [r["skipped"] for r in records] == [0, 0, 1, 1, 1]
+    assert records[2]["loss"] != records[2]["loss"]  # NaN
+    assert all(r["loss"] == r["loss"] for r in records[3:])  # finite again: the NaN never reached the weights
