@@ -23,7 +23,7 @@ import triton.language as tl
 from agoq.kernels import _launch
 from agoq.kernels._pack import pack_plane as _pack_plane
 from agoq.kernels._pack import round_half_away as _round_half_away
-from agoq.kernels.quant import _encode_scale, _pow2_value, _unpack_plane
+from agoq.kernels.quant import _encode_scale, _pow2_value, decode_block_values
 from agoq.ref.optim import _check_pair, adamw_scalars, lion_scalars, sgd_scalars
 from agoq.ref.quant import QuantizedTensor
 
@@ -88,26 +88,12 @@ def _load_state(
         y = tl.load(codes_ptr + first_row * BLOCK + local, mask=elem_mask, other=0.0).to(tl.float32)
     else:
         row_bytes: tl.constexpr = BLOCK * BITS // 8
-        p0_bytes: tl.constexpr = BLOCK * PLANE0 // 8
         codes_ptr += first_row * row_bytes
         if SCALE == 2:
             s = _pow2_value(tl.load(scales_ptr + first_row + rows, mask=row_ok, other=127).to(tl.int32))
         else:
             s = tl.load(scales_ptr + first_row + rows, mask=row_ok, other=0.0).to(tl.float32)
-        c0 = tl.arange(0, p0_bytes)
-        b0 = tl.load(codes_ptr + rows[:, None] * row_bytes + c0[None, :], mask=row_ok[:, None], other=0)
-        code = _unpack_plane(b0.to(tl.int32), ROWS, BLOCK, PLANE0)
-        if PLANE1 > 0:
-            p1_bytes: tl.constexpr = BLOCK * PLANE1 // 8
-            c1 = tl.arange(0, p1_bytes)
-            b1 = tl.load(codes_ptr + rows[:, None] * row_bytes + p0_bytes + c1[None, :], mask=row_ok[:, None], other=0)
-            code = code | (_unpack_plane(b1.to(tl.int32), ROWS, BLOCK, PLANE1) << PLANE0)
-        if KIND == 0:
-            v = (code - 2 ** (BITS - 1)).to(tl.float32)
-        elif KIND == 2:
-            v = code.to(tl.uint8).to(FP8_DTYPE, bitcast=True).to(tl.float32)
-        else:
-            v = tl.load(lut_ptr + code)  # nf / cint / cuint values from agoq.ref.quant.ref_code_values
+        v = decode_block_values(codes_ptr, lut_ptr, rows, row_ok, KIND, BITS, BLOCK, ROWS, PLANE0, PLANE1, FP8_DTYPE)
         y = v * s[:, None]
         if KIND == 4:
             y = y * y

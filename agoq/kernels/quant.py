@@ -276,6 +276,35 @@ def _quantize_bytes_kernel(
 
 
 @triton.jit
+def decode_block_values(
+    codes_ptr, values_ptr, rows, row_ok,
+    KIND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    PLANE0: tl.constexpr, PLANE1: tl.constexpr, FP8_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """[ROWS, BLOCK] fp32 code values (before the block scale) of the rows at ``codes_ptr``.
+
+    Shared by dequantize and the fused optimizer step (agoq/kernels/optim.py). ``values_ptr`` is the
+    per-code value table for nf / cint / cuint (agoq.ref.quant.ref_code_values; 16 or 256 entries)."""
+    row_bytes: tl.constexpr = BLOCK * BITS // 8
+    p0_bytes: tl.constexpr = BLOCK * PLANE0 // 8
+    c0 = tl.arange(0, p0_bytes)
+    b0 = tl.load(codes_ptr + rows[:, None] * row_bytes + c0[None, :], mask=row_ok[:, None], other=0)
+    code = _unpack_plane(b0.to(tl.int32), ROWS, BLOCK, PLANE0)
+    if PLANE1 > 0:
+        p1_bytes: tl.constexpr = BLOCK * PLANE1 // 8
+        c1 = tl.arange(0, p1_bytes)
+        b1 = tl.load(codes_ptr + rows[:, None] * row_bytes + p0_bytes + c1[None, :], mask=row_ok[:, None], other=0)
+        code = code | (_unpack_plane(b1.to(tl.int32), ROWS, BLOCK, PLANE1) << PLANE0)
+    if KIND == 0:
+        v = (code - 2 ** (BITS - 1)).to(tl.float32)
+    elif KIND == 2:
+        v = code.to(tl.uint8).to(FP8_DTYPE, bitcast=True).to(tl.float32)
+    else:
+        v = tl.load(values_ptr + code)
+    return v
+
+
+@triton.jit
 def _dequantize_fwd_kernel(
     codes_ptr,  # uint8 packed codes, num_blocks * BLOCK * BITS // 8
     scales_ptr,  # fp32 / fp16 / uint8 (pow2), num_blocks
@@ -298,7 +327,6 @@ def _dequantize_fwd_kernel(
     rows = tl.arange(0, ROWS)
     row_ok = rows < tl.minimum(num_blocks - first_row, ROWS).to(tl.int32)
     row_bytes: tl.constexpr = BLOCK * BITS // 8
-    p0_bytes: tl.constexpr = BLOCK * PLANE0 // 8
     codes_ptr += first_row * row_bytes
     scales_ptr += first_row
     # -- scales ----------------------------------------------------------------------------------
@@ -306,22 +334,8 @@ def _dequantize_fwd_kernel(
         s = _pow2_value(tl.load(scales_ptr + rows, mask=row_ok, other=127).to(tl.int32))
     else:
         s = tl.load(scales_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    # -- unpack codes ----------------------------------------------------------------------------
-    c0 = tl.arange(0, p0_bytes)
-    b0 = tl.load(codes_ptr + rows[:, None] * row_bytes + c0[None, :], mask=row_ok[:, None], other=0)
-    code = _unpack_plane(b0.to(tl.int32), ROWS, BLOCK, PLANE0)
-    if PLANE1 > 0:
-        p1_bytes: tl.constexpr = BLOCK * PLANE1 // 8
-        c1 = tl.arange(0, p1_bytes)
-        b1 = tl.load(codes_ptr + rows[:, None] * row_bytes + p0_bytes + c1[None, :], mask=row_ok[:, None], other=0)
-        code = code | (_unpack_plane(b1.to(tl.int32), ROWS, BLOCK, PLANE1) << PLANE0)
-    # -- values ------------------------------------------------------------------------------------
-    if KIND == 0:
-        v = (code - 2 ** (BITS - 1)).to(tl.float32)
-    elif KIND == 2:
-        v = code.to(tl.uint8).to(FP8_DTYPE, bitcast=True).to(tl.float32)
-    else:
-        v = tl.load(values_ptr + code)  # nf / cint / cuint: 16- or 256-entry table, L1-resident
+    # -- unpack codes, map to values ------------------------------------------------------------
+    v = decode_block_values(codes_ptr, values_ptr, rows, row_ok, KIND, BITS, BLOCK, ROWS, PLANE0, PLANE1, FP8_DTYPE)
     y = v * s[:, None]
     if KIND == 4:
         y = y * y
