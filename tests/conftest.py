@@ -1,7 +1,6 @@
 """Shared pytest configuration: markers are declared in pyproject.toml; capability skips live here."""
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,11 +32,3 @@ def pytest_collection_modifyitems(config, items):
 def repo_root() -> Path:
     return REPO_ROOT
 
-
-def subprocess_env() -> dict:
-    """Environment for child processes: the checkout first on PYTHONPATH, no stray CUDA probing."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env["PYTHON"] = sys.executable
-    return env

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import REPO_ROOT, subprocess_env
+from agoq.testing.procs import REPO_ROOT, child_env
 
 pytestmark = [pytest.mark.megatron]
 
@@ -64,6 +64,6 @@ SCRIPT = textwrap.dedent(
 def test_build_agoq_optimizer_steps_with_megatron_ddp_clip_and_schedule(tmp_path):
     script = tmp_path / "glue.py"
     script.write_text(SCRIPT)
-    out = subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
+    out = subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, env=child_env(), capture_output=True,
                          text=True, timeout=300)  # fmt: skip
     assert "AGOQ_OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
