@@ -87,6 +87,7 @@ def run_variant(variant: dict, workdir: Path, timeout: float) -> dict:
         result["error_tail"] = (proc.stdout + proc.stderr)[-4000:]
         return result
     records = [json.loads(line) for line in log.read_text().splitlines()]
+    records = [r for r in records if "lm_loss" in r]  # training iterations (validation records have no lm_loss)
     result["records"] = records
     return result
 

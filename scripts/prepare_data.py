@@ -54,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     tok.add_argument("--vocab-size", type=int, help="train a tokenizer with this many pieces on the inputs")
     parser.add_argument("--tokenizer-type", choices=MODEL_TYPES, default="bpe", help="with --vocab-size")
+    parser.add_argument("--tokenizer-sample-sentences", type=int, default=0,
+                        help="with --vocab-size: train on this many seeded-random sentences (0 = all; large corpora)")
     parser.add_argument("--output-prefix", type=Path, help="write <prefix>.bin/.idx (required with --input)")
     parser.add_argument("--workers", type=int, default=1, help="tokeniser processes (output order is kept)")
     parser.add_argument(
@@ -107,7 +109,8 @@ def prepare_user_data(args: argparse.Namespace) -> dict:
         tokenizer_path = args.tokenizer_model
     else:
         tokenizer_path = Path(f"{args.output_prefix}.tokenizer.model")
-        config = TokenizerTrainConfig(vocab_size=args.vocab_size, model_type=args.tokenizer_type)
+        config = TokenizerTrainConfig(vocab_size=args.vocab_size, model_type=args.tokenizer_type,
+                                      input_sentence_size=args.tokenizer_sample_sentences)
         train_sentencepiece(texts(), tokenizer_path, config)
     tokenizer = Tokenizer.load(tokenizer_path)
     stats = build_indexed_dataset(

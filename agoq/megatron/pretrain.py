@@ -276,6 +276,9 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
                 print(f"validation at iteration {iteration} | lm loss: {loss:.6f} | lm loss PPL: "
                       f"{math.exp(min(loss, 50)):.3f}", flush=True)
                 tensorboard.log_iteration({"iteration": iteration, "validation_lm_loss": loss})
+                if args.log_json:
+                    with open(args.log_json, "a") as out:
+                        out.write(json.dumps({"iteration": iteration, "validation_lm_loss": loss}) + "\n")
         if iteration in (progress.iteration + 1, args.train_iters):
             print_rank0(memory_report.measured_report(info.device, iteration))
         state = checkpoint.Progress(iteration, consumed, skipped)
