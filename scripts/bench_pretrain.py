@@ -10,7 +10,8 @@ the first/last loss.
 
 Suites: ``attention`` (issue 2: SDPA vs Megatron's unfused DotProductAttention, ~350M and ~1B LLaMA
 shapes, PP=1, one GPU); ``lean`` (issues 5/6/9: Megatron baseline vs agoq's optimizer and 8-bit
-gradients, ~1B, PP=1, one GPU). ``--smoke`` runs a tiny CPU version of the suite (for CI-style checks).
+gradients, ~1B, PP=1, one GPU); ``memory`` (issue 9: baseline vs agoq presets at equal batch, and the baseline
+with full recompute vs agoq at a larger micro-batch). ``--smoke`` runs a tiny CPU version of the suite (for CI-style checks).
 """
 
 from __future__ import annotations
@@ -75,7 +76,39 @@ def lean_suite(smoke: bool) -> list[dict]:
     return [{"name": f"{shape}/{name}", "nproc": 1, "args": base + extra} for name, extra in variants.items()]
 
 
-SUITES = {"attention": attention_suite, "lean": lean_suite}
+def memory_suite(smoke: bool) -> list[dict]:
+    """Issue 9: ~1B LLaMA, PP=1, one GPU, seq 2048, SDPA everywhere. Per-GPU peak of the Megatron baseline vs
+    agoq presets at equal batch (micro-batch 4), plus the equal-memory pair at micro-batch 8: the baseline
+    with Megatron's full activation recompute vs agoq's full preset without recompute."""
+    shape, mbs, big = "1b", "4", "8"
+    common = SHAPES["1b"] + COMMON + ["--train-iters", "10"]
+    if smoke:
+        shape, mbs, big = "tiny", "2", "4"
+        common = SHAPES["tiny"] + COMMON[2:] + ["--seq-length", "64", "--train-iters", "4"]
+    grads = ["--agoq-grads", "int8_b256"]
+    lean = ["--agoq-optimizer", "adamw"]
+    equal_batch = {
+        "baseline (Megatron)": ["--agoq-disable"],
+        "agoq activations (default policy)": [],
+        "agoq activations + 8-bit grads": grads,
+        "agoq activations + lean optimizer": lean,
+        "agoq full (activations + 8-bit grads + lean optimizer)": grads + lean,
+    }
+    variants = [{"name": f"{shape}/mbs{mbs}/{name}", "nproc": 1,
+                 "args": common + ["--micro-batch-size", mbs, "--global-batch-size", str(4 * int(mbs))] + extra}
+                for name, extra in equal_batch.items()]  # fmt: skip
+    bigger = {
+        "baseline (Megatron)": ["--agoq-disable"],
+        "baseline + full recompute": ["--agoq-disable"] + ([] if smoke else ["--recompute-granularity", "full"]),
+        "agoq full": grads + lean,
+    }
+    variants += [{"name": f"{shape}/mbs{big}/{name}", "nproc": 1,
+                  "args": common + ["--micro-batch-size", big, "--global-batch-size", str(2 * int(big))] + extra}
+                 for name, extra in bigger.items()]  # fmt: skip
+    return variants
+
+
+SUITES = {"attention": attention_suite, "lean": lean_suite, "memory": memory_suite}
 
 
 def run_variant(variant: dict, workdir: Path, timeout: float) -> dict:
@@ -146,8 +179,8 @@ def main(argv=None) -> int:
             report["variants"].append(result)
             report["summary"].append(summarise(result, args.warmup))
             print(json.dumps(report["summary"][-1]), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")  # after each variant: a cut run keeps its results
     failed = [s["name"] for s in report["summary"] if s.get("failed")]
     if failed:
         print(f"failed variants: {failed} (see error_tail in {args.out})", file=sys.stderr)

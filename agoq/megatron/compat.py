@@ -44,7 +44,8 @@ _TC_FIELDS = (
     "no_sync_func", "grad_sync_func", "finalize_model_grads_func", "deallocate_pipeline_outputs",
     "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size",
     "tensor_model_parallel_size", "sequence_parallel", "context_parallel_size", "softmax_type",
-    "window_size", "apply_query_key_layer_scaling", "recompute_granularity",
+    "window_size", "apply_query_key_layer_scaling", "recompute_granularity", "recompute_method",
+    "recompute_num_layers",
 )
 
 CONTRACT: tuple[Symbol, ...] = (

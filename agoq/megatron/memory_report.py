@@ -9,6 +9,7 @@ on the first tensor- and data-parallel rank of each stage (RSS on the CPU, not c
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
@@ -50,14 +51,82 @@ def _bf16_policy_path():
     return Path(__file__).resolve().parents[2] / "configs" / "policy" / "bf16.yaml"
 
 
-def measured_report(device, iteration: int) -> str | None:
-    """Gather every stage's reading to global rank 0; the text there, None elsewhere."""
+# How deep the optimizer object graph is walked for state tensors (Megatron wrapper -> torch optimizer ->
+# state dict -> per-param dict -> tensor is depth 5; chained optimizers add one level).
+OPTIMIZER_WALK_DEPTH = 7
+
+
+def _tensors(obj, depth: int, seen_ids: set[int]):
+    """Every tensor reachable from obj through attributes, dicts, lists and tuples (cycles and modules cut)."""
+    if depth < 0 or id(obj) in seen_ids or isinstance(obj, (str, bytes, int, float, torch.nn.Module)):
+        return
+    seen_ids.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        return
+    if isinstance(obj, dict):
+        children = list(obj.keys()) + list(obj.values())
+    elif isinstance(obj, (list, tuple, set)):
+        children = list(obj)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in ("megatron", "agoq", "torch"):
+        children = list(vars(obj).values())
+    else:
+        return
+    for child in children:
+        yield from _tensors(child, depth - 1, seen_ids)
+
+
+def _add_unique(tensors, counted: dict[int, int]) -> int:
+    """Bytes of the storages not yet in ``counted`` (data_ptr -> nbytes); views of one buffer count once."""
+    total = 0
+    for t in tensors:
+        if t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in counted:
+            counted[storage.data_ptr()] = storage.nbytes()
+            total += storage.nbytes()
+    return total
+
+
+def static_breakdown_gib(model_chunks, optimizer) -> dict[str, float]:
+    """Bytes held by this rank, by role, from the live tensors (exact accounting, no model): weights (the
+    model's parameter storages), grads (main_grad buffers, agoq's quantized gradient buffers) and optimizer
+    (everything else the optimizer object reaches: fp32 main params, moments, agoq codes/scales/remainders).
+    The rest of the peak is activations and temporaries."""
+    counted: dict[int, int] = {}
+    params = [p for chunk in model_chunks for p in chunk.parameters()]
+    weights = _add_unique((p.data for p in params), counted)
+    grad_tensors = [getattr(p, "main_grad", None) for p in params] + [p.grad for p in params]
+    grad_tensors += list(_tensors([getattr(c, "buffers", None) for c in model_chunks], 4, set()))
+    qbufs = [c.quantized_grad_buffers() for c in model_chunks if hasattr(c, "quantized_grad_buffers")]
+    grad_tensors += list(_tensors(qbufs, 4, set()))
+    grads = _add_unique((t for t in grad_tensors if t is not None), counted)
+    optim = _add_unique(_tensors(optimizer, OPTIMIZER_WALK_DEPTH, set()), counted)
+    return {"weights_gib": weights / GIB, "grads_gib": grads / GIB, "optimizer_gib": optim / GIB}
+
+
+def measured_report(device, iteration: int, breakdown: dict[str, float] | None = None) -> str | None:
+    """Gather every stage's reading (+ its static breakdown) to global rank 0; the text there, None elsewhere."""
     first = (parallel_state.get_tensor_model_parallel_rank() == 0
              and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)
-    mine = (parallel_state.get_pipeline_model_parallel_rank(), runtime.memory_reading(device)) if first else None
+    reading = dict(runtime.memory_reading(device), **(breakdown or {}))
+    mine = (parallel_state.get_pipeline_model_parallel_rank(), reading) if first else None
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() != 0:
         return None
-    parts = [f"stage {stage}: {runtime.format_memory(reading)}" for stage, reading in sorted(g for g in gathered if g)]
+    parts = [f"stage {stage}: {runtime.format_memory(reading)}{_format_breakdown(reading)}"
+             for stage, reading in sorted((g for g in gathered if g), key=lambda g: g[0])]
     return f"measured memory after iteration {iteration}: " + " || ".join(parts)
+
+
+def _format_breakdown(reading: dict[str, float]) -> str:
+    if "weights_gib" not in reading:
+        return ""
+    held = reading["weights_gib"] + reading["grads_gib"] + reading["optimizer_gib"]
+    text = (f" (weights {reading['weights_gib']:.2f} + grads {reading['grads_gib']:.2f} + optimizer "
+            f"{reading['optimizer_gib']:.2f} GiB")
+    if "peak_gib" in reading:
+        text += f"; activations and temporaries at peak <= {reading['peak_gib'] - held:.2f} GiB"
+    return text + ")"

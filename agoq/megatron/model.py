@@ -97,10 +97,19 @@ class ParallelLayout:
 
 
 def llama_transformer_config(
-    shape: LlamaShape, layout: ParallelLayout, *, params_dtype: torch.dtype, use_cpu_initialization: bool
+    shape: LlamaShape, layout: ParallelLayout, *, params_dtype: torch.dtype, use_cpu_initialization: bool,
+    recompute_num_layers: int | None = None,
 ) -> TransformerConfig:
+    """``recompute_num_layers``: Megatron's full activation recompute (granularity "full", method
+    "uniform": every group of this many layers saves only its input and reruns its forward in
+    backward); None = off. The baseline for equal-memory comparisons (issue 9)."""
     bf16 = params_dtype == torch.bfloat16
+    recompute = {}
+    if recompute_num_layers:
+        recompute = dict(recompute_granularity="full", recompute_method="uniform",
+                         recompute_num_layers=recompute_num_layers)  # fmt: skip
     return TransformerConfig(
+        **recompute,
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,

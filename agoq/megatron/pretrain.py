@@ -280,7 +280,12 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
                     with open(args.log_json, "a") as out:
                         out.write(json.dumps({"iteration": iteration, "validation_lm_loss": loss}) + "\n")
         if iteration in (progress.iteration + 1, args.train_iters):
-            print_rank0(memory_report.measured_report(info.device, iteration))
+            breakdown = memory_report.static_breakdown_gib(parts.model, parts.optimizer)
+            print_rank0(memory_report.measured_report(info.device, iteration, breakdown))
+            if args.log_json and training.is_logging_rank():
+                with open(args.log_json, "a") as out:
+                    reading = dict(runtime.memory_reading(info.device), **breakdown)
+                    out.write(json.dumps({"iteration": iteration, "memory_breakdown": reading}) + "\n")
         state = checkpoint.Progress(iteration, consumed, skipped)
         stopping = stop.agreed(info.device) or iteration == args.exit_interval
         periodic = args.save_interval and iteration % args.save_interval == 0

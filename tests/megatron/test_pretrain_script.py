@@ -188,3 +188,28 @@ def test_nonfinite_step_is_skipped_counted_and_training_continues(env):
     assert [r["skipped"] for r in records] == [0, 0, 1, 1, 1]
     assert records[2]["loss"] != records[2]["loss"]  # NaN
     assert all(r["loss"] == r["loss"] for r in records[3:])  # finite again: the NaN never reached the weights
+
+
+def test_memory_breakdown_counts_megatron_and_agoq_bytes_per_parameter(env, tmp_path):
+    """The measured breakdown in --log-json (weights / grads / optimizer bytes from the live tensors) gives
+    Megatron's 2 / 4 / 12 bytes per parameter (bf16 weights, fp32 grad buffer, fp32 main params + Adam
+    moments) and agoq's optimizer at ~3.1 (split24 remainder 1 + two 8-bit moments with fp16 scales per
+    32 = 2 x 1.0625; small tensors keep fp32 states), up to buffer padding."""
+    import json
+
+    from agoq.plan.memory import GIB
+
+    def breakdown(extra: list[str]) -> dict:
+        log = tmp_path / f"log{len(extra)}.jsonl"
+        run_pretrain(1, TINY + ["--train-iters", "1", "--lr-warmup-iters", "0", "--log-json", str(log)] + extra,
+                     env=env)
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        return {k: v * GIB for k, v in next(r["memory_breakdown"] for r in records if "memory_breakdown" in r).items()}
+
+    base = breakdown(["--agoq-disable"])
+    n_params = base["weights_gib"] / 2  # bf16
+    assert 4.0 <= base["grads_gib"] / n_params <= 4.0 * 1.02
+    assert 12.0 <= base["optimizer_gib"] / n_params <= 12.0 * 1.02
+    lean = breakdown(["--agoq-optimizer", "adamw"])
+    assert lean["weights_gib"] == base["weights_gib"]
+    assert 3.125 <= lean["optimizer_gib"] / n_params <= 3.125 * 1.1  # small fp32-state tensors: < 10 % extra
