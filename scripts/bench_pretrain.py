@@ -101,6 +101,7 @@ def memory_suite(smoke: bool) -> list[dict]:
         "baseline (Megatron)": ["--agoq-disable"],
         "baseline + full recompute": ["--agoq-disable"] + ([] if smoke else ["--recompute-granularity", "full"]),
         "agoq full": grads + lean,
+        "agoq full + full recompute": grads + lean + ([] if smoke else ["--recompute-granularity", "full"]),
     }
     variants += [{"name": f"{shape}/mbs{big}/{name}", "nproc": 1,
                   "args": common + ["--micro-batch-size", big, "--global-batch-size", str(2 * int(big))] + extra}

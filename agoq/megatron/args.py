@@ -37,7 +37,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                         "megatron: Megatron's unfused DotProductAttention (saves [b,h,s,s] probabilities)")
     g.add_argument("--fp32", action="store_true", help="fp32 parameters and compute (default: bf16)")
     g.add_argument("--recompute-granularity", choices=("full",), default=None,
-                   help="Megatron's full activation recompute (baseline runs: needs --agoq-disable)")
+                   help="Megatron's full activation recompute (GPU only; with an agoq policy the recomputed "
+                        "forward stores its activations per the policy for the backward that follows)")
     g.add_argument("--recompute-num-layers", type=int, default=1,
                    help="with --recompute-granularity full: layers per recomputed group (method 'uniform')")
 
@@ -203,11 +204,6 @@ def validate(args: argparse.Namespace) -> None:
     if args.agoq_disable and (args.agoq_grads or args.agoq_policy or args.agoq_optimizer != "torch"):
         raise ValueError(
             "--agoq-disable runs the plain Megatron baseline; drop --agoq-grads / --agoq-policy / --agoq-optimizer"
-        )
-    if args.recompute_granularity and not args.agoq_disable:
-        raise ValueError(
-            "--recompute-granularity full is Megatron's own activation recompute, offered for baseline runs: "
-            "add --agoq-disable, or drop it and let the agoq policy store activations (docs/activations.md)"
         )
     if args.recompute_num_layers < 1:
         raise ValueError(f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}")
