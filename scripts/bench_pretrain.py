@@ -121,6 +121,9 @@ def run_variant(variant: dict, workdir: Path, timeout: float) -> dict:
         result["error_tail"] = (proc.stdout + proc.stderr)[-4000:]
         return result
     records = [json.loads(line) for line in log.read_text().splitlines()]
+    breakdowns = [r["memory_breakdown"] for r in records if "memory_breakdown" in r]
+    if breakdowns:
+        result["memory_breakdown_last"] = breakdowns[-1]  # weights / grads / optimizer GiB + peak (logging rank)
     records = [r for r in records if "lm_loss" in r]  # training iterations (validation records have no lm_loss)
     result["records"] = records
     return result
@@ -139,6 +142,9 @@ def summarise(result: dict, warmup: int) -> dict:
     }
     if "peak_gib" in result["records"][-1]:
         summary["peak_gib"] = max(r["peak_gib"] for r in result["records"])
+    for key in ("weights_gib", "grads_gib", "optimizer_gib"):
+        if key in result.get("memory_breakdown_last", {}):
+            summary[key] = result["memory_breakdown_last"][key]
     return summary
 
 
