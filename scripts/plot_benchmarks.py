@@ -1,0 +1,107 @@
+"""Figures for docs/benchmarks/ from the JSON the bench scripts wrote (matplotlib, PNG).
+
+    python scripts/plot_benchmarks.py convergence docs/benchmarks/conv_*.json --out docs/benchmarks/convergence.png
+    python scripts/plot_benchmarks.py memory docs/benchmarks/pretrain_memory.json --out docs/benchmarks/memory.png
+
+Needs matplotlib (``pip install matplotlib``; not a dependency of agoq itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+SMOOTH_WINDOW = 10  # training-loss records (x log interval steps) in the moving average
+
+
+def _moving_average(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_convergence(paths: list[Path], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_train, ax_valid, ax_diff) = plt.subplots(1, 3, figsize=(17, 4.5))
+    curves = {}
+    for path in paths:
+        run = json.loads(path.read_text())
+        tokens = run["tokens_per_step"]
+        train = [r for r in run["records"] if "lm_loss" in r]
+        valid = [r for r in run["records"] if "validation_lm_loss" in r]
+        x = [r["iteration"] * tokens / 1e6 for r in train]
+        smooth = _moving_average([r["lm_loss"] for r in train], SMOOTH_WINDOW)
+        curves[run["preset"]] = (x, smooth)
+        ax_train.plot(x, smooth, label=run["preset"], lw=1.2)
+        ax_valid.plot([r["iteration"] * tokens / 1e6 for r in valid], [r["validation_lm_loss"] for r in valid],
+                      marker="o", ms=3, label=run["preset"])  # fmt: skip
+    for ax, title in ((ax_train, f"training loss (moving average of {SMOOTH_WINDOW} logs)"),
+                      (ax_valid, "validation loss")):  # fmt: skip
+        ax.set_xlabel("tokens (millions)")
+        ax.set_ylabel("loss")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if "baseline" in curves:
+        base_x, base = curves["baseline"]
+        for name, (x, smooth) in curves.items():
+            if name != "baseline" and x == base_x:
+                ax_diff.plot(x, [100 * (a / b - 1) for a, b in zip(smooth, base)], label=name, lw=1.0)
+        ax_diff.axhline(0.0, color="black", lw=0.8)
+        ax_diff.set_xlabel("tokens (millions)")
+        ax_diff.set_ylabel("% vs baseline")
+        ax_diff.set_title("training loss vs baseline (moving averages)")
+        ax_diff.set_ylim(-3, 3)
+        ax_diff.grid(alpha=0.3)
+        ax_diff.legend()
+    ax_train.set_ylim(top=min(6.0, ax_train.get_ylim()[1]))
+    ax_valid.set_ylim(top=min(6.0, ax_valid.get_ylim()[1]))
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def plot_memory(path: Path, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = json.loads(path.read_text())
+    rows = [s for s in report["summary"] if not s.get("failed")]
+    fig, (ax_mem, ax_tps) = plt.subplots(1, 2, figsize=(13, 0.5 * len(rows) + 1.5), sharey=True)
+    names = [s["name"] for s in rows]
+    ax_mem.barh(names, [s["peak_gib"] for s in rows], color="tab:blue")
+    ax_tps.barh(names, [s["tokens_per_second_median"] / 1e3 for s in rows], color="tab:green")
+    ax_mem.set_xlabel("peak GPU memory (GiB)")
+    ax_tps.set_xlabel("throughput (thousand tokens/s)")
+    ax_mem.invert_yaxis()
+    for ax in (ax_mem, ax_tps):
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(f"{report['environment'].get('device', '')}: {report['suite']} suite")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("kind", choices=("convergence", "memory"))
+    parser.add_argument("inputs", nargs="+", type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args(argv)
+    if args.kind == "convergence":
+        plot_convergence(args.inputs, args.out)
+    else:
+        plot_memory(args.inputs[0], args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
