@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from agoq.megatron.compute import add_compute_flags
 from agoq.megatron.ddp import add_grad_flags
 from agoq.megatron.optim_args import add_optim_flags
 
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", default=None, help="YAML file of flag values (snake_case keys)")
     for add in (_model_flags, _parallel_flags, _optim_flags, _data_flags, _run_flags, _agoq_flags, add_grad_flags,
-                add_optim_flags):
+                add_optim_flags, add_compute_flags):
         add(parser)
     return parser
 
@@ -196,9 +197,13 @@ def validate(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value and not Path(value).is_file():
             raise ValueError(f"--{flag.replace('_', '-')} {value}: file not found")
-    if args.agoq_disable and (args.agoq_grads or args.agoq_policy or args.agoq_optimizer != "torch"):
+    compute_flags = [args.agoq_fp8, args.agoq_smooth_swiglu, args.agoq_fp8_bf16_first_layers,
+                     args.agoq_fp8_bf16_last_layers, args.agoq_fp8_amax_history_len]
+    if args.agoq_disable and (args.agoq_grads or args.agoq_policy or args.agoq_optimizer != "torch"
+                              or any(v is not None for v in compute_flags)):
         raise ValueError(
-            "--agoq-disable runs the plain Megatron baseline; drop --agoq-grads / --agoq-policy / --agoq-optimizer"
+            "--agoq-disable runs the plain Megatron baseline; drop --agoq-grads / --agoq-policy / --agoq-optimizer "
+            "/ --agoq-fp8* / --agoq-smooth-swiglu"
         )
     if args.load and not Path(args.load).is_dir():
         raise ValueError(f"--load {args.load}: directory not found (use --save to start a new run)")
