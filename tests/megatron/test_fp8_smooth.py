@@ -127,10 +127,11 @@ def _tp_rank(rank: int, world_size: int) -> dict:
     handle = install(AgoqConfig(device="cpu"))
     try:
         runtime.init_model_parallel(ParallelLayout(tp=2), seed=1234, device=torch.device("cpu"))
-        out, reference = {}, None
-        for mode in ("off", "per-token", "per-channel"):
-            model = _build(mode, None, torch.float32, reference=reference, tp=2)
-            reference = model if reference is None else reference
+        plain = _build("off", None, torch.float32, tp=2)
+        models = {"off": plain, **{m: _build(m, None, torch.float32, reference=plain, tp=2)
+                                   for m in ("per-token", "per-channel")}}  # same weights, built before training
+        out = {}
+        for mode, model in models.items():
             out[mode] = _train(model, steps=1)
             if mode == "per-token":  # the scale must be TP-global: check the two ranks saw the same s
                 mlp = next(m for m in model.modules() if type(m).__name__ == "AgoqMLP")
@@ -180,7 +181,7 @@ def test_pretrain_with_smooth_swiglu_per_channel_loss_falls(env):
 
 @pytest.mark.dist
 def test_pretrain_fp8_on_cpu_stops_with_the_flag_named(env):
-    args = ["--config", str(TINY_CONFIG), "--train-iters", "2", "--agoq-fp8", "delayed"]
+    args = ["--config", str(TINY_CONFIG), "--train-iters", "4", "--agoq-fp8", "delayed"]
     proc = run_pretrain(2, args, env=env, check=False)
     assert proc.returncode != 0
     assert "pretrain_llama.py: error: --agoq-fp8 delayed (or the policy's fp8.recipe) needs an NVIDIA GPU" in proc.stderr
