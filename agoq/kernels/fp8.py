@@ -5,15 +5,18 @@ GPU, see tests/kernels/test_fp8_kernels.py):
 
   fp8_amax_2d(x2d, rowcol=False)             -> amax [] | (amax_rows [M], amax_cols [N])
   fp8_scales(amax, variant, margin, pow2)    -> (scale, scale_inv), amax's shape
-  fp8_cast_2d(x2d, variant, scale, scale_t=None, *, rowmajor=True, transposed=False, record_amax=False)
-                                             -> (out [M,N] | None, out_t [N,M] | None, amax [] | None)
-  fp8_history_update(history, amax, variant, margin, pow2) -> (new_history [L], scale [])
+  fp8_cast_2d(x2d, variant, scale, scale_t=None, *, rowmajor=True, transposed=False, record_amax=False,
+              amax_out=None)         -> (out [M,N] | None, out_t [N,M] | None, amax [] | None)
+  fp8_history_update(history, amax, variant, margin, pow2, reset_amax=False)
+                                             -> (new_history [L], scale [], scale_inv [])
 
 How the FP8 linear uses them (``torch._scaled_mm`` wants a row-major ``a`` and a column-major ``b``,
 so every operand is needed both as is and transposed; one read of the bf16 tensor writes both):
 
-  delayed scaling  fp8_cast_2d(..., record_amax=True) with the history's scale: one pass casts and
-                   records this tensor's amax; fp8_history_update then folds it into the history.
+  delayed scaling  fp8_cast_2d(..., record_amax=True, amax_out=acc) with the history's scale: one pass
+                   casts and max-accumulates this tensor's amax into a persistent accumulator;
+                   fp8_history_update(..., reset_amax=True) folds it into the history, computes the
+                   next scale and its inverse, and zeroes the accumulator (two launches per operand).
   current scaling  fp8_amax_2d (one read) -> fp8_scales -> fp8_cast_2d (one read, both layouts).
   row-wise         fp8_amax_2d(rowcol=True) gives the per-row and per-column amaxes in one read; the
                    cast writes the row-major copy with row scales and the transposed copy with
@@ -183,9 +186,10 @@ def _cast_kernel(
 
 
 @triton.jit
-def _history_kernel(hist_ptr, amax_ptr, new_hist_ptr, scale_ptr, L, FMAX_DIV: tl.constexpr, POW2: tl.constexpr,
-                    BL: tl.constexpr):
-    """new_history = [amax, history[:-1]]; scale from max |new_history| (one program)."""
+def _history_kernel(hist_ptr, amax_ptr, new_hist_ptr, scale_ptr, scale_inv_ptr, L, FMAX_DIV: tl.constexpr,
+                    POW2: tl.constexpr, RESET_AMAX: tl.constexpr, BL: tl.constexpr):
+    """new_history = [amax, history[:-1]]; scale (and 1 / scale) from max |new_history|; optionally
+    zero the amax word for the next accumulation (one program)."""
     i = tl.arange(0, BL)
     prev = tl.load(hist_ptr + i - 1, mask=(i >= 1) & (i < L), other=0.0)
     amax = tl.load(amax_ptr + i * 0, mask=i == 0, other=0.0)  # the amax in lane 0, zeros elsewhere
@@ -193,7 +197,11 @@ def _history_kernel(hist_ptr, amax_ptr, new_hist_ptr, scale_ptr, L, FMAX_DIV: tl
     tl.store(new_hist_ptr + i, new, mask=i < L)
     top_bits = tl.max(tl.where(i < L, _abs_bits(new), 0), axis=0, keep_dims=True)
     scale = _scale_from_amax(top_bits.to(tl.float32, bitcast=True), FMAX_DIV, POW2)
-    tl.store(scale_ptr + tl.arange(0, 1), scale)
+    one = tl.arange(0, 1)
+    tl.store(scale_ptr + one, scale)
+    tl.store(scale_inv_ptr + one, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+    if RESET_AMAX:
+        tl.store(amax_ptr + one, tl.zeros([1], dtype=tl.float32))
 
 
 def _fmax_div(variant: str, margin: int) -> float:
@@ -236,8 +244,12 @@ def fp8_scales(amax_f32: torch.Tensor, variant: str, margin: int = 0,
 
 
 def fp8_cast_2d(x2d: torch.Tensor, variant: str, scale_f32: torch.Tensor, scale_t_f32: torch.Tensor | None = None,
-                *, rowmajor: bool = True, transposed: bool = False, record_amax: bool = False):
-    """Triton twin of agoq.ref.fp8.ref_fp8_cast_2d: (out [M,N] | None, out_t [N,M] | None, amax | None)."""
+                *, rowmajor: bool = True, transposed: bool = False, record_amax: bool = False,
+                amax_out: torch.Tensor | None = None):
+    """Triton twin of agoq.ref.fp8.ref_fp8_cast_2d: (out [M,N] | None, out_t [N,M] | None, amax | None).
+
+    ``amax_out``: a 0-dim fp32 accumulator (>= 0 or NaN) that the cast max-accumulates into (in place)
+    instead of a fresh zero; it is returned as the amax."""
     _variant(variant)
     x = _check_2d(x2d, "fp8_cast_2d")
     m, n = x.shape
@@ -253,7 +265,14 @@ def fp8_cast_2d(x2d: torch.Tensor, variant: str, scale_f32: torch.Tensor, scale_
     fp8 = _TORCH_FP8[variant]
     out = torch.empty((m, n), dtype=fp8, device=x.device) if rowmajor else None
     out_t = torch.empty((n, m), dtype=fp8, device=x.device) if transposed else None
-    amax = torch.zeros((), dtype=torch.int32, device=x.device) if record_amax else None
+    if amax_out is not None and (not record_amax or amax_out.shape != () or amax_out.dtype != torch.float32):
+        raise ValueError("amax_out must be a 0-dim float32 accumulator and needs record_amax=True")
+    if not record_amax:
+        amax = None
+    elif amax_out is not None:
+        amax = amax_out.view(torch.int32)  # |amax| bits: the same order as the kernel's atomics
+    else:
+        amax = torch.zeros((), dtype=torch.int32, device=x.device)
     if x.numel() and (rowmajor or transposed or record_amax):
         scale, scale_t = scale_f32.contiguous(), scale_t_f32.contiguous()
         row_scales, col_scales = scale.dim() == 2, scale_t.dim() == 2
@@ -272,17 +291,22 @@ def fp8_cast_2d(x2d: torch.Tensor, variant: str, scale_f32: torch.Tensor, scale_
 
 
 def fp8_history_update(history_f32: torch.Tensor, amax_f32: torch.Tensor, variant: str, margin: int = 0,
-                       pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of agoq.ref.fp8.ref_fp8_history_update (new tensors; the inputs are not modified)."""
+                       pow2: bool = False, reset_amax: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of agoq.ref.fp8.ref_fp8_history_update: (new_history, scale, scale_inv), new tensors;
+    the history is not modified, the amax is zeroed in place when ``reset_amax``."""
     _variant(variant)
     if history_f32.dim() != 1 or history_f32.numel() < 1 or amax_f32.numel() != 1:
         raise ValueError(f"history must be 1-D non-empty and amax one value, got {tuple(history_f32.shape)} "
                          f"and {tuple(amax_f32.shape)}")
+    if reset_amax and (amax_f32.dtype != torch.float32 or not amax_f32.is_contiguous()):
+        raise ValueError("reset_amax needs the amax accumulator itself (contiguous float32), not a converted copy")
     history = history_f32.to(torch.float32).contiguous()
     amax = amax_f32.to(torch.float32).reshape(1).contiguous()
     new = torch.empty_like(history)
     scale = torch.empty((), dtype=torch.float32, device=history.device)
+    scale_inv = torch.empty_like(scale)
     length = history.numel()
-    _history_kernel[(1,)](history, amax, new, scale, length, FMAX_DIV=_fmax_div(variant, margin), POW2=bool(pow2),
-                          BL=triton.next_power_of_2(length), enable_fp_fusion=False)
-    return new, scale
+    _history_kernel[(1,)](history, amax, new, scale, scale_inv, length, FMAX_DIV=_fmax_div(variant, margin),
+                          POW2=bool(pow2), RESET_AMAX=bool(reset_amax), BL=triton.next_power_of_2(length),
+                          enable_fp_fusion=False)
+    return new, scale, scale_inv

@@ -91,11 +91,11 @@ def _cast(t2d: torch.Tensor, slot: str, recipe: FP8Recipe, state: FP8ScalingStat
         out, out_t, _ = ops.cast_2d(t2d, variant, scale, scale_t, rowmajor=rowmajor, transposed=transposed)
         return _Cast(out, out_t, scale, scale_t, scale_inv, scale_t_inv)
     delayed = state.delayed_scale(slot) if recipe.scaling == "delayed" else None
-    if delayed is not None:  # one pass: cast with the history's scale, record this tensor's amax
-        out, out_t, amax = ops.cast_2d(t2d, variant, delayed, rowmajor=rowmajor, transposed=transposed,
-                                       record_amax=True)
-        state.record_amax(slot, amax)
-        inv = delayed.reciprocal()
+    if delayed is not None:  # one pass: cast with the history's scale, accumulate this tensor's amax
+        inv = state.scale_inv(slot)  # taken before the update replaces the buffers
+        out, out_t, _ = ops.cast_2d(t2d, variant, delayed, rowmajor=rowmajor, transposed=transposed,
+                                    record_amax=True, amax_out=state.amax_accumulator(slot))
+        state.fold_amax(slot)
         return _Cast(out, out_t, delayed, delayed, inv, inv)
     amax = ops.amax_2d(t2d)  # current scaling, or the first delayed call (bootstrap)
     scale, scale_inv = ops.scales(amax, variant, margin, pow2)
@@ -145,12 +145,12 @@ class FP8LinearFunction(torch.autograd.Function):
         ctx.x_handle = x_saver(x2) if needs_wgrad and x_saver is not None else None
         x_t = xc.data_t if keep_x_fp8 else None
         # only the scales of the transposed copies are needed later (dgrad's w_t, wgrad's x_t)
-        ctx.save_for_backward(weight, w_col_scale, x_t, xc.scale_t, wc.scale_t)
+        ctx.save_for_backward(weight, w_col_scale, x_t, xc.scale_t, xc.scale_t_inv, wc.scale_t, wc.scale_t_inv)
         return y.to(x2.dtype)
 
     @staticmethod
     def backward(ctx, grad_y):
-        weight, w_col_scale, x_t, sx_t, sw_t = ctx.saved_tensors
+        weight, w_col_scale, x_t, sx_t, sx_t_inv, sw_t, sw_t_inv = ctx.saved_tensors
         recipe, state = ctx.recipe, ctx.state
         row = recipe.granularity == "row"
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -159,7 +159,7 @@ class FP8LinearFunction(torch.autograd.Function):
         dx = dw = None
         if need_dx:
             w_t = _recast_t(_effective_weight(weight, w_col_scale), "w", recipe, sw_t)  # the forward's codes
-            dx = _scaled_gemm(gc.data, w_t.t(), gc.scale_inv, sw_t.reciprocal(), torch.bfloat16 if row else g2.dtype,
+            dx = _scaled_gemm(gc.data, w_t.t(), gc.scale_inv, sw_t_inv, torch.bfloat16 if row else g2.dtype,
                               False).to(ctx.x_dtype)
         if need_dw:
             if x_t is None:  # activation storage kept x (quantized or as a recompute handle)
@@ -168,7 +168,7 @@ class FP8LinearFunction(torch.autograd.Function):
                 x_t = _recast_t(x_hat, "x", recipe, sx_t)
             out_dtype = torch.bfloat16 if row else _wgrad_dtype(weight)
             dw = _scaled_gemm(gc.data_t, x_t.t(), gc.scale_t_inv.reshape(-1, 1) if row else gc.scale_t_inv,
-                              sx_t.reciprocal(), out_dtype, False)
+                              sx_t_inv, out_dtype, False)
             if w_col_scale is not None:  # d(W * s)/dW = s per input column
                 dw = dw.to(torch.float32) * w_col_scale
             dw = dw.to(weight.dtype)

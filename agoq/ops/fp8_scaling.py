@@ -98,12 +98,25 @@ class FP8ScalingState(torch.nn.Module):
             self.register_buffer(f"amax_history_{slot}",
                                  torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=device))
             self.register_buffer(f"scale_{slot}", torch.ones((), dtype=torch.float32, device=device))
+            self.register_buffer(f"scale_inv_{slot}", torch.ones((), dtype=torch.float32, device=device))
+            # amax of the current cast, max-accumulated by the fused cast and zeroed by the history
+            # update (transient: always 0 between calls, so not part of the state dict)
+            self.register_buffer(f"amax_acc_{slot}", torch.zeros((), dtype=torch.float32, device=device),
+                                 persistent=False)
 
     def amax_history(self, slot: str) -> torch.Tensor:
         return getattr(self, f"amax_history_{slot}")
 
     def scale(self, slot: str) -> torch.Tensor:
         return getattr(self, f"scale_{slot}")
+
+    def scale_inv(self, slot: str) -> torch.Tensor:
+        """1 / scale(slot), computed with the scale (what torch._scaled_mm takes)."""
+        return getattr(self, f"scale_inv_{slot}")
+
+    def amax_accumulator(self, slot: str) -> torch.Tensor:
+        """The 0-dim fp32 buffer a fused cast max-accumulates the current amax into (see fold_amax)."""
+        return getattr(self, f"amax_acc_{slot}")
 
     def check_device(self, tensor: torch.Tensor) -> None:
         history = self.amax_history("x")
@@ -134,15 +147,24 @@ class FP8ScalingState(torch.nn.Module):
         CUDA tensors use the one-program Triton update (agoq.kernels.fp8.fp8_history_update), others
         its reference twin; both return new tensors, so scales saved by a pending backward stay valid.
         """
+        self._update(slot, amax_f32, reset=False)
+
+    def fold_amax(self, slot: str) -> None:
+        """record_amax of the accumulator (filled by ``fp8_cast_2d(..., amax_out=amax_accumulator(slot))``),
+        which the same launch zeroes for the next cast."""
+        self._update(slot, self.amax_accumulator(slot), reset=True)
+
+    def _update(self, slot: str, amax_f32: torch.Tensor, reset: bool) -> None:
         history = self.amax_history(slot)
         if history.device.type == "cuda":
             from agoq.kernels.fp8 import fp8_history_update as update  # lazily: needs Triton
         else:
             update = ref_fp8_history_update
-        new_history, scale = update(history, amax_f32, SLOT_VARIANTS[slot], self.recipe.margin,
-                                    self.recipe.pow2_scales)
+        new_history, scale, scale_inv = update(history, amax_f32, SLOT_VARIANTS[slot], self.recipe.margin,
+                                               self.recipe.pow2_scales, reset_amax=reset)
         setattr(self, f"amax_history_{slot}", new_history)
         setattr(self, f"scale_{slot}", scale)
+        setattr(self, f"scale_inv_{slot}", scale_inv)
         self.num_updates[slot] += 1
 
     def get_extra_state(self) -> dict:

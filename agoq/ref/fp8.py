@@ -124,14 +124,16 @@ def ref_fp8_scales(amax_f32: torch.Tensor, variant: str, margin: int = 0,
 
 
 def ref_fp8_cast_2d(x2d: torch.Tensor, variant: str, scale_f32: torch.Tensor, scale_t_f32: torch.Tensor | None = None,
-                    *, rowmajor: bool = True, transposed: bool = False, record_amax: bool = False):
+                    *, rowmajor: bool = True, transposed: bool = False, record_amax: bool = False,
+                    amax_out: torch.Tensor | None = None):
     """Cast x2d [M, N] to FP8 in the layouts a GEMM needs: ``(out, out_t, amax)``.
 
     out    [M, N] = sat(RNE(x * scale)), scale 0-dim or per row [M, 1]      (None unless rowmajor)
     out_t  [N, M] = sat(RNE(x * scale_t)).T, contiguous, scale_t 0-dim or per column [1, N]
            (None unless transposed; scale_t None means scale, which must then be 0-dim)
     amax   max |x| (0-dim fp32, :func:`ref_fp8_amax_2d`) when record_amax (delayed scaling records
-           the amax of the tensor it casts with an older scale), else None.
+           the amax of the tensor it casts with an older scale), else None. With ``amax_out`` (a 0-dim
+           fp32 accumulator, >= 0 or NaN) the amax is max-accumulated into it in place and returned.
     """
     if x2d.dim() != 2:
         raise ValueError(f"ref_fp8_cast_2d takes a 2-D tensor, got shape {tuple(x2d.shape)}")
@@ -143,21 +145,32 @@ def ref_fp8_cast_2d(x2d: torch.Tensor, variant: str, scale_f32: torch.Tensor, sc
     if scale_f32.shape not in ((), (m, 1)) or scale_t_f32.shape not in ((), (1, n)):
         raise ValueError(f"scale {tuple(scale_f32.shape)} must be () or ({m}, 1) and scale_t "
                          f"{tuple(scale_t_f32.shape)} () or (1, {n}) for x {tuple(x2d.shape)}")
+    if amax_out is not None and (not record_amax or amax_out.shape != () or amax_out.dtype != torch.float32):
+        raise ValueError("amax_out must be a 0-dim float32 accumulator and needs record_amax=True")
     out = ref_fp8_cast(x2d, scale_f32, variant) if rowmajor else None
     out_t = ref_fp8_cast(x2d, scale_t_f32, variant).t().contiguous() if transposed else None
     amax = ref_fp8_amax_2d(x2d) if record_amax else None
+    if amax_out is not None:
+        amax = amax_out.copy_(torch.maximum(amax_out, amax))  # NaN-propagating, as the kernel's bit max
     return out, out_t, amax
 
 
 def ref_fp8_history_update(history_f32: torch.Tensor, amax_f32: torch.Tensor, variant: str, margin: int = 0,
-                           pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           pow2: bool = False, reset_amax: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Delayed scaling: push ``amax`` into the history (newest first, oldest dropped) and return
-    ``(new_history, scale)`` with scale from the new history's max |.| (NaN-propagating). Never in place."""
+    ``(new_history, scale, 1 / scale)`` with scale from the new history's max |.| (NaN-propagating).
+    New tensors; only ``reset_amax`` writes (zeroes the amax accumulator for its next use)."""
     if history_f32.dim() != 1 or history_f32.numel() < 1 or amax_f32.numel() != 1:
         raise ValueError(f"history must be 1-D non-empty and amax one value, got {tuple(history_f32.shape)} "
                          f"and {tuple(amax_f32.shape)}")
+    if reset_amax and amax_f32.dtype != torch.float32:
+        raise ValueError("reset_amax needs the amax accumulator itself (contiguous float32), not a converted copy")
     new = torch.cat([amax_f32.reshape(1).to(torch.float32), history_f32[:-1].to(torch.float32)])
-    return new, fp8_scale_from_amax(new.abs().amax(), variant, margin, pow2)
+    if reset_amax:
+        amax_f32.zero_()
+    scale = fp8_scale_from_amax(new.abs().amax(), variant, margin, pow2)
+    return new, scale, scale.reciprocal()
 
 
 def _check_granularity(granularity: str) -> None:

@@ -126,16 +126,31 @@ def test_history_update_equals_ref(length, pow2):
     gen = torch.Generator().manual_seed(length)
     history = torch.rand(length, generator=gen) * 10
     for amax in (torch.tensor(0.25), torch.tensor(1e3), torch.tensor(float("nan"))):
-        new, scale = _k().fp8_history_update(history.to(DEVICE), amax.to(DEVICE), "e5m2", margin=1, pow2=pow2)
-        new_r, scale_r = ref_fp8_history_update(history, amax, "e5m2", margin=1, pow2=pow2)
-        assert _equal_nan(new.cpu(), new_r) and _equal_nan(scale.cpu(), scale_r)
-        assert scale.shape == () and new.shape == (length,)
+        new, scale, inv = _k().fp8_history_update(history.to(DEVICE), amax.to(DEVICE), "e5m2", margin=1, pow2=pow2)
+        new_r, scale_r, inv_r = ref_fp8_history_update(history, amax, "e5m2", margin=1, pow2=pow2)
+        assert _equal_nan(new.cpu(), new_r) and _equal_nan(scale.cpu(), scale_r) and _equal_nan(inv.cpu(), inv_r)
+        assert scale.shape == inv.shape == () and new.shape == (length,)
 
 
-def test_history_update_does_not_modify_inputs():
-    history = torch.ones(4, device=DEVICE)
-    new, _ = _k().fp8_history_update(history, torch.tensor(9.0, device=DEVICE), "e4m3")
-    assert torch.equal(history.cpu(), torch.ones(4)) and new.cpu()[0] == 9.0
+def test_history_update_does_not_modify_inputs_unless_reset():
+    history, amax = torch.ones(4, device=DEVICE), torch.tensor(9.0, device=DEVICE)
+    new, _, _ = _k().fp8_history_update(history, amax, "e4m3")
+    assert torch.equal(history.cpu(), torch.ones(4)) and new.cpu()[0] == 9.0 and amax.item() == 9.0
+    new, _, _ = _k().fp8_history_update(history, amax, "e4m3", reset_amax=True)
+    assert new.cpu()[0] == 9.0 and amax.item() == 0.0  # zeroed for the next accumulation
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cast_accumulates_amax_into_a_given_buffer(variant):
+    """Delayed scaling's accumulator: the cast max-accumulates in place (NaN wins), as the reference."""
+    x = _grid_input((9, 20), variant, torch.bfloat16, torch.zeros(9), torch.zeros(20))
+    for start in (0.0, 1e4, float("nan")):
+        acc, acc_r = torch.tensor(start, device=DEVICE), torch.tensor(start)
+        _, _, amax = _k().fp8_cast_2d(x, variant, torch.tensor(1.0, device=DEVICE), record_amax=True, amax_out=acc)
+        ref_fp8_cast_2d(x.cpu(), variant, torch.tensor(1.0), record_amax=True, amax_out=acc_r)
+        assert amax.data_ptr() == acc.data_ptr() and _equal_nan(acc.cpu(), acc_r)
+    with pytest.raises(ValueError, match="record_amax"):
+        _k().fp8_cast_2d(x, variant, torch.tensor(1.0, device=DEVICE), amax_out=torch.tensor(0.0, device=DEVICE))
 
 
 # --------------------------------------------------------------------------- casts on the grid ----

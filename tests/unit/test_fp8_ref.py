@@ -187,8 +187,9 @@ def test_ref_fp8_history_update_pushes_newest_first_and_scales_from_the_max():
     from agoq.ref.fp8 import ref_fp8_history_update
 
     history = torch.tensor([2.0, 8.0, 1.0])
-    new, scale = ref_fp8_history_update(history, torch.tensor(4.0), "e4m3")
+    new, scale, scale_inv = ref_fp8_history_update(history, torch.tensor(4.0), "e4m3")
+    assert scale_inv == scale.reciprocal()
     assert new.tolist() == [4.0, 2.0, 8.0] and history.tolist() == [2.0, 8.0, 1.0]  # oldest dropped, not in place
     assert scale == fp8_scale_from_amax(torch.tensor(8.0), "e4m3")
-    _, scale = ref_fp8_history_update(history, torch.tensor(float("nan")), "e4m3")
+    _, scale, _ = ref_fp8_history_update(history, torch.tensor(float("nan")), "e4m3")
     assert torch.isnan(scale)  # a NaN amax is never silently forgotten while it is in the window
