@@ -208,3 +208,26 @@ def test_fp8_layers_raise_on_cpu_at_the_op(mcore_world1):
     tokens, labels, pos = _batch(0)
     with pytest.raises(NotImplementedError, match="sm_89"):
         model.bfloat16()(tokens, pos, None, labels=labels)
+
+
+@pytest.mark.dist
+def test_bench_fp8_whole_step_harness_smoke(tmp_path):
+    """scripts/bench_fp8.py part (b) on CPU: the fp8 suite of bench_pretrain in its tiny form (bf16 and
+    Smooth-SwiGLU; FP8 needs a GPU), summarised with the loss comparison."""
+    import json
+    import subprocess
+    import sys
+
+    from agoq.testing.procs import REPO_ROOT
+
+    out = tmp_path / "fp8.json"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_fp8.py"), "--smoke", "--step-smoke",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+                          env=child_env(AGOQ_CACHE=str(tmp_path / "cache")))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    step = json.loads(out.read_text())["whole_step"]
+    assert set(step["summary"]) == {"bf16", "smooth-swiglu per-token"} and not step["failed"]
+    assert len(step["losses"]["bf16"]) == 4
+    # Smooth-SwiGLU is function-preserving: the same losses as bf16 (bit for bit; see the module docstring)
+    assert step["losses"]["smooth-swiglu per-token"] == step["losses"]["bf16"]
+    assert step["summary"]["smooth-swiglu per-token"]["loss_max_abs_diff_vs_bf16"] == 0.0
