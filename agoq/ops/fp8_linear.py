@@ -31,6 +31,7 @@ Smooth-SwiGLU on fc2) materialises W * s in forward and backward (a weight-sized
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -48,7 +49,12 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def fp8_cast_ops(device: torch.device) -> SimpleNamespace:
     """(amax_2d, scales, cast_2d) for tensors on ``device``: Triton on CUDA, the reference elsewhere
     (identical results; tests/kernels). A CUDA tensor without Triton raises the ImportError."""
-    if torch.device(device).type == "cuda":
+    return _cast_ops_for(torch.device(device).type)
+
+
+@functools.lru_cache(maxsize=8)  # called for every cast: resolve the implementation once per device type
+def _cast_ops_for(kind: str) -> SimpleNamespace:
+    if kind == "cuda":
         from agoq.kernels import fp8 as impl  # lazily: needs Triton
 
         return SimpleNamespace(amax_2d=impl.fp8_amax_2d, scales=impl.fp8_scales, cast_2d=impl.fp8_cast_2d)
