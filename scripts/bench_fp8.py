@@ -1,23 +1,25 @@
-"""Micro-benchmark: the linear layers of one LLaMA-1B transformer layer, bf16 vs agoq's FP8 linear.
+"""Benchmark agoq's FP8 linears (fused Triton casts + torch._scaled_mm) at ~1B LLaMA shapes, one GPU.
 
-Shapes (Llama-3.2-1B: hidden 2048, FFN 8192, 32 query / 8 KV heads of 64, 16 layers): QKV
-[3072, 2048], attention out-proj [2048, 2048], fc1 [2 * 8192, 2048] (gate | up fused), fc2
-[2048, 8192]; tokens = micro-batch * sequence (default 4 * 2048). Each row times forward + backward
-(median over --iters after --warmup, CUDA events) of one linear for one mode:
+One command runs both parts and writes one JSON (< 500 s on an H100):
 
-  bf16              F.linear (cuBLAS bf16)
-  fp8_tensor        fp8_linear, per-tensor current scaling
-  fp8_tensor_delayed  fp8_linear, per-tensor delayed scaling (amax history 16)
-  fp8_row           fp8_linear, row-wise current scaling
-  gemm_fp8_tensor   the three torch._scaled_mm calls only, operands pre-cast (the bound casts approach)
+    python scripts/bench_fp8.py --out docs/benchmarks/fp8.json
 
-plus the MLP block fc1 -> SwiGLU -> fc2 in bf16, FP8, and FP8 with Smooth-SwiGLU (per token / per
-channel), and the sums over one layer's linears with the speed-up over bf16 (issue 7 target: >= 1.2x
-on the linear layers' time). ``--compile`` also times each FP8 step under torch.compile (fuses the
-plain-PyTorch casts); a compile failure is recorded in the JSON, not hidden.
+(a) Linear layers alone, forward + backward (median of --iters after --warmup, CUDA events), hidden
+    2048, tokens 8192, for each --ffn (default 5632 and 8192; 32 query / 8 KV heads of 64):
+    - each linear (qkv, proj, fc1 = [gate | up], fc2) in: bf16 (F.linear), fp8_delayed /
+      fp8_current (per-tensor scaling), fp8_rowwise, and gemm_fp8 (the three FP8 GEMMs on pre-cast
+      operands: the bound that fused casts approach);
+    - the MLP block fc1 -> SwiGLU -> fc2 in bf16, FP8 (delayed), FP8 + Smooth-SwiGLU per token and
+      per channel (the same ops as agoq's Megatron MLP);
+    - one layer's linear time = qkv + proj + MLP block, per variant, with the speed-up over bf16
+      (issue 7 target: >= 1.2x on the linear layers' time);
+    - the casts alone (GB/s and the ratio to a bf16 copy of the same tensor), to judge the kernels.
+(b) Whole training steps of a ~1B LLaMA (16 x 2048, ffn 8192, seq 2048, micro-batch 2 x 4, 30
+    iterations) through scripts/pretrain_llama.py: bf16 vs --agoq-fp8 delayed vs --agoq-fp8 delayed
+    --agoq-smooth-swiglu per-token (``scripts/bench_pretrain.py --suite fp8``; needs megatron-core),
+    with tokens/s, peak memory and the loss curves side by side. ``--no-step`` skips it.
 
-    python scripts/bench_fp8.py --out docs/benchmarks/fp8.json [--tokens 8192] [--compile]
-    python scripts/bench_fp8.py --smoke --out /tmp/fp8.json     # CPU: arguments, plan, harness (bf16 only)
+    python scripts/bench_fp8.py --smoke --out /tmp/fp8.json   # CPU: arguments and harness (bf16 only)
 """
 
 from __future__ import annotations
@@ -27,20 +29,31 @@ import datetime
 import json
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from agoq.ops.fp8_linear import fp8_linear
-from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState
-from agoq.ops.smooth_swiglu import fold_channel_scale, smooth_swiglu, unsmooth_fc2_output
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
 
-LLAMA_1B = dict(hidden=2048, ffn=8192, heads=32, kv_heads=8, head_dim=64, layers=16)  # Llama-3.2-1B config
-LINEAR_MODES = ("bf16", "fp8_tensor", "fp8_tensor_delayed", "fp8_row", "gemm_fp8_tensor")
-MLP_MODES = ("bf16", "fp8", "fp8_smooth_per_token", "fp8_smooth_per_channel")
-SMOKE_SHAPE = dict(tokens=64, hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16)
-TARGET_SPEEDUP = 1.2  # issue 7
+from agoq.ops.fp8_linear import fp8_linear  # noqa: E402
+from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState  # noqa: E402
+from agoq.ops.saved_act import swiglu_reference  # noqa: E402
+from agoq.ops.smooth_swiglu import glu_smooth_scale, unsmooth_fc2_output  # noqa: E402
+
+LLAMA_1B = dict(hidden=2048, heads=32, kv_heads=8, head_dim=64)  # Llama-3.2-1B attention
+FFNS = (5632, 8192)  # LLaMA's 8/3 ratio (5632 = 2.75 x 2048) and Llama-3.2-1B's 8192
+LINEAR_MODES = ("bf16", "fp8_delayed", "fp8_current", "fp8_rowwise", "gemm_fp8")
+MLP_MODES = ("bf16", "fp8_delayed", "fp8_delayed_smooth_per_token", "fp8_delayed_smooth_per_channel")
+SMOKE_SHAPE = dict(tokens=64, hidden=64, heads=4, kv_heads=2, head_dim=16, ffns=(128,))
+TARGET_SPEEDUP = 1.2  # issue 7: >= 1.2x over bf16 on the linear layers' time
+RECIPES = {"fp8_delayed": FP8Recipe(scaling="delayed"), "fp8_current": FP8Recipe(scaling="current"),
+           "fp8_rowwise": FP8Recipe(granularity="row")}
 
 
 def linear_shapes(hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, tuple[int, int]]:
@@ -49,13 +62,8 @@ def linear_shapes(hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: in
             "fc1": (2 * ffn, hidden), "fc2": (hidden, ffn)}
 
 
-def _recipe(mode: str) -> FP8Recipe:
-    return {"fp8_tensor": FP8Recipe(), "fp8_tensor_delayed": FP8Recipe(scaling="delayed"),
-            "fp8_row": FP8Recipe(granularity="row")}[mode]
-
-
 def _timer(device: str):
-    """Returns time_ms(fn, warmup, iters) -> median ms (CUDA events on GPU, perf_counter on CPU)."""
+    """time_ms(fn, warmup, iters) -> median ms (CUDA events on GPU, perf_counter on CPU)."""
     def time_ms(fn, warmup: int, iters: int) -> float:
         for _ in range(warmup):
             fn()
@@ -85,14 +93,18 @@ def _fresh_grads(step, *params):
     return run
 
 
+def _fp8(mode: str, device):
+    """(recipe, state) of an FP8 mode; a fresh delayed-scaling state per linear."""
+    recipe = RECIPES[mode]
+    return recipe, (FP8ScalingState(recipe, device=device) if recipe.scaling == "delayed" else None)
+
+
 def _linear_step(mode: str, x, w, g):
-    """A closure running forward + backward of one linear in ``mode``."""
     if mode == "bf16":
         return lambda: F.linear(x, w).backward(g)
-    if mode == "gemm_fp8_tensor":
+    if mode == "gemm_fp8":
         return _gemm_only_step(x, w, g)
-    recipe = _recipe(mode)
-    state = FP8ScalingState(recipe).to(x.device) if recipe.scaling == "delayed" else None
+    recipe, state = _fp8(mode, x.device)
     return lambda: fp8_linear(x, w, state, recipe).backward(g)
 
 
@@ -110,118 +122,201 @@ def _gemm_only_step(x, w, g):
 
 
 def _mlp_step(mode: str, x, w1, w2, g):
-    fp8 = mode != "bf16"
-    lin = (lambda a, b: fp8_linear(a, b)) if fp8 else F.linear
+    """fc1 -> SwiGLU -> fc2 as agoq's Megatron MLP computes it (agoq.megatron.layers.AgoqMLP)."""
+    smooth = {"fp8_delayed_smooth_per_token": "per_token", "fp8_delayed_smooth_per_channel": "per_channel",
+              "bf16_smooth_per_token": "per_token"}.get(mode)
+    if mode.startswith("fp8"):
+        (r1, s1), (r2, s2) = _fp8("fp8_delayed", x.device), _fp8("fp8_delayed", x.device)
+
+        def fc1(a):
+            return fp8_linear(a, w1, s1, r1)
+
+        def fc2(a, col=None):
+            return fp8_linear(a, w2, s2, r2, w_col_scale=col)
+    else:
+        def fc1(a):
+            return F.linear(a, w1)
+
+        def fc2(a, col=None):
+            return F.linear(a, w2 if col is None else (w2.float() * col).to(w2.dtype))
 
     def step():
-        fc1_out = lin(x, w1)
-        if mode.startswith("fp8_smooth"):
-            smooth_mode = mode.removeprefix("fp8_smooth_")
-            z, s = smooth_swiglu(fc1_out, smooth_mode)
-            y = unsmooth_fc2_output(lin(z, w2), s) if smooth_mode == "per_token" else lin(z, fold_channel_scale(w2, s))
+        h = fc1(x)
+        glu = swiglu_reference(h)
+        if smooth is None:
+            y = fc2(glu)
         else:
-            gate, up = fc1_out.chunk(2, dim=-1)
-            y = lin(F.silu(gate) * up, w2)
+            s = glu_smooth_scale(h, glu, smooth)
+            z = glu / s.to(glu.dtype)
+            y = unsmooth_fc2_output(fc2(z), s) if smooth == "per_token" else fc2(z, s)
         y.backward(g)
     return step
 
 
-def _maybe_compiled(step, compile_: bool, errors: list, name: str):
-    if not compile_:
-        return None
-    try:
-        compiled = torch.compile(step)
-        compiled()
-        return compiled
-    except Exception as err:  # noqa: BLE001 - recorded in the report, the eager number stands
-        errors.append({"what": name, "error": f"{type(err).__name__}: {err}"[:500]})
-        return None
+def _cast_rows(tensors: dict, time_ms, args) -> list[dict]:
+    """The fused casts alone vs a bf16 copy (bytes: read 2 + write 1 + 1 per element for both layouts)."""
+    from agoq.kernels.fp8 import fp8_amax_2d, fp8_cast_2d, fp8_scales
+
+    rows = []
+    for name, t in tensors.items():
+        state = FP8ScalingState(RECIPES["fp8_delayed"], device=t.device)
+        state.record_amax("x", fp8_amax_2d(t))
+
+        def delayed(t=t, state=state):
+            fp8_cast_2d(t, "e4m3", state.scale("x"), rowmajor=True, transposed=True, record_amax=True,
+                        amax_out=state.amax_accumulator("x"))
+            state.fold_amax("x")
+
+        def current(t=t):
+            scale, _ = fp8_scales(fp8_amax_2d(t), "e4m3")
+            fp8_cast_2d(t, "e4m3", scale, rowmajor=True, transposed=True)
+
+        for what, fn, nbytes in (("copy_bf16", lambda t=t: t.clone(), 4), ("amax", lambda t=t: fp8_amax_2d(t), 2),
+                                 ("cast_delayed_both_layouts", delayed, 4), ("cast_current_both_layouts", current, 6)):
+            ms = time_ms(fn, args.warmup, args.iters)
+            rows.append(dict(kind="cast", name=name, mode=what, shape=list(t.shape), ms=ms,
+                             gb_per_s=nbytes * t.numel() / ms / 1e6))
+    for row in rows:
+        copy = next(r for r in rows if r["name"] == row["name"] and r["mode"] == "copy_bf16")
+        row["bandwidth_vs_copy"] = row["gb_per_s"] / copy["gb_per_s"]
+    return rows
 
 
-def run(args, device: str) -> dict:
-    shape = SMOKE_SHAPE if args.smoke else dict(tokens=args.tokens, hidden=args.hidden, ffn=args.ffn,
-                                                  heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
-    linear_modes = ("bf16",) if args.smoke else args.modes
-    mlp_modes = ("bf16",) if args.smoke else MLP_MODES
-    time_ms, dt, rows, errors = _timer(device), torch.bfloat16, [], []
+def run_linears(args, device: str) -> dict:
+    smoke = args.smoke
+    shape = SMOKE_SHAPE if smoke else dict(tokens=args.tokens, hidden=args.hidden, heads=args.heads,
+                                           kv_heads=args.kv_heads, head_dim=args.head_dim, ffns=tuple(args.ffn))
+    linear_modes = ("bf16",) if smoke else LINEAR_MODES
+    mlp_modes = ("bf16", "bf16_smooth_per_token") if smoke else MLP_MODES
+    time_ms, dt, rows = _timer(device), torch.bfloat16, []
     gen = torch.Generator(device=device).manual_seed(0)
-    tokens = shape["tokens"]
-    for name, (n, k) in linear_shapes(**{k: v for k, v in shape.items() if k != "tokens"}).items():
-        x = torch.randn(tokens, k, device=device, dtype=dt, generator=gen).requires_grad_()
-        w = (torch.randn(n, k, device=device, dtype=dt, generator=gen) / k**0.5).requires_grad_()
-        g = torch.randn(tokens, n, device=device, dtype=dt, generator=gen)
-        for mode in linear_modes:
-            step = _fresh_grads(_linear_step(mode, x, w, g), x, w)
-            row = dict(kind="linear", name=name, mode=mode, tokens=tokens, out_features=n, in_features=k,
-                       ms=time_ms(step, args.warmup, args.iters), tflops=None)
-            row["tflops"] = 3 * 2 * tokens * n * k / row["ms"] / 1e9
-            compiled = _maybe_compiled(step, args.compile and mode.startswith("fp8"), errors, f"{name}/{mode}")
-            row["ms_compiled"] = time_ms(compiled, args.warmup, args.iters) if compiled else None
-            rows.append(row)
-    x = torch.randn(tokens, shape["hidden"], device=device, dtype=dt, generator=gen).requires_grad_()
-    w1 = (torch.randn(2 * shape["ffn"], shape["hidden"], device=device, dtype=dt, generator=gen)
-          / shape["hidden"] ** 0.5).requires_grad_()
-    w2 = (torch.randn(shape["hidden"], shape["ffn"], device=device, dtype=dt, generator=gen)
-          / shape["ffn"] ** 0.5).requires_grad_()
-    g = torch.randn(tokens, shape["hidden"], device=device, dtype=dt, generator=gen)
-    for mode in mlp_modes:
-        step = _fresh_grads(_mlp_step(mode, x, w1, w2, g), x, w1, w2)
-        compiled = _maybe_compiled(step, args.compile and mode != "bf16", errors, f"mlp/{mode}")
-        rows.append(dict(kind="mlp", name="mlp", mode=mode, tokens=tokens, ms=time_ms(step, args.warmup, args.iters),
-                         ms_compiled=time_ms(compiled, args.warmup, args.iters) if compiled else None))
-    return dict(shape=shape, rows=rows, summary=summarize(rows), compile_errors=errors)
+    tokens, hidden = shape["tokens"], shape["hidden"]
+    timed: dict[tuple[int, int], dict] = {}  # (out, in) -> rows already timed (qkv / proj repeat per ffn)
+    for ffn in shape["ffns"]:
+        dims = {k: shape[k] for k in ("hidden", "heads", "kv_heads", "head_dim")}
+        for name, (n, k) in linear_shapes(ffn=ffn, **dims).items():
+            if (n, k) not in timed:
+                x = torch.randn(tokens, k, device=device, dtype=dt, generator=gen).requires_grad_()
+                w = (torch.randn(n, k, device=device, dtype=dt, generator=gen) / k**0.5).requires_grad_()
+                g = torch.randn(tokens, n, device=device, dtype=dt, generator=gen)
+                timed[(n, k)] = {mode: time_ms(_fresh_grads(_linear_step(mode, x, w, g), x, w), args.warmup,
+                                               args.iters) for mode in linear_modes}
+            for mode, ms in timed[(n, k)].items():
+                rows.append(dict(kind="linear", ffn=ffn, name=name, mode=mode, tokens=tokens, out_features=n,
+                                 in_features=k, ms=ms, tflops=3 * 2 * tokens * n * k / ms / 1e9))
+        x = torch.randn(tokens, hidden, device=device, dtype=dt, generator=gen).requires_grad_()
+        w1 = (torch.randn(2 * ffn, hidden, device=device, dtype=dt, generator=gen) / hidden**0.5).requires_grad_()
+        w2 = (torch.randn(hidden, ffn, device=device, dtype=dt, generator=gen) / ffn**0.5).requires_grad_()
+        g = torch.randn(tokens, hidden, device=device, dtype=dt, generator=gen)
+        for mode in mlp_modes:
+            ms = time_ms(_fresh_grads(_mlp_step(mode, x, w1, w2, g), x, w1, w2), args.warmup, args.iters)
+            rows.append(dict(kind="mlp", ffn=ffn, name="mlp", mode=mode, tokens=tokens, ms=ms))
+        if not smoke:
+            h = torch.randn(tokens, 2 * ffn, device=device, dtype=dt, generator=gen)
+            rows += [dict(r, ffn=ffn) for r in _cast_rows({"x [tokens, hidden]": x.detach(),
+                                                            "fc1 out / grad [tokens, 2 ffn]": h}, time_ms, args)]
+    return dict(shape=shape, rows=rows, summary=summarize(rows))
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Per mode: the sum of one layer's four linears (fwd + bwd) and the speed-up over bf16."""
+    """Per ffn: the four linears' sum per mode, and one layer's linear time (qkv + proj + MLP block)
+    per variant, each with the speed-up over bf16."""
     out = {}
-    for mode in {r["mode"] for r in rows if r["kind"] == "linear"}:
-        sel = [r for r in rows if r["kind"] == "linear" and r["mode"] == mode]
-        out[mode] = dict(layer_linear_ms=sum(r["ms"] for r in sel),
-                         layer_linear_ms_compiled=(sum(r["ms_compiled"] for r in sel)
-                                                   if all(r["ms_compiled"] for r in sel) else None))
-    base = out.get("bf16", {}).get("layer_linear_ms")
-    for entry in out.values():
-        entry["speedup_vs_bf16"] = base / entry["layer_linear_ms"] if base else None
-        c = entry["layer_linear_ms_compiled"]
-        entry["speedup_vs_bf16_compiled"] = base / c if base and c else None
-        entry["meets_target"] = bool(entry["speedup_vs_bf16"] and entry["speedup_vs_bf16"] >= TARGET_SPEEDUP)
+    for ffn in sorted({r["ffn"] for r in rows}):
+        lin = [r for r in rows if r["kind"] == "linear" and r["ffn"] == ffn]
+        linears = {mode: sum(r["ms"] for r in lin if r["mode"] == mode) for mode in dict.fromkeys(r["mode"] for r in lin)}
+        attn = {mode: sum(r["ms"] for r in lin if r["mode"] == mode and r["name"] in ("qkv", "proj")) for mode in linears}
+        mlp = {r["mode"]: r["ms"] for r in rows if r["kind"] == "mlp" and r["ffn"] == ffn}
+        layer = {}
+        for variant, ms in mlp.items():
+            attn_mode = "fp8_delayed" if variant.startswith("fp8") else "bf16"
+            if attn_mode in attn:
+                layer[variant] = attn[attn_mode] + ms
+        out[str(ffn)] = {"four_linears_ms": _with_speedup(linears), "layer_linears_and_swiglu_ms": _with_speedup(layer)}
     return out
 
 
-def main() -> None:
+def _with_speedup(ms_by_mode: dict) -> dict:
+    base = ms_by_mode.get("bf16")
+    return {mode: dict(ms=ms, speedup_vs_bf16=base / ms if base else None,
+                       meets_target=bool(base and base / ms >= TARGET_SPEEDUP))
+            for mode, ms in ms_by_mode.items()}
+
+
+def run_whole_step(args) -> dict:
+    """scripts/bench_pretrain.py --suite fp8 in a child process (torchrun), summarised with the losses."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "step.json"
+        cmd = [sys.executable, str(REPO_ROOT / "scripts" / "bench_pretrain.py"), "--suite", "fp8", "--out", str(out),
+               "--timeout", str(args.step_timeout)] + (["--smoke"] if args.smoke else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT)
+        if not out.exists():
+            return {"command": " ".join(cmd[1:]), "returncode": proc.returncode,
+                    "error_tail": (proc.stdout + proc.stderr)[-4000:]}
+        report = json.loads(out.read_text())
+    variants = {v["name"].split("/", 1)[1]: v for v in report["variants"]}
+    summary = {s["name"].split("/", 1)[1]: s for s in report["summary"]}
+    losses = {name: [r["lm_loss"] for r in v.get("records", [])] for name, v in variants.items()}
+    base = summary.get("bf16", {})
+    for name, s in summary.items():
+        if s.get("failed") or base.get("failed") or not base:
+            continue
+        s["tokens_per_second_vs_bf16"] = s["tokens_per_second_median"] / base["tokens_per_second_median"]
+        diffs = [a - b for a, b in zip(losses[name], losses["bf16"], strict=False)]
+        s["loss_max_abs_diff_vs_bf16"] = max((abs(d) for d in diffs), default=None)
+        tail = diffs[-10:]
+        s["loss_mean_diff_vs_bf16_last10"] = sum(tail) / len(tail) if tail else None
+    return {"command": report.get("command"), "environment": report.get("environment"), "summary": summary,
+            "losses": losses, "returncode": proc.returncode,
+            "failed": [n for n, s in summary.items() if s.get("failed")],
+            "error_tails": {n: v["error_tail"] for n, v in variants.items() if "error_tail" in v}}
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192, help="micro-batch * sequence length (multiple of 16)")
-    for key in ("hidden", "ffn", "heads", "kv_heads", "head_dim"):
+    p.add_argument("--ffn", type=int, nargs="+", default=list(FFNS))
+    for key in ("hidden", "heads", "kv_heads", "head_dim"):
         p.add_argument(f"--{key.replace('_', '-')}", type=int, default=LLAMA_1B[key])
-    p.add_argument("--modes", nargs="+", default=list(LINEAR_MODES), choices=LINEAR_MODES)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--compile", action="store_true", help="also time FP8 steps under torch.compile")
+    p.add_argument("--no-step", action="store_true", help="skip (b), the whole-step runs")
+    p.add_argument("--step-timeout", type=float, default=240, help="seconds per whole-step variant")
     p.add_argument("--out", default=None, help="write the JSON report here")
-    p.add_argument("--smoke", action="store_true", help="CPU: check arguments, run the harness on bf16 only")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU: check arguments, run the harness on bf16 only (the whole step only with --step-smoke)")
+    p.add_argument("--step-smoke", action="store_true", help="with --smoke: also run the tiny CPU whole-step suite")
     args = p.parse_args()
     if args.tokens % 16 or args.tokens < 16:
         p.error(f"--tokens {args.tokens}: FP8 GEMMs need a positive multiple of 16")
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
-    if not args.smoke and not torch.cuda.is_available():
-        p.error("the FP8 benchmark needs a CUDA GPU (sm_89+); use --smoke on CPU")
+    if not args.smoke and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+        p.error("the FP8 benchmark needs a CUDA GPU with FP8 tensor cores (sm_89+); use --smoke on CPU")
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         args.warmup, args.iters = 1, 2  # the smoke run checks the harness, not speed
+    started = time.perf_counter()
     report = dict(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), smoke=args.smoke,
-        torch=torch.__version__, python=platform.python_version(),
+        command=" ".join([Path(sys.executable).name, *sys.argv]), torch=torch.__version__,
+        python=platform.python_version(),
         device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-        args=vars(args), target_speedup=TARGET_SPEEDUP, **run(args, device),
+        args=vars(args), target_speedup=TARGET_SPEEDUP, linears=run_linears(args, device),
     )
-    text = json.dumps(report, indent=2)
-    print(json.dumps(report["summary"], indent=2))
+    if device == "cuda":
+        torch.cuda.empty_cache()  # leave the GPU to the whole-step runs
+    run_step = not args.no_step and (not args.smoke or args.step_smoke)
+    report["whole_step"] = run_whole_step(args) if run_step else None
+    report["seconds"] = time.perf_counter() - started
+    print(json.dumps({"linears": report["linears"]["summary"],
+                      "whole_step": report["whole_step"] and report["whole_step"]["summary"]}, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return 1 if report["whole_step"] and (report["whole_step"].get("failed") or "error_tail" in report["whole_step"]) \
+        else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

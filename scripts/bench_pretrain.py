@@ -11,7 +11,10 @@ the first/last loss.
 Suites: ``attention`` (issue 2: SDPA vs Megatron's unfused DotProductAttention, ~350M and ~1B LLaMA
 shapes, PP=1, one GPU); ``lean`` (issues 5/6/9: Megatron baseline vs agoq's optimizer and 8-bit
 gradients, ~1B, PP=1, one GPU); ``memory`` (issue 9: baseline vs agoq presets at equal batch, and the baseline
-with full recompute vs agoq at a larger micro-batch). ``--smoke`` runs a tiny CPU version of the suite (for CI-style checks).
+with full recompute vs agoq at a larger micro-batch); ``fp8`` (issue 7: bf16 vs FP8 linears vs FP8 + Smooth-SwiGLU, ~1B,
+PP=1, one GPU, 30 iterations for a short loss comparison; also run by scripts/bench_fp8.py).
+``--smoke`` runs a tiny CPU version of the suite (for CI-style checks; FP8 variants need a GPU, so
+the fp8 smoke suite runs bf16 and Smooth-SwiGLU only).
 """
 
 from __future__ import annotations
@@ -109,7 +112,26 @@ def memory_suite(smoke: bool) -> list[dict]:
     return variants
 
 
-SUITES = {"attention": attention_suite, "lean": lean_suite, "memory": memory_suite}
+def fp8_suite(smoke: bool) -> list[dict]:
+    """~1B LLaMA (the lean / attention suites' shape: 16 x 2048, ffn 8192), PP=1, one GPU: bf16
+    linears vs agoq's FP8 linears.
+
+    Every variant uses the bf16 activation policy, so only the linears' precision differs; FP8 keeps
+    the first and last layer and the LM head in bf16 (the default rule)."""
+    shape, batch = "1b", ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "30"]
+    if smoke:
+        shape, batch = "tiny", ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
+                                "--train-iters", "4"]
+    base = SHAPES[shape] + (COMMON[2:] if smoke else COMMON) + batch + [
+        "--agoq-policy", str(REPO_ROOT / "configs" / "policy" / "bf16.yaml")]
+    variants = {"bf16": [], "fp8 delayed": ["--agoq-fp8", "delayed"],
+                "fp8 delayed + smooth-swiglu per-token": ["--agoq-fp8", "delayed", "--agoq-smooth-swiglu", "per-token"]}
+    if smoke:
+        variants = {"bf16": [], "smooth-swiglu per-token": ["--agoq-smooth-swiglu", "per-token"]}
+    return [{"name": f"{shape}/{name}", "nproc": 1, "args": base + extra} for name, extra in variants.items()]
+
+
+SUITES = {"attention": attention_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite}
 
 
 def run_variant(variant: dict, workdir: Path, timeout: float) -> dict:

@@ -31,6 +31,7 @@ from agoq.megatron import data as mdata  # noqa: E402
 from agoq.megatron import model as mmodel  # noqa: E402
 from agoq.megatron.activations import storage_of, storage_table  # noqa: E402
 from agoq.megatron.args import parse_args  # noqa: E402
+from agoq.megatron.compute import check_compute, compute_report, compute_spec  # noqa: E402
 from agoq.megatron.ddp import grad_config_from_args, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.pretrain import ddp_config, pretrain  # noqa: E402
 from agoq.megatron.training import configure_grad_hooks  # noqa: E402
@@ -56,7 +57,13 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity else None,
     )
     schedule = ScheduleInfo(pp_size=layout.pp, vp_size=layout.vpp, num_microbatches=num_microbatches)
-    spec = mmodel.agoq_layer_spec(args.attention_backend, policy=load_agoq_policy(args), schedule=schedule)
+    compute = None if args.agoq_disable else compute_spec(args, load_agoq_policy(args))
+    if compute is not None:
+        check_compute(compute, info.device, num_layers=shape.num_layers, hidden=shape.hidden_size,
+                      ffn=shape.ffn_hidden_size, heads=shape.num_attention_heads, groups=shape.num_query_groups,
+                      tp=layout.tp, tokens_per_microbatch=args.seq_length * args.micro_batch_size)
+    spec = mmodel.agoq_layer_spec(args.attention_backend, policy=load_agoq_policy(args), schedule=schedule,
+                                  compute=compute)
     chunks = mmodel.build_model_chunks(shape, config, spec, layout.vpp)
     grad = grad_config(args, load_agoq_policy(args))
     if grad is None:
@@ -125,6 +132,7 @@ def policy_report(args, shape, layout, num_microbatches) -> str:
         f"resolved per layer and role (all stages):\n{table}\n"
         f"gradients: {args.agoq_grads or 'Megatron float main_grad'}"
         + (f" ({args.agoq_grads_mode} mode)" if args.agoq_grads else "")
+        + f"\n{compute_report(compute_spec(args, spec), shape.num_layers)}"
     )
 
 

@@ -35,7 +35,7 @@ from agoq.ops.saved_act import SavedBytesCounter
 from agoq.plan.storage import LayerStorage, layer_storage
 from agoq.policy import LAYER_ROLES, PolicySpec, ScheduleInfo
 
-__all__ = ["ActivationStorage", "SavedTensorMeter", "storage_table"]
+__all__ = ["ActivationStorage", "SavedTensorMeter", "storage_table", "agoq_modules", "with_agoq_modules"]
 
 
 @dataclass
@@ -67,7 +67,8 @@ class ActivationStorage:
         return storage
 
 
-def _modules(layer) -> dict[str, torch.nn.Module]:
+def agoq_modules(layer) -> dict[str, torch.nn.Module]:
+    """The agoq modules of a built layer by name; raises unless the layer was built from agoq's spec."""
     attn, mlp = layer.self_attention, layer.mlp
     mods = {
         "input_layernorm": layer.input_layernorm, "pre_mlp_layernorm": layer.pre_mlp_layernorm,
@@ -79,13 +80,14 @@ def _modules(layer) -> dict[str, torch.nn.Module]:
     if wrong:
         raise ValueError(
             f"layer {layer.layer_number}: {wrong} are not agoq modules; build the model with "
-            "agoq.megatron.model.agoq_layer_spec(..., policy=...) so every saved activation has an owner"
+            "agoq.megatron.model.agoq_layer_spec(..., policy=... or compute=...) so every saved activation "
+            "and FP8 linear has an owner"
         )
     return mods
 
 
 def _configure(layer, storage: LayerStorage, counter: SavedBytesCounter) -> None:
-    mods = _modules(layer)
+    mods = agoq_modules(layer)
     idx = storage.layer_idx
     for name in mods:
         mods[name].agoq_counter = counter
@@ -177,20 +179,17 @@ class SavedTensorMeter:
         return False
 
 
-def with_activation_storage(spec, policy, schedule: ScheduleInfo | None):
-    """Substitute agoq's modules into a local GPT layer spec and attach an ActivationStorage."""
+def with_agoq_modules(spec):
+    """Substitute agoq's modules into a local GPT layer spec (same parameter names; with nothing
+    assigned they run Megatron's code)."""
     from functools import partial
-    from pathlib import Path
 
     from megatron.core.transformer.mlp import MLPSubmodules
 
     from agoq.megatron.layers import AgoqColumnParallelLinear, AgoqRowParallelLinear, AgoqTransformerLayer
-    from agoq.policy import load_policy
 
-    if isinstance(policy, (str, Path)):
-        policy = load_policy(policy)
-    if not isinstance(policy, PolicySpec):
-        raise ValueError(f"policy must be an agoq.policy.PolicySpec or a YAML path, got {type(policy).__name__}")
+    if spec.module is AgoqTransformerLayer:
+        return spec  # already substituted
     sub = spec.submodules
     sub.input_layernorm = AgoqRMSNorm
     sub.pre_mlp_layernorm = AgoqRMSNorm
@@ -201,6 +200,20 @@ def with_activation_storage(spec, policy, schedule: ScheduleInfo | None):
         linear_fc1=AgoqColumnParallelLinear, linear_fc2=AgoqRowParallelLinear,
         activation_func=old_mlp.activation_func))
     spec.module = AgoqTransformerLayer
+    return spec
+
+
+def with_activation_storage(spec, policy, schedule: ScheduleInfo | None):
+    """Substitute agoq's modules into a local GPT layer spec and attach an ActivationStorage."""
+    from pathlib import Path
+
+    from agoq.policy import load_policy
+
+    if isinstance(policy, (str, Path)):
+        policy = load_policy(policy)
+    if not isinstance(policy, PolicySpec):
+        raise ValueError(f"policy must be an agoq.policy.PolicySpec or a YAML path, got {type(policy).__name__}")
+    spec = with_agoq_modules(spec)
     spec.params = {**spec.params, "agoq_storage": ActivationStorage(policy, schedule)}
     return spec
 

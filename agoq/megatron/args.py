@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from agoq.megatron.compute import add_compute_flags
 from agoq.megatron.ddp import add_grad_flags
 from agoq.megatron.optim_args import add_optim_flags
 
@@ -114,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", default=None, help="YAML file of flag values (snake_case keys)")
     for add in (_model_flags, _parallel_flags, _optim_flags, _data_flags, _run_flags, _agoq_flags, add_grad_flags,
-                add_optim_flags):
+                add_optim_flags, add_compute_flags):
         add(parser)
     return parser
 
@@ -201,9 +202,13 @@ def validate(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value and not Path(value).is_file():
             raise ValueError(f"--{flag.replace('_', '-')} {value}: file not found")
-    if args.agoq_disable and (args.agoq_grads or args.agoq_policy or args.agoq_optimizer != "torch"):
+    compute_flags = [args.agoq_fp8, args.agoq_smooth_swiglu, args.agoq_fp8_bf16_first_layers,
+                     args.agoq_fp8_bf16_last_layers, args.agoq_fp8_amax_history_len]
+    if args.agoq_disable and (args.agoq_grads or args.agoq_policy or args.agoq_optimizer != "torch"
+                              or any(v is not None for v in compute_flags)):
         raise ValueError(
-            "--agoq-disable runs the plain Megatron baseline; drop --agoq-grads / --agoq-policy / --agoq-optimizer"
+            "--agoq-disable runs the plain Megatron baseline; drop --agoq-grads / --agoq-policy / --agoq-optimizer "
+            "/ --agoq-fp8* / --agoq-smooth-swiglu"
         )
     if args.recompute_num_layers < 1:
         raise ValueError(f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}")

@@ -3,7 +3,8 @@
 Seam card
 ---------
 Touches: ``TransformerConfig``, ``get_gpt_layer_local_spec``, ``SelfAttentionSubmodules.core_attention``
-  (spec substitution), ``GPTModel``, ``DistributedDataParallel`` (public constructors only).
+  (spec substitution; agoq's layer, norm, linear and MLP modules for activation storage and FP8 /
+  Smooth-SwiGLU), ``GPTModel``, ``DistributedDataParallel`` (public constructors only).
 Why: building the model through the spec is the first-choice seam; agoq never patches model code.
 Verified on: megatron-core 0.19.2.
 Guarded by: ``tests/megatron/test_model.py`` and the PP/DDP tests in ``tests/megatron``.
@@ -136,7 +137,7 @@ def llama_transformer_config(
     )
 
 
-def agoq_layer_spec(attention_backend: str, policy=None, schedule=None) -> ModuleSpec:
+def agoq_layer_spec(attention_backend: str, policy=None, schedule=None, compute=None) -> ModuleSpec:
     """The local GPT layer spec with agoq's substitutions.
 
     ``attention_backend``: "sdpa" (agoq's SDPACoreAttention) or "megatron" (DotProductAttention).
@@ -146,6 +147,8 @@ def agoq_layer_spec(attention_backend: str, policy=None, schedule=None) -> Modul
     policy for its global index and pipeline stage when built; ``schedule``
     (``agoq.policy.ScheduleInfo``) is required when the policy uses ``auto``. The storage object
     (byte counter, assigned formats) is ``agoq.megatron.activations.storage_of(spec)``.
+    ``compute``: an ``agoq.policy.FP8Spec`` (FP8 linears, Smooth-SwiGLU; see
+    ``agoq.megatron.compute``) or None; with it the layers are agoq's modules too, policy or not.
     """
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend {attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
@@ -156,6 +159,12 @@ def agoq_layer_spec(attention_backend: str, policy=None, schedule=None) -> Modul
         from agoq.megatron.activations import with_activation_storage
 
         spec = with_activation_storage(spec, policy, schedule)
+    if compute is not None and (compute.fp8_enabled or compute.smooth_swiglu != "off"):
+        from agoq.megatron.activations import with_agoq_modules
+        from agoq.megatron.compute import LayerCompute
+
+        spec = with_agoq_modules(spec)
+        spec.params = {**spec.params, "agoq_compute": LayerCompute(compute)}
     return spec
 
 

@@ -9,33 +9,106 @@ GEMMs (``torch._scaled_mm(a, b, scale_a, scale_b, ...)`` wants a row-major, b co
 of b and a's inner dim multiples of 16, fp32 inverse scales; on the CUTLASS row-wise path b must be
 E4M3, so the E5M2 gradient is always operand a; cuBLAS forbids E5M2 x E5M2):
 
-  forward  y  [M,N] = x_e4m3 [M,K]      @ w_e4m3.T  [K,N]
-  dgrad    dx [M,K] = g_e5m2 [M,N]      @ w_e4m3    [N,K]
-  wgrad    dw [N,K] = g_e5m2.T [N,M]    @ x_e4m3    [M,K]
+  forward  y  [M,N] = x_e4m3 [M,K]      @ w_e4m3.T  [K,N]     (w row-major = w.T column-major)
+  dgrad    dx [M,K] = g_e5m2 [M,N]      @ w_e4m3    [N,K]     (needs w transposed: w_t [K,N])
+  wgrad    dw [N,K] = g_e5m2.T [N,M]    @ x_e4m3    [M,K]     (needs g_t [N,M] and x_t [K,M])
 
-Saved for backward (no high-precision copy of the input): tensor granularity saves ``x_e4m3``
-(1 byte/element) and its scale, and re-casts the weight (a parameter, already stored) with the
-forward's scale, which reproduces the forward's codes bit for bit. Row granularity saves x cast with
-per-column scales (the wgrad contraction runs over tokens), in the transposed layout wgrad consumes,
-so again 1 byte/element; the forward's per-token cast is freed after the forward GEMM.
+Casts (:mod:`agoq.kernels.fp8` on CUDA, the :mod:`agoq.ref.fp8` twins elsewhere): every operand is
+read once per cast and written in the layouts its GEMMs need (x: row-major + transposed; g: both;
+w: row-major in forward, transposed in backward). Current scaling adds one amax read; delayed
+scaling records the amax inside the cast; row-wise reads the per-row and per-column amaxes together.
+
+Saved for backward (no high-precision copy of the input): ``x_t`` in FP8 (1 byte/element, already in
+wgrad's layout) and fp32 scales; the weight is saved by reference (a parameter) and re-cast
+transposed in backward with the forward's scales, which reproduces the forward's codes. With
+``x_saver`` (agoq's activation storage: a quantized copy or a recompute handle) nothing of x is kept
+by this op; backward rebuilds x from the handle and casts it with the forward's scales.
 
 Savings: the saved input of every FP8 linear is 1 byte/element instead of 2 (bf16). Caveats: tokens
-(M = prod of x's leading dims), K and N must be multiples of 16; per-tensor casts are plain PyTorch
-ops (an fp32 temporary of the tensor; no fused amax+cast kernel yet).
+(M = prod of x's leading dims), K and N must be multiples of 16; ``w_col_scale`` (per-channel
+Smooth-SwiGLU on fc2) materialises W * s in forward and backward (a weight-sized temporary, not kept).
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+from types import SimpleNamespace
+
 import torch
 
-from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState, current_scale
-from agoq.ref.fp8 import BACKWARD_VARIANT, FORWARD_VARIANT, ref_fp8_cast
+from agoq.ops.fp8_scaling import SLOT_VARIANTS, FP8Recipe, FP8ScalingState
 
-__all__ = ["fp8_linear", "FP8LinearFunction", "MIN_FP8_CAPABILITY", "GEMM_DIM_MULTIPLE"]
+__all__ = ["fp8_linear", "FP8LinearFunction", "MIN_FP8_CAPABILITY", "GEMM_DIM_MULTIPLE", "fp8_cast_ops"]
 
 MIN_FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89) and Hopper (sm_90); torch._scaled_mm's check
 GEMM_DIM_MULTIPLE = 16  # torch._scaled_mm: a.size(1), b.size(0), b.size(1) multiples of 16 (cuBLASLt FP8)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def fp8_cast_ops(device: torch.device) -> SimpleNamespace:
+    """(amax_2d, scales, cast_2d) for tensors on ``device``: Triton on CUDA, the reference elsewhere
+    (identical results; tests/kernels). A CUDA tensor without Triton raises the ImportError."""
+    return _cast_ops_for(torch.device(device).type)
+
+
+@functools.lru_cache(maxsize=8)  # called for every cast: resolve the implementation once per device type
+def _cast_ops_for(kind: str) -> SimpleNamespace:
+    if kind == "cuda":
+        from agoq.kernels import fp8 as impl  # lazily: needs Triton
+
+        return SimpleNamespace(amax_2d=impl.fp8_amax_2d, scales=impl.fp8_scales, cast_2d=impl.fp8_cast_2d)
+    from agoq.ref import fp8 as ref
+
+    return SimpleNamespace(amax_2d=ref.ref_fp8_amax_2d, scales=ref.ref_fp8_scales, cast_2d=ref.ref_fp8_cast_2d)
+
+
+@dataclass
+class _Cast:
+    """One operand in FP8: row-major ``data`` [R, C] and/or transposed ``data_t`` [C, R], with the scales
+    (0-dim, or per row [R, 1] / per column [1, C]) and their inverses (what _scaled_mm takes)."""
+
+    data: torch.Tensor | None
+    data_t: torch.Tensor | None
+    scale: torch.Tensor
+    scale_t: torch.Tensor
+    scale_inv: torch.Tensor
+    scale_t_inv: torch.Tensor
+
+
+def _recast_t(t2d: torch.Tensor, slot: str, recipe: FP8Recipe, scale_t: torch.Tensor) -> torch.Tensor:
+    """The transposed FP8 copy of ``t2d`` with a scale kept from forward (0-dim, or per column [1, C])."""
+    ops, variant = fp8_cast_ops(t2d.device), SLOT_VARIANTS[slot]
+    if recipe.granularity == "row":
+        return ops.cast_2d(t2d, variant, scale_t.new_ones(()), scale_t, rowmajor=False, transposed=True)[1]
+    return ops.cast_2d(t2d, variant, scale_t, rowmajor=False, transposed=True)[1]
+
+
+def _cast(t2d: torch.Tensor, slot: str, recipe: FP8Recipe, state: FP8ScalingState | None, *, rowmajor: bool,
+          transposed: bool) -> _Cast:
+    """Cast ``t2d`` for ``slot`` (x, w: E4M3; g: E5M2) with the recipe's scales. Row granularity
+    computes both the per-row and the per-column scales (one amax read), whatever layouts are written."""
+    ops, variant, margin, pow2 = fp8_cast_ops(t2d.device), SLOT_VARIANTS[slot], recipe.margin, recipe.pow2_scales
+    row = recipe.granularity == "row"
+    if row:
+        rows, cols = ops.amax_2d(t2d, rowcol=True)
+        scale, scale_inv = ops.scales(rows[:, None], variant, margin, pow2)
+        scale_t, scale_t_inv = ops.scales(cols[None, :], variant, margin, pow2)
+        out, out_t, _ = ops.cast_2d(t2d, variant, scale, scale_t, rowmajor=rowmajor, transposed=transposed)
+        return _Cast(out, out_t, scale, scale_t, scale_inv, scale_t_inv)
+    delayed = state.delayed_scale(slot) if recipe.scaling == "delayed" else None
+    if delayed is not None:  # one pass: cast with the history's scale, accumulate this tensor's amax
+        inv = state.scale_inv(slot)  # taken before the update replaces the buffers
+        out, out_t, _ = ops.cast_2d(t2d, variant, delayed, rowmajor=rowmajor, transposed=transposed,
+                                    record_amax=True, amax_out=state.amax_accumulator(slot))
+        state.fold_amax(slot)
+        return _Cast(out, out_t, delayed, delayed, inv, inv)
+    amax = ops.amax_2d(t2d)  # current scaling, or the first delayed call (bootstrap)
+    scale, scale_inv = ops.scales(amax, variant, margin, pow2)
+    out, out_t, _ = ops.cast_2d(t2d, variant, scale, rowmajor=rowmajor, transposed=transposed)
+    if recipe.scaling == "delayed":
+        state.record_amax(slot, amax)
+    return _Cast(out, out_t, scale, scale, scale_inv, scale_inv)
 
 
 def _scaled_gemm(a_fp8: torch.Tensor, b_fp8: torch.Tensor, scale_a_inv: torch.Tensor, scale_b_inv: torch.Tensor,
@@ -47,86 +120,65 @@ def _scaled_gemm(a_fp8: torch.Tensor, b_fp8: torch.Tensor, scale_a_inv: torch.Te
                             use_fast_accum=fast_accum)
 
 
-def _colmajor(t_fp8: torch.Tensor) -> torch.Tensor:
-    """The same [R, C] matrix stored column-major (a transposed contiguous copy, viewed back)."""
-    return t_fp8.t().contiguous().t()
-
-
-def _scale(state: FP8ScalingState | None, recipe: FP8Recipe, slot: str, tensor: torch.Tensor) -> torch.Tensor:
-    if recipe.scaling == "delayed":
-        return state.scale_and_record(slot, tensor)
-    return current_scale(tensor, slot, recipe)
+def _effective_weight(weight: torch.Tensor, w_col_scale: torch.Tensor | None) -> torch.Tensor:
+    """The weight the GEMM uses: W, or W * s over its input columns (per-channel Smooth-SwiGLU on fc2)."""
+    if w_col_scale is None:
+        return weight.detach().contiguous()
+    return (weight.detach().to(torch.float32) * w_col_scale).to(weight.dtype)
 
 
 class FP8LinearFunction(torch.autograd.Function):
-    """Device-agnostic core of :func:`fp8_linear` (x 2-D [M, K]; no bias)."""
+    """Device-agnostic core of :func:`fp8_linear` (x 2-D [M, K]; no bias).
+
+    ``apply(x2, weight, state, recipe, w_col_scale=None, x_saver=None, grad_enabled=True)``:
+    ``w_col_scale`` [K] fp32 makes the GEMM use W * s (s gets no gradient); ``x_saver(x2)`` returns a
+    handle whose ``materialize()`` gives x back in backward (then no FP8 copy of x is kept).
+    """
 
     @staticmethod
-    def forward(ctx, x2, weight, state, recipe):
-        ctx.recipe, ctx.state, ctx.x_dtype = recipe, state, x2.dtype
-        x2, weight_c = x2.contiguous(), weight.contiguous()  # no-ops for the usual contiguous tensors
-        if recipe.granularity == "tensor":
-            y, saved = _forward_tensor(x2, weight_c, state, recipe)
-        else:
-            y, saved = _forward_row(x2, weight_c, recipe)
-        ctx.save_for_backward(weight, *saved)
+    def forward(ctx, x2, weight, state, recipe, w_col_scale=None, x_saver=None, grad_enabled=True):
+        ctx.recipe, ctx.state, ctx.x_dtype, ctx.x_shape = recipe, state, x2.dtype, x2.shape
+        if recipe.scaling == "delayed":
+            state.check_device(x2)
+        x2 = x2.contiguous()
+        needs_wgrad = grad_enabled and ctx.needs_input_grad[1]
+        keep_x_fp8 = needs_wgrad and x_saver is None
+        xc = _cast(x2, "x", recipe, state, rowmajor=True, transposed=keep_x_fp8)
+        wc = _cast(_effective_weight(weight, w_col_scale), "w", recipe, state, rowmajor=True, transposed=False)
+        row = recipe.granularity == "row"
+        y = _scaled_gemm(xc.data, wc.data.t(), xc.scale_inv, wc.scale_inv.reshape(1, -1) if row else wc.scale_inv,
+                         torch.bfloat16 if row else x2.dtype, recipe.fast_accum_forward)
+        ctx.x_handle = x_saver(x2) if needs_wgrad and x_saver is not None else None
+        x_t = xc.data_t if keep_x_fp8 else None
+        # only the scales of the transposed copies are needed later (dgrad's w_t, wgrad's x_t)
+        ctx.save_for_backward(weight, w_col_scale, x_t, xc.scale_t, xc.scale_t_inv, wc.scale_t, wc.scale_t_inv)
         return y.to(x2.dtype)
 
     @staticmethod
     def backward(ctx, grad_y):
-        weight, *saved = ctx.saved_tensors
-        g2, w_c = grad_y.contiguous(), weight.contiguous()
-        if ctx.recipe.granularity == "tensor":
-            dx, dw = _backward_tensor(g2, w_c, saved, ctx.state, ctx.recipe)
-        else:
-            dx, dw = _backward_row(g2, w_c, saved, ctx.recipe)
-        return dx.to(ctx.x_dtype), dw.to(weight.dtype), None, None
-
-
-def _forward_tensor(x2, weight, state, recipe):
-    sx = _scale(state, recipe, "x", x2)
-    sw = _scale(state, recipe, "w", weight)
-    x_fp8 = ref_fp8_cast(x2, sx, FORWARD_VARIANT)
-    w_fp8 = ref_fp8_cast(weight, sw, FORWARD_VARIANT)
-    y = _scaled_gemm(x_fp8, w_fp8.t(), sx.reciprocal(), sw.reciprocal(), x2.dtype, recipe.fast_accum_forward)
-    return y, (x_fp8, sx, sw)
-
-
-def _backward_tensor(g2, weight, saved, state, recipe):
-    x_fp8, sx, sw = saved
-    sg = _scale(state, recipe, "g", g2)
-    g_fp8 = ref_fp8_cast(g2, sg, BACKWARD_VARIANT)
-    w_fp8 = ref_fp8_cast(weight, sw, FORWARD_VARIANT)  # the forward's scale: the forward's codes
-    dx = _scaled_gemm(g_fp8, _colmajor(w_fp8), sg.reciprocal(), sw.reciprocal(), g2.dtype, False)
-    dw = _scaled_gemm(g_fp8.t().contiguous(), _colmajor(x_fp8), sg.reciprocal(), sx.reciprocal(),
-                      _wgrad_dtype(weight), False)
-    return dx, dw
-
-
-def _forward_row(x2, weight, recipe):
-    sx_row = current_scale(x2, "x", recipe, dim=1)  # [M, 1]
-    sw_row = current_scale(weight, "w", recipe, dim=1)  # [N, 1]
-    x_fp8 = ref_fp8_cast(x2, sx_row, FORWARD_VARIANT)
-    w_fp8 = ref_fp8_cast(weight, sw_row, FORWARD_VARIANT)
-    y = _scaled_gemm(x_fp8, w_fp8.t(), sx_row.reciprocal(), sw_row.reciprocal().reshape(1, -1), torch.bfloat16,
-                     recipe.fast_accum_forward)
-    sx_col = current_scale(x2, "x", recipe, dim=0)  # [1, K]: wgrad contracts over tokens
-    xt_fp8 = ref_fp8_cast(x2, sx_col, FORWARD_VARIANT).t().contiguous()  # [K, M], wgrad's layout
-    return y, (xt_fp8, sx_col)
-
-
-def _backward_row(g2, weight, saved, recipe):
-    xt_fp8, sx_col = saved
-    sg_row = current_scale(g2, "g", recipe, dim=1)  # [M, 1]
-    sw_col = current_scale(weight, "w", recipe, dim=0)  # [1, K]: dgrad contracts over out_features
-    g_fp8 = ref_fp8_cast(g2, sg_row, BACKWARD_VARIANT)
-    w_fp8 = _colmajor(ref_fp8_cast(weight, sw_col, FORWARD_VARIANT))
-    dx = _scaled_gemm(g_fp8, w_fp8, sg_row.reciprocal(), sw_col.reciprocal(), torch.bfloat16, False)
-    sg_col = current_scale(g2, "g", recipe, dim=0)  # [1, N]
-    gt_fp8 = ref_fp8_cast(g2, sg_col, BACKWARD_VARIANT).t().contiguous()  # [N, M]
-    dw = _scaled_gemm(gt_fp8, xt_fp8.t(), sg_col.reciprocal().reshape(-1, 1), sx_col.reciprocal(), torch.bfloat16,
-                      False)
-    return dx, dw
+        weight, w_col_scale, x_t, sx_t, sx_t_inv, sw_t, sw_t_inv = ctx.saved_tensors
+        recipe, state = ctx.recipe, ctx.state
+        row = recipe.granularity == "row"
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g2 = grad_y.contiguous()
+        gc = _cast(g2, "g", recipe, state, rowmajor=need_dx, transposed=need_dw)
+        dx = dw = None
+        if need_dx:
+            w_t = _recast_t(_effective_weight(weight, w_col_scale), "w", recipe, sw_t)  # the forward's codes
+            dx = _scaled_gemm(gc.data, w_t.t(), gc.scale_inv, sw_t_inv, torch.bfloat16 if row else g2.dtype,
+                              False).to(ctx.x_dtype)
+        if need_dw:
+            if x_t is None:  # activation storage kept x (quantized or as a recompute handle)
+                x_hat = ctx.x_handle.materialize().reshape(ctx.x_shape).to(ctx.x_dtype).contiguous()
+                ctx.x_handle = None
+                x_t = _recast_t(x_hat, "x", recipe, sx_t)
+            out_dtype = torch.bfloat16 if row else _wgrad_dtype(weight)
+            dw = _scaled_gemm(gc.data_t, x_t.t(), gc.scale_t_inv.reshape(-1, 1) if row else gc.scale_t_inv,
+                              sx_t_inv, out_dtype, False)
+            if w_col_scale is not None:  # d(W * s)/dW = s per input column
+                dw = dw.to(torch.float32) * w_col_scale
+            dw = dw.to(weight.dtype)
+        return dx, dw, None, None, None, None, None
 
 
 def _wgrad_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -155,23 +207,38 @@ def check_fp8_linear_args(x: torch.Tensor, weight: torch.Tensor, scaling_state: 
                          "the batch/sequence or keep this layer in bf16 via the policy")
 
 
+def check_fp8_device(device: torch.device, what: str = "fp8_linear") -> None:
+    """Raise NotImplementedError unless ``device`` is a CUDA GPU with FP8 tensor cores (sm_89+)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise NotImplementedError(
+            f"{what} runs torch._scaled_mm on a CUDA GPU with FP8 tensor cores (sm_89+); got a {device.type} "
+            "tensor. On CPU use agoq.ref.fp8.ref_fp8_linear (simulated FP8) or keep the layer in bf16 (policy)")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_FP8_CAPABILITY:
+        raise NotImplementedError(f"{what} needs compute capability >= {MIN_FP8_CAPABILITY} (Ada/Hopper), "
+                                  f"this GPU has {capability}; keep the layer in bf16 (policy)")
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scaling_state: FP8ScalingState | None = None,
-               recipe: FP8Recipe | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+               recipe: FP8Recipe | None = None, bias: torch.Tensor | None = None, *,
+               w_col_scale: torch.Tensor | None = None, x_saver=None) -> torch.Tensor:
     """y = x @ weight.T (+ bias) with FP8 GEMMs in forward and backward (see the module docstring).
 
     scaling_state: required for ``recipe.scaling == "delayed"`` (one per linear), else None.
     recipe: defaults to ``FP8Recipe()`` (per-tensor, current scaling).
+    w_col_scale: fp32 [in_features]: use W * s (per-channel Smooth-SwiGLU folded into fc2).
+    x_saver: ``x_saver(x2d) -> handle`` with ``handle.materialize()`` (activation storage), or None
+    to keep x's FP8 transposed copy for the weight gradient.
     """
     recipe = FP8Recipe() if recipe is None else recipe
     check_fp8_linear_args(x, weight, scaling_state, recipe)
-    if x.device.type != "cuda":
-        raise NotImplementedError(
-            f"fp8_linear runs torch._scaled_mm on a CUDA GPU with FP8 tensor cores (sm_89+); got a {x.device.type} "
-            "tensor. On CPU use agoq.ref.fp8.ref_fp8_linear (simulated FP8) or keep the layer in bf16 (policy)")
-    capability = torch.cuda.get_device_capability(x.device)
-    if capability < MIN_FP8_CAPABILITY:
-        raise NotImplementedError(f"fp8_linear needs compute capability >= {MIN_FP8_CAPABILITY} (Ada/Hopper), "
-                                  f"this GPU has {capability}; keep the layer in bf16 (policy)")
-    y = FP8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, scaling_state, recipe)
+    check_fp8_device(x.device)
+    if w_col_scale is not None and (w_col_scale.shape != (weight.shape[1],) or w_col_scale.dtype != torch.float32):
+        raise ValueError(f"w_col_scale must be fp32 [{weight.shape[1]}] (one per input column of the weight), got "
+                         f"{w_col_scale.dtype} {tuple(w_col_scale.shape)}")
+    grad_enabled = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    y = FP8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, scaling_state, recipe, w_col_scale, x_saver,
+                                grad_enabled)
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias

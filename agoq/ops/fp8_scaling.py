@@ -24,7 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from agoq.ref.fp8 import BACKWARD_VARIANT, FORWARD_VARIANT, GRANULARITIES, fp8_amax, fp8_scale_from_amax
+from agoq.ref.fp8 import (
+    BACKWARD_VARIANT,
+    FORWARD_VARIANT,
+    GRANULARITIES,
+    fp8_amax,
+    fp8_scale_from_amax,
+    ref_fp8_history_update,
+)
 
 __all__ = ["FP8Recipe", "FP8ScalingState", "SCALINGS", "SLOT_VARIANTS", "current_scale"]
 
@@ -91,6 +98,11 @@ class FP8ScalingState(torch.nn.Module):
             self.register_buffer(f"amax_history_{slot}",
                                  torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=device))
             self.register_buffer(f"scale_{slot}", torch.ones((), dtype=torch.float32, device=device))
+            self.register_buffer(f"scale_inv_{slot}", torch.ones((), dtype=torch.float32, device=device))
+            # amax of the current cast, max-accumulated by the fused cast and zeroed by the history
+            # update (transient: always 0 between calls, so not part of the state dict)
+            self.register_buffer(f"amax_acc_{slot}", torch.zeros((), dtype=torch.float32, device=device),
+                                 persistent=False)
 
     def amax_history(self, slot: str) -> torch.Tensor:
         return getattr(self, f"amax_history_{slot}")
@@ -98,28 +110,61 @@ class FP8ScalingState(torch.nn.Module):
     def scale(self, slot: str) -> torch.Tensor:
         return getattr(self, f"scale_{slot}")
 
-    def scale_and_record(self, slot: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The scale to cast ``tensor`` with now (from previous amaxes), then record its amax."""
-        if slot not in SLOT_VARIANTS:
-            raise ValueError(f"FP8 scaling slot {slot!r}: use one of {tuple(SLOT_VARIANTS)}")
-        history = self.amax_history(slot)
+    def scale_inv(self, slot: str) -> torch.Tensor:
+        """1 / scale(slot), computed with the scale (what torch._scaled_mm takes)."""
+        return getattr(self, f"scale_inv_{slot}")
+
+    def amax_accumulator(self, slot: str) -> torch.Tensor:
+        """The 0-dim fp32 buffer a fused cast max-accumulates the current amax into (see fold_amax)."""
+        return getattr(self, f"amax_acc_{slot}")
+
+    def check_device(self, tensor: torch.Tensor) -> None:
+        history = self.amax_history("x")
         if history.device != tensor.device:
             raise ValueError(f"FP8ScalingState is on {history.device} but the tensor is on {tensor.device}; "
                              "move the state with the module (.to(device) / .cuda())")
+
+    def delayed_scale(self, slot: str) -> torch.Tensor | None:
+        """The scale to cast this slot with now (from previous amaxes), or None before the first
+        record (the caller bootstraps from the tensor's own amax)."""
+        if slot not in SLOT_VARIANTS:
+            raise ValueError(f"FP8 scaling slot {slot!r}: use one of {tuple(SLOT_VARIANTS)}")
+        return self.scale(slot) if self.num_updates[slot] else None
+
+    def scale_and_record(self, slot: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The scale to cast ``tensor`` with now (from previous amaxes), then record its amax."""
+        self.check_device(tensor)
+        scale = self.delayed_scale(slot)
         amax = fp8_amax(tensor)
-        if self.num_updates[slot] == 0:
+        if scale is None:
             scale = fp8_scale_from_amax(amax, SLOT_VARIANTS[slot], self.recipe.margin, self.recipe.pow2_scales)
-        else:
-            scale = self.scale(slot)
         self.record_amax(slot, amax)
         return scale
 
     def record_amax(self, slot: str, amax_f32: torch.Tensor) -> None:
-        """Push an amax into the slot's history (newest first) and recompute its scale (no GPU sync)."""
-        history = torch.cat([amax_f32.reshape(1).to(torch.float32), self.amax_history(slot)[:-1]])
-        setattr(self, f"amax_history_{slot}", history)
-        setattr(self, f"scale_{slot}", fp8_scale_from_amax(history.amax(), SLOT_VARIANTS[slot], self.recipe.margin,
-                                                           self.recipe.pow2_scales))
+        """Push an amax into the slot's history (newest first) and recompute its scale (no GPU sync).
+
+        CUDA tensors use the one-program Triton update (agoq.kernels.fp8.fp8_history_update), others
+        its reference twin; both return new tensors, so scales saved by a pending backward stay valid.
+        """
+        self._update(slot, amax_f32, reset=False)
+
+    def fold_amax(self, slot: str) -> None:
+        """record_amax of the accumulator (filled by ``fp8_cast_2d(..., amax_out=amax_accumulator(slot))``),
+        which the same launch zeroes for the next cast."""
+        self._update(slot, self.amax_accumulator(slot), reset=True)
+
+    def _update(self, slot: str, amax_f32: torch.Tensor, reset: bool) -> None:
+        history = self.amax_history(slot)
+        if history.device.type == "cuda":
+            from agoq.kernels.fp8 import fp8_history_update as update  # lazily: needs Triton
+        else:
+            update = ref_fp8_history_update
+        new_history, scale, scale_inv = update(history, amax_f32, SLOT_VARIANTS[slot], self.recipe.margin,
+                                               self.recipe.pow2_scales, reset_amax=reset)
+        setattr(self, f"amax_history_{slot}", new_history)
+        setattr(self, f"scale_{slot}", scale)
+        setattr(self, f"scale_inv_{slot}", scale_inv)
         self.num_updates[slot] += 1
 
     def get_extra_state(self) -> dict:

@@ -41,8 +41,10 @@ __all__ = [
     "quant_ops",
     "quantize_saved",
     "quantized_saves",
+    "saved_input_handle",
     "rmsnorm_saving_input",
     "swiglu_saving_input",
+    "smooth_swiglu_saving_input",
     "swiglu_reference",
 ]
 
@@ -189,6 +191,26 @@ class _RecomputeSave(_Saved):
         return self.stash.recomputed_output()
 
 
+def _check_stash_feeds(stash: RecomputeStash, target: torch.Tensor) -> None:
+    if stash.output_ptr != target.data_ptr():
+        raise RuntimeError(
+            "agoq: this linear's input is not the output of the recomputable op before it (norm or "
+            "SwiGLU); the layer's forward order changed. Use a bf16 policy for this role or report it."
+        )
+
+
+def saved_input_handle(target: torch.Tensor, *, fmt: QuantFormat | None = None, stash: RecomputeStash | None = None,
+                       key: Key = (None, ""), counter: SavedBytesCounter | None = None) -> _Saved:
+    """What an op that saves ``target`` itself (agoq's FP8 linear) keeps instead: a quantized copy
+    (``fmt``) or a recompute handle (``stash``); ``.materialize()`` gives the tensor back in backward."""
+    if (fmt is None) == (stash is None):
+        raise ValueError("saved_input_handle needs exactly one of fmt= or stash=")
+    if stash is not None:
+        _check_stash_feeds(stash, target)
+        return _RecomputeSave(stash)
+    return _QuantizedSave(quantize_saved(target, fmt, key, counter))
+
+
 @contextlib.contextmanager
 def quantized_saves(target: torch.Tensor, *, fmt: QuantFormat | None = None, stash: RecomputeStash | None = None,
                     key: Key = (None, ""), counter: SavedBytesCounter | None = None):
@@ -201,11 +223,8 @@ def quantized_saves(target: torch.Tensor, *, fmt: QuantFormat | None = None, sta
     """
     if (fmt is None) == (stash is None):
         raise ValueError("quantized_saves needs exactly one of fmt= or stash=")
-    if stash is not None and stash.output_ptr != target.data_ptr():
-        raise RuntimeError(
-            "agoq: this linear's input is not the output of the recomputable op before it (norm or "
-            "SwiGLU); the layer's forward order changed. Use a bf16 policy for this role or report it."
-        )
+    if stash is not None:
+        _check_stash_feeds(stash, target)
     hits = []
 
     def pack(t: torch.Tensor):
@@ -285,15 +304,21 @@ def swiglu_reference(h_TF2: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
 
 
 class _SwiGLUSavingInput(torch.autograd.Function):
-    """z = swiglu(h), storing only quantized h (the fc1 output); backward recomputes SwiGLU."""
+    """z = swiglu(h) [/ s], storing only quantized h (the fc1 output); backward recomputes SwiGLU.
+
+    With Smooth-SwiGLU, ``scale_fn(h, swiglu(h)) -> s`` (no grad) is called once in forward; that s
+    divides the output, is kept, and is the one used by the recompute and by backward (never
+    recomputed from the dequantized h, algorithms.md §4)."""
 
     @staticmethod
-    def forward(ctx, h_TF2, offset, stash_holder):
-        z_TF = swiglu_reference(h_TF2, offset)
-        stash = stash_holder["make"](h_TF2, lambda hh: swiglu_reference(hh, offset))
+    def forward(ctx, h_TF2, offset, stash_holder, scale_fn):
+        glu_TF = swiglu_reference(h_TF2, offset)
+        s = None if scale_fn is None else scale_fn(h_TF2, glu_TF)
+        z_TF = glu_TF if s is None else glu_TF / s.to(glu_TF.dtype)
+        stash = stash_holder["make"](h_TF2, lambda hh: _smoothed(swiglu_reference(hh, offset), s))
         stash.output_ptr = z_TF.data_ptr()
-        stash_holder["stash"] = stash
-        ctx.stash, ctx.offset = stash, offset
+        stash_holder["stash"], stash_holder["scale"] = stash, s
+        ctx.stash, ctx.offset, ctx.scale = stash, offset, s
         return z_TF
 
     @staticmethod
@@ -302,8 +327,14 @@ class _SwiGLUSavingInput(torch.autograd.Function):
         ctx.stash = None
         with torch.enable_grad():
             h = h_hat.detach().requires_grad_(True)
-            (grad_h,) = torch.autograd.grad(swiglu_reference(h, ctx.offset), (h,), grad_z_TF)
-        return grad_h, None, None
+            z = _smoothed(swiglu_reference(h, ctx.offset), ctx.scale)
+            (grad_h,) = torch.autograd.grad(z, (h,), grad_z_TF)
+        return grad_h, None, None, None
+
+
+def _smoothed(glu: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    """glu / s in glu's dtype (s a power of two: exact), or glu unchanged without a scale."""
+    return glu if s is None else glu / s.to(glu.dtype)
 
 
 def swiglu_saving_input(h_TF2: torch.Tensor, fmt: QuantFormat, key: Key, counter: SavedBytesCounter | None = None,
@@ -312,5 +343,20 @@ def swiglu_saving_input(h_TF2: torch.Tensor, fmt: QuantFormat, key: Key, counter
     if not (torch.is_grad_enabled() and h_TF2.requires_grad):
         return swiglu_reference(h_TF2, offset), None  # nothing is saved
     holder = {"make": _stash_maker(fmt, key, counter)}
-    z_TF = _SwiGLUSavingInput.apply(h_TF2, offset, holder)
+    z_TF = _SwiGLUSavingInput.apply(h_TF2, offset, holder, None)
     return z_TF, holder["stash"]
+
+
+def smooth_swiglu_saving_input(h_TF2: torch.Tensor, scale_fn: Callable, fmt: QuantFormat, key: Key,
+                               counter: SavedBytesCounter | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor, RecomputeStash | None]:
+    """Smooth-SwiGLU z = swiglu(h) / s with s = ``scale_fn(h, swiglu(h))``, keeping ``fmt``-quantized h
+    only (SwiGLU recomputed in backward with the forward's s). Returns (z, s, stash)."""
+    if not (torch.is_grad_enabled() and h_TF2.requires_grad):
+        with torch.no_grad():
+            glu = swiglu_reference(h_TF2)
+            s = scale_fn(h_TF2, glu)
+        return _smoothed(glu, s), s, None
+    holder = {"make": _stash_maker(fmt, key, counter)}
+    z_TF = _SwiGLUSavingInput.apply(h_TF2, 0.0, holder, scale_fn)
+    return z_TF, holder["scale"], holder["stash"]

@@ -57,6 +57,7 @@ __all__ = [
     "smooth_swiglu_bwd",
     "unsmooth_fc2_output",
     "fold_channel_scale",
+    "glu_smooth_scale",
 ]
 
 SMOOTH_SWIGLU_MODES = ("per_token", "per_channel")
@@ -78,6 +79,19 @@ def smooth_scale(fc1_out: torch.Tensor, mode: str, *, tp_group: dist.ProcessGrou
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(s, op=dist.ReduceOp.MAX, group=tp_group)
     return finish_smooth_scale(s, pow2)
+
+
+def glu_smooth_scale(fc1_out: torch.Tensor, glu: torch.Tensor, mode: str, *,
+                     tp_group: dist.ProcessGroup | None = None, pow2: bool = True) -> torch.Tensor:
+    """The scale of an MLP that has already computed its SwiGLU output ``glu`` (Megatron's values, in
+    the model dtype): per_token from |up| of ``fc1_out`` as :func:`smooth_scale` (TP-global with
+    ``tp_group``); per_channel from max over tokens of |glu| itself (no fp32 SwiGLU recomputation; a
+    valid scale either way, the rule is a choice: algorithms.md §2.3). fp32, no grad."""
+    _check_mode(mode)
+    if mode == "per_token":
+        return smooth_scale(fc1_out, mode, tp_group=tp_group, pow2=pow2)
+    amax = glu.detach().reshape(-1, glu.shape[-1]).abs().amax(dim=0).to(torch.float32)
+    return finish_smooth_scale(amax, pow2)
 
 
 def _check_scale(fc1_out: torch.Tensor, s: torch.Tensor) -> None:

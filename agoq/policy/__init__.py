@@ -25,7 +25,19 @@ from agoq.policy.resolve import (
     to_json,
     unmatched_rules,
 )
-from agoq.policy.schema import AUTO, LAYERLESS_ROLES, ROLES, AutoSpec, Match, PolicySpec, Rule, Site
+from agoq.policy.schema import (
+    AUTO,
+    FP8_RECIPES,
+    LAYERLESS_ROLES,
+    ROLES,
+    SMOOTH_SWIGLU_MODES,
+    AutoSpec,
+    FP8Spec,
+    Match,
+    PolicySpec,
+    Rule,
+    Site,
+)
 from agoq.policy.stages import ScheduleInfo, inflight_microbatches, inflight_per_rank
 
 __all__ = [
@@ -34,6 +46,9 @@ __all__ = [
     "LAYER_ROLES",
     "ROLES",
     "AutoSpec",
+    "FP8Spec",
+    "FP8_RECIPES",
+    "SMOOTH_SWIGLU_MODES",
     "Match",
     "PolicyError",
     "PolicySpec",

@@ -21,14 +21,18 @@ from agoq.policy.schema import (
     DEFAULT_KEYS,
     LAYERLESS_ROLES,
     ROLES,
+    FP8_RECIPES,
+    SMOOTH_SWIGLU_MODES,
     AutoSpec,
+    FP8Spec,
     Match,
     PolicySpec,
     Rule,
 )
 
 SUPPORTED_VERSIONS = (1,)
-TOP_KEYS = ("version", "formats", "default", "rules", "auto")
+TOP_KEYS = ("version", "formats", "default", "rules", "auto", "fp8")
+FP8_KEYS = tuple(f.name for f in dataclasses.fields(FP8Spec))
 RULE_KEYS = ("when", "set")
 WHEN_KEYS = ("layers", "pp_stage", "vp_stage", "role")
 SET_KEYS = ("activations",)
@@ -132,6 +136,7 @@ def policy_from_dict(data: Any, source: str = "<dict>") -> PolicySpec:
     default = _parse_default(source, data.get("default", _MISSING), table)
     rules = _parse_rules(source, data.get("rules", []), table)
     auto = _parse_auto(source, data["auto"], table) if "auto" in data else None
+    fp8 = _parse_fp8(source, data["fp8"]) if "fp8" in data else None
     _check_auto_usage(source, auto, default, rules)
     _check_reachable(source, rules)
     table.check_all_declared_used()
@@ -142,6 +147,7 @@ def policy_from_dict(data: Any, source: str = "<dict>") -> PolicySpec:
         default=tuple(default.items()),
         rules=rules,
         auto=auto,
+        fp8=fp8,
     )
 
 
@@ -313,6 +319,21 @@ def _parse_auto(source: str, value: Any, table: _FormatTable) -> AutoSpec:
             source, "auto.rounding", "unknown rounding", got=rounding, allowed=list(AUTO_ROUNDINGS)
         )
     return AutoSpec(base=value["base"], ladder=tuple(ladder), rounding=rounding)
+
+
+def _parse_fp8(source: str, value: Any) -> FP8Spec:
+    _check_mapping(source, "fp8", value, FP8_KEYS)
+    allowed = {"recipe": list(FP8_RECIPES), "smooth_swiglu": list(SMOOTH_SWIGLU_MODES)}
+    for key, choices in allowed.items():
+        if key in value and value[key] not in choices:
+            raise PolicyError(source, f"fp8.{key}", "unknown value", got=value[key], allowed=choices)
+    for key in ("bf16_first_layers", "bf16_last_layers", "amax_history_len"):
+        if key in value:
+            number = _plain_int(value[key])
+            if number is None or number < (1 if key == "amax_history_len" else 0):
+                raise PolicyError(source, f"fp8.{key}", "must be an integer >= "
+                                  + ("1" if key == "amax_history_len" else "0"), got=value[key])
+    return FP8Spec(**value)
 
 
 def _check_auto_usage(source: str, auto: AutoSpec | None, default: dict, rules: tuple[Rule, ...]) -> None:

@@ -52,6 +52,56 @@ AUTO_ROUNDINGS: tuple[str, ...] = ("nearest", "up", "down")
 
 PpStage = int | Literal["first", "last"]
 
+# ---------------------------------------------------------------------------------------------
+# The `fp8:` section: FP8 linears and Smooth-SwiGLU (FP8 paper, algorithms.md §2; docs/fp8.md).
+# ---------------------------------------------------------------------------------------------
+#: off: bf16 linears; current / delayed: per-tensor scaling from this tensor's amax / from the amax
+#: history; rowwise: per-row scales (current); te: Transformer Engine's recipe (needs TE installed).
+FP8_RECIPES: tuple[str, ...] = ("off", "current", "delayed", "rowwise", "te")
+#: per-token: the authors' code (one scale per token); per-channel: the paper's text (one per FFN unit).
+SMOOTH_SWIGLU_MODES: tuple[str, ...] = ("off", "per-channel", "per-token")
+#: Delayed scaling's history length; equal to agoq.ops.fp8_scaling.DEFAULT_AMAX_HISTORY_LEN (a unit
+#: test keeps them equal; this package imports no torch). Transformer Engine defaults to 1024.
+FP8_DEFAULT_AMAX_HISTORY_LEN = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Spec:
+    """FP8 compute settings (the policy's ``fp8:`` section, or the ``--agoq-fp8*`` flags).
+
+    The first ``bf16_first_layers`` and last ``bf16_last_layers`` transformer layers (global
+    indices) keep bf16 linears, as does the LM head (always: it is Megatron's output layer, never an
+    agoq linear), following the FP8 paper's code, which excludes the LM head. Smooth-SwiGLU applies
+    to every layer's MLP (a function-preserving rescale; it changes what the FP8 cast of fc2's input sees).
+    """
+
+    recipe: str = "off"
+    smooth_swiglu: str = "off"
+    bf16_first_layers: int = 1
+    bf16_last_layers: int = 1
+    amax_history_len: int = FP8_DEFAULT_AMAX_HISTORY_LEN
+
+    def __post_init__(self) -> None:
+        if self.recipe not in FP8_RECIPES:
+            raise ValueError(f"fp8 recipe {self.recipe!r}: use one of {list(FP8_RECIPES)}")
+        if self.smooth_swiglu not in SMOOTH_SWIGLU_MODES:
+            raise ValueError(f"smooth_swiglu {self.smooth_swiglu!r}: use one of {list(SMOOTH_SWIGLU_MODES)}")
+        for name in ("bf16_first_layers", "bf16_last_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"fp8 {name}={value!r}: use an integer >= 0")
+        n = self.amax_history_len
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"fp8 amax_history_len={n!r}: use an integer >= 1")
+
+    @property
+    def fp8_enabled(self) -> bool:
+        return self.recipe != "off"
+
+    def uses_fp8(self, layer_idx: int, num_layers: int) -> bool:
+        """True when global layer ``layer_idx`` of ``num_layers`` runs its linears in FP8."""
+        return self.fp8_enabled and self.bf16_first_layers <= layer_idx < num_layers - self.bf16_last_layers
+
 
 @dataclasses.dataclass(frozen=True)
 class Site:
@@ -174,6 +224,7 @@ class PolicySpec:
     default: tuple[tuple[str, str], ...]
     rules: tuple[Rule, ...]
     auto: AutoSpec | None = None
+    fp8: FP8Spec | None = None  # the `fp8:` section; None when the file has none
 
     def format(self, name: str) -> QuantFormat:
         for key, fmt in self.formats:

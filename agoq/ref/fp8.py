@@ -35,6 +35,10 @@ __all__ = [
     "ref_fp8_linear",
     "ref_fp8_linear_fwd",
     "ref_fp8_linear_bwd",
+    "ref_fp8_amax_2d",
+    "ref_fp8_scales",
+    "ref_fp8_cast_2d",
+    "ref_fp8_history_update",
 ]
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -88,6 +92,85 @@ def ref_fp8_qdq(x: torch.Tensor, variant: str, dim: int | None = None, scale_f32
     if scale_f32 is None:
         scale_f32 = fp8_scale_from_amax(fp8_amax(x, dim), variant, margin, pow2)
     return ref_fp8_cast(x, scale_f32, variant).to(torch.float32) / scale_f32
+
+
+# ------------------------------------------------------------------ twins of agoq.kernels.fp8 ----
+# The fused Triton casts of agoq/kernels/fp8.py have these exact signatures and results (codes equal
+# on GPU; see tests/kernels/test_fp8_kernels.py). x2d is a 2-D [M, N] tensor (bf16/fp16/fp32).
+
+
+def ref_fp8_amax_2d(x2d: torch.Tensor, rowcol: bool = False):
+    """max |x| as fp32: ``rowcol=False`` one value (0-dim); ``rowcol=True`` (per row [M], per column [N]).
+
+    NaN anywhere in the reduced set gives NaN (nothing silent); an empty set gives 0.
+    """
+    if x2d.dim() != 2:
+        raise ValueError(f"ref_fp8_amax_2d takes a 2-D tensor, got shape {tuple(x2d.shape)}")
+    if not rowcol:
+        return fp8_amax(x2d) if x2d.numel() else torch.zeros((), dtype=torch.float32, device=x2d.device)
+    m, n = x2d.shape
+    if x2d.numel() == 0:
+        return (torch.zeros(m, dtype=torch.float32, device=x2d.device),
+                torch.zeros(n, dtype=torch.float32, device=x2d.device))
+    return fp8_amax(x2d, dim=1).reshape(m), fp8_amax(x2d, dim=0).reshape(n)
+
+
+def ref_fp8_scales(amax_f32: torch.Tensor, variant: str, margin: int = 0,
+                   pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, 1 / scale) from amax (any shape): :func:`fp8_scale_from_amax` and its reciprocal, the
+    inverse scale ``torch._scaled_mm`` takes."""
+    scale = fp8_scale_from_amax(amax_f32, variant, margin, pow2)
+    return scale, scale.reciprocal()
+
+
+def ref_fp8_cast_2d(x2d: torch.Tensor, variant: str, scale_f32: torch.Tensor, scale_t_f32: torch.Tensor | None = None,
+                    *, rowmajor: bool = True, transposed: bool = False, record_amax: bool = False,
+                    amax_out: torch.Tensor | None = None):
+    """Cast x2d [M, N] to FP8 in the layouts a GEMM needs: ``(out, out_t, amax)``.
+
+    out    [M, N] = sat(RNE(x * scale)), scale 0-dim or per row [M, 1]      (None unless rowmajor)
+    out_t  [N, M] = sat(RNE(x * scale_t)).T, contiguous, scale_t 0-dim or per column [1, N]
+           (None unless transposed; scale_t None means scale, which must then be 0-dim)
+    amax   max |x| (0-dim fp32, :func:`ref_fp8_amax_2d`) when record_amax (delayed scaling records
+           the amax of the tensor it casts with an older scale), else None. With ``amax_out`` (a 0-dim
+           fp32 accumulator, >= 0 or NaN) the amax is max-accumulated into it in place and returned.
+    """
+    if x2d.dim() != 2:
+        raise ValueError(f"ref_fp8_cast_2d takes a 2-D tensor, got shape {tuple(x2d.shape)}")
+    m, n = x2d.shape
+    if scale_t_f32 is None:
+        if scale_f32.dim() != 0:
+            raise ValueError("scale_t is required when scale is per row (the transposed copy is scaled per column)")
+        scale_t_f32 = scale_f32
+    if scale_f32.shape not in ((), (m, 1)) or scale_t_f32.shape not in ((), (1, n)):
+        raise ValueError(f"scale {tuple(scale_f32.shape)} must be () or ({m}, 1) and scale_t "
+                         f"{tuple(scale_t_f32.shape)} () or (1, {n}) for x {tuple(x2d.shape)}")
+    if amax_out is not None and (not record_amax or amax_out.shape != () or amax_out.dtype != torch.float32):
+        raise ValueError("amax_out must be a 0-dim float32 accumulator and needs record_amax=True")
+    out = ref_fp8_cast(x2d, scale_f32, variant) if rowmajor else None
+    out_t = ref_fp8_cast(x2d, scale_t_f32, variant).t().contiguous() if transposed else None
+    amax = ref_fp8_amax_2d(x2d) if record_amax else None
+    if amax_out is not None:
+        amax = amax_out.copy_(torch.maximum(amax_out, amax))  # NaN-propagating, as the kernel's bit max
+    return out, out_t, amax
+
+
+def ref_fp8_history_update(history_f32: torch.Tensor, amax_f32: torch.Tensor, variant: str, margin: int = 0,
+                           pow2: bool = False, reset_amax: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Delayed scaling: push ``amax`` into the history (newest first, oldest dropped) and return
+    ``(new_history, scale, 1 / scale)`` with scale from the new history's max |.| (NaN-propagating).
+    New tensors; only ``reset_amax`` writes (zeroes the amax accumulator for its next use)."""
+    if history_f32.dim() != 1 or history_f32.numel() < 1 or amax_f32.numel() != 1:
+        raise ValueError(f"history must be 1-D non-empty and amax one value, got {tuple(history_f32.shape)} "
+                         f"and {tuple(amax_f32.shape)}")
+    if reset_amax and amax_f32.dtype != torch.float32:
+        raise ValueError("reset_amax needs the amax accumulator itself (contiguous float32), not a converted copy")
+    new = torch.cat([amax_f32.reshape(1).to(torch.float32), history_f32[:-1].to(torch.float32)])
+    if reset_amax:
+        amax_f32.zero_()
+    scale = fp8_scale_from_amax(new.abs().amax(), variant, margin, pow2)
+    return new, scale, scale.reciprocal()
 
 
 def _check_granularity(granularity: str) -> None:

@@ -15,11 +15,14 @@ def test_bench_fp8_smoke_writes_report(tmp_path):
                           text=True, timeout=240, cwd=REPO_ROOT, env=child_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
-    assert report["smoke"] is True
-    names = {(r["kind"], r["name"]) for r in report["rows"]}
+    assert report["smoke"] is True and report["whole_step"] is None
+    rows = report["linears"]["rows"]
+    names = {(r["kind"], r["name"]) for r in rows}
     assert names == {("linear", "qkv"), ("linear", "proj"), ("linear", "fc1"), ("linear", "fc2"), ("mlp", "mlp")}
-    assert all(r["ms"] > 0 for r in report["rows"])
-    assert report["summary"]["bf16"]["speedup_vs_bf16"] == 1.0
+    assert all(r["ms"] > 0 for r in rows)
+    summary = report["linears"]["summary"]["128"]
+    assert summary["four_linears_ms"]["bf16"]["speedup_vs_bf16"] == 1.0
+    assert set(summary["layer_linears_and_swiglu_ms"]) == {"bf16", "bf16_smooth_per_token"}
 
 
 def test_bench_fp8_rejects_tokens_not_multiple_of_16():

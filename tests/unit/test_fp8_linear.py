@@ -152,7 +152,9 @@ def test_saved_input_is_fp8_only(granularity):
     assert len(x_sized) == 1 and x_sized[0].dtype == torch.float8_e4m3fn
     assert any(t is w or t.data_ptr() == w.data_ptr() for t in saved)
     saved_bytes = sum(t.numel() * t.element_size() for t in saved if t.data_ptr() != w.data_ptr())
-    assert saved_bytes <= x.numel() + 4 * (x.shape[1] + 2)  # codes + fp32 scales
+    # codes + fp32 scales: row-wise keeps the per-column scales of x and w ([1, K] each) and their
+    # inverses for backward
+    assert saved_bytes <= x.numel() + 4 * (4 * x.shape[1] + 4)
 
 
 @needs_cpu_scaled_mm
@@ -169,3 +171,62 @@ def test_row_granularity_beats_tensor_on_token_outliers():
         quiet[3] = False
         errs[gran] = ((y - y_true)[quiet].norm() / y_true[quiet].norm()).item()
     assert errs["row"] < 0.1 and errs["tensor"] > 0.5, errs
+
+
+class _Handle:
+    """What agoq's activation storage hands the FP8 linear: materialize() gives x back in backward."""
+
+    def __init__(self, x, calls):
+        self.x, self.calls = x, calls
+
+    def materialize(self):
+        self.calls.append(1)
+        return self.x
+
+
+@needs_cpu_scaled_mm
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_x_saver_keeps_no_fp8_copy_and_gives_the_same_grads(granularity):
+    """With an exact handle, rebuilding x and re-casting it with the forward's scales must give the
+    codes the forward would have kept: identical gradients, and no x-sized tensor saved by the op."""
+    x, w, g = _data()
+    recipe = FP8Recipe(granularity=granularity, fast_accum_forward=False)
+    ref = _run(lambda a, b: FP8LinearFunction.apply(a, b, None, recipe), x, w, g)
+    calls, saved = [], []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    def fn(a, b):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return FP8LinearFunction.apply(a, b, None, recipe, None, lambda x2: _Handle(x2.detach(), calls))
+
+    got = _run(fn, x, w, g)
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)
+    assert calls == [1] and not [t for t in saved if t.numel() == x.numel()]
+
+
+@needs_cpu_scaled_mm
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_w_col_scale_uses_w_times_s_and_scales_the_weight_grad(granularity):
+    """Per-channel Smooth-SwiGLU folds s into fc2's input columns: y = x @ (W * s).T, dW = dW' * s.
+    With power-of-two s, W * s is exact in bf16, so the op must equal the op on a materialised W * s
+    (same codes) and its weight grad must be that grad times s (exact: a power-of-two product)."""
+    x, w, g = _data()
+    s = 2.0 ** torch.randint(-3, 4, (w.shape[1],), generator=torch.Generator().manual_seed(5)).float()
+    recipe = FP8Recipe(granularity=granularity, fast_accum_forward=False)
+    y, dx, dw = _run(lambda a, b: FP8LinearFunction.apply(a, b, None, recipe, s), x, w, g)
+    w_s = (w.float() * s).bfloat16()
+    y_r, dx_r, dw_r = _run(lambda a, b: FP8LinearFunction.apply(a, b, None, recipe), x, w_s, g)
+    assert torch.equal(y, y_r) and torch.equal(dx, dx_r)
+    assert torch.equal(dw, (dw_r * s).bfloat16().float())
+
+
+@needs_cpu_scaled_mm
+def test_no_grad_forward_keeps_nothing():
+    x, w, _ = _data()
+    with torch.no_grad():
+        y = FP8LinearFunction.apply(x, w.requires_grad_(), None, FP8Recipe(), None, None, False)
+    assert y.grad_fn is None and y.dtype == x.dtype

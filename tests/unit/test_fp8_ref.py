@@ -148,3 +148,48 @@ def test_ref_fp8_linear_row_rejects_scales():
 def test_fp8_dtypes_are_torch_ocp_formats():
     assert torch.finfo(FP8_DTYPES["e4m3"]).max == FP8_MAX["e4m3"]
     assert torch.finfo(FP8_DTYPES["e5m2"]).max == FP8_MAX["e5m2"]
+
+
+# ------------------------------------------------------------- the twins of agoq.kernels.fp8 ----
+def test_ref_fp8_amax_2d_against_brute_force():
+    from agoq.ref.fp8 import ref_fp8_amax_2d
+
+    x = torch.randn(7, 5)
+    x[2, 3] = -40.0
+    assert ref_fp8_amax_2d(x).item() == 40.0
+    rows, cols = ref_fp8_amax_2d(x, rowcol=True)
+    assert torch.equal(rows, torch.tensor([max(abs(v) for v in r) for r in x.tolist()]))
+    assert torch.equal(cols, torch.tensor([max(abs(v) for v in c) for c in x.t().tolist()]))
+    empty_rows, empty_cols = ref_fp8_amax_2d(torch.zeros(3, 0), rowcol=True)
+    assert torch.equal(empty_rows, torch.zeros(3)) and empty_cols.shape == (0,)
+    assert ref_fp8_amax_2d(torch.zeros(0, 4)).item() == 0.0
+
+
+def test_ref_fp8_cast_2d_layouts_and_scales():
+    from agoq.ref.fp8 import ref_fp8_cast_2d
+
+    x = torch.randn(6, 10) * 50
+    s = torch.tensor(2.5)
+    out, out_t, amax = ref_fp8_cast_2d(x, "e4m3", s, rowmajor=True, transposed=True, record_amax=True)
+    assert torch.equal(out.view(torch.uint8), ref_fp8_cast(x, s, "e4m3").view(torch.uint8))
+    assert out_t.is_contiguous() and torch.equal(out_t.view(torch.uint8), out.view(torch.uint8).t())
+    assert amax == x.abs().max()
+    s_rows, s_cols = torch.rand(6, 1) + 0.5, torch.rand(1, 10) + 0.5
+    out, out_t, amax = ref_fp8_cast_2d(x, "e5m2", s_rows, s_cols, rowmajor=True, transposed=True)
+    assert amax is None
+    assert torch.equal(out.float(), ref_fp8_cast(x, s_rows, "e5m2").float())
+    assert torch.equal(out_t.float(), ref_fp8_cast(x, s_cols, "e5m2").float().t())
+    with pytest.raises(ValueError, match="scale_t is required"):
+        ref_fp8_cast_2d(x, "e4m3", s_rows, transposed=True)
+
+
+def test_ref_fp8_history_update_pushes_newest_first_and_scales_from_the_max():
+    from agoq.ref.fp8 import ref_fp8_history_update
+
+    history = torch.tensor([2.0, 8.0, 1.0])
+    new, scale, scale_inv = ref_fp8_history_update(history, torch.tensor(4.0), "e4m3")
+    assert scale_inv == scale.reciprocal()
+    assert new.tolist() == [4.0, 2.0, 8.0] and history.tolist() == [2.0, 8.0, 1.0]  # oldest dropped, not in place
+    assert scale == fp8_scale_from_amax(torch.tensor(8.0), "e4m3")
+    _, scale, _ = ref_fp8_history_update(history, torch.tensor(float("nan")), "e4m3")
+    assert torch.isnan(scale)  # a NaN amax is never silently forgotten while it is in the window

@@ -1,0 +1,174 @@
+"""FP8 linears and Smooth-SwiGLU in the Megatron model: flags, checks, per-layer assignment.
+
+``--agoq-fp8 {off,current,delayed,rowwise,te}`` and ``--agoq-smooth-swiglu {off,per-channel,per-token}``
+(plus ``--agoq-fp8-bf16-first-layers`` / ``-last-layers`` / ``--agoq-fp8-amax-history-len``) override
+the policy file's ``fp8:`` section (``agoq.policy.FP8Spec``); neither given means off. ``LayerCompute``
+travels in the layer spec (``agoq_layer_spec(..., compute=)``) and configures each built layer: its
+four linears get an ``FP8Recipe`` (or stay bf16: the first/last layers by rule; the LM head always),
+its MLP the Smooth-SwiGLU mode.
+
+Seam card
+---------
+Touches: the agoq modules of ``agoq.megatron.layers`` (spec substitution), ``TransformerLayer``
+  submodule names, ``TransformerConfig.num_layers``.
+Why: the layer is the first place that knows its global index (first/last layers stay bf16).
+Verified on: megatron-core 0.19.2.
+When disabled: ``--agoq-fp8 off`` and ``--agoq-smooth-swiglu off``: no module is touched.
+Guarded by: ``tests/megatron/test_fp8_smooth.py``, ``tests/gpu/test_fp8_megatron_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from agoq.ops.fp8_linear import GEMM_DIM_MULTIPLE, MIN_FP8_CAPABILITY
+from agoq.ops.fp8_scaling import FP8Recipe
+from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES, FP8Spec, PolicySpec
+
+__all__ = ["LayerCompute", "add_compute_flags", "compute_spec", "check_compute", "compute_report", "fp8_recipe"]
+
+_FLAGS = {  # FP8Spec field -> flag
+    "recipe": "--agoq-fp8", "smooth_swiglu": "--agoq-smooth-swiglu",
+    "bf16_first_layers": "--agoq-fp8-bf16-first-layers", "bf16_last_layers": "--agoq-fp8-bf16-last-layers",
+    "amax_history_len": "--agoq-fp8-amax-history-len",
+}
+_SMOOTH_OPS_MODE = {"per-channel": "per_channel", "per-token": "per_token"}
+
+
+def add_compute_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("agoq FP8 compute and Smooth-SwiGLU (docs/fp8.md); default: the policy's fp8 "
+                                  "section, else off")
+    g.add_argument("--agoq-fp8", choices=FP8_RECIPES, default=None,
+                   help="FP8 linears (E4M3 forward, E5M2 backward; needs an sm_89+ GPU): current / delayed "
+                        "per-tensor scaling, rowwise (per-row current scaling), te (Transformer Engine; not "
+                        "built), off")
+    g.add_argument("--agoq-smooth-swiglu", choices=SMOOTH_SWIGLU_MODES, default=None,
+                   help="Smooth-SwiGLU (FP8 paper): rescale the SwiGLU output per token (authors' code) or per "
+                        "FFN channel (paper text) before fc2; function-preserving, runs anywhere")
+    g.add_argument("--agoq-fp8-bf16-first-layers", type=int, default=None, metavar="N",
+                   help="keep the first N transformer layers in bf16 (default 1)")
+    g.add_argument("--agoq-fp8-bf16-last-layers", type=int, default=None, metavar="N",
+                   help="keep the last N transformer layers in bf16 (default 1; the LM head is always bf16)")
+    g.add_argument("--agoq-fp8-amax-history-len", type=int, default=None, metavar="N",
+                   help="delayed scaling: amaxes kept per tensor (default 16)")
+
+
+def compute_spec(args: argparse.Namespace, policy: PolicySpec | None) -> FP8Spec:
+    """The run's FP8Spec: flags over the policy's ``fp8:`` section over the defaults."""
+    base = policy.fp8 if policy is not None and policy.fp8 is not None else FP8Spec()
+    given = {name: getattr(args, flag[2:].replace("-", "_")) for name, flag in _FLAGS.items()}
+    try:
+        return replace(base, **{k: v for k, v in given.items() if v is not None})
+    except ValueError as exc:
+        raise ValueError(f"{exc} (flags {', '.join(_FLAGS.values())})") from exc
+
+
+def fp8_recipe(spec: FP8Spec) -> FP8Recipe | None:
+    """The ops-level recipe of ``spec.recipe`` (None for off)."""
+    if spec.recipe == "off":
+        return None
+    if spec.recipe == "te":
+        raise NotImplementedError("--agoq-fp8 te has no agoq linear recipe (it selects Transformer Engine)")
+    if spec.recipe == "rowwise":
+        return FP8Recipe(granularity="row", scaling="current")
+    return FP8Recipe(granularity="tensor", scaling=spec.recipe, amax_history_len=spec.amax_history_len)
+
+
+def _check_te(spec: FP8Spec) -> None:
+    if spec.recipe != "te":
+        return
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise ValueError(
+            "--agoq-fp8 te selects Transformer Engine's FP8 spec and recipe, but transformer_engine is not "
+            "importable here (install transformer-engine[pytorch] for your CUDA and torch), or use agoq's own FP8 "
+            "linears: --agoq-fp8 delayed (or current, rowwise)")
+    raise NotImplementedError(
+        "--agoq-fp8 te: Transformer Engine is importable, but agoq's TE path is not built yet (issue 7); use "
+        "--agoq-fp8 delayed (agoq's FP8 linears; Smooth-SwiGLU applies to both)")
+
+
+def check_compute(spec: FP8Spec, device: torch.device, *, num_layers: int, hidden: int, ffn: int, heads: int,
+                  groups: int, tp: int, tokens_per_microbatch: int) -> None:
+    """Raise (naming the flag) when the FP8 settings cannot run here: TE missing, no FP8 GPU, dims."""
+    _check_te(spec)
+    if not spec.fp8_enabled:
+        return
+    flag = f"--agoq-fp8 {spec.recipe} (or the policy's fp8.recipe)"
+    if device.type != "cuda":
+        raise ValueError(
+            f"{flag} needs an NVIDIA GPU with FP8 tensor cores (compute capability >= "
+            f"{'.'.join(map(str, MIN_FP8_CAPABILITY))}: Ada, Hopper or newer); this run is on the {device.type}. "
+            "Use --agoq-fp8 off; --agoq-smooth-swiglu alone runs on the CPU")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_FP8_CAPABILITY:
+        raise ValueError(f"{flag} needs compute capability >= {MIN_FP8_CAPABILITY} (FP8 tensor cores); this GPU "
+                         f"({torch.cuda.get_device_name(device)}) has {capability}. Use --agoq-fp8 off")
+    if not any(spec.uses_fp8(i, num_layers) for i in range(num_layers)):
+        raise ValueError(f"{flag}: no layer runs in FP8 (--num-layers {num_layers}, bf16 first "
+                         f"{spec.bf16_first_layers} and last {spec.bf16_last_layers}); lower "
+                         "--agoq-fp8-bf16-first-layers / --agoq-fp8-bf16-last-layers or use --agoq-fp8 off")
+    head_dim = hidden // heads
+    dims = {"tokens per micro-batch (--seq-length x --micro-batch-size)": tokens_per_microbatch,
+            "--hidden-size": hidden, "--ffn-hidden-size / TP": ffn // tp,
+            "QKV width / TP ((heads + 2 x query groups) x head dim)": (heads + 2 * groups) * head_dim // tp,
+            "attention width / TP": heads * head_dim // tp}
+    bad = {k: v for k, v in dims.items() if v % GEMM_DIM_MULTIPLE}
+    if bad:
+        raise ValueError(f"{flag}: torch._scaled_mm needs multiples of {GEMM_DIM_MULTIPLE}, got {bad}")
+
+
+@dataclass
+class LayerCompute:
+    """What the layer spec carries: the run's FP8Spec; ``assign(layer)`` configures a built layer.
+    ``layers`` records, per global layer index, whether it runs FP8 (for the report and tests)."""
+
+    spec: FP8Spec
+    layers: dict[int, bool] = field(default_factory=dict)
+
+    def __deepcopy__(self, memo):  # one object per model, even if the spec is deep-copied
+        return self
+
+    def assign(self, layer) -> None:
+        from agoq.megatron.activations import agoq_modules
+        from agoq.megatron.sites import layer_position
+
+        mods = agoq_modules(layer)
+        idx = layer_position(layer, layer.agoq_vp_stage).layer_idx
+        fp8 = self.spec.uses_fp8(idx, layer.config.num_layers)
+        recipe = fp8_recipe(self.spec) if fp8 else None
+        for name in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
+            mods[name].agoq_fp8 = recipe
+        mlp = mods["mlp"]
+        mlp.agoq_smooth = _SMOOTH_OPS_MODE.get(self.spec.smooth_swiglu)
+        if mlp.agoq_smooth is not None:
+            mlp.check_smooth_supported()
+        self.layers[idx] = fp8
+
+
+def compute_report(spec: FP8Spec, num_layers: int) -> str:
+    """One line for the start-up log."""
+    if spec.fp8_enabled:
+        fp8 = [i for i in range(num_layers) if spec.uses_fp8(i, num_layers)]
+        bf16 = [i for i in range(num_layers) if i not in fp8]
+        scaling = {"current": "per-tensor current scaling", "delayed": f"per-tensor delayed scaling (amax history "
+                   f"{spec.amax_history_len})", "rowwise": "row-wise current scaling", "te": "Transformer Engine"}
+        text = (f"fp8: {scaling[spec.recipe]}, E4M3 forward / E5M2 backward, layers {_ranges(fp8)}; bf16: "
+                f"{'layers ' + _ranges(bf16) + ' and ' if bf16 else ''}the LM head")
+    else:
+        text = "fp8: off (bf16 linears)"
+    return f"{text} | smooth-swiglu: {spec.smooth_swiglu}"
+
+
+def _ranges(idx: list[int]) -> str:
+    if not idx:
+        return "none"
+    parts, start = [], idx[0]
+    for a, b in zip(idx, idx[1:] + [None], strict=True):
+        if b != a + 1:
+            parts.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(parts)
