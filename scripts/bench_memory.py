@@ -80,14 +80,16 @@ def measure(shape_kw, policy, mbs, steps, device, reference=None) -> tuple[dict,
                      groups=shape_kw["num_query_groups"])
     predicted = sum(sum(agoq_bytes(s, dims).values()) + sum(megatron_bytes(s, dims).values())
                     for s in storage.layers.values())
-    times = []
+    times, host_times = [], []
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     for _ in range(steps):
         start = time.perf_counter()
         model.zero_grad(set_to_none=True)
         model(tokens, pos, None, labels=labels).float().mean().backward()
+        host_times.append(time.perf_counter() - start)  # enqueue time: ~step time means host-bound
         with torch.no_grad():
             for p in model.parameters():
                 p -= 1e-5 * p.grad
@@ -95,9 +97,45 @@ def measure(shape_kw, policy, mbs, steps, device, reference=None) -> tuple[dict,
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    return {"policy": policy, "held_layer_bytes": held_layers, "head_bytes": meter.bytes_by_layer.get(None, 0),
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0 if device.type == "cuda" else None
+    profile = _profile_step(model, tokens, pos, labels, device) if PROFILE_TOP else None
+    return {"profile_top": profile,
+            "policy": policy, "held_layer_bytes": held_layers, "head_bytes": meter.bytes_by_layer.get(None, 0),
             "planner_layer_bytes": predicted, "peak_bytes": peak,
-            "step_s_median": statistics.median(times[1:] or times)}, model
+            "step_s_median": statistics.median(times[1:] or times),
+            "fwd_bwd_host_s_median": statistics.median(host_times[1:] or host_times),
+            "allocator_retries": retries}, model
+
+
+PROFILE_TOP = 0  # set by --profile N: the N most expensive device ops of one step, per policy
+
+
+def _op_row(evt) -> dict:
+    device_us = getattr(evt, "device_time_total", None)
+    if device_us is None:
+        device_us = getattr(evt, "cuda_time_total", 0)
+    return {"name": evt.key[:120], "calls": evt.count, "device_us": round(device_us, 1),
+            "cpu_us": round(evt.cpu_time_total, 1)}
+
+
+def _profile_step(model, tokens, pos, labels, device) -> dict:
+    """torch.profiler over one forward+backward: where the step's time goes (top ops by device time),
+    plus the number of kernel launches and the total CPU-side time of the step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    model.zero_grad(set_to_none=True)
+    with profile(activities=activities) as prof:
+        model(tokens, pos, None, labels=labels).float().mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    key = "device_time_total" if hasattr(events[0], "device_time_total") else "cuda_time_total"
+    rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)
+    kernels = [e for e in events if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)]
+    return {"top": [_op_row(e) for e in rows[:PROFILE_TOP]],
+            "device_kernel_calls": sum(e.count for e in kernels),
+            "device_kernel_us": round(sum(getattr(e, "self_device_time_total", 0) for e in kernels), 1)}
 
 
 def main(argv=None) -> int:
@@ -107,7 +145,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (2 steps)")
     p.add_argument("--json")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile one step per policy and record its N most expensive ops")
     args = p.parse_args(argv)
+    global PROFILE_TOP
+    PROFILE_TOP = args.profile
     from agoq.config import AgoqConfig
     from agoq.megatron import runtime
     from agoq.megatron.install import install
@@ -132,7 +174,7 @@ def main(argv=None) -> int:
         row["activation_ratio_vs_bf16"] = row["held_layer_bytes"] / base["held_layer_bytes"]
         row["step_time_ratio_vs_bf16"] = row["step_s_median"] / base["step_s_median"]
         row["planner_error"] = row["held_layer_bytes"] / row["planner_layer_bytes"] - 1
-        print(json.dumps(row))
+        print(json.dumps({k: v for k, v in row.items() if k != "profile_top"}))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": str(device), "shape": shape_kw, "rows": rows}, indent=1))
     return 0

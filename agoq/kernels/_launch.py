@@ -69,8 +69,9 @@ def rows_for(fmt: QuantFormat, elems_per_program: int) -> int:
     return max(1, elems_per_program // fmt.block)
 
 
+@functools.lru_cache(maxsize=256)  # per launch on the host path: build the dict once per format
 def constexprs(fmt: QuantFormat) -> dict:
-    """The format as kernel compile-time constants."""
+    """The format as kernel compile-time constants (a shared dict: read it, never mutate it)."""
     planes = fmt.planes + (0,) * (2 - len(fmt.planes))
     return dict(
         KIND=KIND_IDS[fmt.kind],

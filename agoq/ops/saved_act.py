@@ -55,9 +55,19 @@ _LOG_LOCK = threading.Lock()
 Key = tuple[int | None, str]  # (global 0-based layer index or None, role)
 
 
+_OPS_BY_KIND: dict[str, tuple[Callable, Callable]] = {}  # host-side fast path: one lookup per call
+
+
 def quant_ops(device: torch.device) -> tuple[Callable, Callable]:
     """(quantize, dequantize) for tensors on ``device``: Triton on CUDA, the reference elsewhere."""
-    kind = torch.device(device).type
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    ops = _OPS_BY_KIND.get(kind)
+    if ops is None:
+        ops = _OPS_BY_KIND[kind] = _resolve_quant_ops(kind)
+    return ops
+
+
+def _resolve_quant_ops(kind: str) -> tuple[Callable, Callable]:
     if kind == "cuda":
         from agoq.kernels.quant import dequantize, quantize  # lazily: needs Triton
 
@@ -150,6 +160,7 @@ class RecomputeStash:
         self.forward_fn = forward_fn
         self.output_ptr: int | None = None
         self._x_hat: torch.Tensor | None = None
+        self.aux: dict = {}  # what a recompute leaves for the op's own backward (RMSNorm: rstd)
 
     def dequantized(self) -> torch.Tensor:
         if self._x_hat is None:
@@ -159,6 +170,8 @@ class RecomputeStash:
     def recomputed_output(self) -> torch.Tensor:
         """The op's forward output rebuilt from the dequantized input (no autograd graph)."""
         with torch.no_grad():
+            if getattr(self.forward_fn, "takes_aux", False):
+                return self.forward_fn(self.dequantized(), self.aux)
             return self.forward_fn(self.dequantized())
 
     def consume(self) -> torch.Tensor:
@@ -254,7 +267,7 @@ class _RMSNormSavingInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, weight_H, eps, stash_holder):
         y_TH = F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps)
-        stash = stash_holder["make"](x_TH, lambda xh: F.rms_norm(xh, (xh.shape[-1],), weight_H.detach(), eps))
+        stash = stash_holder["make"](x_TH, _norm_recompute(weight_H.detach(), eps))
         stash.output_ptr = y_TH.data_ptr()
         stash_holder["stash"] = stash
         ctx.stash, ctx.eps = stash, eps
@@ -264,8 +277,19 @@ class _RMSNormSavingInput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y_TH):
         (weight_H,) = ctx.saved_tensors
+        rstd_T1 = ctx.stash.aux.pop("rstd", None)  # kept when the next linear recomputed the output
         x_hat = ctx.stash.consume()
         ctx.stash = None
+        if x_hat.is_cuda:
+            # ATen's fused RMSNorm backward straight from x_hat (what autograd of F.rms_norm runs on
+            # CUDA, so the gradients are the same bits), without a re-entrant autograd.grad (host cost).
+            width = [x_hat.shape[-1]]
+            if rstd_T1 is None:
+                _, rstd_T1 = torch.ops.aten._fused_rms_norm(x_hat, width, weight_H, ctx.eps)
+            grad_x, grad_w = torch.ops.aten._fused_rms_norm_backward(
+                grad_y_TH.contiguous(), x_hat, width, rstd_T1, weight_H, list(ctx.needs_input_grad[:2])
+            )
+            return grad_x, grad_w, None, None
         with torch.enable_grad():
             x = x_hat.detach().requires_grad_(ctx.needs_input_grad[0])
             w = weight_H.detach().requires_grad_(ctx.needs_input_grad[1])
@@ -275,6 +299,20 @@ class _RMSNormSavingInput(torch.autograd.Function):
         grad_x = next(grads) if ctx.needs_input_grad[0] else None
         grad_w = next(grads) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None
+
+
+def _norm_recompute(weight_H: torch.Tensor, eps: float) -> Callable:
+    """The norm's forward for RecomputeStash: on CUDA through ATen's fused op, keeping its rstd in the
+    stash's ``aux`` for the norm's own backward (one recompute serves the linear and the norm)."""
+
+    def forward_fn(x_hat_TH: torch.Tensor, aux: dict) -> torch.Tensor:
+        if x_hat_TH.is_cuda:
+            y_TH, aux["rstd"] = torch.ops.aten._fused_rms_norm(x_hat_TH, [x_hat_TH.shape[-1]], weight_H, eps)
+            return y_TH
+        return F.rms_norm(x_hat_TH, (x_hat_TH.shape[-1],), weight_H, eps)
+
+    forward_fn.takes_aux = True
+    return forward_fn
 
 
 def _stash_maker(fmt: QuantFormat, key: Key, counter: SavedBytesCounter | None):
@@ -300,7 +338,7 @@ def rmsnorm_saving_input(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float,
 def swiglu_reference(h_TF2: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
     """Megatron's unfused gated linear unit for SwiGLU: silu(gate) * (up + offset), gate first."""
     gate, up = torch.chunk(h_TF2, 2, dim=-1)
-    return F.silu(gate) * (up + offset)
+    return F.silu(gate) * (up + offset if offset else up)  # no extra pass (and Megatron's -0.0) at offset 0
 
 
 class _SwiGLUSavingInput(torch.autograd.Function):
@@ -325,6 +363,12 @@ class _SwiGLUSavingInput(torch.autograd.Function):
     def backward(ctx, grad_z_TF):
         h_hat = ctx.stash.consume()
         ctx.stash = None
+        if h_hat.is_cuda and not ctx.offset:
+            # One fused pass (agoq.kernels.swiglu, fp32 math, its reference is ref_swiglu_bwd_scaled)
+            # instead of autograd re-running chunk/silu/mul and their backwards and a cat.
+            from agoq.kernels.swiglu import swiglu_bwd
+
+            return swiglu_bwd(h_hat, grad_z_TF, ctx.scale), None, None, None
         with torch.enable_grad():
             h = h_hat.detach().requires_grad_(True)
             z = _smoothed(swiglu_reference(h, ctx.offset), ctx.scale)

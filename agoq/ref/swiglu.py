@@ -31,6 +31,7 @@ __all__ = [
     "SMOOTH_MODES",
     "ref_swiglu",
     "ref_swiglu_bwd",
+    "ref_swiglu_bwd_scaled",
     "pow2_ceil",
     "finish_smooth_scale",
     "smooth_scale_per_token",
@@ -73,6 +74,18 @@ def ref_swiglu_bwd(fc1_out: torch.Tensor, grad_z: torch.Tensor) -> torch.Tensor:
     d_gate = g32 * up * sig * (1 + gate * (1 - sig))
     d_up = g32 * gate * sig
     return torch.cat([d_gate, d_up], dim=-1).to(fc1_out.dtype)
+
+
+def ref_swiglu_bwd_scaled(fc1_out: torch.Tensor, grad_z: torch.Tensor, s: torch.Tensor | None = None) -> torch.Tensor:
+    """d loss / d fc1_out for z = swiglu(fc1_out) / s (s: None, per-token [T.., 1] or per-channel [F], fp32).
+
+    The executable spec of agoq.kernels.swiglu.swiglu_bwd: all math in fp32 from the stored dtypes
+    (grad_z / s first, then ref_swiglu_bwd's formula), one rounding to fc1_out's dtype at the end.
+    """
+    g32 = grad_z.to(_compute_dtype(grad_z))
+    if s is not None:
+        g32 = g32 / s.to(g32.dtype)
+    return ref_swiglu_bwd(fc1_out, g32)
 
 
 def pow2_ceil(x_f32: torch.Tensor) -> torch.Tensor:

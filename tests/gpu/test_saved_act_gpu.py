@@ -1,0 +1,54 @@
+"""GPU paths of agoq.ops.saved_act: RMSNorm backward through ATen's fused op, fused SwiGLU backward.
+
+The CUDA RMSNorm backward calls aten::_fused_rms_norm_backward directly (no re-entrant autograd);
+autograd of F.rms_norm runs the same op on CUDA, so the gradients must be the same bits. The fused
+SwiGLU backward computes in fp32 with one rounding (tolerance argued in tests/kernels/test_swiglu_kernels.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from agoq.formats import parse_format
+from agoq.ops.saved_act import rmsnorm_saving_input, swiglu_saving_input
+from agoq.ref.swiglu import ref_swiglu_bwd_scaled
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+FMT = parse_format("nf4_b64")
+
+
+def _inputs(shape, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(shape, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
+    w = (1 + 0.1 * torch.randn(shape[-1], device="cuda", generator=gen)).to(torch.bfloat16).requires_grad_(True)
+    g = torch.randn(shape, device="cuda", generator=gen).to(torch.bfloat16)
+    return x, w, g
+
+
+@pytest.mark.parametrize("recompute_first", [False, True], ids=["norm-only", "linear-recomputes-first"])
+def test_rmsnorm_cuda_backward_bit_identical_to_autograd(recompute_first):
+    x, w, g = _inputs((3, 257, 2048))
+    y, stash = rmsnorm_saving_input(x, w, 1e-5, FMT, (0, "norm_in"))
+    x_hat = stash.dequantized().detach().clone()  # the tensor backward will use
+    if recompute_first:  # the next linear's wgrad rebuilds y first; the norm then reuses its rstd
+        y_re = stash.recomputed_output()
+        torch.testing.assert_close(y_re, F.rms_norm(x_hat, (2048,), w.detach(), 1e-5), rtol=0, atol=0)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    xr = x_hat.requires_grad_(True)
+    wr = w.detach().clone().requires_grad_(True)
+    ex, ew = torch.autograd.grad(F.rms_norm(xr, (2048,), wr, 1e-5), (xr, wr), g)
+    assert torch.equal(gx, ex) and torch.equal(gw, ew)
+
+
+def test_swiglu_saving_input_cuda_backward_matches_reference():
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(2, 129, 2 * 1536, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
+    gz = torch.randn(2, 129, 1536, device="cuda", generator=gen).to(torch.bfloat16)
+    z, stash = swiglu_saving_input(h, FMT, (0, "swiglu_in"))
+    h_hat = stash.dequantized().detach().clone()
+    (gh,) = torch.autograd.grad(z, (h,), gz)
+    expected = ref_swiglu_bwd_scaled(h_hat, gz)
+    err = (gh.float() - expected.float()).abs()
+    assert (err <= 2.0**-7 * expected.float().abs() + 2.0**-20 * expected.float().abs().max()).all()
