@@ -1,8 +1,15 @@
-"""Fused SwiGLU backward for recomputed SwiGLU (agoq's saved-activation path), Triton.
+"""Fused SwiGLU for the recompute in backward (agoq's saved-activation path), Triton.
 
-Twin of :func:`agoq.ref.swiglu.ref_swiglu_bwd_scaled` (same signature, same fp32 math, one rounding):
+Twins of :mod:`agoq.ref.swiglu` (same signatures, same fp32 math, one rounding):
 
+  swiglu_fwd(fc1_out [T.., 2F], s=None | [T.., 1] | [F]) -> z [T.., F]     (ref_swiglu_scaled)
   swiglu_bwd(fc1_out [T.., 2F], grad_z [T.., F], s=None | [T.., 1] | [F]) -> grad_fc1_out [T.., 2F]
+                                                                          (ref_swiglu_bwd_scaled)
+
+swiglu_fwd rebuilds fc2's input from the dequantized fc1 output for fc2's weight gradient; the forward
+pass itself keeps Megatron's own ops (so agoq never changes forward values). ATen runs silu and the
+product as two strided (non-vectorised) passes over the [gate | up] halves; one kernel reads each half
+once.
 
 with fc1_out = [gate | up] (Megatron's fused fc1 layout) and z = silu(gate) * up / s. One read of
 fc1_out and grad_z, one write of the gradient: 5 x 2 bytes per F element in bf16, against ~8 reads and
@@ -20,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["swiglu_bwd"]
+__all__ = ["swiglu_fwd", "swiglu_bwd"]
 
 BLOCK_F = 1024  # columns per program: 4 warps x 32 lanes x 8 bf16 (one 16-byte vector each)
 NUM_WARPS = 4
@@ -54,6 +61,29 @@ def _swiglu_bwd_kernel(
     o_row = out_ptr + row * 2 * F
     tl.store(o_row + cols, d_gate.to(out_ptr.dtype.element_ty), mask=ok)
     tl.store(o_row + F + cols, d_up.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    h_ptr,  # fc1_out [T, 2F], row-major: gate = h[:, :F], up = h[:, F:]
+    s_ptr,  # fp32 scale: [T] (per row) or [F] (per column); unused without a scale
+    out_ptr,  # z [T, F], row-major, fc1_out's dtype
+    F,  # int: FFN width (per TP rank)
+    SCALE_MODE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < F
+    h_row = h_ptr + row * 2 * F
+    gate = tl.load(h_row + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(h_row + F + cols, mask=ok, other=0.0).to(tl.float32)
+    z = gate / (1.0 + tl.exp(-gate)) * up
+    if SCALE_MODE == 1:
+        z = z / tl.load(s_ptr + row)
+    elif SCALE_MODE == 2:
+        z = z / tl.load(s_ptr + cols, mask=ok, other=1.0)
+    tl.store(out_ptr + row * F + cols, z.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _scale_mode(fc1_out: torch.Tensor, grad_z: torch.Tensor, s: torch.Tensor | None) -> int:
@@ -91,4 +121,22 @@ def swiglu_bwd(fc1_out: torch.Tensor, grad_z: torch.Tensor, s: torch.Tensor | No
     _swiglu_bwd_kernel[(rows, triton.cdiv(ffn, BLOCK_F))](
         h, gz, s_flat, out, ffn, SCALE_MODE=mode, BLOCK=BLOCK_F, num_warps=NUM_WARPS
     )
+    return out
+
+
+def swiglu_fwd(fc1_out: torch.Tensor, s: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton twin of agoq.ref.swiglu.ref_swiglu_scaled (see the module docstring)."""
+    width = fc1_out.shape[-1]
+    if width % 2:
+        raise ValueError(f"swiglu_fwd: fc1 output {tuple(fc1_out.shape)} has an odd last dim; it must be [gate | up]")
+    ffn = width // 2
+    out = torch.empty((*fc1_out.shape[:-1], ffn), dtype=fc1_out.dtype, device=fc1_out.device)
+    mode = _scale_mode(fc1_out, out, s)
+    rows = fc1_out.numel() // width if width else 0
+    if rows == 0 or ffn == 0:
+        return out
+    h = fc1_out.contiguous()
+    s_flat = h if s is None else s.contiguous().reshape(-1)
+    _swiglu_fwd_kernel[(rows, triton.cdiv(ffn, BLOCK_F))](h, s_flat, out, ffn, SCALE_MODE=mode, BLOCK=BLOCK_F,
+                                                          num_warps=NUM_WARPS)  # fmt: skip
     return out

@@ -353,7 +353,7 @@ class _SwiGLUSavingInput(torch.autograd.Function):
         glu_TF = swiglu_reference(h_TF2, offset)
         s = None if scale_fn is None else scale_fn(h_TF2, glu_TF)
         z_TF = glu_TF if s is None else glu_TF / s.to(glu_TF.dtype)
-        stash = stash_holder["make"](h_TF2, lambda hh: _smoothed(swiglu_reference(hh, offset), s))
+        stash = stash_holder["make"](h_TF2, _swiglu_recompute(offset, s))
         stash.output_ptr = z_TF.data_ptr()
         stash_holder["stash"], stash_holder["scale"] = stash, s
         ctx.stash, ctx.offset, ctx.scale = stash, offset, s
@@ -374,6 +374,20 @@ class _SwiGLUSavingInput(torch.autograd.Function):
             z = _smoothed(swiglu_reference(h, ctx.offset), ctx.scale)
             (grad_h,) = torch.autograd.grad(z, (h,), grad_z_TF)
         return grad_h, None, None, None
+
+
+def _swiglu_recompute(offset: float, s: torch.Tensor | None) -> Callable:
+    """fc2's input rebuilt from the dequantized fc1 output (backward only): one fused Triton pass on
+    CUDA (agoq.kernels.swiglu.swiglu_fwd, fp32 math), Megatron's ops elsewhere or with an offset."""
+
+    def forward_fn(h_hat_TF2: torch.Tensor) -> torch.Tensor:
+        if h_hat_TF2.is_cuda and not offset:
+            from agoq.kernels.swiglu import swiglu_fwd
+
+            return swiglu_fwd(h_hat_TF2, s)
+        return _smoothed(swiglu_reference(h_hat_TF2, offset), s)
+
+    return forward_fn
 
 
 def _smoothed(glu: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:

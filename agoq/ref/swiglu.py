@@ -32,6 +32,7 @@ __all__ = [
     "ref_swiglu",
     "ref_swiglu_bwd",
     "ref_swiglu_bwd_scaled",
+    "ref_swiglu_scaled",
     "pow2_ceil",
     "finish_smooth_scale",
     "smooth_scale_per_token",
@@ -74,6 +75,16 @@ def ref_swiglu_bwd(fc1_out: torch.Tensor, grad_z: torch.Tensor) -> torch.Tensor:
     d_gate = g32 * up * sig * (1 + gate * (1 - sig))
     d_up = g32 * gate * sig
     return torch.cat([d_gate, d_up], dim=-1).to(fc1_out.dtype)
+
+
+def ref_swiglu_scaled(fc1_out: torch.Tensor, s: torch.Tensor | None = None) -> torch.Tensor:
+    """z = silu(gate) * up / s in fp32 (fp64 for fp64), one rounding to fc1_out's dtype; s as in
+    ref_swiglu_bwd_scaled. The executable spec of agoq.kernels.swiglu.swiglu_fwd."""
+    gate, up = _split(fc1_out.to(_compute_dtype(fc1_out)))
+    z = F.silu(gate) * up
+    if s is not None:
+        z = z / s.to(z.dtype)
+    return z.to(fc1_out.dtype)
 
 
 def ref_swiglu_bwd_scaled(fc1_out: torch.Tensor, grad_z: torch.Tensor, s: torch.Tensor | None = None) -> torch.Tensor:

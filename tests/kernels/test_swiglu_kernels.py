@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from agoq.ref.swiglu import ref_swiglu, ref_swiglu_bwd_scaled
+from agoq.ref.swiglu import ref_swiglu, ref_swiglu_bwd_scaled, ref_swiglu_scaled
 
 pytestmark = [pytest.mark.kernels, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
@@ -52,11 +52,12 @@ def _check_close(out: torch.Tensor, ref: torch.Tensor):
 
 
 def _run(shape, dtype, mode, outliers=False):
-    from agoq.kernels.swiglu import swiglu_bwd
+    from agoq.kernels.swiglu import swiglu_bwd, swiglu_fwd
 
     h, gz, gen = _inputs(shape, dtype, outliers=outliers)
     s = _scale(mode, shape, gen)
     _check_close(swiglu_bwd(h, gz, s), ref_swiglu_bwd_scaled(h, gz, s))
+    _check_close(swiglu_fwd(h, s), ref_swiglu_scaled(h, s))
 
 
 @pytest.mark.parametrize("mode", ["none", "per_token", "per_channel"])
@@ -75,6 +76,17 @@ def test_swiglu_bwd_outliers(dtype):
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_swiglu_bwd_llama_shapes(shape):
     _run(shape, torch.bfloat16, "per_token")
+
+
+def test_swiglu_fwd_nan_propagates_and_rejects_odd_width():
+    from agoq.kernels.swiglu import swiglu_fwd
+
+    h, _, _ = _inputs((2, 8), torch.float32)
+    h[0, 5] = float("nan")  # up column 1 of row 0
+    out = swiglu_fwd(h)
+    assert out[0, 1].isnan() and out[0, 0].isfinite() and out[1].isfinite().all()
+    with pytest.raises(ValueError, match="odd last dim"):
+        swiglu_fwd(h[:, :7])
 
 
 def test_swiglu_bwd_nan_propagates():
