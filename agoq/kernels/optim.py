@@ -16,6 +16,8 @@ interpreter's fp8 cast does not round ties to even, see agoq.kernels.quant).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -123,9 +125,10 @@ def _store_state(
         p = tl.where(bad[:, None], 0.0, x * inv[:, None])
         if KIND == 1:
             code = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
+            # binary search over the 15 midpoints: steps 8, 4, 2, 1 (a `name: tl.constexpr = ...`
+            # inside static_range is a reassigned constexpr for Triton >= 3.6's front end)
             for level in tl.static_range(4):
-                step: tl.constexpr = 8 >> level
-                code += tl.where(p > tl.load(mids_ptr + code + (step - 1)), step, 0)
+                code += tl.where(p > tl.load(mids_ptr + code + ((8 >> level) - 1)), 8 >> level, 0)
         elif KIND == 2:
             code = tl.minimum(tl.maximum(p, -QMAX), QMAX).to(FP8_DTYPE).to(tl.uint8, bitcast=True).to(tl.int32)
         else:
@@ -273,25 +276,41 @@ def fused_block(*states: QuantizedTensor | None) -> int:
     return blocks.pop() if blocks else PLAIN_BLOCK
 
 
+@functools.lru_cache(maxsize=16)
+def _dummy(device: str) -> torch.Tensor:
+    """One fp32 element per device for the pointer slots of an absent state (never read)."""
+    return torch.zeros(1, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _nf4_mids(device: str) -> torch.Tensor:
+    return _launch.nf4_midpoints_f32().to(device)
+
+
+_ABSENT = dict(K=-1, B=1, SC=0, P0=8, P1=0, F8=tl.float8e4nv, Q=1.0, PK=0)
+
+
+@functools.lru_cache(maxsize=256)
+def _format_constexprs(fmt) -> dict:
+    if not fmt.quantized:
+        return {**_ABSENT, "PK": _PLAIN_KINDS[fmt.variant]}
+    c = _launch.constexprs(fmt)
+    return dict(K=c["KIND"], B=fmt.bits, SC=c["SCALE"], P0=c["PLANE0"], P1=c["PLANE1"], F8=c["FP8_DTYPE"],
+                Q=c["QMAX"], PK=0)  # fmt: skip
+
+
 def _state_args(q: QuantizedTensor | None, device) -> tuple[list, dict]:
-    """(pointer args, constexprs) of one state; a dummy for an absent state."""
+    """(pointer args, constexprs) of one state; a dummy for an absent state. Tables and dummies are
+    cached per device: the launcher's host time matters for the many small tensors of a model."""
+    dev = str(device)
     if q is None:
-        dummy = torch.zeros(1, dtype=torch.float32, device=device)
-        return [dummy, dummy, dummy, dummy], dict(K=-1, B=1, SC=0, P0=8, P1=0, F8=tl.float8e4nv, Q=1.0, PK=0)
+        d = _dummy(dev)
+        return [d, d, d, d], _ABSENT
     fmt = q.fmt
     if not fmt.quantized:
-        codes = q.codes.view(_PLAIN_TORCH[fmt.variant])
-        dummy = torch.zeros(1, dtype=torch.float32, device=device)
-        return [codes, dummy, dummy, dummy], dict(
-            K=-1, B=1, SC=0, P0=8, P1=0, F8=tl.float8e4nv, Q=1.0, PK=_PLAIN_KINDS[fmt.variant]
-        )
-    c = _launch.constexprs(fmt)
-    lut = _launch.code_values(fmt, str(device))
-    mids = _launch.nf4_midpoints_f32().to(device)
-    return [q.codes, q.scales, lut, mids], dict(
-        K=c["KIND"], B=fmt.bits, SC=c["SCALE"], P0=c["PLANE0"], P1=c["PLANE1"], F8=c["FP8_DTYPE"],
-        Q=c["QMAX"], PK=0,
-    )  # fmt: skip
+        d = _dummy(dev)
+        return [q.codes.view(_PLAIN_TORCH[fmt.variant]), d, d, d], _format_constexprs(fmt)
+    return [q.codes, q.scales, _launch.code_values(fmt, dev), _nf4_mids(dev)], _format_constexprs(fmt)
 
 
 def _check_state(q: QuantizedTensor | None, numel: int) -> None:

@@ -24,6 +24,8 @@ stalled_fraction() measures it. Fused states of one tensor must share a block si
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from agoq.formats import QuantFormat, parse_format
@@ -115,14 +117,10 @@ class QuantizedOptimizer(torch.optim.Optimizer):
 
     def quantized_states(self, p: torch.Tensor) -> dict[str, QuantizedTensor]:
         state = self.state[p]
-        out = {}
-        for item in state["formats"].split(";"):
-            name, fmt = item.split("=")
-            if name != "master":
-                out[name] = QuantizedTensor(
-                    state[f"{name}.codes"], state[f"{name}.scales"], parse_format(fmt), p.shape, torch.float32
-                )
-        return out
+        return {
+            name: QuantizedTensor(state[f"{name}.codes"], state[f"{name}.scales"], fmt, p.shape, torch.float32)
+            for name, fmt in _parse_formats(state["formats"])
+        }
 
     def fp32_master(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 master value of p (merge of param + remainder, or the fp32 copy, or p itself)."""
@@ -204,6 +202,13 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                 stalled += int((res / 2 > step_size).sum())
                 total += p.numel()
         return stalled / max(total, 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_formats(formats: str) -> tuple[tuple[str, QuantFormat], ...]:
+    """state["formats"] ("exp_avg=cint8_b32;...;master=split24") -> the (name, format) of each state."""
+    items = (item.split("=") for item in formats.split(";"))
+    return tuple((name, parse_format(fmt)) for name, fmt in items if name != "master")
 
 
 def _resolution(p: torch.Tensor, master: str) -> torch.Tensor:

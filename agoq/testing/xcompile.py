@@ -1,0 +1,269 @@
+"""Cross-compile Triton kernels for the GPU's compiler on a machine without a GPU.
+
+The Triton interpreter (CPU tests) never runs Triton's front end, so a kernel can pass every CPU test
+and still fail to compile on the H100 (Triton 3.6). This module records the launches a kernel module
+really makes (its public launchers, called with small CPU tensors, with the ``@triton.jit`` object
+swapped for a recorder), lets Triton's own binder specialise each launch as the GPU runtime would
+(dtypes, 16-byte alignment, constexprs, launch options), and compiles every distinct variant for
+``sm_90`` down to a cubin. No device and no CUDA driver are needed, only ptxas from the Triton wheel.
+
+Use from a process whose ``triton`` is the target version (3.6 is what the GPU runs)::
+
+    PYTHONPATH=/tmp/t36:$PWD python -m agoq.testing.xcompile optim      # every fused-optimizer variant
+
+tests/kernels/test_xcompile.py runs that in a subprocess when ``AGOQ_XCOMPILE_TRITON`` names such a
+Triton (a directory put first on PYTHONPATH) and skips, saying why, otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import itertools
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+TRITON_ENV_VAR = "AGOQ_XCOMPILE_TRITON"
+TARGET_ARCH = 90  # H100 (sm_90)
+TARGET_WARP = 32
+EXPECTED_TRITON = "3.6"  # the GPU machine's Triton (docs/benchmarks: torch 2.11 + Triton 3.6.0)
+
+
+@dataclass
+class Launch:
+    """One recorded ``kernel[grid](*args, **kwargs)`` call."""
+
+    label: str
+    args: tuple
+    kwargs: dict
+
+
+@dataclass
+class Recorder:
+    """Stands in for a ``@triton.jit`` function: ``rec[grid](*args, **kw)`` records instead of running."""
+
+    label: str = ""
+    launches: list[Launch] = field(default_factory=list)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(Launch(self.label, args, dict(kwargs)))
+
+
+@contextlib.contextmanager
+def recording(module, kernel_name: str) -> Iterator[Recorder]:
+    """Swap ``module.<kernel_name>`` for a Recorder for the duration of the block."""
+    original = getattr(module, kernel_name)
+    rec = Recorder()
+    setattr(module, kernel_name, rec)
+    try:
+        yield rec
+    finally:
+        setattr(module, kernel_name, original)
+
+
+def _target():
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", TARGET_ARCH, TARGET_WARP)
+
+
+def specialize(kernel, launch: Launch):
+    """(ASTSource, options dict, cache key) of a launch, specialised by Triton's own runtime binder."""
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = CUDABackend(_target())
+    kwargs = dict(launch.kwargs)
+    kwargs.setdefault("debug", False)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    key = repr((specialization, sorted(options.__dict__.items())))
+    return ASTSource(kernel, signature, constexprs, attrs), options.__dict__, key
+
+
+def compile_launch(kernel, launch: Launch):
+    """Compile one recorded launch for sm_90; returns the compiled kernel (``.asm['cubin']``)."""
+    import triton
+
+    src, options, _ = specialize(kernel, launch)
+    return triton.compile(src, target=_target(), options=options)
+
+
+@dataclass
+class Outcome:
+    label: str
+    ok: bool
+    seconds: float
+    error: str = ""
+
+
+def compile_all(kernel, launches: list[Launch], *, log=None) -> list[Outcome]:
+    """Compile every distinct variant among ``launches`` (deduplicated on Triton's specialisation key)."""
+    seen: dict[str, str] = {}
+    outcomes = []
+    for launch in launches:
+        _, _, key = specialize(kernel, launch)
+        if key in seen:
+            continue
+        seen[key] = launch.label
+        t0 = time.perf_counter()
+        try:
+            compiled = compile_launch(kernel, launch)
+            if not compiled.asm.get("cubin"):
+                raise RuntimeError("no cubin produced")
+            out = Outcome(launch.label, True, time.perf_counter() - t0)
+        except Exception as exc:  # noqa: BLE001 - reported per variant, re-raised by the caller
+            out = Outcome(launch.label, False, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"[:4000])
+        outcomes.append(out)
+        if log:
+            detail = "" if out.ok else f"\n{out.error}"
+            log(f"{'ok  ' if out.ok else 'FAIL'} {out.seconds:6.1f}s {out.label}{detail}")
+    return outcomes
+
+
+# --------------------------------------------------------------------------------------------------
+# variant tables: the launches each kernel module can make
+# --------------------------------------------------------------------------------------------------
+# Every state format family the fused optimizer step accepts (non-stochastic; stochastic formats are
+# refused by agoq.kernels.optim.fused_block), at the default block / scale: plain storages, every int
+# width (6/5/3 bits use two bit planes), NF4, both FP8 variants, FlashOptim's companded formats.
+OPTIM_STATE_FORMATS = (
+    "fp32", "bf16", "fp16", "int8_b32", "int6_b32", "int5_b32", "int4_b32", "int3_b32", "int2_b32",
+    "nf4_b32", "fp8e4m3_b32", "fp8e5m2_b32", "cint8_b32", "cuint8_b32",
+)  # fmt: skip
+# Block sizes and scale storages change ROWS and the scale load/store; swept on one format per family.
+OPTIM_BLOCK_SCALE_FORMATS = (
+    "int8_b64_s16", "int8_b128_sp2", "int8_b256", "int4_b64_sp2", "int4_b256_s16", "nf4_b128_sp2", "nf4_b256",
+    "cint8_b64_s32", "cuint8_b128_sp2", "cint8_b256", "fp8e4m3_b128_sp2", "fp8e5m2_b256_s16", "int6_b256_sp2",
+)  # fmt: skip
+# (param dtype, master dtype): none (bf16 / fp16 / fp32 param), split24, split32, fp32 master, fp16 split
+OPTIM_MASTERS = (
+    (torch.bfloat16, None), (torch.float16, None), (torch.float32, None), (torch.bfloat16, torch.int8),
+    (torch.bfloat16, torch.int16), (torch.bfloat16, torch.float32), (torch.float16, torch.int8),
+    (torch.float16, torch.int16),
+)  # fmt: skip
+SGD_OPTIONS = ((0.0, False, 0.0), (0.0, False, 0.01), (0.9, False, 0.0), (0.9, True, 0.01))  # momentum, nesterov, wd
+OPTIM_NUMEL = 2 * 2048 + 96  # > one program, a tail group, divisible by 16 (aligned like real tensors)
+
+
+def _optim_state(fmt: str | None, numel: int):
+    from agoq.formats import parse_format
+    from agoq.ref.quant import ref_quantize
+
+    if fmt is None:
+        return None
+    return ref_quantize(torch.zeros(numel), parse_format(fmt))
+
+
+def _v_partner(m_fmt: str) -> str:
+    """A v format sharing m's block (the fused step requires one block for all quantized states)."""
+    from agoq.formats import parse_format
+
+    f = parse_format(m_fmt)
+    return f"cuint8_b{f.block}" if f.quantized else "fp32"
+
+
+def optim_calls(full: bool = False) -> Iterator[tuple[str, Callable[[], None]]]:
+    """(label, call) for every launch variant of agoq.kernels.optim.
+
+    Default: every state format x every master mode x every optimizer (AdamW m formats with a
+    matching v, v formats with a matching m; Lion / SGD momentum formats; SGD's wd / Nesterov
+    branches), plus the block / scale sweep with a split24 master. ``full``: the sweep x every master."""
+    from agoq.kernels import optim as k
+
+    n = OPTIM_NUMEL
+    sweep_masters = OPTIM_MASTERS if full else ((torch.bfloat16, torch.int8),)
+    plans = [(f, OPTIM_MASTERS) for f in OPTIM_STATE_FORMATS] + [(f, sweep_masters) for f in OPTIM_BLOCK_SCALE_FORMATS]
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=1)
+    for fmt, masters in plans:
+        for (pdt, mdt), which in itertools.product(masters, ("m", "v")):
+            m_fmt, v_fmt = (fmt, _v_partner(fmt)) if which == "m" else (_v_partner(fmt), fmt)
+            tag = f"{str(pdt)[6:]}/{str(mdt)[6:] if mdt else 'none'}"
+
+            def adamw(pdt=pdt, mdt=mdt, m_fmt=m_fmt, v_fmt=v_fmt):
+                p = torch.zeros(n, dtype=pdt)
+                master = None if mdt is None else torch.zeros(n, dtype=mdt)
+                k.adamw_step(p, torch.zeros(n, dtype=torch.bfloat16), master, _optim_state(m_fmt, n),
+                             _optim_state(v_fmt, n), **hp)  # fmt: skip
+
+            yield f"adamw m={m_fmt} v={v_fmt} {tag}", adamw
+            if which == "v":
+                continue
+
+            def lion(pdt=pdt, mdt=mdt, m_fmt=m_fmt):
+                p = torch.zeros(n, dtype=pdt)
+                master = None if mdt is None else torch.zeros(n, dtype=mdt)
+                k.lion_step(p, torch.zeros(n, dtype=torch.float32), master, _optim_state(m_fmt, n),
+                            lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1)  # fmt: skip
+
+            yield f"lion m={m_fmt} {tag}", lion
+            for mom, nest, wd in SGD_OPTIONS:
+
+                def sgd(pdt=pdt, mdt=mdt, m_fmt=m_fmt, mom=mom, nest=nest, wd=wd):
+                    p = torch.zeros(n, dtype=pdt)
+                    master = None if mdt is None else torch.zeros(n, dtype=mdt)
+                    buf = _optim_state(m_fmt, n) if mom else None
+                    k.sgd_step(p, torch.zeros(n, dtype=torch.bfloat16), master, buf, lr=0.1, momentum=mom,
+                               weight_decay=wd, nesterov=nest)  # fmt: skip
+
+                yield f"sgd m={m_fmt if mom else '-'} mom={mom} nesterov={nest} wd={wd} {tag}", sgd
+
+
+MODULES = {"optim": ("agoq.kernels.optim", "_optim_step_kernel", optim_calls)}
+
+
+def record(module_key: str, full: bool = False) -> tuple[object, list[Launch]]:
+    """(the real jit kernel, the launches of every variant call) for a MODULES entry."""
+    mod_name, kernel_name, calls = MODULES[module_key]
+    module = importlib.import_module(mod_name)
+    kernel = getattr(module, kernel_name)
+    launches: list[Launch] = []
+    with recording(module, kernel_name) as rec:
+        for label, call in calls(full):
+            rec.label = label
+            before = len(rec.launches)
+            call()
+            if len(rec.launches) == before:
+                raise AssertionError(f"variant {label!r} launched nothing")
+        launches = rec.launches
+    return kernel, launches
+
+
+def main(argv: list[str] | None = None) -> int:
+    import triton
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("module", choices=sorted(MODULES))
+    parser.add_argument("--full", action="store_true", help="block/scale sweep x every master mode")
+    parser.add_argument("--first", type=int, default=0, help="compile only the first N distinct variants")
+    parser.add_argument("--match", default="", help="compile only variants whose label contains this")
+    args = parser.parse_args(argv)
+    if not triton.__version__.startswith(EXPECTED_TRITON):
+        print(f"warning: Triton {triton.__version__} imported, the GPU runs {EXPECTED_TRITON}", file=sys.stderr)
+    kernel, launches = record(args.module, args.full)
+    launches = [launch for launch in launches if args.match in launch.label]
+    if args.first:
+        keys, kept = set(), []
+        for launch in launches:
+            key = specialize(kernel, launch)[2]
+            if key not in keys and len(keys) < args.first:
+                keys.add(key)
+                kept.append(launch)
+        launches = kept
+    outcomes = compile_all(kernel, launches, log=lambda s: print(s, flush=True))
+    bad = [o for o in outcomes if not o.ok]
+    total = sum(o.seconds for o in outcomes)
+    print(f"triton {triton.__version__} sm_{TARGET_ARCH}: {len(outcomes) - len(bad)}/{len(outcomes)} variants "
+          f"compiled ({len(launches)} launches recorded, {total:.0f}s)")  # fmt: skip
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""Every launch variant of the fused optimizer step compiles for sm_90 with the GPU's Triton (3.6).
+
+The interpreter (the CPU kernel tier) never runs Triton's front end: a Triton 3.6 CompilationError
+(a constexpr reassigned inside ``tl.static_range`` in the NF4 state store) shipped past every CPU
+test and failed scripts/bench_optim.py on the H100. This test records the launches the module makes
+for every state format x master mode x optimizer (agoq.testing.xcompile.optim_calls) and compiles
+each distinct variant to a cubin, in a subprocess whose ``triton`` comes from $AGOQ_XCOMPILE_TRITON:
+
+    TRITON_INTERPRET=1 AGOQ_XCOMPILE_TRITON=/tmp/t36 python -m pytest tests/kernels/test_xcompile.py
+
+(the kernels tier runs under the interpreter flag; the subprocess drops it).
+
+About 4 minutes on 2 CPU cores the first time (~625 variants), seconds once Triton's cache holds them.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from agoq.testing.procs import REPO_ROOT
+from agoq.testing.xcompile import EXPECTED_TRITON, TRITON_ENV_VAR
+
+TIMEOUT_S = 1200
+
+
+def _triton_dir() -> str:
+    path = os.environ.get(TRITON_ENV_VAR, "")
+    if not path:
+        pytest.skip(f"set {TRITON_ENV_VAR} to a directory holding Triton {EXPECTED_TRITON} (e.g. /tmp/t36)")
+    if not os.path.isdir(os.path.join(path, "triton")):
+        pytest.skip(f"{TRITON_ENV_VAR}={path} holds no triton package")
+    return path
+
+
+def _env(triton_dir: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real @jit objects, not interpreted
+    env["PYTHONPATH"] = os.pathsep.join([triton_dir, str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def _run(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=REPO_ROOT,
+                          timeout=TIMEOUT_S)  # fmt: skip
+
+
+def test_optim_kernel_variants_compile_for_sm90():
+    env = _env(_triton_dir())
+    version = _run(["-c", "import triton; print(triton.__version__)"], env)
+    if version.returncode != 0 or not version.stdout.strip().startswith(EXPECTED_TRITON):
+        pytest.skip(f"{TRITON_ENV_VAR} gives Triton {version.stdout.strip() or version.stderr[-300:]}, "
+                    f"not {EXPECTED_TRITON}")  # fmt: skip
+    proc = _run(["-m", "agoq.testing.xcompile", "optim"], env)
+    out = proc.stdout + proc.stderr
+    failures = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert proc.returncode == 0 and not failures, f"{len(failures)} variants failed:\n" + out[-8000:]
+    summary = [line for line in out.splitlines() if "variants compiled" in line]
+    assert summary, out[-2000:]
+    compiled = int(summary[-1].split(": ")[1].split("/")[0])
+    assert compiled >= 400, summary  # the table covers every format x master x optimizer, not a handful

@@ -1,0 +1,25 @@
+"""scripts/bench_optim.py --smoke runs on CPU (unfused path) and writes every field the GPU run reports."""
+
+import json
+import subprocess
+import sys
+
+from agoq.testing.procs import REPO_ROOT, child_env
+
+SCRIPT = REPO_ROOT / "scripts" / "bench_optim.py"
+
+
+def test_bench_optim_smoke_writes_report(tmp_path):
+    out = tmp_path / "optim.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--configs", "flash_split24",
+                           "lion_flash_split24"], capture_output=True, text=True, timeout=240, cwd=REPO_ROOT,
+                          env=child_env())  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert set(report["configs"]) == {"flash_split24", "lion_flash_split24"}
+    flash = report["configs"]["flash_split24"]
+    # split24 (2 + 1) + cint8_b32 / cuint8_b32 (1 + 2/32 each) + bf16 grads (2) = 7.125 bytes/param
+    assert abs(flash["bytes_per_param"] - 7.125) < 1e-9
+    assert flash["finite"] and report["torch_adamw_fp32"]["finite"]
+    assert flash["ms"] > 0 and flash["host_ms"] > 0 and flash["ratio_vs_torch"] > 0
+    assert "meets_target" not in report  # no timing claim on CPU
