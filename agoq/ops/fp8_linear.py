@@ -38,6 +38,7 @@ Smooth-SwiGLU on fc2) materialises W * s in forward and backward (a weight-sized
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -47,11 +48,26 @@ import torch
 from agoq.ops.fp8_scaling import SLOT_VARIANTS, FP8Recipe, FP8ScalingState
 from agoq.ops.fp8_weight_cache import FP8WeightCache
 
-__all__ = ["fp8_linear", "FP8LinearFunction", "MIN_FP8_CAPABILITY", "GEMM_DIM_MULTIPLE", "fp8_cast_ops"]
+__all__ = ["fp8_linear", "FP8LinearFunction", "MIN_FP8_CAPABILITY", "GEMM_DIM_MULTIPLE", "fp8_cast_ops",
+           "set_phase_ranges"]
 
 MIN_FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89) and Hopper (sm_90); torch._scaled_mm's check
 GEMM_DIM_MULTIPLE = 16  # torch._scaled_mm: a.size(1), b.size(0), b.size(1) multiples of 16 (cuBLASLt FP8)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_NO_RANGE = contextlib.nullcontext()
+_phase_ranges = False  # profiler ranges per phase (set_phase_ranges); off: one no-op context per phase
+
+
+def set_phase_ranges(enabled: bool) -> None:
+    """Wrap every phase of the FP8 linear (``agoq.fp8.cast_x``, ``cast_w``, ``gemm_fwd``, ``cast_g``,
+    ``recast_w``, ``recast_x``, ``gemm_dgrad``, ``gemm_wgrad``) in a ``torch.profiler.record_function``
+    range, so a profile attributes kernels and host time to phases (scripts/bench_fp8.py --profile)."""
+    global _phase_ranges
+    _phase_ranges = bool(enabled)
+
+
+def _phase(name: str):
+    return torch.profiler.record_function("agoq.fp8." + name) if _phase_ranges else _NO_RANGE
 
 
 def fp8_cast_ops(device: torch.device) -> SimpleNamespace:
@@ -116,14 +132,14 @@ def _cast(t2d: torch.Tensor, slot: str, recipe: FP8Recipe, state: FP8ScalingStat
     else:
         out, out_t, meta = ops.cast_current(t2d, variant, recipe.margin, recipe.pow2_scales, rowmajor=rowmajor,
                                             transposed=transposed)
-        scale, inv = meta[1], meta[2]
+        scale, inv = meta[1], meta[0]
     return _Cast(out, out_t, scale, scale, inv, inv)
 
 
 def _scaled_gemm(a_fp8: torch.Tensor, b_fp8: torch.Tensor, scale_a_inv: torch.Tensor, scale_b_inv: torch.Tensor,
                  out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """a [M,K] row-major @ b [K,N] column-major with fp32 inverse scales (0-dim, or [M,1] and [1,N])."""
-    assert a_fp8.is_contiguous() and b_fp8.t().is_contiguous(), "internal: operand layouts"
+    assert a_fp8.is_contiguous() and b_fp8.stride(0) == 1, "internal: operand layouts"
     assert b_fp8.dtype == torch.float8_e4m3fn, "internal: operand b must be E4M3 (CUTLASS row-wise path)"
     return torch._scaled_mm(a_fp8, b_fp8, scale_a=scale_a_inv, scale_b=scale_b_inv, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
@@ -155,15 +171,19 @@ class FP8LinearFunction(torch.autograd.Function):
         x2 = x2.contiguous()
         needs_wgrad = grad_enabled and ctx.needs_input_grad[1]
         keep_x_fp8 = needs_wgrad and x_saver is None
-        xc = _cast(x2, "x", recipe, state, rowmajor=True, transposed=keep_x_fp8)
-        if weight_cache is not None and w_col_scale is None:
-            wc = weight_cache.get(weight, recipe, lambda w: _cast(w.contiguous(), "w", recipe, state, rowmajor=True,
-                                                                  transposed=True))
-        else:
-            wc = _cast(_effective_weight(weight, w_col_scale), "w", recipe, state, rowmajor=True, transposed=False)
+        with _phase("cast_x"):
+            xc = _cast(x2, "x", recipe, state, rowmajor=True, transposed=keep_x_fp8)
+        with _phase("cast_w"):
+            if weight_cache is not None and w_col_scale is None:
+                wc = weight_cache.get(weight, recipe, lambda w: _cast(w.contiguous(), "w", recipe, state,
+                                                                      rowmajor=True, transposed=True))
+            else:
+                wc = _cast(_effective_weight(weight, w_col_scale), "w", recipe, state, rowmajor=True,
+                           transposed=False)
         row = recipe.granularity == "row"
-        y = _scaled_gemm(xc.data, wc.data.t(), xc.scale_inv, wc.scale_inv.reshape(1, -1) if row else wc.scale_inv,
-                         torch.bfloat16 if row else x2.dtype, recipe.fast_accum_forward)
+        with _phase("gemm_fwd"):
+            y = _scaled_gemm(xc.data, wc.data.t(), xc.scale_inv, wc.scale_inv.reshape(1, -1) if row else wc.scale_inv,
+                             torch.bfloat16 if row else x2.dtype, recipe.fast_accum_forward)
         ctx.x_handle = x_saver(x2) if needs_wgrad and x_saver is not None else None
         ctx.w_t = wc.data_t if grad_enabled else None  # the cached transposed copy (None: re-cast in backward)
         x_t = xc.data_t if keep_x_fp8 else None
@@ -178,24 +198,30 @@ class FP8LinearFunction(torch.autograd.Function):
         row = recipe.granularity == "row"
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g2 = grad_y.contiguous()
-        gc = _cast(g2, "g", recipe, state, rowmajor=need_dx, transposed=need_dw)
+        with _phase("cast_g"):
+            gc = _cast(g2, "g", recipe, state, rowmajor=need_dx, transposed=need_dw)
         dx = dw = None
         if need_dx:
             w_t = ctx.w_t
             if w_t is None:  # no weight cache: re-cast with the forward's scales (the forward's codes)
-                w_t = _recast_t(_effective_weight(weight, w_col_scale), "w", recipe, sw_t)
-            dx = _scaled_gemm(gc.data, w_t.t(), gc.scale_inv, sw_t_inv, torch.bfloat16 if row else g2.dtype, False)
+                with _phase("recast_w"):
+                    w_t = _recast_t(_effective_weight(weight, w_col_scale), "w", recipe, sw_t)
+            with _phase("gemm_dgrad"):
+                dx = _scaled_gemm(gc.data, w_t.t(), gc.scale_inv, sw_t_inv, torch.bfloat16 if row else g2.dtype,
+                                  False)
             if dx.dtype != ctx.x_dtype:
                 dx = dx.to(ctx.x_dtype)
         ctx.w_t = None
         if need_dw:
             if x_t is None:  # activation storage kept x (quantized or as a recompute handle)
-                x_hat = ctx.x_handle.materialize().reshape(ctx.x_shape).to(ctx.x_dtype).contiguous()
-                ctx.x_handle = None
-                x_t = _recast_t(x_hat, "x", recipe, sx_t)
+                with _phase("recast_x"):
+                    x_hat = ctx.x_handle.materialize().reshape(ctx.x_shape).to(ctx.x_dtype).contiguous()
+                    ctx.x_handle = None
+                    x_t = _recast_t(x_hat, "x", recipe, sx_t)
             out_dtype = torch.bfloat16 if row else _wgrad_dtype(weight)
-            dw = _scaled_gemm(gc.data_t, x_t.t(), gc.scale_t_inv.reshape(-1, 1) if row else gc.scale_t_inv,
-                              sx_t_inv, out_dtype, False)
+            with _phase("gemm_wgrad"):
+                dw = _scaled_gemm(gc.data_t, x_t.t(), gc.scale_t_inv.reshape(-1, 1) if row else gc.scale_t_inv,
+                                  sx_t_inv, out_dtype, False)
             if w_col_scale is not None:  # d(W * s)/dW = s per input column
                 dw = dw.to(torch.float32) * w_col_scale
             if dw.dtype != weight.dtype:

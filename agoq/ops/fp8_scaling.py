@@ -8,7 +8,7 @@ clamps). The first call of a slot has no history and uses its current amax (boot
 Transformer Engine's initial scale 1.
 
 Slots of one linear: ``x`` (input, E4M3), ``w`` (weight, E4M3), ``g`` (output gradient, E5M2).
-The state is an ``nn.Module`` (buffer ``meta_<slot>`` = [amax history (L), scale, 1 / scale]) so that
+The state is an ``nn.Module`` (buffer ``meta_<slot>`` = [1 / scale, scale, 0, 0, amax history (L)]) so that
 it moves with ``module.cuda()`` and is saved in the model's state dict when attached as a submodule.
 Updates *replace* the meta tensor (never in place): a backward pass that saved the forward's scale
 keeps seeing that scale even if another micro-batch's forward updated the state in between. On CUDA
@@ -31,6 +31,7 @@ from agoq.ref.fp8 import (
     BACKWARD_VARIANT,
     FORWARD_VARIANT,
     GRANULARITIES,
+    META_HEADER,
     fp8_amax,
     fp8_scale_from_amax,
     ref_fp8_history_update,
@@ -89,8 +90,8 @@ def current_scale(tensor: torch.Tensor, slot: str, recipe: FP8Recipe, dim: int |
 
 class FP8ScalingState(torch.nn.Module):
     """Delayed-scaling state of one FP8 linear: per slot one fp32 ``meta`` vector
-    ``[amax_history (L, newest first), scale, scale_inv]`` (agoq.kernels.fp8_fused) and an int32 [2]
-    workspace for the fused cast (zero between calls, not part of the state dict)."""
+    ``[scale_inv, scale, 0, 0, amax_history (L, newest first)]`` (agoq.kernels.fp8_fused) and an int32
+    [2] workspace for the fused cast (zero between calls, not part of the state dict)."""
 
     def __init__(self, recipe: FP8Recipe, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -101,25 +102,25 @@ class FP8ScalingState(torch.nn.Module):
         self.length = recipe.amax_history_len
         self.num_updates = dict.fromkeys(SLOT_VARIANTS, 0)  # host-side: no GPU sync to test "has history"
         for slot in SLOT_VARIANTS:
-            meta = torch.zeros(self.length + 2, dtype=torch.float32, device=device)
-            meta[self.length:] = 1.0  # scale and its inverse before the first record
+            meta = torch.zeros(META_HEADER + self.length, dtype=torch.float32, device=device)
+            meta[:2] = 1.0  # scale and its inverse before the first record
             self.register_buffer(f"meta_{slot}", meta)
             self.register_buffer(f"workspace_{slot}", torch.zeros(2, dtype=torch.int32, device=device),
                                  persistent=False)
 
     def meta(self, slot: str) -> torch.Tensor:
-        """[amax_history, scale, scale_inv] of the slot (replaced, never written, by each update)."""
+        """[scale_inv, scale, 0, 0, amax_history] of the slot (replaced, never written, by each update)."""
         return self._buffers[f"meta_{slot}"]
 
     def amax_history(self, slot: str) -> torch.Tensor:
-        return self.meta(slot)[: self.length]
+        return self.meta(slot)[META_HEADER:]
 
     def scale(self, slot: str) -> torch.Tensor:
-        return self.meta(slot)[self.length]
+        return self.meta(slot)[1]
 
     def scale_inv(self, slot: str) -> torch.Tensor:
-        """1 / scale(slot), computed with the scale (what torch._scaled_mm takes)."""
-        return self.meta(slot)[self.length + 1]
+        """1 / scale(slot), computed with the scale (what torch._scaled_mm takes; 16-byte aligned)."""
+        return self.meta(slot)[0]
 
     def check_device(self, tensor: torch.Tensor) -> None:
         meta = self._buffers["meta_x"]
@@ -148,10 +149,11 @@ class FP8ScalingState(torch.nn.Module):
         """Push an amax into the slot's history (newest first) and recompute its scale (no GPU sync;
         a new meta tensor, so scales saved by a pending backward stay valid)."""
         meta = self.meta(slot)
-        history, scale, scale_inv = ref_fp8_history_update(meta[: self.length], amax_f32.to(meta.device),
+        history, scale, scale_inv = ref_fp8_history_update(meta[META_HEADER:], amax_f32.to(meta.device),
                                                            SLOT_VARIANTS[slot], self.recipe.margin,
                                                            self.recipe.pow2_scales)
-        self._set(slot, torch.cat([history, scale.reshape(1), scale_inv.reshape(1)]))
+        zero = torch.zeros(2, dtype=torch.float32, device=meta.device)
+        self._set(slot, torch.cat([scale_inv.reshape(1), scale.reshape(1), zero, history]))
 
     def cast(self, slot: str, t2d: torch.Tensor, cast_ops, *, rowmajor: bool, transposed: bool):
         """Cast a 2-D tensor for ``slot`` with the delayed scale and record its amax, in one fused
@@ -160,21 +162,20 @@ class FP8ScalingState(torch.nn.Module):
 
         Returns (out, out_t, scale, scale_inv); the scales are views of a meta the state no longer
         writes (safe to keep for backward)."""
-        variant, recipe, length = SLOT_VARIANTS[slot], self.recipe, self.length
+        variant, recipe = SLOT_VARIANTS[slot], self.recipe
         if self.num_updates[slot]:
             meta = self.meta(slot)
             out, out_t, new = cast_ops.cast_delayed(t2d, variant, meta, self._buffers[f"workspace_{slot}"],
                                                     recipe.margin, recipe.pow2_scales, rowmajor=rowmajor,
                                                     transposed=transposed)
             self._set(slot, new)
-            return out, out_t, meta[length], meta[length + 1]
+            return out, out_t, meta[1], meta[0]
         out, out_t, current = cast_ops.cast_current(t2d, variant, recipe.margin, recipe.pow2_scales,
                                                     rowmajor=rowmajor, transposed=transposed)
-        new = torch.zeros(length + 2, dtype=torch.float32, device=t2d.device)
-        new[0] = current[0]
-        new[length:] = current[1:]  # max |[amax, 0, ...]| = amax: the scale is the current one
+        new = torch.zeros(META_HEADER + self.length, dtype=torch.float32, device=t2d.device)
+        new[: META_HEADER + 1] = current  # history [amax, 0, ...]: its max is amax, the scale the current one
         self._set(slot, new)
-        return out, out_t, current[1], current[2]
+        return out, out_t, current[1], current[0]
 
     def _set(self, slot: str, meta: torch.Tensor) -> None:
         self._buffers[f"meta_{slot}"] = meta

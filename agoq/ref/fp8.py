@@ -176,33 +176,38 @@ def ref_fp8_history_update(history_f32: torch.Tensor, amax_f32: torch.Tensor, va
 
 
 # ----------------------------------------------------------- twins of agoq.kernels.fp8_fused ----
-# One fp32 vector per tensor slot, ``meta = [amax_history (L, newest first), scale, scale_inv]``
+# One fp32 vector per tensor slot, ``meta = [scale_inv, scale, 0, 0, amax_history (L, newest first)]``
 # (current scaling: L = 1, the tensor's own amax); see agoq/kernels/fp8_fused.py.
+META_HEADER = 4
+
+
+def _meta(scale: torch.Tensor, scale_inv: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+    zero = torch.zeros(2, dtype=torch.float32, device=history.device)
+    return torch.cat([scale_inv.reshape(1), scale.reshape(1), zero, history.reshape(-1).to(torch.float32)])
 
 
 def ref_fp8_cast_delayed_2d(x2d: torch.Tensor, variant: str, meta: torch.Tensor, workspace: torch.Tensor,
                             margin: int = 0, pow2: bool = False, *, rowmajor: bool = True, transposed: bool = False):
-    """Delayed scaling in one call: cast x2d with ``meta[L]`` (the scale from the previous amaxes) and
-    push its amax: ``(out, out_t, new_meta)`` with ``new_meta = [amax, history[:-1], scale', 1 / scale']``
-    (:func:`ref_fp8_history_update`). ``meta`` is not modified; ``workspace`` (the kernel's int32 [2]
-    accumulator, zero between calls) is not used here."""
-    if meta.dim() != 1 or meta.numel() < 3:
-        raise ValueError(f"meta must be an fp32 [L + 2] vector (L >= 1), got {tuple(meta.shape)}")
-    length = meta.numel() - 2
-    out, out_t, amax = ref_fp8_cast_2d(x2d, variant, meta[length].to(torch.float32), rowmajor=rowmajor,
+    """Delayed scaling in one call: cast x2d with ``meta[1]`` (the scale from the previous amaxes) and
+    push its amax: ``(out, out_t, new_meta)``, ``new_meta = [1 / scale', scale', 0, 0, amax,
+    history[:-1]]`` (:func:`ref_fp8_history_update`). ``meta`` is not modified; ``workspace`` (the
+    kernel's int32 [2] accumulator, zero between calls) is not used here."""
+    if meta.dim() != 1 or meta.numel() <= META_HEADER:
+        raise ValueError(f"meta must be an fp32 [4 + L] vector (L >= 1), got {tuple(meta.shape)}")
+    out, out_t, amax = ref_fp8_cast_2d(x2d, variant, meta[1].to(torch.float32), rowmajor=rowmajor,
                                        transposed=transposed, record_amax=True)
-    history, scale, scale_inv = ref_fp8_history_update(meta[:length], amax, variant, margin, pow2)
-    return out, out_t, torch.cat([history, scale.reshape(1), scale_inv.reshape(1)])
+    history, scale, scale_inv = ref_fp8_history_update(meta[META_HEADER:], amax, variant, margin, pow2)
+    return out, out_t, _meta(scale, scale_inv, history)
 
 
 def ref_fp8_cast_current_2d(x2d: torch.Tensor, variant: str, margin: int = 0, pow2: bool = False, *,
                             rowmajor: bool = True, transposed: bool = False):
-    """Current scaling in one call: ``(out, out_t, meta)`` with ``meta = [amax, scale, scale_inv]`` from
-    x2d's own amax (:func:`ref_fp8_amax_2d`, :func:`ref_fp8_scales`, :func:`ref_fp8_cast_2d`)."""
+    """Current scaling in one call: ``(out, out_t, meta)`` with ``meta = [scale_inv, scale, 0, 0, amax]``
+    from x2d's own amax (:func:`ref_fp8_amax_2d`, :func:`ref_fp8_scales`, :func:`ref_fp8_cast_2d`)."""
     amax = ref_fp8_amax_2d(x2d)
     scale, scale_inv = ref_fp8_scales(amax, variant, margin, pow2)
     out, out_t, _ = ref_fp8_cast_2d(x2d, variant, scale, rowmajor=rowmajor, transposed=transposed)
-    return out, out_t, torch.stack([amax, scale, scale_inv])
+    return out, out_t, _meta(scale, scale_inv, amax)
 
 
 def _check_granularity(granularity: str) -> None:

@@ -49,8 +49,9 @@ def _grid_x(shape, variant, dtype, seed=0):
 
 
 def _meta(history, scale):
-    scale = torch.tensor([scale, 1.0 / scale], dtype=torch.float32)
-    return torch.cat([torch.tensor(history, dtype=torch.float32), scale]).to(DEVICE)
+    """[scale_inv, scale, 0, 0, history] (agoq.kernels.fp8_fused)."""
+    head = torch.tensor([1.0 / scale, scale, 0.0, 0.0], dtype=torch.float32)
+    return torch.cat([head, torch.tensor(history, dtype=torch.float32)]).to(DEVICE)
 
 
 def _equal_nan(a, b):
@@ -73,13 +74,13 @@ def _assert_codes(got, ref):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_delayed_cast_on_grid_equals_ref(shape, variant, dtype, layout):
     x = _grid_x(shape, variant, dtype, seed=shape[0])
-    meta = _meta([3.0, 40.0, 0.5, 7.0], 8.0)  # the cast uses meta[L] = 8 (x * 8 stays on the grid)
+    meta = _meta([3.0, 40.0, 0.5, 7.0], 8.0)  # the cast uses meta[1] = 8 (x * 8 stays on the grid)
     ws = torch.zeros(2, dtype=torch.int32, device=DEVICE)
     before = meta.clone()
     got = _k().fp8_cast_delayed_2d(x, variant, meta, ws, margin=1, **layout)
     ref = ref_fp8_cast_delayed_2d(x.cpu(), variant, meta.cpu(), ws.cpu(), margin=1, **layout)
     _assert_codes(got, ref)
-    assert got[2].shape == (6,) and _equal_nan(got[2], ref[2])
+    assert got[2].shape == (8,) and _equal_nan(got[2], ref[2])
     assert torch.equal(meta, before), "meta is read-only (a pending backward may hold a view of it)"
     assert torch.equal(ws.cpu(), torch.zeros(2, dtype=torch.int32)), "workspace must be zero again"
 
@@ -89,8 +90,8 @@ def test_delayed_cast_on_grid_equals_ref(shape, variant, dtype, layout):
 def test_delayed_history_push_over_calls_equals_ref(pow2, length):
     """Several calls threading meta through: the history shifts, the scale follows max |history|."""
     k = _k()
-    meta = torch.zeros(length + 2, device=DEVICE)
-    meta[length:] = 1.0
+    meta = torch.zeros(4 + length, device=DEVICE)
+    meta[:2] = 1.0
     meta_r = meta.cpu().clone()
     ws = torch.zeros(2, dtype=torch.int32, device=DEVICE)
     for step, amp in enumerate((1.0, 0.25, 4.0, 0.5)):
@@ -99,7 +100,8 @@ def test_delayed_history_push_over_calls_equals_ref(pow2, length):
         _, _, meta_r = ref_fp8_cast_delayed_2d(x.cpu(), "e5m2", meta_r, ws.cpu(), pow2=pow2, rowmajor=False,
                                                transposed=False)
         assert _equal_nan(meta, meta_r), step
-    assert meta.cpu()[0] == x.float().abs().max().cpu()  # the newest amax first
+    assert meta.cpu()[4] == x.float().abs().max().cpu()  # the newest amax first
+    assert meta.cpu()[2:4].tolist() == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("special", [float("nan"), float("inf")])
@@ -109,7 +111,8 @@ def test_delayed_nan_or_inf_amax_gives_nan_scale(special):
     meta, ws = _meta([1.0, 2.0], 4.0), torch.zeros(2, dtype=torch.int32, device=DEVICE)
     _, _, new = _k().fp8_cast_delayed_2d(x, "e4m3", meta, ws, rowmajor=False)
     _, _, new_r = ref_fp8_cast_delayed_2d(x.cpu(), "e4m3", meta.cpu(), ws.cpu(), rowmajor=False)
-    assert _equal_nan(new, new_r) and torch.isnan(new.cpu()[2:]).all()
+    assert _equal_nan(new, new_r) and torch.isnan(new.cpu()[:2]).all()  # NaN scale: nothing silent
+    assert _equal_nan(new.cpu()[4], torch.tensor(special))  # the amax itself is recorded
     assert torch.equal(ws.cpu(), torch.zeros(2, dtype=torch.int32))
 
 
@@ -117,12 +120,12 @@ def test_delayed_argument_errors_name_the_fix():
     k = _k()
     x = torch.zeros(4, 4, device=DEVICE)
     ws = torch.zeros(2, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="L \\+ 2"):
-        k.fp8_cast_delayed_2d(x, "e4m3", torch.ones(2, device=DEVICE), ws)
+    with pytest.raises(ValueError, match="4 \\+ L"):
+        k.fp8_cast_delayed_2d(x, "e4m3", torch.ones(4, device=DEVICE), ws)
     with pytest.raises(ValueError, match="workspace"):
-        k.fp8_cast_delayed_2d(x, "e4m3", torch.ones(4, device=DEVICE), torch.zeros(2, device=DEVICE))
+        k.fp8_cast_delayed_2d(x, "e4m3", torch.ones(5, device=DEVICE), torch.zeros(2, device=DEVICE))
     with pytest.raises(ValueError, match="variant"):
-        k.fp8_cast_delayed_2d(x, "e2m1", torch.ones(4, device=DEVICE), ws)
+        k.fp8_cast_delayed_2d(x, "e2m1", torch.ones(5, device=DEVICE), ws)
 
 
 # ------------------------------------------------------------------------------------ current ----
@@ -136,17 +139,17 @@ def test_current_cast_on_grid_equals_ref(shape, variant, dtype, layout):
     got = _k().fp8_cast_current_2d(x, variant, 1, True, **layout)
     ref = ref_fp8_cast_current_2d(x.cpu(), variant, 1, True, **layout)
     _assert_codes(got, ref)
-    assert got[2].shape == (3,) and got[2].dtype == torch.float32 and _equal_nan(got[2], ref[2])
+    assert got[2].shape == (5,) and got[2].dtype == torch.float32 and _equal_nan(got[2], ref[2])
 
 
 def test_current_scale_of_zeros_is_one_and_nan_propagates():
     k = _k()
     _, _, meta = k.fp8_cast_current_2d(torch.zeros(32, 48, device=DEVICE), "e4m3")
-    assert meta.cpu().tolist() == [0.0, 1.0, 1.0]
+    assert meta.cpu().tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]  # [scale_inv, scale, 0, 0, amax]
     x = torch.ones(32, 48, device=DEVICE)
     x[3, 3] = float("nan")
     _, _, meta = k.fp8_cast_current_2d(x, "e5m2", rowmajor=False)
-    assert torch.isnan(meta.cpu()).all()
+    assert torch.isnan(meta.cpu()[[0, 1, 4]]).all()
 
 
 # ------------------------------------------------------------------- arbitrary data: GPU only ----

@@ -68,7 +68,7 @@ def test_state_dict_round_trip_keeps_history_and_counters():
         state.scale_and_record("x", torch.tensor([a]))
     sd = state.state_dict()
     assert set(sd) == {"meta_x", "meta_w", "meta_g", "_extra_state"}  # workspaces are not state
-    assert sd["meta_x"].shape == (3 + 2,)
+    assert sd["meta_x"].shape == (4 + 3,)  # [scale_inv, scale, 0, 0, history (3)]
     other = FP8ScalingState(DELAYED)
     other.load_state_dict(sd)
     assert other.num_updates == state.num_updates
