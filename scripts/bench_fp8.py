@@ -344,7 +344,7 @@ def main() -> int:
         p.add_argument(f"--{key.replace('_', '-')}", type=int, default=LLAMA_1B[key])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--reps", type=int, default=5, help="blocks of --iters back-to-back iterations (GPU timing)")
+    p.add_argument("--reps", type=int, default=3, help="blocks of --iters back-to-back iterations (GPU timing)")
     p.add_argument("--profile", action="store_true", help="(b): host vs GPU time, phases, kernels, CPU ops")
     p.add_argument("--profile-iters", type=int, default=5)
     p.add_argument("--no-step", action="store_true", help="skip (b), the whole-step runs")
