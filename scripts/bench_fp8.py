@@ -265,7 +265,7 @@ def run_profile(args, device: str, linear_rows: list[dict]) -> dict:
         recipe, state, cache = _fp8("fp8_delayed", x.device)
         fp8_linear(x, w, state, recipe, weight_cache=cache)  # bootstrap the w slot
 
-        def refresh(cache=cache, state=state, recipe=recipe):
+        def refresh(cache=cache, state=state, recipe=recipe, x=x, w=w):
             cache.clear()
             fp8_linear(x.detach(), w, state, recipe, weight_cache=cache)  # forward only: x cast + w cast + GEMM
 

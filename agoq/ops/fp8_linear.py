@@ -81,7 +81,6 @@ def fp8_cast_ops(device: torch.device) -> SimpleNamespace:
 def _cast_ops_for(kind: str) -> SimpleNamespace:
     if kind == "cuda":
         from agoq.kernels import fp8 as impl  # lazily: needs Triton
-
         from agoq.kernels import fp8_fused as fused
 
         return SimpleNamespace(amax_2d=impl.fp8_amax_2d, scales=impl.fp8_scales, cast_2d=impl.fp8_cast_2d,
