@@ -1,20 +1,28 @@
 """Benchmark agoq's FP8 linears (fused Triton casts + torch._scaled_mm) at ~1B LLaMA shapes, one GPU.
 
-One command runs both parts and writes one JSON (< 500 s on an H100):
+One command runs all parts and writes one JSON (< 4 min on an H100):
 
-    python scripts/bench_fp8.py --out docs/benchmarks/fp8.json
+    python scripts/bench_fp8.py --profile --out fp8.json
 
-(a) Linear layers alone, forward + backward (median of --iters after --warmup, CUDA events), hidden
-    2048, tokens 8192, for each --ffn (default 5632 and 8192; 32 query / 8 KV heads of 64):
-    - each linear (qkv, proj, fc1 = [gate | up], fc2) in: bf16 (F.linear), fp8_delayed /
-      fp8_current (per-tensor scaling), fp8_rowwise, and gemm_fp8 (the three FP8 GEMMs on pre-cast
-      operands: the bound that fused casts approach);
+(a) Linear layers alone, forward + backward, hidden 2048, tokens 8192, for each --ffn (default 5632
+    and 8192; 32 query / 8 KV heads of 64). ``ms``: median over --reps blocks of --iters iterations
+    run back to back between two CUDA events (host and GPU overlap, as in a training step);
+    ``ms_synced``: median of single iterations each followed by a synchronize (the host time is
+    exposed; the pre-2026-11-23 reports' ``ms``).
+    - each linear (qkv, proj, fc1 = [gate | up], fc2) in: bf16 (F.linear), fp8_delayed / fp8_current
+      (per-tensor scaling), fp8_rowwise, all three with the FP8 weight cache agoq's Megatron layers use
+      (the weight is cast once per weight version: these rows are micro-batches after the first of a
+      step), fp8_delayed_uncached (weight cast in every forward and re-cast in every backward), and
+      gemm_fp8 (the three FP8 GEMMs on pre-cast operands: the bound that fused casts approach);
     - the MLP block fc1 -> SwiGLU -> fc2 in bf16, FP8 (delayed), FP8 + Smooth-SwiGLU per token and
       per channel (the same ops as agoq's Megatron MLP);
     - one layer's linear time = qkv + proj + MLP block, per variant, with the speed-up over bf16
       (issue 7 target: >= 1.2x on the linear layers' time);
     - the casts alone (GB/s and the ratio to a bf16 copy of the same tensor), to judge the kernels.
-(b) Whole training steps of a ~1B LLaMA (16 x 2048, ffn 8192, seq 2048, micro-batch 2 x 4, 30
+(b) --profile: per linear of the last --ffn and per mode, host vs GPU time, per-phase breakdown (cast x,
+    cast w, GEMM fwd, cast g, GEMMs bwd), top CUDA kernels and CPU operators (scripts/bench_fp8_profile.py),
+    plus the cost of one weight-cache refresh.
+(c) Whole training steps of a ~1B LLaMA (16 x 2048, ffn 8192, seq 2048, micro-batch 2 x 4, 30
     iterations) through scripts/pretrain_llama.py: bf16 vs --agoq-fp8 delayed vs --agoq-fp8 delayed
     --agoq-smooth-swiglu per-token (``scripts/bench_pretrain.py --suite fp8``; needs megatron-core),
     with tokens/s, peak memory and the loss curves side by side. ``--no-step`` skips it.
@@ -43,17 +51,19 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from agoq.ops.fp8_linear import fp8_linear  # noqa: E402
 from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState  # noqa: E402
+from agoq.ops.fp8_weight_cache import FP8WeightCache  # noqa: E402
 from agoq.ops.saved_act import swiglu_reference  # noqa: E402
 from agoq.ops.smooth_swiglu import glu_smooth_scale, unsmooth_fc2_output  # noqa: E402
 
 LLAMA_1B = dict(hidden=2048, heads=32, kv_heads=8, head_dim=64)  # Llama-3.2-1B attention
 FFNS = (5632, 8192)  # LLaMA's 8/3 ratio (5632 = 2.75 x 2048) and Llama-3.2-1B's 8192
-LINEAR_MODES = ("bf16", "fp8_delayed", "fp8_current", "fp8_rowwise", "gemm_fp8")
+LINEAR_MODES = ("bf16", "fp8_delayed", "fp8_current", "fp8_rowwise", "fp8_delayed_uncached", "gemm_fp8")
+PROFILE_MODES = ("bf16", "fp8_delayed", "fp8_current", "fp8_rowwise", "fp8_delayed_uncached")
 MLP_MODES = ("bf16", "fp8_delayed", "fp8_delayed_smooth_per_token", "fp8_delayed_smooth_per_channel")
 SMOKE_SHAPE = dict(tokens=64, hidden=64, heads=4, kv_heads=2, head_dim=16, ffns=(128,))
 TARGET_SPEEDUP = 1.2  # issue 7: >= 1.2x over bf16 on the linear layers' time
 RECIPES = {"fp8_delayed": FP8Recipe(scaling="delayed"), "fp8_current": FP8Recipe(scaling="current"),
-           "fp8_rowwise": FP8Recipe(granularity="row")}
+           "fp8_rowwise": FP8Recipe(granularity="row"), "fp8_delayed_uncached": FP8Recipe(scaling="delayed")}
 
 
 def linear_shapes(hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, tuple[int, int]]:
@@ -62,12 +72,14 @@ def linear_shapes(hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: in
             "fc1": (2 * ffn, hidden), "fc2": (hidden, ffn)}
 
 
-def _timer(device: str):
-    """time_ms(fn, warmup, iters) -> median ms (CUDA events on GPU, perf_counter on CPU)."""
-    def time_ms(fn, warmup: int, iters: int) -> float:
+def _timer(device: str, reps: int):
+    """time_ms(fn, warmup, iters) -> (ms, ms_synced): ``ms`` the median over ``reps`` blocks of ``iters``
+    back-to-back calls (CUDA events around each block), ``ms_synced`` the median of single calls each
+    followed by a synchronize. On CPU both are perf_counter medians of single calls."""
+    def time_ms(fn, warmup: int, iters: int) -> tuple[float, float]:
         for _ in range(warmup):
             fn()
-        samples = []
+        single = []
         for _ in range(iters):
             if device == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -75,12 +87,23 @@ def _timer(device: str):
                 fn()
                 end.record()
                 torch.cuda.synchronize()
-                samples.append(start.elapsed_time(end))
+                single.append(start.elapsed_time(end))
             else:
                 t0 = time.perf_counter()
                 fn()
-                samples.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(samples)
+                single.append((time.perf_counter() - t0) * 1e3)
+        if device != "cuda":
+            return statistics.median(single), statistics.median(single)
+        blocks = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            blocks.append(start.elapsed_time(end) / iters)
+        return statistics.median(blocks), statistics.median(single)
     return time_ms
 
 
@@ -94,9 +117,11 @@ def _fresh_grads(step, *params):
 
 
 def _fp8(mode: str, device):
-    """(recipe, state) of an FP8 mode; a fresh delayed-scaling state per linear."""
+    """(recipe, state, weight cache) of an FP8 mode; a fresh delayed-scaling state and weight cache per
+    linear (no cache for the _uncached mode)."""
     recipe = RECIPES[mode]
-    return recipe, (FP8ScalingState(recipe, device=device) if recipe.scaling == "delayed" else None)
+    state = FP8ScalingState(recipe, device=device) if recipe.scaling == "delayed" else None
+    return recipe, state, (None if mode.endswith("_uncached") else FP8WeightCache())
 
 
 def _linear_step(mode: str, x, w, g):
@@ -104,8 +129,8 @@ def _linear_step(mode: str, x, w, g):
         return lambda: F.linear(x, w).backward(g)
     if mode == "gemm_fp8":
         return _gemm_only_step(x, w, g)
-    recipe, state = _fp8(mode, x.device)
-    return lambda: fp8_linear(x, w, state, recipe).backward(g)
+    recipe, state, cache = _fp8(mode, x.device)
+    return lambda: fp8_linear(x, w, state, recipe, weight_cache=cache).backward(g)
 
 
 def _gemm_only_step(x, w, g):
@@ -126,13 +151,13 @@ def _mlp_step(mode: str, x, w1, w2, g):
     smooth = {"fp8_delayed_smooth_per_token": "per_token", "fp8_delayed_smooth_per_channel": "per_channel",
               "bf16_smooth_per_token": "per_token"}.get(mode)
     if mode.startswith("fp8"):
-        (r1, s1), (r2, s2) = _fp8("fp8_delayed", x.device), _fp8("fp8_delayed", x.device)
+        (r1, s1, c1), (r2, s2, c2) = _fp8("fp8_delayed", x.device), _fp8("fp8_delayed", x.device)
 
         def fc1(a):
-            return fp8_linear(a, w1, s1, r1)
+            return fp8_linear(a, w1, s1, r1, weight_cache=c1)
 
-        def fc2(a, col=None):
-            return fp8_linear(a, w2, s2, r2, w_col_scale=col)
+        def fc2(a, col=None):  # per-channel Smooth-SwiGLU (col) bypasses the cache: W * s changes
+            return fp8_linear(a, w2, s2, r2, w_col_scale=col, weight_cache=c2)
     else:
         def fc1(a):
             return F.linear(a, w1)
@@ -154,27 +179,28 @@ def _mlp_step(mode: str, x, w1, w2, g):
 
 
 def _cast_rows(tensors: dict, time_ms, args) -> list[dict]:
-    """The fused casts alone vs a bf16 copy (bytes: read 2 + write 1 + 1 per element for both layouts)."""
-    from agoq.kernels.fp8 import fp8_amax_2d, fp8_cast_2d, fp8_scales
+    """The fused casts alone vs a bf16 copy (bytes: read 2 + write 1 + 1 per element for both layouts;
+    current scaling reads the tensor twice)."""
+    from agoq.kernels.fp8 import fp8_amax_2d
+    from agoq.kernels.fp8_fused import fp8_cast_current_2d
+    from agoq.ops.fp8_linear import fp8_cast_ops
 
     rows = []
     for name, t in tensors.items():
         state = FP8ScalingState(RECIPES["fp8_delayed"], device=t.device)
-        state.record_amax("x", fp8_amax_2d(t))
+        ops = fp8_cast_ops(t.device)
+        state.cast("x", t, ops, rowmajor=False, transposed=False)  # bootstrap: later calls are delayed
 
-        def delayed(t=t, state=state):
-            fp8_cast_2d(t, "e4m3", state.scale("x"), rowmajor=True, transposed=True, record_amax=True,
-                        amax_out=state.amax_accumulator("x"))
-            state.fold_amax("x")
+        def delayed(t=t, state=state, ops=ops):
+            state.cast("x", t, ops, rowmajor=True, transposed=True)
 
         def current(t=t):
-            scale, _ = fp8_scales(fp8_amax_2d(t), "e4m3")
-            fp8_cast_2d(t, "e4m3", scale, rowmajor=True, transposed=True)
+            fp8_cast_current_2d(t, "e4m3", rowmajor=True, transposed=True)
 
         for what, fn, nbytes in (("copy_bf16", lambda t=t: t.clone(), 4), ("amax", lambda t=t: fp8_amax_2d(t), 2),
                                  ("cast_delayed_both_layouts", delayed, 4), ("cast_current_both_layouts", current, 6)):
-            ms = time_ms(fn, args.warmup, args.iters)
-            rows.append(dict(kind="cast", name=name, mode=what, shape=list(t.shape), ms=ms,
+            ms, ms_synced = time_ms(fn, args.warmup, args.iters)
+            rows.append(dict(kind="cast", name=name, mode=what, shape=list(t.shape), ms=ms, ms_synced=ms_synced,
                              gb_per_s=nbytes * t.numel() / ms / 1e6))
     for row in rows:
         copy = next(r for r in rows if r["name"] == row["name"] and r["mode"] == "copy_bf16")
@@ -188,7 +214,7 @@ def run_linears(args, device: str) -> dict:
                                            kv_heads=args.kv_heads, head_dim=args.head_dim, ffns=tuple(args.ffn))
     linear_modes = ("bf16",) if smoke else LINEAR_MODES
     mlp_modes = ("bf16", "bf16_smooth_per_token") if smoke else MLP_MODES
-    time_ms, dt, rows = _timer(device), torch.bfloat16, []
+    time_ms, dt, rows = _timer(device, args.reps), torch.bfloat16, []
     gen = torch.Generator(device=device).manual_seed(0)
     tokens, hidden = shape["tokens"], shape["hidden"]
     timed: dict[tuple[int, int], dict] = {}  # (out, in) -> rows already timed (qkv / proj repeat per ffn)
@@ -201,21 +227,57 @@ def run_linears(args, device: str) -> dict:
                 g = torch.randn(tokens, n, device=device, dtype=dt, generator=gen)
                 timed[(n, k)] = {mode: time_ms(_fresh_grads(_linear_step(mode, x, w, g), x, w), args.warmup,
                                                args.iters) for mode in linear_modes}
-            for mode, ms in timed[(n, k)].items():
+            for mode, (ms, ms_synced) in timed[(n, k)].items():
                 rows.append(dict(kind="linear", ffn=ffn, name=name, mode=mode, tokens=tokens, out_features=n,
-                                 in_features=k, ms=ms, tflops=3 * 2 * tokens * n * k / ms / 1e9))
+                                 in_features=k, ms=ms, ms_synced=ms_synced, tflops=3 * 2 * tokens * n * k / ms / 1e9))
         x = torch.randn(tokens, hidden, device=device, dtype=dt, generator=gen).requires_grad_()
         w1 = (torch.randn(2 * ffn, hidden, device=device, dtype=dt, generator=gen) / hidden**0.5).requires_grad_()
         w2 = (torch.randn(hidden, ffn, device=device, dtype=dt, generator=gen) / ffn**0.5).requires_grad_()
         g = torch.randn(tokens, hidden, device=device, dtype=dt, generator=gen)
         for mode in mlp_modes:
-            ms = time_ms(_fresh_grads(_mlp_step(mode, x, w1, w2, g), x, w1, w2), args.warmup, args.iters)
-            rows.append(dict(kind="mlp", ffn=ffn, name="mlp", mode=mode, tokens=tokens, ms=ms))
+            ms, ms_synced = time_ms(_fresh_grads(_mlp_step(mode, x, w1, w2, g), x, w1, w2), args.warmup, args.iters)
+            rows.append(dict(kind="mlp", ffn=ffn, name="mlp", mode=mode, tokens=tokens, ms=ms, ms_synced=ms_synced))
         if not smoke:
             h = torch.randn(tokens, 2 * ffn, device=device, dtype=dt, generator=gen)
             rows += [dict(r, ffn=ffn) for r in _cast_rows({"x [tokens, hidden]": x.detach(),
                                                             "fc1 out / grad [tokens, 2 ffn]": h}, time_ms, args)]
     return dict(shape=shape, rows=rows, summary=summarize(rows))
+
+
+def run_profile(args, device: str, linear_rows: list[dict]) -> dict:
+    """(b): per linear of the last --ffn and per mode, host vs GPU time, phases, kernels, CPU ops."""
+    from bench_fp8_profile import profile_step
+
+    dt, gen = torch.bfloat16, torch.Generator(device=device).manual_seed(1)
+    dims = dict(hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
+    ffn, tokens, out = args.ffn[-1], args.tokens, {}
+    for name, (n, k) in linear_shapes(ffn=ffn, **dims).items():
+        x = torch.randn(tokens, k, device=device, dtype=dt, generator=gen).requires_grad_()
+        w = (torch.randn(n, k, device=device, dtype=dt, generator=gen) / k**0.5).requires_grad_()
+        g = torch.randn(tokens, n, device=device, dtype=dt, generator=gen)
+        modes = {}
+        for mode in PROFILE_MODES:
+            modes[mode] = profile_step(_fresh_grads(_linear_step(mode, x, w, g), x, w), args.warmup,
+                                       args.profile_iters)
+            wall = [r for r in linear_rows if r["kind"] == "linear" and r["ffn"] == ffn and r["name"] == name
+                    and r["mode"] == mode]
+            modes[mode]["wall_ms"] = wall[0]["ms"] if wall else None
+        recipe, state, cache = _fp8("fp8_delayed", x.device)
+        fp8_linear(x, w, state, recipe, weight_cache=cache)  # bootstrap the w slot
+
+        def refresh(cache=cache, state=state, recipe=recipe, x=x, w=w):
+            cache.clear()
+            fp8_linear(x.detach(), w, state, recipe, weight_cache=cache)  # forward only: x cast + w cast + GEMM
+
+        modes["weight_refresh_fwd"] = profile_step(refresh, args.warmup, args.profile_iters)
+        out[f"{name} [{tokens} x {k}] @ [{n} x {k}]^T"] = modes
+    summary = {}
+    for mode in PROFILE_MODES:
+        per = [m[mode] for m in out.values()]
+        summary[mode] = {key: sum(p[key] for p in per) for key in ("host_ms", "gpu_ms")}
+        summary[mode]["wall_ms"] = sum(p["wall_ms"] or 0.0 for p in per)
+        summary[mode]["bound"] = "host" if summary[mode]["host_ms"] > summary[mode]["gpu_ms"] else "gpu"
+    return {"ffn": ffn, "tokens": tokens, "iters": args.profile_iters, "linears": out, "four_linears": summary}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -232,7 +294,9 @@ def summarize(rows: list[dict]) -> dict:
             attn_mode = "fp8_delayed" if variant.startswith("fp8") else "bf16"
             if attn_mode in attn:
                 layer[variant] = attn[attn_mode] + ms
-        out[str(ffn)] = {"four_linears_ms": _with_speedup(linears), "layer_linears_and_swiglu_ms": _with_speedup(layer)}
+        synced = {mode: sum(r.get("ms_synced", r["ms"]) for r in lin if r["mode"] == mode) for mode in linears}
+        out[str(ffn)] = {"four_linears_ms": _with_speedup(linears), "layer_linears_and_swiglu_ms": _with_speedup(layer),
+                         "four_linears_ms_synced": _with_speedup(synced)}
     return out
 
 
@@ -280,6 +344,9 @@ def main() -> int:
         p.add_argument(f"--{key.replace('_', '-')}", type=int, default=LLAMA_1B[key])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--reps", type=int, default=3, help="blocks of --iters back-to-back iterations (GPU timing)")
+    p.add_argument("--profile", action="store_true", help="(b): host vs GPU time, phases, kernels, CPU ops")
+    p.add_argument("--profile-iters", type=int, default=5)
     p.add_argument("--no-step", action="store_true", help="skip (b), the whole-step runs")
     p.add_argument("--step-timeout", type=float, default=240, help="seconds per whole-step variant")
     p.add_argument("--out", default=None, help="write the JSON report here")
@@ -289,8 +356,8 @@ def main() -> int:
     args = p.parse_args()
     if args.tokens % 16 or args.tokens < 16:
         p.error(f"--tokens {args.tokens}: FP8 GEMMs need a positive multiple of 16")
-    if args.iters < 1 or args.warmup < 0:
-        p.error("--iters must be >= 1 and --warmup >= 0")
+    if args.iters < 1 or args.warmup < 0 or args.reps < 1 or args.profile_iters < 1:
+        p.error("--iters, --reps and --profile-iters must be >= 1 and --warmup >= 0")
     if not args.smoke and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
         p.error("the FP8 benchmark needs a CUDA GPU with FP8 tensor cores (sm_89+); use --smoke on CPU")
     device = "cpu" if args.smoke else "cuda"
@@ -304,11 +371,18 @@ def main() -> int:
         device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         args=vars(args), target_speedup=TARGET_SPEEDUP, linears=run_linears(args, device),
     )
+    report["profile"] = run_profile(args, device, report["linears"]["rows"]) if args.profile and not args.smoke \
+        else None
     if device == "cuda":
         torch.cuda.empty_cache()  # leave the GPU to the whole-step runs
     run_step = not args.no_step and (not args.smoke or args.step_smoke)
     report["whole_step"] = run_whole_step(args) if run_step else None
     report["seconds"] = time.perf_counter() - started
+    if report["profile"]:
+        from bench_fp8_profile import print_profile
+
+        print_profile(report["profile"])
+        print(json.dumps({"profile_four_linears": report["profile"]["four_linears"]}, indent=1))
     print(json.dumps({"linears": report["linears"]["summary"],
                       "whole_step": report["whole_step"] and report["whole_step"]["summary"]}, indent=1))
     if args.out:

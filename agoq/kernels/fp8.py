@@ -103,8 +103,18 @@ def _scale_from_amax(amax, FMAX_DIV: tl.constexpr, POW2: tl.constexpr):
 
 @triton.jit
 def _sat_cast(v, FMAX: tl.constexpr, FP8: tl.constexpr):
-    """Clamp to +-FMAX (NaN kept, as torch.clamp) and cast with round-to-nearest-even."""
-    v = tl.minimum(tl.maximum(v, -FMAX, propagate_nan=tl.PropagateNan.ALL), FMAX, propagate_nan=tl.PropagateNan.ALL)
+    """Clamp to +-FMAX (NaN kept, as torch.clamp: both comparisons are false for NaN) and cast with
+    round-to-nearest-even.
+
+    The clamp is two compare-and-selects, not ``tl.minimum/tl.maximum(propagate_nan=ALL)``: with those
+    (PTX ``min.NaN.f32`` / ``max.NaN.f32``) Triton 3.6 on sm_90 corrupted the *transposed* FP8 store
+    of the same tile (a row of out_t all 0x7F for fp32 input, 64 x 64, e4m3, while the row-major
+    store was right; triton-lang/triton#11111 reports the same pattern for e5m2). The PTX of the
+    shared-memory transpose itself is correct (checked by simulating its addresses), so the fault is
+    below PTX; the select form avoids it. Regression: tests/kernels/test_fp8_kernels.py
+    ``test_cast_transposed_store_multiple_of_16_shapes*``."""
+    v = tl.where(v > FMAX, FMAX, v)
+    v = tl.where(v < -FMAX, -FMAX, v)
     return v.to(FP8)
 
 

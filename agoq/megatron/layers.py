@@ -40,6 +40,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from agoq.ops.fp8_linear import fp8_linear
 from agoq.ops.fp8_scaling import FP8ScalingState
+from agoq.ops.fp8_weight_cache import FP8WeightCache
 from agoq.ops.saved_act import (
     quantized_saves,
     rmsnorm_saving_input,
@@ -145,7 +146,15 @@ class _AgoqLinearMixin(_AgoqStorageAttrs):
                 saver = lambda x2: saved_input_handle(x2, fmt=self.agoq_fmt, key=self.agoq_key,  # noqa: E731
                                                       counter=self.agoq_counter)
         return fp8_linear(input, weight, self._fp8_state(weight.device), self.agoq_fp8, bias=kw.get("bias"),
-                          w_col_scale=col_scale, x_saver=saver)
+                          w_col_scale=col_scale, x_saver=saver, weight_cache=self._fp8_weight_cache())
+
+    def _fp8_weight_cache(self):
+        """The FP8 copies of this linear's weight, reused by every micro-batch until the weight changes
+        (agoq.ops.fp8_weight_cache; a plain attribute, outside the state dict)."""
+        cache = self.__dict__.get("_agoq_fp8_wcache")
+        if cache is None:
+            cache = self.__dict__["_agoq_fp8_wcache"] = FP8WeightCache()
+        return cache
 
     def _fp8_state(self, device):
         """Delayed scaling's amax history, one per linear, created on first use on the weight's device.

@@ -28,6 +28,8 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from agoq.ops.fp8_weight_cache import fp8_weights_changed
+
 
 def _loss_func(loss_mask_BS: torch.Tensor, output_BS: torch.Tensor):
     """Mean next-token loss over unmasked tokens of one micro-batch (Megatron's 2-tuple contract)."""
@@ -91,6 +93,7 @@ class StepRunner:
 
     def evaluate(self, data_iterators: list[Iterator], num_batches: int) -> float | None:
         """Mean validation loss over ``num_batches`` global batches (forward only, no gradients)."""
+        fp8_weights_changed()
         for chunk in self.model_chunks:
             chunk.eval()
         total, forward_backward = 0.0, get_forward_backward_func()
@@ -110,6 +113,7 @@ class StepRunner:
 
     def run(self, data_iterators: list[Iterator]) -> StepResult:
         start = time.perf_counter()
+        fp8_weights_changed()  # FP8 weight caches: cast each weight once per step (the last step moved them)
         for chunk in self.model_chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -13,16 +13,23 @@ E4M3, so the E5M2 gradient is always operand a; cuBLAS forbids E5M2 x E5M2):
   dgrad    dx [M,K] = g_e5m2 [M,N]      @ w_e4m3    [N,K]     (needs w transposed: w_t [K,N])
   wgrad    dw [N,K] = g_e5m2.T [N,M]    @ x_e4m3    [M,K]     (needs g_t [N,M] and x_t [K,M])
 
-Casts (:mod:`agoq.kernels.fp8` on CUDA, the :mod:`agoq.ref.fp8` twins elsewhere): every operand is
-read once per cast and written in the layouts its GEMMs need (x: row-major + transposed; g: both;
-w: row-major in forward, transposed in backward). Current scaling adds one amax read; delayed
-scaling records the amax inside the cast; row-wise reads the per-row and per-column amaxes together.
+Casts (:mod:`agoq.kernels.fp8` / :mod:`agoq.kernels.fp8_fused` on CUDA, the :mod:`agoq.ref.fp8`
+twins elsewhere): every operand is read once per cast and written in the layouts its GEMMs need (x:
+row-major + transposed; g: both; w: row-major in forward, transposed in backward). Per-tensor delayed
+scaling is one launch per cast (cast with the history's scale, push the amax, compute the next
+scale: no separate amax or history kernels, no host sync); current scaling is two (amax, then a cast
+that derives the scale itself); row-wise reads the per-row and per-column amaxes together.
+
+Weight: with ``weight_cache`` (agoq.ops.fp8_weight_cache; agoq's Megatron layers pass one per
+linear) the weight is cast once per weight version into both layouts and reused by every
+micro-batch's forward and backward until the optimizer step. Without it the forward casts the
+row-major copy and the backward re-casts the transposed copy with the forward's scales (the same
+codes), which keeps no weight-sized FP8 copy alive between the passes.
 
 Saved for backward (no high-precision copy of the input): ``x_t`` in FP8 (1 byte/element, already in
-wgrad's layout) and fp32 scales; the weight is saved by reference (a parameter) and re-cast
-transposed in backward with the forward's scales, which reproduces the forward's codes. With
-``x_saver`` (agoq's activation storage: a quantized copy or a recompute handle) nothing of x is kept
-by this op; backward rebuilds x from the handle and casts it with the forward's scales.
+wgrad's layout) and fp32 scales; the weight by reference (a parameter). With ``x_saver`` (agoq's
+activation storage: a quantized copy or a recompute handle) nothing of x is kept by this op;
+backward rebuilds x from the handle and casts it with the forward's scales.
 
 Savings: the saved input of every FP8 linear is 1 byte/element instead of 2 (bf16). Caveats: tokens
 (M = prod of x's leading dims), K and N must be multiples of 16; ``w_col_scale`` (per-channel
@@ -31,6 +38,7 @@ Smooth-SwiGLU on fc2) materialises W * s in forward and backward (a weight-sized
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -38,16 +46,33 @@ from types import SimpleNamespace
 import torch
 
 from agoq.ops.fp8_scaling import SLOT_VARIANTS, FP8Recipe, FP8ScalingState
+from agoq.ops.fp8_weight_cache import FP8WeightCache
 
-__all__ = ["fp8_linear", "FP8LinearFunction", "MIN_FP8_CAPABILITY", "GEMM_DIM_MULTIPLE", "fp8_cast_ops"]
+__all__ = ["fp8_linear", "FP8LinearFunction", "MIN_FP8_CAPABILITY", "GEMM_DIM_MULTIPLE", "fp8_cast_ops",
+           "set_phase_ranges"]
 
 MIN_FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89) and Hopper (sm_90); torch._scaled_mm's check
 GEMM_DIM_MULTIPLE = 16  # torch._scaled_mm: a.size(1), b.size(0), b.size(1) multiples of 16 (cuBLASLt FP8)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_NO_RANGE = contextlib.nullcontext()
+_phase_ranges = False  # profiler ranges per phase (set_phase_ranges); off: one no-op context per phase
+
+
+def set_phase_ranges(enabled: bool) -> None:
+    """Wrap every phase of the FP8 linear (``agoq.fp8.cast_x``, ``cast_w``, ``gemm_fwd``, ``cast_g``,
+    ``recast_w``, ``recast_x``, ``gemm_dgrad``, ``gemm_wgrad``) in a ``torch.profiler.record_function``
+    range, so a profile attributes kernels and host time to phases (scripts/bench_fp8.py --profile)."""
+    global _phase_ranges
+    _phase_ranges = bool(enabled)
+
+
+def _phase(name: str):
+    return torch.profiler.record_function("agoq.fp8." + name) if _phase_ranges else _NO_RANGE
 
 
 def fp8_cast_ops(device: torch.device) -> SimpleNamespace:
-    """(amax_2d, scales, cast_2d) for tensors on ``device``: Triton on CUDA, the reference elsewhere
+    """(amax_2d, scales, cast_2d, cast_delayed, cast_current) for tensors on ``device``: Triton on CUDA
+    (agoq.kernels.fp8, agoq.kernels.fp8_fused), the reference elsewhere
     (identical results; tests/kernels). A CUDA tensor without Triton raises the ImportError."""
     return _cast_ops_for(torch.device(device).type)
 
@@ -56,11 +81,14 @@ def fp8_cast_ops(device: torch.device) -> SimpleNamespace:
 def _cast_ops_for(kind: str) -> SimpleNamespace:
     if kind == "cuda":
         from agoq.kernels import fp8 as impl  # lazily: needs Triton
+        from agoq.kernels import fp8_fused as fused
 
-        return SimpleNamespace(amax_2d=impl.fp8_amax_2d, scales=impl.fp8_scales, cast_2d=impl.fp8_cast_2d)
+        return SimpleNamespace(amax_2d=impl.fp8_amax_2d, scales=impl.fp8_scales, cast_2d=impl.fp8_cast_2d,
+                               cast_delayed=fused.fp8_cast_delayed_2d, cast_current=fused.fp8_cast_current_2d)
     from agoq.ref import fp8 as ref
 
-    return SimpleNamespace(amax_2d=ref.ref_fp8_amax_2d, scales=ref.ref_fp8_scales, cast_2d=ref.ref_fp8_cast_2d)
+    return SimpleNamespace(amax_2d=ref.ref_fp8_amax_2d, scales=ref.ref_fp8_scales, cast_2d=ref.ref_fp8_cast_2d,
+                           cast_delayed=ref.ref_fp8_cast_delayed_2d, cast_current=ref.ref_fp8_cast_current_2d)
 
 
 @dataclass
@@ -87,34 +115,30 @@ def _recast_t(t2d: torch.Tensor, slot: str, recipe: FP8Recipe, scale_t: torch.Te
 def _cast(t2d: torch.Tensor, slot: str, recipe: FP8Recipe, state: FP8ScalingState | None, *, rowmajor: bool,
           transposed: bool) -> _Cast:
     """Cast ``t2d`` for ``slot`` (x, w: E4M3; g: E5M2) with the recipe's scales. Row granularity
-    computes both the per-row and the per-column scales (one amax read), whatever layouts are written."""
-    ops, variant, margin, pow2 = fp8_cast_ops(t2d.device), SLOT_VARIANTS[slot], recipe.margin, recipe.pow2_scales
-    row = recipe.granularity == "row"
-    if row:
+    computes both the per-row and the per-column scales (one amax read), whatever layouts are written.
+    Per-tensor: delayed scaling is one fused launch (FP8ScalingState.cast), current scaling two (amax,
+    then the cast, which computes the scale itself)."""
+    ops, variant = fp8_cast_ops(t2d.device), SLOT_VARIANTS[slot]
+    if recipe.granularity == "row":
+        margin, pow2 = recipe.margin, recipe.pow2_scales
         rows, cols = ops.amax_2d(t2d, rowcol=True)
         scale, scale_inv = ops.scales(rows[:, None], variant, margin, pow2)
         scale_t, scale_t_inv = ops.scales(cols[None, :], variant, margin, pow2)
         out, out_t, _ = ops.cast_2d(t2d, variant, scale, scale_t, rowmajor=rowmajor, transposed=transposed)
         return _Cast(out, out_t, scale, scale_t, scale_inv, scale_t_inv)
-    delayed = state.delayed_scale(slot) if recipe.scaling == "delayed" else None
-    if delayed is not None:  # one pass: cast with the history's scale, accumulate this tensor's amax
-        inv = state.scale_inv(slot)  # taken before the update replaces the buffers
-        out, out_t, _ = ops.cast_2d(t2d, variant, delayed, rowmajor=rowmajor, transposed=transposed,
-                                    record_amax=True, amax_out=state.amax_accumulator(slot))
-        state.fold_amax(slot)
-        return _Cast(out, out_t, delayed, delayed, inv, inv)
-    amax = ops.amax_2d(t2d)  # current scaling, or the first delayed call (bootstrap)
-    scale, scale_inv = ops.scales(amax, variant, margin, pow2)
-    out, out_t, _ = ops.cast_2d(t2d, variant, scale, rowmajor=rowmajor, transposed=transposed)
     if recipe.scaling == "delayed":
-        state.record_amax(slot, amax)
-    return _Cast(out, out_t, scale, scale, scale_inv, scale_inv)
+        out, out_t, scale, inv = state.cast(slot, t2d, ops, rowmajor=rowmajor, transposed=transposed)
+    else:
+        out, out_t, meta = ops.cast_current(t2d, variant, recipe.margin, recipe.pow2_scales, rowmajor=rowmajor,
+                                            transposed=transposed)
+        scale, inv = meta[1], meta[0]
+    return _Cast(out, out_t, scale, scale, inv, inv)
 
 
 def _scaled_gemm(a_fp8: torch.Tensor, b_fp8: torch.Tensor, scale_a_inv: torch.Tensor, scale_b_inv: torch.Tensor,
                  out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """a [M,K] row-major @ b [K,N] column-major with fp32 inverse scales (0-dim, or [M,1] and [1,N])."""
-    assert a_fp8.is_contiguous() and b_fp8.t().is_contiguous(), "internal: operand layouts"
+    assert a_fp8.is_contiguous() and b_fp8.stride(0) == 1, "internal: operand layouts"
     assert b_fp8.dtype == torch.float8_e4m3fn, "internal: operand b must be E4M3 (CUTLASS row-wise path)"
     return torch._scaled_mm(a_fp8, b_fp8, scale_a=scale_a_inv, scale_b=scale_b_inv, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
@@ -130,29 +154,41 @@ def _effective_weight(weight: torch.Tensor, w_col_scale: torch.Tensor | None) ->
 class FP8LinearFunction(torch.autograd.Function):
     """Device-agnostic core of :func:`fp8_linear` (x 2-D [M, K]; no bias).
 
-    ``apply(x2, weight, state, recipe, w_col_scale=None, x_saver=None, grad_enabled=True)``:
-    ``w_col_scale`` [K] fp32 makes the GEMM use W * s (s gets no gradient); ``x_saver(x2)`` returns a
-    handle whose ``materialize()`` gives x back in backward (then no FP8 copy of x is kept).
+    ``apply(x2, weight, state, recipe, w_col_scale=None, x_saver=None, grad_enabled=True,
+    weight_cache=None)``: ``w_col_scale`` [K] fp32 makes the GEMM use W * s (s gets no gradient);
+    ``x_saver(x2)`` returns a handle whose ``materialize()`` gives x back in backward (then no FP8 copy
+    of x is kept); ``weight_cache`` (an :class:`FP8WeightCache`) reuses the weight's FP8 copies (both
+    layouts) until the weight changes, so neither the forward nor the backward casts the weight.
     """
 
     @staticmethod
-    def forward(ctx, x2, weight, state, recipe, w_col_scale=None, x_saver=None, grad_enabled=True):
+    def forward(ctx, x2, weight, state, recipe, w_col_scale=None, x_saver=None, grad_enabled=True,
+                weight_cache=None):
         ctx.recipe, ctx.state, ctx.x_dtype, ctx.x_shape = recipe, state, x2.dtype, x2.shape
         if recipe.scaling == "delayed":
             state.check_device(x2)
         x2 = x2.contiguous()
         needs_wgrad = grad_enabled and ctx.needs_input_grad[1]
         keep_x_fp8 = needs_wgrad and x_saver is None
-        xc = _cast(x2, "x", recipe, state, rowmajor=True, transposed=keep_x_fp8)
-        wc = _cast(_effective_weight(weight, w_col_scale), "w", recipe, state, rowmajor=True, transposed=False)
+        with _phase("cast_x"):
+            xc = _cast(x2, "x", recipe, state, rowmajor=True, transposed=keep_x_fp8)
+        with _phase("cast_w"):
+            if weight_cache is not None and w_col_scale is None:
+                wc = weight_cache.get(weight, recipe, lambda w: _cast(w.contiguous(), "w", recipe, state,
+                                                                      rowmajor=True, transposed=True))
+            else:
+                wc = _cast(_effective_weight(weight, w_col_scale), "w", recipe, state, rowmajor=True,
+                           transposed=False)
         row = recipe.granularity == "row"
-        y = _scaled_gemm(xc.data, wc.data.t(), xc.scale_inv, wc.scale_inv.reshape(1, -1) if row else wc.scale_inv,
-                         torch.bfloat16 if row else x2.dtype, recipe.fast_accum_forward)
+        with _phase("gemm_fwd"):
+            y = _scaled_gemm(xc.data, wc.data.t(), xc.scale_inv, wc.scale_inv.reshape(1, -1) if row else wc.scale_inv,
+                             torch.bfloat16 if row else x2.dtype, recipe.fast_accum_forward)
         ctx.x_handle = x_saver(x2) if needs_wgrad and x_saver is not None else None
+        ctx.w_t = wc.data_t if grad_enabled else None  # the cached transposed copy (None: re-cast in backward)
         x_t = xc.data_t if keep_x_fp8 else None
         # only the scales of the transposed copies are needed later (dgrad's w_t, wgrad's x_t)
         ctx.save_for_backward(weight, w_col_scale, x_t, xc.scale_t, xc.scale_t_inv, wc.scale_t, wc.scale_t_inv)
-        return y.to(x2.dtype)
+        return y if y.dtype == x2.dtype else y.to(x2.dtype)
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -161,24 +197,35 @@ class FP8LinearFunction(torch.autograd.Function):
         row = recipe.granularity == "row"
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g2 = grad_y.contiguous()
-        gc = _cast(g2, "g", recipe, state, rowmajor=need_dx, transposed=need_dw)
+        with _phase("cast_g"):
+            gc = _cast(g2, "g", recipe, state, rowmajor=need_dx, transposed=need_dw)
         dx = dw = None
         if need_dx:
-            w_t = _recast_t(_effective_weight(weight, w_col_scale), "w", recipe, sw_t)  # the forward's codes
-            dx = _scaled_gemm(gc.data, w_t.t(), gc.scale_inv, sw_t_inv, torch.bfloat16 if row else g2.dtype,
-                              False).to(ctx.x_dtype)
+            w_t = ctx.w_t
+            if w_t is None:  # no weight cache: re-cast with the forward's scales (the forward's codes)
+                with _phase("recast_w"):
+                    w_t = _recast_t(_effective_weight(weight, w_col_scale), "w", recipe, sw_t)
+            with _phase("gemm_dgrad"):
+                dx = _scaled_gemm(gc.data, w_t.t(), gc.scale_inv, sw_t_inv, torch.bfloat16 if row else g2.dtype,
+                                  False)
+            if dx.dtype != ctx.x_dtype:
+                dx = dx.to(ctx.x_dtype)
+        ctx.w_t = None
         if need_dw:
             if x_t is None:  # activation storage kept x (quantized or as a recompute handle)
-                x_hat = ctx.x_handle.materialize().reshape(ctx.x_shape).to(ctx.x_dtype).contiguous()
-                ctx.x_handle = None
-                x_t = _recast_t(x_hat, "x", recipe, sx_t)
+                with _phase("recast_x"):
+                    x_hat = ctx.x_handle.materialize().reshape(ctx.x_shape).to(ctx.x_dtype).contiguous()
+                    ctx.x_handle = None
+                    x_t = _recast_t(x_hat, "x", recipe, sx_t)
             out_dtype = torch.bfloat16 if row else _wgrad_dtype(weight)
-            dw = _scaled_gemm(gc.data_t, x_t.t(), gc.scale_t_inv.reshape(-1, 1) if row else gc.scale_t_inv,
-                              sx_t_inv, out_dtype, False)
+            with _phase("gemm_wgrad"):
+                dw = _scaled_gemm(gc.data_t, x_t.t(), gc.scale_t_inv.reshape(-1, 1) if row else gc.scale_t_inv,
+                                  sx_t_inv, out_dtype, False)
             if w_col_scale is not None:  # d(W * s)/dW = s per input column
                 dw = dw.to(torch.float32) * w_col_scale
-            dw = dw.to(weight.dtype)
-        return dx, dw, None, None, None, None, None
+            if dw.dtype != weight.dtype:
+                dw = dw.to(weight.dtype)
+        return dx, dw, None, None, None, None, None, None
 
 
 def _wgrad_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -207,6 +254,11 @@ def check_fp8_linear_args(x: torch.Tensor, weight: torch.Tensor, scaling_state: 
                          "the batch/sequence or keep this layer in bf16 via the policy")
 
 
+@functools.lru_cache(maxsize=64)  # one device query per GPU, not one per call
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def check_fp8_device(device: torch.device, what: str = "fp8_linear") -> None:
     """Raise NotImplementedError unless ``device`` is a CUDA GPU with FP8 tensor cores (sm_89+)."""
     device = torch.device(device)
@@ -214,7 +266,7 @@ def check_fp8_device(device: torch.device, what: str = "fp8_linear") -> None:
         raise NotImplementedError(
             f"{what} runs torch._scaled_mm on a CUDA GPU with FP8 tensor cores (sm_89+); got a {device.type} "
             "tensor. On CPU use agoq.ref.fp8.ref_fp8_linear (simulated FP8) or keep the layer in bf16 (policy)")
-    capability = torch.cuda.get_device_capability(device)
+    capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
     if capability < MIN_FP8_CAPABILITY:
         raise NotImplementedError(f"{what} needs compute capability >= {MIN_FP8_CAPABILITY} (Ada/Hopper), "
                                   f"this GPU has {capability}; keep the layer in bf16 (policy)")
@@ -222,7 +274,8 @@ def check_fp8_device(device: torch.device, what: str = "fp8_linear") -> None:
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scaling_state: FP8ScalingState | None = None,
                recipe: FP8Recipe | None = None, bias: torch.Tensor | None = None, *,
-               w_col_scale: torch.Tensor | None = None, x_saver=None) -> torch.Tensor:
+               w_col_scale: torch.Tensor | None = None, x_saver=None,
+               weight_cache: FP8WeightCache | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ bias) with FP8 GEMMs in forward and backward (see the module docstring).
 
     scaling_state: required for ``recipe.scaling == "delayed"`` (one per linear), else None.
@@ -230,6 +283,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scaling_state: FP8ScalingS
     w_col_scale: fp32 [in_features]: use W * s (per-channel Smooth-SwiGLU folded into fc2).
     x_saver: ``x_saver(x2d) -> handle`` with ``handle.materialize()`` (activation storage), or None
     to keep x's FP8 transposed copy for the weight gradient.
+    weight_cache: an :class:`agoq.ops.fp8_weight_cache.FP8WeightCache` (one per linear) to cast the
+    weight once per weight version (both layouts) instead of in every forward and backward; not used
+    with ``w_col_scale`` (W * s changes with every micro-batch).
     """
     recipe = FP8Recipe() if recipe is None else recipe
     check_fp8_linear_args(x, weight, scaling_state, recipe)
@@ -239,6 +295,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scaling_state: FP8ScalingS
                          f"{w_col_scale.dtype} {tuple(w_col_scale.shape)}")
     grad_enabled = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     y = FP8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, scaling_state, recipe, w_col_scale, x_saver,
-                                grad_enabled)
+                                grad_enabled, weight_cache)
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias

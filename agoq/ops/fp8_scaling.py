@@ -8,10 +8,13 @@ clamps). The first call of a slot has no history and uses its current amax (boot
 Transformer Engine's initial scale 1.
 
 Slots of one linear: ``x`` (input, E4M3), ``w`` (weight, E4M3), ``g`` (output gradient, E5M2).
-The state is an ``nn.Module`` (buffers ``amax_history_<slot>`` [L] and ``scale_<slot>`` []) so that it
-moves with ``module.cuda()`` and is saved in the model's state dict when attached as a submodule.
-Updates *replace* the buffers (never in place): a backward pass that saved the forward's scale keeps
-seeing that scale even if another micro-batch's forward updated the state in between.
+The state is an ``nn.Module`` (buffer ``meta_<slot>`` = [1 / scale, scale, 0, 0, amax history (L)]) so that
+it moves with ``module.cuda()`` and is saved in the model's state dict when attached as a submodule.
+Updates *replace* the meta tensor (never in place): a backward pass that saved the forward's scale
+keeps seeing that scale even if another micro-batch's forward updated the state in between. On CUDA
+one cast is one launch (agoq.kernels.fp8_fused: cast with the old scale, push the amax, next scale).
+With agoq's FP8 weight cache (agoq.ops.fp8_weight_cache) the ``w`` slot records once per weight
+version (optimizer step), not once per micro-batch.
 
 Caveats: with activation recomputation the recomputed forward records its amaxes a second time (the
 history's max is unchanged by a repeated value); amaxes are not reduced across ranks (each rank scales
@@ -28,6 +31,7 @@ from agoq.ref.fp8 import (
     BACKWARD_VARIANT,
     FORWARD_VARIANT,
     GRANULARITIES,
+    META_HEADER,
     fp8_amax,
     fp8_scale_from_amax,
     ref_fp8_history_update,
@@ -85,7 +89,9 @@ def current_scale(tensor: torch.Tensor, slot: str, recipe: FP8Recipe, dim: int |
 
 
 class FP8ScalingState(torch.nn.Module):
-    """Delayed-scaling state of one FP8 linear (amax history and current scale per slot)."""
+    """Delayed-scaling state of one FP8 linear: per slot one fp32 ``meta`` vector
+    ``[scale_inv, scale, 0, 0, amax_history (L, newest first)]`` (agoq.kernels.fp8_fused) and an int32
+    [2] workspace for the fused cast (zero between calls, not part of the state dict)."""
 
     def __init__(self, recipe: FP8Recipe, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -93,35 +99,33 @@ class FP8ScalingState(torch.nn.Module):
             raise ValueError("FP8ScalingState holds delayed-scaling history; recipe.scaling is "
                              f"{recipe.scaling!r} (current scaling needs no state: pass scaling_state=None)")
         self.recipe = recipe
+        self.length = recipe.amax_history_len
         self.num_updates = dict.fromkeys(SLOT_VARIANTS, 0)  # host-side: no GPU sync to test "has history"
         for slot in SLOT_VARIANTS:
-            self.register_buffer(f"amax_history_{slot}",
-                                 torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=device))
-            self.register_buffer(f"scale_{slot}", torch.ones((), dtype=torch.float32, device=device))
-            self.register_buffer(f"scale_inv_{slot}", torch.ones((), dtype=torch.float32, device=device))
-            # amax of the current cast, max-accumulated by the fused cast and zeroed by the history
-            # update (transient: always 0 between calls, so not part of the state dict)
-            self.register_buffer(f"amax_acc_{slot}", torch.zeros((), dtype=torch.float32, device=device),
+            meta = torch.zeros(META_HEADER + self.length, dtype=torch.float32, device=device)
+            meta[:2] = 1.0  # scale and its inverse before the first record
+            self.register_buffer(f"meta_{slot}", meta)
+            self.register_buffer(f"workspace_{slot}", torch.zeros(2, dtype=torch.int32, device=device),
                                  persistent=False)
 
+    def meta(self, slot: str) -> torch.Tensor:
+        """[scale_inv, scale, 0, 0, amax_history] of the slot (replaced, never written, by each update)."""
+        return self._buffers[f"meta_{slot}"]
+
     def amax_history(self, slot: str) -> torch.Tensor:
-        return getattr(self, f"amax_history_{slot}")
+        return self.meta(slot)[META_HEADER:]
 
     def scale(self, slot: str) -> torch.Tensor:
-        return getattr(self, f"scale_{slot}")
+        return self.meta(slot)[1]
 
     def scale_inv(self, slot: str) -> torch.Tensor:
-        """1 / scale(slot), computed with the scale (what torch._scaled_mm takes)."""
-        return getattr(self, f"scale_inv_{slot}")
-
-    def amax_accumulator(self, slot: str) -> torch.Tensor:
-        """The 0-dim fp32 buffer a fused cast max-accumulates the current amax into (see fold_amax)."""
-        return getattr(self, f"amax_acc_{slot}")
+        """1 / scale(slot), computed with the scale (what torch._scaled_mm takes; 16-byte aligned)."""
+        return self.meta(slot)[0]
 
     def check_device(self, tensor: torch.Tensor) -> None:
-        history = self.amax_history("x")
-        if history.device != tensor.device:
-            raise ValueError(f"FP8ScalingState is on {history.device} but the tensor is on {tensor.device}; "
+        meta = self._buffers["meta_x"]
+        if meta.device != tensor.device:
+            raise ValueError(f"FP8ScalingState is on {meta.device} but the tensor is on {tensor.device}; "
                              "move the state with the module (.to(device) / .cuda())")
 
     def delayed_scale(self, slot: str) -> torch.Tensor | None:
@@ -142,29 +146,39 @@ class FP8ScalingState(torch.nn.Module):
         return scale
 
     def record_amax(self, slot: str, amax_f32: torch.Tensor) -> None:
-        """Push an amax into the slot's history (newest first) and recompute its scale (no GPU sync).
+        """Push an amax into the slot's history (newest first) and recompute its scale (no GPU sync;
+        a new meta tensor, so scales saved by a pending backward stay valid)."""
+        meta = self.meta(slot)
+        history, scale, scale_inv = ref_fp8_history_update(meta[META_HEADER:], amax_f32.to(meta.device),
+                                                           SLOT_VARIANTS[slot], self.recipe.margin,
+                                                           self.recipe.pow2_scales)
+        zero = torch.zeros(2, dtype=torch.float32, device=meta.device)
+        self._set(slot, torch.cat([scale_inv.reshape(1), scale.reshape(1), zero, history]))
 
-        CUDA tensors use the one-program Triton update (agoq.kernels.fp8.fp8_history_update), others
-        its reference twin; both return new tensors, so scales saved by a pending backward stay valid.
-        """
-        self._update(slot, amax_f32, reset=False)
+    def cast(self, slot: str, t2d: torch.Tensor, cast_ops, *, rowmajor: bool, transposed: bool):
+        """Cast a 2-D tensor for ``slot`` with the delayed scale and record its amax, in one fused
+        launch on CUDA (``cast_ops``: agoq.ops.fp8_linear.fp8_cast_ops). The first call of a slot
+        bootstraps: current scaling, and the history starts with this amax.
 
-    def fold_amax(self, slot: str) -> None:
-        """record_amax of the accumulator (filled by ``fp8_cast_2d(..., amax_out=amax_accumulator(slot))``),
-        which the same launch zeroes for the next cast."""
-        self._update(slot, self.amax_accumulator(slot), reset=True)
+        Returns (out, out_t, scale, scale_inv); the scales are views of a meta the state no longer
+        writes (safe to keep for backward)."""
+        variant, recipe = SLOT_VARIANTS[slot], self.recipe
+        if self.num_updates[slot]:
+            meta = self.meta(slot)
+            out, out_t, new = cast_ops.cast_delayed(t2d, variant, meta, self._buffers[f"workspace_{slot}"],
+                                                    recipe.margin, recipe.pow2_scales, rowmajor=rowmajor,
+                                                    transposed=transposed)
+            self._set(slot, new)
+            return out, out_t, meta[1], meta[0]
+        out, out_t, current = cast_ops.cast_current(t2d, variant, recipe.margin, recipe.pow2_scales,
+                                                    rowmajor=rowmajor, transposed=transposed)
+        new = torch.zeros(META_HEADER + self.length, dtype=torch.float32, device=t2d.device)
+        new[: META_HEADER + 1] = current  # history [amax, 0, ...]: its max is amax, the scale the current one
+        self._set(slot, new)
+        return out, out_t, current[1], current[0]
 
-    def _update(self, slot: str, amax_f32: torch.Tensor, reset: bool) -> None:
-        history = self.amax_history(slot)
-        if history.device.type == "cuda":
-            from agoq.kernels.fp8 import fp8_history_update as update  # lazily: needs Triton
-        else:
-            update = ref_fp8_history_update
-        new_history, scale, scale_inv = update(history, amax_f32, SLOT_VARIANTS[slot], self.recipe.margin,
-                                               self.recipe.pow2_scales, reset_amax=reset)
-        setattr(self, f"amax_history_{slot}", new_history)
-        setattr(self, f"scale_{slot}", scale)
-        setattr(self, f"scale_inv_{slot}", scale_inv)
+    def _set(self, slot: str, meta: torch.Tensor) -> None:
+        self._buffers[f"meta_{slot}"] = meta
         self.num_updates[slot] += 1
 
     def get_extra_state(self) -> dict:

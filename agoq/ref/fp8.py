@@ -39,6 +39,8 @@ __all__ = [
     "ref_fp8_scales",
     "ref_fp8_cast_2d",
     "ref_fp8_history_update",
+    "ref_fp8_cast_delayed_2d",
+    "ref_fp8_cast_current_2d",
 ]
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -171,6 +173,41 @@ def ref_fp8_history_update(history_f32: torch.Tensor, amax_f32: torch.Tensor, va
         amax_f32.zero_()
     scale = fp8_scale_from_amax(new.abs().amax(), variant, margin, pow2)
     return new, scale, scale.reciprocal()
+
+
+# ----------------------------------------------------------- twins of agoq.kernels.fp8_fused ----
+# One fp32 vector per tensor slot, ``meta = [scale_inv, scale, 0, 0, amax_history (L, newest first)]``
+# (current scaling: L = 1, the tensor's own amax); see agoq/kernels/fp8_fused.py.
+META_HEADER = 4
+
+
+def _meta(scale: torch.Tensor, scale_inv: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+    zero = torch.zeros(2, dtype=torch.float32, device=history.device)
+    return torch.cat([scale_inv.reshape(1), scale.reshape(1), zero, history.reshape(-1).to(torch.float32)])
+
+
+def ref_fp8_cast_delayed_2d(x2d: torch.Tensor, variant: str, meta: torch.Tensor, workspace: torch.Tensor,
+                            margin: int = 0, pow2: bool = False, *, rowmajor: bool = True, transposed: bool = False):
+    """Delayed scaling in one call: cast x2d with ``meta[1]`` (the scale from the previous amaxes) and
+    push its amax: ``(out, out_t, new_meta)``, ``new_meta = [1 / scale', scale', 0, 0, amax,
+    history[:-1]]`` (:func:`ref_fp8_history_update`). ``meta`` is not modified; ``workspace`` (the
+    kernel's int32 [2] accumulator, zero between calls) is not used here."""
+    if meta.dim() != 1 or meta.numel() <= META_HEADER:
+        raise ValueError(f"meta must be an fp32 [4 + L] vector (L >= 1), got {tuple(meta.shape)}")
+    out, out_t, amax = ref_fp8_cast_2d(x2d, variant, meta[1].to(torch.float32), rowmajor=rowmajor,
+                                       transposed=transposed, record_amax=True)
+    history, scale, scale_inv = ref_fp8_history_update(meta[META_HEADER:], amax, variant, margin, pow2)
+    return out, out_t, _meta(scale, scale_inv, history)
+
+
+def ref_fp8_cast_current_2d(x2d: torch.Tensor, variant: str, margin: int = 0, pow2: bool = False, *,
+                            rowmajor: bool = True, transposed: bool = False):
+    """Current scaling in one call: ``(out, out_t, meta)`` with ``meta = [scale_inv, scale, 0, 0, amax]``
+    from x2d's own amax (:func:`ref_fp8_amax_2d`, :func:`ref_fp8_scales`, :func:`ref_fp8_cast_2d`)."""
+    amax = ref_fp8_amax_2d(x2d)
+    scale, scale_inv = ref_fp8_scales(amax, variant, margin, pow2)
+    out, out_t, _ = ref_fp8_cast_2d(x2d, variant, scale, rowmajor=rowmajor, transposed=transposed)
+    return out, out_t, _meta(scale, scale_inv, amax)
 
 
 def _check_granularity(granularity: str) -> None:

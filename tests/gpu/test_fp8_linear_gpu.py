@@ -165,3 +165,73 @@ def test_smooth_swiglu_with_real_fp8_fc2_rescues_normal_tokens():
         return ((y - y_true)[keep].norm() / y_true[keep].norm()).item()
 
     assert rel(plain) > 0.5 and rel(smooth) < 0.1, (rel(plain), rel(smooth))
+
+
+# ------------------------------------------------------------ weight cache, launches, host syncs ----
+CACHE_RECIPES = {"current": FP8Recipe(fast_accum_forward=False),
+                 "delayed": FP8Recipe(scaling="delayed", fast_accum_forward=False),
+                 "row": FP8Recipe(granularity="row", fast_accum_forward=False)}
+
+
+@pytest.mark.parametrize("name", sorted(CACHE_RECIPES))
+def test_weight_cache_gives_the_uncached_results(name):
+    """Three micro-batches, one weight: bit-identical outputs and gradients with and without the
+    FP8 weight cache, and the weight cast once with it."""
+    from agoq.ops.fp8_weight_cache import FP8WeightCache
+
+    recipe = CACHE_RECIPES[name]
+    batches = [[t.cuda() for t in _data(512, 256, 384, seed=20 + i)] for i in range(3)]
+    results = []
+    for cache in (None, FP8WeightCache()):
+        state = FP8ScalingState(recipe).cuda() if recipe.scaling == "delayed" else None
+        w = batches[0][1].clone().requires_grad_()
+        got = []
+        for x, _, g in batches:
+            x = x.clone().requires_grad_()
+            y = fp8_linear(x, w, state, recipe, weight_cache=cache)
+            y.backward(g)
+            got += [y.detach(), x.grad]
+        results.append(got + [w.grad])
+        if cache is not None:
+            assert cache.refreshes == 1
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def _cuda_kernel_names(fn) -> list[str]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+def test_cached_delayed_linear_is_two_cast_launches_three_gemms_and_no_host_sync():
+    """The overhead contract of the fused path: with delayed scaling and a cached weight, one forward +
+    backward launches exactly two Triton kernels (the fused x and g casts: no amax, scale or history
+    kernels, no weight cast) and never synchronises the host."""
+    from agoq.ops.fp8_weight_cache import FP8WeightCache
+
+    recipe = FP8Recipe(scaling="delayed")
+    state, cache = FP8ScalingState(recipe).cuda(), FP8WeightCache()
+    x, w, g = (t.cuda() for t in _data(1024, 512, 768))
+    x, w = x.requires_grad_(), w.requires_grad_()
+
+    def step():
+        fp8_linear(x, w, state, recipe, weight_cache=cache).backward(g)
+
+    for _ in range(3):  # bootstrap, compile, weight cast
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    names = _cuda_kernel_names(step)
+    agoq_kernels = {"_cast_tensor_kernel", "_cast_kernel", "_amax_flat_kernel", "_amax_rowcol_kernel",
+                    "_scales_kernel", "_history_kernel"}
+    assert [n for n in names if n in agoq_kernels] == ["_cast_tensor_kernel", "_cast_tensor_kernel"], names
+    assert cache.refreshes == 1

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agoq.ops.fp8_linear import fp8_cast_ops
 from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState, current_scale
-from agoq.ref.fp8 import fp8_scale_from_amax
+from agoq.ref.fp8 import fp8_amax, fp8_scale_from_amax, ref_fp8_cast_2d
 
 DELAYED = FP8Recipe(scaling="delayed", amax_history_len=3)
 
@@ -66,7 +67,8 @@ def test_state_dict_round_trip_keeps_history_and_counters():
     for a in (3.0, 5.0):
         state.scale_and_record("x", torch.tensor([a]))
     sd = state.state_dict()
-    assert set(sd) >= {"amax_history_x", "scale_x", "amax_history_g", "_extra_state"}
+    assert set(sd) == {"meta_x", "meta_w", "meta_g", "_extra_state"}  # workspaces are not state
+    assert sd["meta_x"].shape == (4 + 3,)  # [scale_inv, scale, 0, 0, history (3)]
     other = FP8ScalingState(DELAYED)
     other.load_state_dict(sd)
     assert other.num_updates == state.num_updates
@@ -86,3 +88,26 @@ def test_current_scale_per_row_and_margin():
     assert torch.equal(s, torch.tensor([[448.0 / 2 / 2], [448.0 / 0.5 / 2]]))
     p = current_scale(x, "g", FP8Recipe(pow2_scales=True))
     assert torch.equal(p, torch.tensor(16384.0))  # 57344 / 2 = 28672 -> 2**14
+
+
+def test_cast_bootstraps_then_casts_with_the_previous_scale():
+    """FP8ScalingState.cast (the fused path's host side, here with the reference ops): the first call
+    uses the tensor's own amax, later calls the history's scale; returned scales are views of a meta
+    the state no longer writes."""
+    state = FP8ScalingState(DELAYED)
+    ops = fp8_cast_ops(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(8, 16, generator=gen) * a for a in (1.0, 4.0, 0.5)]
+    held = []
+    for i, x in enumerate(xs):
+        out, out_t, scale, inv = state.cast("x", x, ops, rowmajor=True, transposed=True)
+        want = fp8_scale_from_amax(fp8_amax(xs[0] if i == 0 else torch.stack(xs[:i])), "e4m3")
+        assert torch.equal(scale, want) and torch.equal(inv, want.reciprocal())
+        ref_out, ref_out_t, _ = ref_fp8_cast_2d(x, "e4m3", want, rowmajor=True, transposed=True)
+        assert torch.equal(out.view(torch.uint8), ref_out.view(torch.uint8))
+        assert torch.equal(out_t.view(torch.uint8), ref_out_t.view(torch.uint8))
+        held.append((scale, scale.clone()))
+    for view, copy in held:
+        assert torch.equal(view, copy)
+    assert torch.equal(state.amax_history("x"), torch.stack([fp8_amax(x) for x in reversed(xs)]))
+    assert state.num_updates["x"] == 3

@@ -1,0 +1,71 @@
+"""FP8 copies of a linear's weight kept across micro-batches: the weight only changes at the optimizer
+step, so its FP8 casts (row-major for the forward GEMM, transposed for dgrad) are made once per
+weight version instead of twice per micro-batch (forward cast + backward re-cast).
+
+A cached entry is valid while all of these hold (checked on the host, no GPU sync):
+  - the weight generation is unchanged: :func:`fp8_weights_changed` bumps it; agoq calls it after every
+    ``torch.optim.Optimizer.step`` (a global step post-hook, installed with the first cache; Megatron's
+    optimizers and agoq's step through a torch optimizer) and at the start of every training / eval
+    step (agoq.megatron.training.StepRunner);
+  - the weight tensor is the same (``data_ptr``, shape, dtype) and its autograd version counter
+    (``weight._version``, bumped by in-place ops such as ``copy_`` or ``load_state_dict``) is unchanged;
+  - the recipe object is the same.
+Caveat: code that rewrites weights through ``.data`` outside an optimizer step (no version bump, no
+hook) must call :func:`fp8_weights_changed` itself.
+
+Memory: one FP8 copy of the weight in each layout (2 bytes per parameter of every cached linear),
+shared by all micro-batches in flight; a backward holds the entry its forward used even if the cache
+has moved on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["FP8WeightCache", "fp8_weights_changed", "weight_generation"]
+
+_generation = 0
+_hook_handle = None
+
+
+def fp8_weights_changed(*_args, **_kwargs) -> None:
+    """Invalidate every FP8 weight cache (the weights changed). Usable as an optimizer step hook."""
+    global _generation
+    _generation += 1
+
+
+def weight_generation() -> int:
+    return _generation
+
+
+def _install_optimizer_hook() -> None:
+    global _hook_handle
+    if _hook_handle is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _hook_handle = register_optimizer_step_post_hook(fp8_weights_changed)
+
+
+class FP8WeightCache:
+    """One linear's cached FP8 weight entry (whatever ``make(weight)`` returns)."""
+
+    def __init__(self) -> None:
+        _install_optimizer_hook()
+        self._key: tuple | None = None
+        self._recipe = None
+        self._entry = None
+        self.refreshes = 0  # how many times the entry was (re)built: for tests and reports
+
+    def get(self, weight: torch.Tensor, recipe, make: Callable[[torch.Tensor], object]):
+        key = (_generation, weight.data_ptr(), weight._version, weight.shape, weight.dtype)
+        if key != self._key or recipe is not self._recipe:
+            self._entry = None  # drop the old copies before making the new ones
+            self._entry = make(weight.detach())
+            self._key, self._recipe = key, recipe
+            self.refreshes += 1
+        return self._entry
+
+    def clear(self) -> None:
+        self._key = self._recipe = self._entry = None
