@@ -290,13 +290,21 @@ def fp8_cast_2d(x2d: torch.Tensor, variant: str, scale_f32: torch.Tensor, scale_
             scale.data_ptr() == scale_t.data_ptr())
         bm, bn, warps = CAST_TILE
         placeholder = scale  # unused pointer arguments still need a tensor
-        _cast_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            x, out if rowmajor else placeholder, out_t if transposed else placeholder, scale, scale_t,
-            amax if record_amax else placeholder, m, n,
-            FMAX=FP8_MAX[variant], FP8=_TL_FP8[variant], ROW_SCALES=row_scales, COL_SCALES=col_scales,
-            SHARED=shared, ROWMAJOR=rowmajor, TRANSPOSED=transposed, RECORD_AMAX=record_amax, BM=bm, BN=bn,
-            num_warps=warps,
-        )  # fmt: skip
+        # fp32 input with both layouts: two launches (row-major, then transposed). Triton 3.6 on sm_90
+        # corrupted one of the two stores of the same fp32-loaded tile (a row of 0x7F codes, 64 x 64,
+        # H100 2026-11-22 and -24, with min/max or compare-and-select clamps alike), while each layout
+        # alone is right. fp32 operands are rare in bf16 training; bf16/fp16 keep the single pass.
+        passes = [(True, False), (False, True)] if (x.dtype == torch.float32 and rowmajor and transposed) \
+            else [(rowmajor, transposed)]
+        for i, (rm, tr) in enumerate(passes):
+            rec = record_amax and i == 0
+            _cast_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+                x, out if rm else placeholder, out_t if tr else placeholder, scale, scale_t,
+                amax if rec else placeholder, m, n,
+                FMAX=FP8_MAX[variant], FP8=_TL_FP8[variant], ROW_SCALES=row_scales, COL_SCALES=col_scales,
+                SHARED=shared and len(passes) == 1, ROWMAJOR=rm, TRANSPOSED=tr, RECORD_AMAX=rec, BM=bm, BN=bn,
+                num_warps=warps,
+            )  # fmt: skip
     return out, out_t, (amax.view(torch.float32) if record_amax else None)
 
 

@@ -86,7 +86,7 @@ def _cast_tensor_kernel(
     M, N, L,
     FMAX: tl.constexpr, FMAX_DIV: tl.constexpr, POW2: tl.constexpr, FP8: tl.constexpr,
     DELAYED: tl.constexpr, ROWMAJOR: tl.constexpr, TRANSPOSED: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, TILES_M: tl.constexpr, BL: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, TILES_M: tl.constexpr, BL: tl.constexpr, TRANSPOSE_F32: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -106,7 +106,14 @@ def _cast_tensor_kernel(
         if ROWMAJOR:
             tl.store(out_ptr + r[:, None] * N + c[None, :], q, mask=mask)
         if TRANSPOSED:
-            tl.store(out_t_ptr + c[:, None] * M + r[None, :], tl.trans(q), mask=tl.trans(mask))
+            if TRANSPOSE_F32:  # fp32 input: strided re-read, no in-register transpose (Triton 3.6 bug,
+                # see agoq.kernels.fp8._cast_kernel)
+                mask_t = (c[:, None] < N) & (r[None, :] < M)
+                x_t = tl.load(x_ptr + r[None, :] * N + c[:, None], mask=mask_t, other=0.0).to(tl.float32)
+                qt = _sat_cast(x_t * s, FMAX, FP8)
+            else:
+                qt = tl.trans(q)
+            tl.store(out_t_ptr + c[:, None] * M + r[None, :], qt, mask=tl.trans(mask))
     if DELAYED:
         tl.atomic_max(ws_ptr, tl.max(tl.max(amax_bits, axis=1), axis=0))
         arrived = tl.atomic_add(ws_ptr + 1, 1)  # acq_rel: this program's max is visible before its count
@@ -133,7 +140,8 @@ def _launch_cast(x, variant, margin, pow2, rowmajor, transposed, meta, new_meta,
         x, out if rowmajor else x, out_t if transposed else x, meta, new_meta, ws, m, n, length,
         FMAX=FP8_MAX[variant], FMAX_DIV=_fmax_div(variant, margin), POW2=bool(pow2), FP8=_TL_FP8[variant],
         DELAYED=delayed, ROWMAJOR=rowmajor, TRANSPOSED=transposed, BM=bm, BN=bn, TILES_M=tiles,
-        BL=triton.next_power_of_2(max(length, 1)), num_warps=warps, enable_fp_fusion=False,
+        BL=triton.next_power_of_2(max(length, 1)), TRANSPOSE_F32=x.dtype == torch.float32, num_warps=warps,
+        enable_fp_fusion=False,
     )  # fmt: skip
     return out, out_t
 

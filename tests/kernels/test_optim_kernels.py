@@ -80,7 +80,19 @@ def _assert_same(a, b):
             torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
         else:
             assert torch.equal(x.codes, y.codes)
-            assert torch.equal(x.scales.view(torch.uint8), y.scales.view(torch.uint8))
+            _assert_same_bits_nan_as_nan(x.scales, y.scales)
+
+
+def _assert_same_bits_nan_as_nan(x: torch.Tensor, y: torch.Tensor) -> None:
+    """Bit-identical (so -0.0 != 0.0), except that any NaN equals any NaN: the GPU kernel writes the
+    canonical NaN where the CPU reference's cast may keep a sign or payload (seen on H100: fp16 scale)."""
+    if not x.is_floating_point():
+        assert torch.equal(x, y)
+        return
+    nan_x, nan_y = torch.isnan(x.float()), torch.isnan(y.float())
+    assert torch.equal(nan_x, nan_y)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()]
+    assert torch.equal(x.view(bits)[~nan_x], y.view(bits)[~nan_y])
 
 
 def _grads(shape, steps=2, seed=1):
