@@ -143,6 +143,42 @@ def bench(total: int, rows: int, cols: int, iters: int, device: torch.device, fu
     return results
 
 
+SWEEP_ELEMS = (512, 1024, 2048, 4096, 8192)
+SWEEP_WARPS = (2, 4, 8)
+
+
+def launch_sweep(total: int, rows: int, cols: int, iters: int, names: list[str]) -> dict:
+    """Step time of agoq.kernels.optim per (ELEMS_PER_PROGRAM, NUM_WARPS); results must not depend on
+    the launch shape (the first tensor after one step is compared bit for bit with the default's)."""
+    import agoq.kernels.optim as kopt
+
+    device = torch.device("cuda")
+    default = (kopt.ELEMS_PER_PROGRAM, kopt.NUM_WARPS)
+    out = {"default": list(default), "numel_target": total, "rows": []}
+    try:
+        for name in names:
+            cls, options = CONFIGS[name]
+            reference = None
+            for elems, warps in [default] + [(e, w) for e in SWEEP_ELEMS for w in SWEEP_WARPS if (e, w) != default]:
+                kopt.ELEMS_PER_PROGRAM, kopt.NUM_WARPS = elems, warps
+                _reset(device)
+                params = _params(total, rows, cols, torch.bfloat16, device)
+                opt = cls(params, fused=True, **HP, **options)
+                opt.step()
+                first = params[0].detach().clone()
+                reference = first if reference is None else reference
+                ms, host = _time(opt.step, device, iters)
+                row = dict(config=name, elems_per_program=elems, num_warps=warps, ms=ms,
+                           ms_per_1e9=ms * 1e9 / sum(q.numel() for q in params), host_ms=host,
+                           same_result_as_default=bool(torch.equal(first, reference)))  # fmt: skip
+                out["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                del opt, params
+    finally:
+        kopt.ELEMS_PER_PROGRAM, kopt.NUM_WARPS = default
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_optim.json"))
@@ -150,8 +186,16 @@ def main() -> None:
     parser.add_argument("--numel", type=float, default=1e9)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--configs", nargs="*", choices=sorted(CONFIGS), help="subset (default: all)")
+    parser.add_argument("--launch-sweep", action="store_true",
+                        help="time the fused kernels over launch shapes instead (GPU; --configs picks which)")
     args = parser.parse_args()
     t0 = time.perf_counter()
+    if args.launch_sweep:
+        res = launch_sweep(int(args.numel), 2048, 8192, args.iters, args.configs or ["flash_split24"])
+        res["wall_s"] = time.perf_counter() - t0
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+        return
     if args.smoke:
         res = bench(2 * 64 * 256, 64, 256, 2, torch.device("cpu"), fused=False, only=args.configs)
     else:
