@@ -31,10 +31,13 @@ from agoq.ref.quant import QuantizedTensor
 
 __all__ = ["adamw_step", "lion_step", "sgd_step", "fused_block"]
 
-# Elements per program: 2048 keeps ~8 fp32 live values per element in registers at 4 warps (16
-# elements per thread); to be tuned on H100 with scripts/bench_optim.py (docs/benchmarks/optim.md).
-ELEMS_PER_PROGRAM = 2048
-NUM_WARPS = 4  # the quantize kernel's original launch shape (H100 run 2026-11-22, docs/benchmarks/quant.md)
+# Launch shape: 512 elements per program on 2 warps (8 elements per thread). Chosen by
+# `scripts/bench_optim.py --launch-sweep` on an H100 (2026-11-24, docs/benchmarks/optim_sweep.json): best of
+# 512..8192 elements x 2/4/8 warps for both FlashAdamW (10.6 vs 12.7 ms per 1e9 params at the old 2048 x 4)
+# and FP8-moment AdamW (6.9 vs 7.9 ms); the step is latency-bound on the correctly rounded div/sqrt, so
+# fewer live values per thread (more resident warps) win. Results do not depend on it (checked per shape).
+ELEMS_PER_PROGRAM = 512
+NUM_WARPS = 2
 PLAIN_BLOCK = 128  # tile row width when no state is quantized
 OPT_IDS = {"adamw": 0, "lion": 1, "sgd": 2}
 MASTER_IDS = {"none": 0, "split": 1, "fp32": 2}
