@@ -248,20 +248,26 @@ def run_profile(args, device: str, linear_rows: list[dict]) -> dict:
     """(b): per linear of the last --ffn and per mode, host vs GPU time, phases, kernels, CPU ops."""
     from bench_fp8_profile import profile_step
 
-    dt, gen = torch.bfloat16, torch.Generator(device=device).manual_seed(1)
-    dims = dict(hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
-    ffn, tokens, out = args.ffn[-1], args.tokens, {}
+    dt, gen, cuda = torch.bfloat16, torch.Generator(device=device).manual_seed(1), device == "cuda"
+    shape = SMOKE_SHAPE if args.smoke else dict(tokens=args.tokens, hidden=args.hidden, heads=args.heads,
+                                                kv_heads=args.kv_heads, head_dim=args.head_dim, ffns=args.ffn)
+    dims = {key: shape[key] for key in ("hidden", "heads", "kv_heads", "head_dim")}
+    ffn, tokens, out = shape["ffns"][-1], shape["tokens"], {}
+    profile_modes = PROFILE_MODES if cuda else ("bf16",)  # the FP8 linear needs an FP8 GPU
     for name, (n, k) in linear_shapes(ffn=ffn, **dims).items():
         x = torch.randn(tokens, k, device=device, dtype=dt, generator=gen).requires_grad_()
         w = (torch.randn(n, k, device=device, dtype=dt, generator=gen) / k**0.5).requires_grad_()
         g = torch.randn(tokens, n, device=device, dtype=dt, generator=gen)
         modes = {}
-        for mode in PROFILE_MODES:
+        for mode in profile_modes:
             modes[mode] = profile_step(_fresh_grads(_linear_step(mode, x, w, g), x, w), args.warmup,
-                                       args.profile_iters)
+                                       args.profile_iters, cuda)
             wall = [r for r in linear_rows if r["kind"] == "linear" and r["ffn"] == ffn and r["name"] == name
                     and r["mode"] == mode]
             modes[mode]["wall_ms"] = wall[0]["ms"] if wall else None
+        out[f"{name} [{tokens} x {k}] @ [{n} x {k}]^T"] = modes
+        if not cuda:
+            continue
         recipe, state, cache = _fp8("fp8_delayed", x.device)
         fp8_linear(x, w, state, recipe, weight_cache=cache)  # bootstrap the w slot
 
@@ -270,9 +276,8 @@ def run_profile(args, device: str, linear_rows: list[dict]) -> dict:
             fp8_linear(x.detach(), w, state, recipe, weight_cache=cache)  # forward only: x cast + w cast + GEMM
 
         modes["weight_refresh_fwd"] = profile_step(refresh, args.warmup, args.profile_iters)
-        out[f"{name} [{tokens} x {k}] @ [{n} x {k}]^T"] = modes
     summary = {}
-    for mode in PROFILE_MODES:
+    for mode in profile_modes:
         per = [m[mode] for m in out.values()]
         summary[mode] = {key: sum(p[key] for p in per) for key in ("host_ms", "gpu_ms")}
         summary[mode]["wall_ms"] = sum(p["wall_ms"] or 0.0 for p in per)
@@ -371,8 +376,7 @@ def main() -> int:
         device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         args=vars(args), target_speedup=TARGET_SPEEDUP, linears=run_linears(args, device),
     )
-    report["profile"] = run_profile(args, device, report["linears"]["rows"]) if args.profile and not args.smoke \
-        else None
+    report["profile"] = run_profile(args, device, report["linears"]["rows"]) if args.profile else None
     if device == "cuda":
         torch.cuda.empty_cache()  # leave the GPU to the whole-step runs
     run_step = not args.no_step and (not args.smoke or args.step_smoke)

@@ -26,24 +26,29 @@ TOP_CPU_OPS = 10
 NAME_CHARS = 90
 
 
-def _host_ms(fn, iters: int) -> float:
-    torch.cuda.synchronize()
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _host_ms(fn, iters: int, cuda: bool) -> float:
+    _sync(cuda)
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
     host = (time.perf_counter() - t0) * 1e3 / iters
-    torch.cuda.synchronize()
+    _sync(cuda)
     return host
 
 
-def _profile(fn, iters: int):
+def _profile(fn, iters: int, cuda: bool):
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    _sync(cuda)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(iters):
             fn()
-        torch.cuda.synchronize()
+        _sync(cuda)
     return prof
 
 
@@ -87,16 +92,17 @@ def summarize_profile(prof, iters: int) -> dict:
     }
 
 
-def profile_step(fn, warmup: int, iters: int) -> dict:
-    """host_ms, gpu_ms, phases, kernels and cpu_ops of one callable (see the module docstring)."""
+def profile_step(fn, warmup: int, iters: int, cuda: bool = True) -> dict:
+    """host_ms, gpu_ms, phases, kernels and cpu_ops of one callable (see the module docstring; on the
+    CPU, --smoke, only the host side)."""
     from agoq.ops.fp8_linear import set_phase_ranges
 
     for _ in range(warmup):
         fn()
-    host = _host_ms(fn, iters)
+    host = _host_ms(fn, iters, cuda)
     set_phase_ranges(True)
     try:
-        prof = _profile(fn, iters)
+        prof = _profile(fn, iters, cuda)
     finally:
         set_phase_ranges(False)
     out = summarize_profile(prof, iters)
@@ -110,7 +116,8 @@ def print_profile(profile: dict) -> None:
     for shape_name, modes in profile.get("linears", {}).items():
         print(f"\n== profile {shape_name} ==")
         for mode, p in modes.items():
-            print(f"  {mode:24s} wall {p.get('wall_ms', float('nan')):7.3f} ms  host {p['host_ms']:7.3f} ms  "
+            wall = p.get("wall_ms") or float("nan")
+            print(f"  {mode:24s} wall {wall:7.3f} ms  host {p['host_ms']:7.3f} ms  "
                   f"gpu {p['gpu_ms']:7.3f} ms  ({p['bound']}-bound)")
             for ph, v in p["phases"].items():
                 print(f"      {ph:12s} host {v['host_us']:8.1f} us  gpu {v['gpu_us']:8.1f} us  x{v['calls']:.0f}")

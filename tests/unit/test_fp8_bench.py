@@ -11,8 +11,8 @@ SCRIPT = REPO_ROOT / "scripts" / "bench_fp8.py"
 
 def test_bench_fp8_smoke_writes_report(tmp_path):
     out = tmp_path / "fp8.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], capture_output=True,
-                          text=True, timeout=240, cwd=REPO_ROOT, env=child_env())
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--profile", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=REPO_ROOT, env=child_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["smoke"] is True and report["whole_step"] is None
@@ -23,6 +23,11 @@ def test_bench_fp8_smoke_writes_report(tmp_path):
     summary = report["linears"]["summary"]["128"]
     assert summary["four_linears_ms"]["bf16"]["speedup_vs_bf16"] == 1.0
     assert set(summary["layer_linears_and_swiglu_ms"]) == {"bf16", "bf16_smooth_per_token"}
+    assert all("ms_synced" in r for r in rows)
+    profile = report["profile"]  # --smoke profiles the harness on the CPU (bf16 only)
+    assert len(profile["linears"]) == 4 and set(profile["four_linears"]) == {"bf16"}
+    one = next(iter(profile["linears"].values()))["bf16"]
+    assert one["host_ms"] > 0 and one["cpu_ops"] and one["bound"] in ("host", "gpu")
 
 
 def test_bench_fp8_rejects_tokens_not_multiple_of_16():
