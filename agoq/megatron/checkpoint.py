@@ -63,6 +63,10 @@ def _full_sharded_state_dict(model_chunks, optimizer, scheduler, progress: Progr
     return state
 
 
+def _data_parallel_size() -> int:
+    return parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+
+
 def _rng_sharded_object() -> ShardedObject:
     """This rank's RNG states (Python, NumPy, torch CPU/CUDA, Megatron's tracker), one object per
     (pp, tp, dp) rank, as Megatron's training checkpoints keep them."""
@@ -141,7 +145,8 @@ def save_checkpoint(save_dir: str | os.PathLike, progress: Progress, model_chunk
     if dist.get_rank() == 0:
         target.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    extra = dict(extra or {}, torch_optimizer_step=_torch_optimizer_step(optimizer))
+    extra = dict(extra or {}, torch_optimizer_step=_torch_optimizer_step(optimizer),
+                 data_parallel_size=_data_parallel_size())
     state = _full_sharded_state_dict(model_chunks, optimizer, scheduler, progress, is_loading=False, extra=extra)
     dist_checkpointing.save(state, str(target))
     dist.barrier()
@@ -273,6 +278,14 @@ def _try_load(source: Path, model_chunks, optimizer, scheduler) -> tuple[str | N
         _init_torch_optimizer_steps(optimizer)
         template = _full_sharded_state_dict(model_chunks, optimizer, scheduler, None, is_loading=True)
         template.pop("opt_param_scheduler")
+        saved_dp = dist_checkpointing.load_common_state_dict(str(source)).get("agoq", {}).get("data_parallel_size")
+        if saved_dp is not None and saved_dp != _data_parallel_size():
+            # RNG states are saved per (pp, tp, dp) rank: another DP size has no state for this rank
+            template.pop("rng_state")
+            if dist.get_rank() == 0:
+                print(f"agoq checkpoint: saved with data-parallel size {saved_dp}, loading with "
+                      f"{_data_parallel_size()}: model and optimizer states are resharded, RNG states are "
+                      "not restored (fresh seeds)", flush=True)
         state = dist_checkpointing.load(template, str(source))
         _apply_loaded_state(state, model_chunks, optimizer, scheduler)
         extra = state.get("agoq", {})
@@ -296,4 +309,5 @@ def _apply_loaded_state(state: dict, model_chunks, optimizer, scheduler) -> None
         optimizer.load_state_dict(state["optimizer"])
     _set_torch_optimizer_step(optimizer, state["agoq"]["torch_optimizer_step"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
-    _restore_rng(state["rng_state"])
+    if "rng_state" in state:
+        _restore_rng(state["rng_state"])

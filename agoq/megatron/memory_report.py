@@ -103,7 +103,12 @@ def static_breakdown_gib(model_chunks, optimizer) -> dict[str, float]:
     grad_tensors += list(_tensors(qbufs, 4, set()))
     grads = _add_unique((t for t in grad_tensors if t is not None), counted)
     optim = _add_unique(_tensors(optimizer, OPTIMIZER_WALK_DEPTH, set()), counted)
-    return {"weights_gib": weights / GIB, "grads_gib": grads / GIB, "optimizer_gib": optim / GIB}
+    numel = max(sum(p.numel() for p in {id(p): p for p in params}.values()), 1)
+    return {"weights_gib": weights / GIB, "grads_gib": grads / GIB, "optimizer_gib": optim / GIB,
+            # per parameter of this rank's model chunks (padding of Megatron's buffers included): with
+            # the distributed optimizer the optimizer term is this rank's shard only (anchors.md §3.1)
+            "weights_bytes_per_param": weights / numel, "grads_bytes_per_param": grads / numel,
+            "optimizer_bytes_per_param": optim / numel}  # fmt: skip
 
 
 def measured_report(device, iteration: int, breakdown: dict[str, float] | None = None) -> str | None:
@@ -129,4 +134,7 @@ def _format_breakdown(reading: dict[str, float]) -> str:
             f"{reading['optimizer_gib']:.2f} GiB")
     if "peak_gib" in reading:
         text += f"; activations and temporaries at peak <= {reading['peak_gib'] - held:.2f} GiB"
+    if "weights_bytes_per_param" in reading:
+        w, g, o = (reading[f"{k}_bytes_per_param"] for k in ("weights", "grads", "optimizer"))
+        text += f"; per parameter on this rank: weights {w:.3f} + grads {g:.3f} + optimizer {o:.3f} = {w + g + o:.3f} B"
     return text + ")"

@@ -193,8 +193,10 @@ def build_model_chunks(
 
 def wrap_ddp(
     chunks: list[GPTModel], config: TransformerConfig, ddp_config: DistributedDataParallelConfig,
-    device: torch.device,
+    device: torch.device, param_alignment: int | None = None,
 ) -> list[DistributedDataParallel]:
+    """Megatron's get_model wrapping. ``param_alignment`` (elements, with the distributed optimizer):
+    every DP shard of every param starts at a multiple of it (agoq.megatron.dist_optimizer)."""
     wrapped = []
     for idx, chunk in enumerate(chunks):
         chunk.to(device)
@@ -204,5 +206,19 @@ def wrap_ddp(
             chunk = Float16Module(config, chunk)
         # Megatron's get_model: only the first chunk uses buckets (overlap of later chunks is
         # driven by the interleaved schedule).
-        wrapped.append(DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=idx > 0))
+        kwargs = {}
+        if param_alignment and ddp_config.use_distributed_optimizer:
+            kwargs["full_param_layout"] = _aligned_layout(chunk, ddp_config, idx > 0, param_alignment)
+        wrapped.append(DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=idx > 0, **kwargs))
     return wrapped
+
+
+def _aligned_layout(module, ddp_config: DistributedDataParallelConfig, disable_bucketing: bool, align: int):
+    from agoq.megatron.dist_optimizer import aligned_full_param_layout, ddp_bucket_size
+
+    dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True)
+    bucket = ddp_bucket_size(ddp_config, parallel_state.get_data_parallel_world_size(),
+                             disable_bucketing=disable_bucketing,
+                             pp_rank=parallel_state.get_pipeline_model_parallel_rank())  # fmt: skip
+    params = [p for _, p in module.named_parameters() if p.requires_grad]
+    return aligned_full_param_layout(params, bucket, dp, ddp_config, align)

@@ -8,7 +8,9 @@ Megatron's LR schedule writes group["lr"] / group["weight_decay"] (wd_mult 0 for
 params, Megatron's default rule). Checkpoints: AgoqMegatronOptimizer.sharded_state_dict saves the
 quantized codes, scales and remainders as they are (flat ShardedTensors keyed by the model param's
 key, replicated over DP, so any DP size loads them).
-Not yet: the distributed optimizer (precision-aware TE-FusedAdam interface) raises NotImplementedError.
+With --use-distributed-optimizer: agoq.megatron.dist_optimizer.AgoqDistributedOptimizer (Megatron's
+DistributedOptimizer in precision-aware mode; agoq states for this rank's shard only; DP-independent
+compressed checkpoints), with DP shards aligned to the quantization groups (shard_alignment_for).
 """
 
 from __future__ import annotations
@@ -167,11 +169,6 @@ def build_agoq_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
         raise ValueError(
             "build_agoq_optimizer needs --agoq-optimizer adamw|lion|sgd (torch = pretrain.build_optimizer)"
         )
-    if args.use_distributed_optimizer:
-        raise NotImplementedError(
-            "--agoq-optimizer with --use-distributed-optimizer is not implemented yet; drop "
-            "--use-distributed-optimizer (agoq's states are ~5 B/param without sharding) or use --agoq-optimizer torch"
-        )
     if args.agoq_gradient_release:
         check_release_compatible(
             pipeline_parallel=args.pipeline_model_parallel_size,
@@ -180,8 +177,26 @@ def build_agoq_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
         )
         raise NotImplementedError("--agoq-gradient-release inside Megatron's DDP is not wired yet (agoq.optim.release)")
     config = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                             clip_grad=args.clip_grad, params_dtype=params_dtype)  # fmt: skip
+                             clip_grad=args.clip_grad, params_dtype=params_dtype,
+                             bf16=params_dtype == torch.bfloat16,
+                             use_distributed_optimizer=args.use_distributed_optimizer)  # fmt: skip
     inner = make_agoq_optimizer(args, param_groups(model_chunks))
-    optimizer = AgoqMegatronOptimizer(inner, config, _init_all_states)
-    optimizer.param_names = _layer_global_names(model_chunks)
+    names = _layer_global_names(model_chunks)
+    if args.use_distributed_optimizer:
+        from agoq.megatron.dist_optimizer import AgoqDistributedOptimizer
+
+        optimizer = AgoqDistributedOptimizer(inner, config, model_chunks, names)
+    else:
+        optimizer = AgoqMegatronOptimizer(inner, config, _init_all_states)
+        optimizer.param_names = names
     return optimizer, build_scheduler(args, optimizer)
+
+
+def shard_alignment_for(args) -> int | None:
+    """Elements the DDP buffer layout must align DP shards to for --agoq-optimizer with
+    --use-distributed-optimizer (None otherwise): see agoq.megatron.dist_optimizer."""
+    if args.agoq_optimizer == "torch" or not args.use_distributed_optimizer:
+        return None
+    from agoq.megatron.dist_optimizer import shard_alignment
+
+    return shard_alignment(parse_moments(args.agoq_moments))

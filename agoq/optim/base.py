@@ -25,6 +25,7 @@ stalled_fraction() measures it. Fused states of one tensor must share a block si
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -39,6 +40,7 @@ MASTER_DTYPES = {"split24": torch.int8, "split32": torch.int16, "fp32": torch.fl
 # cosine-decayed AdamW steps (lr 3e-5 * ~1) and would stall (FlashOptim caveat, algorithms.md §1.2).
 SMALL_TENSOR_RULE = "ndim < 2 or numel < small_numel -> fp32 states, split32 master (if bf16/fp16)"
 DEFAULT_SMALL_NUMEL = 4096
+LOGICAL_SHAPE_ATTR = "agoq_logical_shape"  # set on flat param shards by agoq.megatron.dist_optimizer
 
 
 def check_master(master: str) -> str:
@@ -60,6 +62,9 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         defaults.setdefault("fused", False)
         defaults.setdefault("small_numel", DEFAULT_SMALL_NUMEL)
         super().__init__(params, defaults)
+        # Where step() reads gradients: "grad", or "decoupled_grad" when a wrapper keeps a gradient
+        # whose dtype differs from the param (Megatron's precision-aware distributed optimizer).
+        self.grad_attr = "grad"
         for group in self.param_groups:
             self._check_group(group)
 
@@ -75,7 +80,10 @@ class QuantizedOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- per-param decisions
     def is_small(self, p: torch.Tensor, group: dict) -> bool:
-        return p.ndim < 2 or p.numel() < group["small_numel"]
+        """SMALL_TENSOR_RULE on the logical shape: a flat shard of a matrix (distributed optimizer)
+        sets ``p.agoq_logical_shape`` to the matrix's shape, so its rule does not depend on sharding."""
+        shape = getattr(p, LOGICAL_SHAPE_ATTR, p.shape)
+        return len(shape) < 2 or math.prod(shape) < group["small_numel"]
 
     def formats_for(self, p: torch.Tensor, group: dict) -> dict[str, QuantFormat]:
         if self.is_small(p, group):
@@ -140,8 +148,9 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
-                    self.step_param(p, p.grad, group)
+                grad = getattr(p, self.grad_attr, None)
+                if grad is not None:
+                    self.step_param(p, grad, group)
         return loss
 
     @torch.no_grad()
