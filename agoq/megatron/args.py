@@ -67,6 +67,9 @@ def _optim_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="bf16 gradient buffer: accumulate and reduce main_grad in bf16 instead of Megatron's fp32 "
+                        "(FlashOptim's 16-bit gradients; 2 instead of 4 bytes/param). Needs bf16 params")
     g.add_argument("--train-iters", type=int, default=30)
     g.add_argument("--seed", type=int, default=1234)
 
@@ -209,6 +212,13 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(
             "--agoq-disable runs the plain Megatron baseline; drop --agoq-grads / --agoq-policy / --agoq-optimizer "
             "/ --agoq-fp8* / --agoq-smooth-swiglu"
+        )
+    if args.grad_reduce_in_bf16 and args.fp32:
+        raise ValueError("--grad-reduce-in-bf16 needs bf16 parameters; drop --fp32 (fp32 params reduce fp32 grads)")
+    if args.grad_reduce_in_bf16 and args.agoq_grads and args.agoq_grads not in ("fp32", "bf16", "fp16"):
+        raise ValueError(
+            f"--grad-reduce-in-bf16 with --agoq-grads {args.agoq_grads}: the 8-bit gradient path is validated with "
+            "Megatron's fp32 float buffer only; use one of the two (8-bit grads already store 1 byte/param)"
         )
     if args.recompute_num_layers < 1:
         raise ValueError(f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}")

@@ -29,7 +29,8 @@ def predicted_report(args, shape, layout, policy) -> str:
                    shape.ffn_hidden_size, shape.vocab_size),
         Layout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, dp=dp, mbs=args.micro_batch_size,
                gbs=args.global_batch_size, seq=args.seq_length,
-               distributed_optimizer=args.use_distributed_optimizer),
+               distributed_optimizer=args.use_distributed_optimizer,
+               grad_bytes=2 if getattr(args, "grad_reduce_in_bf16", False) else 4),
         policy,
     )
     lines = ["predicted memory per GPU (agoq.plan; excludes allocator fragmentation and workspaces):"]

@@ -103,6 +103,15 @@ class AgoqMegatronOptimizer(FP32Optimizer):
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            # bf16 main_grad (--grad-reduce-in-bf16): Megatron's clip path asserts an fp32 .grad, its
+            # decoupled path (as in the distributed optimizer's precision-aware mode) reads .decoupled_grad
+            # of either dtype; agoq's step reads it too (grad_attr, set in build_agoq_optimizer).
+            for group in self.optimizer.param_groups:
+                for param in group["params"]:
+                    if hasattr(param, "main_grad"):
+                        param.decoupled_grad = param.main_grad
+            return False
         # FP32Optimizer assigns param.main_grad (fp32 with grad_reduce_in_fp32) to the bf16 param's
         # .grad; torch >= 2.10 refuses a dtype mismatch unless grad_dtype is None. agoq reads any dtype.
         for group in self.optimizer.param_groups:
@@ -189,6 +198,9 @@ def build_agoq_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
     else:
         optimizer = AgoqMegatronOptimizer(inner, config, _init_all_states)
         optimizer.param_names = names
+        if getattr(args, "grad_reduce_in_bf16", False):
+            config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True  # see prepare_grads
+            inner.grad_attr = "decoupled_grad"
     return optimizer, build_scheduler(args, optimizer)
 
 

@@ -113,9 +113,10 @@ def build_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
 
 def ddp_config(args, params_dtype: torch.dtype) -> DistributedDataParallelConfig:
     # Megatron's bf16 default: accumulate and reduce gradients in fp32 (arguments.py sets
-    # accumulate_allreduce_grads_in_fp32 for bf16).
+    # accumulate_allreduce_grads_in_fp32 for bf16); --grad-reduce-in-bf16 keeps them in bf16 (as
+    # Megatron's flag of the same name).
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=params_dtype != torch.float32,
+        grad_reduce_in_fp32=params_dtype != torch.float32 and not getattr(args, "grad_reduce_in_bf16", False),
         overlap_grad_reduce=False,
         use_distributed_optimizer=args.use_distributed_optimizer,
         # agoq's step checks loss and reduced gradients itself and skips a non-finite step (counted,
@@ -194,6 +195,8 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
         optimizer, scheduler = build_optimizer(args, model, params_dtype)
     else:
         optimizer, scheduler = build_agoq_optimizer(args, model, params_dtype)
+    if args.grad_reduce_in_bf16:
+        print_rank0("gradients: bf16 main_grad, accumulated and reduced in bf16 (--grad-reduce-in-bf16)")
     if args.agoq_optimizer == "torch":
         print_rank0("optimizer: Megatron Adam(W)")
     else:

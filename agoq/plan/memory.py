@@ -50,6 +50,7 @@ class Layout:
     gbs: int = 1
     seq: int = 2048
     distributed_optimizer: bool = False
+    grad_bytes: int = GRAD_BYTES  # 2 with --grad-reduce-in-bf16
 
     @property
     def num_microbatches(self) -> int:
@@ -117,7 +118,8 @@ def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec) -> list[S
         optim_share = layout.dp if layout.distributed_optimizer else 1
         result.append(StageMemory(
             pp_rank=rank, layers=tuple(i for i, _ in layers), inflight=inflight,
-            weights=WEIGHT_BYTES * params, grads=GRAD_BYTES * params, optimizer=OPTIM_BYTES * params // optim_share,
+            weights=WEIGHT_BYTES * params, grads=layout.grad_bytes * params,
+            optimizer=OPTIM_BYTES * params // optim_share,
             activations=int(per_chunk_mb * inflight) + extra * min(inflight, 1),
         ))
     return result

@@ -74,3 +74,16 @@ def test_recompute_flags(capsys):
     assert (args.recompute_granularity, args.recompute_num_layers) == ("full", 2)
     assert "--recompute-num-layers must be >= 1" in _error(capsys, ["--agoq-disable", "--recompute-granularity",
                                                                    "full", "--recompute-num-layers", "0"])
+
+
+def test_grad_reduce_in_bf16_sets_megatron_ddp_and_refuses_unvalidated_combos(capsys):
+    from agoq.megatron.pretrain import ddp_config
+
+    args = parse_args(["--grad-reduce-in-bf16"])
+    import torch
+
+    assert ddp_config(args, torch.bfloat16).grad_reduce_in_fp32 is False
+    assert ddp_config(parse_args([]), torch.bfloat16).grad_reduce_in_fp32 is True  # Megatron's bf16 default
+    assert "needs bf16 parameters" in _error(capsys, ["--grad-reduce-in-bf16", "--fp32"])
+    err = _error(capsys, ["--grad-reduce-in-bf16", "--agoq-grads", "int8_b256"])
+    assert "--grad-reduce-in-bf16 with --agoq-grads int8_b256" in err
