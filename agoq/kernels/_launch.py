@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,8 @@ TL_OUT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.f
 TL_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 TORCH_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "pow2": torch.uint8}
 HASH_SEED_MUL = 0x9E3779B9  # same constant as agoq.ref.quant (golden-ratio seed mix)
+# Triton's CPU interpreter cannot run inline PTX: kernels then take their tl.* twin of such code.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
@@ -101,8 +104,9 @@ def nf4_midpoints_f32() -> torch.Tensor:
 
 
 def nf4_lut_cpu() -> torch.Tensor:
-    """fp32 [64]: thr[b] (the midpoint in bucket b = [-1 + b/16, -1 + (b+1)/16), +inf if none), then
-    below[b] = #(midpoints < bucket start) stored as int32 bits. Kernel: code = below[b] + (p > thr[b])."""
+    """int64 [32]: bucket b = [-1 + b/16, -1 + (b+1)/16) -> thr[b] | below[b] << 32, where thr[b] is
+    the fp32 bits of the midpoint in the bucket (+inf if none) and below[b] = #(midpoints < bucket
+    start). Kernel: code = below[b] + (p > thr[b]) from one 8-byte gather."""
     mids = nf4_midpoints_f32()
     starts = torch.arange(NF4_BUCKETS, dtype=torch.float32) / 16.0 - 1.0  # exact in fp32
     thr = torch.full((NF4_BUCKETS,), float("inf"))
@@ -111,8 +115,16 @@ def nf4_lut_cpu() -> torch.Tensor:
         if thr[b] != float("inf"):
             raise ValueError("NF4 bucket holds two midpoints: raise NF4_BUCKETS")
         thr[b] = m
-    below = (mids[None, :] < starts[:, None]).sum(1).to(torch.int32)
-    return torch.cat([thr, below.view(torch.float32)])
+    below = (mids[None, :] < starts[:, None]).sum(1).to(torch.int64)
+    thr_bits = thr.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return thr_bits | (below << 32)
+
+
+def nf4_lut_split(lut_i64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(thr fp32 [32], below int32 [32]) of an nf4_lut_cpu table, decoded as the kernel does."""
+    low = lut_i64 & 0xFFFFFFFF
+    thr = torch.where(low >= 2**31, low - 2**32, low).to(torch.int32).view(torch.float32)
+    return thr, (lut_i64 >> 32).to(torch.int32)
 
 
 @functools.lru_cache(maxsize=16)  # one small upload per device, not one per call

@@ -30,6 +30,7 @@ __all__ = ["quantize", "dequantize", "quantize_with_config"]
 # n + 1), while plain floor(|y| + 0.5) fails at |y| = 0.49999997. Checked exhaustively against the
 # reference rounding for every fp32 |y| < 1024 (docs/benchmarks/quant.md).
 HALF_BELOW_BITS = tl.constexpr(0x3EFFFFFF)
+MIN_NORMAL = tl.constexpr(2.0**-126)  # agoq.ref.quant.FP32_SCALE_MIN
 SIGN_BIT = tl.constexpr(-(2**31))
 
 
@@ -45,53 +46,83 @@ def _max_nan(a, b):
 
 
 @triton.jit
-def _hash_uniform(local_u32, hash_base):
-    """agoq.ref.quant.hash_uniform on uint32 lanes: flat index + seed mix (mod 2**32) = in-program
-    offset + hash_base (program's first index + seed mix, one scalar add); wrap-around multiplies."""
-    h = local_u32 + hash_base.to(tl.uint32, bitcast=True)
-    h = h ^ (h >> 16)
-    h = h * 0x85EBCA6B
+def _hash_uniform(local_u32, base_mul):
+    """agoq.ref.quant.hash_uniform on uint32 lanes (wrap-around arithmetic). The first multiply of
+    (flat index + seed mix) is split as in-program offset * HASH_MUL1 + base_mul, where base_mul =
+    (program's first index + seed mix) * HASH_MUL1 is one scalar: a single IMAD per element. The
+    uniform is built from its bits, 1.m - 1 with the 23 top hash bits as m (no int->float convert)."""
+    h = local_u32 * 0x85EBCA6B + base_mul.to(tl.uint32, bitcast=True)
     h = h ^ (h >> 13)
     h = h * 0xC2B2AE35
-    h = h ^ (h >> 16)
-    return (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+    return ((h >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
 
 
 @triton.jit
-def _nf4_code(p, nf4_lut_ptr):
+def _nf4_code(p, nf4_lut_ptr, PTX: tl.constexpr):
     """#(NF4 midpoints < p) (ties to the lower code, as searchsorted) from a 32-bucket table.
 
     Bucket b = trunc(16 p + 16) (clamped to 31) covers [-1 + b/16, -1 + (b+1)/16), narrower than the
     smallest gap between NF4 midpoints (0.085), so it holds at most one midpoint thr[b] (+inf if
-    none) and code = below[b] + (p > thr[b]): one convert and two L1-resident gathers instead of a
-    4-level search. _launch.nf4_lut builds the table; tests check it against searchsorted for every
-    fp32 p in [-1.01, 1.01] (rounding of 16 p + 16 near a bucket edge included).
+    none) and code = below[b] + (p > thr[b]). One int64 entry per bucket holds both (thr's fp32 bits
+    low, below high): one convert and one 8-byte L1-resident gather per element. _launch.nf4_lut
+    builds the table; tests check it against searchsorted around every bucket edge and midpoint.
+
+    PTX (GPU): the gather is an inline ``ld.global.nc.b64``. A ``tl.load`` gather would be a
+    layout anchor for Triton's coalescing pass, which then moves the whole fp32 tile through shared
+    memory into a one-element-per-thread layout (Triton 3.6, scripts/xc_quant.py shows it); inline
+    asm is elementwise and keeps the tile's layout. The interpreter runs the ``tl.load`` twin.
     """
     bucket = tl.minimum((p * 16.0 + 16.0).to(tl.int32).to(tl.uint32), 31).to(tl.int32)  # NaN-safe
-    thr = tl.load(nf4_lut_ptr + bucket)
-    below = tl.load(nf4_lut_ptr + 32 + bucket).to(tl.int32, bitcast=True)
+    if PTX:
+        addr = nf4_lut_ptr.to(tl.int64) + bucket.to(tl.int64) * 8
+        entry = tl.inline_asm_elementwise(
+            "ld.global.nc.b64 $0, [$1];", "=l,l", [addr], dtype=tl.int64, is_pure=True, pack=1
+        )
+    else:
+        entry = tl.load(nf4_lut_ptr + bucket)
+    thr = entry.to(tl.int32).to(tl.float32, bitcast=True)  # low 32 bits
+    below = (entry >> 32).to(tl.int32)
     return below + (p > thr).to(tl.int32)
 
 
 @triton.jit
-def _store_plane(codes_ptr, plane, row_off, chunk, row_ok, WIDTH: tl.constexpr, SUB: tl.constexpr):
-    """Store one bit plane of [ROWS, G, SUB] codes (< 2**WIDTH). SUB consecutive codes of a block are
-    held by one thread, so a plane packs in registers with shifts and adds into one WIDTH*SUB-bit
-    little-endian word per chunk: code k of the chunk at bit WIDTH*k, i.e. the pack_codes layout."""
+def _store_plane(codes_ptr, plane, bad, rows, row_ok, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                 ROW_BYTES: tl.constexpr, PLANE_OFF: tl.constexpr, WIDTH: tl.constexpr, SUB: tl.constexpr,
+                 BAD_FIELD: tl.constexpr):  # fmt: skip
+    """Store one bit plane of [ROWS, BLOCK] codes (< 2**WIDTH) at byte PLANE_OFF of every row; rows
+    flagged ``bad`` store BAD_FIELD in every field instead.
+
+    Sub-byte planes: the tile is viewed as [ROWS, BLOCK/SUB, SUB] (SUB consecutive codes, the
+    elements one thread loaded with one 16-byte load) and packed in registers with shifts and a sum
+    into one WIDTH*SUB-bit little-endian word per chunk: code k at bit WIDTH*k (pack_codes layout)."""
     if WIDTH == 8:
-        k = tl.arange(0, SUB)[None, None, :]
-        ptrs = codes_ptr + row_off[:, None, None] + chunk[None, :, None] * SUB + k
-        tl.store(ptrs, plane.to(tl.uint8), mask=row_ok[:, None, None])
+        plane = tl.where(bad[:, None], BAD_FIELD, plane)
+        ptrs = codes_ptr + (rows * ROW_BYTES + PLANE_OFF)[:, None] + tl.arange(0, BLOCK)[None, :]
+        tl.store(ptrs, plane.to(tl.uint8), mask=row_ok[:, None])
     else:
+        G: tl.constexpr = BLOCK // SUB
         shifts = (tl.arange(0, SUB) * WIDTH)[None, None, :]
-        word = tl.sum(plane << shifts, axis=2)  # disjoint bit fields: the sum is an OR
-        ptrs = codes_ptr + row_off[:, None] + chunk[None, :] * (SUB * WIDTH // 8)  # byte address
-        if WIDTH == 4:
-            tl.store(ptrs.to(tl.pointer_type(tl.int32), bitcast=True), word, mask=row_ok[:, None])
-        elif WIDTH == 2:
-            tl.store(ptrs.to(tl.pointer_type(tl.int16), bitcast=True), word.to(tl.int16), mask=row_ok[:, None])
+        word = tl.sum(tl.reshape(plane, [ROWS, G, SUB]) << shifts, axis=2)  # disjoint fields: sum = OR
+        WB: tl.constexpr = SUB * WIDTH // 8  # bytes per word
+        BAD_WORD: tl.constexpr = BAD_FIELD * (((1 << (WIDTH * SUB)) - 1) // ((1 << WIDTH) - 1))
+        # as a signed value of the word's width (the stored bits are the same)
+        BAD_SIGNED: tl.constexpr = BAD_WORD - (1 << (8 * WB)) if BAD_WORD >= (1 << (8 * WB - 1)) else BAD_WORD
+        word = tl.where(bad[:, None], BAD_SIGNED, word)
+        # word pointers from a word-typed base: row and plane offsets are whole words (block * bits / 8
+        # and block * PLANE0 / 8 are multiples of 4 for block >= 32), so Triton's axis analysis sees
+        # the words of a row as contiguous (a bit-cast byte-pointer tensor hides that, and Triton then
+        # spreads a warp's stores over 32 rows)
+        if WB == 4:
+            wbase = codes_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+            word = word.to(tl.int32)
+        elif WB == 2:
+            wbase = codes_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+            word = word.to(tl.int16)
         else:
-            tl.store(ptrs, word.to(tl.uint8), mask=row_ok[:, None])
+            wbase = codes_ptr
+            word = word.to(tl.uint8)
+        ptrs = wbase + (rows * (ROW_BYTES // WB) + PLANE_OFF // WB)[:, None] + tl.arange(0, G)[None, :]
+        tl.store(ptrs, word, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -118,8 +149,8 @@ def _unpack_plane(byte, ROWS: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.const
 def _encode_scale(raw, SCALE: tl.constexpr):
     """(stored scale, its fp32 value) as agoq.ref.quant._encode_scale; pow2 stores a biased byte."""
     if SCALE == 0:
-        stored = raw
-        s = raw
+        s = tl.where(raw > 0, tl.maximum(raw, MIN_NORMAL), raw)  # 1 / s stays finite
+        stored = s
     elif SCALE == 1:
         stored = raw.to(tl.float16)
         s = stored.to(tl.float32)
@@ -145,7 +176,7 @@ def _quantize_fwd_kernel(
     x_ptr,  # input, bf16/fp16/fp32, numel elements (flat, contiguous)
     codes_ptr,  # out: uint8, num_blocks * BLOCK * BITS // 8 packed codes
     scales_ptr,  # out: fp32 / fp16 / uint8 (pow2 biased exponent), num_blocks
-    nf4_lut_ptr,  # fp32 [64]: NF4 bucket thresholds, then bucket base codes (bits); KIND == 1 only
+    nf4_lut_ptr,  # int64 [32]: NF4 bucket threshold bits | base code << 32 (_launch.nf4_lut); KIND == 1
     numel,  # int: number of valid input elements
     num_blocks,  # int: ceil(numel / BLOCK)
     seed_mix,  # int32: (seed * 0x9E3779B9) mod 2**32, bit-cast; stochastic rounding only
@@ -159,47 +190,58 @@ def _quantize_fwd_kernel(
     PLANE0: tl.constexpr,  # first (low) bit-plane width
     PLANE1: tl.constexpr,  # second bit-plane width or 0
     FP8_DTYPE: tl.constexpr,  # tl.float8e4nv / tl.float8e5
-    SUB: tl.constexpr,  # consecutive elements per thread (a power of two <= 32)
+    SUB: tl.constexpr,  # codes per packed word of a sub-byte plane (8: one 16-byte bf16 load)
+    PTX: tl.constexpr,  # inline PTX (GPU) or its tl.* twin (interpreter): NF4 gather, cint division
 ):
-    # -- load ROWS blocks as [ROWS, G, SUB]: SUB consecutive elements per thread (one 16-byte load of
-    # bf16), so the codes sharing a packed word are packed in registers (no layout conversion).
+    # -- load ROWS whole blocks as a [ROWS, BLOCK] tile: addresses are contiguous along the tile's
+    # last axis, so Triton gives each thread 16-byte vector loads and a warp whole 512-byte spans
+    # (a [ROWS, G, SUB] view at load time made Triton spread a warp over 32 rows: strided, slow).
     # 64-bit program base, 32-bit offsets inside the program (cheaper per-element address math).
-    G: tl.constexpr = BLOCK // SUB
     first_row = tl.program_id(0).to(tl.int64) * ROWS
     elem_base = first_row * BLOCK
     rows = tl.arange(0, ROWS)
-    chunk = tl.arange(0, G)
-    local = (rows[:, None, None] * BLOCK + chunk[None, :, None] * SUB) + tl.arange(0, SUB)[None, None, :]
+    local = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     elems_left = tl.minimum(numel - elem_base, ROWS * BLOCK).to(tl.int32)
     x = tl.load(x_ptr + elem_base + local, mask=local < elems_left, other=0.0).to(tl.float32)
     if KIND == 4:
         x = tl.math.sqrt_rn(x)  # negative -> NaN -> non-finite block
     # -- absmax (NaN-propagating max: a NaN or Inf element makes the block non-finite), scale --------
-    absmax = tl.reduce(tl.reduce(tl.abs(x), 2, _max_nan), 1, _max_nan)
+    absmax = tl.reduce(tl.abs(x), 1, _max_nan)
     bad = (absmax != absmax) | (absmax == float("inf"))
-    raw = tl.math.div_rn(absmax, QMAX)
+    if QMAX == 1.0:
+        raw = absmax  # nf, cint, cuint: absmax / 1 is exact
+    else:
+        raw = tl.math.div_rn(absmax, QMAX)
     stored, s = _encode_scale(raw, SCALE)
     bad = bad | (s != s) | (s == float("inf"))
     inv = tl.where((s > 0) & (~bad), tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), 0.0)
-    p = tl.where(bad[:, None, None], 0.0, x * inv[:, None, None])
+    # A non-finite block has inv = 0, so its p is 0 or NaN; its codes are replaced by the code of
+    # p = 0 (agoq.ref's value for such blocks) once per packed word in _store_plane, not per element.
+    p = x * inv[:, None]
     # -- codes ----------------------------------------------------------------------------------
     if KIND == 1:
-        code = _nf4_code(p, nf4_lut_ptr)
+        code = _nf4_code(p, nf4_lut_ptr, PTX)
     elif KIND == 2:
         y = tl.minimum(tl.maximum(p, -QMAX), QMAX)
         code = y.to(FP8_DTYPE).to(tl.uint8, bitcast=True).to(tl.int32)
     else:
-        hash_base = (elem_base.to(tl.uint32) + seed_mix.to(tl.uint32, bitcast=True)).to(tl.int32, bitcast=True)
-        code = _int_code(p, local.to(tl.uint32), hash_base, KIND, BITS, STOCHASTIC, QMAX)
+        base_mul = (elem_base.to(tl.uint32) + seed_mix.to(tl.uint32, bitcast=True)) * 0x85EBCA6B
+        code = _int_code(p, local.to(tl.uint32), base_mul, KIND, BITS, SCALE, STOCHASTIC, QMAX, PTX)
     # -- pack bit planes and store -------------------------------------------------------------
     row_ok = rows < tl.minimum(num_blocks - first_row, ROWS).to(tl.int32)
     row_bytes: tl.constexpr = BLOCK * BITS // 8
     codes_ptr += first_row * row_bytes
-    row_off = rows * row_bytes
-    _store_plane(codes_ptr, code & ((1 << PLANE0) - 1), row_off, chunk, row_ok, PLANE0, SUB)
+    # code of p = 0 (non-finite blocks): int 2**(bits-1), nf 7 (NF4's exact zero), cint 128, else 0
+    ZERO: tl.constexpr = 2 ** (BITS - 1) if KIND == 0 else (7 if KIND == 1 else (128 if KIND == 3 else 0))
+    if PLANE1 > 0:  # codes of finite blocks are < 2**BITS: only the low plane needs a mask
+        plane0 = code & ((1 << PLANE0) - 1)
+    else:
+        plane0 = code
+    _store_plane(codes_ptr, plane0, bad, rows, row_ok, ROWS, BLOCK, row_bytes, 0, PLANE0, SUB,
+                 ZERO & ((1 << PLANE0) - 1))  # fmt: skip
     if PLANE1 > 0:
-        plane1 = (code >> PLANE0) & ((1 << PLANE1) - 1)
-        _store_plane(codes_ptr, plane1, row_off + BLOCK * PLANE0 // 8, chunk, row_ok, PLANE1, SUB)
+        _store_plane(codes_ptr, code >> PLANE0, bad, rows, row_ok, ROWS, BLOCK, row_bytes, BLOCK * PLANE0 // 8,
+                     PLANE1, SUB, ZERO >> PLANE0)  # fmt: skip
     scales_ptr += first_row
     if SCALE == 2:
         stored = tl.where(bad, 255, stored).to(tl.uint8)
@@ -209,29 +251,55 @@ def _quantize_fwd_kernel(
 
 
 @triton.jit
-def _int_code(p, local_u32, hash_base, KIND: tl.constexpr, BITS: tl.constexpr, STOCHASTIC: tl.constexpr,
-              QMAX: tl.constexpr):  # fmt: skip
-    """Unsigned codes of int (KIND 0), cint (3) and cuint (4), with agoq.ref's rounding and clamps."""
+def _int_code(p, local_u32, base_mul, KIND: tl.constexpr, BITS: tl.constexpr, SCALE: tl.constexpr,
+              STOCHASTIC: tl.constexpr, QMAX: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """Signed-offset codes of int (KIND 0), cint (3) and cuint (4), with agoq.ref's rounding and clamps.
+
+    Round to nearest of int with fp32 or pow2 scales skips the clamp: then s >= absmax / qmax
+    (rounded) and 1 / s is finite (fp32 scales are >= 2**-126), so |p| <= qmax * (1 + 3 * 2**-24)
+    rounds to at most qmax. fp16 scales can round down (and go subnormal): clamped as in agoq.ref.
+    """
     if KIND == 0:
         y = p
         lim = QMAX
     elif KIND == 3:
         pc = tl.minimum(tl.maximum(p, -1.0), 1.0)
-        y = tl.math.div_rn(pc * 2.0, tl.abs(pc) + 1.0) * 127.0  # |y| <= 127: the ref clamp is a no-op
+        y = _div_unit(pc * 2.0, tl.abs(pc) + 1.0, PTX) * 127.0  # |y| <= 127: the ref clamp is a no-op
         lim = 127.0
     else:
         y = tl.minimum(tl.maximum(p, 0.0), 1.0) * 255.0
         lim = 255.0
     if STOCHASTIC:
         # floor(clamp(z)) == clamp(floor(z)) for an integer limit (floor is monotone)
-        z = tl.minimum(tl.maximum(y + _hash_uniform(local_u32, hash_base), -lim), lim)
+        z = tl.minimum(tl.maximum(y + _hash_uniform(local_u32, base_mul), -lim), lim)
         r = tl.floor(z).to(tl.int32)
-    elif KIND == 0:
+    elif KIND == 0 and SCALE == 1:
         r = _round_half_away_i32(tl.minimum(tl.maximum(y, -lim), lim))  # clamp before: same result
     else:
-        r = _round_half_away_i32(y)  # cint: |y| <= 127; cuint: 0 <= y <= 255 (clamped p)
+        r = _round_half_away_i32(y)  # int: see above; cint: |y| <= 127; cuint: 0 <= y <= 255
     offset: tl.constexpr = 2 ** (BITS - 1) if KIND == 0 else (128 if KIND == 3 else 0)
     return r + offset
+
+
+@triton.jit
+def _div_unit(num, den, PTX: tl.constexpr):
+    """Correctly rounded num / den for den in [1, 2] and |num| <= 2 (cint's softsign).
+
+    PTX: the fast path of the CUDA division (reciprocal estimate, one Newton step, quotient, residual,
+    corrected quotient: the MUFU.RCP + 5 FFMA sequence ptxas emits for div.rn.f32) without its
+    range check (FCHK) and slow-path call, which only matter for huge / tiny operands or quotients:
+    here either |num| >= 2**-23 (normal, quotient normal) or den == 1.0 exactly (|num| < 2**-23 makes
+    1 + |num| round to 1), where the estimate of 1 / 1 is exact and the quotient is num itself.
+    Interpreter: tl.math.div_rn."""
+    if PTX:
+        y0 = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [den], dtype=tl.float32,
+                                       is_pure=True, pack=1)  # fmt: skip
+        y1 = tl.fma(y0, tl.fma(-den, y0, 1.0), y0)
+        q0 = num * y1
+        q = tl.fma(y1, tl.fma(-den, q0, num), q0)
+    else:
+        q = tl.math.div_rn(num, den)
+    return q
 
 
 @triton.jit
@@ -377,7 +445,7 @@ def quantize_with_config(
         _quantize_fwd_kernel[grid](
             x_flat, codes_u8, scales, _launch.nf4_lut(str(x.device)), x.numel(), num_blocks,
             _launch.seed_mix(seed), num_warps=config.num_warps, enable_fp_fusion=False, ROWS=rows,
-            SUB=_launch.SUB_ELEMS, **ce,
+            SUB=_launch.SUB_ELEMS, PTX=not _launch.INTERPRET, **ce,
         )  # fmt: skip
     return QuantizedTensor(codes_u8, scales, fmt, x.shape, x.dtype)
 

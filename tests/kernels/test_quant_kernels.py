@@ -183,10 +183,9 @@ def test_nf4_bucket_table_matches_searchsorted():
     31, fp32 arithmetic as on GPU) equals searchsorted over the midpoints: every fp32 within 4096 ulps
     of each bucket edge and each midpoint (where rounding of 16 p + 16 could misplace p), plus 2**20
     uniform points. An exhaustive run over all fp32 in [-1.01, 1.01] is recorded in quant.md."""
-    from agoq.kernels._launch import nf4_lut_cpu, nf4_midpoints_f32
+    from agoq.kernels._launch import nf4_lut_cpu, nf4_lut_split, nf4_midpoints_f32
 
-    lut = nf4_lut_cpu()
-    thr, below = lut[:32], lut[32:].view(torch.int32)
+    thr, below = nf4_lut_split(nf4_lut_cpu())
     mids = nf4_midpoints_f32()
     anchors = torch.cat([torch.arange(33, dtype=torch.float32) / 16.0 - 1.0, mids, torch.tensor([1.01])])
     ulps = torch.arange(-4096, 4097, dtype=torch.int32)
