@@ -123,9 +123,8 @@ def _store_state(
         p = tl.where(bad[:, None], 0.0, x * inv[:, None])
         if KIND == 1:
             code = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
-            for level in tl.static_range(4):
-                step: tl.constexpr = 8 >> level
-                code += tl.where(p > tl.load(mids_ptr + code + (step - 1)), step, 0)
+            for level in tl.static_range(4):  # no constexpr rebinding per level: Triton 3.6 rejects it
+                code += tl.where(p > tl.load(mids_ptr + code + ((8 >> level) - 1)), 8 >> level, 0)
         elif KIND == 2:
             code = tl.minimum(tl.maximum(p, -QMAX), QMAX).to(FP8_DTYPE).to(tl.uint8, bitcast=True).to(tl.int32)
         else:
