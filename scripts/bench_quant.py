@@ -120,11 +120,12 @@ def bench_size(b: Bench, size_mib: float, names: list[str]) -> list[dict]:
 
 def sqnr_rows(b: Bench, names: list[str], numel: int) -> list[dict]:
     out = []
+    dists = (("gaussian", gaussian_floor_db), ("heavy_tailed", heavy_tailed_floor_db))
+    data = {dist: make_test_data(dist, numel, seed=0, device=b.device, dtype=torch.bfloat16) for dist, _ in dists}
     for name in names:
         fmt = parse_format(name)
-        for dist, floor_fn in (("gaussian", gaussian_floor_db), ("heavy_tailed", heavy_tailed_floor_db)):
-            x = make_test_data(dist, numel, seed=0, device=b.device, dtype=torch.bfloat16)
-            x = x.abs() if fmt.kind == "cuint" else x
+        for dist, floor_fn in dists:
+            x = data[dist].abs() if fmt.kind == "cuint" else data[dist]
             y = dequantize(quantize(x, fmt, seed=1), torch.float32)
             try:
                 floor = floor_fn(fmt)

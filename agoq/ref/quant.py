@@ -23,7 +23,7 @@ Rounding "nearest" is round half away from zero, computed exactly as ``f = floor
 
 Non-finite policy (docs/numerics.md): a block holding NaN or +-Inf (for cuint also a negative value,
 whose sqrt is NaN), or whose scale overflows its storage dtype, gets a NaN scale (pow2: byte 255)
-and all-zero codes, so the whole dequantized block is NaN and downstream NaN checks fire.
+and the codes of p = 0, so the whole dequantized block is NaN and downstream NaN checks fire.
 """
 
 from __future__ import annotations
