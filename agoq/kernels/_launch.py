@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +17,7 @@ TL_OUT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.f
 TL_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 TORCH_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "pow2": torch.uint8}
 HASH_SEED_MUL = 0x9E3779B9  # same constant as agoq.ref.quant (golden-ratio seed mix)
-# Triton's CPU interpreter cannot run inline PTX: kernels then take their tl.* twin of such code.
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 
 @dataclass(frozen=True)

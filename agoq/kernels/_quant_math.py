@@ -4,8 +4,14 @@ Every function mirrors one step of agoq.ref.quant bit for bit (see each docstrin
 kernels in agoq/kernels/quant.py, _quant_tile.py and optim.py compose them.
 """
 
+import os
+
 import triton
 import triton.language as tl
+
+# Inline PTX on GPU; Triton's CPU interpreter cannot run it, so there the functions below take their
+# tl.* twins (read at import, like Triton itself reads TRITON_INTERPRET).
+USE_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 # Round half away from zero as int32 for |y| < 2**22: trunc(y + copysign(HALF_BELOW, y)), one add
 # and one truncating convert. HALF_BELOW = 0.5 - 2**-25 (the largest float below 0.5): for
@@ -69,7 +75,27 @@ def _hash_uniform(local_u32, base_mul):
 
 
 @triton.jit
-def _nf4_code(p, nf4_lut_ptr, PTX: tl.constexpr):
+def gather_nc(table_ptr, index):
+    """table_ptr[index] for a small read-only table (4- or 8-byte entries), elementwise.
+
+    GPU: inline ``ld.global.nc``. A ``tl.load`` gather is a layout anchor for Triton's coalescing pass,
+    which gives it a one-element-per-thread layout and then moves the surrounding tile through shared
+    memory into it (Triton 3.6; scripts/xc_quant.py shows the conversions); inline asm is elementwise
+    and keeps the tile's layout. Interpreter: the ``tl.load`` twin."""
+    if USE_PTX:
+        ty = table_ptr.dtype.element_ty
+        addr = table_ptr.to(tl.int64) + index.to(tl.int64) * (ty.primitive_bitwidth // 8)
+        if ty.primitive_bitwidth == 64:
+            v = tl.inline_asm_elementwise("ld.global.nc.b64 $0, [$1];", "=l,l", [addr], dtype=ty, is_pure=True, pack=1)
+        else:
+            v = tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [addr], dtype=ty, is_pure=True, pack=1)
+    else:
+        v = tl.load(table_ptr + index)
+    return v
+
+
+@triton.jit
+def _nf4_code(p, nf4_lut_ptr):
     """#(NF4 midpoints < p) (ties to the lower code, as searchsorted) from a 32-bucket table.
 
     Bucket b = trunc(16 p + 16) (clamped to 31) covers [-1 + b/16, -1 + (b+1)/16), narrower than the
@@ -78,19 +104,10 @@ def _nf4_code(p, nf4_lut_ptr, PTX: tl.constexpr):
     low, below high): one convert and one 8-byte L1-resident gather per element. _launch.nf4_lut
     builds the table; tests check it against searchsorted around every bucket edge and midpoint.
 
-    PTX (GPU): the gather is an inline ``ld.global.nc.b64``. A ``tl.load`` gather would be a
-    layout anchor for Triton's coalescing pass, which then moves the whole fp32 tile through shared
-    memory into a one-element-per-thread layout (Triton 3.6, scripts/xc_quant.py shows it); inline
-    asm is elementwise and keeps the tile's layout. The interpreter runs the ``tl.load`` twin.
+    The gather is gather_nc (inline PTX on GPU, see there).
     """
     bucket = tl.minimum((p * 16.0 + 16.0).to(tl.int32).to(tl.uint32), 31).to(tl.int32)  # NaN-safe
-    if PTX:
-        addr = nf4_lut_ptr.to(tl.int64) + bucket.to(tl.int64) * 8
-        entry = tl.inline_asm_elementwise(
-            "ld.global.nc.b64 $0, [$1];", "=l,l", [addr], dtype=tl.int64, is_pure=True, pack=1
-        )
-    else:
-        entry = tl.load(nf4_lut_ptr + bucket)
+    entry = gather_nc(nf4_lut_ptr, bucket)
     thr = entry.to(tl.int32).to(tl.float32, bitcast=True)  # low 32 bits
     below = (entry >> 32).to(tl.int32)
     return below + (p > thr).to(tl.int32)
@@ -98,7 +115,7 @@ def _nf4_code(p, nf4_lut_ptr, PTX: tl.constexpr):
 
 @triton.jit
 def _int_code(p, local_u32, base_mul, KIND: tl.constexpr, BITS: tl.constexpr, SCALE: tl.constexpr,
-              STOCHASTIC: tl.constexpr, QMAX: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+              STOCHASTIC: tl.constexpr, QMAX: tl.constexpr):  # fmt: skip
     """Signed-offset codes of int (KIND 0), cint (3) and cuint (4), with agoq.ref's rounding and clamps.
 
     Round to nearest of int with fp32 or pow2 scales skips the clamp: then s >= absmax / qmax
@@ -110,7 +127,7 @@ def _int_code(p, local_u32, base_mul, KIND: tl.constexpr, BITS: tl.constexpr, SC
         lim = QMAX
     elif KIND == 3:
         pc = tl.minimum(tl.maximum(p, -1.0), 1.0)
-        y = _div_unit(pc * 2.0, tl.abs(pc) + 1.0, PTX) * 127.0  # |y| <= 127: the ref clamp is a no-op
+        y = _div_unit(pc * 2.0, tl.abs(pc) + 1.0) * 127.0  # |y| <= 127: the ref clamp is a no-op
         lim = 127.0
     else:
         y = tl.minimum(tl.maximum(p, 0.0), 1.0) * 255.0
@@ -128,16 +145,16 @@ def _int_code(p, local_u32, base_mul, KIND: tl.constexpr, BITS: tl.constexpr, SC
 
 
 @triton.jit
-def _div_unit(num, den, PTX: tl.constexpr):
+def _div_unit(num, den):
     """Correctly rounded num / den for den in [1, 2] and |num| <= 2 (cint's softsign).
 
-    PTX: the fast path of the CUDA division (reciprocal estimate, one Newton step, quotient, residual,
+    GPU: the fast path of the CUDA division (reciprocal estimate, one Newton step, quotient, residual,
     corrected quotient: the MUFU.RCP + 5 FFMA sequence ptxas emits for div.rn.f32) without its
     range check (FCHK) and slow-path call, which only matter for huge / tiny operands or quotients:
     here either |num| >= 2**-23 (normal, quotient normal) or den == 1.0 exactly (|num| < 2**-23 makes
     1 + |num| round to 1), where the estimate of 1 / 1 is exact and the quotient is num itself.
     Interpreter: tl.math.div_rn."""
-    if PTX:
+    if USE_PTX:
         y0 = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [den], dtype=tl.float32,
                                        is_pure=True, pack=1)  # fmt: skip
         y1 = tl.fma(y0, tl.fma(-den, y0, 1.0), y0)

@@ -90,8 +90,7 @@ def _load_part(x_ptr, elem_base, elems_left, rows, BLOCK: tl.constexpr, SUB: tl.
 def _part_codes(x, local, col, inv, bad, codes_ptr, rows, row_ok, nf4_lut_ptr, base_mul,
                 KIND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                 SCALE: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr, PLANE0: tl.constexpr,
-                PLANE1: tl.constexpr, FP8_DTYPE: tl.constexpr, SUB: tl.constexpr, SPLIT: tl.constexpr,
-                PTX: tl.constexpr):  # fmt: skip
+                PLANE1: tl.constexpr, FP8_DTYPE: tl.constexpr, SUB: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
     """Codes of one part of the tile (_load_part). Whole-byte codes are stored here (their part
     columns are 16-byte runs: no repacking needed); sub-byte planes come back as packed words
     (plane 0, plane 1) for the caller to interleave and store."""
@@ -101,12 +100,12 @@ def _part_codes(x, local, col, inv, bad, codes_ptr, rows, row_ok, nf4_lut_ptr, b
     if PLANE0 == 8:
         p = tl.where(bad[:, None], 0.0, p)
     if KIND == 1:
-        code = _nf4_code(p, nf4_lut_ptr, PTX)
+        code = _nf4_code(p, nf4_lut_ptr)
     elif KIND == 2:
         y = tl.minimum(tl.maximum(p, -QMAX), QMAX)
         code = y.to(FP8_DTYPE).to(tl.uint8, bitcast=True).to(tl.int32)
     else:
-        code = _int_code(p, local.to(tl.uint32), base_mul, KIND, BITS, SCALE, STOCHASTIC, QMAX, PTX)
+        code = _int_code(p, local.to(tl.uint32), base_mul, KIND, BITS, SCALE, STOCHASTIC, QMAX)
     W: tl.constexpr = BLOCK // SPLIT
     if PLANE0 == 8:
         ptrs = codes_ptr + (rows * BLOCK)[:, None] + col[None, :]
@@ -143,7 +142,6 @@ def _quantize_fwd_kernel(
     FP8_DTYPE: tl.constexpr,  # tl.float8e4nv / tl.float8e5
     SUB: tl.constexpr,  # codes per packed word of a sub-byte plane (8: one 16-byte bf16 load)
     SPLIT: tl.constexpr,  # 1, 2 or 4 parts per tile (_load_part): chunks per thread and row
-    PTX: tl.constexpr,  # inline PTX (GPU) or its tl.* twin (interpreter): NF4 gather, cint division
 ):
     # -- load ROWS whole blocks as a [ROWS, BLOCK] tile in SPLIT parts (_load_part). Offsets are
     # contiguous along the last axis, so Triton gives each thread 16-byte vector loads (a [ROWS, G,
@@ -177,19 +175,19 @@ def _quantize_fwd_kernel(
     codes_ptr += first_row * row_bytes
     base_mul = (elem_base.to(tl.uint32) + seed_mix.to(tl.uint32, bitcast=True)) * 0x85EBCA6B  # SR only
     a0, b0 = _part_codes(x0, l0, c0, inv, bad, codes_ptr, rows, row_ok, nf4_lut_ptr, base_mul, KIND, BITS,
-                         BLOCK, ROWS, SCALE, STOCHASTIC, QMAX, PLANE0, PLANE1, FP8_DTYPE, SUB, SPLIT, PTX)  # fmt: skip
+                         BLOCK, ROWS, SCALE, STOCHASTIC, QMAX, PLANE0, PLANE1, FP8_DTYPE, SUB, SPLIT)  # fmt: skip
     a1, b1, a2, b2, a3, b3 = a0, b0, a0, b0, a0, b0  # placeholders for SPLIT < 4
     if SPLIT >= 2:
         a1, b1 = _part_codes(x1, l1, c1, inv, bad, codes_ptr, rows, row_ok, nf4_lut_ptr, base_mul, KIND,
-                             BITS, BLOCK, ROWS, SCALE, STOCHASTIC, QMAX, PLANE0, PLANE1, FP8_DTYPE, SUB, SPLIT,
-                             PTX)  # fmt: skip
+                             BITS, BLOCK, ROWS, SCALE, STOCHASTIC, QMAX, PLANE0, PLANE1, FP8_DTYPE, SUB,
+                             SPLIT)  # fmt: skip
     if SPLIT == 4:
         a2, b2 = _part_codes(x2, l2, c2, inv, bad, codes_ptr, rows, row_ok, nf4_lut_ptr, base_mul, KIND,
-                             BITS, BLOCK, ROWS, SCALE, STOCHASTIC, QMAX, PLANE0, PLANE1, FP8_DTYPE, SUB, SPLIT,
-                             PTX)  # fmt: skip
+                             BITS, BLOCK, ROWS, SCALE, STOCHASTIC, QMAX, PLANE0, PLANE1, FP8_DTYPE, SUB,
+                             SPLIT)  # fmt: skip
         a3, b3 = _part_codes(x3, l3, c3, inv, bad, codes_ptr, rows, row_ok, nf4_lut_ptr, base_mul, KIND,
-                             BITS, BLOCK, ROWS, SCALE, STOCHASTIC, QMAX, PLANE0, PLANE1, FP8_DTYPE, SUB, SPLIT,
-                             PTX)  # fmt: skip
+                             BITS, BLOCK, ROWS, SCALE, STOCHASTIC, QMAX, PLANE0, PLANE1, FP8_DTYPE, SUB,
+                             SPLIT)  # fmt: skip
     if PLANE0 < 8:
         # code of p = 0 (non-finite blocks): int 2**(bits-1), nf 7 (NF4's exact zero), cint 128, else 0
         ZERO: tl.constexpr = 2 ** (BITS - 1) if KIND == 0 else (7 if KIND == 1 else (128 if KIND == 3 else 0))

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from agoq.formats import QuantFormat, parse_format
 from agoq.kernels import _launch
-from agoq.kernels._quant_math import _encode_scale, _pow2_value  # noqa: F401 (agoq.kernels.optim imports them)
+from agoq.kernels._quant_math import _encode_scale, _pow2_value, gather_nc  # noqa: F401 (optim imports the first two)
 from agoq.kernels._quant_tile import _quantize_fwd_kernel
 from agoq.ref.quant import QuantizedTensor, check_input, ref_dequantize, ref_quantize
 
@@ -111,7 +111,7 @@ def decode_block_values(
     elif KIND == 2:
         v = code.to(tl.uint8).to(FP8_DTYPE, bitcast=True).to(tl.float32)
     else:
-        v = tl.load(values_ptr + code)
+        v = gather_nc(values_ptr, code)  # inline PTX on GPU: keeps the tile's layout (see gather_nc)
     return v
 
 
@@ -188,7 +188,7 @@ def quantize_with_config(
         _quantize_fwd_kernel[grid](
             x_flat, codes_u8, scales, _launch.nf4_lut(str(x.device)), x.numel(), num_blocks,
             _launch.seed_mix(seed), num_warps=config.num_warps, enable_fp_fusion=False, ROWS=rows,
-            SUB=_launch.SUB_ELEMS, SPLIT=_launch.split_for(fmt, config), PTX=not _launch.INTERPRET, **ce,
+            SUB=_launch.SUB_ELEMS, SPLIT=_launch.split_for(fmt, config), **ce,
         )  # fmt: skip
     return QuantizedTensor(codes_u8, scales, fmt, x.shape, x.dtype)
 
