@@ -19,34 +19,49 @@ TORCH_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "pow2": torc
 HASH_SEED_MUL = 0x9E3779B9  # same constant as agoq.ref.quant (golden-ratio seed mix)
 
 
+
 @dataclass(frozen=True)
 class QuantConfig:
-    """Quantize launch shape: elements per program instance (ROWS = elems // block blocks) and warps."""
+    """Quantize launch shape: elements per program instance (ROWS = elems // block blocks), warps, and
+    (tile kernel) parts per tile: each thread holds ``split`` consecutive 8-element chunks of a block."""
 
     elems_per_program: int = 4096
     num_warps: int = 4
+    split: int = 1
+
+    def __post_init__(self) -> None:
+        if self.split not in (1, 2, 4):
+            raise ValueError(f"QuantConfig.split={self.split} is not allowed; use 1, 2 or 4")
+
+    @property
+    def label(self) -> str:
+        return f"{self.elems_per_program}/{self.num_warps}/s{self.split}"
 
 
 # Quantize launch shape per format family (kind, bits, stochastic); the codes never depend on it.
-# Provenance: `scripts/bench_quant.py --sweep` on NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton
-# 3.6.0, 2026-11-22T04:19Z (docs/benchmarks/quant_sweep.json): per family, the shape with the best
-# worst-case quantize vs-copy ratio at 256 MiB over the swept formats of that family.
+# Tile kernel (_quantize_fwd_kernel) shapes: chosen from the Triton 3.6 sm_90 cross-compile profile
+# (scripts/xc_quant.py --variants: no spills, fewest SASS instructions per element) until an H100 run
+# of `scripts/bench_quant.py --variants` replaces them with measured choices (docs/benchmarks/quant.md).
+# split=4 (two 16-byte chunks per block row for b32, capped by split_for) halves the per-block scale
+# work per element twice and stores 16 contiguous bytes of packed words per thread; one-byte codes
+# keep split=1, whose [rows, block] tile stores 16 contiguous code bytes per thread.
 DEFAULT_QUANT_CONFIG = QuantConfig()
 QUANT_CONFIGS: dict[tuple[str, int, bool], QuantConfig] = {
     ("int", 8, False): QuantConfig(4096, 4),  # _quantize_bytes_kernel: see below
-    ("int", 6, False): QuantConfig(1024, 4),
-    ("int", 5, False): QuantConfig(2048, 4),
-    ("int", 4, False): QuantConfig(2048, 4),
-    ("int", 2, False): QuantConfig(4096, 8),
-    ("nf", 4, False): QuantConfig(4096, 4),
+    ("int", 6, False): QuantConfig(4096, 4, 4),
+    ("int", 5, False): QuantConfig(4096, 4, 4),
+    ("int", 4, False): QuantConfig(4096, 4, 4),
+    ("int", 3, False): QuantConfig(4096, 4, 4),
+    ("int", 2, False): QuantConfig(4096, 4, 4),
+    ("nf", 4, False): QuantConfig(4096, 4, 4),
     ("fp8", 8, False): QuantConfig(4096, 4),  # _quantize_bytes_kernel: see below
     ("cint", 8, False): QuantConfig(4096, 4),
-    ("cuint", 8, False): QuantConfig(8192, 8),
+    ("cuint", 8, False): QuantConfig(4096, 4),
     ("int", 8, True): QuantConfig(4096, 4),
 }
 # int8 (round to nearest) and fp8 use the [ROWS, BLOCK] _quantize_bytes_kernel with 4096 elements and
-# 4 warps: measured on the same H100 / Triton 3.6.0 at 2026-11-22T03:56Z (0.93-1.02 of copy, quant.md),
-# faster there than the [ROWS, G, SUB] kernel at its best swept shape (0.85-0.88).
+# 4 warps: measured on NVIDIA H100 80GB HBM3 / Triton 3.6.0 at 2026-11-22T04:28Z (0.93-1.02 of copy,
+# quant.md run C).
 
 
 def uses_bytes_kernel(fmt: QuantFormat) -> bool:
@@ -67,6 +82,13 @@ def quant_config(fmt: QuantFormat) -> QuantConfig:
 
 def rows_for(fmt: QuantFormat, elems_per_program: int) -> int:
     return max(1, elems_per_program // fmt.block)
+
+
+# A tile part keeps at least two 16-byte chunks per block row (a warp's load instruction then still
+# reads whole 32-byte sectors of every row it touches): split <= block / (2 * SUB_ELEMS).
+def split_for(fmt: QuantFormat, config: QuantConfig) -> int:
+    """The tile kernel's parts per tile: config.split, capped for small blocks (see above)."""
+    return max(1, min(config.split, fmt.block // (2 * SUB_ELEMS)))
 
 
 @functools.lru_cache(maxsize=256)  # per launch on the host path: build the dict once per format
@@ -102,8 +124,9 @@ def nf4_midpoints_f32() -> torch.Tensor:
 
 
 def nf4_lut_cpu() -> torch.Tensor:
-    """fp32 [64]: thr[b] (the midpoint in bucket b = [-1 + b/16, -1 + (b+1)/16), +inf if none), then
-    below[b] = #(midpoints < bucket start) stored as int32 bits. Kernel: code = below[b] + (p > thr[b])."""
+    """int64 [32]: bucket b = [-1 + b/16, -1 + (b+1)/16) -> thr[b] | below[b] << 32, where thr[b] is
+    the fp32 bits of the midpoint in the bucket (+inf if none) and below[b] = #(midpoints < bucket
+    start). Kernel: code = below[b] + (p > thr[b]) from one 8-byte gather."""
     mids = nf4_midpoints_f32()
     starts = torch.arange(NF4_BUCKETS, dtype=torch.float32) / 16.0 - 1.0  # exact in fp32
     thr = torch.full((NF4_BUCKETS,), float("inf"))
@@ -112,8 +135,16 @@ def nf4_lut_cpu() -> torch.Tensor:
         if thr[b] != float("inf"):
             raise ValueError("NF4 bucket holds two midpoints: raise NF4_BUCKETS")
         thr[b] = m
-    below = (mids[None, :] < starts[:, None]).sum(1).to(torch.int32)
-    return torch.cat([thr, below.view(torch.float32)])
+    below = (mids[None, :] < starts[:, None]).sum(1).to(torch.int64)
+    thr_bits = thr.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return thr_bits | (below << 32)
+
+
+def nf4_lut_split(lut_i64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(thr fp32 [32], below int32 [32]) of an nf4_lut_cpu table, decoded as the kernel does."""
+    low = lut_i64 & 0xFFFFFFFF
+    thr = torch.where(low >= 2**31, low - 2**32, low).to(torch.int32).view(torch.float32)
+    return thr, (lut_i64 >> 32).to(torch.int32)
 
 
 @functools.lru_cache(maxsize=16)  # one small upload per device, not one per call

@@ -18,80 +18,11 @@ import triton.language as tl
 
 from agoq.formats import QuantFormat, parse_format
 from agoq.kernels import _launch
+from agoq.kernels._quant_math import _encode_scale, _pow2_value, gather_nc  # noqa: F401 (optim imports the first two)
+from agoq.kernels._quant_tile import _quantize_fwd_kernel
 from agoq.ref.quant import QuantizedTensor, check_input, ref_dequantize, ref_quantize
 
 __all__ = ["quantize", "dequantize", "quantize_with_config"]
-
-
-# Round half away from zero as int32 for |y| < 2**22: trunc(y + copysign(HALF_BELOW, y)), one add
-# and one truncating convert. HALF_BELOW = 0.5 - 2**-25 (the largest float below 0.5): for
-# n = round_half_away(|y|), |y| + HALF_BELOW lies in [n - 2**-25, n + 1 - 2**-25 - ulp(|y|)], which
-# rounds (RNE) into [n, n + 1) (a tie |y| = n - 0.5 rounds up to n; |y| just below n + 0.5 stays below
-# n + 1), while plain floor(|y| + 0.5) fails at |y| = 0.49999997. Checked exhaustively against the
-# reference rounding for every fp32 |y| < 1024 (docs/benchmarks/quant.md).
-HALF_BELOW_BITS = tl.constexpr(0x3EFFFFFF)
-SIGN_BIT = tl.constexpr(-(2**31))
-
-
-@triton.jit
-def _round_half_away_i32(y):
-    half = ((y.to(tl.int32, bitcast=True) & SIGN_BIT) | HALF_BELOW_BITS).to(tl.float32, bitcast=True)
-    return (y + half).to(tl.int32)
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _hash_uniform(local_u32, hash_base):
-    """agoq.ref.quant.hash_uniform on uint32 lanes: flat index + seed mix (mod 2**32) = in-program
-    offset + hash_base (program's first index + seed mix, one scalar add); wrap-around multiplies."""
-    h = local_u32 + hash_base.to(tl.uint32, bitcast=True)
-    h = h ^ (h >> 16)
-    h = h * 0x85EBCA6B
-    h = h ^ (h >> 13)
-    h = h * 0xC2B2AE35
-    h = h ^ (h >> 16)
-    return (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
-
-
-@triton.jit
-def _nf4_code(p, nf4_lut_ptr):
-    """#(NF4 midpoints < p) (ties to the lower code, as searchsorted) from a 32-bucket table.
-
-    Bucket b = trunc(16 p + 16) (clamped to 31) covers [-1 + b/16, -1 + (b+1)/16), narrower than the
-    smallest gap between NF4 midpoints (0.085), so it holds at most one midpoint thr[b] (+inf if
-    none) and code = below[b] + (p > thr[b]): one convert and two L1-resident gathers instead of a
-    4-level search. _launch.nf4_lut builds the table; tests check it against searchsorted for every
-    fp32 p in [-1.01, 1.01] (rounding of 16 p + 16 near a bucket edge included).
-    """
-    bucket = tl.minimum((p * 16.0 + 16.0).to(tl.int32).to(tl.uint32), 31).to(tl.int32)  # NaN-safe
-    thr = tl.load(nf4_lut_ptr + bucket)
-    below = tl.load(nf4_lut_ptr + 32 + bucket).to(tl.int32, bitcast=True)
-    return below + (p > thr).to(tl.int32)
-
-
-@triton.jit
-def _store_plane(codes_ptr, plane, row_off, chunk, row_ok, WIDTH: tl.constexpr, SUB: tl.constexpr):
-    """Store one bit plane of [ROWS, G, SUB] codes (< 2**WIDTH). SUB consecutive codes of a block are
-    held by one thread, so a plane packs in registers with shifts and adds into one WIDTH*SUB-bit
-    little-endian word per chunk: code k of the chunk at bit WIDTH*k, i.e. the pack_codes layout."""
-    if WIDTH == 8:
-        k = tl.arange(0, SUB)[None, None, :]
-        ptrs = codes_ptr + row_off[:, None, None] + chunk[None, :, None] * SUB + k
-        tl.store(ptrs, plane.to(tl.uint8), mask=row_ok[:, None, None])
-    else:
-        shifts = (tl.arange(0, SUB) * WIDTH)[None, None, :]
-        word = tl.sum(plane << shifts, axis=2)  # disjoint bit fields: the sum is an OR
-        ptrs = codes_ptr + row_off[:, None] + chunk[None, :] * (SUB * WIDTH // 8)  # byte address
-        if WIDTH == 4:
-            tl.store(ptrs.to(tl.pointer_type(tl.int32), bitcast=True), word, mask=row_ok[:, None])
-        elif WIDTH == 2:
-            tl.store(ptrs.to(tl.pointer_type(tl.int16), bitcast=True), word.to(tl.int16), mask=row_ok[:, None])
-        else:
-            tl.store(ptrs, word.to(tl.uint8), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -112,126 +43,6 @@ def _unpack_plane(byte, ROWS: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.const
         a11 = tl.join((byte >> 3) & 1, (byte >> 7) & 1)
         out = tl.reshape(tl.join(tl.join(a00, a10), tl.join(a01, a11)), [ROWS, BLOCK])
     return out
-
-
-@triton.jit
-def _encode_scale(raw, SCALE: tl.constexpr):
-    """(stored scale, its fp32 value) as agoq.ref.quant._encode_scale; pow2 stores a biased byte."""
-    if SCALE == 0:
-        stored = raw
-        s = raw
-    elif SCALE == 1:
-        stored = raw.to(tl.float16)
-        s = stored.to(tl.float32)
-    else:
-        bits = raw.to(tl.int32, bitcast=True)
-        biased = (bits >> 23) & 0xFF
-        exp = biased - 127 + tl.where((bits & 0x7FFFFF) != 0, 1, 0)
-        exp = tl.maximum(tl.where(biased == 0, -126, exp), -126)
-        byte = tl.where(exp <= 127, exp + 127, 255)
-        stored = byte
-        s = _pow2_value(byte)
-    return stored, s
-
-
-@triton.jit
-def _pow2_value(byte_i32):
-    bits = (byte_i32 << 23) | tl.where(byte_i32 == 255, 0x400000, 0)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _quantize_fwd_kernel(
-    x_ptr,  # input, bf16/fp16/fp32, numel elements (flat, contiguous)
-    codes_ptr,  # out: uint8, num_blocks * BLOCK * BITS // 8 packed codes
-    scales_ptr,  # out: fp32 / fp16 / uint8 (pow2 biased exponent), num_blocks
-    nf4_lut_ptr,  # fp32 [64]: NF4 bucket thresholds, then bucket base codes (bits); KIND == 1 only
-    numel,  # int: number of valid input elements
-    num_blocks,  # int: ceil(numel / BLOCK)
-    seed_mix,  # int32: (seed * 0x9E3779B9) mod 2**32, bit-cast; stochastic rounding only
-    KIND: tl.constexpr,  # 0 int, 1 nf, 2 fp8, 3 cint, 4 cuint
-    BITS: tl.constexpr,  # code width
-    BLOCK: tl.constexpr,  # elements per scale
-    ROWS: tl.constexpr,  # blocks per program
-    SCALE: tl.constexpr,  # 0 fp32, 1 fp16, 2 pow2
-    STOCHASTIC: tl.constexpr,  # seeded stochastic rounding
-    QMAX: tl.constexpr,  # absmax maps to this code magnitude
-    PLANE0: tl.constexpr,  # first (low) bit-plane width
-    PLANE1: tl.constexpr,  # second bit-plane width or 0
-    FP8_DTYPE: tl.constexpr,  # tl.float8e4nv / tl.float8e5
-    SUB: tl.constexpr,  # consecutive elements per thread (a power of two <= 32)
-):
-    # -- load ROWS blocks as [ROWS, G, SUB]: SUB consecutive elements per thread (one 16-byte load of
-    # bf16), so the codes sharing a packed word are packed in registers (no layout conversion).
-    # 64-bit program base, 32-bit offsets inside the program (cheaper per-element address math).
-    G: tl.constexpr = BLOCK // SUB
-    first_row = tl.program_id(0).to(tl.int64) * ROWS
-    elem_base = first_row * BLOCK
-    rows = tl.arange(0, ROWS)
-    chunk = tl.arange(0, G)
-    local = (rows[:, None, None] * BLOCK + chunk[None, :, None] * SUB) + tl.arange(0, SUB)[None, None, :]
-    elems_left = tl.minimum(numel - elem_base, ROWS * BLOCK).to(tl.int32)
-    x = tl.load(x_ptr + elem_base + local, mask=local < elems_left, other=0.0).to(tl.float32)
-    if KIND == 4:
-        x = tl.math.sqrt_rn(x)  # negative -> NaN -> non-finite block
-    # -- absmax (NaN-propagating max: a NaN or Inf element makes the block non-finite), scale --------
-    absmax = tl.reduce(tl.reduce(tl.abs(x), 2, _max_nan), 1, _max_nan)
-    bad = (absmax != absmax) | (absmax == float("inf"))
-    raw = tl.math.div_rn(absmax, QMAX)
-    stored, s = _encode_scale(raw, SCALE)
-    bad = bad | (s != s) | (s == float("inf"))
-    inv = tl.where((s > 0) & (~bad), tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), 0.0)
-    p = tl.where(bad[:, None, None], 0.0, x * inv[:, None, None])
-    # -- codes ----------------------------------------------------------------------------------
-    if KIND == 1:
-        code = _nf4_code(p, nf4_lut_ptr)
-    elif KIND == 2:
-        y = tl.minimum(tl.maximum(p, -QMAX), QMAX)
-        code = y.to(FP8_DTYPE).to(tl.uint8, bitcast=True).to(tl.int32)
-    else:
-        hash_base = (elem_base.to(tl.uint32) + seed_mix.to(tl.uint32, bitcast=True)).to(tl.int32, bitcast=True)
-        code = _int_code(p, local.to(tl.uint32), hash_base, KIND, BITS, STOCHASTIC, QMAX)
-    # -- pack bit planes and store -------------------------------------------------------------
-    row_ok = rows < tl.minimum(num_blocks - first_row, ROWS).to(tl.int32)
-    row_bytes: tl.constexpr = BLOCK * BITS // 8
-    codes_ptr += first_row * row_bytes
-    row_off = rows * row_bytes
-    _store_plane(codes_ptr, code & ((1 << PLANE0) - 1), row_off, chunk, row_ok, PLANE0, SUB)
-    if PLANE1 > 0:
-        plane1 = (code >> PLANE0) & ((1 << PLANE1) - 1)
-        _store_plane(codes_ptr, plane1, row_off + BLOCK * PLANE0 // 8, chunk, row_ok, PLANE1, SUB)
-    scales_ptr += first_row
-    if SCALE == 2:
-        stored = tl.where(bad, 255, stored).to(tl.uint8)
-    else:
-        stored = tl.where(bad, float("nan"), stored.to(tl.float32)).to(scales_ptr.dtype.element_ty)
-    tl.store(scales_ptr + rows, stored, mask=row_ok)
-
-
-@triton.jit
-def _int_code(p, local_u32, hash_base, KIND: tl.constexpr, BITS: tl.constexpr, STOCHASTIC: tl.constexpr,
-              QMAX: tl.constexpr):  # fmt: skip
-    """Unsigned codes of int (KIND 0), cint (3) and cuint (4), with agoq.ref's rounding and clamps."""
-    if KIND == 0:
-        y = p
-        lim = QMAX
-    elif KIND == 3:
-        pc = tl.minimum(tl.maximum(p, -1.0), 1.0)
-        y = tl.math.div_rn(pc * 2.0, tl.abs(pc) + 1.0) * 127.0  # |y| <= 127: the ref clamp is a no-op
-        lim = 127.0
-    else:
-        y = tl.minimum(tl.maximum(p, 0.0), 1.0) * 255.0
-        lim = 255.0
-    if STOCHASTIC:
-        # floor(clamp(z)) == clamp(floor(z)) for an integer limit (floor is monotone)
-        z = tl.minimum(tl.maximum(y + _hash_uniform(local_u32, hash_base), -lim), lim)
-        r = tl.floor(z).to(tl.int32)
-    elif KIND == 0:
-        r = _round_half_away_i32(tl.minimum(tl.maximum(y, -lim), lim))  # clamp before: same result
-    else:
-        r = _round_half_away_i32(y)  # cint: |y| <= 127; cuint: 0 <= y <= 255 (clamped p)
-    offset: tl.constexpr = 2 ** (BITS - 1) if KIND == 0 else (128 if KIND == 3 else 0)
-    return r + offset
 
 
 @triton.jit
@@ -300,7 +111,7 @@ def decode_block_values(
     elif KIND == 2:
         v = code.to(tl.uint8).to(FP8_DTYPE, bitcast=True).to(tl.float32)
     else:
-        v = tl.load(values_ptr + code)
+        v = gather_nc(values_ptr, code)  # inline PTX on GPU: keeps the tile's layout (see gather_nc)
     return v
 
 
@@ -377,7 +188,7 @@ def quantize_with_config(
         _quantize_fwd_kernel[grid](
             x_flat, codes_u8, scales, _launch.nf4_lut(str(x.device)), x.numel(), num_blocks,
             _launch.seed_mix(seed), num_warps=config.num_warps, enable_fp_fusion=False, ROWS=rows,
-            SUB=_launch.SUB_ELEMS, **ce,
+            SUB=_launch.SUB_ELEMS, SPLIT=_launch.split_for(fmt, config), **ce,
         )  # fmt: skip
     return QuantizedTensor(codes_u8, scales, fmt, x.shape, x.dtype)
 

@@ -7,8 +7,9 @@ below is a single IEEE fp32 operation (no fused multiply-add, no approximate div
 Per block of ``fmt.block`` consecutive elements of the flattened tensor:
 
 1. ``absmax`` = max |x| (for cuint: max sqrt(x)); ``raw = absmax / fmt.qmax`` (fp32 division).
-2. Scale ``s`` = raw stored as fp32, rounded to fp16 (RNE), or for pow2 the smallest power of two
-   >= raw (exponent clamped to [-126, 127], stored as the biased byte e + 127).
+2. Scale ``s`` = raw stored as fp32 (at least 2**-126 unless raw is 0), rounded to fp16 (RNE), or
+   for pow2 the smallest power of two >= raw (exponent clamped to [-126, 127], stored as the biased
+   byte e + 127).
 3. ``p = x * (1 / s)`` (``1 / s`` correctly rounded; 0 when s == 0, i.e. an all-zero block).
 4. Codes: int: round(p) clamped to [-qmax, qmax], stored offset-binary (q + 2**(bits-1));
    nf: index of the nearest NF4 entry (a tie goes to the lower index); fp8: RNE cast of p clamped to
@@ -18,11 +19,11 @@ Per block of ``fmt.block`` consecutive elements of the flattened tensor:
 
 Rounding "nearest" is round half away from zero, computed exactly as ``f = floor(|y|)``,
 ``f + (|y| - f >= 0.5)`` (both steps exact in fp32). "stochastic" is ``floor(y + u)`` with
-``u = hash32(seed, flat_index) / 2**32`` (24 bits), a counter-based hash the kernels reproduce.
+``u = hash32(seed, flat_index) / 2**32`` (23 bits), a counter-based hash the kernels reproduce.
 
 Non-finite policy (docs/numerics.md): a block holding NaN or +-Inf (for cuint also a negative value,
 whose sqrt is NaN), or whose scale overflows its storage dtype, gets a NaN scale (pow2: byte 255)
-and all-zero codes, so the whole dequantized block is NaN and downstream NaN checks fire.
+and the codes of p = 0, so the whole dequantized block is NaN and downstream NaN checks fire.
 """
 
 from __future__ import annotations
@@ -41,11 +42,18 @@ _SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "pow2": torch.uin
 _PLAIN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 POW2_NAN_BYTE = 255  # biased exponent byte that encodes a NaN scale (exponents use 1..254)
 POW2_MIN_EXP, POW2_MAX_EXP = -126, 127  # normal fp32 powers of two: the kernel builds them from bits
-# Stochastic-rounding hash: golden-ratio seed mix + murmur3 fmix32 finaliser (public domain).
+# fp32 scales are at least the smallest normal fp32 (a nonzero absmax below 2**-126 * qmax uses it):
+# 1 / s is then finite, so p = x * (1 / s) is never inf or 0 * inf = NaN (docs/numerics.md)
+FP32_SCALE_MIN = 2.0**-126
+# Stochastic-rounding hash: golden-ratio seed mix, then multiply / xorshift / multiply with the
+# constants of murmur3's fmix32 finaliser (public domain), without its outer xorshifts: those only
+# mix high bits into low ones, and u uses the top bits (docs/numerics.md: uniformity and serial
+# correlation measured). Five integer ops per element in the kernel instead of nine.
 HASH_SEED_MUL = 0x9E3779B9
 HASH_MUL1, HASH_MUL2 = 0x85EBCA6B, 0xC2B2AE35
+HASH_SHIFT = 13
 _MASK32 = 0xFFFFFFFF
-SR_RANDOM_BITS = 24  # uniform u = (h >> 8) * 2**-24: exact in fp32, u in [0, 1)
+SR_RANDOM_BITS = 23  # u = (h >> 9) * 2**-23: exact in fp32, u in [0, 1); the kernel builds it as 1.m - 1
 
 
 @dataclass
@@ -86,13 +94,14 @@ def check_input(x: torch.Tensor, fmt: QuantFormat, seed: int | None) -> None:
 
 
 def hash_uniform(index_i64: torch.Tensor, seed: int) -> torch.Tensor:
-    """Counter-based uniform in [0, 1) (fp32, 24 random bits) of (seed, flat element index)."""
+    """Counter-based uniform in [0, 1) (fp32, 23 random bits) of (seed, flat element index).
+
+    h = (index + seed * HASH_SEED_MUL) mod 2**32, then multiply / xorshift / multiply (the core of
+    murmur3's fmix32), u = (h >> 9) * 2**-23 from the top 23 bits."""
     h = (index_i64 + ((seed * HASH_SEED_MUL) & _MASK32)) & _MASK32
-    h = h ^ (h >> 16)
     h = (h * HASH_MUL1) & _MASK32  # int64 product may wrap; the low 32 bits stay exact
-    h = h ^ (h >> 13)
+    h = h ^ (h >> HASH_SHIFT)
     h = (h * HASH_MUL2) & _MASK32
-    h = h ^ (h >> 16)
     return (h >> (32 - SR_RANDOM_BITS)).to(torch.float32) * 2.0**-SR_RANDOM_BITS
 
 
@@ -123,7 +132,8 @@ def _round(y: torch.Tensor, fmt: QuantFormat, seed: int | None) -> torch.Tensor:
 def _encode_scale(raw_f32: torch.Tensor, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale storage and its fp32 value; a non-finite value marks a bad block."""
     if scale == "fp32":
-        return raw_f32, raw_f32
+        s = torch.where(raw_f32 > 0, raw_f32.clamp_min(FP32_SCALE_MIN), raw_f32)
+        return s, s
     if scale == "fp16":
         s16 = raw_f32.to(torch.float16)  # RNE; overflow -> inf -> treated as non-finite block
         return s16, s16.to(torch.float32)

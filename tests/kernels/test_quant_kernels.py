@@ -165,6 +165,29 @@ def test_kernel_stochastic_rounding_matches_ref_for_any_seed(seed):
     _check(x, "cint8_b32_sr", seed=seed)
 
 
+@pytest.mark.parametrize("name", ["int6_b64", "int5_b32", "int3_b256", "nf4_b64", "int8_b256_sr", "cint8_b32_sr",
+                                  "int4_b128_sp2", "int2_b64"])  # fmt: skip
+@pytest.mark.parametrize("config", [(2048, 4, 1), (4096, 4, 2), (1024, 2, 4), (8192, 8, 4)])
+def test_kernel_codes_do_not_depend_on_launch_shape(name, config):
+    """Every launch shape (rows per program, warps, tile parts) gives the reference's codes, with a
+    non-finite block and a ragged tail in the tensor (bench_quant.py --variants relies on this)."""
+    from agoq.kernels._launch import QuantConfig
+    from agoq.kernels.quant import quantize_with_config
+
+    fmt = parse_format(name)
+    x = _data(fmt, (3 * 1024 + 77,), torch.bfloat16, "heavy_tailed", seed=11)
+    x[fmt.block + 3] = float("nan")
+    q = quantize_with_config(x, fmt, QuantConfig(*config), seed=21)
+    _assert_same_quant(q, ref_quantize(x, fmt, seed=21))
+
+
+def test_launch_config_rejects_bad_split():
+    from agoq.kernels._launch import QuantConfig
+
+    with pytest.raises(ValueError, match="split"):
+        QuantConfig(4096, 4, 3)
+
+
 def test_kernel_argument_errors_match_ref():
     quantize, _ = _quant()
     with pytest.raises(ValueError, match="seed"):
@@ -183,10 +206,9 @@ def test_nf4_bucket_table_matches_searchsorted():
     31, fp32 arithmetic as on GPU) equals searchsorted over the midpoints: every fp32 within 4096 ulps
     of each bucket edge and each midpoint (where rounding of 16 p + 16 could misplace p), plus 2**20
     uniform points. An exhaustive run over all fp32 in [-1.01, 1.01] is recorded in quant.md."""
-    from agoq.kernels._launch import nf4_lut_cpu, nf4_midpoints_f32
+    from agoq.kernels._launch import nf4_lut_cpu, nf4_lut_split, nf4_midpoints_f32
 
-    lut = nf4_lut_cpu()
-    thr, below = lut[:32], lut[32:].view(torch.int32)
+    thr, below = nf4_lut_split(nf4_lut_cpu())
     mids = nf4_midpoints_f32()
     anchors = torch.cat([torch.arange(33, dtype=torch.float32) / 16.0 - 1.0, mids, torch.tensor([1.01])])
     ulps = torch.arange(-4096, 4097, dtype=torch.int32)
