@@ -20,6 +20,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from agoq.megatron import grad_reader
 from agoq.megatron.optim_args import parse_moments
 from agoq.optim import SGD, AdamW, Lion
 from agoq.optim.release import check_release_compatible
@@ -99,8 +100,22 @@ class AgoqMegatronOptimizer(FP32Optimizer):
     """FP32Optimizer over agoq.optim (works on bf16 params: agoq keeps the master), with compressed
     sharded checkpoints."""
 
+    grad_reader = None  # set by agoq.megatron.grad_reader.attach: 8-bit gradients read one param at a time
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        if self.grad_reader is not None:
+            return grad_reader.clip_grad_norm(self, clip_grad)
+        return super().clip_grad_norm(clip_grad)
+
+    def step_with_ready_grads(self) -> bool:
+        if self.grad_reader is not None:
+            return grad_reader.step_with_ready_grads(self)
+        return super().step_with_ready_grads()
+
     @torch.no_grad()
     def prepare_grads(self) -> bool:
+        if self.grad_reader is not None:
+            return grad_reader.prepare_grads(self)
         # FP32Optimizer assigns param.main_grad (fp32 with grad_reduce_in_fp32) to the bf16 param's
         # .grad; torch >= 2.10 refuses a dtype mismatch unless grad_dtype is None. agoq reads any dtype.
         for group in self.optimizer.param_groups:
@@ -184,4 +199,5 @@ def build_agoq_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
     inner = make_agoq_optimizer(args, param_groups(model_chunks))
     optimizer = AgoqMegatronOptimizer(inner, config, _init_all_states)
     optimizer.param_names = _layer_global_names(model_chunks)
+    grad_reader.attach(optimizer, model_chunks)  # 8-bit gradient store: per-parameter reads, no float buffer
     return optimizer, build_scheduler(args, optimizer)
