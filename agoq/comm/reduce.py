@@ -237,9 +237,9 @@ def allreduce_8bit(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async
                    chunk_bytes: int | None = None):
     """In-place all-reduce (like ``torch.distributed.all_reduce``) through 8-bit codes.
 
-    Rows of S = ceil(N / W) elements rounded up to whole blocks; all-to-all of codes+scales, fp32 sum of the owned row (times
-    ``post_scale``; / W for AVG), requantization, all-gather of codes+scales, dequantization into
-    ``tensor`` (any shape; must be contiguous). Every rank gets bit-identical values. Returns a handle
+    Rows of S = ceil(N / W) elements rounded up to whole blocks; all-to-all of codes+scales, fp32 sum
+    of the owned row (times ``post_scale``; / W for AVG), requantization, all-gather of codes+scales,
+    dequantization into ``tensor`` (any shape; must be contiguous). Every rank gets bit-identical values. Returns a handle
     with ``wait()`` when ``async_op``, else None; ``tensor`` must stay alive until it is waited on.
     """
     fmt = check_grad_format(fmt)

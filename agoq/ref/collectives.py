@@ -25,7 +25,8 @@ __all__ = ["ref_reduce_scatter_8bit", "ref_allreduce_8bit", "error_bound_8bit"]
 
 def allreduce_row_numel(numel: int, world_size: int, block: int) -> int:
     """All-reduce row length: ceil(N / W) rounded up to whole blocks."""
-    return -(-(-(-numel // world_size)) // block) * block
+    per_rank = -(-numel // world_size)
+    return -(-per_rank // block) * block
 
 
 def _padded_rows(x: torch.Tensor, world_size: int, row_numel: int, block: int) -> torch.Tensor:
