@@ -34,13 +34,20 @@ import torch.distributed as dist
 from agoq.formats import QuantFormat
 
 __all__ = ["comm_ops_for", "run_pipeline", "Slots", "all_to_all", "all_gather", "Done", "scale_dtype",
-           "DEFAULT_CHUNK_BYTES", "blocks_per_chunk"]
+           "DEFAULT_CHUNK_BYTES", "blocks_per_chunk", "chunk_bytes_for"]
 
-# Codes moved per chunk (all W rows together). 16 MiB keeps the in-flight temporaries of a float
-# all-reduce at about 2 slots x 3.5 x 16 MiB (send, receive, gathered, own row) while still a large
-# NCCL message; scripts/bench_allreduce.py --chunk-mib sweeps it (docs/grads.md), no measured
-# optimum is claimed here.
-DEFAULT_CHUNK_BYTES = 16 << 20
+# Chunk size (codes moved per chunk, all W rows together) when the caller gives none: about
+# TARGET_CHUNKS chunks, clamped to [MIN_CHUNK_BYTES, MAX_CHUNK_BYTES]. Why: pipelining needs a few
+# chunks (the first quantize and the last dequantize are not overlapped: ~1/K of the local work
+# shows), while every chunk costs ~5 launches and a few Python views on the host, which must stay
+# ahead of the GPU; the clamps keep NCCL messages large and the slots (2 x ~3.5 x chunk) bounded.
+# These are design choices, not measured optima: scripts/bench_allreduce.py --chunk-mib sweeps them
+# (docs/grads.md).
+TARGET_CHUNKS = 4
+MIN_CHUNK_BYTES = 4 << 20
+MAX_CHUNK_BYTES = 64 << 20
+DEFAULT_CHUNK_BYTES = None  # auto, see above
+
 
 _SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "pow2": torch.uint8}
 
@@ -49,12 +56,21 @@ def scale_dtype(fmt: QuantFormat) -> torch.dtype:
     return _SCALE_DTYPES[fmt.scale]
 
 
-def blocks_per_chunk(fmt: QuantFormat, world: int, chunk_bytes: int | None) -> int:
-    """Blocks per row and chunk for a chunk of about ``chunk_bytes`` codes over ``world`` rows."""
-    chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+def chunk_bytes_for(total_code_bytes: int, chunk_bytes: int | None) -> int:
+    """The chunk size to use for a reduction moving ``total_code_bytes`` codes (auto when None)."""
+    if chunk_bytes is None:
+        return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, total_code_bytes // TARGET_CHUNKS))
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    return max(1, chunk_bytes // (world * fmt.code_bytes(fmt.block)))
+    return chunk_bytes
+
+
+def blocks_per_chunk(fmt: QuantFormat, world: int, chunk_bytes: int | None, total_blocks: int) -> int:
+    """Blocks per row and chunk for chunks of about ``chunk_bytes`` codes over ``world`` rows, for a
+    reduction of ``total_blocks`` blocks (all rows)."""
+    block_bytes = fmt.code_bytes(fmt.block)
+    chunk = chunk_bytes_for(total_blocks * block_bytes, chunk_bytes)
+    return max(1, chunk // (world * block_bytes))
 
 
 @functools.cache

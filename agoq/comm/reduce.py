@@ -14,10 +14,11 @@ Algorithm (AGoQ, shared/spec/algorithms.md §3.3; the data movement of ZeRO++ qg
 
 Every step runs chunk by chunk (agoq.comm.pipeline): quantization of the next chunk overlaps the
 communication of the current one and no full-size temporary exists (temporaries: two slots of
-``chunk_bytes`` codes per buffer). On CUDA, one-byte formats use fused Triton kernels
-(agoq.kernels.comm): quantize straight from the float input into the packed send buffer, one
-kernel for dequantize + sum + requantize of the received rows, dequantize straight into the
-destination. Results are bit-identical to agoq.ref.collectives on every device and chunk size.
+``chunk_bytes`` codes per buffer; ``chunk_bytes=None`` picks ~4 chunks within 4-64 MiB). On CUDA,
+one-byte formats use fused Triton kernels (agoq.kernels.comm): quantize straight from the float
+input into the packed send buffer, one kernel for dequantize + sum + requantize of the received
+rows, dequantize straight into the destination. Results are bit-identical to
+agoq.ref.collectives on every device and chunk size.
 
 8-bit storage (agoq.comm.grad_buffer) is reduced without any float copy: :func:`allreduce_blocks_`
 sends the stored codes as they are and all-gathers the reduced codes back into the same storage;
@@ -151,7 +152,7 @@ class _FloatRows:
         self.flat, self.fmt, self.group, self.world = flat, fmt, group, world
         self.row_numel, self.average, self.post_scale = row_numel, average, post_scale
         self.nb_row = fmt.num_blocks(row_numel)
-        self.cb_chunk = min(self.nb_row, pl.blocks_per_chunk(fmt, world, chunk_bytes))
+        self.cb_chunk = min(self.nb_row, pl.blocks_per_chunk(fmt, world, chunk_bytes, world * self.nb_row))
         self.num_chunks = -(-self.nb_row // self.cb_chunk)
         self.slots = pl.Slots(flat.device)
         self.ops = pl.comm_ops_for(flat.device, fmt)
@@ -239,8 +240,9 @@ def allreduce_8bit(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async
 
     Rows of S = ceil(N / W) elements rounded up to whole blocks; all-to-all of codes+scales, fp32 sum
     of the owned row (times ``post_scale``; / W for AVG), requantization, all-gather of codes+scales,
-    dequantization into ``tensor`` (any shape; must be contiguous). Every rank gets bit-identical values. Returns a handle
-    with ``wait()`` when ``async_op``, else None; ``tensor`` must stay alive until it is waited on.
+    dequantization into ``tensor`` (any shape; must be contiguous). Every rank gets bit-identical
+    values. Returns a handle with ``wait()`` when ``async_op``, else None; ``tensor`` must stay alive
+    until it is waited on.
     """
     fmt = check_grad_format(fmt)
     average = _check_op(op, tensor.dtype)
@@ -288,7 +290,7 @@ def allreduce_blocks_(codes_u8: torch.Tensor, scales: torch.Tensor, fmt: QuantFo
     if num_blocks == 0 or (world == 1 and post_scale == 1.0):
         return pl.Done() if async_op else None
     cb = fmt.code_bytes(fmt.block)
-    per_rank = min(num_blocks // world, pl.blocks_per_chunk(fmt, world, chunk_bytes))
+    per_rank = min(num_blocks // world, pl.blocks_per_chunk(fmt, world, chunk_bytes, num_blocks))
     num_chunks = -(-num_blocks // (world * per_rank))
     slots, ops = pl.Slots(codes_u8.device), pl.comm_ops_for(codes_u8.device, fmt)
     sdt = pl.scale_dtype(fmt)
@@ -336,7 +338,8 @@ def reduce_blocks_to_owners(codes_u8: torch.Tensor, scales: torch.Tensor, fmt: Q
         raise ValueError(f"reduce_blocks_to_owners: need {world} block ranges within [0, {num_blocks}], "
                          f"got {ranges}")
     cb, sdt = fmt.code_bytes(fmt.block), pl.scale_dtype(fmt)
-    per_rank = max(1, min(max(hi - lo for lo, hi in ranges), pl.blocks_per_chunk(fmt, world, chunk_bytes)))
+    widest = max(hi - lo for lo, hi in ranges)
+    per_rank = max(1, min(widest, pl.blocks_per_chunk(fmt, world, chunk_bytes, world * widest)))
     num_chunks = max(-(-(hi - lo) // per_rank) for lo, hi in ranges)
     slots, ops = pl.Slots(codes_u8.device), pl.comm_ops_for(codes_u8.device, fmt)
 
