@@ -6,7 +6,8 @@ flat ``scales`` tensor. Segments never share a block, so accumulating one parame
 re-rounds another (AGoQ keeps one block grid per parameter, algorithms.md §3.3).
 
 Accumulation (per micro-batch, per segment): dequantize -> add the new gradient in fp32 ->
-requantize with a fresh block absmax (AGoQ's dequant-add-requant). Optional error feedback keeps
+requantize with a fresh block absmax (AGoQ's dequant-add-requant); on CUDA with a one-byte format
+this is one fused kernel (agoq.kernels.comm.accumulate_) with no fp32 temporary. Optional error feedback keeps
 the requantization error in a ``residual`` tensor (bf16 by default) that is added back on the next
 accumulate and when the value is read, so the stored value is ``dequantize(codes) + residual``.
 
@@ -64,6 +65,13 @@ class QuantizedGradBuffer:
         if error_feedback:
             self.residual = torch.zeros(num_blocks * self.fmt.block, dtype=residual_dtype, device=self.device)
         self._quantize, self._dequantize = quant_ops_for(self.device)
+        # CUDA + one-byte format: one fused kernel per accumulate (agoq.kernels.comm.accumulate_, the twin
+        # of agoq.ref.comm.ref_accumulate_, which computes exactly the composition below)
+        self._fused_accumulate = None
+        if self.device.type == "cuda" and self.fmt.bits == 8 and self.fmt.kind in ("int", "fp8"):
+            from agoq.kernels.comm import accumulate_
+
+            self._fused_accumulate = accumulate_
 
     # -- accounting -------------------------------------------------------------------------
     @property
@@ -111,6 +119,11 @@ class QuantizedGradBuffer:
         if grad.numel() != n:
             raise ValueError(f"segment {index} holds {n} elements, got a gradient of {grad.numel()}")
         if n == 0:
+            return
+        if self._fused_accumulate is not None:
+            codes, scales, elems = self._slices(index)
+            self._fused_accumulate(self.codes_u8[codes], self.scales[scales], grad.detach(), self.fmt,
+                                   None if self.residual is None else self.residual[elems])
             return
         value = self._padded_value_f32(index)
         value[:n] += grad.detach().reshape(-1).to(torch.float32)

@@ -7,6 +7,9 @@ with the signatures and results of agoq.ref.comm (read its docstring for the row
   requantize into the own-row buffer (all-reduce) or cast into the output (reduce-scatter). Reads
   W x 1.02 bytes, writes 1.02 (or 4) bytes per output element; the W rows never exist in fp32.
 * dequantize_rows: gathered rows -> the destination tensor's elements, in place.
+* accumulate_: the gradient store's per-micro-batch dequantize + add + requantize of one parameter
+  (and error-feedback residual) in one pass: reads codes, scales and the gradient, writes codes and
+  scales (~4 bytes per element for a bf16 gradient), no fp32 temporary.
 
 Each program handles ROWS blocks of one row (grid axis 1 = row). Arithmetic mirrors agoq.ref step for
 step (quantize_tile_bytes of agoq.kernels.quant) and kernels are compiled with enable_fp_fusion=False,
@@ -21,9 +24,9 @@ import triton.language as tl
 
 from agoq.formats import QuantFormat
 from agoq.kernels import _launch
-from agoq.kernels.quant import decode_tile_bytes, load_scale_f32, quantize_tile_bytes
+from agoq.kernels.quant import _pow2_value, decode_tile_bytes, load_scale_f32, quantize_tile_bytes
 
-__all__ = ["quantize_rows", "reduce_rows", "dequantize_rows"]
+__all__ = ["quantize_rows", "reduce_rows", "dequantize_rows", "accumulate_"]
 
 # Elements per program and warps: the shape measured best for the one-byte quantize kernel
 # (_launch.QUANT_CONFIGS["int", 8], H100, docs/benchmarks/quant.md); not re-tuned for these kernels.
@@ -115,6 +118,33 @@ def _dequantize_rows_kernel(
     tl.store(dst_ptr + offs, y.to(dst_ptr.dtype.element_ty), mask=valid)
 
 
+@triton.jit
+def _accumulate_kernel(
+    codes_ptr, scales_ptr, grad_ptr, residual_ptr, n, nb,
+    KIND: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SCALE: tl.constexpr, QMAX: tl.constexpr,
+    FP8_DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    blk = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    blk_ok = blk < nb
+    local = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    v = _row_values(codes_ptr, scales_ptr, local, blk, blk_ok, KIND, SCALE, FP8_DTYPE)
+    if HAS_RESIDUAL:
+        v = v + tl.load(residual_ptr + local, mask=blk_ok[:, None], other=0.0).to(tl.float32)
+    in_grad = local < n
+    g = tl.load(grad_ptr + local, mask=in_grad, other=0.0).to(tl.float32)
+    v = tl.where(in_grad, v + g, v)  # the padding is not touched (the reference adds to [:n] only)
+    code, stored = quantize_tile_bytes(v, KIND, SCALE, QMAX, FP8_DTYPE)
+    tl.store(codes_ptr + local, code, mask=blk_ok[:, None])
+    tl.store(scales_ptr + blk, stored.to(scales_ptr.dtype.element_ty), mask=blk_ok)
+    if HAS_RESIDUAL:
+        if SCALE == 2:
+            s_new = _pow2_value(stored.to(tl.int32))
+        else:
+            s_new = stored  # fp32 value of the stored scale (NaN for a non-finite block)
+        r = v - decode_tile_bytes(code, KIND, FP8_DTYPE) * s_new[:, None]
+        tl.store(residual_ptr + local, r.to(residual_ptr.dtype.element_ty), mask=blk_ok[:, None])
+
+
 def _check(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> tuple[int, int, dict]:
     if not _launch.uses_bytes_kernel(fmt):
         raise ValueError(f"agoq.kernels.comm handles one-byte formats (int8 round-to-nearest, fp8), not {fmt.name}; "
@@ -172,4 +202,21 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor
     _dequantize_rows_kernel[(triton.cdiv(nb, ce["ROWS"]), world)](
         codes, scales, codes.stride(0), scales.stride(0), flat, row_stride, row_numel, flat.numel(), col0, nb,
         num_warps=NUM_WARPS, enable_fp_fusion=False, **ce,
+    )  # fmt: skip
+
+
+def accumulate_(codes: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, fmt: QuantFormat,
+                residual: torch.Tensor | None = None) -> None:
+    """Triton twin of agoq.ref.comm.ref_accumulate_ (one-byte formats)."""
+    nb = scales.numel()
+    _, _, ce = _check(codes.view(1, -1), scales.view(1, -1), fmt)
+    n = grad.numel()
+    if nb == 0 or n == 0:
+        return
+    if n > nb * fmt.block:
+        raise ValueError(f"gradient of {n} elements does not fit {nb} blocks of {fmt.name}")
+    flat = grad.reshape(-1)
+    _accumulate_kernel[(triton.cdiv(nb, ce["ROWS"]),)](
+        codes, scales, flat, codes if residual is None else residual, n, nb, QMAX=float(fmt.qmax),
+        HAS_RESIDUAL=residual is not None, num_warps=NUM_WARPS, enable_fp_fusion=False, **ce,
     )  # fmt: skip

@@ -12,6 +12,9 @@ Row geometry of a float tensor (quantize_rows / dequantize_rows): element j of r
 otherwise (padding). A chunk holds the columns ``[col0, col0 + nb * block)`` of every row; ``col0`` is a
 multiple of the block, so blocks never straddle rows or chunks and chunking never changes a code.
 
+accumulate_: the 8-bit gradient store's dequantize-add-requantize of one parameter (micro-batch
+accumulation, agoq.comm.grad_buffer).
+
 reduce_rows: ``acc = row_0 + row_1 + ... + row_{W-1}`` (dequantized, fp32, in rank order), then
 ``acc / W`` if ``average``, then ``acc * post_scale`` if ``post_scale != 1``; the result is either
 written (cast) to ``out[:out_numel]`` or requantized into ``codes_out`` / ``scales_out``.
@@ -24,7 +27,7 @@ import torch
 from agoq.formats import QuantFormat
 from agoq.ref.quant import QuantizedTensor, ref_dequantize, ref_quantize
 
-__all__ = ["ref_quantize_rows", "ref_reduce_rows", "ref_dequantize_rows", "row_index"]
+__all__ = ["ref_quantize_rows", "ref_reduce_rows", "ref_dequantize_rows", "ref_accumulate_", "row_index"]
 
 
 def row_index(world: int, nb_cols: int, *, row_stride: int, row_numel: int, col0: int,
@@ -99,3 +102,24 @@ def ref_dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dst: torch.Te
     for p in range(world):
         values = ref_dequantize(_row_q(codes, scales, p, fmt), flat.dtype)
         flat[idx[p][valid[p]]] = values[valid[p]]
+
+
+def ref_accumulate_(codes: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, fmt: QuantFormat,
+                    residual: torch.Tensor | None = None) -> None:
+    """8-bit gradient accumulation of one segment, in place: value = dequantize(codes, scales)
+    (+ residual), value[:n] += grad (fp32), then codes/scales = quantize(value) with a fresh block absmax
+    and, with error feedback, residual = value - dequantize(new codes) (cast to the residual's dtype).
+    ``codes`` / ``scales`` / ``residual`` are flat and cover whole blocks; ``grad`` has n <= blocks x block
+    elements (any float dtype)."""
+    nb = scales.numel()
+    q = QuantizedTensor(codes, scales, fmt, torch.Size((nb * fmt.block,)), torch.float32)
+    value = ref_dequantize(q, torch.float32)
+    if residual is not None:
+        value = value + residual.to(torch.float32)
+    flat = grad.reshape(-1)
+    value[: flat.numel()] += flat.to(torch.float32)
+    new = ref_quantize(value, fmt)
+    codes.copy_(new.codes)
+    scales.copy_(new.scales)
+    if residual is not None:
+        residual.copy_((value - ref_dequantize(new, torch.float32)).to(residual.dtype))

@@ -169,3 +169,31 @@ def test_rejects_multi_byte_plane_formats():
     _, c, s = _packed(2, 1, parse_format("int8_b64"))
     with pytest.raises(ValueError, match="one-byte formats"):
         _ops()[0](torch.zeros(128, device=DEVICE), c, s, fmt, row_stride=64, row_numel=64, col0=0)
+
+
+@pytest.mark.parametrize("name", _params(INT_FORMATS + FP8_FORMATS))
+@pytest.mark.parametrize("n, nb", [(256 * 3, 3), (700, 3), (1, 1)])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("feedback", [False, True])
+@pytest.mark.parametrize("case", ["gauss", "adversarial"])
+def test_accumulate_matches_reference(name, n, nb, grad_dtype, feedback, case):
+    from agoq.kernels.comm import accumulate_
+    from agoq.ref.comm import ref_accumulate_
+
+    fmt = parse_format(name)
+    nb = max(nb, -(-n // fmt.block))
+    start = ref_quantize(_data(nb * fmt.block, 41), fmt)
+    ref_c, ref_s = start.codes.clone().to(DEVICE), start.scales.clone().to(DEVICE)
+    got_c, got_s = ref_c.clone(), ref_s.clone()
+    ref_r = (_data(nb * fmt.block, 42) * 1e-3).to(torch.bfloat16) if feedback else None
+    got_r = ref_r.clone() if feedback else None
+    for step in range(2):  # twice: the second call reads what the first wrote
+        if feedback and INTERPRET:  # the interpreter's bf16 residual may be 1 ulp off: restart from the ref's
+            got_r.copy_(ref_r)
+        g = _data(n, 43 + step, grad_dtype, case)
+        ref_accumulate_(ref_c, ref_s, g, fmt, ref_r)
+        accumulate_(got_c, got_s, g, fmt, got_r)
+        assert torch.equal(got_c, ref_c)
+        assert torch.equal(got_s.view(torch.uint8), ref_s.view(torch.uint8))
+        if feedback:
+            assert _same_values(got_r, ref_r)
