@@ -56,7 +56,7 @@ from agoq.testing.dist import spawn_ranks
 
 DEFAULT_SIZES_MIB = [16, 64, 256, 1024]
 SMOKE_SIZES_MIB = [1]
-DEFAULT_CHUNK_MIB = [0, 8, 32]  # 0 = auto (agoq.comm.pipeline.chunk_bytes_for)
+DEFAULT_CHUNK_MIB = [0, 8, 32, 1024]  # 0 = auto (agoq.comm.pipeline.chunk_bytes_for); 1024 = one chunk
 TARGET_MIN_MIB = 256
 TARGET_VS_FP32, TARGET_VS_BF16 = 2.5, 1.3  # issue 5
 LINK_GBPS = [25, 50, 100, 200, 400]  # inter-node (IB/RoCE 200-400 Gb/s = 25-50 GB/s) up to NVLink-class

@@ -44,7 +44,7 @@ __all__ = ["comm_ops_for", "run_pipeline", "Slots", "all_to_all", "all_gather", 
 # These are design choices, not measured optima: scripts/bench_allreduce.py --chunk-mib sweeps them
 # (docs/grads.md).
 TARGET_CHUNKS = 4
-MIN_CHUNK_BYTES = 4 << 20
+MIN_CHUNK_BYTES = 16 << 20
 MAX_CHUNK_BYTES = 64 << 20
 DEFAULT_CHUNK_BYTES = None  # auto, see above
 

@@ -14,7 +14,7 @@ Algorithm (AGoQ, shared/spec/algorithms.md §3.3; the data movement of ZeRO++ qg
 
 Every step runs chunk by chunk (agoq.comm.pipeline): quantization of the next chunk overlaps the
 communication of the current one and no full-size temporary exists (temporaries: two slots of
-``chunk_bytes`` codes per buffer; ``chunk_bytes=None`` picks ~4 chunks within 4-64 MiB). On CUDA,
+``chunk_bytes`` codes per buffer; ``chunk_bytes=None`` picks ~4 chunks within 16-64 MiB). On CUDA,
 one-byte formats use fused Triton kernels (agoq.kernels.comm): quantize straight from the float
 input into the packed send buffer, one kernel for dequantize + sum + requantize of the received
 rows, dequantize straight into the destination. Results are bit-identical to

@@ -18,6 +18,8 @@ so the codes and sums are bit-identical to the reference (tests/kernels/test_com
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -154,9 +156,15 @@ def _check(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> tuple
     world, nb = scales.shape
     if codes.shape != (world, nb * fmt.block):
         raise ValueError(f"codes view {tuple(codes.shape)} does not hold {nb} blocks of {fmt.name} per row")
+    return world, nb, _constexprs(fmt)
+
+
+@functools.lru_cache(maxsize=32)
+def _constexprs(fmt: QuantFormat) -> dict:
+    """Compile-time constants of a format (cached: the launch path runs per chunk on the host)."""
     ce = _launch.constexprs(fmt)
-    return world, nb, dict(KIND=ce["KIND"], BLOCK=fmt.block, SCALE=ce["SCALE"], FP8_DTYPE=ce["FP8_DTYPE"],
-                           ROWS=_launch.rows_for(fmt, ELEMS_PER_PROGRAM))
+    return dict(KIND=ce["KIND"], BLOCK=fmt.block, SCALE=ce["SCALE"], FP8_DTYPE=ce["FP8_DTYPE"],
+                ROWS=_launch.rows_for(fmt, ELEMS_PER_PROGRAM))
 
 
 def quantize_rows(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, *,

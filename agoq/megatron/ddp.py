@@ -39,8 +39,8 @@ Kept: ``check_for_nan_in_grad`` (store mode: the same check on the norm of the 8
   ``overlap_grad_reduce`` (async handles; on CUDA the reduction runs on a side stream), TP / PP / VPP,
   expert buffers; ``agoq_grads_nonfinite()`` for the training loop's skip check.
 Not supported (raise): ``num_distributed_optimizer_instances > 1``; ``store`` with
-  ``gradient_accumulation_fusion`` (wgrad kernels write into main_grad directly) or with Megatron's
-  promoted fp32 main_grads next to a bf16 buffer.
+  ``gradient_accumulation_fusion`` (wgrad kernels write into main_grad directly), with Megatron's
+  promoted fp32 main_grads next to a bf16 buffer, or with ``reuse_grad_buf_for_mxfp8_param_ag``.
 Verified on: megatron-core 0.19.2 (CPU/gloo).
 When disabled: ``wrap_ddp_agoq(..., grad_format=None)`` builds Megatron's own DDP.
 Guarded by: tests/megatron/test_ddp_agoq.py.
@@ -312,6 +312,11 @@ def _check_supported(config: TransformerConfig, ddp_config: DistributedDataParal
         raise NotImplementedError(
             "agoq 8-bit gradients support num_distributed_optimizer_instances=1 only; drop "
             "--num-distributed-optimizer-instances or --agoq-grads"
+        )
+    if grad.mode == "store" and getattr(ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        raise NotImplementedError(
+            "--agoq-grads-mode store frees Megatron's grad buffer, which reuse_grad_buf_for_mxfp8_param_ag uses "
+            "as the parameter all-gather buffer; turn that option off or use --agoq-grads-mode reduce"
         )
     if grad.mode == "store" and config.gradient_accumulation_fusion:
         raise NotImplementedError(
