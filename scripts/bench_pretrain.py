@@ -13,8 +13,9 @@ shapes, PP=1, one GPU); ``lean`` (issues 5/6/9: Megatron baseline vs agoq's opti
 gradients, ~1B, PP=1, one GPU); ``memory`` (issue 9: baseline vs agoq presets at equal batch, and the baseline
 with full recompute vs agoq at a larger micro-batch); ``fp8`` (issue 7: bf16 vs FP8 linears vs FP8 + Smooth-SwiGLU, ~1B,
 PP=1, one GPU, 30 iterations for a short loss comparison; also run by scripts/bench_fp8.py).
-``--smoke`` runs a tiny CPU version of the suite (for CI-style checks; FP8 variants need a GPU, so
-the fp8 smoke suite runs bf16 and Smooth-SwiGLU only).
+``grads`` (issue 5: the memory suite's equal-batch variants with and without 8-bit gradients, torch
+Adam and agoq's optimizer, under 4 minutes). ``--smoke`` runs a tiny CPU version of the suite (for
+CI-style checks; FP8 variants need a GPU, so the fp8 smoke suite runs bf16 and Smooth-SwiGLU only).
 """
 
 from __future__ import annotations
@@ -112,6 +113,26 @@ def memory_suite(smoke: bool) -> list[dict]:
     return variants
 
 
+def grads_suite(smoke: bool) -> list[dict]:
+    """Issue 5 (a): the memory suite's equal-batch shape (~1B, PP=1, one GPU, micro-batch 4, global batch 16,
+    default activation policy), only the four variants that show what the 8-bit gradient store costs or saves:
+    with Megatron's torch Adam (the reduced gradient is dequantized into the float buffer for the step) and with
+    agoq's optimizer (per-parameter reads, no float buffer); 8 iterations so the suite stays under 4 minutes."""
+    shape, mbs = ("tiny", "2") if smoke else ("1b", "4")
+    common = SHAPES[shape] + (COMMON[2:] + ["--seq-length", "64", "--train-iters", "4"] if smoke
+                              else COMMON + ["--train-iters", "8"])
+    grads, lean = ["--agoq-grads", "int8_b256"], ["--agoq-optimizer", "adamw"]
+    variants = {
+        "baseline (Megatron)": ["--agoq-disable"],
+        "agoq activations + 8-bit grads (torch Adam)": grads,
+        "agoq activations + lean optimizer": lean,
+        "agoq full (activations + 8-bit grads + lean optimizer)": grads + lean,
+    }
+    return [{"name": f"{shape}/mbs{mbs}/{name}", "nproc": 1,
+             "args": common + ["--micro-batch-size", mbs, "--global-batch-size", str(4 * int(mbs))] + extra}
+            for name, extra in variants.items()]  # fmt: skip
+
+
 def fp8_suite(smoke: bool) -> list[dict]:
     """~1B LLaMA (the lean / attention suites' shape: 16 x 2048, ffn 8192), PP=1, one GPU: bf16
     linears vs agoq's FP8 linears.
@@ -131,7 +152,8 @@ def fp8_suite(smoke: bool) -> list[dict]:
     return [{"name": f"{shape}/{name}", "nproc": 1, "args": base + extra} for name, extra in variants.items()]
 
 
-SUITES = {"attention": attention_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite}
+SUITES = {"attention": attention_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite,
+          "grads": grads_suite}
 
 
 def run_variant(variant: dict, workdir: Path, timeout: float) -> dict:

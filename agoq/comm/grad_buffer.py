@@ -6,7 +6,8 @@ flat ``scales`` tensor. Segments never share a block, so accumulating one parame
 re-rounds another (AGoQ keeps one block grid per parameter, algorithms.md §3.3).
 
 Accumulation (per micro-batch, per segment): dequantize -> add the new gradient in fp32 ->
-requantize with a fresh block absmax (AGoQ's dequant-add-requant). Optional error feedback keeps
+requantize with a fresh block absmax (AGoQ's dequant-add-requant); on CUDA with a one-byte format
+this is one fused kernel (agoq.kernels.comm.accumulate_) with no fp32 temporary. Optional error feedback keeps
 the requantization error in a ``residual`` tensor (bf16 by default) that is added back on the next
 accumulate and when the value is read, so the stored value is ``dequantize(codes) + residual``.
 
@@ -37,10 +38,13 @@ class QuantizedGradBuffer:
 
     fmt: a signed, round-to-nearest quantized format (``int8_b256``).
     error_feedback: keep the requantization error in a ``residual_dtype`` tensor.
+    block_multiple: pad the block count to a multiple of this (the data-parallel size for
+        :func:`agoq.comm.reduce.allreduce_blocks_`).
     """
 
     def __init__(self, segment_numels: list[int], fmt: QuantFormat | str, device: torch.device | str = "cpu", *,
-                 error_feedback: bool = False, residual_dtype: torch.dtype = torch.bfloat16):
+                 error_feedback: bool = False, residual_dtype: torch.dtype = torch.bfloat16,
+                 block_multiple: int = 1):
         self.fmt = check_grad_format(fmt)
         if any((not isinstance(n, int)) or n < 0 for n in segment_numels):
             raise ValueError(f"segment_numels must be non-negative ints, got {segment_numels!r}")
@@ -50,7 +54,10 @@ class QuantizedGradBuffer:
         self.block_offsets = [0]
         for nb in blocks:
             self.block_offsets.append(self.block_offsets[-1] + nb)
-        num_blocks = self.block_offsets[-1]
+        # trailing zero blocks (no segment) so that num_blocks is a multiple of block_multiple: the
+        # 8-bit all-reduce (agoq.comm.reduce.allreduce_blocks_) splits the blocks evenly over W ranks
+        num_blocks = -(-self.block_offsets[-1] // block_multiple) * block_multiple
+        self.num_blocks = num_blocks
         self.code_bytes_per_block = self.fmt.block * self.fmt.bits // 8
         self.codes_u8 = torch.zeros(num_blocks * self.code_bytes_per_block, dtype=torch.uint8, device=self.device)
         self.scales = torch.zeros(num_blocks, dtype=_SCALE_DTYPES[self.fmt.scale], device=self.device)
@@ -58,6 +65,13 @@ class QuantizedGradBuffer:
         if error_feedback:
             self.residual = torch.zeros(num_blocks * self.fmt.block, dtype=residual_dtype, device=self.device)
         self._quantize, self._dequantize = quant_ops_for(self.device)
+        # CUDA + one-byte format: one fused kernel per accumulate (agoq.kernels.comm.accumulate_, the twin
+        # of agoq.ref.comm.ref_accumulate_, which computes exactly the composition below)
+        self._fused_accumulate = None
+        if self.device.type == "cuda" and self.fmt.bits == 8 and self.fmt.kind in ("int", "fp8"):
+            from agoq.kernels.comm import accumulate_
+
+            self._fused_accumulate = accumulate_
 
     # -- accounting -------------------------------------------------------------------------
     @property
@@ -106,6 +120,11 @@ class QuantizedGradBuffer:
             raise ValueError(f"segment {index} holds {n} elements, got a gradient of {grad.numel()}")
         if n == 0:
             return
+        if self._fused_accumulate is not None:
+            codes, scales, elems = self._slices(index)
+            self._fused_accumulate(self.codes_u8[codes], self.scales[scales], grad.detach(), self.fmt,
+                                   None if self.residual is None else self.residual[elems])
+            return
         value = self._padded_value_f32(index)
         value[:n] += grad.detach().reshape(-1).to(torch.float32)
         self._store(index, value)
@@ -118,8 +137,15 @@ class QuantizedGradBuffer:
         padded[:n] = value.detach().reshape(-1).to(torch.float32)
         self._store(index, padded)
 
-    def scale_(self, factor: float) -> None:
-        """Multiply every stored value by ``factor`` (requantizes; exact for powers of two)."""
+    def scale_(self, factor: float | torch.Tensor) -> None:
+        """Multiply every stored value by ``factor``: fp32 scales are multiplied in place (codes kept;
+        the value changes by one fp32 rounding of the scale, none for powers of two); fp16 / pow2 scales
+        requantize each segment. The residual (error feedback) is scaled with it."""
+        if self.fmt.scale == "fp32":
+            self.scales.mul_(factor)
+            if self.residual is not None:
+                self.residual.mul_(factor)
+            return
         for index in range(len(self.segment_numels)):
             if self.segment_numels[index]:
                 self._store(index, self._padded_value_f32(index) * factor)
@@ -132,6 +158,29 @@ class QuantizedGradBuffer:
         if self.residual is not None:
             err = value_f32 - self._dequantize(q, torch.float32)  # NaN in a non-finite block: stays NaN
             self.residual[elems].copy_(err.to(self.residual.dtype))
+
+    def fold_residual_(self) -> None:
+        """Error feedback: requantize every segment to ``dequantize(codes) + residual`` and zero the
+        residual, so the codes alone hold the value (what the 8-bit reduction sends). No-op without it."""
+        if self.residual is None:
+            return
+        for index in range(len(self.segment_numels)):
+            if self.segment_numels[index]:
+                codes, scales, elems = self._slices(index)
+                q = self._quantize(self._padded_value_f32(index), self.fmt)
+                self.codes_u8[codes].copy_(q.codes)
+                self.scales[scales].copy_(q.scales)
+        self.residual.zero_()
+
+    def sq_norm(self, segments: list[int] | None = None) -> torch.Tensor:
+        """fp32 sum of squares of the stored values of ``segments`` (default all), one segment at a
+        time (transient memory: one segment in fp32). NaN when a block is non-finite."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for index in range(len(self.segment_numels)) if segments is None else segments:
+            if self.segment_numels[index]:
+                value = self.dequantize(index)
+                total += torch.dot(value, value)
+        return total
 
     def zero_(self) -> None:
         self.codes_u8.zero_()

@@ -3,45 +3,50 @@
 Algorithm (AGoQ, shared/spec/algorithms.md §3.3; the data movement of ZeRO++ qgZ)::
 
     x (float, N elements, every rank)
-      -> pad to W rows of S elements, S a multiple of the format's block (W = group size)
-      -> quantize row by row (codes + one scale per block; blocks never straddle rows)
-      -> all_to_all_single of [codes | scales] bytes: rank r receives row r of every peer
+      -> W rows of S elements (row r = x[r*S : (r+1)*S]); all-reduce: S = ceil(N/W) rounded up to
+         whole blocks; reduce-scatter: S = the output size, each row zero-padded to whole blocks
+      -> quantize (codes + one scale per block; blocks never straddle rows)
+      -> all_to_all of [codes | scales]: rank r receives row r of every peer
       -> dequantize the W received rows, sum them in fp32 in rank order (0, 1, ..., W-1)
       -> reduce_scatter_8bit: write the fp32 sum (the owned shard) to the output; done
-      -> allreduce_8bit:      requantize the sum, all_gather_into_tensor [codes | scales],
+      -> allreduce_8bit:      requantize the sum, all_gather [codes | scales],
                               dequantize all W rows into the input tensor (in place)
 
-Codes are never summed on the wire: the backend moves bytes only (gloo emulates tensor
-reduce-scatter anyway, pytorch/pytorch#118911). Every rank ends with bit-identical values in the
-all-reduce case, because every rank dequantizes the same all-gathered codes with the same code.
+Every step runs chunk by chunk (agoq.comm.pipeline): quantization of the next chunk overlaps the
+communication of the current one and no full-size temporary exists (temporaries: two slots of
+``chunk_bytes`` codes per buffer; ``chunk_bytes=None`` picks ~4 chunks within 16-64 MiB). On CUDA,
+one-byte formats use fused Triton kernels (agoq.kernels.comm): quantize straight from the float
+input into the packed send buffer, one kernel for dequantize + sum + requantize of the received
+rows, dequantize straight into the destination. Results are bit-identical to
+agoq.ref.collectives on every device and chunk size.
 
-Device dispatch (one function, :func:`quant_ops_for`): CUDA tensors use the Triton kernels of
-:mod:`agoq.kernels.quant`, every other device uses :mod:`agoq.ref.quant`. The two produce identical
-codes and scales (tests/kernels), so the choice never changes results; it is made by the tensor's
-device, not by what is installed, and there is no silent fallback (a CUDA tensor without Triton
-raises the ImportError).
+8-bit storage (agoq.comm.grad_buffer) is reduced without any float copy: :func:`allreduce_blocks_`
+sends the stored codes as they are and all-gathers the reduced codes back into the same storage;
+:func:`reduce_blocks_to_owners` delivers the fp32 sum of a block range to each rank (the
+distributed-optimizer layout).
 
-Non-finite gradients: a block holding NaN or Inf gets a NaN scale (agoq.ref.quant's policy), so the
-reduced block is NaN on every rank and Megatron's NaN check / the grad-norm check fire.
+Codes are never summed on the wire: the backend moves bytes only. Every rank ends with
+bit-identical values in the all-reduce case (all dequantize the same all-gathered codes).
+Non-finite gradients: a block holding NaN or Inf gets a NaN scale, so the reduced block is NaN on
+every rank that receives it and Megatron's NaN check / the grad-norm check fire.
 
 Wire bytes per rank and element (int8_b256, fp32 scales): (W-1)/W * (1 + 4/256) for the
 all-to-all, the same again for the all-gather: about 2.03 bytes vs 8 (fp32 ring all-reduce) and
-4 (bf16). Savings: 3.9x vs fp32, 1.97x vs bf16 on the wire. Caveats: two quantizations (before the
-all-to-all and, all-reduce only, before the all-gather) add error bounded in docs/grads.md; the
-padding to W x block elements costs at most W x block - 1 extra elements per call.
+4 (bf16). Caveats: two quantizations (before the all-to-all and, all-reduce only, before the
+all-gather) add error bounded in docs/grads.md; the padding to W x block elements costs at most
+W x block - 1 extra elements per call.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from agoq.comm import pipeline as pl
 from agoq.formats import QuantFormat, parse_format
-from agoq.ref.quant import INPUT_DTYPES, QuantizedTensor
+from agoq.ref.quant import INPUT_DTYPES
 
 __all__ = [
     "DEFAULT_GRAD_FORMAT",
@@ -49,9 +54,12 @@ __all__ = [
     "reduce_scatter_8bit",
     "reduce_scatter_int8",
     "make_reduce_scatter",
+    "allreduce_blocks_",
+    "reduce_blocks_to_owners",
     "quant_ops_for",
     "check_grad_format",
     "padded_row_numel",
+    "allreduce_row_numel",
     "wire_bytes",
 ]
 
@@ -104,191 +112,271 @@ def wire_bytes(numel: int, world_size: int, fmt: QuantFormat | str, *, all_gathe
     return phases * (world_size - 1) * row_bytes
 
 
-def _pack(q: QuantizedTensor, rows: int) -> torch.Tensor:
-    """[rows, row_bytes] uint8: each row's codes followed by its scales' bytes."""
-    codes_u8 = q.codes.view(rows, -1)
-    scales_u8 = q.scales.contiguous().view(torch.uint8).view(rows, -1)
-    return torch.cat([codes_u8, scales_u8], dim=1)
+def allreduce_row_numel(numel: int, world_size: int, fmt: QuantFormat) -> int:
+    """Row length S of the all-reduce: ceil(N / W) rounded up to whole blocks, so rows start on the
+    tensor's own block grid (and 16-byte aligned); the last row(s) are zero-padded past N."""
+    return padded_row_numel(-(-numel // world_size), fmt.block)
 
 
-def _unpack(packed_u8: torch.Tensor, fmt: QuantFormat, row_numel: int) -> QuantizedTensor:
-    """Inverse of :func:`_pack` for rows of ``row_numel`` elements (a multiple of fmt.block)."""
-    rows = packed_u8.shape[0]
-    code_bytes = fmt.code_bytes(row_numel)
-    codes_u8 = packed_u8[:, :code_bytes].contiguous().view(-1)
-    scale_dtype = _scale_dtype(fmt)
-    scales = packed_u8[:, code_bytes:].contiguous().view(scale_dtype).view(-1)
-    return QuantizedTensor(codes_u8, scales, fmt, torch.Size((rows, row_numel)), torch.float32)
-
-
-def _scale_dtype(fmt: QuantFormat) -> torch.dtype:
-    return {"fp32": torch.float32, "fp16": torch.float16, "pow2": torch.uint8}[fmt.scale]
-
-
-def _rows(x_flat: torch.Tensor, world_size: int, row_numel: int, padded_numel: int) -> torch.Tensor:
-    """[W, S_pad] view (or zero-padded copy) of W consecutive rows of ``row_numel`` elements."""
-    if row_numel == padded_numel and x_flat.numel() == world_size * row_numel:
-        return x_flat.view(world_size, padded_numel)
-    rows = torch.zeros(world_size, padded_numel, dtype=x_flat.dtype, device=x_flat.device)
-    src = torch.zeros(world_size * row_numel, dtype=x_flat.dtype, device=x_flat.device)
-    src[: x_flat.numel()] = x_flat
-    rows[:, :row_numel] = src.view(world_size, row_numel)
-    return rows
-
-
-def sum_rows_f32(rows_f32: torch.Tensor) -> torch.Tensor:
-    """Sum of the rows of a [W, S] fp32 tensor in rank order (same rounding on every device)."""
-    acc = rows_f32[0].clone()
-    for r in range(1, rows_f32.shape[0]):
-        acc += rows_f32[r]
-    return acc
-
-
-@dataclass
-class _Pending:
-    """What remains after the all-to-all: dequantize, sum, then either finish or all-gather."""
-
-    work: dist.Work | None
-    recv_u8: torch.Tensor
-    fmt: QuantFormat
-    group: dist.ProcessGroup | None
-    world_size: int
-    padded_numel: int
-    row_numel: int
-    average: bool
-    finish: Callable[[torch.Tensor], None]  # consumes the fp32 reduced shard [padded_numel]
-    done: bool = False
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        if self.work is not None:
-            self.work.wait()
-        _, dequantize = quant_ops_for(self.recv_u8.device)
-        peers_f32 = dequantize(_unpack(self.recv_u8, self.fmt, self.padded_numel), torch.float32)
-        shard_f32 = sum_rows_f32(peers_f32)
-        if self.average:
-            shard_f32 /= self.world_size
-        self.finish(shard_f32)
-        self.done = True
-
-    def is_completed(self) -> bool:
-        return self.done
-
-
-def _start(x_flat: torch.Tensor, world_size: int, row_numel: int, fmt: QuantFormat, group,
-           op, async_op: bool, finish: Callable[[torch.Tensor], None]) -> _Pending:
+def _check_op(op, dtype: torch.dtype) -> bool:
     if op not in _SUPPORTED_OPS:
         raise ValueError(f"8-bit reduction supports ReduceOp.SUM and ReduceOp.AVG, got {op}")
-    if x_flat.dtype not in INPUT_DTYPES:
-        raise ValueError(f"8-bit reduction expects bf16/fp16/fp32 gradients, got {x_flat.dtype}")
-    padded = padded_row_numel(row_numel, fmt.block)
-    quantize, _ = quant_ops_for(x_flat.device)
-    send_u8 = _pack(quantize(_rows(x_flat, world_size, row_numel, padded), fmt), world_size)
-    recv_u8 = torch.empty_like(send_u8)
-    work = dist.all_to_all_single(recv_u8, send_u8, group=group, async_op=async_op)
-    return _Pending(work if async_op else None, recv_u8, fmt, group, world_size, padded, row_numel,
-                    op == dist.ReduceOp.AVG, finish)
+    if dtype not in INPUT_DTYPES:
+        raise ValueError(f"8-bit reduction expects bf16/fp16/fp32 gradients, got {dtype}")
+    return op == dist.ReduceOp.AVG
+
+
+# Packed rows are padded to this many bytes so that every row (and its codes) starts 16-byte aligned:
+# Triton then proves alignment of the row pointers and vectorises the byte loads (16 B per access
+# instead of 1; checked in the PTX of the Triton 3.6 sm_90 build).
+ROW_ALIGN_BYTES = 16
+
+
+def _row_bytes(nb: int, fmt: QuantFormat) -> int:
+    raw = nb * (fmt.code_bytes(fmt.block) + fmt.scale_bytes)
+    return -(-raw // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
+
+
+def _packed(buf_u8: torch.Tensor, rows: int, nb: int, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [rows, nb*cb], scales [rows, nb]) views of a packed [rows, codes | scales | pad] byte buffer."""
+    cb = nb * fmt.code_bytes(fmt.block)
+    packed = buf_u8.view(rows, _row_bytes(nb, fmt))
+    return packed[:, :cb], packed[:, cb: cb + nb * fmt.scale_bytes].view(pl.scale_dtype(fmt))
+
+
+class _FloatRows:
+    """Chunk geometry and stages of a float reduction over W rows of ``row_numel`` elements."""
+
+    def __init__(self, flat: torch.Tensor, fmt: QuantFormat, group, world: int, row_numel: int,
+                 average: bool, post_scale: float, chunk_bytes: int | None):
+        self.flat, self.fmt, self.group, self.world = flat, fmt, group, world
+        self.row_numel, self.average, self.post_scale = row_numel, average, post_scale
+        self.nb_row = fmt.num_blocks(row_numel)
+        self.cb_chunk = min(self.nb_row, pl.blocks_per_chunk(fmt, world, chunk_bytes, world * self.nb_row))
+        self.num_chunks = -(-self.nb_row // self.cb_chunk)
+        self.slots = pl.Slots(flat.device)
+        self.ops = pl.comm_ops_for(flat.device, fmt)
+
+    def nb(self, k: int) -> int:
+        return min(self.cb_chunk, self.nb_row - k * self.cb_chunk)
+
+    def col0(self, k: int) -> int:
+        return k * self.cb_chunk * self.fmt.block
+
+    def send(self, k: int) -> list:
+        nb, w = self.nb(k), self.world
+        send = self.slots.get("send", k, w * _row_bytes(nb, self.fmt), torch.uint8)
+        codes, scales = _packed(send, w, nb, self.fmt)
+        self.ops[0](self.flat, codes, scales, self.fmt, row_stride=self.row_numel, row_numel=self.row_numel,
+                    col0=self.col0(k))
+        recv = self.slots.get("recv", k, send.numel(), torch.uint8)
+        return [pl.all_to_all(recv, send, self.group)]
+
+    def received(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        nb = self.nb(k)
+        return _packed(self.slots.get("recv", k, self.world * _row_bytes(nb, self.fmt), torch.uint8),
+                       self.world, nb, self.fmt)
+
+    def reduce_into(self, k: int, out: torch.Tensor) -> list:
+        """Reduce-scatter stage: the fp32 sum of chunk k of the owned row, cast into ``out``."""
+        codes, scales = self.received(k)
+        valid = min(self.row_numel - self.col0(k), self.nb(k) * self.fmt.block)
+        self.ops[1](codes, scales, self.fmt, average=self.average, post_scale=self.post_scale,
+                    out=out[self.col0(k): self.col0(k) + valid], out_numel=valid)
+        return []
+
+    def reduce_requant(self, k: int) -> list:
+        """All-reduce stage: requantize chunk k of the owned row and all-gather it."""
+        nb = self.nb(k)
+        codes, scales = self.received(k)
+        mine = self.slots.get("mine", k, _row_bytes(nb, self.fmt), torch.uint8)
+        m_codes, m_scales = _packed(mine, 1, nb, self.fmt)
+        self.ops[1](codes, scales, self.fmt, average=self.average, post_scale=self.post_scale,
+                    codes_out=m_codes, scales_out=m_scales)
+        gathered = self.slots.get("gathered", k, self.world * mine.numel(), torch.uint8)
+        return [pl.all_gather(gathered, mine, self.group)]
+
+    def finish(self, k: int) -> None:
+        nb = self.nb(k)
+        gathered = self.slots.get("gathered", k, self.world * _row_bytes(nb, self.fmt), torch.uint8)
+        codes, scales = _packed(gathered, self.world, nb, self.fmt)
+        self.ops[2](codes, scales, self.flat, self.fmt, row_stride=self.row_numel, row_numel=self.row_numel,
+                    col0=self.col0(k))
 
 
 def reduce_scatter_8bit(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
-                        async_op: bool = False, *, fmt: QuantFormat | str = DEFAULT_GRAD_FORMAT):
+                        async_op: bool = False, *, fmt: QuantFormat | str = DEFAULT_GRAD_FORMAT,
+                        post_scale: float = 1.0, chunk_bytes: int | None = None):
     """``torch.distributed.reduce_scatter_tensor`` with 8-bit codes on the wire and an fp32 sum.
 
     ``input`` holds W equal shards (numel = W * output.numel()); rank r's ``output`` receives the sum
-    over ranks of shard r. The owned shard is the fp32 sum of the dequantized peers (no second
-    quantization). Returns a handle with ``wait()`` when ``async_op``, else None.
+    over ranks of shard r (times ``post_scale``; divided by W for AVG). The owned shard is the fp32
+    sum of the dequantized peers (no second quantization). Returns a handle with ``wait()`` when
+    ``async_op``, else None. Both tensors must stay alive until the handle is waited on.
     """
     fmt = check_grad_format(fmt)
-    world_size = dist.get_world_size(group)
-    if input.numel() != world_size * output.numel():
+    average = _check_op(op, input.dtype)
+    world = dist.get_world_size(group)
+    if input.numel() != world * output.numel():
         raise ValueError(
-            f"reduce_scatter_8bit: input has {input.numel()} elements, expected world_size ({world_size}) x "
+            f"reduce_scatter_8bit: input has {input.numel()} elements, expected world_size ({world}) x "
             f"output ({output.numel()}); pad the input to a multiple of the group size"
         )
     if not output.is_contiguous():
         raise ValueError("reduce_scatter_8bit: output must be contiguous")
-    row_numel = output.numel()
-    if row_numel == 0:
-        return _Done() if async_op else None
-
-    def finish(shard_f32: torch.Tensor) -> None:
-        output.view(-1).copy_(shard_f32[:row_numel])
-
-    pending = _start(input.detach().reshape(-1), world_size, row_numel, fmt, group, op, async_op, finish)
-    if async_op:
-        return pending
-    pending.wait()
-    return None
-
-
-class _Done:
-    """Handle of a reduction with nothing to move (zero elements)."""
-
-    def wait(self) -> None:
-        return None
-
-    def is_completed(self) -> bool:
-        return True
-
-
-@dataclass
-class _AllReduceHandle:
-    pending: _Pending
-    tensor: torch.Tensor
-
-    def wait(self) -> None:
-        self.pending.wait()
-
-    def is_completed(self) -> bool:
-        return self.pending.done
+    if output.numel() == 0:
+        return pl.Done() if async_op else None
+    rows = _FloatRows(input.detach().reshape(-1), fmt, group, world, output.numel(), average, post_scale,
+                      chunk_bytes)
+    out = output.detach().view(-1)
+    return pl.run_pipeline(input.device, rows.num_chunks, rows.send, lambda k: rows.reduce_into(k, out), None,
+                           async_op=async_op)
 
 
 def allreduce_8bit(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False, *,
-                   fmt: QuantFormat | str = DEFAULT_GRAD_FORMAT):
+                   fmt: QuantFormat | str = DEFAULT_GRAD_FORMAT, post_scale: float = 1.0,
+                   chunk_bytes: int | None = None):
     """In-place all-reduce (like ``torch.distributed.all_reduce``) through 8-bit codes.
 
-    All-to-all of codes+scales, fp32 sum of the owned shard, requantization, all-gather of
-    codes+scales, dequantization into ``tensor`` (any shape; must be contiguous). Every rank gets
-    bit-identical values. Returns a handle with ``wait()`` when ``async_op`` (the all-gather then runs
-    inside ``wait()``), else None.
+    Rows of S = ceil(N / W) elements rounded up to whole blocks; all-to-all of codes+scales, fp32 sum
+    of the owned row (times ``post_scale``; / W for AVG), requantization, all-gather of codes+scales,
+    dequantization into ``tensor`` (any shape; must be contiguous). Every rank gets bit-identical
+    values. Returns a handle with ``wait()`` when ``async_op``, else None; ``tensor`` must stay alive
+    until it is waited on.
     """
     fmt = check_grad_format(fmt)
+    average = _check_op(op, tensor.dtype)
     if not tensor.is_contiguous():
         raise ValueError("allreduce_8bit: tensor must be contiguous (it is reduced in place)")
-    world_size = dist.get_world_size(group)
+    world = dist.get_world_size(group)
     flat = tensor.detach().view(-1)
-    row_numel = -(-flat.numel() // world_size)
+    row_numel = allreduce_row_numel(flat.numel(), world, fmt)
     if row_numel == 0:
-        return _Done() if async_op else None
-    finish = functools.partial(_gather_into, flat=flat, fmt=fmt, group=group, world_size=world_size)
-    pending = _start(flat, world_size, row_numel, fmt, group, op, async_op, finish)
-    if async_op:
-        return _AllReduceHandle(pending, tensor)
-    pending.wait()
-    return None
+        return pl.Done() if async_op else None
+    rows = _FloatRows(flat, fmt, group, world, row_numel, average, post_scale, chunk_bytes)
+    return pl.run_pipeline(tensor.device, rows.num_chunks, rows.send, rows.reduce_requant, rows.finish,
+                           async_op=async_op)
 
 
-def _gather_into(shard_f32: torch.Tensor, *, flat: torch.Tensor, fmt: QuantFormat, group, world_size: int) -> None:
-    """Requantize the reduced shard, all-gather codes+scales, dequantize every rank's shard into flat."""
-    quantize, dequantize = quant_ops_for(shard_f32.device)
-    mine_u8 = _pack(quantize(shard_f32, fmt), 1).view(-1)
-    gathered_u8 = torch.empty(world_size * mine_u8.numel(), dtype=torch.uint8, device=mine_u8.device)
-    _all_gather_single(gathered_u8, mine_u8, group=group)  # gloo wants a flat output
-    gathered_u8 = gathered_u8.view(world_size, -1)
-    full = dequantize(_unpack(gathered_u8, fmt, shard_f32.numel()), flat.dtype).view(-1)
-    if full.numel() == flat.numel():
-        flat.copy_(full)
-        return
-    row_numel = -(-flat.numel() // world_size)
-    full = full.view(world_size, -1)[:, :row_numel].reshape(-1)
-    flat.copy_(full[: flat.numel()])
+# -- 8-bit storage ---------------------------------------------------------------------------------
+
+def _check_storage(codes_u8: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> int:
+    num_blocks = scales.numel()
+    if codes_u8.dtype != torch.uint8 or codes_u8.numel() != num_blocks * fmt.code_bytes(fmt.block):
+        raise ValueError(f"codes ({codes_u8.numel()} bytes, {codes_u8.dtype}) do not match {num_blocks} "
+                         f"blocks of {fmt.name}")
+    if scales.dtype != pl.scale_dtype(fmt) or not (codes_u8.is_contiguous() and scales.is_contiguous()):
+        raise ValueError(f"scales must be contiguous {pl.scale_dtype(fmt)} for {fmt.name}, got {scales.dtype}")
+    return num_blocks
 
 
-def _all_gather_single(output: torch.Tensor, input: torch.Tensor, group) -> None:
-    """all_gather_into_tensor under its newer name where torch has it (2.14 deprecates the old one)."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, input, group=group)
+def allreduce_blocks_(codes_u8: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat | str, group=None, *,
+                      average: bool = False, post_scale: float = 1.0, async_op: bool = False,
+                      chunk_bytes: int | None = None):
+    """All-reduce 8-bit storage in place: ``codes_u8`` / ``scales`` of B blocks (B a multiple of W).
+
+    Chunk k holds blocks [k W C, (k+1) W C) (C blocks per rank); rank r owns the r-th C blocks of each
+    chunk. The stored codes are sent as they are (no quantization pass), each rank sums its blocks
+    of all peers in fp32 (rank order; / W if ``average``; times ``post_scale``), requantizes, and the
+    reduced blocks are all-gathered back into the same storage. The block grid is the storage's own,
+    so blocks never mix parameters. With one rank and nothing to scale, nothing happens.
+    """
+    fmt = check_grad_format(fmt)
+    num_blocks = _check_storage(codes_u8, scales, fmt)
+    world = dist.get_world_size(group)
+    if num_blocks % world:
+        raise ValueError(f"allreduce_blocks_: {num_blocks} blocks are not a multiple of the group size "
+                         f"{world}; allocate the storage with block_multiple={world}")
+    if num_blocks == 0 or (world == 1 and post_scale == 1.0):
+        return pl.Done() if async_op else None
+    cb = fmt.code_bytes(fmt.block)
+    per_rank = min(num_blocks // world, pl.blocks_per_chunk(fmt, world, chunk_bytes, num_blocks))
+    num_chunks = -(-num_blocks // (world * per_rank))
+    slots, ops = pl.Slots(codes_u8.device), pl.comm_ops_for(codes_u8.device, fmt)
+    sdt = pl.scale_dtype(fmt)
+
+    def nb(k: int) -> int:
+        return min(per_rank, (num_blocks - k * world * per_rank) // world)
+
+    def stored(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b0, n = k * world * per_rank, world * nb(k)
+        return codes_u8[b0 * cb: (b0 + n) * cb], scales[b0: b0 + n]
+
+    def received(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = world * nb(k)
+        return slots.get("rc", k, n * cb, torch.uint8), slots.get("rs", k, n, sdt)
+
+    def send(k: int) -> list:
+        (c, s), (rc, rs) = stored(k), received(k)
+        return [pl.all_to_all(rc, c, group), pl.all_to_all(rs, s, group)]
+
+    def reduce(k: int) -> list:
+        n = nb(k)
+        rc, rs = received(k)
+        mc, ms = slots.get("mc", k, n * cb, torch.uint8), slots.get("ms", k, n, sdt)
+        ops[1](rc.view(world, n * cb), rs.view(world, n), fmt, average=average, post_scale=post_scale,
+               codes_out=mc, scales_out=ms)
+        c, s = stored(k)
+        return [pl.all_gather(c, mc, group), pl.all_gather(s, ms, group)]
+
+    return pl.run_pipeline(codes_u8.device, num_chunks, send, reduce, None, async_op=async_op)
+
+
+def reduce_blocks_to_owners(codes_u8: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat | str,
+                            ranges: list[tuple[int, int]], consume: Callable[[int, torch.Tensor], None],
+                            group=None, *, average: bool = False, post_scale: float = 1.0,
+                            async_op: bool = False, chunk_bytes: int | None = None):
+    """Reduce-scatter of 8-bit storage by block ranges: rank r receives blocks ``ranges[r]`` (lo, hi) of
+    every peer (ranges may overlap) and gets their fp32 sum (rank order; / W if ``average``; times
+    ``post_scale``) through ``consume(first_block, values_f32)`` (``values_f32`` holds whole blocks and is
+    only valid during the call), chunk by chunk. The storage is not modified.
+    """
+    fmt = check_grad_format(fmt)
+    num_blocks = _check_storage(codes_u8, scales, fmt)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if len(ranges) != world or any(not (0 <= lo <= hi <= num_blocks) for lo, hi in ranges):
+        raise ValueError(f"reduce_blocks_to_owners: need {world} block ranges within [0, {num_blocks}], "
+                         f"got {ranges}")
+    cb, sdt = fmt.code_bytes(fmt.block), pl.scale_dtype(fmt)
+    widest = max(hi - lo for lo, hi in ranges)
+    per_rank = max(1, min(widest, pl.blocks_per_chunk(fmt, world, chunk_bytes, world * widest)))
+    num_chunks = max(-(-(hi - lo) // per_rank) for lo, hi in ranges)
+    slots, ops = pl.Slots(codes_u8.device), pl.comm_ops_for(codes_u8.device, fmt)
+
+    def piece(r: int, k: int) -> tuple[int, int]:
+        lo, hi = ranges[r]
+        start = min(hi, lo + k * per_rank)
+        return start, min(hi, start + per_rank)
+
+    def counts(k: int) -> list[int]:
+        return [b - a for a, b in (piece(r, k) for r in range(world))]
+
+    def send(k: int) -> list:
+        n = counts(k)
+        total, mine = sum(n), n[rank]
+        sc, ss = slots.get("sc", k, total * cb, torch.uint8), slots.get("ss", k, total, sdt)
+        at = 0
+        for r in range(world):
+            a, b = piece(r, k)
+            sc[at * cb: (at + b - a) * cb].copy_(codes_u8[a * cb: b * cb])
+            ss[at: at + b - a].copy_(scales[a:b])
+            at += b - a
+        rc, rs = slots.get("rc", k, world * mine * cb, torch.uint8), slots.get("rs", k, world * mine, sdt)
+        return [pl.all_to_all(rc, sc, group, [mine * cb] * world, [x * cb for x in n]),
+                pl.all_to_all(rs, ss, group, [mine] * world, n)]
+
+    def reduce(k: int) -> list:
+        mine = counts(k)[rank]
+        if mine == 0:
+            return []
+        rc, rs = slots.get("rc", k, world * mine * cb, torch.uint8), slots.get("rs", k, world * mine, sdt)
+        out = slots.get("out", k, mine * fmt.block, torch.float32)
+        ops[1](rc.view(world, mine * cb), rs.view(world, mine), fmt, average=average, post_scale=post_scale,
+               out=out, out_numel=out.numel())
+        consume(piece(rank, k)[0], out)
+        return []
+
+    return pl.run_pipeline(codes_u8.device, num_chunks, send, reduce, None, async_op=async_op)
 
 
 def make_reduce_scatter(fmt: QuantFormat | str) -> Callable:

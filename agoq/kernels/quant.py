@@ -46,20 +46,10 @@ def _unpack_plane(byte, ROWS: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.const
 
 
 @triton.jit
-def _quantize_bytes_kernel(
-    x_ptr, codes_ptr, scales_ptr, numel, num_blocks,  # as _quantize_fwd_kernel
-    KIND: tl.constexpr,  # 0 int (8-bit, round to nearest) or 2 fp8: one whole byte per code
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, SCALE: tl.constexpr, QMAX: tl.constexpr,
-    FP8_DTYPE: tl.constexpr,
-):  # fmt: skip
-    """One-byte codes (int8 nearest, fp8) on a [ROWS, BLOCK] tile: nothing to pack, and this 2-D
-    layout measured faster for them than the [ROWS, G, SUB] kernel (docs/benchmarks/quant.md)."""
-    first_row = tl.program_id(0).to(tl.int64) * ROWS
-    elem_base = first_row * BLOCK
-    rows = tl.arange(0, ROWS)
-    local = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    elems_left = tl.minimum(numel - elem_base, ROWS * BLOCK).to(tl.int32)
-    x = tl.load(x_ptr + elem_base + local, mask=local < elems_left, other=0.0).to(tl.float32)
+def quantize_tile_bytes(x, KIND: tl.constexpr, SCALE: tl.constexpr, QMAX: tl.constexpr, FP8_DTYPE: tl.constexpr):
+    """(uint8 codes [ROWS, BLOCK], stored scales [ROWS]) of an fp32 tile of ROWS blocks, one-byte codes
+    (KIND 0: int8 round half away from zero; KIND 2: fp8), agoq.ref.quant's math step for step. The
+    stored scales are fp32 values (SCALE 0 / 1; the caller casts to the storage dtype) or pow2 bytes."""
     xa = tl.abs(x)
     bad = tl.max(((xa != xa) | (xa == float("inf"))).to(tl.int32), axis=1) > 0
     stored, s = _encode_scale(tl.math.div_rn(tl.max(xa, axis=1), QMAX), SCALE)
@@ -75,15 +65,54 @@ def _quantize_bytes_kernel(
     else:
         y = tl.minimum(tl.maximum(p, -QMAX), QMAX)
         code = y.to(FP8_DTYPE).to(tl.uint8, bitcast=True)
+    if SCALE == 2:
+        stored = tl.where(bad, 255, stored).to(tl.uint8)
+    else:
+        stored = tl.where(bad, float("nan"), stored.to(tl.float32))
+    return code, stored
+
+
+@triton.jit
+def decode_tile_bytes(code_u8, KIND: tl.constexpr, FP8_DTYPE: tl.constexpr):
+    """fp32 code values (before the block scale) of one-byte codes (KIND 0 int8, 2 fp8)."""
+    if KIND == 0:
+        v = (code_u8.to(tl.int32) - 128).to(tl.float32)
+    else:
+        v = code_u8.to(FP8_DTYPE, bitcast=True).to(tl.float32)
+    return v
+
+
+@triton.jit
+def load_scale_f32(ptrs, mask, SCALE: tl.constexpr):
+    """fp32 value of stored scales (pow2: biased exponent byte; a masked lane reads a harmless 1.0)."""
+    if SCALE == 2:
+        s = _pow2_value(tl.load(ptrs, mask=mask, other=127).to(tl.int32))
+    else:
+        s = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _quantize_bytes_kernel(
+    x_ptr, codes_ptr, scales_ptr, numel, num_blocks,  # as _quantize_fwd_kernel
+    KIND: tl.constexpr,  # 0 int (8-bit, round to nearest) or 2 fp8: one whole byte per code
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, SCALE: tl.constexpr, QMAX: tl.constexpr,
+    FP8_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """One-byte codes (int8 nearest, fp8) on a [ROWS, BLOCK] tile: nothing to pack, and this 2-D
+    layout measured faster for them than the [ROWS, G, SUB] kernel (docs/benchmarks/quant.md)."""
+    first_row = tl.program_id(0).to(tl.int64) * ROWS
+    elem_base = first_row * BLOCK
+    rows = tl.arange(0, ROWS)
+    local = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    elems_left = tl.minimum(numel - elem_base, ROWS * BLOCK).to(tl.int32)
+    x = tl.load(x_ptr + elem_base + local, mask=local < elems_left, other=0.0).to(tl.float32)
+    code, stored = quantize_tile_bytes(x, KIND, SCALE, QMAX, FP8_DTYPE)
     row_ok = rows < tl.minimum(num_blocks - first_row, ROWS).to(tl.int32)
     codes_ptr += first_row * BLOCK
     tl.store(codes_ptr + local, code, mask=row_ok[:, None])
     scales_ptr += first_row
-    if SCALE == 2:
-        stored = tl.where(bad, 255, stored).to(tl.uint8)
-    else:
-        stored = tl.where(bad, float("nan"), stored.to(tl.float32)).to(scales_ptr.dtype.element_ty)
-    tl.store(scales_ptr + rows, stored, mask=row_ok)
+    tl.store(scales_ptr + rows, stored.to(scales_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit

@@ -8,12 +8,14 @@ Touches (megatron-core 0.19.2, ``megatron/core/distributed/``):
   * ``param_and_grad_buffer._ParamAndGradBucketGroup`` — private; after ``super().__init__`` every
     object in ``self.bucket_groups`` / ``self.expert_parallel_bucket_groups`` gets
     ``bg.__class__ = AgoqBucketGroup`` (shared/spec/megatron.md §1.3), which overrides
-    ``start_grad_sync`` (its ``finish_grad_sync`` is reused: it only needs a handle with ``wait()``).
-  * Reads ``_ParamAndGradBucket.{grad_data, params_list, gradient_scaling_factor,
-    params_with_extra_main_grads}``, ``_ParamAndGradBucketGroup.{buckets, ddp_config, check_grads,
+    ``start_grad_sync``, ``check_grads`` and ``finish_grad_sync`` (Megatron's, then agoq's
+    post-reduction step; Megatron's only needs a handle with ``wait()``).
+  * Reads ``_ParamAndGradBucket.{grad_data, params_list, param_to_index, gradient_scaling_factor,
+    params_with_extra_main_grads}``, ``_ParamAndGradBucketGroup.{buckets, ddp_config,
     intra_distributed_optimizer_instance_group/_size/_rank, data_parallel_group,
     cached_grad_buffer_shard_list, is_first_batch, grad_reduce_handle}``, ``shard_buffer``, the
-    ``_ParamAndGradBuffer.grad_data`` storage, and ``param.grad_added_to_main_grad``.
+    ``_ParamAndGradBuffer.{grad_data, buckets}`` storage, ``param.grad_added_to_main_grad``, and
+    (store mode) re-points ``param.main_grad`` between the reduction and the next zero_grad_buffer.
 Why: gradient communication lives in the private bucket group; a class swap is the narrowest seam
   that reaches both the all-reduce and the distributed-optimizer reduce-scatter (swapping the module
   global ``dist_reduce_scatter_func`` alone covers only the latter). agoq.comm.reduce has
@@ -21,17 +23,24 @@ Why: gradient communication lives in the private bucket group; a class swap is t
 Modes:
   * ``reduce``: fp32 (or bf16) main_grad as in Megatron; each bucket is reduced through
     agoq.comm.reduce (all-to-all of 8-bit codes + scales, fp32 sum, requantize, all-gather; with the
-    distributed optimizer the owned fp32 shard is kept and the all-gather skipped).
-  * ``store``: the same reduction, and main_grad is accumulated in 8 bits (QuantizedGradBuffer, one
-    block grid per parameter, dequant-add-requant in the backward post-hook). The float grad buffer's
-    storage is released in ``zero_grad_buffer`` and re-materialised (dequantized) only when the
-    bucket's reduction starts, so it does not exist during forward/backward; the optimizer then reads
-    float main_grad as usual.
-Kept: ``check_for_nan_in_grad`` (Megatron's check runs on the float bucket before communication,
-  and NaN blocks stay NaN through the reduction), gradient scaling, grad-norm clipping, loss scaling,
-  ``overlap_grad_reduce`` (async handles), TP / PP / VPP, expert buffers.
+    distributed optimizer the owned fp32 shard is kept and the all-gather skipped). Megatron's
+    gradient_scaling_factor is applied to the fp32 sum (no separate pass over the buffer).
+  * ``store``: main_grad is accumulated in 8 bits (agoq/megatron/grad_store.py: one block grid per
+    parameter, dequant-add-requant in the backward post-hook) and Megatron's float grad buffer has no
+    storage. The reduction works on the 8-bit store directly (no float copy of the bucket): without
+    the distributed optimizer the reduced gradient stays 8-bit in the store, and either a reader
+    dequantizes it one parameter at a time (``agoq_set_lazy(True)``, done by agoq's optimizer through
+    agoq/megatron/grad_reader.py) or, for optimizers that need every ``.grad`` at once (Megatron's
+    torch optimizers), it is dequantized into the float buffer in ``finish_grad_sync`` (allocated
+    there, released in ``zero_grad_buffer``). With the distributed optimizer the owned shard's fp32
+    sum lands in a per-bucket window (4/W bytes per parameter) that ``main_grad`` points into.
+Kept: ``check_for_nan_in_grad`` (store mode: the same check on the norm of the 8-bit bucket; NaN
+  blocks stay NaN through the reduction), gradient scaling, grad-norm clipping, loss scaling,
+  ``overlap_grad_reduce`` (async handles; on CUDA the reduction runs on a side stream), TP / PP / VPP,
+  expert buffers; ``agoq_grads_nonfinite()`` for the training loop's skip check.
 Not supported (raise): ``num_distributed_optimizer_instances > 1``; ``store`` with
-  ``gradient_accumulation_fusion`` (wgrad kernels write into main_grad directly).
+  ``gradient_accumulation_fusion`` (wgrad kernels write into main_grad directly), with Megatron's
+  promoted fp32 main_grads next to a bf16 buffer, or with ``reuse_grad_buf_for_mxfp8_param_ag``.
 Verified on: megatron-core 0.19.2 (CPU/gloo).
 When disabled: ``wrap_ddp_agoq(..., grad_format=None)`` builds Megatron's own DDP.
 Guarded by: tests/megatron/test_ddp_agoq.py.
@@ -41,15 +50,18 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup, shard_buffer
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from agoq.comm.grad_buffer import QuantizedGradBuffer
 from agoq.comm.reduce import allreduce_8bit, check_grad_format, reduce_scatter_8bit
+from agoq.megatron.grad_store import BucketStore, finalize_touched
 
 GRAD_MODES = ("reduce", "store")
 
@@ -62,6 +74,8 @@ class GradConfig:
     """reduce: 8-bit communication only; store: also 8-bit main_grad accumulation."""
     error_feedback: bool = False
     """store mode: keep the requantization error in a bf16 residual (2 more bytes per parameter)."""
+    chunk_bytes: int | None = None
+    """Codes per pipeline chunk of the reduction (None: agoq.comm.pipeline.DEFAULT_CHUNK_BYTES)."""
 
     def __post_init__(self):
         check_grad_format(self.fmt)
@@ -87,54 +101,90 @@ class AgoqBucketGroup(_ParamAndGradBucketGroup):
     """Bucket group whose grad reduction goes through agoq.comm.reduce (installed by class swap)."""
 
     agoq_grad: GradConfig
-    agoq_store: dict | None  # bucket index -> (QuantizedGradBuffer, params) in store mode
-
-    def _materialize(self) -> None:
-        """store mode: dequantize the 8-bit gradients into the (re-allocated) float buckets."""
-        for idx, bucket in enumerate(self.buckets):
-            _ensure_allocated(bucket.grad_data)
-            qbuf, params = self.agoq_store[idx]
-            flat = bucket.grad_data.view(-1)
-            for seg, param in enumerate(params):
-                start, end = bucket.param_to_index[param]
-                flat[start:end].copy_(qbuf.dequantize(seg))
+    agoq_stores: list | None  # store mode: one BucketStore per bucket
+    agoq_lazy: bool  # store mode, all-reduce: leave the reduced gradient 8-bit (a reader dequantizes it)
+    agoq_on_reduced = None  # store mode: callback after the reduction (the DDP allocates the float buffer)
 
     def start_grad_sync(self, force_all_reduce: bool | None = False):
         if self.is_first_batch and self.grad_reduce_handle is not None:
             return  # Megatron: no-op when already dispatched in the first batch
         assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
-        if self.agoq_store is not None:
-            self._materialize()
-        for bucket in self.buckets:
-            for param in bucket.params_with_extra_main_grads:
-                if getattr(param, "main_grad_copy_in_grad_buffer", None) is not None:
-                    param.main_grad_copy_in_grad_buffer.copy_(param.main_grad)
         cfg = self.ddp_config
+        if self.agoq_stores is None:
+            for bucket in self.buckets:
+                for param in bucket.params_with_extra_main_grads:
+                    if getattr(param, "main_grad_copy_in_grad_buffer", None) is not None:
+                        param.main_grad_copy_in_grad_buffer.copy_(param.main_grad)
         if cfg.check_for_nan_in_grad or cfg.check_for_large_grads:
             self.check_grads(check_for_nan_or_inf=cfg.check_for_nan_in_grad, check_for_large=cfg.check_for_large_grads)
-        with torch.no_grad():
-            for bucket in self.buckets:
-                if bucket.gradient_scaling_factor != 1.0:
-                    bucket.grad_data *= bucket.gradient_scaling_factor
-        op = torch.distributed.ReduceOp.AVG if cfg.average_in_collective else torch.distributed.ReduceOp.SUM
+        average = bool(cfg.average_in_collective)
         async_op = cfg.overlap_grad_reduce
-        handles = [self._reduce_bucket(idx, bucket, op, async_op, force_all_reduce)
+        handles = [self._reduce_bucket(idx, bucket, average, async_op, force_all_reduce)
                    for idx, bucket in enumerate(self.buckets)]
+        self.agoq_reduced_pending = True
         self.grad_reduce_handle = _Handles(handles) if async_op else None
 
-    def _reduce_bucket(self, idx, bucket, op, async_op: bool, force_all_reduce: bool):
-        fmt = self.agoq_grad.fmt
-        if self.ddp_config.use_distributed_optimizer and not force_all_reduce:
-            group = self.intra_distributed_optimizer_instance_group
+    def _uses_reduce_scatter(self, force_all_reduce: bool) -> bool:
+        return bool(self.ddp_config.use_distributed_optimizer and not force_all_reduce)
+
+    def _group(self):
+        return (self.intra_distributed_optimizer_instance_group if self.ddp_config.use_distributed_optimizer
+                else self.data_parallel_group)
+
+    def _reduce_bucket(self, idx, bucket, average: bool, async_op: bool, force_all_reduce: bool):
+        scale = float(bucket.gradient_scaling_factor)  # Megatron scales before the sum; agoq after it
+        if self.agoq_stores is not None:
+            store = self.agoq_stores[idx]
+            if self._uses_reduce_scatter(force_all_reduce):
+                return store.start_reduce_scatter(self._group(), average=average, post_scale=scale,
+                                                  async_op=async_op)
+            return store.start_allreduce(self._group(), average=average, post_scale=scale, async_op=async_op)
+        fmt, chunk = self.agoq_grad.fmt, self.agoq_grad.chunk_bytes
+        op = torch.distributed.ReduceOp.AVG if average else torch.distributed.ReduceOp.SUM
+        if self._uses_reduce_scatter(force_all_reduce):
             if self.cached_grad_buffer_shard_list[idx] is None:
                 self.cached_grad_buffer_shard_list[idx] = shard_buffer(
                     bucket.grad_data, self.intra_distributed_optimizer_instance_size
                 )
             shard = self.cached_grad_buffer_shard_list[idx][self.intra_distributed_optimizer_instance_rank]
-            return reduce_scatter_8bit(shard, bucket.grad_data, op, group, async_op, fmt=fmt)
-        group = (self.intra_distributed_optimizer_instance_group if self.ddp_config.use_distributed_optimizer
-                 else self.data_parallel_group)
-        return allreduce_8bit(bucket.grad_data, op, group, async_op, fmt=fmt)
+            return reduce_scatter_8bit(shard, bucket.grad_data, op, self._group(), async_op, fmt=fmt,
+                                       post_scale=scale, chunk_bytes=chunk)
+        return allreduce_8bit(bucket.grad_data, op, self._group(), async_op, fmt=fmt, post_scale=scale,
+                              chunk_bytes=chunk)
+
+    def finish_grad_sync(self, force_all_reduce: bool | None = False):
+        super().finish_grad_sync(force_all_reduce=force_all_reduce)
+        if self.agoq_stores is not None and getattr(self, "agoq_reduced_pending", False):
+            self.agoq_reduced_pending = False
+            if not self._uses_reduce_scatter(force_all_reduce):
+                if self.agoq_lazy:
+                    for store in self.agoq_stores:
+                        store.install_touched()
+                else:
+                    self.agoq_on_reduced(self)
+                    for store in self.agoq_stores:
+                        store.materialize()
+
+    def check_grads(self, check_for_nan_or_inf, check_for_large):
+        """Megatron's pre-communication check; in store mode the norm is taken from the 8-bit buffer."""
+        if self.agoq_stores is None:
+            return super().check_grads(check_for_nan_or_inf, check_for_large)
+        rerun_state_machine = get_rerun_state_machine()
+        for i, store in enumerate(self.agoq_stores):
+            grad_norm = store.qbuf.sq_norm().sqrt()
+            where = f"bucket #{i} in backward pass before data-parallel communication collective"
+            if check_for_nan_or_inf:
+                rerun_state_machine.validate_result(result=grad_norm, rejection_func=torch.isnan,
+                                                    message=f"found NaN in local grad norm for {where}",
+                                                    tolerance=0.001, fatal=True)
+                rerun_state_machine.validate_result(result=grad_norm, rejection_func=torch.isinf,
+                                                    message=f"found Inf in local grad norm for {where}",
+                                                    tolerance=0.001, fatal=True)
+            if check_for_large:
+                rerun_state_machine.validate_result(
+                    result=grad_norm, rejection_func=partial(rerun_state_machine.is_unexpectedly_large,
+                                                             threshold=10, context="grads"),
+                    message=f"found unexpected large grads in {where}", tolerance=0.001, fatal=False)
 
 
 def _ensure_allocated(grad_data: torch.Tensor) -> None:
@@ -155,34 +205,68 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
         super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing,
                          pg_collection=pg_collection)
         self.agoq_grad = grad
-        self._agoq_slots: dict = {}  # param -> (QuantizedGradBuffer, segment index)
+        self._agoq_store_of: dict = {}  # param -> BucketStore
+        touched = {p for name, p in self.module.named_parameters() if finalize_touched(p, name)}
         for bg in self.bucket_groups + self.expert_parallel_bucket_groups:
             bg.__class__ = AgoqBucketGroup
             bg.agoq_grad = grad
-            bg.agoq_store = self._build_store(bg) if grad.mode == "store" else None
+            bg.agoq_lazy = False
+            bg.agoq_stores = self._build_stores(bg, touched) if grad.mode == "store" else None
+            bg.agoq_on_reduced = self._allocate_float_buffer_of
         if grad.mode == "store":
             self._release_float_buffers()
 
-    def _build_store(self, bucket_group) -> dict:
-        store = {}
-        device = bucket_group.buckets[0].grad_data.device
-        for idx, bucket in enumerate(bucket_group.buckets):
-            params = list(bucket.params_list)
-            qbuf = QuantizedGradBuffer([p.numel() for p in params], self.agoq_grad.fmt, device,
-                                       error_feedback=self.agoq_grad.error_feedback)
-            store[idx] = (qbuf, params)
-            for seg, param in enumerate(params):
-                self._agoq_slots[param] = (qbuf, seg)
-        return store
+    def _build_stores(self, bucket_group, touched: set) -> list[BucketStore]:
+        if any(b.params_with_extra_main_grads for b in bucket_group.buckets):
+            raise NotImplementedError(
+                "--agoq-grads-mode store: some parameters keep a separate fp32 main_grad next to a bf16 grad "
+                "buffer (Megatron's promoted main_grads); use --agoq-grads-mode reduce or --grad-reduce-in-fp32"
+            )
+        group = (bucket_group.intra_distributed_optimizer_instance_group
+                 if self.ddp_config.use_distributed_optimizer else bucket_group.data_parallel_group)
+        world, rank = group.size(), group.rank()
+        stores = []
+        for bucket in bucket_group.buckets:
+            store = BucketStore(bucket, self.agoq_grad.fmt, bucket.grad_data.device,
+                                error_feedback=self.agoq_grad.error_feedback, world=world, rank=rank,
+                                touched=touched, chunk_bytes=self.agoq_grad.chunk_bytes)
+            stores.append(store)
+            for param in store.params:
+                self._agoq_store_of[param] = store
+        return stores
+
+    def stores(self) -> list[BucketStore]:
+        return [s for bg in self.bucket_groups + self.expert_parallel_bucket_groups for s in (bg.agoq_stores or [])]
 
     def quantized_grad_buffers(self) -> list[QuantizedGradBuffer]:
-        seen = {}
-        for qbuf, _ in self._agoq_slots.values():
-            seen[id(qbuf)] = qbuf
-        return list(seen.values())
+        return [s.qbuf for s in self.stores()]
+
+    def agoq_set_lazy(self, lazy: bool) -> None:
+        """Store mode, all-reduce: keep the reduced gradient 8-bit after finish_grad_sync (a reader
+        dequantizes it per parameter) instead of materialising Megatron's float grad buffer."""
+        for bg in self.bucket_groups + self.expert_parallel_bucket_groups:
+            bg.agoq_lazy = lazy
+
+    def agoq_grad_of(self, param) -> torch.Tensor | None:
+        """Reduced fp32 gradient of ``param`` (store mode; None for parameters without a DDP gradient)."""
+        store = self._agoq_store_of.get(param)
+        return None if store is None else store.grad(param)
+
+    def agoq_grads_nonfinite(self) -> bool:
+        """True when this rank's gradients hold NaN/Inf (store mode: 8-bit scales and float windows;
+        otherwise Megatron's float grad buffers)."""
+        if self.agoq_grad.mode == "store":
+            return any(store.nonfinite() for store in self.stores())
+        return any(b.grad_data.numel() and not bool(torch.isfinite(b.grad_data).all())
+                   for b in self.buffers + self.expert_parallel_buffers)
+
+    def _allocate_float_buffer_of(self, bucket_group) -> None:
+        for buffer in self.buffers + self.expert_parallel_buffers:
+            if any(bucket in buffer.buckets for bucket in bucket_group.buckets):
+                _ensure_allocated(buffer.grad_data)
 
     def _release_float_buffers(self) -> None:
-        """Free the float grad buffers' storage (views stay valid; re-allocated by _materialize)."""
+        """Free the float grad buffers' storage (views stay valid; re-allocated by materialize)."""
         for buffer in self.buffers + self.expert_parallel_buffers:
             buffer.grad_data.untyped_storage().resize_(0)
 
@@ -196,8 +280,7 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
             if self.ddp_config.overlap_grad_reduce and param.grad is None:
                 raise RuntimeError("param.grad is None under overlap_grad_reduce (Megatron's invariant)")
             if param.grad is not None and not param.grad_added_to_main_grad:
-                qbuf, seg = self._agoq_slots[param]
-                qbuf.accumulate(seg, param.grad.data)
+                self._agoq_store_of[param].accumulate(param, param.grad.data)
             param.grad = None
             if self.ddp_config.overlap_grad_reduce:
                 self.param_to_bucket_group[param].register_grad_ready(param, self.force_all_reduce)
@@ -209,20 +292,19 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
             return super().zero_grad_buffer()
         for param in self.params_with_grad:
             param.grad_added_to_main_grad = False
-        for qbuf in self.quantized_grad_buffers():
-            qbuf.zero_()
+        for store in self.stores():
+            store.release()
         self._release_float_buffers()
         for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:
             bucket_group.reset()
 
-    def scale_gradients(self, scaling_factor: float):
+    def scale_gradients(self, scaling_factor):
         if self.agoq_grad.mode != "store":
             return super().scale_gradients(scaling_factor)
-        buffers = self.buffers + self.expert_parallel_buffers
-        if any(b.grad_data.untyped_storage().nbytes() > 0 for b in buffers):
-            return super().scale_gradients(scaling_factor)  # materialised: scale the float values
-        for qbuf in self.quantized_grad_buffers():
-            qbuf.scale_(scaling_factor)
+        if any(b.grad_data.untyped_storage().nbytes() > 0 for b in self.buffers + self.expert_parallel_buffers):
+            super().scale_gradients(scaling_factor)  # materialised: scale the float values as Megatron
+        for store in self.stores():
+            store.scale_(scaling_factor)
 
 
 def _check_supported(config: TransformerConfig, ddp_config: DistributedDataParallelConfig, grad: GradConfig) -> None:
@@ -230,6 +312,11 @@ def _check_supported(config: TransformerConfig, ddp_config: DistributedDataParal
         raise NotImplementedError(
             "agoq 8-bit gradients support num_distributed_optimizer_instances=1 only; drop "
             "--num-distributed-optimizer-instances or --agoq-grads"
+        )
+    if grad.mode == "store" and getattr(ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        raise NotImplementedError(
+            "--agoq-grads-mode store frees Megatron's grad buffer, which reuse_grad_buf_for_mxfp8_param_ag uses "
+            "as the parameter all-gather buffer; turn that option off or use --agoq-grads-mode reduce"
         )
     if grad.mode == "store" and config.gradient_accumulation_fusion:
         raise NotImplementedError(
@@ -287,8 +374,9 @@ def grad_bytes_per_param(grad: GradConfig | None, *, grad_reduce_in_fp32: bool,
     """Planner: bytes per parameter of the gradient held during forward/backward (padding ignored).
 
     Megatron: 4 (fp32 main_grad) or the param dtype's size. agoq store: codes + scales (+ bf16
-    residual with error feedback); the float buffer exists only between the reduction and the next
-    zero_grad_buffer. agoq reduce: Megatron's number.
+    residual with error feedback). After the reduction and until the next zero_grad_buffer add: nothing
+    with agoq's optimizer (per-parameter reads), 4/W with the distributed optimizer (owned fp32 shard),
+    4 with optimizers that need every .grad at once (Megatron's torch Adam). agoq reduce: Megatron's number.
     """
     float_bytes = 4.0 if grad_reduce_in_fp32 else float(torch.finfo(params_dtype).bits // 8)
     if grad is None or grad.mode == "reduce":

@@ -22,6 +22,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from agoq.megatron import grad_reader
 from agoq.megatron.optim_args import parse_moments
 from agoq.optim import SGD, AdamW, Lion
 from agoq.optim.release import check_release_compatible
@@ -101,8 +102,22 @@ class AgoqMegatronOptimizer(FP32Optimizer):
     """FP32Optimizer over agoq.optim (works on bf16 params: agoq keeps the master), with compressed
     sharded checkpoints."""
 
+    grad_reader = None  # set by agoq.megatron.grad_reader.attach: 8-bit gradients read one param at a time
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        if self.grad_reader is not None:
+            return grad_reader.clip_grad_norm(self, clip_grad)
+        return super().clip_grad_norm(clip_grad)
+
+    def step_with_ready_grads(self) -> bool:
+        if self.grad_reader is not None:
+            return grad_reader.step_with_ready_grads(self)
+        return super().step_with_ready_grads()
+
     @torch.no_grad()
     def prepare_grads(self) -> bool:
+        if self.grad_reader is not None:
+            return grad_reader.prepare_grads(self)
         if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             # bf16 main_grad (--grad-reduce-in-bf16): Megatron's clip path asserts an fp32 .grad, its
             # decoupled path (as in the distributed optimizer's precision-aware mode) reads .decoupled_grad
@@ -198,6 +213,7 @@ def build_agoq_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
     else:
         optimizer = AgoqMegatronOptimizer(inner, config, _init_all_states)
         optimizer.param_names = names
+        grad_reader.attach(optimizer, model_chunks)  # 8-bit gradient store: per-parameter reads, no float buffer
         if getattr(args, "grad_reduce_in_bf16", False):
             config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True  # see prepare_grads
             inner.grad_attr = "decoupled_grad"

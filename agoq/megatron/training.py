@@ -150,6 +150,10 @@ def _any_rank_nonfinite(model_chunks: list, loss: float | None, device: torch.de
     """True on every rank when any rank's loss or reduced gradient buffer holds NaN/Inf."""
     bad = loss is not None and not math.isfinite(loss)
     for chunk in model_chunks:
+        check = getattr(chunk, "agoq_grads_nonfinite", None)  # 8-bit gradients (agoq/megatron/ddp.py)
+        if check is not None:
+            bad = bad or check()
+            continue
         for buffer in getattr(chunk, "buffers", []):
             grad = buffer.grad_data
             if grad.numel() and not bool(torch.isfinite(grad).all()):

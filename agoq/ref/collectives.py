@@ -3,8 +3,8 @@
 
 ``inputs[r]`` is what rank r contributes. The math, per rank r of W:
 
-1. Flatten, zero-pad to W rows of ``S`` elements (S = ceil(N / W) for the all-reduce, the output
-   shard size for the reduce-scatter), each row zero-padded to whole blocks (S_pad).
+1. Flatten, zero-pad to W rows of ``S`` elements (S = ceil(N / W) rounded up to whole blocks for the
+   all-reduce, the output shard size for the reduce-scatter), each row zero-padded to whole blocks (S_pad).
 2. Every rank quantizes its rows (blocks never straddle rows, so a row's codes are self-contained).
 3. Rank r's shard = sum over peers p = 0..W-1, in that order, of dequantize(row r of peer p), in fp32.
 4. Reduce-scatter: the output of rank r is its fp32 shard (first S elements), cast to the dtype.
@@ -21,6 +21,12 @@ from agoq.formats import QuantFormat, parse_format
 from agoq.ref.quant import ref_dequantize, ref_quantize
 
 __all__ = ["ref_reduce_scatter_8bit", "ref_allreduce_8bit", "error_bound_8bit"]
+
+
+def allreduce_row_numel(numel: int, world_size: int, block: int) -> int:
+    """All-reduce row length: ceil(N / W) rounded up to whole blocks."""
+    per_rank = -(-numel // world_size)
+    return -(-per_rank // block) * block
 
 
 def _padded_rows(x: torch.Tensor, world_size: int, row_numel: int, block: int) -> torch.Tensor:
@@ -76,7 +82,7 @@ def ref_allreduce_8bit(inputs: list[torch.Tensor], fmt: QuantFormat | str, *,
     _check(inputs)
     fmt = parse_format(fmt)
     world_size, x0 = len(inputs), inputs[0]
-    row_numel = -(-x0.numel() // world_size)
+    row_numel = allreduce_row_numel(x0.numel(), world_size, fmt.block)
     if row_numel == 0:
         return [x.clone() for x in inputs]
     shards = _reduced_shards_f32(inputs, row_numel, fmt, average)
@@ -109,7 +115,10 @@ def error_bound_8bit(inputs: list[torch.Tensor], fmt: QuantFormat | str, *, all_
     if fmt.kind != "int" or fmt.rounding != "nearest":
         raise ValueError(f"error_bound_8bit models integer round-to-nearest formats only, got {fmt.name!r}")
     world_size, x0 = len(inputs), inputs[0]
-    row_numel = -(-x0.numel() // world_size) if all_gather else x0.numel() // world_size
+    if all_gather:
+        row_numel = allreduce_row_numel(x0.numel(), world_size, fmt.block)
+    else:
+        row_numel = x0.numel() // world_size
     blocks = [_padded_rows(x.double(), world_size, row_numel, fmt.block).view(-1, fmt.block) for x in inputs]
     absmax_sum = sum(b.abs().amax(dim=1) for b in blocks)
     e1 = absmax_sum / (2 * fmt.qmax)

@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agoq.comm.reduce import allreduce_8bit, reduce_scatter_8bit
+from agoq.comm.reduce import allreduce_8bit, allreduce_blocks_, reduce_blocks_to_owners, reduce_scatter_8bit
+from agoq.formats import parse_format
 from agoq.ref.collectives import error_bound_8bit, ref_allreduce_8bit, ref_reduce_scatter_8bit
 from agoq.testing.dist import spawn_ranks
 
@@ -152,3 +153,53 @@ def test_bound_is_tight_enough_to_fail():
     # and the reference collective itself sits well inside it on Gaussian data
     err = (ref_allreduce_8bit(inputs, "int8_b256")[0].double() - exact).abs()
     assert float((err / bound).max()) < 1.0
+
+
+# -- chunked pipeline and 8-bit storage -----------------------------------------------------------------
+CHUNK_BYTES = 3 * 256 * 2  # 3 blocks per rank and chunk at W=2 (int8_b256): several chunks, a ragged last one
+
+
+def _chunked_rank_fn(rank: int, world_size: int, inputs: list, stores: list, ranges: list) -> dict:
+    fmt = "int8_b256"
+    x = inputs[rank]
+    whole, chunked = x.clone(), x.clone()
+    allreduce_8bit(whole, fmt=fmt)
+    allreduce_8bit(chunked, dist.ReduceOp.SUM, None, True, fmt=fmt, chunk_bytes=CHUNK_BYTES).wait()
+    shard = torch.empty(x.numel() // world_size)
+    reduce_scatter_8bit(shard, x, fmt=fmt, chunk_bytes=CHUNK_BYTES)
+    codes, scales = stores[rank][0].clone(), stores[rank][1].clone()
+    allreduce_blocks_(codes, scales, fmt, average=True, post_scale=0.5, chunk_bytes=CHUNK_BYTES)
+    got = {}
+    reduce_blocks_to_owners(stores[rank][0], stores[rank][1], fmt, ranges,
+                            lambda b, v: got.__setitem__(b, v.clone()), chunk_bytes=CHUNK_BYTES)
+    return dict(whole=whole, chunked=chunked, shard=shard, codes=codes, scales=scales, owned=got)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_chunked_pipeline_and_8bit_storage_reductions(world_size):
+    from agoq.ref.quant import QuantizedTensor, ref_dequantize, ref_quantize
+
+    fmt, blocks = parse_format("int8_b256"), 7 * world_size  # storage: a multiple of W blocks
+    inputs = [_gauss(300 + r, 256 * 11 * world_size + 5 * world_size) for r in range(world_size)]
+    quantized = [ref_quantize(_gauss(400 + r, blocks * 256), fmt) for r in range(world_size)]
+    quantized[0].scales[3] = float("nan")  # a non-finite block stays non-finite
+    stores = [(q.codes, q.scales) for q in quantized]
+    ranges = [(max(0, r * blocks // world_size - 1), (r + 1) * blocks // world_size) for r in range(world_size)]
+    per_rank = spawn_ranks(world_size, _chunked_rank_fn, args=(inputs, stores, ranges))
+    ref_ar = ref_allreduce_8bit(inputs, fmt)[0]
+    ref_rs = ref_reduce_scatter_8bit(inputs, fmt)
+    values = [ref_dequantize(QuantizedTensor(c, s, fmt, torch.Size((blocks * 256,)), torch.float32)) for c, s in stores]
+    total = values[0].clone()
+    for v in values[1:]:
+        total += v
+    expect = ref_quantize(total / world_size * 0.5, fmt)
+    for r, res in enumerate(per_rank):
+        assert torch.equal(res["whole"], ref_ar) and torch.equal(res["chunked"], ref_ar)  # chunking is exact
+        assert torch.equal(res["shard"], ref_rs[r])
+        assert torch.equal(res["codes"], expect.codes)
+        assert torch.equal(res["scales"].view(torch.uint8), expect.scales.view(torch.uint8))  # NaN bits too
+        lo, hi = ranges[r]
+        owned = torch.cat([res["owned"][b] for b in sorted(res["owned"])])
+        assert sorted(res["owned"])[0] == lo and owned.numel() == (hi - lo) * 256
+        assert torch.equal(owned.isnan(), total[lo * 256: hi * 256].isnan())
+        assert torch.equal(owned.nan_to_num(), total[lo * 256: hi * 256].nan_to_num())

@@ -99,3 +99,20 @@ def test_rejects_bad_arguments():
         QuantizedGradBuffer([4], "cuint8_b32")
     with pytest.raises(ValueError, match="holds 4 elements"):
         QuantizedGradBuffer([4], FMT).accumulate(0, torch.ones(5))
+
+
+@pytest.mark.parametrize("feedback", [False, True])
+def test_reference_accumulate_is_the_buffers_composition(feedback):
+    """agoq.ref.comm.ref_accumulate_ (the spec of the fused CUDA kernel) == QuantizedGradBuffer.accumulate's
+    dequantize-add-requantize on CPU, codes, scales and residual, over a ragged segment."""
+    from agoq.ref.comm import ref_accumulate_
+
+    buf = QuantizedGradBuffer([700], FMT, error_feedback=feedback)
+    codes, scales = buf.codes_u8.clone(), buf.scales.clone()
+    residual = buf.residual.clone() if feedback else None
+    for g in _grads(5, 700, 3):
+        buf.accumulate(0, g)
+        ref_accumulate_(codes, scales, g, parse_format(FMT), residual)
+    assert torch.equal(buf.codes_u8, codes) and torch.equal(buf.scales, scales)
+    if feedback:
+        assert torch.equal(buf.residual, residual)

@@ -1,0 +1,230 @@
+"""Fused Triton kernels of the 8-bit gradient reduction (one-byte formats: int8 round-to-nearest, fp8),
+with the signatures and results of agoq.ref.comm (read its docstring for the row geometry).
+
+* quantize_rows: float rows (fp32 / bf16 / fp16, strided in the flat input) -> codes + scales written
+  straight into the (packed) send buffer. Reads 4 (or 2) bytes, writes ~1.02 bytes per element.
+* reduce_rows: the W received rows -> dequantize, sum in fp32 in rank order, average / scale, then
+  requantize into the own-row buffer (all-reduce) or cast into the output (reduce-scatter). Reads
+  W x 1.02 bytes, writes 1.02 (or 4) bytes per output element; the W rows never exist in fp32.
+* dequantize_rows: gathered rows -> the destination tensor's elements, in place.
+* accumulate_: the gradient store's per-micro-batch dequantize + add + requantize of one parameter
+  (and error-feedback residual) in one pass: reads codes, scales and the gradient, writes codes and
+  scales (~4 bytes per element for a bf16 gradient), no fp32 temporary.
+
+Each program handles ROWS blocks of one row (grid axis 1 = row). Arithmetic mirrors agoq.ref step for
+step (quantize_tile_bytes of agoq.kernels.quant) and kernels are compiled with enable_fp_fusion=False,
+so the codes and sums are bit-identical to the reference (tests/kernels/test_comm_kernels.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from agoq.formats import QuantFormat
+from agoq.kernels import _launch
+from agoq.kernels.quant import _pow2_value, decode_tile_bytes, load_scale_f32, quantize_tile_bytes
+
+__all__ = ["quantize_rows", "reduce_rows", "dequantize_rows", "accumulate_"]
+
+# Elements per program and warps: the shape measured best for the one-byte quantize kernel
+# (_launch.QUANT_CONFIGS["int", 8], H100, docs/benchmarks/quant.md); not re-tuned for these kernels.
+ELEMS_PER_PROGRAM = 4096
+NUM_WARPS = 4
+
+
+@triton.jit
+def _row_offsets(col0, row_stride, row_numel, numel, nb, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """(flat element offsets [ROWS, BLOCK] int64, valid mask, block index [ROWS], block mask) of this
+    program's blocks in its row."""
+    p = tl.program_id(1).to(tl.int64)
+    blk = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    col = col0 + blk[:, None].to(tl.int64) * BLOCK + tl.arange(0, BLOCK)[None, :]
+    offs = p * row_stride + col
+    blk_ok = blk < nb
+    valid = blk_ok[:, None] & (col < row_numel) & (offs < numel)
+    return offs, valid, blk, blk_ok
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    src_ptr, codes_ptr, scales_ptr,
+    codes_row_stride, scales_row_stride,  # elements between rows of the codes / scales views
+    row_stride, row_numel, numel, col0, nb,
+    KIND: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SCALE: tl.constexpr, QMAX: tl.constexpr,
+    FP8_DTYPE: tl.constexpr,
+):  # fmt: skip
+    offs, valid, blk, blk_ok = _row_offsets(col0, row_stride, row_numel, numel, nb, ROWS, BLOCK)
+    x = tl.load(src_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    code, stored = quantize_tile_bytes(x, KIND, SCALE, QMAX, FP8_DTYPE)
+    p = tl.program_id(1).to(tl.int64)
+    local = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    tl.store(codes_ptr + p * codes_row_stride + local, code, mask=blk_ok[:, None])
+    scales_ptr += p * scales_row_stride
+    tl.store(scales_ptr + blk, stored.to(scales_ptr.dtype.element_ty), mask=blk_ok)
+
+
+@triton.jit
+def _row_values(codes_ptr, scales_ptr, local, blk, blk_ok, KIND: tl.constexpr, SCALE: tl.constexpr,
+                FP8_DTYPE: tl.constexpr):  # fmt: skip
+    code = tl.load(codes_ptr + local, mask=blk_ok[:, None], other=0)
+    s = load_scale_f32(scales_ptr + blk, blk_ok, SCALE)
+    return decode_tile_bytes(code, KIND, FP8_DTYPE) * s[:, None]
+
+
+@triton.jit
+def _reduce_rows_kernel(
+    codes_ptr, scales_ptr, codes_row_stride, scales_row_stride, world, nb,
+    world_f32, post_scale,  # fp32: W (AVERAGE divides by it) and the factor applied after
+    out_ptr, out_numel,  # REQUANT False: float output, first out_numel elements written
+    codes_out_ptr, scales_out_ptr,  # REQUANT True
+    KIND: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SCALE: tl.constexpr, QMAX: tl.constexpr,
+    FP8_DTYPE: tl.constexpr, AVERAGE: tl.constexpr, SCALED: tl.constexpr, REQUANT: tl.constexpr,
+):  # fmt: skip
+    blk = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    blk_ok = blk < nb
+    local = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    # row 0 first, then += rows 1..W-1: the reference's order (also keeps a lone -0.0 a -0.0)
+    acc = _row_values(codes_ptr, scales_ptr, local, blk, blk_ok, KIND, SCALE, FP8_DTYPE)
+    codes_stride64 = codes_row_stride.to(tl.int64)
+    scales_stride64 = scales_row_stride.to(tl.int64)
+    for p in range(1, world):
+        acc = acc + _row_values(codes_ptr + p * codes_stride64, scales_ptr + p * scales_stride64, local, blk,
+                                blk_ok, KIND, SCALE, FP8_DTYPE)  # fmt: skip
+    if AVERAGE:
+        acc = tl.math.div_rn(acc, tl.full(acc.shape, 1.0, tl.float32) * world_f32)
+    if SCALED:
+        acc = acc * post_scale
+    if REQUANT:
+        code, stored = quantize_tile_bytes(acc, KIND, SCALE, QMAX, FP8_DTYPE)
+        tl.store(codes_out_ptr + local, code, mask=blk_ok[:, None])
+        tl.store(scales_out_ptr + blk, stored.to(scales_out_ptr.dtype.element_ty), mask=blk_ok)
+    else:
+        tl.store(out_ptr + local, acc.to(out_ptr.dtype.element_ty), mask=blk_ok[:, None] & (local < out_numel))
+
+
+@triton.jit
+def _dequantize_rows_kernel(
+    codes_ptr, scales_ptr, codes_row_stride, scales_row_stride, dst_ptr,
+    row_stride, row_numel, numel, col0, nb,
+    KIND: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SCALE: tl.constexpr, FP8_DTYPE: tl.constexpr,
+):  # fmt: skip
+    offs, valid, blk, blk_ok = _row_offsets(col0, row_stride, row_numel, numel, nb, ROWS, BLOCK)
+    p = tl.program_id(1).to(tl.int64)
+    local = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    y = _row_values(codes_ptr + p * codes_row_stride, scales_ptr + p * scales_row_stride, local, blk, blk_ok,
+                    KIND, SCALE, FP8_DTYPE)  # fmt: skip
+    tl.store(dst_ptr + offs, y.to(dst_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _accumulate_kernel(
+    codes_ptr, scales_ptr, grad_ptr, residual_ptr, n, nb,
+    KIND: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SCALE: tl.constexpr, QMAX: tl.constexpr,
+    FP8_DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    blk = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    blk_ok = blk < nb
+    local = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    v = _row_values(codes_ptr, scales_ptr, local, blk, blk_ok, KIND, SCALE, FP8_DTYPE)
+    if HAS_RESIDUAL:
+        v = v + tl.load(residual_ptr + local, mask=blk_ok[:, None], other=0.0).to(tl.float32)
+    in_grad = local < n
+    g = tl.load(grad_ptr + local, mask=in_grad, other=0.0).to(tl.float32)
+    v = tl.where(in_grad, v + g, v)  # the padding is not touched (the reference adds to [:n] only)
+    code, stored = quantize_tile_bytes(v, KIND, SCALE, QMAX, FP8_DTYPE)
+    tl.store(codes_ptr + local, code, mask=blk_ok[:, None])
+    tl.store(scales_ptr + blk, stored.to(scales_ptr.dtype.element_ty), mask=blk_ok)
+    if HAS_RESIDUAL:
+        if SCALE == 2:
+            s_new = _pow2_value(stored.to(tl.int32))
+        else:
+            s_new = stored  # fp32 value of the stored scale (NaN for a non-finite block)
+        r = v - decode_tile_bytes(code, KIND, FP8_DTYPE) * s_new[:, None]
+        tl.store(residual_ptr + local, r.to(residual_ptr.dtype.element_ty), mask=blk_ok[:, None])
+
+
+def _check(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> tuple[int, int, dict]:
+    if not _launch.uses_bytes_kernel(fmt):
+        raise ValueError(f"agoq.kernels.comm handles one-byte formats (int8 round-to-nearest, fp8), not {fmt.name}; "
+                         "use agoq.ref.comm")
+    if codes.dim() != 2 or scales.dim() != 2 or codes.stride(1) != 1 or scales.stride(1) != 1:
+        raise ValueError("codes [W, bytes] and scales [W, nb] must be 2-D views with contiguous rows")
+    world, nb = scales.shape
+    if codes.shape != (world, nb * fmt.block):
+        raise ValueError(f"codes view {tuple(codes.shape)} does not hold {nb} blocks of {fmt.name} per row")
+    return world, nb, _constexprs(fmt)
+
+
+@functools.lru_cache(maxsize=32)
+def _constexprs(fmt: QuantFormat) -> dict:
+    """Compile-time constants of a format (cached: the launch path runs per chunk on the host)."""
+    ce = _launch.constexprs(fmt)
+    return dict(KIND=ce["KIND"], BLOCK=fmt.block, SCALE=ce["SCALE"], FP8_DTYPE=ce["FP8_DTYPE"],
+                ROWS=_launch.rows_for(fmt, ELEMS_PER_PROGRAM))
+
+
+def quantize_rows(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, *,
+                  row_stride: int, row_numel: int, col0: int) -> None:
+    """Triton twin of agoq.ref.comm.ref_quantize_rows."""
+    world, nb, ce = _check(codes, scales, fmt)
+    if nb == 0:
+        return
+    flat = src.reshape(-1)
+    grid = (triton.cdiv(nb, ce["ROWS"]), world)
+    _quantize_rows_kernel[grid](
+        flat, codes, scales, codes.stride(0), scales.stride(0), row_stride, row_numel, flat.numel(), col0, nb,
+        QMAX=float(fmt.qmax), num_warps=NUM_WARPS, enable_fp_fusion=False, **ce,
+    )  # fmt: skip
+
+
+def reduce_rows(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, *, average: bool, post_scale: float,
+                out: torch.Tensor | None = None, out_numel: int = 0, codes_out: torch.Tensor | None = None,
+                scales_out: torch.Tensor | None = None) -> None:
+    """Triton twin of agoq.ref.comm.ref_reduce_rows."""
+    world, nb, ce = _check(codes, scales, fmt)
+    if (out is None) == (codes_out is None):
+        raise ValueError("reduce_rows writes either out (float) or codes_out/scales_out (requantized)")
+    if nb == 0:
+        return
+    requant = out is None
+    dummy = codes  # unused pointer arguments of the other output kind
+    _reduce_rows_kernel[(triton.cdiv(nb, ce["ROWS"]),)](
+        codes, scales, codes.stride(0), scales.stride(0), world, nb, float(world), float(post_scale),
+        dummy if requant else out.reshape(-1), out_numel, codes_out.reshape(-1) if requant else dummy,
+        scales_out.reshape(-1) if requant else scales, QMAX=float(fmt.qmax), AVERAGE=average,
+        SCALED=post_scale != 1.0, REQUANT=requant, num_warps=NUM_WARPS, enable_fp_fusion=False, **ce,
+    )  # fmt: skip
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor, fmt: QuantFormat, *,
+                    row_stride: int, row_numel: int, col0: int) -> None:
+    """Triton twin of agoq.ref.comm.ref_dequantize_rows."""
+    world, nb, ce = _check(codes, scales, fmt)
+    if nb == 0:
+        return
+    flat = dst.view(-1)
+    _dequantize_rows_kernel[(triton.cdiv(nb, ce["ROWS"]), world)](
+        codes, scales, codes.stride(0), scales.stride(0), flat, row_stride, row_numel, flat.numel(), col0, nb,
+        num_warps=NUM_WARPS, enable_fp_fusion=False, **ce,
+    )  # fmt: skip
+
+
+def accumulate_(codes: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, fmt: QuantFormat,
+                residual: torch.Tensor | None = None) -> None:
+    """Triton twin of agoq.ref.comm.ref_accumulate_ (one-byte formats)."""
+    nb = scales.numel()
+    _, _, ce = _check(codes.view(1, -1), scales.view(1, -1), fmt)
+    n = grad.numel()
+    if nb == 0 or n == 0:
+        return
+    if n > nb * fmt.block:
+        raise ValueError(f"gradient of {n} elements does not fit {nb} blocks of {fmt.name}")
+    flat = grad.reshape(-1)
+    _accumulate_kernel[(triton.cdiv(nb, ce["ROWS"]),)](
+        codes, scales, flat, codes if residual is None else residual, n, nb, QMAX=float(fmt.qmax),
+        HAS_RESIDUAL=residual is not None, num_warps=NUM_WARPS, enable_fp_fusion=False, **ce,
+    )  # fmt: skip

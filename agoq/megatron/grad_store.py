@@ -1,0 +1,178 @@
+"""8-bit main_grad of one Megatron DDP bucket (``--agoq-grads`` store mode): accumulation, reduction
+and the ways the reduced gradient reaches an optimizer, without a full float gradient buffer.
+
+Layout: one QuantizedGradBuffer per bucket, one segment (own block grid) per parameter, segments in
+the order of the parameters' offsets in Megatron's bucket (``bucket.param_to_index``), block count
+padded to a multiple of the data-parallel size W.
+
+Reduction (agoq.comm.reduce), started per bucket when Megatron would start its collective:
+  * all-reduce (no distributed optimizer): :func:`allreduce_blocks_` sends the stored codes,
+    sums in fp32 and all-gathers the requantized sum back into the same storage. The reduced
+    gradient stays 8-bit; temporaries are two chunk slots.
+  * distributed optimizer: rank r needs the elements of Megatron's shard r (``shard_buffer``
+    of the bucket's flat layout). :func:`reduce_blocks_to_owners` delivers the fp32 sum of the blocks
+    that intersect shard r into a *window*: an fp32 tensor over the bucket-flat range of the
+    parameters that intersect shard r (the shard plus at most two partial parameters); those
+    parameters' ``main_grad`` is re-pointed into the window, which is what Megatron's
+    DistributedOptimizer reads (``main_grad.view(-1)[param_range]``). 4/W bytes per parameter.
+
+Readers after the all-reduce: ``materialize()`` dequantizes into Megatron's float grad buffer (for
+optimizers that need every ``.grad`` at once, e.g. torch Adam: 4 bytes/param again, but only from the
+end of the reduction to the next zero_grad_buffer), or ``grad(param)`` dequantizes one parameter on
+demand (agoq's optimizers, agoq/megatron/grad_reader.py). Parameters that Megatron's
+finalize_model_grads all-reduces through ``main_grad`` after the DP reduction (sequence-parallel or
+TP-averaged norms, q/k layernorms, shared embeddings) always get a real fp32 ``main_grad``.
+
+``release()`` (from zero_grad_buffer) restores the original ``main_grad`` views and drops every
+float tensor, so nothing float exists during forward/backward.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from agoq.comm.grad_buffer import QuantizedGradBuffer
+from agoq.comm.reduce import allreduce_blocks_, reduce_blocks_to_owners
+
+__all__ = ["BucketStore", "finalize_touched"]
+
+
+def finalize_touched(param: torch.nn.Parameter, name: str = "") -> bool:
+    """True for parameters whose main_grad megatron.core's finalize_model_grads reduces again after the
+    data-parallel reduction (sequence-parallel / TP-averaged, q/k layernorm, shared embedding)."""
+    return bool(getattr(param, "sequence_parallel", False) or getattr(param, "average_gradients_across_tp_domain",
+                                                                       False)
+                or getattr(param, "shared_embedding", False) or getattr(param, "shared", False)
+                or "q_layernorm" in name or "k_layernorm" in name)
+
+
+class BucketStore:
+    """8-bit main_grad of one bucket (see module docstring)."""
+
+    def __init__(self, bucket, fmt, device, *, error_feedback: bool, world: int, rank: int,
+                 touched: set, chunk_bytes: int | None = None):
+        self.bucket = bucket
+        self.params = sorted(bucket.params_list, key=lambda p: bucket.param_to_index[p][0])
+        self.spans = [bucket.param_to_index[p] for p in self.params]  # bucket-flat (start, end)
+        self.segment = {p: i for i, p in enumerate(self.params)}
+        self.qbuf = QuantizedGradBuffer([p.numel() for p in self.params], fmt, device,
+                                        error_feedback=error_feedback, block_multiple=world)
+        self.world, self.rank, self.chunk_bytes = world, rank, chunk_bytes
+        self.touched = [p for p in self.params if p in touched]
+        self.original_main_grad = {p: p.main_grad for p in self.params}
+        self.float_main_grad: dict = {}  # param -> fp32 tensor installed as main_grad until release()
+        self.own_float: list = []  # fp32 tensors installed as main_grad that are not window views
+        self.window: torch.Tensor | None = None
+        self.materialized = False  # the reduced gradient was copied into Megatron's float buffer
+
+    # -- accumulation (backward post-hook) -----------------------------------------------------
+    def accumulate(self, param, grad: torch.Tensor) -> None:
+        self.qbuf.accumulate(self.segment[param], grad)
+
+    # -- reduction --------------------------------------------------------------------------------
+    def start_allreduce(self, group, *, average: bool, post_scale: float, async_op: bool):
+        self.qbuf.fold_residual_()
+        return allreduce_blocks_(self.qbuf.codes_u8, self.qbuf.scales, self.qbuf.fmt, group, average=average,
+                                 post_scale=post_scale, async_op=async_op, chunk_bytes=self.chunk_bytes)
+
+    def start_reduce_scatter(self, group, *, average: bool, post_scale: float, async_op: bool):
+        """Reduce into this rank's window (Megatron's shard of the bucket) and re-point main_grad."""
+        self.qbuf.fold_residual_()
+        shard = self.bucket.grad_data.numel() // self.world
+        ranges = [self._blocks_of(r * shard, (r + 1) * shard) for r in range(self.world)]
+        w0, w1 = self._window_span(self.rank * shard, (self.rank + 1) * shard)
+        self.window = torch.zeros(w1 - w0, dtype=torch.float32, device=self.qbuf.device)
+        for i, p in enumerate(self.params):
+            start, end = self.spans[i]
+            if start < w1 and end > w0:
+                self._install(p, self.window[start - w0: end - w0].view(p.shape))
+        for p in self.touched:  # finalize_model_grads reads them even outside the shard
+            if p not in self.float_main_grad:
+                self._install(p, torch.zeros(p.shape, dtype=torch.float32, device=self.qbuf.device))
+                self.own_float.append(p.main_grad)
+        return reduce_blocks_to_owners(self.qbuf.codes_u8, self.qbuf.scales, self.qbuf.fmt, ranges,
+                                       lambda b, v: self._consume(b, v, w0), group, average=average,
+                                       post_scale=post_scale, async_op=async_op, chunk_bytes=self.chunk_bytes)
+
+    def _blocks_of(self, lo: int, hi: int) -> tuple[int, int]:
+        """Store blocks [first, last) holding the bucket-flat elements [lo, hi)."""
+        block, offs = self.qbuf.fmt.block, self.qbuf.block_offsets
+        first = last = None
+        for i, (start, end) in enumerate(self.spans):
+            a, b = max(start, lo), min(end, hi)
+            if a >= b:
+                continue
+            j0, j1 = offs[i] + (a - start) // block, offs[i] + -(-(b - start) // block)
+            first = j0 if first is None else min(first, j0)
+            last = j1 if last is None else max(last, j1)
+        return (0, 0) if first is None else (first, last)
+
+    def _window_span(self, lo: int, hi: int) -> tuple[int, int]:
+        hit = [(s, e) for s, e in self.spans if s < hi and e > lo]
+        return (lo, lo) if not hit else (min(s for s, _ in hit), max(e for _, e in hit))
+
+    def _consume(self, first_block: int, values_f32: torch.Tensor, w0: int) -> None:
+        """Scatter reduced whole blocks [first_block, first_block + n) into the window."""
+        block, offs = self.qbuf.fmt.block, self.qbuf.block_offsets
+        n = values_f32.numel() // block
+        i = max(0, bisect.bisect_right(offs, first_block) - 1)
+        while i < len(self.params) and offs[i] < first_block + n:
+            b0, b1 = max(offs[i], first_block), min(offs[i + 1], first_block + n)
+            if b0 < b1:
+                e0, e1 = (b0 - offs[i]) * block, min(self.params[i].numel(), (b1 - offs[i]) * block)
+                dst0 = self.spans[i][0] - w0 + e0
+                src0 = (b0 - first_block) * block
+                self.window[dst0: dst0 + e1 - e0].copy_(values_f32[src0: src0 + e1 - e0])
+            i += 1
+
+    # -- readers -------------------------------------------------------------------------------
+    def grad(self, param) -> torch.Tensor:
+        """fp32 reduced gradient of ``param`` (param's shape; a fresh tensor unless installed)."""
+        if param in self.float_main_grad:
+            return self.float_main_grad[param]
+        return self.qbuf.dequantize(self.segment[param]).view(param.shape)
+
+    def materialize(self) -> None:
+        """Dequantize the reduced gradient into Megatron's float grad buffer (main_grad views)."""
+        flat = self.bucket.grad_data.view(-1)
+        for i, (start, end) in enumerate(self.spans):
+            flat[start:end].copy_(self.qbuf.dequantize(i))
+        self.materialized = True
+
+    def install_touched(self) -> None:
+        """All-reduce readers that do not materialize: real fp32 main_grad for finalize_touched params."""
+        for p in self.touched:
+            self._install(p, self.qbuf.dequantize(self.segment[p]).view(p.shape))
+            self.own_float.append(p.main_grad)
+
+    def scale_(self, factor) -> None:
+        """Multiply the gradient wherever it lives now (not the materialised float buffer: the DDP
+        scales that one as Megatron does)."""
+        if self.materialized:
+            return
+        if self.window is not None:
+            self.window.mul_(factor)
+        else:
+            self.qbuf.scale_(factor)
+        for tensor in self.own_float:
+            tensor.mul_(factor)
+
+    def _install(self, param, tensor: torch.Tensor) -> None:
+        self.float_main_grad[param] = tensor
+        param.main_grad = tensor
+
+    def nonfinite(self) -> bool:
+        bad = self.qbuf.has_nonfinite()
+        if self.window is not None:
+            bad = bad or not bool(torch.isfinite(self.window).all())
+        return bad or any(not bool(torch.isfinite(t).all()) for t in self.float_main_grad.values())
+
+    def release(self) -> None:
+        for p in self.float_main_grad:
+            p.main_grad = self.original_main_grad[p]
+        self.float_main_grad, self.own_float = {}, []
+        self.window = None
+        self.materialized = False
+        self.qbuf.zero_()

@@ -1,0 +1,199 @@
+"""agoq.kernels.comm vs agoq.ref.comm: identical codes, scales and values for the three per-chunk ops of the
+8-bit reduction (quantize_rows, reduce_rows, dequantize_rows), over formats, input dtypes, row
+geometries (ragged rows, padding past the tensor, chunk offsets, packed [codes | scales] views) and
+adversarial blocks (all zero, NaN, Inf, 1e4x outlier).
+
+CPU: ``TRITON_INTERPRET=1 python -m pytest tests/kernels/test_comm_kernels.py``; GPU: without it.
+Interpreter limits (docs in tests/kernels/test_quant_kernels.py): fp8 quantization is GPU-only; a bf16
+output may differ by one bf16 ulp (the interpreter truncates fp32 -> bf16).
+"""
+
+import os
+
+import pytest
+import torch
+
+from agoq.formats import parse_format
+from agoq.ref.comm import ref_dequantize_rows, ref_quantize_rows, ref_reduce_rows
+from agoq.ref.quant import QuantizedTensor, ref_dequantize, ref_quantize
+
+pytestmark = [pytest.mark.kernels, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+FP8_QUANT_GPU = pytest.mark.gpu(reason="interpreter fp8 cast does not round ties to even (Triton 3.8)")
+
+INT_FORMATS = ["int8_b256", "int8_b128_s16", "int8_b64_sp2", "int8_b32"]
+FP8_FORMATS = ["fp8e4m3_b128", "fp8e5m2_b64_s16"]
+# (world, row_stride, row_numel, numel, col0, nb): aligned, ragged row, padding past the tensor, chunk offset
+GEOMETRIES = [(2, 1024, 1024, 2048, 0, 4), (3, 1000, 1000, 2999, 0, 4), (2, 700, 700, 1400, 256, 2),
+              (1, 300, 300, 300, 0, 2), (4, 513, 513, 2000, 0, 3)]  # fmt: skip
+
+
+def _ops():
+    from agoq.kernels.comm import dequantize_rows, quantize_rows, reduce_rows  # TRITON_INTERPRET read at import
+
+    return quantize_rows, reduce_rows, dequantize_rows
+
+
+def _sdt(fmt):
+    return {"fp32": torch.float32, "fp16": torch.float16, "pow2": torch.uint8}[fmt.scale]
+
+
+def _packed(world, nb, fmt, fill=0):
+    """[codes | scales] packed rows (as agoq.comm.reduce sends them) and their 2-D views."""
+    cb = nb * fmt.block
+    buf = torch.full((world, cb + nb * fmt.scale_bytes), fill, dtype=torch.uint8, device=DEVICE)
+    return buf, buf[:, :cb], buf[:, cb:].view(_sdt(fmt))
+
+
+def _data(numel, seed, dtype=torch.float32, case="gauss"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=g)
+    if case == "adversarial" and numel > 600:
+        x[:256] = 0.0
+        x[300] = 1e4 * x[301]
+        x[555] = float("nan")
+        x[-5] = float("inf")
+    return x.to(dtype).to(DEVICE)
+
+
+def _same_values(a, b):
+    """Equal float tensors: same NaN positions (NaN payloads may differ between GPU and CPU), identical
+    bits elsewhere (bf16 in the interpreter: within one ulp, see the module docstring)."""
+    nan = torch.isnan(a)
+    if not torch.equal(nan, torch.isnan(b)):
+        return False
+    a, b = a[~nan], b[~nan]
+    if a.dtype == torch.bfloat16 and INTERPRET:
+        return bool(((a.view(torch.int16).int() - b.view(torch.int16).int()).abs() <= 1).all())
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _params(formats):
+    return [pytest.param(f, marks=FP8_QUANT_GPU) if f.startswith("fp8") else f for f in formats]
+
+
+@pytest.mark.parametrize("name", _params(INT_FORMATS + FP8_FORMATS))
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("dtype, case", [(torch.float32, "gauss"), (torch.bfloat16, "gauss"),
+                                         (torch.float32, "adversarial")])
+def test_quantize_rows_matches_reference(name, geometry, dtype, case):
+    fmt = parse_format(name)
+    world, row_stride, row_numel, numel, col0, nb = geometry
+    src = _data(numel, 1, dtype, case)
+    kw = dict(row_stride=row_stride, row_numel=row_numel, col0=col0)
+    ref_buf, rc, rs = _packed(world, nb, fmt, fill=7)
+    got_buf, gc, gs = _packed(world, nb, fmt, fill=7)
+    ref_quantize_rows(src, rc, rs, fmt, **kw)
+    _ops()[0](src, gc, gs, fmt, **kw)
+    assert torch.equal(ref_buf, got_buf)
+
+
+def _random_rows(world, nb, fmt, seed, case):
+    """Codes/scales rows holding a quantized random chunk per row (built with the reference)."""
+    buf, c, s = _packed(world, nb, fmt)
+    x = _data(world * nb * fmt.block, seed, torch.float32, case)
+    ref_quantize_rows(x, c, s, fmt, row_stride=nb * fmt.block, row_numel=nb * fmt.block, col0=0)
+    return buf, c, s
+
+
+@pytest.mark.parametrize("name", INT_FORMATS + FP8_FORMATS)
+@pytest.mark.parametrize("world, nb", [(1, 3), (2, 4), (3, 2), (4, 5)])
+@pytest.mark.parametrize("average, post_scale", [(False, 1.0), (True, 1.0), (False, 0.125), (True, 0.3)])
+@pytest.mark.parametrize("case", ["gauss", "adversarial"])
+def test_reduce_rows_to_float_matches_reference(name, world, nb, average, post_scale, case):
+    fmt = parse_format(name)
+    _, c, s = _random_rows(world, nb, fmt, 11 + world, case)
+    valid = nb * fmt.block - 17
+    for out_dtype in (torch.float32, torch.bfloat16):
+        ref = torch.full((nb * fmt.block,), 3.0, dtype=out_dtype, device=DEVICE)
+        got = ref.clone()
+        ref_reduce_rows(c, s, fmt, average=average, post_scale=post_scale, out=ref, out_numel=valid)
+        _ops()[1](c, s, fmt, average=average, post_scale=post_scale, out=got, out_numel=valid)
+        assert _same_values(got, ref), out_dtype
+        assert torch.equal(got[valid:], ref[valid:])  # past out_numel: untouched
+
+
+@pytest.mark.parametrize("name", _params(INT_FORMATS + FP8_FORMATS))
+@pytest.mark.parametrize("world, nb", [(1, 3), (2, 4), (3, 2), (4, 5)])
+@pytest.mark.parametrize("average, post_scale", [(False, 1.0), (True, 0.5)])
+@pytest.mark.parametrize("case", ["gauss", "adversarial"])
+def test_reduce_rows_requantized_matches_reference(name, world, nb, average, post_scale, case):
+    fmt = parse_format(name)
+    _, c, s = _random_rows(world, nb, fmt, 21 + world, case)
+    ref_buf, rcode, rscale = _packed(1, nb, fmt, fill=9)
+    got_buf, gcode, gscale = _packed(1, nb, fmt, fill=9)
+    ref_reduce_rows(c, s, fmt, average=average, post_scale=post_scale, codes_out=rcode, scales_out=rscale)
+    _ops()[1](c, s, fmt, average=average, post_scale=post_scale, codes_out=gcode, scales_out=gscale)
+    assert torch.equal(ref_buf, got_buf)
+
+
+@pytest.mark.parametrize("name", INT_FORMATS + FP8_FORMATS)
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_rows_matches_reference(name, geometry, dst_dtype):
+    fmt = parse_format(name)
+    world, row_stride, row_numel, numel, col0, nb = geometry
+    _, c, s = _random_rows(world, nb, fmt, 31, "adversarial")
+    ref = torch.full((numel,), -2.0, dtype=dst_dtype, device=DEVICE)
+    got = ref.clone()
+    kw = dict(row_stride=row_stride, row_numel=row_numel, col0=col0)
+    ref_dequantize_rows(c, s, ref, fmt, **kw)
+    _ops()[2](c, s, got, fmt, **kw)
+    assert _same_values(got, ref)
+    assert int((ref != -2.0).sum()) > 0  # something was written
+
+
+def test_reference_row_geometry_is_the_documented_one():
+    """ref_quantize_rows reads src[p*row_stride + col0 + j] (zeros past row_numel / numel): check against a
+    direct construction, so the reference itself is pinned to its docstring."""
+    fmt = parse_format("int8_b32")
+    world, row_stride, row_numel, numel, col0, nb = 3, 50, 45, 140, 32, 1
+    src = torch.arange(1, numel + 1, dtype=torch.float32)
+    _, c, s = _packed(world, nb, fmt)
+    ref_quantize_rows(src.to(DEVICE), c, s, fmt, row_stride=row_stride, row_numel=row_numel, col0=col0)
+    dst = torch.zeros(world, nb * fmt.block)
+    for p in range(world):
+        for j in range(nb * fmt.block):
+            col, idx = col0 + j, p * row_stride + col0 + j
+            dst[p, j] = src[idx] if col < row_numel and idx < numel else 0.0
+    for p in range(world):
+        q = QuantizedTensor(c[p].cpu().contiguous(), s[p].cpu().contiguous(), fmt, torch.Size((fmt.block,)),
+                            torch.float32)
+        assert torch.equal(ref_dequantize(q), ref_dequantize(ref_quantize(dst[p], fmt)))
+
+
+def test_rejects_multi_byte_plane_formats():
+    fmt = parse_format("int4_b64")
+    _, c, s = _packed(2, 1, parse_format("int8_b64"))
+    with pytest.raises(ValueError, match="one-byte formats"):
+        _ops()[0](torch.zeros(128, device=DEVICE), c, s, fmt, row_stride=64, row_numel=64, col0=0)
+
+
+@pytest.mark.parametrize("name", _params(INT_FORMATS + FP8_FORMATS))
+@pytest.mark.parametrize("n, nb", [(256 * 3, 3), (700, 3), (1, 1)])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("feedback", [False, True])
+@pytest.mark.parametrize("case", ["gauss", "adversarial"])
+def test_accumulate_matches_reference(name, n, nb, grad_dtype, feedback, case):
+    from agoq.kernels.comm import accumulate_
+    from agoq.ref.comm import ref_accumulate_
+
+    fmt = parse_format(name)
+    nb = max(nb, -(-n // fmt.block))
+    start = ref_quantize(_data(nb * fmt.block, 41), fmt)
+    ref_c, ref_s = start.codes.clone().to(DEVICE), start.scales.clone().to(DEVICE)
+    got_c, got_s = ref_c.clone(), ref_s.clone()
+    ref_r = (_data(nb * fmt.block, 42) * 1e-3).to(torch.bfloat16) if feedback else None
+    got_r = ref_r.clone() if feedback else None
+    for step in range(2):  # twice: the second call reads what the first wrote
+        if feedback and INTERPRET:  # the interpreter's bf16 residual may be 1 ulp off: restart from the ref's
+            got_r.copy_(ref_r)
+        g = _data(n, 43 + step, grad_dtype, case)
+        ref_accumulate_(ref_c, ref_s, g, fmt, ref_r)
+        accumulate_(got_c, got_s, g, fmt, got_r)
+        assert torch.equal(got_c, ref_c)
+        assert torch.equal(got_s.view(torch.uint8), ref_s.view(torch.uint8))
+        if feedback:
+            assert _same_values(got_r, ref_r)
