@@ -97,6 +97,7 @@ def memory_suite(smoke: bool) -> list[dict]:
         "agoq activations + 8-bit grads": grads,
         "agoq activations + lean optimizer": lean,
         "agoq full (activations + 8-bit grads + lean optimizer)": grads + lean,
+        "agoq activations + lean optimizer + bf16 grads": lean + ["--grad-reduce-in-bf16"],
     }
     variants = [{"name": f"{shape}/mbs{mbs}/{name}", "nproc": 1,
                  "args": common + ["--micro-batch-size", mbs, "--global-batch-size", str(4 * int(mbs))] + extra}
@@ -105,6 +106,7 @@ def memory_suite(smoke: bool) -> list[dict]:
         "baseline (Megatron)": ["--agoq-disable"],
         "baseline + full recompute": ["--agoq-disable"] + ([] if smoke else ["--recompute-granularity", "full"]),
         "agoq full": grads + lean,
+        "agoq activations + lean optimizer + bf16 grads": lean + ["--grad-reduce-in-bf16"],
         "agoq full + full recompute": grads + lean + ([] if smoke else ["--recompute-granularity", "full"]),
     }
     variants += [{"name": f"{shape}/mbs{big}/{name}", "nproc": 1,
@@ -127,6 +129,7 @@ def grads_suite(smoke: bool) -> list[dict]:
         "agoq activations + 8-bit grads (torch Adam)": grads,
         "agoq activations + lean optimizer": lean,
         "agoq full (activations + 8-bit grads + lean optimizer)": grads + lean,
+        "agoq activations + lean optimizer + bf16 grads": lean + ["--grad-reduce-in-bf16"],
     }
     return [{"name": f"{shape}/mbs{mbs}/{name}", "nproc": 1,
              "args": common + ["--micro-batch-size", mbs, "--global-batch-size", str(4 * int(mbs))] + extra}
@@ -218,6 +221,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="iterations left out of the medians")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per variant")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU version of the suite")
+    parser.add_argument("--only", nargs="+", metavar="TEXT",
+                        help="run only the variants whose name contains one of these strings")
     args = parser.parse_args(argv)
     report = {
         "suite": args.suite, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -225,7 +230,12 @@ def main(argv=None) -> int:
         "warmup_iterations_excluded": args.warmup, "variants": [], "summary": [],
     }
     with tempfile.TemporaryDirectory() as tmp:
-        for variant in SUITES[args.suite](args.smoke):
+        variants = SUITES[args.suite](args.smoke)
+        if args.only:
+            variants = [v for v in variants if any(t in v["name"] for t in args.only)]
+            if not variants:
+                raise SystemExit(f"--only {args.only}: no variant of suite {args.suite!r} matches")
+        for variant in variants:
             result = run_variant(variant, Path(tmp), args.timeout)
             report["variants"].append(result)
             report["summary"].append(summarise(result, args.warmup))
