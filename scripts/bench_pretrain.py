@@ -115,6 +115,26 @@ def memory_suite(smoke: bool) -> list[dict]:
     return variants
 
 
+def dp2_suite(smoke: bool) -> list[dict]:
+    """Issue 5/9: ~1B LLaMA, DP=2 (two GPUs), seq 2048, micro-batch 4, global batch 16: Megatron with its
+    distributed optimizer vs agoq's 8-bit gradient reduction and lean optimizer, with and without sharding."""
+    shape, common = "1b", SHAPES["1b"] + COMMON + ["--train-iters", "10"]
+    batch = ["--micro-batch-size", "4", "--global-batch-size", "16"]
+    if smoke:
+        shape, common = "tiny", SHAPES["tiny"] + COMMON[2:] + ["--seq-length", "64", "--train-iters", "4"]
+        batch = ["--micro-batch-size", "2", "--global-batch-size", "8"]
+    grads, lean, distopt = ["--agoq-grads", "int8_b256"], ["--agoq-optimizer", "adamw"], ["--use-distributed-optimizer"]
+    variants = {
+        "baseline (Megatron, distributed optimizer)": ["--agoq-disable"] + distopt,
+        "baseline (Megatron, no distributed optimizer)": ["--agoq-disable"],
+        "agoq full (8-bit grads + lean optimizer)": grads + lean,
+        "agoq lean optimizer + distributed optimizer": lean + distopt,
+        "agoq full + distributed optimizer": grads + lean + distopt,
+    }
+    return [{"name": f"{shape}/dp2/{name}", "nproc": 2, "args": common + batch + extra}
+            for name, extra in variants.items()]  # fmt: skip
+
+
 def grads_suite(smoke: bool) -> list[dict]:
     """Issue 5 (a): the memory suite's equal-batch shape (~1B, PP=1, one GPU, micro-batch 4, global batch 16,
     default activation policy), only the four variants that show what the 8-bit gradient store costs or saves:
@@ -156,7 +176,7 @@ def fp8_suite(smoke: bool) -> list[dict]:
 
 
 SUITES = {"attention": attention_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite,
-          "grads": grads_suite}
+          "grads": grads_suite, "dp2": dp2_suite}
 
 
 def run_variant(variant: dict, workdir: Path, timeout: float) -> dict:
