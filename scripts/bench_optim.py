@@ -188,8 +188,28 @@ def main() -> None:
     parser.add_argument("--configs", nargs="*", choices=sorted(CONFIGS), help="subset (default: all)")
     parser.add_argument("--launch-sweep", action="store_true",
                         help="time the fused kernels over launch shapes instead (GPU; --configs picks which)")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="GPU: print the N top functions (tottime) of 5 flash_split24 steps under cProfile")
     args = parser.parse_args()
     t0 = time.perf_counter()
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        params = _params(int(args.numel), 2048, 8192, torch.bfloat16, torch.device("cuda"))
+        cls, options = CONFIGS["flash_split24"]
+        opt = cls(params, fused=True, **HP, **options)
+        opt.step()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(5):
+            opt.step()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"--- cProfile: 5 flash_split24 steps over {len(params)} tensors")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
+        return
     if args.launch_sweep:
         res = launch_sweep(int(args.numel), 2048, 8192, args.iters, args.configs or ["flash_split24"])
         res["wall_s"] = time.perf_counter() - t0
