@@ -35,6 +35,18 @@ SCALE_NONE, SCALE_PER_ROW, SCALE_PER_COL = 0, 1, 2
 
 
 @triton.jit
+def _load_gate_up(h_ptr, F, BLOCK: tl.constexpr):
+    """This program's row, column block, mask and fp32 [gate | up] halves of fc1_out [T, 2F]."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < F
+    h_row = h_ptr + row * 2 * F
+    gate = tl.load(h_row + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(h_row + F + cols, mask=ok, other=0.0).to(tl.float32)
+    return row, cols, ok, gate, up
+
+
+@triton.jit
 def _swiglu_bwd_kernel(
     h_ptr,  # fc1_out [T, 2F], row-major: gate = h[:, :F], up = h[:, F:]
     gz_ptr,  # grad_z [T, F], row-major
@@ -44,12 +56,7 @@ def _swiglu_bwd_kernel(
     SCALE_MODE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < F
-    h_row = h_ptr + row * 2 * F
-    gate = tl.load(h_row + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(h_row + F + cols, mask=ok, other=0.0).to(tl.float32)
+    row, cols, ok, gate, up = _load_gate_up(h_ptr, F, BLOCK)
     g = tl.load(gz_ptr + row * F + cols, mask=ok, other=0.0).to(tl.float32)
     if SCALE_MODE == 1:
         g = g / tl.load(s_ptr + row)
@@ -72,12 +79,7 @@ def _swiglu_fwd_kernel(
     SCALE_MODE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < F
-    h_row = h_ptr + row * 2 * F
-    gate = tl.load(h_row + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(h_row + F + cols, mask=ok, other=0.0).to(tl.float32)
+    row, cols, ok, gate, up = _load_gate_up(h_ptr, F, BLOCK)
     z = gate / (1.0 + tl.exp(-gate)) * up
     if SCALE_MODE == 1:
         z = z / tl.load(s_ptr + row)
