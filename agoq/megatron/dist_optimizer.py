@@ -28,8 +28,8 @@ Checkpoint layout (DP-independent): per parameter and state piece (``<name>.mast
   parameter's flat state (TP ranks concatenated, as the non-distributed glue saves it) of which this
   rank writes its slice at its global offset (an irregular grid, allowed by megatron-core 0.19.2;
   torch DCP reads any other slicing back). Group-aligned shards make the slice of codes / scales
-  exactly the bytes / scales of the rank's groups. Formats are saved for every parameter and checked
-  on load.
+  exactly the bytes / scales of the rank's groups. Formats are saved for every parameter (one
+  ShardedObject each) and checked on load.
 Verified on: megatron-core 0.19.2, CPU gloo (tests/megatron/test_dist_optimizer.py: DP=2 train,
   save -> load -> bit-identical next steps, DP 2 -> 1 load).
 Limits (raise): one distributed-optimizer instance, no expert-parallel buffers, no Megatron-FSDP.
@@ -41,7 +41,7 @@ import math
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.param_layout import (
@@ -229,18 +229,27 @@ class AgoqDistributedOptimizer(DistributedOptimizer):
         if len(steps) > 1:
             raise RuntimeError(f"agoq optimizer states disagree on the step count: {sorted(steps)}")
         pieces = {key: self._sharded(key, flat, lo, size, mp) for key, flat, lo, size, mp in self._pieces()}
-        return {"agoq_pieces": pieces, "agoq_formats": self.model_formats(),
+        # one object per parameter (the common state is rank 0's alone, which lacks other stages' params)
+        replica = (0, parallel_state.get_tensor_model_parallel_rank(),
+                   parallel_state.get_data_parallel_rank(with_context_parallel=True))  # fmt: skip
+        formats = {name: ShardedObject(f"{STATE_PREFIX}.{name}.formats", text, (1,), (0,), replica_id=replica)
+                   for name, text in self.model_formats().items()}  # fmt: skip
+        return {"agoq_pieces": pieces, "agoq_formats": formats,
                 "state": {"common_step": steps.pop() if steps else 0.0}, "param_groups": []}  # fmt: skip
 
     def load_state_dict(self, state_dict):
         saved = state_dict.get("agoq_formats")
         if saved is not None:
+            saved = {n: (v.data if isinstance(v, ShardedObject) else v) for n, v in saved.items()}
             bad = {n: (saved.get(n), f) for n, f in self.model_formats().items() if saved.get(n) != f}
             if bad:
                 name, (old, new) = next(iter(bad.items()))
                 raise ValueError(f"checkpoint optimizer states were saved as {old!r} for {name} (and "
                                  f"{len(bad) - 1} more), this run uses {new!r}: load with the same "
                                  "--agoq-optimizer/--agoq-moments/--agoq-master/--agoq-small-numel")  # fmt: skip
+        if "agoq_pieces" not in state_dict:
+            raise ValueError("this checkpoint's agoq optimizer states were saved without --use-distributed-optimizer; "
+                             "resume with the same setting (the two state layouts differ)")  # fmt: skip
         loaded = state_dict["agoq_pieces"]
         step = torch.tensor(float(state_dict["state"]["common_step"]), dtype=torch.float32)
         held = {key: flat for key, flat, *_ in self._pieces()}

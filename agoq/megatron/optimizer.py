@@ -162,6 +162,9 @@ class AgoqMegatronOptimizer(FP32Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict):
+        if "agoq_pieces" in state_dict:
+            raise ValueError("this checkpoint's agoq optimizer states were saved with --use-distributed-optimizer; "
+                             "resume with the same setting (the two state layouts differ)")  # fmt: skip
         state_dict = dict(state_dict, state=dict(state_dict["state"]))
         step = state_dict["state"].pop("common_step", None)
         params = self.get_parameters()
