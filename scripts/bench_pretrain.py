@@ -139,10 +139,10 @@ def grads_suite(smoke: bool) -> list[dict]:
     """Issue 5 (a): the memory suite's equal-batch shape (~1B, PP=1, one GPU, micro-batch 4, global batch 16,
     default activation policy), only the four variants that show what the 8-bit gradient store costs or saves:
     with Megatron's torch Adam (the reduced gradient is dequantized into the float buffer for the step) and with
-    agoq's optimizer (per-parameter reads, no float buffer); 8 iterations so the suite stays under 4 minutes."""
+    agoq's optimizer (per-parameter reads, no float buffer); 6 iterations so the suite stays under 4 minutes."""
     shape, mbs = ("tiny", "2") if smoke else ("1b", "4")
     common = SHAPES[shape] + (COMMON[2:] + ["--seq-length", "64", "--train-iters", "4"] if smoke
-                              else COMMON + ["--train-iters", "8"])
+                              else COMMON + ["--train-iters", "6"])
     grads, lean = ["--agoq-grads", "int8_b256"], ["--agoq-optimizer", "adamw"]
     variants = {
         "baseline (Megatron)": ["--agoq-disable"],

@@ -196,3 +196,57 @@ def test_nonfinite_gradient_is_caught_by_megatron_check_or_propagates():
     assert all("found NaN in local grad norm" in r for r in caught), caught
     # one rank NaN, check off: the 8-bit reduction carries the NaN to every rank (never a silent finite value)
     assert spawn_ranks(2, _nan_rank, args=((1,), False)) == ["nan", "nan"]
+
+
+
+def _skip_rank(rank: int, world_size: int, optimizer_kind: str) -> dict:
+    """Store mode, DP=2: a NaN loss on rank 1 at the second step must skip that update on every rank (the
+    training loop's check reads the 8-bit store through agoq_grads_nonfinite), then training goes on."""
+    import argparse
+
+    from agoq.megatron.install import install
+    from agoq.megatron.optim_args import add_optim_flags
+    from agoq.megatron.optimizer import build_agoq_optimizer
+
+    handle = install(AgoqConfig(device="cpu"))
+    try:
+        layout = ParallelLayout(tp=1, pp=1)
+        runtime.init_model_parallel(layout, seed=1234, device=torch.device("cpu"))
+        config = llama_transformer_config(SHAPE, layout, params_dtype=torch.float32, use_cpu_initialization=True)
+        chunks = build_model_chunks(SHAPE, config, agoq_layer_spec("sdpa"), None)
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+        model = wrap_ddp_agoq(chunks, config, ddp_cfg, torch.device("cpu"), "int8_b256")
+        training.configure_grad_hooks(model, config)
+        if optimizer_kind == "agoq":
+            p = argparse.ArgumentParser()
+            add_optim_flags(p)
+            args = p.parse_args(["--agoq-optimizer", "adamw", "--agoq-unfused"])
+            for k, v in dict(lr=3e-3, min_lr=3e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
+                             adam_eps=1e-8, clip_grad=1.0, use_distributed_optimizer=False, lr_warmup_iters=0,
+                             global_batch_size=8, lr_decay_iters=10, lr_decay_style="constant", train_iters=10,
+                             pipeline_model_parallel_size=1).items():
+                setattr(args, k, v)
+            optimizer, _ = build_agoq_optimizer(args, model, torch.float32)
+        else:
+            optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0, bf16=False,
+                                                               params_dtype=torch.float32), model)
+        runner = training.StepRunner(model, optimizer, _NoScheduler(), torch.device("cpu"), SHAPE.seq_length,
+                                     MICRO_BATCH, MICRO_BATCH * NUM_MICROBATCHES * world_size, NUM_MICROBATCHES)
+        data = [_batches(rank)]
+        weights = lambda: torch.cat([p.detach().reshape(-1).clone() for c in model for p in c.module.parameters()])
+        out = {"ok": [], "changed": []}
+        for step in range(3):
+            runner.poison["now"] = rank == 1 and step == 1
+            before = weights()
+            out["ok"].append(runner.run(data).update_successful)
+            out["changed"].append(not torch.equal(before, weights()))
+        return out
+    finally:
+        parallel_state.destroy_model_parallel()
+        handle.uninstall()
+
+
+@pytest.mark.parametrize("optimizer_kind", ["torch", "agoq"])
+def test_store_mode_nonfinite_step_is_skipped_on_every_rank(optimizer_kind):
+    for r in spawn_ranks(2, _skip_rank, args=(optimizer_kind,)):
+        assert r["ok"] == [True, False, True] and r["changed"] == [True, False, True], r
