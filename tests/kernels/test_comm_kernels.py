@@ -87,6 +87,9 @@ def test_quantize_rows_matches_reference(name, geometry, dtype, case):
     got_buf, gc, gs = _packed(world, nb, fmt, fill=7)
     ref_quantize_rows(src, rc, rs, fmt, **kw)
     _ops()[0](src, gc, gs, fmt, **kw)
+    for scales in (rs, gs):  # NaN scales (non-finite blocks): payload bits differ between torch and Triton casts
+        if scales.is_floating_point():
+            scales.masked_fill_(torch.isnan(scales), float("nan"))
     assert torch.equal(ref_buf, got_buf)
 
 
@@ -194,6 +197,6 @@ def test_accumulate_matches_reference(name, n, nb, grad_dtype, feedback, case):
         ref_accumulate_(ref_c, ref_s, g, fmt, ref_r)
         accumulate_(got_c, got_s, g, fmt, got_r)
         assert torch.equal(got_c, ref_c)
-        assert torch.equal(got_s.view(torch.uint8), ref_s.view(torch.uint8))
+        assert _same_values(got_s, ref_s) if got_s.is_floating_point() else torch.equal(got_s, ref_s)
         if feedback:
             assert _same_values(got_r, ref_r)
