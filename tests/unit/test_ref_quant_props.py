@@ -14,7 +14,8 @@ NAMES = [f"int{b}_b{blk}" for b in INT_BITS for blk in BLOCKS] + [
     "int6_b128_sr", "cint8_b64_sr",
 ]  # fmt: skip
 FINITE = st.floats(min_value=-(2.0**100), max_value=2.0**100, allow_nan=False, width=32)
-SETTINGS = settings(max_examples=60, deadline=None)
+# derandomize: CI runs the same 60 examples every time (a found edge case becomes an @example, not a flaky run)
+SETTINGS = settings(max_examples=60, deadline=None, derandomize=True)
 
 
 @SETTINGS
