@@ -146,7 +146,7 @@ def megatron_bytes(storage: LayerStorage, dims: LayerDims) -> dict[str, int]:
     - a plain RMSNorm keeps its input (2 B/elt) and a fp32 rstd per token;
     - a plain linear keeps its input; plain SwiGLU keeps its input (2f) and silu(gate) (f);
     - SDPA keeps q, k (after RoPE: own storage), out and the fp32 log-sum-exp per (token, head);
-      v is a view of the fused QKV output, so it keeps the whole [T, (n + 2g) d] buffer alive;
+      agoq's SDPA keeps a compact copy of v ([T, g d]: the fused QKV output it was a view of is freed);
       RoPE keeps its cos and sin ([s, 1, 1, d], cast to bf16 per layer) for q and for k.
     """
     out = {}
@@ -159,8 +159,6 @@ def megatron_bytes(storage: LayerStorage, dims: LayerDims) -> dict[str, int]:
             out[role] = 2 * (BF16_BYTES * dims.numel(role) + FP32_BYTES * t)
         elif role == "mlp.swiglu_input":
             out[role] = BF16_BYTES * (dims.numel(role) + dims.numel("mlp.fc2_input"))
-        elif role == "attn.v":
-            out[role] = BF16_BYTES * t * (n + 2 * g) * d
         elif role in ("attn.q", "attn.k"):
             out[role] = BF16_BYTES * (dims.numel(role) + 2 * dims.seq * d)
         elif role == "attn.out":
