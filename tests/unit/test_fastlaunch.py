@@ -1,0 +1,117 @@
+"""agoq.kernels._fastlaunch.FastKernel with a stand-in for Triton's JITFunction / CompiledKernel (CPU).
+
+What is checked: the first call per specialization key goes through ``fn[grid](...)`` with the fixed
+options; later calls with the same key make Triton's final launch call themselves, with the grid padded
+to 3-D, the current stream, the cached function / metadata, no launch hooks and every argument in order;
+anything Triton specializes on (pointer alignment, int == 1 / % 16 / int32 range, dtypes, constexprs)
+gives a new key; installed launch hooks, non-CUDA first arguments and interpreter functions (no
+``device_caches``) always take Triton's own path.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from agoq.kernels import _fastlaunch
+from agoq.kernels._fastlaunch import FastKernel
+
+
+class _Compiled:
+    def __init__(self, log):
+        self.log = log
+        self.function = "FUNC"
+        self.packed_metadata = ("META",)
+
+    @property
+    def run(self):
+        return lambda *a: self.log.append(("direct", a))
+
+
+class _Jit:
+    """JITFunction stand-in: params with is_constexpr, device_caches, fn[grid](...) -> compiled."""
+
+    __name__ = "fake_kernel"
+
+    def __init__(self, constexpr_flags):
+        self.params = [SimpleNamespace(is_constexpr=c) for c in constexpr_flags]
+        self.device_caches = {}
+        self.log = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            self.log.append(("jit", grid, args, options))
+            return _Compiled(self.log)
+
+        return launch
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    hooks = SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]), launch_exit_hook=SimpleNamespace(calls=[]))
+    monkeypatch.setattr(FastKernel, "_triton_mods", lambda self: (hooks, lambda: 0, lambda dev: 1234))
+    monkeypatch.setattr(FastKernel, "_on_gpu", staticmethod(lambda args: True))
+    monkeypatch.setattr(_fastlaunch, "_ENABLED", True)
+    return hooks
+
+
+def test_first_call_compiles_then_direct_launch_with_all_args(fake_triton):
+    jit = _Jit([False, False, False, True, True])
+    fk = FastKernel(jit, num_warps=4, enable_fp_fusion=False)
+    x, out = torch.zeros(8), torch.zeros(8)
+    fk((3,), x, out, 64, 7, "K")
+    assert jit.log == [("jit", (3,), (x, out, 64, 7, "K"), {"num_warps": 4, "enable_fp_fusion": False})]
+    fk((5, 2), x, out, 128, 7, "K")  # same key: 64 and 128 are both multiples of 16
+    assert jit.log[-1] == ("direct", (5, 2, 1, 1234, "FUNC", ("META",), None, None, None, x, out, 128, 7, "K"))
+    assert fk.cache_size() == 1
+
+
+@pytest.mark.parametrize("change", ["int_not_mult16", "int_is_one", "int64", "unaligned_ptr", "dtype", "constexpr"])
+def test_anything_triton_specializes_on_is_a_new_key(fake_triton, change):
+    jit = _Jit([False, False, False, True, True])
+    fk = FastKernel(jit, num_warps=4)
+    base = torch.zeros(64)
+    args = [base, torch.zeros(8), 64, 7, "K"]
+    fk((1,), *args)
+    if change == "int_not_mult16":
+        args[2] = 65
+    elif change == "int_is_one":
+        args[2] = 1
+    elif change == "int64":
+        args[2] = 2**32
+    elif change == "unaligned_ptr":
+        args[0] = base[1:]  # 4-byte offset: not 16-byte aligned
+    elif change == "dtype":
+        args[0] = base.to(torch.float64)
+    else:
+        args[3] = 8
+    fk((1,), *args)
+    assert [e[0] for e in jit.log] == ["jit", "jit"] and fk.cache_size() == 2
+
+
+def test_hooks_non_cuda_and_interpreter_take_tritons_path(fake_triton, monkeypatch):
+    jit = _Jit([False, True])
+    fk = FastKernel(jit, num_warps=4)
+    x = torch.zeros(4)
+    fake_triton.launch_enter_hook.calls.append(print)  # a profiler hook is installed
+    fk((1,), x, 3)
+    fk((1,), x, 3)
+    assert [e[0] for e in jit.log] == ["jit", "jit"] and fk.cache_size() == 0
+    fake_triton.launch_enter_hook.calls.clear()
+    monkeypatch.setattr(FastKernel, "_on_gpu", staticmethod(lambda args: False))
+    fk((1,), x, 3)
+    assert [e[0] for e in jit.log] == ["jit"] * 3 and fk.cache_size() == 0
+    interp = _Jit([False, True])
+    del interp.device_caches  # TRITON_INTERPRET's InterpretedFunction has none
+    monkeypatch.setattr(FastKernel, "_on_gpu", staticmethod(lambda args: True))
+    fi = FastKernel(interp, num_warps=4)
+    fi((1,), x, 3)
+    fi((1,), x, 3)
+    assert [e[0] for e in interp.log] == ["jit", "jit"]
+
+
+def test_wrong_argument_count_raises(fake_triton):
+    fk = FastKernel(_Jit([False, True]), num_warps=4)
+    fk((1,), torch.zeros(4), 3)
+    with pytest.raises(TypeError, match="every parameter positionally"):
+        fk((1,), torch.zeros(4))
