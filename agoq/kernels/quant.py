@@ -203,7 +203,7 @@ def quantize_with_config(
     check_input(x, fmt, seed)
     if not fmt.quantized or x.numel() == 0:
         return ref_quantize(x, fmt, seed=seed)  # a plain cast (or nothing): no kernel needed
-    x_flat = x.detach().reshape(-1)
+    x_flat = x.detach()  # the kernel reads the flat memory: no reshape needed when contiguous
     if not x_flat.is_contiguous():
         x_flat = x_flat.contiguous()
     numel = x_flat.numel()

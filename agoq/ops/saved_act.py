@@ -134,7 +134,7 @@ def quantize_saved(
             f"quantize_saved needs a quantized format, got {fmt.name!r}; bf16 roles save the tensor as is"
         )
     quantize, _ = quant_ops(x.device)
-    q = quantize(x.detach(), fmt)
+    q = quantize(x, fmt)  # both implementations quantize a detached view
     if counter is not None:
         counter.add(key, q)
     return q
@@ -149,15 +149,19 @@ def _dequantize(q: QuantizedTensor) -> torch.Tensor:
 class RecomputeStash:
     """The quantized input of a recomputable op (RMSNorm or SwiGLU) and how to redo its forward.
 
-    The op's own backward and the next linear's backward both read the dequantized input; it is
-    dequantized once (on first use) and dropped when the op's backward has consumed it.
-    ``output_ptr`` is the data pointer of the op's forward output, so the next linear can check
-    that its input really is that output before it stores a handle instead of the tensor.
+    The op's own backward and the next linear's backward both read the input; it is dequantized once
+    (on first use) and dropped when the op's backward has consumed it. ``from_codes=True`` (the fused
+    SwiGLU kernels): ``forward_fn`` takes the QuantizedTensor itself and nothing is dequantized into a
+    separate tensor. ``output_ptr`` is the data pointer of the op's forward output, so the next linear
+    can check that its input really is that output before it stores a handle instead of the tensor.
     """
 
-    def __init__(self, q: QuantizedTensor, forward_fn: Callable[[torch.Tensor], torch.Tensor]):
+    __slots__ = ("q", "forward_fn", "output_ptr", "_x_hat", "aux", "from_codes")
+
+    def __init__(self, q: QuantizedTensor, forward_fn: Callable, from_codes: bool = False):
         self.q = q
         self.forward_fn = forward_fn
+        self.from_codes = from_codes
         self.output_ptr: int | None = None
         self._x_hat: torch.Tensor | None = None
         self.aux: dict = {}  # what a recompute leaves for the op's own backward (RMSNorm: rstd)
@@ -168,8 +172,10 @@ class RecomputeStash:
         return self._x_hat
 
     def recomputed_output(self) -> torch.Tensor:
-        """The op's forward output rebuilt from the dequantized input (no autograd graph)."""
+        """The op's forward output rebuilt from the stored input (no autograd graph)."""
         with torch.no_grad():
+            if self.from_codes:
+                return self.forward_fn(self.q)
             if getattr(self.forward_fn, "takes_aux", False):
                 return self.forward_fn(self.dequantized(), self.aux)
             return self.forward_fn(self.dequantized())
@@ -179,6 +185,12 @@ class RecomputeStash:
         x_hat = self.dequantized()
         self._x_hat, self.q = None, None
         return x_hat
+
+    def consume_codes(self) -> QuantizedTensor:
+        """The quantized input for a backward that reads the codes itself; the stash lets go of it."""
+        q = self.q
+        self._x_hat, self.q = None, None
+        return q
 
 
 class _Saved:
@@ -261,15 +273,19 @@ def quantized_saves(target: torch.Tensor, *, fmt: QuantFormat | None = None, sta
 
 
 # --------------------------------------------------------------------------------- RMSNorm ----
+# ATen's fused RMSNorm, called without the Python dispatch of torch.ops where torch exposes a binding
+_fused_rms_norm = getattr(torch, "_fused_rms_norm", None) or torch.ops.aten._fused_rms_norm
+
+
 class _RMSNormSavingInput(torch.autograd.Function):
     """y = rms_norm(x) * w, storing only quantized x; backward recomputes the norm from x_hat."""
 
     @staticmethod
-    def forward(ctx, x_TH, weight_H, eps, stash_holder):
+    def forward(ctx, x_TH, weight_H, eps, fmt, key, counter, out):
         y_TH = F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps)
-        stash = stash_holder["make"](x_TH, _norm_recompute(weight_H.detach(), eps))
+        stash = RecomputeStash(quantize_saved(x_TH, fmt, key, counter), _norm_recompute(weight_H.detach(), eps))
         stash.output_ptr = y_TH.data_ptr()
-        stash_holder["stash"] = stash
+        out.append(stash)
         ctx.stash, ctx.eps = stash, eps
         ctx.save_for_backward(weight_H)  # a parameter: no activation memory
         return y_TH
@@ -277,19 +293,19 @@ class _RMSNormSavingInput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y_TH):
         (weight_H,) = ctx.saved_tensors
-        rstd_T1 = ctx.stash.aux.pop("rstd", None)  # kept when the next linear recomputed the output
-        x_hat = ctx.stash.consume()
-        ctx.stash = None
+        stash, ctx.stash = ctx.stash, None
+        rstd_T1 = stash.aux.pop("rstd", None)  # kept when the next linear recomputed the output
+        x_hat = stash.consume()
         if x_hat.is_cuda:
             # ATen's fused RMSNorm backward straight from x_hat (what autograd of F.rms_norm runs on
             # CUDA, so the gradients are the same bits), without a re-entrant autograd.grad (host cost).
             width = [x_hat.shape[-1]]
             if rstd_T1 is None:
-                _, rstd_T1 = torch.ops.aten._fused_rms_norm(x_hat, width, weight_H, ctx.eps)
+                _, rstd_T1 = _fused_rms_norm(x_hat, width, weight_H, ctx.eps)
             grad_x, grad_w = torch.ops.aten._fused_rms_norm_backward(
                 grad_y_TH.contiguous(), x_hat, width, rstd_T1, weight_H, list(ctx.needs_input_grad[:2])
             )
-            return grad_x, grad_w, None, None
+            return grad_x, grad_w, None, None, None, None, None
         with torch.enable_grad():
             x = x_hat.detach().requires_grad_(ctx.needs_input_grad[0])
             w = weight_H.detach().requires_grad_(ctx.needs_input_grad[1])
@@ -298,7 +314,7 @@ class _RMSNormSavingInput(torch.autograd.Function):
             grads = iter(torch.autograd.grad(y, inputs, grad_y_TH)) if inputs else iter(())
         grad_x = next(grads) if ctx.needs_input_grad[0] else None
         grad_w = next(grads) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def _norm_recompute(weight_H: torch.Tensor, eps: float) -> Callable:
@@ -307,16 +323,12 @@ def _norm_recompute(weight_H: torch.Tensor, eps: float) -> Callable:
 
     def forward_fn(x_hat_TH: torch.Tensor, aux: dict) -> torch.Tensor:
         if x_hat_TH.is_cuda:
-            y_TH, aux["rstd"] = torch.ops.aten._fused_rms_norm(x_hat_TH, [x_hat_TH.shape[-1]], weight_H, eps)
+            y_TH, aux["rstd"] = _fused_rms_norm(x_hat_TH, [x_hat_TH.shape[-1]], weight_H, eps)
             return y_TH
         return F.rms_norm(x_hat_TH, (x_hat_TH.shape[-1],), weight_H, eps)
 
     forward_fn.takes_aux = True
     return forward_fn
-
-
-def _stash_maker(fmt: QuantFormat, key: Key, counter: SavedBytesCounter | None):
-    return lambda x, fn: RecomputeStash(quantize_saved(x, fmt, key, counter), fn)
 
 
 def rmsnorm_saving_input(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float, fmt: QuantFormat, key: Key,
@@ -329,9 +341,9 @@ def rmsnorm_saving_input(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float,
     """
     if not (torch.is_grad_enabled() and (x_TH.requires_grad or weight_H.requires_grad)):
         return F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps), None  # nothing is saved
-    holder = {"make": _stash_maker(fmt, key, counter)}
-    y_TH = _RMSNormSavingInput.apply(x_TH, weight_H, eps, holder)
-    return y_TH, holder["stash"]
+    out: list = []
+    y_TH = _RMSNormSavingInput.apply(x_TH, weight_H, eps, fmt, key, counter, out)
+    return y_TH, out[0]
 
 
 # ---------------------------------------------------------------------------------- SwiGLU ----
@@ -341,44 +353,78 @@ def swiglu_reference(h_TF2: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
     return F.silu(gate) * (up + offset if offset else up)  # no extra pass (and Megatron's -0.0) at offset 0
 
 
+def _swiglu_fused(h_TF2: torch.Tensor, fmt: QuantFormat, offset: float) -> bool:
+    """CUDA, no GLU offset, and a shape / format agoq.kernels.swiglu_quant takes (its ``fusable``)."""
+    if not h_TF2.is_cuda or offset:
+        return False
+    from agoq.kernels.swiglu_quant import fusable
+
+    return fusable(h_TF2, fmt)
+
+
 class _SwiGLUSavingInput(torch.autograd.Function):
     """z = swiglu(h) [/ s], storing only quantized h (the fc1 output); backward recomputes SwiGLU.
 
     With Smooth-SwiGLU, ``scale_fn(h, swiglu(h)) -> s`` (no grad) is called once in forward; that s
     divides the output, is kept, and is the one used by the recompute and by backward (never
-    recomputed from the dequantized h, algorithms.md §4)."""
+    recomputed from the dequantized h, algorithms.md §4).
+
+    Fused path (CUDA, :func:`_swiglu_fused`): the forward is one kernel that writes z (Megatron's
+    values) and the codes of h (``swiglu_quantize``; with Smooth-SwiGLU the quantize is the plain one,
+    s needs the SwiGLU output first); the recompute for fc2 and the backward read the codes directly
+    (``dequant_swiglu_fwd`` / ``dequant_swiglu_bwd``), so no dequantized h is ever materialized."""
 
     @staticmethod
-    def forward(ctx, h_TF2, offset, stash_holder, scale_fn):
-        glu_TF = swiglu_reference(h_TF2, offset)
-        s = None if scale_fn is None else scale_fn(h_TF2, glu_TF)
-        z_TF = glu_TF if s is None else glu_TF / s.to(glu_TF.dtype)
-        stash = stash_holder["make"](h_TF2, _swiglu_recompute(offset, s))
+    def forward(ctx, h_TF2, offset, fmt, key, counter, scale_fn, out):
+        fused = _swiglu_fused(h_TF2, fmt, offset)
+        s = None
+        if fused and scale_fn is None:
+            from agoq.kernels.swiglu_quant import swiglu_quantize
+
+            z_TF, q = swiglu_quantize(h_TF2, fmt)
+            if counter is not None:
+                counter.add(key, q)
+        else:
+            glu_TF = swiglu_reference(h_TF2, offset)
+            s = None if scale_fn is None else scale_fn(h_TF2, glu_TF)
+            z_TF = glu_TF if s is None else glu_TF / s.to(glu_TF.dtype)
+            q = quantize_saved(h_TF2, fmt, key, counter)
+        stash = RecomputeStash(q, _swiglu_recompute(offset, s, fused), from_codes=fused)
         stash.output_ptr = z_TF.data_ptr()
-        stash_holder["stash"], stash_holder["scale"] = stash, s
-        ctx.stash, ctx.offset, ctx.scale = stash, offset, s
+        out.append(stash)
+        out.append(s)
+        ctx.stash, ctx.offset, ctx.scale, ctx.fused = stash, offset, s, fused
         return z_TF
 
     @staticmethod
     def backward(ctx, grad_z_TF):
-        h_hat = ctx.stash.consume()
-        ctx.stash = None
+        stash, ctx.stash = ctx.stash, None
+        if ctx.fused:
+            from agoq.kernels.swiglu_quant import dequant_swiglu_bwd
+
+            return dequant_swiglu_bwd(stash.consume_codes(), grad_z_TF, ctx.scale), None, None, None, None, None, None
+        h_hat = stash.consume()
         if h_hat.is_cuda and not ctx.offset:
             # One fused pass (agoq.kernels.swiglu, fp32 math, its reference is ref_swiglu_bwd_scaled)
             # instead of autograd re-running chunk/silu/mul and their backwards and a cat.
             from agoq.kernels.swiglu import swiglu_bwd
 
-            return swiglu_bwd(h_hat, grad_z_TF, ctx.scale), None, None, None
+            return swiglu_bwd(h_hat, grad_z_TF, ctx.scale), None, None, None, None, None, None
         with torch.enable_grad():
             h = h_hat.detach().requires_grad_(True)
             z = _smoothed(swiglu_reference(h, ctx.offset), ctx.scale)
             (grad_h,) = torch.autograd.grad(z, (h,), grad_z_TF)
-        return grad_h, None, None, None
+        return grad_h, None, None, None, None, None, None
 
 
-def _swiglu_recompute(offset: float, s: torch.Tensor | None) -> Callable:
-    """fc2's input rebuilt from the dequantized fc1 output (backward only): one fused Triton pass on
-    CUDA (agoq.kernels.swiglu.swiglu_fwd, fp32 math), Megatron's ops elsewhere or with an offset."""
+def _swiglu_recompute(offset: float, s: torch.Tensor | None, from_codes: bool) -> Callable:
+    """fc2's input rebuilt in backward: from the codes in one pass (``dequant_swiglu_fwd``) on the fused
+    path; else from the dequantized fc1 output with one Triton pass on CUDA (agoq.kernels.swiglu.swiglu_fwd,
+    fp32 math), Megatron's ops elsewhere or with an offset."""
+    if from_codes:
+        from agoq.kernels.swiglu_quant import dequant_swiglu_fwd
+
+        return lambda q: dequant_swiglu_fwd(q, s)
 
     def forward_fn(h_hat_TF2: torch.Tensor) -> torch.Tensor:
         if h_hat_TF2.is_cuda and not offset:
@@ -400,9 +446,9 @@ def swiglu_saving_input(h_TF2: torch.Tensor, fmt: QuantFormat, key: Key, counter
     """SwiGLU with Megatron's forward values; keeps ``fmt``-quantized h only. Returns (z, stash)."""
     if not (torch.is_grad_enabled() and h_TF2.requires_grad):
         return swiglu_reference(h_TF2, offset), None  # nothing is saved
-    holder = {"make": _stash_maker(fmt, key, counter)}
-    z_TF = _SwiGLUSavingInput.apply(h_TF2, offset, holder, None)
-    return z_TF, holder["stash"]
+    out: list = []
+    z_TF = _SwiGLUSavingInput.apply(h_TF2, offset, fmt, key, counter, None, out)
+    return z_TF, out[0]
 
 
 def smooth_swiglu_saving_input(h_TF2: torch.Tensor, scale_fn: Callable, fmt: QuantFormat, key: Key,
@@ -415,6 +461,6 @@ def smooth_swiglu_saving_input(h_TF2: torch.Tensor, scale_fn: Callable, fmt: Qua
             glu = swiglu_reference(h_TF2)
             s = scale_fn(h_TF2, glu)
         return _smoothed(glu, s), s, None
-    holder = {"make": _stash_maker(fmt, key, counter)}
-    z_TF = _SwiGLUSavingInput.apply(h_TF2, 0.0, holder, scale_fn)
-    return z_TF, holder["scale"], holder["stash"]
+    out: list = []
+    z_TF = _SwiGLUSavingInput.apply(h_TF2, 0.0, fmt, key, counter, scale_fn, out)
+    return z_TF, out[1], out[0]
