@@ -20,7 +20,7 @@ Rules: every kernel parameter is passed positionally, in signature order, conste
 own path is used (every call, not silently: it is the same kernel) under ``TRITON_INTERPRET=1``
 (no compiled kernel), when the first argument is not a CUDA tensor (CPU launch recorders such as
 scripts/xc_quant.py), when a launch hook is installed (profilers: they need launch metadata), and when
-``AGOQ_TRITON_FAST_LAUNCH=0`` (the escape hatch, read at import).
+``AGOQ_TRITON_FAST_LAUNCH=0`` (the escape hatch, read at import; :func:`set_fast_launch` at run time).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import os
 
 import torch
 
-__all__ = ["FastKernel", "FAST_LAUNCH_ENV", "fast_launch_enabled"]
+__all__ = ["FastKernel", "FAST_LAUNCH_ENV", "fast_launch_enabled", "set_fast_launch"]
 
 FAST_LAUNCH_ENV = "AGOQ_TRITON_FAST_LAUNCH"
 _ENABLED = os.environ.get(FAST_LAUNCH_ENV, "1") != "0"
@@ -39,6 +39,13 @@ _ALIGN = 16  # bytes / divisor Triton specializes pointers and ints on ("D" attr
 
 def fast_launch_enabled() -> bool:
     return _ENABLED
+
+
+def set_fast_launch(enabled: bool) -> bool:
+    """Switch direct launches on / off process-wide (benchmarks' A/B); returns the previous setting."""
+    global _ENABLED
+    previous, _ENABLED = _ENABLED, bool(enabled)
+    return previous
 
 
 def _arg_key(a):
@@ -77,7 +84,7 @@ class FastKernel:
         self._cache: dict = {}
         params = getattr(jit_fn, "params", None)
         # InterpretedFunction (TRITON_INTERPRET=1) has no compiled kernel to reuse
-        self._direct = _ENABLED and hasattr(jit_fn, "device_caches") and params is not None
+        self._direct = hasattr(jit_fn, "device_caches") and params is not None
         self._constexpr = tuple(bool(p.is_constexpr) for p in params) if params is not None else ()
         self._triton = None
 
@@ -101,7 +108,7 @@ class FastKernel:
         return tuple(a if c else _arg_key(a) for a, c in zip(args, self._constexpr))
 
     def __call__(self, grid, *args) -> None:
-        if not (self._direct and self._on_gpu(args)):
+        if not (_ENABLED and self._direct and self._on_gpu(args)):
             self.fn[grid](*args, **self.options)  # interpreter, CPU tensors (launch recorders), or switched off
             return
         runtime_knobs, get_device, get_stream = self._triton_mods()

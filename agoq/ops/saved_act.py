@@ -353,9 +353,12 @@ def swiglu_reference(h_TF2: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
     return F.silu(gate) * (up + offset if offset else up)  # no extra pass (and Megatron's -0.0) at offset 0
 
 
+FUSE_SWIGLU = True  # False: the unfused quantize + ATen SwiGLU path (benchmarks' A/B; tests)
+
+
 def _swiglu_fused(h_TF2: torch.Tensor, fmt: QuantFormat, offset: float) -> bool:
     """CUDA, no GLU offset, and a shape / format agoq.kernels.swiglu_quant takes (its ``fusable``)."""
-    if not h_TF2.is_cuda or offset:
+    if not (FUSE_SWIGLU and h_TF2.is_cuda) or offset:
         return False
     from agoq.kernels.swiglu_quant import fusable
 

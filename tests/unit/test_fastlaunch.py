@@ -108,6 +108,14 @@ def test_hooks_non_cuda_and_interpreter_take_tritons_path(fake_triton, monkeypat
     fi((1,), x, 3)
     fi((1,), x, 3)
     assert [e[0] for e in interp.log] == ["jit", "jit"]
+    previous = _fastlaunch.set_fast_launch(False)  # the run-time switch
+    try:
+        fk2 = FastKernel(_Jit([False, True]), num_warps=4)
+        fk2((1,), x, 3)
+        fk2((1,), x, 3)
+        assert [e[0] for e in fk2.fn.log] == ["jit", "jit"] and fk2.cache_size() == 0
+    finally:
+        _fastlaunch.set_fast_launch(previous)
 
 
 def test_wrong_argument_count_raises(fake_triton):
