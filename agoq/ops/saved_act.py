@@ -283,7 +283,8 @@ class _RMSNormSavingInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, weight_H, eps, fmt, key, counter, out):
         y_TH = F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps)
-        stash = RecomputeStash(quantize_saved(x_TH, fmt, key, counter), _norm_recompute(weight_H.detach(), eps))
+        # the recompute runs under no_grad: the weight itself (no detach call) builds no graph
+        stash = RecomputeStash(quantize_saved(x_TH, fmt, key, counter), _norm_recompute(weight_H, eps))
         stash.output_ptr = y_TH.data_ptr()
         out.append(stash)
         ctx.stash, ctx.eps = stash, eps
