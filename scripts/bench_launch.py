@@ -15,8 +15,9 @@ Rows (microseconds of host time per call):
 - whole autograd paths, forward + backward, each against the plain bf16 path that Megatron runs when
   the role is bf16 (``plain_*``; SwiGLU: Megatron's unfused GLU): the norm alone, norm -> linear (the linear recomputes its input from
   the norm's stash, as QKV / fc1 do), SwiGLU alone, SwiGLU -> linear (fc2). ``*_legacy`` rows run the
-  same agoq path with direct launches and the fused SwiGLU kernels switched off (the code before this
-  change), in the same process, so the A/B does not depend on the host's speed.
+  same agoq path with direct launches and the fused SwiGLU kernels switched off (the launch path and
+  SwiGLU of the code before this change; its Python glue trimming stays on), in the same process, so
+  the A/B does not depend on the host's speed.
 - ``ratio_*``: saving path / plain path per pair (the issue's goal: within ~1.5x).
 """
 
@@ -57,8 +58,9 @@ def _host_us(fn, calls: int, dev: torch.device) -> float:
 
 @contextlib.contextmanager
 def legacy_paths():
-    """The saved-activation code path before the host-cost work: Triton's own launch path for every
-    kernel and the unfused SwiGLU (quantize + ATen forward; dequantize + recompute + backward)."""
+    """The launch path and SwiGLU of the saved-activation code before the host-cost work: Triton's own
+    launch path for every kernel and the unfused SwiGLU (quantize + ATen forward; dequantize + recompute +
+    backward). The glue trimming (counter weakrefs, class-based hook scope) is not undone."""
     from agoq.kernels import _fastlaunch
     from agoq.ops import saved_act
 

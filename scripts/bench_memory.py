@@ -3,12 +3,12 @@
 GPU (the issue's benchmark, ~1B LLaMA, seq 4096)::
 
     python scripts/bench_memory.py --policies bf16 agoq int8 --steps 6 --json out.json
-    # host cost at small micro-batches, with the pre-fusion agoq path as an in-process A/B (< 5 min):
+    # host cost at small micro-batches, with the old launch path / SwiGLU as an in-process A/B (< 5 min):
     python scripts/bench_memory.py --policies bf16 agoq agoq@legacy --mbs 1 2 4 --steps 8 --json out.json
 
 ``<policy>@legacy`` runs the policy with agoq's direct Triton launches and fused SwiGLU kernels switched
-off (scripts/bench_launch.py's ``legacy_paths``): the saved-activation code before the host-cost work,
-timed in the same process, so the comparison does not depend on the leased host's speed.
+off (scripts/bench_launch.py's ``legacy_paths``): the launch path and SwiGLU of the code before the
+host-cost work (its glue trimming stays), timed in the same process, so the comparison does not depend on the leased host's speed.
 
 CPU smoke (tiny model; byte counts are exact, times and peaks are not meaningful)::
 

@@ -22,7 +22,6 @@ Shape legend: T = tokens (any leading dims), H = hidden, F2 = 2 x FFN (SwiGLU in
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import weakref
@@ -94,17 +93,24 @@ class SavedBytesCounter:
     tensors: dict[Key, int] = field(default_factory=dict)
     live: int = 0
     peak: int = 0
+    # weak references to the codes still held, each with a callback that releases its bytes (a plain
+    # weakref: weakref.finalize costs several times more host time, and this runs per saved tensor)
+    _held: set = field(default_factory=set, repr=False, compare=False)
 
     def add(self, key: Key, q: QuantizedTensor) -> None:
         nbytes = q.nbytes
         self.packed[key] = self.packed.get(key, 0) + nbytes
         self.tensors[key] = self.tensors.get(key, 0) + 1
         self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(q.codes, self._release, nbytes)
+        if self.live > self.peak:
+            self.peak = self.live
+        held = self._held
 
-    def _release(self, nbytes: int) -> None:
-        self.live -= nbytes
+        def release(ref, nbytes=nbytes):
+            held.discard(ref)
+            self.live -= nbytes
+
+        held.add(weakref.ref(q.codes, release))
 
     def reset(self) -> None:
         """Forget cumulative counts and the peak (live bytes stay: they are still held)."""
@@ -236,40 +242,57 @@ def saved_input_handle(target: torch.Tensor, *, fmt: QuantFormat | None = None, 
     return _QuantizedSave(quantize_saved(target, fmt, key, counter))
 
 
-@contextlib.contextmanager
-def quantized_saves(target: torch.Tensor, *, fmt: QuantFormat | None = None, stash: RecomputeStash | None = None,
-                    key: Key = (None, ""), counter: SavedBytesCounter | None = None):
+class quantized_saves:  # noqa: N801 - used as a function-style context manager: `with quantized_saves(...)`
     """Inside this scope, the autograd op that saves ``target`` stores it low-bit instead.
 
     Exactly one of ``fmt`` (quantize the saved copy) or ``stash`` (store nothing; rebuild the
     tensor from the stash in backward) is given. Other saved tensors pass through unchanged.
     Raises RuntimeError after the scope if ``target`` was saved zero or several times while grad
     was enabled (the wrapped op no longer saves what agoq expects: a Megatron change).
+    A class rather than a generator context manager: it runs around every linear of every layer, and
+    the generator machinery is host time (docs/activations.md, "Host cost").
     """
-    if (fmt is None) == (stash is None):
-        raise ValueError("quantized_saves needs exactly one of fmt= or stash=")
-    if stash is not None:
-        _check_stash_feeds(stash, target)
-    hits = []
 
-    def pack(t: torch.Tensor):
+    __slots__ = ("target", "fmt", "stash", "key", "counter", "hits", "_hooks")
+
+    def __init__(self, target: torch.Tensor, *, fmt: QuantFormat | None = None, stash: RecomputeStash | None = None,
+                 key: Key = (None, ""), counter: SavedBytesCounter | None = None):
+        if (fmt is None) == (stash is None):
+            raise ValueError("quantized_saves needs exactly one of fmt= or stash=")
+        if stash is not None:
+            _check_stash_feeds(stash, target)
+        self.target, self.fmt, self.stash, self.key, self.counter = target, fmt, stash, key, counter
+        self.hits = 0
+        self._hooks = None
+
+    def _pack(self, t: torch.Tensor):
+        target = self.target
         if t is target or (t.data_ptr() == target.data_ptr() and t.shape == target.shape and t.dtype == target.dtype):
-            hits.append(1)
-            if stash is not None:
-                return _RecomputeSave(stash)
-            return _QuantizedSave(quantize_saved(t, fmt, key, counter))
+            self.hits += 1
+            if self.stash is not None:
+                return _RecomputeSave(self.stash)
+            return _QuantizedSave(quantize_saved(t, self.fmt, self.key, self.counter))
         return t
 
-    def unpack(obj):
-        return obj.materialize() if isinstance(obj, _Saved) else obj
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_saved)
+        self._hooks.__enter__()
+        return self
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
-    if torch.is_grad_enabled() and target.requires_grad and len(hits) != 1:
-        raise RuntimeError(
-            f"agoq: expected the wrapped op to save its input once, it saved it {len(hits)} times "
-            f"(layer/role {key}); megatron-core changed LinearWithGradAccumulationAndAsyncCommunication"
-        )
+    def __exit__(self, exc_type, exc, tb):
+        self._hooks.__exit__(exc_type, exc, tb)
+        self._hooks = None
+        target = self.target
+        if exc_type is None and torch.is_grad_enabled() and target.requires_grad and self.hits != 1:
+            raise RuntimeError(
+                f"agoq: expected the wrapped op to save its input once, it saved it {self.hits} times "
+                f"(layer/role {self.key}); megatron-core changed LinearWithGradAccumulationAndAsyncCommunication"
+            )
+        return False
+
+
+def _unpack_saved(obj):
+    return obj.materialize() if isinstance(obj, _Saved) else obj
 
 
 # --------------------------------------------------------------------------------- RMSNorm ----
