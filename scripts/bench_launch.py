@@ -13,11 +13,11 @@ Rows (microseconds of host time per call):
   (agoq.kernels._fastlaunch) and ``..._triton_run`` through Triton's own ``kernel[grid]`` path;
 - the SwiGLU kernels: ``swiglu_bwd``, ``swiglu_quantize``, ``dequant_swiglu_fwd`` / ``_bwd``;
 - whole autograd paths, forward + backward, each against the plain bf16 path that Megatron runs when
-  the role is bf16 (``plain_*``; SwiGLU: Megatron's unfused GLU): the norm alone, norm -> linear (the linear recomputes its input from
-  the norm's stash, as QKV / fc1 do), SwiGLU alone, SwiGLU -> linear (fc2). ``*_legacy`` rows run the
-  same agoq path with direct launches and the fused SwiGLU kernels switched off (the launch path and
-  SwiGLU of the code before this change; its Python glue trimming stays on), in the same process, so
-  the A/B does not depend on the host's speed.
+  the role is bf16 (``plain_*``; SwiGLU: Megatron's unfused GLU): the norm alone, norm -> linear (the
+  linear recomputes its input from the norm's stash, as QKV / fc1 do), SwiGLU alone, SwiGLU -> linear
+  (fc2). ``*_legacy`` rows run the same agoq path with direct launches and the fused SwiGLU kernels
+  switched off (the launch path and SwiGLU of the code before this change; its Python glue trimming
+  stays on), in the same process, so the A/B does not depend on the host's speed.
 - ``ratio_*``: saving path / plain path per pair (the issue's goal: within ~1.5x).
 """
 

@@ -8,7 +8,8 @@ GPU (the issue's benchmark, ~1B LLaMA, seq 4096)::
 
 ``<policy>@legacy`` runs the policy with agoq's direct Triton launches and fused SwiGLU kernels switched
 off (scripts/bench_launch.py's ``legacy_paths``): the launch path and SwiGLU of the code before the
-host-cost work (its glue trimming stays), timed in the same process, so the comparison does not depend on the leased host's speed.
+host-cost work (its glue trimming stays), timed in the same process, so the comparison does not depend
+on the leased host's speed.
 
 CPU smoke (tiny model; byte counts are exact, times and peaks are not meaningful)::
 
@@ -118,7 +119,8 @@ def measure(shape_kw, policy, mbs, steps, device, reference=None) -> tuple[dict,
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0 if device.type == "cuda" else None
     profile = _profile_step(model, tokens, pos, labels, device) if PROFILE_TOP else None
     return {"profile_top": profile,
-            "policy": policy, "mbs": mbs, "held_layer_bytes": held_layers, "head_bytes": meter.bytes_by_layer.get(None, 0),
+            "policy": policy, "mbs": mbs, "held_layer_bytes": held_layers,
+            "head_bytes": meter.bytes_by_layer.get(None, 0),
             "planner_layer_bytes": predicted, "peak_bytes": peak,
             "step_s_median": statistics.median(times[1:] or times),
             "fwd_bwd_host_s_median": statistics.median(host_times[1:] or host_times),

@@ -105,7 +105,7 @@ class FastKernel:
         if len(args) != len(self._constexpr):
             raise TypeError(f"FastKernel({self.fn.__name__}): {len(args)} arguments for "
                             f"{len(self._constexpr)} parameters; pass every parameter positionally")
-        return tuple(a if c else _arg_key(a) for a, c in zip(args, self._constexpr))
+        return tuple(a if c else _arg_key(a) for a, c in zip(args, self._constexpr, strict=True))
 
     def __call__(self, grid, *args) -> None:
         if not (_ENABLED and self._direct and self._on_gpu(args)):

@@ -145,8 +145,9 @@ def _swiglu_quant_fwd_kernel(
 @triton.jit
 def _dequant_half(codes_ptr, scales_ptr, values_ptr, first_block, rows, row_ok, out_ptr,
                   KIND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                  SCALE: tl.constexpr, PLANE0: tl.constexpr, PLANE1: tl.constexpr, FP8_DTYPE: tl.constexpr):  # fmt: skip
-    """fp32 values of ROWS blocks from first_block on, rounded to out_ptr's dtype as dequantize stores them."""
+                  SCALE: tl.constexpr, PLANE0: tl.constexpr, PLANE1: tl.constexpr,
+                  FP8_DTYPE: tl.constexpr):  # fmt: skip
+    """fp32 values of ROWS blocks from first_block on, rounded to out_ptr's dtype as dequantize does."""
     row_bytes: tl.constexpr = BLOCK * BITS // 8
     s = load_scale_f32(scales_ptr + first_block + rows, row_ok, SCALE)
     v = decode_block_values(codes_ptr + first_block * row_bytes, values_ptr, rows, row_ok, KIND, BITS, BLOCK, ROWS,

@@ -24,7 +24,8 @@ def test_bench_memory_smoke(tmp_path):
                           capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     all_rows = json.loads(out.read_text())["rows"]
-    assert [(r["mbs"], r["policy"]) for r in all_rows] == [(m, p) for m in (1, 2) for p in ("bf16", "agoq", "agoq@legacy")]
+    expected = [(m, p) for m in (1, 2) for p in ("bf16", "agoq", "agoq@legacy")]
+    assert [(r["mbs"], r["policy"]) for r in all_rows] == expected
     for mbs in (1, 2):
         rows = {r["policy"]: r for r in all_rows if r["mbs"] == mbs}
         assert rows["agoq"]["planner_error"] == 0.0  # CPU: every layer save of the agoq policy is modelled exactly
@@ -34,8 +35,9 @@ def test_bench_memory_smoke(tmp_path):
 
 def test_bench_launch_smoke(tmp_path):
     out = tmp_path / "launch.json"
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_launch.py"), "--smoke", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, env=child_env(), cwd=REPO_ROOT)
+    script = str(REPO_ROOT / "scripts" / "bench_launch.py")
+    proc = subprocess.run([sys.executable, script, "--smoke", "--json", str(out)], capture_output=True, text=True,
+                          timeout=300, env=child_env(), cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["host_us_per_call"]
     for pair in ("rmsnorm", "rmsnorm_linear", "swiglu", "swiglu_linear"):
