@@ -123,3 +123,30 @@ def test_wrong_argument_count_raises(fake_triton):
     fk((1,), torch.zeros(4), 3)
     with pytest.raises(TypeError, match="every parameter positionally"):
         fk((1,), torch.zeros(4))
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") == "1", reason="needs Triton's real binder")
+def test_key_is_a_superset_of_tritons_specialization():
+    """Against Triton's own runtime binder (agoq.testing.xcompile.specialize, no GPU needed): any two
+    argument lists FastKernel gives the same key get the same Triton specialization (so reusing the
+    compiled kernel of one for the other is what Triton itself would do)."""
+    import itertools
+
+    from agoq.formats import parse_format
+    from agoq.kernels.quant import _dequantize_fwd_kernel, _dequantize_plan
+    from agoq.testing.xcompile import Launch, specialize
+
+    fk = FastKernel(_dequantize_fwd_kernel, num_warps=4, enable_fp_fusion=False)
+    _, _, consts = _dequantize_plan(parse_format("nf4_b64"))
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    out = torch.zeros(1024, dtype=torch.bfloat16)
+    codes = [buf, buf[16:], buf[3:]]  # aligned, aligned, unaligned
+    outs = [out, out[8:], out[1:], out.to(torch.float32)]
+    ints = [1, 16, 17, 4096, 2**31 + 16, 2**31 + 17]
+    seen = {}
+    for c, o, numel, nblocks in itertools.product(codes, outs, ints, ints[:3]):
+        args = (c, torch.zeros(8), o, torch.zeros(16), numel, nblocks, *consts)
+        ours = fk.key(args)
+        theirs = specialize(_dequantize_fwd_kernel, Launch("", args, dict(fk.options)))[2]
+        assert seen.setdefault(ours, theirs) == theirs, f"same FastKernel key, different Triton key for {ours}"
+    assert len(set(seen.values())) > 1  # the sample does exercise Triton's specialization
