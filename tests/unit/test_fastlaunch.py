@@ -8,6 +8,7 @@ gives a new key; installed launch hooks, non-CUDA first arguments and interprete
 ``device_caches``) always take Triton's own path.
 """
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -125,7 +126,7 @@ def test_wrong_argument_count_raises(fake_triton):
         fk((1,), torch.zeros(4))
 
 
-@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") == "1", reason="needs Triton's real binder")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs Triton's real binder")
 def test_key_is_a_superset_of_tritons_specialization():
     """Against Triton's own runtime binder (agoq.testing.xcompile.specialize, no GPU needed): any two
     argument lists FastKernel gives the same key get the same Triton specialization (so reusing the
