@@ -1,104 +1,214 @@
-"""Host-side cost per call of agoq's saved-activation ops (launch overhead), GPU.
+"""Host-side cost per call of agoq's saved-activation ops (launch overhead), GPU; CPU smoke.
 
 When a training step is host-bound (fwd+bwd enqueue time ~ step time, see bench_memory.py's
 ``fwd_bwd_host_s_median``), what matters is the CPU time each op costs to enqueue, not its kernel
 time. This times N back-to-back calls on tiny tensors (kernel time negligible) without syncing:
 
-    python scripts/bench_launch.py --json out.json
+    python scripts/bench_launch.py --json out.json          # GPU, ~1 minute
+    python scripts/bench_launch.py --smoke --json out.json  # CPU: reference ops, checks the script runs
 
-Rows: microseconds of host time per call for torch.add (the floor), agoq quantize / dequantize per
-format, swiglu_bwd, and the RMSNorm / SwiGLU saving-input autograd functions (forward + backward).
+Rows (microseconds of host time per call):
+- ``torch_add``: the floor of one ATen launch;
+- per format: ``quantize_<fmt>`` / ``dequantize_<fmt>`` with agoq's direct launch
+  (agoq.kernels._fastlaunch) and ``..._triton_run`` through Triton's own ``kernel[grid]`` path;
+- the SwiGLU kernels: ``swiglu_bwd``, ``swiglu_quantize``, ``dequant_swiglu_fwd`` / ``_bwd``;
+- whole autograd paths, forward + backward, each against the plain bf16 path that Megatron runs when
+  the role is bf16 (``plain_*``; SwiGLU: Megatron's unfused GLU): the norm alone, norm -> linear (the
+  linear recomputes its input from the norm's stash, as QKV / fc1 do), SwiGLU alone, SwiGLU -> linear
+  (fc2). ``*_legacy`` rows run the same agoq path with direct launches and the fused SwiGLU kernels
+  switched off (the launch path and SwiGLU of the code before this change; its Python glue trimming
+  stays on), in the same process, so the A/B does not depend on the host's speed.
+- ``ratio_*``: saving path / plain path per pair (the issue's goal: within ~1.5x).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+TOKENS, HIDDEN, FFN = 4, 512, 512  # tiny: kernel time is negligible next to the host's
 
-def _host_us(fn, calls: int) -> float:
-    for _ in range(20):
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _host_us(fn, calls: int, dev: torch.device) -> float:
+    for _ in range(max(2, calls // 50)):
         fn()
-    torch.cuda.synchronize()
+    _sync(dev)
     start = time.perf_counter()
     for _ in range(calls):
         fn()
     host = time.perf_counter() - start
-    torch.cuda.synchronize()
+    _sync(dev)
     return round(host / calls * 1e6, 2)
+
+
+@contextlib.contextmanager
+def legacy_paths():
+    """The launch path and SwiGLU of the saved-activation code before the host-cost work: Triton's own
+    launch path for every kernel and the unfused SwiGLU (quantize + ATen forward; dequantize + recompute +
+    backward). The glue trimming (counter weakrefs, class-based hook scope) is not undone."""
+    from agoq.kernels import _fastlaunch
+    from agoq.ops import saved_act
+
+    previous = _fastlaunch.set_fast_launch(False), saved_act.FUSE_SWIGLU
+    saved_act.FUSE_SWIGLU = False
+    try:
+        yield
+    finally:
+        _fastlaunch.set_fast_launch(previous[0])
+        saved_act.FUSE_SWIGLU = previous[1]
+
+
+def _linear_saving(x, w, stash):
+    """A linear that stores nothing and rebuilds its input from ``stash`` (agoq's QKV / fc1 / fc2)."""
+    from agoq.ops.saved_act import quantized_saves
+
+    with quantized_saves(x, stash=stash):
+        return F.linear(x, w)
+
+
+def path_steps(dev: torch.device, fmt) -> dict:
+    """name -> zero-argument callable running one forward + backward of a plain or saving path."""
+    from agoq.ops.saved_act import rmsnorm_saving_input, swiglu_reference, swiglu_saving_input
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(TOKENS, HIDDEN, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    h = torch.randn(TOKENS, 2 * FFN, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    w = torch.ones(HIDDEN, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w_lin = torch.randn(HIDDEN, HIDDEN, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    w_fc2 = torch.randn(HIDDEN, FFN, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
+
+    def norm():
+        y, _ = rmsnorm_saving_input(x, w, 1e-5, fmt, (0, "norm.input"))
+        y.sum().backward()
+
+    def plain_norm():
+        F.rms_norm(x, (HIDDEN,), w, 1e-5).sum().backward()
+
+    def norm_linear():
+        y, stash = rmsnorm_saving_input(x, w, 1e-5, fmt, (0, "norm.input"))
+        _linear_saving(y, w_lin, stash).sum().backward()
+
+    def plain_norm_linear():
+        F.linear(F.rms_norm(x, (HIDDEN,), w, 1e-5), w_lin).sum().backward()
+
+    def swiglu():
+        z, _ = swiglu_saving_input(h, fmt, (0, "mlp.swiglu_input"))
+        z.sum().backward()
+
+    def plain_swiglu():
+        swiglu_reference(h).sum().backward()
+
+    def swiglu_linear():
+        z, stash = swiglu_saving_input(h, fmt, (0, "mlp.swiglu_input"))
+        _linear_saving(z, w_fc2, stash).sum().backward()
+
+    def plain_swiglu_linear():
+        F.linear(swiglu_reference(h), w_fc2).sum().backward()
+
+    return {"rmsnorm_saving_input_fwd_bwd": norm, "plain_rms_norm_fwd_bwd": plain_norm,
+            "rmsnorm_saving_then_linear_fwd_bwd": norm_linear, "plain_rms_norm_then_linear_fwd_bwd": plain_norm_linear,
+            "swiglu_saving_input_fwd_bwd": swiglu, "plain_swiglu_fwd_bwd": plain_swiglu,
+            "swiglu_saving_then_linear_fwd_bwd": swiglu_linear, "plain_swiglu_then_linear_fwd_bwd": plain_swiglu_linear}
+
+
+PAIRS = {"rmsnorm": ("rmsnorm_saving_input_fwd_bwd", "plain_rms_norm_fwd_bwd"),
+         "rmsnorm_linear": ("rmsnorm_saving_then_linear_fwd_bwd", "plain_rms_norm_then_linear_fwd_bwd"),
+         "swiglu": ("swiglu_saving_input_fwd_bwd", "plain_swiglu_fwd_bwd"),
+         "swiglu_linear": ("swiglu_saving_then_linear_fwd_bwd", "plain_swiglu_then_linear_fwd_bwd")}
+
+
+def kernel_rows(dev, formats, calls) -> dict:
+    from agoq.formats import parse_format
+    from agoq.kernels import _fastlaunch
+    from agoq.kernels.quant import dequantize, quantize
+    from agoq.kernels.swiglu import swiglu_bwd
+    from agoq.kernels.swiglu_quant import dequant_swiglu_bwd, dequant_swiglu_fwd, swiglu_quantize
+
+    x = torch.randn(TOKENS, HIDDEN, device=dev, dtype=torch.bfloat16)
+    h = torch.randn(TOKENS, 2 * FFN, device=dev, dtype=torch.bfloat16)
+    gz = torch.randn(TOKENS, FFN, device=dev, dtype=torch.bfloat16)
+    rows = {}
+    for name in formats:
+        fmt = parse_format(name)
+        q = quantize(x, fmt)
+        for fast in (True, False):
+            previous = _fastlaunch.set_fast_launch(fast)
+            suffix = "" if fast else "_triton_run"
+            rows[f"quantize_{name}{suffix}"] = _host_us(lambda: quantize(x, fmt), calls, dev)  # noqa: B023
+            rows[f"dequantize_{name}{suffix}"] = _host_us(lambda: dequantize(q), calls, dev)  # noqa: B023
+            _fastlaunch.set_fast_launch(previous)
+    fmt = parse_format(formats[0])
+    qh = quantize(h, fmt)
+    rows["swiglu_bwd"] = _host_us(lambda: swiglu_bwd(h, gz), calls, dev)
+    rows["swiglu_quantize"] = _host_us(lambda: swiglu_quantize(h, fmt), calls, dev)
+    rows["dequant_swiglu_fwd"] = _host_us(lambda: dequant_swiglu_fwd(qh), calls, dev)
+    rows["dequant_swiglu_bwd"] = _host_us(lambda: dequant_swiglu_bwd(qh, gz), calls, dev)
+    return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--formats", nargs="+", default=["nf4_b64", "int8_b128", "int4_b64"])
+    p.add_argument("--smoke", action="store_true", help="CPU, reference ops, few calls: checks the script runs")
     p.add_argument("--json")
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the N top functions (tottime) "
                    "of the RMSNorm and SwiGLU saving-input steps under cProfile")
     args = p.parse_args(argv)
     from agoq.formats import parse_format
-    from agoq.kernels.quant import dequantize, quantize
-    from agoq.kernels.swiglu import swiglu_bwd
-    from agoq.ops.saved_act import rmsnorm_saving_input, swiglu_saving_input
 
-    dev = torch.device("cuda")
-    x = torch.randn(4, 512, device=dev, dtype=torch.bfloat16)
-    h = torch.randn(4, 1024, device=dev, dtype=torch.bfloat16)
-    rows = {"torch_add": _host_us(lambda: x + x, args.calls)}
-    for name in args.formats:
-        fmt = parse_format(name)
-        q = quantize(x, fmt)
-        rows[f"quantize_{name}"] = _host_us(lambda: quantize(x, fmt), args.calls)
-        rows[f"dequantize_{name}"] = _host_us(lambda: dequantize(q), args.calls)
-    rows["swiglu_bwd"] = _host_us(lambda: swiglu_bwd(h, x), args.calls)
-    fmt = parse_format(args.formats[0])
-    xr = x.clone().requires_grad_(True)
-    w = torch.ones(512, device=dev, dtype=torch.bfloat16, requires_grad=True)
-
-    def norm_step():
-        y, _ = rmsnorm_saving_input(xr, w, 1e-5, fmt, (0, "norm_in"))
-        y.sum().backward()
-
-    hr = h.clone().requires_grad_(True)
-
-    def swiglu_step():
-        z, _ = swiglu_saving_input(hr, fmt, (0, "swiglu_in"))
-        z.sum().backward()
-
-    def plain_norm_step():
-        torch.nn.functional.rms_norm(xr, (512,), w, 1e-5).sum().backward()
-
-    rows["rmsnorm_saving_input_fwd_bwd"] = _host_us(norm_step, args.calls // 4)
-    rows["plain_rms_norm_fwd_bwd"] = _host_us(plain_norm_step, args.calls // 4)
-    rows["swiglu_saving_input_fwd_bwd"] = _host_us(swiglu_step, args.calls // 4)
+    dev = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    calls = 8 if args.smoke else args.calls
+    t = torch.ones(TOKENS, HIDDEN, device=dev, dtype=torch.bfloat16)
+    rows = {"torch_add": _host_us(lambda: t + t, calls, dev)}
+    if dev.type == "cuda":
+        rows.update(kernel_rows(dev, args.formats, calls))
+    steps = path_steps(dev, parse_format(args.formats[0]))
+    for name, fn in steps.items():
+        rows[name] = _host_us(fn, max(2, calls // 4), dev)
+        if not name.startswith("plain_"):
+            with legacy_paths():
+                rows[f"{name}_legacy"] = _host_us(fn, max(2, calls // 4), dev)
+    for pair, (saving, plain) in PAIRS.items():
+        rows[f"ratio_{pair}"] = round(rows[saving] / rows[plain], 3)
+        rows[f"ratio_{pair}_legacy"] = round(rows[f"{saving}_legacy"] / rows[plain], 3)
     if args.cprofile:
         import cProfile
         import pstats
 
-        for name, fn in (("rmsnorm", norm_step), ("swiglu", swiglu_step)):
+        for name in ("rmsnorm_saving_then_linear_fwd_bwd", "swiglu_saving_then_linear_fwd_bwd"):
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(200):
-                fn()
+                steps[name]()
             prof.disable()
-            torch.cuda.synchronize()
-            print(f"--- cProfile: {name}_saving_input fwd+bwd x 200")
+            _sync(dev)
+            print(f"--- cProfile: {name} x 200")
             pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
     for k, v in rows.items():
-        print(f"{k:40s} {v:8.1f} us/call")
+        print(f"{k:48s} {v:9.2f} {'x' if k.startswith('ratio_') else 'us/call'}")
     if args.json:
         import triton
 
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                               "triton": triton.__version__, "host_us_per_call": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({
+            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke: reference ops)",
+            "torch": torch.__version__, "triton": triton.__version__, "tokens": TOKENS, "hidden": HIDDEN,
+            "ffn": FFN, "host_us_per_call": rows}, indent=1))
     return 0
 
 

@@ -3,6 +3,13 @@
 GPU (the issue's benchmark, ~1B LLaMA, seq 4096)::
 
     python scripts/bench_memory.py --policies bf16 agoq int8 --steps 6 --json out.json
+    # host cost at small micro-batches, with the old launch path / SwiGLU as an in-process A/B (< 5 min):
+    python scripts/bench_memory.py --policies bf16 agoq agoq@legacy --mbs 1 2 4 --steps 8 --json out.json
+
+``<policy>@legacy`` runs the policy with agoq's direct Triton launches and fused SwiGLU kernels switched
+off (scripts/bench_launch.py's ``legacy_paths``): the launch path and SwiGLU of the code before the
+host-cost work (its glue trimming stays), timed in the same process, so the comparison does not depend
+on the leased host's speed.
 
 CPU smoke (tiny model; byte counts are exact, times and peaks are not meaningful)::
 
@@ -27,6 +34,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))  # bench_launch.legacy_paths
 
 LLAMA_1B = dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=5632,
                 seq_length=4096, vocab_size=32000)
@@ -66,6 +74,17 @@ def _batch(shape_kw, mbs, device):
 
 
 def measure(shape_kw, policy, mbs, steps, device, reference=None) -> tuple[dict, object]:
+    """One row; ``policy`` may end in ``@legacy`` (see the module docstring)."""
+    name, _, variant = policy.partition("@")
+    if variant not in ("", "legacy"):
+        raise ValueError(f"unknown policy variant {policy!r}: use <policy> or <policy>@legacy")
+    if variant:
+        from bench_launch import legacy_paths
+
+        with legacy_paths():
+            row, model = measure(shape_kw, name, mbs, steps, device, reference)
+        row["policy"] = policy
+        return row, model
     from agoq.megatron.activations import SavedTensorMeter
     from agoq.plan.storage import LayerDims, agoq_bytes, megatron_bytes
 
@@ -100,7 +119,8 @@ def measure(shape_kw, policy, mbs, steps, device, reference=None) -> tuple[dict,
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0 if device.type == "cuda" else None
     profile = _profile_step(model, tokens, pos, labels, device) if PROFILE_TOP else None
     return {"profile_top": profile,
-            "policy": policy, "held_layer_bytes": held_layers, "head_bytes": meter.bytes_by_layer.get(None, 0),
+            "policy": policy, "mbs": mbs, "held_layer_bytes": held_layers,
+            "head_bytes": meter.bytes_by_layer.get(None, 0),
             "planner_layer_bytes": predicted, "peak_bytes": peak,
             "step_s_median": statistics.median(times[1:] or times),
             "fwd_bwd_host_s_median": statistics.median(host_times[1:] or host_times),
@@ -141,7 +161,7 @@ def _profile_step(model, tokens, pos, labels, device) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--policies", nargs="+", default=["bf16", "agoq", "int8"])
-    p.add_argument("--mbs", type=int, default=1)
+    p.add_argument("--mbs", type=int, nargs="+", default=[1], help="micro-batch sizes (each a set of rows)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (2 steps)")
     p.add_argument("--json")
@@ -160,19 +180,23 @@ def main(argv=None) -> int:
     runtime.init_distributed(device)
     runtime.init_model_parallel(ParallelLayout(), seed=1234, device=device)
     shape_kw, steps = (TINY, 2) if args.smoke else (LLAMA_1B, args.steps)
-    rows, reference = [], None
+    rows, reference, bases = [], None, {}
     try:
-        for policy in ["bf16"] + [x for x in args.policies if x != "bf16"]:
-            row, model = measure(shape_kw, policy, args.mbs, steps, device, reference)
-            reference = reference or model
-            rows.append(row)
+        for mbs in args.mbs:
+            for policy in ["bf16"] + [x for x in args.policies if x != "bf16"]:
+                row, model = measure(shape_kw, policy, mbs, steps, device, reference)
+                reference = reference or model
+                del model
+                bases.setdefault(mbs, row)
+                rows.append(row)
     finally:
         runtime.shutdown()
         handle.uninstall()
-    base = rows[0]
     for row in rows:
+        base = bases[row["mbs"]]  # the bf16 row of the same micro-batch size
         row["activation_ratio_vs_bf16"] = row["held_layer_bytes"] / base["held_layer_bytes"]
         row["step_time_ratio_vs_bf16"] = row["step_s_median"] / base["step_s_median"]
+        row["host_ratio_vs_bf16"] = row["fwd_bwd_host_s_median"] / base["fwd_bwd_host_s_median"]
         row["planner_error"] = row["held_layer_bytes"] / row["planner_layer_bytes"] - 1
         print(json.dumps({k: v for k, v in row.items() if k != "profile_top"}))
     if args.json:

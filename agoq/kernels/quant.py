@@ -12,12 +12,15 @@ round ties to even, so fp8 *quantize* is checked on GPU only; everything else ru
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from agoq.formats import QuantFormat, parse_format
 from agoq.kernels import _launch
+from agoq.kernels._fastlaunch import FastKernel
 from agoq.kernels._quant_math import _encode_scale, _pow2_value, gather_nc  # noqa: F401 (optim imports the first two)
 from agoq.kernels._quant_tile import _quantize_fwd_kernel
 from agoq.ref.quant import QuantizedTensor, check_input, ref_dequantize, ref_quantize
@@ -200,40 +203,65 @@ def quantize_with_config(
     check_input(x, fmt, seed)
     if not fmt.quantized or x.numel() == 0:
         return ref_quantize(x, fmt, seed=seed)  # a plain cast (or nothing): no kernel needed
-    x_flat = x.detach().reshape(-1).contiguous()
-    num_blocks = fmt.num_blocks(x.numel())
-    codes_u8 = torch.empty(fmt.code_bytes(x.numel()), dtype=torch.uint8, device=x.device)
-    scales = torch.empty(num_blocks, dtype=_launch.TORCH_SCALE_DTYPES[fmt.scale], device=x.device)
+    x_flat = x.detach()  # the kernel reads the flat memory: no reshape needed when contiguous
+    if not x_flat.is_contiguous():
+        x_flat = x_flat.contiguous()
+    numel = x_flat.numel()
+    launch, scale_dtype, consts = _quantize_plan(fmt, config)
+    num_blocks = fmt.num_blocks(numel)
+    codes_u8 = torch.empty(fmt.code_bytes(numel), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(num_blocks, dtype=scale_dtype, device=x.device)
+    grid = (triton.cdiv(num_blocks, consts[0]),)
+    if _launch.uses_bytes_kernel(fmt):
+        launch(grid, x_flat, codes_u8, scales, numel, num_blocks, *consts[1:])
+    else:
+        launch(grid, x_flat, codes_u8, scales, _launch.nf4_lut(str(x.device)), numel, num_blocks,
+               _launch.seed_mix(seed), *consts[1:])  # fmt: skip
+    return QuantizedTensor(codes_u8, scales, fmt, x.shape, x.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _quantize_plan(fmt: QuantFormat, config: _launch.QuantConfig) -> tuple:
+    """(launcher, scale dtype, (ROWS, constexprs in signature order)) of quantize for one format and
+    launch config: built once, so a launch costs no per-call dict or format work."""
     rows = _launch.rows_for(fmt, config.elems_per_program)
-    grid = (triton.cdiv(num_blocks, rows),)
     ce = _launch.constexprs(fmt)
     if _launch.uses_bytes_kernel(fmt):
-        _quantize_bytes_kernel[grid](
-            x_flat, codes_u8, scales, x.numel(), num_blocks, num_warps=config.num_warps,
-            enable_fp_fusion=False, KIND=ce["KIND"], BLOCK=fmt.block, ROWS=rows, SCALE=ce["SCALE"],
-            QMAX=ce["QMAX"], FP8_DTYPE=ce["FP8_DTYPE"],
-        )  # fmt: skip
+        launch = _fast(_quantize_bytes_kernel, config.num_warps)
+        consts = (rows, ce["KIND"], fmt.block, rows, ce["SCALE"], ce["QMAX"], ce["FP8_DTYPE"])
     else:
-        _quantize_fwd_kernel[grid](
-            x_flat, codes_u8, scales, _launch.nf4_lut(str(x.device)), x.numel(), num_blocks,
-            _launch.seed_mix(seed), num_warps=config.num_warps, enable_fp_fusion=False, ROWS=rows,
-            SUB=_launch.SUB_ELEMS, SPLIT=_launch.split_for(fmt, config), **ce,
-        )  # fmt: skip
-    return QuantizedTensor(codes_u8, scales, fmt, x.shape, x.dtype)
+        launch = _fast(_quantize_fwd_kernel, config.num_warps)
+        consts = (rows, ce["KIND"], ce["BITS"], ce["BLOCK"], rows, ce["SCALE"], ce["STOCHASTIC"], ce["QMAX"],
+                  ce["PLANE0"], ce["PLANE1"], ce["FP8_DTYPE"], _launch.SUB_ELEMS, _launch.split_for(fmt, config))
+    return launch, _launch.TORCH_SCALE_DTYPES[fmt.scale], consts
+
+
+@functools.lru_cache(maxsize=64)
+def _fast(kernel, num_warps: int) -> FastKernel:
+    """One cached direct launcher per (kernel, num_warps); all quant kernels run without FMA contraction."""
+    return FastKernel(kernel, num_warps=num_warps, enable_fp_fusion=False)
+
+
+@functools.lru_cache(maxsize=256)
+def _dequantize_plan(fmt: QuantFormat) -> tuple:
+    rows = _launch.rows_for(fmt, _launch.DEQUANT_ELEMS_PER_PROGRAM)
+    ce = _launch.constexprs(fmt)
+    consts = (ce["KIND"], ce["BITS"], ce["BLOCK"], rows, ce["SCALE"], ce["STOCHASTIC"], ce["QMAX"], ce["PLANE0"],
+              ce["PLANE1"], ce["FP8_DTYPE"])
+    return _fast(_dequantize_fwd_kernel, _launch.DEQUANT_NUM_WARPS), rows, consts
 
 
 def dequantize(q: QuantizedTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Triton twin of agoq.ref.quant.ref_dequantize."""
     out_dtype = q.dtype if out_dtype is None else out_dtype
-    if not q.fmt.quantized or q.numel == 0 or out_dtype not in _launch.TL_OUT_DTYPES:
-        return ref_dequantize(q, out_dtype)  # plain cast, empty, or the reference's dtype error
     fmt = q.fmt
-    out = torch.empty(q.shape, dtype=out_dtype, device=q.codes.device)
-    num_blocks = fmt.num_blocks(q.numel)
-    values_f32 = _launch.code_values(fmt, str(q.codes.device))
-    rows = _launch.rows_for(fmt, _launch.DEQUANT_ELEMS_PER_PROGRAM)
-    _dequantize_fwd_kernel[(triton.cdiv(num_blocks, rows),)](
-        q.codes, q.scales, out, values_f32, q.numel, num_blocks,
-        num_warps=_launch.DEQUANT_NUM_WARPS, enable_fp_fusion=False, ROWS=rows, **_launch.constexprs(fmt),
-    )  # fmt: skip
+    numel = q.numel
+    if not fmt.quantized or numel == 0 or out_dtype not in _launch.TL_OUT_DTYPES:
+        return ref_dequantize(q, out_dtype)  # plain cast, empty, or the reference's dtype error
+    device = q.codes.device
+    out = torch.empty(q.shape, dtype=out_dtype, device=device)
+    num_blocks = fmt.num_blocks(numel)
+    launch, rows, consts = _dequantize_plan(fmt)
+    launch((triton.cdiv(num_blocks, rows),), q.codes, q.scales, out, _launch.code_values(fmt, str(device)), numel,
+           num_blocks, *consts)  # fmt: skip
     return out

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from agoq.kernels._fastlaunch import FastKernel
+
 __all__ = ["swiglu_fwd", "swiglu_bwd"]
 
 BLOCK_F = 1024  # columns per program: 4 warps x 32 lanes x 8 bf16 (one 16-byte vector each)
@@ -88,6 +90,11 @@ def _swiglu_fwd_kernel(
     tl.store(out_ptr + row * F + cols, z.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+# direct launchers (agoq.kernels._fastlaunch): every parameter positionally, in signature order
+_BWD = FastKernel(_swiglu_bwd_kernel, num_warps=NUM_WARPS)
+_FWD = FastKernel(_swiglu_fwd_kernel, num_warps=NUM_WARPS)
+
+
 def _scale_mode(fc1_out: torch.Tensor, grad_z: torch.Tensor, s: torch.Tensor | None) -> int:
     if s is None:
         return SCALE_NONE
@@ -120,9 +127,7 @@ def swiglu_bwd(fc1_out: torch.Tensor, grad_z: torch.Tensor, s: torch.Tensor | No
     h = fc1_out.contiguous()
     gz = grad_z.contiguous()
     s_flat = h if s is None else s.contiguous().reshape(-1)
-    _swiglu_bwd_kernel[(rows, triton.cdiv(ffn, BLOCK_F))](
-        h, gz, s_flat, out, ffn, SCALE_MODE=mode, BLOCK=BLOCK_F, num_warps=NUM_WARPS
-    )
+    _BWD((rows, triton.cdiv(ffn, BLOCK_F)), h, gz, s_flat, out, ffn, mode, BLOCK_F)
     return out
 
 
@@ -139,6 +144,5 @@ def swiglu_fwd(fc1_out: torch.Tensor, s: torch.Tensor | None = None) -> torch.Te
         return out
     h = fc1_out.contiguous()
     s_flat = h if s is None else s.contiguous().reshape(-1)
-    _swiglu_fwd_kernel[(rows, triton.cdiv(ffn, BLOCK_F))](h, s_flat, out, ffn, SCALE_MODE=mode, BLOCK=BLOCK_F,
-                                                          num_warps=NUM_WARPS)  # fmt: skip
+    _FWD((rows, triton.cdiv(ffn, BLOCK_F)), h, s_flat, out, ffn, mode, BLOCK_F)
     return out

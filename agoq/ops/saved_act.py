@@ -22,7 +22,6 @@ Shape legend: T = tokens (any leading dims), H = hidden, F2 = 2 x FFN (SwiGLU in
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import weakref
@@ -94,17 +93,24 @@ class SavedBytesCounter:
     tensors: dict[Key, int] = field(default_factory=dict)
     live: int = 0
     peak: int = 0
+    # weak references to the codes still held, each with a callback that releases its bytes (a plain
+    # weakref: weakref.finalize costs several times more host time, and this runs per saved tensor)
+    _held: set = field(default_factory=set, repr=False, compare=False)
 
     def add(self, key: Key, q: QuantizedTensor) -> None:
         nbytes = q.nbytes
         self.packed[key] = self.packed.get(key, 0) + nbytes
         self.tensors[key] = self.tensors.get(key, 0) + 1
         self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(q.codes, self._release, nbytes)
+        if self.live > self.peak:
+            self.peak = self.live
+        held = self._held
 
-    def _release(self, nbytes: int) -> None:
-        self.live -= nbytes
+        def release(ref, nbytes=nbytes):
+            held.discard(ref)
+            self.live -= nbytes
+
+        held.add(weakref.ref(q.codes, release))
 
     def reset(self) -> None:
         """Forget cumulative counts and the peak (live bytes stay: they are still held)."""
@@ -134,7 +140,7 @@ def quantize_saved(
             f"quantize_saved needs a quantized format, got {fmt.name!r}; bf16 roles save the tensor as is"
         )
     quantize, _ = quant_ops(x.device)
-    q = quantize(x.detach(), fmt)
+    q = quantize(x, fmt)  # both implementations quantize a detached view
     if counter is not None:
         counter.add(key, q)
     return q
@@ -149,15 +155,19 @@ def _dequantize(q: QuantizedTensor) -> torch.Tensor:
 class RecomputeStash:
     """The quantized input of a recomputable op (RMSNorm or SwiGLU) and how to redo its forward.
 
-    The op's own backward and the next linear's backward both read the dequantized input; it is
-    dequantized once (on first use) and dropped when the op's backward has consumed it.
-    ``output_ptr`` is the data pointer of the op's forward output, so the next linear can check
-    that its input really is that output before it stores a handle instead of the tensor.
+    The op's own backward and the next linear's backward both read the input; it is dequantized once
+    (on first use) and dropped when the op's backward has consumed it. ``from_codes=True`` (the fused
+    SwiGLU kernels): ``forward_fn`` takes the QuantizedTensor itself and nothing is dequantized into a
+    separate tensor. ``output_ptr`` is the data pointer of the op's forward output, so the next linear
+    can check that its input really is that output before it stores a handle instead of the tensor.
     """
 
-    def __init__(self, q: QuantizedTensor, forward_fn: Callable[[torch.Tensor], torch.Tensor]):
+    __slots__ = ("q", "forward_fn", "output_ptr", "_x_hat", "aux", "from_codes")
+
+    def __init__(self, q: QuantizedTensor, forward_fn: Callable, from_codes: bool = False):
         self.q = q
         self.forward_fn = forward_fn
+        self.from_codes = from_codes
         self.output_ptr: int | None = None
         self._x_hat: torch.Tensor | None = None
         self.aux: dict = {}  # what a recompute leaves for the op's own backward (RMSNorm: rstd)
@@ -168,8 +178,10 @@ class RecomputeStash:
         return self._x_hat
 
     def recomputed_output(self) -> torch.Tensor:
-        """The op's forward output rebuilt from the dequantized input (no autograd graph)."""
+        """The op's forward output rebuilt from the stored input (no autograd graph)."""
         with torch.no_grad():
+            if self.from_codes:
+                return self.forward_fn(self.q)
             if getattr(self.forward_fn, "takes_aux", False):
                 return self.forward_fn(self.dequantized(), self.aux)
             return self.forward_fn(self.dequantized())
@@ -179,6 +191,12 @@ class RecomputeStash:
         x_hat = self.dequantized()
         self._x_hat, self.q = None, None
         return x_hat
+
+    def consume_codes(self) -> QuantizedTensor:
+        """The quantized input for a backward that reads the codes itself; the stash lets go of it."""
+        q = self.q
+        self._x_hat, self.q = None, None
+        return q
 
 
 class _Saved:
@@ -224,52 +242,74 @@ def saved_input_handle(target: torch.Tensor, *, fmt: QuantFormat | None = None, 
     return _QuantizedSave(quantize_saved(target, fmt, key, counter))
 
 
-@contextlib.contextmanager
-def quantized_saves(target: torch.Tensor, *, fmt: QuantFormat | None = None, stash: RecomputeStash | None = None,
-                    key: Key = (None, ""), counter: SavedBytesCounter | None = None):
+class quantized_saves:  # noqa: N801 - used as a function-style context manager: `with quantized_saves(...)`
     """Inside this scope, the autograd op that saves ``target`` stores it low-bit instead.
 
     Exactly one of ``fmt`` (quantize the saved copy) or ``stash`` (store nothing; rebuild the
     tensor from the stash in backward) is given. Other saved tensors pass through unchanged.
     Raises RuntimeError after the scope if ``target`` was saved zero or several times while grad
     was enabled (the wrapped op no longer saves what agoq expects: a Megatron change).
+    A class rather than a generator context manager: it runs around every linear of every layer, and
+    the generator machinery is host time (docs/activations.md, "Host cost").
     """
-    if (fmt is None) == (stash is None):
-        raise ValueError("quantized_saves needs exactly one of fmt= or stash=")
-    if stash is not None:
-        _check_stash_feeds(stash, target)
-    hits = []
 
-    def pack(t: torch.Tensor):
+    __slots__ = ("target", "fmt", "stash", "key", "counter", "hits", "_hooks")
+
+    def __init__(self, target: torch.Tensor, *, fmt: QuantFormat | None = None, stash: RecomputeStash | None = None,
+                 key: Key = (None, ""), counter: SavedBytesCounter | None = None):
+        if (fmt is None) == (stash is None):
+            raise ValueError("quantized_saves needs exactly one of fmt= or stash=")
+        if stash is not None:
+            _check_stash_feeds(stash, target)
+        self.target, self.fmt, self.stash, self.key, self.counter = target, fmt, stash, key, counter
+        self.hits = 0
+        self._hooks = None
+
+    def _pack(self, t: torch.Tensor):
+        target = self.target
         if t is target or (t.data_ptr() == target.data_ptr() and t.shape == target.shape and t.dtype == target.dtype):
-            hits.append(1)
-            if stash is not None:
-                return _RecomputeSave(stash)
-            return _QuantizedSave(quantize_saved(t, fmt, key, counter))
+            self.hits += 1
+            if self.stash is not None:
+                return _RecomputeSave(self.stash)
+            return _QuantizedSave(quantize_saved(t, self.fmt, self.key, self.counter))
         return t
 
-    def unpack(obj):
-        return obj.materialize() if isinstance(obj, _Saved) else obj
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_saved)
+        self._hooks.__enter__()
+        return self
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
-    if torch.is_grad_enabled() and target.requires_grad and len(hits) != 1:
-        raise RuntimeError(
-            f"agoq: expected the wrapped op to save its input once, it saved it {len(hits)} times "
-            f"(layer/role {key}); megatron-core changed LinearWithGradAccumulationAndAsyncCommunication"
-        )
+    def __exit__(self, exc_type, exc, tb):
+        self._hooks.__exit__(exc_type, exc, tb)
+        self._hooks = None
+        target = self.target
+        if exc_type is None and torch.is_grad_enabled() and target.requires_grad and self.hits != 1:
+            raise RuntimeError(
+                f"agoq: expected the wrapped op to save its input once, it saved it {self.hits} times "
+                f"(layer/role {self.key}); megatron-core changed LinearWithGradAccumulationAndAsyncCommunication"
+            )
+        return False
+
+
+def _unpack_saved(obj):
+    return obj.materialize() if isinstance(obj, _Saved) else obj
 
 
 # --------------------------------------------------------------------------------- RMSNorm ----
+# ATen's fused RMSNorm, called without the Python dispatch of torch.ops where torch exposes a binding
+_fused_rms_norm = getattr(torch, "_fused_rms_norm", None) or torch.ops.aten._fused_rms_norm
+
+
 class _RMSNormSavingInput(torch.autograd.Function):
     """y = rms_norm(x) * w, storing only quantized x; backward recomputes the norm from x_hat."""
 
     @staticmethod
-    def forward(ctx, x_TH, weight_H, eps, stash_holder):
+    def forward(ctx, x_TH, weight_H, eps, fmt, key, counter, out):
         y_TH = F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps)
-        stash = stash_holder["make"](x_TH, _norm_recompute(weight_H.detach(), eps))
+        # the recompute runs under no_grad: the weight itself (no detach call) builds no graph
+        stash = RecomputeStash(quantize_saved(x_TH, fmt, key, counter), _norm_recompute(weight_H, eps))
         stash.output_ptr = y_TH.data_ptr()
-        stash_holder["stash"] = stash
+        out.append(stash)
         ctx.stash, ctx.eps = stash, eps
         ctx.save_for_backward(weight_H)  # a parameter: no activation memory
         return y_TH
@@ -277,19 +317,19 @@ class _RMSNormSavingInput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y_TH):
         (weight_H,) = ctx.saved_tensors
-        rstd_T1 = ctx.stash.aux.pop("rstd", None)  # kept when the next linear recomputed the output
-        x_hat = ctx.stash.consume()
-        ctx.stash = None
+        stash, ctx.stash = ctx.stash, None
+        rstd_T1 = stash.aux.pop("rstd", None)  # kept when the next linear recomputed the output
+        x_hat = stash.consume()
         if x_hat.is_cuda:
             # ATen's fused RMSNorm backward straight from x_hat (what autograd of F.rms_norm runs on
             # CUDA, so the gradients are the same bits), without a re-entrant autograd.grad (host cost).
             width = [x_hat.shape[-1]]
             if rstd_T1 is None:
-                _, rstd_T1 = torch.ops.aten._fused_rms_norm(x_hat, width, weight_H, ctx.eps)
+                _, rstd_T1 = _fused_rms_norm(x_hat, width, weight_H, ctx.eps)
             grad_x, grad_w = torch.ops.aten._fused_rms_norm_backward(
                 grad_y_TH.contiguous(), x_hat, width, rstd_T1, weight_H, list(ctx.needs_input_grad[:2])
             )
-            return grad_x, grad_w, None, None
+            return grad_x, grad_w, None, None, None, None, None
         with torch.enable_grad():
             x = x_hat.detach().requires_grad_(ctx.needs_input_grad[0])
             w = weight_H.detach().requires_grad_(ctx.needs_input_grad[1])
@@ -298,7 +338,7 @@ class _RMSNormSavingInput(torch.autograd.Function):
             grads = iter(torch.autograd.grad(y, inputs, grad_y_TH)) if inputs else iter(())
         grad_x = next(grads) if ctx.needs_input_grad[0] else None
         grad_w = next(grads) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def _norm_recompute(weight_H: torch.Tensor, eps: float) -> Callable:
@@ -307,16 +347,12 @@ def _norm_recompute(weight_H: torch.Tensor, eps: float) -> Callable:
 
     def forward_fn(x_hat_TH: torch.Tensor, aux: dict) -> torch.Tensor:
         if x_hat_TH.is_cuda:
-            y_TH, aux["rstd"] = torch.ops.aten._fused_rms_norm(x_hat_TH, [x_hat_TH.shape[-1]], weight_H, eps)
+            y_TH, aux["rstd"] = _fused_rms_norm(x_hat_TH, [x_hat_TH.shape[-1]], weight_H, eps)
             return y_TH
         return F.rms_norm(x_hat_TH, (x_hat_TH.shape[-1],), weight_H, eps)
 
     forward_fn.takes_aux = True
     return forward_fn
-
-
-def _stash_maker(fmt: QuantFormat, key: Key, counter: SavedBytesCounter | None):
-    return lambda x, fn: RecomputeStash(quantize_saved(x, fmt, key, counter), fn)
 
 
 def rmsnorm_saving_input(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float, fmt: QuantFormat, key: Key,
@@ -329,9 +365,9 @@ def rmsnorm_saving_input(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float,
     """
     if not (torch.is_grad_enabled() and (x_TH.requires_grad or weight_H.requires_grad)):
         return F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps), None  # nothing is saved
-    holder = {"make": _stash_maker(fmt, key, counter)}
-    y_TH = _RMSNormSavingInput.apply(x_TH, weight_H, eps, holder)
-    return y_TH, holder["stash"]
+    out: list = []
+    y_TH = _RMSNormSavingInput.apply(x_TH, weight_H, eps, fmt, key, counter, out)
+    return y_TH, out[0]
 
 
 # ---------------------------------------------------------------------------------- SwiGLU ----
@@ -341,44 +377,81 @@ def swiglu_reference(h_TF2: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
     return F.silu(gate) * (up + offset if offset else up)  # no extra pass (and Megatron's -0.0) at offset 0
 
 
+FUSE_SWIGLU = True  # False: the unfused quantize + ATen SwiGLU path (benchmarks' A/B; tests)
+
+
+def _swiglu_fused(h_TF2: torch.Tensor, fmt: QuantFormat, offset: float) -> bool:
+    """CUDA, no GLU offset, and a shape / format agoq.kernels.swiglu_quant takes (its ``fusable``)."""
+    if not (FUSE_SWIGLU and h_TF2.is_cuda) or offset:
+        return False
+    from agoq.kernels.swiglu_quant import fusable
+
+    return fusable(h_TF2, fmt)
+
+
 class _SwiGLUSavingInput(torch.autograd.Function):
     """z = swiglu(h) [/ s], storing only quantized h (the fc1 output); backward recomputes SwiGLU.
 
     With Smooth-SwiGLU, ``scale_fn(h, swiglu(h)) -> s`` (no grad) is called once in forward; that s
     divides the output, is kept, and is the one used by the recompute and by backward (never
-    recomputed from the dequantized h, algorithms.md §4)."""
+    recomputed from the dequantized h, algorithms.md §4).
+
+    Fused path (CUDA, :func:`_swiglu_fused`): the forward is one kernel that writes z (Megatron's
+    values) and the codes of h (``swiglu_quantize``; with Smooth-SwiGLU the quantize is the plain one,
+    s needs the SwiGLU output first); the recompute for fc2 and the backward read the codes directly
+    (``dequant_swiglu_fwd`` / ``dequant_swiglu_bwd``), so no dequantized h is ever materialized."""
 
     @staticmethod
-    def forward(ctx, h_TF2, offset, stash_holder, scale_fn):
-        glu_TF = swiglu_reference(h_TF2, offset)
-        s = None if scale_fn is None else scale_fn(h_TF2, glu_TF)
-        z_TF = glu_TF if s is None else glu_TF / s.to(glu_TF.dtype)
-        stash = stash_holder["make"](h_TF2, _swiglu_recompute(offset, s))
+    def forward(ctx, h_TF2, offset, fmt, key, counter, scale_fn, out):
+        fused = _swiglu_fused(h_TF2, fmt, offset)
+        s = None
+        if fused and scale_fn is None:
+            from agoq.kernels.swiglu_quant import swiglu_quantize
+
+            z_TF, q = swiglu_quantize(h_TF2, fmt)
+            if counter is not None:
+                counter.add(key, q)
+        else:
+            glu_TF = swiglu_reference(h_TF2, offset)
+            s = None if scale_fn is None else scale_fn(h_TF2, glu_TF)
+            z_TF = glu_TF if s is None else glu_TF / s.to(glu_TF.dtype)
+            q = quantize_saved(h_TF2, fmt, key, counter)
+        stash = RecomputeStash(q, _swiglu_recompute(offset, s, fused), from_codes=fused)
         stash.output_ptr = z_TF.data_ptr()
-        stash_holder["stash"], stash_holder["scale"] = stash, s
-        ctx.stash, ctx.offset, ctx.scale = stash, offset, s
+        out.append(stash)
+        out.append(s)
+        ctx.stash, ctx.offset, ctx.scale, ctx.fused = stash, offset, s, fused
         return z_TF
 
     @staticmethod
     def backward(ctx, grad_z_TF):
-        h_hat = ctx.stash.consume()
-        ctx.stash = None
+        stash, ctx.stash = ctx.stash, None
+        if ctx.fused:
+            from agoq.kernels.swiglu_quant import dequant_swiglu_bwd
+
+            return dequant_swiglu_bwd(stash.consume_codes(), grad_z_TF, ctx.scale), None, None, None, None, None, None
+        h_hat = stash.consume()
         if h_hat.is_cuda and not ctx.offset:
             # One fused pass (agoq.kernels.swiglu, fp32 math, its reference is ref_swiglu_bwd_scaled)
             # instead of autograd re-running chunk/silu/mul and their backwards and a cat.
             from agoq.kernels.swiglu import swiglu_bwd
 
-            return swiglu_bwd(h_hat, grad_z_TF, ctx.scale), None, None, None
+            return swiglu_bwd(h_hat, grad_z_TF, ctx.scale), None, None, None, None, None, None
         with torch.enable_grad():
             h = h_hat.detach().requires_grad_(True)
             z = _smoothed(swiglu_reference(h, ctx.offset), ctx.scale)
             (grad_h,) = torch.autograd.grad(z, (h,), grad_z_TF)
-        return grad_h, None, None, None
+        return grad_h, None, None, None, None, None, None
 
 
-def _swiglu_recompute(offset: float, s: torch.Tensor | None) -> Callable:
-    """fc2's input rebuilt from the dequantized fc1 output (backward only): one fused Triton pass on
-    CUDA (agoq.kernels.swiglu.swiglu_fwd, fp32 math), Megatron's ops elsewhere or with an offset."""
+def _swiglu_recompute(offset: float, s: torch.Tensor | None, from_codes: bool) -> Callable:
+    """fc2's input rebuilt in backward: from the codes in one pass (``dequant_swiglu_fwd``) on the fused
+    path; else from the dequantized fc1 output with one Triton pass on CUDA (agoq.kernels.swiglu.swiglu_fwd,
+    fp32 math), Megatron's ops elsewhere or with an offset."""
+    if from_codes:
+        from agoq.kernels.swiglu_quant import dequant_swiglu_fwd
+
+        return lambda q: dequant_swiglu_fwd(q, s)
 
     def forward_fn(h_hat_TF2: torch.Tensor) -> torch.Tensor:
         if h_hat_TF2.is_cuda and not offset:
@@ -400,9 +473,9 @@ def swiglu_saving_input(h_TF2: torch.Tensor, fmt: QuantFormat, key: Key, counter
     """SwiGLU with Megatron's forward values; keeps ``fmt``-quantized h only. Returns (z, stash)."""
     if not (torch.is_grad_enabled() and h_TF2.requires_grad):
         return swiglu_reference(h_TF2, offset), None  # nothing is saved
-    holder = {"make": _stash_maker(fmt, key, counter)}
-    z_TF = _SwiGLUSavingInput.apply(h_TF2, offset, holder, None)
-    return z_TF, holder["stash"]
+    out: list = []
+    z_TF = _SwiGLUSavingInput.apply(h_TF2, offset, fmt, key, counter, None, out)
+    return z_TF, out[0]
 
 
 def smooth_swiglu_saving_input(h_TF2: torch.Tensor, scale_fn: Callable, fmt: QuantFormat, key: Key,
@@ -415,6 +488,6 @@ def smooth_swiglu_saving_input(h_TF2: torch.Tensor, scale_fn: Callable, fmt: Qua
             glu = swiglu_reference(h_TF2)
             s = scale_fn(h_TF2, glu)
         return _smoothed(glu, s), s, None
-    holder = {"make": _stash_maker(fmt, key, counter)}
-    z_TF = _SwiGLUSavingInput.apply(h_TF2, 0.0, holder, scale_fn)
-    return z_TF, holder["scale"], holder["stash"]
+    out: list = []
+    z_TF = _SwiGLUSavingInput.apply(h_TF2, 0.0, fmt, key, counter, scale_fn, out)
+    return z_TF, out[1], out[0]

@@ -59,6 +59,14 @@ def recording(module, kernel_name: str) -> Iterator[Recorder]:
     """Swap ``module.<kernel_name>`` for a Recorder for the duration of the block."""
     original = getattr(module, kernel_name)
     rec = Recorder()
+    if hasattr(original, "fn") and hasattr(original, "options"):  # a FastKernel: it launches through .fn
+        launcher, original = original, original.fn
+        launcher.fn = rec
+        try:
+            yield rec
+        finally:
+            launcher.fn = original
+        return
     setattr(module, kernel_name, rec)
     try:
         yield rec
@@ -216,7 +224,38 @@ def optim_calls(full: bool = False) -> Iterator[tuple[str, Callable[[], None]]]:
                 yield f"sgd m={m_fmt if mom else '-'} mom={mom} nesterov={nest} wd={wd} {tag}", sgd
 
 
-MODULES = {"optim": ("agoq.kernels.optim", "_optim_step_kernel", optim_calls)}
+# The saved-activation SwiGLU kernels: every activation-format family x dtype x Smooth-SwiGLU scale mode.
+SWIGLU_QUANT_FORMATS = ("nf4_b64", "int8_b128", "int4_b64", "int6_b64_sp2", "int4_b32_s16", "cint8_b32",
+                        "fp8e4m3_b128", "fp8e5m2_b256")  # fmt: skip
+
+
+def swiglu_quant_calls(full: bool = False) -> Iterator[tuple[str, Callable[[], None]]]:
+    """(label, call) for the launches of agoq.kernels.swiglu_quant (forward, and both backward modes)."""
+    from agoq.formats import parse_format
+    from agoq.kernels import swiglu_quant as k
+    from agoq.ref.quant import ref_quantize
+
+    for name, dt in itertools.product(SWIGLU_QUANT_FORMATS, (torch.bfloat16, torch.float16, torch.float32)):
+        fmt = parse_format(name)
+        ffn = 2 * k.TILE_ELEMS + fmt.block  # two whole tiles and a partial one
+        h = torch.zeros(3, 2 * ffn, dtype=dt)
+        q = ref_quantize(h, fmt)
+        gz = torch.zeros(3, ffn, dtype=dt)
+        yield f"swiglu_quantize {name} {dt}", lambda h=h, fmt=fmt: k.swiglu_quantize(h, fmt)
+        for mode, s in (("none", None), ("per_token", torch.ones(3, 1)), ("per_channel", torch.ones(ffn))):
+            yield f"dequant_swiglu_fwd {name} {dt} {mode}", lambda q=q, s=s: k.dequant_swiglu_fwd(q, s)
+            yield f"dequant_swiglu_bwd {name} {dt} {mode}", lambda q=q, gz=gz, s=s: k.dequant_swiglu_bwd(q, gz, s)
+
+
+def _only(calls, prefix):
+    return lambda full=False: ((label, c) for label, c in calls(full) if label.startswith(prefix))
+
+
+MODULES = {
+    "optim": ("agoq.kernels.optim", "_optim_step_kernel", optim_calls),
+    "swiglu_quant_fwd": ("agoq.kernels.swiglu_quant", "_FWD", _only(swiglu_quant_calls, "swiglu_quantize")),
+    "swiglu_quant_bwd": ("agoq.kernels.swiglu_quant", "_DQ", _only(swiglu_quant_calls, "dequant_swiglu")),
+}
 
 
 def record(module_key: str, full: bool = False) -> tuple[object, list[Launch]]:
@@ -224,6 +263,7 @@ def record(module_key: str, full: bool = False) -> tuple[object, list[Launch]]:
     mod_name, kernel_name, calls = MODULES[module_key]
     module = importlib.import_module(mod_name)
     kernel = getattr(module, kernel_name)
+    kernel = getattr(kernel, "fn", kernel)  # a FastKernel launches its .fn
     launches: list[Launch] = []
     with recording(module, kernel_name) as rec:
         for label, call in calls(full):

@@ -66,3 +66,62 @@ def test_swiglu_recompute_close_to_megatron_ops():
     expected = (F.silu(gate) * up).float()
     got = stash.recomputed_output().float()
     assert ((got - expected).abs() <= 2 * 2.0**-7 * expected.abs() + 1e-30).all()
+
+
+def test_swiglu_fused_forward_is_megatron_bitwise_and_codes_reference():
+    """The fused forward (agoq.kernels.swiglu_quant.swiglu_quantize) keeps Megatron's forward values and
+    stores the reference's codes."""
+    from agoq.ref.quant import ref_quantize
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    h = (3 * torch.randn(2, 129, 2 * 1536, device="cuda", generator=gen)).to(torch.bfloat16).requires_grad_(True)
+    z, stash = swiglu_saving_input(h, FMT, (0, "swiglu_in"))
+    gate, up = h.detach().chunk(2, dim=-1)
+    assert stash.from_codes, "CUDA + F % block == 0 must take the fused path"
+    assert torch.equal(z, F.silu(gate) * up)
+    ref = ref_quantize(h.detach(), FMT)
+    assert torch.equal(stash.q.codes, ref.codes) and torch.equal(stash.q.scales, ref.scales)
+
+
+def test_swiglu_fused_backward_bitwise_equal_to_unfused_path():
+    """Fused backward (codes read directly) == the unfused path (dequantize, swiglu_fwd / swiglu_bwd)."""
+    from agoq.ops import saved_act
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    h = torch.randn(3, 65, 2 * 1088, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
+    gz = torch.randn(3, 65, 1088, device="cuda", generator=gen).to(torch.bfloat16)
+    grads, recomputed = [], []
+    for fused in (True, False):
+        saved_act.FUSE_SWIGLU = fused
+        try:
+            z, stash = swiglu_saving_input(h, FMT, (0, "swiglu_in"))
+            assert stash.from_codes == fused
+            recomputed.append(stash.recomputed_output())
+            grads.append(torch.autograd.grad(z, (h,), gz)[0])
+        finally:
+            saved_act.FUSE_SWIGLU = True
+    assert torch.equal(recomputed[0], recomputed[1]) and torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("name", ["nf4_b64", "int8_b128", "int4_b64", "fp8e4m3_b128", "cint8_b32"])
+def test_direct_launch_equals_triton_launch(name):
+    """agoq.kernels._fastlaunch: the cached direct launch gives what Triton's own launch gives, also for
+    an unaligned view and sizes whose specialization differs (not a multiple of 16, one block)."""
+    from agoq.kernels import _fastlaunch
+    from agoq.kernels.quant import dequantize, quantize
+
+    fmt = parse_format(name)
+    base = torch.randn(4 * 4096 + 8, device="cuda").to(torch.bfloat16)
+    for x in (base[: 4 * 4096], base[1 : 1 + 4097], base[:fmt.block], base[:4096]):
+        outs = []
+        for fast in (True, True, False):  # the first fast call may compile; the second is direct
+            previous = _fastlaunch.set_fast_launch(fast)
+            try:
+                q = quantize(x, fmt)
+                outs.append((q, dequantize(q)))
+            finally:
+                _fastlaunch.set_fast_launch(previous)
+        for q, y in outs[1:]:
+            assert torch.equal(q.codes, outs[0][0].codes)
+            assert torch.equal(q.scales.view(torch.uint8), outs[0][0].scales.view(torch.uint8))
+            assert torch.equal(y.view(torch.int16), outs[0][1].view(torch.int16))

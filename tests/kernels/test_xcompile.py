@@ -59,3 +59,14 @@ def test_optim_kernel_variants_compile_for_sm90():
     assert summary, out[-2000:]
     compiled = int(summary[-1].split(": ")[1].split("/")[0])
     assert compiled >= 400, summary  # the table covers every format x master x optimizer, not a handful
+
+
+@pytest.mark.parametrize("module", ["swiglu_quant_fwd", "swiglu_quant_bwd"])
+def test_swiglu_quant_kernel_variants_compile_for_sm90(module):
+    """The saved-activation SwiGLU kernels (agoq.kernels.swiglu_quant): every activation format family x
+    dtype (x Smooth-SwiGLU scale mode for the backward kernel) compiles with the GPU's Triton."""
+    env = _env(_triton_dir())
+    proc = _run(["-m", "agoq.testing.xcompile", module], env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "FAIL" not in out, out[-8000:]
+    assert "variants compiled" in out, out[-2000:]

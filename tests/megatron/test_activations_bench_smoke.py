@@ -1,4 +1,5 @@
-"""scripts/bench_memory.py --smoke runs on CPU and reports the agoq policy exactly as the planner predicts."""
+"""scripts/bench_memory.py --smoke runs on CPU (several micro-batch sizes, the @legacy A/B row) and reports
+the agoq policy exactly as the planner predicts; scripts/bench_launch.py --smoke runs end to end."""
 
 from __future__ import annotations
 
@@ -19,9 +20,26 @@ def test_bench_memory_smoke(tmp_path):
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)  # an in-process megatron test may have set them (its port is still taken)
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_memory.py"), "--smoke",
-                           "--policies", "bf16", "agoq", "--json", str(out)],
+                           "--policies", "bf16", "agoq", "agoq@legacy", "--mbs", "1", "2", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rows["agoq"]["planner_error"] == 0.0  # CPU: every layer save of the agoq policy is modelled exactly
-    assert rows["agoq"]["activation_ratio_vs_bf16"] < 0.5
+    all_rows = json.loads(out.read_text())["rows"]
+    expected = [(m, p) for m in (1, 2) for p in ("bf16", "agoq", "agoq@legacy")]
+    assert [(r["mbs"], r["policy"]) for r in all_rows] == expected
+    for mbs in (1, 2):
+        rows = {r["policy"]: r for r in all_rows if r["mbs"] == mbs}
+        assert rows["agoq"]["planner_error"] == 0.0  # CPU: every layer save of the agoq policy is modelled exactly
+        assert rows["agoq"]["activation_ratio_vs_bf16"] < 0.5
+        assert rows["agoq@legacy"]["held_layer_bytes"] == rows["agoq"]["held_layer_bytes"]  # same storage, old code
+
+
+def test_bench_launch_smoke(tmp_path):
+    out = tmp_path / "launch.json"
+    script = str(REPO_ROOT / "scripts" / "bench_launch.py")
+    proc = subprocess.run([sys.executable, script, "--smoke", "--json", str(out)], capture_output=True, text=True,
+                          timeout=300, env=child_env(), cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["host_us_per_call"]
+    for pair in ("rmsnorm", "rmsnorm_linear", "swiglu", "swiglu_linear"):
+        assert rows[f"ratio_{pair}"] > 0 and rows[f"ratio_{pair}_legacy"] > 0
+    assert rows["rmsnorm_saving_then_linear_fwd_bwd_legacy"] > 0 and rows["torch_add"] > 0

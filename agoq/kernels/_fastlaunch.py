@@ -1,0 +1,134 @@
+"""Direct launches of already-compiled Triton kernels: the host cost of ``kernel[grid](...)`` without
+Triton's per-call binding.
+
+``JITFunction.run`` (Triton 3.6 and 3.8 alike) binds the arguments, builds a specialization list and a
+string cache key, checks the kernel's globals, builds launch metadata and only then calls
+``compiled.run(grid0, grid1, grid2, stream, function, packed_metadata, launch_metadata, enter_hook,
+exit_hook, *all_arguments)``. On the saved-activation path that binding is paid by every quantize /
+dequantize / SwiGLU launch (docs/benchmarks/activations_launch.json: 44-90 us of host time per agoq
+call against 9.6 us for ``torch.add``).
+
+:class:`FastKernel` keeps, per *specialization key*, the ``CompiledKernel`` that Triton's own ``run``
+returned the first time and afterwards makes exactly the final call above itself. The key is a
+superset of what Triton specializes on (Triton 3.6 / 3.8 ``specialize_impl``): per tensor its dtype
+and whether its data pointer is 16-byte aligned; per int whether it equals 1, is a multiple of 16 and
+fits int32; per float / bool / None its type; every constexpr by value; plus the device and the launch
+options. Two calls with the same key would therefore get the same compiled kernel from Triton.
+
+Rules: every kernel parameter is passed positionally, in signature order, constexprs included (as
+``JITFunction.run`` passes ``bound_args.values()``); launch options are fixed per FastKernel. Triton's
+own path is used (every call, not silently: it is the same kernel) under ``TRITON_INTERPRET=1``
+(no compiled kernel), when the first argument is not a CUDA tensor (CPU launch recorders such as
+scripts/xc_quant.py), when a launch hook is installed (profilers: they need launch metadata), and when
+``AGOQ_TRITON_FAST_LAUNCH=0`` (the escape hatch, read at import; :func:`set_fast_launch` at run time).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["FastKernel", "FAST_LAUNCH_ENV", "fast_launch_enabled", "set_fast_launch"]
+
+FAST_LAUNCH_ENV = "AGOQ_TRITON_FAST_LAUNCH"
+_ENABLED = os.environ.get(FAST_LAUNCH_ENV, "1") != "0"
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_ALIGN = 16  # bytes / divisor Triton specializes pointers and ints on ("D" attribute)
+
+
+def fast_launch_enabled() -> bool:
+    return _ENABLED
+
+
+def set_fast_launch(enabled: bool) -> bool:
+    """Switch direct launches on / off process-wide (benchmarks' A/B); returns the previous setting."""
+    global _ENABLED
+    previous, _ENABLED = _ENABLED, bool(enabled)
+    return previous
+
+
+def _arg_key(a):
+    """What Triton's specialization can see of a runtime argument (a superset of it)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % _ALIGN == 0)
+    if isinstance(a, bool):  # before int: bool is an int
+        return ("b",)
+    if isinstance(a, int):
+        return (a == 1, a % _ALIGN == 0, _INT32_MIN <= a <= _INT32_MAX, a >= 0)
+    if isinstance(a, float):
+        return ("f",)
+    if a is None:
+        return ("n",)
+    raise TypeError(f"FastKernel: unsupported runtime argument type {type(a).__name__}")
+
+
+def _no_hooks(runtime_knobs) -> bool:
+    """True when no launch hook would observe the launch (HookChain without calls, or None)."""
+    for name in ("launch_enter_hook", "launch_exit_hook"):
+        hook = getattr(runtime_knobs, name, None)
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
+class FastKernel:
+    """``FastKernel(jit_fn, num_warps=4)(grid, *args)`` launches ``jit_fn[grid](*args, **options)``.
+
+    ``args``: every parameter of the kernel, positionally and in order (constexprs included)."""
+
+    def __init__(self, jit_fn, **options):
+        self.fn = jit_fn
+        self.options = options
+        self._static = tuple(sorted(options.items()))
+        self._cache: dict = {}
+        params = getattr(jit_fn, "params", None)
+        # InterpretedFunction (TRITON_INTERPRET=1) has no compiled kernel to reuse
+        self._direct = hasattr(jit_fn, "device_caches") and params is not None
+        self._constexpr = tuple(bool(p.is_constexpr) for p in params) if params is not None else ()
+        self._triton = None
+
+    def _triton_mods(self):
+        if self._triton is None:
+            from triton import knobs
+            from triton.runtime import driver
+
+            active = driver.active
+            self._triton = (knobs.runtime, active.get_current_device, active.get_current_stream)
+        return self._triton
+
+    @staticmethod
+    def _on_gpu(args) -> bool:
+        return bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_cuda
+
+    def key(self, args) -> tuple:
+        if len(args) != len(self._constexpr):
+            raise TypeError(f"FastKernel({self.fn.__name__}): {len(args)} arguments for "
+                            f"{len(self._constexpr)} parameters; pass every parameter positionally")
+        return tuple(a if c else _arg_key(a) for a, c in zip(args, self._constexpr, strict=True))
+
+    def __call__(self, grid, *args) -> None:
+        if not (_ENABLED and self._direct and self._on_gpu(args)):
+            self.fn[grid](*args, **self.options)  # interpreter, CPU tensors (launch recorders), or switched off
+            return
+        runtime_knobs, get_device, get_stream = self._triton_mods()
+        if not _no_hooks(runtime_knobs):
+            self.fn[grid](*args, **self.options)
+            return
+        device = get_device()
+        key = (device, self._static, self.key(args))
+        entry = self._cache.get(key)
+        if entry is None:
+            compiled = self.fn[grid](*args, **self.options)  # compiles (once) and launches
+            if hasattr(compiled, "result"):  # async compilation future (Triton 3.6)
+                compiled = compiled.result()
+            if all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
+                self._cache[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            return  # else (a patched run returned no compiled kernel): Triton's path again next time
+        run, function, metadata = entry
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        run(grid[0], g1, g2, get_stream(device), function, metadata, None, None, None, *args)
+
+    def cache_size(self) -> int:
+        return len(self._cache)
