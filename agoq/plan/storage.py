@@ -178,7 +178,7 @@ def megatron_bytes(storage: LayerStorage, dims: LayerDims) -> dict[str, int]:
     return out
 
 
-LOSS_BYTES_PER_TOKEN = 24  # int64 target + masks + fp32 rstd of the final norm, per token (CPU meter: 21 B + 8)
+LOSS_BYTES_PER_TOKEN = 21  # final-norm fp32 rstd 4 + int64 masked target 8 + int64 target 8 + bool mask 1
 
 
 def head_saved_bytes(dims: LayerDims, vocab: int) -> int:
@@ -186,7 +186,7 @@ def head_saved_bytes(dims: LayerDims, vocab: int) -> int:
 
     Megatron's vocab_parallel_cross_entropy turns the fp32 copy of the logits (``logits.float()``) into
     exp(logits - max) in place and keeps it (4 B x T x V); the output layer keeps its input and the
-    final RMSNorm its input (2 x bf16 [T, h]); targets, masks and rstd ~24 B per token. Matches
+    final RMSNorm its input (2 x bf16 [T, h]); targets, mask and rstd 21 B per token. Matches
     SavedTensorMeter's head bytes in docs/benchmarks/activations*.json (CUDA) to 8 bytes."""
     t = dims.tokens
     return FP32_BYTES * t * (vocab // dims.tp) + 2 * BF16_BYTES * t * dims.hidden + LOSS_BYTES_PER_TOKEN * t
