@@ -227,3 +227,27 @@ def format_peaks(peaks: list[StagePeak]) -> str:
                if p.phase == "forward/backward" else f" + step temporaries {p.step_extra / GIB:.2f}")
             + " GiB")
     return "\n".join(lines)
+
+
+def choose_by_peak(shape: ModelShape, layout: Layout, candidates, budget: int, recipe: Recipe = Recipe()):
+    """(name, report) of the first candidate policy (richest first) whose predicted peak fits ``budget`` on
+    every stage, else (None, report); report = [(name, [StagePeak, ...]), ...] of the candidates tried."""
+    report = []
+    for name, policy in candidates:
+        peaks = predict_peaks(shape, layout, policy, recipe)
+        report.append((name, peaks))
+        if all(p.peak <= budget for p in peaks):
+            return name, report
+    return None, report
+
+
+def format_peak_report(report, budget: int) -> str:
+    lines = [f"budget {budget / GIB:.2f} GiB per GPU (predicted peak: agoq.plan.peak)"]
+    for name, peaks in report:
+        for p in peaks:
+            fits = "fits" if p.peak <= budget else "DOES NOT FIT"
+            lines.append(
+                f"{name:>12}  stage {p.pp_rank}  persistent {p.persistent / GIB:6.2f}  activations "
+                f"{p.held / GIB:7.2f}  transient {p.transient / GIB:5.2f}  step {p.step_extra / GIB:5.2f}  "
+                f"peak {p.peak / GIB:7.2f} GiB ({p.phase})  {fits}")
+    return "\n".join(lines)
