@@ -4,7 +4,8 @@ Every variant runs the real script (torchrun, one process per GPU) in this one i
 baseline and the variants share the device, the versions and the data. The script's ``--log-json``
 records are summarised as: median tokens/s and step time over the iterations after ``--warmup``,
 the peak of ``torch.cuda.max_memory_allocated`` (the logging rank, i.e. the last pipeline stage) and
-the first/last loss.
+the first/last loss, and the planner's predicted peak of the same stage (``agoq.plan.peak``, written by
+the script at start-up: ``predicted_peak_gib``, ``predicted_peak_error``; docs/benchmarks/planner.md).
 
     python scripts/bench_pretrain.py --suite attention --out docs/benchmarks/pretrain_attention.json
 
@@ -188,6 +189,9 @@ def run_variant(variant: dict, workdir: Path, timeout: float) -> dict:
         result["error_tail"] = (proc.stdout + proc.stderr)[-4000:]
         return result
     records = [json.loads(line) for line in log.read_text().splitlines()]
+    predicted = [r["predicted_memory"] for r in records if "predicted_memory" in r]
+    if predicted:
+        result["predicted_memory"] = predicted[-1]  # agoq.plan.peak, per stage (the script's start-up report)
     breakdowns = [r["memory_breakdown"] for r in records if "memory_breakdown" in r]
     if breakdowns:
         result["memory_breakdown_last"] = breakdowns[-1]  # weights / grads / optimizer GiB + peak (logging rank)
@@ -209,6 +213,10 @@ def summarise(result: dict, warmup: int) -> dict:
     }
     if "peak_gib" in result["records"][-1]:
         summary["peak_gib"] = max(r["peak_gib"] for r in result["records"])
+    if "peak_gib" in summary and "predicted_memory" in result:
+        # the measured peak is the logging rank's (the last pipeline stage): compare with that stage
+        summary["predicted_peak_gib"] = result["predicted_memory"]["peak_gib"][-1]
+        summary["predicted_peak_error"] = summary["predicted_peak_gib"] / summary["peak_gib"] - 1
     for key in ("weights_gib", "grads_gib", "optimizer_gib"):
         if key in result.get("memory_breakdown_last", {}):
             summary[key] = result["memory_breakdown_last"][key]

@@ -1,10 +1,11 @@
 """Start-up memory report: the planner's prediction per pipeline stage, then what each stage measured.
 
-Prediction: ``agoq.plan.plan_stages`` (weights, gradients, optimizer states of Megatron's bf16 recipe;
-activations from the policy and the schedule's in-flight counts). agoq's own optimizer and 8-bit
-gradient buffers are not modelled by the planner yet, so with ``--agoq-optimizer`` / ``--agoq-grads``
-the prediction is Megatron's parameter bytes and says so. Measured: ``torch.cuda.max_memory_allocated``
-on the first tensor- and data-parallel rank of each stage (RSS on the CPU, not comparable).
+Prediction: ``agoq.plan.plan_stages`` (held bytes: weights, Megatron's float gradients and Adam states,
+activations of the in-flight micro-batches) and ``agoq.plan.peak.predict_peaks`` (the predicted
+``max_memory_allocated``: agoq's optimizer and 8-bit gradients, backward / loss / optimizer-step
+temporaries; its accuracy against every committed measurement: docs/benchmarks/planner.md). Measured:
+``torch.cuda.max_memory_allocated`` on the first tensor- and data-parallel rank of each stage (RSS on
+the CPU, not comparable).
 """
 
 from __future__ import annotations
@@ -15,34 +16,60 @@ from megatron.core import parallel_state
 
 from agoq.megatron import runtime
 from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
+from agoq.plan.peak import Recipe, StagePeak, format_peaks, predict_peaks
 
 
-def predicted_report(args, shape, layout, policy) -> str:
-    """One line per stage: predicted GiB by component (rank 0 prints it)."""
+def _plan_inputs(args, shape, layout, policy):
     if policy is None:
         from agoq.policy import load_policy
 
         policy = load_policy(_bf16_policy_path())
     dp = dist.get_world_size() // (layout.tp * layout.pp)
-    plan = plan_stages(
-        ModelShape(shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.num_query_groups,
-                   shape.ffn_hidden_size, shape.vocab_size),
-        Layout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, dp=dp, mbs=args.micro_batch_size,
-               gbs=args.global_batch_size, seq=args.seq_length,
-               distributed_optimizer=args.use_distributed_optimizer,
-               grad_bytes=2 if getattr(args, "grad_reduce_in_bf16", False) else 4),
-        policy,
-    )
-    lines = ["predicted memory per GPU (agoq.plan; excludes allocator fragmentation and workspaces):"]
+    model = ModelShape(shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.num_query_groups,
+                       shape.ffn_hidden_size, shape.vocab_size)
+    plan_layout = Layout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, dp=dp, mbs=args.micro_batch_size,
+                         gbs=args.global_batch_size, seq=args.seq_length,
+                         distributed_optimizer=args.use_distributed_optimizer,
+                         grad_bytes=2 if getattr(args, "grad_reduce_in_bf16", False) else 4)
+    return model, plan_layout, policy
+
+
+def recipe_from_args(args) -> Recipe:
+    """The optimizer / gradient / recompute settings of scripts/pretrain_llama.py's flags."""
+    from agoq.megatron.optim_args import parse_moments
+
+    optimizer = getattr(args, "agoq_optimizer", "torch")
+    grads = getattr(args, "agoq_grads", None)
+    store = grads not in (None, "fp32", "bf16", "fp16") and getattr(args, "agoq_grads_mode", "store") == "store"
+    moments = parse_moments(getattr(args, "agoq_moments", "flash"))
+    return Recipe(optimizer="torch" if optimizer == "torch" else "agoq", grads=grads if store else None,
+                  grad_error_feedback=bool(getattr(args, "agoq_grads_error_feedback", False)),
+                  moments=moments if optimizer == "adamw" else moments[:1],
+                  master=getattr(args, "agoq_master", "split24"),
+                  recompute=getattr(args, "recompute_granularity", None) == "full")
+
+
+def predicted_peaks(args, shape, layout, policy) -> list[StagePeak]:
+    model, plan_layout, policy = _plan_inputs(args, shape, layout, policy)
+    return predict_peaks(model, plan_layout, policy, recipe_from_args(args))
+
+
+def predicted_report(args, shape, layout, policy) -> str:
+    """Per stage: held GiB by component (Megatron's recipe) and the predicted peak (rank 0 prints it)."""
+    model, plan_layout, policy = _plan_inputs(args, shape, layout, policy)
+    plan = plan_stages(model, plan_layout, policy)
+    lines = ["predicted memory per GPU (agoq.plan; held bytes with Megatron's Adam and float gradients):"]
     for s in plan:
         lines.append(
             f"  stage {s.pp_rank}: weights {s.weights / GIB:.2f} | grads {s.grads / GIB:.2f} | optimizer "
             f"{s.optimizer / GIB:.2f} | activations {s.activations / GIB:.2f} (in-flight {s.inflight}) | "
             f"total {s.total / GIB:.2f} GiB"
         )
-    if args.agoq_optimizer != "torch" or args.agoq_grads:
-        lines.append("  note: grads/optimizer above are Megatron's bytes; agoq's optimizer and 8-bit gradients "
-                     "are not modelled by the planner yet (see the measured line)")
+    lines.append("predicted peak per GPU (agoq.plan.peak, this run's optimizer / gradients / recompute; "
+                 "accuracy: docs/benchmarks/planner.md):")
+    lines.append(format_peaks(predict_peaks(model, plan_layout, policy, recipe_from_args(args))))
+    if getattr(args, "recompute_granularity", None) == "full" and getattr(args, "recompute_num_layers", 1) != 1:
+        lines.append("  note: the peak model assumes --recompute-num-layers 1")
     return "\n".join(lines)
 
 

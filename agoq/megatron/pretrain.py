@@ -189,6 +189,11 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     report = policy_report(args, shape, layout, microbatches)
     print_rank0(report)
     print_rank0(memory_report.predicted_report(args, shape, layout, policy_of(spec)))
+    if args.log_json and training.is_logging_rank():  # scripts/bench_pretrain.py puts it next to the measured peak
+        peaks = memory_report.predicted_peaks(args, shape, layout, policy_of(spec))
+        with open(args.log_json, "a") as out:
+            out.write(json.dumps({"predicted_memory": {
+                "peak_gib": [p.peak / memory_report.GIB for p in peaks], "phase": [p.phase for p in peaks]}}) + "\n")
     _print_stage_first(storage_report(spec))
     params_dtype = torch.float32 if args.fp32 else torch.bfloat16
     if args.agoq_optimizer == "torch":

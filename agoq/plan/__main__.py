@@ -1,4 +1,4 @@
-"""``python -m agoq.plan``: predict per-stage memory and write the richest policy that fits.
+"""``python -m agoq.plan``: predict each stage's peak GPU memory and write the richest policy that fits.
 
 Example (a ~1B LLaMA, PP=2, 80 GiB GPUs)::
 
@@ -6,7 +6,11 @@ Example (a ~1B LLaMA, PP=2, 80 GiB GPUs)::
         --ffn-hidden-size 5632 --num-attention-heads 32 --num-query-groups 8 --vocab-size 32000 \
         --tp 1 --pp 2 --mbs 4 --gbs 64 --seq 4096 --memory-budget 80GiB --out chosen.yaml
 
-Candidates (richest first): configs/policy/{bf16,int8,agoq,int4,aggressive}.yaml, or --policies.
+Candidates (richest first): configs/policy/{bf16,int8,agoq,int4,aggressive}.yaml, or --policies. A
+policy fits when the predicted peak (agoq.plan.peak: persistent state + activations + backward / loss /
+optimizer-step temporaries; accuracy in docs/benchmarks/planner.md) of every stage is within the
+budget. --agoq-optimizer / --agoq-grads / --grad-reduce-in-bf16 / --recompute-granularity describe the
+run as scripts/pretrain_llama.py's flags of the same names do.
 Exit code 0 when a policy fits (its YAML is copied to --out), 3 when none does.
 """
 
@@ -19,7 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from agoq.plan.memory import Layout, ModelShape, choose_policy, format_report, parse_bytes
+from agoq.plan.memory import Layout, ModelShape, parse_bytes
+from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report
 from agoq.policy import load_policy
 
 POLICY_DIR = Path(__file__).resolve().parents[2] / "configs" / "policy"
@@ -36,6 +41,14 @@ def parse(argv=None) -> argparse.Namespace:
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per rank")
     p.add_argument("--distributed-optimizer", action="store_true")
+    p.add_argument("--agoq-optimizer", default="torch",
+                   help="torch (Megatron's AdamW, default) or an agoq optimizer (adamw, lion, sgd)")
+    p.add_argument("--agoq-moments", default="cint8_b32,cuint8_b32", help="agoq optimizer's state formats")
+    p.add_argument("--agoq-master", default="split24", choices=("none", "split24", "split32", "fp32"))
+    p.add_argument("--agoq-grads", default=None, metavar="FORMAT", help="8-bit gradient store, e.g. int8_b256")
+    p.add_argument("--grad-reduce-in-bf16", action="store_true")
+    p.add_argument("--recompute-granularity", choices=("full",), default=None,
+                   help="Megatron's full recompute (one layer per group)")
     p.add_argument("--memory-budget", required=True, help="per GPU, e.g. 80GiB")
     p.add_argument("--policies", nargs="+", help="candidate policy YAMLs, richest first")
     p.add_argument("--out", help="write the chosen policy YAML here")
@@ -54,17 +67,21 @@ def main(argv=None) -> int:
         return 2
     layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp, mbs=args.mbs or cfg.get("micro_batch_size", 1),
                     gbs=args.gbs or cfg.get("global_batch_size", 1), seq=args.seq or cfg.get("seq_length", 2048),
-                    distributed_optimizer=args.distributed_optimizer)
+                    distributed_optimizer=args.distributed_optimizer, grad_bytes=2 if args.grad_reduce_in_bf16 else 4)
+    moments = tuple(m.strip() for m in args.agoq_moments.split(","))
+    recipe = Recipe(optimizer="torch" if args.agoq_optimizer == "torch" else "agoq", grads=args.agoq_grads,
+                    moments=moments if args.agoq_optimizer in ("torch", "adamw") else moments[:1],
+                    master=args.agoq_master, recompute=args.recompute_granularity == "full")
     names = DEFAULT_CANDIDATES
     paths = [Path(p) for p in args.policies] if args.policies else [POLICY_DIR / f"{n}.yaml" for n in names]
     candidates = [(p.stem, load_policy(p)) for p in paths]
     budget = parse_bytes(args.memory_budget)
     try:
-        chosen, report = choose_policy(ModelShape(**values), layout, candidates, budget)
+        chosen, report = choose_by_peak(ModelShape(**values), layout, candidates, budget, recipe)
     except ValueError as err:
         print(f"agoq.plan: error: {err}", file=sys.stderr)
         return 2
-    print(format_report(report, budget))
+    print(format_peak_report(report, budget))
     if chosen is None:
         print("no candidate policy fits: lower --mbs, raise --pp/--tp, or use the distributed optimizer")
         return 3

@@ -3,20 +3,31 @@
 Per stage r (bytes, one GPU): weights + gradients + optimizer states of its parameters, plus
 activations = (bytes of one chunk-micro-batch on that stage) x in-flight count M_r
 (``agoq.policy.inflight_microbatches``; with VPP every chunk holds layers / (P V) layers).
+These are the *held* bytes; the predicted peak (held + backward / loss / optimizer-step temporaries,
+agoq's optimizer and 8-bit gradients) is ``agoq.plan.peak.predict_peaks``.
 Parameter bytes follow Megatron's bf16 recipe: bf16 weight (2), fp32 main_grad (4,
 grad_reduce_in_fp32), fp32 master + Adam m, v (12; divided by DP with the distributed optimizer).
 Per-layer activation bytes are ``agoq.plan.storage.agoq_bytes`` (exact: what agoq stores) plus
-``megatron_bytes`` (modelled: what Megatron keeps itself). The last stage adds the LM-head input
-(bf16) and the logits (bf16 output + fp32 softmax in vocab_parallel_cross_entropy); the first
-stage nothing extra (the embedding backward needs only token ids). Not modelled: the CUDA caching
-allocator's fragmentation, NCCL buffers, temporary workspaces (keep a margin in the budget).
+``megatron_bytes`` (modelled: what Megatron keeps itself). The last stage adds the LM head's saves
+(``head_saved_bytes``: fp32 logits kept by vocab_parallel_cross_entropy, the head's and final norm's
+inputs); the first stage nothing extra (the embedding backward needs only token ids). Not modelled
+here: transients (see agoq.plan.peak), NCCL buffers, allocator fragmentation (reserved > allocated).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agoq.plan.storage import BF16_BYTES, FP32_BYTES, LayerDims, agoq_bytes, layer_storage, megatron_bytes
+from agoq.plan.storage import (
+    BF16_BYTES,
+    FP32_BYTES,
+    LayerDims,
+    LayerStorage,
+    agoq_bytes,
+    head_saved_bytes,
+    layer_storage,
+    megatron_bytes,
+)
 from agoq.policy import PolicySpec, ScheduleInfo, Site, inflight_microbatches
 
 WEIGHT_BYTES = BF16_BYTES
@@ -69,6 +80,7 @@ class StageMemory:
     grads: int
     optimizer: int
     activations: int
+    head_activations: int = 0  # part of ``activations``: the LM head's saves (last stage)
 
     @property
     def total(self) -> int:
@@ -91,7 +103,8 @@ def stage_layers(shape: ModelShape, layout: Layout) -> list[list[tuple[int, int 
     return out
 
 
-def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec) -> list[StageMemory]:
+def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec, *, v_view: bool = False) -> list[StageMemory]:
+    """``v_view``: model attention's v as saved before 2026-11-25 (``agoq.plan.storage.megatron_bytes``)."""
     schedule = ScheduleInfo(layout.pp, layout.vpp, layout.num_microbatches)
     dims = LayerDims(seq=layout.seq, micro_batch=layout.mbs, hidden=shape.hidden_size, ffn=shape.ffn_hidden_size,
                      heads=shape.num_attention_heads, groups=shape.num_query_groups, tp=layout.tp)
@@ -103,16 +116,14 @@ def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec) -> list[S
             storage = layer_storage(
                 policy, lambda role, i=idx, c=chunk, r=rank: Site(i, r, layout.pp, c, layout.vpp, role), schedule
             )
-            per_layer.append(sum(agoq_bytes(storage, dims).values()) + sum(megatron_bytes(storage, dims).values()))
+            per_layer.append(sum(agoq_bytes(storage, dims).values()) + sum(megatron_bytes(storage, dims, v_view=v_view).values()))
         params = len(layers) * shape.layer_params() // layout.tp
         extra = 0
         if rank == 0:
             params += shape.vocab_size * shape.hidden_size // layout.tp
         if rank == layout.pp - 1:
             params += shape.vocab_size * shape.hidden_size // layout.tp + shape.hidden_size
-            tokens = dims.tokens
-            logits = (BF16_BYTES + FP32_BYTES) * tokens * shape.vocab_size // layout.tp
-            extra = BF16_BYTES * tokens * shape.hidden_size + logits
+            extra = head_saved_bytes(dims, shape.vocab_size)
         inflight = inflight_microbatches(rank, schedule)
         per_chunk_mb = sum(per_layer) / chunks  # one chunk-micro-batch holds one chunk's layers
         optim_share = layout.dp if layout.distributed_optimizer else 1
@@ -121,8 +132,16 @@ def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec) -> list[S
             weights=WEIGHT_BYTES * params, grads=layout.grad_bytes * params,
             optimizer=OPTIM_BYTES * params // optim_share,
             activations=int(per_chunk_mb * inflight) + extra * min(inflight, 1),
+            head_activations=extra * min(inflight, 1),
         ))
     return result
+
+
+def layer_storage_of(shape: ModelShape, layout: Layout, policy: PolicySpec, rank: int) -> LayerStorage:
+    """What the last layer of pipeline rank ``rank`` stores (its first layer in backward order)."""
+    schedule = ScheduleInfo(layout.pp, layout.vpp, layout.num_microbatches)
+    idx, chunk = stage_layers(shape, layout)[rank][-1]
+    return layer_storage(policy, lambda role: Site(idx, rank, layout.pp, chunk, layout.vpp, role), schedule)
 
 
 def parse_bytes(text: str) -> int:

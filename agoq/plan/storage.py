@@ -139,15 +139,23 @@ def agoq_bytes(storage: LayerStorage, dims: LayerDims) -> dict[str, int]:
     return out
 
 
-def megatron_bytes(storage: LayerStorage, dims: LayerDims) -> dict[str, int]:
+def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, v_view: bool = False) -> dict[str, int]:
     """Modelled bytes Megatron itself keeps per role (bf16 training dtype) for one micro-batch.
 
     Model (CUDA, megatron-core 0.19.2 local spec + agoq's SDPA attention):
     - a plain RMSNorm keeps its input (2 B/elt) and a fp32 rstd per token;
-    - a plain linear keeps its input; plain SwiGLU keeps its input (2f) and silu(gate) (f);
+    - a plain linear keeps its input; plain SwiGLU (megatron.core.transformer.mlp ``glu``:
+      ``silu(x_glu) * (x_linear + glu_linear_offset)``) keeps its input (2f: silu saves the x_glu
+      view of the fc1 output), silu(x_glu) (f) and the new tensor ``x_linear + offset`` (f);
     - SDPA keeps q, k (after RoPE: own storage), out and the fp32 log-sum-exp per (token, head);
-      agoq's SDPA keeps a compact copy of v ([T, g d]: the fused QKV output it was a view of is freed);
-      RoPE keeps its cos and sin ([s, 1, 1, d], cast to bf16 per layer) for q and for k.
+      agoq's SDPA keeps a compact copy of v ([T, g d]; the fused QKV output it was a view of is freed).
+      ``v_view=True`` models the code before 2026-11-25, which saved v as a view of the fused QKV
+      output and so kept the whole [T, (n + 2g) d] buffer alive (every GPU measurement committed
+      before that date); RoPE keeps its cos and sin ([s, 1, 1, d], cast to bf16 per layer) for q and for k;
+    - linear_proj's bf16 input is ``out.permute(2, 0, 1, 3).reshape(s, b, -1)``, a view of SDPA's
+      output (allocated in the query's [s, b, n, d] memory order), so it adds no storage.
+    Checked against ``SavedTensorMeter`` (storages de-duplicated): on CPU per save (see
+    tests/megatron/test_plan_peak.py), on the H100 as held bytes (docs/benchmarks/planner.md).
     """
     out = {}
     t = dims.tokens
@@ -158,7 +166,11 @@ def megatron_bytes(storage: LayerStorage, dims: LayerDims) -> dict[str, int]:
         if role == "norm.input":
             out[role] = 2 * (BF16_BYTES * dims.numel(role) + FP32_BYTES * t)
         elif role == "mlp.swiglu_input":
-            out[role] = BF16_BYTES * (dims.numel(role) + dims.numel("mlp.fc2_input"))
+            out[role] = BF16_BYTES * (dims.numel(role) + 2 * dims.numel("mlp.fc2_input"))
+        elif role == "attn.proj_input":
+            out[role] = 0  # a view of attn.out (counted there)
+        elif role == "attn.v" and v_view:
+            out[role] = BF16_BYTES * t * (n + 2 * g) * d
         elif role in ("attn.q", "attn.k"):
             out[role] = BF16_BYTES * (dims.numel(role) + 2 * dims.seq * d)
         elif role == "attn.out":
@@ -166,3 +178,17 @@ def megatron_bytes(storage: LayerStorage, dims: LayerDims) -> dict[str, int]:
         else:
             out[role] = BF16_BYTES * dims.numel(role)
     return out
+
+
+LOSS_BYTES_PER_TOKEN = 21  # final-norm fp32 rstd 4 + int64 masked target 8 + int64 target 8 + bool mask 1
+
+
+def head_saved_bytes(dims: LayerDims, vocab: int) -> int:
+    """Bytes the last stage's LM head and loss keep for backward, one micro-batch (bf16 head policy).
+
+    Megatron's vocab_parallel_cross_entropy turns the fp32 copy of the logits (``logits.float()``) into
+    exp(logits - max) in place and keeps it (4 B x T x V); the output layer keeps its input and the
+    final RMSNorm its input (2 x bf16 [T, h]); targets, mask and rstd 21 B per token. Matches
+    SavedTensorMeter's head bytes in docs/benchmarks/activations*.json (CUDA) to 8 bytes."""
+    t = dims.tokens
+    return FP32_BYTES * t * (vocab // dims.tp) + 2 * BF16_BYTES * t * dims.hidden + LOSS_BYTES_PER_TOKEN * t

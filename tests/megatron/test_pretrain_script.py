@@ -213,3 +213,28 @@ def test_memory_breakdown_counts_megatron_and_agoq_bytes_per_parameter(env, tmp_
     lean = breakdown(["--agoq-optimizer", "adamw"])
     assert lean["weights_gib"] == base["weights_gib"]
     assert 3.125 <= lean["optimizer_gib"] / n_params <= 3.125 * 1.1  # small fp32-state tensors: < 10 % extra
+
+
+def test_bench_pretrain_memory_smoke_records_the_predicted_peak(env, tmp_path):
+    """scripts/bench_pretrain.py --suite memory --smoke (CPU): every variant carries the planner's predicted
+    peak per stage (agoq.plan.peak, written by the script at start-up), the number the GPU run puts next to
+    the measured peak (summary: predicted_peak_gib / predicted_peak_error; docs/benchmarks/planner.md)."""
+    import json
+    import subprocess
+    import sys
+
+    from agoq.testing.procs import REPO_ROOT
+
+    out = tmp_path / "memory.json"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_pretrain.py"), "--suite", "memory",
+                           "--smoke", "--only", "mbs2/baseline", "mbs2/agoq full", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads(out.read_text())
+    assert len(report["variants"]) == 2
+    for variant in report["variants"]:
+        predicted = variant["predicted_memory"]
+        assert len(predicted["peak_gib"]) == 1 and predicted["peak_gib"][0] > 0
+        assert predicted["phase"][0] in ("forward/backward", "optimizer step")
+    base, full = (v["predicted_memory"]["peak_gib"][0] for v in report["variants"])
+    assert full < base  # 8-bit grads + lean optimizer + quantized activations

@@ -1,0 +1,256 @@
+"""Predicted per-GPU peak of ``torch.cuda.max_memory_allocated`` for one pipeline stage.
+
+peak = persistent state + max(forward/backward phase, optimizer-step phase), every term from what the
+code allocates (file and function named at each term). Pure Python (no torch, no Megatron).
+
+Persistent (held for the whole run after the first step):
+- weights: bf16 parameters (2 B each) of the stage's layers, embedding (first stage), final norm and
+  output layer (last stage; untied, as agoq's LLaMA builds it).
+- gradients: Megatron's float ``main_grad`` buffer (4 B fp32, 2 B with --grad-reduce-in-bf16; with the
+  distributed optimizer each parameter starts on a multiple of 64 elements and the buffer ends on a
+  multiple of lcm(dp, 128): megatron.core.distributed.param_and_grad_buffer ``_pad``), or agoq's 8-bit
+  store (codes + scales: ``QuantFormat.bytes_per_element``, + 2 B bf16 residual with error feedback).
+- optimizer: Megatron's AdamW 12 B/param (fp32 master, exp_avg, exp_avg_sq; / dp with the distributed
+  optimizer), or agoq's (master remainder + moment codes + scales, from the formats).
+- ``CUDA_RUNTIME_BYTES``: cuBLAS + cuBLASLt workspaces (empirical constant, see below).
+
+Forward/backward phase: the held activations of every in-flight micro-batch (``plan_stages``), the
+last stage's LM head (fp32 logits kept by Megatron's cross entropy, its input and the final norm's
+input), and the larger of two transients: the bf16 logits alive while the loss is computed (end of the
+forward), or the largest temporary of one layer's backward (``layer_backward_transient``). With the
+8-bit store and Megatron's AdamW the float buffer exists only from the reduction to the next zero_grad,
+so it is not in this phase.
+
+Optimizer-step phase: persistent state plus the step's temporaries. Megatron's AdamW without TE/apex is
+``torch.optim.AdamW(foreach=True)``: ``torch._foreach_sqrt(exp_avg_sq)`` allocates one fp32 tensor per
+parameter (4 B/param; the other foreach ops are in place). With bf16 gradients Megatron's
+``_copy_model_grads_to_main_grads`` makes fp32 copies (``main_grad.float()``, 4 B/param). With the 8-bit
+store and Megatron's AdamW the reduced gradient is dequantized into a float buffer (4 B/param,
+agoq.megatron.grad_store). agoq's optimizer steps one parameter at a time (agoq.optim.base.step_param):
+its temporaries are a few fp32 copies of the largest parameter (``AGOQ_STEP_FP32_COPIES``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from agoq.formats import parse_format
+from agoq.plan.memory import GIB, Layout, ModelShape, layer_storage_of, plan_stages, stage_layers
+from agoq.plan.storage import BF16_BYTES, FP32_BYTES, LayerDims
+from agoq.policy import PolicySpec
+
+# Empirical: allocated bytes that are neither parameters, gradients nor optimizer states, read as
+# ``allocated - (weights + grads + optimizer)`` after the step: 0.063 GiB in all 11 variants of
+# docs/benchmarks/pretrain_memory.json (H100, torch 2.11), and the constant part of bench_memory's peaks
+# (docs/benchmarks/planner.md). It is what torch allocates through the caching allocator for the cuBLAS
+# and cuBLASLt workspaces on sm_90 (32 MiB each by default) plus the token/label/position batch.
+CUDA_RUNTIME_BYTES = 64 * 2**20
+DIST_OPT_PARAM_ALIGN = 64  # elements; megatron param_and_grad_buffer pads each param start (dist-opt)
+DIST_OPT_BUCKET_ALIGN = 128  # bucket end padded to a multiple of lcm(dp, 128) (dist-opt)
+TORCH_ADAM_STEP_BYTES = FP32_BYTES  # torch._foreach_sqrt(exp_avg_sq): one fp32 list, per parameter
+AGOQ_STEP_FP32_COPIES = 4  # agoq step of one tensor: fp32 grad, master, m, v views at most (upper bound)
+MASTER_BYTES = {"none": 0, "split24": 1, "split32": 2, "fp32": 4}
+# Empirical, NOT derived: bytes per token x hidden, per layer and in-flight micro-batch, that a layer with
+# agoq storage (any quantized role) holds on CUDA beyond everything the byte counter, the saved-tensor
+# meter and this model account for. Fitted on ONE measurement, docs/benchmarks/pretrain_memory.json
+# "1b/mbs4/agoq activations (default policy)" (peak 23.67 GiB: 2.87 GiB unattributed over 16 layers x
+# 8192 tokens x 2048 hidden = 11.5 B). It is absent when the layer is recomputed one at a time (Megatron's
+# full recompute: the same variant at mbs 8 with recompute is predicted within 2 % without it) and it is
+# not seen on CPU (tests/megatron/test_plan_peak.py), so it is tied to holding many layers' agoq saves on
+# CUDA; its cause is not identified yet (docs/benchmarks/planner.md). The other agoq configurations
+# (other micro-batches, ffn 5632 at seq 4096, other optimizers and gradient formats) validate it.
+AGOQ_UNATTRIBUTED_BYTES_PER_TOKEN_HIDDEN = 11.5
+
+
+def storage_is_agoq(storage) -> bool:
+    """True when the layer stores any role quantized (agoq's modules are active)."""
+    return any(rs.fmt is not None for rs in storage.roles.values())
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What besides the activation policy decides the peak (pretrain_llama.py flags)."""
+
+    optimizer: str = "torch"  # "torch": Megatron's AdamW; "agoq": agoq's optimizer (--agoq-optimizer)
+    grads: str | None = None  # agoq 8-bit gradient store format (--agoq-grads, store mode), or None
+    grad_error_feedback: bool = False
+    moments: tuple[str, str] = ("cint8_b32", "cuint8_b32")  # agoq optimizer's m, v formats
+    master: str = "split24"
+    recompute: bool = False  # Megatron's full recompute, one layer per group (--recompute-granularity full)
+    # attention's v saved as a view of the fused QKV output: the code before 2026-11-25, i.e. every GPU
+    # measurement committed before then (agoq.plan.validate); the current code saves a compact v
+    sdpa_v_view: bool = False
+
+
+@dataclass(frozen=True)
+class StagePeak:
+    pp_rank: int
+    weights: int
+    grads: int
+    optimizer: int
+    runtime: int
+    held: int  # activations of every in-flight micro-batch + the LM head's saves (last stage)
+    transient: int  # largest forward/backward temporary on top of ``held``
+    step_extra: int  # optimizer-step temporaries (and float gradient buffers that exist only then)
+    transient_source: str
+
+    @property
+    def persistent(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.runtime
+
+    @property
+    def fwd_bwd(self) -> int:
+        return self.persistent + self.held + self.transient
+
+    @property
+    def step(self) -> int:
+        return self.persistent + self.step_extra
+
+    @property
+    def peak(self) -> int:
+        return max(self.fwd_bwd, self.step)
+
+    @property
+    def phase(self) -> str:
+        return "forward/backward" if self.fwd_bwd >= self.step else "optimizer step"
+
+
+def param_tensors(shape: ModelShape, layout: Layout, rank: int) -> list[int]:
+    """numel of every parameter tensor on pipeline rank ``rank`` (one tensor-parallel rank)."""
+    h, tp = shape.hidden_size, layout.tp
+    d = h // shape.num_attention_heads
+    layer = [h * d * (shape.num_attention_heads + 2 * shape.num_query_groups) // tp, h * h // tp,
+             2 * h * shape.ffn_hidden_size // tp, h * shape.ffn_hidden_size // tp, h, h]  # fmt: skip
+    out = layer * len(stage_layers(shape, layout)[rank])
+    if rank == 0:
+        out.append(shape.vocab_size * h // tp)
+    if rank == layout.pp - 1:
+        out += [h, shape.vocab_size * h // tp]
+    return out
+
+
+def grad_buffer_numel(tensors: list[int], layout: Layout) -> int:
+    """Elements of Megatron's float gradient buffer (padding of the distributed optimizer included)."""
+    if not layout.distributed_optimizer:
+        return sum(tensors)
+    total = sum(math.ceil(n / DIST_OPT_PARAM_ALIGN) * DIST_OPT_PARAM_ALIGN for n in tensors)
+    align = math.lcm(layout.dp, DIST_OPT_BUCKET_ALIGN)
+    return math.ceil(total / align) * align
+
+
+def layer_backward_transient(dims: LayerDims, swiglu_recompute: bool, norm_recompute: bool) -> int:
+    """Largest temporary of one transformer layer's backward, on top of what the layers hold.
+
+    F = bf16 [T, f] bytes. The MLP dominates (f >= h):
+    - Megatron's SwiGLU (autograd of ``silu(x_glu) * x_linear``): MulBackward holds the incoming grad
+      and writes two [T, f] grads before its saved inputs are released: 3F.
+    - agoq's SwiGLU recompute (agoq.ops.saved_act): fc2's backward dequantizes the fc1 output h^ (2F,
+      cached in the stash) and recomputes z (F); the SwiGLU backward (agoq.kernels.swiglu.swiglu_bwd)
+      then holds h^ (2F), grad_z (F) and writes grad_h (2F): 5F.
+    - plus the bf16 weight gradient of fc1 before DDP adds it to main_grad ([2f, h]), and with norm
+      recompute the dequantized norm input and the recomputed norm output (2 x [T, h]) are not alive
+      at the same time as the SwiGLU temporaries (fc1's backward runs after SwiGLU's).
+    """
+    big_f = BF16_BYTES * dims.tokens * dims.ffn // dims.tp
+    mlp = 5 * big_f if swiglu_recompute else 3 * big_f
+    wgrad = BF16_BYTES * 2 * dims.ffn * dims.hidden // dims.tp
+    return mlp + wgrad
+
+
+def logits_transient(dims: LayerDims, vocab: int) -> int:
+    """The bf16 logits (2 B x T x V), alive while the loss is computed at the end of the forward, on top
+    of what the head keeps (``agoq.plan.storage.head_saved_bytes``: the fp32 copy becomes the saved exp)."""
+    return BF16_BYTES * dims.tokens * (vocab // dims.tp)
+
+
+def _stage_dims(shape: ModelShape, layout: Layout) -> LayerDims:
+    return LayerDims(seq=layout.seq, micro_batch=layout.mbs, hidden=shape.hidden_size, ffn=shape.ffn_hidden_size,
+                     heads=shape.num_attention_heads, groups=shape.num_query_groups, tp=layout.tp)
+
+
+def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe: Recipe = Recipe()) -> list[StagePeak]:
+    """One StagePeak per pipeline rank."""
+    dims = _stage_dims(shape, layout)
+    stages = plan_stages(shape, layout, policy, v_view=recipe.sdpa_v_view)
+    out = []
+    for st in stages:
+        rank = st.pp_rank
+        tensors = param_tensors(shape, layout, rank)
+        params = sum(tensors)
+        weights = BF16_BYTES * params
+        buffer = grad_buffer_numel(tensors, layout)
+        share = layout.dp if layout.distributed_optimizer else 1
+        step_extra = 0
+        if recipe.grads is not None:
+            fmt = parse_format(recipe.grads)
+            grads = int(fmt.bytes_per_element() * params) + (BF16_BYTES * params if recipe.grad_error_feedback else 0)
+            if recipe.optimizer == "torch":
+                step_extra += FP32_BYTES * buffer // share  # float buffer the reduced grads are dequantized into
+        else:
+            grads = layout.grad_bytes * buffer
+            if recipe.optimizer == "torch" and layout.grad_bytes != FP32_BYTES:
+                step_extra += FP32_BYTES * buffer // share  # main_grad.float() copies for the fp32 step
+        if recipe.optimizer == "torch":
+            optimizer = 3 * FP32_BYTES * buffer // share
+            step_extra += TORCH_ADAM_STEP_BYTES * buffer // share
+        else:
+            per_param = sum(parse_format(m).bytes_per_element() for m in recipe.moments) + MASTER_BYTES[recipe.master]
+            optimizer = int(per_param * params / share)
+            step_extra += AGOQ_STEP_FP32_COPIES * FP32_BYTES * max(tensors)
+        storage = layer_storage_of(shape, layout, policy, rank)
+        last = rank == layout.pp - 1
+        head_transient = logits_transient(dims, shape.vocab_size) if last else 0
+        layer_held = st.activations - st.head_activations  # every in-flight micro-batch's layers
+        if recipe.recompute:
+            # Megatron's full recompute (uniform, 1 layer): each in-flight micro-batch keeps every layer's
+            # bf16 input; the layer being recomputed holds its own saves again during its backward.
+            per_layer = layer_held // max(st.inflight * len(st.layers), 1)
+            layer_held = st.inflight * len(st.layers) * BF16_BYTES * dims.tokens * dims.hidden // dims.tp + per_layer
+        backward = layer_backward_transient(dims, storage.swiglu_recompute, storage.norm_recompute)
+        # The loss's backward and the output layer's run before the last layer's: by then the head's
+        # saves are released, so the layer transient sits on top of the layers' held bytes only.
+        transient, source = max((head_transient, "LM-head logits"),
+                                (backward - st.head_activations, "layer backward"))
+        if storage_is_agoq(storage):
+            layer_held += AGOQ_UNATTRIBUTED_BYTES_PER_TOKEN_HIDDEN * dims.tokens * dims.hidden // dims.tp * (
+                1 if recipe.recompute else st.inflight * len(st.layers))
+        out.append(StagePeak(rank, weights, grads, optimizer, CUDA_RUNTIME_BYTES, layer_held + st.head_activations,
+                             transient, step_extra, source))
+    return out
+
+
+def format_peaks(peaks: list[StagePeak]) -> str:
+    lines = []
+    for p in peaks:
+        lines.append(
+            f"  stage {p.pp_rank}: predicted peak {p.peak / GIB:.2f} GiB ({p.phase}) = weights {p.weights / GIB:.2f}"
+            f" + grads {p.grads / GIB:.2f} + optimizer {p.optimizer / GIB:.2f} + runtime {p.runtime / GIB:.2f}"
+            + (f" + activations {p.held / GIB:.2f} + {p.transient_source} {p.transient / GIB:.2f}"
+               if p.phase == "forward/backward" else f" + step temporaries {p.step_extra / GIB:.2f}")
+            + " GiB")
+    return "\n".join(lines)
+
+
+def choose_by_peak(shape: ModelShape, layout: Layout, candidates, budget: int, recipe: Recipe = Recipe()):
+    """(name, report) of the first candidate policy (richest first) whose predicted peak fits ``budget`` on
+    every stage, else (None, report); report = [(name, [StagePeak, ...]), ...] of the candidates tried."""
+    report = []
+    for name, policy in candidates:
+        peaks = predict_peaks(shape, layout, policy, recipe)
+        report.append((name, peaks))
+        if all(p.peak <= budget for p in peaks):
+            return name, report
+    return None, report
+
+
+def format_peak_report(report, budget: int) -> str:
+    lines = [f"budget {budget / GIB:.2f} GiB per GPU (predicted peak: agoq.plan.peak)"]
+    for name, peaks in report:
+        for p in peaks:
+            fits = "fits" if p.peak <= budget else "DOES NOT FIT"
+            lines.append(
+                f"{name:>12}  stage {p.pp_rank}  persistent {p.persistent / GIB:6.2f}  activations "
+                f"{p.held / GIB:7.2f}  transient {p.transient / GIB:5.2f}  step {p.step_extra / GIB:5.2f}  "
+                f"peak {p.peak / GIB:7.2f} GiB ({p.phase})  {fits}")
+    return "\n".join(lines)

@@ -1,0 +1,191 @@
+"""The planner's predicted peak next to every measured peak committed in docs/benchmarks.
+
+Sources (GPU measurements, never edited here):
+- ``pretrain_memory.json`` (scripts/bench_pretrain.py --suite memory): each variant's command line is
+  parsed back into the shape, layout and recipe; measured = max ``peak_gib`` over the iterations.
+- ``activations.json``, ``activations_mbs2.json``, ``activations_mbs4.json`` (scripts/bench_memory.py):
+  one process runs the policies in turn; besides the measured model, the bf16 reference model (weights
+  and its last bf16 .grad) stays alive for every later row, and the previous row's model (weights +
+  grads) while the next is measured (``bench_memory.main``: ``reference`` and ``model``). No optimizer
+  (an in-place SGD), bf16 ``.grad`` freed at each step's start (zero_grad(set_to_none=True)).
+- ``activations_pp2.json``: the PP=2 peaks of activations_pp2.log transcribed (2 decimals as printed).
+
+``python -m agoq.plan.validate`` prints the table of docs/benchmarks/planner.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from agoq.plan.memory import GIB, Layout, ModelShape
+from agoq.plan.peak import CUDA_RUNTIME_BYTES, Recipe, StagePeak, predict_peaks
+from agoq.policy import load_policy
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "docs" / "benchmarks"
+POLICIES = REPO / "configs" / "policy"
+BUILTIN_VOCAB = 4096  # scripts/pretrain_llama.py's built-in tokenizer (docs/benchmarks/pretrain_memory.md)
+TARGET = 0.05  # issue 9 item 4: predicted peak within 5 % of the measured peak
+# agoq's SDPA saves a compact v since this date; measurements made before it saved v as a view of the
+# fused QKV output (Recipe.sdpa_v_view). Files without a "date" field predate it.
+SDPA_V_COMPACT_SINCE = "2026-11-25"
+
+
+def _v_view(report: dict) -> bool:
+    return report.get("date", "") < SDPA_V_COMPACT_SINCE
+
+
+@dataclass(frozen=True)
+class Case:
+    source: str  # file the measurement comes from
+    name: str
+    stage: int
+    measured_gib: float
+    predicted_gib: float
+    phase: str
+    known_gap: str = ""  # why this case is expected outside the target ("" = must be within it)
+
+    @property
+    def error(self) -> float:
+        return self.predicted_gib / self.measured_gib - 1
+
+
+def _flag(argv: list[str], flag: str, default=None):
+    return argv[argv.index(flag) + 1] if flag in argv else default
+
+
+def from_pretrain_argv(argv: list[str], vocab: int = BUILTIN_VOCAB, world_size: int | None = None):
+    """(shape, layout, policy path, recipe) of a scripts/pretrain_llama.py command line."""
+    shape = ModelShape(int(_flag(argv, "--num-layers")), int(_flag(argv, "--hidden-size")),
+                       int(_flag(argv, "--num-attention-heads")), int(_flag(argv, "--num-query-groups")),
+                       int(_flag(argv, "--ffn-hidden-size")), vocab)
+    tp, pp = int(_flag(argv, "--tensor-model-parallel-size", 1)), int(_flag(argv, "--pipeline-model-parallel-size", 1))
+    nproc = world_size or int(_flag(argv, "--nproc-per-node", 1))
+    layout = Layout(tp=tp, pp=pp, dp=nproc // (tp * pp), mbs=int(_flag(argv, "--micro-batch-size")),
+                    gbs=int(_flag(argv, "--global-batch-size")), seq=int(_flag(argv, "--seq-length")),
+                    distributed_optimizer="--use-distributed-optimizer" in argv,
+                    grad_bytes=2 if "--grad-reduce-in-bf16" in argv else 4)
+    policy = POLICIES / "bf16.yaml" if "--agoq-disable" in argv else Path(_flag(argv, "--agoq-policy",
+                                                                             POLICIES / "agoq.yaml"))
+    recipe = Recipe(optimizer="torch" if _flag(argv, "--agoq-optimizer", "torch") == "torch" else "agoq",
+                    grads=_flag(argv, "--agoq-grads"), recompute="--recompute-granularity" in argv)
+    return shape, layout, policy, recipe
+
+
+def _policy_path(path) -> Path:
+    path = Path(path)
+    return path if path.is_absolute() else REPO / path
+
+
+RECOMPUTE_GAP = ("Megatron's full recompute with the bf16 policy: 2.8 GiB above the model, not explained "
+                 "(the same recompute with agoq layers is within 2 %)")
+PP2_GAP = ("measured 2026-11-22 with the code before the fused SwiGLU / RMSNorm backward kernels of "
+           "2026-11-24 (larger backward temporaries), and/or the unattributed agoq term does not scale with "
+           "in-flight layers as modelled; re-measure to tell (docs/benchmarks/planner.md)")
+# Measurements the model misses by more than TARGET, with the reason (docs/benchmarks/planner.md). The test
+# fails if one of these comes within the target (the note is stale) or if any other case leaves it.
+KNOWN_GAPS = {
+    ("pretrain_memory.json", "1b/mbs8/baseline + full recompute", 0): RECOMPUTE_GAP,
+    ("activations_pp2.json", "PP=2 agoq.yaml (stage 0 nf4, stage 1 int8)", 1): PP2_GAP,
+    ("activations_pp2.json", "PP=2 int4.yaml", 1): PP2_GAP,
+}
+
+
+def pretrain_cases(path: Path = BENCH / "pretrain_memory.json") -> list[Case]:
+    report = json.loads(path.read_text())
+    cases = []
+    for variant in report["variants"]:
+        if variant.get("returncode") != 0:
+            continue
+        argv = variant["command"].split()
+        shape, layout, policy, recipe = from_pretrain_argv(argv)
+        recipe = dataclasses.replace(recipe, sdpa_v_view=_v_view(report))
+        peaks = predict_peaks(shape, layout, load_policy(_policy_path(policy)), recipe)
+        measured = max(r["peak_gib"] for r in variant["records"])  # the logging rank: last stage
+        p = peaks[-1]
+        cases.append(_case(path.name, variant["name"], p.pp_rank, measured, p))
+    return cases
+
+
+def bench_memory_peak(p: StagePeak, resident_bytes: int) -> int:
+    """scripts/bench_memory.py's step: other models alive + own bf16 weights + activations and transient
+    (grads are None from zero_grad until the backward writes them; no optimizer state)."""
+    return resident_bytes + p.weights + CUDA_RUNTIME_BYTES + p.held + p.transient
+
+
+def bench_memory_cases(paths=("activations.json", "activations_mbs2.json", "activations_mbs4.json")) -> list[Case]:
+    cases = []
+    for name in paths:
+        data = json.loads((BENCH / name).read_text())
+        kw = data["shape"]
+        shape = ModelShape(kw["num_layers"], kw["hidden_size"], kw["num_attention_heads"], kw["num_query_groups"],
+                           kw["ffn_hidden_size"], kw["vocab_size"])
+        mbs = _mbs_of(name)  # the --mbs of each file's command (activations.md)
+        layout = Layout(mbs=mbs, gbs=mbs, seq=kw["seq_length"])
+        for i, row in enumerate(data["rows"]):
+            p = predict_peaks(shape, layout, load_policy(POLICIES / f"{row['policy']}.yaml"),
+                              Recipe(sdpa_v_view=_v_view(data)))[0]
+            model_and_grads = 2 * p.weights  # bf16 weights + bf16 .grad of one other model
+            resident = model_and_grads * (0 if i == 0 else 1 if i == 1 else 2)
+            predicted = bench_memory_peak(p, resident)
+            cases.append(Case(name, f"{row['policy']} mbs {mbs}", 0, row["peak_bytes"] / GIB, predicted / GIB,
+                              p.phase, KNOWN_GAPS.get((name, f"{row['policy']} mbs {mbs}", 0), "")))
+    return cases
+
+
+def _mbs_of(name: str) -> int:
+    return {"activations.json": 1, "activations_mbs2.json": 2, "activations_mbs4.json": 4}[name]
+
+
+def _case(source: str, name: str, stage: int, measured_gib: float, p: StagePeak) -> Case:
+    return Case(source, name, stage, measured_gib, p.peak / GIB, p.phase, KNOWN_GAPS.get((source, name, stage), ""))
+
+
+def pp2_cases(path: Path = BENCH / "activations_pp2.json") -> list[Case]:
+    data = json.loads(path.read_text())
+    cases = []
+    for variant in data["variants"]:
+        argv = data["command"].split() + variant["args"].split()
+        shape, layout, policy, recipe = from_pretrain_argv(argv, world_size=data["world_size"])
+        recipe = dataclasses.replace(recipe, sdpa_v_view=_v_view(data))
+        peaks = predict_peaks(shape, layout, load_policy(_policy_path(policy)), recipe)
+        for stage, measured in enumerate(variant["peak_gib"]):
+            cases.append(_case(path.name, variant["name"], stage, measured, peaks[stage]))
+    return cases
+
+
+def all_cases() -> list[Case]:
+    return pretrain_cases() + bench_memory_cases() + pp2_cases()
+
+
+def format_table(cases: list[Case]) -> str:
+    lines = ["| source | configuration | stage | measured GiB | predicted GiB | error | peak phase (model) | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in cases:
+        ok = abs(c.error) <= TARGET
+        lines.append(f"| {c.source} | {c.name} | {c.stage} | {c.measured_gib:.2f} | {c.predicted_gib:.2f} | "
+                     f"{100 * c.error:+.1f} % | {c.phase} | {'within 5 %' if ok else 'OUTSIDE 5 %: ' + c.known_gap} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    cases = all_cases()
+    print(format_table(cases))
+    return 1 if failures(cases) else 0
+
+
+def failures(cases: list[Case]) -> list[str]:
+    """Cases outside the target without a known gap, and known gaps that are no longer outside it."""
+    out = [f"{c.source} {c.name} stage {c.stage}: predicted {c.predicted_gib:.2f} vs measured {c.measured_gib:.2f} "
+           f"GiB ({100 * c.error:+.1f} %)" for c in cases if abs(c.error) > TARGET and not c.known_gap]
+    out += [f"{c.source} {c.name} stage {c.stage}: within {100 * TARGET:.0f} % now ({100 * c.error:+.1f} %): remove "
+            f"its KNOWN_GAPS entry" for c in cases if abs(c.error) <= TARGET and c.known_gap]
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""agoq.plan.peak against the committed GPU measurements (issue 9 item 4: predicted peak within 5 %).
+
+Pure Python: reads docs/benchmarks/*.json (H100 / 2 x H200 runs), predicts every measured peak and
+fails if one leaves the 5 % target without a documented reason (agoq.plan.validate.KNOWN_GAPS), or if
+a documented gap closed (stale note). The pieces are also checked one by one against what the runs
+measured exactly: the persistent state (live-tensor breakdown) and the held bytes (saved-tensor meter).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agoq.plan import peak, validate
+from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
+from agoq.plan.peak import Recipe, predict_peaks
+from agoq.plan.storage import LayerDims, head_saved_bytes
+from agoq.policy import load_policy
+
+BENCH = validate.BENCH
+
+
+def test_every_committed_peak_is_predicted_within_target():
+    cases = validate.all_cases()
+    sources = {c.source for c in cases}
+    assert sources == {"pretrain_memory.json", "activations.json", "activations_mbs2.json", "activations_mbs4.json",
+                       "activations_pp2.json"}
+    assert len(cases) == 11 + 4 + 2 + 2 + 6  # every variant / row / stage, none skipped
+    assert validate.failures(cases) == []
+    within = [c for c in cases if abs(c.error) <= validate.TARGET]
+    assert len(within) == len(cases) - len(validate.KNOWN_GAPS)
+
+
+def test_the_check_fails_when_the_model_is_wrong(monkeypatch):
+    # Without the (named, empirical) unattributed agoq term the agoq rows fall 10-27 % short: the check says so.
+    monkeypatch.setattr(peak, "AGOQ_UNATTRIBUTED_BYTES_PER_TOKEN_HIDDEN", 0.0)
+    bad = validate.failures(validate.pretrain_cases())
+    assert any("agoq full" in b for b in bad) and not any("baseline (Megatron)" in b for b in bad)
+    # ... and a 10 % error on a case that must be within the target is reported.
+    case = validate.Case("x.json", "y", 0, measured_gib=10.0, predicted_gib=11.0, phase="forward/backward")
+    assert validate.failures([case]) and not validate.failures([case.__class__(**{**case.__dict__,
+                                                                                 "predicted_gib": 10.4})])
+    # A known gap that closed is reported as stale.
+    closed = validate.Case("x.json", "y", 0, 10.0, 10.1, "forward/backward", known_gap="reason")
+    assert "remove" in validate.failures([closed])[0]
+
+
+def _pretrain_variants():
+    return json.loads((BENCH / "pretrain_memory.json").read_text())["variants"]
+
+
+@pytest.mark.parametrize("variant", _pretrain_variants(), ids=lambda v: v["name"])
+def test_persistent_state_equals_the_live_tensor_breakdown(variant):
+    """weights / grads / optimizer bytes vs the run's own count of live tensors (memory_report.static_breakdown)."""
+    shape, layout, policy, recipe = validate.from_pretrain_argv(variant["command"].split())
+    p = predict_peaks(shape, layout, load_policy(validate._policy_path(policy)), recipe)[0]
+    measured = variant["memory_breakdown_last"]
+    grads = p.grads
+    if recipe.grads is not None and recipe.optimizer == "torch":
+        grads += 4 * sum(peak.param_tensors(shape, layout, 0))  # float buffer, alive after the step (when read)
+    assert p.weights / GIB == pytest.approx(measured["weights_gib"], rel=1e-6)
+    assert grads / GIB == pytest.approx(measured["grads_gib"], rel=1e-4)
+    assert p.optimizer / GIB == pytest.approx(measured["optimizer_gib"], rel=1e-3)
+    other = measured["allocated_gib"] - measured["weights_gib"] - measured["grads_gib"] - measured["optimizer_gib"]
+    assert other * GIB == pytest.approx(peak.CUDA_RUNTIME_BYTES, rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["activations.json", "activations_mbs2.json", "activations_mbs4.json"])
+def test_held_bytes_equal_the_gpu_meter(name):
+    """Per-layer held bytes (Megatron's modelled saves + agoq's exact ones) and the LM head's saves vs what
+    SavedTensorMeter + SavedBytesCounter counted on the H100 (storages de-duplicated)."""
+    data = json.loads((BENCH / name).read_text())
+    kw, mbs = data["shape"], validate._mbs_of(name)
+    shape = ModelShape(kw["num_layers"], kw["hidden_size"], kw["num_attention_heads"], kw["num_query_groups"],
+                       kw["ffn_hidden_size"], kw["vocab_size"])
+    layout = Layout(mbs=mbs, gbs=mbs, seq=kw["seq_length"])
+    dims = LayerDims(seq=kw["seq_length"], micro_batch=mbs, hidden=kw["hidden_size"], ffn=kw["ffn_hidden_size"],
+                     heads=kw["num_attention_heads"], groups=kw["num_query_groups"])
+    for row in data["rows"]:
+        policy = load_policy(validate.POLICIES / f"{row['policy']}.yaml")
+        (stage,) = plan_stages(shape, layout, policy, v_view=validate._v_view(data))  # measured before compact v
+        layers = stage.activations - stage.head_activations
+        # cuDNN's SDPA also keeps two int64 philox scalars per layer (16 B) in the bf16 rows' meter
+        assert abs(row["held_layer_bytes"] - layers) <= 16 * kw["num_layers"], row["policy"]
+        assert abs(row["head_bytes"] - head_saved_bytes(dims, kw["vocab_size"])) <= 8 * mbs
+
+
+def test_phases_follow_the_code():
+    shape = ModelShape(16, 2048, 32, 8, 8192, 4096)
+    layout = Layout(mbs=4, gbs=16, seq=2048)
+    agoq = load_policy(validate.POLICIES / "agoq.yaml")
+    # 8-bit store + Megatron's AdamW: the float buffer and the foreach sqrt list make the step the peak
+    (p,) = predict_peaks(shape, layout, agoq, Recipe(grads="int8_b256"))
+    assert p.phase == "optimizer step" and p.step_extra == 2 * 4 * sum(peak.param_tensors(shape, layout, 0))
+    # agoq's optimizer: per-tensor step, the forward/backward is the peak
+    (q,) = predict_peaks(shape, layout, agoq, Recipe(optimizer="agoq", grads="int8_b256"))
+    assert q.phase == "forward/backward" and q.optimizer < p.optimizer / 3
+    # recompute: the layers keep their bf16 inputs only
+    (r,) = predict_peaks(shape, layout, agoq, Recipe(optimizer="agoq", recompute=True))
+    (n,) = predict_peaks(shape, layout, agoq, Recipe(optimizer="agoq"))
+    assert r.held < n.held / 2
+
+
+def test_distributed_optimizer_pads_the_gradient_buffer():
+    shape = ModelShape(2, 64, 4, 2, 190, 100)  # 190 * 64 is not a multiple of 64 elements per param start
+    plain = Layout(dp=2, mbs=1, gbs=2, seq=8)
+    dist = Layout(dp=2, mbs=1, gbs=2, seq=8, distributed_optimizer=True)
+    tensors = peak.param_tensors(shape, plain, 0)
+    assert peak.grad_buffer_numel(tensors, plain) == sum(tensors)
+    padded = peak.grad_buffer_numel(tensors, dist)
+    assert padded > sum(tensors) and padded % 128 == 0
