@@ -9,7 +9,8 @@ swapped for a recorder), lets Triton's own binder specialise each launch as the 
 
 Use from a process whose ``triton`` is the target version (3.6 is what the GPU runs)::
 
-    PYTHONPATH=/tmp/t36:$PWD python -m agoq.testing.xcompile optim      # every fused-optimizer variant
+    PYTHONPATH=/tmp/t36:$PWD python -m agoq.testing.xcompile optim        # every fused-optimizer variant
+    PYTHONPATH=/tmp/t36:$PWD python -m agoq.testing.xcompile optim_multi  # the multi-tensor step
 
 tests/kernels/test_xcompile.py runs that in a subprocess when ``AGOQ_XCOMPILE_TRITON`` names such a
 Triton (a directory put first on PYTHONPATH) and skips, saying why, otherwise.
@@ -216,7 +217,53 @@ def optim_calls(full: bool = False) -> Iterator[tuple[str, Callable[[], None]]]:
                 yield f"sgd m={m_fmt if mom else '-'} mom={mom} nesterov={nest} wd={wd} {tag}", sgd
 
 
-MODULES = {"optim": ("agoq.kernels.optim", "_optim_step_kernel", optim_calls)}
+MULTI_NUMELS = (OPTIM_NUMEL, 1000, 64)  # several tensors: full tiles, tails, one short tensor
+
+
+def optim_multi_calls(full: bool = False) -> Iterator[tuple[str, Callable[[], None]]]:
+    """(label, call) for the multi-tensor kernel (agoq.kernels.optim_multi): AdamW over every state
+    format x every master mode, Lion over every momentum format, SGD's branches (``full``: the block /
+    scale sweep too). Tensors are separate allocations, as an optimizer's states are."""
+    from agoq.kernels import optim as k
+    from agoq.kernels.optim_multi import MultiTensorLaunch
+
+    formats = OPTIM_STATE_FORMATS + (OPTIM_BLOCK_SCALE_FORMATS if full else ())
+
+    def build(pdt, mdt, m_fmt, v_fmt, gdt=torch.bfloat16):
+        ps = [torch.zeros(n, dtype=pdt) for n in MULTI_NUMELS]
+        masters = [None if mdt is None else torch.zeros(n, dtype=mdt) for n in MULTI_NUMELS]
+        return MultiTensorLaunch.build(ps, [torch.zeros(n, dtype=gdt) for n in MULTI_NUMELS], masters,
+                                       [_optim_state(m_fmt, n) for n in MULTI_NUMELS],
+                                       [_optim_state(v_fmt, n) for n in MULTI_NUMELS])  # fmt: skip
+
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=1)
+    for fmt in formats:
+        for pdt, mdt in OPTIM_MASTERS:
+            tag = f"{str(pdt)[6:]}/{str(mdt)[6:] if mdt else 'none'}"
+
+            def adamw(pdt=pdt, mdt=mdt, fmt=fmt):
+                build(pdt, mdt, fmt, _v_partner(fmt)).run("adamw", k.adamw_scalar_args(**hp))
+
+            yield f"multi adamw m={fmt} {tag}", adamw
+
+        def lion(fmt=fmt):
+            build(torch.bfloat16, torch.int8, fmt, None, torch.float32).run(
+                "lion", k.lion_scalar_args(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1))
+
+        yield f"multi lion m={fmt}", lion
+    for mom, nest, wd in SGD_OPTIONS:
+
+        def sgd(mom=mom, nest=nest, wd=wd):
+            build(torch.bfloat16, torch.int8, "cint8_b32" if mom else None, None).run(
+                "sgd", k.sgd_scalar_args(lr=0.1, momentum=mom, weight_decay=wd), has_wd=wd != 0.0, nesterov=nest)
+
+        yield f"multi sgd mom={mom} nesterov={nest} wd={wd}", sgd
+
+
+MODULES = {
+    "optim": ("agoq.kernels.optim", "_optim_step_kernel", optim_calls),
+    "optim_multi": ("agoq.kernels.optim_multi", "_multi_step_kernel", optim_multi_calls),
+}
 
 
 def record(module_key: str, full: bool = False) -> tuple[object, list[Launch]]:
