@@ -139,6 +139,9 @@ class AgoqMegatronOptimizer(FP32Optimizer):
         if is_loading:
             _init_all_states(self.optimizer)
         state_dict = self.optimizer.state_dict()
+        # torch's state_dict() hands out the live per-param state dicts: copy them before popping "step"
+        # and replacing tensors by ShardedTensors, or the next step after a mid-run save breaks
+        state_dict["state"] = {pid: dict(st) for pid, st in state_dict["state"].items()}
         params = self.get_parameters()
         steps = set()
         for pid, st in state_dict["state"].items():
