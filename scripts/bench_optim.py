@@ -34,6 +34,7 @@ The target (<= 0.6 for flash_split24 on ratio_vs_torch) is checked per case: mee
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -137,6 +138,8 @@ SLEEP_CALIBRATION_CYCLES = 20_000_000
 SLEEP_MARGIN_MS = 5.0
 # CUDA queues ~1024 launches per stream before the host blocks; the device-time loop stays below it
 MAX_QUEUED_LAUNCHES = 900
+# torch fused AdamW: multi_tensor_apply launches one kernel per ~320 chunks of 65536 elements (~50 per 1e9 params)
+TORCH_LAUNCHES_PER_STEP = 64
 
 
 def _time(step, device, iters: int) -> tuple[float, float]:
@@ -212,9 +215,8 @@ def bench_case(case: str, total: int, iters: int, device, fused: bool, only=None
     out.update(numel=numel, num_tensors=len(params))
     if case == "matrices":
         out["tensor_shape"] = list(params[0].shape)
-    torch_row = _run_config(f"{case}/torch_adamw_fp32",
-                            lambda: torch.optim.AdamW(params, fused=device.type == "cuda", **HP),
-                            params, device, iters, 1, None)  # fmt: skip
+    make = functools.partial(torch.optim.AdamW, params, fused=device.type == "cuda", **HP)
+    torch_row = _run_config(f"{case}/torch_adamw_fp32", make, params, device, iters, TORCH_LAUNCHES_PER_STEP, None)
     torch_row.update(bytes_per_param=16.0, **_memory(device, base, numel))
     out["torch_adamw_fp32"] = torch_row
     del params
@@ -226,11 +228,11 @@ def bench_case(case: str, total: int, iters: int, device, fused: bool, only=None
         base = _reset(device)
         params, groups = _case_params(case, total, torch.bfloat16, device, scale)
         buckets = 2 * len(groups)  # matrices + small tensors per group, at most
-        row = _run_config(f"{case}/{key}",
-                          lambda cls=cls, options=options, groups=groups, multi=multi: cls(
-                              groups, fused=fused, multi_tensor=multi, **HP, **options),
-                          params, device, iters, buckets if multi else len(params), torch_row)  # fmt: skip
-        row.update(optimizer=cls.__name__, options=options, multi_tensor=multi and fused, **_memory(device, base, numel))
+        make = functools.partial(cls, groups, fused=fused, multi_tensor=multi, **HP, **options)
+        launches = buckets if multi else len(params)
+        row = _run_config(f"{case}/{key}", make, params, device, iters, launches, torch_row)
+        row.update(optimizer=cls.__name__, options=options, multi_tensor=multi and fused,
+                   **_memory(device, base, numel))  # fmt: skip
         out["configs"][key] = row
         del params, groups
     flash = out["configs"].get("flash_split24")
@@ -300,10 +302,18 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--configs", nargs="*", choices=sorted(CONFIGS), help="subset (default: all)")
     parser.add_argument("--cases", nargs="*", choices=CASES, default=list(CASES), help="parameter sets (default: all)")
-    parser.add_argument("--launch-sweep", action="store_true",
-                        help="time the fused kernels over launch shapes instead (GPU; --configs picks which)")
-    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
-                        help="GPU: print the N top functions (tottime) of 5 flash_split24 steps (llama1b case) under cProfile")
+    parser.add_argument(
+        "--launch-sweep",
+        action="store_true",
+        help="time the fused kernels over launch shapes instead (GPU; --configs picks which)",
+    )
+    parser.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="GPU: print the N top functions (tottime) of 5 llama1b flash_split24 steps under cProfile",
+    )
     args = parser.parse_args()
     t0 = time.perf_counter()
     if args.cprofile:

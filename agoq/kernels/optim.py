@@ -29,8 +29,16 @@ from agoq.kernels.quant import _encode_scale, _pow2_value, decode_block_values
 from agoq.ref.optim import _check_pair, adamw_scalars, lion_scalars, sgd_scalars
 from agoq.ref.quant import QuantizedTensor
 
-__all__ = ["adamw_step", "lion_step", "sgd_step", "fused_block", "step_tile", "adamw_scalar_args", "lion_scalar_args",
-           "sgd_scalar_args"]
+__all__ = [
+    "adamw_step",
+    "lion_step",
+    "sgd_step",
+    "fused_block",
+    "step_tile",
+    "adamw_scalar_args",
+    "lion_scalar_args",
+    "sgd_scalar_args",
+]
 
 # Launch shape: 512 elements per program on 2 warps (8 elements per thread). Chosen by
 # `scripts/bench_optim.py --launch-sweep` on an H100 (2026-11-24, docs/benchmarks/optim_sweep.json): best of

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from agoq.kernels import optim as k
 from agoq.kernels.optim import step_tile
+from agoq.ref.master import MASTER_NS
 
 __all__ = ["MultiTensorLaunch", "OperandError", "NCOL"]
 
@@ -197,7 +198,7 @@ class MultiTensorLaunch:
             LOG_T=log_t, HALF_T=2 ** (log_t - 1),
             A_P=cols[0][2], A_G=cols[1][2], A_M=cols[2][2], A_C1=cols[3][2], A_S1=cols[4][2], A_C2=cols[5][2],
             A_S2=cols[6][2],
-            MASTER=k.MASTER_IDS[master_kind], MASTER_N=127 if mdt == torch.int8 else (32767 if mdt == torch.int16 else 1),
+            MASTER=k.MASTER_IDS[master_kind], MASTER_N=MASTER_NS.get(mdt, 1),
             PARAM_KIND=k._PARAM_KINDS[p0.dtype], MANT=mant, E_MIN=e_min, HAS_S1=s1s[0] is not None,
             BLOCK=block, ROWS=rows_per_prog,
             K1=k1["K"], B1=k1["B"], SC1=k1["SC"], P01=k1["P0"], P11=k1["P1"], F81=k1["F8"], Q1=k1["Q"], PK1=k1["PK"],

@@ -41,7 +41,8 @@ def checkpoint_bytes(iter_dir: str) -> dict:
     params = sum(
         math.prod(meta.size)
         for key, meta in md.state_dict_metadata.items()
-        if isinstance(meta, TensorStorageMetadata) and not key.startswith(("optimizer",) + OTHER_PREFIXES)
+        if isinstance(meta, TensorStorageMetadata)
+        and not key.startswith(("optimizer",) + OTHER_PREFIXES)
         and meta.properties.dtype.is_floating_point
     )
     return dict(model_params=params, model_bytes=parts["model"], optimizer_bytes=parts["optimizer"],

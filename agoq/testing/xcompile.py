@@ -247,15 +247,16 @@ def optim_multi_calls(full: bool = False) -> Iterator[tuple[str, Callable[[], No
             yield f"multi adamw m={fmt} {tag}", adamw
 
         def lion(fmt=fmt):
-            build(torch.bfloat16, torch.int8, fmt, None, torch.float32).run(
-                "lion", k.lion_scalar_args(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1))
+            scalars = k.lion_scalar_args(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1)
+            build(torch.bfloat16, torch.int8, fmt, None, torch.float32).run("lion", scalars)
 
         yield f"multi lion m={fmt}", lion
     for mom, nest, wd in SGD_OPTIONS:
 
         def sgd(mom=mom, nest=nest, wd=wd):
-            build(torch.bfloat16, torch.int8, "cint8_b32" if mom else None, None).run(
-                "sgd", k.sgd_scalar_args(lr=0.1, momentum=mom, weight_decay=wd), has_wd=wd != 0.0, nesterov=nest)
+            scalars = k.sgd_scalar_args(lr=0.1, momentum=mom, weight_decay=wd)
+            launch = build(torch.bfloat16, torch.int8, "cint8_b32" if mom else None, None)
+            launch.run("sgd", scalars, has_wd=wd != 0.0, nesterov=nest)
 
         yield f"multi sgd mom={mom} nesterov={nest} wd={wd}", sgd
 

@@ -150,9 +150,13 @@ def test_multi_rejects_mixed_formats_and_dtypes():
 def _model():
     torch.manual_seed(0)
     # matrices >= small_numel (FlashOptim states), a small matrix and 1-D params (fp32 states, split32)
-    return torch.nn.Sequential(
-        torch.nn.Linear(96, 80), torch.nn.LayerNorm(80), torch.nn.Linear(80, 72), torch.nn.Linear(72, 8)
-    ).to(torch.bfloat16).to(DEVICE)
+    return (
+        torch.nn.Sequential(
+            torch.nn.Linear(96, 80), torch.nn.LayerNorm(80), torch.nn.Linear(80, 72), torch.nn.Linear(72, 8)
+        )
+        .to(torch.bfloat16)
+        .to(DEVICE)
+    )
 
 
 def _groups(model):

@@ -27,7 +27,8 @@ SCRIPT = textwrap.dedent(
     from agoq.megatron.optim_args import add_optim_flags
     from agoq.megatron.optimizer import build_agoq_optimizer
     p = argparse.ArgumentParser(); add_optim_flags(p)
-    args = p.parse_args(["--agoq-optimizer", "adamw"] + (["--agoq-unfused"] if os.environ.get("TRITON_INTERPRET") != "1" else []))
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"  # fused step under Triton's interpreter
+    args = p.parse_args(["--agoq-optimizer", "adamw"] + ([] if interpret else ["--agoq-unfused"]))
     for k, v in dict(lr=1e-3, min_lr=1e-4, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
                      clip_grad=1.0, use_distributed_optimizer=False, lr_warmup_iters=1, global_batch_size=2,
                      lr_decay_iters=10, lr_decay_style="cosine", train_iters=10,
