@@ -13,7 +13,8 @@ Per-group options (any param group may override them):
                    (see SMALL_TENSOR_RULE)
 
 State layout (plain tensors, so state_dict / torch.save / dist_checkpointing see ordinary tensors):
-    state[p]["step"]                 0-dim fp32 tensor (Megatron reads it as a tensor)
+    state[p]["step"]                 0-dim fp32 CPU tensor (Megatron reads it as a tensor); with multi-tensor
+                                     launches a view of one buffer per launch bucket (agoq.optim.multi)
     state[p][f"{name}.codes"]        uint8 packed codes (fmt.code_bytes(numel))
     state[p][f"{name}.scales"]       per-group scales (fp16 / fp32 / uint8), empty for plain formats
     state[p]["master"]               int8 / int16 remainder or fp32 master (absent for "none")
@@ -188,9 +189,10 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     def _step_multi(self, index: int, group: dict, params: list, grads: list) -> None:
         from agoq.optim.multi import GroupPlan
 
-        plan = self._plans.get(index)
+        plans = self.__dict__.setdefault("_plans", {})  # absent after unpickling (torch's __setstate__)
+        plan = plans.get(index)
         if plan is None or not plan.current(self, params, grads):
-            plan = self._plans[index] = GroupPlan(self, group, params, grads)
+            plan = plans[index] = GroupPlan(self, group, params, grads)
         plan.step(self, group, grads)
 
     @torch.no_grad()
