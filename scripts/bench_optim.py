@@ -258,8 +258,8 @@ def bench(total: int, iters: int, device: torch.device, fused: bool, only=None, 
     return results
 
 
-SWEEP_ELEMS = (512, 1024, 2048, 4096, 8192)
-SWEEP_WARPS = (2, 4, 8)
+SWEEP_ELEMS = (256, 512, 1024, 2048, 4096)
+SWEEP_WARPS = (1, 2, 4, 8)
 
 
 def launch_sweep(total: int, rows: int, cols: int, iters: int, names: list[str]) -> dict:
