@@ -6,10 +6,11 @@ grad dtype, state formats + master), e.g. Megatron's decay / no-decay groups giv
 step (matrices with FlashOptim states; small tensors with fp32 states and split32 masters).
 
 The plan (tables of offsets, bases) is cached per param group and rebuilt only when the set of params
-with gradients, any param or grad address, a state dict or a step tensor changes (load_state_dict,
+with gradients, any param or grad address, a state dict or any object in it changes (load_state_dict,
 Megatron's checkpoint loads, a new grad allocation after zero_grad(set_to_none=True) at a different
-address). State tensors are owned by the optimizer and replaced only through load_state_dict (which
-drops the plans); code that swaps a state tensor by hand must call ``optimizer.drop_plans()``.
+address); the check is one identity comparison per state entry, so a state tensor replaced in place of
+another is noticed. Re-pointing a state tensor's storage (``t.set_(...)``) is not: call
+``optimizer.drop_plans()`` after doing that.
 
 Step counts: each param's state["step"] stays a 0-dim fp32 CPU tensor (Megatron and checkpoints read it),
 but inside a plan they are views of one CPU buffer, so a step costs one add and one min/max instead of
@@ -27,6 +28,7 @@ which materialises one parameter's gradient at a time so it cannot batch launche
 from __future__ import annotations
 
 import logging
+import operator
 
 import torch
 
@@ -51,7 +53,6 @@ class GroupPlan:
         self.ptrs = _ptrs(params, grads)
         states = [opt.init_state(p, group) for p in params]
         self.state_dicts = states
-        self.step_views: list = [st["step"] for st in states]
         buckets: dict[tuple, list[int]] = {}
         self.per_tensor: list[int] = []
         for i, (p, g) in enumerate(zip(params, grads, strict=True)):
@@ -78,18 +79,18 @@ class GroupPlan:
                 continue
             buf = torch.full((len(idx),), key[-1], dtype=torch.float32)
             for j, i in enumerate(idx):
-                states[i]["step"] = self.step_views[i] = buf[j]
+                states[i]["step"] = buf[j]
             self.launches.append((launch, buf))
+        self.signatures = [tuple(st.values()) for st in states]
 
     def current(self, opt, params: list, grads: list) -> bool:
         if tuple(map(id, params)) != self.ids or _ptrs(params, grads) != self.ptrs:
             return False
         state = opt.state
-        if not all(
-            state.get(p) is st and st.get("step") is v
-            for p, st, v in zip(params, self.state_dicts, self.step_views, strict=True)
-        ):
-            return False
+        for p, st, sig in zip(params, self.state_dicts, self.signatures, strict=True):
+            # the same state dict holding the same objects: the tables point into these tensors
+            if state.get(p) is not st or not all(map(operator.is_, sig, st.values())) or len(sig) != len(st):
+                return False
         for _, buf in self.launches:  # step counts changed behind the plan's back: rebuild (buckets by step)
             lo, hi = buf.aminmax()
             if lo != hi:
