@@ -201,3 +201,29 @@ def test_optimizer_multi_equals_per_tensor_and_ref(name):
     plan_steps = {float(o1.state[q]["step"]) for q in m1.parameters()}
     assert plan_steps == {3.0, 4.0}  # model[2].bias skipped one step
     assert len(runs[2][1]._plans) == 2
+
+
+def test_non_contiguous_grad_falls_back_per_tensor_and_says_so(caplog):
+    """Non-contiguous gradients (the matrices') are stepped by the per-tensor kernel (logged once), the 1-D
+    params by one launch; the result equals the reference step."""
+    from agoq.optim import AdamW, multi
+
+    multi._LOGGED.discard("non-contiguous gradients (they would be copied each step)")
+    runs = []
+    for fused in (False, True):
+        model = _model()
+        opt = AdamW(_groups(model), fused=fused, lr=1e-2)
+        gen = torch.Generator().manual_seed(2)
+        for p in model.parameters():
+            g = torch.randn(tuple(reversed(p.shape)), generator=gen).to(torch.bfloat16).to(DEVICE)
+            p.grad = g.t() if p.ndim == 2 else g
+        assert not model[0].weight.grad.is_contiguous()
+        with caplog.at_level("WARNING", logger="agoq.optim"):
+            opt.step()
+        runs.append((model, opt))
+    assert "per-tensor fused step for non-contiguous gradients" in caplog.text
+    plan = runs[1][1]._plans[0]
+    assert len(plan.per_tensor) == 3 and len(plan.launches) == 0  # every matrix grad is a transposed view
+    assert len(runs[1][1]._plans[1].launches) == 1 and not runs[1][1]._plans[1].per_tensor
+    for p, q in zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
