@@ -219,7 +219,7 @@ def bench_case(case: str, total: int, iters: int, device, fused: bool, only=None
     torch_row = _run_config(f"{case}/torch_adamw_fp32", make, params, device, iters, TORCH_LAUNCHES_PER_STEP, None)
     torch_row.update(bytes_per_param=16.0, **_memory(device, base, numel))
     out["torch_adamw_fp32"] = torch_row
-    del params
+    del params, make
     variants = [(n, n, True) for n in CONFIGS] + [("flash_split24_per_tensor", "flash_split24", False)]
     for key, name, multi in variants:
         if only and name not in only:
@@ -234,7 +234,7 @@ def bench_case(case: str, total: int, iters: int, device, fused: bool, only=None
         row.update(optimizer=cls.__name__, options=options, multi_tensor=multi and fused,
                    **_memory(device, base, numel))  # fmt: skip
         out["configs"][key] = row
-        del params, groups
+        del params, groups, make
     flash = out["configs"].get("flash_split24")
     if flash and device.type == "cuda":
         out["meets_target"] = flash["ratio_vs_torch"] <= TARGET_RATIO
