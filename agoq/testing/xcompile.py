@@ -129,6 +129,30 @@ def compile_all(kernel, launches: list[Launch], *, log=None) -> list[Outcome]:
     return outcomes
 
 
+def sass_stats(cubin: bytes, top: int = 12) -> dict:
+    """Static SASS counts of a cubin (nvdisasm from the Triton wheel): ``body`` is the number of instructions
+    up to the first unconditional EXIT (the straight-line path every thread runs; slow-path subroutines of
+    correctly rounded div / sqrt follow it), ``ops`` the most frequent opcodes in the whole kernel. A
+    static count, not a timing: an issue-bound kernel's time scales with body x threads."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+    from collections import Counter
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    lines = [ln for ln in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    ops = Counter(re.sub(r"^\s*/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?", "", ln).split()[0].split(".")[0] for ln in lines)
+    body = next((i + 1 for i, ln in enumerate(lines) if re.search(r"\bEXIT\b", ln) and "@" not in ln), len(lines))
+    return {"instructions": len(lines), "body": body, "ops": dict(ops.most_common(top))}
+
+
 # --------------------------------------------------------------------------------------------------
 # variant tables: the launches each kernel module can make
 # --------------------------------------------------------------------------------------------------
@@ -292,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="block/scale sweep x every master mode")
     parser.add_argument("--first", type=int, default=0, help="compile only the first N distinct variants")
     parser.add_argument("--match", default="", help="compile only variants whose label contains this")
+    parser.add_argument("--sass", action="store_true", help="print the SASS instruction counts of each variant")
     args = parser.parse_args(argv)
     if not triton.__version__.startswith(EXPECTED_TRITON):
         print(f"warning: Triton {triton.__version__} imported, the GPU runs {EXPECTED_TRITON}", file=sys.stderr)
@@ -305,6 +330,14 @@ def main(argv: list[str] | None = None) -> int:
                 keys.add(key)
                 kept.append(launch)
         launches = kept
+    if args.sass:
+        seen = set()
+        for launch in launches:
+            key = specialize(kernel, launch)[2]
+            if key not in seen:
+                seen.add(key)
+                print(launch.label, sass_stats(compile_launch(kernel, launch).asm["cubin"]), flush=True)
+        return 0
     outcomes = compile_all(kernel, launches, log=lambda s: print(s, flush=True))
     bad = [o for o in outcomes if not o.ok]
     total = sum(o.seconds for o in outcomes)
