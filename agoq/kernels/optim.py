@@ -29,7 +29,16 @@ from agoq.kernels.quant import _encode_scale, _pow2_value, decode_block_values
 from agoq.ref.optim import _check_pair, adamw_scalars, lion_scalars, sgd_scalars
 from agoq.ref.quant import QuantizedTensor
 
-__all__ = ["adamw_step", "lion_step", "sgd_step", "fused_block"]
+__all__ = [
+    "adamw_step",
+    "lion_step",
+    "sgd_step",
+    "fused_block",
+    "step_tile",
+    "adamw_scalar_args",
+    "lion_scalar_args",
+    "sgd_scalar_args",
+]
 
 # Launch shape: 512 elements per program on 2 warps (8 elements per thread). Chosen by
 # `scripts/bench_optim.py --launch-sweep` on an H100 (2026-11-24, docs/benchmarks/optim_sweep.json): best of
@@ -190,12 +199,41 @@ def _optim_step_kernel(
     K2: tl.constexpr, B2: tl.constexpr, SC2: tl.constexpr, P02: tl.constexpr, P12: tl.constexpr,
     F82: tl.constexpr, Q2: tl.constexpr, PK2: tl.constexpr,
 ):  # fmt: skip
+    """One tensor; program i owns quantization groups [i*ROWS, (i+1)*ROWS)."""
     first_row = tl.program_id(0).to(tl.int64) * ROWS
+    elem_lim = tl.minimum(numel - first_row * BLOCK, ROWS * BLOCK).to(tl.int32)
+    row_lim = tl.minimum(num_rows - first_row, ROWS).to(tl.int32)
+    step_tile(
+        param_ptr, grad_ptr, master_ptr, s1_codes_ptr, s1_scales_ptr, s1_lut_ptr, s1_mids_ptr,
+        s2_codes_ptr, s2_scales_ptr, s2_lut_ptr, s2_mids_ptr, first_row, elem_lim, row_lim,
+        c0, c1, c2, c3, c4, c5, c6, c7, OPT, MASTER, MASTER_N, PARAM_KIND, MANT, E_MIN, HAS_S1, HAS_WD, NESTEROV,
+        BLOCK, ROWS, K1, B1, SC1, P01, P11, F81, Q1, PK1, K2, B2, SC2, P02, P12, F82, Q2, PK2,
+    )  # fmt: skip
+
+
+@triton.jit
+def step_tile(
+    param_ptr, grad_ptr, master_ptr,  # pointers to the tensor's first element (param dtype, grad dtype, master)
+    s1_codes_ptr, s1_scales_ptr, s1_lut_ptr, s1_mids_ptr,
+    s2_codes_ptr, s2_scales_ptr, s2_lut_ptr, s2_mids_ptr,
+    first_row,  # int64: first quantization group (tile row) of this tile inside the tensor
+    elem_lim,  # valid elements in the tile (ROWS * BLOCK for a full tile: a constexpr keeps loads vectorised)
+    row_lim,  # valid rows (groups) in the tile
+    c0, c1, c2, c3, c4, c5, c6, c7,
+    OPT: tl.constexpr, MASTER: tl.constexpr, MASTER_N: tl.constexpr, PARAM_KIND: tl.constexpr,
+    MANT: tl.constexpr, E_MIN: tl.constexpr, HAS_S1: tl.constexpr, HAS_WD: tl.constexpr, NESTEROV: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    K1: tl.constexpr, B1: tl.constexpr, SC1: tl.constexpr, P01: tl.constexpr, P11: tl.constexpr,
+    F81: tl.constexpr, Q1: tl.constexpr, PK1: tl.constexpr,
+    K2: tl.constexpr, B2: tl.constexpr, SC2: tl.constexpr, P02: tl.constexpr, P12: tl.constexpr,
+    F82: tl.constexpr, Q2: tl.constexpr, PK2: tl.constexpr,
+):  # fmt: skip
+    """The fused update of one [ROWS, BLOCK] tile (shared by the per-tensor and multi-tensor kernels)."""
     rows = tl.arange(0, ROWS)
     local = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     elem_base = first_row * BLOCK
-    elem_mask = local < tl.minimum(numel - elem_base, ROWS * BLOCK).to(tl.int32)
-    row_ok = rows < tl.minimum(num_rows - first_row, ROWS).to(tl.int32)
+    elem_mask = local < elem_lim
+    row_ok = rows < row_lim
     offs = elem_base + local
     # -- load: grad, master value theta ------------------------------------------------------------
     g = tl.load(grad_ptr + offs, mask=elem_mask, other=0.0).to(tl.float32)
@@ -355,17 +393,31 @@ def _launch_step(opt, param, grad, master, s1, s2, scalars, *, has_wd=False, nes
     )  # fmt: skip
 
 
+def adamw_scalar_args(*, lr, beta1, beta2, eps, weight_decay, step) -> tuple:
+    """The kernel's c0..c7 for AdamW (fp32-rounded once, agoq.ref.optim.adamw_scalars)."""
+    s = adamw_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
+    return (s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.eps, s.decay, s.step_size, s.bias2_sqrt)
+
+
+def lion_scalar_args(*, lr, beta1, beta2, weight_decay) -> tuple:
+    s = lion_scalars(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+    return (s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2, 0.0, s.decay, s.lr, 1.0)
+
+
+def sgd_scalar_args(*, lr, momentum, weight_decay) -> tuple:
+    s = sgd_scalars(lr=lr, momentum=momentum, weight_decay=weight_decay)
+    return (s.momentum, s.weight_decay, 0.0, 0.0, 0.0, 1.0, s.lr, 1.0)
+
+
 def adamw_step(param, grad, master, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step) -> None:
     """Triton twin of agoq.ref.optim.ref_adamw_step."""
-    s = adamw_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
-    scalars = (s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.eps, s.decay, s.step_size, s.bias2_sqrt)
+    scalars = adamw_scalar_args(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
     _launch_step("adamw", param, grad, master, exp_avg, exp_avg_sq, scalars)
 
 
 def lion_step(param, grad, master, exp_avg, *, lr, beta1, beta2, weight_decay) -> None:
     """Triton twin of agoq.ref.optim.ref_lion_step."""
-    s = lion_scalars(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
-    scalars = (s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2, 0.0, s.decay, s.lr, 1.0)
+    scalars = lion_scalar_args(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
     _launch_step("lion", param, grad, master, exp_avg, None, scalars)
 
 
@@ -373,7 +425,6 @@ def sgd_step(param, grad, master, momentum_buffer, *, lr, momentum, weight_decay
     """Triton twin of agoq.ref.optim.ref_sgd_step."""
     if (momentum_buffer is None) != (momentum == 0.0):
         raise ValueError("pass a momentum_buffer exactly when momentum != 0")
-    s = sgd_scalars(lr=lr, momentum=momentum, weight_decay=weight_decay)
-    scalars = (s.momentum, s.weight_decay, 0.0, 0.0, 0.0, 1.0, s.lr, 1.0)
+    scalars = sgd_scalar_args(lr=lr, momentum=momentum, weight_decay=weight_decay)
     _launch_step("sgd", param, grad, master, momentum_buffer, None, scalars,
                  has_wd=weight_decay != 0.0, nesterov=nesterov)  # fmt: skip

@@ -15,6 +15,8 @@ compressed checkpoints), with DP shards aligned to the quantization groups (shar
 
 from __future__ import annotations
 
+import os
+
 import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -43,9 +45,10 @@ def param_groups(model_chunks: list) -> list[dict]:
 
 def make_agoq_optimizer(args, groups: list[dict]):
     m_fmt, v_fmt = parse_moments(args.agoq_moments)
-    # The fused Triton step needs a GPU; on the CPU (CI, CPU mode) the plain-PyTorch reference step runs,
-    # which computes the same values (tests/kernels/test_optim_kernels.py). The choice is printed at start.
-    fused = not args.agoq_unfused and torch.cuda.is_available()
+    # The fused Triton step needs a GPU (or Triton's CPU interpreter, TRITON_INTERPRET=1, as the kernel
+    # tests use); otherwise (CI, CPU mode) the plain-PyTorch reference step runs, which computes the same
+    # values (tests/kernels/test_optim_kernels.py). The choice is printed at start.
+    fused = not args.agoq_unfused and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
     common = dict(master=args.agoq_master, fused=fused, small_numel=args.agoq_small_numel)
     if args.agoq_optimizer == "adamw":
         return AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
@@ -139,6 +142,9 @@ class AgoqMegatronOptimizer(FP32Optimizer):
         if is_loading:
             _init_all_states(self.optimizer)
         state_dict = self.optimizer.state_dict()
+        # torch's state_dict() hands out the live per-param state dicts: copy them before popping "step"
+        # and replacing tensors by ShardedTensors, or the next step after a mid-run save breaks
+        state_dict["state"] = {pid: dict(st) for pid, st in state_dict["state"].items()}
         params = self.get_parameters()
         steps = set()
         for pid, st in state_dict["state"].items():

@@ -205,9 +205,11 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     if args.agoq_optimizer == "torch":
         print_rank0("optimizer: Megatron Adam(W)")
     else:
-        fused = not args.agoq_unfused and info.device.type == "cuda"
+        inner = getattr(optimizer, "optimizer", optimizer)
+        fused = any(g.get("fused", False) for g in inner.param_groups)
+        step = "fused Triton kernel, multi-tensor launches" if fused else "reference (PyTorch)"
         print_rank0(f"optimizer: agoq {args.agoq_optimizer} | moments {args.agoq_moments} | master "
-                    f"{args.agoq_master} | step: {'fused Triton kernel' if fused else 'reference (PyTorch)'}")
+                    f"{args.agoq_master} | step: {step}")
     progress = checkpoint.Progress(iteration=0, consumed_samples=0)
     if args.load:
         loaded = checkpoint.load_checkpoint(args.load, model, optimizer, scheduler)

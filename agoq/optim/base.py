@@ -5,12 +5,16 @@ Per-group options (any param group may override them):
     state_formats  {state name: format name}, e.g. {"exp_avg": "cint8_b32", "exp_avg_sq": "cuint8_b32"}
     master         "none" (update the param in its own dtype), "fp32" (separate fp32 copy),
                    "split24" (bf16 param + int8 remainder), "split32" (bf16 param + int16 remainder)
-    fused          True: one Triton kernel per tensor (agoq.kernels.optim); False: agoq.ref.optim
+    fused          True: Triton (agoq.kernels.optim); False: plain PyTorch (agoq.ref.optim), one call per tensor
+    multi_tensor   with fused=True: step() launches one kernel per bucket of the group (agoq.optim.multi,
+                   agoq.kernels.optim_multi) instead of one per tensor (default True; False asks for the
+                   per-tensor launches, e.g. to compare)
     small_numel    tensors with ndim < 2 or numel < small_numel keep fp32 states and a split32 master
                    (see SMALL_TENSOR_RULE)
 
 State layout (plain tensors, so state_dict / torch.save / dist_checkpointing see ordinary tensors):
-    state[p]["step"]                 0-dim fp32 tensor (Megatron reads it as a tensor)
+    state[p]["step"]                 0-dim fp32 CPU tensor (Megatron reads it as a tensor); with multi-tensor
+                                     launches a view of one buffer per launch bucket (agoq.optim.multi)
     state[p][f"{name}.codes"]        uint8 packed codes (fmt.code_bytes(numel))
     state[p][f"{name}.scales"]       per-group scales (fp16 / fp32 / uint8), empty for plain formats
     state[p]["master"]               int8 / int16 remainder or fp32 master (absent for "none")
@@ -61,6 +65,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         defaults.setdefault("master", "split24")
         defaults.setdefault("fused", False)
         defaults.setdefault("small_numel", DEFAULT_SMALL_NUMEL)
+        defaults.setdefault("multi_tensor", True)
+        self._plans: dict = {}  # param-group index -> agoq.optim.multi.GroupPlan (cached launch tables)
         super().__init__(params, defaults)
         # Where step() reads gradients: "grad", or "decoupled_grad" when a wrapper keeps a gradient
         # whose dtype differs from the param (Megatron's precision-aware distributed optimizer).
@@ -104,6 +110,23 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     def active_states(self, group: dict) -> tuple[str, ...]:
         return self.STATE_NAMES
 
+    def multi_state_names(self, group: dict) -> tuple[str | None, str | None]:
+        """The states in the fused kernel's slots 1 and 2 (None: absent)."""
+        names = self.active_states(group)
+        return (names[0] if names else None, names[1] if len(names) > 1 else None)
+
+    def kernel_args(self, group: dict, step: int) -> tuple[str, tuple, dict]:  # pragma: no cover - abstract
+        """(kernel optimizer name, fp32 scalars c0..c7, flags) of the fused step at ``step``."""
+        raise NotImplementedError
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self.drop_plans()
+
+    def drop_plans(self) -> None:
+        """Forget the cached multi-tensor launch tables (rebuilt at the next step)."""
+        self.__dict__.setdefault("_plans", {}).clear()
+
     # ---------------------------------------------------------------- state
     def init_state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
@@ -146,12 +169,31 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        attr = self.grad_attr
+        for index, group in enumerate(self.param_groups):
+            params, grads = [], []
             for p in group["params"]:
-                grad = getattr(p, self.grad_attr, None)
+                grad = getattr(p, attr, None)
                 if grad is not None:
+                    params.append(p)
+                    grads.append(grad)
+            if not params:
+                continue
+            if group["fused"] and group["multi_tensor"]:
+                self._step_multi(index, group, params, grads)
+            else:
+                for p, grad in zip(params, grads, strict=True):
                     self.step_param(p, grad, group)
         return loss
+
+    def _step_multi(self, index: int, group: dict, params: list, grads: list) -> None:
+        from agoq.optim.multi import GroupPlan
+
+        plans = self.__dict__.setdefault("_plans", {})  # absent after unpickling (torch's __setstate__)
+        plan = plans.get(index)
+        if plan is None or not plan.current(self, params, grads):
+            plan = plans[index] = GroupPlan(self, group, params, grads)
+        plan.step(self, group, grads)
 
     @torch.no_grad()
     def step_param(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
@@ -170,6 +212,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         """Like torch.optim.Optimizer.load_state_dict, but state tensors keep their dtype (torch's
         version casts every floating state to the param dtype: fp16 scales / fp32 masters would break)."""
         saved_groups = state_dict["param_groups"]
+        self.drop_plans()
         super().load_state_dict({"state": {}, "param_groups": saved_groups})
         id_to_param = {
             pid: p

@@ -36,6 +36,11 @@ class AdamW(QuantizedOptimizer):
         fn(p, grad, master, states["exp_avg"], states["exp_avg_sq"], lr=group["lr"], beta1=b1, beta2=b2,
            eps=group["eps"], weight_decay=group["weight_decay"], step=step)  # fmt: skip
 
+    def kernel_args(self, group, step):
+        b1, b2 = group["betas"]
+        return "adamw", _kernels().adamw_scalar_args(lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                                                     weight_decay=group["weight_decay"], step=step), {}  # fmt: skip
+
 
 class Lion(QuantizedOptimizer):
     """Lion (Chen et al. 2023) with a quantized momentum (FlashLion: cint8_b32)."""
@@ -53,6 +58,11 @@ class Lion(QuantizedOptimizer):
         b1, b2 = group["betas"]
         fn(p, grad, master, states["exp_avg"], lr=group["lr"], beta1=b1, beta2=b2,
            weight_decay=group["weight_decay"])  # fmt: skip
+
+    def kernel_args(self, group, step):
+        b1, b2 = group["betas"]
+        return "lion", _kernels().lion_scalar_args(lr=group["lr"], beta1=b1, beta2=b2,
+                                                   weight_decay=group["weight_decay"]), {}  # fmt: skip
 
 
 class SGD(QuantizedOptimizer):
@@ -78,3 +88,8 @@ class SGD(QuantizedOptimizer):
         fn = _kernels().sgd_step if group["fused"] else ref_optim.ref_sgd_step
         fn(p, grad, master, states.get("momentum_buffer"), lr=group["lr"], momentum=group["momentum"],
            weight_decay=group["weight_decay"], nesterov=group["nesterov"])  # fmt: skip
+
+    def kernel_args(self, group, step):
+        scalars = _kernels().sgd_scalar_args(lr=group["lr"], momentum=group["momentum"],
+                                             weight_decay=group["weight_decay"])  # fmt: skip
+        return "sgd", scalars, dict(has_wd=group["weight_decay"] != 0.0, nesterov=group["nesterov"])

@@ -9,7 +9,8 @@ swapped for a recorder), lets Triton's own binder specialise each launch as the 
 
 Use from a process whose ``triton`` is the target version (3.6 is what the GPU runs)::
 
-    PYTHONPATH=/tmp/t36:$PWD python -m agoq.testing.xcompile optim      # every fused-optimizer variant
+    PYTHONPATH=/tmp/t36:$PWD python -m agoq.testing.xcompile optim        # every fused-optimizer variant
+    PYTHONPATH=/tmp/t36:$PWD python -m agoq.testing.xcompile optim_multi  # the multi-tensor step
 
 tests/kernels/test_xcompile.py runs that in a subprocess when ``AGOQ_XCOMPILE_TRITON`` names such a
 Triton (a directory put first on PYTHONPATH) and skips, saying why, otherwise.
@@ -136,6 +137,30 @@ def compile_all(kernel, launches: list[Launch], *, log=None) -> list[Outcome]:
     return outcomes
 
 
+def sass_stats(cubin: bytes, top: int = 12) -> dict:
+    """Static SASS counts of a cubin (nvdisasm from the Triton wheel): ``body`` is the number of instructions
+    up to the first unconditional EXIT (the straight-line path every thread runs; slow-path subroutines of
+    correctly rounded div / sqrt follow it), ``ops`` the most frequent opcodes in the whole kernel. A
+    static count, not a timing: an issue-bound kernel's time scales with body x threads."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+    from collections import Counter
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    lines = [ln for ln in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    ops = Counter(re.sub(r"^\s*/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?", "", ln).split()[0].split(".")[0] for ln in lines)
+    body = next((i + 1 for i, ln in enumerate(lines) if re.search(r"\bEXIT\b", ln) and "@" not in ln), len(lines))
+    return {"instructions": len(lines), "body": body, "ops": dict(ops.most_common(top))}
+
+
 # --------------------------------------------------------------------------------------------------
 # variant tables: the launches each kernel module can make
 # --------------------------------------------------------------------------------------------------
@@ -251,10 +276,57 @@ def _only(calls, prefix):
     return lambda full=False: ((label, c) for label, c in calls(full) if label.startswith(prefix))
 
 
+MULTI_NUMELS = (OPTIM_NUMEL, 1000, 64)  # several tensors: full tiles, tails, one short tensor
+
+
+def optim_multi_calls(full: bool = False) -> Iterator[tuple[str, Callable[[], None]]]:
+    """(label, call) for the multi-tensor kernel (agoq.kernels.optim_multi): AdamW over every state
+    format x every master mode, Lion over every momentum format, SGD's branches (``full``: the block /
+    scale sweep too). Tensors are separate allocations, as an optimizer's states are."""
+    from agoq.kernels import optim as k
+    from agoq.kernels.optim_multi import MultiTensorLaunch
+
+    formats = OPTIM_STATE_FORMATS + (OPTIM_BLOCK_SCALE_FORMATS if full else ())
+
+    def build(pdt, mdt, m_fmt, v_fmt, gdt=torch.bfloat16):
+        ps = [torch.zeros(n, dtype=pdt) for n in MULTI_NUMELS]
+        masters = [None if mdt is None else torch.zeros(n, dtype=mdt) for n in MULTI_NUMELS]
+        return MultiTensorLaunch.build(ps, [torch.zeros(n, dtype=gdt) for n in MULTI_NUMELS], masters,
+                                       [_optim_state(m_fmt, n) for n in MULTI_NUMELS],
+                                       [_optim_state(v_fmt, n) for n in MULTI_NUMELS])  # fmt: skip
+
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=1)
+    for fmt in formats:
+        for pdt, mdt in OPTIM_MASTERS:
+            tag = f"{str(pdt)[6:]}/{str(mdt)[6:] if mdt else 'none'}"
+
+            def adamw(pdt=pdt, mdt=mdt, fmt=fmt):
+                build(pdt, mdt, fmt, _v_partner(fmt)).run("adamw", k.adamw_scalar_args(**hp))
+
+            yield f"multi adamw m={fmt} {tag}", adamw
+
+        def lion(fmt=fmt):
+            scalars = k.lion_scalar_args(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1)
+            build(torch.bfloat16, torch.int8, fmt, None, torch.float32).run("lion", scalars)
+
+        yield f"multi lion m={fmt}", lion
+    for mom, nest, wd in SGD_OPTIONS:
+
+        def sgd(mom=mom, nest=nest, wd=wd):
+            scalars = k.sgd_scalar_args(lr=0.1, momentum=mom, weight_decay=wd)
+            launch = build(torch.bfloat16, torch.int8, "cint8_b32" if mom else None, None)
+            launch.run("sgd", scalars, has_wd=wd != 0.0, nesterov=nest)
+
+        yield f"multi sgd mom={mom} nesterov={nest} wd={wd}", sgd
+
+
 MODULES = {
     "optim": ("agoq.kernels.optim", "_optim_step_kernel", optim_calls),
     "swiglu_quant_fwd": ("agoq.kernels.swiglu_quant", "_FWD", _only(swiglu_quant_calls, "swiglu_quantize")),
     "swiglu_quant_bwd": ("agoq.kernels.swiglu_quant", "_DQ", _only(swiglu_quant_calls, "dequant_swiglu")),
+
+
+    "optim_multi": ("agoq.kernels.optim_multi", "_multi_step_kernel", optim_multi_calls),
 }
 
 
@@ -284,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="block/scale sweep x every master mode")
     parser.add_argument("--first", type=int, default=0, help="compile only the first N distinct variants")
     parser.add_argument("--match", default="", help="compile only variants whose label contains this")
+    parser.add_argument("--sass", action="store_true", help="print the SASS instruction counts of each variant")
     args = parser.parse_args(argv)
     if not triton.__version__.startswith(EXPECTED_TRITON):
         print(f"warning: Triton {triton.__version__} imported, the GPU runs {EXPECTED_TRITON}", file=sys.stderr)
@@ -297,6 +370,14 @@ def main(argv: list[str] | None = None) -> int:
                 keys.add(key)
                 kept.append(launch)
         launches = kept
+    if args.sass:
+        seen = set()
+        for launch in launches:
+            key = specialize(kernel, launch)[2]
+            if key not in seen:
+                seen.add(key)
+                print(launch.label, sass_stats(compile_launch(kernel, launch).asm["cubin"]), flush=True)
+        return 0
     outcomes = compile_all(kernel, launches, log=lambda s: print(s, flush=True))
     bad = [o for o in outcomes if not o.ok]
     total = sum(o.seconds for o in outcomes)

@@ -209,3 +209,16 @@ def test_bf16_grads_with_agoq_optimizer_train_and_report_2_bytes(env, distopt):
     total = float(parts.split("= ")[1].split(" ")[0])
     assert grads == pytest.approx(2.0, abs=0.01)
     assert total <= (5.6 if distopt else 7.2), line
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_dp2_distopt_fused_multi_tensor_step_matches_reference(env):
+    """The fused step with multi-tensor launches (Triton's interpreter on CPU) on the distributed optimizer's
+    shards (views of the DDP buffers, grads in .decoupled_grad) gives the reference step's losses. ~3 min."""
+    args = AGOQ_DISTOPT[:-1] + ["3"]
+    fused = run_pretrain(2, args, env=dict(env, TRITON_INTERPRET="1"), timeout=900)
+    assert "step: fused Triton kernel, multi-tensor launches" in fused.stdout
+    reference = run_pretrain(2, args, env=dict(env, TRITON_INTERPRET="0"))
+    assert "step: reference (PyTorch)" in reference.stdout
+    assert _losses(fused.stdout) == _losses(reference.stdout) and len(_losses(reference.stdout)) == 3

@@ -16,10 +16,15 @@ def test_bench_optim_smoke_writes_report(tmp_path):
                           env=child_env())  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
-    assert set(report["configs"]) == {"flash_split24", "lion_flash_split24"}
-    flash = report["configs"]["flash_split24"]
+    assert set(report["cases"]) == {"matrices", "llama1b"}
+    for name, case in report["cases"].items():
+        assert set(case["configs"]) == {"flash_split24", "lion_flash_split24", "flash_split24_per_tensor"}, name
+        flash = case["configs"]["flash_split24"]
+        assert flash["finite"] and case["torch_adamw_fp32"]["finite"]
+        assert flash["ms"] > 0 and flash["host_ms"] > 0 and flash["ratio_vs_torch"] > 0
+        assert flash["device_ms"] is None  # no device timing on CPU
+        assert "meets_target" not in case  # no timing claim on CPU
     # split24 (2 + 1) + cint8_b32 / cuint8_b32 (1 + 2/32 each) + bf16 grads (2) = 7.125 bytes/param
-    assert abs(flash["bytes_per_param"] - 7.125) < 1e-9
-    assert flash["finite"] and report["torch_adamw_fp32"]["finite"]
-    assert flash["ms"] > 0 and flash["host_ms"] > 0 and flash["ratio_vs_torch"] > 0
-    assert "meets_target" not in report  # no timing claim on CPU
+    assert abs(report["cases"]["matrices"]["configs"]["flash_split24"]["bytes_per_param"] - 7.125) < 1e-9
+    llama = report["cases"]["llama1b"]
+    assert llama["num_tensors"] == 2 * 6 + 3  # --smoke: 2 layers + embedding, output, final norm
