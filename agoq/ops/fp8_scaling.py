@@ -101,6 +101,10 @@ class FP8ScalingState(torch.nn.Module):
         self.recipe = recipe
         self.length = recipe.amax_history_len
         self.num_updates = dict.fromkeys(SLOT_VARIANTS, 0)  # host-side: no GPU sync to test "has history"
+        # per-slot names and variants, built once (the cast runs on every forward / backward)
+        self._meta_keys = {slot: f"meta_{slot}" for slot in SLOT_VARIANTS}
+        self._ws_keys = {slot: f"workspace_{slot}" for slot in SLOT_VARIANTS}
+        self._variants = dict(SLOT_VARIANTS)
         for slot in SLOT_VARIANTS:
             meta = torch.zeros(META_HEADER + self.length, dtype=torch.float32, device=device)
             meta[:2] = 1.0  # scale and its inverse before the first record
@@ -124,7 +128,8 @@ class FP8ScalingState(torch.nn.Module):
 
     def check_device(self, tensor: torch.Tensor) -> None:
         meta = self._buffers["meta_x"]
-        if meta.device != tensor.device:
+        index = meta.get_device()  # ints first: no torch.device objects on the CUDA hot path
+        if index != tensor.get_device() or meta.is_cuda != tensor.is_cuda or (index < 0 and meta.device != tensor.device):
             raise ValueError(f"FP8ScalingState is on {meta.device} but the tensor is on {tensor.device}; "
                              "move the state with the module (.to(device) / .cuda())")
 
@@ -162,20 +167,31 @@ class FP8ScalingState(torch.nn.Module):
 
         Returns (out, out_t, scale, scale_inv); the scales are views of a meta the state no longer
         writes (safe to keep for backward)."""
-        variant, recipe = SLOT_VARIANTS[slot], self.recipe
+        out, out_t, meta = self.cast_meta(slot, t2d, cast_ops, rowmajor, transposed)
+        return out, out_t, meta[1], meta[0]
+
+    def cast_meta(self, slot: str, x: torch.Tensor, cast_ops, rowmajor: bool, transposed: bool,
+                  t_colmajor: bool = False):
+        """:meth:`cast` for the FP8 linear's hot path: x contiguous [..., C] (read as 2-D), no checks
+        beyond the state's own (the caller checked x); returns (out, out_t, meta) with ``meta`` the
+        [scale_inv, scale, ...] vector the cast used (never written again). ``t_colmajor``: out_t as
+        the [R, C] column-major tensor (agoq.kernels.fp8_fused._launch_cast)."""
+        recipe = self.recipe
         if self.num_updates[slot]:
-            meta = self.meta(slot)
-            out, out_t, new = cast_ops.cast_delayed(t2d, variant, meta, self._buffers[f"workspace_{slot}"],
-                                                    recipe.margin, recipe.pow2_scales, rowmajor=rowmajor,
-                                                    transposed=transposed)
-            self._set(slot, new)
-            return out, out_t, meta[1], meta[0]
-        out, out_t, current = cast_ops.cast_current(t2d, variant, recipe.margin, recipe.pow2_scales,
-                                                    rowmajor=rowmajor, transposed=transposed)
-        new = torch.zeros(META_HEADER + self.length, dtype=torch.float32, device=t2d.device)
+            key = self._meta_keys[slot]
+            meta = self._buffers[key]
+            out, out_t, new = cast_ops.cast_delayed(x, self._variants[slot], meta, self._buffers[self._ws_keys[slot]],
+                                                    recipe.margin, recipe.pow2_scales, rowmajor, transposed,
+                                                    t_colmajor)
+            self._buffers[key] = new
+            self.num_updates[slot] += 1
+            return out, out_t, meta
+        out, out_t, current = cast_ops.cast_current(x, self._variants[slot], recipe.margin, recipe.pow2_scales,
+                                                    rowmajor, transposed, t_colmajor)
+        new = torch.zeros(META_HEADER + self.length, dtype=torch.float32, device=x.device)
         new[: META_HEADER + 1] = current  # history [amax, 0, ...]: its max is amax, the scale the current one
         self._set(slot, new)
-        return out, out_t, current[1], current[0]
+        return out, out_t, current
 
     def _set(self, slot: str, meta: torch.Tensor) -> None:
         self._buffers[f"meta_{slot}"] = meta
