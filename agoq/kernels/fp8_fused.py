@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from agoq.formats import FP8_MAX
+from agoq.kernels.direct_launch import DirectLauncher
 from agoq.kernels.fp8 import (
     _TL_FP8,
     _TORCH_FP8,
@@ -50,7 +51,6 @@ from agoq.kernels.fp8 import (
     _scale_from_amax,
     _variant,
 )
-from agoq.kernels.direct_launch import DirectLauncher
 
 __all__ = ["fp8_cast_delayed_2d", "fp8_cast_current_2d", "cast_delayed_unchecked", "cast_current_unchecked",
            "FUSED_CAST_TILE", "META_HEADER"]

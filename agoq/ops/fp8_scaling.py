@@ -129,7 +129,8 @@ class FP8ScalingState(torch.nn.Module):
     def check_device(self, tensor: torch.Tensor) -> None:
         meta = self._buffers["meta_x"]
         index = meta.get_device()  # ints first: no torch.device objects on the CUDA hot path
-        if index != tensor.get_device() or meta.is_cuda != tensor.is_cuda or (index < 0 and meta.device != tensor.device):
+        other = tensor.get_device()
+        if index != other or meta.is_cuda != tensor.is_cuda or (index < 0 and meta.device != tensor.device):
             raise ValueError(f"FP8ScalingState is on {meta.device} but the tensor is on {tensor.device}; "
                              "move the state with the module (.to(device) / .cuda())")
 
