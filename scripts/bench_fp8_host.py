@@ -173,7 +173,7 @@ def summarize(rows: list[dict]) -> dict:
         sel = [r for r in rows if r["mode"] == mode]
         out[mode] = {key: sum(r[key] for r in sel) for key in ("host_ms", "gpu_ms", "wall_ms") if key in sel[0]}
     base = out.get("bf16", {})
-    for mode, s in out.items():
+    for s in out.values():
         if "wall_ms" in s and base.get("wall_ms"):
             s["wall_speedup_vs_bf16"] = base["wall_ms"] / s["wall_ms"]
             s["gpu_speedup_vs_bf16"] = base["gpu_ms"] / s["gpu_ms"]
