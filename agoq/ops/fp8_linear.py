@@ -273,6 +273,27 @@ class FP8LinearFunction(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None
 
 
+def _bind_apply():
+    """FP8LinearFunction.apply without the Python wrapper older torch versions put around the C++
+    ``_FunctionBase.apply`` (default-argument binding, functorch checks: a Python frame and a pass over
+    the arguments per call). Same call when no functorch transform is active (checked per call; with
+    one, the public apply runs). Where torch's ``Function.apply`` already is the C++ one (torch 2.14),
+    it is used as is."""
+    c_apply = torch._C._FunctionBase.__dict__.get("apply")
+    public = FP8LinearFunction.apply
+    if c_apply is None or torch.autograd.Function.__dict__.get("apply") is c_apply:
+        return public
+    raw = c_apply.__get__(None, FP8LinearFunction)
+    transforms_active = torch._C._are_functorch_transforms_active
+
+    def apply(*args):
+        return public(*args) if transforms_active() else raw(*args)
+    return apply
+
+
+_apply_fp8_linear = _bind_apply()
+
+
 def _gemm(a_fp8, b_fp8, scale_a_inv, scale_b_inv, out_dtype, fast_accum, out_shape):
     """a [M,K] row-major @ b [K,N] column-major (E4M3) with fp32 inverse scales (0-dim, or [M,1] and
     [1,N]); with ``out_shape`` (leading dims of x, N) the result is written into a tensor of that
@@ -359,5 +380,5 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scaling_state: FP8ScalingS
         raise ValueError(f"w_col_scale must be fp32 [{weight.shape[1]}] (one per input column of the weight), got "
                          f"{w_col_scale.dtype} {tuple(w_col_scale.shape)}")
     grad_enabled = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    y = FP8LinearFunction.apply(x, weight, scaling_state, recipe, w_col_scale, x_saver, grad_enabled, weight_cache)
+    y = _apply_fp8_linear(x, weight, scaling_state, recipe, w_col_scale, x_saver, grad_enabled, weight_cache)
     return y if bias is None else y + bias

@@ -255,3 +255,34 @@ def test_3d_input_is_read_in_place_and_gives_the_2d_results(granularity, scaling
         results.append((y.detach().reshape(64, -1), xr.grad.reshape(64, -1), wr.grad))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def test_raw_apply_binding_is_the_public_apply_when_torch_has_no_wrapper(monkeypatch):
+    """agoq.ops.fp8_linear._bind_apply: torch's own apply where Function.apply is the C++ one; else a
+    wrapper that calls the C++ apply (and the public one under a functorch transform)."""
+    import agoq.ops.fp8_linear as mod
+
+    c_apply = torch._C._FunctionBase.__dict__["apply"]
+    if torch.autograd.Function.__dict__.get("apply") is c_apply:
+        assert mod._bind_apply() == FP8LinearFunction.apply
+    calls = []
+
+    class _Wrapped(torch.autograd.Function):  # an older torch: a Python apply around the C++ one
+        @classmethod
+        def apply(cls, *args):
+            calls.append(args)
+            return super().apply(*args)
+
+    monkeypatch.setattr(mod, "FP8LinearFunction", type("F", (_Wrapped,), dict(mod.FP8LinearFunction.__dict__)))
+    monkeypatch.setattr(torch.autograd.Function, "apply", classmethod(lambda cls, *a: None), raising=True)
+    bound = mod._bind_apply()
+    x, w, g = _data()
+    x, w = x.requires_grad_(), w.requires_grad_()
+    if _cpu_scaled_mm_available():
+        y = bound(x, w, None, FP8Recipe(), None, None, True, None)
+        y.backward(g)
+        assert calls == [] and x.grad is not None and w.grad is not None  # the raw C++ apply ran
+        monkeypatch.setattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+        bound = mod._bind_apply()
+        bound(x.detach(), w, None, FP8Recipe(), None, None, True, None)
+        assert len(calls) == 1  # under a transform: the public apply
