@@ -165,10 +165,12 @@ def _launch_cast(x, m, n, plan, rowmajor, transposed, t_colmajor, meta, new_meta
     return out, out_t
 
 
-def cast_delayed_unchecked(x, variant, meta, workspace, margin, pow2, rowmajor, transposed, t_colmajor=False):
+def cast_delayed_unchecked(x, variant, meta, workspace, margin, pow2, rowmajor, transposed, t_colmajor=False,
+                           new_meta=None):
     """fp8_cast_delayed_2d without the argument checks, for agoq.ops.fp8_scaling.FP8ScalingState (which
-    made ``meta`` and ``workspace``; agoq.ops.fp8_linear checked x): x contiguous [..., n] bf16/fp16/fp32,
-    read as [numel / n, n]; ``t_colmajor`` as in _launch_cast."""
+    made ``meta``, ``workspace`` and ``new_meta``; agoq.ops.fp8_linear checked x): x contiguous [..., n]
+    bf16/fp16/fp32, read as [numel / n, n]; ``t_colmajor`` as in _launch_cast; ``new_meta``: where the
+    next meta goes (an fp32 [4 + L] vector no one reads yet; default: a new allocation)."""
     n = x.shape[-1]
     m = x.numel() // n if n else 0
     if m == 0 or n == 0:
@@ -176,7 +178,8 @@ def cast_delayed_unchecked(x, variant, meta, workspace, margin, pow2, rowmajor, 
                                               rowmajor=rowmajor, transposed=transposed)
         return out, (out_t.t() if t_colmajor and out_t is not None else out_t), new
     length = meta.shape[0] - META_HEADER
-    new_meta = torch.empty_like(meta)
+    if new_meta is None:
+        new_meta = torch.empty_like(meta)
     out, out_t = _launch_cast(x, m, n, _cast_plan(variant, margin, pow2, length), rowmajor, transposed, t_colmajor,
                               meta, new_meta, workspace, True, length)
     return out, out_t, new_meta

@@ -74,7 +74,7 @@ def fp8_cast_ops(device: torch.device) -> SimpleNamespace:
     """(amax_2d, scales, cast_2d, cast_delayed, cast_current) for tensors on ``device``: Triton on CUDA
     (agoq.kernels.fp8, agoq.kernels.fp8_fused), the reference elsewhere (identical results;
     tests/kernels). ``cast_delayed(x, variant, meta, workspace, margin, pow2, rowmajor, transposed,
-    t_colmajor=False)`` and ``cast_current(x, variant, margin, pow2, rowmajor, transposed,
+    t_colmajor=False, new_meta=None)`` and ``cast_current(x, variant, margin, pow2, rowmajor, transposed,
     t_colmajor=False)`` take x [..., C] contiguous (read as 2-D) and no argument checks (the FP8
     linear's hot path; the public checked casts are agoq.kernels.fp8_fused's).
     A CUDA tensor without Triton raises the ImportError."""
@@ -85,12 +85,13 @@ def _colmajor(out_t: torch.Tensor | None, t_colmajor: bool) -> torch.Tensor | No
     return out_t.t() if t_colmajor and out_t is not None else out_t
 
 
-def _ref_cast_delayed(x, variant, meta, workspace, margin, pow2, rowmajor, transposed, t_colmajor=False):
+def _ref_cast_delayed(x, variant, meta, workspace, margin, pow2, rowmajor, transposed, t_colmajor=False,
+                      new_meta=None):
     from agoq.ref.fp8 import ref_fp8_cast_delayed_2d
 
     out, out_t, new = ref_fp8_cast_delayed_2d(x.reshape(-1, x.shape[-1]), variant, meta, workspace, margin, pow2,
                                               rowmajor=rowmajor, transposed=transposed)
-    return out, _colmajor(out_t, t_colmajor), new
+    return out, _colmajor(out_t, t_colmajor), (new if new_meta is None else new_meta.copy_(new))
 
 
 def _ref_cast_current(x, variant, margin, pow2, rowmajor, transposed, t_colmajor=False):
@@ -153,7 +154,8 @@ def _cast(x: torch.Tensor, slot: str, recipe: FP8Recipe, state: FP8ScalingState 
           transposed: bool, t_colmajor: bool = False) -> _Cast:
     """Cast x (contiguous [..., C], read as [R, C]) for ``slot`` (x, w: E4M3; g: E5M2) with the recipe's
     scales. Per-tensor: delayed scaling is one fused launch (FP8ScalingState.cast_meta), current
-    scaling two (amax, then the cast, which computes the scale itself); the only per-call view is
+    scaling two (amax, then the cast, which computes the scale itself). Delayed scaling makes no
+    per-call view or allocation for the scales (FP8ScalingState's meta pool); current scaling takes
     meta[0], the GEMM's inverse scale. Row granularity computes both the per-row and the per-column
     scales (one amax read), whatever layouts are written."""
     if recipe.granularity == "row":
@@ -164,11 +166,11 @@ def _cast(x: torch.Tensor, slot: str, recipe: FP8Recipe, state: FP8ScalingState 
         out, out_t, _ = ops.cast_2d(x2, variant, scale, scale_t, rowmajor=rowmajor, transposed=transposed)
         return _Cast(out, _colmajor(out_t, t_colmajor), scale_inv, scale_t_inv, scale_t)
     if recipe.scaling == "delayed":
-        out, out_t, meta = state.cast_meta(slot, x, ops, rowmajor, transposed, t_colmajor)
+        out, out_t, meta, inv = state.cast_meta(slot, x, ops, rowmajor, transposed, t_colmajor)
     else:
         out, out_t, meta = ops.cast_current(x, SLOT_VARIANTS[slot], recipe.margin, recipe.pow2_scales, rowmajor,
                                             transposed, t_colmajor)
-    inv = meta[0]
+        inv = meta[0]
     return _Cast(out, out_t, inv, inv, meta)
 
 

@@ -44,6 +44,12 @@ SLOT_VARIANTS = {"x": FORWARD_VARIANT, "w": FORWARD_VARIANT, "g": BACKWARD_VARIA
 # Transformer Engine's DelayedScaling keeps 1024 amaxes by default; the FP8 paper's code 1024 / DP per
 # rank (algorithms.md §2.1). 16 reacts faster to shrinking tensors in short runs; configurable.
 DEFAULT_AMAX_HISTORY_LEN = 16
+# Delayed scaling writes each cast's next meta into a fresh row of a pool of this many rows (one
+# allocation and two unbinds per 64 casts of a slot instead of an allocation and a view per cast; a
+# pool is 64 x 20 floats = 5 KiB at the default history length). Rows are padded to a multiple of
+# META_ROW_ALIGN floats so that every row (and its scale_inv, element 0) is 16-byte aligned.
+META_POOL_ROWS = 64
+META_ROW_ALIGN = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +111,8 @@ class FP8ScalingState(torch.nn.Module):
         self._meta_keys = {slot: f"meta_{slot}" for slot in SLOT_VARIANTS}
         self._ws_keys = {slot: f"workspace_{slot}" for slot in SLOT_VARIANTS}
         self._variants = dict(SLOT_VARIANTS)
+        self._pools: dict = {}  # slot -> iterator over unused (meta row, its element 0) of a meta pool
+        self._invs: dict = {}  # slot -> (current meta, its element 0) when made with it (cast_meta)
         for slot in SLOT_VARIANTS:
             meta = torch.zeros(META_HEADER + self.length, dtype=torch.float32, device=device)
             meta[:2] = 1.0  # scale and its inverse before the first record
@@ -168,34 +176,66 @@ class FP8ScalingState(torch.nn.Module):
 
         Returns (out, out_t, scale, scale_inv); the scales are views of a meta the state no longer
         writes (safe to keep for backward)."""
-        out, out_t, meta = self.cast_meta(slot, t2d, cast_ops, rowmajor, transposed)
-        return out, out_t, meta[1], meta[0]
+        out, out_t, meta, scale_inv = self.cast_meta(slot, t2d, cast_ops, rowmajor, transposed)
+        return out, out_t, meta[1], scale_inv
 
     def cast_meta(self, slot: str, x: torch.Tensor, cast_ops, rowmajor: bool, transposed: bool,
                   t_colmajor: bool = False):
         """:meth:`cast` for the FP8 linear's hot path: x contiguous [..., C] (read as 2-D), no checks
-        beyond the state's own (the caller checked x); returns (out, out_t, meta) with ``meta`` the
-        [scale_inv, scale, ...] vector the cast used (never written again). ``t_colmajor``: out_t as
-        the [R, C] column-major tensor (agoq.kernels.fp8_fused._launch_cast)."""
+        beyond the state's own (the caller checked x); returns (out, out_t, meta, scale_inv) with
+        ``meta`` the [scale_inv, scale, ...] vector the cast used (never written again) and
+        ``scale_inv`` its element 0 as a 0-dim tensor (what torch._scaled_mm takes). ``t_colmajor``:
+        out_t as the [R, C] column-major tensor (agoq.kernels.fp8_fused._launch_cast).
+
+        The next meta is a row of a pool allocated :data:`META_POOL_ROWS` at a time, with its element-0
+        view made in the same pass (two ``unbind`` calls), so a delayed cast allocates nothing and
+        makes no view for its scales. Rows are never reused (each is written once, by the cast that
+        makes it), so saved scales stay valid; a pool is freed when its last row is."""
         recipe = self.recipe
         if self.num_updates[slot]:
             key = self._meta_keys[slot]
             meta = self._buffers[key]
+            current = self._invs.get(slot)
+            inv = current[1] if current is not None and current[0] is meta else meta[0]
+            fresh, fresh_inv = self._fresh_meta(slot, meta)
             out, out_t, new = cast_ops.cast_delayed(x, self._variants[slot], meta, self._buffers[self._ws_keys[slot]],
                                                     recipe.margin, recipe.pow2_scales, rowmajor, transposed,
-                                                    t_colmajor)
+                                                    t_colmajor, fresh)
             self._buffers[key] = new
+            self._invs[slot] = (new, fresh_inv if new is fresh else new[0])
             self.num_updates[slot] += 1
-            return out, out_t, meta
+            return out, out_t, meta, inv
         out, out_t, current = cast_ops.cast_current(x, self._variants[slot], recipe.margin, recipe.pow2_scales,
                                                     rowmajor, transposed, t_colmajor)
         new = torch.zeros(META_HEADER + self.length, dtype=torch.float32, device=x.device)
         new[: META_HEADER + 1] = current  # history [amax, 0, ...]: its max is amax, the scale the current one
         self._set(slot, new)
-        return out, out_t, current
+        return out, out_t, current, current[0]
+
+    def _fresh_meta(self, slot: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(an unused meta row on ``like``'s device, its element 0); a new pool when one runs out."""
+        rows = self._pools.get(slot)
+        row = next(rows, None) if rows is not None else None
+        if row is None:
+            width = META_HEADER + self.length
+            padded = -(-width // META_ROW_ALIGN) * META_ROW_ALIGN  # every row starts 16-byte aligned (cuBLAS)
+            pool = torch.empty((META_POOL_ROWS, padded), dtype=torch.float32, device=like.device)
+            rows = zip(pool[:, :width].unbind(0), pool[:, 0].unbind(0), strict=True)
+            self._pools[slot] = rows
+            row = next(rows)
+        return row
+
+    def _apply(self, *args, **kwargs):  # .to() / .cuda() / .float(): pools of the old device are dropped
+        self._pools, self._invs = {}, {}
+        return super()._apply(*args, **kwargs)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._pools, self._invs = {}, {}
+        return super()._load_from_state_dict(*args, **kwargs)
 
     def _set(self, slot: str, meta: torch.Tensor) -> None:
-        self._buffers[f"meta_{slot}"] = meta
+        self._buffers[self._meta_keys[slot]] = meta
+        self._invs.pop(slot, None)
         self.num_updates[slot] += 1
 
     def get_extra_state(self) -> dict:
