@@ -36,7 +36,8 @@ import torch
 __all__ = ["DirectLauncher", "set_direct_launch", "direct_launch_enabled", "DIRECT_LAUNCH_ENV"]
 
 DIRECT_LAUNCH_ENV = "AGOQ_TRITON_DIRECT_LAUNCH"
-ALIGNMENT_BYTES = 16  # Triton's pointer / int divisibility specialization ("D" attribute: multiple of 16)
+# Triton's pointer / int divisibility specialization ("D" attribute) is "a multiple of 16": the keys
+# below test ``x & 15`` (the same as ``% 16 == 0`` for Python ints, negative ones included).
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _UINT64_MIN, _UINT64_MAX = 2**63, 2**64 - 1
 
@@ -56,24 +57,25 @@ def direct_launch_enabled() -> bool:
     return _enabled
 
 
-def _int_class(v: int) -> int:
-    """Triton's int argument type: 0 i32, 1 u64, 2 i64 (its C++ specializer's ranges)."""
-    if _INT32_MIN <= v <= _INT32_MAX:
-        return 0
-    if _UINT64_MIN <= v <= _UINT64_MAX:
-        return 1
-    return 2
+_Tensor = torch.Tensor
 
 
 def arg_key(a):
-    """The part of an argument that Triton's specialization can depend on (or finer)."""
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % ALIGNMENT_BYTES == 0)
-    if isinstance(a, bool):
-        return ("bool", a)
-    if isinstance(a, int):
-        return (a == 1, a % ALIGNMENT_BYTES == 0, _int_class(a))
+    """The part of an argument that Triton's specialization can depend on (or finer): a tensor's dtype
+    and 16-byte alignment; an int's ``== 1``, divisibility by 16 and width class (i32 / u64 / other);
+    anything else (constexprs, bools, floats) by value."""
+    if isinstance(a, _Tensor):
+        return (a.dtype, not (a.data_ptr() & 15))
+    if a.__class__ is int:
+        return (a == 1, not (a & 15), _INT32_MIN <= a <= _INT32_MAX, _UINT64_MIN <= a <= _UINT64_MAX)
     return a
+
+
+def launch_key(args) -> tuple:
+    """``tuple(map(arg_key, args))`` in one comprehension (no call per argument: this runs per launch)."""
+    return tuple([(a.dtype, not (a.data_ptr() & 15)) if isinstance(a, _Tensor) else
+                  (a == 1, not (a & 15), _INT32_MIN <= a <= _INT32_MAX, _UINT64_MIN <= a <= _UINT64_MAX)
+                  if a.__class__ is int else a for a in args])
 
 
 _runtime_knobs = None
@@ -124,7 +126,7 @@ class DirectLauncher:
             self.jit_fn[grid](*args, **self.options)
             return
         device = _current_device()
-        key = (device, *map(arg_key, args))
+        key = (device, launch_key(args))
         entry = self._kernels.get(key)
         if entry is None or self._pre_run_hooks or _hooks_registered():
             self._dispatch(grid, args, key, device)

@@ -46,6 +46,11 @@ def _partition_violations(spec) -> list[str]:
     return [f"{k}: {v}" for k, v in groups.items() if len(v) > 1]
 
 
+def test_launch_key_is_the_per_argument_key():
+    args = _sample_args() + [2.5, None, "constexpr"]
+    assert dl.launch_key(args) == tuple(map(dl.arg_key, args))
+
+
 def _triton_spec():
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
