@@ -125,12 +125,16 @@ def count_ops(fn) -> dict:
     of one call, from torch.profiler (counts only: the profiler's times are not the host cost)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from torch.autograd import DeviceType
+
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # CUDA: runtime API events
         fn()
         torch.cuda.synchronize()
     counts: dict[str, int] = {}
     for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            continue
         if e.name.startswith(("aten::", "cuLaunchKernel", "cudaLaunchKernel", "autograd::engine::evaluate_function")):
             counts[e.name] = counts.get(e.name, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
