@@ -123,9 +123,8 @@ def _with_dispatch(mode: str, fn):
 def count_ops(fn) -> dict:
     """CPU operators (aten::*), kernel launches (cuLaunchKernel*, cudaLaunchKernel*) and autograd nodes
     of one call, from torch.profiler (counts only: the profiler's times are not the host cost)."""
-    from torch.profiler import ProfilerActivity, profile
-
     from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # CUDA: runtime API events
