@@ -111,7 +111,7 @@ class FP8ScalingState(torch.nn.Module):
         self._meta_keys = {slot: f"meta_{slot}" for slot in SLOT_VARIANTS}
         self._ws_keys = {slot: f"workspace_{slot}" for slot in SLOT_VARIANTS}
         self._variants = dict(SLOT_VARIANTS)
-        self._pools: dict = {}  # slot -> iterator over unused (meta row, its element 0) of a meta pool
+        self._pools: dict = {}  # slot -> [meta rows, their element 0, next unused index] (_fresh_meta)
         self._invs: dict = {}  # slot -> (current meta, its element 0) when made with it (cast_meta)
         for slot in SLOT_VARIANTS:
             meta = torch.zeros(META_HEADER + self.length, dtype=torch.float32, device=device)
@@ -213,17 +213,17 @@ class FP8ScalingState(torch.nn.Module):
         return out, out_t, current, current[0]
 
     def _fresh_meta(self, slot: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(an unused meta row on ``like``'s device, its element 0); a new pool when one runs out."""
-        rows = self._pools.get(slot)
-        row = next(rows, None) if rows is not None else None
-        if row is None:
+        """(an unused meta row on ``like``'s device, its element 0); a new pool when one runs out.
+        A pool is [rows, element-0 views, next index] (plain tuples: the state stays deep-copyable)."""
+        pool = self._pools.get(slot)
+        if pool is None or pool[2] == len(pool[0]):
             width = META_HEADER + self.length
             padded = -(-width // META_ROW_ALIGN) * META_ROW_ALIGN  # every row starts 16-byte aligned (cuBLAS)
-            pool = torch.empty((META_POOL_ROWS, padded), dtype=torch.float32, device=like.device)
-            rows = zip(pool[:, :width].unbind(0), pool[:, 0].unbind(0), strict=True)
-            self._pools[slot] = rows
-            row = next(rows)
-        return row
+            block = torch.empty((META_POOL_ROWS, padded), dtype=torch.float32, device=like.device)
+            pool = self._pools[slot] = [block[:, :width].unbind(0), block[:, 0].unbind(0), 0]
+        i = pool[2]
+        pool[2] = i + 1
+        return pool[0][i], pool[1][i]
 
     def _apply(self, *args, **kwargs):  # .to() / .cuda() / .float(): pools of the old device are dropped
         self._pools, self._invs = {}, {}

@@ -146,3 +146,16 @@ def test_moving_the_state_drops_its_meta_pools():
     assert state._pools
     state.to("cpu")
     assert not state._pools and not state._invs
+
+
+def test_state_with_a_meta_pool_deep_copies():
+    import copy
+
+    state = FP8ScalingState(DELAYED)
+    ops = fp8_cast_ops(torch.device("cpu"))
+    for _ in range(3):
+        state.cast_meta("x", torch.ones(4, 16), ops, True, False)
+    other = copy.deepcopy(state)
+    assert torch.equal(other.meta("x"), state.meta("x")) and other.num_updates == state.num_updates
+    other.cast_meta("x", torch.ones(4, 16) * 2, ops, True, False)
+    assert not torch.equal(other.meta("x"), state.meta("x"))  # the copy has its own pool
