@@ -22,6 +22,9 @@ One command runs all parts and writes one JSON (< 4 min on an H100):
 (b) --profile: per linear of the last --ffn and per mode, host vs GPU time, per-phase breakdown (cast x,
     cast w, GEMM fwd, cast g, GEMMs bwd), top CUDA kernels and CPU operators (scripts/bench_fp8_profile.py),
     plus the cost of one weight-cache refresh.
+(d) --host: per linear and mode (bf16, FP8 delayed with direct Triton launches and with Triton's
+    dispatch, FP8 current), host ms vs GPU ms vs wall ms of one forward + backward without the profiler,
+    host us per call of the FP8 path's primitives, CPU op / launch counts (scripts/bench_fp8_host.py).
 (c) Whole training steps of a ~1B LLaMA (16 x 2048, ffn 8192, seq 2048, micro-batch 2 x 4, 30
     iterations) through scripts/pretrain_llama.py: bf16 vs --agoq-fp8 delayed vs --agoq-fp8 delayed
     --agoq-smooth-swiglu per-token (``scripts/bench_pretrain.py --suite fp8``; needs megatron-core),
@@ -285,6 +288,16 @@ def run_profile(args, device: str, linear_rows: list[dict]) -> dict:
     return {"ffn": ffn, "tokens": tokens, "iters": args.profile_iters, "linears": out, "four_linears": summary}
 
 
+def run_host(args) -> dict:
+    """(d): scripts/bench_fp8_host.py on this run's shape (the last --ffn) and iteration counts."""
+    import bench_fp8_host
+
+    host_args = argparse.Namespace(**{k: getattr(args, k) for k in ("tokens", "hidden", "heads", "kv_heads",
+                                                                      "head_dim", "warmup", "iters", "reps", "smoke")},
+                                   ffn=args.ffn[-1])
+    return bench_fp8_host.run(host_args)
+
+
 def summarize(rows: list[dict]) -> dict:
     """Per ffn: the four linears' sum per mode, and one layer's linear time (qkv + proj + MLP block)
     per variant, each with the speed-up over bf16."""
@@ -352,6 +365,9 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3, help="blocks of --iters back-to-back iterations (GPU timing)")
     p.add_argument("--profile", action="store_true", help="(b): host vs GPU time, phases, kernels, CPU ops")
     p.add_argument("--profile-iters", type=int, default=5)
+    p.add_argument("--host", action="store_true",
+                   help="(d): host vs GPU ms per linear without the profiler, host us per primitive "
+                        "(scripts/bench_fp8_host.py; last --ffn)")
     p.add_argument("--no-step", action="store_true", help="skip (b), the whole-step runs")
     p.add_argument("--step-timeout", type=float, default=240, help="seconds per whole-step variant")
     p.add_argument("--out", default=None, help="write the JSON report here")
@@ -377,11 +393,16 @@ def main() -> int:
         args=vars(args), target_speedup=TARGET_SPEEDUP, linears=run_linears(args, device),
     )
     report["profile"] = run_profile(args, device, report["linears"]["rows"]) if args.profile else None
+    report["host"] = run_host(args) if args.host else None
     if device == "cuda":
         torch.cuda.empty_cache()  # leave the GPU to the whole-step runs
     run_step = not args.no_step and (not args.smoke or args.step_smoke)
     report["whole_step"] = run_whole_step(args) if run_step else None
     report["seconds"] = time.perf_counter() - started
+    if report["host"]:
+        from bench_fp8_host import print_host
+
+        print_host(report["host"])
     if report["profile"]:
         from bench_fp8_profile import print_profile
 

@@ -12,8 +12,9 @@ the script at start-up: ``predicted_peak_gib``, ``predicted_peak_error``; docs/b
 Suites: ``attention`` (issue 2: SDPA vs Megatron's unfused DotProductAttention, ~350M and ~1B LLaMA
 shapes, PP=1, one GPU); ``lean`` (issues 5/6/9: Megatron baseline vs agoq's optimizer and 8-bit
 gradients, ~1B, PP=1, one GPU); ``memory`` (issue 9: baseline vs agoq presets at equal batch, and the baseline
-with full recompute vs agoq at a larger micro-batch); ``fp8`` (issue 7: bf16 vs FP8 linears vs FP8 + Smooth-SwiGLU, ~1B,
-PP=1, one GPU, 30 iterations for a short loss comparison; also run by scripts/bench_fp8.py).
+with full recompute vs agoq at a larger micro-batch); ``fp8`` (issue 7: bf16 vs FP8 linears vs FP8 +
+Smooth-SwiGLU vs FP8 with Triton's launch dispatch, ~1B, PP=1, one GPU, 30 iterations for a short loss
+comparison; also run by scripts/bench_fp8.py).
 ``grads`` (issue 5: the memory suite's equal-batch variants with and without 8-bit gradients, torch
 Adam and agoq's optimizer, under 4 minutes). ``--smoke`` runs a tiny CPU version of the suite (for
 CI-style checks; FP8 variants need a GPU, so the fp8 smoke suite runs bf16 and Smooth-SwiGLU only).
@@ -171,9 +172,14 @@ def fp8_suite(smoke: bool) -> list[dict]:
         "--agoq-policy", str(REPO_ROOT / "configs" / "policy" / "bf16.yaml")]
     variants = {"bf16": [], "fp8 delayed": ["--agoq-fp8", "delayed"],
                 "fp8 delayed + smooth-swiglu per-token": ["--agoq-fp8", "delayed", "--agoq-smooth-swiglu", "per-token"]}
+    # the FP8 linear's Triton casts through Triton's own dispatch instead of agoq's direct launches
+    # (agoq.kernels.direct_launch): what the direct path saves in a whole step
+    envs = {"fp8 delayed, Triton dispatch": {"AGOQ_TRITON_DIRECT_LAUNCH": "0"}}
+    variants["fp8 delayed, Triton dispatch"] = ["--agoq-fp8", "delayed"]
     if smoke:
         variants = {"bf16": [], "smooth-swiglu per-token": ["--agoq-smooth-swiglu", "per-token"]}
-    return [{"name": f"{shape}/{name}", "nproc": 1, "args": base + extra} for name, extra in variants.items()]
+    return [{"name": f"{shape}/{name}", "nproc": 1, "args": base + extra, "env": envs.get(name, {})}
+            for name, extra in variants.items()]
 
 
 SUITES = {"attention": attention_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite,
@@ -183,8 +189,10 @@ SUITES = {"attention": attention_suite, "lean": lean_suite, "memory": memory_sui
 def run_variant(variant: dict, workdir: Path, timeout: float) -> dict:
     log = workdir / ("".join(c if c.isalnum() else "_" for c in variant["name"]) + ".jsonl")
     cmd = torchrun_command(variant["nproc"], PRETRAIN_SCRIPT, variant["args"] + ["--log-json", str(log)])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=REPO_ROOT)
-    result = {"name": variant["name"], "command": " ".join(cmd[1:]), "returncode": proc.returncode}
+    env = variant.get("env", {})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(**env), cwd=REPO_ROOT)
+    result = {"name": variant["name"], "command": " ".join([*(f"{k}={v}" for k, v in env.items()), *cmd[1:]]),
+              "returncode": proc.returncode}
     if proc.returncode != 0:
         result["error_tail"] = (proc.stdout + proc.stderr)[-4000:]
         return result

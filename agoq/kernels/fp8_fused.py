@@ -6,6 +6,11 @@ two per current-scaling cast (amax, then cast). Twins in :mod:`agoq.ref.fp8` (sa
   fp8_cast_current_2d(x2d, variant, margin=0, pow2=False, *, rowmajor=True, transposed=False)
                                                               -> (out | None, out_t | None, meta)
 
+The FP8 linear's hot path calls ``cast_delayed_unchecked`` / ``cast_current_unchecked`` (the same
+launches without the argument checks: x [..., n] read in place, the transposed copy optionally as an
+[m, n] column-major tensor, the next meta optionally into a caller's buffer); the CPU twins are the
+reference adapters in agoq.ops.fp8_linear. Launches go through agoq.kernels.direct_launch.
+
 ``meta`` is one fp32 vector per tensor slot: ``[scale_inv, scale, 0, 0, amax_history (L, newest
 first)]`` (current scaling: L = 1, the tensor's own amax). ``scale = meta[1]`` multiplies into the FP8
 range; ``scale_inv = meta[0]`` is what ``torch._scaled_mm`` takes: first, so that its address is the
@@ -30,11 +35,14 @@ the two workspace words). The clamp and the transposed store are agoq.kernels.fp
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from agoq.formats import FP8_MAX
+from agoq.kernels.direct_launch import DirectLauncher
 from agoq.kernels.fp8 import (
     _TL_FP8,
     _TORCH_FP8,
@@ -49,7 +57,8 @@ from agoq.kernels.fp8 import (
     _variant,
 )
 
-__all__ = ["fp8_cast_delayed_2d", "fp8_cast_current_2d", "FUSED_CAST_TILE", "META_HEADER"]
+__all__ = ["fp8_cast_delayed_2d", "fp8_cast_current_2d", "cast_delayed_unchecked", "cast_current_unchecked",
+           "FUSED_CAST_TILE", "META_HEADER"]
 
 META_HEADER = 4  # meta = [scale_inv, scale, 0, 0, history...]: the history starts 16 bytes in
 
@@ -129,21 +138,74 @@ def _cast_tensor_kernel(
             tl.store(new_meta_ptr + 1 + one, s1)
 
 
-def _launch_cast(x, variant, margin, pow2, rowmajor, transposed, meta, new_meta, ws, delayed):
-    m, n = x.shape
-    fp8 = _TORCH_FP8[variant]
-    out = torch.empty((m, n), dtype=fp8, device=x.device) if rowmajor else None
-    out_t = torch.empty((n, m), dtype=fp8, device=x.device) if transposed else None
-    bm, bn, tiles, warps = FUSED_CAST_TILE
-    length = meta.numel() - META_HEADER
-    _cast_tensor_kernel[(triton.cdiv(m, bm * tiles), triton.cdiv(n, bn))](
-        x, out if rowmajor else x, out_t if transposed else x, meta, new_meta, ws, m, n, length,
-        FMAX=FP8_MAX[variant], FMAX_DIV=_fmax_div(variant, margin), POW2=bool(pow2), FP8=_TL_FP8[variant],
-        DELAYED=delayed, ROWMAJOR=rowmajor, TRANSPOSED=transposed, BM=bm, BN=bn, TILES_M=tiles,
-        BL=triton.next_power_of_2(max(length, 1)), TRANSPOSE_F32=x.dtype == torch.float32, num_warps=warps,
-        enable_fp_fusion=False,
-    )  # fmt: skip
+# Launched through agoq.kernels.direct_launch: after the first call of a specialization the compiled
+# kernel is called directly (Triton's per-call dispatch is most of a launch's host time).
+_CAST_LAUNCH = DirectLauncher(_cast_tensor_kernel, num_warps=FUSED_CAST_TILE[3], enable_fp_fusion=False)
+_AMAX_LAUNCH = DirectLauncher(_amax_flat_kernel, num_warps=4)
+
+
+@functools.lru_cache(maxsize=64)  # per (variant, margin, pow2, history length): the constexprs, once
+def _cast_plan(variant: str, margin: int, pow2: bool, length: int) -> tuple:
+    _variant(variant)
+    return (FP8_MAX[variant], _fmax_div(variant, margin), bool(pow2), _TL_FP8[variant], _TORCH_FP8[variant],
+            triton.next_power_of_2(max(length, 1)))
+
+
+def _launch_cast(x, m, n, plan, rowmajor, transposed, t_colmajor, meta, new_meta, ws, delayed, length):
+    """One _cast_tensor_kernel launch over x viewed as [m, n] (contiguous, any leading dims). out_t is
+    [n, m] row-major, or with ``t_colmajor`` the same memory as an [m, n] column-major tensor (the
+    layout torch._scaled_mm's operand b wants, without a .t() per call)."""
+    fmax, fmax_div, pow2, tl_fp8, fp8, bl = plan
+    device = x.device
+    out = torch.empty((m, n), dtype=fp8, device=device) if rowmajor else None
+    out_t = None
+    if transposed:
+        out_t = (torch.empty_strided((m, n), (1, m), dtype=fp8, device=device) if t_colmajor
+                 else torch.empty((n, m), dtype=fp8, device=device))
+    bm, bn, tiles, _ = FUSED_CAST_TILE
+    grid = ((m + bm * tiles - 1) // (bm * tiles), (n + bn - 1) // bn)
+    _CAST_LAUNCH(grid, (x, out if rowmajor else x, out_t if transposed else x, meta, new_meta, ws, m, n, length,
+                        fmax, fmax_div, pow2, tl_fp8, delayed, rowmajor, transposed, bm, bn, tiles, bl,
+                        x.dtype == torch.float32))
     return out, out_t
+
+
+def cast_delayed_unchecked(x, variant, meta, workspace, margin, pow2, rowmajor, transposed, t_colmajor=False,
+                           new_meta=None):
+    """fp8_cast_delayed_2d without the argument checks, for agoq.ops.fp8_scaling.FP8ScalingState (which
+    made ``meta``, ``workspace`` and ``new_meta``; agoq.ops.fp8_linear checked x): x contiguous [..., n]
+    bf16/fp16/fp32, read as [numel / n, n]; ``t_colmajor`` as in _launch_cast; ``new_meta``: where the
+    next meta goes (an fp32 [4 + L] vector no one reads yet; default: a new allocation)."""
+    n = x.shape[-1]
+    m = x.numel() // n if n else 0
+    if m == 0 or n == 0:
+        out, out_t, new = fp8_cast_delayed_2d(x.reshape(m, n), variant, meta, workspace, margin, pow2,
+                                              rowmajor=rowmajor, transposed=transposed)
+        return out, (out_t.t() if t_colmajor and out_t is not None else out_t), new
+    length = meta.shape[0] - META_HEADER
+    if new_meta is None:
+        new_meta = torch.empty_like(meta)
+    out, out_t = _launch_cast(x, m, n, _cast_plan(variant, margin, pow2, length), rowmajor, transposed, t_colmajor,
+                              meta, new_meta, workspace, True, length)
+    return out, out_t, new_meta
+
+
+def cast_current_unchecked(x, variant, margin, pow2, rowmajor, transposed, t_colmajor=False):
+    """fp8_cast_current_2d without the argument checks (x as in cast_delayed_unchecked)."""
+    n = x.shape[-1]
+    m = x.numel() // n if n else 0
+    if m == 0 or n == 0:
+        out, out_t, meta = fp8_cast_current_2d(x.reshape(m, n), variant, margin, pow2, rowmajor=rowmajor,
+                                               transposed=transposed)
+        return out, (out_t.t() if t_colmajor and out_t is not None else out_t), meta
+    ws = torch.zeros(META_HEADER + 1, dtype=torch.int32, device=x.device)
+    meta = ws.view(torch.float32)
+    numel = m * n
+    _AMAX_LAUNCH((min((numel + AMAX_BLOCK - 1) // AMAX_BLOCK, AMAX_MAX_PROGRAMS),),
+                 (x, ws[META_HEADER:], numel, AMAX_BLOCK))
+    out, out_t = _launch_cast(x, m, n, _cast_plan(variant, margin, pow2, 1), rowmajor, transposed, t_colmajor,
+                              meta, meta, ws, False, 1)
+    return out, out_t, meta
 
 
 def fp8_cast_delayed_2d(x2d: torch.Tensor, variant: str, meta: torch.Tensor, workspace: torch.Tensor, margin: int = 0,
@@ -158,14 +220,13 @@ def fp8_cast_delayed_2d(x2d: torch.Tensor, variant: str, meta: torch.Tensor, wor
     if workspace.dtype != torch.int32 or workspace.numel() < 2 or workspace.device != x.device:
         raise ValueError("workspace must be int32 [2] on the tensor's device, zero on entry "
                          "(FP8ScalingState keeps one per slot)")
+    _fmax_div(variant, margin)
     if x.numel() == 0:  # no program would run the history push: push amax 0 with the reference
         from agoq.ref.fp8 import ref_fp8_cast_delayed_2d
 
         return ref_fp8_cast_delayed_2d(x, variant, meta, workspace, margin, pow2, rowmajor=rowmajor,
                                        transposed=transposed)
-    new_meta = torch.empty_like(meta)
-    out, out_t = _launch_cast(x, variant, margin, pow2, rowmajor, transposed, meta, new_meta, workspace, True)
-    return out, out_t, new_meta
+    return cast_delayed_unchecked(x, variant, meta, workspace, margin, pow2, rowmajor, transposed)
 
 
 def fp8_cast_current_2d(x2d: torch.Tensor, variant: str, margin: int = 0, pow2: bool = False, *,
@@ -175,13 +236,8 @@ def fp8_cast_current_2d(x2d: torch.Tensor, variant: str, margin: int = 0, pow2: 
     _variant(variant)
     x = _check_2d(x2d, "fp8_cast_current_2d")
     _fmax_div(variant, margin)
-    ws = torch.zeros(META_HEADER + 1, dtype=torch.int32, device=x.device)
-    meta = ws.view(torch.float32)
     if x.numel() == 0:
         from agoq.ref.fp8 import ref_fp8_cast_current_2d
 
         return ref_fp8_cast_current_2d(x, variant, margin, pow2, rowmajor=rowmajor, transposed=transposed)
-    grid = (min(triton.cdiv(x.numel(), AMAX_BLOCK), AMAX_MAX_PROGRAMS),)
-    _amax_flat_kernel[grid](x, ws[META_HEADER:], x.numel(), BLOCK=AMAX_BLOCK, num_warps=4)
-    out, out_t = _launch_cast(x, variant, margin, pow2, rowmajor, transposed, meta, meta, ws, False)
-    return out, out_t, meta
+    return cast_current_unchecked(x, variant, margin, pow2, rowmajor, transposed)

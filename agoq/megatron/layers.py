@@ -164,7 +164,7 @@ class _AgoqLinearMixin(_AgoqStorageAttrs):
         if self.agoq_fp8.scaling != "delayed":
             return None
         state = self.__dict__.get("_agoq_fp8_state")
-        if state is None or state.recipe != self.agoq_fp8:
+        if state is None or (state.recipe is not self.agoq_fp8 and state.recipe != self.agoq_fp8):
             state = FP8ScalingState(self.agoq_fp8, device=device)
             self.__dict__["_agoq_fp8_state"] = state
         return state

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -54,6 +53,7 @@ __all__ = ["fp8_linear", "FP8LinearFunction", "MIN_FP8_CAPABILITY", "GEMM_DIM_MU
 MIN_FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89) and Hopper (sm_90); torch._scaled_mm's check
 GEMM_DIM_MULTIPLE = 16  # torch._scaled_mm: a.size(1), b.size(0), b.size(1) multiples of 16 (cuBLASLt FP8)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DEFAULT_RECIPE = FP8Recipe()  # per-tensor current scaling (frozen: one shared instance)
 _NO_RANGE = contextlib.nullcontext()
 _phase_ranges = False  # profiler ranges per phase (set_phase_ranges); off: one no-op context per phase
 
@@ -72,9 +72,34 @@ def _phase(name: str):
 
 def fp8_cast_ops(device: torch.device) -> SimpleNamespace:
     """(amax_2d, scales, cast_2d, cast_delayed, cast_current) for tensors on ``device``: Triton on CUDA
-    (agoq.kernels.fp8, agoq.kernels.fp8_fused), the reference elsewhere
-    (identical results; tests/kernels). A CUDA tensor without Triton raises the ImportError."""
+    (agoq.kernels.fp8, agoq.kernels.fp8_fused), the reference elsewhere (identical results;
+    tests/kernels). ``cast_delayed(x, variant, meta, workspace, margin, pow2, rowmajor, transposed,
+    t_colmajor=False, new_meta=None)`` and ``cast_current(x, variant, margin, pow2, rowmajor, transposed,
+    t_colmajor=False)`` take x [..., C] contiguous (read as 2-D) and no argument checks (the FP8
+    linear's hot path; the public checked casts are agoq.kernels.fp8_fused's).
+    A CUDA tensor without Triton raises the ImportError."""
     return _cast_ops_for(torch.device(device).type)
+
+
+def _colmajor(out_t: torch.Tensor | None, t_colmajor: bool) -> torch.Tensor | None:
+    return out_t.t() if t_colmajor and out_t is not None else out_t
+
+
+def _ref_cast_delayed(x, variant, meta, workspace, margin, pow2, rowmajor, transposed, t_colmajor=False,
+                      new_meta=None):
+    from agoq.ref.fp8 import ref_fp8_cast_delayed_2d
+
+    out, out_t, new = ref_fp8_cast_delayed_2d(x.reshape(-1, x.shape[-1]), variant, meta, workspace, margin, pow2,
+                                              rowmajor=rowmajor, transposed=transposed)
+    return out, _colmajor(out_t, t_colmajor), (new if new_meta is None else new_meta.copy_(new))
+
+
+def _ref_cast_current(x, variant, margin, pow2, rowmajor, transposed, t_colmajor=False):
+    from agoq.ref.fp8 import ref_fp8_cast_current_2d
+
+    out, out_t, meta = ref_fp8_cast_current_2d(x.reshape(-1, x.shape[-1]), variant, margin, pow2,
+                                               rowmajor=rowmajor, transposed=transposed)
+    return out, _colmajor(out_t, t_colmajor), meta
 
 
 @functools.lru_cache(maxsize=8)  # called for every cast: resolve the implementation once per device type
@@ -84,64 +109,76 @@ def _cast_ops_for(kind: str) -> SimpleNamespace:
         from agoq.kernels import fp8_fused as fused
 
         return SimpleNamespace(amax_2d=impl.fp8_amax_2d, scales=impl.fp8_scales, cast_2d=impl.fp8_cast_2d,
-                               cast_delayed=fused.fp8_cast_delayed_2d, cast_current=fused.fp8_cast_current_2d)
+                               cast_delayed=fused.cast_delayed_unchecked, cast_current=fused.cast_current_unchecked)
     from agoq.ref import fp8 as ref
 
     return SimpleNamespace(amax_2d=ref.ref_fp8_amax_2d, scales=ref.ref_fp8_scales, cast_2d=ref.ref_fp8_cast_2d,
-                           cast_delayed=ref.ref_fp8_cast_delayed_2d, cast_current=ref.ref_fp8_cast_current_2d)
+                           cast_delayed=_ref_cast_delayed, cast_current=_ref_cast_current)
 
 
-@dataclass
 class _Cast:
-    """One operand in FP8: row-major ``data`` [R, C] and/or transposed ``data_t`` [C, R], with the scales
-    (0-dim, or per row [R, 1] / per column [1, C]) and their inverses (what _scaled_mm takes)."""
+    """One operand in FP8: ``data`` [R, C] row-major and/or ``data_t`` (the transposed copy: [C, R]
+    row-major, or the same memory as an [R, C] column-major tensor when cast with ``t_colmajor``);
+    ``scale_inv`` / ``scale_t_inv``: what torch._scaled_mm takes for each (0-dim, or [R, 1] / [1, C]);
+    ``scale_src``: where the multiplicative scale of the transposed copy comes from, for a re-cast in
+    backward (per-tensor: the meta vector, scale = meta[1], made only when needed; row: the [1, C] scale)."""
 
-    data: torch.Tensor | None
-    data_t: torch.Tensor | None
-    scale: torch.Tensor
-    scale_t: torch.Tensor
-    scale_inv: torch.Tensor
-    scale_t_inv: torch.Tensor
+    __slots__ = ("data", "data_t", "scale_inv", "scale_t_inv", "scale_src")
+
+    def __init__(self, data, data_t, scale_inv, scale_t_inv, scale_src):
+        self.data, self.data_t, self.scale_inv, self.scale_t_inv, self.scale_src = (data, data_t, scale_inv,
+                                                                                    scale_t_inv, scale_src)
 
 
-def _recast_t(t2d: torch.Tensor, slot: str, recipe: FP8Recipe, scale_t: torch.Tensor) -> torch.Tensor:
-    """The transposed FP8 copy of ``t2d`` with a scale kept from forward (0-dim, or per column [1, C])."""
-    ops, variant = fp8_cast_ops(t2d.device), SLOT_VARIANTS[slot]
+class _WeightFP8:
+    """The weight as the GEMMs take it: forward ``b`` (w8.t(), [K, N] column-major) and its inverse
+    scale, dgrad ``b`` ([N, K] column-major; None: re-cast in backward) and its inverse scale, and the
+    scale source of a re-cast. Made once per weight version with the cache (no per-call views)."""
+
+    __slots__ = ("fwd_b", "fwd_scale_inv", "dgrad_b", "dgrad_scale_inv", "scale_src")
+
+    def __init__(self, fwd_b, fwd_scale_inv, dgrad_b, dgrad_scale_inv, scale_src):
+        self.fwd_b, self.fwd_scale_inv, self.dgrad_b = fwd_b, fwd_scale_inv, dgrad_b
+        self.dgrad_scale_inv, self.scale_src = dgrad_scale_inv, scale_src
+
+
+def _recast_t(t2d: torch.Tensor, slot: str, recipe: FP8Recipe, ops, scale_src: torch.Tensor) -> torch.Tensor:
+    """The transposed FP8 copy [C, R] of ``t2d`` with a scale kept from forward (module docstring)."""
+    variant = SLOT_VARIANTS[slot]
     if recipe.granularity == "row":
-        return ops.cast_2d(t2d, variant, scale_t.new_ones(()), scale_t, rowmajor=False, transposed=True)[1]
-    return ops.cast_2d(t2d, variant, scale_t, rowmajor=False, transposed=True)[1]
+        return ops.cast_2d(t2d, variant, scale_src.new_ones(()), scale_src, rowmajor=False, transposed=True)[1]
+    return ops.cast_2d(t2d, variant, scale_src[1], rowmajor=False, transposed=True)[1]
 
 
-def _cast(t2d: torch.Tensor, slot: str, recipe: FP8Recipe, state: FP8ScalingState | None, *, rowmajor: bool,
-          transposed: bool) -> _Cast:
-    """Cast ``t2d`` for ``slot`` (x, w: E4M3; g: E5M2) with the recipe's scales. Row granularity
-    computes both the per-row and the per-column scales (one amax read), whatever layouts are written.
-    Per-tensor: delayed scaling is one fused launch (FP8ScalingState.cast), current scaling two (amax,
-    then the cast, which computes the scale itself)."""
-    ops, variant = fp8_cast_ops(t2d.device), SLOT_VARIANTS[slot]
+def _cast(x: torch.Tensor, slot: str, recipe: FP8Recipe, state: FP8ScalingState | None, ops, rowmajor: bool,
+          transposed: bool, t_colmajor: bool = False) -> _Cast:
+    """Cast x (contiguous [..., C], read as [R, C]) for ``slot`` (x, w: E4M3; g: E5M2) with the recipe's
+    scales. Per-tensor: delayed scaling is one fused launch (FP8ScalingState.cast_meta), current
+    scaling two (amax, then the cast, which computes the scale itself). Delayed scaling makes no
+    per-call view or allocation for the scales (FP8ScalingState's meta pool); current scaling takes
+    meta[0], the GEMM's inverse scale. Row granularity computes both the per-row and the per-column
+    scales (one amax read), whatever layouts are written."""
     if recipe.granularity == "row":
-        margin, pow2 = recipe.margin, recipe.pow2_scales
-        rows, cols = ops.amax_2d(t2d, rowcol=True)
+        x2, variant, margin, pow2 = x.reshape(-1, x.shape[-1]), SLOT_VARIANTS[slot], recipe.margin, recipe.pow2_scales
+        rows, cols = ops.amax_2d(x2, rowcol=True)
         scale, scale_inv = ops.scales(rows[:, None], variant, margin, pow2)
         scale_t, scale_t_inv = ops.scales(cols[None, :], variant, margin, pow2)
-        out, out_t, _ = ops.cast_2d(t2d, variant, scale, scale_t, rowmajor=rowmajor, transposed=transposed)
-        return _Cast(out, out_t, scale, scale_t, scale_inv, scale_t_inv)
+        out, out_t, _ = ops.cast_2d(x2, variant, scale, scale_t, rowmajor=rowmajor, transposed=transposed)
+        return _Cast(out, _colmajor(out_t, t_colmajor), scale_inv, scale_t_inv, scale_t)
     if recipe.scaling == "delayed":
-        out, out_t, scale, inv = state.cast(slot, t2d, ops, rowmajor=rowmajor, transposed=transposed)
+        out, out_t, meta, inv = state.cast_meta(slot, x, ops, rowmajor, transposed, t_colmajor)
     else:
-        out, out_t, meta = ops.cast_current(t2d, variant, recipe.margin, recipe.pow2_scales, rowmajor=rowmajor,
-                                            transposed=transposed)
-        scale, inv = meta[1], meta[0]
-    return _Cast(out, out_t, scale, scale, inv, inv)
+        out, out_t, meta = ops.cast_current(x, SLOT_VARIANTS[slot], recipe.margin, recipe.pow2_scales, rowmajor,
+                                            transposed, t_colmajor)
+        inv = meta[0]
+    return _Cast(out, out_t, inv, inv, meta)
 
 
-def _scaled_gemm(a_fp8: torch.Tensor, b_fp8: torch.Tensor, scale_a_inv: torch.Tensor, scale_b_inv: torch.Tensor,
-                 out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """a [M,K] row-major @ b [K,N] column-major with fp32 inverse scales (0-dim, or [M,1] and [1,N])."""
-    assert a_fp8.is_contiguous() and b_fp8.stride(0) == 1, "internal: operand layouts"
-    assert b_fp8.dtype == torch.float8_e4m3fn, "internal: operand b must be E4M3 (CUTLASS row-wise path)"
-    return torch._scaled_mm(a_fp8, b_fp8, scale_a=scale_a_inv, scale_b=scale_b_inv, out_dtype=out_dtype,
-                            use_fast_accum=fast_accum)
+def _weight_fp8(w: torch.Tensor, recipe: FP8Recipe, state, ops, both_layouts: bool) -> _WeightFP8:
+    """Cast the weight (both layouts for the cache; row-major only otherwise: dgrad re-casts)."""
+    c = _cast(w if w.is_contiguous() else w.contiguous(), "w", recipe, state, ops, True, both_layouts, True)
+    fwd_scale_inv = c.scale_inv.reshape(1, -1) if recipe.granularity == "row" else c.scale_inv
+    return _WeightFP8(c.data.t(), fwd_scale_inv, c.data_t, c.scale_t_inv, c.scale_src)
 
 
 def _effective_weight(weight: torch.Tensor, w_col_scale: torch.Tensor | None) -> torch.Tensor:
@@ -152,80 +189,124 @@ def _effective_weight(weight: torch.Tensor, w_col_scale: torch.Tensor | None) ->
 
 
 class FP8LinearFunction(torch.autograd.Function):
-    """Device-agnostic core of :func:`fp8_linear` (x 2-D [M, K]; no bias).
+    """Device-agnostic core of :func:`fp8_linear` (x [..., K]; no bias).
 
-    ``apply(x2, weight, state, recipe, w_col_scale=None, x_saver=None, grad_enabled=True,
+    ``apply(x, weight, state, recipe, w_col_scale=None, x_saver=None, grad_enabled=True,
     weight_cache=None)``: ``w_col_scale`` [K] fp32 makes the GEMM use W * s (s gets no gradient);
-    ``x_saver(x2)`` returns a handle whose ``materialize()`` gives x back in backward (then no FP8 copy
+    ``x_saver(x2d)`` returns a handle whose ``materialize()`` gives x back in backward (then no FP8 copy
     of x is kept); ``weight_cache`` (an :class:`FP8WeightCache`) reuses the weight's FP8 copies (both
     layouts) until the weight changes, so neither the forward nor the backward casts the weight.
+
+    Host path (docs/fp8.md, "Host cost"): x and grad_y are read in place whatever their leading dims
+    (no reshape, so no view nodes in the graph), the output is written into its final shape
+    (``_scaled_mm(out=...)``), and the GEMM operands come out of the casts in the layouts
+    torch._scaled_mm takes (no per-call transposes). Operand layouts are by construction (row-major
+    ``a``, column-major ``b``, E4M3 ``b``), not re-checked per call.
     """
 
     @staticmethod
-    def forward(ctx, x2, weight, state, recipe, w_col_scale=None, x_saver=None, grad_enabled=True,
+    def forward(ctx, x, weight, state, recipe, w_col_scale=None, x_saver=None, grad_enabled=True,
                 weight_cache=None):
-        ctx.recipe, ctx.state, ctx.x_dtype, ctx.x_shape = recipe, state, x2.dtype, x2.shape
+        if not x.is_contiguous():
+            x = x.contiguous()
         if recipe.scaling == "delayed":
-            state.check_device(x2)
-        x2 = x2.contiguous()
+            state.check_device(x)
+        ops = _cast_ops_for(x.device.type)
+        row = recipe.granularity == "row"
         needs_wgrad = grad_enabled and ctx.needs_input_grad[1]
         keep_x_fp8 = needs_wgrad and x_saver is None
         with _phase("cast_x"):
-            xc = _cast(x2, "x", recipe, state, rowmajor=True, transposed=keep_x_fp8)
+            xc = _cast(x, "x", recipe, state, ops, True, keep_x_fp8, True)
         with _phase("cast_w"):
             if weight_cache is not None and w_col_scale is None:
-                wc = weight_cache.get(weight, recipe, lambda w: _cast(w.contiguous(), "w", recipe, state,
-                                                                      rowmajor=True, transposed=True))
+                wc = weight_cache.get(weight, recipe, lambda w: _weight_fp8(w, recipe, state, ops, True))
             else:
-                wc = _cast(_effective_weight(weight, w_col_scale), "w", recipe, state, rowmajor=True,
-                           transposed=False)
-        row = recipe.granularity == "row"
+                wc = _weight_fp8(_effective_weight(weight, w_col_scale), recipe, state, ops, False)
+        x_shape, out_dtype = x.shape, (torch.bfloat16 if row else x.dtype)
         with _phase("gemm_fwd"):
-            y = _scaled_gemm(xc.data, wc.data.t(), xc.scale_inv, wc.scale_inv.reshape(1, -1) if row else wc.scale_inv,
-                             torch.bfloat16 if row else x2.dtype, recipe.fast_accum_forward)
-        ctx.x_handle = x_saver(x2) if needs_wgrad and x_saver is not None else None
-        ctx.w_t = wc.data_t if grad_enabled else None  # the cached transposed copy (None: re-cast in backward)
-        x_t = xc.data_t if keep_x_fp8 else None
-        # only the scales of the transposed copies are needed later (dgrad's w_t, wgrad's x_t)
-        ctx.save_for_backward(weight, w_col_scale, x_t, xc.scale_t, xc.scale_t_inv, wc.scale_t, wc.scale_t_inv)
-        return y if y.dtype == x2.dtype else y.to(x2.dtype)
+            y = _gemm(xc.data, wc.fwd_b, xc.scale_inv, wc.fwd_scale_inv, out_dtype, recipe.fast_accum_forward,
+                      (*x_shape[:-1], wc.fwd_b.shape[1]))
+        ctx.x_handle = x_saver(x.reshape(-1, x_shape[-1])) if needs_wgrad and x_saver is not None else None
+        ctx.recipe, ctx.state, ctx.ops, ctx.x_dtype, ctx.x_shape = recipe, state, ops, x.dtype, x_shape
+        # dgrad's weight operand (the cached transposed copy, or None: re-cast in backward) and scales;
+        # x's transposed FP8 copy is saved through save_for_backward (saved-tensor hooks see it)
+        ctx.w_dgrad = (wc.dgrad_b, wc.dgrad_scale_inv, wc.scale_src) if grad_enabled else None
+        ctx.x_scales = (xc.scale_t_inv, xc.scale_src)
+        ctx.save_for_backward(weight, w_col_scale, xc.data_t if keep_x_fp8 else None)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_y):
-        weight, w_col_scale, x_t, sx_t, sx_t_inv, sw_t, sw_t_inv = ctx.saved_tensors
-        recipe, state = ctx.recipe, ctx.state
+        weight, w_col_scale, x_cm = ctx.saved_tensors
+        recipe, state, ops = ctx.recipe, ctx.state, ctx.ops
         row = recipe.granularity == "row"
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g2 = grad_y.contiguous()
+        g = grad_y if grad_y.is_contiguous() else grad_y.contiguous()
         with _phase("cast_g"):
-            gc = _cast(g2, "g", recipe, state, rowmajor=need_dx, transposed=need_dw)
+            gc = _cast(g, "g", recipe, state, ops, need_dx, need_dw, False)
         dx = dw = None
         if need_dx:
-            w_t = ctx.w_t
-            if w_t is None:  # no weight cache: re-cast with the forward's scales (the forward's codes)
+            w_b, sw_inv, w_src = ctx.w_dgrad
+            if w_b is None:  # no weight cache: re-cast with the forward's scales (the forward's codes)
                 with _phase("recast_w"):
-                    w_t = _recast_t(_effective_weight(weight, w_col_scale), "w", recipe, sw_t)
+                    w_b = _recast_t(_effective_weight(weight, w_col_scale), "w", recipe, ops, w_src).t()
             with _phase("gemm_dgrad"):
-                dx = _scaled_gemm(gc.data, w_t.t(), gc.scale_inv, sw_t_inv, torch.bfloat16 if row else g2.dtype,
-                                  False)
+                dx = _gemm(gc.data, w_b, gc.scale_inv, sw_inv, torch.bfloat16 if row else g.dtype, False, None)
             if dx.dtype != ctx.x_dtype:
                 dx = dx.to(ctx.x_dtype)
-        ctx.w_t = None
+            if dx.dim() != len(ctx.x_shape):
+                dx = dx.view(ctx.x_shape)
+        ctx.w_dgrad = None
         if need_dw:
-            if x_t is None:  # activation storage kept x (quantized or as a recompute handle)
+            sx_inv, x_src = ctx.x_scales
+            if x_cm is None:  # activation storage kept x (quantized or as a recompute handle)
                 with _phase("recast_x"):
-                    x_hat = ctx.x_handle.materialize().reshape(ctx.x_shape).to(ctx.x_dtype).contiguous()
+                    x_hat = ctx.x_handle.materialize().reshape(-1, ctx.x_shape[-1]).to(ctx.x_dtype).contiguous()
                     ctx.x_handle = None
-                    x_t = _recast_t(x_hat, "x", recipe, sx_t)
+                    x_cm = _recast_t(x_hat, "x", recipe, ops, x_src).t()
             out_dtype = torch.bfloat16 if row else _wgrad_dtype(weight)
             with _phase("gemm_wgrad"):
-                dw = _scaled_gemm(gc.data_t, x_t.t(), gc.scale_t_inv.reshape(-1, 1) if row else gc.scale_t_inv,
-                                  sx_t_inv, out_dtype, False)
+                dw = _gemm(gc.data_t, x_cm, gc.scale_t_inv.reshape(-1, 1) if row else gc.scale_t_inv, sx_inv,
+                           out_dtype, False, None)
             if w_col_scale is not None:  # d(W * s)/dW = s per input column
                 dw = dw.to(torch.float32) * w_col_scale
             if dw.dtype != weight.dtype:
                 dw = dw.to(weight.dtype)
         return dx, dw, None, None, None, None, None, None
+
+
+def _bind_apply():
+    """FP8LinearFunction.apply without the Python wrapper older torch versions put around the C++
+    ``_FunctionBase.apply`` (default-argument binding, functorch checks: a Python frame and a pass over
+    the arguments per call). Same call when no functorch transform is active (checked per call; with
+    one, the public apply runs). Where torch's ``Function.apply`` already is the C++ one (torch 2.14),
+    it is used as is."""
+    c_apply = torch._C._FunctionBase.__dict__.get("apply")
+    public = FP8LinearFunction.apply
+    if c_apply is None or torch.autograd.Function.__dict__.get("apply") is c_apply:
+        return public
+    raw = c_apply.__get__(None, FP8LinearFunction)
+    transforms_active = torch._C._are_functorch_transforms_active
+
+    def apply(*args):
+        return public(*args) if transforms_active() else raw(*args)
+    return apply
+
+
+_apply_fp8_linear = _bind_apply()
+
+
+def _gemm(a_fp8, b_fp8, scale_a_inv, scale_b_inv, out_dtype, fast_accum, out_shape):
+    """a [M,K] row-major @ b [K,N] column-major (E4M3) with fp32 inverse scales (0-dim, or [M,1] and
+    [1,N]); with ``out_shape`` (leading dims of x, N) the result is written into a tensor of that
+    shape (not a view: autograd forbids in-place ops on views made inside a custom Function)."""
+    if out_shape is None or len(out_shape) == 2:
+        return torch._scaled_mm(a_fp8, b_fp8, scale_a=scale_a_inv, scale_b=scale_b_inv, out_dtype=out_dtype,
+                                use_fast_accum=fast_accum)
+    y = torch.empty(out_shape, dtype=out_dtype, device=a_fp8.device)
+    torch._scaled_mm(a_fp8, b_fp8, scale_a=scale_a_inv, scale_b=scale_b_inv, out_dtype=out_dtype,
+                     use_fast_accum=fast_accum, out=y.view(a_fp8.shape[0], b_fp8.shape[1]))
+    return y
 
 
 def _wgrad_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -246,10 +327,10 @@ def check_fp8_linear_args(x: torch.Tensor, weight: torch.Tensor, scaling_state: 
         raise ValueError(f"fp8_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
                          "(weight is [out_features, in_features])")
     num_tokens = x.numel() // max(x.shape[-1], 1)
-    dims = {"tokens (prod of x's leading dims)": num_tokens, "in_features": weight.shape[1],
-            "out_features": weight.shape[0]}
-    bad = {k: v for k, v in dims.items() if v % GEMM_DIM_MULTIPLE}
-    if bad:
+    if num_tokens % GEMM_DIM_MULTIPLE or weight.shape[1] % GEMM_DIM_MULTIPLE or weight.shape[0] % GEMM_DIM_MULTIPLE:
+        dims = {"tokens (prod of x's leading dims)": num_tokens, "in_features": weight.shape[1],
+                "out_features": weight.shape[0]}
+        bad = {k: v for k, v in dims.items() if v % GEMM_DIM_MULTIPLE}
         raise ValueError(f"fp8_linear needs multiples of {GEMM_DIM_MULTIPLE} (torch._scaled_mm) but got {bad}; pad "
                          "the batch/sequence or keep this layer in bf16 via the policy")
 
@@ -259,8 +340,13 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+_FP8_DEVICES: set = set()  # devices that passed check_fp8_device (checked once each)
+
+
 def check_fp8_device(device: torch.device, what: str = "fp8_linear") -> None:
     """Raise NotImplementedError unless ``device`` is a CUDA GPU with FP8 tensor cores (sm_89+)."""
+    if device in _FP8_DEVICES:
+        return
     device = torch.device(device)
     if device.type != "cuda":
         raise NotImplementedError(
@@ -270,6 +356,8 @@ def check_fp8_device(device: torch.device, what: str = "fp8_linear") -> None:
     if capability < MIN_FP8_CAPABILITY:
         raise NotImplementedError(f"{what} needs compute capability >= {MIN_FP8_CAPABILITY} (Ada/Hopper), "
                                   f"this GPU has {capability}; keep the layer in bf16 (policy)")
+    if device.index is not None:
+        _FP8_DEVICES.add(device)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scaling_state: FP8ScalingState | None = None,
@@ -287,14 +375,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scaling_state: FP8ScalingS
     weight once per weight version (both layouts) instead of in every forward and backward; not used
     with ``w_col_scale`` (W * s changes with every micro-batch).
     """
-    recipe = FP8Recipe() if recipe is None else recipe
+    recipe = _DEFAULT_RECIPE if recipe is None else recipe  # one object: the weight cache keys on its identity
     check_fp8_linear_args(x, weight, scaling_state, recipe)
     check_fp8_device(x.device)
     if w_col_scale is not None and (w_col_scale.shape != (weight.shape[1],) or w_col_scale.dtype != torch.float32):
         raise ValueError(f"w_col_scale must be fp32 [{weight.shape[1]}] (one per input column of the weight), got "
                          f"{w_col_scale.dtype} {tuple(w_col_scale.shape)}")
     grad_enabled = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    y = FP8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, scaling_state, recipe, w_col_scale, x_saver,
-                                grad_enabled, weight_cache)
-    y = y.reshape(*x.shape[:-1], weight.shape[0])
+    y = _apply_fp8_linear(x, weight, scaling_state, recipe, w_col_scale, x_saver, grad_enabled, weight_cache)
     return y if bias is None else y + bias

@@ -44,6 +44,12 @@ SLOT_VARIANTS = {"x": FORWARD_VARIANT, "w": FORWARD_VARIANT, "g": BACKWARD_VARIA
 # Transformer Engine's DelayedScaling keeps 1024 amaxes by default; the FP8 paper's code 1024 / DP per
 # rank (algorithms.md §2.1). 16 reacts faster to shrinking tensors in short runs; configurable.
 DEFAULT_AMAX_HISTORY_LEN = 16
+# Delayed scaling writes each cast's next meta into a fresh row of a pool of this many rows (one
+# allocation and two unbinds per 64 casts of a slot instead of an allocation and a view per cast; a
+# pool is 64 x 20 floats = 5 KiB at the default history length). Rows are padded to a multiple of
+# META_ROW_ALIGN floats so that every row (and its scale_inv, element 0) is 16-byte aligned.
+META_POOL_ROWS = 64
+META_ROW_ALIGN = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,6 +107,12 @@ class FP8ScalingState(torch.nn.Module):
         self.recipe = recipe
         self.length = recipe.amax_history_len
         self.num_updates = dict.fromkeys(SLOT_VARIANTS, 0)  # host-side: no GPU sync to test "has history"
+        # per-slot names and variants, built once (the cast runs on every forward / backward)
+        self._meta_keys = {slot: f"meta_{slot}" for slot in SLOT_VARIANTS}
+        self._ws_keys = {slot: f"workspace_{slot}" for slot in SLOT_VARIANTS}
+        self._variants = dict(SLOT_VARIANTS)
+        self._pools: dict = {}  # slot -> [meta rows, their element 0, next unused index] (_fresh_meta)
+        self._invs: dict = {}  # slot -> (current meta, its element 0) when made with it (cast_meta)
         for slot in SLOT_VARIANTS:
             meta = torch.zeros(META_HEADER + self.length, dtype=torch.float32, device=device)
             meta[:2] = 1.0  # scale and its inverse before the first record
@@ -124,7 +136,9 @@ class FP8ScalingState(torch.nn.Module):
 
     def check_device(self, tensor: torch.Tensor) -> None:
         meta = self._buffers["meta_x"]
-        if meta.device != tensor.device:
+        index = meta.get_device()  # ints first: no torch.device objects on the CUDA hot path
+        other = tensor.get_device()
+        if index != other or meta.is_cuda != tensor.is_cuda or (index < 0 and meta.device != tensor.device):
             raise ValueError(f"FP8ScalingState is on {meta.device} but the tensor is on {tensor.device}; "
                              "move the state with the module (.to(device) / .cuda())")
 
@@ -162,23 +176,66 @@ class FP8ScalingState(torch.nn.Module):
 
         Returns (out, out_t, scale, scale_inv); the scales are views of a meta the state no longer
         writes (safe to keep for backward)."""
-        variant, recipe = SLOT_VARIANTS[slot], self.recipe
+        out, out_t, meta, scale_inv = self.cast_meta(slot, t2d, cast_ops, rowmajor, transposed)
+        return out, out_t, meta[1], scale_inv
+
+    def cast_meta(self, slot: str, x: torch.Tensor, cast_ops, rowmajor: bool, transposed: bool,
+                  t_colmajor: bool = False):
+        """:meth:`cast` for the FP8 linear's hot path: x contiguous [..., C] (read as 2-D), no checks
+        beyond the state's own (the caller checked x); returns (out, out_t, meta, scale_inv) with
+        ``meta`` the [scale_inv, scale, ...] vector the cast used (never written again) and
+        ``scale_inv`` its element 0 as a 0-dim tensor (what torch._scaled_mm takes). ``t_colmajor``:
+        out_t as the [R, C] column-major tensor (agoq.kernels.fp8_fused._launch_cast).
+
+        The next meta is a row of a pool allocated :data:`META_POOL_ROWS` at a time, with its element-0
+        view made in the same pass (two ``unbind`` calls), so a delayed cast allocates nothing and
+        makes no view for its scales. Rows are never reused (each is written once, by the cast that
+        makes it), so saved scales stay valid; a pool is freed when its last row is."""
+        recipe = self.recipe
         if self.num_updates[slot]:
-            meta = self.meta(slot)
-            out, out_t, new = cast_ops.cast_delayed(t2d, variant, meta, self._buffers[f"workspace_{slot}"],
-                                                    recipe.margin, recipe.pow2_scales, rowmajor=rowmajor,
-                                                    transposed=transposed)
-            self._set(slot, new)
-            return out, out_t, meta[1], meta[0]
-        out, out_t, current = cast_ops.cast_current(t2d, variant, recipe.margin, recipe.pow2_scales,
-                                                    rowmajor=rowmajor, transposed=transposed)
-        new = torch.zeros(META_HEADER + self.length, dtype=torch.float32, device=t2d.device)
+            key = self._meta_keys[slot]
+            meta = self._buffers[key]
+            current = self._invs.get(slot)
+            inv = current[1] if current is not None and current[0] is meta else meta[0]
+            fresh, fresh_inv = self._fresh_meta(slot, meta)
+            out, out_t, new = cast_ops.cast_delayed(x, self._variants[slot], meta, self._buffers[self._ws_keys[slot]],
+                                                    recipe.margin, recipe.pow2_scales, rowmajor, transposed,
+                                                    t_colmajor, fresh)
+            self._buffers[key] = new
+            self._invs[slot] = (new, fresh_inv if new is fresh else new[0])
+            self.num_updates[slot] += 1
+            return out, out_t, meta, inv
+        out, out_t, current = cast_ops.cast_current(x, self._variants[slot], recipe.margin, recipe.pow2_scales,
+                                                    rowmajor, transposed, t_colmajor)
+        new = torch.zeros(META_HEADER + self.length, dtype=torch.float32, device=x.device)
         new[: META_HEADER + 1] = current  # history [amax, 0, ...]: its max is amax, the scale the current one
         self._set(slot, new)
-        return out, out_t, current[1], current[0]
+        return out, out_t, current, current[0]
+
+    def _fresh_meta(self, slot: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(an unused meta row on ``like``'s device, its element 0); a new pool when one runs out.
+        A pool is [rows, element-0 views, next index] (plain tuples: the state stays deep-copyable)."""
+        pool = self._pools.get(slot)
+        if pool is None or pool[2] == len(pool[0]):
+            width = META_HEADER + self.length
+            padded = -(-width // META_ROW_ALIGN) * META_ROW_ALIGN  # every row starts 16-byte aligned (cuBLAS)
+            block = torch.empty((META_POOL_ROWS, padded), dtype=torch.float32, device=like.device)
+            pool = self._pools[slot] = [block[:, :width].unbind(0), block[:, 0].unbind(0), 0]
+        i = pool[2]
+        pool[2] = i + 1
+        return pool[0][i], pool[1][i]
+
+    def _apply(self, *args, **kwargs):  # .to() / .cuda() / .float(): pools of the old device are dropped
+        self._pools, self._invs = {}, {}
+        return super()._apply(*args, **kwargs)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._pools, self._invs = {}, {}
+        return super()._load_from_state_dict(*args, **kwargs)
 
     def _set(self, slot: str, meta: torch.Tensor) -> None:
-        self._buffers[f"meta_{slot}"] = meta
+        self._buffers[self._meta_keys[slot]] = meta
+        self._invs.pop(slot, None)
         self.num_updates[slot] += 1
 
     def get_extra_state(self) -> dict:

@@ -235,3 +235,59 @@ def test_cached_delayed_linear_is_two_cast_launches_three_gemms_and_no_host_sync
                     "_scales_kernel", "_history_kernel"}
     assert [n for n in names if n in agoq_kernels] == ["_cast_tensor_kernel", "_cast_tensor_kernel"], names
     assert cache.refreshes == 1
+
+
+# ------------------------------------------------------------ direct Triton launches (host time) ----
+
+def _delayed_steps(x, w, g, steps=4):
+    """forward + backward of a delayed-scaling FP8 linear with a weight cache, several micro-batches:
+    outputs, grads and the final metas (every cast after the first is a delayed one)."""
+    from agoq.ops.fp8_weight_cache import FP8WeightCache
+
+    recipe = FP8Recipe(scaling="delayed")
+    state, cache, outs = FP8ScalingState(recipe).cuda(), FP8WeightCache(), []
+    for i in range(steps):
+        xi = (x * (1 + i)).requires_grad_()
+        wi = w.detach().requires_grad_()
+        y = fp8_linear(xi, wi, state, recipe, weight_cache=cache)
+        y.backward(g * (1 + 2 * i))
+        outs += [y.detach(), xi.grad, wi.grad]
+    return outs + [state.meta(s) for s in ("x", "w", "g")]
+
+
+@pytest.mark.parametrize("lead", [(1024,), (4, 256)])
+def test_direct_launch_is_bit_identical_to_tritons_dispatch(lead):
+    """agoq.kernels.direct_launch calls the compiled cast kernels directly after their first launch:
+    outputs, gradients and the scaling metas equal those of Triton's own dispatch bit for bit (2-D
+    and 3-D inputs, the latter read in place)."""
+    from agoq.kernels import direct_launch, fp8_fused
+
+    x, w, g = (t.cuda() for t in _data(1024, 512, 768))
+    x, g = x.reshape(*lead, 512), g.reshape(*lead, 768)
+    previous = direct_launch.set_direct_launch(False)
+    try:
+        dispatched = _delayed_steps(x, w, g)
+    finally:
+        direct_launch.set_direct_launch(previous)
+    assert direct_launch.direct_launch_enabled()
+    before = fp8_fused._CAST_LAUNCH.direct_calls
+    direct = _delayed_steps(x, w, g)
+    assert fp8_fused._CAST_LAUNCH.direct_calls > before  # the direct path did run
+    for a, b in zip(dispatched, direct, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_3d_input_output_is_not_a_view_and_allows_in_place_ops():
+    """The 3-D output is written in its final shape (no view made inside the Function), so in-place
+    ops on it (Megatron's bias add / all-reduce) work; grads match the 2-D call."""
+    x, w, g = (t.cuda() for t in _data(512, 256, 384))
+    recipe = FP8Recipe()
+    x3 = x.reshape(8, 64, 256).requires_grad_()
+    w3 = w.clone().requires_grad_()
+    y3 = fp8_linear(x3, w3, None, recipe)
+    assert y3.shape == (8, 64, 384) and y3._base is None
+    y3.mul_(1.0)
+    y3.backward(g.reshape(8, 64, 384))
+    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    fp8_linear(x2, w2, None, recipe).backward(g)
+    assert torch.equal(x3.grad.reshape(512, 256), x2.grad) and torch.equal(w3.grad, w2.grad)

@@ -11,7 +11,7 @@ SCRIPT = REPO_ROOT / "scripts" / "bench_fp8.py"
 
 def test_bench_fp8_smoke_writes_report(tmp_path):
     out = tmp_path / "fp8.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--profile", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--profile", "--host", "--out", str(out)],
                           capture_output=True, text=True, timeout=240, cwd=REPO_ROOT, env=child_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
@@ -28,9 +28,26 @@ def test_bench_fp8_smoke_writes_report(tmp_path):
     assert len(profile["linears"]) == 4 and set(profile["four_linears"]) == {"bf16"}
     one = next(iter(profile["linears"].values()))["bf16"]
     assert one["host_ms"] > 0 and one["cpu_ops"] and one["bound"] in ("host", "gpu")
+    host = report["host"]  # --host: scripts/bench_fp8_host.py on the smoke shape (bf16 on the CPU)
+    assert set(host["linears"]["summary"]) == {"bf16"} and len(host["linears"]["rows"]) == 4
 
 
 def test_bench_fp8_rejects_tokens_not_multiple_of_16():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--tokens", "100"], capture_output=True,
                           text=True, timeout=120, cwd=REPO_ROOT, env=child_env())
     assert proc.returncode != 0 and "multiple of 16" in proc.stderr
+
+
+def test_bench_fp8_host_smoke_writes_report(tmp_path):
+    """scripts/bench_fp8_host.py --smoke (CPU, bf16 only): host ms per linear, the four linears' sum,
+    host us per primitive."""
+    out = tmp_path / "host.json"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_fp8_host.py"), "--smoke", "--out",
+                           str(out)], capture_output=True, text=True, timeout=240, cwd=REPO_ROOT, env=child_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    rows = report["linears"]["rows"]
+    assert [(r["linear"], r["mode"]) for r in rows] == [(n, "bf16") for n in ("qkv", "proj", "fc1", "fc2")]
+    assert all(r["host_ms"] > 0 for r in rows)
+    assert report["linears"]["summary"]["bf16"]["host_ms"] == sum(r["host_ms"] for r in rows)
+    assert {"torch.add", "torch.empty", "select meta[0]"} <= set(report["primitives_host_us"])

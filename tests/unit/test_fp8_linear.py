@@ -230,3 +230,59 @@ def test_no_grad_forward_keeps_nothing():
     with torch.no_grad():
         y = FP8LinearFunction.apply(x, w.requires_grad_(), None, FP8Recipe(), None, None, False)
     assert y.grad_fn is None and y.dtype == x.dtype
+
+
+@needs_cpu_scaled_mm
+@pytest.mark.parametrize("granularity,scaling", [("tensor", "current"), ("tensor", "delayed"), ("row", "current")])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_3d_input_is_read_in_place_and_gives_the_2d_results(granularity, scaling, x_dtype):
+    """x [B, S, K] goes into the Function as is (no reshape node): the output is [B, S, N], not a view
+    (in-place ops on it are allowed, as Megatron's bias add / all-reduce need), and y, dx, dw equal
+    the 2-D call's bit for bit; the graph holds the FP8 node only."""
+    recipe = FP8Recipe(granularity=granularity, scaling=scaling)
+    x, w, g = _data(dtype=x_dtype)
+    results = []
+    for lead in ((64,), (4, 16)):
+        state = FP8ScalingState(recipe) if scaling == "delayed" else None
+        xr = x.reshape(*lead, x.shape[1]).clone().requires_grad_()
+        wr = w.clone().requires_grad_()
+        y = FP8LinearFunction.apply(xr, wr, state, recipe)
+        assert y.shape == (*lead, w.shape[0]) and y._base is None and y.dtype == x_dtype
+        assert type(y.grad_fn).__name__ == "FP8LinearFunctionBackward"
+        y.mul_(1.0)  # an in-place op on the output: an error if it were a view made inside the Function
+        y.backward(g.reshape(*lead, g.shape[1]))
+        assert xr.grad.shape == xr.shape
+        results.append((y.detach().reshape(64, -1), xr.grad.reshape(64, -1), wr.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_raw_apply_binding_is_the_public_apply_when_torch_has_no_wrapper(monkeypatch):
+    """agoq.ops.fp8_linear._bind_apply: torch's own apply where Function.apply is the C++ one; else a
+    wrapper that calls the C++ apply (and the public one under a functorch transform)."""
+    import agoq.ops.fp8_linear as mod
+
+    c_apply = torch._C._FunctionBase.__dict__["apply"]
+    if torch.autograd.Function.__dict__.get("apply") is c_apply:
+        assert mod._bind_apply() == FP8LinearFunction.apply
+    calls = []
+
+    class _Wrapped(torch.autograd.Function):  # an older torch: a Python apply around the C++ one
+        @classmethod
+        def apply(cls, *args):
+            calls.append(args)
+            return super().apply(*args)
+
+    monkeypatch.setattr(mod, "FP8LinearFunction", type("F", (_Wrapped,), dict(mod.FP8LinearFunction.__dict__)))
+    monkeypatch.setattr(torch.autograd.Function, "apply", classmethod(lambda cls, *a: None), raising=True)
+    bound = mod._bind_apply()
+    x, w, g = _data()
+    x, w = x.requires_grad_(), w.requires_grad_()
+    if _cpu_scaled_mm_available():
+        y = bound(x, w, None, FP8Recipe(), None, None, True, None)
+        y.backward(g)
+        assert calls == [] and x.grad is not None and w.grad is not None  # the raw C++ apply ran
+        monkeypatch.setattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+        bound = mod._bind_apply()
+        bound(x.detach(), w, None, FP8Recipe(), None, None, True, None)
+        assert len(calls) == 1  # under a transform: the public apply

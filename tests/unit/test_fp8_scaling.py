@@ -111,3 +111,51 @@ def test_cast_bootstraps_then_casts_with_the_previous_scale():
         assert torch.equal(view, copy)
     assert torch.equal(state.amax_history("x"), torch.stack([fp8_amax(x) for x in reversed(xs)]))
     assert state.num_updates["x"] == 3
+
+
+def test_meta_pool_rows_are_fresh_aligned_and_never_rewritten():
+    """FP8ScalingState.cast_meta writes each next meta into an unused row of a pool (META_POOL_ROWS at
+    a time): over more casts than one pool holds, every meta the casts used keeps its values (no row
+    is written twice), every row is 16-byte aligned with scale_inv at its start, and the scale_inv
+    handed out is element 0 of the meta the cast used; the history matches the plain reference."""
+    from agoq.ops.fp8_scaling import META_POOL_ROWS
+
+    state = FP8ScalingState(DELAYED)
+    ops = fp8_cast_ops(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 16, generator=gen) * (1 + i % 7) for i in range(2 * META_POOL_ROWS + 3)]
+    held, ptrs = [], set()
+    for i, x in enumerate(xs):
+        _, _, meta, inv = state.cast_meta("g", x, ops, True, False)
+        assert inv.dim() == 0 and inv.data_ptr() == meta.data_ptr() and torch.equal(inv, meta[0])
+        # the first cast bootstraps (current scaling: its own [scale_inv, scale, 0, 0, amax])
+        assert meta.data_ptr() % 16 == 0 and meta.shape == (4 + (DELAYED.amax_history_len if i else 1),)
+        held.append((meta, meta.clone()))
+        ptrs.add(meta.data_ptr())
+    assert len(ptrs) == len(xs)  # a new meta every time (the bootstrap's and the initial buffers included)
+    for meta, copy in held:
+        assert torch.equal(meta, copy)
+    assert torch.equal(state.amax_history("g"), torch.stack([fp8_amax(x) for x in reversed(xs[-3:])]))
+
+
+def test_moving_the_state_drops_its_meta_pools():
+    state = FP8ScalingState(DELAYED)
+    ops = fp8_cast_ops(torch.device("cpu"))
+    for _ in range(3):
+        state.cast_meta("x", torch.ones(4, 16), ops, True, False)
+    assert state._pools
+    state.to("cpu")
+    assert not state._pools and not state._invs
+
+
+def test_state_with_a_meta_pool_deep_copies():
+    import copy
+
+    state = FP8ScalingState(DELAYED)
+    ops = fp8_cast_ops(torch.device("cpu"))
+    for _ in range(3):
+        state.cast_meta("x", torch.ones(4, 16), ops, True, False)
+    other = copy.deepcopy(state)
+    assert torch.equal(other.meta("x"), state.meta("x")) and other.num_updates == state.num_updates
+    other.cast_meta("x", torch.ones(4, 16) * 2, ops, True, False)
+    assert not torch.equal(other.meta("x"), state.meta("x"))  # the copy has its own pool
