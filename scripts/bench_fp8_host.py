@@ -109,14 +109,14 @@ def _with_dispatch(mode: str, fn):
     """Run ``fn`` with Triton's own dispatch for the *_triton_dispatch mode, agoq's direct launches else."""
     if not mode.endswith("_triton_dispatch"):
         return fn
-    from agoq.kernels.direct_launch import set_direct_launch
+    from agoq.kernels._fastlaunch import set_fast_launch
 
     def wrapped():
-        previous = set_direct_launch(False)
+        previous = set_fast_launch(False)
         try:
             return fn()
         finally:
-            set_direct_launch(previous)
+            set_fast_launch(previous)
     return wrapped
 
 
@@ -205,7 +205,7 @@ def run_primitives(args, cuda: bool) -> dict:
              "autograd.Function fwd+bwd (identity)": lambda: _Identity.apply(leaf).backward(a)}
     # (leaf.grad accumulates: one add per call, as a parameter gradient would)
     if cuda:
-        from agoq.kernels.direct_launch import set_direct_launch
+        from agoq.kernels._fastlaunch import set_fast_launch
         from agoq.kernels.fp8_fused import cast_delayed_unchecked
 
         a8, one = a.to(torch.float8_e4m3fn), torch.ones((), device=device)
@@ -217,11 +217,11 @@ def run_primitives(args, cuda: bool) -> dict:
             cast_delayed_unchecked(a, "e4m3", state_meta, ws, 0, False, True, True, True)
 
         def cast_dispatch():
-            previous = set_direct_launch(False)
+            previous = set_fast_launch(False)
             try:
                 cast()
             finally:
-                set_direct_launch(previous)
+                set_fast_launch(previous)
 
         prims.update({"fused cast (direct launch)": cast, "fused cast (Triton dispatch)": cast_dispatch,
                       "torch._scaled_mm": lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)})

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-__all__ = ["FastKernel", "FAST_LAUNCH_ENV", "fast_launch_enabled", "set_fast_launch"]
+__all__ = ["FastKernel", "FAST_LAUNCH_ENV", "arg_key", "fast_launch_enabled", "set_fast_launch"]
 
 FAST_LAUNCH_ENV = "AGOQ_TRITON_FAST_LAUNCH"
 _ENABLED = os.environ.get(FAST_LAUNCH_ENV, "1") != "0"
@@ -48,14 +48,20 @@ def set_fast_launch(enabled: bool) -> bool:
     return previous
 
 
-def _arg_key(a):
-    """What Triton's specialization can see of a runtime argument (a superset of it)."""
+_UINT64_MIN, _UINT64_MAX = 2**63, 2**64 - 1
+
+
+def arg_key(a):
+    """What Triton's specialization can see of a runtime (non-constexpr) argument, or finer: a tensor's
+    dtype and 16-byte alignment; an int's ``== 1``, divisibility by 16 and width class (i32 / u64 / i64,
+    Triton's C++ specializer ranges). tests/kernels/test_launch_key.py checks the partition against
+    Triton 3.8's specializer (and 3.6's with AGOQ_XCOMPILE_TRITON)."""
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.data_ptr() % _ALIGN == 0)
     if isinstance(a, bool):  # before int: bool is an int
-        return ("b",)
+        return ("b", a)
     if isinstance(a, int):
-        return (a == 1, a % _ALIGN == 0, _INT32_MIN <= a <= _INT32_MAX, a >= 0)
+        return (a == 1, a % _ALIGN == 0, _INT32_MIN <= a <= _INT32_MAX, _UINT64_MIN <= a <= _UINT64_MAX)
     if isinstance(a, float):
         return ("f",)
     if a is None:
@@ -82,6 +88,7 @@ class FastKernel:
         self.options = options
         self._static = tuple(sorted(options.items()))
         self._cache: dict = {}
+        self.direct_calls = 0  # launches that skipped Triton's dispatch (tests, host benchmarks)
         params = getattr(jit_fn, "params", None)
         # InterpretedFunction (TRITON_INTERPRET=1) has no compiled kernel to reuse
         self._direct = hasattr(jit_fn, "device_caches") and params is not None
@@ -105,14 +112,14 @@ class FastKernel:
         if len(args) != len(self._constexpr):
             raise TypeError(f"FastKernel({self.fn.__name__}): {len(args)} arguments for "
                             f"{len(self._constexpr)} parameters; pass every parameter positionally")
-        return tuple(a if c else _arg_key(a) for a, c in zip(args, self._constexpr, strict=True))
+        return tuple(a if c else arg_key(a) for a, c in zip(args, self._constexpr, strict=True))
 
     def __call__(self, grid, *args) -> None:
         if not (_ENABLED and self._direct and self._on_gpu(args)):
             self.fn[grid](*args, **self.options)  # interpreter, CPU tensors (launch recorders), or switched off
             return
         runtime_knobs, get_device, get_stream = self._triton_mods()
-        if not _no_hooks(runtime_knobs):
+        if not _no_hooks(runtime_knobs) or getattr(self.fn, "pre_run_hooks", None):
             self.fn[grid](*args, **self.options)
             return
         device = get_device()
@@ -126,6 +133,7 @@ class FastKernel:
                 self._cache[key] = (compiled.run, compiled.function, compiled.packed_metadata)
             return  # else (a patched run returned no compiled kernel): Triton's path again next time
         run, function, metadata = entry
+        self.direct_calls += 1
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         run(grid[0], g1, g2, get_stream(device), function, metadata, None, None, None, *args)

@@ -9,7 +9,7 @@ two per current-scaling cast (amax, then cast). Twins in :mod:`agoq.ref.fp8` (sa
 The FP8 linear's hot path calls ``cast_delayed_unchecked`` / ``cast_current_unchecked`` (the same
 launches without the argument checks: x [..., n] read in place, the transposed copy optionally as an
 [m, n] column-major tensor, the next meta optionally into a caller's buffer); the CPU twins are the
-reference adapters in agoq.ops.fp8_linear. Launches go through agoq.kernels.direct_launch.
+reference adapters in agoq.ops.fp8_linear. Launches go through agoq.kernels._fastlaunch (direct calls of the compiled kernels).
 
 ``meta`` is one fp32 vector per tensor slot: ``[scale_inv, scale, 0, 0, amax_history (L, newest
 first)]`` (current scaling: L = 1, the tensor's own amax). ``scale = meta[1]`` multiplies into the FP8
@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from agoq.formats import FP8_MAX
-from agoq.kernels.direct_launch import DirectLauncher
+from agoq.kernels._fastlaunch import FastKernel
 from agoq.kernels.fp8 import (
     _TL_FP8,
     _TORCH_FP8,
@@ -138,10 +138,10 @@ def _cast_tensor_kernel(
             tl.store(new_meta_ptr + 1 + one, s1)
 
 
-# Launched through agoq.kernels.direct_launch: after the first call of a specialization the compiled
+# Launched through agoq.kernels._fastlaunch: after the first call of a specialization the compiled
 # kernel is called directly (Triton's per-call dispatch is most of a launch's host time).
-_CAST_LAUNCH = DirectLauncher(_cast_tensor_kernel, num_warps=FUSED_CAST_TILE[3], enable_fp_fusion=False)
-_AMAX_LAUNCH = DirectLauncher(_amax_flat_kernel, num_warps=4)
+_CAST_LAUNCH = FastKernel(_cast_tensor_kernel, num_warps=FUSED_CAST_TILE[3], enable_fp_fusion=False)
+_AMAX_LAUNCH = FastKernel(_amax_flat_kernel, num_warps=4)
 
 
 @functools.lru_cache(maxsize=64)  # per (variant, margin, pow2, history length): the constexprs, once
@@ -164,9 +164,9 @@ def _launch_cast(x, m, n, plan, rowmajor, transposed, t_colmajor, meta, new_meta
                  else torch.empty((n, m), dtype=fp8, device=device))
     bm, bn, tiles, _ = FUSED_CAST_TILE
     grid = ((m + bm * tiles - 1) // (bm * tiles), (n + bn - 1) // bn)
-    _CAST_LAUNCH(grid, (x, out if rowmajor else x, out_t if transposed else x, meta, new_meta, ws, m, n, length,
+    _CAST_LAUNCH(grid, x, out if rowmajor else x, out_t if transposed else x, meta, new_meta, ws, m, n, length,
                         fmax, fmax_div, pow2, tl_fp8, delayed, rowmajor, transposed, bm, bn, tiles, bl,
-                        x.dtype == torch.float32))
+                        x.dtype == torch.float32)
     return out, out_t
 
 
@@ -202,7 +202,7 @@ def cast_current_unchecked(x, variant, margin, pow2, rowmajor, transposed, t_col
     meta = ws.view(torch.float32)
     numel = m * n
     _AMAX_LAUNCH((min((numel + AMAX_BLOCK - 1) // AMAX_BLOCK, AMAX_MAX_PROGRAMS),),
-                 (x, ws[META_HEADER:], numel, AMAX_BLOCK))
+                 x, ws[META_HEADER:], numel, AMAX_BLOCK)
     out, out_t = _launch_cast(x, m, n, _cast_plan(variant, margin, pow2, 1), rowmajor, transposed, t_colmajor,
                               meta, meta, ws, False, 1)
     return out, out_t, meta

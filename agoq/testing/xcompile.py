@@ -324,8 +324,6 @@ MODULES = {
     "optim": ("agoq.kernels.optim", "_optim_step_kernel", optim_calls),
     "swiglu_quant_fwd": ("agoq.kernels.swiglu_quant", "_FWD", _only(swiglu_quant_calls, "swiglu_quantize")),
     "swiglu_quant_bwd": ("agoq.kernels.swiglu_quant", "_DQ", _only(swiglu_quant_calls, "dequant_swiglu")),
-
-
     "optim_multi": ("agoq.kernels.optim_multi", "_multi_step_kernel", optim_multi_calls),
 }
 
