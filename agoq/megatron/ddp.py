@@ -62,6 +62,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from agoq.comm.grad_buffer import QuantizedGradBuffer
 from agoq.comm.reduce import allreduce_8bit, check_grad_format, reduce_scatter_8bit
 from agoq.megatron.grad_store import BucketStore, finalize_touched
+from agoq.ops.nonfinite import nonfinite_in
 
 GRAD_MODES = ("reduce", "store")
 
@@ -257,8 +258,10 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
         otherwise Megatron's float grad buffers)."""
         if self.agoq_grad.mode == "store":
             return any(store.nonfinite() for store in self.stores())
-        return any(b.grad_data.numel() and not bool(torch.isfinite(b.grad_data).all())
-                   for b in self.buffers + self.expert_parallel_buffers)
+        found = None
+        for b in self.buffers + self.expert_parallel_buffers:
+            found = nonfinite_in(b.grad_data, found)
+        return found is not None and bool(found)
 
     def _allocate_float_buffer_of(self, bucket_group) -> None:
         for buffer in self.buffers + self.expert_parallel_buffers:

@@ -29,6 +29,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from agoq.ops.fp8_weight_cache import fp8_weights_changed
+from agoq.ops.nonfinite import nonfinite_in
 
 
 def _loss_func(loss_mask_BS: torch.Tensor, output_BS: torch.Tensor):
@@ -149,18 +150,20 @@ class StepRunner:
 def _any_rank_nonfinite(model_chunks: list, loss: float | None, device: torch.device) -> bool:
     """True on every rank when any rank's loss or reduced gradient buffer holds NaN/Inf."""
     bad = loss is not None and not math.isfinite(loss)
+    found = None
     for chunk in model_chunks:
         check = getattr(chunk, "agoq_grads_nonfinite", None)  # 8-bit gradients (agoq/megatron/ddp.py)
         if check is not None:
             bad = bad or check()
             continue
         for buffer in getattr(chunk, "buffers", []):
-            grad = buffer.grad_data
-            if grad.numel() and not bool(torch.isfinite(grad).all()):
-                bad = True
+            found = nonfinite_in(buffer.grad_data, found)
     flag = torch.tensor([1 if bad else 0], device=device)
+    if found is not None:
+        flag = torch.maximum(flag, found.to(flag.dtype))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
+
 
 
 def _reduce_losses(losses: list[dict], device: torch.device) -> float | None:
