@@ -61,6 +61,13 @@ MASTER_BYTES = {"none": 0, "split24": 1, "split32": 2, "fp32": 4}
 # CUDA; its cause is not identified yet (docs/benchmarks/planner.md). The other agoq configurations
 # (other micro-batches, ffn 5632 at seq 4096, other optimizers and gradient formats) validate it.
 AGOQ_UNATTRIBUTED_BYTES_PER_TOKEN_HIDDEN = 11.5
+# The non-finite gradient check before the step (agoq.megatron.training / ddp, agoq.ops.nonfinite):
+# torch.isfinite of a float slice allocates |x| (grad dtype) plus three bool temporaries. Since
+# 2026-11-25 it runs over slices of NONFINITE_CHECK_SLICE elements (agoq.ops.nonfinite, equal by test);
+# before, over the whole buffer (Recipe.full_isfinite_check: 7 B/param for fp32 grads, 6.45 GiB for the
+# 1B model, read off the H100 with scripts/mem_trace.py).
+NONFINITE_CHECK_SLICE = 2**24
+ISFINITE_BOOL_TEMPORARIES = 3
 
 
 def storage_is_agoq(storage) -> bool:
@@ -81,6 +88,7 @@ class Recipe:
     # attention's v saved as a view of the fused QKV output: the code before 2026-11-25, i.e. every GPU
     # measurement committed before then (agoq.plan.validate); the current code saves a compact v
     sdpa_v_view: bool = False
+    full_isfinite_check: bool = False  # the whole-buffer non-finite check (code before 2026-11-25)
 
 
 @dataclass(frozen=True)
@@ -164,6 +172,13 @@ def logits_transient(dims: LayerDims, vocab: int) -> int:
     return BF16_BYTES * dims.tokens * (vocab // dims.tp)
 
 
+def nonfinite_check_bytes(numel: int, elem_bytes: int, recipe: Recipe) -> int:
+    """Temporaries of the non-finite check over a float gradient buffer of ``numel`` elements; it runs
+    after the backward (activations released) and before the optimizer step, so it is a step-phase term."""
+    checked = numel if recipe.full_isfinite_check else min(numel, NONFINITE_CHECK_SLICE)
+    return checked * (elem_bytes + ISFINITE_BOOL_TEMPORARIES)
+
+
 def _stage_dims(shape: ModelShape, layout: Layout) -> LayerDims:
     return LayerDims(seq=layout.seq, micro_batch=layout.mbs, hidden=shape.hidden_size, ffn=shape.ffn_hidden_size,
                      heads=shape.num_attention_heads, groups=shape.num_query_groups, tp=layout.tp)
@@ -215,6 +230,8 @@ def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe:
         if storage_is_agoq(storage):
             layer_held += AGOQ_UNATTRIBUTED_BYTES_PER_TOKEN_HIDDEN * dims.tokens * dims.hidden // dims.tp * (
                 1 if recipe.recompute else st.inflight * len(st.layers))
+        if recipe.grads is None:  # Megatron's float buffers are checked (8-bit grads: their own check)
+            step_extra = max(step_extra, nonfinite_check_bytes(buffer, layout.grad_bytes, recipe))
         out.append(StagePeak(rank, weights, grads, optimizer, CUDA_RUNTIME_BYTES, layer_held + st.head_activations,
                              transient, step_extra, source))
     return out

@@ -26,3 +26,9 @@ def test_accumulates_into_found_and_handles_empty():
     assert bool(nonfinite_in(torch.ones(3), found))  # an earlier buffer's finding is kept
     assert not bool(nonfinite_in(torch.ones(3), nonfinite_in(torch.zeros(2))))
     assert nonfinite_in(torch.ones(3)).shape == ()
+
+
+def test_planner_models_the_same_slice():
+    from agoq.plan import peak
+
+    assert peak.NONFINITE_CHECK_SLICE == nonfinite.NONFINITE_CHECK_SLICE
