@@ -42,7 +42,7 @@ from agoq.policy import PolicySpec
 
 # Empirical: allocated bytes that are neither parameters, gradients nor optimizer states, read as
 # ``allocated - (weights + grads + optimizer)`` after the step: 0.063 GiB in all 11 variants of
-# docs/benchmarks/pretrain_memory.json (H100, torch 2.11), and the constant part of bench_memory's peaks
+# docs/benchmarks/pretrain_memory_2026-11-24.json (H100, torch 2.11), and the constant part of bench_memory's peaks
 # (docs/benchmarks/planner.md). It is what torch allocates through the caching allocator for the cuBLAS
 # and cuBLASLt workspaces on sm_90 (32 MiB each by default) plus the token/label/position batch.
 CUDA_RUNTIME_BYTES = 64 * 2**20
@@ -53,7 +53,7 @@ AGOQ_STEP_FP32_COPIES = 4  # agoq step of one tensor: fp32 grad, master, m, v vi
 MASTER_BYTES = {"none": 0, "split24": 1, "split32": 2, "fp32": 4}
 # Empirical, NOT derived: bytes per token x hidden, per layer and in-flight micro-batch, that a layer with
 # agoq storage (any quantized role) holds on CUDA beyond everything the byte counter, the saved-tensor
-# meter and this model account for. Fitted on ONE measurement, docs/benchmarks/pretrain_memory.json
+# meter and this model account for. Fitted on ONE measurement, docs/benchmarks/pretrain_memory_2026-11-24.json
 # "1b/mbs4/agoq activations (default policy)" (peak 23.67 GiB: 2.87 GiB unattributed over 16 layers x
 # 8192 tokens x 2048 hidden = 11.5 B). It is absent when the layer is recomputed one at a time (Megatron's
 # full recompute: the same variant at mbs 8 with recompute is predicted within 2 % without it) and it is

@@ -90,7 +90,12 @@ def _policy_path(path) -> Path:
 # Cases expected outside the target, with the reason (none at present: the two earlier gaps, Megatron's
 # full recompute at mbs 8 and the PP=2 last stage, were the whole-buffer non-finite check's temporaries,
 # found with scripts/mem_trace.py on 2026-11-25 and now modelled).
-KNOWN_GAPS: dict[tuple[str, str, int], str] = {}
+KNOWN_GAPS: dict[tuple[str, str, int], str] = {
+    ("pretrain_memory.json", "1b/mbs8/agoq full + full recompute", 0): (
+        "over-predicted by 0.6 GiB (+7.5 %) since the compact-v / fused-SwiGLU code of 2026-11-25 (the same "
+        "variant measured on 2026-11-24 is within 2 %): the recompute term (one layer's saves held again) "
+        "was not re-derived for it"),
+}
 
 
 def pretrain_cases(path: Path = BENCH / "pretrain_memory.json") -> list[Case]:
@@ -157,7 +162,8 @@ def pp2_cases(path: Path = BENCH / "activations_pp2.json") -> list[Case]:
 
 
 def all_cases() -> list[Case]:
-    return pretrain_cases() + bench_memory_cases() + pp2_cases()
+    return (pretrain_cases() + pretrain_cases(BENCH / "pretrain_memory_2026-11-24.json") + bench_memory_cases()
+            + pp2_cases())
 
 
 def format_table(cases: list[Case]) -> str:
