@@ -283,6 +283,11 @@ class quantized_saves:  # noqa: N801 - used as a function-style context manager:
         self._hooks.__exit__(exc_type, exc, tb)
         self._hooks = None
         target = self.target
+        # Torch keeps the pack hook (this bound method, hence self) alive with every SavedVariable it
+        # packed, until that node's backward. Holding `target` here kept the very tensor agoq replaced
+        # (a norm or SwiGLU output: 2-8 bf16 x hidden per token and layer) alive for the whole forward:
+        # ~3 GiB at the 1B H100 peak (scripts/mem_trace.py, docs/benchmarks/planner.md).
+        self.target = self.stash = self.fmt = self.counter = None
         if exc_type is None and torch.is_grad_enabled() and target.requires_grad and self.hits != 1:
             raise RuntimeError(
                 f"agoq: expected the wrapped op to save its input once, it saved it {self.hits} times "

@@ -182,3 +182,25 @@ def test_recompute_stash_consume_releases():
     assert torch.equal(out, 2 * ref_dequantize(q))
     stash.consume()
     assert stash.q is None
+
+
+@pytest.mark.parametrize("how", ["stash", "fmt"])
+def test_replaced_input_is_freed_after_the_forward(how):
+    """The tensor agoq replaced (here a norm output feeding a linear) must not outlive the forward: torch
+    keeps the pack hook alive with every SavedVariable until backward, so the hook must not hold it
+    (it did until 2026-11-25: ~3 GiB at the 1B H100 peak, docs/benchmarks/planner.md)."""
+    import weakref
+
+    fmt = parse_format("int8_b128")
+    x = _data((8, 2, 64), 21).requires_grad_()
+    gamma = torch.nn.Parameter(torch.ones(64))
+    w = torch.nn.Parameter(_data((48, 64), 22))
+    y, stash = rmsnorm_saving_input(x, gamma, EPS, fmt, (0, "norm.input"))
+    kw = {"stash": stash} if how == "stash" else {"fmt": fmt}
+    with quantized_saves(y, **kw):
+        out = _LinearLikeMegatron.apply(y, w)
+    alive = weakref.ref(y)
+    del y
+    assert alive() is None, "the replaced input is still referenced after the forward"
+    out.sum().backward()  # and backward still works from the stash / the quantized copy
+    assert w.grad is not None and x.grad is not None
