@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from agoq.formats import parse_format
 from agoq.plan.memory import GIB, Layout, ModelShape, layer_storage_of, plan_stages, stage_layers
-from agoq.plan.storage import BF16_BYTES, FP32_BYTES, LayerDims
+from agoq.plan.storage import BF16_BYTES, FP32_BYTES, QUANTIZED, RECOMPUTED, LayerDims
 from agoq.policy import PolicySpec
 
 # Empirical: allocated bytes that are neither parameters, gradients nor optimizer states, read as
@@ -51,28 +51,27 @@ DIST_OPT_BUCKET_ALIGN = 128  # bucket end padded to a multiple of lcm(dp, 128) (
 TORCH_ADAM_STEP_BYTES = FP32_BYTES  # torch._foreach_sqrt(exp_avg_sq): one fp32 list, per parameter
 AGOQ_STEP_FP32_COPIES = 4  # agoq step of one tensor: fp32 grad, master, m, v views at most (upper bound)
 MASTER_BYTES = {"none": 0, "split24": 1, "split32": 2, "fp32": 4}
-# Empirical, NOT derived: bytes per token x hidden, per layer and in-flight micro-batch, that a layer with
-# agoq storage (any quantized role) holds on CUDA beyond everything the byte counter, the saved-tensor
-# meter and this model account for. Fitted on ONE measurement, docs/benchmarks/pretrain_memory_2026-11-24.json
-# "1b/mbs4/agoq activations (default policy)" (peak 23.67 GiB: 2.87 GiB unattributed over 16 layers x
-# 8192 tokens x 2048 hidden = 11.5 B). It is absent when the layer is recomputed one at a time (Megatron's
-# full recompute: the same variant at mbs 8 with recompute is predicted within 2 % without it) and it is
-# not seen on CPU (tests/megatron/test_plan_peak.py), so it is tied to holding many layers' agoq saves on
-# CUDA; its cause is not identified yet (docs/benchmarks/planner.md). The other agoq configurations
-# (other micro-batches, ffn 5632 at seq 4096, other optimizers and gradient formats) validate it.
-AGOQ_UNATTRIBUTED_BYTES_PER_TOKEN_HIDDEN = 11.5
+# Linear inputs agoq replaces inside quantized_saves (a quantized copy or a recompute handle). Until
+# 2026-11-25 07:40 UTC the pack hook kept a reference to the replaced bf16 tensor, and torch keeps a pack
+# hook alive with its SavedVariable until backward, so those tensors stayed allocated per layer and
+# in-flight micro-batch (Recipe.pack_hook_held_inputs): 2 x (2h + 2h + 2F) B per token, 12 B x h at
+# ffn = 4h and 9.5 B x h at ffn = 2.75h, which is what an earlier version of this planner had fitted
+# as an unexplained constant (11.5 and ~9.6). Found with scripts/mem_trace.py (docs/benchmarks/planner.md).
+# attn.proj_input is a view of SDPA's output, which SDPA keeps anyway: no extra bytes.
+PACK_HOOK_HELD_ROLES = ("attn.qkv_input", "mlp.fc1_input", "mlp.fc2_input")
 # The non-finite gradient check before the step (agoq.megatron.training / ddp, agoq.ops.nonfinite):
 # torch.isfinite of a float slice allocates |x| (grad dtype) plus three bool temporaries. Since
-# 2026-11-25 it runs over slices of NONFINITE_CHECK_SLICE elements (agoq.ops.nonfinite, equal by test);
+# 2026-11-25 07:20 UTC it runs over slices of NONFINITE_CHECK_SLICE elements (agoq.ops.nonfinite, equal by test);
 # before, over the whole buffer (Recipe.full_isfinite_check: 7 B/param for fp32 grads, 6.45 GiB for the
 # 1B model, read off the H100 with scripts/mem_trace.py).
 NONFINITE_CHECK_SLICE = 2**24
 ISFINITE_BOOL_TEMPORARIES = 3
 
 
-def storage_is_agoq(storage) -> bool:
-    """True when the layer stores any role quantized (agoq's modules are active)."""
-    return any(rs.fmt is not None for rs in storage.roles.values())
+def pack_hook_held_bytes(storage, dims: LayerDims) -> int:
+    """Bytes per layer and micro-batch the old pack hook kept alive (Recipe.pack_hook_held_inputs)."""
+    return sum(BF16_BYTES * dims.numel(role) for role in PACK_HOOK_HELD_ROLES
+               if storage.roles[role].how in (QUANTIZED, RECOMPUTED))
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,8 @@ class Recipe:
     # attention's v saved as a view of the fused QKV output: the code before 2026-11-25, i.e. every GPU
     # measurement committed before then (agoq.plan.validate); the current code saves a compact v
     sdpa_v_view: bool = False
-    full_isfinite_check: bool = False  # the whole-buffer non-finite check (code before 2026-11-25)
+    full_isfinite_check: bool = False  # the whole-buffer non-finite check (code before 2026-11-25 07:20 UTC)
+    pack_hook_held_inputs: bool = False  # replaced linear inputs kept alive (code before 2026-11-25 07:40 UTC)
 
 
 @dataclass(frozen=True)
@@ -227,9 +227,8 @@ def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe:
         # saves are released, so the layer transient sits on top of the layers' held bytes only.
         transient, source = max((head_transient, "LM-head logits"),
                                 (backward - st.head_activations, "layer backward"))
-        if storage_is_agoq(storage):
-            layer_held += AGOQ_UNATTRIBUTED_BYTES_PER_TOKEN_HIDDEN * dims.tokens * dims.hidden // dims.tp * (
-                1 if recipe.recompute else st.inflight * len(st.layers))
+        if recipe.pack_hook_held_inputs:
+            layer_held += pack_hook_held_bytes(storage, dims) * (1 if recipe.recompute else st.inflight * len(st.layers))
         if recipe.grads is None:  # Megatron's float buffers are checked (8-bit grads: their own check)
             step_extra = max(step_extra, nonfinite_check_bytes(buffer, layout.grad_bytes, recipe))
         out.append(StagePeak(rank, weights, grads, optimizer, CUDA_RUNTIME_BYTES, layer_held + st.head_activations,

@@ -30,19 +30,24 @@ BENCH = REPO / "docs" / "benchmarks"
 POLICIES = REPO / "configs" / "policy"
 BUILTIN_VOCAB = 4096  # scripts/pretrain_llama.py's built-in tokenizer (docs/benchmarks/pretrain_memory.md)
 TARGET = 0.05  # issue 9 item 4: predicted peak within 5 % of the measured peak
-# Since this date agoq's SDPA saves a compact v and the non-finite check runs in slices; measurements
-# made before it saved v as a view of the fused QKV output (Recipe.sdpa_v_view) and checked the whole
-# gradient buffer at once (Recipe.full_isfinite_check). Files without a "date" field predate it.
-CODE_CHANGE_DATE = "2026-11-25"
+# When the code changes the planner models came in (UTC, compared with each report's "date"; files
+# without a date predate all of them): agoq's SDPA saves a compact v (Recipe.sdpa_v_view before it), the
+# non-finite check runs in slices (Recipe.full_isfinite_check), the pack hook lets go of the replaced
+# linear inputs (Recipe.pack_hook_held_inputs).
+COMPACT_V_SINCE = "2026-11-25"
+SLICED_CHECK_SINCE = "2026-11-25T07:20"
+PACK_HOOK_FIX_SINCE = "2026-11-25T07:40"
 
 
 def _v_view(report: dict) -> bool:
-    return report.get("date", "") < CODE_CHANGE_DATE
+    return report.get("date", "") < COMPACT_V_SINCE
 
 
 def _dated(recipe: Recipe, report: dict) -> Recipe:
-    old = _v_view(report)
-    return dataclasses.replace(recipe, sdpa_v_view=old, full_isfinite_check=old)
+    date = report.get("date", "")
+    return dataclasses.replace(recipe, sdpa_v_view=date < COMPACT_V_SINCE,
+                               full_isfinite_check=date < SLICED_CHECK_SINCE,
+                               pack_hook_held_inputs=date < PACK_HOOK_FIX_SINCE)
 
 
 @dataclass(frozen=True)
