@@ -52,7 +52,7 @@ TORCH_ADAM_STEP_BYTES = FP32_BYTES  # torch._foreach_sqrt(exp_avg_sq): one fp32 
 AGOQ_STEP_FP32_COPIES = 4  # agoq step of one tensor: fp32 grad, master, m, v views at most (upper bound)
 MASTER_BYTES = {"none": 0, "split24": 1, "split32": 2, "fp32": 4}
 # Linear inputs agoq replaces inside quantized_saves (a quantized copy or a recompute handle). Until
-# 2026-11-25 07:40 UTC the pack hook kept a reference to the replaced bf16 tensor, and torch keeps a pack
+# 2026-11-25 07:34 UTC the pack hook kept a reference to the replaced bf16 tensor, and torch keeps a pack
 # hook alive with its SavedVariable until backward, so those tensors stayed allocated per layer and
 # in-flight micro-batch (Recipe.pack_hook_held_inputs): 2 x (2h + 2h + 2F) B per token, 12 B x h at
 # ffn = 4h and 9.5 B x h at ffn = 2.75h, which is what an earlier version of this planner had fitted
@@ -61,7 +61,7 @@ MASTER_BYTES = {"none": 0, "split24": 1, "split32": 2, "fp32": 4}
 PACK_HOOK_HELD_ROLES = ("attn.qkv_input", "mlp.fc1_input", "mlp.fc2_input")
 # The non-finite gradient check before the step (agoq.megatron.training / ddp, agoq.ops.nonfinite):
 # torch.isfinite of a float slice allocates |x| (grad dtype) plus three bool temporaries. Since
-# 2026-11-25 07:20 UTC it runs over slices of NONFINITE_CHECK_SLICE elements (agoq.ops.nonfinite, equal by test);
+# 2026-11-25 07:22 UTC it runs over slices of NONFINITE_CHECK_SLICE elements (agoq.ops.nonfinite, equal by test);
 # before, over the whole buffer (Recipe.full_isfinite_check: 7 B/param for fp32 grads, 6.45 GiB for the
 # 1B model, read off the H100 with scripts/mem_trace.py).
 NONFINITE_CHECK_SLICE = 2**24
@@ -87,8 +87,8 @@ class Recipe:
     # attention's v saved as a view of the fused QKV output: the code before 2026-11-25, i.e. every GPU
     # measurement committed before then (agoq.plan.validate); the current code saves a compact v
     sdpa_v_view: bool = False
-    full_isfinite_check: bool = False  # the whole-buffer non-finite check (code before 2026-11-25 07:20 UTC)
-    pack_hook_held_inputs: bool = False  # replaced linear inputs kept alive (code before 2026-11-25 07:40 UTC)
+    full_isfinite_check: bool = False  # the whole-buffer non-finite check (code before 2026-11-25 07:22 UTC)
+    pack_hook_held_inputs: bool = False  # replaced linear inputs kept alive (code before 2026-11-25 07:34 UTC)
 
 
 @dataclass(frozen=True)
