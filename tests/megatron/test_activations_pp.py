@@ -61,22 +61,9 @@ def _rank(rank: int, world_size: int, vpp) -> dict:
 
 def _one_step(chunks, shape) -> dict:
     """One 1F1B (or interleaved) forward/backward with the real schedule; per-parameter grads."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from tests.megatron._pipeline import one_global_batch
 
-    from agoq.megatron.training import make_forward_step
-
-    g = torch.Generator().manual_seed(7)
-    batches = []
-    for _ in range(NUM_MICROBATCHES):
-        tokens = torch.randint(0, shape.vocab_size, (MICRO_BATCH, shape.seq_length + 1), generator=g)
-        batches.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                        "loss_mask": torch.ones(MICRO_BATCH, shape.seq_length),
-                        "position_ids": torch.arange(shape.seq_length).expand(MICRO_BATCH, -1)})
-    iters = [iter(list(batches)) for _ in chunks]
-    get_forward_backward_func()(
-        forward_step_func=make_forward_step(torch.device("cpu")), data_iterator=iters if len(chunks) > 1 else iters[0],
-        model=chunks, num_microbatches=NUM_MICROBATCHES, seq_length=shape.seq_length, micro_batch_size=MICRO_BATCH,
-        forward_only=False)
+    one_global_batch(chunks, shape, NUM_MICROBATCHES, MICRO_BATCH)
     return {f"{i}.{n}": p.grad.clone() for i, c in enumerate(chunks) for n, p in c.named_parameters()}
 
 

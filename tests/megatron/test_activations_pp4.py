@@ -40,6 +40,7 @@ def _rank(rank: int, world_size: int, vpp, policies: tuple[str, ...]) -> dict:
     from agoq.megatron.install import install
     from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
     from agoq.policy import ScheduleInfo
+    from tests.megatron._pipeline import one_global_batch
 
     handle = install(AgoqConfig(device="cpu"))
     try:
@@ -54,32 +55,13 @@ def _rank(rank: int, world_size: int, vpp, policies: tuple[str, ...]) -> dict:
             chunks = build_model_chunks(shape, config, spec, vpp)
             storage = storage_of(spec)
             storage.counter.reset()
-            _one_global_batch(chunks, shape)
+            one_global_batch(chunks, shape, NUM_MICROBATCHES, MICRO_BATCH)
             formats = {idx: {r: s.describe() for r, s in layer.roles.items()} for idx, layer in storage.layers.items()}
             out[policy] = {"formats": formats, "peak": storage.counter.peak, "live_after": storage.counter.live}
         parallel_state.destroy_model_parallel()
         return out
     finally:
         handle.uninstall()
-
-
-def _one_global_batch(chunks, shape) -> None:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from agoq.megatron.training import make_forward_step
-
-    g = torch.Generator().manual_seed(7)
-    batches = []
-    for _ in range(NUM_MICROBATCHES):
-        tokens = torch.randint(0, shape.vocab_size, (MICRO_BATCH, shape.seq_length + 1), generator=g)
-        batches.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                        "loss_mask": torch.ones(MICRO_BATCH, shape.seq_length),
-                        "position_ids": torch.arange(shape.seq_length).expand(MICRO_BATCH, -1)})  # fmt: skip
-    iters = [iter(list(batches)) for _ in chunks]
-    get_forward_backward_func()(
-        forward_step_func=make_forward_step(torch.device("cpu")), data_iterator=iters if len(chunks) > 1 else iters[0],
-        model=chunks, num_microbatches=NUM_MICROBATCHES, seq_length=shape.seq_length, micro_batch_size=MICRO_BATCH,
-        forward_only=False)  # fmt: skip
 
 
 def _predicted_peaks(policy: str, vpp) -> list[int]:
