@@ -155,26 +155,3 @@ def parse_bytes(text: str) -> int:
         return int(float(low))
     except ValueError:
         raise ValueError(f"--memory-budget {text!r}: write e.g. 80GiB, 141GB or a byte count") from None
-
-
-def choose_policy(shape: ModelShape, layout: Layout, candidates: list[tuple[str, PolicySpec]], budget: int):
-    """(name, stages) of the first candidate (richest first) whose every stage fits, else (None, report)."""
-    report = []
-    for name, policy in candidates:
-        stages = plan_stages(shape, layout, policy)
-        report.append((name, stages))
-        if all(s.total <= budget for s in stages):
-            return name, report
-    return None, report
-
-
-def format_report(report, budget: int) -> str:
-    lines = [f"budget {budget / GIB:.2f} GiB per GPU"]
-    for name, stages in report:
-        for s in stages:
-            fits = "fits" if s.total <= budget else "DOES NOT FIT"
-            lines.append(
-                f"{name:>12}  stage {s.pp_rank}  layers {s.layers[0]}..{s.layers[-1]}  in-flight {s.inflight:2d}  "
-                f"weights {s.weights / GIB:6.2f}  grads {s.grads / GIB:6.2f}  optim {s.optimizer / GIB:6.2f}  "
-                f"activations {s.activations / GIB:7.2f}  total {s.total / GIB:7.2f} GiB  {fits}")
-    return "\n".join(lines)

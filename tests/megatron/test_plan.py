@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from agoq.plan.__main__ import main
-from agoq.plan.memory import GIB, Layout, ModelShape, choose_policy, plan_stages
+from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
+from agoq.plan.peak import choose_by_peak, predict_peaks
 from agoq.plan.storage import LayerDims, agoq_bytes, layer_storage, megatron_bytes
 from agoq.policy import ScheduleInfo, Site, load_policy
 
@@ -35,12 +36,12 @@ def test_stage_activations_are_inflight_times_layer_bytes():
 
 
 def test_richer_policies_cost_more_and_the_choice_follows_the_budget():
-    totals = {n: max(s.total for s in plan_stages(SHAPE, LAYOUT, p)) for n, p in CANDIDATES}
-    assert totals["bf16"] > totals["int8"] > totals["agoq"]
-    assert choose_policy(SHAPE, LAYOUT, CANDIDATES, int(totals["bf16"]) + 1)[0] == "bf16"
-    assert choose_policy(SHAPE, LAYOUT, CANDIDATES, int(totals["int8"]) + 1)[0] == "int8"
-    assert choose_policy(SHAPE, LAYOUT, CANDIDATES, int(totals["agoq"]) + 1)[0] in ("agoq",)
-    assert choose_policy(SHAPE, LAYOUT, CANDIDATES, 1 * GIB)[0] is None
+    peaks = {n: max(s.peak for s in predict_peaks(SHAPE, LAYOUT, p)) for n, p in CANDIDATES}
+    assert peaks["bf16"] > peaks["int8"] > peaks["agoq"]
+    assert choose_by_peak(SHAPE, LAYOUT, CANDIDATES, int(peaks["bf16"]) + 1)[0] == "bf16"
+    assert choose_by_peak(SHAPE, LAYOUT, CANDIDATES, int(peaks["int8"]) + 1)[0] == "int8"
+    assert choose_by_peak(SHAPE, LAYOUT, CANDIDATES, int(peaks["agoq"]) + 1)[0] in ("agoq",)
+    assert choose_by_peak(SHAPE, LAYOUT, CANDIDATES, 1 * GIB)[0] is None
 
 
 def test_cli_writes_the_chosen_policy_and_reports_no_fit(tmp_path, capsys):
