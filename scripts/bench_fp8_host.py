@@ -64,28 +64,28 @@ def host_us_per_call(fn, iters: int, reps: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def gpu_ms_per_call(fn, iters: int, host_ms: float) -> float:
-    """GPU time per call with the host out of the way: the calls queue behind a sleep kernel."""
+def _event_ms_per_call(fn, iters: int, sleep_cycles: int = 0) -> float:
+    """CUDA-event time per call of ``iters`` back-to-back calls, optionally queued behind a sleep kernel."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    torch.cuda._sleep(int(SLEEP_MARGIN * host_ms * iters * SLEEP_CYCLES_PER_MS) + SLEEP_CYCLES_PER_MS)
+    if sleep_cycles:
+        torch.cuda._sleep(sleep_cycles)
     start.record()
     for _ in range(iters):
         fn()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def gpu_ms_per_call(fn, iters: int, host_ms: float) -> float:
+    """GPU time per call with the host out of the way: the calls queue behind a sleep kernel."""
+    sleep = int(SLEEP_MARGIN * host_ms * iters * SLEEP_CYCLES_PER_MS) + SLEEP_CYCLES_PER_MS
+    return _event_ms_per_call(fn, iters, sleep)
 
 
 def wall_ms_per_call(fn, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return _event_ms_per_call(fn, iters)
 
 
 def _linear_step(mode: str, x, w, g):
