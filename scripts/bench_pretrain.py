@@ -14,7 +14,8 @@ shapes, PP=1, one GPU); ``lean`` (issues 5/6/9: Megatron baseline vs agoq's opti
 gradients, ~1B, PP=1, one GPU); ``memory`` (issue 9: baseline vs agoq presets at equal batch, and the baseline
 with full recompute vs agoq at a larger micro-batch); ``fp8`` (issue 7: bf16 vs FP8 linears vs FP8 +
 Smooth-SwiGLU vs FP8 with Triton's launch dispatch, ~1B, PP=1, one GPU, 30 iterations for a short loss
-comparison; also run by scripts/bench_fp8.py).
+comparison; also run by scripts/bench_fp8.py); ``fp8_scale`` (issues 4 and 7: FP8 and agoq activations at
+GPU-bound shapes, ~1B at micro-batch 4 and 8 layers of the LLaMA-2-7B body at seq 4096).
 ``grads`` (issue 5: the memory suite's equal-batch variants with and without 8-bit gradients, torch
 Adam and agoq's optimizer, under 4 minutes). ``--smoke`` runs a tiny CPU version of the suite (for
 CI-style checks; FP8 variants need a GPU, so the fp8 smoke suite runs bf16 and Smooth-SwiGLU only).
@@ -182,7 +183,38 @@ def fp8_suite(smoke: bool) -> list[dict]:
             for name, extra in variants.items()]
 
 
-SUITES = {"attention": attention_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite,
+def fp8_scale_suite(smoke: bool) -> list[dict]:
+    """Issues 4 and 7 where the GPU, not the host, sets the pace: the fp8 suite's ~1B shape at micro-batch 4
+    (8192 tokens per micro-batch, 2x the fp8 suite's) and 8 layers of the LLaMA-2-7B body (4096 hidden,
+    32 heads, ffn 11008, seq 4096, micro-batch 1): bf16 vs FP8 linears (bf16 activation policy), and the
+    Megatron baseline vs agoq's default activation policy at the 7B-layer shape."""
+    wide = ["--num-layers", "8", "--hidden-size", "4096", "--num-attention-heads", "32",
+            "--num-query-groups", "32", "--ffn-hidden-size", "11008"]
+    one_b = SHAPES["1b"] + COMMON + ["--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters", "12"]
+    seven_b = wide + COMMON + ["--seq-length", "4096", "--micro-batch-size", "1", "--global-batch-size", "4",
+                               "--train-iters", "12"]
+    if smoke:
+        one_b = SHAPES["tiny"] + COMMON[2:] + ["--seq-length", "64", "--micro-batch-size", "2",
+                                               "--global-batch-size", "4", "--train-iters", "4"]
+        seven_b = one_b
+    bf16_policy = ["--agoq-policy", str(REPO_ROOT / "configs" / "policy" / "bf16.yaml")]
+    fp8 = [] if smoke else ["--agoq-fp8", "delayed"]  # FP8 needs a GPU: the smoke suite checks the plumbing
+    variants = []
+    for shape, base in (("1b/mbs4", one_b), ("7b-layers/mbs1", seven_b)):
+        variants += [
+            {"name": f"{shape}/bf16", "nproc": 1, "args": base + bf16_policy},
+            {"name": f"{shape}/fp8 delayed", "nproc": 1, "args": base + bf16_policy + fp8},
+            {"name": f"{shape}/fp8 delayed + smooth-swiglu per-token", "nproc": 1,
+             "args": base + bf16_policy + fp8 + ["--agoq-smooth-swiglu", "per-token"]},
+        ]
+    variants += [
+        {"name": "7b-layers/mbs1/baseline (Megatron)", "nproc": 1, "args": seven_b + ["--agoq-disable"]},
+        {"name": "7b-layers/mbs1/agoq activations (default policy)", "nproc": 1, "args": seven_b},
+    ]
+    return variants
+
+
+SUITES = {"attention": attention_suite, "fp8_scale": fp8_scale_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite,
           "grads": grads_suite, "dp2": dp2_suite}
 
 

@@ -26,6 +26,7 @@ from agoq.kernels import _launch
 from agoq.kernels._pack import pack_plane as _pack_plane
 from agoq.kernels._pack import round_half_away as _round_half_away
 from agoq.kernels.quant import _encode_scale, _pow2_value, decode_block_values
+from agoq.ref.master import MASTER_NS
 from agoq.ref.optim import _check_pair, adamw_scalars, lion_scalars, sgd_scalars
 from agoq.ref.quant import QuantizedTensor
 
@@ -50,6 +51,7 @@ NUM_WARPS = 2
 PLAIN_BLOCK = 128  # tile row width when no state is quantized
 OPT_IDS = {"adamw": 0, "lion": 1, "sgd": 2}
 MASTER_IDS = {"none": 0, "split": 1, "fp32": 2}
+INT8_MASTER_N = MASTER_NS[torch.int8]  # 127: split24 remainder scale
 NARROW_CONSTS = {torch.bfloat16: (7, -126), torch.float16: (10, -14), torch.float32: (23, -126)}
 
 
@@ -117,21 +119,24 @@ def _load_state(
 
 @triton.jit
 def _store_state(
-    x, codes_ptr, scales_ptr, mids_ptr, first_row, rows, local, elem_mask, row_ok,
+    x, x_root, codes_ptr, scales_ptr, mids_ptr, first_row, rows, local, elem_mask, row_ok,
     KIND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
     SCALE: tl.constexpr, PLANE0: tl.constexpr, PLANE1: tl.constexpr, FP8_DTYPE: tl.constexpr,
     QMAX: tl.constexpr, PLAIN_KIND: tl.constexpr,
 ):  # fmt: skip
-    """Quantize the fp32 tile exactly as agoq.ref.quant.ref_quantize and store codes + scales."""
+    """Quantize the fp32 tile exactly as agoq.ref.quant.ref_quantize and store codes + scales.
+    ``x_root`` = sqrt_rn(x), read only by the sqrt-companded format (KIND 4; AdamW has it already)."""
     if KIND == -1:
         tl.store(codes_ptr + first_row * BLOCK + local, _narrow(x, PLAIN_KIND), mask=elem_mask)
     else:
-        x = tl.where(elem_mask, x, 0.0)  # the reference zero-pads the tail group
         if KIND == 4:
-            x = tl.math.sqrt_rn(x)
-        xa = tl.abs(x)
-        bad = tl.max(((xa != xa) | (xa == float("inf"))).to(tl.int32), axis=1) > 0
-        stored, s = _encode_scale(tl.math.div_rn(tl.max(xa, axis=1), QMAX), SCALE)
+            x = x_root
+        x = tl.where(elem_mask, x, 0.0)  # the reference zero-pads the tail group
+        # one integer max per group gives both the absmax and the non-finite flag: |x|'s bit patterns
+        # order as its values, and every NaN pattern sorts above +inf (0x7F800000)
+        amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+        bad = amax_bits >= 0x7F800000
+        stored, s = _encode_scale(tl.math.div_rn(amax_bits.to(tl.float32, bitcast=True), QMAX), SCALE)
         bad = bad | (s != s) | (s == float("inf"))
         inv = tl.where((s > 0) & (~bad), tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), 0.0)
         p = tl.where(bad[:, None], 0.0, x * inv[:, None])
@@ -182,6 +187,7 @@ def _optim_step_kernel(
     param_ptr,  # bf16 / fp16 / fp32 model param, numel (updated in place)
     grad_ptr,  # any float dtype, numel
     master_ptr,  # int8 / int16 remainder (MASTER 1), fp32 master (MASTER 2), unused (MASTER 0)
+    frac_ptr,  # fp32 [255]: rho / 127 for rho = -127..127 (int8 remainder; unused otherwise)
     s1_codes_ptr, s1_scales_ptr, s1_lut_ptr, s1_mids_ptr,  # state 1 (m / momentum): codes, scales, tables
     s2_codes_ptr, s2_scales_ptr, s2_lut_ptr, s2_mids_ptr,  # state 2 (v), AdamW only
     numel,  # int
@@ -204,7 +210,7 @@ def _optim_step_kernel(
     elem_lim = tl.minimum(numel - first_row * BLOCK, ROWS * BLOCK).to(tl.int32)
     row_lim = tl.minimum(num_rows - first_row, ROWS).to(tl.int32)
     step_tile(
-        param_ptr, grad_ptr, master_ptr, s1_codes_ptr, s1_scales_ptr, s1_lut_ptr, s1_mids_ptr,
+        param_ptr, grad_ptr, master_ptr, frac_ptr, s1_codes_ptr, s1_scales_ptr, s1_lut_ptr, s1_mids_ptr,
         s2_codes_ptr, s2_scales_ptr, s2_lut_ptr, s2_mids_ptr, first_row, elem_lim, row_lim,
         c0, c1, c2, c3, c4, c5, c6, c7, OPT, MASTER, MASTER_N, PARAM_KIND, MANT, E_MIN, HAS_S1, HAS_WD, NESTEROV,
         BLOCK, ROWS, K1, B1, SC1, P01, P11, F81, Q1, PK1, K2, B2, SC2, P02, P12, F82, Q2, PK2,
@@ -214,6 +220,7 @@ def _optim_step_kernel(
 @triton.jit
 def step_tile(
     param_ptr, grad_ptr, master_ptr,  # pointers to the tensor's first element (param dtype, grad dtype, master)
+    frac_ptr,  # fp32 table of rho / 127 (see _rho_fracs)
     s1_codes_ptr, s1_scales_ptr, s1_lut_ptr, s1_mids_ptr,
     s2_codes_ptr, s2_scales_ptr, s2_lut_ptr, s2_mids_ptr,
     first_row,  # int64: first quantization group (tile row) of this tile inside the tensor
@@ -239,10 +246,13 @@ def step_tile(
     g = tl.load(grad_ptr + offs, mask=elem_mask, other=0.0).to(tl.float32)
     pval = tl.load(param_ptr + offs, mask=elem_mask, other=0.0).to(tl.float32)
     if MASTER == 1:
-        rho = tl.load(master_ptr + offs, mask=elem_mask, other=0).to(tl.float32)
+        rho = tl.load(master_ptr + offs, mask=elem_mask, other=0).to(tl.int32)
         ell = _half_ulp_exp(pval, MANT, E_MIN)
         ea = ell >> 1  # floor(l / 2)
-        frac = tl.math.div_rn(rho, tl.full(rho.shape, MASTER_N, tl.float32))
+        if MASTER_N == 127:  # a 1 KiB cached table lookup instead of a correctly rounded division
+            frac = tl.load(frac_ptr + (rho + 127))
+        else:
+            frac = tl.math.div_rn(rho.to(tl.float32), tl.full(rho.shape, MASTER_N, tl.float32))
         theta = pval + (frac * _pow2(ea)) * _pow2(ell - ea)
     elif MASTER == 2:
         theta = tl.load(master_ptr + offs, mask=elem_mask, other=0.0)
@@ -252,16 +262,16 @@ def step_tile(
     if HAS_S1:
         m = _load_state(s1_codes_ptr, s1_scales_ptr, s1_lut_ptr, first_row, rows, local, elem_mask, row_ok,
                         K1, B1, BLOCK, ROWS, SC1, P01, P11, F81)  # fmt: skip
-    if OPT == 0:  # AdamW: c0 b1, c1 1-b1, c2 b2, c3 1-b2, c4 eps, c5 decay, c6 step size, c7 sqrt(bc2)
+    if OPT == 0:  # AdamW: c0 b1, c1 1-b1, c2 b2, c3 1-b2, c4 eps scaled, c5 decay, c6 step size (see ref)
         v = _load_state(s2_codes_ptr, s2_scales_ptr, s2_lut_ptr, first_row, rows, local, elem_mask, row_ok,
                         K2, B2, BLOCK, ROWS, SC2, P02, P12, F82)  # fmt: skip
         m = m * c0 + g * c1
         v = v * c2 + (g * g) * c3
         theta = theta * c5
-        denom = tl.math.div_rn(tl.math.sqrt_rn(v), c7) + c4
-        theta = theta - tl.math.div_rn(m, denom) * c6
-        _store_state(v, s2_codes_ptr, s2_scales_ptr, s2_mids_ptr, first_row, rows, local, elem_mask, row_ok,
-                     K2, B2, BLOCK, ROWS, SC2, P02, P12, F82, Q2, PK2)  # fmt: skip
+        v_root = tl.math.sqrt_rn(v)  # also the sqrt-companded store's input: one sqrt per element
+        theta = theta - tl.math.div_rn(m, v_root + c4) * c6
+        _store_state(v, v_root, s2_codes_ptr, s2_scales_ptr, s2_mids_ptr, first_row, rows, local, elem_mask,
+                     row_ok, K2, B2, BLOCK, ROWS, SC2, P02, P12, F82, Q2, PK2)  # fmt: skip
     elif OPT == 1:  # Lion: c0 b1, c1 1-b1, c2 b2, c3 1-b2, c5 decay, c6 lr
         c = m * c0 + g * c1
         m = m * c2 + g * c3
@@ -278,7 +288,7 @@ def step_tile(
                 g = m
         theta = theta - g * c6
     if HAS_S1:
-        _store_state(m, s1_codes_ptr, s1_scales_ptr, s1_mids_ptr, first_row, rows, local, elem_mask, row_ok,
+        _store_state(m, m, s1_codes_ptr, s1_scales_ptr, s1_mids_ptr, first_row, rows, local, elem_mask, row_ok,
                      K1, B1, BLOCK, ROWS, SC1, P01, P11, F81, Q1, PK1)  # fmt: skip
     # -- store: param (+ remainder / master) ---------------------------------------------------------
     narrow = _narrow(theta, PARAM_KIND)
@@ -321,6 +331,20 @@ def fused_block(*states: QuantizedTensor | None) -> int:
 def _dummy(device: str) -> torch.Tensor:
     """One fp32 element per device for the pointer slots of an absent state (never read)."""
     return torch.zeros(1, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _rho_fracs(device: str) -> torch.Tensor:
+    """fp32 [255]: rho / 127 for rho = -127..127, each correctly rounded (an IEEE fp32 division, as
+    agoq.ref.master's merge computes it), so the table lookup is bit-identical to the division."""
+    rho = torch.arange(-INT8_MASTER_N, INT8_MASTER_N + 1, dtype=torch.float32)
+    return (rho / torch.full_like(rho, INT8_MASTER_N)).to(device)
+
+
+def frac_table(master: torch.Tensor | None, device) -> torch.Tensor:
+    """The frac_ptr argument: the rho / 127 table for an int8 remainder, a dummy otherwise."""
+    dev = str(device)
+    return _rho_fracs(dev) if master is not None and master.dtype == torch.int8 else _dummy(dev)
 
 
 @functools.lru_cache(maxsize=16)
@@ -383,7 +407,7 @@ def _launch_step(opt, param, grad, master, s1, s2, scalars, *, has_wd=False, nes
         grad_flat = grad_flat.contiguous()
     grid = (triton.cdiv(num_rows, rows),)
     _optim_step_kernel[grid](
-        param, grad_flat, master_arg, *a1, *a2, numel, num_rows, *scalars,
+        param, grad_flat, master_arg, frac_table(master, param.device), *a1, *a2, numel, num_rows, *scalars,
         OPT=OPT_IDS[opt], MASTER=MASTER_IDS[master_kind], MASTER_N=n, PARAM_KIND=_PARAM_KINDS[param.dtype],
         MANT=mant, E_MIN=e_min, HAS_S1=s1 is not None, HAS_WD=has_wd, NESTEROV=nesterov,
         BLOCK=block, ROWS=rows,
@@ -396,7 +420,7 @@ def _launch_step(opt, param, grad, master, s1, s2, scalars, *, has_wd=False, nes
 def adamw_scalar_args(*, lr, beta1, beta2, eps, weight_decay, step) -> tuple:
     """The kernel's c0..c7 for AdamW (fp32-rounded once, agoq.ref.optim.adamw_scalars)."""
     s = adamw_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
-    return (s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.eps, s.decay, s.step_size, s.bias2_sqrt)
+    return (s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.eps_scaled, s.decay, s.step_size, 1.0)
 
 
 def lion_scalar_args(*, lr, beta1, beta2, weight_decay) -> tuple:

@@ -12,11 +12,13 @@ base itself, so Triton's alignment analysis still sees 16-byte aligned rows and 
 Operands of different allocations are reached by address arithmetic from one base (one virtual
 address space; the interpreter reads raw host addresses likewise).
 
-    table   int64 [T, NCOL]: numel, rows (= ceil(numel / BLOCK)), then one offset per operand
-    starts  int32 [2**LOG_T]: first program of each tensor, padded with INT32_MAX
+    table    int64 [T, NCOL]: numel, rows (= ceil(numel / BLOCK)), then one offset per operand
+    starts   int32 [T]: first program of each tensor
+    owner    int16 (int32 past 32767 tensors) [programs]: the tensor of each program
 
-Program ``pid`` finds its tensor by a branch-free binary search over ``starts`` (LOG_T loads of a
-tiny, cache-resident table), then updates tile ``pid - starts[t]`` of it. Full tiles pass a constant
+Program ``pid`` reads its tensor ``t = owner[pid]`` (one load; 2 bytes per 512 elements, 4 MB of
+int16 per 1e9 parameters: an earlier branch-free binary search over ``starts`` made the multi-tensor
+step's device time 8 % above the per-tensor kernel's), then updates tile ``pid - starts[t]`` of it. Full tiles pass a constant
 element limit (vectorised, unmasked-equivalent loads); only a tensor's last tile is masked.
 Host cost: the tables are built once (:class:`MultiTensorLaunch`) and reused while the tensors'
 addresses stay the same; a step is then one kernel launch with its fp32 scalars as arguments.
@@ -38,6 +40,7 @@ from agoq.ref.master import MASTER_NS
 __all__ = ["MultiTensorLaunch", "OperandError", "NCOL"]
 
 INT32_MAX = 2**31 - 1
+INT16_MAX = 2**15 - 1
 MAX_ALIGN_BYTES = 16  # Triton specialises pointers on 16-byte alignment (its widest vector load)
 OPERANDS = ("param", "grad", "master", "s1_codes", "s1_scales", "s2_codes", "s2_scales")
 NCOL = 2 + len(OPERANDS)
@@ -46,12 +49,12 @@ NCOL = 2 + len(OPERANDS)
 @triton.jit
 def _multi_step_kernel(
     table_ptr,  # int64 [T, NCOL]
-    starts_ptr,  # int32 [2**LOG_T]
-    param_ptr, grad_ptr, master_ptr,  # operand bases
+    starts_ptr,  # int32 [T]
+    owner_ptr,  # int16 / int32 [programs]: tensor index of each program
+    param_ptr, grad_ptr, master_ptr, frac_ptr,  # operand bases; frac_ptr: agoq.kernels.optim._rho_fracs
     s1_codes_ptr, s1_scales_ptr, s1_lut_ptr, s1_mids_ptr,
     s2_codes_ptr, s2_scales_ptr, s2_lut_ptr, s2_mids_ptr,
     c0, c1, c2, c3, c4, c5, c6, c7,
-    LOG_T: tl.constexpr, HALF_T: tl.constexpr,  # HALF_T = 2**(LOG_T - 1)
     A_P: tl.constexpr, A_G: tl.constexpr, A_M: tl.constexpr,  # offset units (elements) per operand
     A_C1: tl.constexpr, A_S1: tl.constexpr, A_C2: tl.constexpr, A_S2: tl.constexpr,
     OPT: tl.constexpr, MASTER: tl.constexpr, MASTER_N: tl.constexpr, PARAM_KIND: tl.constexpr,
@@ -63,9 +66,7 @@ def _multi_step_kernel(
     F82: tl.constexpr, Q2: tl.constexpr, PK2: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    t = pid * 0
-    for i in tl.static_range(LOG_T):  # largest t with starts[t] <= pid (padding is INT32_MAX)
-        t += tl.where(tl.load(starts_ptr + t + (HALF_T >> i)) <= pid, HALF_T >> i, 0)
+    t = tl.load(owner_ptr + pid).to(tl.int32)
     row = table_ptr + t.to(tl.int64) * 9  # NCOL columns (asserted below)
     numel = tl.load(row)
     num_rows = tl.load(row + 1)
@@ -79,14 +80,14 @@ def _multi_step_kernel(
     s2p = s2_scales_ptr + tl.load(row + 8) * A_S2
     if (first_row + ROWS) * BLOCK <= numel:  # full tile: constant limits
         step_tile(
-            p, g, m, c1p, s1p, s1_lut_ptr, s1_mids_ptr, c2p, s2p, s2_lut_ptr, s2_mids_ptr,
+            p, g, m, frac_ptr, c1p, s1p, s1_lut_ptr, s1_mids_ptr, c2p, s2p, s2_lut_ptr, s2_mids_ptr,
             first_row, ROWS * BLOCK, ROWS,
             c0, c1, c2, c3, c4, c5, c6, c7, OPT, MASTER, MASTER_N, PARAM_KIND, MANT, E_MIN, HAS_S1, HAS_WD, NESTEROV,
             BLOCK, ROWS, K1, B1, SC1, P01, P11, F81, Q1, PK1, K2, B2, SC2, P02, P12, F82, Q2, PK2,
         )  # fmt: skip
     else:  # the tensor's last tile
         step_tile(
-            p, g, m, c1p, s1p, s1_lut_ptr, s1_mids_ptr, c2p, s2p, s2_lut_ptr, s2_mids_ptr,
+            p, g, m, frac_ptr, c1p, s1p, s1_lut_ptr, s1_mids_ptr, c2p, s2p, s2_lut_ptr, s2_mids_ptr,
             first_row, (numel - first_row * BLOCK).to(tl.int32), (num_rows - first_row).to(tl.int32),
             c0, c1, c2, c3, c4, c5, c6, c7, OPT, MASTER, MASTER_N, PARAM_KIND, MANT, E_MIN, HAS_S1, HAS_WD, NESTEROV,
             BLOCK, ROWS, K1, B1, SC1, P01, P11, F81, Q1, PK1, K2, B2, SC2, P02, P12, F82, Q2, PK2,
@@ -129,6 +130,7 @@ class MultiTensorLaunch:
 
     table: torch.Tensor
     starts: torch.Tensor
+    owner: torch.Tensor
     bases: tuple
     units: tuple
     constexprs: dict
@@ -180,22 +182,21 @@ class MultiTensorLaunch:
         rows = [-(-params[i].numel() // block) for i in live]
         progs = [-(-r // rows_per_prog) for r in rows]
         table = [[params[i].numel(), r] + [c[1][i] for c in cols] for i, r in zip(live, rows, strict=True)]
-        log_t = max(1, math.ceil(math.log2(max(len(live), 1))))
-        starts = [0] * (2**log_t)
+        starts = [0] * max(len(progs), 1)
         acc = 0
         for j, pr in enumerate(progs):
             starts[j] = acc
             acc += pr
-        for j in range(len(progs), 2**log_t):
-            starts[j] = INT32_MAX
         if acc >= INT32_MAX:
             raise OperandError(f"{acc} programs exceed int32")
+        owner_dtype = torch.int16 if len(progs) <= INT16_MAX else torch.int32
+        owner = torch.repeat_interleave(torch.arange(len(progs), dtype=owner_dtype),
+                                        torch.tensor(progs, dtype=torch.int64))
         p0 = params[0]
         mdt = masters[0].dtype if masters[0] is not None else None
         master_kind = "none" if mdt is None else ("fp32" if mdt == torch.float32 else "split")
         mant, e_min = k.NARROW_CONSTS[p0.dtype]
         consts = dict(
-            LOG_T=log_t, HALF_T=2 ** (log_t - 1),
             A_P=cols[0][2], A_G=cols[1][2], A_M=cols[2][2], A_C1=cols[3][2], A_S1=cols[4][2], A_C2=cols[5][2],
             A_S2=cols[6][2],
             MASTER=k.MASTER_IDS[master_kind], MASTER_N=MASTER_NS.get(mdt, 1),
@@ -204,18 +205,19 @@ class MultiTensorLaunch:
             K1=k1["K"], B1=k1["B"], SC1=k1["SC"], P01=k1["P0"], P11=k1["P1"], F81=k1["F8"], Q1=k1["Q"], PK1=k1["PK"],
             K2=k2["K"], B2=k2["B"], SC2=k2["SC"], P02=k2["P0"], P12=k2["P1"], F82=k2["F8"], Q2=k2["Q"], PK2=k2["PK"],
         )  # fmt: skip
-        bases = (cols[0][0], cols[1][0], cols[2][0], cols[3][0], cols[4][0], a1[2], a1[3],
+        bases = (cols[0][0], cols[1][0], cols[2][0], k.frac_table(masters[0], device), cols[3][0], cols[4][0], a1[2], a1[3],
                  cols[5][0], cols[6][0], a2[2], a2[3])  # fmt: skip
         table_t = torch.tensor(table or [[0] * NCOL], dtype=torch.int64).to(device)
         starts_t = torch.tensor(starts, dtype=torch.int32).to(device)
-        return MultiTensorLaunch(table_t, starts_t, bases, tuple(c[2] for c in cols), consts, acc, len(live))
+        owner_t = (owner if acc else torch.zeros(1, dtype=owner_dtype)).to(device)
+        return MultiTensorLaunch(table_t, starts_t, owner_t, bases, tuple(c[2] for c in cols), consts, acc, len(live))
 
     def run(self, opt: str, scalars, *, has_wd: bool = False, nesterov: bool = False) -> None:
         """One step of every tensor: ``scalars`` as agoq.kernels.optim's (see its *_scalar_args)."""
         if self.programs == 0:
             return
         _multi_step_kernel[(self.programs,)](
-            self.table, self.starts, *self.bases, *scalars, OPT=k.OPT_IDS[opt], HAS_WD=has_wd, NESTEROV=nesterov,
+            self.table, self.starts, self.owner, *self.bases, *scalars, OPT=k.OPT_IDS[opt], HAS_WD=has_wd, NESTEROV=nesterov,
             **self.constexprs, num_warps=k.NUM_WARPS, enable_fp_fusion=False,
         )  # fmt: skip
 

@@ -16,7 +16,10 @@ line is one IEEE fp32 operation per element (no fused multiply-add), in exactly 
 Triton kernel can reproduce it. Scalars are rounded to fp32 once, in :func:`adamw_scalars` etc.
 
     AdamW  m = m*b1 + g*(1-b1);  v = v*b2 + (g*g)*(1-b2);  theta = theta*(1-lr*wd)
-           theta = theta - (m / (sqrt(v) / sqrt(1-b2**t) + eps)) * (lr / (1-b1**t))
+           theta = theta - (m / (sqrt(v) + eps*sqrt(1-b2**t))) * (lr*sqrt(1-b2**t) / (1-b1**t))
+           (Kingma & Ba 2015, Alg. 1's "more efficient" ordering: the bias corrections folded into the
+           two scalars, one division per element instead of torch's two; equal to torch.optim.AdamW's
+           m_hat / (sqrt(v_hat) + eps) up to fp32 rounding, see tests/unit/test_optim_ref.py)
     Lion   c = m*b1 + g*(1-b1);  m = m*b2 + g*(1-b2);  theta = theta*(1-lr*wd) - sign(c)*lr
     SGD    g = g + theta*wd;  buf = buf*mu + g;  d = g + buf*mu (nesterov) or buf;  theta -= d*lr
 """
@@ -58,10 +61,9 @@ class AdamWScalars:
     one_minus_beta1: float
     beta2: float
     one_minus_beta2: float
-    eps: float
+    eps_scaled: float  # eps * sqrt(1 - beta2**step): eps added to sqrt(v) before its bias correction
     decay: float  # 1 - lr * weight_decay (decoupled)
-    step_size: float  # lr / (1 - beta1**step)
-    bias2_sqrt: float  # sqrt(1 - beta2**step)
+    step_size: float  # lr * sqrt(1 - beta2**step) / (1 - beta1**step): both bias corrections
 
 
 @dataclass(frozen=True)
@@ -89,10 +91,9 @@ def adamw_scalars(*, lr, beta1, beta2, eps, weight_decay, step) -> AdamWScalars:
         one_minus_beta1=f32(1.0 - beta1),
         beta2=f32(beta2),
         one_minus_beta2=f32(1.0 - beta2),
-        eps=f32(eps),
+        eps_scaled=f32(eps * math.sqrt(1.0 - beta2**step)),
         decay=f32(1.0 - lr * weight_decay),
-        step_size=f32(lr / (1.0 - beta1**step)),
-        bias2_sqrt=f32(math.sqrt(1.0 - beta2**step)),
+        step_size=f32(lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)),
     )
 
 
@@ -187,8 +188,7 @@ def ref_adamw_step(
     m = load_state(exp_avg) * s.beta1 + g * s.one_minus_beta1
     v = load_state(exp_avg_sq) * s.beta2 + (g * g) * s.one_minus_beta2
     theta = theta * s.decay
-    denom = sqrt_rn(v) / torch.full_like(v, s.bias2_sqrt) + s.eps  # tensor divisor: IEEE division
-    theta = theta - (m / denom) * s.step_size
+    theta = theta - (m / (sqrt_rn(v) + s.eps_scaled)) * s.step_size
     store_state(exp_avg, m)
     store_state(exp_avg_sq, v)
     store_master(theta, param, master)

@@ -333,7 +333,8 @@ def record(module_key: str, full: bool = False) -> tuple[object, list[Launch]]:
     mod_name, kernel_name, calls = MODULES[module_key]
     module = importlib.import_module(mod_name)
     kernel = getattr(module, kernel_name)
-    kernel = getattr(kernel, "fn", kernel)  # a FastKernel launches its .fn
+    if hasattr(kernel, "fn") and hasattr(kernel, "options"):  # a FastKernel launches its .fn (a JITFunction's
+        kernel = kernel.fn  # own .fn is the Python function: keep the JITFunction then)
     launches: list[Launch] = []
     with recording(module, kernel_name) as rec:
         for label, call in calls(full):
