@@ -1,4 +1,4 @@
-"""Triton helpers shared by the optimizer kernel: float round-half-away and in-register code packing.
+"""Triton helper of the optimizer kernel: in-register code packing.
 
 The quantize kernel (agoq/kernels/quant.py) packs through its own store path (``_store_plane``); the
 fused optimizer step packs codes in registers with ``pack_plane`` and must produce the same bytes
@@ -7,15 +7,6 @@ fused optimizer step packs codes in registers with ``pack_plane`` and must produ
 
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def round_half_away(y):
-    """Round to nearest, ties away from zero, in float (agoq.ref.quant's rounding rule)."""
-    a = tl.abs(y)
-    f = tl.floor(a)
-    r = f + tl.where(a - f >= 0.5, 1.0, 0.0)
-    return tl.where(y < 0, -r, r)
 
 
 @triton.jit

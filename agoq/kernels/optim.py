@@ -24,7 +24,7 @@ import triton.language as tl
 
 from agoq.kernels import _launch
 from agoq.kernels._pack import pack_plane as _pack_plane
-from agoq.kernels._pack import round_half_away as _round_half_away
+from agoq.kernels._quant_math import USE_PTX, _round_half_away_i32
 from agoq.kernels.quant import _encode_scale, _pow2_value, decode_block_values
 from agoq.ref.master import MASTER_NS
 from agoq.ref.optim import _check_pair, adamw_scalars, lion_scalars, sgd_scalars
@@ -65,10 +65,13 @@ def _pow2(e):
 
 @triton.jit
 def _bf16_rne(x):
-    """fp32 -> bf16, round to nearest even, with integer ops (NaN -> 0x7FC0 as PyTorch)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    out = tl.where(x != x, 0x7FC0, rounded)
+    """fp32 -> bf16, round to nearest even (NaN -> 0x7FC0 as PyTorch): the GPU's convert (RNE), or
+    integer ops under the interpreter, whose fp32 -> bf16 cast truncates."""
+    if USE_PTX:
+        out = tl.where(x != x, 0x7FC0, x.to(tl.bfloat16).to(tl.uint16, bitcast=True))
+    else:
+        bits = x.to(tl.uint32, bitcast=True)
+        out = tl.where(x != x, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
     return out.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
@@ -149,18 +152,17 @@ def _store_state(
         elif KIND == 2:
             code = tl.minimum(tl.maximum(p, -QMAX), QMAX).to(FP8_DTYPE).to(tl.uint8, bitcast=True).to(tl.int32)
         else:
+            # the reference clamps y to the code range after rounding; clamping first gives the same
+            # integer, and the companded y are in range by construction (|2pc / (|pc| + 1)| <= 1 holds
+            # after correct rounding, and [0, 1] * 255 <= 255), so only the linear int format clamps
             if KIND == 0:
-                y = p
-                lim = QMAX
+                y = tl.minimum(tl.maximum(p, -QMAX), QMAX)
             elif KIND == 3:
                 pc = tl.minimum(tl.maximum(p, -1.0), 1.0)
                 y = tl.math.div_rn(pc * 2.0, tl.abs(pc) + 1.0) * 127.0
-                lim = 127.0
             else:
                 y = tl.minimum(tl.maximum(p, 0.0), 1.0) * 255.0
-                lim = 255.0
-            r = tl.minimum(tl.maximum(_round_half_away(y), -lim), lim)
-            code = r.to(tl.int32) + (2 ** (BITS - 1) if KIND == 0 else (128 if KIND == 3 else 0))
+            code = _round_half_away_i32(y) + (2 ** (BITS - 1) if KIND == 0 else (128 if KIND == 3 else 0))
         row_bytes: tl.constexpr = BLOCK * BITS // 8
         p0_bytes: tl.constexpr = BLOCK * PLANE0 // 8
         codes_ptr += first_row * row_bytes
@@ -298,9 +300,9 @@ def step_tile(
         ell = _half_ulp_exp(nf, MANT, E_MIN)
         ea = ell >> 1
         err_n = ((theta - nf) * _pow2(ea - ell)) * _pow2(-ea)
-        r = _round_half_away(tl.minimum(tl.maximum(err_n, -1.0), 1.0) * MASTER_N)
+        r = _round_half_away_i32(tl.minimum(tl.maximum(err_n, -1.0), 1.0) * MASTER_N)
         finite = (tl.abs(theta) < float("inf")) & (tl.abs(nf) < float("inf"))
-        tl.store(master_ptr + offs, tl.where(finite, r, 0.0).to(master_ptr.dtype.element_ty), mask=elem_mask)
+        tl.store(master_ptr + offs, tl.where(finite, r, 0).to(master_ptr.dtype.element_ty), mask=elem_mask)
     elif MASTER == 2:
         tl.store(master_ptr + offs, theta, mask=elem_mask)
 
