@@ -258,24 +258,29 @@ def bench(total: int, iters: int, device: torch.device, fused: bool, only=None, 
     return results
 
 
-SWEEP_ELEMS = (256, 512, 1024, 2048, 4096)
+SWEEP_ELEMS = (256, 512, 1024, 2048)
 SWEEP_WARPS = (1, 2, 4, 8)
+SWEEP_MAXNREG = (None, 64, 72, 80, 96)  # None: ptxas chooses (the multi-tensor kernel: ~96 for flash)
 
 
 def launch_sweep(total: int, rows: int, cols: int, iters: int, names: list[str]) -> dict:
-    """Step time of agoq.kernels.optim per (ELEMS_PER_PROGRAM, NUM_WARPS); results must not depend on
-    the launch shape (the first tensor after one step is compared bit for bit with the default's)."""
+    """Step time of the fused multi-tensor step per (ELEMS_PER_PROGRAM, NUM_WARPS, register cap); results
+    must not depend on the launch shape (the first tensor after one step is compared bit for bit with the
+    default's). The cap sweep runs at the default shape plus the shapes next to it."""
     import agoq.kernels.optim as kopt
+    import agoq.kernels.optim_multi as kmulti
 
     device = torch.device("cuda")
-    default = (kopt.ELEMS_PER_PROGRAM, kopt.NUM_WARPS)
+    default = (kopt.ELEMS_PER_PROGRAM, kopt.NUM_WARPS, kmulti.MAXNREG)
+    shapes = [(e, w, None) for e in SWEEP_ELEMS for w in SWEEP_WARPS]
+    shapes += [(e, w, r) for e in (256, 512, 1024) for w in (1, 2, 4) for r in SWEEP_MAXNREG if r is not None]
     out = {"default": list(default), "numel_target": total, "rows": []}
     try:
         for name in names:
             cls, options = CONFIGS[name]
             reference = None
-            for elems, warps in [default] + [(e, w) for e in SWEEP_ELEMS for w in SWEEP_WARPS if (e, w) != default]:
-                kopt.ELEMS_PER_PROGRAM, kopt.NUM_WARPS = elems, warps
+            for elems, warps, maxnreg in [default] + [s for s in dict.fromkeys(shapes) if s != default]:
+                kopt.ELEMS_PER_PROGRAM, kopt.NUM_WARPS, kmulti.MAXNREG = elems, warps, maxnreg
                 _reset(device)
                 params = _params(total, rows, cols, torch.bfloat16, device)
                 opt = cls(params, fused=True, **HP, **options)
@@ -283,14 +288,14 @@ def launch_sweep(total: int, rows: int, cols: int, iters: int, names: list[str])
                 first = params[0].detach().clone()
                 reference = first if reference is None else reference
                 ms, host = _time(opt.step, device, iters)
-                row = dict(config=name, elems_per_program=elems, num_warps=warps, ms=ms,
+                row = dict(config=name, elems_per_program=elems, num_warps=warps, maxnreg=maxnreg, ms=ms,
                            ms_per_1e9=ms * 1e9 / sum(q.numel() for q in params), host_ms=host,
                            same_result_as_default=bool(torch.equal(first, reference)))  # fmt: skip
                 out["rows"].append(row)
                 print(json.dumps(row), flush=True)
                 del opt, params
     finally:
-        kopt.ELEMS_PER_PROGRAM, kopt.NUM_WARPS = default
+        kopt.ELEMS_PER_PROGRAM, kopt.NUM_WARPS, kmulti.MAXNREG = default
     return out
 
 

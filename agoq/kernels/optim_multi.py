@@ -41,6 +41,7 @@ __all__ = ["MultiTensorLaunch", "OperandError", "NCOL"]
 
 INT32_MAX = 2**31 - 1
 INT16_MAX = 2**15 - 1
+MAXNREG = None  # register cap per thread (ptxas chooses); scripts/bench_optim.py --launch-sweep
 MAX_ALIGN_BYTES = 16  # Triton specialises pointers on 16-byte alignment (its widest vector load)
 OPERANDS = ("param", "grad", "master", "s1_codes", "s1_scales", "s2_codes", "s2_scales")
 NCOL = 2 + len(OPERANDS)
@@ -218,7 +219,7 @@ class MultiTensorLaunch:
             return
         _multi_step_kernel[(self.programs,)](
             self.table, self.starts, self.owner, *self.bases, *scalars, OPT=k.OPT_IDS[opt], HAS_WD=has_wd, NESTEROV=nesterov,
-            **self.constexprs, num_warps=k.NUM_WARPS, enable_fp_fusion=False,
+            **self.constexprs, num_warps=k.NUM_WARPS, enable_fp_fusion=False, maxnreg=MAXNREG,
         )  # fmt: skip
 
 
