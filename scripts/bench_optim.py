@@ -260,7 +260,7 @@ def bench(total: int, iters: int, device: torch.device, fused: bool, only=None, 
 
 SWEEP_ELEMS = (256, 512, 1024, 2048)
 SWEEP_WARPS = (1, 2, 4, 8)
-SWEEP_MAXNREG = (None, 64, 72, 80, 96)  # None: ptxas chooses (the multi-tensor kernel: ~96 for flash)
+SWEEP_MAXNREG = (None, 64, 72, 80, 96)  # None: ptxas chooses (~96 for FlashAdamW at 2 warps)
 
 
 def launch_sweep(total: int, rows: int, cols: int, iters: int, names: list[str]) -> dict:
@@ -271,7 +271,7 @@ def launch_sweep(total: int, rows: int, cols: int, iters: int, names: list[str])
     import agoq.kernels.optim_multi as kmulti
 
     device = torch.device("cuda")
-    default = (kopt.ELEMS_PER_PROGRAM, kopt.NUM_WARPS, kmulti.MAXNREG)
+    default = (kopt.ELEMS_PER_PROGRAM, kmulti.NUM_WARPS, kmulti.MAXNREG)
     shapes = [(e, w, None) for e in SWEEP_ELEMS for w in SWEEP_WARPS]
     shapes += [(e, w, r) for e in (256, 512, 1024) for w in (1, 2, 4) for r in SWEEP_MAXNREG if r is not None]
     out = {"default": list(default), "numel_target": total, "rows": []}
@@ -280,7 +280,7 @@ def launch_sweep(total: int, rows: int, cols: int, iters: int, names: list[str])
             cls, options = CONFIGS[name]
             reference = None
             for elems, warps, maxnreg in [default] + [s for s in dict.fromkeys(shapes) if s != default]:
-                kopt.ELEMS_PER_PROGRAM, kopt.NUM_WARPS, kmulti.MAXNREG = elems, warps, maxnreg
+                kopt.ELEMS_PER_PROGRAM, kmulti.NUM_WARPS, kmulti.MAXNREG = elems, warps, maxnreg
                 _reset(device)
                 params = _params(total, rows, cols, torch.bfloat16, device)
                 opt = cls(params, fused=True, **HP, **options)
@@ -295,7 +295,7 @@ def launch_sweep(total: int, rows: int, cols: int, iters: int, names: list[str])
                 print(json.dumps(row), flush=True)
                 del opt, params
     finally:
-        kopt.ELEMS_PER_PROGRAM, kopt.NUM_WARPS, kmulti.MAXNREG = default
+        kopt.ELEMS_PER_PROGRAM, kmulti.NUM_WARPS, kmulti.MAXNREG = default
     return out
 
 

@@ -41,7 +41,13 @@ __all__ = ["MultiTensorLaunch", "OperandError", "NCOL"]
 
 INT32_MAX = 2**31 - 1
 INT16_MAX = 2**15 - 1
-MAXNREG = None  # register cap per thread (ptxas chooses); scripts/bench_optim.py --launch-sweep
+# Launch shape of the multi-tensor step: ELEMS_PER_PROGRAM (agoq.kernels.optim) elements on NUM_WARPS warps
+# with at most MAXNREG registers per thread. Chosen by `scripts/bench_optim.py --launch-sweep` on an H100
+# (2026-11-25, docs/benchmarks/optim_sweep_v3.json, FlashAdamW, 1e9 params): 512 x 1 warp x 80 registers
+# 5.68 ms against 7.31 ms for the per-tensor kernel's 512 x 2 warps with ptxas's own choice (96 registers,
+# 20 resident warps per SM). Results do not depend on it (checked bit for bit per shape).
+NUM_WARPS = 1
+MAXNREG = 80
 MAX_ALIGN_BYTES = 16  # Triton specialises pointers on 16-byte alignment (its widest vector load)
 OPERANDS = ("param", "grad", "master", "s1_codes", "s1_scales", "s2_codes", "s2_scales")
 NCOL = 2 + len(OPERANDS)
@@ -219,7 +225,7 @@ class MultiTensorLaunch:
             return
         _multi_step_kernel[(self.programs,)](
             self.table, self.starts, self.owner, *self.bases, *scalars, OPT=k.OPT_IDS[opt], HAS_WD=has_wd, NESTEROV=nesterov,
-            **self.constexprs, num_warps=k.NUM_WARPS, enable_fp_fusion=False, maxnreg=MAXNREG,
+            **self.constexprs, num_warps=NUM_WARPS, enable_fp_fusion=False, maxnreg=MAXNREG,
         )  # fmt: skip
 
 
