@@ -25,9 +25,8 @@ from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from agoq.megatron import grad_reader
-from agoq.megatron.optim_args import parse_moments
+from agoq.megatron.optim_args import check_release_flags, parse_moments
 from agoq.optim import SGD, AdamW, Lion
-from agoq.optim.release import check_release_compatible
 
 STATE_PREFIX = "optimizer.agoq_state"
 
@@ -203,12 +202,7 @@ def build_agoq_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
             "build_agoq_optimizer needs --agoq-optimizer adamw|lion|sgd (torch = pretrain.build_optimizer)"
         )
     if args.agoq_gradient_release:
-        check_release_compatible(
-            pipeline_parallel=args.pipeline_model_parallel_size,
-            data_parallel=parallel_state.get_data_parallel_world_size(),
-            clip_grad=args.clip_grad,
-        )
-        raise NotImplementedError("--agoq-gradient-release inside Megatron's DDP is not wired yet (agoq.optim.release)")
+        check_release_flags(args, data_parallel=parallel_state.get_data_parallel_world_size())
     config = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                              clip_grad=args.clip_grad, params_dtype=params_dtype,
                              bf16=params_dtype == torch.bfloat16,
@@ -219,6 +213,12 @@ def build_agoq_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
         from agoq.megatron.dist_optimizer import AgoqDistributedOptimizer
 
         optimizer = AgoqDistributedOptimizer(inner, config, model_chunks, names)
+    elif args.agoq_gradient_release:
+        from agoq.megatron.release import AgoqReleaseOptimizer
+
+        optimizer = AgoqReleaseOptimizer(inner, config, _init_all_states, model_chunks)  # steps in backward hooks
+        optimizer.param_names = names
+        return optimizer, build_scheduler(args, optimizer)
     else:
         optimizer = AgoqMegatronOptimizer(inner, config, _init_all_states)
         optimizer.param_names = names
