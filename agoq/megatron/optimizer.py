@@ -194,6 +194,15 @@ def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
     )  # fmt: skip
 
 
+def keep_autograd_grad_dtype(params) -> None:
+    """``grad_dtype = None``: autograd keeps each gradient in the dtype its backward produced instead of
+    casting it to the param's dtype (torch >= 2.10). Measured on torch 2.14 CPU: torch's RMSNorm gives a
+    bf16 gain an fp32 weight gradient, so the norm gains' gradients keep fp32 precision (the matmul
+    weights' stay bf16). Megatron's fp32 main_grad receives them; gradient release steps with them."""
+    for p in params:
+        p.grad_dtype = None
+
+
 def build_agoq_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
     """(optimizer, scheduler) for --agoq-optimizer adamw|lion|sgd; the caller keeps Megatron's own
     build_optimizer for --agoq-optimizer torch."""
@@ -226,6 +235,11 @@ def build_agoq_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
         if getattr(args, "grad_reduce_in_bf16", False):
             config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True  # see prepare_grads
             inner.grad_attr = "decoupled_grad"
+        elif optimizer.grad_reader is None:
+            # prepare_grads sets grad_dtype = None from the first step on; doing it now makes the first
+            # backward like every later one (see keep_autograd_grad_dtype)
+            keep_autograd_grad_dtype([p for g in inner.param_groups for p in g["params"]
+                                      if getattr(p, "main_grad", None) is not None and p.main_grad.dtype != p.dtype])
     return optimizer, build_scheduler(args, optimizer)
 
 

@@ -39,7 +39,7 @@ from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from agoq.megatron.optimizer import AgoqMegatronOptimizer
+from agoq.megatron.optimizer import AgoqMegatronOptimizer, keep_autograd_grad_dtype
 from agoq.ops.nonfinite import nonfinite_in
 from agoq.optim.release import GradientRelease
 
@@ -123,6 +123,8 @@ class AgoqReleaseOptimizer(AgoqMegatronOptimizer):
         self.iteration: int | None = None
         self.param_names: dict[int, str] = {}
         self.num_params = sum(1 for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+        # the gradients the buffered path steps with: fp32 for the norm gains (see keep_autograd_grad_dtype)
+        keep_autograd_grad_dtype([p for g in optimizer.param_groups for p in g["params"]])
         self.release = GradientRelease(optimizer, before_step=self._before_step)
 
     def _before_step(self, p: torch.Tensor, grad: torch.Tensor) -> None:
