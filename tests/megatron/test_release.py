@@ -114,6 +114,23 @@ def test_release_equals_the_buffered_run_bit_for_bit(mcore_world1, extra):
     assert steps_r == steps_b == {float(STEPS)} and sched_r == sched_b == STEPS * MBS
 
 
+@pytest.mark.kernels
+@pytest.mark.slow
+def test_fused_release_equals_the_fused_multi_tensor_run():
+    """The GPU path's kernels under Triton's interpreter (own process): release steps each parameter with the
+    per-tensor fused kernel, the buffered run with the multi-tensor launches; bit for bit the same (flash
+    defaults; ~3.5 min on a 2-core CPU)."""
+    import subprocess
+    import sys
+
+    from agoq.testing.procs import REPO_ROOT, child_env
+
+    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
+                           "-k", "bit_for_bit and flash and not agoq"], capture_output=True, text=True,
+                          timeout=1200, cwd=REPO_ROOT, env=child_env(TRITON_INTERPRET="1"))  # fmt: skip
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
+
+
 def test_no_gradient_buffer_and_one_gradient_alive_at_a_time(mcore_world1):
     from agoq.megatron.memory_report import static_breakdown_gib
 
