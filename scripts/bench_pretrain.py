@@ -17,8 +17,9 @@ Smooth-SwiGLU vs FP8 with Triton's launch dispatch, ~1B, PP=1, one GPU, 30 itera
 comparison; also run by scripts/bench_fp8.py).
 ``grads`` (issue 5: the memory suite's equal-batch variants with and without 8-bit gradients, torch
 Adam and agoq's optimizer, under 4 minutes). ``release`` (issue 6: agoq AdamW with an fp32 / bf16 gradient
-buffer vs ``--agoq-gradient-release``, ~1B, one GPU, one micro-batch per step, under 4 minutes). ``--smoke`` runs a tiny CPU version of the suite (for
-CI-style checks; FP8 variants need a GPU, so the fp8 smoke suite runs bf16 and Smooth-SwiGLU only).
+buffer vs ``--agoq-gradient-release``, ~1B, one GPU, one micro-batch per step, under 4 minutes).
+``--smoke`` runs a tiny CPU version of the suite (for CI-style checks; FP8 variants need a GPU, so the fp8
+smoke suite runs bf16 and Smooth-SwiGLU only).
 """
 
 from __future__ import annotations

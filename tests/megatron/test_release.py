@@ -46,8 +46,14 @@ def _batches(num_microbatches=1):
 def _build(args, device, release: bool, num_microbatches=1, alive_probe=None):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from agoq.megatron.model import (LlamaShape, ParallelLayout, agoq_layer_spec, build_model_chunks,
-                                     llama_transformer_config, wrap_ddp)
+    from agoq.megatron.model import (
+        LlamaShape,
+        ParallelLayout,
+        agoq_layer_spec,
+        build_model_chunks,
+        llama_transformer_config,
+        wrap_ddp,
+    )
     from agoq.megatron.optimizer import build_agoq_optimizer
     from agoq.megatron.pretrain import ddp_config
     from agoq.megatron.release import wrap_release
