@@ -179,8 +179,8 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
 def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, reports, stop) -> None:
     policy_report, storage_report = reports
     layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, vpp=args.vpp)
-    microbatches = num_microbatches(args, layout, info.world_size)
     check_release_flags(args, data_parallel=info.world_size // (layout.tp * layout.pp))
+    microbatches = num_microbatches(args, layout, info.world_size)
     print_rank0(versions_line())
     print_rank0(f"device: {info.device} | world size {info.world_size} | tp {layout.tp} pp {layout.pp} "
                 f"vpp {layout.vpp or 1} dp {info.world_size // (layout.tp * layout.pp)} | "

@@ -18,9 +18,9 @@ def check_release_compatible(*, pipeline_parallel: int = 1, grad_accumulation: i
     """Raise ValueError naming the first setting that makes gradient release invalid."""
     conflicts = [
         (pipeline_parallel > 1, f"--pipeline-model-parallel-size {pipeline_parallel} (needs 1)"),
+        (data_parallel > 1, f"data-parallel size {data_parallel} (the hook steps before the gradient all-reduce)"),
         (grad_accumulation > 1, f"gradient accumulation over {grad_accumulation} micro-batches (needs 1: "
                                 "--global-batch-size = --micro-batch-size x data-parallel size)"),
-        (data_parallel > 1, f"data-parallel size {data_parallel} (the hook steps before the gradient all-reduce)"),
         (clip_grad > 0, f"--clip-grad {clip_grad} (global-norm clipping needs every gradient first; use 0)"),
         (loss_scale, "fp16 loss scaling (use bf16)"),
     ]  # fmt: skip

@@ -266,3 +266,16 @@ def test_bench_pretrain_release_suite_smoke(tmp_path):
     # 18 B x the embedding's elements, outweighs the 4 B/param buffer: the 1B comparison is
     # tests/megatron/test_plan_peak.py::test_gradient_release_counts_no_gradient_buffer)
     assert all(v["predicted_memory"]["peak_gib"][0] > 0 for v in report["variants"])
+
+
+@pytest.mark.dist
+def test_script_with_two_data_parallel_ranks_stops_naming_it(tmp_path):
+    """The data-parallel size is known only at start-up: two ranks stop before any model is built."""
+    from agoq.testing.procs import child_env, iteration_records, run_pretrain
+
+    args = ["--config", str(TINY_CONFIG), "--micro-batch-size", "2", "--global-batch-size", "2", "--clip-grad", "0",
+            "--agoq-optimizer", "adamw", "--agoq-gradient-release", "--train-iters", "2", "--lr-warmup-iters", "1"]
+    proc = run_pretrain(2, args, env=child_env(AGOQ_CACHE=str(tmp_path / "cache")), check=False)
+    assert proc.returncode != 0
+    assert "--agoq-gradient-release conflicts with data-parallel size 2" in proc.stderr, proc.stderr[-3000:]
+    assert iteration_records(proc.stdout) == []
