@@ -137,10 +137,16 @@ def policy_report(args, shape, layout, num_microbatches) -> str:
     return (
         f"agoq policy {path}:\n{path.read_text().rstrip()}\n"
         f"resolved per layer and role (all stages):\n{table}\n"
-        f"gradients: {args.agoq_grads or 'Megatron float main_grad'}"
+        f"gradients: {_gradients_line(args)}"
         + (f" ({args.agoq_grads_mode} mode)" if args.agoq_grads else "")
         + f"\n{compute_report(compute_spec(args, spec), shape.num_layers)}"
     )
+
+
+def _gradients_line(args) -> str:
+    if args.agoq_gradient_release:
+        return "no buffer (--agoq-gradient-release: each parameter is stepped and its gradient freed in backward)"
+    return args.agoq_grads or "Megatron float main_grad"
 
 
 def storage_report(spec) -> str | None:

@@ -233,6 +233,8 @@ def test_script_release_trains_like_the_buffered_run_and_resumes(tmp_path):
     assert released == buffered and len(released) == 6
     assert released[-1][1] < released[0][1]  # it trains
     assert "gradient release: no gradient buffer" in proc.stdout
+    assert "gradients: no buffer (--agoq-gradient-release" in proc.stdout
+    assert "no gradient buffer (gradient release)" in proc.stdout  # the planner's line counts 0 grad bytes
     assert "grads 0.000" in proc.stdout  # measured breakdown: no gradient bytes held
     ckpt = tmp_path / "ckpt"
     run_pretrain(1, release + ["--save", str(ckpt), "--exit-interval", "3"], env=env)
