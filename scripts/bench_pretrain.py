@@ -17,8 +17,10 @@ Smooth-SwiGLU vs FP8 with Triton's launch dispatch, ~1B, PP=1, one GPU, 30 itera
 comparison; also run by scripts/bench_fp8.py); ``fp8_scale`` (issues 4 and 7: FP8 and agoq activations at
 GPU-bound shapes, ~1B at micro-batch 4 and 8 layers of the LLaMA-2-7B body at seq 4096).
 ``grads`` (issue 5: the memory suite's equal-batch variants with and without 8-bit gradients, torch
-Adam and agoq's optimizer, under 4 minutes). ``--smoke`` runs a tiny CPU version of the suite (for
-CI-style checks; FP8 variants need a GPU, so the fp8 smoke suite runs bf16 and Smooth-SwiGLU only).
+Adam and agoq's optimizer, under 4 minutes). ``release`` (issue 6: agoq AdamW with an fp32 / bf16 gradient
+buffer vs ``--agoq-gradient-release``, ~1B, one GPU, one micro-batch per step, under 4 minutes).
+``--smoke`` runs a tiny CPU version of the suite (for CI-style checks; FP8 variants need a GPU, so the fp8
+smoke suite runs bf16 and Smooth-SwiGLU only).
 """
 
 from __future__ import annotations
@@ -214,8 +216,27 @@ def fp8_scale_suite(smoke: bool) -> list[dict]:
     return variants
 
 
-SUITES = {"attention": attention_suite, "fp8_scale": fp8_scale_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite,
-          "grads": grads_suite, "dp2": dp2_suite}
+def release_suite(smoke: bool) -> list[dict]:
+    """Issue 6 item 3: ~1B LLaMA, PP=1, one GPU, default activation policy, agoq AdamW (split24 + int8 moments),
+    one micro-batch per step (micro-batch 4 = global batch 4; --clip-grad 0 in every variant, as release needs):
+    Megatron's fp32 gradient buffer vs a bf16 one vs gradient release (no buffer, each parameter stepped in
+    backward). The measured peak and the grads_gib breakdown show what release saves; tokens/s what the
+    per-parameter steps and non-finite checks cost. 8 iterations per variant (the suite stays under 4 minutes)."""
+    shape, mbs = ("tiny", "2") if smoke else ("1b", "4")
+    common = SHAPES[shape] + (COMMON[2:] + ["--seq-length", "64", "--train-iters", "4"] if smoke
+                              else COMMON + ["--train-iters", "8"])
+    lean = ["--agoq-optimizer", "adamw", "--clip-grad", "0", "--micro-batch-size", mbs, "--global-batch-size", mbs]
+    variants = {
+        "agoq adamw, fp32 grad buffer": [],
+        "agoq adamw, bf16 grad buffer": ["--grad-reduce-in-bf16"],
+        "agoq adamw, gradient release": ["--agoq-gradient-release"],
+    }
+    return [{"name": f"{shape}/mbs{mbs}/{name}", "nproc": 1, "args": common + lean + extra}
+            for name, extra in variants.items()]  # fmt: skip
+
+
+SUITES = {"attention": attention_suite, "fp8_scale": fp8_scale_suite, "lean": lean_suite, "memory": memory_suite,
+          "fp8": fp8_suite, "grads": grads_suite, "dp2": dp2_suite, "release": release_suite}
 
 
 def run_variant(variant: dict, workdir: Path, timeout: float) -> dict:

@@ -33,8 +33,10 @@ from agoq.megatron.activations import storage_of, storage_table  # noqa: E402
 from agoq.megatron.args import parse_args  # noqa: E402
 from agoq.megatron.compute import check_compute, compute_report, compute_spec  # noqa: E402
 from agoq.megatron.ddp import grad_config_from_args, wrap_ddp_agoq  # noqa: E402
+from agoq.megatron.optim_args import check_release_flags  # noqa: E402
 from agoq.megatron.optimizer import shard_alignment_for  # noqa: E402
 from agoq.megatron.pretrain import ddp_config, pretrain  # noqa: E402
+from agoq.megatron.release import wrap_release  # noqa: E402
 from agoq.megatron.training import configure_grad_hooks  # noqa: E402
 from agoq.policy import ScheduleInfo, format_table, load_policy, model_sites, policy_table  # noqa: E402
 
@@ -67,7 +69,10 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
                                   compute=compute)
     chunks = mmodel.build_model_chunks(shape, config, spec, layout.vpp)
     grad = grad_config(args, load_agoq_policy(args))
-    if grad is None:
+    if args.agoq_gradient_release:
+        check_release_flags(args, data_parallel=info.world_size // (layout.tp * layout.pp))  # policy may set grads
+        model = wrap_release(chunks, config, info.device)
+    elif grad is None:
         model = mmodel.wrap_ddp(chunks, config, ddp_config(args, params_dtype), info.device,
                                 param_alignment=shard_alignment_for(args))
     else:
@@ -132,10 +137,16 @@ def policy_report(args, shape, layout, num_microbatches) -> str:
     return (
         f"agoq policy {path}:\n{path.read_text().rstrip()}\n"
         f"resolved per layer and role (all stages):\n{table}\n"
-        f"gradients: {args.agoq_grads or 'Megatron float main_grad'}"
+        f"gradients: {_gradients_line(args)}"
         + (f" ({args.agoq_grads_mode} mode)" if args.agoq_grads else "")
         + f"\n{compute_report(compute_spec(args, spec), shape.num_layers)}"
     )
+
+
+def _gradients_line(args) -> str:
+    if args.agoq_gradient_release:
+        return "no buffer (--agoq-gradient-release: each parameter is stepped and its gradient freed in backward)"
+    return args.agoq_grads or "Megatron float main_grad"
 
 
 def storage_report(spec) -> str | None:

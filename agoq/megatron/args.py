@@ -16,7 +16,7 @@ import yaml
 
 from agoq.megatron.compute import add_compute_flags
 from agoq.megatron.ddp import add_grad_flags
-from agoq.megatron.optim_args import add_optim_flags
+from agoq.megatron.optim_args import add_optim_flags, check_release_flags
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
@@ -224,3 +224,4 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}")
     if args.load and not Path(args.load).is_dir():
         raise ValueError(f"--load {args.load}: directory not found (use --save to start a new run)")
+    check_release_flags(args)  # data-parallel size 1 assumed here; pretrain checks the real one

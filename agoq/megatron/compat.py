@@ -199,6 +199,25 @@ CONTRACT: tuple[Symbol, ...] = (
     Symbol("megatron.core.dist_checkpointing:load_common_state_dict", "saved data-parallel size before a load",
            params=("checkpoint_dir",)),
     Symbol("megatron.core.utils:get_pg_size", "pipeline size of a layer (agoq.megatron.sites)"),
+    # gradient release (agoq/megatron/release.py, its seam card): a buffer-less data-parallel wrapper, a
+    # no-op finalize hook and an FP32Optimizer subclass whose step() steps nothing.
+    Symbol("megatron.core.distributed.data_parallel_base:_BaseDataParallel",
+           "ReleaseDataParallel subclass: the chunk interface the schedules / StepRunner / checkpoints call",
+           params=("config", "module"),
+           attrs=("no_sync", "start_grad_sync", "finish_grad_sync", "zero_grad_buffer", "scale_gradients",
+                  "broadcast_params", "state_dict", "load_state_dict")),
+    Symbol("megatron.core.utils:get_model_config", "schedules find .config through the .module chain",
+           params=("model",)),
+    Symbol("megatron.core.distributed:finalize_model_grads", "finalize_release_grads mirrors its signature",
+           params=("model", "num_tokens", "pg_collection", "force_all_reduce")),
+    Symbol("megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining",
+           "one micro-batch: no_sync() is entered around no backward, finalize_model_grads_func once",
+           params=("forward_step_func", "data_iterator", "model", "num_microbatches", "forward_only")),
+    Symbol("megatron.core.optimizer.optimizer:FP32Optimizer",
+           "AgoqMegatronOptimizer / AgoqReleaseOptimizer base; step() returns (success, grad_norm, num_zeros)",
+           params=("optimizer", "config", "init_state_fn"),
+           attrs=("step", "zero_grad", "prepare_grads", "step_with_ready_grads", "sharded_state_dict",
+                  "load_state_dict", "param_groups")),
 )
 
 

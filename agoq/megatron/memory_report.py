@@ -30,8 +30,16 @@ def _plan_inputs(args, shape, layout, policy):
     plan_layout = Layout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, dp=dp, mbs=args.micro_batch_size,
                          gbs=args.global_batch_size, seq=args.seq_length,
                          distributed_optimizer=args.use_distributed_optimizer,
-                         grad_bytes=2 if getattr(args, "grad_reduce_in_bf16", False) else 4)
+                         grad_bytes=_grad_bytes(args))
     return model, plan_layout, policy
+
+
+def _grad_bytes(args) -> int:
+    """Bytes per parameter of the gradient buffer: fp32 main_grad, bf16 with --grad-reduce-in-bf16, none with
+    --agoq-gradient-release (agoq.megatron.release)."""
+    if getattr(args, "agoq_gradient_release", False):
+        return 0
+    return 2 if getattr(args, "grad_reduce_in_bf16", False) else 4
 
 
 def recipe_from_args(args) -> Recipe:
@@ -46,7 +54,8 @@ def recipe_from_args(args) -> Recipe:
                   grad_error_feedback=bool(getattr(args, "agoq_grads_error_feedback", False)),
                   moments=moments if optimizer == "adamw" else moments[:1],
                   master=getattr(args, "agoq_master", "split24"),
-                  recompute=getattr(args, "recompute_granularity", None) == "full")
+                  recompute=getattr(args, "recompute_granularity", None) == "full",
+                  gradient_release=bool(getattr(args, "agoq_gradient_release", False)))
 
 
 def predicted_peaks(args, shape, layout, policy) -> list[StagePeak]:
@@ -58,7 +67,8 @@ def predicted_report(args, shape, layout, policy) -> str:
     """Per stage: held GiB by component (Megatron's recipe) and the predicted peak (rank 0 prints it)."""
     model, plan_layout, policy = _plan_inputs(args, shape, layout, policy)
     plan = plan_stages(model, plan_layout, policy)
-    lines = ["predicted memory per GPU (agoq.plan; held bytes with Megatron's Adam and float gradients):"]
+    grads = "no gradient buffer (gradient release)" if plan_layout.grad_bytes == 0 else "float gradients"
+    lines = [f"predicted memory per GPU (agoq.plan; held bytes with Megatron's Adam and {grads}):"]
     for s in plan:
         lines.append(
             f"  stage {s.pp_rank}: weights {s.weights / GIB:.2f} | grads {s.grads / GIB:.2f} | optimizer "

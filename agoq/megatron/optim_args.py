@@ -65,3 +65,36 @@ def add_optim_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--agoq-sgd-nesterov", action="store_true")
     g.add_argument("--agoq-lion-beta1", type=float, default=0.9)
     g.add_argument("--agoq-lion-beta2", type=float, default=0.99)
+
+
+def check_release_flags(args: argparse.Namespace, data_parallel: int = 1) -> None:
+    """With --agoq-gradient-release: raise ValueError naming the first flag it conflicts with.
+
+    Release steps each parameter inside backward and keeps no gradient buffer, so it needs agoq's
+    optimizer, gradients that are final after one backward (one pipeline stage, one tensor-parallel
+    rank, one data-parallel rank, one micro-batch per step), no global-norm clipping, and none of the
+    options that shape a gradient buffer (8-bit gradients, bf16 buffer, distributed optimizer).
+    ``data_parallel`` is known only once the process group exists (pretrain checks again then)."""
+    if not getattr(args, "agoq_gradient_release", False):
+        return
+    from agoq.optim.release import check_release_compatible
+
+    flags = [
+        (args.agoq_optimizer == "torch", "--agoq-optimizer torch (release steps agoq's optimizer inside backward: "
+                                         "use --agoq-optimizer adamw, lion or sgd)"),
+        (args.use_distributed_optimizer, "--use-distributed-optimizer (it shards a gradient buffer that release "
+                                         "does not have)"),
+        (getattr(args, "agoq_grads", None) is not None, f"--agoq-grads {getattr(args, 'agoq_grads', None)} (8-bit "
+                                                        "gradients live in a gradient buffer; release keeps none)"),
+        (getattr(args, "grad_reduce_in_bf16", False), "--grad-reduce-in-bf16 (there is no gradient buffer to keep "
+                                                      "in bf16; release's gradients are the params' dtype already)"),
+        (args.tensor_model_parallel_size > 1, f"--tensor-model-parallel-size {args.tensor_model_parallel_size} "
+                                              "(needs 1)"),
+    ]  # fmt: skip
+    for bad, what in flags:
+        if bad:
+            raise ValueError(f"--agoq-gradient-release conflicts with {what}; drop one of the two")
+    per_step = args.micro_batch_size * data_parallel
+    accumulation = 1 if args.global_batch_size == per_step else max(2, -(-args.global_batch_size // per_step))
+    check_release_compatible(pipeline_parallel=args.pipeline_model_parallel_size, data_parallel=data_parallel,
+                             grad_accumulation=accumulation, clip_grad=args.clip_grad)  # fmt: skip

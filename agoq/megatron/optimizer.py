@@ -25,9 +25,8 @@ from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from agoq.megatron import grad_reader
-from agoq.megatron.optim_args import parse_moments
+from agoq.megatron.optim_args import check_release_flags, parse_moments
 from agoq.optim import SGD, AdamW, Lion
-from agoq.optim.release import check_release_compatible
 
 STATE_PREFIX = "optimizer.agoq_state"
 
@@ -195,6 +194,15 @@ def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
     )  # fmt: skip
 
 
+def keep_autograd_grad_dtype(params) -> None:
+    """``grad_dtype = None``: autograd keeps each gradient in the dtype its backward produced instead of
+    casting it to the param's dtype (torch >= 2.10). Measured on torch 2.14 CPU: torch's RMSNorm gives a
+    bf16 gain an fp32 weight gradient, so the norm gains' gradients keep fp32 precision (the matmul
+    weights' stay bf16). Megatron's fp32 main_grad receives them; gradient release steps with them."""
+    for p in params:
+        p.grad_dtype = None
+
+
 def build_agoq_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
     """(optimizer, scheduler) for --agoq-optimizer adamw|lion|sgd; the caller keeps Megatron's own
     build_optimizer for --agoq-optimizer torch."""
@@ -203,12 +211,7 @@ def build_agoq_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
             "build_agoq_optimizer needs --agoq-optimizer adamw|lion|sgd (torch = pretrain.build_optimizer)"
         )
     if args.agoq_gradient_release:
-        check_release_compatible(
-            pipeline_parallel=args.pipeline_model_parallel_size,
-            data_parallel=parallel_state.get_data_parallel_world_size(),
-            clip_grad=args.clip_grad,
-        )
-        raise NotImplementedError("--agoq-gradient-release inside Megatron's DDP is not wired yet (agoq.optim.release)")
+        check_release_flags(args, data_parallel=parallel_state.get_data_parallel_world_size())
     config = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                              clip_grad=args.clip_grad, params_dtype=params_dtype,
                              bf16=params_dtype == torch.bfloat16,
@@ -219,6 +222,12 @@ def build_agoq_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
         from agoq.megatron.dist_optimizer import AgoqDistributedOptimizer
 
         optimizer = AgoqDistributedOptimizer(inner, config, model_chunks, names)
+    elif args.agoq_gradient_release:
+        from agoq.megatron.release import AgoqReleaseOptimizer
+
+        optimizer = AgoqReleaseOptimizer(inner, config, _init_all_states, model_chunks)  # steps in backward hooks
+        optimizer.param_names = names
+        return optimizer, build_scheduler(args, optimizer)
     else:
         optimizer = AgoqMegatronOptimizer(inner, config, _init_all_states)
         optimizer.param_names = names
@@ -226,6 +235,11 @@ def build_agoq_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
         if getattr(args, "grad_reduce_in_bf16", False):
             config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True  # see prepare_grads
             inner.grad_attr = "decoupled_grad"
+        elif optimizer.grad_reader is None:
+            # prepare_grads sets grad_dtype = None from the first step on; doing it now makes the first
+            # backward like every later one (see keep_autograd_grad_dtype)
+            keep_autograd_grad_dtype([p for g in inner.param_groups for p in g["params"]
+                                      if getattr(p, "main_grad", None) is not None and p.main_grad.dtype != p.dtype])
     return optimizer, build_scheduler(args, optimizer)
 
 

@@ -30,6 +30,7 @@ from agoq.megatron.activations import policy_of
 from agoq.megatron.flops import tflops_per_gpu, training_flops_per_iteration
 from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
+from agoq.megatron.optim_args import check_release_flags
 from agoq.megatron.optimizer import build_agoq_optimizer, build_scheduler
 from agoq.megatron.tensorboard import open_tensorboard
 
@@ -178,6 +179,7 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
 def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, reports, stop) -> None:
     policy_report, storage_report = reports
     layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, vpp=args.vpp)
+    check_release_flags(args, data_parallel=info.world_size // (layout.tp * layout.pp))
     microbatches = num_microbatches(args, layout, info.world_size)
     print_rank0(versions_line())
     print_rank0(f"device: {info.device} | world size {info.world_size} | tp {layout.tp} pp {layout.pp} "
@@ -208,6 +210,9 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
         inner = getattr(optimizer, "optimizer", optimizer)
         fused = any(g.get("fused", False) for g in inner.param_groups)
         step = "fused Triton kernel, multi-tensor launches" if fused else "reference (PyTorch)"
+        if args.agoq_gradient_release:  # step_param: one launch per parameter, inside backward
+            step = ("fused Triton kernel" if fused else "reference (PyTorch)") + \
+                ", one parameter at a time inside backward (gradient release: no gradient buffer)"
         print_rank0(f"optimizer: agoq {args.agoq_optimizer} | moments {args.agoq_moments} | master "
                     f"{args.agoq_master} | step: {step}")
     progress = checkpoint.Progress(iteration=0, consumed_samples=0)
@@ -270,6 +275,7 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
     start = time.perf_counter()
     while iteration < args.train_iters:
         runner.poison["now"] = iteration + 1 in (args.debug_nonfinite_at_iteration or ())
+        runner.iteration = iteration + 1
         result = runner.run(iterators)
         iteration += 1
         consumed += args.global_batch_size

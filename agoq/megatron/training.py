@@ -28,6 +28,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from agoq.megatron.release import ReleaseDataParallel, finalize_release_grads
 from agoq.ops.fp8_weight_cache import fp8_weights_changed
 from agoq.ops.nonfinite import nonfinite_in
 
@@ -64,6 +65,8 @@ def configure_grad_hooks(model_chunks: list, config) -> None:
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     config.grad_sync_func = None  # overlap_grad_reduce would set per-chunk start_grad_sync here
     config.finalize_model_grads_func = finalize_model_grads
+    if any(isinstance(chunk, ReleaseDataParallel) for chunk in model_chunks):
+        config.finalize_model_grads_func = finalize_release_grads  # gradients applied in backward: no reduction
 
 
 @dataclass
@@ -88,6 +91,7 @@ class StepRunner:
     num_microbatches: int
     forward_step: Callable = field(init=False)
     poison: dict = field(default_factory=dict)
+    iteration: int | None = None  # the iteration run() performs (labels gradient release's errors)
 
     def __post_init__(self):
         self.forward_step = make_forward_step(self.device, self.poison)
@@ -118,6 +122,9 @@ class StepRunner:
         for chunk in self.model_chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        release = getattr(self.optimizer, "release", None)  # --agoq-gradient-release: steps inside backward
+        if release is not None:
+            self.optimizer.iteration = self.iteration
         forward_backward = get_forward_backward_func()
         losses = forward_backward(
             forward_step_func=self.forward_step,
@@ -130,6 +137,10 @@ class StepRunner:
         )
         loss = _reduce_losses(losses, self.device)
         if _any_rank_nonfinite(self.model_chunks, loss, self.device):
+            if release is not None:  # the parameters were stepped in backward: skipping is impossible
+                raise RuntimeError(f"--agoq-gradient-release: non-finite loss {loss} at iteration {self.iteration} "
+                                   "after the parameters were updated in backward; stopping (resume from the "
+                                   "last checkpoint)")
             # Skip the update (Megatron's fp16 loss-scaler behaviour, applied to bf16): no optimizer or
             # LR-schedule step; the caller counts and reports it.
             return StepResult(loss=loss, grad_norm=None, update_successful=False,

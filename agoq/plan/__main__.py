@@ -47,6 +47,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--agoq-master", default="split24", choices=("none", "split24", "split32", "fp32"))
     p.add_argument("--agoq-grads", default=None, metavar="FORMAT", help="8-bit gradient store, e.g. int8_b256")
     p.add_argument("--grad-reduce-in-bf16", action="store_true")
+    p.add_argument("--agoq-gradient-release", action="store_true",
+                   help="no gradient buffer; each parameter stepped inside backward (agoq optimizer, PP=DP=1)")
     p.add_argument("--recompute-granularity", choices=("full",), default=None,
                    help="Megatron's full recompute (one layer per group)")
     p.add_argument("--memory-budget", required=True, help="per GPU, e.g. 80GiB")
@@ -67,11 +69,16 @@ def main(argv=None) -> int:
         return 2
     layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp, mbs=args.mbs or cfg.get("micro_batch_size", 1),
                     gbs=args.gbs or cfg.get("global_batch_size", 1), seq=args.seq or cfg.get("seq_length", 2048),
-                    distributed_optimizer=args.distributed_optimizer, grad_bytes=2 if args.grad_reduce_in_bf16 else 4)
+                    distributed_optimizer=args.distributed_optimizer,
+                    grad_bytes=0 if args.agoq_gradient_release else 2 if args.grad_reduce_in_bf16 else 4)
+    if args.agoq_gradient_release and args.agoq_optimizer == "torch":
+        print("agoq.plan: error: --agoq-gradient-release needs --agoq-optimizer adamw|lion|sgd", file=sys.stderr)
+        return 2
     moments = tuple(m.strip() for m in args.agoq_moments.split(","))
     recipe = Recipe(optimizer="torch" if args.agoq_optimizer == "torch" else "agoq", grads=args.agoq_grads,
                     moments=moments if args.agoq_optimizer in ("torch", "adamw") else moments[:1],
-                    master=args.agoq_master, recompute=args.recompute_granularity == "full")
+                    master=args.agoq_master, recompute=args.recompute_granularity == "full",
+                    gradient_release=args.agoq_gradient_release)
     names = DEFAULT_CANDIDATES
     paths = [Path(p) for p in args.policies] if args.policies else [POLICY_DIR / f"{n}.yaml" for n in names]
     candidates = [(p.stem, load_policy(p)) for p in paths]

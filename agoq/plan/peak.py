@@ -28,6 +28,9 @@ parameter (4 B/param; the other foreach ops are in place). With bf16 gradients M
 store and Megatron's AdamW the reduced gradient is dequantized into a float buffer (4 B/param,
 agoq.megatron.grad_store). agoq's optimizer steps one parameter at a time (agoq.optim.base.step_param):
 its temporaries are a few fp32 copies of the largest parameter (``AGOQ_STEP_FP32_COPIES``).
+
+Gradient release (``Recipe.gradient_release``, --agoq-gradient-release): 0 gradient bytes and no step
+phase; the per-parameter step and non-finite check run inside backward (``release_step_bytes``).
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class Recipe:
     sdpa_v_view: bool = False
     full_isfinite_check: bool = False  # the whole-buffer non-finite check (code before 2026-11-25 07:22 UTC)
     pack_hook_held_inputs: bool = False  # replaced linear inputs kept alive (code before 2026-11-25 07:34 UTC)
+    gradient_release: bool = False  # --agoq-gradient-release: no gradient buffer, each param stepped in backward
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,15 @@ def nonfinite_check_bytes(numel: int, elem_bytes: int, recipe: Recipe) -> int:
     return checked * (elem_bytes + ISFINITE_BOOL_TEMPORARIES)
 
 
+def release_step_bytes(largest_numel: int) -> int:
+    """Gradient release (agoq.megatron.release): inside backward, one parameter's hook holds its bf16
+    gradient plus the larger of the non-finite check's temporaries (``nonfinite_check_bytes``) and the
+    agoq step's fp32 copies; bounded by the largest parameter. Counted on top of the backward transient
+    (the output layer's hook fires at the start of backward, with every activation still held)."""
+    check = min(largest_numel, NONFINITE_CHECK_SLICE) * (BF16_BYTES + ISFINITE_BOOL_TEMPORARIES)
+    return BF16_BYTES * largest_numel + max(check, AGOQ_STEP_FP32_COPIES * FP32_BYTES * largest_numel)
+
+
 def _stage_dims(shape: ModelShape, layout: Layout) -> LayerDims:
     return LayerDims(seq=layout.seq, micro_batch=layout.mbs, hidden=shape.hidden_size, ffn=shape.ffn_hidden_size,
                      heads=shape.num_attention_heads, groups=shape.num_query_groups, tp=layout.tp)
@@ -231,6 +244,10 @@ def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe:
             layer_held += pack_hook_held_bytes(storage, dims) * (1 if recipe.recompute else st.inflight * len(st.layers))
         if recipe.grads is None:  # Megatron's float buffers are checked (8-bit grads: their own check)
             step_extra = max(step_extra, nonfinite_check_bytes(buffer, layout.grad_bytes, recipe))
+        if recipe.gradient_release:  # no buffer; the per-parameter step and check move into backward
+            grads, step_extra = 0, 0
+            transient += release_step_bytes(max(tensors))
+            source += " + release step"
         out.append(StagePeak(rank, weights, grads, optimizer, CUDA_RUNTIME_BYTES, layer_held + st.head_activations,
                              transient, step_extra, source))
     return out

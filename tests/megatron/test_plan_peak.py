@@ -111,3 +111,23 @@ def test_distributed_optimizer_pads_the_gradient_buffer():
     assert peak.grad_buffer_numel(tensors, plain) == sum(tensors)
     padded = peak.grad_buffer_numel(tensors, dist)
     assert padded > sum(tensors) and padded % 128 == 0
+
+
+def test_gradient_release_counts_no_gradient_buffer():
+    """--agoq-gradient-release (Recipe.gradient_release, layout grad_bytes 0): 0 gradient bytes, no step phase,
+    the per-parameter step and check of the largest parameter on top of the backward transient."""
+    shape = ModelShape(16, 2048, 32, 8, 8192, 32000)
+    layout = Layout(mbs=2, gbs=2, seq=2048)
+    from pathlib import Path
+
+    policy = load_policy(Path(__file__).resolve().parents[2] / "configs" / "policy" / "bf16.yaml")
+    (buffered,) = predict_peaks(shape, layout, policy, Recipe(optimizer="agoq"))
+    release_layout = Layout(mbs=2, gbs=2, seq=2048, grad_bytes=0)
+    (released,) = predict_peaks(shape, release_layout, policy, Recipe(optimizer="agoq", gradient_release=True))
+    (stage,) = plan_stages(shape, release_layout, policy)
+    assert stage.grads == 0 and released.grads == 0 and released.step_extra == 0
+    assert buffered.grads == 4 * sum(peak.param_tensors(shape, layout, 0))
+    assert released.weights == buffered.weights and released.optimizer == buffered.optimizer
+    largest = max(peak.param_tensors(shape, layout, 0))
+    assert released.transient == buffered.transient + peak.release_step_bytes(largest)
+    assert released.peak < buffered.peak and "release step" in released.transient_source
