@@ -97,3 +97,19 @@ def test_fp8_persistent_bytes_match_the_allocated_after_the_step(name):
         (p,) = predict_peaks(shape, layout, load_policy(validate._policy_path(policy)), recipe)
         extra = (v["memory_breakdown_last"]["allocated_gib"] - bf16["memory_breakdown_last"]["allocated_gib"]) * GIB
         assert extra == pytest.approx(p.fp8, rel=0.01, abs=2**20), n
+
+
+def test_cli_takes_the_fp8_flags(capsys):
+    from agoq.plan.__main__ import main
+
+    argv = ["--num-layers", "6", "--hidden-size", "1024", "--num-attention-heads", "8", "--num-query-groups", "8",
+            "--ffn-hidden-size", "4096", "--vocab-size", "1000", "--mbs", "1", "--gbs", "1", "--seq", "16",
+            "--memory-budget", "80GiB", "--policies", str(validate.POLICIES / "bf16.yaml")]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert main(argv + ["--agoq-fp8", "delayed", "--agoq-fp8-bf16-last-layers", "0"]) == 0
+    fp8 = capsys.readouterr().out
+    persistent = [float(out.split("persistent")[1].split()[0]) for out in (plain, fp8)]
+    shape = ModelShape(6, 1024, 8, 8, 4096, 1000)
+    cache = 5 * 2 * (shape.layer_params() - 2 * 1024)  # 5 FP8 layers (first stays bf16), 2 B per weight element
+    assert cache / GIB > 0.15 and persistent[1] - persistent[0] == pytest.approx(cache / GIB, abs=0.011)  # 2 decimals
