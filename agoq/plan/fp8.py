@@ -121,7 +121,7 @@ def saved_delta_bytes(spec: FP8Spec | None, storage: LayerStorage, dims: LayerDi
         return 0
     delta = 0
     if fp8_layer:
-        for name, role in LINEAR_INPUT_ROLE.items():
+        for role in LINEAR_INPUT_ROLE.values():
             if storage.roles[role].how != MEGATRON:
                 continue  # x_saver: agoq's quantized copy or recompute handle, as without FP8
             was = 0 if role in VIEW_SAVED_ROLES else BF16_BYTES

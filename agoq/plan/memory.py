@@ -119,8 +119,10 @@ def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec, *, v_view
             storage = layer_storage(
                 policy, lambda role, i=idx, c=chunk, r=rank: Site(i, r, layout.pp, c, layout.vpp, role), schedule
             )
-            per_layer.append(sum(agoq_bytes(storage, dims).values()) + sum(megatron_bytes(storage, dims, v_view=v_view).values())
-                             + saved_delta_bytes(fp8, storage, dims, fp8 is not None and fp8.uses_fp8(idx, shape.num_layers)))
+            fp8_layer = fp8 is not None and fp8.uses_fp8(idx, shape.num_layers)
+            per_layer.append(sum(agoq_bytes(storage, dims).values())
+                             + sum(megatron_bytes(storage, dims, v_view=v_view).values())
+                             + saved_delta_bytes(fp8, storage, dims, fp8_layer))
         params = len(layers) * shape.layer_params() // layout.tp
         extra = 0
         if rank == 0:
