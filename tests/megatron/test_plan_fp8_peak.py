@@ -113,3 +113,27 @@ def test_cli_takes_the_fp8_flags(capsys):
     shape = ModelShape(6, 1024, 8, 8, 4096, 1000)
     cache = 5 * 2 * (shape.layer_params() - 2 * 1024)  # 5 FP8 layers (first stays bf16), 2 B per weight element
     assert cache / GIB > 0.15 and persistent[1] - persistent[0] == pytest.approx(cache / GIB, abs=0.011)  # 2 decimals
+
+
+def test_pretrain_llama_start_up_prediction_carries_the_fp8_spec():
+    """agoq.megatron.memory_report.recipe_from_args (the script's start-up prediction and bench_pretrain's
+    predicted_peak_gib) on the fp8_scale suite's own command lines."""
+    import importlib.util
+
+    from agoq.megatron.args import parse_args
+    from agoq.megatron.memory_report import recipe_from_args
+    from agoq.testing.procs import PRETRAIN_SCRIPT
+
+    script = PRETRAIN_SCRIPT.parent / "bench_pretrain.py"
+    spec = importlib.util.spec_from_file_location("bench_pretrain_fp8plan", script)
+    bench_pretrain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_pretrain)
+
+    for variant in bench_pretrain.fp8_scale_suite(False):
+        args = parse_args(variant["args"])
+        policy = None if args.agoq_disable else load_policy(args.agoq_policy or validate.POLICIES / "agoq.yaml")
+        fp8 = recipe_from_args(args, policy).fp8
+        assert fp8 == validate.fp8_spec_of(variant["args"], args.agoq_policy or validate.POLICIES / "agoq.yaml")
+        assert fp8.fp8_enabled == ("fp8" in variant["name"]), variant["name"]
+        assert fp8.smooth_swiglu == ("per-token" if "per-token" in variant["name"] else
+                                     "per-channel" if "per-channel" in variant["name"] else "off")
