@@ -189,7 +189,8 @@ def fp8_scale_suite(smoke: bool) -> list[dict]:
     """Issues 4 and 7 where the GPU, not the host, sets the pace: the fp8 suite's ~1B shape at micro-batch 4
     (8192 tokens per micro-batch, 2x the fp8 suite's) and 8 layers of the LLaMA-2-7B body (4096 hidden,
     32 heads, ffn 11008, seq 4096, micro-batch 1): bf16 vs FP8 linears (bf16 activation policy), and the
-    Megatron baseline vs agoq's default activation policy at the 7B-layer shape."""
+    Megatron baseline vs agoq's default activation policy at the 7B-layer shape; at 1B also per-channel
+    Smooth-SwiGLU (what agoq.plan.fp8 models for it)."""
     wide = ["--num-layers", "8", "--hidden-size", "4096", "--num-attention-heads", "32",
             "--num-query-groups", "32", "--ffn-hidden-size", "11008"]
     one_b = SHAPES["1b"] + COMMON + ["--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters", "12"]
@@ -209,6 +210,9 @@ def fp8_scale_suite(smoke: bool) -> list[dict]:
             {"name": f"{shape}/fp8 delayed + smooth-swiglu per-token", "nproc": 1,
              "args": base + bf16_policy + fp8 + ["--agoq-smooth-swiglu", "per-token"]},
         ]
+    if not smoke:  # the planner's per-channel terms (agoq.plan.fp8: no fc2 weight cache, W * s saved on bf16 layers)
+        variants.insert(3, {"name": "1b/mbs4/fp8 delayed + smooth-swiglu per-channel", "nproc": 1,
+                            "args": one_b + bf16_policy + fp8 + ["--agoq-smooth-swiglu", "per-channel"]})
     variants += [
         {"name": "7b-layers/mbs1/baseline (Megatron)", "nproc": 1, "args": seven_b + ["--agoq-disable"]},
         {"name": "7b-layers/mbs1/agoq activations (default policy)", "nproc": 1, "args": seven_b},

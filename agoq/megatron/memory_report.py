@@ -42,9 +42,12 @@ def _grad_bytes(args) -> int:
     return 2 if getattr(args, "grad_reduce_in_bf16", False) else 4
 
 
-def recipe_from_args(args) -> Recipe:
-    """The optimizer / gradient / recompute settings of scripts/pretrain_llama.py's flags."""
+def recipe_from_args(args, policy=None) -> Recipe:
+    """The optimizer / gradient / recompute / FP8 settings of scripts/pretrain_llama.py's flags; ``policy``
+    (the agoq policy, None with --agoq-disable) supplies the fp8 section the flags override."""
+    from agoq.megatron.compute import compute_spec
     from agoq.megatron.optim_args import parse_moments
+    from agoq.policy import FP8Spec
 
     optimizer = getattr(args, "agoq_optimizer", "torch")
     grads = getattr(args, "agoq_grads", None)
@@ -55,18 +58,21 @@ def recipe_from_args(args) -> Recipe:
                   moments=moments if optimizer == "adamw" else moments[:1],
                   master=getattr(args, "agoq_master", "split24"),
                   recompute=getattr(args, "recompute_granularity", None) == "full",
-                  gradient_release=bool(getattr(args, "agoq_gradient_release", False)))
+                  gradient_release=bool(getattr(args, "agoq_gradient_release", False)),
+                  fp8=FP8Spec() if getattr(args, "agoq_disable", False) else compute_spec(args, policy))
 
 
 def predicted_peaks(args, shape, layout, policy) -> list[StagePeak]:
+    recipe = recipe_from_args(args, policy)
     model, plan_layout, policy = _plan_inputs(args, shape, layout, policy)
-    return predict_peaks(model, plan_layout, policy, recipe_from_args(args))
+    return predict_peaks(model, plan_layout, policy, recipe)
 
 
 def predicted_report(args, shape, layout, policy) -> str:
     """Per stage: held GiB by component (Megatron's recipe) and the predicted peak (rank 0 prints it)."""
+    recipe = recipe_from_args(args, policy)
     model, plan_layout, policy = _plan_inputs(args, shape, layout, policy)
-    plan = plan_stages(model, plan_layout, policy)
+    plan = plan_stages(model, plan_layout, policy, fp8=recipe.fp8)
     grads = "no gradient buffer (gradient release)" if plan_layout.grad_bytes == 0 else "float gradients"
     lines = [f"predicted memory per GPU (agoq.plan; held bytes with Megatron's Adam and {grads}):"]
     for s in plan:
@@ -77,7 +83,7 @@ def predicted_report(args, shape, layout, policy) -> str:
         )
     lines.append("predicted peak per GPU (agoq.plan.peak, this run's optimizer / gradients / recompute; "
                  "accuracy: docs/benchmarks/planner.md):")
-    lines.append(format_peaks(predict_peaks(model, plan_layout, policy, recipe_from_args(args))))
+    lines.append(format_peaks(predict_peaks(model, plan_layout, policy, recipe)))
     if getattr(args, "recompute_granularity", None) == "full" and getattr(args, "recompute_num_layers", 1) != 1:
         lines.append("  note: the peak model assumes --recompute-num-layers 1")
     return "\n".join(lines)

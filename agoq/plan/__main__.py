@@ -9,8 +9,9 @@ Example (a ~1B LLaMA, PP=2, 80 GiB GPUs)::
 Candidates (richest first): configs/policy/{bf16,int8,agoq,int4,aggressive}.yaml, or --policies. A
 policy fits when the predicted peak (agoq.plan.peak: persistent state + activations + backward / loss /
 optimizer-step temporaries; accuracy in docs/benchmarks/planner.md) of every stage is within the
-budget. --agoq-optimizer / --agoq-grads / --grad-reduce-in-bf16 / --recompute-granularity describe the
-run as scripts/pretrain_llama.py's flags of the same names do.
+budget. --agoq-optimizer / --agoq-grads / --grad-reduce-in-bf16 / --recompute-granularity / --agoq-fp8 /
+--agoq-smooth-swiglu / --agoq-fp8-bf16-first-layers / --agoq-fp8-bf16-last-layers describe the run as
+scripts/pretrain_llama.py's flags of the same names do (FP8: the flags only, not a policy's fp8 section).
 Exit code 0 when a policy fits (its YAML is copied to --out), 3 when none does.
 """
 
@@ -25,7 +26,7 @@ import yaml
 
 from agoq.plan.memory import Layout, ModelShape, parse_bytes
 from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report
-from agoq.policy import load_policy
+from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES, FP8Spec, load_policy
 
 POLICY_DIR = Path(__file__).resolve().parents[2] / "configs" / "policy"
 DEFAULT_CANDIDATES = ("bf16", "int8", "agoq", "int4", "aggressive")
@@ -51,6 +52,11 @@ def parse(argv=None) -> argparse.Namespace:
                    help="no gradient buffer; each parameter stepped inside backward (agoq optimizer, PP=DP=1)")
     p.add_argument("--recompute-granularity", choices=("full",), default=None,
                    help="Megatron's full recompute (one layer per group)")
+    p.add_argument("--agoq-fp8", choices=[r for r in FP8_RECIPES if r != "te"], default="off",
+                   help="agoq's FP8 linears: weight caches, scaling state, FP8 saved inputs (agoq.plan.fp8)")
+    p.add_argument("--agoq-smooth-swiglu", choices=SMOOTH_SWIGLU_MODES, default="off")
+    p.add_argument("--agoq-fp8-bf16-first-layers", type=int, default=FP8Spec.bf16_first_layers)
+    p.add_argument("--agoq-fp8-bf16-last-layers", type=int, default=FP8Spec.bf16_last_layers)
     p.add_argument("--memory-budget", required=True, help="per GPU, e.g. 80GiB")
     p.add_argument("--policies", nargs="+", help="candidate policy YAMLs, richest first")
     p.add_argument("--out", help="write the chosen policy YAML here")
@@ -78,7 +84,10 @@ def main(argv=None) -> int:
     recipe = Recipe(optimizer="torch" if args.agoq_optimizer == "torch" else "agoq", grads=args.agoq_grads,
                     moments=moments if args.agoq_optimizer in ("torch", "adamw") else moments[:1],
                     master=args.agoq_master, recompute=args.recompute_granularity == "full",
-                    gradient_release=args.agoq_gradient_release)
+                    gradient_release=args.agoq_gradient_release,
+                    fp8=FP8Spec(recipe=args.agoq_fp8, smooth_swiglu=args.agoq_smooth_swiglu,
+                                bf16_first_layers=args.agoq_fp8_bf16_first_layers,
+                                bf16_last_layers=args.agoq_fp8_bf16_last_layers))
     names = DEFAULT_CANDIDATES
     paths = [Path(p) for p in args.policies] if args.policies else [POLICY_DIR / f"{n}.yaml" for n in names]
     candidates = [(p.stem, load_policy(p)) for p in paths]

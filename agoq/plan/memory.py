@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agoq.plan.fp8 import saved_delta_bytes
 from agoq.plan.storage import (
     BF16_BYTES,
     FP32_BYTES,
@@ -28,7 +29,7 @@ from agoq.plan.storage import (
     layer_storage,
     megatron_bytes,
 )
-from agoq.policy import PolicySpec, ScheduleInfo, Site, inflight_microbatches
+from agoq.policy import FP8Spec, PolicySpec, ScheduleInfo, Site, inflight_microbatches
 
 WEIGHT_BYTES = BF16_BYTES
 GRAD_BYTES = FP32_BYTES  # Megatron main_grad with grad_reduce_in_fp32 (bf16 default)
@@ -103,8 +104,10 @@ def stage_layers(shape: ModelShape, layout: Layout) -> list[list[tuple[int, int 
     return out
 
 
-def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec, *, v_view: bool = False) -> list[StageMemory]:
-    """``v_view``: model attention's v as saved before 2026-11-25 (``agoq.plan.storage.megatron_bytes``)."""
+def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec, *, v_view: bool = False,
+                fp8: FP8Spec | None = None) -> list[StageMemory]:
+    """``v_view``: model attention's v as saved before 2026-11-25 (``agoq.plan.storage.megatron_bytes``);
+    ``fp8``: the run's FP8 / Smooth-SwiGLU settings (saved-activation changes: ``agoq.plan.fp8``)."""
     schedule = ScheduleInfo(layout.pp, layout.vpp, layout.num_microbatches)
     dims = LayerDims(seq=layout.seq, micro_batch=layout.mbs, hidden=shape.hidden_size, ffn=shape.ffn_hidden_size,
                      heads=shape.num_attention_heads, groups=shape.num_query_groups, tp=layout.tp)
@@ -116,7 +119,10 @@ def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec, *, v_view
             storage = layer_storage(
                 policy, lambda role, i=idx, c=chunk, r=rank: Site(i, r, layout.pp, c, layout.vpp, role), schedule
             )
-            per_layer.append(sum(agoq_bytes(storage, dims).values()) + sum(megatron_bytes(storage, dims, v_view=v_view).values()))
+            fp8_layer = fp8 is not None and fp8.uses_fp8(idx, shape.num_layers)
+            per_layer.append(sum(agoq_bytes(storage, dims).values())
+                             + sum(megatron_bytes(storage, dims, v_view=v_view).values())
+                             + saved_delta_bytes(fp8, storage, dims, fp8_layer))
         params = len(layers) * shape.layer_params() // layout.tp
         extra = 0
         if rank == 0:

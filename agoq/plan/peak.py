@@ -31,6 +31,11 @@ its temporaries are a few fp32 copies of the largest parameter (``AGOQ_STEP_FP32
 
 Gradient release (``Recipe.gradient_release``, --agoq-gradient-release): 0 gradient bytes and no step
 phase; the per-parameter step and non-finite check run inside backward (``release_step_bytes``).
+
+FP8 linears and Smooth-SwiGLU (``Recipe.fp8``, an ``agoq.policy.FP8Spec``): the FP8 weight caches and
+delayed scaling's state are persistent (``StagePeak.fp8``, in both phases), the FP8 inputs saved for
+backward and Smooth-SwiGLU's saves change the held bytes (agoq.plan.fp8, which also says why the casts
+add no transient at either peak).
 """
 
 from __future__ import annotations
@@ -39,9 +44,10 @@ import math
 from dataclasses import dataclass
 
 from agoq.formats import parse_format
+from agoq.plan.fp8 import fp8_persistent_bytes
 from agoq.plan.memory import GIB, Layout, ModelShape, layer_storage_of, plan_stages, stage_layers
 from agoq.plan.storage import BF16_BYTES, FP32_BYTES, QUANTIZED, RECOMPUTED, LayerDims
-from agoq.policy import PolicySpec
+from agoq.policy import FP8Spec, PolicySpec
 
 # Empirical: allocated bytes that are neither parameters, gradients nor optimizer states, read as
 # ``allocated - (weights + grads + optimizer)`` after the step: 0.063 GiB in all 11 variants of
@@ -93,6 +99,9 @@ class Recipe:
     full_isfinite_check: bool = False  # the whole-buffer non-finite check (code before 2026-11-25 07:22 UTC)
     pack_hook_held_inputs: bool = False  # replaced linear inputs kept alive (code before 2026-11-25 07:34 UTC)
     gradient_release: bool = False  # --agoq-gradient-release: no gradient buffer, each param stepped in backward
+    # --agoq-fp8 / --agoq-smooth-swiglu / --agoq-fp8-bf16-*-layers over the policy's fp8 section
+    # (agoq.megatron.compute.compute_spec): weight caches, scaling state, saved inputs (agoq.plan.fp8)
+    fp8: FP8Spec = FP8Spec()
 
 
 @dataclass(frozen=True)
@@ -106,10 +115,11 @@ class StagePeak:
     transient: int  # largest forward/backward temporary on top of ``held``
     step_extra: int  # optimizer-step temporaries (and float gradient buffers that exist only then)
     transient_source: str
+    fp8: int = 0  # FP8 weight caches + scaling state of the stage's FP8 linears (agoq.plan.fp8)
 
     @property
     def persistent(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.runtime
+        return self.weights + self.grads + self.optimizer + self.runtime + self.fp8
 
     @property
     def fwd_bwd(self) -> int:
@@ -200,7 +210,7 @@ def _stage_dims(shape: ModelShape, layout: Layout) -> LayerDims:
 def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe: Recipe = Recipe()) -> list[StagePeak]:
     """One StagePeak per pipeline rank."""
     dims = _stage_dims(shape, layout)
-    stages = plan_stages(shape, layout, policy, v_view=recipe.sdpa_v_view)
+    stages = plan_stages(shape, layout, policy, v_view=recipe.sdpa_v_view, fp8=recipe.fp8)
     out = []
     for st in stages:
         rank = st.pp_rank
@@ -248,8 +258,9 @@ def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe:
             grads, step_extra = 0, 0
             transient += release_step_bytes(max(tensors))
             source += " + release step"
+        fp8 = fp8_persistent_bytes(recipe.fp8, shape, layout.tp, st.layers)
         out.append(StagePeak(rank, weights, grads, optimizer, CUDA_RUNTIME_BYTES, layer_held + st.head_activations,
-                             transient, step_extra, source))
+                             transient, step_extra, source, fp8))
     return out
 
 
@@ -259,6 +270,7 @@ def format_peaks(peaks: list[StagePeak]) -> str:
         lines.append(
             f"  stage {p.pp_rank}: predicted peak {p.peak / GIB:.2f} GiB ({p.phase}) = weights {p.weights / GIB:.2f}"
             f" + grads {p.grads / GIB:.2f} + optimizer {p.optimizer / GIB:.2f} + runtime {p.runtime / GIB:.2f}"
+            + (f" + fp8 weight cache {p.fp8 / GIB:.2f}" if p.fp8 else "")
             + (f" + activations {p.held / GIB:.2f} + {p.transient_source} {p.transient / GIB:.2f}"
                if p.phase == "forward/backward" else f" + step temporaries {p.step_extra / GIB:.2f}")
             + " GiB")

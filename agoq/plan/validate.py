@@ -9,6 +9,10 @@ Sources (GPU measurements, never edited here):
   grads) while the next is measured (``bench_memory.main``: ``reference`` and ``model``). No optimizer
   (an in-place SGD), bf16 ``.grad`` freed at each step's start (zero_grad(set_to_none=True)).
 - ``activations_pp2.json``: the PP=2 peaks of activations_pp2.log transcribed (2 decimals as printed).
+- ``fp8_step_run4.json``, ``fp8_scale_1b.json``, ``fp8_scale_7b.json`` (scripts/bench_pretrain.py --suite
+  fp8 / fp8_scale): bf16 and --agoq-fp8 / --agoq-smooth-swiglu runs, read as pretrain_memory.json. All
+  three postdate the FP8 weight cache (FP8_WEIGHT_CACHE_SINCE); the older fp8_run3.json / fp8_wired.json
+  keep no command lines (and fp8_wired predates the cache), so they are not predicted.
 
 ``python -m agoq.plan.validate`` prints the table of docs/benchmarks/planner.md.
 """
@@ -23,7 +27,7 @@ from pathlib import Path
 
 from agoq.plan.memory import GIB, Layout, ModelShape
 from agoq.plan.peak import CUDA_RUNTIME_BYTES, Recipe, StagePeak, predict_peaks
-from agoq.policy import load_policy
+from agoq.policy import FP8Spec, load_policy
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "docs" / "benchmarks"
@@ -37,6 +41,9 @@ TARGET = 0.05  # issue 9 item 4: predicted peak within 5 % of the measured peak
 COMPACT_V_SINCE = "2026-11-25"
 SLICED_CHECK_SINCE = "2026-11-25T07:22:37"  # the fix's commit time; run 3 07:15 before, run 4 07:25 after
 PACK_HOOK_FIX_SINCE = "2026-11-25T07:34:39"  # the fix's commit time; run 4 07:25 before, run 5 07:35 after
+# agoq.ops.fp8_weight_cache came in with commit 9a9e60e (2026-11-24T01:46:04 UTC); the planner models
+# the cache, so an FP8 run measured before it is refused rather than mispredicted.
+FP8_WEIGHT_CACHE_SINCE = "2026-11-24T01:46:04"
 
 
 def _v_view(report: dict) -> bool:
@@ -66,7 +73,27 @@ class Case:
 
 
 def _flag(argv: list[str], flag: str, default=None):
-    return argv[argv.index(flag) + 1] if flag in argv else default
+    """The value of the last ``flag`` (argparse keeps the last of a repeated flag)."""
+    if flag not in argv:
+        return default
+    return argv[len(argv) - 1 - argv[::-1].index(flag) + 1]
+
+
+# FP8Spec field -> scripts/pretrain_llama.py flag (agoq.megatron.compute._FLAGS; equal by test)
+FP8_FLAGS = {"recipe": "--agoq-fp8", "smooth_swiglu": "--agoq-smooth-swiglu",
+             "bf16_first_layers": "--agoq-fp8-bf16-first-layers", "bf16_last_layers": "--agoq-fp8-bf16-last-layers",
+             "amax_history_len": "--agoq-fp8-amax-history-len"}
+
+
+def fp8_spec_of(argv: list[str], policy_path) -> FP8Spec:
+    """agoq.megatron.compute.compute_spec of a command line: flags over the policy's fp8 section over the
+    defaults; FP8 off with --agoq-disable (pretrain_llama.py builds no LayerCompute)."""
+    if "--agoq-disable" in argv:
+        return FP8Spec()
+    base = load_policy(_policy_path(policy_path)).fp8 or FP8Spec()
+    given = {k: _flag(argv, flag) for k, flag in FP8_FLAGS.items()}
+    given = {k: v if k in ("recipe", "smooth_swiglu") else int(v) for k, v in given.items() if v is not None}
+    return dataclasses.replace(base, **given)
 
 
 def from_pretrain_argv(argv: list[str], vocab: int = BUILTIN_VOCAB, world_size: int | None = None):
@@ -83,7 +110,8 @@ def from_pretrain_argv(argv: list[str], vocab: int = BUILTIN_VOCAB, world_size: 
     policy = POLICIES / "bf16.yaml" if "--agoq-disable" in argv else Path(_flag(argv, "--agoq-policy",
                                                                              POLICIES / "agoq.yaml"))
     recipe = Recipe(optimizer="torch" if _flag(argv, "--agoq-optimizer", "torch") == "torch" else "agoq",
-                    grads=_flag(argv, "--agoq-grads"), recompute="--recompute-granularity" in argv)
+                    grads=_flag(argv, "--agoq-grads"), recompute="--recompute-granularity" in argv,
+                    fp8=fp8_spec_of(argv, policy))
     return shape, layout, policy, recipe
 
 
@@ -111,6 +139,9 @@ def pretrain_cases(path: Path = BENCH / "pretrain_memory.json") -> list[Case]:
             continue
         argv = variant["command"].split()
         shape, layout, policy, recipe = from_pretrain_argv(argv)
+        if recipe.fp8.fp8_enabled and report.get("date", "") < FP8_WEIGHT_CACHE_SINCE:
+            raise ValueError(f"{path.name} {variant['name']}: an FP8 run from before the FP8 weight cache "
+                             f"({FP8_WEIGHT_CACHE_SINCE}); the planner models only the code since")
         recipe = _dated(recipe, report)
         peaks = predict_peaks(shape, layout, load_policy(_policy_path(policy)), recipe)
         measured = max(r["peak_gib"] for r in variant["records"])  # the logging rank: last stage
@@ -168,11 +199,14 @@ def pp2_cases(path: Path = BENCH / "activations_pp2.json") -> list[Case]:
 
 def all_cases() -> list[Case]:
     earlier = [pretrain_cases(BENCH / f"pretrain_memory_{run}.json") for run in PRETRAIN_EARLIER_RUNS]
-    return pretrain_cases() + [c for cases in earlier for c in cases] + bench_memory_cases() + pp2_cases()
+    fp8 = [c for name in FP8_RUNS for c in pretrain_cases(BENCH / name)]
+    return pretrain_cases() + [c for cases in earlier for c in cases] + bench_memory_cases() + pp2_cases() + fp8
 
 
 # Earlier runs of the memory suite, each on the code of its date (docs/benchmarks/pretrain_memory.md)
 PRETRAIN_EARLIER_RUNS = ("2026-11-24", "2026-11-25a", "2026-11-25b")
+# bench_pretrain.py runs with --agoq-fp8 / --agoq-smooth-swiglu variants next to bf16 (docs/benchmarks/fp8.md)
+FP8_RUNS = ("fp8_step_run4.json", "fp8_scale_1b.json", "fp8_scale_7b.json")
 
 
 def format_table(cases: list[Case]) -> str:

@@ -111,3 +111,32 @@ def test_fp8_delayed_state_lives_outside_the_state_dict(gpu_world):
     states = [m.__dict__["_agoq_fp8_state"] for m in model.modules() if "_agoq_fp8_state" in m.__dict__]
     assert len(states) == 8 and all(s.num_updates["x"] == 1 and s.num_updates["g"] == 1 for s in states)
     assert set(model.state_dict()) == keys_before  # checkpoints unchanged (histories restart on resume)
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed", "rowwise"])
+@pytest.mark.parametrize("smooth,policy", [("off", None), ("per-channel", "agoq")])
+def test_weight_cache_bytes_equal_the_planner(gpu_world, recipe, smooth, policy):
+    """The memory the FP8 weight caches hold after a step (freed when they are cleared) is the planner's
+    agoq.plan.fp8.weight_cache_bytes per FP8 layer; per-tensor scale metas (a few floats each, one 512-byte
+    allocator block at most) are not charged."""
+    from agoq.plan import fp8 as plan_fp8
+    from agoq.plan.memory import ModelShape
+    from agoq.policy import FP8Spec
+
+    model = _build(gpu_world, recipe=recipe, smooth=smooth, policy=policy)
+    _step(model, gpu_world)
+    caches = [m.__dict__["_agoq_fp8_wcache"] for m in model.modules() if "_agoq_fp8_wcache" in m.__dict__]
+    live = [c for c in caches if c._entry is not None]
+    spec = FP8Spec(recipe=recipe, smooth_swiglu=smooth, bf16_first_layers=0, bf16_last_layers=0)
+    shape = ModelShape(*(SHAPE_KW[k] for k in ("num_layers", "hidden_size", "num_attention_heads",
+                                               "num_query_groups", "ffn_hidden_size", "vocab_size")))
+    assert len(live) == SHAPE_KW["num_layers"] * len(plan_fp8.cached_linears(spec))
+    predicted = SHAPE_KW["num_layers"] * plan_fp8.weight_cache_bytes(spec, shape)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for cache in caches:
+        cache.clear()
+    torch.cuda.synchronize()
+    freed = before - torch.cuda.memory_allocated()
+    scale_blocks = 0 if recipe == "rowwise" else 512 * len(live)
+    assert predicted <= freed <= predicted + scale_blocks, (freed, predicted)
