@@ -206,7 +206,7 @@ def all_cases() -> list[Case]:
 # Earlier runs of the memory suite, each on the code of its date (docs/benchmarks/pretrain_memory.md)
 PRETRAIN_EARLIER_RUNS = ("2026-11-24", "2026-11-25a", "2026-11-25b")
 # bench_pretrain.py runs with --agoq-fp8 / --agoq-smooth-swiglu variants next to bf16 (docs/benchmarks/fp8.md)
-FP8_RUNS = ("fp8_step_run4.json", "fp8_scale_1b.json", "fp8_scale_7b.json")
+FP8_RUNS = ("fp8_step_run4.json", "fp8_scale_1b.json", "fp8_scale_7b.json", "fp8_scale_1b_v2.json")
 
 
 def format_table(cases: list[Case]) -> str:
