@@ -263,24 +263,26 @@ SWEEP_WARPS = (1, 2, 4, 8)
 SWEEP_MAXNREG = (None, 64, 72, 80, 96)  # None: ptxas chooses (~96 for FlashAdamW at 2 warps)
 
 
-def launch_sweep(total: int, rows: int, cols: int, iters: int, names: list[str]) -> dict:
-    """Step time of the fused multi-tensor step per (ELEMS_PER_PROGRAM, NUM_WARPS, register cap); results
+def launch_sweep(total: int, rows: int, cols: int, iters: int, names: list[str], small: bool = False) -> dict:
+    """Step time of the fused multi-tensor step per (ELEMS_PER_PROGRAM, num_warps, register cap); results
     must not depend on the launch shape (the first tensor after one step is compared bit for bit with the
-    default's). The cap sweep runs at the default shape plus the shapes next to it."""
+    default's). The first row of each config is the shipped default (agoq.kernels.optim_multi.launch_shape)."""
     import agoq.kernels.optim as kopt
     import agoq.kernels.optim_multi as kmulti
 
     device = torch.device("cuda")
-    default = (kopt.ELEMS_PER_PROGRAM, kmulti.NUM_WARPS, kmulti.MAXNREG)
-    shapes = [(e, w, None) for e in SWEEP_ELEMS for w in SWEEP_WARPS]
-    shapes += [(e, w, r) for e in (256, 512, 1024) for w in (1, 2, 4) for r in SWEEP_MAXNREG if r is not None]
-    out = {"default": list(default), "numel_target": total, "rows": []}
+    default = (kopt.ELEMS_PER_PROGRAM, None)  # None: the per-format default shape
+    shapes = [(e, (w, None)) for e in SWEEP_ELEMS for w in SWEEP_WARPS]
+    shapes += [(e, (w, r)) for e in (256, 512, 1024) for w in (1, 2, 4) for r in SWEEP_MAXNREG if r is not None]
+    if small:  # per-format check at the default element count: warps x register caps
+        shapes = [(kopt.ELEMS_PER_PROGRAM, (w, r)) for w in (1, 2, 4) for r in (None, 64, 80)]
+    out = {"default_elems_per_program": default[0], "numel_target": total, "rows": []}
     try:
         for name in names:
             cls, options = CONFIGS[name]
             reference = None
-            for elems, warps, maxnreg in [default] + [s for s in dict.fromkeys(shapes) if s != default]:
-                kopt.ELEMS_PER_PROGRAM, kmulti.NUM_WARPS, kmulti.MAXNREG = elems, warps, maxnreg
+            for elems, override in [default] + [s for s in dict.fromkeys(shapes) if s != default]:
+                kopt.ELEMS_PER_PROGRAM, kmulti.LAUNCH_OVERRIDE = elems, override
                 _reset(device)
                 params = _params(total, rows, cols, torch.bfloat16, device)
                 opt = cls(params, fused=True, **HP, **options)
@@ -288,6 +290,7 @@ def launch_sweep(total: int, rows: int, cols: int, iters: int, names: list[str])
                 first = params[0].detach().clone()
                 reference = first if reference is None else reference
                 ms, host = _time(opt.step, device, iters)
+                warps, maxnreg = override or ("default", "default")
                 row = dict(config=name, elems_per_program=elems, num_warps=warps, maxnreg=maxnreg, ms=ms,
                            ms_per_1e9=ms * 1e9 / sum(q.numel() for q in params), host_ms=host,
                            same_result_as_default=bool(torch.equal(first, reference)))  # fmt: skip
@@ -295,7 +298,7 @@ def launch_sweep(total: int, rows: int, cols: int, iters: int, names: list[str])
                 print(json.dumps(row), flush=True)
                 del opt, params
     finally:
-        kopt.ELEMS_PER_PROGRAM, kmulti.NUM_WARPS, kmulti.MAXNREG = default
+        kopt.ELEMS_PER_PROGRAM, kmulti.LAUNCH_OVERRIDE = default
     return out
 
 
@@ -312,6 +315,8 @@ def main() -> None:
         action="store_true",
         help="time the fused kernels over launch shapes instead (GPU; --configs picks which)",
     )
+    parser.add_argument("--sweep-small", action="store_true",
+                        help="--launch-sweep over warps x register caps only, at the default elements per program")
     parser.add_argument(
         "--cprofile",
         type=int,
@@ -340,7 +345,8 @@ def main() -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
         return
     if args.launch_sweep:
-        res = launch_sweep(int(args.numel), 2048, 8192, args.iters, args.configs or ["flash_split24"])
+        res = launch_sweep(int(args.numel), 2048, 8192, args.iters, args.configs or ["flash_split24"],
+                           small=args.sweep_small)
         res["wall_s"] = time.perf_counter() - t0
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

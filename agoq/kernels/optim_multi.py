@@ -41,13 +41,28 @@ __all__ = ["MultiTensorLaunch", "OperandError", "NCOL"]
 
 INT32_MAX = 2**31 - 1
 INT16_MAX = 2**15 - 1
-# Launch shape of the multi-tensor step: ELEMS_PER_PROGRAM (agoq.kernels.optim) elements on NUM_WARPS warps
-# with at most MAXNREG registers per thread. Chosen by `scripts/bench_optim.py --launch-sweep` on an H100
-# (2026-11-25, docs/benchmarks/optim_sweep_v3.json, FlashAdamW, 1e9 params): 512 x 1 warp x 80 registers
-# 5.68 ms against 7.31 ms for the per-tensor kernel's 512 x 2 warps with ptxas's own choice (96 registers,
-# 20 resident warps per SM). Results do not depend on it (checked bit for bit per shape).
-NUM_WARPS = 1
-MAXNREG = 80
+# Launch shape of the multi-tensor step: ELEMS_PER_PROGRAM (agoq.kernels.optim) elements on `num_warps` warps with
+# at most `maxnreg` registers per thread, per state-format family. Chosen by `scripts/bench_optim.py --launch-sweep`
+# on an H100 (2026-11-25, 1e9 params; docs/benchmarks/optim_sweep_v3.json for FlashAdamW over elements x warps x
+# caps, optim_sweep_formats.json per format): ptxas's own choice at 2 warps (96 registers for FlashAdamW, 20
+# resident warps per SM) ran 7.31 ms against 5.68 ms at 1 warp x 80 registers. Results do not depend on it
+# (checked bit for bit per shape).
+SHAPE_DEFAULT = (1, 80)  # companded / fp8 / bf16 states with split24 or no master, Lion: 5.21-5.68 ms
+SHAPE_NF4_OR_SPLIT32 = (2, 64)  # NF4 m (midpoint search) or split32 (a division per element): 6.24 / 5.95 ms
+SHAPE_FP32_STATES = (2, None)  # fp32 m and v: 9.32 ms (1 x 80: 10.08)
+LAUNCH_OVERRIDE: tuple | None = None  # (num_warps, maxnreg) for every format: bench_optim.py --launch-sweep
+
+
+def launch_shape(consts: dict) -> tuple:
+    """(num_warps, maxnreg) of a multi-tensor launch from its constexprs (see the table above)."""
+    if LAUNCH_OVERRIDE is not None:
+        return LAUNCH_OVERRIDE
+    if all(consts[f"K{i}"] == -1 and consts[f"PK{i}"] == 0 for i in (1, 2)):
+        return SHAPE_FP32_STATES
+    if consts["K1"] == 1 or consts["K2"] == 1 or (consts["MASTER"] == k.MASTER_IDS["split"]
+                                                 and consts["MASTER_N"] != k.INT8_MASTER_N):
+        return SHAPE_NF4_OR_SPLIT32
+    return SHAPE_DEFAULT
 MAX_ALIGN_BYTES = 16  # Triton specialises pointers on 16-byte alignment (its widest vector load)
 OPERANDS = ("param", "grad", "master", "s1_codes", "s1_scales", "s2_codes", "s2_scales")
 NCOL = 2 + len(OPERANDS)
@@ -223,9 +238,10 @@ class MultiTensorLaunch:
         """One step of every tensor: ``scalars`` as agoq.kernels.optim's (see its *_scalar_args)."""
         if self.programs == 0:
             return
+        warps, maxnreg = launch_shape(self.constexprs)
         _multi_step_kernel[(self.programs,)](
             self.table, self.starts, self.owner, *self.bases, *scalars, OPT=k.OPT_IDS[opt], HAS_WD=has_wd, NESTEROV=nesterov,
-            **self.constexprs, num_warps=NUM_WARPS, enable_fp_fusion=False, maxnreg=MAXNREG,
+            **self.constexprs, num_warps=warps, enable_fp_fusion=False, maxnreg=maxnreg,
         )  # fmt: skip
 
 

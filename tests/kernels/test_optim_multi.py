@@ -227,3 +227,27 @@ def test_non_contiguous_grad_falls_back_per_tensor_and_says_so(caplog):
     assert len(runs[1][1]._plans[1].launches) == 1 and not runs[1][1]._plans[1].per_tensor
     for p, q in zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "master_dtype,m_fmt,v_fmt,shape",
+    [
+        (torch.int8, "cint8_b32", "cuint8_b32", "SHAPE_DEFAULT"),  # FlashAdamW
+        (torch.int8, "fp8e4m3_b128", "fp8e5m2_b128", "SHAPE_DEFAULT"),
+        (torch.int16, "cint8_b32", "cuint8_b32", "SHAPE_NF4_OR_SPLIT32"),  # split32: a division per element
+        (torch.int8, "nf4_b32", "cuint8_b32", "SHAPE_NF4_OR_SPLIT32"),  # NF4: the midpoint search
+        (torch.float32, "fp32", "fp32", "SHAPE_FP32_STATES"),
+        (torch.int8, "bf16", "bf16", "SHAPE_DEFAULT"),
+    ],
+)
+def test_launch_shape_per_format(master_dtype, m_fmt, v_fmt, shape):
+    """The per-format launch shape table (docs/optim.md "Device time"); the sweep's override wins."""
+    _, km = _kernels()
+    b = _tensors([64, 96], torch.bfloat16, master_dtype, m_fmt, v_fmt, flat_views=False)
+    launch = km.MultiTensorLaunch.build(*[[t[i] for t in b] for i in range(5)])
+    assert km.launch_shape(launch.constexprs) == getattr(km, shape)
+    previous, km.LAUNCH_OVERRIDE = km.LAUNCH_OVERRIDE, (4, None)
+    try:
+        assert km.launch_shape(launch.constexprs) == (4, None)
+    finally:
+        km.LAUNCH_OVERRIDE = previous
