@@ -334,7 +334,8 @@ def main(argv=None) -> int:
             report["summary"].append(summarise(result, args.warmup))
             print(json.dumps(report["summary"][-1]), flush=True)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")  # after each variant: a cut run keeps its results
+            # after each variant: a cut run keeps its results
+            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     failed = [s["name"] for s in report["summary"] if s.get("failed")]
     if failed:
         print(f"failed variants: {failed} (see error_tail in {args.out})", file=sys.stderr)

@@ -18,8 +18,9 @@ address space; the interpreter reads raw host addresses likewise).
 
 Program ``pid`` reads its tensor ``t = owner[pid]`` (one load; 2 bytes per 512 elements, 4 MB of
 int16 per 1e9 parameters: an earlier branch-free binary search over ``starts`` made the multi-tensor
-step's device time 8 % above the per-tensor kernel's), then updates tile ``pid - starts[t]`` of it. Full tiles pass a constant
-element limit (vectorised, unmasked-equivalent loads); only a tensor's last tile is masked.
+step's device time 8 % above the per-tensor kernel's), then updates tile ``pid - starts[t]`` of it.
+Full tiles pass a constant element limit (vectorised, unmasked-equivalent loads); only a tensor's last
+tile is masked.
 Host cost: the tables are built once (:class:`MultiTensorLaunch`) and reused while the tensors'
 addresses stay the same; a step is then one kernel launch with its fp32 scalars as arguments.
 """
@@ -227,7 +228,8 @@ class MultiTensorLaunch:
             K1=k1["K"], B1=k1["B"], SC1=k1["SC"], P01=k1["P0"], P11=k1["P1"], F81=k1["F8"], Q1=k1["Q"], PK1=k1["PK"],
             K2=k2["K"], B2=k2["B"], SC2=k2["SC"], P02=k2["P0"], P12=k2["P1"], F82=k2["F8"], Q2=k2["Q"], PK2=k2["PK"],
         )  # fmt: skip
-        bases = (cols[0][0], cols[1][0], cols[2][0], k.frac_table(masters[0], device), cols[3][0], cols[4][0], a1[2], a1[3],
+        bases = (cols[0][0], cols[1][0], cols[2][0], k.frac_table(masters[0], device), cols[3][0], cols[4][0],
+                 a1[2], a1[3],
                  cols[5][0], cols[6][0], a2[2], a2[3])  # fmt: skip
         table_t = torch.tensor(table or [[0] * NCOL], dtype=torch.int64).to(device)
         starts_t = torch.tensor(starts, dtype=torch.int32).to(device)
@@ -240,7 +242,8 @@ class MultiTensorLaunch:
             return
         warps, maxnreg = launch_shape(self.constexprs)
         _multi_step_kernel[(self.programs,)](
-            self.table, self.starts, self.owner, *self.bases, *scalars, OPT=k.OPT_IDS[opt], HAS_WD=has_wd, NESTEROV=nesterov,
+            self.table, self.starts, self.owner, *self.bases, *scalars,
+            OPT=k.OPT_IDS[opt], HAS_WD=has_wd, NESTEROV=nesterov,
             **self.constexprs, num_warps=warps, enable_fp_fusion=False, maxnreg=maxnreg,
         )  # fmt: skip
 

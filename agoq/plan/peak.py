@@ -251,7 +251,8 @@ def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe:
         transient, source = max((head_transient, "LM-head logits"),
                                 (backward - st.head_activations, "layer backward"))
         if recipe.pack_hook_held_inputs:
-            layer_held += pack_hook_held_bytes(storage, dims) * (1 if recipe.recompute else st.inflight * len(st.layers))
+            copies = 1 if recipe.recompute else st.inflight * len(st.layers)
+            layer_held += pack_hook_held_bytes(storage, dims) * copies
         if recipe.grads is None:  # Megatron's float buffers are checked (8-bit grads: their own check)
             step_extra = max(step_extra, nonfinite_check_bytes(buffer, layout.grad_bytes, recipe))
         if recipe.gradient_release:  # no buffer; the per-parameter step and check move into backward

@@ -52,8 +52,13 @@ def _build(device, recipe="off", smooth="off", policy=None, reference=None):
 
     from megatron.core.transformer.module import Float16Module
 
-    from agoq.megatron.model import LlamaShape, ParallelLayout, agoq_layer_spec, build_model_chunks, \
-        llama_transformer_config
+    from agoq.megatron.model import (
+        LlamaShape,
+        ParallelLayout,
+        agoq_layer_spec,
+        build_model_chunks,
+        llama_transformer_config,
+    )
     from agoq.policy import FP8Spec, ScheduleInfo
 
     shape = LlamaShape(**SHAPE_KW)
@@ -94,7 +99,7 @@ def test_fp8_model_forward_backward_vs_bf16(gpu_world, recipe, smooth, policy):
     fp8_linears = [m for m in model.modules() if getattr(m, "agoq_fp8", None) is not None]
     assert len(fp8_linears) == 8  # 2 layers x (qkv, proj, fc1, fc2): no bf16 layer by rule here
     loss_ref, grads_ref = _step(ref_model, device)
-    for step in range(3):  # delayed scaling: step 0 bootstraps, later steps use the history
+    for _ in range(3):  # delayed scaling: step 0 bootstraps, later steps use the history
         loss, grads = _step(model, device)
     assert abs(loss - loss_ref) <= 1e-2 * abs(loss_ref), (loss, loss_ref)
     report = {name: _sqnr_db(g, grads[name]) for name, g in grads_ref.items()}
