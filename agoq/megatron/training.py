@@ -176,7 +176,6 @@ def _any_rank_nonfinite(model_chunks: list, loss: float | None, device: torch.de
     return bool(flag.item())
 
 
-
 def _reduce_losses(losses: list[dict], device: torch.device) -> float | None:
     """Average 'lm loss' over micro-batches, then over the data-parallel group (last stage only)."""
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
