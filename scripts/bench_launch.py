@@ -126,6 +126,94 @@ def path_steps(dev: torch.device, fmt) -> dict:
             "swiglu_saving_then_linear_fwd_bwd": swiglu_linear, "plain_swiglu_then_linear_fwd_bwd": plain_swiglu_linear}
 
 
+def anatomy_steps(dev: torch.device, fmt) -> dict:
+    """Where the RMSNorm saving path's host time goes: the same norm fwd + bwd built up piece by piece
+    (``--anatomy``). Each row adds one ingredient of rmsnorm_saving_input to the plain ATen norm."""
+    from agoq.kernels.quant import dequantize, quantize
+    from agoq.ops.saved_act import _fused_rms_norm, quantized_saves, rmsnorm_saving_input
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(TOKENS, HIDDEN, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    w = torch.ones(HIDDEN, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    width = [HIDDEN]
+
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    class FnNorm(torch.autograd.Function):  # ATen's fused norm inside a Python Function, nothing quantized
+        @staticmethod
+        def forward(ctx, t, weight):
+            y, rstd = _fused_rms_norm(t, width, weight, 1e-5)
+            ctx.save_for_backward(t, weight, rstd)
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            t, weight, rstd = ctx.saved_tensors
+            return torch.ops.aten._fused_rms_norm_backward(g.contiguous(), t, width, rstd, weight, [True, True])
+
+    def pack_quant(t):
+        return quantize(t, fmt) if t.dim() == 2 and t.shape[0] == TOKENS else t
+
+    def unpack_quant(obj):
+        return dequantize(obj) if not isinstance(obj, torch.Tensor) else obj
+
+    def backward_floor():
+        x.sum().backward()
+
+    def identity_fn():
+        Identity.apply(x).sum().backward()
+
+    def plain():
+        F.rms_norm(x, width, w, 1e-5).sum().backward()
+
+    def fn_norm():
+        FnNorm.apply(x, w).sum().backward()
+
+    def hooks_identity():
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            y = F.rms_norm(x, width, w, 1e-5)
+        y.sum().backward()
+
+    def hooks_quant():
+        with torch.autograd.graph.saved_tensors_hooks(pack_quant, unpack_quant):
+            y = F.rms_norm(x, width, w, 1e-5)
+        y.sum().backward()
+
+    def quant_dequant():
+        dequantize(quantize(x, fmt))
+
+    def fused_norm_nograd():
+        with torch.no_grad():
+            _fused_rms_norm(x, width, w, 1e-5)
+
+    def agoq_norm():
+        y, _ = rmsnorm_saving_input(x, w, 1e-5, fmt, (0, "norm.input"))
+        y.sum().backward()
+
+    w_lin = torch.randn(HIDDEN, HIDDEN, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
+
+    def plain_linear():
+        F.linear(x, w_lin).sum().backward()
+
+    def linear_quantized_saves():
+        with quantized_saves(x, fmt=fmt, key=(0, "attn.proj_input")):
+            y = F.linear(x, w_lin)
+        y.sum().backward()
+
+    return {"anat_backward_floor": backward_floor, "anat_identity_fn": identity_fn, "anat_plain_norm": plain,
+            "anat_fn_norm": fn_norm, "anat_hooks_identity_norm": hooks_identity, "anat_hooks_quant_norm": hooks_quant,
+            "anat_quant_dequant": quant_dequant, "anat_fused_norm_nograd": fused_norm_nograd,
+            "anat_agoq_norm": agoq_norm, "anat_plain_linear": plain_linear,
+            "anat_linear_quantized_saves": linear_quantized_saves}
+
+
 PAIRS = {"rmsnorm": ("rmsnorm_saving_input_fwd_bwd", "plain_rms_norm_fwd_bwd"),
          "rmsnorm_linear": ("rmsnorm_saving_then_linear_fwd_bwd", "plain_rms_norm_then_linear_fwd_bwd"),
          "swiglu": ("swiglu_saving_input_fwd_bwd", "plain_swiglu_fwd_bwd"),
@@ -169,6 +257,8 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the N top functions (tottime) "
                    "of the RMSNorm and SwiGLU saving-input steps under cProfile")
+    p.add_argument("--anatomy", action="store_true", help="also time the RMSNorm saving path built up piece "
+                   "by piece (anat_* rows, GPU only)")
     args = p.parse_args(argv)
     from agoq.formats import parse_format
 
@@ -184,6 +274,9 @@ def main(argv=None) -> int:
         if not name.startswith("plain_"):
             with legacy_paths():
                 rows[f"{name}_legacy"] = _host_us(fn, max(2, calls // 4), dev)
+    if args.anatomy and dev.type == "cuda":
+        for name, fn in anatomy_steps(dev, parse_format(args.formats[0])).items():
+            rows[name] = _host_us(fn, max(2, calls // 4), dev)
     for pair, (saving, plain) in PAIRS.items():
         rows[f"ratio_{pair}"] = round(rows[saving] / rows[plain], 3)
         rows[f"ratio_{pair}_legacy"] = round(rows[f"{saving}_legacy"] / rows[plain], 3)

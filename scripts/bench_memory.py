@@ -118,13 +118,53 @@ def measure(shape_kw, policy, mbs, steps, device, reference=None) -> tuple[dict,
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0 if device.type == "cuda" else None
     profile = _profile_step(model, tokens, pos, labels, device) if PROFILE_TOP else None
-    return {"profile_top": profile,
+    trace = _trace_step(model, tokens, pos, labels, device, f"{policy}_mbs{mbs}") if TRACE_DIR else None
+    return {"profile_top": profile, "trace": trace,
             "policy": policy, "mbs": mbs, "held_layer_bytes": held_layers,
             "head_bytes": meter.bytes_by_layer.get(None, 0),
             "planner_layer_bytes": predicted, "peak_bytes": peak,
             "step_s_median": statistics.median(times[1:] or times),
             "fwd_bwd_host_s_median": statistics.median(host_times[1:] or host_times),
             "allocator_retries": retries}, model
+
+
+TRACE_DIR: Path | None = None  # set by --trace DIR: one torch.profiler trace per row, plus its summary
+
+
+def _trace_step(model, tokens, pos, labels, device, name: str) -> dict:
+    """Profile one forward+backward with CPU (every thread: the autograd engine's too) and CUDA activity;
+    write the chrome trace to TRACE_DIR and return where the host time goes (ops by self CPU time) and
+    how busy the GPU was over the step."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        model(tokens, pos, None, labels=labels).float().mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    raw = TRACE_DIR / f"trace_{name}.json"
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+        dst.write(src.read())
+    raw.unlink()
+    events = prof.key_averages()
+    by_self_cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
+    kernels = [e for e in prof.events() if getattr(e, "device_type", None) is not None
+               and "CUDA" in str(e.device_type)]
+    spans = sorted((k.time_range.start, k.time_range.end) for k in kernels)
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:  # union of kernel intervals (us)
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    return {"self_cpu_top": [{"name": e.key[:120], "calls": e.count, "self_cpu_us": round(e.self_cpu_time_total, 1)}
+                             for e in by_self_cpu[:60]],
+            "self_cpu_us_total": round(sum(e.self_cpu_time_total for e in events), 1),
+            "gpu_busy_us": round(busy, 1), "gpu_span_us": round(spans[-1][1] - spans[0][0], 1) if spans else 0.0,
+            "kernels": len(spans)}
 
 
 PROFILE_TOP = 0  # set by --profile N: the N most expensive device ops of one step, per policy
@@ -167,9 +207,14 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile one step per policy and record its N most expensive ops")
+    p.add_argument("--trace", metavar="DIR", help="also write one torch.profiler chrome trace per row (gzip) "
+                   "to DIR and record the host-time and GPU-busy summary in the row")
     args = p.parse_args(argv)
-    global PROFILE_TOP
+    global PROFILE_TOP, TRACE_DIR
     PROFILE_TOP = args.profile
+    if args.trace:
+        TRACE_DIR = Path(args.trace)
+        TRACE_DIR.mkdir(parents=True, exist_ok=True)
     from agoq.config import AgoqConfig
     from agoq.megatron import runtime
     from agoq.megatron.install import install
@@ -198,7 +243,7 @@ def main(argv=None) -> int:
         row["step_time_ratio_vs_bf16"] = row["step_s_median"] / base["step_s_median"]
         row["host_ratio_vs_bf16"] = row["fwd_bwd_host_s_median"] / base["fwd_bwd_host_s_median"]
         row["planner_error"] = row["held_layer_bytes"] / row["planner_layer_bytes"] - 1
-        print(json.dumps({k: v for k, v in row.items() if k != "profile_top"}))
+        print(json.dumps({k: v for k, v in row.items() if k not in ("profile_top", "trace")}))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": str(device), "shape": shape_kw, "rows": rows}, indent=1))
     return 0

@@ -29,7 +29,8 @@ import os
 
 import torch
 
-__all__ = ["FastKernel", "FAST_LAUNCH_ENV", "arg_key", "fast_launch_enabled", "set_fast_launch"]
+__all__ = ["FastKernel", "LaunchSite", "FAST_LAUNCH_ENV", "arg_key", "fast_launch_enabled", "set_fast_launch",
+           "set_check_sites"]
 
 FAST_LAUNCH_ENV = "AGOQ_TRITON_FAST_LAUNCH"
 _ENABLED = os.environ.get(FAST_LAUNCH_ENV, "1") != "0"
@@ -140,3 +141,82 @@ class FastKernel:
 
     def cache_size(self) -> int:
         return len(self._cache)
+
+    def cached_entry(self, args) -> tuple | None:
+        """(run, function, metadata) this kernel would launch ``args`` with directly, or None (not compiled
+        yet through :meth:`__call__`, interpreter, switched off)."""
+        if not (self._direct and self._on_gpu(args)):
+            return None
+        _, get_device, _ = self._triton_mods()
+        return self._cache.get((get_device(), self._static, self.key(args)))
+
+
+_CHECK_SITES = False  # tests: every LaunchSite call also recomputes the full key (the site's contract)
+
+
+def set_check_sites(enabled: bool) -> bool:
+    """Make every :class:`LaunchSite` call verify its contract with the full key; returns the previous."""
+    global _CHECK_SITES
+    previous, _CHECK_SITES = _CHECK_SITES, bool(enabled)
+    return previous
+
+
+class LaunchSite:
+    """One call site of a :class:`FastKernel` whose grid and non-tensor arguments never change: the caller
+    keeps one site per value of everything they depend on (format, shape, dtype, device, ...).
+
+    The first call goes through the FastKernel; from then on a call checks only what can still change,
+    the 16-byte alignment of each tensor argument and the current device, then makes the final launch
+    call itself. That is the FastKernel key's dict work (a key tuple of every argument per launch: ~15 of
+    the ~50 host us a launch cost on an H100 host, docs/activations.md "Host cost") done once per site.
+    Anything else (an unaligned tensor, another device, a launch hook, direct launches off) takes the
+    FastKernel's own path for that call. ``set_check_sites(True)`` (tests) recomputes the full key on
+    every call and raises if a caller broke the contract."""
+
+    __slots__ = ("kernel", "grid", "direct_calls", "_entry", "_tensor_pos", "_device", "_key")
+
+    def __init__(self, kernel: FastKernel, grid: tuple):
+        self.kernel = kernel
+        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self.direct_calls = 0  # launches this site made itself (tests, host benchmarks)
+        self._entry = None
+        self._tensor_pos: tuple = ()
+        self._device = None
+        self._key = None
+
+    def __call__(self, *args) -> None:
+        entry = self._entry
+        if entry is not None and _ENABLED:
+            runtime_knobs, get_device, get_stream = self.kernel._triton_mods()
+            device = get_device()
+            if device == self._device and _no_hooks(runtime_knobs) and self._aligned(args):
+                if _CHECK_SITES:
+                    self._check(device, args)
+                g0, g1, g2 = self.grid
+                self.direct_calls += 1
+                entry[0](g0, g1, g2, get_stream(device), entry[1], entry[2], None, None, None, *args)
+                return
+        self.kernel(self.grid, *args)
+        if entry is None:
+            self._adopt(args)
+
+    def _aligned(self, args) -> bool:
+        for i in self._tensor_pos:
+            if args[i].data_ptr() % _ALIGN:
+                return False
+        return True
+
+    def _adopt(self, args) -> None:
+        """After the first launch: keep the compiled kernel if every tensor was aligned (the common case)."""
+        entry = self.kernel.cached_entry(args)
+        positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        if entry is None or not all(args[i].data_ptr() % _ALIGN == 0 for i in positions):
+            return
+        _, get_device, _ = self.kernel._triton_mods()
+        self._tensor_pos, self._device, self._key = positions, get_device(), self.kernel.key(args)
+        self._entry = entry
+
+    def _check(self, device, args) -> None:
+        if self.kernel.key(args) != self._key:
+            raise RuntimeError(f"LaunchSite({self.kernel.fn.__name__}): a non-tensor argument changed between "
+                               "calls of one site; the caller's site key must cover every such argument")

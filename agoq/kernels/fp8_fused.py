@@ -9,7 +9,8 @@ two per current-scaling cast (amax, then cast). Twins in :mod:`agoq.ref.fp8` (sa
 The FP8 linear's hot path calls ``cast_delayed_unchecked`` / ``cast_current_unchecked`` (the same
 launches without the argument checks: x [..., n] read in place, the transposed copy optionally as an
 [m, n] column-major tensor, the next meta optionally into a caller's buffer); the CPU twins are the
-reference adapters in agoq.ops.fp8_linear. Launches go through agoq.kernels._fastlaunch (direct calls of the compiled kernels).
+reference adapters in agoq.ops.fp8_linear. Launches go through agoq.kernels._fastlaunch (direct calls of the
+compiled kernels).
 
 ``meta`` is one fp32 vector per tensor slot: ``[scale_inv, scale, 0, 0, amax_history (L, newest
 first)]`` (current scaling: L = 1, the tensor's own amax). ``scale = meta[1]`` multiplies into the FP8

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from agoq.formats import QuantFormat, parse_format
 from agoq.kernels import _launch
-from agoq.kernels._fastlaunch import FastKernel
+from agoq.kernels._fastlaunch import FastKernel, LaunchSite
 from agoq.kernels._quant_math import _encode_scale, _pow2_value, gather_nc  # noqa: F401 (optim imports the first two)
 from agoq.kernels._quant_tile import _quantize_fwd_kernel
 from agoq.ref.quant import QuantizedTensor, check_input, ref_dequantize, ref_quantize
@@ -190,6 +190,10 @@ def _dequantize_fwd_kernel(
 
 def quantize(x: torch.Tensor, fmt: QuantFormat | str, *, seed: int | None = None) -> QuantizedTensor:
     """Triton twin of agoq.ref.quant.ref_quantize (identical codes and scales)."""
+    if seed is None and x.is_cuda:  # the saved-activation hot path: one site per (format, size, dtype, device)
+        site = _QUANT_SITES.get((fmt, x.numel(), x.dtype, x.device.index))
+        if site is not None and x.is_contiguous():
+            return site.run(x)
     fmt = parse_format(fmt)
     return quantize_with_config(x, fmt, _launch.quant_config(fmt), seed=seed)
 
@@ -206,18 +210,39 @@ def quantize_with_config(
     x_flat = x.detach()  # the kernel reads the flat memory: no reshape needed when contiguous
     if not x_flat.is_contiguous():
         x_flat = x_flat.contiguous()
-    numel = x_flat.numel()
-    launch, scale_dtype, consts = _quantize_plan(fmt, config)
-    num_blocks = fmt.num_blocks(numel)
-    codes_u8 = torch.empty(fmt.code_bytes(numel), dtype=torch.uint8, device=x.device)
-    scales = torch.empty(num_blocks, dtype=scale_dtype, device=x.device)
-    grid = (triton.cdiv(num_blocks, consts[0]),)
-    if _launch.uses_bytes_kernel(fmt):
-        launch(grid, x_flat, codes_u8, scales, numel, num_blocks, *consts[1:])
-    else:
-        launch(grid, x_flat, codes_u8, scales, _launch.nf4_lut(str(x.device)), numel, num_blocks,
-               _launch.seed_mix(seed), *consts[1:])  # fmt: skip
-    return QuantizedTensor(codes_u8, scales, fmt, x.shape, x.dtype)
+    site = _QuantSite(fmt, config, x_flat.numel(), x.dtype, x.device, seed)
+    if seed is None and x.is_cuda and config == _launch.quant_config(fmt):
+        _QUANT_SITES[(fmt, site.numel, x.dtype, x.device.index)] = site  # later calls skip all of the above
+    return site.run(x_flat)
+
+
+_QUANT_SITES: dict = {}  # (QuantFormat, numel, dtype, CUDA index) -> _QuantSite, default launch config
+
+
+class _QuantSite:
+    """Everything a quantize launch needs that depends only on (format, config, numel, dtype, device,
+    seed), computed once: sizes, grid, constexprs and the LaunchSite that skips Triton's dispatch."""
+
+    __slots__ = ("fmt", "numel", "device", "code_bytes", "num_blocks", "scale_dtype", "launch", "tail")
+
+    def __init__(self, fmt: QuantFormat, config, numel: int, dtype: torch.dtype, device: torch.device,
+                 seed: int | None):
+        launch, self.scale_dtype, consts = _quantize_plan(fmt, config)
+        self.fmt, self.numel, self.device = fmt, numel, device
+        self.num_blocks = fmt.num_blocks(numel)
+        self.code_bytes = fmt.code_bytes(numel)
+        self.launch = LaunchSite(launch, (triton.cdiv(self.num_blocks, consts[0]),))
+        if _launch.uses_bytes_kernel(fmt):
+            self.tail = (numel, self.num_blocks, *consts[1:])
+        else:  # the NF4 table is a tensor argument ahead of the sizes
+            self.tail = (_launch.nf4_lut(str(device)), numel, self.num_blocks, _launch.seed_mix(seed), *consts[1:])
+
+    def run(self, x_flat: torch.Tensor) -> QuantizedTensor:
+        """Quantize a contiguous ``x_flat`` of this site's numel / dtype / device."""
+        codes_u8 = torch.empty(self.code_bytes, dtype=torch.uint8, device=self.device)
+        scales = torch.empty(self.num_blocks, dtype=self.scale_dtype, device=self.device)
+        self.launch(x_flat.detach(), codes_u8, scales, *self.tail)
+        return QuantizedTensor(codes_u8, scales, self.fmt, x_flat.shape, x_flat.dtype)
 
 
 @functools.lru_cache(maxsize=256)
@@ -254,14 +279,37 @@ def _dequantize_plan(fmt: QuantFormat) -> tuple:
 def dequantize(q: QuantizedTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Triton twin of agoq.ref.quant.ref_dequantize."""
     out_dtype = q.dtype if out_dtype is None else out_dtype
-    fmt = q.fmt
-    numel = q.numel
-    if not fmt.quantized or numel == 0 or out_dtype not in _launch.TL_OUT_DTYPES:
-        return ref_dequantize(q, out_dtype)  # plain cast, empty, or the reference's dtype error
-    device = q.codes.device
-    out = torch.empty(q.shape, dtype=out_dtype, device=device)
-    num_blocks = fmt.num_blocks(numel)
-    launch, rows, consts = _dequantize_plan(fmt)
-    launch((triton.cdiv(num_blocks, rows),), q.codes, q.scales, out, _launch.code_values(fmt, str(device)), numel,
-           num_blocks, *consts)  # fmt: skip
-    return out
+    codes = q.codes
+    key = (q.fmt, q.shape, out_dtype, codes.device.index) if codes.is_cuda else None
+    site = _DEQUANT_SITES.get(key) if key is not None else None
+    if site is None:
+        fmt = q.fmt
+        numel = q.numel
+        if not fmt.quantized or numel == 0 or out_dtype not in _launch.TL_OUT_DTYPES:
+            return ref_dequantize(q, out_dtype)  # plain cast, empty, or the reference's dtype error
+        site = _DequantSite(fmt, numel, codes.device)
+        if key is not None:
+            _DEQUANT_SITES[key] = site
+    return site.run(q, out_dtype)
+
+
+_DEQUANT_SITES: dict = {}  # (QuantFormat, shape, out dtype, CUDA index) -> _DequantSite
+
+
+class _DequantSite:
+    """A dequantize launch's fixed part for one (format, numel, device): grid, value table, constexprs."""
+
+    __slots__ = ("device", "launch", "values", "tail")
+
+    def __init__(self, fmt: QuantFormat, numel: int, device: torch.device):
+        launch, rows, consts = _dequantize_plan(fmt)
+        num_blocks = fmt.num_blocks(numel)
+        self.device = device
+        self.launch = LaunchSite(launch, (triton.cdiv(num_blocks, rows),))
+        self.values = _launch.code_values(fmt, str(device))
+        self.tail = (numel, num_blocks, *consts)
+
+    def run(self, q: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=out_dtype, device=self.device)
+        self.launch(q.codes, q.scales, out, self.values, *self.tail)
+        return out

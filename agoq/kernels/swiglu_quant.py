@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 from agoq.formats import QuantFormat
 from agoq.kernels import _launch
-from agoq.kernels._fastlaunch import FastKernel
+from agoq.kernels._fastlaunch import FastKernel, LaunchSite
 from agoq.kernels._quant_math import USE_PTX, _encode_scale, _max_nan
 from agoq.kernels._quant_tile import _load_part, _part_codes, _store_words
 from agoq.kernels.quant import decode_block_values, load_scale_f32
@@ -225,42 +225,83 @@ def _check(h: torch.Tensor, fmt: QuantFormat, what: str) -> None:
 def swiglu_quantize(fc1_out: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, QuantizedTensor]:
     """(z, q): Megatron's SwiGLU output and fc1_out quantized to ``fmt`` (agoq.ref twin:
     ref_swiglu_quantize)."""
-    _check(fc1_out, fmt, "swiglu_quantize")
-    width = fc1_out.shape[-1]
-    ffn, numel = width // 2, fc1_out.numel()
-    device = fc1_out.device
-    z = torch.empty((*fc1_out.shape[:-1], ffn), dtype=fc1_out.dtype, device=device)
-    codes = torch.empty(fmt.code_bytes(numel), dtype=torch.uint8, device=device)
-    scales = torch.empty(fmt.num_blocks(numel), dtype=_launch.TORCH_SCALE_DTYPES[fmt.scale], device=device)
-    rows, (kind, bits, block, _, scale) = _consts(fmt)
-    ce = _launch.constexprs(fmt)
-    if numel:
-        _FWD((numel // width, triton.cdiv(ffn, rows * block)), fc1_out, z, codes, scales,
-             _launch.nf4_lut(str(device)), ffn, kind, bits, block, rows, scale, ce["QMAX"], ce["PLANE0"],
-             ce["PLANE1"], ce["FP8_DTYPE"], _launch.SUB_ELEMS, USE_PTX.value)  # fmt: skip
-    return z, QuantizedTensor(codes, scales, fmt, fc1_out.shape, fc1_out.dtype)
+    key = (fmt, fc1_out.shape, fc1_out.dtype, fc1_out.device.index, USE_PTX.value) if fc1_out.is_cuda else None
+    site = _FWD_SITES.get(key) if key is not None else None
+    if site is None or not fc1_out.is_contiguous():
+        _check(fc1_out, fmt, "swiglu_quantize")
+        site = _FwdSite(fc1_out, fmt)
+        if key is not None:
+            _FWD_SITES[key] = site
+    return site.run(fc1_out)
+
+
+# Launch sites (agoq.kernels._fastlaunch.LaunchSite): everything but the tensors, once per key.
+_FWD_SITES: dict = {}  # (fmt, fc1_out shape, dtype, CUDA index, USE_PTX) -> _FwdSite
+_DQ_SITES: dict = {}  # (fmt, fc1_out shape, dtype, BWD, SCALE_MODE, CUDA index) -> _DequantSwigluSite
+
+
+class _FwdSite:
+    __slots__ = ("fmt", "device", "z_shape", "code_bytes", "num_blocks", "scale_dtype", "launch", "tail")
+
+    def __init__(self, fc1_out: torch.Tensor, fmt: QuantFormat):
+        width = fc1_out.shape[-1]
+        ffn, numel = width // 2, fc1_out.numel()
+        self.fmt, self.device = fmt, fc1_out.device
+        self.z_shape = (*fc1_out.shape[:-1], ffn)
+        self.code_bytes, self.num_blocks = fmt.code_bytes(numel), fmt.num_blocks(numel)
+        self.scale_dtype = _launch.TORCH_SCALE_DTYPES[fmt.scale]
+        rows, (kind, bits, block, _, scale) = _consts(fmt)
+        ce = _launch.constexprs(fmt)
+        grid = (numel // width, triton.cdiv(ffn, rows * block)) if numel else None
+        self.launch = LaunchSite(_FWD, grid) if numel else None
+        self.tail = (_launch.nf4_lut(str(self.device)), ffn, kind, bits, block, rows, scale, ce["QMAX"],
+                     ce["PLANE0"], ce["PLANE1"], ce["FP8_DTYPE"], _launch.SUB_ELEMS, USE_PTX.value)
+
+    def run(self, fc1_out: torch.Tensor) -> tuple[torch.Tensor, QuantizedTensor]:
+        device = self.device
+        z = torch.empty(self.z_shape, dtype=fc1_out.dtype, device=device)
+        codes = torch.empty(self.code_bytes, dtype=torch.uint8, device=device)
+        scales = torch.empty(self.num_blocks, dtype=self.scale_dtype, device=device)
+        if self.launch is not None:
+            self.launch(fc1_out, z, codes, scales, *self.tail)
+        return z, QuantizedTensor(codes, scales, self.fmt, fc1_out.shape, fc1_out.dtype)
+
+
+class _DequantSwigluSite:
+    __slots__ = ("device", "launch", "values", "tail")
+
+    def __init__(self, q: QuantizedTensor, bwd: bool, mode: int):
+        fmt, shape = q.fmt, q.shape
+        width = shape[-1]
+        ffn = width // 2
+        numel = int(torch.Size(shape).numel())
+        self.device = q.codes.device
+        rows, code_consts = _consts(fmt)
+        ce = _launch.constexprs(fmt)
+        self.launch = LaunchSite(_DQ, (numel // width, triton.cdiv(ffn, rows * fmt.block))) if numel else None
+        self.values = _launch.code_values(fmt, str(self.device))
+        self.tail = (ffn, bwd, mode, *code_consts, ce["PLANE0"], ce["PLANE1"], ce["FP8_DTYPE"])
 
 
 def _dequant_swiglu(q: QuantizedTensor, grad_z: torch.Tensor | None, s: torch.Tensor | None) -> torch.Tensor:
-    fmt, shape = q.fmt, q.shape
-    width = shape[-1]
-    ffn = width // 2
+    shape = q.shape
+    ffn = shape[-1] // 2
     device = q.codes.device
     bwd = grad_z is not None
-    out_shape = shape if bwd else (*shape[:-1], ffn)
-    out = torch.empty(out_shape, dtype=q.dtype, device=device)
+    out = torch.empty(shape if bwd else (*shape[:-1], ffn), dtype=q.dtype, device=device)
     if bwd and tuple(grad_z.shape) != (*shape[:-1], ffn):
         raise ValueError(f"dequant_swiglu_bwd: grad_z {tuple(grad_z.shape)} does not match fc1 output {tuple(shape)}")
     gz = grad_z.contiguous() if bwd else out
     mode = _scale_mode(out, gz, s)  # gz is out in forward: [T.., F] either way
-    s_flat = out if s is None else s.contiguous().reshape(-1)
-    numel = out.numel() * (1 if bwd else 2)
-    if numel:
-        rows, code_consts = _consts(fmt)
-        ce = _launch.constexprs(fmt)
-        _DQ((numel // width, triton.cdiv(ffn, rows * fmt.block)), q.codes, q.scales,
-            _launch.code_values(fmt, str(device)), gz, s_flat, out, ffn, bwd, mode, *code_consts, ce["PLANE0"],
-            ce["PLANE1"], ce["FP8_DTYPE"])  # fmt: skip
+    key = (q.fmt, shape, q.dtype, bwd, mode, device.index)
+    site = _DQ_SITES.get(key) if q.codes.is_cuda else None
+    if site is None:
+        site = _DequantSwigluSite(q, bwd, mode)
+        if q.codes.is_cuda:
+            _DQ_SITES[key] = site
+    if site.launch is not None:
+        s_flat = out if s is None else s.contiguous().reshape(-1)
+        site.launch(q.codes, q.scales, site.values, gz, s_flat, out, *site.tail)
     return out
 
 

@@ -125,3 +125,36 @@ def test_direct_launch_equals_triton_launch(name):
             assert torch.equal(q.codes, outs[0][0].codes)
             assert torch.equal(q.scales.view(torch.uint8), outs[0][0].scales.view(torch.uint8))
             assert torch.equal(y.view(torch.int16), outs[0][1].view(torch.int16))
+
+
+@pytest.mark.parametrize("name", ["nf4_b64", "int8_b128", "fp8e4m3_b128"])
+def test_launch_sites_equal_tritons_launch(name):
+    """agoq.kernels._fastlaunch.LaunchSite (quantize, dequantize and the fused SwiGLU kernels keep one per
+    format / shape / dtype / device): repeated calls launch directly, under the check mode that recomputes
+    the full key per call, and give Triton's own launch's bits."""
+    from agoq.kernels import _fastlaunch, quant, swiglu_quant
+
+    fmt = parse_format(name)
+    h = torch.randn(3, 2 * 512, device="cuda").to(torch.bfloat16)
+    gz = torch.randn(3, 512, device="cuda").to(torch.bfloat16)
+
+    def run_all():
+        q = quant.quantize(h, fmt)
+        z, qh = swiglu_quant.swiglu_quantize(h, fmt)
+        return [q.codes, q.scales.view(torch.uint8), quant.dequantize(q).view(torch.int16), z.view(torch.int16),
+                qh.codes, swiglu_quant.dequant_swiglu_fwd(qh).view(torch.int16),
+                swiglu_quant.dequant_swiglu_bwd(qh, gz).view(torch.int16)]
+
+    previous = _fastlaunch.set_fast_launch(False)
+    try:
+        expected = run_all()
+    finally:
+        _fastlaunch.set_fast_launch(previous)
+    checking = _fastlaunch.set_check_sites(True)
+    try:
+        for _ in range(3):
+            assert all(torch.equal(a, b) for a, b in zip(run_all(), expected, strict=True))
+    finally:
+        _fastlaunch.set_check_sites(checking)
+    site = quant._QUANT_SITES[(fmt, h.numel(), h.dtype, h.device.index)]
+    assert site.launch.direct_calls >= 2

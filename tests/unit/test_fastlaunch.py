@@ -151,3 +151,64 @@ def test_key_is_a_superset_of_tritons_specialization():
         theirs = specialize(_dequantize_fwd_kernel, Launch("", args, dict(fk.options)))[2]
         assert seen.setdefault(ours, theirs) == theirs, f"same FastKernel key, different Triton key for {ours}"
     assert len(set(seen.values())) > 1  # the sample does exercise Triton's specialization
+
+
+# ------------------------------------------------------------------------------------- LaunchSite ----
+def test_launch_site_compiles_once_then_launches_directly(fake_triton):
+    from agoq.kernels._fastlaunch import LaunchSite
+
+    jit = _Jit([False, False, False, True])
+    site = LaunchSite(FastKernel(jit, num_warps=4), (3,))
+    x, out = torch.zeros(8), torch.zeros(8)
+    site(x, out, 64, "K")
+    assert jit.log == [("jit", (3, 1, 1), (x, out, 64, "K"), {"num_warps": 4})]
+    y = torch.zeros(8)  # another (aligned) tensor: same site, direct launch with the padded grid and stream
+    site(y, out, 64, "K")
+    assert jit.log[-1] == ("direct", (3, 1, 1, 1234, "FUNC", ("META",), None, None, None, y, out, 64, "K"))
+
+
+def test_launch_site_unaligned_tensor_or_hook_takes_the_kernels_path(fake_triton):
+    from agoq.kernels._fastlaunch import LaunchSite
+
+    jit = _Jit([False, False, True])
+    fk = FastKernel(jit, num_warps=4)
+    site = LaunchSite(fk, (1,))
+    base = torch.zeros(64)
+    site(base, 32, "K")
+    site(base[1:], 32, "K")  # 4-byte offset: Triton specializes on alignment, so not the site's kernel
+    assert [e[0] for e in jit.log] == ["jit", "jit"] and fk.cache_size() == 2
+    fake_triton.launch_enter_hook.calls.append(print)  # a profiler hook: never a direct launch
+    site(base, 32, "K")
+    assert jit.log[-1][0] == "jit"
+    fake_triton.launch_enter_hook.calls.clear()
+    site(base, 32, "K")
+    assert jit.log[-1][0] == "direct"
+
+
+def test_launch_site_first_call_unaligned_never_adopts(fake_triton):
+    from agoq.kernels._fastlaunch import LaunchSite
+
+    jit = _Jit([False, True])
+    site = LaunchSite(FastKernel(jit, num_warps=4), (1,))
+    base = torch.zeros(64)
+    site(base[1:], "K")
+    site(base, "K")  # the site kept nothing from the unaligned call: FastKernel's own (compiling) path
+    assert [e[0] for e in jit.log] == ["jit", "jit"]
+
+
+def test_launch_site_check_mode_catches_a_changed_scalar(fake_triton):
+    from agoq.kernels._fastlaunch import LaunchSite
+
+    jit = _Jit([False, False, True])
+    site = LaunchSite(FastKernel(jit, num_warps=4), (1,))
+    x = torch.zeros(8)
+    site(x, 64, "K")
+    site(x, 65, "K")  # unchecked: the contract is the caller's (65 is another specialization)
+    previous = _fastlaunch.set_check_sites(True)
+    try:
+        with pytest.raises(RuntimeError, match="non-tensor argument changed"):
+            site(x, 65, "K")
+        site(x, 64, "K")
+    finally:
+        _fastlaunch.set_check_sites(previous)
+    assert jit.log[-1][0] == "direct"
