@@ -24,6 +24,7 @@ scripts/pretrain_llama.py with --agoq-policy (not covered here yet).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -128,6 +129,45 @@ def measure(shape_kw, policy, mbs, steps, device, reference=None) -> tuple[dict,
             "allocator_retries": retries}, model
 
 
+def interleaved_times(group: dict, shape_kw, mbs: int, device, rounds: int, steps: int) -> None:
+    """Median step and host time of every policy's model over ``rounds`` interleaved rounds (each round runs
+    ``steps`` steps of each policy in turn, the first discarded); written into each row as
+    ``step_s_interleaved`` / ``host_s_interleaved``. The leased hosts' speed drifts by +-10 % within
+    minutes (docs/benchmarks/activations.md), which back-to-back blocks of steps turn into bias."""
+    tokens, labels, pos = _batch(shape_kw, mbs, device)
+    times: dict = {policy: ([], []) for policy in group}
+    for _ in range(rounds):
+        for policy, (_, model) in group.items():
+            _, _, variant = policy.partition("@")
+            ctx = _legacy() if variant else contextlib.nullcontext()
+            with ctx:
+                for i in range(steps):
+                    _sync(device)
+                    start = time.perf_counter()
+                    model.zero_grad(set_to_none=True)
+                    model(tokens, pos, None, labels=labels).float().mean().backward()
+                    host = time.perf_counter() - start
+                    _sync(device)
+                    if i:
+                        times[policy][0].append(time.perf_counter() - start)
+                        times[policy][1].append(host)
+    for policy, (row, _) in group.items():
+        row["step_s_interleaved"] = statistics.median(times[policy][0])
+        row["host_s_interleaved"] = statistics.median(times[policy][1])
+        row["interleaved_rounds"] = rounds
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _legacy():
+    from bench_launch import legacy_paths
+
+    return legacy_paths()
+
+
 TRACE_DIR: Path | None = None  # set by --trace DIR: one torch.profiler trace per row, plus its summary
 
 
@@ -207,6 +247,10 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile one step per policy and record its N most expensive ops")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="then time the policies of each micro-batch size in R interleaved rounds of --steps "
+                        "steps (bf16, agoq, ..., bf16, agoq, ...), so host-speed drift hits every policy alike "
+                        "(0: off)")
     p.add_argument("--trace", metavar="DIR", help="also write one torch.profiler chrome trace per row (gzip) "
                    "to DIR and record the host-time and GPU-busy summary in the row")
     args = p.parse_args(argv)
@@ -226,14 +270,19 @@ def main(argv=None) -> int:
     runtime.init_model_parallel(ParallelLayout(), seed=1234, device=device)
     shape_kw, steps = (TINY, 2) if args.smoke else (LLAMA_1B, args.steps)
     rows, reference, bases = [], None, {}
+    policies = ["bf16"] + [x for x in args.policies if x != "bf16"]
     try:
         for mbs in args.mbs:
-            for policy in ["bf16"] + [x for x in args.policies if x != "bf16"]:
+            group = {}
+            for policy in policies:
                 row, model = measure(shape_kw, policy, mbs, steps, device, reference)
                 reference = reference or model
-                del model
+                group[policy] = (row, model)
                 bases.setdefault(mbs, row)
                 rows.append(row)
+            if args.rounds:
+                interleaved_times(group, shape_kw, mbs, device, args.rounds, steps)
+            del group
     finally:
         runtime.shutdown()
         handle.uninstall()
@@ -241,6 +290,9 @@ def main(argv=None) -> int:
         base = bases[row["mbs"]]  # the bf16 row of the same micro-batch size
         row["activation_ratio_vs_bf16"] = row["held_layer_bytes"] / base["held_layer_bytes"]
         row["step_time_ratio_vs_bf16"] = row["step_s_median"] / base["step_s_median"]
+        if "step_s_interleaved" in row:  # the same-rounds comparison: what the docs quote
+            row["step_time_ratio_interleaved"] = row["step_s_interleaved"] / base["step_s_interleaved"]
+            row["host_ratio_interleaved"] = row["host_s_interleaved"] / base["host_s_interleaved"]
         row["host_ratio_vs_bf16"] = row["fwd_bwd_host_s_median"] / base["fwd_bwd_host_s_median"]
         row["planner_error"] = row["held_layer_bytes"] / row["planner_layer_bytes"] - 1
         print(json.dumps({k: v for k, v in row.items() if k not in ("profile_top", "trace")}))

@@ -136,7 +136,8 @@ CONTRACT: tuple[Symbol, ...] = (
     Symbol("megatron.core.tensor_parallel.layers:RowParallelLinear._forward_impl",
            "AgoqRowParallelLinear overrides it to store a quantized input", params=("input", "weight")),
     Symbol("megatron.core.tensor_parallel.layers:LinearWithGradAccumulationAndAsyncCommunication",
-           "saves (input, weight) for backward; agoq swaps the saved input (checked at run time too)",
+           "saves (input, weight) for backward; agoq swaps saved tensor 0 of its autograd node "
+           "(LinearWithGradAccumulationAndAsyncCommunicationBackward, checked per call: node name, input identity)",
            attrs=("forward", "backward")),
     Symbol("megatron.core.transformer.mlp:MLP.forward", "AgoqMLP re-implements it for SwiGLU recompute",
            params=("hidden_states", "per_token_scale")),

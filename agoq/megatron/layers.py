@@ -10,7 +10,9 @@ Touches: spec substitution of ``TransformerLayer`` (``spec.module``), ``input_la
   ``partial(MLP.as_mlp_submodule, submodules=...)``; the private
   ``ColumnParallelLinear/RowParallelLinear._forward_impl(input, weight, *args, **kwargs)``, which
   calls ``LinearWithGradAccumulationAndAsyncCommunication`` (its ``ctx.save_for_backward(input,
-  weight)`` is what agoq intercepts; its keyword arguments are the parameters of
+  weight)`` is what agoq intercepts: hooks on saved tensor 0 of the node it returns, checked per call by
+  node name and input identity, or a ``saved_tensors_hooks`` scope when another scope is already
+  active; its keyword arguments are the parameters of
   ``linear_with_grad_accumulation_and_async_allreduce``, which the FP8 path reads);
   ``copy_to_tensor_model_parallel_region`` (the FP8 path's dgrad all-reduce); ``MLP.forward``
   (re-implemented for the recompute and Smooth-SwiGLU paths only); ``MLP.tp_group``.
@@ -42,7 +44,9 @@ from agoq.ops.fp8_linear import fp8_linear
 from agoq.ops.fp8_scaling import FP8ScalingState
 from agoq.ops.fp8_weight_cache import FP8WeightCache
 from agoq.ops.saved_act import (
+    default_saved_hooks_active,
     quantized_saves,
+    replace_saved_input,
     rmsnorm_saving_input,
     saved_input_handle,
     smooth_swiglu_saving_input,
@@ -50,6 +54,10 @@ from agoq.ops.saved_act import (
     swiglu_saving_input,
 )
 from agoq.ops.smooth_swiglu import fold_channel_scale, glu_smooth_scale, unsmooth_fc2_output
+
+
+# the autograd node of LinearWithGradAccumulationAndAsyncCommunication (it saves (input, weight))
+_MEGATRON_LINEAR_NODE = "LinearWithGradAccumulationAndAsyncCommunicationBackward"
 
 
 class _AgoqStorageAttrs:
@@ -107,12 +115,19 @@ class _AgoqLinearMixin(_AgoqStorageAttrs):
         if not saves_input:  # no graph, or frozen weight: Megatron saves no input for wgrad
             return super()._forward_impl(input, weight, *args, **kwargs)
         if self.agoq_recomputed:
-            with quantized_saves(input, stash=self._require_stash(stash), key=self.agoq_key):
+            kw = {"stash": self._require_stash(stash), "key": self.agoq_key}
+        elif self.agoq_fmt is not None:
+            kw = {"fmt": self.agoq_fmt, "key": self.agoq_key, "counter": self.agoq_counter}
+        else:
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        if default_saved_hooks_active():  # the save gets the scope's hooks: agoq's must be the innermost scope
+            with quantized_saves(input, **kw):
                 return super()._forward_impl(input, weight, *args, **kwargs)
-        if self.agoq_fmt is not None:
-            with quantized_saves(input, fmt=self.agoq_fmt, key=self.agoq_key, counter=self.agoq_counter):
-                return super()._forward_impl(input, weight, *args, **kwargs)
-        return super()._forward_impl(input, weight, *args, **kwargs)
+        out = super()._forward_impl(input, weight, *args, **kwargs)
+        # Megatron's ctx.save_for_backward(input, weight): replace saved tensor 0 (cheaper on the host than
+        # a hook scope, which also sends the weight through Python in forward and backward)
+        replace_saved_input(out, input, node_name=_MEGATRON_LINEAR_NODE, index=0, **kw)
+        return out
 
     def _require_stash(self, stash):
         if stash is None:

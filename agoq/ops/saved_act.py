@@ -40,6 +40,8 @@ __all__ = [
     "quant_ops",
     "quantize_saved",
     "quantized_saves",
+    "replace_saved_input",
+    "default_saved_hooks_active",
     "saved_input_handle",
     "rmsnorm_saving_input",
     "swiglu_saving_input",
@@ -179,12 +181,17 @@ class RecomputeStash:
 
     def recomputed_output(self) -> torch.Tensor:
         """The op's forward output rebuilt from the stored input (no autograd graph)."""
-        with torch.no_grad():
-            if self.from_codes:
-                return self.forward_fn(self.q)
-            if getattr(self.forward_fn, "takes_aux", False):
-                return self.forward_fn(self.dequantized(), self.aux)
-            return self.forward_fn(self.dequantized())
+        if torch.is_grad_enabled():  # backward runs with grad off (no create_graph): no context to enter
+            with torch.no_grad():
+                return self._recompute()
+        return self._recompute()
+
+    def _recompute(self) -> torch.Tensor:
+        if self.from_codes:
+            return self.forward_fn(self.q)
+        if getattr(self.forward_fn, "takes_aux", False):
+            return self.forward_fn(self.dequantized(), self.aux)
+        return self.forward_fn(self.dequantized())
 
     def consume(self) -> torch.Tensor:
         """The dequantized input for the op's own backward; the stash then lets go of everything."""
@@ -300,9 +307,70 @@ def _unpack_saved(obj):
     return obj.materialize() if isinstance(obj, _Saved) else obj
 
 
+def default_saved_hooks_active() -> bool:
+    """Whether a ``saved_tensors_hooks`` scope (activation offloading, torch.utils.checkpoint, ...) is active:
+    a tensor saved inside it already has hooks, so :func:`replace_saved_input` cannot add agoq's."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+class _PackQuantized:
+    """Pack hook of :func:`replace_saved_input` (fmt): quantize the saved copy. Holds no tensor."""
+
+    __slots__ = ("fmt", "key", "counter")
+
+    def __init__(self, fmt: QuantFormat, key: Key, counter: SavedBytesCounter | None):
+        self.fmt, self.key, self.counter = fmt, key, counter
+
+    def __call__(self, t: torch.Tensor) -> _Saved:
+        return _QuantizedSave(quantize_saved(t, self.fmt, self.key, self.counter))
+
+
+class _PackRecompute:
+    """Pack hook of :func:`replace_saved_input` (stash): store a recompute handle instead of the tensor."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, stash: RecomputeStash):
+        self.handle = _RecomputeSave(stash)
+
+    def __call__(self, t: torch.Tensor) -> _Saved:
+        return self.handle
+
+
+def replace_saved_input(out: torch.Tensor, target: torch.Tensor, *, node_name: str, index: int = 0,
+                        fmt: QuantFormat | None = None, stash: RecomputeStash | None = None, key: Key = (None, ""),
+                        counter: SavedBytesCounter | None = None) -> None:
+    """After the autograd op that made ``out`` ran: its saved tensor number ``index``, which must be
+    ``target``, is stored as a quantized copy (``fmt``) or a recompute handle (``stash``) from now on.
+
+    The same storage as :class:`quantized_saves` around the op, through the saved tensor's own hooks
+    (``SavedTensor.register_hooks``: the pack hook runs at once and the full tensor is let go): no hook
+    scope to enter and leave, and the op's other saved tensors (the weight) never pass through Python
+    (docs/activations.md, "Host cost"). Raises RuntimeError when ``out`` was not made by ``node_name`` or
+    that node's saved tensor ``index`` is not ``target`` (the wrapped op changed). Inside an active
+    ``saved_tensors_hooks`` scope the saved tensor has hooks already: use :class:`quantized_saves` there
+    (:func:`default_saved_hooks_active`)."""
+    if (fmt is None) == (stash is None):
+        raise ValueError("replace_saved_input needs exactly one of fmt= or stash=")
+    if stash is not None:
+        _check_stash_feeds(stash, target)
+    node = out.grad_fn
+    raw = node._raw_saved_tensors if node is not None and type(node).__name__ == node_name else ()
+    saved = node.saved_tensors[index] if len(raw) > index else None
+    if saved is None or not (saved is target or (saved.data_ptr() == target.data_ptr()
+                                                 and saved.shape == target.shape and saved.dtype == target.dtype)):
+        raise RuntimeError(
+            f"agoq: expected {node_name} to have saved its input as saved tensor {index} (layer/role {key}), got "
+            f"node {type(node).__name__ if node is not None else None} with {len(raw)} saved tensors; the wrapped "
+            "op changed (a megatron-core change): use a bf16 policy for this role or report it")
+    raw[index].register_hooks(_PackQuantized(fmt, key, counter) if stash is None else _PackRecompute(stash),
+                              _unpack_saved)
+
+
 # --------------------------------------------------------------------------------- RMSNorm ----
 # ATen's fused RMSNorm, called without the Python dispatch of torch.ops where torch exposes a binding
 _fused_rms_norm = getattr(torch, "_fused_rms_norm", None) or torch.ops.aten._fused_rms_norm
+_fused_rms_norm_backward = torch.ops.aten._fused_rms_norm_backward.default  # the overload, resolved once
 
 
 class _RMSNormSavingInput(torch.autograd.Function):
@@ -331,7 +399,7 @@ class _RMSNormSavingInput(torch.autograd.Function):
             width = [x_hat.shape[-1]]
             if rstd_T1 is None:
                 _, rstd_T1 = _fused_rms_norm(x_hat, width, weight_H, ctx.eps)
-            grad_x, grad_w = torch.ops.aten._fused_rms_norm_backward(
+            grad_x, grad_w = _fused_rms_norm_backward(
                 grad_y_TH.contiguous(), x_hat, width, rstd_T1, weight_H, list(ctx.needs_input_grad[:2])
             )
             return grad_x, grad_w, None, None, None, None, None

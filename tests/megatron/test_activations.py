@@ -204,3 +204,34 @@ def test_full_recompute_gives_the_same_gradients(mcore_world1, monkeypatch):
     for name, grad in grads_ref.items():
         assert torch.equal(grad, grads_rc[name]), name
     assert storage.counter.live == 0
+
+
+def test_inside_an_outer_saved_tensors_scope_the_same_storage_and_gradients(mcore_world1):
+    """agoq's linears replace their saved input through the saved tensor's own hooks, or, when another
+    saved_tensors_hooks scope is active (activation offloading, torch.utils.checkpoint), through a hook
+    scope of their own: both store the same bytes and give the same gradients."""
+    ref, ref_storage = _build("agoq")
+    model, storage = _build("agoq", reference=ref)
+    tokens, labels, pos = _batch(0)
+    outer_packs = []
+
+    def pack(t):
+        outer_packs.append(1)
+        return t
+
+    results = []
+    for m, st, scoped in ((ref, ref_storage, False), (model, storage, True)):
+        if scoped:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = m(tokens, pos, None, labels=labels).float().mean()
+        else:
+            loss = m(tokens, pos, None, labels=labels).float().mean()
+        packed = dict(st.counter.packed)
+        loss.backward()
+        results.append((loss.detach(), packed, {n: p.grad.detach().clone() for n, p in m.named_parameters()}))
+    assert outer_packs  # the outer scope was active for the rest of the model
+    (loss_a, packed_a, grads_a), (loss_b, packed_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b) and packed_a == packed_b and packed_a
+    for name, grad in grads_a.items():
+        assert torch.equal(grad, grads_b[name]), name
+    assert storage.counter.live == 0 and ref_storage.counter.live == 0

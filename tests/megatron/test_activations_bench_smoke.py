@@ -31,6 +31,9 @@ def test_bench_memory_smoke(tmp_path):
         assert rows["agoq"]["planner_error"] == 0.0  # CPU: every layer save of the agoq policy is modelled exactly
         assert rows["agoq"]["activation_ratio_vs_bf16"] < 0.5
         assert rows["agoq@legacy"]["held_layer_bytes"] == rows["agoq"]["held_layer_bytes"]  # same storage, old code
+        for row in rows.values():  # the interleaved timing rounds ran for every policy
+            assert row["interleaved_rounds"] == 5 and row["step_s_interleaved"] > 0
+        assert rows["bf16"]["step_time_ratio_interleaved"] == 1.0
 
 
 def test_bench_launch_smoke(tmp_path):
