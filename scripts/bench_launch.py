@@ -58,19 +58,20 @@ def _host_us(fn, calls: int, dev: torch.device) -> float:
 
 @contextlib.contextmanager
 def legacy_paths():
-    """The launch path and SwiGLU of the saved-activation code before the host-cost work: Triton's own
-    launch path for every kernel and the unfused SwiGLU (quantize + ATen forward; dequantize + recompute +
-    backward). The glue trimming (counter weakrefs, class-based hook scope) is not undone."""
+    """The launch path, SwiGLU and RMSNorm of the saved-activation code before the host-cost work: Triton's
+    own launch path for every kernel (no direct launches, no launch sites), the unfused SwiGLU (quantize +
+    ATen forward; dequantize + recompute + backward) and the RMSNorm as agoq's autograd function. The glue
+    trimming (counter weakrefs, per-tensor hooks on the linears' saved input) is not undone."""
     from agoq.kernels import _fastlaunch
     from agoq.ops import saved_act
 
-    previous = _fastlaunch.set_fast_launch(False), saved_act.FUSE_SWIGLU
-    saved_act.FUSE_SWIGLU = False
+    previous = _fastlaunch.set_fast_launch(False), saved_act.FUSE_SWIGLU, saved_act.NORM_VIA_ATEN_NODE
+    saved_act.FUSE_SWIGLU = saved_act.NORM_VIA_ATEN_NODE = False
     try:
         yield
     finally:
         _fastlaunch.set_fast_launch(previous[0])
-        saved_act.FUSE_SWIGLU = previous[1]
+        saved_act.FUSE_SWIGLU, saved_act.NORM_VIA_ATEN_NODE = previous[1:]
 
 
 def _linear_saving(x, w, stash):

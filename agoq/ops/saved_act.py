@@ -438,9 +438,91 @@ def rmsnorm_saving_input(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float,
     """
     if not (torch.is_grad_enabled() and (x_TH.requires_grad or weight_H.requires_grad)):
         return F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps), None  # nothing is saved
+    if NORM_VIA_ATEN_NODE and x_TH.is_cuda and not default_saved_hooks_active():
+        y_TH = F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps)
+        return y_TH, _hook_fused_norm_node(y_TH, x_TH, weight_H, eps, fmt, key, counter)
     out: list = []
     y_TH = _RMSNormSavingInput.apply(x_TH, weight_H, eps, fmt, key, counter, out)
     return y_TH, out[0]
+
+
+# CUDA: F.rms_norm's own autograd node (ATen's fused RMSNorm, C++ backward) with hooks on the two saved
+# activations, instead of the Python autograd function above: the same stored bytes and the same gradient
+# bits (ATen's backward at x_hat with rstd(x_hat), as the function computes), without a Python
+# Function's forward / backward per norm (docs/activations.md, "Host cost"). False: the function (A/B).
+NORM_VIA_ATEN_NODE = True
+_FUSED_NORM_NODE = "FusedRmsNormBackward0"
+_NORM_RSTD_ATTRS = ("_raw_saved_rstd", "_raw_saved_result1")  # the name of its second output, by torch version
+
+
+def _hook_fused_norm_node(y_TH, x_TH, weight_H, eps, fmt, key, counter) -> RecomputeStash:
+    """Make the node that computed ``y_TH`` store quantized x (for itself and the next linear) and take
+    rstd from the linear's recompute in backward (or recompute it), not the forward's rstd(x)."""
+    node = y_TH.grad_fn
+    raw_x = getattr(node, "_raw_saved_input", None)
+    raw_rstd = next((getattr(node, a) for a in _NORM_RSTD_ATTRS if hasattr(node, a)), None)
+    if type(node).__name__ != _FUSED_NORM_NODE or raw_x is None or raw_rstd is None \
+            or node._saved_input.data_ptr() != x_TH.data_ptr():
+        raise RuntimeError(
+            f"agoq: F.rms_norm on CUDA made a {type(node).__name__} node, not ATen's fused RMSNorm "
+            f"({_FUSED_NORM_NODE} saving input and rstd) that agoq hooks (torch {torch.__version__}); set "
+            "agoq.ops.saved_act.NORM_VIA_ATEN_NODE = False to use agoq's autograd function, and report it")
+    stash = RecomputeStash(None, _norm_recompute(weight_H, eps))
+    stash.output_ptr = y_TH.data_ptr()
+    raw_x.register_hooks(_PackNormInput(stash, fmt, key, counter), _unpack_saved)  # packs (quantizes) now
+    raw_rstd.register_hooks(_PackNormRstd(stash, weight_H, eps), _unpack_saved)
+    return stash
+
+
+class _PackNormInput:
+    __slots__ = ("stash", "fmt", "key", "counter")
+
+    def __init__(self, stash, fmt, key, counter):
+        self.stash, self.fmt, self.key, self.counter = stash, fmt, key, counter
+
+    def __call__(self, x_TH: torch.Tensor) -> _Saved:
+        self.stash.q = quantize_saved(x_TH, self.fmt, self.key, self.counter)
+        return _NormInputSave(self.stash)
+
+
+class _NormInputSave(_Saved):
+    """x for the norm's backward: the stash's x_hat (dequantized once, shared with the linear's
+    recompute; freed with the node's saved tensors after its backward)."""
+
+    __slots__ = ("stash",)
+
+    def __init__(self, stash: RecomputeStash):
+        self.stash = stash
+
+    def materialize(self) -> torch.Tensor:
+        return self.stash.dequantized()
+
+
+class _PackNormRstd:
+    __slots__ = ("stash", "weight", "eps")
+
+    def __init__(self, stash, weight, eps):
+        self.stash, self.weight, self.eps = stash, weight, eps
+
+    def __call__(self, rstd: torch.Tensor) -> _Saved:  # the forward's rstd(x) is let go (T floats)
+        return _NormRstdSave(self)
+
+
+class _NormRstdSave(_Saved):
+    """rstd for the norm's backward: rstd(x_hat) from the linear's recompute, else recomputed."""
+
+    __slots__ = ("pack",)
+
+    def __init__(self, pack: _PackNormRstd):
+        self.pack = pack
+
+    def materialize(self) -> torch.Tensor:
+        stash = self.pack.stash
+        rstd_T1 = stash.aux.pop("rstd", None)
+        if rstd_T1 is None:
+            x_hat = stash.dequantized()
+            _, rstd_T1 = _fused_rms_norm(x_hat, [x_hat.shape[-1]], self.pack.weight, self.pack.eps)
+        return rstd_T1
 
 
 # ---------------------------------------------------------------------------------- SwiGLU ----

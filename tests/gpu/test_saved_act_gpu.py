@@ -158,3 +158,30 @@ def test_launch_sites_equal_tritons_launch(name):
         _fastlaunch.set_check_sites(checking)
     site = quant._QUANT_SITES[(fmt, h.numel(), h.dtype, h.device.index)]
     assert site.launch.direct_calls >= 2
+
+
+@pytest.mark.parametrize("recompute_first", [False, True], ids=["norm-only", "linear-recomputes-first"])
+def test_rmsnorm_on_atens_node_equals_the_autograd_function(recompute_first):
+    """NORM_VIA_ATEN_NODE: F.rms_norm's own node with hooks on its saved input / rstd stores the same bytes
+    and gives the same gradient bits as agoq's autograd function (the A/B switch), and keeps no full x."""
+    from agoq.ops import saved_act
+    from agoq.ops.saved_act import SavedBytesCounter
+
+    x, w, g = _inputs((2, 129, 2048), seed=3)
+    results = []
+    for via_node in (True, False):
+        saved_act.NORM_VIA_ATEN_NODE = via_node
+        try:
+            counter = SavedBytesCounter()
+            y, stash = rmsnorm_saving_input(x, w, 1e-5, FMT, (0, "norm_in"), counter)
+            assert (type(y.grad_fn).__name__ == "FusedRmsNormBackward0") == via_node
+            y_re = stash.recomputed_output() if recompute_first else None
+            grads = torch.autograd.grad(y, (x, w), g)
+            results.append((dict(counter.packed), y_re, grads))
+        finally:
+            saved_act.NORM_VIA_ATEN_NODE = True
+    (packed_a, y_a, grads_a), (packed_b, y_b, grads_b) = results
+    assert packed_a == packed_b == {(0, "norm_in"): FMT.storage_bytes(x.numel())}
+    if recompute_first:
+        assert torch.equal(y_a, y_b)
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))

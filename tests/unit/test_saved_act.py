@@ -269,3 +269,14 @@ def test_replaced_input_is_freed_after_the_forward(how):
     assert alive() is None, "the replaced input is still referenced after the forward"
     out.sum().backward()  # and backward still works from the stash / the quantized copy
     assert w.grad is not None and x.grad is not None
+
+
+def test_norm_node_hook_refuses_a_node_that_is_not_atens_fused_rmsnorm():
+    """On CPU F.rms_norm decomposes (no fused node): the CUDA-only hooked path says so and names the switch."""
+    from agoq.ops.saved_act import _hook_fused_norm_node
+
+    x = _data((4, 64), 17).requires_grad_()
+    gamma = torch.nn.Parameter(torch.ones(64))
+    y = F.rms_norm(x, (64,), gamma, EPS)
+    with pytest.raises(RuntimeError, match="NORM_VIA_ATEN_NODE = False"):
+        _hook_fused_norm_node(y, x, gamma, EPS, parse_format("nf4_b64"), (0, "norm.input"), None)
