@@ -6,10 +6,12 @@ GPU (the issue's benchmark, ~1B LLaMA, seq 4096)::
     # host cost at small micro-batches, with the old launch path / SwiGLU as an in-process A/B (< 5 min):
     python scripts/bench_memory.py --policies bf16 agoq agoq@legacy --mbs 1 2 4 --steps 8 --json out.json
 
-``<policy>@legacy`` runs the policy with agoq's direct Triton launches and fused SwiGLU kernels switched
-off (scripts/bench_launch.py's ``legacy_paths``): the launch path and SwiGLU of the code before the
-host-cost work (its glue trimming stays), timed in the same process, so the comparison does not depend
-on the leased host's speed.
+``<policy>@legacy`` runs the policy with agoq's direct Triton launches, launch sites, fused SwiGLU kernels
+and the RMSNorm on ATen's node switched off (scripts/bench_launch.py's ``legacy_paths``): the code before
+the host-cost work (its glue trimming stays), timed in the same process, so the comparison does not
+depend on the leased host's speed. Step times: ``--rounds`` interleaved rounds per micro-batch size (the
+ratios the docs quote, ``step_time_ratio_interleaved``). Peaks: ``peak_bytes`` is absolute and includes
+every model kept resident for the rounds; ``peak_above_resident_bytes`` is what the step adds.
 
 CPU smoke (tiny model; byte counts are exact, times and peaks are not meaningful)::
 
@@ -101,8 +103,11 @@ def measure(shape_kw, policy, mbs, steps, device, reference=None) -> tuple[dict,
     predicted = sum(sum(agoq_bytes(s, dims).values()) + sum(megatron_bytes(s, dims).values())
                     for s in storage.layers.values())
     times, host_times = [], []
+    resident = None
     if device.type == "cuda":
+        model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
+        resident = torch.cuda.memory_allocated()  # every model kept for the interleaved rounds, no grads
         torch.cuda.reset_peak_memory_stats()
         retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     for _ in range(steps):
@@ -124,6 +129,7 @@ def measure(shape_kw, policy, mbs, steps, device, reference=None) -> tuple[dict,
             "policy": policy, "mbs": mbs, "held_layer_bytes": held_layers,
             "head_bytes": meter.bytes_by_layer.get(None, 0),
             "planner_layer_bytes": predicted, "peak_bytes": peak,
+            "peak_above_resident_bytes": None if peak is None else peak - resident,
             "step_s_median": statistics.median(times[1:] or times),
             "fwd_bwd_host_s_median": statistics.median(host_times[1:] or host_times),
             "allocator_retries": retries}, model
