@@ -103,6 +103,7 @@ class _AgoqLinearMixin(_AgoqStorageAttrs):
     agoq_pending = None
     agoq_fp8 = None  # FP8Recipe for this linear, or None: Megatron's bf16 GEMMs
     agoq_col_scale = None
+    agoq_save_checked = False  # replace_saved_input verified which saved tensor is the input (first call)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         stash, self.agoq_pending = self.agoq_pending, None
@@ -126,7 +127,10 @@ class _AgoqLinearMixin(_AgoqStorageAttrs):
         out = super()._forward_impl(input, weight, *args, **kwargs)
         # Megatron's ctx.save_for_backward(input, weight): replace saved tensor 0 (cheaper on the host than
         # a hook scope, which also sends the weight through Python in forward and backward)
-        replace_saved_input(out, input, node_name=_MEGATRON_LINEAR_NODE, index=0, **kw)
+        # (identity of the saved input checked on this module's first call; node and count on every call)
+        replace_saved_input(out, input, node_name=_MEGATRON_LINEAR_NODE, index=0,
+                            check_identity=not self.agoq_save_checked, **kw)
+        self.agoq_save_checked = True
         return out
 
     def _require_stash(self, stash):

@@ -339,7 +339,7 @@ class _PackRecompute:
 
 def replace_saved_input(out: torch.Tensor, target: torch.Tensor, *, node_name: str, index: int = 0,
                         fmt: QuantFormat | None = None, stash: RecomputeStash | None = None, key: Key = (None, ""),
-                        counter: SavedBytesCounter | None = None) -> None:
+                        counter: SavedBytesCounter | None = None, check_identity: bool = True) -> None:
     """After the autograd op that made ``out`` ran: its saved tensor number ``index``, which must be
     ``target``, is stored as a quantized copy (``fmt``) or a recompute handle (``stash``) from now on.
 
@@ -347,7 +347,10 @@ def replace_saved_input(out: torch.Tensor, target: torch.Tensor, *, node_name: s
     (``SavedTensor.register_hooks``: the pack hook runs at once and the full tensor is let go): no hook
     scope to enter and leave, and the op's other saved tensors (the weight) never pass through Python
     (docs/activations.md, "Host cost"). Raises RuntimeError when ``out`` was not made by ``node_name`` or
-    that node's saved tensor ``index`` is not ``target`` (the wrapped op changed). Inside an active
+    that node's saved tensor ``index`` is not ``target`` (the wrapped op changed; ``check_identity=False``
+    skips the identity half, which unpacks every saved tensor of the node: for callers that checked it
+    on their first call, as agoq's linears do, since which tensor a given op saves where is fixed by its
+    code). Inside an active
     ``saved_tensors_hooks`` scope the saved tensor has hooks already: use :class:`quantized_saves` there
     (:func:`default_saved_hooks_active`)."""
     if (fmt is None) == (stash is None):
@@ -356,7 +359,12 @@ def replace_saved_input(out: torch.Tensor, target: torch.Tensor, *, node_name: s
         _check_stash_feeds(stash, target)
     node = out.grad_fn
     raw = node._raw_saved_tensors if node is not None and type(node).__name__ == node_name else ()
-    saved = node.saved_tensors[index] if len(raw) > index else None
+    if len(raw) <= index:
+        saved = None
+    elif check_identity:
+        saved = node.saved_tensors[index]
+    else:
+        saved = target
     if saved is None or not (saved is target or (saved.data_ptr() == target.data_ptr()
                                                  and saved.shape == target.shape and saved.dtype == target.dtype)):
         raise RuntimeError(

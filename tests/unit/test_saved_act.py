@@ -280,3 +280,17 @@ def test_norm_node_hook_refuses_a_node_that_is_not_atens_fused_rmsnorm():
     y = F.rms_norm(x, (64,), gamma, EPS)
     with pytest.raises(RuntimeError, match="NORM_VIA_ATEN_NODE = False"):
         _hook_fused_norm_node(y, x, gamma, EPS, parse_format("nf4_b64"), (0, "norm.input"), None)
+
+
+def test_replace_saved_input_without_the_identity_check_still_checks_node_and_count():
+    fmt = parse_format("int8_b128")
+    x = _data((4, 64), 18).requires_grad_()
+    w = torch.nn.Parameter(_data((8, 64), 19))
+    out = _LinearLikeMegatron.apply(x, w)
+    with pytest.raises(RuntimeError, match="expected OtherBackward"):
+        replace_saved_input(out, x, node_name="OtherBackward", fmt=fmt, check_identity=False)
+    with pytest.raises(RuntimeError, match="saved tensor 2"):
+        replace_saved_input(out, x, node_name=_NODE, index=2, fmt=fmt, check_identity=False)
+    counter = SavedBytesCounter()
+    replace_saved_input(out, x, node_name=_NODE, fmt=fmt, counter=counter, check_identity=False)
+    assert counter.live == fmt.storage_bytes(x.numel())
