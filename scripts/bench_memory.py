@@ -6,7 +6,9 @@ GPU (the issue's benchmark, ~1B LLaMA, seq 4096)::
     # host cost at small micro-batches, with the old launch path / SwiGLU as an in-process A/B (< 5 min):
     python scripts/bench_memory.py --policies bf16 agoq agoq@legacy --mbs 1 2 4 --steps 8 --json out.json
 
-``<policy>@legacy`` runs the policy with agoq's direct Triton launches, launch sites, fused SwiGLU kernels
+``<policy>@<variant>[+<variant>]`` switches parts of the saved-activation host path for an A/B in one
+process: ``fnnorm`` (the RMSNorm through agoq's autograd function, not ATen's node), ``scope`` (linears
+replace their saved input through a hook scope, not the saved tensor's hooks), and ``legacy``, which runs the policy with agoq's direct Triton launches, launch sites, fused SwiGLU kernels
 and the RMSNorm on ATen's node switched off (scripts/bench_launch.py's ``legacy_paths``): the code before
 the host-cost work (its glue trimming stays), timed in the same process, so the comparison does not
 depend on the leased host's speed. Step times: ``--rounds`` interleaved rounds per micro-batch size (the
@@ -77,14 +79,10 @@ def _batch(shape_kw, mbs, device):
 
 
 def measure(shape_kw, policy, mbs, steps, device, reference=None) -> tuple[dict, object]:
-    """One row; ``policy`` may end in ``@legacy`` (see the module docstring)."""
+    """One row; ``policy`` may end in ``@<variant>[+<variant>...]`` (see the module docstring)."""
     name, _, variant = policy.partition("@")
-    if variant not in ("", "legacy"):
-        raise ValueError(f"unknown policy variant {policy!r}: use <policy> or <policy>@legacy")
     if variant:
-        from bench_launch import legacy_paths
-
-        with legacy_paths():
+        with _variant(variant):
             row, model = measure(shape_kw, name, mbs, steps, device, reference)
         row["policy"] = policy
         return row, model
@@ -145,8 +143,7 @@ def interleaved_times(group: dict, shape_kw, mbs: int, device, rounds: int, step
     for _ in range(rounds):
         for policy, (_, model) in group.items():
             _, _, variant = policy.partition("@")
-            ctx = _legacy() if variant else contextlib.nullcontext()
-            with ctx:
+            with _variant(variant):
                 for i in range(steps):
                     _sync(device)
                     start = time.perf_counter()
@@ -168,10 +165,39 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def _legacy():
+@contextlib.contextmanager
+def _switch(module, attr: str, value):
+    previous = getattr(module, attr)
+    setattr(module, attr, value)
+    try:
+        yield
+    finally:
+        setattr(module, attr, previous)
+
+
+def _variant_contexts() -> dict:
+    """Variant name -> context manager factory: the A/B switches of the saved-activation host path."""
     from bench_launch import legacy_paths
 
-    return legacy_paths()
+    from agoq.megatron import layers
+    from agoq.ops import saved_act
+
+    return {"legacy": legacy_paths,  # the code before the host-cost work (scripts/bench_launch.py)
+            "fnnorm": lambda: _switch(saved_act, "NORM_VIA_ATEN_NODE", False),  # RMSNorm as agoq's autograd fn
+            "scope": lambda: _switch(layers, "LINEAR_SAVE_VIA_NODE_HOOKS", False)}  # linears: hook scope
+
+
+def _variant(spec: str):
+    """One context for ``a+b+...`` (empty: none); unknown names raise with the list."""
+    stack = contextlib.ExitStack()
+    if not spec:
+        return stack
+    known = _variant_contexts()
+    for name in spec.split("+"):
+        if name not in known:
+            raise ValueError(f"unknown policy variant {name!r} in {spec!r}: use <policy>[@{'|'.join(known)}[+...]]")
+        stack.enter_context(known[name]())
+    return stack
 
 
 TRACE_DIR: Path | None = None  # set by --trace DIR: one torch.profiler trace per row, plus its summary

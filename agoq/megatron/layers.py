@@ -56,6 +56,9 @@ from agoq.ops.saved_act import (
 from agoq.ops.smooth_swiglu import fold_channel_scale, glu_smooth_scale, unsmooth_fc2_output
 
 
+# The linears replace Megatron's saved input through that saved tensor's own hooks (True) or a hook scope
+# around the call (False: the A/B switch of scripts/bench_memory.py; also what runs inside another scope).
+LINEAR_SAVE_VIA_NODE_HOOKS = True
 # the autograd node of LinearWithGradAccumulationAndAsyncCommunication (it saves (input, weight))
 _MEGATRON_LINEAR_NODE = "LinearWithGradAccumulationAndAsyncCommunicationBackward"
 
@@ -121,7 +124,7 @@ class _AgoqLinearMixin(_AgoqStorageAttrs):
             kw = {"fmt": self.agoq_fmt, "key": self.agoq_key, "counter": self.agoq_counter}
         else:
             return super()._forward_impl(input, weight, *args, **kwargs)
-        if default_saved_hooks_active():  # the save gets the scope's hooks: agoq's must be the innermost scope
+        if not LINEAR_SAVE_VIA_NODE_HOOKS or default_saved_hooks_active():  # agoq's scope must be innermost
             with quantized_saves(input, **kw):
                 return super()._forward_impl(input, weight, *args, **kwargs)
         out = super()._forward_impl(input, weight, *args, **kwargs)
