@@ -167,7 +167,7 @@ class LaunchSite:
 
     The first call goes through the FastKernel; from then on a call checks only what can still change,
     the 16-byte alignment of each tensor argument and the current device, then makes the final launch
-    call itself. That is the FastKernel key's dict work (a key tuple of every argument per launch: ~15 of
+    call itself, with the tensors' data pointers in their place. That is the FastKernel key's dict work (a key tuple of every argument per launch: ~15 of
     the ~50 host us a launch cost on an H100 host, docs/activations.md "Host cost") done once per site.
     Anything else (an unaligned tensor, another device, a launch hook, direct launches off) takes the
     FastKernel's own path for that call. ``set_check_sites(True)`` (tests) recomputes the full key on
@@ -189,22 +189,31 @@ class LaunchSite:
         if entry is not None and _ENABLED:
             runtime_knobs, get_device, get_stream = self.kernel._triton_mods()
             device = get_device()
-            if device == self._device and _no_hooks(runtime_knobs) and self._aligned(args):
-                if _CHECK_SITES:
-                    self._check(device, args)
-                g0, g1, g2 = self.grid
-                self.direct_calls += 1
-                entry[0](g0, g1, g2, get_stream(device), entry[1], entry[2], None, None, None, *args)
-                return
+            if device == self._device and _no_hooks(runtime_knobs):
+                launch_args = self._pointer_args(args)
+                if launch_args is not None:
+                    if _CHECK_SITES:
+                        self._check(device, args)
+                    g0, g1, g2 = self.grid
+                    self.direct_calls += 1
+                    entry[0](g0, g1, g2, get_stream(device), entry[1], entry[2], None, None, None, *launch_args)
+                    return
         self.kernel(self.grid, *args)
         if entry is None:
             self._adopt(args)
 
-    def _aligned(self, args) -> bool:
+    def _pointer_args(self, args) -> list | None:
+        """``args`` with every tensor replaced by its data pointer, or None if one is not 16-byte aligned.
+        Triton's launcher (3.6 and 3.8) takes an int as a device pointer as is; a tensor costs it a
+        ``data_ptr()`` call back into Python (and, in 3.6, a driver query) per argument and launch. The
+        caller still holds the tensors, so their memory outlives the stream-ordered launch as before."""
+        out = list(args)
         for i in self._tensor_pos:
-            if args[i].data_ptr() % _ALIGN:
-                return False
-        return True
+            ptr = out[i].data_ptr()
+            if ptr % _ALIGN:
+                return None
+            out[i] = ptr
+        return out
 
     def _adopt(self, args) -> None:
         """After the first launch: keep the compiled kernel if every tensor was aligned (the common case)."""

@@ -76,6 +76,7 @@ class AgoqRMSNorm(_AgoqStorageAttrs, torch.nn.RMSNorm):
     quantized input and hand a recompute stash to the linear it feeds (``agoq_consumer``)."""
 
     agoq_consumer = None
+    agoq_node_checked = False  # the CUDA norm node's saved input was checked to be x (first call)
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
         problems = [name for name in ("layernorm_zero_centered_gamma", "persist_layer_norm", "sequence_parallel",
@@ -91,7 +92,8 @@ class AgoqRMSNorm(_AgoqStorageAttrs, torch.nn.RMSNorm):
         if self.agoq_fmt is None:
             return super().forward(x_SBH)
         y_SBH, stash = rmsnorm_saving_input(x_SBH, self.weight, self.eps, self.agoq_fmt, self.agoq_key,
-                                            self.agoq_counter)
+                                            self.agoq_counter, check_identity=not self.agoq_node_checked)
+        self.agoq_node_checked = self.agoq_node_checked or stash is not None
         self.agoq_consumer.agoq_pending = stash
         return y_SBH
 

@@ -437,18 +437,20 @@ def _norm_recompute(weight_H: torch.Tensor, eps: float) -> Callable:
 
 
 def rmsnorm_saving_input(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float, fmt: QuantFormat, key: Key,
-                         counter: SavedBytesCounter | None = None) -> tuple[torch.Tensor, RecomputeStash | None]:
+                         counter: SavedBytesCounter | None = None, check_identity: bool = True
+                         ) -> tuple[torch.Tensor, RecomputeStash | None]:
     """RMSNorm with the same forward values as ``torch.nn.RMSNorm``; keeps ``fmt``-quantized x only.
 
     Returns (y, stash); stash is None when nothing needs saving (no grad). Pass the stash to the
     next linear's :func:`quantized_saves` so it stores nothing either (its input is recomputed from
-    the same quantized x).
+    the same quantized x). ``check_identity=False`` skips checking that the CUDA norm node saved ``x_TH``
+    itself (its node type is checked on every call): for callers that checked on their first call.
     """
     if not (torch.is_grad_enabled() and (x_TH.requires_grad or weight_H.requires_grad)):
         return F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps), None  # nothing is saved
     if NORM_VIA_ATEN_NODE and x_TH.is_cuda and not default_saved_hooks_active():
         y_TH = F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps)
-        return y_TH, _hook_fused_norm_node(y_TH, x_TH, weight_H, eps, fmt, key, counter)
+        return y_TH, _hook_fused_norm_node(y_TH, x_TH, weight_H, eps, fmt, key, counter, check_identity)
     out: list = []
     y_TH = _RMSNormSavingInput.apply(x_TH, weight_H, eps, fmt, key, counter, out)
     return y_TH, out[0]
@@ -463,14 +465,14 @@ _FUSED_NORM_NODE = "FusedRmsNormBackward0"
 _NORM_RSTD_ATTRS = ("_raw_saved_rstd", "_raw_saved_result1")  # the name of its second output, by torch version
 
 
-def _hook_fused_norm_node(y_TH, x_TH, weight_H, eps, fmt, key, counter) -> RecomputeStash:
+def _hook_fused_norm_node(y_TH, x_TH, weight_H, eps, fmt, key, counter, check_identity=True) -> RecomputeStash:
     """Make the node that computed ``y_TH`` store quantized x (for itself and the next linear) and take
     rstd from the linear's recompute in backward (or recompute it), not the forward's rstd(x)."""
     node = y_TH.grad_fn
     raw_x = getattr(node, "_raw_saved_input", None)
-    raw_rstd = next((getattr(node, a) for a in _NORM_RSTD_ATTRS if hasattr(node, a)), None)
+    raw_rstd = getattr(node, _NORM_RSTD_ATTRS[0], None) or getattr(node, _NORM_RSTD_ATTRS[1], None)
     if type(node).__name__ != _FUSED_NORM_NODE or raw_x is None or raw_rstd is None \
-            or node._saved_input.data_ptr() != x_TH.data_ptr():
+            or (check_identity and node._saved_input.data_ptr() != x_TH.data_ptr()):
         raise RuntimeError(
             f"agoq: F.rms_norm on CUDA made a {type(node).__name__} node, not ATen's fused RMSNorm "
             f"({_FUSED_NORM_NODE} saving input and rstd) that agoq hooks (torch {torch.__version__}); set "

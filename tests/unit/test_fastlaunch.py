@@ -164,7 +164,9 @@ def test_launch_site_compiles_once_then_launches_directly(fake_triton):
     assert jit.log == [("jit", (3, 1, 1), (x, out, 64, "K"), {"num_warps": 4})]
     y = torch.zeros(8)  # another (aligned) tensor: same site, direct launch with the padded grid and stream
     site(y, out, 64, "K")
-    assert jit.log[-1] == ("direct", (3, 1, 1, 1234, "FUNC", ("META",), None, None, None, y, out, 64, "K"))
+    # the tensors travel as their data pointers (Triton's launcher takes ints as device pointers)
+    assert jit.log[-1] == ("direct", (3, 1, 1, 1234, "FUNC", ("META",), None, None, None, y.data_ptr(),
+                                      out.data_ptr(), 64, "K"))
 
 
 def test_launch_site_unaligned_tensor_or_hook_takes_the_kernels_path(fake_triton):
