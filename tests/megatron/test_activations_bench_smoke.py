@@ -46,3 +46,20 @@ def test_bench_launch_smoke(tmp_path):
     for pair in ("rmsnorm", "rmsnorm_linear", "swiglu", "swiglu_linear"):
         assert rows[f"ratio_{pair}"] > 0 and rows[f"ratio_{pair}_legacy"] > 0
     assert rows["rmsnorm_saving_then_linear_fwd_bwd_legacy"] > 0 and rows["torch_add"] > 0
+
+
+def test_bench_host_profile_smoke(tmp_path):
+    """scripts/bench_host_profile.py --smoke: every wrapped function that runs in the agoq policy's step is
+    reported (the timers reach agoq's and Megatron's functions), and the bf16 policy calls none of agoq's."""
+    out = tmp_path / "host.json"
+    env = child_env()
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_host_profile.py"), "--smoke",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {r["policy"]: {f["function"] for f in r["functions"]} for r in json.loads(out.read_text())["results"]}
+    assert {"megatron_linear.forward", "megatron_linear.backward"} <= results["bf16"]
+    assert not any(name.startswith(("rmsnorm", "swiglu", "replace_saved")) for name in results["bf16"])
+    assert {"rmsnorm_function.forward", "swiglu_function.forward", "replace_saved_input",
+            "stash.recomputed_output", "counter.add"} <= results["agoq"]
