@@ -239,7 +239,27 @@ def release_suite(smoke: bool) -> list[dict]:
             for name, extra in variants.items()]  # fmt: skip
 
 
-SUITES = {"attention": attention_suite, "fp8_scale": fp8_scale_suite, "lean": lean_suite, "memory": memory_suite,
+def act_host_suite(smoke: bool) -> list[dict]:
+    """Issue 4's host-bound corner in whole training steps: the ~1B shape at seq 4096, micro-batch 1 and 2,
+    8 micro-batches per step (gradient accumulation), Megatron baseline vs agoq's default activation policy.
+    scripts/bench_memory.py times forward + backward alone; here Megatron's optimizer step, the gradient
+    buffer and the data pipeline are in the step too. At micro-batch 1 the pair runs twice, alternating, so
+    host-speed drift shows up as the spread between the repeats instead of as a bias."""
+    shape, seq, iters = ("tiny", "64", "4") if smoke else ("1b", "4096", "9")
+    common = SHAPES[shape] + COMMON + ["--seq-length", seq, "--train-iters", iters]
+    pairs = [("1", ""), ("1", " (repeat)"), ("2", "")] if not smoke else [("1", "")]
+    variants = []
+    for mbs, tag in pairs:
+        batch = ["--micro-batch-size", mbs, "--global-batch-size", str(8 * int(mbs))]
+        variants += [
+            {"name": f"{shape}/mbs{mbs}/baseline (Megatron){tag}", "nproc": 1,
+             "args": common + batch + ["--agoq-disable"]},
+            {"name": f"{shape}/mbs{mbs}/agoq activations (default policy){tag}", "nproc": 1, "args": common + batch},
+        ]
+    return variants
+
+
+SUITES = {"act_host": act_host_suite, "attention": attention_suite, "fp8_scale": fp8_scale_suite, "lean": lean_suite, "memory": memory_suite,
           "fp8": fp8_suite, "grads": grads_suite, "dp2": dp2_suite, "release": release_suite}
 
 
