@@ -200,13 +200,17 @@ def pp2_cases(path: Path = BENCH / "activations_pp2.json") -> list[Case]:
 def all_cases() -> list[Case]:
     earlier = [pretrain_cases(BENCH / f"pretrain_memory_{run}.json") for run in PRETRAIN_EARLIER_RUNS]
     fp8 = [c for name in FP8_RUNS for c in pretrain_cases(BENCH / name)]
-    return pretrain_cases() + [c for cases in earlier for c in cases] + bench_memory_cases() + pp2_cases() + fp8
+    whole = [c for name in ACTIVATION_STEP_RUNS for c in pretrain_cases(BENCH / name)]
+    return (pretrain_cases() + [c for cases in earlier for c in cases] + bench_memory_cases() + pp2_cases() + fp8
+            + whole)
 
 
 # Earlier runs of the memory suite, each on the code of its date (docs/benchmarks/pretrain_memory.md)
 PRETRAIN_EARLIER_RUNS = ("2026-11-24", "2026-11-25a", "2026-11-25b")
 # bench_pretrain.py runs with --agoq-fp8 / --agoq-smooth-swiglu variants next to bf16 (docs/benchmarks/fp8.md)
 FP8_RUNS = ("fp8_step_run4.json", "fp8_scale_1b.json", "fp8_scale_7b.json", "fp8_scale_1b_v2.json")
+# bench_pretrain.py --suite act_host: baseline vs agoq.yaml at micro-batch 1 / 2 (docs/benchmarks/activations.md)
+ACTIVATION_STEP_RUNS = ("activations_whole_steps.json",)
 
 
 def format_table(cases: list[Case]) -> str:
