@@ -210,7 +210,7 @@ PRETRAIN_EARLIER_RUNS = ("2026-11-24", "2026-11-25a", "2026-11-25b")
 # bench_pretrain.py runs with --agoq-fp8 / --agoq-smooth-swiglu variants next to bf16 (docs/benchmarks/fp8.md)
 FP8_RUNS = ("fp8_step_run4.json", "fp8_scale_1b.json", "fp8_scale_7b.json", "fp8_scale_1b_v2.json")
 # bench_pretrain.py --suite act_host: baseline vs agoq.yaml at micro-batch 1 / 2 (docs/benchmarks/activations.md)
-ACTIVATION_STEP_RUNS = ("activations_whole_steps.json",)
+ACTIVATION_STEP_RUNS = ("activations_whole_steps.json", "activations_whole_steps_2.json")
 
 
 def format_table(cases: list[Case]) -> str:
