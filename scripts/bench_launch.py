@@ -63,15 +63,15 @@ def legacy_paths():
     ATen forward; dequantize + recompute + backward) and the RMSNorm as agoq's autograd function. The glue
     trimming (counter weakrefs, per-tensor hooks on the linears' saved input) is not undone."""
     from agoq.kernels import _fastlaunch
-    from agoq.ops import saved_act
+    from agoq.ops import saved_act, saved_norm
 
-    previous = _fastlaunch.set_fast_launch(False), saved_act.FUSE_SWIGLU, saved_act.NORM_VIA_ATEN_NODE
-    saved_act.FUSE_SWIGLU = saved_act.NORM_VIA_ATEN_NODE = False
+    previous = _fastlaunch.set_fast_launch(False), saved_act.FUSE_SWIGLU, saved_norm.NORM_VIA_ATEN_NODE
+    saved_act.FUSE_SWIGLU = saved_norm.NORM_VIA_ATEN_NODE = False
     try:
         yield
     finally:
         _fastlaunch.set_fast_launch(previous[0])
-        saved_act.FUSE_SWIGLU, saved_act.NORM_VIA_ATEN_NODE = previous[1:]
+        saved_act.FUSE_SWIGLU, saved_norm.NORM_VIA_ATEN_NODE = previous[1:]
 
 
 def _linear_saving(x, w, stash):
@@ -84,7 +84,8 @@ def _linear_saving(x, w, stash):
 
 def path_steps(dev: torch.device, fmt) -> dict:
     """name -> zero-argument callable running one forward + backward of a plain or saving path."""
-    from agoq.ops.saved_act import rmsnorm_saving_input, swiglu_reference, swiglu_saving_input
+    from agoq.ops.saved_act import swiglu_reference, swiglu_saving_input
+    from agoq.ops.saved_norm import rmsnorm_saving_input
 
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(TOKENS, HIDDEN, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
@@ -131,7 +132,8 @@ def anatomy_steps(dev: torch.device, fmt) -> dict:
     """Where the RMSNorm saving path's host time goes: the same norm fwd + bwd built up piece by piece
     (``--anatomy``). Each row adds one ingredient of rmsnorm_saving_input to the plain ATen norm."""
     from agoq.kernels.quant import dequantize, quantize
-    from agoq.ops.saved_act import _fused_rms_norm, quantized_saves, rmsnorm_saving_input
+    from agoq.ops.saved_act import quantized_saves
+    from agoq.ops.saved_norm import _fused_rms_norm, rmsnorm_saving_input
 
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(TOKENS, HIDDEN, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)

@@ -8,8 +8,9 @@ GPU (the issue's benchmark, ~1B LLaMA, seq 4096)::
 
 ``<policy>@<variant>[+<variant>]`` switches parts of the saved-activation host path for an A/B in one
 process: ``fnnorm`` (the RMSNorm through agoq's autograd function, not ATen's node), ``scope`` (linears
-replace their saved input through a hook scope, not the saved tensor's hooks), and ``legacy``, which runs the policy with agoq's direct Triton launches, launch sites, fused SwiGLU kernels
-and the RMSNorm on ATen's node switched off (scripts/bench_launch.py's ``legacy_paths``): the code before
+replace their saved input through a hook scope, not the saved tensor's hooks), and ``legacy``, which
+runs the policy with agoq's direct Triton launches, launch sites, fused SwiGLU kernels and the RMSNorm on
+ATen's node switched off (scripts/bench_launch.py's ``legacy_paths``): the code before
 the host-cost work (its glue trimming stays), timed in the same process, so the comparison does not
 depend on the leased host's speed. Step times: ``--rounds`` interleaved rounds per micro-batch size (the
 ratios the docs quote, ``step_time_ratio_interleaved``). Peaks: ``peak_bytes`` is absolute and includes
@@ -180,10 +181,10 @@ def _variant_contexts() -> dict:
     from bench_launch import legacy_paths
 
     from agoq.megatron import layers
-    from agoq.ops import saved_act
+    from agoq.ops import saved_norm
 
     return {"legacy": legacy_paths,  # the code before the host-cost work (scripts/bench_launch.py)
-            "fnnorm": lambda: _switch(saved_act, "NORM_VIA_ATEN_NODE", False),  # RMSNorm as agoq's autograd fn
+            "fnnorm": lambda: _switch(saved_norm, "NORM_VIA_ATEN_NODE", False),  # RMSNorm as agoq's autograd fn
             "scope": lambda: _switch(layers, "LINEAR_SAVE_VIA_NODE_HOOKS", False)}  # linears: hook scope
 
 

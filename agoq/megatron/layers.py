@@ -47,14 +47,13 @@ from agoq.ops.saved_act import (
     default_saved_hooks_active,
     quantized_saves,
     replace_saved_input,
-    rmsnorm_saving_input,
     saved_input_handle,
     smooth_swiglu_saving_input,
     swiglu_reference,
     swiglu_saving_input,
 )
+from agoq.ops.saved_norm import rmsnorm_saving_input
 from agoq.ops.smooth_swiglu import fold_channel_scale, glu_smooth_scale, unsmooth_fc2_output
-
 
 # The linears replace Megatron's saved input through that saved tensor's own hooks (True) or a hook scope
 # around the call (False: the A/B switch of scripts/bench_memory.py; also what runs inside another scope).

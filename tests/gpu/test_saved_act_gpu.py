@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from agoq.formats import parse_format
-from agoq.ops.saved_act import rmsnorm_saving_input, swiglu_saving_input
+from agoq.ops.saved_act import swiglu_saving_input
+from agoq.ops.saved_norm import rmsnorm_saving_input
 from agoq.ref.swiglu import ref_swiglu_bwd_scaled
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -164,13 +165,13 @@ def test_launch_sites_equal_tritons_launch(name):
 def test_rmsnorm_on_atens_node_equals_the_autograd_function(recompute_first):
     """NORM_VIA_ATEN_NODE: F.rms_norm's own node with hooks on its saved input / rstd stores the same bytes
     and gives the same gradient bits as agoq's autograd function (the A/B switch), and keeps no full x."""
-    from agoq.ops import saved_act
+    from agoq.ops import saved_norm
     from agoq.ops.saved_act import SavedBytesCounter
 
     x, w, g = _inputs((2, 129, 2048), seed=3)
     results = []
     for via_node in (True, False):
-        saved_act.NORM_VIA_ATEN_NODE = via_node
+        saved_norm.NORM_VIA_ATEN_NODE = via_node
         try:
             counter = SavedBytesCounter()
             y, stash = rmsnorm_saving_input(x, w, 1e-5, FMT, (0, "norm_in"), counter)
@@ -179,7 +180,7 @@ def test_rmsnorm_on_atens_node_equals_the_autograd_function(recompute_first):
             grads = torch.autograd.grad(y, (x, w), g)
             results.append((dict(counter.packed), y_re, grads))
         finally:
-            saved_act.NORM_VIA_ATEN_NODE = True
+            saved_norm.NORM_VIA_ATEN_NODE = True
     (packed_a, y_a, grads_a), (packed_b, y_b, grads_b) = results
     assert packed_a == packed_b == {(0, "norm_in"): FMT.storage_bytes(x.numel())}
     if recompute_first:

@@ -21,10 +21,10 @@ from agoq.ops.saved_act import (
     default_saved_hooks_active,
     quantized_saves,
     replace_saved_input,
-    rmsnorm_saving_input,
     swiglu_reference,
     swiglu_saving_input,
 )
+from agoq.ops.saved_norm import rmsnorm_saving_input
 from agoq.ref.quant import ref_dequantize, ref_quantize
 from agoq.testing.numerics import gaussian_floor_db, sqnr_db
 
@@ -273,7 +273,7 @@ def test_replaced_input_is_freed_after_the_forward(how):
 
 def test_norm_node_hook_refuses_a_node_that_is_not_atens_fused_rmsnorm():
     """On CPU F.rms_norm decomposes (no fused node): the CUDA-only hooked path says so and names the switch."""
-    from agoq.ops.saved_act import _hook_fused_norm_node
+    from agoq.ops.saved_norm import _hook_fused_norm_node
 
     x = _data((4, 64), 17).requires_grad_()
     gamma = torch.nn.Parameter(torch.ones(64))
