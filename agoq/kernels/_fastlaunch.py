@@ -167,8 +167,9 @@ class LaunchSite:
 
     The first call goes through the FastKernel; from then on a call checks only what can still change,
     the 16-byte alignment of each tensor argument and the current device, then makes the final launch
-    call itself, with the tensors' data pointers in their place. That is the FastKernel key's dict work (a key tuple of every argument per launch: ~15 of
-    the ~50 host us a launch cost on an H100 host, docs/activations.md "Host cost") done once per site.
+    call itself, with the tensors' data pointers in their place. That is the FastKernel key's dict work
+    (a key tuple of every argument per launch: ~15 of the ~50 host us a launch cost on an H100 host,
+    docs/activations.md "Host cost") done once per site.
     Anything else (an unaligned tensor, another device, a launch hook, direct launches off) takes the
     FastKernel's own path for that call. ``set_check_sites(True)`` (tests) recomputes the full key on
     every call and raises if a caller broke the contract."""
