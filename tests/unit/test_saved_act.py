@@ -126,13 +126,19 @@ def test_quantized_saves_replaces_only_the_input_and_wgrad_uses_dequantized_inpu
     assert counter.live == 0 and counter.total() == fmt.storage_bytes(x.numel())
 
 
-def test_norm_then_linear_stores_only_the_quantized_norm_input():
+def _norm_feeding_a_linear():
+    """(fmt, x, gamma, w, counter, y, stash): an nf4 norm whose output y feeds a 48-wide linear w."""
     fmt = parse_format("nf4_b64")
     x = _data((8, 2, 64), 11).requires_grad_()
     gamma = torch.nn.Parameter(1 + 0.1 * _data((64,), 12))
     w = torch.nn.Parameter(_data((48, 64), 13))
     counter = SavedBytesCounter()
     y, stash = rmsnorm_saving_input(x, gamma, EPS, fmt, (0, "norm.input"), counter)
+    return fmt, x, gamma, w, counter, y, stash
+
+
+def test_norm_then_linear_stores_only_the_quantized_norm_input():
+    fmt, x, gamma, w, counter, y, stash = _norm_feeding_a_linear()
     with quantized_saves(y, stash=stash):
         out = _LinearLikeMegatron.apply(y, w)
     assert counter.packed == {(0, "norm.input"): fmt.storage_bytes(x.numel())}  # the linear adds nothing
@@ -193,12 +199,7 @@ def test_replace_saved_input_equals_the_hook_scope():
 
 
 def test_replace_saved_input_with_a_stash_stores_nothing_more():
-    fmt = parse_format("nf4_b64")
-    x = _data((8, 2, 64), 11).requires_grad_()
-    gamma = torch.nn.Parameter(1 + 0.1 * _data((64,), 12))
-    w = torch.nn.Parameter(_data((48, 64), 13))
-    counter = SavedBytesCounter()
-    y, stash = rmsnorm_saving_input(x, gamma, EPS, fmt, (0, "norm.input"), counter)
+    fmt, x, gamma, w, counter, y, stash = _norm_feeding_a_linear()
     out = _LinearLikeMegatron.apply(y, w)
     replace_saved_input(out, y, node_name=_NODE, stash=stash)
     assert counter.packed == {(0, "norm.input"): fmt.storage_bytes(x.numel())}
