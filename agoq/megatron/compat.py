@@ -41,6 +41,7 @@ _TC_FIELDS = (
     "kv_channels", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func",
     "add_bias_linear", "hidden_dropout", "attention_dropout", "bf16", "params_dtype", "pipeline_dtype",
     "use_cpu_initialization", "init_method_std", "gradient_accumulation_fusion", "batch_p2p_sync",
+    "batch_p2p_comm", "overlap_p2p_comm",
     "no_sync_func", "grad_sync_func", "finalize_model_grads_func", "deallocate_pipeline_outputs",
     "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size",
     "tensor_model_parallel_size", "sequence_parallel", "context_parallel_size", "softmax_type",

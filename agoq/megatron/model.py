@@ -134,7 +134,24 @@ def llama_transformer_config(
         gradient_accumulation_fusion=False,  # needs APEX/TE fused wgrad kernels
         # CPU runs: p2p has no CUDA stream to synchronize; harmless on GPU (NCCL orders the ops).
         batch_p2p_sync=False,
+        **pipeline_p2p_options(layout),
     )
+
+
+def pipeline_p2p_options(layout: ParallelLayout) -> dict[str, bool]:
+    """Megatron-LM's p2p defaults: the interleaved schedule overlaps its sends/receives one by one
+    (``overlap_p2p_comm``), 1F1B batches them (``batch_p2p_comm``).
+
+    Not a tuning choice: with PP=2 a rank's previous and next stage are the same peer, and the
+    interleaved steady state posts send-prev, recv-prev, send-next, recv-next in one tagless
+    ``batch_isend_irecv``. The peer matches them first-in first-out, so activations arrive as
+    gradients and gradients as activations (same shape, no error): training diverges silently
+    (issue 18; Megatron-LM issues 750, 1450). Separate forward and backward exchanges
+    (overlap mode) keep the pairing right at every PP size; tests/megatron/test_layouts.py compares
+    per-parameter gradients of PP=2 x VPP=2 against PP=1.
+    """
+    interleaved = bool(layout.vpp)
+    return {"overlap_p2p_comm": interleaved, "batch_p2p_comm": not interleaved}
 
 
 def agoq_layer_spec(attention_backend: str, policy=None, schedule=None, compute=None) -> ModuleSpec:
