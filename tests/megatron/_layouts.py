@@ -1,0 +1,176 @@
+"""Train the same model from the same weights in several parallel layouts (layout-equivalence tests' helper).
+
+``run_layouts(rank, world_size, reference_state, cases, ...)`` builds, for each case, the model chunks the
+way ``scripts/pretrain_llama.py`` does (its own ``model_provider``: agoq spec, DDP or agoq's gradient
+wrappers, Megatron's optimizer and LR schedule), overwrites every parameter with ``reference_state`` (keyed
+by *global* parameter name, so PP=1 and PP=2 x VPP=2 hold identical weights), and runs
+``ITERATIONS`` real training steps (``agoq.megatron.training.StepRunner``: Megatron's schedules,
+``finalize_model_grads``, optimizer step, LR schedule) on a fixed, learnable token stream.
+
+Per case it returns the loss and grad norm of every iteration and the reduced iteration-1 gradient of
+every parameter this rank owns (global names; the distributed optimizer keeps only a shard, so its
+cases return losses only).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "model" / "tiny.yaml"
+POLICIES = REPO / "configs" / "policy"
+VOCAB, SEQ, MICRO_BATCH, GLOBAL_BATCH, ITERATIONS = 128, 32, 2, 16, 10
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    tp: int = 1
+    pp: int = 1
+    layers_per_virtual_stage: int | None = None
+    policy: str | None = None  # None: --agoq-disable (Megatron's modules); else configs/policy/<name>.yaml
+    flags: tuple[str, ...] = field(default=())
+
+    def argv(self) -> list[str]:
+        argv = ["--config", str(TINY), "--fp32", "--seq-length", str(SEQ), "--micro-batch-size", str(MICRO_BATCH),
+                "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(ITERATIONS), "--lr", "1e-2",
+                "--lr-warmup-iters", "2", "--tensor-model-parallel-size", str(self.tp),
+                "--make-vocab-size-divisible-by", "64",  # 128 rows at TP=1 and TP=2 alike
+                "--pipeline-model-parallel-size", str(self.pp), *self.flags]
+        if self.layers_per_virtual_stage:
+            argv += ["--num-layers-per-virtual-pipeline-stage", str(self.layers_per_virtual_stage)]
+        argv += ["--agoq-disable"] if self.policy is None else ["--agoq-policy", str(POLICIES / f"{self.policy}.yaml")]
+        return argv
+
+
+def token_stream(num_samples: int, seed: int = 11) -> torch.Tensor:
+    """[num_samples, SEQ + 1] int64: each sequence follows a fixed random successor map from a random
+    start token, so a model can learn it within a few steps (the losses must move for the test to bite)."""
+    g = torch.Generator().manual_seed(seed)
+    successor = torch.randperm(VOCAB, generator=g)
+    tokens = torch.empty(num_samples, SEQ + 1, dtype=torch.int64)
+    tokens[:, 0] = torch.randint(0, VOCAB, (num_samples,), generator=g)
+    for t in range(SEQ):
+        tokens[:, t + 1] = successor[tokens[:, t]]
+    return tokens
+
+
+def micro_batches(dp_rank: int, dp_size: int) -> list[dict]:
+    """This data-parallel rank's micro-batches for all iterations, in Megatron's sampler order
+    (``agoq.data.sampler.PretrainingSampler``: step k holds samples k*mbs*dp .. ; rank r its r-th slice)."""
+    tokens = token_stream(ITERATIONS * GLOBAL_BATCH)
+    out = []
+    for start in range(0, tokens.shape[0], MICRO_BATCH * dp_size):
+        rows = tokens[start + dp_rank * MICRO_BATCH: start + (dp_rank + 1) * MICRO_BATCH]
+        out.append({"tokens": rows[:, :-1], "labels": rows[:, 1:], "loss_mask": torch.ones(MICRO_BATCH, SEQ),
+                    "position_ids": torch.arange(SEQ).expand(MICRO_BATCH, -1)})
+    return out
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("agoq_pretrain_script", REPO / "scripts" / "pretrain_llama.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def global_names(chunk) -> dict[str, torch.nn.Parameter]:
+    """Parameters of one (unwrapped) GPTModel chunk by global name: decoder.layers.<global index>.…"""
+    names = {}
+    for name, param in chunk.named_parameters():
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            parts[2] = str(chunk.decoder.layers[int(parts[2])].layer_number - 1)
+        names[".".join(parts)] = param
+    return names
+
+
+def _unwrap(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def tp_shard(full: torch.Tensor, name: str, partition_dim: int | None, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's piece of a full (TP=1) parameter or gradient, as Megatron's layers split it:
+    along ``partition_dim``; the gated fc1 ([gate; up] stacked) splits gate and up separately."""
+    if partition_dim is None or tp_size == 1:
+        return full
+    if name.endswith("mlp.linear_fc1.weight"):
+        return torch.cat([half.chunk(tp_size, dim=partition_dim)[tp_rank] for half in full.chunk(2, dim=0)])
+    return full.chunk(tp_size, dim=partition_dim)[tp_rank]
+
+
+def _partition_dim(param) -> int | None:
+    return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+
+
+class _Vocab:
+    vocab_size = VOCAB
+
+
+def run_case(case: Case, reference_state: dict | None, device: torch.device, world_size: int) -> dict:
+    from megatron.core import parallel_state
+
+    from agoq.megatron import pretrain, runtime
+    from agoq.megatron.args import parse_args
+    from agoq.megatron.model import ParallelLayout
+    from agoq.megatron.optimizer import build_agoq_optimizer
+    from agoq.megatron.training import StepRunner
+
+    args = parse_args(case.argv())
+    layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, vpp=args.vpp)
+    runtime.init_model_parallel(layout, seed=args.seed, device=device)
+    try:
+        info = runtime.RankInfo(rank=torch.distributed.get_rank(), world_size=world_size, local_rank=0, device=device)
+        count = pretrain.num_microbatches(args, layout, world_size)
+        model, _, _ = _script().model_provider(args, layout, _Vocab(), info, count)
+        params = {n: p for chunk in model for n, p in global_names(_unwrap(chunk)).items()}
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        initial = {n: p.detach().cpu().clone() for n, p in params.items()}
+        if reference_state is not None:
+            with torch.no_grad():
+                for name, param in params.items():
+                    param.copy_(tp_shard(reference_state[name], name, _partition_dim(param), tp_rank, layout.tp))
+        if args.agoq_optimizer == "torch":
+            optimizer, scheduler = pretrain.build_optimizer(args, model, torch.float32)
+        else:
+            optimizer, scheduler = build_agoq_optimizer(args, model, torch.float32)
+        dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+        dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        batches = micro_batches(dp_rank, dp_size)
+        runner = StepRunner(model_chunks=model, optimizer=optimizer, scheduler=scheduler, device=device,
+                            seq_length=SEQ, micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
+                            num_microbatches=count)
+        iterators = [iter([{k: v.to(device) for k, v in b.items()} for b in batches]) for _ in model]
+        losses, norms, grads = [], [], {}
+        for iteration in range(ITERATIONS):
+            result = runner.run(iterators)
+            losses.append(result.loss)
+            norms.append(result.grad_norm)
+            if iteration == 0 and not args.use_distributed_optimizer:
+                grads = {n: (p.main_grad.detach().float().cpu().clone(), _partition_dim(p), tp_rank)
+                         for n, p in params.items()}
+        return {"losses": losses, "grad_norms": norms, "grads": grads, "initial": initial}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def run_layouts(rank: int, world_size: int, reference_state: dict | None, cases: list[Case],
+                backend_device: str = "cpu") -> dict[str, dict]:
+    """Entry point for ``agoq.testing.dist.spawn_ranks``: every case in turn on this rank."""
+    from agoq.config import AgoqConfig
+    from agoq.megatron.install import install
+
+    device = torch.device("cuda", rank) if backend_device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    handle = install(AgoqConfig(device=backend_device))
+    try:
+        return {case.name: run_case(case, reference_state, device, world_size) for case in cases}
+    finally:
+        handle.uninstall()
