@@ -30,6 +30,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -259,8 +260,28 @@ def act_host_suite(smoke: bool) -> list[dict]:
     return variants
 
 
-SUITES = {"act_host": act_host_suite, "attention": attention_suite, "fp8_scale": fp8_scale_suite, "lean": lean_suite, "memory": memory_suite,
-          "fp8": fp8_suite, "grads": grads_suite, "dp2": dp2_suite, "release": release_suite}
+def interleaved_suite(smoke: bool) -> list[dict]:
+    """Issue 18: the LLaMA-3-8B shape (configs/model/llama3-8b.yaml) on 4 GPUs, PP=4, seq 4096, micro-batch 1,
+    16 micro-batches: 1F1B against the interleaved schedule (VPP=2, 4 layers per virtual stage), Megatron
+    baseline and agoq's default policy in each. Per-stage peaks come from the script's measured-memory line."""
+    common = ["--config", str(REPO_ROOT / "configs" / "model" / "llama3-8b.yaml"), "--seq-length", "4096",
+              "--micro-batch-size", "1", "--global-batch-size", "16", "--train-iters", "8", "--lr-warmup-iters", "2",
+              "--log-interval", "1", "--save-interval", "0"]
+    nproc, vpp = 4, ["--num-layers-per-virtual-pipeline-stage", "4"]
+    if smoke:
+        common = SHAPES["tiny"] + ["--num-layers", "4", "--seq-length", "64", "--micro-batch-size", "1",
+                                   "--global-batch-size", "4", "--train-iters", "3", "--pipeline-model-parallel-size",
+                                   "2", "--lr-warmup-iters", "1", "--log-interval", "1"]
+        nproc, vpp = 2, ["--num-layers-per-virtual-pipeline-stage", "1"]
+    shape = "tiny" if smoke else "8b"
+    return [{"name": f"{shape}/{schedule}/{who}", "nproc": nproc, "args": common + extra + more}
+            for schedule, extra in (("1f1b", []), ("vpp2", vpp))
+            for who, more in (("baseline (Megatron)", ["--agoq-disable"]), ("agoq (default policy)", []))]
+
+
+SUITES = {"act_host": act_host_suite, "interleaved": interleaved_suite, "attention": attention_suite,
+          "fp8_scale": fp8_scale_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite,
+          "grads": grads_suite, "dp2": dp2_suite, "release": release_suite}
 
 
 def run_variant(variant: dict, workdir: Path, timeout: float) -> dict:
@@ -280,9 +301,23 @@ def run_variant(variant: dict, workdir: Path, timeout: float) -> dict:
     breakdowns = [r["memory_breakdown"] for r in records if "memory_breakdown" in r]
     if breakdowns:
         result["memory_breakdown_last"] = breakdowns[-1]  # weights / grads / optimizer GiB + peak (logging rank)
+    stage_peaks = _stage_peaks(proc.stdout)
+    if stage_peaks:
+        result["stage_peaks_gib"] = stage_peaks  # every pipeline stage's, from the last measured-memory line
     records = [r for r in records if "lm_loss" in r]  # training iterations (validation records have no lm_loss)
     result["records"] = records
     return result
+
+
+_STAGE_PEAK = re.compile(r"stage (\d+): mem alloc [\d.]+ GiB \| peak ([\d.]+) GiB")
+
+
+def _stage_peaks(stdout: str) -> list[float]:
+    """Peak GiB per pipeline stage from the script's last "measured memory after iteration N" line."""
+    lines = [line for line in stdout.splitlines() if line.startswith("measured memory after iteration")]
+    if not lines:
+        return []
+    return [float(peak) for _, peak in sorted((int(s), p) for s, p in _STAGE_PEAK.findall(lines[-1]))]
 
 
 def summarise(result: dict, warmup: int) -> dict:
@@ -302,6 +337,11 @@ def summarise(result: dict, warmup: int) -> dict:
         # the measured peak is the logging rank's (the last pipeline stage): compare with that stage
         summary["predicted_peak_gib"] = result["predicted_memory"]["peak_gib"][-1]
         summary["predicted_peak_error"] = summary["predicted_peak_gib"] / summary["peak_gib"] - 1
+    if result.get("stage_peaks_gib"):
+        summary["stage_peaks_gib"] = result["stage_peaks_gib"]
+        summary["losses"] = [r["lm_loss"] for r in result["records"]]
+        if "predicted_memory" in result:
+            summary["predicted_stage_peaks_gib"] = result["predicted_memory"]["peak_gib"]
     for key in ("weights_gib", "grads_gib", "optimizer_gib"):
         if key in result.get("memory_breakdown_last", {}):
             summary[key] = result["memory_breakdown_last"][key]

@@ -34,6 +34,7 @@ class Case:
     layers_per_virtual_stage: int | None = None
     policy: str | None = None  # None: --agoq-disable (Megatron's modules); else configs/policy/<name>.yaml
     flags: tuple[str, ...] = field(default=())
+    num_layers: int | None = None  # None: tiny.yaml's 4
 
     def argv(self) -> list[str]:
         argv = ["--config", str(TINY), "--fp32", "--seq-length", str(SEQ), "--micro-batch-size", str(MICRO_BATCH),
@@ -41,6 +42,8 @@ class Case:
                 "--lr-warmup-iters", "2", "--tensor-model-parallel-size", str(self.tp),
                 "--make-vocab-size-divisible-by", "64",  # 128 rows at TP=1 and TP=2 alike
                 "--pipeline-model-parallel-size", str(self.pp), *self.flags]
+        if self.num_layers:
+            argv += ["--num-layers", str(self.num_layers)]
         if self.layers_per_virtual_stage:
             argv += ["--num-layers-per-virtual-pipeline-stage", str(self.layers_per_virtual_stage)]
         argv += ["--agoq-disable"] if self.policy is None else ["--agoq-policy", str(POLICIES / f"{self.policy}.yaml")]
@@ -174,3 +177,26 @@ def run_layouts(rank: int, world_size: int, reference_state: dict | None, cases:
         return {case.name: run_case(case, reference_state, device, world_size) for case in cases}
     finally:
         handle.uninstall()
+
+
+def merge_ranks(name: str, per_rank: list[dict]) -> dict:
+    """Losses from the rank that logs them (last stage), gradients from every rank."""
+    losses = [r[name]["losses"] for r in per_rank if r[name]["losses"][0] is not None][0]
+    grads = {}
+    for r in per_rank:
+        for key, grad in r[name]["grads"].items():
+            grads.setdefault(key, []).append(grad)
+    return {"losses": losses, "grads": grads}
+
+
+def assert_grads_close(grads: dict, reference: dict, tp_size: int, rel: float) -> None:
+    """Every rank's iteration-1 gradient within ``rel`` of its parameter's largest reference entry."""
+    assert grads, "no gradients returned"
+    assert set(grads) == set(reference), set(grads) ^ set(reference)
+    for name, shards in grads.items():
+        ref, _, _ = reference[name][0]
+        scale = ref.abs().max().item()
+        assert scale > 0, name
+        for grad, partition_dim, tp_rank in shards:
+            err = (grad - tp_shard(ref, name, partition_dim, tp_rank, tp_size)).abs().max().item() / scale
+            assert err <= rel, (name, err)

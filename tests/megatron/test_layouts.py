@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from agoq.testing.dist import spawn_ranks
-from tests.megatron._layouts import ITERATIONS, Case, run_layouts, tp_shard
+from tests.megatron._layouts import ITERATIONS, Case, assert_grads_close, merge_ranks, run_layouts
 
 pytestmark = [pytest.mark.megatron, pytest.mark.dist]
 
@@ -60,30 +60,8 @@ def runs():
     [reference] = spawn_ranks(1, run_layouts, args=(None, REFERENCE_CASES), timeout_s=600)
     initial = reference["pp1"]["initial"]
     per_rank = spawn_ranks(2, run_layouts, args=(initial, LAYOUT_CASES), timeout_s=900)
-    layouts = {case.name: _merge(case.name, per_rank) for case in LAYOUT_CASES}
+    layouts = {case.name: merge_ranks(case.name, per_rank) for case in LAYOUT_CASES}
     return reference, layouts
-
-
-def _merge(name: str, per_rank: list[dict]) -> dict:
-    """Losses from the rank that logs them (last stage), gradients from every rank."""
-    losses = [r[name]["losses"] for r in per_rank if r[name]["losses"][0] is not None][0]
-    grads = {}
-    for r in per_rank:
-        for key, grad in r[name]["grads"].items():
-            grads.setdefault(key, []).append(grad)
-    return {"losses": losses, "grads": grads}
-
-
-def _assert_grads_close(grads: dict, reference: dict, tp_size: int) -> None:
-    assert grads, "no gradients returned"
-    assert set(grads) == set(reference), set(grads) ^ set(reference)
-    for name, shards in grads.items():
-        ref, _, _ = reference[name][0]
-        scale = ref.abs().max().item()
-        assert scale > 0, name
-        for grad, partition_dim, tp_rank in shards:
-            err = (grad - tp_shard(ref, name, partition_dim, tp_rank, tp_size)).abs().max().item() / scale
-            assert err <= ROUNDING_REL, (name, err)
 
 
 @pytest.mark.parametrize("name", ["pp2", "vpp", "vpp_adamw", "dp2", "tp2"])
@@ -97,7 +75,7 @@ def test_layout_trains_like_pp1(runs, name):
     assert ref["losses"][-1] < ref["losses"][0] - 1.0, ref["losses"]  # the model learns: the test can bite
     if name != "dp2":  # the distributed optimizer keeps only a shard of the reduced gradients
         reference_grads = {n: [g] for n, g in ref["grads"].items()}
-        _assert_grads_close(got["grads"], reference_grads, tp_size=2 if name == "tp2" else 1)
+        assert_grads_close(got["grads"], reference_grads, tp_size=2 if name == "tp2" else 1, rel=ROUNDING_REL)
 
 
 def test_bf16_policy_is_bit_identical_to_megatron_in_the_interleaved_schedule(runs):
