@@ -260,28 +260,45 @@ def act_host_suite(smoke: bool) -> list[dict]:
     return variants
 
 
-def interleaved_suite(smoke: bool) -> list[dict]:
-    """Issue 18: the LLaMA-3-8B shape (configs/model/llama3-8b.yaml) on 4 GPUs, PP=4, seq 4096, micro-batch 1,
-    16 micro-batches: 1F1B against the interleaved schedule (VPP=2, 4 layers per virtual stage), Megatron
-    baseline and agoq's default policy in each. Per-stage peaks come from the script's measured-memory line."""
-    common = ["--config", str(REPO_ROOT / "configs" / "model" / "llama3-8b.yaml"), "--seq-length", "4096",
-              "--micro-batch-size", "1", "--global-batch-size", "16", "--train-iters", "8", "--lr-warmup-iters", "2",
-              "--log-interval", "1", "--save-interval", "0"]
-    nproc, vpp = 4, ["--num-layers-per-virtual-pipeline-stage", "4"]
-    if smoke:
-        common = SHAPES["tiny"] + ["--num-layers", "4", "--seq-length", "64", "--micro-batch-size", "1",
-                                   "--global-batch-size", "4", "--train-iters", "3", "--pipeline-model-parallel-size",
-                                   "2", "--lr-warmup-iters", "1", "--log-interval", "1"]
-        nproc, vpp = 2, ["--num-layers-per-virtual-pipeline-stage", "1"]
-    shape = "tiny" if smoke else "8b"
+def _interleaved_variants(shape: str, common: list[str], nproc: int, vpp: list[str]) -> list[dict]:
+    """1F1B against the interleaved schedule, Megatron baseline and agoq's default policy in each."""
     return [{"name": f"{shape}/{schedule}/{who}", "nproc": nproc, "args": common + extra + more}
             for schedule, extra in (("1f1b", []), ("vpp2", vpp))
             for who, more in (("baseline (Megatron)", ["--agoq-disable"]), ("agoq (default policy)", []))]
 
 
-SUITES = {"act_host": act_host_suite, "interleaved": interleaved_suite, "attention": attention_suite,
+_INTERLEAVED_SMOKE = SHAPES["tiny"] + ["--num-layers", "4", "--seq-length", "64", "--micro-batch-size", "1",
+                                       "--global-batch-size", "4", "--train-iters", "3", "--lr-warmup-iters", "1",
+                                       "--log-interval", "1", "--pipeline-model-parallel-size", "2"]
+
+
+def pp2_interleaved_suite(smoke: bool) -> list[dict]:
+    """Issue 18 on 2 GPUs: ~1B LLaMA (16 layers, the activations_pp2 shape), PP=2, seq 4096, micro-batch 1,
+    16 micro-batches: 1F1B against VPP=2 (4 layers per virtual stage). Per-stage peaks come from the
+    script's measured-memory line."""
+    if smoke:
+        return _interleaved_variants("tiny", _INTERLEAVED_SMOKE, 2, ["--num-layers-per-virtual-pipeline-stage", "1"])
+    common = SHAPES["1b"] + ["--seq-length", "4096", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "2",
+                             "--micro-batch-size", "1", "--global-batch-size", "16", "--train-iters", "8",
+                             "--log-interval", "1", "--pipeline-model-parallel-size", "2"]
+    return _interleaved_variants("1b", common, 2, ["--num-layers-per-virtual-pipeline-stage", "4"])
+
+
+def pp4_interleaved_suite(smoke: bool) -> list[dict]:
+    """Issue 18 on 4 GPUs: the LLaMA-3-8B shape (configs/model/llama3-8b.yaml), PP=4, seq 4096, micro-batch 1,
+    16 micro-batches: 1F1B against VPP=2 (4 layers per virtual stage)."""
+    if smoke:
+        return _interleaved_variants("tiny", _INTERLEAVED_SMOKE, 2, ["--num-layers-per-virtual-pipeline-stage", "1"])
+    common = ["--config", str(REPO_ROOT / "configs" / "model" / "llama3-8b.yaml"), "--seq-length", "4096",
+              "--micro-batch-size", "1", "--global-batch-size", "16", "--train-iters", "8", "--lr-warmup-iters", "2",
+              "--log-interval", "1"]
+    return _interleaved_variants("8b", common, 4, ["--num-layers-per-virtual-pipeline-stage", "4"])
+
+
+SUITES = {"act_host": act_host_suite, "pp2_interleaved": pp2_interleaved_suite, "attention": attention_suite,
           "fp8_scale": fp8_scale_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite,
-          "grads": grads_suite, "dp2": dp2_suite, "release": release_suite}
+          "grads": grads_suite, "dp2": dp2_suite, "release": release_suite,
+          "pp4_interleaved": pp4_interleaved_suite}
 
 
 def run_variant(variant: dict, workdir: Path, timeout: float) -> dict:
