@@ -7,7 +7,9 @@ clips by the global norm and steps), so no fp32 main-param copy exists: the spli
 Megatron's LR schedule writes group["lr"] / group["weight_decay"] (wd_mult 0 for biases and 1-D
 params, Megatron's default rule). Checkpoints: AgoqMegatronOptimizer.sharded_state_dict saves the
 quantized codes, scales and remainders as they are (flat ShardedTensors keyed by the model param's
-key, replicated over DP, so any DP size loads them).
+key, replicated over DP, so any DP size loads them), and no torch param groups: those differ between
+pipeline stages, and a load keeps the live ones (hyperparameters are this run's flags; lr and weight
+decay follow the LR schedule).
 With --use-distributed-optimizer: agoq.megatron.dist_optimizer.AgoqDistributedOptimizer (Megatron's
 DistributedOptimizer in precision-aware mode; agoq states for this rank's shard only; DP-independent
 compressed checkpoints), with DP shards aligned to the quantization groups (shard_alignment_for).
@@ -91,15 +93,6 @@ def _tp_fragment(param) -> tuple[tuple[int, int, int], tuple[int, ...]]:
     return (0, 0, 1), (0, tp_rank, dp_rank)
 
 
-_EMPTY_TENSOR = "agoq_empty_tensor_dtype"
-
-
-def _rebuild_empty(value):
-    if isinstance(value, dict) and _EMPTY_TENSOR in value:
-        return torch.empty(0, dtype=getattr(torch, value[_EMPTY_TENSOR]))
-    return value
-
-
 class AgoqMegatronOptimizer(FP32Optimizer):
     """FP32Optimizer over agoq.optim (works on bf16 params: agoq keeps the master), with compressed
     sharded checkpoints."""
@@ -138,49 +131,61 @@ class AgoqMegatronOptimizer(FP32Optimizer):
         return super().prepare_grads()
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
+        """{"state": {param name: {state key: ShardedTensor}, "common_step": step}}.
+
+        Keyed by the model param's name, not torch's per-rank param index, and without torch's
+        param_groups: under pipeline parallelism every stage holds other params, and the common
+        (non-tensor) part of a checkpoint is rank 0's alone. Non-tensor and empty states (the formats
+        string, an absent master remainder) are not saved: load keeps the live ones, which follow from
+        the run's settings (the resume record makes sure they are the checkpoint's)."""
         if is_loading:
             _init_all_states(self.optimizer)
-        state_dict = self.optimizer.state_dict()
-        # torch's state_dict() hands out the live per-param state dicts: copy them before popping "step"
-        # and replacing tensors by ShardedTensors, or the next step after a mid-run save breaks
-        state_dict["state"] = {pid: dict(st) for pid, st in state_dict["state"].items()}
-        params = self.get_parameters()
-        steps = set()
-        for pid, st in state_dict["state"].items():
-            name = self.param_names[id(params[pid])]
-            offsets, replica_id = _tp_fragment(params[pid])
-            for key, value in list(st.items()):
-                if key == "step":
-                    steps.add(float(st.pop("step")))
-                elif isinstance(value, torch.Tensor) and value.numel() == 0:
-                    # dist_checkpointing cannot shard an empty tensor (modulo by its zero length); an
-                    # empty state (e.g. no master remainder) is saved as its dtype and rebuilt on load.
-                    st[key] = {_EMPTY_TENSOR: str(value.dtype).removeprefix("torch.")}
-                elif isinstance(value, torch.Tensor):
-                    flat = value.reshape(-1)
-                    st[key] = ShardedTensor.from_rank_offsets(
-                        f"{STATE_PREFIX}.{name}.{key}", flat, offsets, replica_id=replica_id
-                    )
+        states, steps = {}, set()
+        for param in self.get_parameters():
+            live = self.optimizer.state.get(param)
+            if not live:
+                continue
+            name = self.param_names[id(param)]
+            offsets, replica_id = _tp_fragment(param)
+            if "step" in live:
+                steps.add(float(live["step"]))
+            states[name] = {
+                key: ShardedTensor.from_rank_offsets(f"{STATE_PREFIX}.{name}.{key}", value.reshape(-1), offsets,
+                                                     replica_id=replica_id)
+                for key, value in _saved_tensors(live)
+            }  # fmt: skip
         if len(steps) > 1:
             raise RuntimeError(f"agoq optimizer states disagree on the step count: {sorted(steps)}")
-        state_dict["state"]["common_step"] = steps.pop() if steps else 0.0
-        return state_dict
+        states["common_step"] = steps.pop() if steps else 0.0
+        return {"state": states}
 
     def load_state_dict(self, state_dict):
+        """Copy the loaded tensors into the live states (which _init_all_states created), param by param."""
         if "agoq_pieces" in state_dict:
             raise ValueError("this checkpoint's agoq optimizer states were saved with --use-distributed-optimizer; "
                              "resume with the same setting (the two state layouts differ)")  # fmt: skip
-        state_dict = dict(state_dict, state=dict(state_dict["state"]))
-        step = state_dict["state"].pop("common_step", None)
-        params = self.get_parameters()
-        for pid, st in state_dict["state"].items():
-            st = {k: _rebuild_empty(v) for k, v in st.items()}
-            if "master" in st:
-                st["master"] = st["master"].reshape(params[pid].shape)
+        saved = state_dict["state"]
+        _init_all_states(self.optimizer)
+        step = saved.get("common_step")
+        for param in self.get_parameters():
+            name = self.param_names[id(param)]
+            live = self.optimizer.state[param]
+            for key, value in _saved_tensors(live):
+                loaded = saved.get(name, {}).get(key)
+                if not isinstance(loaded, torch.Tensor) or loaded.numel() != value.numel():
+                    raise KeyError(f"checkpoint lacks agoq optimizer state {name}.{key} of {value.numel()} "
+                                   f"elements (found {type(loaded).__name__})")  # fmt: skip
+                value.copy_(loaded.reshape(value.shape))
             if step is not None:
-                st["step"] = torch.tensor(step, dtype=torch.float32)
-            state_dict["state"][pid] = st
-        self.optimizer.load_state_dict(state_dict)
+                live["step"] = torch.tensor(float(step), dtype=torch.float32)
+        self.optimizer.drop_plans()
+
+
+def _saved_tensors(state: dict):
+    """The (key, tensor) pairs of one param's state that a checkpoint holds."""
+    for key, value in state.items():
+        if key != "step" and isinstance(value, torch.Tensor) and value.numel() > 0:
+            yield key, value
 
 
 def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
