@@ -71,6 +71,11 @@ def _optim_flags(p: argparse.ArgumentParser) -> None:
                    help="bf16 gradient buffer: accumulate and reduce main_grad in bf16 instead of Megatron's fp32 "
                         "(FlashOptim's 16-bit gradients; 2 instead of 4 bytes/param). Needs bf16 params")
     g.add_argument("--train-iters", type=int, default=30)
+    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="on --load, follow this command line's LR schedule (--lr, --min-lr, --lr-warmup-iters, "
+                        "--lr-decay-iters, --lr-decay-style, --train-iters) from the checkpoint's iteration on; "
+                        "default: the checkpoint's schedule (Megatron-LM's --use-checkpoint-opt_param-scheduler)")
     g.add_argument("--seed", type=int, default=1234)
 
 

@@ -2,14 +2,21 @@
 
 Seam card
 ---------
-Touches: ``dist_checkpointing.save`` / ``load``, ``MegatronModule.sharded_state_dict``,
-  ``MegatronOptimizer.sharded_state_dict`` / ``load_state_dict`` (public API).
+Touches: ``dist_checkpointing.save`` / ``load`` / ``load_common_state_dict``,
+  ``MegatronModule.sharded_state_dict``, ``MegatronOptimizer.sharded_state_dict`` / ``load_state_dict``
+  (public API); ``OptimizerParamScheduler.override_opt_param_scheduler`` /
+  ``use_checkpoint_opt_param_scheduler`` (set before its ``load_state_dict``: Megatron-LM's two resume
+  modes); the saved param groups' ``max_lr`` / ``min_lr``, which megatron-core 0.19.2 uses to pair saved
+  and live groups (``optimizer.param_group_identifier_keys``).
 Why: the sharded format reloads under a different data-parallel size and is what Megatron users
   already use. Layout follows Megatron: ``<save>/iter_0000010/`` plus a tracker file
   ``latest_checkpointed_iteration.txt`` that is written (atomically, by rename) only after every
   rank finished writing, so an interrupted save never replaces the last complete checkpoint.
 Verified on: megatron-core 0.19.2 (CPU gloo and GPU NCCL).
-Guarded by: ``tests/megatron/test_checkpoint.py`` (save → load → identical next loss).
+Resume order: the resume record (agoq.megatron.resume) is checked before any tensor is read; every rank
+  reads, all ranks agree, and only then is anything applied (a rank's read failure never leaves another
+  rank with a newer state than the checkpoint the job falls back to).
+Guarded by: ``tests/megatron/test_resume.py`` (resume matrix, fallback, schedule, mismatches).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
+
+from agoq.megatron.resume import CONTRACT_KEY, ResumeContract, check_contract, policy_note
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 PROGRESS_FILE = "agoq_progress.json"  # human-readable copy of the progress counters
@@ -55,7 +64,8 @@ def _full_sharded_state_dict(model_chunks, optimizer, scheduler, progress: Progr
                              *, is_loading: bool, extra: dict | None = None) -> dict:
     state = _model_sharded_state_dict(model_chunks)
     state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=OPTIMIZER_SHARDING)
-    state["opt_param_scheduler"] = scheduler.state_dict()
+    if scheduler is not None:  # a load reads the schedule from the common state
+        state["opt_param_scheduler"] = scheduler.state_dict()
     if progress is not None:
         state["progress"] = progress.__dict__.copy()
     state["agoq"] = dict(extra or {})
@@ -226,30 +236,46 @@ def _init_torch_optimizer_steps(optimizer) -> None:
 
 
 def load_checkpoint(
-    load_dir: str | os.PathLike, model_chunks: list, optimizer, scheduler
+    load_dir: str | os.PathLike, model_chunks: list, optimizer, scheduler, *,
+    contract: ResumeContract | None = None, policy_report: str | None = None, override_schedule: bool = False,
 ) -> tuple[Progress, dict] | None:
     """Load the newest readable checkpoint into the model, optimizer and scheduler; None when there is none.
 
-    Candidates: the tracker's iteration, then older ``iter_*`` directories, newest first. A candidate
-    whose save did not complete (no ``agoq_progress.json``, which rank 0 writes after every rank
-    finished) or that fails to load on any rank (truncated or corrupt shard) is reported and skipped.
+    Candidates: the tracker's iteration, then older ``iter_*`` directories, newest first. For each, on
+    every rank, and agreed between all ranks after each stage:
+      1. complete: ``agoq_progress.json`` (rank 0 writes it after every rank finished) exists and parses;
+      2. its common state reads, and its resume record serves ``contract`` (else ResumeMismatch: the
+         older checkpoints share the settings, so there is no fallback);
+      3. every rank reads its tensors into a template.
+    A candidate failing 1 or 3 on any rank is reported with every failing rank's error and skipped.
+    Only after all ranks read one does any rank apply it (model, optimizer, LR schedule, RNG): applying
+    does not fall back, it raises. ``override_schedule``: the scheduler keeps its (command-line) values
+    instead of the checkpoint's (Megatron-LM's --override-opt_param-scheduler).
     """
     latest = latest_iteration(load_dir)
     if latest is None:
         return None
     for iteration in _candidate_iterations(load_dir, latest):
         source = iteration_dir(load_dir, iteration)
-        problem, extra = _incomplete(source), {}
+        problem, progress = _on_every_rank(_read_progress, source)
         if problem is None:
-            problem, extra = _try_load(source, model_chunks, optimizer, scheduler)
+            problem, common = _on_every_rank(dist_checkpointing.load_common_state_dict, str(source))
         if problem is None:
-            return Progress(**json.loads((source / PROGRESS_FILE).read_text())), extra
-        if dist.get_rank() == 0:
-            print(f"agoq checkpoint: skipping {source}: {problem}", flush=True)
+            _check_resume_contract(source, common.get("agoq", {}), contract, policy_report)
+            problem, state = _on_every_rank(_read_state, source, model_chunks, optimizer, common)
+        if problem is None:
+            _apply_on_every_rank(source, state, model_chunks, optimizer, scheduler, override_schedule)
+            return progress, state["agoq"]
+        _print_rank0(f"agoq checkpoint: skipping {source}: {problem}")
     raise FileNotFoundError(
-        f"{load_dir}: no readable checkpoint (every iter_* directory is incomplete or corrupt, see above); "
-        "start without --load or restore a checkpoint"
+        f"{load_dir}: no readable checkpoint (every iter_* directory is incomplete or unreadable, reasons "
+        "above); start without --load or restore a checkpoint"
     )
+
+
+def _print_rank0(text: str) -> None:
+    if dist.get_rank() == 0:
+        print(text, flush=True)
 
 
 def _candidate_iterations(load_dir, latest: int) -> list[int]:
@@ -261,53 +287,156 @@ def _candidate_iterations(load_dir, latest: int) -> list[int]:
     return sorted(set(found) | {latest}, reverse=True)
 
 
-def _incomplete(source: Path) -> str | None:
+class _Unusable(Exception):
+    """A checkpoint that is not (completely) there; its message is the whole reason."""
+
+
+def _read_progress(source: Path) -> Progress:
     if not source.is_dir():
-        return "directory missing"
-    if not (source / PROGRESS_FILE).is_file():
-        return f"incomplete save ({PROGRESS_FILE} missing: the save was interrupted)"
-    return None
-
-
-def _try_load(source: Path, model_chunks, optimizer, scheduler) -> tuple[str | None, dict]:
-    """Load on every rank; any rank's failure makes every rank report it (ranks must agree).
-
-    Returns (problem or None, the checkpoint's agoq extras)."""
-    error, extra = None, {}
+        raise _Unusable("directory missing")
+    path = source / PROGRESS_FILE
+    if not path.is_file():
+        raise _Unusable(f"incomplete save ({PROGRESS_FILE} missing: the save was interrupted)")
     try:
-        _init_torch_optimizer_steps(optimizer)
-        template = _full_sharded_state_dict(model_chunks, optimizer, scheduler, None, is_loading=True)
-        template.pop("opt_param_scheduler")
-        saved_dp = dist_checkpointing.load_common_state_dict(str(source)).get("agoq", {}).get("data_parallel_size")
-        if saved_dp is not None and saved_dp != _data_parallel_size():
-            # RNG states are saved per (pp, tp, dp) rank: another DP size has no state for this rank
-            template.pop("rng_state")
-            if dist.get_rank() == 0:
-                print(f"agoq checkpoint: saved with data-parallel size {saved_dp}, loading with "
-                      f"{_data_parallel_size()}: model and optimizer states are resharded, RNG states are "
-                      "not restored (fresh seeds)", flush=True)
-        state = dist_checkpointing.load(template, str(source))
-        _apply_loaded_state(state, model_chunks, optimizer, scheduler)
-        extra = state.get("agoq", {})
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any read failure means "corrupt"
-        # torch DCP raises CheckpointException (a BaseException) on every rank for one rank's read error
-        error = f"{type(exc).__name__}: {str(exc)[:300]}"
-    failed = torch.tensor([0 if error is None else 1])
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item():
-        return error or "unreadable on another rank", {}
-    return None, extra
+        return Progress(**json.loads(path.read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _Unusable(f"{path}: not valid JSON ({exc}); treated as an incomplete save") from exc
+    except TypeError as exc:
+        raise _Unusable(f"{path}: not agoq's progress record ({exc}); treated as an incomplete save") from exc
 
 
-def _apply_loaded_state(state: dict, model_chunks, optimizer, scheduler) -> None:
+def _on_every_rank(read, *args):
+    """(problem, result): run ``read`` on every rank; problem names each failing rank's error in full
+    (None when every rank succeeded, the same answer on all ranks)."""
+    error, result = None, None
+    try:
+        result = read(*args)
+    except _Unusable as exc:
+        error = str(exc)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported, and the candidate skipped
+        # torch DCP raises CheckpointException (a BaseException) for a rank's read error
+        error = f"{type(exc).__name__}: {exc}"
+    return _gather_errors(error), result
+
+
+def _gather_errors(error: str | None) -> str | None:
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failing: dict[str, list[int]] = {}
+    for rank, text in enumerate(errors):
+        if text is not None:
+            failing.setdefault(text, []).append(rank)
+    if not failing:
+        return None
+    if len(failing) == 1 and len(next(iter(failing.values()))) == len(errors):
+        return next(iter(failing))  # every rank, one reason
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {text}"
+                     for text, r in failing.items())
+
+
+def _check_resume_contract(source: Path, saved_extra: dict, contract, policy_report) -> None:
+    """Stop (ResumeMismatch) before any tensor is read when the checkpoint cannot serve this run;
+    report the changes it can serve."""
+    notes = []
+    if contract is not None:
+        notes += check_contract(str(source), saved_extra.get(CONTRACT_KEY), contract)
+    if policy_report is not None:
+        notes.append(policy_note(str(source), saved_extra.get("policy_report"), policy_report))
+    saved_dp = saved_extra.get("data_parallel_size")
+    if saved_dp is not None and saved_dp != _data_parallel_size():
+        notes.append(f"agoq checkpoint: saved with data-parallel size {saved_dp}, loading with "
+                     f"{_data_parallel_size()}: model and optimizer states are resharded, RNG states are not "
+                     "restored (fresh seeds)")
+    for note in filter(None, notes):
+        _print_rank0(note if note.startswith("agoq checkpoint") else f"agoq checkpoint: {note}")
+
+
+def _read_state(source: Path, model_chunks, optimizer, common: dict) -> dict:
+    """Every tensor of this rank, read into a template of the live objects; nothing is applied."""
+    _init_torch_optimizer_steps(optimizer)
+    template = _full_sharded_state_dict(model_chunks, optimizer, None, None, is_loading=True)
+    if common.get("agoq", {}).get("data_parallel_size", _data_parallel_size()) != _data_parallel_size():
+        template.pop("rng_state")  # saved per (pp, tp, dp) rank: another DP size has none for this rank
+    return dist_checkpointing.load(template, str(source))
+
+
+def _apply_on_every_rank(source: Path, state: dict, model_chunks, optimizer, scheduler, override: bool) -> None:
+    error, local = None, None
+    try:
+        _apply_loaded_state(state, model_chunks, optimizer, scheduler, override)
+    except Exception as exc:  # noqa: BLE001 - re-raised below on every rank, with every rank's reason
+        error, local = f"{type(exc).__name__}: {exc}", exc
+    problem = _gather_errors(error)
+    if problem is not None:
+        raise RuntimeError(
+            f"{source} was read on every rank, but applying it failed ({problem}). The model and optimizer may "
+            "be partly loaded, so the job stops instead of falling back to an older checkpoint"
+        ) from local
+
+
+def _apply_loaded_state(state: dict, model_chunks, optimizer, scheduler, override: bool) -> None:
     if len(model_chunks) == 1:
         model_chunks[0].module.load_state_dict(state["model"])
     else:
         for i, chunk in enumerate(model_chunks):
             chunk.module.load_state_dict(state[f"model{i}"])
+    _rebase_saved_group_lrs(state["optimizer"], state["opt_param_scheduler"], optimizer)
     with torch.no_grad():  # fp32-param distopt loads in place into leaves (megatron.md 1.4)
         optimizer.load_state_dict(state["optimizer"])
     _set_torch_optimizer_step(optimizer, state["agoq"]["torch_optimizer_step"])
+    # Megatron-LM's two modes: the checkpoint's schedule (--use-checkpoint-opt_param-scheduler), or
+    # the constructor's values, i.e. the command line's (--override-opt_param-scheduler)
+    scheduler.override_opt_param_scheduler = override
+    scheduler.use_checkpoint_opt_param_scheduler = not override
     scheduler.load_state_dict(state["opt_param_scheduler"])
+    _pin_group_lr_bounds(optimizer, scheduler)
     if "rng_state" in state:
         _restore_rng(state["rng_state"])
+
+
+def _live_lr_bounds(optimizer) -> tuple[float, float] | None:
+    """The (max_lr, min_lr) that Megatron's optimizer puts in every param group (None: agoq's groups
+    carry none and the scheduler's own values apply)."""
+    bounds = {(g["max_lr"], g["min_lr"]) for g in optimizer.param_groups if "max_lr" in g}
+    if len(bounds) > 1:
+        raise NotImplementedError(f"per-group learning rates {sorted(bounds)}: agoq's resume handles one lr "
+                                  "for all parameter groups")  # fmt: skip
+    return bounds.pop() if bounds else None
+
+
+def _rebase_saved_group_lrs(saved_optimizer, saved_schedule: dict, optimizer) -> None:
+    """megatron-core 0.19.2 pairs saved and live param groups by a key that includes max_lr / min_lr
+    (optimizer.param_group_identifier_keys): a changed --lr / --min-lr finds no saved group ("Could not
+    find parameter group with key"). The saved groups that carry the checkpoint's schedule values get the
+    live ones; _pin_group_lr_bounds then sets whatever schedule is in force."""
+    live = _live_lr_bounds(optimizer)
+    if live is None:
+        return
+    saved = (saved_schedule["max_lr"], saved_schedule["min_lr"])
+    for groups in _param_group_lists(saved_optimizer):
+        for group in groups:
+            if isinstance(group, dict) and (group.get("max_lr"), group.get("min_lr")) == saved:
+                group["max_lr"], group["min_lr"] = live
+
+
+def _param_group_lists(tree):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if key == "param_groups" and isinstance(value, list):
+                yield value
+            else:
+                yield from _param_group_lists(value)
+    elif isinstance(tree, list | tuple):
+        for value in tree:
+            yield from _param_group_lists(value)
+
+
+def _pin_group_lr_bounds(optimizer, scheduler) -> None:
+    """Megatron's scheduler reads max_lr / min_lr from each group before its own: make the groups carry
+    the schedule in force, then recompute every group's lr."""
+    if _live_lr_bounds(optimizer) is None:
+        return
+    for group in optimizer.param_groups:
+        if "max_lr" in group:
+            group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
+    scheduler.step(0)

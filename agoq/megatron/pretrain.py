@@ -32,6 +32,7 @@ from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
 from agoq.megatron.optim_args import check_release_flags
 from agoq.megatron.optimizer import build_agoq_optimizer, build_scheduler
+from agoq.megatron.resume import CONTRACT_KEY, ResumeContract, schedule_line
 from agoq.megatron.tensorboard import open_tensorboard
 
 log = logging.getLogger("agoq.pretrain")
@@ -91,6 +92,7 @@ class Components:
     layout: ParallelLayout
     flops_per_iteration: int
     policy_report: str  # the resolved policy table, saved with every checkpoint
+    resume_contract: ResumeContract  # the settings saved with every checkpoint, checked on --load
 
 
 def build_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
@@ -215,15 +217,8 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
                 ", one parameter at a time inside backward (gradient release: no gradient buffer)"
         print_rank0(f"optimizer: agoq {args.agoq_optimizer} | moments {args.agoq_moments} | master "
                     f"{args.agoq_master} | step: {step}")
-    progress = checkpoint.Progress(iteration=0, consumed_samples=0)
-    if args.load:
-        loaded = checkpoint.load_checkpoint(args.load, model, optimizer, scheduler)
-        if loaded is None:
-            print_rank0(f"--load {args.load}: no checkpoint yet, starting from scratch")
-        else:
-            progress = loaded[0]
-            print_rank0(f"resumed from {args.load} at iteration {progress.iteration} "
-                        f"({progress.consumed_samples} samples consumed)")
+    contract = resume_contract(args, shape, layout)
+    progress = _resume(args, contract, report, (model, optimizer, scheduler))
     # Megatron's valid iterator continues across evaluations; on resume it restarts where it was.
     consumed_valid = (progress.iteration // args.eval_interval * args.eval_iters * args.global_batch_size
                       if args.eval_interval else 0)
@@ -232,7 +227,7 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     components_valid = [valid for _, valid in pairs] if args.eval_interval else None
     components = Components(model, optimizer, scheduler, layout,
                             flops_per_iteration=training_flops_per_iteration(args, shape.vocab_size),
-                            policy_report=report)
+                            policy_report=report, resume_contract=contract)
     tensorboard = open_tensorboard(args.tensorboard_dir, is_writer_rank=training.is_logging_rank())
     tensorboard.log_policy_table(report)
     try:
@@ -240,6 +235,35 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
                     stop)
     finally:
         tensorboard.close()
+
+
+def resume_contract(args, shape, layout: ParallelLayout) -> ResumeContract:
+    """The settings this run's checkpoints depend on (agoq.megatron.resume)."""
+    return ResumeContract.from_run(
+        shape=shape, tensor_parallel=layout.tp, pipeline_parallel=layout.pp, virtual_pipeline=layout.vpp,
+        optimizer=args.agoq_optimizer, moments=args.agoq_moments, master=args.agoq_master,
+        small_numel=args.agoq_small_numel, distributed_optimizer=args.use_distributed_optimizer,
+        gradient_release=args.agoq_gradient_release, grads=args.agoq_grads,
+    )
+
+
+def _resume(args, contract: ResumeContract, policy: str, parts: tuple) -> checkpoint.Progress:
+    """--load: the checkpoint's progress (iteration 0 without one), and one line on the LR schedule in force."""
+    model, optimizer, scheduler = parts
+    if not args.load:
+        return checkpoint.Progress(iteration=0, consumed_samples=0)
+    requested = scheduler.state_dict()
+    loaded = checkpoint.load_checkpoint(args.load, model, optimizer, scheduler, contract=contract,
+                                        policy_report=policy, override_schedule=args.override_opt_param_scheduler)
+    if loaded is None:
+        print_rank0(f"--load {args.load}: no checkpoint yet, starting from scratch")
+        return checkpoint.Progress(iteration=0, consumed_samples=0)
+    progress = loaded[0]
+    print_rank0(f"resumed from {args.load} at iteration {progress.iteration} "
+                f"({progress.consumed_samples} samples consumed)")
+    print_rank0(schedule_line(scheduler.state_dict(), requested, override=args.override_opt_param_scheduler,
+                              global_batch_size=args.global_batch_size, train_iters=args.train_iters))
+    return progress
 
 
 def _log_iteration(args, info, parts: Components, result, iteration, consumed, skipped, tokens_per_step,
@@ -307,7 +331,8 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
         periodic = args.save_interval and iteration % args.save_interval == 0
         if args.save and (periodic or stopping or iteration == args.train_iters):
             path = checkpoint.save_checkpoint(args.save, state, parts.model, parts.optimizer, parts.scheduler,
-                                              extra={"policy_report": parts.policy_report})
+                                              extra={"policy_report": parts.policy_report,
+                                                     CONTRACT_KEY: parts.resume_contract.as_dict()})
             print_rank0(f"saved checkpoint {path}")
         if stopping:
             print_rank0(f"stopping at iteration {iteration}"
