@@ -1,0 +1,247 @@
+"""Checkpoint resume (issue 18): scripts/pretrain_llama.py under torchrun, 2 CPU ranks, the tiny model.
+
+Pattern: one uninterrupted run per layout/optimizer case (6 iterations, checkpoints at 2, 4 and 6),
+cached for the module; each test resumes from a copy of its checkpoints. Resumed losses and learning
+rates are compared bit for bit with the uninterrupted run's, read from --log-json (full floats): same
+data, weights, optimizer states and RNG states give the same arithmetic.
+
+Covered elsewhere (not repeated here): DP=2 with agoq's distributed optimizer, its DP=1 reload and a
+changed --agoq-moments refused by the resume record (tests/megatron/test_dist_optimizer.py); gradient
+release, which needs one rank (tests/megatron/test_release.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from agoq.testing.procs import (
+    PRETRAIN_SCRIPT,
+    REPO_ROOT,
+    TINY_CONFIG,
+    child_env,
+    iteration_records,
+    run_pretrain,
+    torchrun_command,
+)
+
+pytestmark = [pytest.mark.megatron, pytest.mark.dist]
+ITERATIONS, SAVE_INTERVAL, RESUME_AT = 6, 2, 2  # checkpoints at 2, 4 and 6; resumed at 2
+GLOBAL_BATCH = 16  # configs/model/tiny.yaml
+WARMUP_ITERS, MIN_LR = 3, 3e-4  # configs/model/tiny.yaml
+LR = 1e-2
+BASE = ["--config", str(TINY_CONFIG), "--train-iters", str(ITERATIONS), "--lr", str(LR)]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+ADAMW = ["--agoq-optimizer", "adamw"]
+CASES = {
+    "pp2-megatron-adam": PP2,
+    "pp2-agoq-adamw": PP2 + ADAMW,  # finding 2: never loaded before (param groups of rank 0 only)
+    "pp2-vpp2-agoq-adamw": PP2 + ADAMW + ["--num-layers-per-virtual-pipeline-stage", "1"],
+    "dp2-megatron-adam-distopt": ["--use-distributed-optimizer"],
+    "dp2-agoq-adamw-int8-grads": ADAMW + ["--agoq-grads", "int8_b256"],
+    "tp2-agoq-adamw": ["--tensor-model-parallel-size", "2"] + ADAMW,
+}
+
+
+class Run(NamedTuple):
+    ckpt: Path
+    records: dict[int, tuple[float, float]]  # iteration -> (loss, lr)
+
+
+def _records(log: Path) -> dict[int, tuple[float, float]]:
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    return {r["iteration"]: (r["lm_loss"], r["lr"]) for r in rows if "lm_loss" in r}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """One data cache for the module: the default corpus and tokenizer are built once."""
+    return child_env(AGOQ_CACHE=str(tmp_path_factory.mktemp("agoq_cache")))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(env, tmp_path_factory):
+    """case -> Run: 6 uninterrupted iterations saving at 2, 4, 6 (launched once per module)."""
+    runs: dict[str, Run] = {}
+
+    def get(case: str) -> Run:
+        if case not in runs:
+            out = tmp_path_factory.mktemp(case)
+            run_pretrain(2, BASE + CASES[case] + ["--save", str(out / "ckpt"), "--save-interval", str(SAVE_INTERVAL),
+                                                  "--log-json", str(out / "log.jsonl")], env=env)  # fmt: skip
+            runs[case] = Run(out / "ckpt", _records(out / "log.jsonl"))
+            assert sorted(runs[case].records) == list(range(1, ITERATIONS + 1))
+        return runs[case]
+
+    return get
+
+
+def _copy(run: Run, tmp_path: Path, *, latest: int | None = RESUME_AT) -> Path:
+    """A private copy of the run's checkpoints; ``latest`` rewrites the tracker (None: keep 6)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(run.ckpt, ckpt)
+    if latest is not None:
+        (ckpt / "latest_checkpointed_iteration.txt").write_text(f"{latest}\n")
+    return ckpt
+
+
+def _resume(env, tmp_path: Path, args: list[str], ckpt: Path, check: bool = True):
+    log = tmp_path / "resumed.jsonl"
+    proc = run_pretrain(2, args + ["--load", str(ckpt), "--log-json", str(log)], env=env, check=check)
+    return proc, (_records(log) if log.exists() else {})
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.slow
+def test_resume_continues_bit_identically(env, uninterrupted, tmp_path, case):
+    """Resumed at iteration 2: iterations 3..6 log the uninterrupted run's losses and lrs bit for bit."""
+    full = uninterrupted(case)
+    proc, resumed = _resume(env, tmp_path, BASE + CASES[case], _copy(full, tmp_path))
+    assert f"at iteration {RESUME_AT}" in proc.stdout
+    assert resumed == {i: full.records[i] for i in range(RESUME_AT + 1, ITERATIONS + 1)}
+    assert "LR schedule: the checkpoint's" in proc.stdout
+    assert "corrupt" not in proc.stdout and "skipping" not in proc.stdout
+    assert full.records[ITERATIONS][0] < full.records[1][0] - 0.2  # it trains (a lost update stays flat)
+
+
+@pytest.mark.slow
+def test_unreadable_newest_checkpoints_fall_back_and_a_new_lr_keeps_the_checkpoint_schedule(
+        env, uninterrupted, tmp_path):
+    """Findings 3, 4a, 4d in one launch (Megatron's Adam, PP=2): iter 6 has a garbage progress file,
+    rank 1's shard of iter 4 is truncated (rank 0 reads iter 4 fine), so the job resumes from iter 2;
+    the new --lr / --min-lr neither break the load nor apply (the checkpoint's schedule is kept), so
+    losses and lrs equal the uninterrupted run's. Before the fix rank 0 applied iter 4's state before
+    the ranks agreed, and Megatron's optimizer could not pair param groups under another --lr."""
+    full = uninterrupted("pp2-megatron-adam")
+    ckpt = _copy(full, tmp_path, latest=None)
+    progress = ckpt / "iter_0000006" / "agoq_progress.json"
+    progress.write_text("{not json")
+    shard = ckpt / "iter_0000004" / "__1_0.distcp"  # written (and read) by rank 1 only: stage 1's tensors
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    proc, resumed = _resume(env, tmp_path, BASE + PP2 + ["--lr", "3e-3", "--min-lr", "1e-4"], ckpt)
+    out = proc.stdout
+    assert f"skipping {ckpt / 'iter_0000006'}: {progress}: not valid JSON (" in out
+    assert f"skipping {ckpt / 'iter_0000004'}: rank 1: CheckpointException" in out and "EOFError" in out
+    assert f"resumed from {ckpt} at iteration 2" in out
+    assert (f"LR schedule: the checkpoint's (lr {LR:.4g} -> min {MIN_LR:.4g}, cosine, warmup {WARMUP_ITERS} / "
+            f"decay {ITERATIONS} iterations); not used from this command line: --lr, --min-lr") in out
+    assert resumed == {i: full.records[i] for i in range(3, ITERATIONS + 1)}
+
+
+def _cosine_lr(iteration: int, max_lr: float, decay_iters: int) -> float:
+    """Megatron's schedule (warmup from 0, then cosine to MIN_LR), written out as an independent oracle."""
+    step, warmup, decay = iteration * GLOBAL_BATCH, WARMUP_ITERS * GLOBAL_BATCH, decay_iters * GLOBAL_BATCH
+    if step <= warmup:
+        return max_lr * step / warmup
+    ratio = (step - warmup) / (decay - warmup)
+    return MIN_LR + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (max_lr - MIN_LR)
+
+
+@pytest.mark.slow
+def test_override_opt_param_scheduler_takes_the_command_line_schedule(env, uninterrupted, tmp_path):
+    """Finding 4b (agoq AdamW, PP=2): with --override-opt-param-scheduler a new --lr and a longer
+    --train-iters are in force from the resume on (before: silently ignored)."""
+    full = uninterrupted("pp2-agoq-adamw")
+    args = BASE + CASES["pp2-agoq-adamw"] + ["--lr", "3e-3", "--train-iters", "8", "--override-opt_param-scheduler"]
+    proc, resumed = _resume(env, tmp_path, args, _copy(full, tmp_path))
+    assert ("LR schedule: the command line's (--override-opt-param-scheduler): lr 0.003 -> min 0.0003, cosine, "
+            f"warmup {WARMUP_ITERS} / decay 8 iterations") in proc.stdout
+    assert sorted(resumed) == list(range(3, 9))
+    for iteration, (_, lr) in resumed.items():
+        assert lr == pytest.approx(_cosine_lr(iteration, 3e-3, 8), rel=1e-12), iteration
+    assert resumed[3][0] == full.records[3][0]  # the loss before the first resumed update: same weights
+    assert resumed[4][0] != full.records[4][0]  # the new lr moved the weights
+
+
+def test_settings_the_checkpoint_cannot_serve_stop_before_training(env, uninterrupted, tmp_path):
+    """Finding 4c: a PP=2 Megatron-Adam checkpoint loaded with PP=1 and agoq's AdamW stops before any
+    tensor is read, naming each setting with its saved and requested value and the fix; no "corrupt",
+    no fallback (every setting is compared, so one launch checks both)."""
+    full = uninterrupted("pp2-megatron-adam")
+    args = BASE + PP2 + ADAMW + ["--pipeline-model-parallel-size", "1"]
+    proc, _ = _resume(env, tmp_path, args, full.ckpt, check=False)
+    assert proc.returncode != 0
+    assert f"checkpoint {full.ckpt / 'iter_0000006'} cannot be resumed with this run's settings" in proc.stderr
+    assert "--pipeline-model-parallel-size: saved 2, requested 1" in proc.stderr, proc.stderr[-3000:]
+    assert "--agoq-optimizer: saved 'torch', requested 'adamw'" in proc.stderr
+    assert ("Fix: resume with --pipeline-model-parallel-size 2, --agoq-optimizer torch; or start a new run "
+            "without --load") in proc.stderr
+    assert "corrupt" not in proc.stdout + proc.stderr and "skipping" not in proc.stdout
+    assert iteration_records(proc.stdout) == []
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_the_resumed_run_continues_the_same_losses(env, uninterrupted, tmp_path):
+    """SIGTERM to torchrun mid-run: the ranks finish the iteration, save and exit; resuming gives the
+    losses of the uninterrupted run (issue 8)."""
+    full = uninterrupted("pp2-megatron-adam")
+    ckpt = tmp_path / "ckpt"
+    saving = BASE + PP2 + ["--save", str(ckpt), "--save-interval", "100"]  # only the signal triggers a save
+    proc = subprocess.Popen(torchrun_command(2, PRETRAIN_SCRIPT, saving), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO_ROOT)  # fmt: skip
+    seen = []
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("iteration      2/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+        assert time.monotonic() < deadline, "".join(seen[-50:])
+    output = "".join(seen) + proc.communicate(timeout=120)[0]
+    saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert 2 <= saved < ITERATIONS, output[-3000:]
+    assert f"iter_{saved:07d}" in output and "stopping at iteration" in output
+    _, resumed = _resume(env, tmp_path, BASE + PP2, ckpt)
+    assert resumed == {i: full.records[i] for i in range(saved + 1, ITERATIONS + 1)}
+
+
+# ------------------------------------------------------------------------------ in-process (no launch)
+def _contract(**changes):
+    from types import SimpleNamespace
+
+    from agoq.megatron.resume import ResumeContract
+
+    shape = SimpleNamespace(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=192, vocab_size=32768, seq_length=128)  # fmt: skip
+    settings = dict(shape=shape, tensor_parallel=1, pipeline_parallel=2, virtual_pipeline=None,
+                    optimizer="adamw", moments="flash", master="split24", small_numel=4096,
+                    distributed_optimizer=False, gradient_release=False, grads=None)  # fmt: skip
+    return ResumeContract.from_run(**{**settings, **changes})
+
+
+def test_resume_record_allows_what_the_checkpoint_serves_and_names_what_it_does_not():
+    from agoq.megatron.resume import ResumeMismatch, check_contract
+
+    saved = _contract().as_dict()
+    assert check_contract("ck", saved, _contract()) == []
+    assert "predates agoq's resume record" in check_contract("ck", None, _contract())[0]
+    notes = check_contract("ck", saved, _contract(grads="int8_b256"))
+    assert notes == ["ck: --agoq-grads changed since the checkpoint (saved None, now 'int8_b256'); allowed, the "
+                     "checkpoint's tensors do not depend on it"]  # fmt: skip
+    assert check_contract("ck", dict(saved, future_setting=1), _contract()) == []  # unknown saved keys: ignored
+    with pytest.raises(ResumeMismatch) as err:
+        check_contract("ck", saved, _contract(moments="bf16", virtual_pipeline=2, pipeline_parallel=1))
+    text = str(err.value)
+    assert "--agoq-moments: saved 'cint8_b32,cuint8_b32', requested 'bf16,bf16'" in text
+    assert "--pipeline-model-parallel-size: saved 2, requested 1" in text
+    assert ("Fix: resume with --pipeline-model-parallel-size 2, without --num-layers-per-virtual-pipeline-stage, "
+            "--agoq-moments flash; or start a new run without --load") in text
+    with pytest.raises(ResumeMismatch, match="--agoq-optimizer: saved 'adamw', requested 'torch'") as err:
+        check_contract("ck", saved, _contract(optimizer="torch"))
+    assert "--agoq-moments" not in str(err.value)  # follows from the optimizer kind
+
+
+def test_override_flag_accepts_megatron_lms_spelling():
+    from agoq.megatron.args import parse_args
+
+    assert parse_args(["--override-opt_param-scheduler"]).override_opt_param_scheduler
+    assert parse_args(["--override-opt-param-scheduler"]).override_opt_param_scheduler
+    assert not parse_args([]).override_opt_param_scheduler
