@@ -58,6 +58,10 @@ DEFAULT_SIZES_MIB = [16, 64, 256, 1024]
 SMOKE_SIZES_MIB = [1]
 DEFAULT_CHUNK_MIB = [0, 8, 32, 1024]  # 0 = auto (agoq.comm.pipeline.chunk_bytes_for); 1024 = one chunk
 TARGET_MIN_MIB = 256
+# --link socket: NCCL over TCP sockets between the local GPUs (no NVLink/PCIe peer access, no shared
+# memory, no InfiniBand): a stand-in for an inter-node Ethernet link (issue 19, item 3). The report
+# labels it and records the bus bandwidth NCCL's fp32 all-reduce reaches on it.
+SOCKET_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket"}
 TARGET_VS_FP32, TARGET_VS_BF16 = 2.5, 1.3  # issue 5
 LINK_GBPS = [25, 50, 100, 200, 400]  # inter-node (IB/RoCE 200-400 Gb/s = 25-50 GB/s) up to NVLink-class
 # int8_b256 all-reduce of N(0,1) gradients: ~1 % relative L2 error (docs/grads.md, W = 2..8); 2 % flags
@@ -247,6 +251,13 @@ def summarize(rows: list[dict], check_targets: bool) -> tuple[list[str], bool]:
     return lines, ok
 
 
+def _add_bus_bandwidth(rows: list[dict], world: int) -> None:
+    """NCCL fp32 all-reduce bus bandwidth per size (GB/s; nccl-tests' convention 2 (W-1)/W bytes / time)."""
+    for r in rows:
+        bus_bytes = 2 * (world - 1) / world * r["size_mib"] * 2**20
+        r["nccl_allreduce_fp32_busbw_gbps"] = bus_bytes / (r["ms"]["nccl_allreduce_fp32"] * 1e6)  # ms -> GB/s
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-mib", type=int, nargs="+", default=None)
@@ -259,7 +270,12 @@ def main() -> None:
                    help="sizes up to this also get the bit-exact comparison with the reference")
     p.add_argument("--out", default=None, help="JSON report (rank 0); default $OUT/grads.json when $OUT is set")
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 self-spawned ranks, tiny sizes")
+    p.add_argument("--link", choices=("default", "socket"), default="default",
+                   help="socket: NCCL over TCP sockets between the local GPUs, a stand-in for an inter-node link "
+                        f"(sets {' '.join(f'{k}={v}' for k, v in SOCKET_LINK_ENV.items())})")
     args = p.parse_args()
+    if args.link == "socket":
+        os.environ.update(SOCKET_LINK_ENV)  # read by NCCL when the communicator is created
     args.device = "cpu" if args.smoke else "cuda"
     args.sizes_mib = args.sizes_mib or (SMOKE_SIZES_MIB if args.smoke else DEFAULT_SIZES_MIB)
     if args.out is None and os.environ.get("OUT"):
@@ -274,6 +290,7 @@ def main() -> None:
         rank = dist.get_rank()
         rows = run(rank, dist.get_world_size(), args)
         env = f"{torch.cuda.get_device_name()} x{dist.get_world_size()} nccl {torch.cuda.nccl.version()}"
+        _add_bus_bandwidth(rows, dist.get_world_size())
         dist.destroy_process_group()
     if rank != 0:
         return
@@ -283,7 +300,9 @@ def main() -> None:
     if args.out:
         import triton
 
-        report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "env": env,
+        link = ("NCCL over TCP sockets between local GPUs (stand-in for an inter-node link): "
+                + " ".join(f"{k}={v}" for k, v in SOCKET_LINK_ENV.items())) if args.link == "socket" else "default"
+        report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "env": env, "link": link,
                   "torch": torch.__version__, "triton": triton.__version__, "host": platform.node(),
                   "command": " ".join(sys.argv), "seconds": time.time() - started, "correct": ok, "rows": rows}
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ import torch
 pytestmark = [pytest.mark.multigpu]
 
 STEPS, MICRO_BATCH, MICRO_BATCHES = 6, 2, 2
+LR = 1e-3  # 3e-3 made the memorisation oscillate (+-0.4 nats per step) and amplified any gap
 LOSS_BAND_REL = 0.02
 MEMORY_SAVING_BYTES_PER_PARAM = 2.0
 SHAPE_KW = dict(num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=1536,
@@ -32,14 +34,20 @@ SHAPE_KW = dict(num_layers=4, hidden_size=512, num_attention_heads=8, num_query_
 
 
 def _batches(shape, dp_rank: int):
+    """The same MICRO_BATCHES micro-batches every step (this DP rank's own): arithmetic token sequences the
+    model fits within a few steps, so the fp32 reference's loss falls clearly (with fresh random batches
+    every step it did not: 6.36 -> 6.64 on 2 H200s) and an 8-bit path that loses gradient signal falls
+    behind it."""
     g = torch.Generator().manual_seed(1000 + dp_rank)
     pos = torch.arange(shape.seq_length + 1)
-    while True:
+    fixed = []
+    for _ in range(MICRO_BATCHES):
         start = torch.randint(0, shape.vocab_size, (MICRO_BATCH, 1), generator=g)
         stride = torch.randint(1, 5, (MICRO_BATCH, 1), generator=g)
         seq = (start + stride * pos) % shape.vocab_size
-        yield {"tokens": seq[:, :-1], "labels": seq[:, 1:], "loss_mask": torch.ones(MICRO_BATCH, shape.seq_length),
-               "position_ids": pos[:-1].expand(MICRO_BATCH, -1)}
+        fixed.append({"tokens": seq[:, :-1], "labels": seq[:, 1:], "loss_mask": torch.ones(MICRO_BATCH, shape.seq_length),
+                      "position_ids": pos[:-1].expand(MICRO_BATCH, -1)})
+    return itertools.cycle(fixed)
 
 
 class _NoScheduler:
@@ -53,7 +61,7 @@ def _agoq_args():
     p = argparse.ArgumentParser()
     add_optim_flags(p)
     args = p.parse_args(["--agoq-optimizer", "adamw"])
-    for k, v in dict(lr=3e-3, min_lr=3e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+    for k, v in dict(lr=LR, min_lr=LR, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
                      clip_grad=1.0, use_distributed_optimizer=False, lr_warmup_iters=0, global_batch_size=8,
                      lr_decay_iters=10, lr_decay_style="constant", train_iters=10,
                      pipeline_model_parallel_size=1).items():
@@ -108,7 +116,7 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
                 optimizer, _ = build_agoq_optimizer(_agoq_args(), model, config.params_dtype)
             else:
                 optimizer = get_megatron_optimizer(OptimizerConfig(
-                    optimizer="adam", lr=3e-3, clip_grad=1.0, bf16=cuda, params_dtype=config.params_dtype,
+                    optimizer="adam", lr=LR, clip_grad=1.0, bf16=cuda, params_dtype=config.params_dtype,
                     use_distributed_optimizer=distopt), model)
             runner = training.StepRunner(model, optimizer, _NoScheduler(), device, shape.seq_length, MICRO_BATCH,
                                          MICRO_BATCH * MICRO_BATCHES * world_size, MICRO_BATCHES)
@@ -151,7 +159,7 @@ def results():
 
 def test_8bit_gradients_track_fp32_on_two_gpus(results):
     base = results[0]["fp32"]["losses"]
-    assert base[-1] < base[0] - 0.3, base
+    assert base[-1] < base[0] - 1.0, base  # learns: 6.36 -> 3.56 in fp32 on CPU (gloo, same shape and data)
     for name, res in results[0].items():
         if name == "fp32":
             continue
