@@ -51,6 +51,12 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="enables the interleaved 1F1B schedule")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="Megatron-LM's flag: reduce each gradient bucket as soon as its last gradient is ready, "
+                        "overlapping the data-parallel reduction with backward (no effect at DP=1)")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per gradient bucket with --overlap-grad-reduce (Megatron's default: "
+                        "max(40M, 1M x data-parallel size))")
     g.add_argument("--micro-batch-size", type=int, default=2)
     g.add_argument("--global-batch-size", type=int, default=8)
 

@@ -120,7 +120,8 @@ def ddp_config(args, params_dtype: torch.dtype) -> DistributedDataParallelConfig
     # Megatron's flag of the same name).
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=params_dtype != torch.float32 and not getattr(args, "grad_reduce_in_bf16", False),
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        bucket_size=args.ddp_bucket_size,  # None: Megatron's max(40M, 1M x DP) with overlap, one bucket without
         use_distributed_optimizer=args.use_distributed_optimizer,
         # agoq's step checks loss and reduced gradients itself and skips a non-finite step (counted,
         # logged); Megatron's check would stop the job from inside the gradient reduction instead.

@@ -60,10 +60,16 @@ def make_forward_step(device: torch.device, poison: dict | None = None) -> Calla
 
 
 def configure_grad_hooks(model_chunks: list, config) -> None:
-    """Megatron's training.setup_model_and_optimizer hooks, for DDP-wrapped chunks."""
+    """Megatron-LM's training.setup_model_and_optimizer hooks, for DDP-wrapped chunks: ``no_sync`` per chunk;
+    with overlap_grad_reduce each chunk's ``start_grad_sync`` as ``grad_sync_func`` (Megatron-LM's default
+    ``align_grad_reduce``: the pipeline schedules launch a chunk's reduction after its last backward)."""
     no_sync = [chunk.no_sync for chunk in model_chunks]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-    config.grad_sync_func = None  # overlap_grad_reduce would set per-chunk start_grad_sync here
+    config.grad_sync_func = None
+    ddp_config = getattr(model_chunks[0], "ddp_config", None)
+    if ddp_config is not None and ddp_config.overlap_grad_reduce:
+        sync = [chunk.start_grad_sync for chunk in model_chunks]
+        config.grad_sync_func = sync[0] if len(sync) == 1 else sync
     config.finalize_model_grads_func = finalize_model_grads
     if any(isinstance(chunk, ReleaseDataParallel) for chunk in model_chunks):
         config.finalize_model_grads_func = finalize_release_grads  # gradients applied in backward: no reduction

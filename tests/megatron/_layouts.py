@@ -155,7 +155,9 @@ def run_case(case: Case, reference_state: dict | None, device: torch.device, wor
             result = runner.run(iterators)
             losses.append(result.loss)
             norms.append(result.grad_norm)
-            if iteration == 0 and not args.use_distributed_optimizer:
+            # the distributed optimizer keeps a shard of the reduced gradients; 8-bit stores (--agoq-grads)
+            # keep main_grad without storage (read through the model's agoq_grad_of instead)
+            if iteration == 0 and not args.use_distributed_optimizer and not args.agoq_grads:
                 grads = {n: (p.main_grad.detach().float().cpu().clone(), _partition_dim(p), tp_rank)
                          for n, p in params.items()}
         return {"losses": losses, "grad_norms": norms, "grads": grads, "initial": initial}
