@@ -141,6 +141,32 @@ def dp2_suite(smoke: bool) -> list[dict]:
             for name, extra in variants.items()]  # fmt: skip
 
 
+# NCCL over TCP sockets between the local GPUs (no peer access, no shared memory, no InfiniBand): a
+# stand-in for an inter-node Ethernet link, labelled so in every variant name (issue 19, item 3).
+SOCKET_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket"}
+
+
+def dp2_link_suite(smoke: bool) -> list[dict]:
+    """Issue 19: ~1B LLaMA, DP=2, seq 2048, micro-batch 4, global batch 16, as users run data parallelism
+    (distributed optimizer, --overlap-grad-reduce, Megatron's default bucket size): Megatron with fp32 and
+    with bf16 gradient reduction against agoq full (8-bit gradients + lean optimizer), on NVLink and on the
+    socket stand-in for an inter-node link."""
+    shape, common = "1b", SHAPES["1b"] + COMMON + ["--train-iters", "6"]
+    batch = ["--micro-batch-size", "4", "--global-batch-size", "16"]
+    if smoke:
+        shape, common = "tiny", SHAPES["tiny"] + COMMON[2:] + ["--seq-length", "64", "--train-iters", "4"]
+        batch = ["--micro-batch-size", "2", "--global-batch-size", "8"]
+    users = ["--use-distributed-optimizer", "--overlap-grad-reduce"]
+    variants = {
+        "Megatron, fp32 reduction": ["--agoq-disable"],
+        "Megatron, bf16 reduction": ["--agoq-disable", "--grad-reduce-in-bf16"],
+        "agoq full (8-bit grads + lean optimizer)": ["--agoq-grads", "int8_b256", "--agoq-optimizer", "adamw"],
+    }
+    links = {"nvlink": {}, "socket link": {} if smoke else SOCKET_LINK_ENV}
+    return [{"name": f"{shape}/dp2/{link}/{name}", "nproc": 2, "args": common + batch + users + extra, "env": env}
+            for link, env in links.items() for name, extra in variants.items()]  # fmt: skip
+
+
 def grads_suite(smoke: bool) -> list[dict]:
     """Issue 5 (a): the memory suite's equal-batch shape (~1B, PP=1, one GPU, micro-batch 4, global batch 16,
     default activation policy), only the four variants that show what the 8-bit gradient store costs or saves:
@@ -297,7 +323,7 @@ def pp4_interleaved_suite(smoke: bool) -> list[dict]:
 
 SUITES = {"act_host": act_host_suite, "pp2_interleaved": pp2_interleaved_suite, "attention": attention_suite,
           "fp8_scale": fp8_scale_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite,
-          "grads": grads_suite, "dp2": dp2_suite, "release": release_suite,
+          "grads": grads_suite, "dp2": dp2_suite, "dp2_link": dp2_link_suite, "release": release_suite,
           "pp4_interleaved": pp4_interleaved_suite}
 
 

@@ -25,7 +25,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from agoq.config import AgoqConfig
-from agoq.megatron import checkpoint, memory_report, runtime, training
+from agoq.megatron import checkpoint, grad_reader, memory_report, runtime, training
 from agoq.megatron.activations import policy_of
 from agoq.megatron.flops import tflops_per_gpu, training_flops_per_iteration
 from agoq.megatron.install import install
@@ -110,6 +110,7 @@ def build_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, model_chunks)
+    grad_reader.attach(optimizer, model_chunks)  # 8-bit gradient store + distributed optimizer: shard reads
     scheduler = build_scheduler(args, optimizer)
     return optimizer, scheduler
 
