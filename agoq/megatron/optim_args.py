@@ -90,6 +90,8 @@ def check_release_flags(args: argparse.Namespace, data_parallel: int = 1) -> Non
                                                       "in bf16; release's gradients are the params' dtype already)"),
         (args.tensor_model_parallel_size > 1, f"--tensor-model-parallel-size {args.tensor_model_parallel_size} "
                                               "(needs 1)"),
+        (getattr(args, "overlap_grad_reduce", False), "--overlap-grad-reduce (there is no gradient reduction to "
+                                                      "overlap: release needs one data-parallel rank)"),
     ]  # fmt: skip
     for bad, what in flags:
         if bad:
