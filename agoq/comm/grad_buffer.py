@@ -137,6 +137,28 @@ class QuantizedGradBuffer:
         padded[:n] = value.detach().reshape(-1).to(torch.float32)
         self._store(index, padded)
 
+    def dequantize_blocks(self, first: int, count: int) -> torch.Tensor:
+        """fp32 values of blocks [first, first + count) (global block indices, residual added)."""
+        block, cb = self.fmt.block, self.code_bytes_per_block
+        q = QuantizedTensor(self.codes_u8[first * cb: (first + count) * cb], self.scales[first: first + count],
+                            self.fmt, torch.Size((count * block,)), torch.float32)
+        value = self._dequantize(q, torch.float32)
+        if self.residual is not None:
+            value = value + self.residual[first * block: (first + count) * block].to(torch.float32)
+        return value
+
+    def store_blocks_(self, first: int, values_f32: torch.Tensor) -> None:
+        """Blocks [first, first + n) = ``values_f32`` (whole blocks, quantized with a fresh absmax per block;
+        the residual, with error feedback, keeps the rounding error)."""
+        block, cb = self.fmt.block, self.code_bytes_per_block
+        count = values_f32.numel() // block
+        q = self._quantize(values_f32, self.fmt)
+        self.codes_u8[first * cb: (first + count) * cb].copy_(q.codes.reshape(-1))
+        self.scales[first: first + count].copy_(q.scales.reshape(-1))
+        if self.residual is not None:
+            err = values_f32 - self._dequantize(q, torch.float32)
+            self.residual[first * block: (first + count) * block].copy_(err.to(self.residual.dtype))
+
     def scale_(self, factor: float | torch.Tensor) -> None:
         """Multiply every stored value by ``factor``: fp32 scales are multiplied in place (codes kept;
         the value changes by one fp32 rounding of the scale, none for powers of two); fp16 / pow2 scales

@@ -179,6 +179,16 @@ CONTRACT: tuple[Symbol, ...] = (
                    "distributed_optimizer_instance_id"),
            attrs=("_get_model_param_range_map", "_copy_model_grads_to_main_grads", "_copy_main_params_to_model_params",
                   "step_with_ready_grads", "sharded_state_dict", "load_state_dict", "zero_grad")),
+    # 8-bit gradient store under the distributed optimizer (agoq/megatron/grad_reader.py, its seam card): the
+    # reduced shard stays 8-bit; Megatron's optimizer is class-swapped to read it, agoq's reads it per shard.
+    Symbol("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer",
+           "class swap -> ShardGradsDistributedOptimizer (fp32 shard .grad from the 8-bit store); reads the "
+           "instance attributes model_float16_groups / shard_fp32_from_float16_groups / model_fp32_groups / "
+           "shard_fp32_groups / grad_scaler (tests/megatron/test_ddp_agoq.py)",
+           attrs=("_copy_model_grads_to_main_grads", "_get_model_param_range_map", "clip_grad_norm")),
+    Symbol("megatron.core.optimizer.optimizer:ChainedOptimizer", "its distributed optimizers get readers",
+           params=("chained_optimizers",)),
+    Symbol("megatron.core.optimizer.optimizer:_get_param_grad_norm_group", "grad-norm groups (MTP) refused"),
     Symbol("megatron.core.optimizer:OptimizerConfig", "precision-aware mode switched on after construction",
            fields=("use_precision_aware_optimizer", "bf16", "use_distributed_optimizer")),
     Symbol("megatron.core.process_groups_config:ProcessGroupCollection.setup_process_groups_for_optimizer",

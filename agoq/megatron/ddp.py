@@ -32,8 +32,9 @@ Modes:
     dequantizes it one parameter at a time (``agoq_set_lazy(True)``, done by agoq's optimizer through
     agoq/megatron/grad_reader.py) or, for optimizers that need every ``.grad`` at once (Megatron's
     torch optimizers), it is dequantized into the float buffer in ``finish_grad_sync`` (allocated
-    there, released in ``zero_grad_buffer``). With the distributed optimizer the owned shard's fp32
-    sum lands in a per-bucket window (4/W bytes per parameter) that ``main_grad`` points into.
+    there, released in ``zero_grad_buffer``). With the distributed optimizer the owned shard's sum is
+    requantized in place into the 8-bit store (no float window, no float buffer) and the optimizer
+    reads it through agoq/megatron/grad_reader.py (``attach``; the reduction raises without it).
 Kept: ``check_for_nan_in_grad`` (store mode: the same check on the norm of the 8-bit bucket; NaN
   blocks stay NaN through the reduction), gradient scaling, grad-norm clipping, loss scaling,
   ``overlap_grad_reduce`` (async handles; on CUDA the reduction runs on a side stream), TP / PP / VPP,
@@ -157,7 +158,10 @@ class AgoqBucketGroup(_ParamAndGradBucketGroup):
         super().finish_grad_sync(force_all_reduce=force_all_reduce)
         if self.agoq_stores is not None and getattr(self, "agoq_reduced_pending", False):
             self.agoq_reduced_pending = False
-            if not self._uses_reduce_scatter(force_all_reduce):
+            if self._uses_reduce_scatter(force_all_reduce):
+                for store in self.agoq_stores:
+                    store.finish_reduce_scatter()
+            else:
                 if self.agoq_lazy:
                     for store in self.agoq_stores:
                         store.install_touched()
@@ -252,6 +256,17 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
         """Reduced fp32 gradient of ``param`` (store mode; None for parameters without a DDP gradient)."""
         store = self._agoq_store_of.get(param)
         return None if store is None else store.grad(param)
+
+    def agoq_shard_grad_of(self, param, start: int, end: int) -> torch.Tensor | None:
+        """Distributed optimizer, store mode: fp32 reduced gradient of ``param``'s flat elements
+        [start, end) (this rank's shard; None for parameters without a DDP gradient)."""
+        store = self._agoq_store_of.get(param)
+        return None if store is None else store.shard_grad(param, start, end)
+
+    def agoq_set_shard_reader(self) -> None:
+        """agoq/megatron/grad_reader.py attached a reader of the 8-bit reduced shards (see BucketStore)."""
+        for store in self.stores():
+            store.reader_attached = True
 
     def agoq_grads_nonfinite(self) -> bool:
         """True when this rank's gradients hold NaN/Inf (store mode: 8-bit scales and float windows;
@@ -378,8 +393,10 @@ def grad_bytes_per_param(grad: GradConfig | None, *, grad_reduce_in_fp32: bool,
 
     Megatron: 4 (fp32 main_grad) or the param dtype's size. agoq store: codes + scales (+ bf16
     residual with error feedback). After the reduction and until the next zero_grad_buffer add: nothing
-    with agoq's optimizer (per-parameter reads), 4/W with the distributed optimizer (owned fp32 shard),
-    4 with optimizers that need every .grad at once (Megatron's torch Adam). agoq reduce: Megatron's number.
+    with agoq's optimizer (per-parameter reads, with or without the distributed optimizer), 4/W with
+    Megatron's optimizer over the distributed optimizer (its fp32 shard .grad tensors), 4 with Megatron's
+    optimizer without it (every .grad at once). agoq reduce: Megatron's number. The planner's version:
+    agoq.plan.peak.grad_bytes_per_param.
     """
     float_bytes = 4.0 if grad_reduce_in_fp32 else float(torch.finfo(params_dtype).bits // 8)
     if grad is None or grad.mode == "reduce":

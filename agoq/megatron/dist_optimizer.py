@@ -3,7 +3,9 @@
 Seam card
 ---------
 Touches: ``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer`` (subclassed:
-  ``AgoqDistributedOptimizer``; overrides ``sharded_state_dict`` / ``load_state_dict`` only), its
+  ``AgoqDistributedOptimizer``; overrides ``sharded_state_dict`` / ``load_state_dict``, and with 8-bit
+  gradients (``--agoq-grads`` store mode) ``_copy_model_grads_to_main_grads`` / ``clip_grad_norm``: the
+  shards are read from the 8-bit store one parameter at a time, agoq/megatron/grad_reader.py), its
   precision-aware mode (``OptimizerConfig.use_precision_aware_optimizer`` and
   ``use_precision_aware_optimizer_no_fp8_or_ds_fp8`` set after the config is built, as measured in
   shared/spec/megatron.md §1.4), ``ProcessGroupCollection.setup_process_groups_for_optimizer``, and
@@ -53,6 +55,7 @@ from megatron.core.optimizer.param_layout import (
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from agoq.formats import parse_format
+from agoq.megatron import grad_reader
 from agoq.optim.base import LOGICAL_SHAPE_ATTR, _parse_formats
 
 MEGATRON_PARAM_ALIGN = 64  # megatron.core.optimizer.param_layout.pad_param_start (elements)
@@ -127,6 +130,18 @@ def _init_all_states(optimizer, _config=None) -> None:
 
 class AgoqDistributedOptimizer(DistributedOptimizer):
     """Megatron's DistributedOptimizer (precision-aware mode) over an agoq.optim optimizer."""
+
+    grad_reader = None  # agoq.megatron.grad_reader.attach: 8-bit reduced shards, read one param at a time
+
+    def _copy_model_grads_to_main_grads(self):
+        if self.grad_reader is None:
+            return super()._copy_model_grads_to_main_grads()
+        grad_reader.prepare_grads(self)  # nothing assigned: each shard is read in the step
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        if self.grad_reader is None:
+            return super().clip_grad_norm(clip_grad)
+        return grad_reader.clip_grad_norm(self, clip_grad)
 
     def __init__(self, inner, config, model_chunks: list, param_names: dict[int, str]):
         ddp_config = model_chunks[0].ddp_config

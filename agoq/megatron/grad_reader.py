@@ -13,8 +13,31 @@ Hook (agoq/megatron/optimizer.py): ``AgoqMegatronOptimizer.grad_reader``; when s
 Norm: the same parameters as Megatron's ``_filter_grads_for_norm`` (not shared, not a TP / GTP
 duplicate), the sum of squares in fp32, all-reduced over ``get_grad_stats_parallel_group()``, square
 root; clip factor ``clip_grad / (norm + 1e-6)`` when below 1, as ``clip_grad_by_total_norm_fp32``.
-Not supported (raise): separate grad-norm groups (MTP), ``log_num_zeros_in_grad``, the distributed
-optimizer (its owned shards are float windows that main_grad points to: no reader needed).
+Not supported (raise): separate grad-norm groups (MTP), ``log_num_zeros_in_grad`` with agoq's optimizer.
+
+Distributed optimizer (``--use-distributed-optimizer``): the DDP requantizes this rank's reduced shard
+into its 8-bit store (agoq/megatron/grad_store.py) and Megatron's ``main_grad`` holds nothing, so the
+optimizer must read the shard from the store (the reduction raises when no reader is attached):
+  * agoq's optimizer (agoq.megatron.dist_optimizer.AgoqDistributedOptimizer): a
+    :class:`ShardGradReader` over its shards; norm, clip and step as above, one shard at a time (the
+    inner optimizer's ``grad_source``); no ``.decoupled_grad`` is assigned. Extra bytes: one shard.
+  * Megatron's DistributedOptimizer (``--agoq-optimizer torch``): the instance's class is swapped to
+    :class:`ShardGradsDistributedOptimizer`, whose ``_copy_model_grads_to_main_grads`` sets every fp32
+    shard main param's ``.grad`` to its dequantized shard (4/W bytes per parameter, dropped by
+    Megatron's ``zero_grad``); the rest of Megatron's step is unchanged.
+
+Seam card
+---------
+Touches (megatron-core 0.19.2): ``megatron.core.optimizer.optimizer._get_param_grad_norm_group``;
+  ``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer`` — instance class swap (as
+  agoq/megatron/ddp.py does for the bucket groups) overriding ``_copy_model_grads_to_main_grads``
+  (private); reads its ``model_float16_groups`` / ``shard_fp32_from_float16_groups`` /
+  ``model_fp32_groups`` / ``shard_fp32_groups`` and ``_get_model_param_range_map``; ``ChainedOptimizer
+  .chained_optimizers``.
+Why: the reduced shard lives in agoq's 8-bit store, which Megatron's only gradient source
+  (``model_param.main_grad.view(-1)[param_range]``) cannot address without a float window over every
+  parameter the shard touches (4 bytes per parameter when one parameter spans buckets).
+Guarded by: tests/megatron/test_ddp_agoq.py, tests/megatron/test_grads_distopt_memory.py.
 """
 
 from __future__ import annotations
@@ -22,10 +45,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import _get_param_grad_norm_group
 from megatron.core.transformer.module import param_is_not_shared
 
-__all__ = ["QuantizedGradReader", "attach", "prepare_grads", "clip_grad_norm", "step_with_ready_grads"]
+__all__ = ["QuantizedGradReader", "ShardGradReader", "ShardGradsDistributedOptimizer", "attach", "prepare_grads",
+           "clip_grad_norm", "step_with_ready_grads"]
 
 CLIP_EPS = 1.0e-6  # megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32
 
@@ -45,14 +70,93 @@ class QuantizedGradReader:
         return None
 
 
-def attach(optimizer, model_chunks: list) -> QuantizedGradReader | None:
-    """Switch store-mode chunks to lazy reads and give ``optimizer`` a reader (None when no chunk stores
-    8-bit gradients or the distributed optimizer is on)."""
+class ShardGradReader(QuantizedGradReader):
+    """Distributed optimizer: this rank's shard of each parameter's reduced gradient, one at a time.
+    ``shards`` maps id(optimizer param) -> (model param, start, end) (flat elements of the model param)."""
+
+    def __init__(self, chunks: list, shards: dict):
+        super().__init__(chunks)
+        self.shards = shards
+
+    def grad(self, param) -> torch.Tensor | None:
+        model_param, start, end = self.shards[id(param)]
+        for chunk in self.chunks:
+            g = chunk.agoq_shard_grad_of(model_param, start, end)
+            if g is not None:
+                return g.view(param.shape) if g.numel() == param.numel() else g
+        return None
+
+    def clipped_grad(self, param) -> torch.Tensor | None:
+        g = self.grad(param)
+        return g * self.clip_coeff if g is not None and self.clip_coeff != 1.0 else g
+
+
+class ShardGradsDistributedOptimizer(DistributedOptimizer):
+    """Megatron's DistributedOptimizer whose shard gradients come from agoq's 8-bit store (class swap)."""
+
+    agoq_shard_reader: ShardGradReader
+
+    def _copy_model_grads_to_main_grads(self):
+        reader = self.agoq_shard_reader
+        for shard_group in self.shard_fp32_from_float16_groups + self.shard_fp32_groups:
+            for shard in shard_group:
+                g = reader.grad(shard)
+                shard.grad = None if g is None else g.reshape(shard.shape)
+
+
+def _megatron_shards(opt: DistributedOptimizer) -> dict:
+    shards = {}
+    for model_groups, shard_groups in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                                       (opt.model_fp32_groups, opt.shard_fp32_groups)):  # fmt: skip
+        for model_group, shard_group in zip(model_groups, shard_groups, strict=True):
+            for model_param, shard in zip(model_group, shard_group, strict=True):
+                rng = opt._get_model_param_range_map(model_param)["param"]
+                shards[id(shard)] = (model_param, rng.start, rng.end)
+    return shards
+
+
+def _attach_distributed(optimizer, chunks: list) -> list:
+    from agoq.megatron.dist_optimizer import AgoqDistributedOptimizer
+
+    readers = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, AgoqDistributedOptimizer):
+            if getattr(opt.config, "log_num_zeros_in_grad", False) or opt.grad_scaler is not None:
+                raise NotImplementedError("--log-num-zeros-in-grad or an fp16 loss scaler with --agoq-grads store, "
+                                          "agoq's optimizer and the distributed optimizer is not implemented")
+            reader = ShardGradReader(chunks, opt.shard_info)
+            opt.grad_reader = reader
+            opt.optimizer.grad_source = reader.clipped_grad
+        elif isinstance(opt, DistributedOptimizer):
+            if opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                raise NotImplementedError("Megatron's precision-aware distributed optimizer with --agoq-grads store "
+                                          "is not implemented; use --agoq-optimizer adamw|lion|sgd")
+            reader = ShardGradReader(chunks, _megatron_shards(opt))
+            opt.__class__ = ShardGradsDistributedOptimizer
+            opt.agoq_shard_reader = reader
+        else:
+            raise NotImplementedError(f"--agoq-grads store with the distributed optimizer: {type(opt).__name__} "
+                                      "is not a DistributedOptimizer and cannot read the 8-bit shard")
+        readers.append(reader)
+    for chunk in chunks:
+        chunk.agoq_set_shard_reader()
+    return readers
+
+
+def attach(optimizer, model_chunks: list):
+    """Give ``optimizer`` a reader of the store-mode chunks' 8-bit reduced gradients (None when no chunk
+    stores 8-bit gradients). Without the distributed optimizer: agoq's optimizer (AgoqMegatronOptimizer)
+    reads per parameter and the chunks stay lazy; other optimizers keep Megatron's materialised buffer
+    (None). With it: see the module docstring (a list of readers, one per distributed optimizer)."""
     chunks = [c for c in model_chunks if getattr(getattr(c, "agoq_grad", None), "mode", None) == "store"]
-    if not chunks or any(c.ddp_config.use_distributed_optimizer for c in chunks):
+    if not chunks:
         return None
     if len(chunks) != len(model_chunks):
         raise NotImplementedError("agoq 8-bit gradient store: every model chunk must use it (or none)")
+    if any(c.ddp_config.use_distributed_optimizer for c in chunks):
+        return _attach_distributed(optimizer, chunks)
+    if not hasattr(optimizer, "grad_reader"):
+        return None  # Megatron's optimizers: the DDP materialises the float buffer after the reduction
     if getattr(optimizer.config, "log_num_zeros_in_grad", False):
         raise NotImplementedError("--log-num-zeros-in-grad with --agoq-grads store and agoq's optimizer is not "
                                   "implemented; drop the flag or use --agoq-grads-mode reduce")

@@ -11,10 +11,16 @@ Reduction (agoq.comm.reduce), started per bucket when Megatron would start its c
     gradient stays 8-bit; temporaries are two chunk slots.
   * distributed optimizer: rank r needs the elements of Megatron's shard r (``shard_buffer``
     of the bucket's flat layout). :func:`reduce_blocks_to_owners` delivers the fp32 sum of the blocks
-    that intersect shard r into a *window*: an fp32 tensor over the bucket-flat range of the
-    parameters that intersect shard r (the shard plus at most two partial parameters); those
-    parameters' ``main_grad`` is re-pointed into the window, which is what Megatron's
-    DistributedOptimizer reads (``main_grad.view(-1)[param_range]``). 4/W bytes per parameter.
+    that intersect shard r (whole blocks, chunk by chunk) and rank r requantizes them *in place* into
+    its own store: the reduced shard is 8-bit too, and no float window exists (the store's other blocks
+    keep this rank's unreduced values, which nobody reads). A block across a shard boundary belongs to
+    both neighbours' ranges; it is requantized after the whole reduction (``finish_reduce_scatter``),
+    since a later chunk still sends this rank's contribution to it. Megatron's DistributedOptimizer
+    reads ``main_grad`` for its shard; here it cannot (``main_grad`` has no storage), so
+    agoq/megatron/grad_reader.py attaches a reader (``shard_grad``: one parameter's shard dequantized
+    at a time) to agoq's optimizer (streamed, 0 extra bytes) or to Megatron's (its fp32 shard ``.grad``
+    tensors, 4/W bytes per parameter from the step to zero_grad). Without an attached reader the
+    reduction raises.
 
 Readers after the all-reduce: ``materialize()`` dequantizes into Megatron's float grad buffer (for
 optimizers that need every ``.grad`` at once, e.g. torch Adam: 4 bytes/param again, but only from the
@@ -28,8 +34,6 @@ float tensor, so nothing float exists during forward/backward.
 """
 
 from __future__ import annotations
-
-import bisect
 
 import torch
 
@@ -63,8 +67,11 @@ class BucketStore:
         self.touched = [p for p in self.params if p in touched]
         self.original_main_grad = {p: p.main_grad for p in self.params}
         self.float_main_grad: dict = {}  # param -> fp32 tensor installed as main_grad until release()
-        self.own_float: list = []  # fp32 tensors installed as main_grad that are not window views
-        self.window: torch.Tensor | None = None
+        self.own_float: list = []  # fp32 tensors installed as main_grad (finalize_touched parameters)
+        self.reader_attached = False  # distributed optimizer: agoq.megatron.grad_reader reads the shard
+        self.shared_blocks: set = set()  # blocks of this rank's range that a neighbour's range also holds
+        self.deferred: dict = {}  # shared block -> its fp32 reduced values until finish_reduce_scatter
+        self.reducing = False
         self.materialized = False  # the reduced gradient was copied into Megatron's float buffer
 
     # -- accumulation (backward post-hook) -----------------------------------------------------
@@ -78,23 +85,41 @@ class BucketStore:
                                  post_scale=post_scale, async_op=async_op, chunk_bytes=self.chunk_bytes)
 
     def start_reduce_scatter(self, group, *, average: bool, post_scale: float, async_op: bool):
-        """Reduce into this rank's window (Megatron's shard of the bucket) and re-point main_grad."""
+        """Reduce this rank's shard (Megatron's shard of the bucket) back into the 8-bit store, in place.
+
+        Blocks of the rank's range that no other rank's range holds are requantized as their chunk
+        arrives (their codes were sent before); the at most two blocks shared with a neighbour's range
+        (a block across a shard boundary) are kept in fp32 until :meth:`finish_reduce_scatter`, because a
+        later chunk still sends this rank's contribution to them. finalize_touched parameters get a full
+        fp32 ``main_grad`` (zeros outside the shard), which finalize_model_grads reduces further.
+        """
+        if not self.reader_attached:
+            raise RuntimeError(
+                "8-bit gradient store with the distributed optimizer: the reduced shard stays 8-bit and the "
+                "optimizer must read it through agoq.megatron.grad_reader.attach(optimizer, model_chunks) "
+                "(scripts/pretrain_llama.py does); Megatron's main_grad holds no reduced values"
+            )
         self.qbuf.fold_residual_()
         shard = self.bucket.grad_data.numel() // self.world
         ranges = [self._blocks_of(r * shard, (r + 1) * shard) for r in range(self.world)]
-        w0, w1 = self._window_span(self.rank * shard, (self.rank + 1) * shard)
-        self.window = torch.zeros(w1 - w0, dtype=torch.float32, device=self.qbuf.device)
-        for i, p in enumerate(self.params):
-            start, end = self.spans[i]
-            if start < w1 and end > w0:
-                self._install(p, self.window[start - w0: end - w0].view(p.shape))
+        lo, hi = ranges[self.rank]
+        self.shared_blocks = {b for b in range(lo, hi) for r, (a, z) in enumerate(ranges)
+                              if r != self.rank and a <= b < z}
+        self.deferred = {}
         for p in self.touched:  # finalize_model_grads reads them even outside the shard
-            if p not in self.float_main_grad:
-                self._install(p, torch.zeros(p.shape, dtype=torch.float32, device=self.qbuf.device))
-                self.own_float.append(p.main_grad)
+            self._install(p, torch.zeros(p.shape, dtype=torch.float32, device=self.qbuf.device))
+            self.own_float.append(p.main_grad)
+        self.reducing = True
         return reduce_blocks_to_owners(self.qbuf.codes_u8, self.qbuf.scales, self.qbuf.fmt, ranges,
-                                       lambda b, v: self._consume(b, v, w0), group, average=average,
+                                       self._consume, group, average=average,
                                        post_scale=post_scale, async_op=async_op, chunk_bytes=self.chunk_bytes)
+
+    def finish_reduce_scatter(self) -> None:
+        """Requantize the deferred shared blocks (after every chunk of the reduction has been sent)."""
+        for b, values in sorted(self.deferred.items()):
+            self.qbuf.store_blocks_(b, values)
+        self.deferred = {}
+        self.reducing = False
 
     def _blocks_of(self, lo: int, hi: int) -> tuple[int, int]:
         """Store blocks [first, last) holding the bucket-flat elements [lo, hi)."""
@@ -109,23 +134,30 @@ class BucketStore:
             last = j1 if last is None else max(last, j1)
         return (0, 0) if first is None else (first, last)
 
-    def _window_span(self, lo: int, hi: int) -> tuple[int, int]:
-        hit = [(s, e) for s, e in self.spans if s < hi and e > lo]
-        return (lo, lo) if not hit else (min(s for s, _ in hit), max(e for _, e in hit))
-
-    def _consume(self, first_block: int, values_f32: torch.Tensor, w0: int) -> None:
-        """Scatter reduced whole blocks [first_block, first_block + n) into the window."""
-        block, offs = self.qbuf.fmt.block, self.qbuf.block_offsets
+    def _consume(self, first_block: int, values_f32: torch.Tensor) -> None:
+        """Reduced whole blocks [first_block, first_block + n): into the store (shared blocks deferred) and
+        into the fp32 main_grad of finalize_touched parameters."""
+        block = self.qbuf.fmt.block
         n = values_f32.numel() // block
-        i = max(0, bisect.bisect_right(offs, first_block) - 1)
-        while i < len(self.params) and offs[i] < first_block + n:
-            b0, b1 = max(offs[i], first_block), min(offs[i + 1], first_block + n)
-            if b0 < b1:
-                e0, e1 = (b0 - offs[i]) * block, min(self.params[i].numel(), (b1 - offs[i]) * block)
-                dst0 = self.spans[i][0] - w0 + e0
-                src0 = (b0 - first_block) * block
-                self.window[dst0: dst0 + e1 - e0].copy_(values_f32[src0: src0 + e1 - e0])
-            i += 1
+        run = first_block
+        for b in sorted(x for x in self.shared_blocks if first_block <= x < first_block + n) + [first_block + n]:
+            if b > run:
+                self.qbuf.store_blocks_(run, values_f32[(run - first_block) * block: (b - first_block) * block])
+            if b < first_block + n:
+                self.deferred[b] = values_f32[(b - first_block) * block: (b - first_block + 1) * block].clone()
+            run = b + 1
+        for p in self.touched:
+            self._copy_blocks_into(p, first_block, n, values_f32)
+
+    def _copy_blocks_into(self, param, first_block: int, n: int, values_f32: torch.Tensor) -> None:
+        block, offs = self.qbuf.fmt.block, self.qbuf.block_offsets
+        i = self.segment[param]
+        b0, b1 = max(offs[i], first_block), min(offs[i + 1], first_block + n)
+        if b0 >= b1:
+            return
+        e0, e1 = (b0 - offs[i]) * block, min(param.numel(), (b1 - offs[i]) * block)
+        src0 = (b0 - first_block) * block
+        self.float_main_grad[param].view(-1)[e0:e1].copy_(values_f32[src0: src0 + e1 - e0])
 
     # -- readers -------------------------------------------------------------------------------
     def grad(self, param) -> torch.Tensor:
@@ -133,6 +165,18 @@ class BucketStore:
         if param in self.float_main_grad:
             return self.float_main_grad[param]
         return self.qbuf.dequantize(self.segment[param]).view(param.shape)
+
+    def shard_grad(self, param, start: int, end: int) -> torch.Tensor:
+        """fp32 reduced gradient of ``param``'s flat elements [start, end) (distributed optimizer: this
+        rank's shard of it; a fresh tensor of end - start elements, or a view of an installed main_grad)."""
+        if param in self.float_main_grad:
+            return self.float_main_grad[param].view(-1)[start:end]
+        block, i = self.qbuf.fmt.block, self.segment[param]
+        b0 = self.qbuf.block_offsets[i] + start // block
+        count = -(-end // block) - start // block
+        values = self.qbuf.dequantize_blocks(b0, count)
+        skip = start - (start // block) * block
+        return values[skip: skip + end - start]
 
     def materialize(self) -> None:
         """Dequantize the reduced gradient into Megatron's float grad buffer (main_grad views)."""
@@ -152,10 +196,7 @@ class BucketStore:
         scales that one as Megatron does)."""
         if self.materialized:
             return
-        if self.window is not None:
-            self.window.mul_(factor)
-        else:
-            self.qbuf.scale_(factor)
+        self.qbuf.scale_(factor)
         for tensor in self.own_float:
             tensor.mul_(factor)
 
@@ -165,14 +206,12 @@ class BucketStore:
 
     def nonfinite(self) -> bool:
         bad = self.qbuf.has_nonfinite()
-        if self.window is not None:
-            bad = bad or not bool(torch.isfinite(self.window).all())
         return bad or any(not bool(torch.isfinite(t).all()) for t in self.float_main_grad.values())
 
     def release(self) -> None:
         for p in self.float_main_grad:
             p.main_grad = self.original_main_grad[p]
         self.float_main_grad, self.own_float = {}, []
-        self.window = None
+        self.deferred, self.reducing = {}, False
         self.materialized = False
         self.qbuf.zero_()

@@ -227,6 +227,7 @@ def build_agoq_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
         from agoq.megatron.dist_optimizer import AgoqDistributedOptimizer
 
         optimizer = AgoqDistributedOptimizer(inner, config, model_chunks, names)
+        grad_reader.attach(optimizer, model_chunks)  # 8-bit gradient store: shards read one param at a time
     elif args.agoq_gradient_release:
         from agoq.megatron.release import AgoqReleaseOptimizer
 

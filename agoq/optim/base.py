@@ -71,6 +71,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         # Where step() reads gradients: "grad", or "decoupled_grad" when a wrapper keeps a gradient
         # whose dtype differs from the param (Megatron's precision-aware distributed optimizer).
         self.grad_attr = "grad"
+        self.grad_source = None  # callable param -> gradient (or None): step() reads gradients from it
         for group in self.param_groups:
             self._check_group(group)
 
@@ -170,6 +171,9 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         attr = self.grad_attr
+        if getattr(self, "grad_source", None) is not None:  # absent after unpickling
+            self._step_from_source()
+            return loss
         for index, group in enumerate(self.param_groups):
             params, grads = [], []
             for p in group["params"]:
@@ -185,6 +189,15 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                 for p, grad in zip(params, grads, strict=True):
                     self.step_param(p, grad, group)
         return loss
+
+    def _step_from_source(self) -> None:
+        """One parameter at a time, each gradient from ``grad_source`` (built, used, dropped in turn:
+        agoq/megatron/grad_reader.py's 8-bit shard reads); no multi-tensor launch, which needs them all."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = self.grad_source(p)
+                if grad is not None:
+                    self.step_param(p, grad, group)
 
     def _step_multi(self, index: int, group: dict, params: list, grads: list) -> None:
         from agoq.optim.multi import GroupPlan

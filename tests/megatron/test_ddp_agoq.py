@@ -26,7 +26,7 @@ from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E40
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 
 from agoq.config import AgoqConfig  # noqa: E402
-from agoq.megatron import runtime, training  # noqa: E402
+from agoq.megatron import grad_reader, runtime, training  # noqa: E402
 from agoq.megatron.ddp import GradConfig, grad_memory_report, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.model import (  # noqa: E402
     LlamaShape,
@@ -75,7 +75,9 @@ def _build(pp: int, distopt: bool, overlap: bool, grad):
     training.configure_grad_hooks(model, config)
     opt_cfg = OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0, bf16=False, params_dtype=torch.float32,
                               use_distributed_optimizer=distopt)
-    return model, get_megatron_optimizer(opt_cfg, model)
+    optimizer = get_megatron_optimizer(opt_cfg, model)
+    grad_reader.attach(optimizer, model)  # distributed optimizer + 8-bit store: the shard is read from the store
+    return model, optimizer
 
 
 def _train(rank: int, world_size: int, pp: int, variants: list) -> dict:
