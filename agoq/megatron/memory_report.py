@@ -1,9 +1,10 @@
 """Start-up memory report: the planner's prediction per pipeline stage, then what each stage measured.
 
-Prediction: ``agoq.plan.plan_stages`` (held bytes: weights, Megatron's float gradients and Adam states,
-activations of the in-flight micro-batches) and ``agoq.plan.peak.predict_peaks`` (the predicted
-``max_memory_allocated``: agoq's optimizer and 8-bit gradients, backward / loss / optimizer-step
-temporaries; its accuracy against every committed measurement: docs/benchmarks/planner.md). Measured:
+Prediction: ``agoq.plan.peak.predict_peaks`` per stage, for this run's optimizer and gradient format
+(both named in the header, with the gradient bytes per parameter per rank): the held bytes (weights,
+gradients, optimizer states, activations of the in-flight micro-batches from ``agoq.plan.plan_stages``)
+and the predicted ``max_memory_allocated`` (backward / loss / optimizer-step temporaries on top; its
+accuracy against every committed measurement: docs/benchmarks/planner.md). Measured:
 ``torch.cuda.max_memory_allocated`` on the first tensor- and data-parallel rank of each stage (RSS on
 the CPU, not comparable).
 """
@@ -16,7 +17,7 @@ from megatron.core import parallel_state
 
 from agoq.megatron import runtime
 from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
-from agoq.plan.peak import Recipe, StagePeak, format_peaks, predict_peaks
+from agoq.plan.peak import Recipe, StagePeak, format_peaks, grad_bytes_per_param, predict_peaks
 
 
 def _plan_inputs(args, shape, layout, policy):
@@ -68,22 +69,54 @@ def predicted_peaks(args, shape, layout, policy) -> list[StagePeak]:
     return predict_peaks(model, plan_layout, policy, recipe)
 
 
+def optimizer_name(args, recipe: Recipe, dp: int) -> str:
+    """The optimizer in use, as the report names it."""
+    if recipe.optimizer == "torch":
+        name = "Megatron's Adam (fp32 master + moments)"
+    else:
+        kind = {"adamw": "AdamW", "lion": "Lion", "sgd": "SGD"}.get(getattr(args, "agoq_optimizer", ""), "optimizer")
+        name = f"agoq {kind} ({','.join(recipe.moments)} states, master {recipe.master})"
+    if getattr(args, "use_distributed_optimizer", False):
+        name += f", distributed over {dp} data-parallel rank{'s' if dp > 1 else ''}"
+    return name
+
+
+def gradient_name(args, recipe: Recipe, plan_layout) -> str:
+    """The gradient format in use and its bytes per parameter per rank (agoq.plan.peak.grad_bytes_per_param)."""
+    held, after = grad_bytes_per_param(recipe, plan_layout)
+    if recipe.gradient_release:
+        return "no gradient buffer (gradient release)"
+    if recipe.grads is not None:
+        text = f"{recipe.grads} gradients (8-bit store{' + bf16 error feedback' if recipe.grad_error_feedback else ''}"
+    elif getattr(args, "agoq_grads", None) not in (None, "fp32", "bf16", "fp16"):
+        text = f"{'bf16' if plan_layout.grad_bytes == 2 else 'fp32'} gradients ({args.agoq_grads} reduction only"
+    else:
+        text = f"{'bf16' if plan_layout.grad_bytes == 2 else 'fp32'} gradients (Megatron's buffer"
+    text += f", {held:.3f} B/param held"
+    if after:
+        text += f" + {after:.3f} B/param fp32 from the reduction to zero_grad"
+    return text + ")"
+
+
 def predicted_report(args, shape, layout, policy) -> str:
-    """Per stage: held GiB by component (Megatron's recipe) and the predicted peak (rank 0 prints it)."""
+    """Per stage: held GiB by component for this run's optimizer and gradients, and the predicted peak
+    (rank 0 prints it)."""
     recipe = recipe_from_args(args, policy)
     model, plan_layout, policy = _plan_inputs(args, shape, layout, policy)
     plan = plan_stages(model, plan_layout, policy, fp8=recipe.fp8)
-    grads = "no gradient buffer (gradient release)" if plan_layout.grad_bytes == 0 else "float gradients"
-    lines = [f"predicted memory per GPU (agoq.plan; held bytes with Megatron's Adam and {grads}):"]
-    for s in plan:
+    peaks = predict_peaks(model, plan_layout, policy, recipe)
+    lines = [f"predicted memory per GPU (agoq.plan; held bytes with {optimizer_name(args, recipe, plan_layout.dp)} "
+             f"and {gradient_name(args, recipe, plan_layout)}):"]
+    for s, p in zip(plan, peaks, strict=True):
+        total = p.weights + p.grads + p.optimizer + p.held
         lines.append(
-            f"  stage {s.pp_rank}: weights {s.weights / GIB:.2f} | grads {s.grads / GIB:.2f} | optimizer "
-            f"{s.optimizer / GIB:.2f} | activations {s.activations / GIB:.2f} (in-flight {s.inflight}) | "
-            f"total {s.total / GIB:.2f} GiB"
+            f"  stage {s.pp_rank}: weights {p.weights / GIB:.2f} | grads {p.grads / GIB:.2f} | optimizer "
+            f"{p.optimizer / GIB:.2f} | activations {p.held / GIB:.2f} (in-flight {s.inflight}) | "
+            f"total {total / GIB:.2f} GiB"
         )
     lines.append("predicted peak per GPU (agoq.plan.peak, this run's optimizer / gradients / recompute; "
                  "accuracy: docs/benchmarks/planner.md):")
-    lines.append(format_peaks(predict_peaks(model, plan_layout, policy, recipe)))
+    lines.append(format_peaks(peaks))
     if getattr(args, "recompute_granularity", None) == "full" and getattr(args, "recompute_num_layers", 1) != 1:
         lines.append("  note: the peak model assumes --recompute-num-layers 1")
     return "\n".join(lines)
@@ -133,9 +166,22 @@ def _add_unique(tensors, counted: dict[int, int]) -> int:
     return total
 
 
+def _optimizer_param_grads(optimizer) -> list:
+    """Gradients the optimizer's own parameters hold (``.grad`` / ``.decoupled_grad``: the distributed
+    optimizer's fp32 shard gradients), so they count as gradients, not optimizer states."""
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for group in getattr(inner, "param_groups", []):
+            for p in group["params"]:
+                out += [p.grad, getattr(p, "decoupled_grad", None)]
+    return out
+
+
 def static_breakdown_gib(model_chunks, optimizer) -> dict[str, float]:
     """Bytes held by this rank, by role, from the live tensors (exact accounting, no model): weights (the
-    model's parameter storages), grads (main_grad buffers, agoq's quantized gradient buffers) and optimizer
+    model's parameter storages), grads (main_grad buffers, agoq's quantized gradient buffers, the optimizer
+    params' .grad / .decoupled_grad, e.g. the distributed optimizer's fp32 shard gradients) and optimizer
     (everything else the optimizer object reaches: fp32 main params, moments, agoq codes/scales/remainders).
     The rest of the peak is activations and temporaries."""
     counted: dict[int, int] = {}
@@ -145,6 +191,7 @@ def static_breakdown_gib(model_chunks, optimizer) -> dict[str, float]:
     grad_tensors += list(_tensors([getattr(c, "buffers", None) for c in model_chunks], 4, set()))
     qbufs = [c.quantized_grad_buffers() for c in model_chunks if hasattr(c, "quantized_grad_buffers")]
     grad_tensors += list(_tensors(qbufs, 4, set()))
+    grad_tensors += _optimizer_param_grads(optimizer)
     grads = _add_unique((t for t in grad_tensors if t is not None), counted)
     optim = _add_unique(_tensors(optimizer, OPTIMIZER_WALK_DEPTH, set()), counted)
     numel = max(sum(p.numel() for p in {id(p): p for p in params}.values()), 1)

@@ -26,7 +26,8 @@ Optimizer-step phase: persistent state plus the step's temporaries. Megatron's A
 parameter (4 B/param; the other foreach ops are in place). With bf16 gradients Megatron's
 ``_copy_model_grads_to_main_grads`` makes fp32 copies (``main_grad.float()``, 4 B/param). With the 8-bit
 store and Megatron's AdamW the reduced gradient is dequantized into a float buffer (4 B/param,
-agoq.megatron.grad_store). agoq's optimizer steps one parameter at a time (agoq.optim.base.step_param):
+agoq.megatron.grad_store; with the distributed optimizer only the rank's fp32 shard gradients, 4/dp; with
+agoq's optimizer nothing: it reads the 8-bit shard one parameter at a time). agoq's optimizer steps one parameter at a time (agoq.optim.base.step_param):
 its temporaries are a few fp32 copies of the largest parameter (``AGOQ_STEP_FP32_COPIES``).
 
 Gradient release (``Recipe.gradient_release``, --agoq-gradient-release): 0 gradient bytes and no step
@@ -200,6 +201,27 @@ def release_step_bytes(largest_numel: int) -> int:
     (the output layer's hook fires at the start of backward, with every activation still held)."""
     check = min(largest_numel, NONFINITE_CHECK_SLICE) * (BF16_BYTES + ISFINITE_BOOL_TEMPORARIES)
     return BF16_BYTES * largest_numel + max(check, AGOQ_STEP_FP32_COPIES * FP32_BYTES * largest_numel)
+
+
+def grad_bytes_per_param(recipe: Recipe, layout: Layout) -> tuple[float, float]:
+    """Gradient bytes per parameter on one rank as agoq builds them (padding ignored): (held through
+    forward/backward, extra float bytes from the reduction to the next zero_grad).
+
+    Megatron's float buffer: 4 (2 with --grad-reduce-in-bf16); Megatron's fp32 step over a bf16 buffer adds
+    fp32 copies (4/share). agoq's 8-bit store (agoq.megatron.grad_store): codes + scales (+ 2 B residual
+    with error feedback), the reduced gradient requantized in place with or without the distributed
+    optimizer; agoq's optimizer reads it one parameter (shard) at a time (0 extra); Megatron's Adam needs
+    every fp32 gradient at once: the whole float buffer (4) without the distributed optimizer, its fp32
+    shard gradients (4/dp) with it. Gradient release: (0, 0).
+    """
+    share = layout.dp if layout.distributed_optimizer else 1
+    if recipe.gradient_release:
+        return 0.0, 0.0
+    if recipe.grads is not None:
+        held = parse_format(recipe.grads).bytes_per_element() + (BF16_BYTES if recipe.grad_error_feedback else 0)
+        return held, (FP32_BYTES / share if recipe.optimizer == "torch" else 0.0)
+    after = FP32_BYTES / share if recipe.optimizer == "torch" and layout.grad_bytes != FP32_BYTES else 0.0
+    return float(layout.grad_bytes), after
 
 
 def _stage_dims(shape: ModelShape, layout: Layout) -> LayerDims:
