@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from agoq.plan.memory import Layout, ModelShape, parse_bytes
-from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report
+from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report, grad_bytes_per_param
 from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES, FP8Spec, load_policy
 
 POLICY_DIR = Path(__file__).resolve().parents[2] / "configs" / "policy"
@@ -63,6 +63,15 @@ def parse(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _gradient_line(recipe: Recipe, layout: Layout) -> str:
+    held, after = grad_bytes_per_param(recipe, layout)
+    extra = f" + {after:.3f} B fp32 from the reduction to zero_grad" if after else ""
+    optimizer = "Megatron's Adam" if recipe.optimizer == "torch" else "agoq's optimizer"
+    if layout.distributed_optimizer:
+        optimizer += f", distributed over {layout.dp} rank{'s' if layout.dp > 1 else ''}"
+    return f"gradients per parameter per rank: {held:.3f} B held{extra} ({recipe.grads or 'float'}; {optimizer})"
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     cfg = yaml.safe_load(Path(args.model).read_text()) if args.model else {}
@@ -97,6 +106,7 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"agoq.plan: error: {err}", file=sys.stderr)
         return 2
+    print(_gradient_line(recipe, layout))
     print(format_peak_report(report, budget))
     if chosen is None:
         print("no candidate policy fits: lower --mbs, raise --pp/--tp, or use the distributed optimizer")
