@@ -118,6 +118,8 @@ class BucketStore:
         """Requantize the deferred shared blocks (after every chunk of the reduction has been sent)."""
         for b, values in sorted(self.deferred.items()):
             self.qbuf.store_blocks_(b, values)
+            if values.is_cuda:  # made on the reduction's side stream, read here on the current one
+                values.record_stream(torch.cuda.current_stream(values.device))
         self.deferred = {}
         self.reducing = False
 
@@ -169,6 +171,8 @@ class BucketStore:
     def shard_grad(self, param, start: int, end: int) -> torch.Tensor:
         """fp32 reduced gradient of ``param``'s flat elements [start, end) (distributed optimizer: this
         rank's shard of it; a fresh tensor of end - start elements, or a view of an installed main_grad)."""
+        if self.reducing:
+            raise RuntimeError("8-bit shard read before finish_grad_sync completed its reduction")
         if param in self.float_main_grad:
             return self.float_main_grad[param].view(-1)[start:end]
         block, i = self.qbuf.fmt.block, self.segment[param]
@@ -176,7 +180,9 @@ class BucketStore:
         count = -(-end // block) - start // block
         values = self.qbuf.dequantize_blocks(b0, count)
         skip = start - (start // block) * block
-        return values[skip: skip + end - start]
+        if values.numel() == end - start:
+            return values
+        return values[skip: skip + end - start].clone()  # not a view that keeps the padding blocks alive
 
     def materialize(self) -> None:
         """Dequantize the reduced gradient into Megatron's float grad buffer (main_grad views)."""
