@@ -113,14 +113,28 @@ def test_flat_shard_of_a_matrix_keeps_the_matrix_rule():
 
 
 # -------------------------------------------------------------------------------------------------- end to end
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return child_env(AGOQ_CACHE=str(tmp_path_factory.mktemp("agoq_cache")))
+RESUME_AT = 3
+
+
+@pytest.fixture(scope="session")
+def env(agoq_cache):
+    return child_env(AGOQ_CACHE=str(agoq_cache))
 
 
 @pytest.fixture(scope="module")
-def full_run(env):
-    return run_pretrain(2, AGOQ_DISTOPT, env=env).stdout
+def full_run(env, tmp_path_factory):
+    """The 6-iteration DP=2 run, saving at iteration 3 (and 6): its output and its checkpoint directory with
+    the tracker set back to 3. Launched once for the tests that compare with it or resume from it."""
+    ckpt = tmp_path_factory.mktemp("distopt") / "ckpt"
+    out = run_pretrain(2, AGOQ_DISTOPT + ["--save", str(ckpt), "--save-interval", str(RESUME_AT)], env=env).stdout
+    return out, _rewind(ckpt, RESUME_AT)
+
+
+def _rewind(ckpt, iteration: int):
+    """Point the checkpoint tracker at an earlier saved iteration: --load then resumes from that one."""
+    assert (ckpt / f"iter_{iteration:07d}").is_dir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
+    return ckpt
 
 
 def _losses(output: str) -> list[float]:
@@ -134,6 +148,7 @@ def test_dp2_distopt_trains_like_the_unsharded_agoq_step(env, full_run):
     companded 8-bit moments then amplify ULP-level differences (a code flips at a rounding boundary):
     2.7e-4 relative at step 6 (measured), against 2.8e-2 for lost states. The per-rank memory line
     shows the sharded optimizer bytes."""
+    full_run, _ = full_run
     sharded = _losses(full_run)
     assert len(sharded) == 6 and sharded[-1] < sharded[0] - 0.5, sharded
     unsharded = _losses(run_pretrain(2, [a for a in AGOQ_DISTOPT if a != "--use-distributed-optimizer"],
@@ -146,21 +161,21 @@ def test_dp2_distopt_trains_like_the_unsharded_agoq_step(env, full_run):
 
 
 @pytest.mark.dist
-def test_dp2_distopt_resume_is_bit_identical(env, full_run, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    run_pretrain(2, AGOQ_DISTOPT + ["--save", str(ckpt), "--exit-interval", "3"], env=env)
+def test_dp2_distopt_resume_is_bit_identical(env, full_run):
+    """Resumed from the run's own iteration-3 checkpoint: iterations 4..6 log its losses bit for bit (a save
+    that disturbed the live sharded states would show here too)."""
+    full_run, ckpt = full_run
     resumed = iteration_records(run_pretrain(2, AGOQ_DISTOPT + ["--load", str(ckpt)], env=env).stdout)
     assert [r["iteration"] for r in resumed] == [4, 5, 6]
     assert [r["loss"] for r in resumed] == _losses(full_run)[3:]  # bit for bit
 
 
 @pytest.mark.dist
-def test_dp2_checkpoint_loads_at_dp1(env, full_run, tmp_path):
+def test_dp2_checkpoint_loads_at_dp1(env, full_run):
     """DP=2 states resharded onto one rank. Band: DP=1 sums the 8 micro-batch gradients in another
     order, ~3e-6 relative in the loss (measured); fresh optimizer states at the resume move iteration
     5's loss by 2.8e-2 (measured), so rel 1e-4 separates "loaded" from "lost" by > 100x."""
-    ckpt = tmp_path / "ckpt"
-    run_pretrain(2, AGOQ_DISTOPT + ["--save", str(ckpt), "--exit-interval", "3"], env=env)
+    full_run, ckpt = full_run
     proc = run_pretrain(1, AGOQ_DISTOPT + ["--load", str(ckpt)], env=env)
     assert "saved with data-parallel size 2, loading with 1" in proc.stdout
     resumed = iteration_records(proc.stdout)
@@ -179,10 +194,11 @@ def test_dp2_checkpoint_loads_at_dp1(env, full_run, tmp_path):
 def test_pp2_interleaved_distopt_resume_is_bit_identical(env, tmp_path):
     """Two model chunks per rank (VPP), params of other stages absent from rank 0's common state."""
     args = AGOQ_DISTOPT + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
-    full = _losses(run_pretrain(2, args, env=env).stdout)
     ckpt = tmp_path / "ckpt"
-    run_pretrain(2, args + ["--save", str(ckpt), "--exit-interval", "3"], env=env)
-    assert _losses(run_pretrain(2, args + ["--load", str(ckpt)], env=env).stdout) == full[3:]
+    full = _losses(run_pretrain(2, args + ["--save", str(ckpt), "--save-interval", str(RESUME_AT)], env=env).stdout)
+    resumed = iteration_records(run_pretrain(2, args + ["--load", str(_rewind(ckpt, RESUME_AT))], env=env).stdout)
+    assert [r["iteration"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == full[3:]  # bit for bit
 
 
 @pytest.mark.dist
