@@ -26,8 +26,8 @@ FLASH_STATE_BYTES = 3.125
 MEGATRON_ADAM_STATE_BYTES = 12.0  # fp32 main param + exp_avg + exp_avg_sq
 
 
-def test_optimizer_checkpoint_bytes_per_param(tmp_path):
-    env = child_env(AGOQ_CACHE=str(tmp_path / "cache"))
+def test_optimizer_checkpoint_bytes_per_param(tmp_path, agoq_cache):
+    env = child_env(AGOQ_CACHE=str(agoq_cache))
     sizes = {}
     for name, extra in RUNS.items():
         ckpt = tmp_path / name
@@ -47,11 +47,11 @@ def test_optimizer_checkpoint_bytes_per_param(tmp_path):
     assert sizes["agoq_adamw_distopt"]["optimizer_tensor_bytes"] == sizes["agoq_adamw"]["optimizer_tensor_bytes"]
 
 
-def test_mid_run_save_does_not_touch_the_live_optimizer_state(tmp_path):
+def test_mid_run_save_does_not_touch_the_live_optimizer_state(tmp_path, agoq_cache):
     """A --save-interval save (non-distributed agoq optimizer) used to pop "step" from the live states
     (torch's state_dict() returns them by reference): the next step raised KeyError. Losses after the
     save equal a run without saves."""
-    env = child_env(AGOQ_CACHE=str(tmp_path / "cache"))
+    env = child_env(AGOQ_CACHE=str(agoq_cache))
     args = ["--config", str(TINY_CONFIG), "--lr", "1e-2", "--lr-warmup-iters", "1", "--train-iters", "3",
             "--agoq-optimizer", "adamw"]  # fmt: skip
     from agoq.testing.procs import iteration_records

@@ -163,9 +163,9 @@ def test_tp2_smooth_swiglu_equals_plain_through_the_real_model():
 
 
 # ------------------------------------------------------------------- the script, flags, errors ----
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return child_env(AGOQ_CACHE=str(tmp_path_factory.mktemp("agoq_cache")))
+@pytest.fixture(scope="session")
+def env(agoq_cache):
+    return child_env(AGOQ_CACHE=str(agoq_cache))
 
 
 @pytest.mark.dist
@@ -211,7 +211,7 @@ def test_fp8_layers_raise_on_cpu_at_the_op(mcore_world1):
 
 
 @pytest.mark.dist
-def test_bench_fp8_whole_step_harness_smoke(tmp_path):
+def test_bench_fp8_whole_step_harness_smoke(tmp_path, env):
     """scripts/bench_fp8.py part (b) on CPU: the fp8 suite of bench_pretrain in its tiny form (bf16 and
     Smooth-SwiGLU; FP8 needs a GPU), summarised with the loss comparison."""
     import json
@@ -223,7 +223,7 @@ def test_bench_fp8_whole_step_harness_smoke(tmp_path):
     out = tmp_path / "fp8.json"
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_fp8.py"), "--smoke", "--step-smoke",
                            "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
-                          env=child_env(AGOQ_CACHE=str(tmp_path / "cache")))
+                          env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     step = json.loads(out.read_text())["whole_step"]
     assert set(step["summary"]) == {"bf16", "smooth-swiglu per-token"} and not step["failed"]

@@ -214,12 +214,13 @@ def test_nonfinite_gradient_raises_with_iteration_and_parameter(mcore_world1):
 
 
 @pytest.mark.dist
-def test_script_release_trains_like_the_buffered_run_and_resumes(tmp_path):
+def test_script_release_trains_like_the_buffered_run_and_resumes(tmp_path, agoq_cache):
     """scripts/pretrain_llama.py, one CPU rank: the logged losses with release equal the buffered run's; a
-    checkpoint saved with release resumes identically with release, and without it (same format)."""
+    checkpoint saved with release (at iteration 3 of that run) resumes identically with release, and without
+    it (same format)."""
     from agoq.testing.procs import child_env, iteration_records, run_pretrain
 
-    env = child_env(AGOQ_CACHE=str(tmp_path / "cache"))
+    env = child_env(AGOQ_CACHE=str(agoq_cache))
     base = ["--config", str(TINY_CONFIG), "--micro-batch-size", "2", "--global-batch-size", "2", "--clip-grad", "0",
             "--agoq-optimizer", "adamw", "--train-iters", "6", "--lr-warmup-iters", "1", "--lr", "1e-2"]
     release = base + ["--agoq-gradient-release"]
@@ -228,22 +229,23 @@ def test_script_release_trains_like_the_buffered_run_and_resumes(tmp_path):
         proc = run_pretrain(1, args, env=env)
         return proc, [(r["iteration"], r["loss"]) for r in iteration_records(proc.stdout)]
 
+    ckpt = tmp_path / "ckpt"
     _, buffered = losses(base)
-    proc, released = losses(release)
+    proc, released = losses(release + ["--save", str(ckpt), "--save-interval", "3"])
     assert released == buffered and len(released) == 6
     assert released[-1][1] < released[0][1]  # it trains
     assert "gradient release: no gradient buffer" in proc.stdout
     assert "gradients: no buffer (--agoq-gradient-release" in proc.stdout
     assert "no gradient buffer (gradient release)" in proc.stdout  # the planner's line counts 0 grad bytes
     assert "grads 0.000" in proc.stdout  # measured breakdown: no gradient bytes held
-    ckpt = tmp_path / "ckpt"
-    run_pretrain(1, release + ["--save", str(ckpt), "--exit-interval", "3"], env=env)
+    assert (ckpt / "iter_0000003").is_dir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("3\n")  # resume from iteration 3's checkpoint
     assert losses(release + ["--load", str(ckpt)])[1] == released[3:]
     assert losses(base + ["--load", str(ckpt)])[1] == buffered[3:]
 
 
 @pytest.mark.dist
-def test_bench_pretrain_release_suite_smoke(tmp_path):
+def test_bench_pretrain_release_suite_smoke(tmp_path, agoq_cache):
     """scripts/bench_pretrain.py --suite release --smoke (CPU): the three variants run, the release one holds
     no gradient bytes (measured breakdown), and every variant carries the planner's predicted peak."""
     import json
@@ -255,7 +257,7 @@ def test_bench_pretrain_release_suite_smoke(tmp_path):
     out = tmp_path / "release.json"
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_pretrain.py"), "--suite", "release",
                            "--smoke", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
-                          env=child_env(AGOQ_CACHE=str(tmp_path / "cache")))  # fmt: skip
+                          env=child_env(AGOQ_CACHE=str(agoq_cache)))  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     summary = {s["name"].rsplit("/", 1)[1]: s for s in json.loads(out.read_text())["summary"]}
     assert sorted(summary) == ["agoq adamw, bf16 grad buffer", "agoq adamw, fp32 grad buffer",
@@ -271,13 +273,13 @@ def test_bench_pretrain_release_suite_smoke(tmp_path):
 
 
 @pytest.mark.dist
-def test_script_with_two_data_parallel_ranks_stops_naming_it(tmp_path):
+def test_script_with_two_data_parallel_ranks_stops_naming_it(agoq_cache):
     """The data-parallel size is known only at start-up: two ranks stop before any model is built."""
     from agoq.testing.procs import child_env, iteration_records, run_pretrain
 
     args = ["--config", str(TINY_CONFIG), "--micro-batch-size", "2", "--global-batch-size", "2", "--clip-grad", "0",
             "--agoq-optimizer", "adamw", "--agoq-gradient-release", "--train-iters", "2", "--lr-warmup-iters", "1"]
-    proc = run_pretrain(2, args, env=child_env(AGOQ_CACHE=str(tmp_path / "cache")), check=False)
+    proc = run_pretrain(2, args, env=child_env(AGOQ_CACHE=str(agoq_cache)), check=False)
     assert proc.returncode != 0
     assert "--agoq-gradient-release conflicts with data-parallel size 2" in proc.stderr, proc.stderr[-3000:]
     assert iteration_records(proc.stdout) == []
