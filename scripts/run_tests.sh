@@ -5,7 +5,8 @@
 #
 # Both processes run on pytest-xdist workers (in the dev extra): AGOQ_TEST_WORKERS of them (default: 2,
 # at most the number of cores; 0 = in-process, serial). --dist loadgroup keeps the tests that share a
-# module-scoped fixture on one worker (tests/conftest.py). Without pytest-xdist the tiers run serially,
+# module-scoped fixture on one worker (tests/conftest.py); the megatron tier is collected first so that its
+# long launches start early and the many short unit tests fill the end. Without pytest-xdist the tiers run serially,
 # with a notice. Exit status: non-zero if any test of either process fails (the kernels process selecting
 # no test, pytest's exit 5, is not a failure); the last line says which.
 set -uo pipefail
@@ -27,7 +28,7 @@ else
   echo "run_tests.sh: each tier in one serial pytest process"
 fi
 status=0
-"$PY" -m pytest tests/unit tests/dist tests/megatron -m "not gpu and not multigpu" -q -p no:cacheprovider \
+"$PY" -m pytest tests/megatron tests/dist tests/unit -m "not gpu and not multigpu" -q -p no:cacheprovider \
   "${parallel[@]}" "$@" || status=$?
 TRITON_INTERPRET=1 "$PY" -m pytest tests/kernels -m "not gpu" -q -p no:cacheprovider "${parallel[@]}" "$@" \
   || { rc=$?; [ $rc -eq 5 ] || status=$rc; }
