@@ -103,8 +103,10 @@ class BucketStore:
         shard = self.bucket.grad_data.numel() // self.world
         ranges = [self._blocks_of(r * shard, (r + 1) * shard) for r in range(self.world)]
         lo, hi = ranges[self.rank]
-        self.shared_blocks = {b for b in range(lo, hi) for r, (a, z) in enumerate(ranges)
-                              if r != self.rank and a <= b < z}
+        # the overlaps with the other ranks' block ranges (at most one block at each end): O(world), not a
+        # Python loop over every block of the shard (~78k per 40M-element bucket at d=2: ~0.35 s per step)
+        self.shared_blocks = {b for r, (a, z) in enumerate(ranges) if r != self.rank
+                              for b in range(max(lo, a), min(hi, z))}
         self.deferred = {}
         for p in self.touched:  # finalize_model_grads reads them even outside the shard
             self._install(p, torch.zeros(p.shape, dtype=torch.float32, device=self.qbuf.device))

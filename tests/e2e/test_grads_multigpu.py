@@ -45,7 +45,8 @@ def _batches(shape, dp_rank: int):
         start = torch.randint(0, shape.vocab_size, (MICRO_BATCH, 1), generator=g)
         stride = torch.randint(1, 5, (MICRO_BATCH, 1), generator=g)
         seq = (start + stride * pos) % shape.vocab_size
-        fixed.append({"tokens": seq[:, :-1], "labels": seq[:, 1:], "loss_mask": torch.ones(MICRO_BATCH, shape.seq_length),
+        fixed.append({"tokens": seq[:, :-1], "labels": seq[:, 1:],
+                      "loss_mask": torch.ones(MICRO_BATCH, shape.seq_length),
                       "position_ids": pos[:-1].expand(MICRO_BATCH, -1)})
     return itertools.cycle(fixed)
 
@@ -76,7 +77,7 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from agoq.config import AgoqConfig
-    from agoq.megatron import runtime, training
+    from agoq.megatron import grad_reader, runtime, training
     from agoq.megatron.ddp import grad_memory_report, wrap_ddp_agoq
     from agoq.megatron.install import install
     from agoq.megatron.model import (
@@ -118,6 +119,7 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
                 optimizer = get_megatron_optimizer(OptimizerConfig(
                     optimizer="adam", lr=LR, clip_grad=1.0, bf16=cuda, params_dtype=config.params_dtype,
                     use_distributed_optimizer=distopt), model)
+                grad_reader.attach(optimizer, model)  # as pretrain.build_optimizer: the 8-bit shard's reader
             runner = training.StepRunner(model, optimizer, _NoScheduler(), device, shape.seq_length, MICRO_BATCH,
                                          MICRO_BATCH * MICRO_BATCHES * world_size, MICRO_BATCHES)
             data = [_batches(shape, parallel_state.get_data_parallel_rank())]
