@@ -170,6 +170,7 @@ CONFLICTS = [
     (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2"),
     (["--global-batch-size", str(4 * MBS)], "gradient accumulation over 4 micro-batches"),
     (["--clip-grad", "1.0"], "--clip-grad 1.0"),
+    (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
 ]
 
 
