@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The CPU test suite (what CI runs). Two pytest processes, because TRITON_INTERPRET must be set before
-# triton is imported: (1) unit, dist and megatron tiers; (2) Triton kernels under the interpreter.
+# triton is imported: (1) megatron, dist and unit tiers; (2) Triton kernels under the interpreter.
 # GPU tiers (pytest -m gpu / -m multigpu) are documented in tests/README.md.
 #
 # Both processes run on pytest-xdist workers (in the dev extra): AGOQ_TEST_WORKERS of them (default: 2,
 # at most the number of cores; 0 = in-process, serial). --dist loadgroup keeps the tests that share a
 # module-scoped fixture on one worker (tests/conftest.py); the megatron tier is collected first so that its
-# long launches start early and the many short unit tests fill the end. Without pytest-xdist the tiers run serially,
-# with a notice. Exit status: non-zero if any test of either process fails (the kernels process selecting
-# no test, pytest's exit 5, is not a failure); the last line says which.
+# long launches start early and the many short unit tests fill the end. Without pytest-xdist the tiers run
+# serially, with a notice. Exit status: non-zero if any test of either process fails (the kernels process
+# selecting no test, pytest's exit 5, is not a failure); the last line says which.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
