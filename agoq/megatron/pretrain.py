@@ -307,8 +307,9 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
         consumed += args.global_batch_size
         if not result.update_successful:
             skipped += 1
-            print_rank0(f"iteration {iteration}: non-finite loss or gradients on some rank: update skipped "
-                        f"({skipped} skipped so far)")
+            # the logging rank, as the iteration line: two processes writing one pipe interleave their lines
+            print_last(f"iteration {iteration}: non-finite loss or gradients on some rank: update skipped "
+                       f"({skipped} skipped so far)")
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             eta_s = (time.perf_counter() - start) / (iteration - progress.iteration) * (args.train_iters - iteration)
             _log_iteration(args, info, parts, result, iteration, consumed, skipped, tokens_per_step, tensorboard, eta_s)
