@@ -10,6 +10,16 @@ from pathlib import Path
 
 import pytest
 
+# One OpenMP thread per process (unless the caller sets it), for this process and every child it starts
+# (child_env copies os.environ): read when torch loads, so set before any test module imports torch. With two
+# xdist workers and their children on the 2-core CI machine, torch's default of 2 intra-op threads per process
+# oversubscribes the cores and the waiting threads burn them. Measured under load: a 1-rank 6-iteration
+# pretrain_llama.py launch trained in 13-22 s (19-28 s CPU) with 2 threads against 1-3 s (7 s CPU) with 1;
+# on a quiet machine, 7 in-process Megatron/unit files under -n 2: 146 -> 118 CPU-s. torchrun already does
+# this for >= 2 ranks per node and spawn_ranks sets 1 thread per rank. Runs compared bit for bit run under the
+# same setting.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _GROUPED_SCOPES = ("module", "class", "package")
 
