@@ -130,6 +130,8 @@ def _install_signal_safe_results_queue() -> None:
 
     Touches ``dist_checkpointing.strategies.filesystem_async._results_queue`` (listed in the contract);
     megatron creates it lazily with ``ctx.Manager().Queue()`` on the first save, which we do first.
+    Recorded in agoq.megatron.install (seam ``checkpoint.results_queue``): the install handle's
+    ``undo()`` puts Megatron's ``None`` back and stops the manager.
     """
     import multiprocessing as mp
     from multiprocessing.managers import SyncManager
@@ -138,10 +140,18 @@ def _install_signal_safe_results_queue() -> None:
 
     if filesystem_async._results_queue is not None:
         return
+    from agoq.megatron.install import set_module_attr
+
     manager = SyncManager(ctx=mp.get_context("spawn"))
     manager.start(initializer=_ignore_stop_signals_in_child)
-    _MANAGERS.append(manager)  # keep it alive for the process lifetime
-    filesystem_async._results_queue = manager.Queue()
+    _MANAGERS.append(manager)  # keep it alive until the process ends or the install handle's undo()
+
+    def stop_manager() -> None:
+        _MANAGERS.remove(manager)
+        manager.shutdown()
+
+    set_module_attr(filesystem_async, "_results_queue", manager.Queue(), seam="checkpoint.results_queue",
+                    cleanup=stop_manager)
 
 
 _MANAGERS: list = []

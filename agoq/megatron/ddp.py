@@ -7,7 +7,8 @@ Touches (megatron-core 0.19.2, ``megatron/core/distributed/``):
     ``_make_backward_post_hook`` (private) and ``zero_grad_buffer`` / ``scale_gradients`` (public).
   * ``param_and_grad_buffer._ParamAndGradBucketGroup`` — private; after ``super().__init__`` every
     object in ``self.bucket_groups`` / ``self.expert_parallel_bucket_groups`` gets
-    ``bg.__class__ = AgoqBucketGroup`` (shared/spec/megatron.md §1.3), which overrides
+    ``bg.__class__ = AgoqBucketGroup`` (through ``agoq.megatron.install.swap_class``: marked, undone
+    by the install handle; ../shared/spec/megatron.md §1.3), which overrides
     ``start_grad_sync``, ``check_grads`` and ``finish_grad_sync`` (Megatron's, then agoq's
     post-reduction step; Megatron's only needs a handle with ``wait()``).
   * Reads ``_ParamAndGradBucket.{grad_data, params_list, param_to_index, gradient_scaling_factor,
@@ -63,6 +64,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from agoq.comm.grad_buffer import QuantizedGradBuffer
 from agoq.comm.reduce import allreduce_8bit, check_grad_format, reduce_scatter_8bit
 from agoq.megatron.grad_store import BucketStore, finalize_touched
+from agoq.megatron.install import mark, swap_class
 from agoq.ops.nonfinite import nonfinite_in
 
 GRAD_MODES = ("reduce", "store")
@@ -192,6 +194,9 @@ class AgoqBucketGroup(_ParamAndGradBucketGroup):
                     message=f"found unexpected large grads in {where}", tolerance=0.001, fatal=False)
 
 
+mark(AgoqBucketGroup, "ddp.bucket_group")
+
+
 def _ensure_allocated(grad_data: torch.Tensor) -> None:
     storage = grad_data.untyped_storage()
     wanted = (grad_data.storage_offset() + grad_data.numel()) * grad_data.element_size()
@@ -213,7 +218,7 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
         self._agoq_store_of: dict = {}  # param -> BucketStore
         touched = {p for name, p in self.module.named_parameters() if finalize_touched(p, name)}
         for bg in self.bucket_groups + self.expert_parallel_bucket_groups:
-            bg.__class__ = AgoqBucketGroup
+            swap_class(bg, AgoqBucketGroup, seam="ddp.bucket_group")  # undone by the install handle
             bg.agoq_grad = grad
             bg.agoq_lazy = False
             bg.agoq_stores = self._build_stores(bg, touched) if grad.mode == "store" else None

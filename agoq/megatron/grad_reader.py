@@ -49,6 +49,8 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import _get_param_grad_norm_group
 from megatron.core.transformer.module import param_is_not_shared
 
+from agoq.megatron.install import mark, swap_class
+
 __all__ = ["QuantizedGradReader", "ShardGradReader", "ShardGradsDistributedOptimizer", "attach", "prepare_grads",
            "clip_grad_norm", "step_with_ready_grads"]
 
@@ -104,6 +106,9 @@ class ShardGradsDistributedOptimizer(DistributedOptimizer):
                 shard.grad = None if g is None else g.reshape(shard.shape)
 
 
+mark(ShardGradsDistributedOptimizer, "grad_reader.distributed_optimizer")
+
+
 def _megatron_shards(opt: DistributedOptimizer) -> dict:
     shards = {}
     for model_groups, shard_groups in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
@@ -132,7 +137,7 @@ def _attach_distributed(optimizer, chunks: list) -> list:
                 raise NotImplementedError("Megatron's precision-aware distributed optimizer with --agoq-grads store "
                                           "is not implemented; use --agoq-optimizer adamw|lion|sgd")
             reader = ShardGradReader(chunks, _megatron_shards(opt))
-            opt.__class__ = ShardGradsDistributedOptimizer
+            swap_class(opt, ShardGradsDistributedOptimizer, seam="grad_reader.distributed_optimizer")
             opt.agoq_shard_reader = reader
         else:
             raise NotImplementedError(f"--agoq-grads store with the distributed optimizer: {type(opt).__name__} "

@@ -4,7 +4,9 @@ weight version instead of twice per micro-batch (forward cast + backward re-cast
 
 A cached entry is valid while all of these hold (checked on the host, no GPU sync):
   - the weight generation is unchanged: :func:`fp8_weights_changed` bumps it; agoq calls it after every
-    ``torch.optim.Optimizer.step`` (a global step post-hook, installed with the first cache; Megatron's
+    ``torch.optim.Optimizer.step`` (a process-wide step post-hook, :func:`install_optimizer_hook`:
+    registered by ``agoq.megatron.install`` as its ``fp8_weight_cache`` seam and removed by the install
+    handle's ``undo()``; without install, e.g. agoq.ops used alone, the first cache adds it; Megatron's
     optimizers and agoq's step through a torch optimizer) and at the start of every training / eval
     step (agoq.megatron.training.StepRunner);
   - the weight tensor is the same (``data_ptr``, shape, dtype) and its autograd version counter
@@ -24,7 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["FP8WeightCache", "fp8_weights_changed", "weight_generation"]
+__all__ = ["FP8WeightCache", "fp8_weights_changed", "install_optimizer_hook", "optimizer_hook_installed",
+           "remove_optimizer_hook", "weight_generation"]
 
 _generation = 0
 _hook_handle = None
@@ -40,7 +43,8 @@ def weight_generation() -> int:
     return _generation
 
 
-def _install_optimizer_hook() -> None:
+def install_optimizer_hook() -> None:
+    """Add :func:`fp8_weights_changed` as torch's process-wide optimizer step post-hook (idempotent)."""
     global _hook_handle
     if _hook_handle is None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -48,11 +52,23 @@ def _install_optimizer_hook() -> None:
         _hook_handle = register_optimizer_step_post_hook(fp8_weights_changed)
 
 
+def remove_optimizer_hook() -> None:
+    """Remove the hook :func:`install_optimizer_hook` added (idempotent)."""
+    global _hook_handle
+    if _hook_handle is not None:
+        _hook_handle.remove()
+        _hook_handle = None
+
+
+def optimizer_hook_installed() -> bool:
+    return _hook_handle is not None
+
+
 class FP8WeightCache:
     """One linear's cached FP8 weight entry (whatever ``make(weight)`` returns)."""
 
     def __init__(self) -> None:
-        _install_optimizer_hook()
+        install_optimizer_hook()  # a no-op after agoq.megatron.install (its fp8_weight_cache seam)
         self._key: tuple | None = None
         self._recipe = None
         self._entry = None
