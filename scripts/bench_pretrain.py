@@ -321,10 +321,57 @@ def pp4_interleaved_suite(smoke: bool) -> list[dict]:
     return _interleaved_variants("8b", common, 4, ["--num-layers-per-virtual-pipeline-stage", "4"])
 
 
+_FULL = ["--agoq-grads", "int8_b256", "--agoq-optimizer", "adamw"]  # agoq full: 8-bit grads + lean optimizer
+_USERS = ["--use-distributed-optimizer", "--overlap-grad-reduce"]  # data parallelism as Megatron-LM users run it
+_DP_PP_SMOKE = SHAPES["tiny"] + ["--num-layers", "4", "--seq-length", "64", "--micro-batch-size", "1",
+                                 "--global-batch-size", "4", "--train-iters", "3", "--lr-warmup-iters", "1",
+                                 "--log-interval", "1"]
+
+
+def pp4_distopt_suite(smoke: bool) -> list[dict]:
+    """Issue 19's done-criterion on 4 GPUs: the LLaMA-3-8B shape (configs/model/llama3-8b.yaml, which turns the
+    distributed optimizer and --overlap-grad-reduce on), PP=4, seq 4096, micro-batch 1, 16 micro-batches:
+    Megatron baseline vs agoq full (default activation policy + 8-bit gradients + agoq AdamW) with the
+    distributed optimizer on. Every stage's peak and the planner's prediction per stage."""
+    if smoke:
+        common, nproc = _DP_PP_SMOKE + ["--pipeline-model-parallel-size", "2"] + _USERS, 2
+    else:
+        common, nproc = ["--config", str(REPO_ROOT / "configs" / "model" / "llama3-8b.yaml"), "--seq-length", "4096",
+                         "--micro-batch-size", "1", "--global-batch-size", "16", "--train-iters", "6",
+                         "--lr-warmup-iters", "2", "--log-interval", "1"], 4
+    shape = "tiny" if smoke else "8b"
+    return [{"name": f"{shape}/pp4/distopt/baseline (Megatron)", "nproc": nproc, "args": common + ["--agoq-disable"]},
+            {"name": f"{shape}/pp4/distopt/agoq full", "nproc": nproc, "args": common + _FULL}]
+
+
+# LLaMA-3.2-3B body (28 x 3072, 24 heads, 8 KV groups, ffn 8192)
+SHAPE_3B = ["--num-layers", "28", "--hidden-size", "3072", "--num-attention-heads", "24", "--num-query-groups", "8",
+            "--ffn-hidden-size", "8192"]
+
+
+def dp2_pp2_suite(smoke: bool) -> list[dict]:
+    """Issue 19 item 4 on 4 GPUs: DP=2 x PP=2 of the ~3B LLaMA-3.2 shape, seq 4096, micro-batch 1, global batch
+    16 (8 micro-batches per DP rank), distributed optimizer and --overlap-grad-reduce with Megatron's default
+    bucket size, 20 iterations: Megatron (fp32 and bf16 reduction) vs agoq full."""
+    if smoke:
+        common, shape = _DP_PP_SMOKE + ["--pipeline-model-parallel-size", "2"] + _USERS, "tiny"
+        nproc = 4
+    else:
+        common = SHAPE_3B + ["--seq-length", "4096", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "2",
+                             "--micro-batch-size", "1", "--global-batch-size", "16", "--train-iters", "20",
+                             "--log-interval", "1", "--pipeline-model-parallel-size", "2"] + _USERS
+        shape, nproc = "3b", 4
+    variants = {"baseline (Megatron, fp32 reduction)": ["--agoq-disable"],
+                "baseline (Megatron, bf16 reduction)": ["--agoq-disable", "--grad-reduce-in-bf16"],
+                "agoq full": _FULL}
+    return [{"name": f"{shape}/dp2_pp2/{name}", "nproc": nproc, "args": common + extra}
+            for name, extra in variants.items()]
+
+
 SUITES = {"act_host": act_host_suite, "pp2_interleaved": pp2_interleaved_suite, "attention": attention_suite,
           "fp8_scale": fp8_scale_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite,
           "grads": grads_suite, "dp2": dp2_suite, "dp2_link": dp2_link_suite, "release": release_suite,
-          "pp4_interleaved": pp4_interleaved_suite}
+          "pp4_interleaved": pp4_interleaved_suite, "pp4_distopt": pp4_distopt_suite, "dp2_pp2": dp2_pp2_suite}
 
 
 def run_variant(variant: dict, workdir: Path, timeout: float) -> dict:

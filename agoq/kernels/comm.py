@@ -7,6 +7,10 @@ with the signatures and results of agoq.ref.comm (read its docstring for the row
   requantize into the own-row buffer (all-reduce) or cast into the output (reduce-scatter). Reads
   W x 1.02 bytes, writes 1.02 (or 4) bytes per output element; the W rows never exist in fp32.
 * dequantize_rows: gathered rows -> the destination tensor's elements, in place.
+* reduce_peer_rows / dequantize_peer_rows: the same two kernels reading each row through a table of
+  row addresses instead of one strided buffer, so the rows can live in W different allocations: the
+  peers' CUDA symmetric-memory buffers mapped over NVLink (agoq.comm.symm), where the kernel's loads
+  are the communication.
 * accumulate_: the gradient store's per-micro-batch dequantize + add + requantize of one parameter
   (and error-feedback residual) in one pass: reads codes, scales and the gradient, writes codes and
   scales (~4 bytes per element for a bf16 gradient), no fp32 temporary.
@@ -28,7 +32,8 @@ from agoq.formats import QuantFormat
 from agoq.kernels import _launch
 from agoq.kernels.quant import _pow2_value, decode_tile_bytes, load_scale_f32, quantize_tile_bytes
 
-__all__ = ["quantize_rows", "reduce_rows", "dequantize_rows", "accumulate_"]
+__all__ = ["quantize_rows", "reduce_rows", "dequantize_rows", "reduce_peer_rows", "dequantize_peer_rows",
+           "row_address_table", "accumulate_"]
 
 # Elements per program and warps: the shape measured best for the one-byte quantize kernel
 # (_launch.QUANT_CONFIGS["int", 8], H100, docs/benchmarks/quant.md); not re-tuned for these kernels.
@@ -76,24 +81,42 @@ def _row_values(codes_ptr, scales_ptr, local, blk, blk_ok, KIND: tl.constexpr, S
 
 
 @triton.jit
+def _row_ptrs(codes_ptr, scales_ptr, codes_stride64, scales_stride64, code_table, scale_table, p,
+              PEERS: tl.constexpr):  # fmt: skip
+    """Row p's codes / scales pointers: ``base + p * stride`` of one buffer, or (PEERS) the addresses held
+    in the int64 tables (``codes_ptr`` / ``scales_ptr`` then only give the element types)."""
+    if PEERS:
+        c = tl.load(code_table + p).to(tl.pointer_type(codes_ptr.dtype.element_ty))
+        s = tl.load(scale_table + p).to(tl.pointer_type(scales_ptr.dtype.element_ty))
+    else:
+        c = codes_ptr + p * codes_stride64
+        s = scales_ptr + p * scales_stride64
+    return c, s
+
+
+@triton.jit
 def _reduce_rows_kernel(
     codes_ptr, scales_ptr, codes_row_stride, scales_row_stride, world, nb,
     world_f32, post_scale,  # fp32: W (AVERAGE divides by it) and the factor applied after
     out_ptr, out_numel,  # REQUANT False: float output, first out_numel elements written
     codes_out_ptr, scales_out_ptr,  # REQUANT True
+    code_table, scale_table,  # PEERS True: int64 addresses of the W rows
     KIND: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SCALE: tl.constexpr, QMAX: tl.constexpr,
     FP8_DTYPE: tl.constexpr, AVERAGE: tl.constexpr, SCALED: tl.constexpr, REQUANT: tl.constexpr,
+    PEERS: tl.constexpr,
 ):  # fmt: skip
     blk = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     blk_ok = blk < nb
     local = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    # row 0 first, then += rows 1..W-1: the reference's order (also keeps a lone -0.0 a -0.0)
-    acc = _row_values(codes_ptr, scales_ptr, local, blk, blk_ok, KIND, SCALE, FP8_DTYPE)
     codes_stride64 = codes_row_stride.to(tl.int64)
     scales_stride64 = scales_row_stride.to(tl.int64)
+    # row 0 first, then += rows 1..W-1: the reference's order (also keeps a lone -0.0 a -0.0)
+    c, s = _row_ptrs(codes_ptr, scales_ptr, codes_stride64, scales_stride64, code_table, scale_table, 0, PEERS)
+    acc = _row_values(c, s, local, blk, blk_ok, KIND, SCALE, FP8_DTYPE)
     for p in range(1, world):
-        acc = acc + _row_values(codes_ptr + p * codes_stride64, scales_ptr + p * scales_stride64, local, blk,
-                                blk_ok, KIND, SCALE, FP8_DTYPE)  # fmt: skip
+        c, s = _row_ptrs(codes_ptr, scales_ptr, codes_stride64, scales_stride64, code_table, scale_table, p,
+                         PEERS)  # fmt: skip
+        acc = acc + _row_values(c, s, local, blk, blk_ok, KIND, SCALE, FP8_DTYPE)
     if AVERAGE:
         acc = tl.math.div_rn(acc, tl.full(acc.shape, 1.0, tl.float32) * world_f32)
     if SCALED:
@@ -110,13 +133,16 @@ def _reduce_rows_kernel(
 def _dequantize_rows_kernel(
     codes_ptr, scales_ptr, codes_row_stride, scales_row_stride, dst_ptr,
     row_stride, row_numel, numel, col0, nb,
+    code_table, scale_table,  # PEERS True: int64 addresses of the W rows
     KIND: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SCALE: tl.constexpr, FP8_DTYPE: tl.constexpr,
+    PEERS: tl.constexpr,
 ):  # fmt: skip
     offs, valid, blk, blk_ok = _row_offsets(col0, row_stride, row_numel, numel, nb, ROWS, BLOCK)
     p = tl.program_id(1).to(tl.int64)
     local = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    y = _row_values(codes_ptr + p * codes_row_stride, scales_ptr + p * scales_row_stride, local, blk, blk_ok,
-                    KIND, SCALE, FP8_DTYPE)  # fmt: skip
+    c, s = _row_ptrs(codes_ptr, scales_ptr, codes_row_stride.to(tl.int64), scales_row_stride.to(tl.int64),
+                     code_table, scale_table, p, PEERS)  # fmt: skip
+    y = _row_values(c, s, local, blk, blk_ok, KIND, SCALE, FP8_DTYPE)
     tl.store(dst_ptr + offs, y.to(dst_ptr.dtype.element_ty), mask=valid)
 
 
@@ -195,8 +221,9 @@ def reduce_rows(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, *, 
     _reduce_rows_kernel[(triton.cdiv(nb, ce["ROWS"]),)](
         codes, scales, codes.stride(0), scales.stride(0), world, nb, float(world), float(post_scale),
         dummy if requant else out.reshape(-1), out_numel, codes_out.reshape(-1) if requant else dummy,
-        scales_out.reshape(-1) if requant else scales, QMAX=float(fmt.qmax), AVERAGE=average,
-        SCALED=post_scale != 1.0, REQUANT=requant, num_warps=NUM_WARPS, enable_fp_fusion=False, **ce,
+        scales_out.reshape(-1) if requant else scales, scales, scales, QMAX=float(fmt.qmax), AVERAGE=average,
+        SCALED=post_scale != 1.0, REQUANT=requant, PEERS=False, num_warps=NUM_WARPS, enable_fp_fusion=False,
+        **ce,
     )  # fmt: skip
 
 
@@ -209,7 +236,76 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor
     flat = dst.view(-1)
     _dequantize_rows_kernel[(triton.cdiv(nb, ce["ROWS"]), world)](
         codes, scales, codes.stride(0), scales.stride(0), flat, row_stride, row_numel, flat.numel(), col0, nb,
-        num_warps=NUM_WARPS, enable_fp_fusion=False, **ce,
+        scales, scales, PEERS=False, num_warps=NUM_WARPS, enable_fp_fusion=False, **ce,
+    )  # fmt: skip
+
+
+def row_address_table(rows: list[torch.Tensor]) -> torch.Tensor:
+    """int64 tensor of the rows' addresses, on the rows' device (the PEERS kernels' row table). Build it
+    once per set of rows and pass it as ``tables``: it costs a host-to-device copy."""
+    return torch.tensor([r.data_ptr() for r in rows], dtype=torch.int64).to(rows[0].device)
+
+
+def _check_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tensor],
+                     fmt: QuantFormat) -> tuple[int, int, dict]:
+    if not code_rows or len(code_rows) != len(scale_rows):
+        raise ValueError(f"need one codes and one scales row per rank, got {len(code_rows)} and {len(scale_rows)}")
+    nb = scale_rows[0].numel()
+    for c, s in zip(code_rows, scale_rows, strict=True):
+        if s.numel() != nb or c.numel() != nb * fmt.block or not (c.is_contiguous() and s.is_contiguous()):
+            raise ValueError(f"every row must hold {nb} contiguous blocks of {fmt.name} (codes {c.numel()} bytes, "
+                             f"scales {s.numel()})")
+        if c.dtype != code_rows[0].dtype or s.dtype != scale_rows[0].dtype:
+            raise ValueError("all rows must share the codes dtype and the scales dtype")
+    _, _, ce = _check(code_rows[0].view(1, -1), scale_rows[0].view(1, -1), fmt)
+    return len(code_rows), nb, ce
+
+
+def _tables(code_rows, scale_rows, tables):
+    if tables is None:
+        return row_address_table(code_rows), row_address_table(scale_rows)
+    return tables
+
+
+def reduce_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tensor], fmt: QuantFormat, *,
+                     average: bool, post_scale: float, out: torch.Tensor | None = None, out_numel: int = 0,
+                     codes_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None,
+                     tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """reduce_rows over W rows given one by one (each in its own allocation, e.g. a peer's symmetric
+    memory); ``tables`` = (row_address_table(code_rows), row_address_table(scale_rows)) if prebuilt.
+    Triton twin of agoq.ref.comm.ref_reduce_peer_rows."""
+    world, nb, ce = _check_peer_rows(code_rows, scale_rows, fmt)
+    if (out is None) == (codes_out is None):
+        raise ValueError("reduce_peer_rows writes either out (float) or codes_out/scales_out (requantized)")
+    if nb == 0:
+        return
+    code_table, scale_table = _tables(code_rows, scale_rows, tables)
+    requant = out is None
+    codes, scales = code_rows[0], scale_rows[0]
+    _reduce_rows_kernel[(triton.cdiv(nb, ce["ROWS"]),)](
+        codes, scales, codes.numel(), scales.numel(), world, nb, float(world), float(post_scale),
+        codes if requant else out.reshape(-1), out_numel, codes_out.reshape(-1) if requant else codes,
+        scales_out.reshape(-1) if requant else scales, code_table, scale_table, QMAX=float(fmt.qmax),
+        AVERAGE=average, SCALED=post_scale != 1.0, REQUANT=requant, PEERS=True, num_warps=NUM_WARPS,
+        enable_fp_fusion=False, **ce,
+    )  # fmt: skip
+
+
+def dequantize_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tensor], dst: torch.Tensor,
+                         fmt: QuantFormat, *, row_stride: int, row_numel: int, col0: int,
+                         tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """dequantize_rows with row p read from ``code_rows[p]`` / ``scale_rows[p]`` (see reduce_peer_rows).
+    Triton twin of agoq.ref.comm.ref_dequantize_peer_rows."""
+    world, nb, ce = _check_peer_rows(code_rows, scale_rows, fmt)
+    if nb == 0:
+        return
+    code_table, scale_table = _tables(code_rows, scale_rows, tables)
+    flat = dst.view(-1)
+    codes, scales = code_rows[0], scale_rows[0]
+    _dequantize_rows_kernel[(triton.cdiv(nb, ce["ROWS"]), world)](
+        codes, scales, codes.numel(), scales.numel(), flat, row_stride, row_numel, flat.numel(), col0, nb,
+        code_table, scale_table,
+        PEERS=True, num_warps=NUM_WARPS, enable_fp_fusion=False, **ce,
     )  # fmt: skip
 
 

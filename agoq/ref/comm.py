@@ -27,7 +27,8 @@ import torch
 from agoq.formats import QuantFormat
 from agoq.ref.quant import QuantizedTensor, ref_dequantize, ref_quantize
 
-__all__ = ["ref_quantize_rows", "ref_reduce_rows", "ref_dequantize_rows", "ref_accumulate_", "row_index"]
+__all__ = ["ref_quantize_rows", "ref_reduce_rows", "ref_dequantize_rows", "ref_reduce_peer_rows",
+           "ref_dequantize_peer_rows", "ref_accumulate_", "row_index"]
 
 
 def row_index(world: int, nb_cols: int, *, row_stride: int, row_numel: int, col0: int,
@@ -102,6 +103,25 @@ def ref_dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dst: torch.Te
     for p in range(world):
         values = ref_dequantize(_row_q(codes, scales, p, fmt), flat.dtype)
         flat[idx[p][valid[p]]] = values[valid[p]]
+
+
+def ref_reduce_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tensor], fmt: QuantFormat, *,
+                         average: bool, post_scale: float, out: torch.Tensor | None = None, out_numel: int = 0,
+                         codes_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None,
+                         tables=None) -> None:
+    """ref_reduce_rows over rows given one by one (each may be its own allocation); ``tables`` (the
+    kernel's row address tables) is accepted for the same signature and unused."""
+    ref_reduce_rows(torch.stack([c.reshape(-1) for c in code_rows]), torch.stack([s.reshape(-1) for s in scale_rows]),
+                    fmt, average=average, post_scale=post_scale, out=out, out_numel=out_numel, codes_out=codes_out,
+                    scales_out=scales_out)  # fmt: skip
+
+
+def ref_dequantize_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tensor], dst: torch.Tensor,
+                             fmt: QuantFormat, *, row_stride: int, row_numel: int, col0: int, tables=None) -> None:
+    """ref_dequantize_rows with row p read from ``code_rows[p]`` / ``scale_rows[p]``."""
+    ref_dequantize_rows(torch.stack([c.reshape(-1) for c in code_rows]),
+                        torch.stack([s.reshape(-1) for s in scale_rows]), dst, fmt, row_stride=row_stride,
+                        row_numel=row_numel, col0=col0)  # fmt: skip
 
 
 def ref_accumulate_(codes: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, fmt: QuantFormat,

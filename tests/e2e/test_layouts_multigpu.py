@@ -28,6 +28,15 @@ CASES_4 = [Case("pp4_vpp2", pp=4, layers_per_virtual_stage=1, num_layers=LAYERS)
            Case("pp4", pp=4, num_layers=LAYERS),
            Case("dp2_pp2_distopt", pp=2, num_layers=LAYERS, flags=("--use-distributed-optimizer",))]
 CASES_2 = [Case("pp2_vpp2", pp=2, layers_per_virtual_stage=2, num_layers=LAYERS)]
+# issue 19: DP=2 x PP=2 as users run it (distributed optimizer, overlapped reduction) with agoq full: 8-bit
+# gradients reduced by agoq's 8-bit reduce-scatter under the distributed optimizer, agoq's AdamW, the
+# default activation policy. Not bit-comparable with PP=1 (8-bit gradients, low-bit activations): it must
+# learn and stay within AGOQ_BAND of the fp32 PP=1 losses at every step (8-bit gradients move a tiny model's
+# loss by ~0.1 %, docs/grads.md; a lost shard or a wrong scale is off by far more or diverges).
+AGOQ_FULL = Case("dp2_pp2_distopt_agoq_full", pp=2, num_layers=LAYERS, policy="agoq",
+                 flags=("--use-distributed-optimizer", "--overlap-grad-reduce", "--agoq-grads", "int8_b256",
+                        "--agoq-optimizer", "adamw"))
+AGOQ_BAND = 0.05
 
 
 def _gpus() -> int:
@@ -59,6 +68,10 @@ def test_two_gpu_interleaved_trains_like_pp1(reference):
 def test_four_gpu_layouts_train_like_pp1(reference):
     if _gpus() < 4:
         pytest.skip("needs 4 CUDA GPUs")
-    per_rank = spawn_ranks(4, run_layouts, "nccl", args=(reference["initial"], CASES_4, "cuda"), timeout_s=900)
+    per_rank = spawn_ranks(4, run_layouts, "nccl", args=(reference["initial"], CASES_4 + [AGOQ_FULL], "cuda"),
+                           timeout_s=900)
     for case in CASES_4:
         _check(case.name, per_rank, reference)
+    agoq = merge_ranks(AGOQ_FULL.name, per_rank)["losses"]
+    assert agoq == pytest.approx(reference["losses"], rel=AGOQ_BAND), (agoq, reference["losses"])
+    assert agoq[-1] < agoq[0] - 1.0, agoq

@@ -200,3 +200,71 @@ def test_accumulate_matches_reference(name, n, nb, grad_dtype, feedback, case):
         assert _same_values(got_s, ref_s) if got_s.is_floating_point() else torch.equal(got_s, ref_s)
         if feedback:
             assert _same_values(got_r, ref_r)
+
+
+# -- rows in separate allocations (agoq.comm.symm: the peers' symmetric memory) --------------------------
+
+def _separate_rows(c, s):
+    """Each row of the packed views copied into its own allocation (as W peers' buffers are)."""
+    return [c[p].clone() for p in range(c.shape[0])], [s[p].clone() for p in range(s.shape[0])]
+
+
+@pytest.mark.parametrize("name", _params(INT_FORMATS + ["fp8e4m3_b128"]))
+@pytest.mark.parametrize("world, nb", [(1, 3), (2, 4), (3, 2), (4, 5)])
+@pytest.mark.parametrize("average, post_scale", [(False, 1.0), (True, 0.5)])
+def test_reduce_peer_rows_match_reference_and_strided_kernel(name, world, nb, average, post_scale):
+    """Requantized and float outputs from rows in W allocations: identical to the reference of the same
+    signature and to the strided kernel on the packed rows (the all-reduce's results do not depend on
+    the transport)."""
+    from agoq.kernels.comm import reduce_peer_rows, row_address_table
+    from agoq.ref.comm import ref_reduce_peer_rows
+
+    fmt = parse_format(name)
+    _, c, s = _random_rows(world, nb, fmt, 41 + world, "adversarial")
+    code_rows, scale_rows = _separate_rows(c, s)
+    tables = (row_address_table(code_rows), row_address_table(scale_rows))
+    bufs = [_packed(1, nb, fmt, fill=9) for _ in range(3)]
+    ref_reduce_peer_rows(code_rows, scale_rows, fmt, average=average, post_scale=post_scale,
+                         codes_out=bufs[0][1], scales_out=bufs[0][2])
+    reduce_peer_rows(code_rows, scale_rows, fmt, average=average, post_scale=post_scale,
+                     codes_out=bufs[1][1], scales_out=bufs[1][2], tables=tables)
+    _ops()[1](c, s, fmt, average=average, post_scale=post_scale, codes_out=bufs[2][1], scales_out=bufs[2][2])
+    assert torch.equal(bufs[0][0], bufs[1][0]) and torch.equal(bufs[0][0], bufs[2][0])
+    valid = nb * fmt.block - 17
+    ref = torch.full((nb * fmt.block,), 3.0, device=DEVICE)
+    got = ref.clone()
+    ref_reduce_peer_rows(code_rows, scale_rows, fmt, average=average, post_scale=post_scale, out=ref,
+                         out_numel=valid)
+    reduce_peer_rows(code_rows, scale_rows, fmt, average=average, post_scale=post_scale, out=got, out_numel=valid)
+    assert _same_values(got, ref) and torch.equal(got[valid:], ref[valid:])
+
+
+@pytest.mark.parametrize("name", ["int8_b256", "int8_b64_sp2", "fp8e5m2_b64_s16"])
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_dequantize_peer_rows_match_reference(name, geometry):
+    from agoq.kernels.comm import dequantize_peer_rows
+    from agoq.ref.comm import ref_dequantize_peer_rows
+
+    fmt = parse_format(name)
+    world, row_stride, row_numel, numel, col0, nb = geometry
+    _, c, s = _random_rows(world, nb, fmt, 51, "adversarial")
+    code_rows, scale_rows = _separate_rows(c, s)
+    ref = torch.full((numel,), -2.0, device=DEVICE)
+    got = ref.clone()
+    kw = dict(row_stride=row_stride, row_numel=row_numel, col0=col0)
+    ref_dequantize_peer_rows(code_rows, scale_rows, ref, fmt, **kw)
+    dequantize_peer_rows(code_rows, scale_rows, got, fmt, **kw)
+    assert _same_values(got, ref) and int((ref != -2.0).sum()) > 0
+
+
+def test_peer_rows_are_checked():
+    from agoq.kernels.comm import reduce_peer_rows
+
+    fmt = parse_format("int8_b256")
+    _, c, s = _random_rows(2, 2, fmt, 3, "gauss")
+    code_rows, scale_rows = _separate_rows(c, s)
+    with pytest.raises(ValueError, match="one codes and one scales row per rank"):
+        reduce_peer_rows(code_rows, scale_rows[:1], fmt, average=False, post_scale=1.0, out=torch.empty(512))
+    with pytest.raises(ValueError, match="2 contiguous blocks"):
+        reduce_peer_rows([code_rows[0], code_rows[1][:256]], scale_rows, fmt, average=False, post_scale=1.0,
+                         out=torch.empty(512))
