@@ -157,10 +157,17 @@ class Tokenizer:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"tokenizer model {path} not found; train one with scripts/train_tokenizer.py")
+        data = path.read_bytes()
+        if not data:  # sentencepiece "loads" empty bytes as a model of 0 pieces
+            raise ValueError(f"tokenizer model {path} is empty; pass the SentencePiece .model the data was "
+                             "prepared with (or train one with scripts/train_tokenizer.py)")
         try:
-            return cls(path.read_bytes(), path)
+            tokenizer = cls(data, path)
         except RuntimeError as err:
             raise ValueError(f"{path} is not a SentencePiece model ({err})") from err
+        if tokenizer.vocab_size == 0:
+            raise ValueError(f"tokenizer model {path} has no pieces; pass a trained SentencePiece .model")
+        return tokenizer
 
     def __getstate__(self):
         return {"model_bytes": self._model_bytes, "path": self.path}

@@ -36,6 +36,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder,
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 from agoq.data.corpus import DEFAULT_MAX_BYTES, collect_stdlib_corpus
+from agoq.data.indexed import check_split, check_token_ids, read_index
 from agoq.data.sampler import PretrainingSampler, iterate_batches
 from agoq.data.tokenizer import Tokenizer, TokenizerTrainConfig, encode_documents, train_sentencepiece
 
@@ -351,11 +352,13 @@ def normalize_blend(blend: BlendSpec) -> tuple[list[str], list[float] | None]:
     raise ValueError(f"blend must be a prefix, a list of prefixes or [(weight, prefix), ...]; got {blend!r}")
 
 
-def _check_prefixes(prefixes: Sequence[str]) -> None:
+def check_dataset_files(prefixes: Sequence[str], *, split: str, seq_length: int, tokenizer: Tokenizer) -> None:
+    """Headers, sizes, split sizes and token ids of every prefix (agoq.data.indexed); raise ValueError naming
+    the file, the counts and the fix. A split without documents would hang GPTDataset forever."""
     for prefix in prefixes:
-        for path in (get_bin_path(prefix), get_idx_path(prefix)):
-            if not os.path.isfile(path):
-                raise ValueError(f"dataset file {path} not found; build it with scripts/prepare_data.py")
+        data = read_index(prefix)
+        check_split(data, split, seq_length)
+        check_token_ids(data, tokenizer.vocab_size, tokenizer.path or "<in-memory tokenizer>")
 
 
 def build_gpt_datasets(
@@ -379,7 +382,8 @@ def build_gpt_datasets(
     True there), then the others load them.
     """
     prefixes, weights = normalize_blend(blend)
-    _check_prefixes(prefixes)
+    for prefix in prefixes:  # the cheap checks; token ids: check_dataset_files, once per job
+        check_split(read_index(prefix), split, seq_length)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,

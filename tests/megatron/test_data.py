@@ -277,3 +277,60 @@ def test_dataset_errors(tiny, tmp_path):
         build_gpt_datasets(
             [(0.0, str(tiny["prefix"]))], tiny["tokenizer"], [8, 0, 0], seq_length=8, cache_dir=tmp_path
         )
+
+
+@pytest.mark.parametrize("split", ["969,30,1", "90,5,5", "8,2", "1,0,0", "98,2,0", "0.7,0.2,0.1"])
+@pytest.mark.parametrize("num_documents", [1, 7, 58, 400, 501, 1003])
+def test_split_ranges_are_megatrons(split, num_documents):
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    from agoq.data.indexed import split_document_ranges
+
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    theirs = [None if b is None else (int(round(b[0] * num_documents)), int(round(b[1] * num_documents)))
+              for b in matrix]  # BlendedMegatronDatasetBuilder._build_megatron_dataset_splits
+    assert split_document_ranges(num_documents, split) == theirs
+
+
+def test_megatron_written_files_pass_the_header_check(tiny):
+    from agoq.data.indexed import max_token_id, read_index
+
+    ours, theirs = read_index(tiny["prefix"]), IndexedDataset(str(tiny["prefix"]))
+    assert ours.num_documents == len(theirs) and ours.dtype == theirs.index.dtype
+    np.testing.assert_array_equal(ours.sequence_lengths, theirs.sequence_lengths)
+    assert max_token_id(ours)[0] == max(int(theirs[i].max()) for i in range(len(theirs)))
+
+
+_DEFAULT_SPLIT_CHILD = """
+import sys
+from agoq.data.tokenizer import Tokenizer
+from agoq.megatron.data import build_data_iterators
+try:
+    build_data_iterators(sys.argv[1], Tokenizer.load(sys.argv[2]), seq_length=32, micro_batch_size=2,
+                         global_batch_size=4, dp_rank=0, dp_size=1, train_iters=2, cache_dir=sys.argv[3])
+except ValueError as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+def test_a_split_without_documents_stops_instead_of_hanging(tiny, tmp_path):
+    """58 documents with the default --split 969,30,1: the test split gets none, and megatron-core's
+    GPTDataset._get_num_epochs loops forever on it (issue 21). A child process with a deadline, so a
+    regression fails here instead of hanging CI."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _DEFAULT_SPLIT_CHILD, str(tiny["prefix"]), str(tiny["tokenizer"].path),
+             str(tmp_path / "indices")],
+            capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("building GPTDatasets with an empty test split hung (killed after 120 s)")
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (f"--split 969,30,1: the test split of {tiny['prefix']} gets documents 58..58 (0 of 58 documents, 0 "
+            "tokens)") in proc.stdout
+    assert "Fix: give the test split more weight (e.g. --split 90,5,5) or weight 0" in proc.stdout

@@ -120,6 +120,10 @@ def test_tokenizer_load_errors(tmp_path):
     garbage.write_bytes(b"not a model")
     with pytest.raises(ValueError, match="not a SentencePiece model"):
         Tokenizer.load(garbage)
+    empty = tmp_path / "empty.model"
+    empty.write_bytes(b"")  # sentencepiece itself "loads" it as a model of 0 pieces (issue 21)
+    with pytest.raises(ValueError, match=r"empty.model is empty; pass the SentencePiece \.model"):
+        Tokenizer.load(empty)
 
 
 def test_tokenizer_training_reraises_input_errors(tiny_texts, tmp_path):
