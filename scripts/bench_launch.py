@@ -56,22 +56,27 @@ def _host_us(fn, calls: int, dev: torch.device) -> float:
     return round(host / calls * 1e6, 2)
 
 
-@contextlib.contextmanager
-def legacy_paths():
-    """The launch path, SwiGLU and RMSNorm of the saved-activation code before the host-cost work: Triton's
-    own launch path for every kernel (no direct launches, no launch sites), the unfused SwiGLU (quantize +
-    ATen forward; dequantize + recompute + backward) and the RMSNorm as agoq's autograd function. The glue
-    trimming (counter weakrefs, per-tensor hooks on the linears' saved input) is not undone."""
-    from agoq.kernels import _fastlaunch
-    from agoq.ops import saved_act, saved_norm
+def legacy_save_paths():
+    """The SwiGLU and RMSNorm of the saved-activation code before the host-cost work: the unfused SwiGLU
+    (quantize + ATen forward; dequantize + recompute + backward) and the RMSNorm as agoq's autograd function
+    (passed in as ``agoq.ops.saved_act.SavePaths``)."""
+    from agoq.ops.saved_act import SavePaths
 
-    previous = _fastlaunch.set_fast_launch(False), saved_act.FUSE_SWIGLU, saved_norm.NORM_VIA_ATEN_NODE
-    saved_act.FUSE_SWIGLU = saved_norm.NORM_VIA_ATEN_NODE = False
+    return SavePaths(norm_via_aten_node=False, fuse_swiglu=False)
+
+
+@contextlib.contextmanager
+def legacy_launch():
+    """The launch path of the code before the host-cost work: Triton's own launch path for every kernel (no
+    direct launches, no launch sites). With :func:`legacy_save_paths` the old code path; the glue trimming
+    (counter weakrefs, per-tensor hooks on the linears' saved input) is not undone."""
+    from agoq.kernels import _fastlaunch
+
+    previous = _fastlaunch.set_fast_launch(False)
     try:
         yield
     finally:
-        _fastlaunch.set_fast_launch(previous[0])
-        saved_act.FUSE_SWIGLU, saved_norm.NORM_VIA_ATEN_NODE = previous[1:]
+        _fastlaunch.set_fast_launch(previous)
 
 
 def _linear_saving(x, w, stash):
@@ -82,10 +87,14 @@ def _linear_saving(x, w, stash):
         return F.linear(x, w)
 
 
-def path_steps(dev: torch.device, fmt) -> dict:
-    """name -> zero-argument callable running one forward + backward of a plain or saving path."""
-    from agoq.ops.saved_act import swiglu_reference, swiglu_saving_input
+def path_steps(dev: torch.device, fmt, paths=None) -> dict:
+    """name -> zero-argument callable running one forward + backward of a plain or saving path (``paths``:
+    an ``agoq.ops.saved_act.SavePaths``, default the current paths)."""
+    from agoq.ops.saved_act import SavePaths, swiglu_reference, swiglu_saving_input
     from agoq.ops.saved_norm import rmsnorm_saving_input
+
+    paths = paths or SavePaths()
+    norm_kw, glu_kw = {"via_aten_node": paths.norm_via_aten_node}, {"fuse": paths.fuse_swiglu}
 
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(TOKENS, HIDDEN, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
@@ -95,28 +104,28 @@ def path_steps(dev: torch.device, fmt) -> dict:
     w_fc2 = torch.randn(HIDDEN, FFN, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
 
     def norm():
-        y, _ = rmsnorm_saving_input(x, w, 1e-5, fmt, (0, "norm.input"))
+        y, _ = rmsnorm_saving_input(x, w, 1e-5, fmt, (0, "norm.input"), **norm_kw)
         y.sum().backward()
 
     def plain_norm():
         F.rms_norm(x, (HIDDEN,), w, 1e-5).sum().backward()
 
     def norm_linear():
-        y, stash = rmsnorm_saving_input(x, w, 1e-5, fmt, (0, "norm.input"))
+        y, stash = rmsnorm_saving_input(x, w, 1e-5, fmt, (0, "norm.input"), **norm_kw)
         _linear_saving(y, w_lin, stash).sum().backward()
 
     def plain_norm_linear():
         F.linear(F.rms_norm(x, (HIDDEN,), w, 1e-5), w_lin).sum().backward()
 
     def swiglu():
-        z, _ = swiglu_saving_input(h, fmt, (0, "mlp.swiglu_input"))
+        z, _ = swiglu_saving_input(h, fmt, (0, "mlp.swiglu_input"), **glu_kw)
         z.sum().backward()
 
     def plain_swiglu():
         swiglu_reference(h).sum().backward()
 
     def swiglu_linear():
-        z, stash = swiglu_saving_input(h, fmt, (0, "mlp.swiglu_input"))
+        z, stash = swiglu_saving_input(h, fmt, (0, "mlp.swiglu_input"), **glu_kw)
         _linear_saving(z, w_fc2, stash).sum().backward()
 
     def plain_swiglu_linear():
@@ -272,11 +281,12 @@ def main(argv=None) -> int:
     if dev.type == "cuda":
         rows.update(kernel_rows(dev, args.formats, calls))
     steps = path_steps(dev, parse_format(args.formats[0]))
+    legacy_steps = path_steps(dev, parse_format(args.formats[0]), legacy_save_paths())
     for name, fn in steps.items():
         rows[name] = _host_us(fn, max(2, calls // 4), dev)
         if not name.startswith("plain_"):
-            with legacy_paths():
-                rows[f"{name}_legacy"] = _host_us(fn, max(2, calls // 4), dev)
+            with legacy_launch():
+                rows[f"{name}_legacy"] = _host_us(legacy_steps[name], max(2, calls // 4), dev)
     if args.anatomy and dev.type == "cuda":
         for name, fn in anatomy_steps(dev, parse_format(args.formats[0])).items():
             rows[name] = _host_us(fn, max(2, calls // 4), dev)

@@ -10,7 +10,7 @@ GPU (the issue's benchmark, ~1B LLaMA, seq 4096)::
 process: ``fnnorm`` (the RMSNorm through agoq's autograd function, not ATen's node), ``scope`` (linears
 replace their saved input through a hook scope, not the saved tensor's hooks), and ``legacy``, which
 runs the policy with agoq's direct Triton launches, launch sites, fused SwiGLU kernels and the RMSNorm on
-ATen's node switched off (scripts/bench_launch.py's ``legacy_paths``): the code before
+ATen's node switched off (scripts/bench_launch.py's ``legacy_launch`` and ``legacy_save_paths``): the code before
 the host-cost work (its glue trimming stays), timed in the same process, so the comparison does not
 depend on the leased host's speed. Step times: ``--rounds`` interleaved rounds per micro-batch size (the
 ratios the docs quote, ``step_time_ratio_interleaved``). Peaks: ``peak_bytes`` is absolute and includes
@@ -40,7 +40,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))  # bench_launch.legacy_paths
+sys.path.insert(0, str(REPO / "scripts"))  # bench_launch.legacy_launch
 
 LLAMA_1B = dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=5632,
                 seq_length=4096, vocab_size=32000)
@@ -48,7 +48,7 @@ TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_group
             seq_length=32, vocab_size=128)
 
 
-def _model(shape_kw, policy, device, reference=None):
+def _model(shape_kw, policy, device, reference=None, save_paths=None):
     from megatron.core.transformer.module import Float16Module
 
     from agoq.megatron.activations import storage_of
@@ -65,7 +65,7 @@ def _model(shape_kw, policy, device, reference=None):
     config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.bfloat16,
                                       use_cpu_initialization=device.type == "cpu")
     spec = agoq_layer_spec("sdpa", policy=REPO / "configs" / "policy" / f"{policy}.yaml",
-                           schedule=ScheduleInfo(1, None, 1))
+                           schedule=ScheduleInfo(1, None, 1), save_paths=save_paths)
     (model,) = build_model_chunks(shape, config, spec, None)
     model = Float16Module(config, model.to(device))
     if reference is not None:
@@ -81,16 +81,18 @@ def _batch(shape_kw, mbs, device):
 
 def measure(shape_kw, policy, mbs, steps, device, reference=None) -> tuple[dict, object]:
     """One row; ``policy`` may end in ``@<variant>[+<variant>...]`` (see the module docstring)."""
-    name, _, variant = policy.partition("@")
-    if variant:
-        with _variant(variant):
-            row, model = measure(shape_kw, name, mbs, steps, device, reference)
-        row["policy"] = policy
-        return row, model
+    policy, _, variant = policy.partition("@")
+    save_paths, launch = _variant(variant)
+    with launch:
+        return _measure(shape_kw, policy, variant, save_paths, mbs, steps, device, reference)
+
+
+def _measure(shape_kw, policy, variant, save_paths, mbs, steps, device, reference) -> tuple[dict, object]:
     from agoq.megatron.activations import SavedTensorMeter
     from agoq.plan.storage import LayerDims, agoq_bytes, megatron_bytes
 
-    model, storage = _model(shape_kw, policy, device, reference)
+    model, storage = _model(shape_kw, policy, device, reference, save_paths)
+    name = f"{policy}@{variant}" if variant else policy
     tokens, labels, pos = _batch(shape_kw, mbs, device)
     with SavedTensorMeter([model]) as meter:
         loss = model(tokens, pos, None, labels=labels).float().mean()
@@ -123,9 +125,9 @@ def measure(shape_kw, policy, mbs, steps, device, reference=None) -> tuple[dict,
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0 if device.type == "cuda" else None
     profile = _profile_step(model, tokens, pos, labels, device) if PROFILE_TOP else None
-    trace = _trace_step(model, tokens, pos, labels, device, f"{policy}_mbs{mbs}") if TRACE_DIR else None
+    trace = _trace_step(model, tokens, pos, labels, device, f"{name}_mbs{mbs}") if TRACE_DIR else None
     return {"profile_top": profile, "trace": trace,
-            "policy": policy, "mbs": mbs, "held_layer_bytes": held_layers,
+            "policy": name, "mbs": mbs, "held_layer_bytes": held_layers,
             "head_bytes": meter.bytes_by_layer.get(None, 0),
             "planner_layer_bytes": predicted, "peak_bytes": peak,
             "peak_above_resident_bytes": None if peak is None else peak - resident,
@@ -144,7 +146,7 @@ def interleaved_times(group: dict, shape_kw, mbs: int, device, rounds: int, step
     for _ in range(rounds):
         for policy, (_, model) in group.items():
             _, _, variant = policy.partition("@")
-            with _variant(variant):
+            with _variant(variant)[1]:  # the model was built with the variant's save paths
                 for i in range(steps):
                     _sync(device)
                     start = time.perf_counter()
@@ -166,39 +168,28 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-@contextlib.contextmanager
-def _switch(module, attr: str, value):
-    previous = getattr(module, attr)
-    setattr(module, attr, value)
-    try:
-        yield
-    finally:
-        setattr(module, attr, previous)
-
-
-def _variant_contexts() -> dict:
-    """Variant name -> context manager factory: the A/B switches of the saved-activation host path."""
-    from bench_launch import legacy_paths
-
-    from agoq.megatron import layers
-    from agoq.ops import saved_norm
-
-    return {"legacy": legacy_paths,  # the code before the host-cost work (scripts/bench_launch.py)
-            "fnnorm": lambda: _switch(saved_norm, "NORM_VIA_ATEN_NODE", False),  # RMSNorm as agoq's autograd fn
-            "scope": lambda: _switch(layers, "LINEAR_SAVE_VIA_NODE_HOOKS", False)}  # linears: hook scope
+def _variant_choices() -> dict:
+    """Variant name -> (SavePaths overrides, uses the legacy launch path): the A/B of the saved-activation
+    host path (options passed into the layer spec, no product switch flipped)."""
+    return {"legacy": ({"norm_via_aten_node": False, "fuse_swiglu": False}, True),  # scripts/bench_launch.py
+            "fnnorm": ({"norm_via_aten_node": False}, False),  # RMSNorm as agoq's autograd function
+            "scope": ({"linear_via_node_hooks": False}, False)}  # linears: hook scope
 
 
 def _variant(spec: str):
-    """One context for ``a+b+...`` (empty: none); unknown names raise with the list."""
-    stack = contextlib.ExitStack()
-    if not spec:
-        return stack
-    known = _variant_contexts()
-    for name in spec.split("+"):
+    """(SavePaths, launch-path context) for ``a+b+...`` (empty: the defaults); unknown names raise with the list."""
+    from bench_launch import legacy_launch
+
+    from agoq.ops.saved_act import SavePaths
+
+    overrides, legacy = {}, False
+    known = _variant_choices()
+    for name in filter(None, spec.split("+")):
         if name not in known:
             raise ValueError(f"unknown policy variant {name!r} in {spec!r}: use <policy>[@{'|'.join(known)}[+...]]")
-        stack.enter_context(known[name]())
-    return stack
+        overrides.update(known[name][0])
+        legacy = legacy or known[name][1]
+    return SavePaths(**overrides), legacy_launch() if legacy else contextlib.nullcontext()
 
 
 TRACE_DIR: Path | None = None  # set by --trace DIR: one torch.profiler trace per row, plus its summary

@@ -31,7 +31,7 @@ import torch
 
 from agoq.megatron.layers import AgoqMLP, AgoqRMSNorm, _AgoqLinearMixin
 from agoq.megatron.sites import layer_position
-from agoq.ops.saved_act import SavedBytesCounter
+from agoq.ops.saved_act import SavedBytesCounter, SavePaths
 from agoq.plan.storage import LayerStorage, layer_storage
 from agoq.policy import LAYER_ROLES, PolicySpec, ScheduleInfo
 
@@ -46,6 +46,7 @@ class ActivationStorage:
     schedule: ScheduleInfo | None
     counter: SavedBytesCounter = field(default_factory=SavedBytesCounter)
     layers: dict[int, LayerStorage] = field(default_factory=dict)
+    paths: SavePaths = field(default_factory=SavePaths)  # host paths of the saved-activation code
 
     def __deepcopy__(self, memo):  # one storage object per model, even if the spec is deep-copied
         return self
@@ -62,7 +63,7 @@ class ActivationStorage:
                 "ScheduleInfo from the same layout"
             )
         storage = layer_storage(self.policy, position.site, self.schedule)
-        _configure(layer, storage, self.counter)
+        _configure(layer, storage, self.counter, self.paths)
         self.layers[storage.layer_idx] = storage
         return storage
 
@@ -86,11 +87,12 @@ def agoq_modules(layer) -> dict[str, torch.nn.Module]:
     return mods
 
 
-def _configure(layer, storage: LayerStorage, counter: SavedBytesCounter) -> None:
+def _configure(layer, storage: LayerStorage, counter: SavedBytesCounter, paths: SavePaths) -> None:
     mods = agoq_modules(layer)
     idx = storage.layer_idx
     for name in mods:
         mods[name].agoq_counter = counter
+        mods[name].agoq_paths = paths
     for norm_name, linear_name, linear_role in (("input_layernorm", "linear_qkv", "attn.qkv_input"),
                                                 ("pre_mlp_layernorm", "linear_fc1", "mlp.fc1_input")):
         norm, linear = mods[norm_name], mods[linear_name]
@@ -203,8 +205,9 @@ def with_agoq_modules(spec):
     return spec
 
 
-def with_activation_storage(spec, policy, schedule: ScheduleInfo | None):
-    """Substitute agoq's modules into a local GPT layer spec and attach an ActivationStorage."""
+def with_activation_storage(spec, policy, schedule: ScheduleInfo | None, paths: SavePaths | None = None):
+    """Substitute agoq's modules into a local GPT layer spec and attach an ActivationStorage (``paths``:
+    the host paths of the saved-activation code, default :class:`agoq.ops.saved_act.SavePaths`)."""
     from pathlib import Path
 
     from agoq.policy import load_policy
@@ -214,7 +217,7 @@ def with_activation_storage(spec, policy, schedule: ScheduleInfo | None):
     if not isinstance(policy, PolicySpec):
         raise ValueError(f"policy must be an agoq.policy.PolicySpec or a YAML path, got {type(policy).__name__}")
     spec = with_agoq_modules(spec)
-    spec.params = {**spec.params, "agoq_storage": ActivationStorage(policy, schedule)}
+    spec.params = {**spec.params, "agoq_storage": ActivationStorage(policy, schedule, paths=paths or SavePaths())}
     return spec
 
 

@@ -44,6 +44,7 @@ from agoq.ops.fp8_linear import fp8_linear
 from agoq.ops.fp8_scaling import FP8ScalingState
 from agoq.ops.fp8_weight_cache import FP8WeightCache
 from agoq.ops.saved_act import (
+    SavePaths,
     default_saved_hooks_active,
     quantized_saves,
     replace_saved_input,
@@ -55,9 +56,9 @@ from agoq.ops.saved_act import (
 from agoq.ops.saved_norm import rmsnorm_saving_input
 from agoq.ops.smooth_swiglu import fold_channel_scale, glu_smooth_scale, unsmooth_fc2_output
 
-# The linears replace Megatron's saved input through that saved tensor's own hooks (True) or a hook scope
-# around the call (False: the A/B switch of scripts/bench_memory.py; also what runs inside another scope).
-LINEAR_SAVE_VIA_NODE_HOOKS = True
+# The linears replace Megatron's saved input through that saved tensor's own hooks or a hook scope around
+# the call (SavePaths.linear_via_node_hooks=False: scripts/bench_memory.py's A/B; also what runs inside
+# another scope).
 # the autograd node of LinearWithGradAccumulationAndAsyncCommunication (it saves (input, weight))
 _MEGATRON_LINEAR_NODE = "LinearWithGradAccumulationAndAsyncCommunicationBackward"
 
@@ -68,6 +69,7 @@ class _AgoqStorageAttrs:
     agoq_fmt = None  # QuantFormat to store this module's saved tensor in, or None: Megatron's save
     agoq_key = (None, "")  # (global layer index, role) for the byte counter
     agoq_counter = None  # SavedBytesCounter shared by the model, or None
+    agoq_paths = SavePaths()  # host paths of the saved-activation code (same bytes and gradients)
 
 
 class AgoqRMSNorm(_AgoqStorageAttrs, torch.nn.RMSNorm):
@@ -91,7 +93,8 @@ class AgoqRMSNorm(_AgoqStorageAttrs, torch.nn.RMSNorm):
         if self.agoq_fmt is None:
             return super().forward(x_SBH)
         y_SBH, stash = rmsnorm_saving_input(x_SBH, self.weight, self.eps, self.agoq_fmt, self.agoq_key,
-                                            self.agoq_counter, check_identity=not self.agoq_node_checked)
+                                            self.agoq_counter, check_identity=not self.agoq_node_checked,
+                                            via_aten_node=self.agoq_paths.norm_via_aten_node)
         self.agoq_node_checked = self.agoq_node_checked or stash is not None
         self.agoq_consumer.agoq_pending = stash
         return y_SBH
@@ -125,7 +128,8 @@ class _AgoqLinearMixin(_AgoqStorageAttrs):
             kw = {"fmt": self.agoq_fmt, "key": self.agoq_key, "counter": self.agoq_counter}
         else:
             return super()._forward_impl(input, weight, *args, **kwargs)
-        if not LINEAR_SAVE_VIA_NODE_HOOKS or default_saved_hooks_active():  # agoq's scope must be innermost
+        # agoq's scope must be innermost
+        if not self.agoq_paths.linear_via_node_hooks or default_saved_hooks_active():
             with quantized_saves(input, **kw):
                 return super()._forward_impl(input, weight, *args, **kwargs)
         out = super()._forward_impl(input, weight, *args, **kwargs)
@@ -254,7 +258,8 @@ class AgoqMLP(_AgoqStorageAttrs, MLP):
             h_SBF2 = h_SBF2 + bias
         if self.agoq_smooth is None:
             z_SBF, stash = swiglu_saving_input(h_SBF2, self.agoq_fmt, self.agoq_key, self.agoq_counter,
-                                               offset=self.config.glu_linear_offset)
+                                               offset=self.config.glu_linear_offset,
+                                               fuse=self.agoq_paths.fuse_swiglu)
             self.linear_fc2.agoq_pending = stash
             return self.linear_fc2(z_SBF)
         return self._smooth_forward(h_SBF2)
@@ -272,7 +277,7 @@ class AgoqMLP(_AgoqStorageAttrs, MLP):
             z_SBF = glu_SBF / s.to(glu_SBF.dtype)  # a power of two: exact
         else:
             z_SBF, s, stash = smooth_swiglu_saving_input(h_SBF2, scale_fn, self.agoq_fmt, self.agoq_key,
-                                                         self.agoq_counter)
+                                                         self.agoq_counter, fuse=self.agoq_paths.fuse_swiglu)
             self.linear_fc2.agoq_pending = stash
         if mode == "per_channel":
             self.linear_fc2.agoq_col_scale = s

@@ -154,7 +154,7 @@ def pipeline_p2p_options(layout: ParallelLayout) -> dict[str, bool]:
     return {"overlap_p2p_comm": interleaved, "batch_p2p_comm": not interleaved}
 
 
-def agoq_layer_spec(attention_backend: str, policy=None, schedule=None, compute=None) -> ModuleSpec:
+def agoq_layer_spec(attention_backend: str, policy=None, schedule=None, compute=None, save_paths=None) -> ModuleSpec:
     """The local GPT layer spec with agoq's substitutions.
 
     ``attention_backend``: "sdpa" (agoq's SDPACoreAttention) or "megatron" (DotProductAttention).
@@ -166,6 +166,8 @@ def agoq_layer_spec(attention_backend: str, policy=None, schedule=None, compute=
     (byte counter, assigned formats) is ``agoq.megatron.activations.storage_of(spec)``.
     ``compute``: an ``agoq.policy.FP8Spec`` (FP8 linears, Smooth-SwiGLU; see
     ``agoq.megatron.compute``) or None; with it the layers are agoq's modules too, policy or not.
+    ``save_paths``: an ``agoq.ops.saved_act.SavePaths`` (how the saved-activation code runs on the host;
+    the default's fast paths when None); used with a policy.
     """
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend {attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
@@ -175,7 +177,7 @@ def agoq_layer_spec(attention_backend: str, policy=None, schedule=None, compute=
     if policy is not None:
         from agoq.megatron.activations import with_activation_storage
 
-        spec = with_activation_storage(spec, policy, schedule)
+        spec = with_activation_storage(spec, policy, schedule, save_paths)
     if compute is not None and (compute.fp8_enabled or compute.smooth_swiglu != "off"):
         from agoq.megatron.activations import with_agoq_modules
         from agoq.megatron.compute import LayerCompute

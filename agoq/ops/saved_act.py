@@ -37,6 +37,7 @@ from agoq.ref.quant import QuantizedTensor
 
 __all__ = [
     "SavedBytesCounter",
+    "SavePaths",
     "RecomputeStash",
     "quant_ops",
     "quantize_saved",
@@ -54,6 +55,21 @@ _LOGGED_PATHS: set[str] = set()
 _LOG_LOCK = threading.Lock()
 
 Key = tuple[int | None, str]  # (global 0-based layer index or None, role)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavePaths:
+    """How agoq's layers run the saved-activation code on the host. Every choice stores the same bytes and
+    gives the same gradients (tests/gpu/test_saved_act_gpu.py); the non-defaults are the slower paths kept
+    for benchmarks' A/B (scripts/bench_memory.py variants, scripts/bench_launch.py legacy paths).
+    Passed to ``agoq.megatron.model.agoq_layer_spec(..., save_paths=...)``."""
+
+    norm_via_aten_node: bool = True
+    """CUDA RMSNorm: ATen's fused node with hooks on its saved tensors (False: agoq's autograd function)."""
+    fuse_swiglu: bool = True
+    """CUDA SwiGLU: one fused quantize kernel (False: quantize + ATen SwiGLU, unfused)."""
+    linear_via_node_hooks: bool = True
+    """Linears replace Megatron's saved input through its own hooks (False: a saved-tensor hook scope)."""
 
 
 _OPS_BY_KIND: dict[str, tuple[Callable, Callable]] = {}  # host-side fast path: one lookup per call
@@ -382,16 +398,17 @@ def swiglu_reference(h_TF2: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
     return F.silu(gate) * (up + offset if offset else up)  # no extra pass (and Megatron's -0.0) at offset 0
 
 
-FUSE_SWIGLU = True  # False: the unfused quantize + ATen SwiGLU path (benchmarks' A/B; tests)
-
-
-def _swiglu_fused(h_TF2: torch.Tensor, fmt: QuantFormat, offset: float) -> bool:
-    """CUDA, no GLU offset, and a shape / format agoq.kernels.swiglu_quant takes (its ``fusable``)."""
-    if not (FUSE_SWIGLU and h_TF2.is_cuda) or offset:
+def _swiglu_fused(h_TF2: torch.Tensor, fmt: QuantFormat, offset: float, fuse: bool = True) -> bool:
+    """``fuse``, CUDA, no GLU offset, and a shape / format agoq.kernels.swiglu_quant takes (its ``fusable``).
+    ``fuse=False``: the unfused quantize + ATen SwiGLU path (benchmarks' A/B; tests)."""
+    if not (fuse and h_TF2.is_cuda) or offset:
         return False
     from agoq.kernels.swiglu_quant import fusable
 
     return fusable(h_TF2, fmt)
+
+
+_NO_GRADS = (None,) * 7  # _SwiGLUSavingInput.forward's arguments after h_TF2
 
 
 class _SwiGLUSavingInput(torch.autograd.Function):
@@ -407,8 +424,8 @@ class _SwiGLUSavingInput(torch.autograd.Function):
     (``dequant_swiglu_fwd`` / ``dequant_swiglu_bwd``), so no dequantized h is ever materialized."""
 
     @staticmethod
-    def forward(ctx, h_TF2, offset, fmt, key, counter, scale_fn, out):
-        fused = _swiglu_fused(h_TF2, fmt, offset)
+    def forward(ctx, h_TF2, offset, fmt, key, counter, scale_fn, out, fuse=True):
+        fused = _swiglu_fused(h_TF2, fmt, offset, fuse)
         s = None
         if fused and scale_fn is None:
             from agoq.kernels.swiglu_quant import swiglu_quantize
@@ -434,19 +451,19 @@ class _SwiGLUSavingInput(torch.autograd.Function):
         if ctx.fused:
             from agoq.kernels.swiglu_quant import dequant_swiglu_bwd
 
-            return dequant_swiglu_bwd(stash.consume_codes(), grad_z_TF, ctx.scale), None, None, None, None, None, None
+            return dequant_swiglu_bwd(stash.consume_codes(), grad_z_TF, ctx.scale), *_NO_GRADS
         h_hat = stash.consume()
         if h_hat.is_cuda and not ctx.offset:
             # One fused pass (agoq.kernels.swiglu, fp32 math, its reference is ref_swiglu_bwd_scaled)
             # instead of autograd re-running chunk/silu/mul and their backwards and a cat.
             from agoq.kernels.swiglu import swiglu_bwd
 
-            return swiglu_bwd(h_hat, grad_z_TF, ctx.scale), None, None, None, None, None, None
+            return swiglu_bwd(h_hat, grad_z_TF, ctx.scale), *_NO_GRADS
         with torch.enable_grad():
             h = h_hat.detach().requires_grad_(True)
             z = _smoothed(swiglu_reference(h, ctx.offset), ctx.scale)
             (grad_h,) = torch.autograd.grad(z, (h,), grad_z_TF)
-        return grad_h, None, None, None, None, None, None
+        return grad_h, *_NO_GRADS
 
 
 def _swiglu_recompute(offset: float, s: torch.Tensor | None, from_codes: bool) -> Callable:
@@ -474,17 +491,19 @@ def _smoothed(glu: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
 
 
 def swiglu_saving_input(h_TF2: torch.Tensor, fmt: QuantFormat, key: Key, counter: SavedBytesCounter | None = None,
-                        offset: float = 0.0) -> tuple[torch.Tensor, RecomputeStash | None]:
-    """SwiGLU with Megatron's forward values; keeps ``fmt``-quantized h only. Returns (z, stash)."""
+                        offset: float = 0.0, *, fuse: bool = True) -> tuple[torch.Tensor, RecomputeStash | None]:
+    """SwiGLU with Megatron's forward values; keeps ``fmt``-quantized h only. Returns (z, stash).
+
+    ``fuse=False`` takes the unfused quantize + ATen SwiGLU path on CUDA too (an A/B of benchmarks)."""
     if not (torch.is_grad_enabled() and h_TF2.requires_grad):
         return swiglu_reference(h_TF2, offset), None  # nothing is saved
     out: list = []
-    z_TF = _SwiGLUSavingInput.apply(h_TF2, offset, fmt, key, counter, None, out)
+    z_TF = _SwiGLUSavingInput.apply(h_TF2, offset, fmt, key, counter, None, out, fuse)
     return z_TF, out[0]
 
 
 def smooth_swiglu_saving_input(h_TF2: torch.Tensor, scale_fn: Callable, fmt: QuantFormat, key: Key,
-                               counter: SavedBytesCounter | None = None
+                               counter: SavedBytesCounter | None = None, *, fuse: bool = True
                                ) -> tuple[torch.Tensor, torch.Tensor, RecomputeStash | None]:
     """Smooth-SwiGLU z = swiglu(h) / s with s = ``scale_fn(h, swiglu(h))``, keeping ``fmt``-quantized h
     only (SwiGLU recomputed in backward with the forward's s). Returns (z, s, stash)."""
@@ -494,5 +513,5 @@ def smooth_swiglu_saving_input(h_TF2: torch.Tensor, scale_fn: Callable, fmt: Qua
             s = scale_fn(h_TF2, glu)
         return _smoothed(glu, s), s, None
     out: list = []
-    z_TF = _SwiGLUSavingInput.apply(h_TF2, 0.0, fmt, key, counter, scale_fn, out)
+    z_TF = _SwiGLUSavingInput.apply(h_TF2, 0.0, fmt, key, counter, scale_fn, out, fuse)
     return z_TF, out[1], out[0]

@@ -3,8 +3,8 @@
 
 Two implementations with the same stored bytes and the same gradient bits (tests/gpu/test_saved_act_gpu.py):
 on CUDA, ``F.rms_norm``'s own ATen node (``FusedRmsNormBackward0``) with hooks on its two saved activations
-(:data:`NORM_VIA_ATEN_NODE`, no Python autograd function per norm: docs/activations.md, "Host cost");
-elsewhere, and with that switch off, agoq's autograd function :class:`_RMSNormSavingInput`.
+(``via_aten_node=True``, the default; no Python autograd function per norm: docs/activations.md, "Host cost");
+elsewhere, and with ``via_aten_node=False``, agoq's autograd function :class:`_RMSNormSavingInput`.
 
 Shape legend: T = tokens (any leading dims), H = hidden.
 """
@@ -27,7 +27,7 @@ from agoq.ops.saved_act import (
     quantize_saved,
 )
 
-__all__ = ["rmsnorm_saving_input", "NORM_VIA_ATEN_NODE"]
+__all__ = ["rmsnorm_saving_input"]
 
 # ATen's fused RMSNorm, called without the Python dispatch of torch.ops where torch exposes a binding
 _fused_rms_norm = getattr(torch, "_fused_rms_norm", None) or torch.ops.aten._fused_rms_norm
@@ -90,18 +90,19 @@ def _norm_recompute(weight_H: torch.Tensor, eps: float) -> Callable:
 
 
 def rmsnorm_saving_input(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float, fmt: QuantFormat, key: Key,
-                         counter: SavedBytesCounter | None = None, check_identity: bool = True
-                         ) -> tuple[torch.Tensor, RecomputeStash | None]:
+                         counter: SavedBytesCounter | None = None, check_identity: bool = True, *,
+                         via_aten_node: bool = True) -> tuple[torch.Tensor, RecomputeStash | None]:
     """RMSNorm with the same forward values as ``torch.nn.RMSNorm``; keeps ``fmt``-quantized x only.
 
     Returns (y, stash); stash is None when nothing needs saving (no grad). Pass the stash to the
     next linear's :func:`quantized_saves` so it stores nothing either (its input is recomputed from
     the same quantized x). ``check_identity=False`` skips checking that the CUDA norm node saved ``x_TH``
     itself (its node type is checked on every call): for callers that checked on their first call.
+    ``via_aten_node=False`` uses agoq's autograd function on CUDA too (see ``_hook_fused_norm_node``).
     """
     if not (torch.is_grad_enabled() and (x_TH.requires_grad or weight_H.requires_grad)):
         return F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps), None  # nothing is saved
-    if NORM_VIA_ATEN_NODE and x_TH.is_cuda and not default_saved_hooks_active():
+    if via_aten_node and x_TH.is_cuda and not default_saved_hooks_active():
         y_TH = F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps)
         return y_TH, _hook_fused_norm_node(y_TH, x_TH, weight_H, eps, fmt, key, counter, check_identity)
     out: list = []
@@ -112,8 +113,8 @@ def rmsnorm_saving_input(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float,
 # CUDA: F.rms_norm's own autograd node (ATen's fused RMSNorm, C++ backward) with hooks on the two saved
 # activations, instead of the Python autograd function above: the same stored bytes and the same gradient
 # bits (ATen's backward at x_hat with rstd(x_hat), as the function computes), without a Python
-# Function's forward / backward per norm (docs/activations.md, "Host cost"). False: the function (A/B).
-NORM_VIA_ATEN_NODE = True
+# Function's forward / backward per norm (docs/activations.md, "Host cost"). rmsnorm_saving_input's
+# ``via_aten_node=False`` (the layers' ``SavePaths.norm_via_aten_node``): the function (A/B).
 _FUSED_NORM_NODE = "FusedRmsNormBackward0"
 _NORM_RSTD_ATTRS = ("_raw_saved_rstd", "_raw_saved_result1")  # the name of its second output, by torch version
 
@@ -128,8 +129,10 @@ def _hook_fused_norm_node(y_TH, x_TH, weight_H, eps, fmt, key, counter, check_id
             or (check_identity and node._saved_input.data_ptr() != x_TH.data_ptr()):
         raise RuntimeError(
             f"agoq: F.rms_norm on CUDA made a {type(node).__name__} node, not ATen's fused RMSNorm "
-            f"({_FUSED_NORM_NODE} saving input and rstd) that agoq hooks (torch {torch.__version__}); set "
-            "agoq.ops.saved_norm.NORM_VIA_ATEN_NODE = False to use agoq's autograd function, and report it")
+            f"({_FUSED_NORM_NODE} saving input and rstd) that agoq hooks (torch {torch.__version__}); pass "
+            "via_aten_node=False to rmsnorm_saving_input (agoq's layers: "
+            "agoq_layer_spec(..., save_paths=SavePaths(norm_via_aten_node=False))) to use agoq's autograd "
+            "function, and report it")
     stash = RecomputeStash(None, _norm_recompute(weight_H, eps))
     stash.output_ptr = y_TH.data_ptr()
     raw_x.register_hooks(_PackNormInput(stash, fmt, key, counter), _unpack_saved)  # packs (quantizes) now

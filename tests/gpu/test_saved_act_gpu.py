@@ -86,21 +86,15 @@ def test_swiglu_fused_forward_is_megatron_bitwise_and_codes_reference():
 
 def test_swiglu_fused_backward_bitwise_equal_to_unfused_path():
     """Fused backward (codes read directly) == the unfused path (dequantize, swiglu_fwd / swiglu_bwd)."""
-    from agoq.ops import saved_act
-
     gen = torch.Generator(device="cuda").manual_seed(4)
     h = torch.randn(3, 65, 2 * 1088, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
     gz = torch.randn(3, 65, 1088, device="cuda", generator=gen).to(torch.bfloat16)
     grads, recomputed = [], []
     for fused in (True, False):
-        saved_act.FUSE_SWIGLU = fused
-        try:
-            z, stash = swiglu_saving_input(h, FMT, (0, "swiglu_in"))
-            assert stash.from_codes == fused
-            recomputed.append(stash.recomputed_output())
-            grads.append(torch.autograd.grad(z, (h,), gz)[0])
-        finally:
-            saved_act.FUSE_SWIGLU = True
+        z, stash = swiglu_saving_input(h, FMT, (0, "swiglu_in"), fuse=fused)
+        assert stash.from_codes == fused
+        recomputed.append(stash.recomputed_output())
+        grads.append(torch.autograd.grad(z, (h,), gz)[0])
     assert torch.equal(recomputed[0], recomputed[1]) and torch.equal(grads[0], grads[1])
 
 
@@ -163,24 +157,19 @@ def test_launch_sites_equal_tritons_launch(name):
 
 @pytest.mark.parametrize("recompute_first", [False, True], ids=["norm-only", "linear-recomputes-first"])
 def test_rmsnorm_on_atens_node_equals_the_autograd_function(recompute_first):
-    """NORM_VIA_ATEN_NODE: F.rms_norm's own node with hooks on its saved input / rstd stores the same bytes
+    """via_aten_node: F.rms_norm's own node with hooks on its saved input / rstd stores the same bytes
     and gives the same gradient bits as agoq's autograd function (the A/B switch), and keeps no full x."""
-    from agoq.ops import saved_norm
     from agoq.ops.saved_act import SavedBytesCounter
 
     x, w, g = _inputs((2, 129, 2048), seed=3)
     results = []
     for via_node in (True, False):
-        saved_norm.NORM_VIA_ATEN_NODE = via_node
-        try:
-            counter = SavedBytesCounter()
-            y, stash = rmsnorm_saving_input(x, w, 1e-5, FMT, (0, "norm_in"), counter)
-            assert (type(y.grad_fn).__name__ == "FusedRmsNormBackward0") == via_node
-            y_re = stash.recomputed_output() if recompute_first else None
-            grads = torch.autograd.grad(y, (x, w), g)
-            results.append((dict(counter.packed), y_re, grads))
-        finally:
-            saved_norm.NORM_VIA_ATEN_NODE = True
+        counter = SavedBytesCounter()
+        y, stash = rmsnorm_saving_input(x, w, 1e-5, FMT, (0, "norm_in"), counter, via_aten_node=via_node)
+        assert (type(y.grad_fn).__name__ == "FusedRmsNormBackward0") == via_node
+        y_re = stash.recomputed_output() if recompute_first else None
+        grads = torch.autograd.grad(y, (x, w), g)
+        results.append((dict(counter.packed), y_re, grads))
     (packed_a, y_a, grads_a), (packed_b, y_b, grads_b) = results
     assert packed_a == packed_b == {(0, "norm_in"): FMT.storage_bytes(x.numel())}
     if recompute_first:

@@ -20,7 +20,7 @@ SHAPE_KW = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_g
                 seq_length=SEQ, vocab_size=VOCAB)
 
 
-def _build(policy, dtype=torch.float32, recompute=False, reference=None):
+def _build(policy, dtype=torch.float32, recompute=False, reference=None, save_paths=None):
     """(model, storage) with agoq's spec; ``policy``: a configs/policy name, a YAML path, or None
     (the plain local spec, agoq disabled).
     Weights are copied from ``reference`` when given (so every variant starts from the same point)."""
@@ -43,7 +43,7 @@ def _build(policy, dtype=torch.float32, recompute=False, reference=None):
     if isinstance(policy, str):
         policy = POLICIES / f"{policy}.yaml"
     spec = agoq_layer_spec("sdpa", policy=policy,
-                           schedule=ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1))
+                           schedule=ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1), save_paths=save_paths)
     (model,) = build_model_chunks(shape, config, spec, None)
     if dtype == torch.bfloat16:
         model = Float16Module(config, model)
@@ -235,3 +235,39 @@ def test_inside_an_outer_saved_tensors_scope_the_same_storage_and_gradients(mcor
     for name, grad in grads_a.items():
         assert torch.equal(grad, grads_b[name]), name
     assert storage.counter.live == 0 and ref_storage.counter.live == 0
+
+
+def test_save_paths_option_reaches_every_agoq_module(mcore_world1, monkeypatch):
+    """agoq_layer_spec(save_paths=...) is how a caller (a benchmark's A/B) picks the host path of the
+    saved-activation code (no module constant to flip): every agoq module of the model gets it, the
+    linears then go through a hook scope, and bytes and gradients stay those of the default path."""
+    from agoq.megatron import layers
+    from agoq.megatron.activations import agoq_modules
+    from agoq.ops.saved_act import SavePaths
+
+    scopes = []
+    real_scope = layers.quantized_saves
+
+    def counting_scope(*args, **kwargs):
+        scopes.append(1)
+        return real_scope(*args, **kwargs)
+
+    monkeypatch.setattr(layers, "quantized_saves", counting_scope)
+    paths = SavePaths(linear_via_node_hooks=False)
+    ref, ref_storage = _build("agoq")
+    model, storage = _build("agoq", reference=ref, save_paths=paths)
+    for layer in model.decoder.layers:
+        assert all(m.agoq_paths is paths for m in agoq_modules(layer).values())
+    tokens, labels, pos = _batch(0)
+    results = []
+    for m, st in ((ref, ref_storage), (model, storage)):
+        before = len(scopes)
+        loss = m(tokens, pos, None, labels=labels).float().mean()
+        results.append((len(scopes) - before, dict(st.counter.packed)))
+        loss.backward()
+        results[-1] += ({n: p.grad.detach().clone() for n, p in m.named_parameters()},)
+    (scopes_ref, packed_ref, grads_ref), (scopes_new, packed_new, grads_new) = results
+    assert scopes_ref == 0 and scopes_new > 0  # the option switched the linears' path
+    assert packed_ref == packed_new and packed_ref
+    for name, grad in grads_ref.items():
+        assert torch.equal(grad, grads_new[name]), name
