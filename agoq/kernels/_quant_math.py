@@ -105,8 +105,15 @@ def _nf4_code(p, nf4_lut_ptr):
     builds the table; tests check it against searchsorted around every bucket edge and midpoint.
 
     The gather is gather_nc (inline PTX on GPU, see there).
+
+    p is clamped to [-1, 1] first (every midpoint lies inside, so the code is unchanged): an fp16
+    scale can round below absmax (subnormal scales lose up to a third, |p| < 1.5), and an unclamped
+    p < -1.0625 made 16 p + 16 negative, which the unsigned clamp sent to the top bucket, i.e. code
+    15 (+1) for the most negative element (issue 21). NaN p (non-finite blocks, whose codes are
+    replaced) clamps to a finite value, as fmax / fmin return the non-NaN operand.
     """
-    bucket = tl.minimum((p * 16.0 + 16.0).to(tl.int32).to(tl.uint32), 31).to(tl.int32)  # NaN-safe
+    pc = tl.minimum(tl.maximum(p, -1.0), 1.0)
+    bucket = tl.minimum((pc * 16.0 + 16.0).to(tl.int32), 31)  # pc in [-1, 1]: 16 pc + 16 in [0, 32]
     entry = gather_nc(nf4_lut_ptr, bucket)
     thr = entry.to(tl.int32).to(tl.float32, bitcast=True)  # low 32 bits
     below = (entry >> 32).to(tl.int32)

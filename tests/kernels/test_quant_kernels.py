@@ -201,9 +201,41 @@ def test_kernel_non_contiguous_input():
     _check(x, "int4_b64")
 
 
+def _tiny_blocks(block: int, absmaxes: list[float], seed: int) -> torch.Tensor:
+    """One block per absmax: a random fill in [-absmax, absmax] whose extreme element (position and sign
+    drawn) is exactly +-absmax; absmax 0 is an all-zero block."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for i, a in enumerate(absmaxes):
+        row = (torch.rand(block, generator=gen) * 2 - 1) * a
+        row[int(torch.randint(block, (1,), generator=gen))] = a if i % 2 else -a
+        rows.append(row)
+    return torch.cat(rows).to(DEVICE)
+
+
+# fp16 block scales at and below the fp16 normal range (2**-14 ~ 6.1e-5): subnormal scales (spacing
+# 2**-24 ~ 6e-8) round up to 1.5x away from absmax, below 2**-25 they round to 0 (block -> zeros)
+TINY_ABSMAX = [0.0, 2.0**-26, 2.0**-25, 1.4 * 2.0**-24, 1.49 * 2.0**-24, 2.0**-24, 1.3e-7, 2.4e-7, 4e-7,
+               7e-7, 1e-6, 3.3e-6, 1e-5, 6.1e-5, 1.0]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["nf4_b32_s16", "nf4_b64_s16", "int4_b32_s16", "cint8_b32", "int8_b32_s16"])
+def test_kernel_tiny_fp16_scales_match_ref_and_keep_signs(name):
+    """Issue 21: a subnormal fp16 scale below absmax gave p < -1.0625, which the kernel's NF4 bucket
+    clamp sent to the top code (+1): the sign of the block's extreme element flipped. Zeros, absmax
+    below the smallest fp16 scale, subnormal and normal scales; the extreme element of either sign."""
+    quantize, dequantize = _quant()
+    fmt = parse_format(name)
+    for seed in (0, 1):
+        x = _tiny_blocks(fmt.block, TINY_ABSMAX, seed)
+        _check(x, name)
+        y = dequantize(quantize(x, fmt), torch.float32)
+        assert bool((y * x >= 0).all()), "a dequantized value has the opposite sign of its input"
+
+
 def test_nf4_bucket_table_matches_searchsorted():
-    """The kernel's NF4 bucket table (code = below[b] + (p > thr[b]), b = trunc(16 p + 16) clamped to
-    31, fp32 arithmetic as on GPU) equals searchsorted over the midpoints: every fp32 within 4096 ulps
+    """The kernel's NF4 bucket table (code = below[b] + (p > thr[b]), b = trunc(16 clamp(p, -1, 1) + 16)
+    clamped to 31, fp32 arithmetic as on GPU) equals searchsorted over the midpoints: every fp32 within 4096 ulps
     of each bucket edge and each midpoint (where rounding of 16 p + 16 could misplace p), plus 2**20
     uniform points. An exhaustive run over all fp32 in [-1.01, 1.01] is recorded in quant.md."""
     from agoq.kernels._launch import nf4_lut_cpu, nf4_lut_split, nf4_midpoints_f32
@@ -215,8 +247,9 @@ def test_nf4_bucket_table_matches_searchsorted():
     bits = anchors.view(torch.int32)[:, None] + ulps[None, :]
     near = torch.cat([bits.view(torch.float32), (-bits.abs()).view(torch.float32)], 0).reshape(-1)
     gen = torch.Generator().manual_seed(0)
-    p = torch.cat([near, torch.rand(1 << 20, generator=gen) * 2.02 - 1.01])
-    p = p[(p >= -1.01) & (p <= 1.01)]
-    b = torch.clamp((p * 16.0 + 16.0).to(torch.int32), 0, 31).long()
+    # p beyond [-1, 1] (fp16 scales round below absmax: |p| < 1.5) is clamped first, as in the kernel
+    p = torch.cat([near, torch.rand(1 << 20, generator=gen) * 3.0 - 1.5, torch.tensor([-1.4999, -1.0625, 1.4999])])
+    p = p[(p >= -1.5) & (p <= 1.5)]
+    b = torch.clamp((p.clamp(-1.0, 1.0) * 16.0 + 16.0).to(torch.int32), 0, 31).long()
     code = below[b] + (p > thr[b]).to(torch.int32)
     assert torch.equal(code, torch.searchsorted(mids, p).to(torch.int32))
