@@ -18,6 +18,25 @@ TL_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 TORCH_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "pow2": torch.uint8}
 HASH_SEED_MUL = 0x9E3779B9  # same constant as agoq.ref.quant (golden-ratio seed mix)
 
+MAX_LAUNCH_SITES = 512
+"""Most launch sites one per-size site cache keeps (quant._QUANT_SITES / _DEQUANT_SITES,
+swiglu_quant._FWD_SITES / _DQ_SITES: keyed by format and tensor size or shape). Why a bound: a training run
+sees a few dozen keys (one per saved role and micro-batch shape, per pipeline chunk), but varying sequence
+lengths or evaluation shapes bring new sizes without end, and each site holds host objects (and an NF4
+value table per device) for the process lifetime. 512 is over 10x a training run's working set (a ~1B
+LLaMA step with the agoq policy: < 40 keys per cache). When full, the oldest site is dropped (insertion
+order): inserting is rare, so lookups stay one plain ``dict.get`` on the hot path."""
+
+
+def remember_site(sites: dict, key, site, limit: int | None = None):
+    """``sites[key] = site``, dropping the oldest entries first so that ``len(sites) <= limit``
+    (default :data:`MAX_LAUNCH_SITES`); returns site."""
+    limit = MAX_LAUNCH_SITES if limit is None else limit
+    while len(sites) >= limit:
+        del sites[next(iter(sites))]
+    sites[key] = site
+    return site
+
 
 
 @dataclass(frozen=True)

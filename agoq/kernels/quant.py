@@ -212,11 +212,13 @@ def quantize_with_config(
         x_flat = x_flat.contiguous()
     site = _QuantSite(fmt, config, x_flat.numel(), x.dtype, x.device, seed)
     if seed is None and x.is_cuda and config == _launch.quant_config(fmt):
-        _QUANT_SITES[(fmt, site.numel, x.dtype, x.device.index)] = site  # later calls skip all of the above
+        # later calls skip all of the above
+        _launch.remember_site(_QUANT_SITES, (fmt, site.numel, x.dtype, x.device.index), site)
     return site.run(x_flat)
 
 
-_QUANT_SITES: dict = {}  # (QuantFormat, numel, dtype, CUDA index) -> _QuantSite, default launch config
+# (QuantFormat, numel, dtype, CUDA index) -> _QuantSite, default launch config; at most _launch.MAX_LAUNCH_SITES
+_QUANT_SITES: dict = {}
 
 
 class _QuantSite:
@@ -289,11 +291,11 @@ def dequantize(q: QuantizedTensor, out_dtype: torch.dtype | None = None) -> torc
             return ref_dequantize(q, out_dtype)  # plain cast, empty, or the reference's dtype error
         site = _DequantSite(fmt, numel, codes.device)
         if key is not None:
-            _DEQUANT_SITES[key] = site
+            _launch.remember_site(_DEQUANT_SITES, key, site)
     return site.run(q, out_dtype)
 
 
-_DEQUANT_SITES: dict = {}  # (QuantFormat, shape, out dtype, CUDA index) -> _DequantSite
+_DEQUANT_SITES: dict = {}  # (QuantFormat, shape, out dtype, CUDA index) -> _DequantSite; bounded as _QUANT_SITES
 
 
 class _DequantSite:

@@ -231,11 +231,12 @@ def swiglu_quantize(fc1_out: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tens
         _check(fc1_out, fmt, "swiglu_quantize")
         site = _FwdSite(fc1_out, fmt)
         if key is not None:
-            _FWD_SITES[key] = site
+            _launch.remember_site(_FWD_SITES, key, site)
     return site.run(fc1_out)
 
 
-# Launch sites (agoq.kernels._fastlaunch.LaunchSite): everything but the tensors, once per key.
+# Launch sites (agoq.kernels._fastlaunch.LaunchSite): everything but the tensors, once per key; at most
+# _launch.MAX_LAUNCH_SITES per dict (the oldest dropped first).
 _FWD_SITES: dict = {}  # (fmt, fc1_out shape, dtype, CUDA index, USE_PTX) -> _FwdSite
 _DQ_SITES: dict = {}  # (fmt, fc1_out shape, dtype, BWD, SCALE_MODE, CUDA index) -> _DequantSwigluSite
 
@@ -298,7 +299,7 @@ def _dequant_swiglu(q: QuantizedTensor, grad_z: torch.Tensor | None, s: torch.Te
     if site is None:
         site = _DequantSwigluSite(q, bwd, mode)
         if q.codes.is_cuda:
-            _DQ_SITES[key] = site
+            _launch.remember_site(_DQ_SITES, key, site)
     if site.launch is not None:
         s_flat = out if s is None else s.contiguous().reshape(-1)
         site.launch(q.codes, q.scales, site.values, gz, s_flat, out, *site.tail)

@@ -175,3 +175,30 @@ def test_rmsnorm_on_atens_node_equals_the_autograd_function(recompute_first):
     if recompute_first:
         assert torch.equal(y_a, y_b)
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
+
+
+def test_launch_site_caches_stay_within_their_bound(monkeypatch):
+    """Every size brings a new launch site; the per-size caches keep at most _launch.MAX_LAUNCH_SITES
+    (lowered to 4 here) and the newest site still launches directly."""
+    from agoq.kernels import _launch, quant, swiglu_quant
+
+    monkeypatch.setattr(_launch, "MAX_LAUNCH_SITES", 4)
+    saved = [dict(c) for c in (quant._QUANT_SITES, quant._DEQUANT_SITES, swiglu_quant._FWD_SITES,
+                              swiglu_quant._DQ_SITES)]
+    try:
+        for rows in range(1, 11):
+            h = torch.randn(rows, 2 * 128, device="cuda").to(torch.bfloat16)
+            q = quant.quantize(h, FMT)
+            quant.dequantize(q)
+            quant.quantize(h, FMT)  # the site's own path
+            _, qh = swiglu_quant.swiglu_quantize(h, FMT)
+            swiglu_quant.dequant_swiglu_fwd(qh)
+        for cache in (quant._QUANT_SITES, quant._DEQUANT_SITES, swiglu_quant._FWD_SITES, swiglu_quant._DQ_SITES):
+            assert 0 < len(cache) <= 4
+        newest = quant._QUANT_SITES[(FMT, h.numel(), h.dtype, h.device.index)]
+        assert newest.launch.direct_calls >= 1
+    finally:
+        for cache, before in zip((quant._QUANT_SITES, quant._DEQUANT_SITES, swiglu_quant._FWD_SITES,
+                                  swiglu_quant._DQ_SITES), saved, strict=True):
+            cache.clear()
+            cache.update(before)
