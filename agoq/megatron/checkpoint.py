@@ -391,7 +391,7 @@ def _apply_loaded_state(state: dict, model_chunks, optimizer, scheduler, overrid
         for i, chunk in enumerate(model_chunks):
             chunk.module.load_state_dict(state[f"model{i}"])
     _rebase_saved_group_lrs(state["optimizer"], state["opt_param_scheduler"], optimizer)
-    with torch.no_grad():  # fp32-param distopt loads in place into leaves (megatron.md 1.4)
+    with torch.no_grad():  # fp32-param distopt loads in place into leaves (../shared/spec/megatron.md 1.4)
         optimizer.load_state_dict(state["optimizer"])
     _set_torch_optimizer_step(optimizer, state["agoq"]["torch_optimizer_step"])
     # Megatron-LM's two modes: the checkpoint's schedule (--use-checkpoint-opt_param-scheduler), or

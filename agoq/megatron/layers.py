@@ -17,11 +17,11 @@ Touches: spec substitution of ``TransformerLayer`` (``spec.module``), ``input_la
   ``copy_to_tensor_model_parallel_region`` (the FP8 path's dgrad all-reduce); ``MLP.forward``
   (re-implemented for the recompute and Smooth-SwiGLU paths only); ``MLP.tp_group``.
 Why: AGoQ stores the pre-norm input (norm recomputed), the fc1 output (SwiGLU recomputed) and the
-  out-projection input in low-bit (algorithms.md §3.2). The spec is the first-choice seam; the
+  out-projection input in low-bit (../shared/spec/algorithms.md §3.2). The spec is the first-choice seam; the
   ``_forward_impl`` override keeps Megatron's own linear autograd (TP all-reduce, sequence
   parallel, gradient-accumulation fusion, wgrad deferral) and only swaps the saved input.
 Verified on: megatron-core 0.19.2.
-  FP8 linears and Smooth-SwiGLU (FP8 paper, algorithms.md §2) need the same two seams: the GEMM
+  FP8 linears and Smooth-SwiGLU (FP8 paper, ../shared/spec/algorithms.md §2) need the same two seams: the GEMM
   inside ``_forward_impl`` and the activation inside ``MLP.forward``.
 When disabled: a module whose ``agoq_fmt``, ``agoq_fp8`` and ``agoq_smooth`` are None (every bf16
   role, FP8 off) calls Megatron's code unchanged, so the bf16 policy is bit-identical to the plain

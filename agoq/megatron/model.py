@@ -7,7 +7,8 @@ Touches: ``TransformerConfig``, ``get_gpt_layer_local_spec``, ``SelfAttentionSub
   Smooth-SwiGLU), ``GPTModel``, ``DistributedDataParallel`` (public constructors only).
 Why: building the model through the spec is the first-choice seam; agoq never patches model code.
 Verified on: megatron-core 0.19.2.
-Guarded by: ``tests/megatron/test_model.py`` and the PP/DDP tests in ``tests/megatron``.
+Guarded by: ``tests/megatron/test_layouts.py`` (every TP/PP/VPP/DP layout trains the PP=1 model),
+  ``tests/megatron/test_activations.py`` (bf16 policy bit-identical to the plain local spec).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Megatron glue for agoq.optim: build_agoq_optimizer(args, model_chunks, params_dtype) -> (optimizer,
 scheduler), a drop-in for agoq.megatron.pretrain.build_optimizer.
 
-Path (megatron.md §1.4): without --use-distributed-optimizer, agoq's optimizer runs directly on the
+Path (../shared/spec/megatron.md §1.4): without --use-distributed-optimizer, agoq's optimizer runs directly on the
 bf16 model params inside Megatron's FP32Optimizer wrapper (which copies param.main_grad to .grad,
 clips by the global norm and steps), so no fp32 main-param copy exists: the split master replaces it.
 Megatron's LR schedule writes group["lr"] / group["weight_decay"] (wd_mult 0 for biases and 1-D

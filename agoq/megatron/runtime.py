@@ -5,7 +5,7 @@ Seam card
 Touches: ``parallel_state.initialize_model_parallel`` / ``destroy_model_parallel`` and
   ``tensor_parallel.model_parallel_cuda_manual_seed`` (public functions).
 Why: ``megatron.training.initialize_megatron`` asserts CUDA and skips model-parallel set-up without a
-  GPU (megatron.md 1.5), so agoq initialises megatron-core itself: NCCL on GPU, gloo on CPU.
+  GPU (../shared/spec/megatron.md 1.5), so agoq initialises megatron-core itself: NCCL on GPU, gloo on CPU.
 Verified on: megatron-core 0.19.2.
 Guarded by: every multi-process test in ``tests/megatron``.
 """
@@ -78,7 +78,7 @@ def init_model_parallel(layout: ParallelLayout, seed: int, device: torch.device)
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
     )
-    # CPU: the default tracker snapshots CUDA RNG state; the inference tracker does not (megatron.md 2).
+    # CPU: the default tracker snapshots CUDA RNG state; the inference tracker does not (../shared/spec/megatron.md 2).
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=device.type == "cpu")
     torch.manual_seed(seed)
 

@@ -8,7 +8,7 @@ kept for backward is quantized (agoq formats, :mod:`agoq.formats`). Three pieces
   op, matching that tensor by identity): the input is stored as a quantized copy or a recompute
   handle; every other saved tensor (the weight) is left alone.
 - :func:`swiglu_saving_input` (here) and ``rmsnorm_saving_input`` (:mod:`agoq.ops.saved_norm`): ops that
-  store only their *input*, quantized, and recompute in backward (AGoQ, algorithms.md §3.2). Their
+  store only their *input*, quantized, and recompute in backward (AGoQ, ../shared/spec/algorithms.md §3.2). Their
   output can be handed to the next linear as a :class:`RecomputeStash`, so that linear stores
   nothing: its input is rebuilt from the same quantized tensor (norm -> QKV / fc1, SwiGLU -> fc2).
 - :class:`SavedBytesCounter`: exact bytes packed, per (layer, role), plus live and peak bytes.
@@ -416,7 +416,7 @@ class _SwiGLUSavingInput(torch.autograd.Function):
 
     With Smooth-SwiGLU, ``scale_fn(h, swiglu(h)) -> s`` (no grad) is called once in forward; that s
     divides the output, is kept, and is the one used by the recompute and by backward (never
-    recomputed from the dequantized h, algorithms.md §4).
+    recomputed from the dequantized h, ../shared/spec/algorithms.md §4).
 
     Fused path (CUDA, :func:`_swiglu_fused`): the forward is one kernel that writes z (Megatron's
     values) and the codes of h (``swiglu_quantize``; with Smooth-SwiGLU the quantize is the plain one,

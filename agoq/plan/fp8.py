@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # agoq.plan.memory imports this module
 
 FP8_BYTES = 1  # E4M3 / E5M2 element
 WEIGHT_CACHE_LAYOUTS = 2  # agoq.ops.fp8_linear._weight_fp8(both_layouts=True): row-major + transposed
-# agoq.ops.fp8_scaling (equal by test, tests/ops/test_plan_fp8.py): slots x, w, g; META_POOL_ROWS rows
+# agoq.ops.fp8_scaling (equal by test, tests/unit/test_plan_fp8.py): slots x, w, g; META_POOL_ROWS rows
 # per pool, each META_HEADER + history floats padded to META_ROW_ALIGN; workspace int32[2] per slot.
 SCALING_SLOTS = 3
 META_HEADER = 4  # agoq.ref.fp8.META_HEADER: [scale_inv, scale, 0, 0]

@@ -5,7 +5,7 @@ the GEMMs run on the dequantized values in fp32 instead of ``torch._scaled_mm``.
 
 Conventions (as Transformer Engine and torchao): a **scale** multiplies the high-precision tensor
 into the FP8 range, ``x_fp8 = sat(RNE(x * scale))``; its inverse ``1 / scale`` is what
-``torch._scaled_mm`` takes as ``scale_a`` / ``scale_b``. Recipe of the FP8 paper (algorithms.md
+``torch._scaled_mm`` takes as ``scale_a`` / ``scale_b``. Recipe of the FP8 paper (../shared/spec/algorithms.md
 §2.1): E4M3 for the forward operands (input, weight), E5M2 for the output gradient.
 
 Granularity:

@@ -1,7 +1,7 @@
 """Reference master-weight split/merge (FlashOptim ULP-normalised error correction), plain PyTorch.
 
 A fp32 master weight theta is stored as the model's 16-bit parameter theta' = RN(theta) plus a small
-signed integer rho that says where theta lies inside theta's rounding interval (algorithms.md §1.2,
+signed integer rho that says where theta lies inside theta's rounding interval (../shared/spec/algorithms.md §1.2,
 FlashOptim arXiv 2602.23349 eqs. 1-2, Alg. 1):
 
     theta' = RNE(theta) to bf16 / fp16
@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 # rho's signed maximum per storage dtype: FlashOptim's algorithm box and code use 2**(b-1) - 1
-# (the prose's 2**b - 1 is a typo; algorithms.md §1.2).
+# (the prose's 2**b - 1 is a typo; ../shared/spec/algorithms.md §1.2).
 MASTER_NS = {torch.int8: 127, torch.int16: 32767}
 # narrow param dtype -> (stored mantissa bits M, smallest normal unbiased exponent E_min)
 NARROW_DTYPES = {torch.bfloat16: (7, -126), torch.float16: (10, -14)}
