@@ -15,9 +15,10 @@ median is reported):
   agoq_store_allreduce                 agoq.comm.allreduce_blocks_: 8-bit storage reduced in place (what
                                        --agoq-grads store does: no quantize / dequantize pass)
   local_quant_roundtrip                quantize + dequantize of the whole fp32 gradient (no communication)
-  agoq_peer_allreduce_fp32 / _bf16     agoq.comm.symm.allreduce_8bit_peer: the same reduction (bit-identical
-                                       results, checked) with NVLink peer memory as the transport instead of
-                                       NCCL collectives (CUDA, --link default only)
+  agoq_peer_allreduce_fp32 / _bf16     agoq.comm.symm.allreduce_8bit_peer: the same reduction with NVLink peer
+                                       memory as the transport instead of NCCL collectives (CUDA, --link default
+                                       only); default algorithm (one-shot at 2 ranks, two-shot beyond)
+  agoq_peer_twoshot_allreduce_fp32     the two-shot algorithm forced (at 2 ranks; bit-identical to allreduce_8bit)
   agoq_peer_reduce_scatter_fp32        agoq.comm.symm.reduce_scatter_8bit_peer (checked against reduce_scatter_8bit)
 
 Correctness, on every size: all ranks hold bit-identical agoq all-reduce results, and the relative L2
@@ -178,6 +179,9 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
         cases["agoq_peer_allreduce_fp32"] = lambda: allreduce_8bit_peer(work["fp32"], fmt=fmt)
         cases["agoq_peer_allreduce_bf16"] = lambda: allreduce_8bit_peer(work["bf16"], fmt=fmt)
         cases["agoq_peer_reduce_scatter_fp32"] = lambda: reduce_scatter_8bit_peer(shard32, x32, fmt=fmt)
+        if world == 2:
+            cases["agoq_peer_twoshot_allreduce_fp32"] = lambda: allreduce_8bit_peer(work["fp32"], fmt=fmt,
+                                                                                    one_shot=False)
     for mib in args.chunk_mib:
         name = "agoq_allreduce_fp32" + (f"_c{mib}" if mib else "")
         chunk = mib << 20 if mib else None
@@ -212,6 +216,8 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
             "peer_speedup_vs_allreduce_fp32": ms["nccl_allreduce_fp32"] / ms["agoq_peer_allreduce_fp32"],
             "peer_speedup_vs_allreduce_bf16": ms["nccl_allreduce_bf16"] / ms["agoq_peer_allreduce_fp32"],
             "peer_bf16_speedup_vs_allreduce_bf16": ms["nccl_allreduce_bf16"] / ms["agoq_peer_allreduce_bf16"],
+            "peer_twoshot_speedup_vs_allreduce_fp32":
+                ms["nccl_allreduce_fp32"] / ms.get("agoq_peer_twoshot_allreduce_fp32", ms["agoq_peer_allreduce_fp32"]),
             "peer_rs_speedup_vs_reduce_scatter_fp32":
                 ms["nccl_reduce_scatter_fp32"] / ms["agoq_peer_reduce_scatter_fp32"],
             "peer_rs_speedup_vs_reduce_scatter_bf16":
@@ -223,22 +229,33 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
 
 
 def check_peer(numel: int, fmt: str, device) -> dict:
-    """The peer transport gives the NCCL transport's results bit for bit (all-reduce and reduce-scatter)."""
+    """The peer transport's results, bit for bit: two-shot all-reduce = allreduce_8bit (NCCL transport),
+    reduce-scatter = reduce_scatter_8bit, one-shot all-reduce = every rank's reduce_scatter_8bit shard
+    all-gathered (fp32 sums, no second quantization); identical on every rank; error vs the fp32 sum."""
     from agoq.comm.symm import allreduce_8bit_peer, reduce_scatter_8bit_peer
 
     world = dist.get_world_size()
     x = _inputs(numel, dist.get_rank(), device)
-    a, b = x.clone(), x.clone()
+    exact_sum = x.clone()
+    dist.all_reduce(exact_sum)
+    a, two, one = x.clone(), x.clone(), x.clone()
     allreduce_8bit(a, fmt=fmt)
-    allreduce_8bit_peer(b, fmt=fmt)
+    allreduce_8bit_peer(two, fmt=fmt, one_shot=False)
+    allreduce_8bit_peer(one, fmt=fmt, one_shot=True)
     sa, sb = torch.empty(numel // world, device=device), torch.full((numel // world,), 7.0, device=device)
     reduce_scatter_8bit(sa, x, fmt=fmt)
     reduce_scatter_8bit_peer(sb, x, fmt=fmt)
-    out = {"peer_allreduce_bitwise_vs_nccl_transport": torch.equal(a, b),
+    gathered = torch.empty(numel, device=device)
+    dist.all_gather_into_tensor(gathered, sa)
+    out = {"peer_twoshot_allreduce_bitwise_vs_nccl_transport": torch.equal(a, two),
+           "peer_oneshot_allreduce_bitwise_vs_gathered_reduce_scatter": torch.equal(one, gathered),
            "peer_reduce_scatter_bitwise_vs_nccl_transport": torch.equal(sa, sb),
-           "peer_ranks_identical": _same_on_all_ranks(b)}
-    flags = torch.tensor([all(out.values())], dtype=torch.int32, device=device)
+           "peer_ranks_identical": _same_on_all_ranks(one) and _same_on_all_ranks(two)}
+    rel = {"peer_oneshot_rel_l2_err_vs_fp32": float((one - exact_sum).norm() / exact_sum.norm()),
+           "peer_twoshot_rel_l2_err_vs_fp32": float((two - exact_sum).norm() / exact_sum.norm())}
+    flags = torch.tensor([all(out.values()) and max(rel.values()) < MAX_REL_ERR], dtype=torch.int32, device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    out.update(rel)
     out["peer_ok"] = bool(flags.item())
     return out
 

@@ -8,9 +8,13 @@ own loads from the peers' workspaces (agoq.kernels.comm ``*_peer_rows``)::
 
     quantize_rows(x -> my send rows [W, S])                       local HBM
     barrier                                                       every peer's send rows are written
-    reduce_peer_rows(row r of every peer's send rows -> my row)   reads (W-1)/W x 1.02 N bytes over NVLink
-    barrier                                                       every reduced row is written (all-reduce)
-    dequantize_peer_rows(row p of peer p -> x[p S:(p+1) S])      reads (W-1)/W x 1.02 N bytes again
+    two-shot (bit-identical to allreduce_8bit; reduce-scatter stops after the first kernel, writing floats):
+      reduce_peer_rows(row r of every peer -> my row, requantized) reads (W-1)/W x 1.02 N bytes over NVLink
+      barrier                                                     every reduced row is written
+      dequantize_peer_rows(row p of peer p -> x[p S:(p+1) S])    reads (W-1)/W x 1.02 N bytes again
+    one-shot (all-reduce, default at W = 2):
+      reduce_peer_rows(row q of every peer -> x[q S:(q+1) S])    reads (W-1) x 1.02 N bytes; fp32 sums,
+                                                                  no second quantization (more precise)
 
 No all-to-all / all-gather launch, no receive buffer and no second pass over it: at Megatron's bucket
 sizes the two-collective version pays NCCL's per-collective latency and a write + read of every received
@@ -46,6 +50,10 @@ __all__ = ["PeerReducer", "peer_reducer", "allreduce_8bit_peer", "reduce_scatter
 # reduces a handful of bucket sizes per model; the oldest geometry is rebuilt if more come (a few host ms).
 MAX_GEOMETRIES = 16
 NUM_WORKSPACES = 2  # alternating workspaces: see "Workspace reuse" in the module docstring
+# The one-shot all-reduce reads (W-1) rows of codes per rank, the two-shot 2 (W-1)/W rows plus a requantize
+# pass and a second barrier: equal wire bytes at W = 2, where one-shot is taken by default (measured,
+# docs/benchmarks/grads.md); more wire bytes beyond.
+ONE_SHOT_MAX_WORLD = 2
 
 
 def _symm_mem():
@@ -66,6 +74,7 @@ class _Geometry:
 
         row = _row_bytes(nb, fmt)
         self.send, self.reduce_tables, self.mine, self.gather_rows, self.gather_tables = [], [], [], [], []
+        self.one_shot_tables = []
         for ws in range(NUM_WORKSPACES):
             base = ws * ws_bytes
             sends = [_packed(p[base: base + world * row], world, nb, fmt) for p in peers]
@@ -77,6 +86,9 @@ class _Geometry:
             gather = ([c[0] for c, _ in mines], [s[0] for _, s in mines])  # every peer's reduced row
             self.gather_rows.append(gather)
             self.gather_tables.append((row_address_table(gather[0]), row_address_table(gather[1])))
+            # one-shot all-reduce: output row q sums row q of every peer (q-major, the kernel's table order)
+            every = ([c[q] for q in range(world) for c, _ in sends], [s[q] for q in range(world) for _, s in sends])
+            self.one_shot_tables.append((every, (row_address_table(every[0]), row_address_table(every[1]))))
 
 
 class PeerReducer:
@@ -135,8 +147,11 @@ class PeerReducer:
         ws, self.turn = self.turn, (self.turn + 1) % NUM_WORKSPACES
         return ws
 
-    def allreduce_(self, flat: torch.Tensor, *, average: bool, post_scale: float) -> None:
-        """In-place all-reduce of the flat contiguous CUDA tensor ``flat`` (the results of allreduce_8bit)."""
+    def allreduce_(self, flat: torch.Tensor, *, average: bool, post_scale: float, one_shot: bool | None = None) -> None:
+        """In-place all-reduce of the flat contiguous CUDA tensor ``flat``: two-shot (the results of
+        allreduce_8bit, bit for bit) or one-shot (every rank sums every row: the fp32 sums of the dequantized
+        peers, i.e. reduce_scatter_8bit's result for every row, without the second quantization; W-1 rows of
+        codes read per rank instead of 2 (W-1)/W, equal at W = 2). ``one_shot=None``: one-shot at W = 2."""
         from agoq.kernels.comm import dequantize_peer_rows, quantize_rows, reduce_peer_rows
 
         row_numel = allreduce_row_numel(flat.numel(), self.world, self.fmt)
@@ -147,6 +162,12 @@ class PeerReducer:
         codes, scales = geo.send[ws]
         quantize_rows(flat, codes, scales, self.fmt, row_stride=row_numel, row_numel=row_numel, col0=0)
         self.handle.barrier(channel=0)
+        if one_shot if one_shot is not None else self.world == ONE_SHOT_MAX_WORLD:
+            (every_codes, every_scales), tables = geo.one_shot_tables[ws]
+            reduce_peer_rows(every_codes, every_scales, self.fmt, average=average, post_scale=post_scale, out=flat,
+                             out_numel=row_numel, out_rows=self.world, out_row_stride=row_numel,
+                             out_total=flat.numel(), tables=tables)  # fmt: skip
+            return
         (red_codes, red_scales), tables = geo.reduce_tables[ws]
         m_codes, m_scales = geo.mine[ws]
         reduce_peer_rows(red_codes, red_scales, self.fmt, average=average, post_scale=post_scale,
@@ -185,14 +206,16 @@ def peer_reducer(group, fmt: QuantFormat | str, device: torch.device) -> PeerRed
 
 
 def allreduce_8bit_peer(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, *, fmt: QuantFormat | str,
-                        post_scale: float = 1.0) -> None:
-    """:func:`agoq.comm.reduce.allreduce_8bit` (synchronous form, same results) over NVLink peer memory."""
+                        post_scale: float = 1.0, one_shot: bool | None = None) -> None:
+    """:func:`agoq.comm.reduce.allreduce_8bit` (synchronous form) over NVLink peer memory: two-shot, the same
+    results bit for bit; one-shot (default at 2 ranks), the fp32 sums without the second quantization
+    (:meth:`PeerReducer.allreduce_`)."""
     fmt = check_grad_format(fmt)
     average = _check_op(op, tensor.dtype)
     if not tensor.is_contiguous():
         raise ValueError("allreduce_8bit_peer: tensor must be contiguous (it is reduced in place)")
     peer_reducer(group, fmt, tensor.device).allreduce_(tensor.detach().view(-1), average=average,
-                                                       post_scale=post_scale)
+                                                       post_scale=post_scale, one_shot=one_shot)
 
 
 def reduce_scatter_8bit_peer(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None, *,

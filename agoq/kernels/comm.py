@@ -30,6 +30,7 @@ import triton.language as tl
 
 from agoq.formats import QuantFormat
 from agoq.kernels import _launch
+from agoq.kernels._fastlaunch import FastKernel
 from agoq.kernels.quant import _pow2_value, decode_tile_bytes, load_scale_f32, quantize_tile_bytes
 
 __all__ = ["quantize_rows", "reduce_rows", "dequantize_rows", "reduce_peer_rows", "dequantize_peer_rows",
@@ -98,7 +99,8 @@ def _row_ptrs(codes_ptr, scales_ptr, codes_stride64, scales_stride64, code_table
 def _reduce_rows_kernel(
     codes_ptr, scales_ptr, codes_row_stride, scales_row_stride, world, nb,
     world_f32, post_scale,  # fp32: W (AVERAGE divides by it) and the factor applied after
-    out_ptr, out_numel,  # REQUANT False: float output, first out_numel elements written
+    out_ptr, out_numel,  # REQUANT False: float output, first out_numel elements (of each output row) written
+    out_row_stride, out_total,  # output row q (grid axis 1, PEERS only) starts at q * out_row_stride; < out_total
     codes_out_ptr, scales_out_ptr,  # REQUANT True
     code_table, scale_table,  # PEERS True: int64 addresses of the W rows
     KIND: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SCALE: tl.constexpr, QMAX: tl.constexpr,
@@ -110,12 +112,14 @@ def _reduce_rows_kernel(
     local = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     codes_stride64 = codes_row_stride.to(tl.int64)
     scales_stride64 = scales_row_stride.to(tl.int64)
+    q = tl.program_id(1).to(tl.int64)  # output row (PEERS: its W input rows are table entries q*W .. q*W+W-1)
     # row 0 first, then += rows 1..W-1: the reference's order (also keeps a lone -0.0 a -0.0)
-    c, s = _row_ptrs(codes_ptr, scales_ptr, codes_stride64, scales_stride64, code_table, scale_table, 0, PEERS)
+    c, s = _row_ptrs(codes_ptr, scales_ptr, codes_stride64, scales_stride64, code_table, scale_table, q * world,
+                     PEERS)  # fmt: skip
     acc = _row_values(c, s, local, blk, blk_ok, KIND, SCALE, FP8_DTYPE)
     for p in range(1, world):
-        c, s = _row_ptrs(codes_ptr, scales_ptr, codes_stride64, scales_stride64, code_table, scale_table, p,
-                         PEERS)  # fmt: skip
+        c, s = _row_ptrs(codes_ptr, scales_ptr, codes_stride64, scales_stride64, code_table, scale_table,
+                         q * world + p, PEERS)  # fmt: skip
         acc = acc + _row_values(c, s, local, blk, blk_ok, KIND, SCALE, FP8_DTYPE)
     if AVERAGE:
         acc = tl.math.div_rn(acc, tl.full(acc.shape, 1.0, tl.float32) * world_f32)
@@ -126,7 +130,9 @@ def _reduce_rows_kernel(
         tl.store(codes_out_ptr + local, code, mask=blk_ok[:, None])
         tl.store(scales_out_ptr + blk, stored.to(scales_out_ptr.dtype.element_ty), mask=blk_ok)
     else:
-        tl.store(out_ptr + local, acc.to(out_ptr.dtype.element_ty), mask=blk_ok[:, None] & (local < out_numel))
+        at = q * out_row_stride + local
+        keep = blk_ok[:, None] & (local < out_numel) & (at < out_total)
+        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=keep)
 
 
 @triton.jit
@@ -193,6 +199,14 @@ def _constexprs(fmt: QuantFormat) -> dict:
                 ROWS=_launch.rows_for(fmt, ELEMS_PER_PROGRAM))
 
 
+_QUANTIZE = FastKernel(_quantize_rows_kernel, num_warps=NUM_WARPS, enable_fp_fusion=False)
+_REDUCE = FastKernel(_reduce_rows_kernel, num_warps=NUM_WARPS, enable_fp_fusion=False)
+_DEQUANTIZE = FastKernel(_dequantize_rows_kernel, num_warps=NUM_WARPS, enable_fp_fusion=False)
+# FastKernel: direct launches of the compiled kernels (agoq.kernels._fastlaunch; every parameter positional, in
+# signature order). A reduction issues 3-5 of these per chunk and the peer transport has no NCCL call to hide
+# host time behind: Triton's own dispatch (~40 us a launch) set the floor at small sizes.
+
+
 def quantize_rows(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, *,
                   row_stride: int, row_numel: int, col0: int) -> None:
     """Triton twin of agoq.ref.comm.ref_quantize_rows."""
@@ -200,11 +214,21 @@ def quantize_rows(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     if nb == 0:
         return
     flat = src.reshape(-1)
-    grid = (triton.cdiv(nb, ce["ROWS"]), world)
-    _quantize_rows_kernel[grid](
-        flat, codes, scales, codes.stride(0), scales.stride(0), row_stride, row_numel, flat.numel(), col0, nb,
-        QMAX=float(fmt.qmax), num_warps=NUM_WARPS, enable_fp_fusion=False, **ce,
-    )  # fmt: skip
+    _QUANTIZE((triton.cdiv(nb, ce["ROWS"]), world), flat, codes, scales, codes.stride(0), scales.stride(0),
+              row_stride, row_numel, flat.numel(), col0, nb, ce["KIND"], ce["BLOCK"], ce["ROWS"], ce["SCALE"],
+              float(fmt.qmax), ce["FP8_DTYPE"])  # fmt: skip
+
+
+def _reduce(grid, codes, scales, codes_stride, scales_stride, world, nb, fmt, ce, average, post_scale, out,
+            out_numel, out_row_stride, out_total, codes_out, scales_out, tables, peers) -> None:
+    requant = out is None
+    dummy = codes  # unused pointer arguments of the other output kind / of the strided layout
+    code_table, scale_table = tables if peers else (scales, scales)
+    _REDUCE(grid, codes, scales, codes_stride, scales_stride, world, nb, float(world), float(post_scale),
+            dummy if requant else out.reshape(-1), out_numel, out_row_stride, out_total,
+            codes_out.reshape(-1) if requant else dummy, scales_out.reshape(-1) if requant else scales,
+            code_table, scale_table, ce["KIND"], ce["BLOCK"], ce["ROWS"], ce["SCALE"], float(fmt.qmax),
+            ce["FP8_DTYPE"], average, post_scale != 1.0, requant, peers)  # fmt: skip
 
 
 def reduce_rows(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, *, average: bool, post_scale: float,
@@ -216,15 +240,16 @@ def reduce_rows(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, *, 
         raise ValueError("reduce_rows writes either out (float) or codes_out/scales_out (requantized)")
     if nb == 0:
         return
-    requant = out is None
-    dummy = codes  # unused pointer arguments of the other output kind
-    _reduce_rows_kernel[(triton.cdiv(nb, ce["ROWS"]),)](
-        codes, scales, codes.stride(0), scales.stride(0), world, nb, float(world), float(post_scale),
-        dummy if requant else out.reshape(-1), out_numel, codes_out.reshape(-1) if requant else dummy,
-        scales_out.reshape(-1) if requant else scales, scales, scales, QMAX=float(fmt.qmax), AVERAGE=average,
-        SCALED=post_scale != 1.0, REQUANT=requant, PEERS=False, num_warps=NUM_WARPS, enable_fp_fusion=False,
-        **ce,
-    )  # fmt: skip
+    _reduce((triton.cdiv(nb, ce["ROWS"]), 1), codes, scales, codes.stride(0), scales.stride(0), world, nb, fmt, ce,
+            average, post_scale, out, out_numel, 0, out_numel, codes_out, scales_out, None, False)  # fmt: skip
+
+
+def _dequantize(grid, codes, scales, codes_stride, scales_stride, flat, row_stride, row_numel, col0, nb, ce,
+                tables, peers) -> None:
+    code_table, scale_table = tables if peers else (scales, scales)
+    _DEQUANTIZE(grid, codes, scales, codes_stride, scales_stride, flat, row_stride, row_numel, flat.numel(), col0,
+                nb, code_table, scale_table, ce["KIND"], ce["BLOCK"], ce["ROWS"], ce["SCALE"], ce["FP8_DTYPE"],
+                peers)  # fmt: skip
 
 
 def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor, fmt: QuantFormat, *,
@@ -233,11 +258,8 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor
     world, nb, ce = _check(codes, scales, fmt)
     if nb == 0:
         return
-    flat = dst.view(-1)
-    _dequantize_rows_kernel[(triton.cdiv(nb, ce["ROWS"]), world)](
-        codes, scales, codes.stride(0), scales.stride(0), flat, row_stride, row_numel, flat.numel(), col0, nb,
-        scales, scales, PEERS=False, num_warps=NUM_WARPS, enable_fp_fusion=False, **ce,
-    )  # fmt: skip
+    _dequantize((triton.cdiv(nb, ce["ROWS"]), world), codes, scales, codes.stride(0), scales.stride(0), dst.view(-1),
+                row_stride, row_numel, col0, nb, ce, None, False)  # fmt: skip
 
 
 def row_address_table(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -246,19 +268,28 @@ def row_address_table(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([r.data_ptr() for r in rows], dtype=torch.int64).to(rows[0].device)
 
 
-def _check_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tensor],
-                     fmt: QuantFormat) -> tuple[int, int, dict]:
+def _check_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tensor], fmt: QuantFormat,
+                     tables) -> tuple[int, dict]:
+    """(blocks per row, constexprs); the full per-row check only when the caller brings no prebuilt tables
+    (a caller with tables, agoq.comm.symm, built them from rows it checked once)."""
     if not code_rows or len(code_rows) != len(scale_rows):
         raise ValueError(f"need one codes and one scales row per rank, got {len(code_rows)} and {len(scale_rows)}")
     nb = scale_rows[0].numel()
-    for c, s in zip(code_rows, scale_rows, strict=True):
-        if s.numel() != nb or c.numel() != nb * fmt.block or not (c.is_contiguous() and s.is_contiguous()):
-            raise ValueError(f"every row must hold {nb} contiguous blocks of {fmt.name} (codes {c.numel()} bytes, "
-                             f"scales {s.numel()})")
-        if c.dtype != code_rows[0].dtype or s.dtype != scale_rows[0].dtype:
-            raise ValueError("all rows must share the codes dtype and the scales dtype")
-    _, _, ce = _check(code_rows[0].view(1, -1), scale_rows[0].view(1, -1), fmt)
-    return len(code_rows), nb, ce
+    if tables is None:
+        for c, s in zip(code_rows, scale_rows, strict=True):
+            if s.numel() != nb or c.numel() != nb * fmt.block or not (c.is_contiguous() and s.is_contiguous()):
+                raise ValueError(f"every row must hold {nb} contiguous blocks of {fmt.name} (codes {c.numel()} "
+                                 f"bytes, scales {s.numel()})")
+            if c.dtype != code_rows[0].dtype or s.dtype != scale_rows[0].dtype:
+                raise ValueError("all rows must share the codes dtype and the scales dtype")
+    return nb, _constexprs_checked(code_rows[0], scale_rows[0], fmt)
+
+
+def _constexprs_checked(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> dict:
+    if not _launch.uses_bytes_kernel(fmt):
+        raise ValueError(f"agoq.kernels.comm handles one-byte formats (int8 round-to-nearest, fp8), not {fmt.name}; "
+                         "use agoq.ref.comm")
+    return _constexprs(fmt)
 
 
 def _tables(code_rows, scale_rows, tables):
@@ -270,25 +301,28 @@ def _tables(code_rows, scale_rows, tables):
 def reduce_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tensor], fmt: QuantFormat, *,
                      average: bool, post_scale: float, out: torch.Tensor | None = None, out_numel: int = 0,
                      codes_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None,
+                     out_rows: int = 1, out_row_stride: int = 0, out_total: int | None = None,
                      tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """reduce_rows over W rows given one by one (each in its own allocation, e.g. a peer's symmetric
-    memory); ``tables`` = (row_address_table(code_rows), row_address_table(scale_rows)) if prebuilt.
+    """reduce_rows over rows given one by one (each may be its own allocation, e.g. a peer's symmetric memory).
+
+    ``out_rows`` R > 1 (float output only): R independent reductions in one launch, output row q summing
+    ``code_rows[q W : (q + 1) W]`` (W = len(code_rows) / R) into ``out[q out_row_stride :]``, its first
+    ``out_numel`` elements, none at or past ``out_total`` (default: R x out_row_stride). ``tables`` =
+    (row_address_table(code_rows), row_address_table(scale_rows)) if prebuilt (then the rows are trusted).
     Triton twin of agoq.ref.comm.ref_reduce_peer_rows."""
-    world, nb, ce = _check_peer_rows(code_rows, scale_rows, fmt)
+    nb, ce = _check_peer_rows(code_rows, scale_rows, fmt, tables)
     if (out is None) == (codes_out is None):
         raise ValueError("reduce_peer_rows writes either out (float) or codes_out/scales_out (requantized)")
+    if len(code_rows) % out_rows or (out_rows > 1 and out is None):
+        raise ValueError(f"out_rows={out_rows}: needs a float out and a multiple of it rows, got {len(code_rows)}")
     if nb == 0:
         return
-    code_table, scale_table = _tables(code_rows, scale_rows, tables)
-    requant = out is None
+    world = len(code_rows) // out_rows
+    total = out_total if out_total is not None else max(out_rows * out_row_stride, out_numel)
     codes, scales = code_rows[0], scale_rows[0]
-    _reduce_rows_kernel[(triton.cdiv(nb, ce["ROWS"]),)](
-        codes, scales, codes.numel(), scales.numel(), world, nb, float(world), float(post_scale),
-        codes if requant else out.reshape(-1), out_numel, codes_out.reshape(-1) if requant else codes,
-        scales_out.reshape(-1) if requant else scales, code_table, scale_table, QMAX=float(fmt.qmax),
-        AVERAGE=average, SCALED=post_scale != 1.0, REQUANT=requant, PEERS=True, num_warps=NUM_WARPS,
-        enable_fp_fusion=False, **ce,
-    )  # fmt: skip
+    _reduce((triton.cdiv(nb, ce["ROWS"]), out_rows), codes, scales, codes.numel(), scales.numel(), world, nb, fmt,
+            ce, average, post_scale, out, out_numel, out_row_stride, total, codes_out, scales_out,
+            _tables(code_rows, scale_rows, tables), True)  # fmt: skip
 
 
 def dequantize_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tensor], dst: torch.Tensor,
@@ -296,17 +330,13 @@ def dequantize_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.T
                          tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """dequantize_rows with row p read from ``code_rows[p]`` / ``scale_rows[p]`` (see reduce_peer_rows).
     Triton twin of agoq.ref.comm.ref_dequantize_peer_rows."""
-    world, nb, ce = _check_peer_rows(code_rows, scale_rows, fmt)
+    nb, ce = _check_peer_rows(code_rows, scale_rows, fmt, tables)
     if nb == 0:
         return
-    code_table, scale_table = _tables(code_rows, scale_rows, tables)
-    flat = dst.view(-1)
     codes, scales = code_rows[0], scale_rows[0]
-    _dequantize_rows_kernel[(triton.cdiv(nb, ce["ROWS"]), world)](
-        codes, scales, codes.numel(), scales.numel(), flat, row_stride, row_numel, flat.numel(), col0, nb,
-        code_table, scale_table,
-        PEERS=True, num_warps=NUM_WARPS, enable_fp_fusion=False, **ce,
-    )  # fmt: skip
+    _dequantize((triton.cdiv(nb, ce["ROWS"]), len(code_rows)), codes, scales, codes.numel(), scales.numel(),
+                dst.view(-1), row_stride, row_numel, col0, nb, ce, _tables(code_rows, scale_rows, tables),
+                True)  # fmt: skip
 
 
 def accumulate_(codes: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, fmt: QuantFormat,

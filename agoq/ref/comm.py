@@ -108,12 +108,25 @@ def ref_dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dst: torch.Te
 def ref_reduce_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tensor], fmt: QuantFormat, *,
                          average: bool, post_scale: float, out: torch.Tensor | None = None, out_numel: int = 0,
                          codes_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None,
+                         out_rows: int = 1, out_row_stride: int = 0, out_total: int | None = None,
                          tables=None) -> None:
-    """ref_reduce_rows over rows given one by one (each may be its own allocation); ``tables`` (the
-    kernel's row address tables) is accepted for the same signature and unused."""
-    ref_reduce_rows(torch.stack([c.reshape(-1) for c in code_rows]), torch.stack([s.reshape(-1) for s in scale_rows]),
-                    fmt, average=average, post_scale=post_scale, out=out, out_numel=out_numel, codes_out=codes_out,
-                    scales_out=scales_out)  # fmt: skip
+    """ref_reduce_rows over rows given one by one (each may be its own allocation). ``out_rows`` R > 1: R
+    reductions, output row q summing rows [q W, (q + 1) W) into ``out[q out_row_stride:]`` (first
+    ``out_numel`` elements, none at or past ``out_total``). ``tables`` (the kernel's row address tables) is
+    accepted for the same signature and unused."""
+    world = len(code_rows) // out_rows
+    total = out_total if out_total is not None else max(out_rows * out_row_stride, out_numel)
+    for q in range(out_rows):
+        codes = torch.stack([c.reshape(-1) for c in code_rows[q * world: (q + 1) * world]])
+        scales = torch.stack([s.reshape(-1) for s in scale_rows[q * world: (q + 1) * world]])
+        if out is None:
+            ref_reduce_rows(codes, scales, fmt, average=average, post_scale=post_scale, codes_out=codes_out,
+                            scales_out=scales_out)
+            continue
+        at = q * out_row_stride
+        n = max(0, min(out_numel, total - at))
+        ref_reduce_rows(codes, scales, fmt, average=average, post_scale=post_scale, out=out.reshape(-1)[at:],
+                        out_numel=n)
 
 
 def ref_dequantize_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tensor], dst: torch.Tensor,

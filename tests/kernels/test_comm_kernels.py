@@ -229,7 +229,8 @@ def test_reduce_peer_rows_match_reference_and_strided_kernel(name, world, nb, av
     reduce_peer_rows(code_rows, scale_rows, fmt, average=average, post_scale=post_scale,
                      codes_out=bufs[1][1], scales_out=bufs[1][2], tables=tables)
     _ops()[1](c, s, fmt, average=average, post_scale=post_scale, codes_out=bufs[2][1], scales_out=bufs[2][2])
-    assert torch.equal(bufs[0][0], bufs[1][0]) and torch.equal(bufs[0][0], bufs[2][0])
+    assert torch.equal(bufs[1][0], bufs[2][0])  # peer rows = packed rows, whatever the device
+    assert torch.equal(bufs[0][0], bufs[1][0])  # = the reference (as test_reduce_rows_requantized_matches_reference)
     valid = nb * fmt.block - 17
     ref = torch.full((nb * fmt.block,), 3.0, device=DEVICE)
     got = ref.clone()
@@ -268,3 +269,32 @@ def test_peer_rows_are_checked():
     with pytest.raises(ValueError, match="2 contiguous blocks"):
         reduce_peer_rows([code_rows[0], code_rows[1][:256]], scale_rows, fmt, average=False, post_scale=1.0,
                          out=torch.empty(512))
+
+
+@pytest.mark.parametrize("name", ["int8_b256", "int8_b128_s16", "int8_b64_sp2"])
+@pytest.mark.parametrize("world, nb, cut", [(2, 3, 100), (3, 2, 0), (4, 2, 300)])
+def test_reduce_peer_rows_several_output_rows(name, world, nb, cut):
+    """One launch, W output rows (the one-shot all-reduce): row q sums row q of every peer and is written at
+    q * stride, nothing at or past out_total (the all-reduce's tail padding); equal to W single-row reductions
+    and to the reference of the same signature."""
+    from agoq.kernels.comm import reduce_peer_rows
+
+    from agoq.ref.comm import ref_reduce_peer_rows
+
+    fmt = parse_format(name)
+    stride = nb * fmt.block
+    peers = [_random_rows(world, nb, fmt, 60 + p, "adversarial")[1:] for p in range(world)]  # peer p: [W rows]
+    code_rows = [peers[p][0][q].clone() for q in range(world) for p in range(world)]
+    scale_rows = [peers[p][1][q].clone() for q in range(world) for p in range(world)]
+    total = world * stride - cut
+    kw = dict(average=False, post_scale=0.25, out_numel=stride, out_rows=world, out_row_stride=stride, out_total=total)
+    ref = torch.full((world * stride,), 5.0, device=DEVICE)
+    got, single = ref.clone(), ref.clone()
+    ref_reduce_peer_rows(code_rows, scale_rows, fmt, out=ref, **kw)
+    reduce_peer_rows(code_rows, scale_rows, fmt, out=got, **kw)
+    for q in range(world):
+        n = max(0, min(stride, total - q * stride))
+        reduce_peer_rows(code_rows[q * world: (q + 1) * world], scale_rows[q * world: (q + 1) * world], fmt,
+                         average=False, post_scale=0.25, out=single[q * stride:], out_numel=n)
+    assert _same_values(got, ref) and _same_values(got, single)
+    assert bool((got[total:] == 5.0).all())
