@@ -20,8 +20,9 @@ from agoq.policy.schema import (
     AUTO_ROUNDINGS,
     DEFAULT_KEYS,
     LAYERLESS_ROLES,
+    POLICY_FP8_RECIPES,
+    RETIRED_DEFAULT_KEYS,
     ROLES,
-    FP8_RECIPES,
     SMOOTH_SWIGLU_MODES,
     AutoSpec,
     FP8Spec,
@@ -268,6 +269,11 @@ def _parse_default(source: str, value: Any, table: _FormatTable) -> dict[str, st
             allowed=list(DEFAULT_KEYS),
             fix="add e.g. `default: {activations: bf16}`",
         )
+    if isinstance(value, dict):
+        for key in value:
+            if key in RETIRED_DEFAULT_KEYS:
+                raise PolicyError(source, f"default.{key}", "not read by agoq", got=value[key],
+                                  allowed=list(DEFAULT_KEYS), fix=RETIRED_DEFAULT_KEYS[key])
     _check_mapping(source, "default", value, DEFAULT_KEYS)
     if "activations" not in value:
         raise PolicyError(
@@ -323,7 +329,11 @@ def _parse_auto(source: str, value: Any, table: _FormatTable) -> AutoSpec:
 
 def _parse_fp8(source: str, value: Any) -> FP8Spec:
     _check_mapping(source, "fp8", value, FP8_KEYS)
-    allowed = {"recipe": list(FP8_RECIPES), "smooth_swiglu": list(SMOOTH_SWIGLU_MODES)}
+    if value.get("recipe") == "te":
+        raise PolicyError(source, "fp8.recipe", "Transformer Engine's FP8 path is not built in agoq (it always "
+                          "fails at start-up)", got="te", allowed=list(POLICY_FP8_RECIPES),
+                          fix="use current, delayed or rowwise (agoq's FP8 linears), or off")
+    allowed = {"recipe": list(POLICY_FP8_RECIPES), "smooth_swiglu": list(SMOOTH_SWIGLU_MODES)}
     for key, choices in allowed.items():
         if key in value and value[key] not in choices:
             raise PolicyError(source, f"fp8.{key}", "unknown value", got=value[key], allowed=choices)

@@ -44,8 +44,14 @@ LAYERLESS_ROLES: frozenset[str] = frozenset({"embedding.output", "head.input", "
 #: Keyword in ``set.activations`` / ``default.activations`` that selects the stage-aware ladder.
 AUTO = "auto"
 
-#: Tensor kinds a policy assigns a format to; only ``activations`` is resolved per site.
-DEFAULT_KEYS: tuple[str, ...] = ("activations", "grads", "optim_states")
+#: Tensor kinds a policy assigns a format to; only ``activations`` is resolved per site, ``grads`` is the
+#: default of ``--agoq-grads`` (scripts/pretrain_llama.py).
+DEFAULT_KEYS: tuple[str, ...] = ("activations", "grads")
+#: Keys a policy once documented that agoq never reads: the loader names where the setting lives.
+RETIRED_DEFAULT_KEYS: dict[str, str] = {
+    "optim_states": "optimizer state formats are not read from a policy; set them with --agoq-moments / "
+                    "--agoq-master (docs/optim.md) and remove the key",
+}
 
 #: Rounding rules of the auto ladder (see stages.pick_rung and docs/policy.md "The auto rule").
 AUTO_ROUNDINGS: tuple[str, ...] = ("nearest", "up", "down")
@@ -58,6 +64,9 @@ PpStage = int | Literal["first", "last"]
 #: off: bf16 linears; current / delayed: per-tensor scaling from this tensor's amax / from the amax
 #: history; rowwise: per-row scales (current); te: Transformer Engine's recipe (needs TE installed).
 FP8_RECIPES: tuple[str, ...] = ("off", "current", "delayed", "rowwise", "te")
+#: What a policy's ``fp8.recipe`` may say: ``te`` is refused at load time (agoq's Transformer Engine path
+#: is not built: agoq.megatron.compute raises for it), so a file cannot name a recipe that always fails.
+POLICY_FP8_RECIPES: tuple[str, ...] = tuple(r for r in FP8_RECIPES if r != "te")
 #: per-token: the authors' code (one scale per token); per-channel: the paper's text (one per FFN unit).
 SMOOTH_SWIGLU_MODES: tuple[str, ...] = ("off", "per-channel", "per-token")
 #: Delayed scaling's history length; equal to agoq.ops.fp8_scaling.DEFAULT_AMAX_HISTORY_LEN (a unit

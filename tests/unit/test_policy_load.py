@@ -59,7 +59,18 @@ ERROR_CASES = [
     ("bad_version", _doc(version=2), ["version: unsupported", "got 2", "allowed: [1]"]),
     ("bool_version", _doc(version=True), ["version: unsupported", "got True", "allowed: [1]"]),
     ("missing_default", _doc(default=None), ["default: required", "'activations', 'grads'"]),
-    ("empty_default", _doc(default={}), ["default: required", "got {}", "'optim_states'"]),
+    ("empty_default", _doc(default={}), ["default: required", "got {}", "allowed: ['activations', 'grads']"]),
+    (
+        "default_optim_states_is_not_read",
+        _doc(default={"activations": "bf16", "optim_states": "cint8_b32"}),
+        ["default.optim_states: not read by agoq", "'cint8_b32'", "--agoq-moments", "remove the key"],
+    ),
+    (
+        "fp8_recipe_te_always_fails",
+        _doc(fp8={"recipe": "te"}),
+        ["fp8.recipe: Transformer Engine", "got 'te'", "['off', 'current', 'delayed', 'rowwise']",
+         "Fix: use current"],
+    ),
     (
         "default_not_mapping",
         _doc(default="bf16"),
@@ -73,7 +84,7 @@ ERROR_CASES = [
     (
         "default_unknown_key",
         _doc(default={"activations": "bf16", "weights": "bf16"}),
-        ["default.weights: unknown key", "'weights'", "['activations', 'grads', 'optim_states']"],
+        ["default.weights: unknown key", "'weights'", "['activations', 'grads']"],
     ),
     (
         "default_unknown_format",
