@@ -1,6 +1,6 @@
 """GPU: agoq's FP8 linears inside the real megatron-core model (one GPU, TP=PP=1), forward + backward
-against the same model in bf16. Needs an sm_89+ GPU and megatron-core (on the GPU machine: the carried
-wheel, see docs/benchmarks/lean.md). Run: ``pytest tests/gpu -m gpu``.
+against the same model in bf16. Needs an sm_89+ GPU and megatron-core 0.19.2 (tests/README.md).
+Run: ``pytest tests/gpu -m gpu``.
 
 Error bound (per-parameter gradient SQNR vs the bf16 model, same weights, same batch). Every FP8 GEMM
 adds independent quantization noise: forward E4M3 x E4M3 (round-trip floors 28 dB each, combined in

@@ -58,3 +58,18 @@ def test_named_test_files_exist_and_spec_citations_resolve():
 def test_pending_files_still_need_the_fix():
     fixed = [rel for rel, text in _sources() if rel in PENDING and not _problems(rel, text)]
     assert not fixed, f"fixed: remove {fixed} from PENDING"
+
+
+def test_every_benchmark_result_is_cited():
+    """docs/benchmarks holds current results only ("one current result per suite, history lives in git"):
+    a file no page, module, script or test names is an orphan to delete, and a cited file must exist."""
+    bench = REPO / "docs" / "benchmarks"
+    texts = {p: p.read_text(errors="replace") for root in ("docs", "agoq", "scripts", "tests")
+             for p in (REPO / root).rglob("*") if p.suffix in (".md", ".py", ".json", ".log") and p.is_file()}
+    texts[REPO / "README.md"] = (REPO / "README.md").read_text()
+    orphans = [f.name for f in sorted(bench.iterdir())
+               if f.name != "README.md" and not any(f.name in t for p, t in texts.items() if p != f)]
+    assert not orphans, f"uncited files in docs/benchmarks (delete them or cite them): {orphans}"
+    linked = {m for p, t in texts.items() if p.parent == bench and p.suffix == ".md"
+              for m in re.findall(r"\]\(([\w.-]+\.(?:json|md|png|log))\)", t)}
+    assert not [m for m in sorted(linked) if not (bench / m).exists()], "broken links in docs/benchmarks pages"
