@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from agoq.ref.master import MASTER_NS, ref_master_merge, ref_master_split
-from agoq.ref.quant import QuantizedTensor, ref_dequantize, ref_quantize
+from agoq.ref.quant import QuantizedTensor, ref_dequantize, ref_quantize, sqrt_rn
 
 __all__ = [
     "AdamWScalars",
@@ -110,12 +110,6 @@ def lion_scalars(*, lr, beta1, beta2, weight_decay) -> LionScalars:
 
 def sgd_scalars(*, lr, momentum, weight_decay) -> SGDScalars:
     return SGDScalars(momentum=f32(momentum), weight_decay=f32(weight_decay), lr=f32(lr))
-
-
-def sqrt_rn(x_f32: torch.Tensor) -> torch.Tensor:
-    """Correctly rounded fp32 sqrt. PyTorch's CPU sqrt is not (measured 1 ulp off, torch 2.14 CPU,
-    2026-05); sqrt in fp64 then one rounding to fp32 is (53 >= 2 * 24 + 2 bits: no double rounding)."""
-    return torch.sqrt(x_f32.to(torch.float64)).to(torch.float32)
 
 
 def _check_pair(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor | None) -> None:

@@ -14,7 +14,7 @@ Per block of ``fmt.block`` consecutive elements of the flattened tensor:
 4. Codes: int: round(p) clamped to [-qmax, qmax], stored offset-binary (q + 2**(bits-1));
    nf: index of the nearest NF4 entry (a tie goes to the lower index); fp8: RNE cast of p clamped to
    +-max, stored as the fp8 bit pattern; cint: round(127 * 2p / (1 + |p|)) stored as q + 128;
-   cuint: round(255 * p) with p = sqrt(x) / s.
+   cuint: round(255 * p) with p = sqrt(x) / s (sqrt correctly rounded, ``sqrt_rn``).
 5. Codes are packed in bit planes (``QuantFormat.planes``), block after block.
 
 Rounding "nearest" is round half away from zero, computed exactly as ``f = floor(|y|)``,
@@ -34,7 +34,7 @@ import torch
 
 from agoq.formats import NF4_CODEBOOK, QuantFormat, parse_format
 
-__all__ = ["QuantizedTensor", "ref_quantize", "ref_dequantize", "hash_uniform", "ref_code_values"]
+__all__ = ["QuantizedTensor", "ref_quantize", "ref_dequantize", "hash_uniform", "ref_code_values", "sqrt_rn"]
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -112,6 +112,14 @@ def _div(num_f32: torch.Tensor, divisor: float) -> torch.Tensor:
     IEEE division), which changes the last bit; a tensor divisor gives a true division everywhere.
     """
     return num_f32 / torch.full_like(num_f32, divisor)
+
+
+def sqrt_rn(x_f32: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 sqrt (the kernels' ``sqrt_rn``). PyTorch's CPU fp32 sqrt is not: its
+    vectorised path is 1 ulp off for a share of inputs that depends on the CPU (0.6 % to ~20 % measured,
+    torch 2.14, 2026), which moved cuint codes (issue 21). sqrt in fp64 then one rounding to fp32 is
+    correctly rounded (53 >= 2 * 24 + 2 bits: no double rounding); negative -> NaN, as torch.sqrt."""
+    return torch.sqrt(x_f32.to(torch.float64)).to(torch.float32)
 
 
 def _round_nearest(y: torch.Tensor) -> torch.Tensor:
@@ -224,7 +232,7 @@ def ref_quantize(x: torch.Tensor, fmt: QuantFormat | str, *, seed: int | None = 
     xb[:numel] = x.detach().reshape(-1).to(torch.float32)
     xb = xb.view(num_blocks, fmt.block)
     if fmt.kind == "cuint":
-        xb = torch.sqrt(xb)  # negative -> NaN -> non-finite block (second moments are >= 0)
+        xb = sqrt_rn(xb)  # negative -> NaN -> non-finite block (second moments are >= 0)
     bad = ~torch.isfinite(xb).all(dim=1)
     absmax = xb.abs().amax(dim=1) if num_blocks else torch.zeros(0, device=x.device)
     stored, s = _encode_scale(_div(absmax, fmt.qmax), fmt.scale)

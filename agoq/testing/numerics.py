@@ -145,3 +145,20 @@ def assert_sqnr_at_least(ref: torch.Tensor, approx: torch.Tensor, floor_db: floa
     if not value >= floor_db:
         raise AssertionError(f"{what}: SQNR {value:.2f} dB below floor {floor_db:.2f} dB")
     return value
+
+
+def cuint_boundary_inputs(block: int = 32, ulps: int = 3, lead_one: bool = True) -> torch.Tensor:
+    """fp32 second moments v whose sqrt lies within ``ulps / 2`` fp32 ulps of a cuint8 code boundary
+    (k + 1/2) / 255 (k = 0..254): at scale 1 a 1-ulp error of sqrt moves their code, so they check that a
+    sqrt is correctly rounded (issue 21: PyTorch's CPU fp32 sqrt is not). v = the 2 * ulps + 1 fp32
+    neighbours of ((k + 1/2) / 255)**2. With ``lead_one`` every block of ``block`` elements starts with
+    1.0, so its scale is exactly 1 (fp32, fp16 and pow2 alike) and the codes see sqrt(v) unscaled;
+    without it each block's scale is the (correctly rounded) sqrt of one of these v."""
+    centre = ((torch.arange(255, dtype=torch.float64) + 0.5) / 255) ** 2
+    bits = centre.to(torch.float32).view(torch.int32)[:, None] + torch.arange(-ulps, ulps + 1, dtype=torch.int32)
+    v = bits.reshape(-1).view(torch.float32)
+    if not lead_one:
+        return v
+    per_block = block - 1
+    v = torch.cat([v, torch.full((-v.numel() % per_block,), 0.25)]).view(-1, per_block)
+    return torch.cat([torch.ones(v.shape[0], 1), v], dim=1).reshape(-1)

@@ -233,6 +233,20 @@ def test_kernel_tiny_fp16_scales_match_ref_and_keep_signs(name):
         assert bool((y * x >= 0).all()), "a dequantized value has the opposite sign of its input"
 
 
+@pytest.mark.parametrize("name", ["cuint8_b32", "cuint8_b32_s32", "cuint8_b64_sp2", "cuint8_b32_sr"])
+def test_kernel_cuint_codes_equal_ref_near_code_boundaries(name):
+    """Issue 21: the reference's sqrt is now correctly rounded (sqrt_rn, as the kernel's), so codes and
+    scales agree exactly also where a 1-ulp sqrt error moves a code (agoq.testing's boundary inputs),
+    with each block's scale 1 and with scales that are themselves such square roots, plus random moments."""
+    from agoq.testing.numerics import cuint_boundary_inputs
+
+    fmt = parse_format(name)
+    gen = torch.Generator().manual_seed(5)
+    rand = torch.rand(2048, generator=gen) ** 4 * torch.logspace(-30, 3, 2048).float()
+    x = torch.cat([cuint_boundary_inputs(fmt.block), cuint_boundary_inputs(lead_one=False), rand])
+    _check(x.to(DEVICE), name, seed=7)
+
+
 def test_nf4_bucket_table_matches_searchsorted():
     """The kernel's NF4 bucket table (code = below[b] + (p > thr[b]), b = trunc(16 clamp(p, -1, 1) + 16)
     clamped to 31, fp32 arithmetic as on GPU) equals searchsorted over the midpoints: every fp32 within 4096 ulps

@@ -7,7 +7,13 @@ import torch
 
 from agoq.formats import NF4_CODEBOOK, parse_format
 from agoq.ref.quant import hash_uniform, ref_dequantize, ref_quantize, scale_values, unpack_codes
-from agoq.testing.numerics import gaussian_floor_db, heavy_tailed_floor_db, make_test_data, sqnr_db
+from agoq.testing.numerics import (
+    cuint_boundary_inputs,
+    gaussian_floor_db,
+    heavy_tailed_floor_db,
+    make_test_data,
+    sqnr_db,
+)
 
 ALL_FORMATS = [
     "int8_b128", "int6_b64", "int5_b32", "int4_b64", "int3_b256", "int2_b64", "nf4_b64",
@@ -142,6 +148,22 @@ def test_ref_all_zero_and_constant_blocks(name, dtype):
     # scale, 2**-11 relative, doubled for cuint where the sqrt-domain value is squared.
     rtol = 4 * 2.0**-23 if fmt.scale == "fp32" else 2.0**-11 * (2 if fmt.kind == "cuint" else 1)
     torch.testing.assert_close(y, const.float(), rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("name", ["cuint8_b32", "cuint8_b32_s32", "cuint8_b64_sp2", "cuint8_b256"])
+@pytest.mark.parametrize("lead_one", [True, False])
+def test_ref_cuint_sqrt_is_correctly_rounded_near_code_boundaries(name, lead_one):
+    """Issue 21: the reference took torch.sqrt, 1 ulp off on CPU for a CPU-dependent share of fp32 inputs,
+    so its cuint codes (and fp32 scales) differed from the kernels' sqrt_rn. Inputs whose sqrt sits within
+    1.5 ulps of a code boundary (96 of these 1,856 moved a code on the development CPU), plus random ones."""
+    fmt = parse_format(name)
+    gen = torch.Generator().manual_seed(3)
+    rand = torch.rand(4096, generator=gen) ** 4 * torch.logspace(-30, 3, 4096).float()
+    x = torch.cat([cuint_boundary_inputs(fmt.block, lead_one=lead_one), rand])
+    q = ref_quantize(x, fmt)
+    codes, s = _oracle_codes(x.numpy().astype(np.float64), fmt)
+    np.testing.assert_array_equal(_signed_codes(q, fmt), codes)
+    np.testing.assert_array_equal(scale_values(q).numpy().astype(np.float64), s)
 
 
 def test_ref_round_half_away_from_zero_ties():
