@@ -19,7 +19,7 @@ SPEC_FILES = {"algorithms", "anchors", "architecture", "megatron", "papers"}
 PENDING = {"agoq/comm/reduce.py", "agoq/comm/grad_buffer.py", "agoq/megatron/dist_optimizer.py",
            "agoq/megatron/training.py", "agoq/megatron/release.py", "agoq/ref/optim.py"}
 TEST_PATH = re.compile(r"\btests/[\w/]+\.py\b")
-BARE_SPEC = re.compile(r"(?<![\w/.])(?:shared/spec/)?(%s)\.md" % "|".join(sorted(SPEC_FILES)))
+BARE_SPEC = re.compile(r"(?<![\w/.])(?:shared/spec/)?({})\.md".format("|".join(sorted(SPEC_FILES))))
 SPEC_PATH = re.compile(r"\.\./shared/spec/([\w-]+)\.md")
 
 
