@@ -9,13 +9,17 @@ megatron or torch.nn.functional. Use it when the planner and a measured peak dis
     python scripts/mem_trace.py --out trace.json -- --config configs/model/llama-1b.yaml --micro-batch-size 4 ...
 
 Everything after ``--`` goes to pretrain_llama.py. Writes a small JSON (top groups, bytes, counts),
-not the raw snapshot.
+not the raw snapshot. Under torchrun (several GPUs) every rank traces its own GPU and writes
+``<out stem>.rank<R>.json``::
+
+    torchrun --nproc-per-node 4 scripts/mem_trace.py --out trace.json -- --pipeline-model-parallel-size 2 ...
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import runpy
 import sys
 from collections import defaultdict
@@ -35,9 +39,9 @@ def _where(frames: list[dict], depth: int) -> str:
     return " <- ".join(picked[:depth]) or "(no agoq/megatron frame)"
 
 
-def live_at_peak(snapshot: dict, depth: int) -> dict:
-    """Replay device 0's trace: the allocated total over time, and the blocks alive at its maximum."""
-    events = snapshot["device_traces"][0]
+def live_at_peak(snapshot: dict, depth: int, device: int = 0) -> dict:
+    """Replay one device's trace: the allocated total over time, and the blocks alive at its maximum."""
+    events = snapshot["device_traces"][device]
     live: dict[int, dict] = {}
     total = peak = 0
     at_peak: dict[int, dict] = {}
@@ -78,10 +82,14 @@ def main() -> int:
             raise
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    report = live_at_peak(snapshot, args.depth)
-    report["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+    device = torch.cuda.current_device()  # the rank's GPU (pretrain_llama.py selected LOCAL_RANK's)
+    report = live_at_peak(snapshot, args.depth, device)
+    report["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
     report["pretrain_args"] = sys.argv[1:]
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    out = Path(args.out)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        out = out.with_name(f"{out.stem}.rank{os.environ.get('RANK', '0')}{out.suffix}")
+    out.write_text(json.dumps(report, indent=1))
     for g in report["groups"][:25]:
         print(f"{g['gib']:8.3f} GiB {g['blocks']:6d}  {g['where']}")
     print(f"peak in trace {report['peak_in_trace_gib']:.3f} GiB, max_memory_allocated "
