@@ -21,22 +21,25 @@ import os
 import sys
 from pathlib import Path
 
-import torch
+from agoq.megatron.args import data_blend, parse_and_check, policy_path  # no torch, no megatron
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_POLICY = REPO_ROOT / "configs" / "policy" / "agoq.yaml"
+if __name__ == "__main__":
+    # Flags, config file, policy, layout and --data-path files are checked before torch and megatron load
+    # (~5 s): a mistake stops in about a second, in one line (agoq.megatron.args.parse_and_check).
+    ARGS = parse_and_check(sys.argv[1:])
+
+import torch  # noqa: E402
 
 from agoq.data.tokenizer import Tokenizer, padded_vocab_size  # noqa: E402
 from agoq.megatron import data as mdata  # noqa: E402
 from agoq.megatron import model as mmodel  # noqa: E402
 from agoq.megatron.activations import storage_of, storage_table  # noqa: E402
-from agoq.megatron.args import parse_args  # noqa: E402
 from agoq.megatron.compute import check_compute, compute_report, compute_spec  # noqa: E402
 from agoq.megatron.ddp import grad_config_from_args, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.optim_args import check_release_flags  # noqa: E402
 from agoq.megatron.optimizer import shard_alignment_for  # noqa: E402
 from agoq.megatron.pretrain import ddp_config, pretrain  # noqa: E402
-from agoq.megatron.release import wrap_release  # noqa: E402
+from agoq.megatron.release import TrainingStopped, wrap_release  # noqa: E402
 from agoq.megatron.training import configure_grad_hooks  # noqa: E402
 from agoq.policy import ScheduleInfo, format_table, load_policy, model_sites, policy_table  # noqa: E402
 
@@ -86,12 +89,14 @@ def train_valid_test_datasets_provider(args):
 
     Rank 0 builds caches first; ``valid`` is None without --eval-interval."""
     cache_dir = Path(args.data_cache_dir or os.environ.get("AGOQ_CACHE") or mdata.default_cache_dir())
-    if args.data_path:
-        blend, tokenizer_path = args.data_path, Path(args.tokenizer_model)
+    if args.data_path:  # checked with the tokenizer before torch loaded (agoq.megatron.args.preflight)
+        blend, tokenizer_path = data_blend(args.data_path), Path(args.tokenizer_model)
+        tokenizer = Tokenizer.load(tokenizer_path)
     else:
         paths = mdata.ensure_default_dataset_distributed(cache_dir)  # rank 0 builds, then the others read
         blend, tokenizer_path = [str(paths.prefix)], paths.tokenizer_model
-    tokenizer = Tokenizer.load(tokenizer_path)
+        tokenizer = Tokenizer.load(tokenizer_path)
+        mdata.check_dataset_files(blend, split=args.split, tokenizer=tokenizer)
     from megatron.core import parallel_state
 
     dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
@@ -101,7 +106,7 @@ def train_valid_test_datasets_provider(args):
 
     def factory(consumed_samples: int, consumed_valid_samples: int):
         train_iter, valid_iter, _ = mdata.build_data_iterators(
-            blend if len(blend) > 1 else blend[0], tokenizer,
+            blend, tokenizer,
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
             global_batch_size=args.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
             train_iters=args.train_iters, seed=args.seed, split=args.split,
@@ -116,7 +121,7 @@ def train_valid_test_datasets_provider(args):
 
 def load_agoq_policy(args):
     """The policy spec (None with --agoq-disable); the default policy is configs/policy/agoq.yaml."""
-    return None if args.agoq_disable else load_policy(Path(args.agoq_policy) if args.agoq_policy else DEFAULT_POLICY)
+    return None if args.agoq_disable else load_policy(policy_path(args))
 
 
 def grad_config(args, spec):
@@ -130,7 +135,7 @@ def policy_report(args, shape, layout, num_microbatches) -> str:
     """Echo the policy file and its resolved per-layer, per-role table for every stage (rank 0 prints)."""
     if args.agoq_disable:
         return "agoq: disabled (--agoq-disable): plain Megatron baseline"
-    path = Path(args.agoq_policy) if args.agoq_policy else DEFAULT_POLICY
+    path = policy_path(args)
     spec = load_policy(path)
     schedule = ScheduleInfo(pp_size=layout.pp, vp_size=layout.vpp, num_microbatches=num_microbatches)
     table = format_table(policy_table(spec, model_sites(shape.num_layers, schedule), schedule))
@@ -155,16 +160,19 @@ def storage_report(spec) -> str | None:
     return None if storage is None else f"activations stored for backward on this stage:\n{storage_table(storage)}"
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, args=None) -> int:
+    args = args if args is not None else parse_and_check(argv)
     try:
         pretrain(args, model_provider, train_valid_test_datasets_provider, policy_report, storage_report)
     except (ValueError, FileNotFoundError, NotImplementedError) as exc:  # bad input: one line, no traceback
         if os.environ.get("RANK", "0") == "0":
             print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except TrainingStopped as exc:  # a documented stop (gradient release met a non-finite gradient)
+        print(f"pretrain_llama.py: stopped: {exc}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
 if __name__ == "__main__":  # dist_checkpointing's writer re-imports __main__ in a spawned process
-    sys.exit(main())
+    sys.exit(main(args=ARGS))

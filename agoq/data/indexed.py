@@ -144,11 +144,10 @@ def split_document_ranges(num_documents: int, split: str) -> list[tuple[int, int
     return ranges
 
 
-def check_split(data: IndexedData, split: str, seq_length: int) -> None:
-    """Raise when a split with a weight gets fewer tokens than one sample (``seq_length + 1``).
-
-    An empty split hangs megatron-core 0.19.2 forever (``GPTDataset._get_num_epochs``), a split shorter
-    than one sample trips its sample-index assertions; both are stopped here, with the counts and the fix."""
+def check_split(data: IndexedData, split: str) -> None:
+    """Raise when a split with a weight gets no tokens: megatron-core 0.19.2 builds every weighted split, used
+    or not, and ``GPTDataset._get_num_epochs`` loops forever on an empty one. (A split shorter than one
+    sample is fine: Megatron repeats it over epochs.)"""
     ranges = split_document_ranges(data.num_documents, split)
     for name, bounds in zip(SPLIT_NAMES, ranges, strict=True):
         if bounds is None:
@@ -156,16 +155,23 @@ def check_split(data: IndexedData, split: str, seq_length: int) -> None:
         begin, end = bounds
         docs = data.document_indices[begin:end + 1]
         tokens = int(data.sequence_lengths[docs[0]:docs[-1]].sum(dtype=np.int64)) if end > begin else 0
-        if tokens > seq_length:
+        if tokens > 0:
             continue
         least = _documents_for_nonempty_splits(split, data.num_documents)
         more = f"about {least} documents or more (this data" if least else "more documents (this data"
         raise ValueError(
-            f"--split {split}: the {name} split of {data.prefix} gets documents {begin}..{end} "
-            f"({end - begin} of {data.num_documents} documents, {tokens} tokens), fewer than one sample of "
-            f"--seq-length {seq_length} + 1 tokens. Fix: give the {name} split more weight (e.g. --split 90,5,5)"
-            f"{' or weight 0' if name == 'test' else ''}, or use {more} has {data.num_documents})"
+            f"--split {split}: the {name} split of {data.prefix} is empty (documents {begin}..{end} of "
+            f"{data.num_documents}, {tokens} tokens). Fix: give the {name} split more weight (e.g. --split "
+            f"90,5,5){_without_test(split) if name == 'test' else ''}, or use {more} has {data.num_documents})"
         )
+
+
+def _without_test(split: str) -> str:
+    """' or weight 0 (--split 969,31,0)': the test split's weight moved to validation."""
+    values = re.findall(r"[.0-9]+", split)
+    if len(values) != len(SPLIT_NAMES):
+        return " or weight 0"
+    return f" or weight 0 (--split {values[0]},{float(values[1]) + float(values[2]):g},0)"
 
 
 def _documents_for_nonempty_splits(split: str, start: int, limit: int = 1 << 22) -> int | None:

@@ -10,15 +10,24 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
+import sys
 from pathlib import Path
 
 import yaml
 
-from agoq.megatron.compute import add_compute_flags
-from agoq.megatron.ddp import add_grad_flags
-from agoq.megatron.optim_args import add_optim_flags, check_release_flags
+# Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
+# script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
+# data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
+from agoq.data.indexed import split_weights
+from agoq.formats import parse_format
+from agoq.megatron.optim_args import DEFAULT_MASTER, DEFAULT_MOMENTS, add_optim_flags, check_release_flags
+from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES, ScheduleInfo, check_rules_used, load_policy, model_sites
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+GRAD_MODES = ("reduce", "store")  # agoq.megatron.ddp.GRAD_MODES (tests/unit/test_args.py checks they agree)
+FLOAT_GRADS = ("fp32", "bf16", "fp16")  # --agoq-grads values that mean Megatron's float gradients
+DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "configs" / "policy" / "agoq.yaml"
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
@@ -102,9 +111,11 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpoints and logging")
     g.add_argument("--save", default=None, help="checkpoint directory (megatron.core.dist_checkpointing)")
     g.add_argument("--load", default=None, help="resume from the latest checkpoint in this directory")
-    g.add_argument("--save-interval", type=int, default=None, help="default: only at the end")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="save every N iterations (default, or 0: only at the end, on a signal and at --exit-interval)")
     g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at this iteration")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving) at this iteration (default, or 0: run to --train-iters)")
     g.add_argument("--debug-nonfinite-at-iteration", type=int, nargs="+", default=None, metavar="N",
                    help="fault injection for testing: make the loss NaN at these iterations (the step is skipped)")
     g.add_argument("--tensorboard-dir", default=None,
@@ -122,8 +133,49 @@ def _agoq_flags(p: argparse.ArgumentParser) -> None:
                    help="auto: GPU when CUDA is available, else CPU mode (gloo, shims; correctness only)")
 
 
+def add_grad_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--agoq-grads FORMAT, --agoq-grads-mode, --agoq-grads-error-feedback (read by agoq.megatron.ddp)."""
+    g = parser.add_argument_group("agoq gradients")
+    g.add_argument("--agoq-grads", default=None, metavar="FORMAT",
+                   help="8-bit gradients in DDP, e.g. int8_b256 (agoq.formats name); default: off "
+                        "(Megatron's float gradients). A policy YAML's grads: entry gives the same choice.")
+    g.add_argument("--agoq-grads-mode", choices=GRAD_MODES, default="store",
+                   help="reduce: 8-bit communication, float main_grad; store: also 8-bit main_grad accumulation")
+    g.add_argument("--agoq-grads-error-feedback", action="store_true",
+                   help="store mode: keep the requantization error in a bf16 residual (+2 bytes/param)")
+    return parser
+
+
+def add_compute_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("agoq FP8 compute and Smooth-SwiGLU (docs/fp8.md); default: the policy's fp8 "
+                                  "section, else off")
+    g.add_argument("--agoq-fp8", choices=FP8_RECIPES, default=None,
+                   help="FP8 linears (E4M3 forward, E5M2 backward; needs an sm_89+ GPU): current / delayed "
+                        "per-tensor scaling, rowwise (per-row current scaling), te (Transformer Engine; not "
+                        "built), off")
+    g.add_argument("--agoq-smooth-swiglu", choices=SMOOTH_SWIGLU_MODES, default=None,
+                   help="Smooth-SwiGLU (FP8 paper): rescale the SwiGLU output per token (authors' code) or per "
+                        "FFN channel (paper text) before fc2; function-preserving, runs anywhere")
+    g.add_argument("--agoq-fp8-bf16-first-layers", type=int, default=None, metavar="N",
+                   help="keep the first N transformer layers in bf16 (default 1)")
+    g.add_argument("--agoq-fp8-bf16-last-layers", type=int, default=None, metavar="N",
+                   help="keep the last N transformer layers in bf16 (default 1; the LM head is always bf16)")
+    g.add_argument("--agoq-fp8-amax-history-len", type=int, default=None, metavar="N",
+                   help="delayed scaling: amaxes kept per tensor (default 16)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports an error in one line, without the usage dump (which under torchrun was ~150
+    lines per rank); ``quiet`` (ranks other than the first on a node) exits without printing."""
+
+    quiet = False
+
+    def error(self, message: str):
+        self.exit(2, None if self.quiet else f"{self.prog}: error: {message} (all flags: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pretrain_llama.py", allow_abbrev=False,
         description="Pretrain a LLaMA-architecture model on megatron-core with agoq.",
     )
@@ -131,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_model_flags, _parallel_flags, _optim_flags, _data_flags, _run_flags, _agoq_flags, add_grad_flags,
                 add_optim_flags, add_compute_flags):
         add(parser)
+    # None = not given, so that --agoq-moments/--agoq-master without agoq's optimizer is an error, not ignored;
+    # _fill_derived puts in the defaults
+    parser.set_defaults(agoq_moments=None, agoq_master=None)
     return parser
 
 
@@ -156,8 +211,10 @@ def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
     return values
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, *, quiet: bool = False) -> argparse.Namespace:
+    """Parse and check the command line; on an error print one line (none with ``quiet``) and exit 2."""
     parser = build_parser()
+    parser.quiet = quiet
     first = parser.parse_args(argv)
     if first.config:
         try:
@@ -165,12 +222,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as exc:
             parser.error(str(exc))
     args = parser.parse_args(argv)
-    _fill_derived(args)
     try:
+        _check_optimizer_state_flags(args)
+        _fill_derived(args)
         validate(args)
     except ValueError as exc:
         parser.error(str(exc))
     return args
+
+
+def _check_optimizer_state_flags(args: argparse.Namespace) -> None:
+    if args.agoq_optimizer == "torch":
+        for flag in ("agoq_moments", "agoq_master"):
+            if getattr(args, flag) is not None:
+                raise ValueError(
+                    f"--{flag.replace('_', '-')} {getattr(args, flag)} sets a state format of agoq's optimizer, but "
+                    "--agoq-optimizer is torch (Megatron's Adam, fp32 states); add --agoq-optimizer adamw (or "
+                    f"lion / sgd), or drop --{flag.replace('_', '-')}"
+                )
+    if args.agoq_moments is None:
+        args.agoq_moments = DEFAULT_MOMENTS
+    if args.agoq_master is None:
+        args.agoq_master = DEFAULT_MASTER
 
 
 def _fill_derived(args: argparse.Namespace) -> None:
@@ -204,6 +277,9 @@ def validate(args: argparse.Namespace) -> None:
     if args.data_path and not args.tokenizer_model:
         raise ValueError("--data-path needs --tokenizer-model (the SentencePiece model the data was written with)")
     nlpvs = args.num_layers_per_virtual_pipeline_stage
+    if nlpvs and args.pipeline_model_parallel_size < 2:
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage {nlpvs} (the interleaved schedule) needs "
+                         "--pipeline-model-parallel-size >= 2; drop it, or add pipeline stages")
     if nlpvs:
         per_stage, rem = divmod(args.num_layers, args.pipeline_model_parallel_size)
         if rem or per_stage % nlpvs or per_stage // nlpvs < 2:
@@ -233,6 +309,112 @@ def validate(args: argparse.Namespace) -> None:
         )
     if args.recompute_num_layers < 1:
         raise ValueError(f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}")
-    if args.load and not Path(args.load).is_dir():
-        raise ValueError(f"--load {args.load}: directory not found (use --save to start a new run)")
+    if args.load and Path(args.load).exists() and not Path(args.load).is_dir():
+        raise ValueError(f"--load {args.load}: not a directory (pass the checkpoint directory given to --save)")
+    # (a --load directory that does not exist yet is a first run: it starts from scratch and says so)
+    for name in ("save_interval", "exit_interval"):  # 0 = off, as in Megatron-LM; -1 used to save every iteration
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number of iterations (0 or left out: "
+                             + ("save at the end only" if name == "save_interval" else "run to --train-iters")
+                             + f"), got {value}")
+    if args.num_layers % args.pipeline_model_parallel_size:
+        raise ValueError(
+            f"--num-layers {args.num_layers} is not divisible by {args.pipeline_model_parallel_size} model chunks "
+            f"(--pipeline-model-parallel-size {args.pipeline_model_parallel_size}); pick a layer count or layout "
+            "that divides evenly"
+        )
+    split_weights(args.split)
+    _check_grads_flag(args.agoq_grads)
+    data_blend(args.data_path)
+    check_policy_rules(args)
     check_release_flags(args)  # data-parallel size 1 assumed here; pretrain checks the real one
+
+
+def _check_grads_flag(value: str | None) -> None:
+    """--agoq-grads: a float name (Megatron's gradients) or a signed, round-to-nearest quantized format."""
+    if value is None or value in FLOAT_GRADS:
+        return
+    allowed = ("a signed quantized format with round-to-nearest, e.g. int8_b256 or int4_b128, or "
+               f"{', '.join(FLOAT_GRADS)} (Megatron's float gradients)")
+    try:
+        fmt = parse_format(value)
+    except ValueError as exc:
+        raise ValueError(f"--agoq-grads {value}: {exc}. Allowed: {allowed}") from None
+    if not fmt.signed or fmt.rounding == "stochastic":
+        raise ValueError(f"--agoq-grads {value}: {'unsigned' if not fmt.signed else 'stochastic rounding'}; "
+                         f"allowed: {allowed}")
+
+
+def data_blend(values: list[str] | None) -> list[tuple[float, str]] | list[str] | None:
+    """--data-path: ``PREFIX [PREFIX ...]`` (weighted by size) or ``W1 PREFIX1 W2 PREFIX2 ...`` (Megatron's blend)."""
+    if not values:
+        return None
+    try:
+        weights = [float(v) for v in values[0::2]]
+    except ValueError:
+        return list(values)  # prefixes only
+    if len(values) % 2:
+        raise ValueError(f"--data-path {' '.join(values)}: a weighted blend is 'W1 PREFIX1 W2 PREFIX2 ...' (pairs)")
+    if any(w <= 0 for w in weights):
+        raise ValueError(f"--data-path {' '.join(values)}: blend weights must be positive, got {weights}")
+    return list(zip(weights, values[1::2], strict=True))
+
+
+def policy_path(args: argparse.Namespace) -> Path:
+    return Path(args.agoq_policy) if args.agoq_policy else DEFAULT_POLICY
+
+
+def check_policy_rules(args: argparse.Namespace) -> None:
+    """The policy loads (agoq.policy errors name file, key and fix) and each rule decides some site of this
+    model and layout (docs/policy.md section 8): a rule for layers or stages that do not exist is an error."""
+    if args.agoq_disable:
+        return
+    spec = load_policy(policy_path(args))
+    chunks = args.pipeline_model_parallel_size * (args.vpp or 1)
+    if args.num_layers % chunks:
+        return  # reported by the layout check
+    schedule = ScheduleInfo(pp_size=args.pipeline_model_parallel_size, vp_size=args.vpp, num_microbatches=chunks)
+    check_rules_used(spec, model_sites(args.num_layers, schedule))
+
+
+def check_layout(args: argparse.Namespace, world_size: int) -> None:
+    """Tensor x pipeline parallel size against the number of processes (before any process group exists)."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes "
+            f"(torchrun --nproc-per-node {tp * pp}) or lower the parallel sizes"
+        )
+
+
+def preflight(args: argparse.Namespace, world_size: int) -> None:
+    """What the script checks before torch and megatron load: the layout against ``world_size``, and with
+    --data-path the tokenizer and every dataset (headers, sizes, splits, token ids: agoq.data.indexed)."""
+    check_layout(args, world_size)
+    blend = data_blend(args.data_path)
+    if blend:
+        from agoq.data.indexed import check_split, check_token_ids, read_index
+        from agoq.data.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.load(args.tokenizer_model)
+        for prefix in (p if isinstance(p, str) else p[1] for p in blend):
+            data = read_index(prefix)
+            check_split(data, args.split)
+            check_token_ids(data, tokenizer.vocab_size, args.tokenizer_model)
+
+
+def parse_and_check(argv: list[str] | None = None) -> argparse.Namespace:
+    """The script's start: :func:`parse_args` and :func:`preflight` against torchrun's WORLD_SIZE. A mistake
+    is printed in one line by the first process of each node (LOCAL_RANK 0; the same line from every rank
+    would repeat it per process) and every process exits 2."""
+    quiet = os.environ.get("LOCAL_RANK", "0") != "0"
+    args = parse_args(argv, quiet=quiet)
+    try:
+        preflight(args, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as exc:
+        if not quiet:
+            print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    return args

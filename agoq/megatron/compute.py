@@ -25,9 +25,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from agoq.megatron.args import add_compute_flags  # noqa: F401 (re-exported; defined there: parsed before torch)
 from agoq.ops.fp8_linear import GEMM_DIM_MULTIPLE, MIN_FP8_CAPABILITY
 from agoq.ops.fp8_scaling import FP8Recipe
-from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES, FP8Spec, PolicySpec
+from agoq.policy import FP8Spec, PolicySpec
 
 __all__ = ["LayerCompute", "add_compute_flags", "compute_spec", "check_compute", "compute_report", "fp8_recipe"]
 
@@ -37,24 +38,6 @@ _FLAGS = {  # FP8Spec field -> flag
     "amax_history_len": "--agoq-fp8-amax-history-len",
 }
 _SMOOTH_OPS_MODE = {"per-channel": "per_channel", "per-token": "per_token"}
-
-
-def add_compute_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("agoq FP8 compute and Smooth-SwiGLU (docs/fp8.md); default: the policy's fp8 "
-                                  "section, else off")
-    g.add_argument("--agoq-fp8", choices=FP8_RECIPES, default=None,
-                   help="FP8 linears (E4M3 forward, E5M2 backward; needs an sm_89+ GPU): current / delayed "
-                        "per-tensor scaling, rowwise (per-row current scaling), te (Transformer Engine; not "
-                        "built), off")
-    g.add_argument("--agoq-smooth-swiglu", choices=SMOOTH_SWIGLU_MODES, default=None,
-                   help="Smooth-SwiGLU (FP8 paper): rescale the SwiGLU output per token (authors' code) or per "
-                        "FFN channel (paper text) before fc2; function-preserving, runs anywhere")
-    g.add_argument("--agoq-fp8-bf16-first-layers", type=int, default=None, metavar="N",
-                   help="keep the first N transformer layers in bf16 (default 1)")
-    g.add_argument("--agoq-fp8-bf16-last-layers", type=int, default=None, metavar="N",
-                   help="keep the last N transformer layers in bf16 (default 1; the LM head is always bf16)")
-    g.add_argument("--agoq-fp8-amax-history-len", type=int, default=None, metavar="N",
-                   help="delayed scaling: amaxes kept per tensor (default 16)")
 
 
 def compute_spec(args: argparse.Namespace, policy: PolicySpec | None) -> FP8Spec:

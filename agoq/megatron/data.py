@@ -352,12 +352,12 @@ def normalize_blend(blend: BlendSpec) -> tuple[list[str], list[float] | None]:
     raise ValueError(f"blend must be a prefix, a list of prefixes or [(weight, prefix), ...]; got {blend!r}")
 
 
-def check_dataset_files(prefixes: Sequence[str], *, split: str, seq_length: int, tokenizer: Tokenizer) -> None:
+def check_dataset_files(prefixes: Sequence[str], *, split: str, tokenizer: Tokenizer) -> None:
     """Headers, sizes, split sizes and token ids of every prefix (agoq.data.indexed); raise ValueError naming
     the file, the counts and the fix. A split without documents would hang GPTDataset forever."""
     for prefix in prefixes:
         data = read_index(prefix)
-        check_split(data, split, seq_length)
+        check_split(data, split)
         check_token_ids(data, tokenizer.vocab_size, tokenizer.path or "<in-memory tokenizer>")
 
 
@@ -383,7 +383,7 @@ def build_gpt_datasets(
     """
     prefixes, weights = normalize_blend(blend)
     for prefix in prefixes:  # the cheap checks; token ids: check_dataset_files, once per job
-        check_split(read_index(prefix), split, seq_length)
+        check_split(read_index(prefix), split)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,

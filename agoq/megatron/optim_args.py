@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from agoq.optim.base import MASTER_CHOICES
+# agoq.optim.base.MASTER_CHOICES, spelled out: the command line is parsed before torch loads
+# (tests/unit/test_args.py checks that the two agree)
+MASTER_CHOICES = ("none", "fp32", "split24", "split32")
+DEFAULT_MOMENTS = "flash"
+DEFAULT_MASTER = "split24"
 
 # name -> (m format, v format); v is ignored by Lion / SGD
 MOMENT_PRESETS = {
@@ -36,14 +40,16 @@ def add_optim_flags(parser: argparse.ArgumentParser) -> None:
         help="torch: Megatron's own Adam; adamw/lion/sgd: agoq.optim over quantized states",
     )
     g.add_argument(
-        "--agoq-moments", default="flash", help=f"state formats: preset {sorted(MOMENT_PRESETS)} or '<m fmt>,<v fmt>'"
+        "--agoq-moments", default=DEFAULT_MOMENTS,
+        help=f"state formats of agoq's optimizer: preset {sorted(MOMENT_PRESETS)} or '<m fmt>,<v fmt>' "
+             f"(default {DEFAULT_MOMENTS}; needs --agoq-optimizer adamw/lion/sgd)",
     )
     g.add_argument(
         "--agoq-master",
         choices=MASTER_CHOICES,
-        default="split24",
-        help="master weight: split24 = bf16 + int8 remainder (FlashOptim), split32 = + int16, "
-        "fp32 = separate copy, none = plain bf16 update",
+        default=DEFAULT_MASTER,
+        help="master weight of agoq's optimizer: split24 = bf16 + int8 remainder (FlashOptim), split32 = + int16, "
+        f"fp32 = separate copy, none = plain bf16 update (default {DEFAULT_MASTER})",
     )
     g.add_argument(
         "--agoq-unfused",

@@ -27,6 +27,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from agoq.config import AgoqConfig
 from agoq.megatron import checkpoint, grad_reader, memory_report, runtime, training
 from agoq.megatron.activations import policy_of
+from agoq.megatron.args import check_layout
 from agoq.megatron.flops import tflops_per_gpu, training_flops_per_iteration
 from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
@@ -183,6 +184,7 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
 def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, reports, stop) -> None:
     policy_report, storage_report = reports
     layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, vpp=args.vpp)
+    check_layout(args, info.world_size)  # the script checked it before torch loaded; callers of pretrain() may not
     check_release_flags(args, data_parallel=info.world_size // (layout.tp * layout.pp))
     microbatches = num_microbatches(args, layout, info.world_size)
     print_rank0(versions_line())

@@ -44,6 +44,11 @@ from agoq.ops.nonfinite import nonfinite_in
 from agoq.optim.release import GradientRelease
 
 
+class TrainingStopped(RuntimeError):
+    """A documented stop of training (not a bug): gradient release met a non-finite gradient or loss after
+    parameters were already updated. scripts/pretrain_llama.py prints it in one line, without a traceback."""
+
+
 class ReleaseDataParallel(_BaseDataParallel):
     """Megatron's data-parallel wrapper interface without a gradient buffer (one data-parallel rank)."""
 
@@ -135,7 +140,7 @@ class AgoqReleaseOptimizer(AgoqMegatronOptimizer):
         if bool(nonfinite_in(grad.reshape(-1))):
             at = f"iteration {self.iteration}" if self.iteration is not None else "this step"
             name = self.param_names.get(id(p), f"<unnamed {tuple(p.shape)}>")
-            raise RuntimeError(
+            raise TrainingStopped(
                 f"--agoq-gradient-release: non-finite gradient (NaN/Inf) of {name} at {at}. The step cannot be "
                 f"skipped as without release (other parameters may already be updated): stopping. Resume from "
                 f"the last checkpoint (lower --lr, or run without --agoq-gradient-release to skip such steps)")

@@ -28,7 +28,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from agoq.megatron.release import ReleaseDataParallel, finalize_release_grads
+from agoq.megatron.release import ReleaseDataParallel, TrainingStopped, finalize_release_grads
 from agoq.ops.fp8_weight_cache import fp8_weights_changed
 from agoq.ops.nonfinite import nonfinite_in
 
@@ -144,7 +144,7 @@ class StepRunner:
         loss = _reduce_losses(losses, self.device)
         if _any_rank_nonfinite(self.model_chunks, loss, self.device):
             if release is not None:  # the parameters were stepped in backward: skipping is impossible
-                raise RuntimeError(f"--agoq-gradient-release: non-finite loss {loss} at iteration {self.iteration} "
+                raise TrainingStopped(f"--agoq-gradient-release: non-finite loss {loss} at iteration {self.iteration} "
                                    "after the parameters were updated in backward; stopping (resume from the "
                                    "last checkpoint)")
             # Skip the update (Megatron's fp16 loss-scaler behaviour, applied to bf16): no optimizer or

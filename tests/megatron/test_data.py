@@ -331,6 +331,6 @@ def test_a_split_without_documents_stops_instead_of_hanging(tiny, tmp_path):
     except subprocess.TimeoutExpired:
         pytest.fail("building GPTDatasets with an empty test split hung (killed after 120 s)")
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert (f"--split 969,30,1: the test split of {tiny['prefix']} gets documents 58..58 (0 of 58 documents, 0 "
-            "tokens)") in proc.stdout
-    assert "Fix: give the test split more weight (e.g. --split 90,5,5) or weight 0" in proc.stdout
+    assert (f"--split 969,30,1: the test split of {tiny['prefix']} is empty (documents 58..58 of 58, 0 "
+            "tokens). Fix: give the test split more weight (e.g. --split 90,5,5) or weight 0 (--split 969,31,0)"
+            ) in proc.stdout

@@ -37,9 +37,13 @@ def test_pp2_1f1b_loss_falls(env):
 
 
 def test_layout_that_does_not_divide_stops_before_training(env):
+    """Checked before torch and megatron load: one line from the first process, no usage dump, no traceback
+    from the script (torchrun's own report of the failed child follows it)."""
     proc = run_pretrain(2, TINY + ["--num-layers", "3", "--pipeline-model-parallel-size", "2"], env=env, check=False)
     assert proc.returncode != 0
     assert "pretrain_llama.py: error: --num-layers 3 is not divisible by 2 model chunks" in proc.stderr
+    assert proc.stderr.count("pretrain_llama.py: error:") == 1, proc.stderr  # once, not once per rank
+    assert "usage:" not in proc.stderr and "pretrain_llama.py\", line" not in proc.stderr, proc.stderr
     assert iteration_records(proc.stdout) == []
 
 
@@ -72,7 +76,9 @@ def test_validation_loss_is_reported_and_resumes_on_the_same_batches(env, tmp_pa
     full = validation(run_pretrain(2, args, env=env).stdout)
     assert sorted(full) == [2, 4] and full[4] < full[2]  # it learns on held-out text
     ckpt = tmp_path / "ckpt"
-    run_pretrain(2, args + ["--save", str(ckpt), "--exit-interval", "2"], env=env)
+    # first run of a job that always passes --load: the directory does not exist yet (Megatron-LM's behaviour)
+    first = run_pretrain(2, args + ["--save", str(ckpt), "--load", str(ckpt), "--exit-interval", "2"], env=env)
+    assert f"--load {ckpt}: no checkpoint yet, starting from scratch" in first.stdout
     resumed = validation(run_pretrain(2, args + ["--load", str(ckpt)], env=env).stdout)
     assert resumed == {4: full[4]}
 

@@ -208,10 +208,33 @@ def test_nonfinite_gradient_raises_with_iteration_and_parameter(mcore_world1):
     model, _, _, runner = _build(args, mcore_world1, release=True)
     before = [p.detach().clone() for p in model[0].parameters()]
     runner.iteration, runner.poison["now"] = 5, True
-    with pytest.raises(RuntimeError, match=r"non-finite gradient .* of output_layer\.weight at iteration 5"):
+    from agoq.megatron.release import TrainingStopped
+
+    with pytest.raises(TrainingStopped, match=r"non-finite gradient .* of output_layer\.weight at iteration 5"):
         runner.run([_batches()])
     # the first gradient checked (the output layer's) was bad: nothing was updated
     assert all(torch.equal(a, b) for a, b in zip(before, model[0].parameters(), strict=True))
+
+
+def test_script_prints_a_release_stop_in_one_line(monkeypatch, capsys):
+    """The documented stop reaches the user as one line and exit status 1, not as a traceback (issue 21)."""
+    import importlib.util
+
+    from agoq.megatron.release import TrainingStopped
+    from agoq.testing.procs import PRETRAIN_SCRIPT
+
+    spec = importlib.util.spec_from_file_location("agoq_pretrain_script_release", PRETRAIN_SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def stop(*_args, **_kwargs):
+        raise TrainingStopped("--agoq-gradient-release: non-finite gradient (NaN/Inf) of w at iteration 3. ...")
+
+    monkeypatch.setattr(script, "pretrain", stop)
+    assert script.main(args=_args()) == 1
+    err = capsys.readouterr().err
+    assert err == ("pretrain_llama.py: stopped: --agoq-gradient-release: non-finite gradient (NaN/Inf) of w at "
+                   "iteration 3. ...\n")
 
 
 @pytest.mark.dist

@@ -87,3 +87,132 @@ def test_grad_reduce_in_bf16_sets_megatron_ddp_and_refuses_unvalidated_combos(ca
     assert "needs bf16 parameters" in _error(capsys, ["--grad-reduce-in-bf16", "--fp32"])
     err = _error(capsys, ["--grad-reduce-in-bf16", "--agoq-grads", "int8_b256"])
     assert "--grad-reduce-in-bf16 with --agoq-grads int8_b256" in err
+
+
+# --------------------------------------------------------------------------------------- issue 21 ----
+def test_parsing_imports_neither_torch_nor_megatron():
+    """The script checks its command line before torch and megatron load (~5 s): argument errors are fast."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['megatron'] = None\n"
+            "from agoq.megatron.args import parse_args; parse_args(['--agoq-optimizer', 'adamw'])")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_light_copies_of_choices_agree_with_their_sources():
+    from agoq.megatron import args as margs
+    from agoq.megatron import ddp, optim_args
+    from agoq.optim.base import MASTER_CHOICES
+
+    assert optim_args.MASTER_CHOICES == MASTER_CHOICES and margs.GRAD_MODES == ddp.GRAD_MODES
+
+
+def test_an_error_is_one_line_without_the_usage_dump(capsys):
+    err = _error(capsys, ["--num-layers", "0"])
+    assert err == ("pretrain_llama.py: error: --num-layers must be positive, got 0 "
+                   "(all flags: pretrain_llama.py --help)\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--num-layers", "0"], quiet=True)  # ranks after the first print nothing
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--agoq-moments", "fp8"], "--agoq-moments fp8 sets a state format of agoq's optimizer, but --agoq-optimizer "
+                                    "is torch"),
+        (["--agoq-master", "fp32"], "--agoq-master fp32 sets a state format"),
+        (["--save-interval", "-1"], "--save-interval must be a positive number of iterations (0 or left out: save "
+                                    "at the end only), got -1"),  # it used to save at every iteration
+        (["--exit-interval", "-3"], "--exit-interval must be a positive number of iterations (0 or left out: run "
+                                    "to --train-iters), got -3"),
+        (["--num-layers-per-virtual-pipeline-stage", "1"],
+         "--num-layers-per-virtual-pipeline-stage 1 (the interleaved schedule) needs "
+         "--pipeline-model-parallel-size >= 2"),
+        (["--agoq-grads", "int7_b256"], "--agoq-grads int7_b256: unknown format name 'int7_b256'"),
+        (["--agoq-grads", "cuint8_b32"], "--agoq-grads cuint8_b32: unsigned; allowed: a signed quantized format"),
+        (["--agoq-grads", "int8_b256_sr"], "--agoq-grads int8_b256_sr: stochastic rounding; allowed:"),
+        (["--split", "a,b"], "--split 'a,b': expected up to three non-negative weights"),
+        (["--data-path", "0.3", "a", "0.7", "--tokenizer-model", __file__],
+         "a weighted blend is 'W1 PREFIX1 W2 PREFIX2"),
+    ],
+)
+def test_silently_accepted_flags_are_refused(argv, expected, capsys):
+    assert expected in _error(capsys, argv)
+
+
+def test_grads_error_names_the_allowed_values(capsys):
+    err = _error(capsys, ["--agoq-grads", "int7_b256"])
+    assert "Allowed: a signed quantized format with round-to-nearest, e.g. int8_b256" in err
+    assert "fp32, bf16, fp16 (Megatron's float gradients)" in err
+
+
+def test_state_flags_with_agoq_optimizer_and_defaults():
+    args = parse_args(["--agoq-optimizer", "adamw", "--agoq-moments", "fp8"])
+    assert (args.agoq_moments, args.agoq_master) == ("fp8", "split24")
+    assert (parse_args([]).agoq_moments, parse_args([]).agoq_master) == ("flash", "split24")
+
+
+def test_weighted_data_path_is_megatrons_blend():
+    from agoq.megatron.args import data_blend
+
+    assert data_blend(["0.3", "data/a", "0.7", "data/b"]) == [(0.3, "data/a"), (0.7, "data/b")]
+    assert data_blend(["data/a", "data/b"]) == ["data/a", "data/b"]
+
+
+def test_first_run_load_directory_may_not_exist_yet(tmp_path, capsys):
+    """--save ckpt --load ckpt on a fresh machine starts from scratch (pretrain says so), as Megatron-LM does."""
+    assert parse_args(["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "ckpt")]).load
+    (tmp_path / "file").write_text("x")
+    assert f"--load {tmp_path / 'file'}: not a directory" in _error(capsys, ["--load", str(tmp_path / "file")])
+
+
+def _policy(tmp_path, rules: str) -> str:
+    path = tmp_path / "p.yaml"
+    path.write_text("version: 1\ndefault: {activations: int8_b128}\nrules:\n" + rules)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "rules,layout,dead",
+    [
+        ("  - {when: {layers: '10-12'}, set: {activations: bf16}}\n", [], r"rules\[0\] decide no site"),
+        ("  - {when: {pp_stage: 5}, set: {activations: bf16}}\n", ["--pipeline-model-parallel-size", "2"],
+         r"rules\[0\] decide no site of this model \(layers 0..3, pp_size=2, vp_size=None\)"),
+        ("  - {when: {layers: '0-1'}, set: {activations: bf16}}\n"
+         "  - {when: {layers: '2-3'}, set: {activations: int4_b64}}\n"
+         "  - {when: {role: norm.input}, set: {activations: nf4_b64}}\n", [], r"rules\[2\] decide no site"),
+    ],
+    ids=["layers-beyond-model", "stage-beyond-pipeline", "shadowed-by-two-rules"],
+)
+def test_policy_rules_that_decide_no_site_are_errors(tmp_path, capsys, rules, layout, dead):
+    """docs/policy.md section 8: reported at start-up (before torch loads), naming file, rules and layout."""
+    import re
+
+    err = _error(capsys, ["--agoq-policy", _policy(tmp_path, rules), *layout])
+    assert re.search(r"p\.yaml: " + dead, err), err
+    assert "fix or delete them" in err
+
+
+def test_preflight_checks_layout_and_data_before_torch(tmp_path):
+    from agoq.data.tokenizer import TokenizerTrainConfig, train_sentencepiece
+    from agoq.megatron.args import preflight
+    from agoq.testing.indexed import write_indexed_dataset as write_dataset
+
+    with pytest.raises(ValueError, match=r"world size 2 is not divisible by --tensor-model-parallel-size 1 x "
+                                         r"--pipeline-model-parallel-size 4; launch a multiple of 4 processes"):
+        preflight(parse_args(["--pipeline-model-parallel-size", "4"]), world_size=2)  # was ZeroDivisionError
+    text = [f"document {i}: the quick brown fox jumps over the lazy dog {i * 7}." for i in range(200)]
+    model = train_sentencepiece(text, tmp_path / "tok.model", TokenizerTrainConfig(vocab_size=360))
+    prefix = write_dataset(tmp_path / "d", [[i % 299 + 1] * 40 for i in range(400)])
+    base = ["--data-path", prefix, "--tokenizer-model", str(model), "--seq-length", "32"]
+    with pytest.raises(ValueError, match=r"--split 969,30,1: the test split of .*d is empty \(documents 400..400"):
+        preflight(parse_args(base), world_size=1)
+    preflight(parse_args([*base, "--split", "90,5,5"]), world_size=1)
+    big = write_dataset(tmp_path / "big", [[1000] * 40 for _ in range(400)])
+    with pytest.raises(ValueError, match=r"big.bin: token id 1000 is outside the vocabulary of .*tok\.model \(360"):
+        preflight(parse_args([*base, "--split", "90,5,5", "--data-path", big]), world_size=1)
+    (tmp_path / "empty.model").write_bytes(b"")
+    with pytest.raises(ValueError, match="empty.model is empty"):
+        preflight(parse_args([*base, "--split", "90,5,5", "--tokenizer-model", str(tmp_path / "empty.model")]), 1)

@@ -10,18 +10,7 @@ import numpy as np
 import pytest
 
 from agoq.data import indexed
-
-
-def write_dataset(prefix, docs: list[list[int]], dtype=np.uint16) -> str:
-    """Megatron's .bin/.idx layout (one sequence per document), written from the format description."""
-    lengths = np.array([len(d) for d in docs], dtype=np.int32)
-    pointers = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64) * np.dtype(dtype).itemsize])
-    code = {v: k for k, v in indexed.DTYPE_CODES.items()}[dtype]
-    with open(f"{prefix}.idx", "wb") as out:
-        out.write(indexed.INDEX_MAGIC + struct.pack("<QBQQ", 1, code, len(docs), len(docs) + 1))
-        out.write(lengths.tobytes() + pointers.astype(np.int64).tobytes() + np.arange(len(docs) + 1).tobytes())
-    np.concatenate([np.asarray(d, dtype=dtype) for d in docs]).tofile(f"{prefix}.bin")
-    return str(prefix)
+from agoq.testing.indexed import write_indexed_dataset as write_dataset
 
 
 @pytest.fixture
@@ -35,7 +24,7 @@ def test_a_good_dataset_reads(data):
     assert got.num_documents == 40 and got.dtype is np.uint16 and int(got.sequence_lengths.sum()) == 2000
     assert indexed.max_token_id(got) == (99, True)
     indexed.check_token_ids(got, 100, "tok.model")
-    indexed.check_split(got, "90,5,5", seq_length=32)
+    indexed.check_split(got, "90,5,5")
 
 
 def test_missing_text_empty_and_truncated_files_name_the_file(data, tmp_path):
@@ -97,14 +86,15 @@ def test_split_document_ranges_follow_megatron(num_documents, split, expected):
 def test_an_empty_split_names_split_counts_and_fix(tmp_path):
     small = indexed.read_index(write_dataset(tmp_path / "s", [[5] * 300] * 400))
     with pytest.raises(ValueError) as err:
-        indexed.check_split(small, "969,30,1", seq_length=128)
+        indexed.check_split(small, "969,30,1")
     assert str(err.value) == (
-        f"--split 969,30,1: the test split of {tmp_path / 's'} gets documents 400..400 (0 of 400 documents, 0 "
-        "tokens), fewer than one sample of --seq-length 128 + 1 tokens. Fix: give the test split more weight "
-        "(e.g. --split 90,5,5) or weight 0, or use about 501 documents or more (this data has 400)"
+        f"--split 969,30,1: the test split of {tmp_path / 's'} is empty (documents 400..400 of 400, 0 tokens). "
+        "Fix: give the test split more weight (e.g. --split 90,5,5) or weight 0 (--split 969,31,0), or use about "
+        "501 documents or more (this data has 400)"
     )
-    indexed.check_split(small, "969,31,0", seq_length=128)  # no test split: fine
-    with pytest.raises(ValueError, match=r"the valid split .* \(1 of 400 documents, 300 tokens\)"):
-        indexed.check_split(small, "399,1,0", seq_length=512)
+    indexed.check_split(small, "969,31,0")  # no test split: fine
+    indexed.check_split(small, "399,1,0")  # one document (300 tokens): Megatron repeats it over epochs
+    with pytest.raises(ValueError, match=r"the valid split .* is empty \(documents 400..400 of 400, 0 tokens\)"):
+        indexed.check_split(small, "1000,1,0")
     with pytest.raises(ValueError, match="--split 'x'"):
         indexed.split_weights("x")
