@@ -6,10 +6,11 @@ Touches: ``get_forward_backward_func`` (schedule choice), ``finalize_model_grads
   ``no_sync_func`` / ``grad_sync_func`` / ``finalize_model_grads_func`` config hooks, Megatron's
   optimizer ``step()`` contract ``(update_successful, grad_norm, num_zeros)``.
 Why: the shape of Megatron's ``pretrain_gpt.py`` / ``training.train_step``, rebuilt on megatron.core
-  because ``megatron.training.pretrain`` is GPU-only in 0.19.2 (megatron.md 1.5).
+  because ``megatron.training.pretrain`` is GPU-only in 0.19.2 (../shared/spec/megatron.md 1.5).
 Verified on: megatron-core 0.19.2.
-Guarded by: ``tests/megatron/test_train.py`` (loss falls; PP=2 1F1B and interleaved; DDP with and
-  without the distributed optimizer) and ``tests/megatron/test_checkpoint.py``.
+Guarded by: ``tests/megatron/test_pretrain_script.py`` (loss falls), ``tests/megatron/test_layouts.py``
+  (PP=2 1F1B and interleaved; DDP with and without the distributed optimizer) and
+  ``tests/megatron/test_resume.py`` (checkpoints).
 
 Shape legend: b = micro-batch, s = sequence.
 """
