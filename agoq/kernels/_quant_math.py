@@ -32,6 +32,19 @@ def _round_half_away_i32(y):
 
 
 @triton.jit
+def saturate(y, OUT_DTYPE: tl.constexpr):
+    """agoq.ref.quant.saturate: fp32 y clamped to +-(OUT_DTYPE's largest finite value), NaN kept (a
+    compare with NaN is false, so NaN passes the where; fmin / fmax would drop it)."""
+    if OUT_DTYPE == tl.float16:
+        lim = 65504.0
+    elif OUT_DTYPE == tl.bfloat16:
+        lim = 3.3895313892515355e38  # (2 - 2**-7) * 2**127, exact in fp32
+    else:
+        lim = 3.4028234663852886e38  # fp32 max
+    return tl.where(tl.abs(y) > lim, tl.where(y < 0, -lim, lim), y)
+
+
+@triton.jit
 def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 

@@ -25,7 +25,7 @@ import triton.language as tl
 from agoq.kernels import _launch
 from agoq.kernels._pack import pack_plane as _pack_plane
 from agoq.kernels._quant_math import USE_PTX, _round_half_away_i32
-from agoq.kernels.quant import _encode_scale, _pow2_value, decode_block_values
+from agoq.kernels.quant import _encode_scale, _pow2_value, decode_block_values, saturate
 from agoq.ref.master import MASTER_NS
 from agoq.ref.optim import _check_pair, adamw_scalars, lion_scalars, sgd_scalars
 from agoq.ref.quant import QuantizedTensor
@@ -116,7 +116,7 @@ def _load_state(
         y = v * s[:, None]
         if KIND == 4:
             y = y * y
-        y = tl.where(elem_mask, y, 0.0)
+        y = tl.where(elem_mask, saturate(y, tl.float32), 0.0)  # as ref_dequantize (fp32 max, NaN kept)
     return y
 
 

@@ -21,7 +21,7 @@ import triton.language as tl
 from agoq.formats import QuantFormat, parse_format
 from agoq.kernels import _launch
 from agoq.kernels._fastlaunch import FastKernel, LaunchSite
-from agoq.kernels._quant_math import _encode_scale, _pow2_value, gather_nc  # noqa: F401 (optim imports the first two)
+from agoq.kernels._quant_math import _encode_scale, _pow2_value, gather_nc, saturate  # noqa: F401 (optim imports the first two)
 from agoq.kernels._quant_tile import _quantize_fwd_kernel
 from agoq.ref.quant import QuantizedTensor, check_input, ref_dequantize, ref_quantize
 
@@ -185,6 +185,7 @@ def _dequantize_fwd_kernel(
     elem_base = first_row * BLOCK
     local = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     elems_left = tl.minimum(numel - elem_base, ROWS * BLOCK).to(tl.int32)
+    y = saturate(y, out_ptr.dtype.element_ty)  # finite codes never dequantize to Inf (agoq.ref.quant.saturate)
     tl.store(out_ptr + elem_base + local, y.to(out_ptr.dtype.element_ty), mask=local < elems_left)
 
 

@@ -44,7 +44,7 @@ from triton.language.extra import libdevice
 from agoq.formats import QuantFormat
 from agoq.kernels import _launch
 from agoq.kernels._fastlaunch import FastKernel, LaunchSite
-from agoq.kernels._quant_math import USE_PTX, _encode_scale, _max_nan
+from agoq.kernels._quant_math import USE_PTX, _encode_scale, _max_nan, saturate
 from agoq.kernels._quant_tile import _load_part, _part_codes, _store_words
 from agoq.kernels.quant import decode_block_values, load_scale_f32
 from agoq.kernels.swiglu import NUM_WARPS, SCALE_NONE, _scale_mode
@@ -152,7 +152,7 @@ def _dequant_half(codes_ptr, scales_ptr, values_ptr, first_block, rows, row_ok, 
     s = load_scale_f32(scales_ptr + first_block + rows, row_ok, SCALE)
     v = decode_block_values(codes_ptr + first_block * row_bytes, values_ptr, rows, row_ok, KIND, BITS, BLOCK, ROWS,
                             PLANE0, PLANE1, FP8_DTYPE)  # fmt: skip
-    return (v * s[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+    return saturate(v * s[:, None], out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit

@@ -24,6 +24,8 @@ Rounding "nearest" is round half away from zero, computed exactly as ``f = floor
 Non-finite policy (docs/numerics.md): a block holding NaN or +-Inf (for cuint also a negative value,
 whose sqrt is NaN), or whose scale overflows its storage dtype, gets a NaN scale (pow2: byte 255)
 and the codes of p = 0, so the whole dequantized block is NaN and downstream NaN checks fire.
+Dequantize saturates: values past the output dtype's range (a scale rounded up near the dtype maximum)
+become +-its largest finite value, never Inf (``saturate``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ import torch
 
 from agoq.formats import NF4_CODEBOOK, QuantFormat, parse_format
 
-__all__ = ["QuantizedTensor", "ref_quantize", "ref_dequantize", "hash_uniform", "ref_code_values", "sqrt_rn"]
+__all__ = [
+    "QuantizedTensor", "ref_quantize", "ref_dequantize", "hash_uniform", "ref_code_values", "sqrt_rn", "saturate",
+]  # fmt: skip
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -288,4 +292,16 @@ def ref_dequantize(q: QuantizedTensor, out_dtype: torch.dtype | None = None) -> 
     y = _values(unpack_codes(q.codes, fmt), fmt) * scale_values(q).unsqueeze(1)
     if fmt.kind == "cuint":
         y = y * y
-    return y.reshape(-1)[: q.numel].to(out_dtype).reshape(q.shape)
+    return saturate(y.reshape(-1)[: q.numel], out_dtype).to(out_dtype).reshape(q.shape)
+
+
+def saturate(y_f32: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Clamp fp32 values to +-(out_dtype's largest finite value); NaN stays NaN (non-finite blocks).
+
+    A finite block's code value times its scale can exceed the output dtype's range although every
+    input was finite: the scale rounds up (fp16: 65504 / 127 -> 516, and 127 * 516 = 65532 rounds to
+    fp16 inf; pow2: 3e38 / 7 -> 2**126, and code 4 * 2**126 = 2**128 overflows fp32). The codes'
+    values are those of the finite grid, so the nearest finite value is the right answer (issue 21);
+    a dequantized Inf would only ever mean "near the maximum". docs/numerics.md."""
+    lim = torch.finfo(out_dtype).max
+    return y_f32.clamp(-lim, lim)  # clamp keeps NaN

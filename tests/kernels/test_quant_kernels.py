@@ -247,6 +247,48 @@ def test_kernel_cuint_codes_equal_ref_near_code_boundaries(name):
     _check(x.to(DEVICE), name, seed=7)
 
 
+def _near_max(fmt, dtype, blocks=4, seed=0):
+    """Blocks of values up to the dtype's largest finite value, +-max itself in every block (cuint: >= 0)."""
+    mx = torch.finfo(dtype).max
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.rand(blocks * fmt.block, generator=gen, dtype=torch.float64) * 2 - 1) * mx
+    x[:: fmt.block // 2] = mx
+    x[1 :: fmt.block // 2] = -mx
+    return (x.abs() if fmt.kind == "cuint" else x).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("name,dtype", [
+    ("int8_b32_s16", torch.float16), ("int4_b64_sp2", torch.float32), ("int4_b64_sp2", torch.float16),
+    ("int8_b32_sp2", torch.bfloat16), ("int3_b32_sp2", torch.float32), ("int6_b64_sp2", torch.bfloat16),
+    ("nf4_b64_sp2", torch.float16), ("cuint8_b32_sp2", torch.bfloat16), ("int8_b32", torch.float32),
+    ("fp8e5m2_b32_s16", torch.float16), ("fp8e4m3_b32_sp2", torch.float32),
+])  # fmt: skip
+def test_kernel_near_dtype_max_saturates_like_ref(name, dtype):
+    """Issue 21: finite inputs at the dtype's maximum dequantized to Inf (fp16 65504 with int8_b32_s16:
+    127 * 516 = 65532; fp32 3e38 with int4_b64_sp2: 4 * 2**126). Dequantize now saturates to +-max, in
+    the reference and the kernel alike; a non-finite block still dequantizes to NaN."""
+    quantize, dequantize = _quant()
+    fmt = parse_format(name)
+    mx = torch.finfo(dtype).max
+    x = _near_max(fmt, dtype)
+    x[fmt.block + 3] = float("inf")  # block 1 is non-finite: NaN, not saturated
+    r = ref_quantize(x, fmt)
+    if fmt.kind == "fp8" and INTERPRET:  # fp8 quantize is GPU-only in the interpreter: dequantize ref codes
+        _assert_same_values(dequantize(r), ref_dequantize(r))
+        q = r
+    else:
+        _check(x, name)
+        q = quantize(x, fmt)
+    y = dequantize(q)
+    nan_block = torch.zeros_like(y, dtype=torch.bool)
+    nan_block[fmt.block : 2 * fmt.block] = True
+    assert bool(torch.isnan(y[nan_block]).all()) and not bool(torch.isinf(y).any())
+    assert bool((y[~nan_block].abs() <= mx).all())
+    ends = (x.abs() == mx) & ~nan_block
+    assert bool((y[ends] == x[ends]).all()), "+-max must dequantize to +-max"
+    _assert_same_values(dequantize(q, torch.float32), ref_dequantize(q, torch.float32))
+
+
 def test_nf4_bucket_table_matches_searchsorted():
     """The kernel's NF4 bucket table (code = below[b] + (p > thr[b]), b = trunc(16 clamp(p, -1, 1) + 16)
     clamped to 31, fp32 arithmetic as on GPU) equals searchsorted over the midpoints: every fp32 within 4096 ulps

@@ -166,6 +166,38 @@ def test_ref_cuint_sqrt_is_correctly_rounded_near_code_boundaries(name, lead_one
     np.testing.assert_array_equal(scale_values(q).numpy().astype(np.float64), s)
 
 
+NEAR_MAX_FORMATS = [
+    "int8_b32", "int8_b32_s16", "int8_b32_sp2", "int4_b64_s16", "int4_b64_sp2", "int2_b64_sp2", "int3_b32_sp2",
+    "int6_b64_sp2", "nf4_b64", "nf4_b64_s16", "nf4_b64_sp2", "fp8e4m3_b32", "fp8e4m3_b32_sp2", "fp8e5m2_b32_sp2",
+    "fp8e5m2_b32_s16", "cint8_b32", "cint8_b32_s32", "cint8_b32_sp2", "cuint8_b32", "cuint8_b32_s32", "cuint8_b32_sp2",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_ref_near_dtype_max_never_dequantizes_to_inf(dtype):
+    """Issue 21: finite inputs up to the dtype's maximum dequantize to finite values (saturated at +-max)
+    in every format; the only non-finite outputs are the NaN blocks of the documented scale overflow
+    (fp16 scale > 65504, pow2 exponent > 127: docs/numerics.md, non-finite policy)."""
+    mx = torch.finfo(dtype).max
+    gen = torch.Generator().manual_seed(0)
+    base = (torch.rand(256, generator=gen, dtype=torch.float64) * 2 - 1) * mx
+    base[::7], base[1::7] = mx, -mx
+    for name in NEAR_MAX_FORMATS:
+        fmt = parse_format(name)
+        x = (base.abs() if fmt.kind == "cuint" else base).to(dtype)
+        q = ref_quantize(x, fmt)
+        for out_dtype in (dtype, torch.float32):
+            y = ref_dequantize(q, out_dtype).view(-1, fmt.block)
+            nan_scale = torch.isnan(scale_values(q))
+            assert not bool(torch.isinf(y).any()), name
+            assert bool(torch.isnan(y[nan_scale]).all()) and not bool(torch.isnan(y[~nan_scale]).any()), name
+    q = ref_quantize(torch.tensor([65504.0, -65504.0, 1.0], dtype=torch.float16), "int8_b32_s16")
+    assert ref_dequantize(q)[:2].tolist() == [65504.0, -65504.0]  # 127 * 516 = 65532: saturated
+    assert ref_dequantize(q, torch.float32)[0] == 65532.0  # fp32 holds it: not clamped
+    y = ref_dequantize(ref_quantize(torch.tensor([3e38, -3e38, 1.0]), "int4_b64_sp2"))
+    assert bool(torch.isfinite(y).all()) and y[0] == torch.finfo(torch.float32).max  # 4 * 2**126 saturated
+
+
 def test_ref_round_half_away_from_zero_ties():
     fmt = parse_format("int8_b32")
     x = torch.zeros(32)
