@@ -17,7 +17,8 @@ Examples (from the repository root, agoq installed with ``pip install -e .``):
     python scripts/prepare_data.py --input data/book.txt --txt-mode paragraph --vocab-size 32000 \
         --output-prefix data/mydata
 
-Output: ``<output-prefix>.bin`` and ``<output-prefix>.idx``; pass ``<output-prefix>`` as the data path.
+Output: ``<output-prefix>.bin`` and ``<output-prefix>.idx``, and ``<output-prefix>.tokenizer.json`` (which tokenizer
+wrote them; pretrain_llama.py checks it against --tokenizer-model); pass ``<output-prefix>`` as the data path.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ of each split. A split with a weight but no tokens makes ``GPTDataset._get_num_e
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import struct
@@ -120,6 +121,38 @@ def check_token_ids(data: IndexedData, vocab_size: int, tokenizer_path: str | os
             f"the vocabulary of {tokenizer_path} ({vocab_size} pieces, ids 0..{vocab_size - 1}): the data was "
             "written with another tokenizer. Pass the --tokenizer-model it was prepared with, or prepare it "
             "again with this one (scripts/prepare_data.py --tokenizer-model ...)"
+        )
+
+
+def tokenizer_record_path(prefix: str | os.PathLike) -> Path:
+    """``<prefix>.tokenizer.json``: the tokenizer a dataset was written with (agoq's writer adds it)."""
+    return Path(f"{os.fspath(prefix)}.tokenizer.json")
+
+
+def tokenizer_record(vocab_size: int, sha256: str, path: str | os.PathLike | None) -> dict:
+    return {"vocab_size": vocab_size, "sha256": sha256, "file": None if path is None else Path(path).name}
+
+
+def check_tokenizer_record(prefix: str | os.PathLike, vocab_size: int, sha256: str,
+                           tokenizer_path: str | os.PathLike) -> None:
+    """Raise when ``prefix`` records another tokenizer than the one given (its ids would all fit a larger
+    vocabulary, so the token-id check cannot see it). Data without a record (Megatron-LM's tools, older
+    agoq) is not checked here."""
+    record_path = tokenizer_record_path(prefix)
+    if not record_path.is_file():
+        return
+    try:
+        record = json.loads(record_path.read_text())
+        saved_sha, saved_vocab = record["sha256"], int(record["vocab_size"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{record_path}: unreadable tokenizer record ({exc}); delete it (the data is not "
+                         "checked against the tokenizer then) or prepare the data again") from None
+    if saved_sha != sha256:
+        raise ValueError(
+            f"{prefix} was prepared with another tokenizer ({saved_vocab} pieces, sha256 {saved_sha[:12]}..., "
+            f"{record.get('file')}; recorded in {record_path}) than {tokenizer_path} ({vocab_size} pieces, sha256 "
+            f"{sha256[:12]}...): its token ids mean other pieces. Pass the --tokenizer-model it was prepared with, "
+            "or prepare it again with this one"
         )
 
 

@@ -395,7 +395,7 @@ def preflight(args: argparse.Namespace, world_size: int) -> None:
     check_layout(args, world_size)
     blend = data_blend(args.data_path)
     if blend:
-        from agoq.data.indexed import check_split, check_token_ids, read_index
+        from agoq.data.indexed import check_split, check_token_ids, check_tokenizer_record, read_index
         from agoq.data.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.load(args.tokenizer_model)
@@ -403,6 +403,7 @@ def preflight(args: argparse.Namespace, world_size: int) -> None:
             data = read_index(prefix)
             check_split(data, args.split)
             check_token_ids(data, tokenizer.vocab_size, args.tokenizer_model)
+            check_tokenizer_record(prefix, tokenizer.vocab_size, tokenizer.sha256, args.tokenizer_model)
 
 
 def parse_and_check(argv: list[str] | None = None) -> argparse.Namespace:

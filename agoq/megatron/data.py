@@ -36,7 +36,14 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder,
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 from agoq.data.corpus import DEFAULT_MAX_BYTES, collect_stdlib_corpus
-from agoq.data.indexed import check_split, check_token_ids, read_index
+from agoq.data.indexed import (
+    check_split,
+    check_token_ids,
+    check_tokenizer_record,
+    read_index,
+    tokenizer_record,
+    tokenizer_record_path,
+)
 from agoq.data.sampler import PretrainingSampler, iterate_batches
 from agoq.data.tokenizer import Tokenizer, TokenizerTrainConfig, encode_documents, train_sentencepiece
 
@@ -169,11 +176,14 @@ def build_indexed_dataset(
         builder.finalize(get_idx_path(tmp_prefix))
         if num_docs == 0:
             raise ValueError(f"no non-empty documents to write to {out_prefix}; check the inputs")
+        record = tokenizer_record(tokenizer.vocab_size, tokenizer.sha256, tokenizer.path)
+        tokenizer_record_path(tmp_prefix).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         os.replace(get_bin_path(tmp_prefix), get_bin_path(out_prefix))
         os.replace(get_idx_path(tmp_prefix), get_idx_path(out_prefix))
+        os.replace(tokenizer_record_path(tmp_prefix), tokenizer_record_path(out_prefix))
     finally:
         builder.data_file.close()
-        for path in (get_bin_path(tmp_prefix), get_idx_path(tmp_prefix)):
+        for path in (get_bin_path(tmp_prefix), get_idx_path(tmp_prefix), tokenizer_record_path(tmp_prefix)):
             Path(path).unlink(missing_ok=True)
     return IndexedDatasetStats(num_docs, num_tokens, counts["bytes"], num_empty, time.perf_counter() - start)
 
@@ -358,7 +368,9 @@ def check_dataset_files(prefixes: Sequence[str], *, split: str, tokenizer: Token
     for prefix in prefixes:
         data = read_index(prefix)
         check_split(data, split)
-        check_token_ids(data, tokenizer.vocab_size, tokenizer.path or "<in-memory tokenizer>")
+        where = tokenizer.path or "<in-memory tokenizer>"
+        check_token_ids(data, tokenizer.vocab_size, where)
+        check_tokenizer_record(prefix, tokenizer.vocab_size, tokenizer.sha256, where)
 
 
 def build_gpt_datasets(

@@ -24,6 +24,7 @@ from agoq.megatron.data import (  # noqa: E402
     build_data_iterators,
     build_gpt_datasets,
     build_indexed_dataset,
+    check_dataset_files,
     ensure_default_dataset,
 )
 
@@ -121,6 +122,11 @@ def test_prepare_data_trains_tokenizer_and_summarises(tiny, tmp_path, capsys):
     assert int(summary["documents"]) == len(ds)
     assert int(summary["tokens"]) == int(ds.sequence_lengths.sum())
     assert "".join(tok.decode(ds[i][:-1].tolist()) for i in range(len(ds))).count("\n") > 0
+    # its ids (< 400) all fit the fixture's 512-piece tokenizer: the tokenizer record tells them apart
+    assert json.loads(Path(f"{prefix}.tokenizer.json").read_text())["sha256"] == tok.sha256
+    check_dataset_files([str(prefix)], split="90,5,5", tokenizer=tok)
+    with pytest.raises(ValueError, match=r"was prepared with another tokenizer \(400 pieces.* than .*tok.model \(512"):
+        check_dataset_files([str(prefix)], split="90,5,5", tokenizer=tiny["tokenizer"])
 
 
 @pytest.mark.parametrize(

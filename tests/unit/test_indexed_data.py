@@ -4,6 +4,7 @@ of the file layout: tests/megatron/test_data.py."""
 
 from __future__ import annotations
 
+import json
 import struct
 
 import numpy as np
@@ -98,3 +99,22 @@ def test_an_empty_split_names_split_counts_and_fix(tmp_path):
         indexed.check_split(small, "1000,1,0")
     with pytest.raises(ValueError, match="--split 'x'"):
         indexed.split_weights("x")
+
+
+def test_a_tokenizer_record_names_another_tokenizer(data, tmp_path):
+    """Ids written with a smaller tokenizer all fit a larger one: only the record agoq's writer keeps next to
+    the data (<prefix>.tokenizer.json) tells them apart."""
+    indexed.check_tokenizer_record(data, 4096, "b" * 64, "big.model")  # no record (Megatron-LM's tools): no check
+    record = indexed.tokenizer_record(512, "a" * 64, "/data/small.model")
+    indexed.tokenizer_record_path(data).write_text(json.dumps(record))
+    indexed.check_tokenizer_record(data, 512, "a" * 64, "small.model")
+    with pytest.raises(ValueError) as err:
+        indexed.check_tokenizer_record(data, 4096, "b" * 64, "big.model")
+    assert str(err.value) == (
+        f"{data} was prepared with another tokenizer (512 pieces, sha256 aaaaaaaaaaaa..., small.model; recorded in "
+        f"{data}.tokenizer.json) than big.model (4096 pieces, sha256 bbbbbbbbbbbb...): its token ids mean other "
+        "pieces. Pass the --tokenizer-model it was prepared with, or prepare it again with this one"
+    )
+    indexed.tokenizer_record_path(data).write_text("{")
+    with pytest.raises(ValueError, match=r"d.tokenizer.json: unreadable tokenizer record"):
+        indexed.check_tokenizer_record(data, 512, "a" * 64, "small.model")
