@@ -93,6 +93,23 @@ def _half_ulp_exp(narrow_f32, MANT: tl.constexpr, E_MIN: tl.constexpr):
     return tl.maximum(field - 127, E_MIN) - (MANT + 1)
 
 
+@triton.jit
+def _rho_exact(e, N: tl.constexpr):
+    """round_half_away(e * N) of the exact product (agoq.ref.master.remainder_of), |e| <= 1, N = 2**K - 1.
+
+    fl(e * N) can round onto a .5 tie the exact product lies below (issue 21). N = 2**K - 1, so
+    e * N = a - e with a = e * 2**K exact; y = fl(a - e) is the same rounded value, and Fast2Sum
+    (|a| >= |e|) gives its exact error t = (a - y) - e, so e * N = y + t exactly. y's rounding to an integer
+    is wrong only on a tie (|y| - |r| == -0.5, exact) whose true value is nearer zero (t of the other
+    sign): then one step toward zero. A few fp32 ops, no FMA (the interpreter has no fused one)."""
+    a = e * (N + 1)
+    y = a - e
+    t = (a - y) - e
+    r = _round_half_away_i32(y)
+    toward_zero = (tl.abs(y) - tl.abs(r).to(tl.float32) == -0.5) & (((t < 0) & (y > 0)) | ((t > 0) & (y < 0)))
+    return r - tl.where(toward_zero, tl.where(y > 0, 1, -1), 0)
+
+
 # --------------------------------------------------------------------------------------------------
 # state load / store (one quantization group per tile row)
 # --------------------------------------------------------------------------------------------------
@@ -300,7 +317,7 @@ def step_tile(
         ell = _half_ulp_exp(nf, MANT, E_MIN)
         ea = ell >> 1
         err_n = ((theta - nf) * _pow2(ea - ell)) * _pow2(-ea)
-        r = _round_half_away_i32(tl.minimum(tl.maximum(err_n, -1.0), 1.0) * MASTER_N)
+        r = _rho_exact(tl.minimum(tl.maximum(err_n, -1.0), 1.0), MASTER_N)
         finite = (tl.abs(theta) < float("inf")) & (tl.abs(nf) < float("inf"))
         tl.store(master_ptr + offs, tl.where(finite, r, 0).to(master_ptr.dtype.element_ty), mask=elem_mask)
     elif MASTER == 2:

@@ -6,7 +6,7 @@ FlashOptim arXiv 2602.23349 eqs. 1-2, Alg. 1):
 
     theta' = RNE(theta) to bf16 / fp16
     l      = max(E(theta'), E_min) - M - 1        so 2**l = ULP(theta') / 2
-    rho    = round_half_away(clamp((theta - theta') * 2**-l, -1, 1) * N)
+    rho    = round_half_away(clamp((theta - theta') * 2**-l, -1, 1) * N)   (the exact product rounded once)
     merge:   theta_hat = theta' + (rho / N) * 2**l
 
 E is the unbiased exponent of theta' (E_min, the narrow type's smallest normal exponent, for zero and
@@ -14,7 +14,8 @@ subnormals), M its stored mantissa bits (7 bf16, 10 fp16), N = 127 for an int8 r
 32767 for int16 ("split32"). Scaling by 2**l is done as two power-of-two multiplies (2**a * 2**b,
 a + b = l, each factor a normal fp32) so no factor overflows or underflows; every multiply by a power
 of two is exact, so the only roundings are: the fp32 subtraction theta - theta' (exact: Sterbenz),
-rho's multiply-and-round, rho / N, and the final fp32 add.
+rho's rounding to an integer (of the exact product e * N, not of its fp32 rounding), rho / N, and the
+final fp32 add.
 
 Bound (docs/optim.md): |theta - theta_hat| <= ULP(theta') / (4 N) + ulp32(theta) / 2.
 Non-finite theta or theta' (overflow to Inf): theta' keeps the NaN/Inf, rho = 0.
@@ -95,11 +96,15 @@ def remainder_of(theta_f32: torch.Tensor, narrow: torch.Tensor, n: int) -> torch
     a, b = _split_exponents(half_ulp_exponent(narrow))
     err = theta_f32 - narrow.to(torch.float32)
     err_n = (err * pow2_f32(-b)) * pow2_f32(-a)  # exact power-of-two scalings
-    y = err_n.clamp(-1.0, 1.0) * float(n)
+    # rho rounds the *exact* product e * N: fp64 holds it (24 + 15 bits <= 53). An fp32 product rounds
+    # first, and can land on a .5 tie that the exact value is below (then rounded away from zero, |e N -
+    # rho| reached 0.5 + 2**-10 for split32: issue 21). The kernel gets the same rho from fp32 math with
+    # an exact residual (agoq.kernels.optim).
+    y = err_n.clamp(-1.0, 1.0).to(torch.float64) * float(n)
     mag = y.abs()
     floor = torch.floor(mag)
-    rho = floor + (mag - floor >= 0.5).to(torch.float32)  # ties away from zero (FlashOptim code)
-    rho = torch.where(y < 0, -rho, rho)
+    rho = floor + (mag - floor >= 0.5).to(torch.float64)  # ties away from zero (FlashOptim code)
+    rho = torch.where(y < 0, -rho, rho).to(torch.float32)
     finite = torch.isfinite(theta_f32) & torch.isfinite(narrow)  # theta may round up to +-inf
     return torch.where(finite, rho, 0.0)
 

@@ -162,3 +162,25 @@ def cuint_boundary_inputs(block: int = 32, ulps: int = 3, lead_one: bool = True)
     per_block = block - 1
     v = torch.cat([v, torch.full((-v.numel() % per_block,), 0.25)]).view(-1, per_block)
     return torch.cat([torch.ones(v.shape[0], 1), v], dim=1).reshape(-1)
+
+
+def split_tie_inputs(narrow_dtype: torch.dtype, n: int, lo_exp: int, hi_exp: int, count: int = 4096,
+                     ulps: int = 2, seed: int = 0) -> torch.Tensor:  # fmt: skip
+    """fp32 masters theta in +-[2**lo_exp, 2**hi_exp) whose scaled remainder e * N (agoq.ref.master: e =
+    (theta - theta') / 2**l) lies within ``ulps`` fp32 ulps of a .5 tie, where an fp32 rounding of the
+    product decides rho (issue 21). From ``count`` random theta: the tie k + 1/2 below each one's e * N,
+    mapped back to theta' + (k + 1/2) / N * 2**l in fp64, and its 2 * ulps + 1 fp32 neighbours."""
+    from agoq.ref.master import half_ulp_exponent  # agoq.testing may import the reference
+
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.rand(count, generator=gen, dtype=torch.float64)
+    theta = (2.0 ** (lo_exp + u * (hi_exp - lo_exp))).to(torch.float32)
+    narrow = theta.to(narrow_dtype)
+    half_ulp = 2.0 ** half_ulp_exponent(narrow).to(torch.float64)
+    nf = narrow.to(torch.float64)
+    k = torch.floor((theta.to(torch.float64) - nf) / half_ulp * n)
+    tie = (nf + (k + 0.5) / n * half_ulp).to(torch.float32)
+    bits = tie.view(torch.int32)[:, None] + torch.arange(-ulps, ulps + 1, dtype=torch.int32)
+    out = bits.reshape(-1).view(torch.float32)
+    out = out[(out.abs() >= 2.0**lo_exp) & (out.abs() < 2.0**hi_exp)]
+    return torch.cat([out, -out])

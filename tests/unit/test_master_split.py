@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from agoq.ref.master import MASTER_NS, half_ulp_exponent, pow2_f32, ref_master_merge, ref_master_split
+from agoq.testing.numerics import split_tie_inputs
 
 LOW16 = torch.arange(1 << 16, dtype=torch.int64)
 # fp32 exponent fields: smallest normal, fields whose corrections are still normal (>= 40, see
@@ -114,3 +115,36 @@ def test_split_rejects_bad_dtypes():
         ref_master_split(torch.zeros(2), torch.bfloat16, torch.int32)
     with pytest.raises(ValueError, match="int8"):
         ref_master_merge(torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32))
+
+
+# (narrow, rho dtype, theta binades): fp16's subnormal corner of issue 21 ([2**-27, 2**-24): split32 was
+# up to 0.19 % over the bound), fp16 subnormal and normal theta', bf16 subnormal and normal theta'
+TIE_CASES = [
+    (torch.float16, torch.int16, -27, -24),
+    (torch.float16, torch.int8, -27, -24),
+    (torch.float16, torch.int16, -24, -14),
+    (torch.float16, torch.int16, -3, 3),
+    (torch.bfloat16, torch.int16, -136, -124),
+    (torch.bfloat16, torch.int16, -3, 3),
+    (torch.bfloat16, torch.int8, -3, 3),
+]
+
+
+@pytest.mark.parametrize("narrow_dtype,rho_dtype,lo,hi", TIE_CASES)
+def test_split_rho_rounds_the_exact_product_and_keeps_the_bound(narrow_dtype, rho_dtype, lo, hi):
+    """Issue 21: rho = round_half_away(e * N) of the exact product. The fp32 product could round onto a
+    .5 tie the exact value lies below, and rho then went one step too far (|e N - rho| up to 0.5 + 2**-10),
+    which broke the bound by up to 0.19 % for fp16 masters in [2**-27, 2**-24). Inputs: masters whose e * N
+    lies within 2 fp32 ulps of a tie (agoq.testing.numerics.split_tie_inputs)."""
+    theta = split_tie_inputs(narrow_dtype, MASTER_NS[rho_dtype], lo, hi)
+    narrow, rho = ref_master_split(theta, narrow_dtype, rho_dtype)
+    half_ulp = 2.0 ** half_ulp_exponent(narrow).to(torch.float64)
+    y = (theta.double() - narrow.double()) / half_ulp * MASTER_NS[rho_dtype]  # exact in fp64
+    mag = y.abs()
+    expected = torch.floor(mag) + (mag - torch.floor(mag) >= 0.5).double()
+    assert torch.equal(rho.double(), torch.where(y < 0, -expected, expected))
+    back = ref_master_merge(narrow, rho)
+    field = (theta.view(torch.int32) >> 23) & 0xFF  # fp32 spacing, subnormal theta included (2**-149)
+    ulp32 = 2.0 ** (torch.clamp_min(field - 127, -126) - 23).to(torch.float64)
+    bound = 2 * half_ulp / (4 * MASTER_NS[rho_dtype]) + ulp32 / 2
+    assert bool(((back.double() - theta.double()).abs() <= bound).all())
