@@ -82,7 +82,9 @@ def ref_reduce_rows(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat,
     for p in range(1, world):
         acc += ref_dequantize(_row_q(codes, scales, p, fmt), torch.float32)
     if average:
-        acc /= world
+        # an elementwise tensor divisor: PyTorch's CUDA division by a Python scalar multiplies by its reciprocal
+        # (not correctly rounded), so on a GPU the reference would stop matching the kernels' div_rn
+        acc /= torch.full_like(acc, world)
     if post_scale != 1.0:
         acc *= post_scale
     if out is not None:
