@@ -42,18 +42,25 @@ def _where(frames: list[dict], depth: int) -> str:
 def live_at_peak(snapshot: dict, depth: int, device: int = 0) -> dict:
     """Replay one device's trace: the allocated total over time, and the blocks alive at its maximum."""
     events = snapshot["device_traces"][device]
-    live: dict[int, dict] = {}
+    # pass 1: where the allocated total peaks (copying the live set at every new maximum is quadratic)
+    live_size: dict[int, int] = {}
     total = peak = 0
-    at_peak: dict[int, dict] = {}
-    for e in events:
+    peak_at = -1
+    for i, e in enumerate(events):
         if e["action"] == "alloc":
-            live[e["addr"]] = e
+            live_size[e["addr"]] = e["size"]
             total += e["size"]
             if total > peak:
-                peak, at_peak = total, dict(live)
-        elif e["action"] in ("free_requested", "free_completed") and e["addr"] in live:
-            if e["action"] == "free_requested":
-                total -= live.pop(e["addr"])["size"]
+                peak, peak_at = total, i
+        elif e["action"] == "free_requested" and e["addr"] in live_size:
+            total -= live_size.pop(e["addr"])
+    # pass 2: the blocks alive right after that event
+    at_peak: dict[int, dict] = {}
+    for e in events[: peak_at + 1]:
+        if e["action"] == "alloc":
+            at_peak[e["addr"]] = e
+        elif e["action"] == "free_requested":
+            at_peak.pop(e["addr"], None)
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for e in at_peak.values():
         g = groups[_where(e.get("frames", []), depth)]
