@@ -31,6 +31,7 @@ import triton.language as tl
 from agoq.formats import QuantFormat
 from agoq.kernels import _launch
 from agoq.kernels._fastlaunch import FastKernel
+from agoq.kernels._quant_math import saturate
 from agoq.kernels.quant import _pow2_value, decode_tile_bytes, load_scale_f32, quantize_tile_bytes
 
 __all__ = ["quantize_rows", "reduce_rows", "dequantize_rows", "reduce_peer_rows", "dequantize_peer_rows",
@@ -78,7 +79,8 @@ def _row_values(codes_ptr, scales_ptr, local, blk, blk_ok, KIND: tl.constexpr, S
                 FP8_DTYPE: tl.constexpr):  # fmt: skip
     code = tl.load(codes_ptr + local, mask=blk_ok[:, None], other=0)
     s = load_scale_f32(scales_ptr + blk, blk_ok, SCALE)
-    return decode_tile_bytes(code, KIND, FP8_DTYPE) * s[:, None]
+    # finite codes never dequantize to Inf (agoq.ref.quant.saturate, as ref_dequantize to fp32)
+    return saturate(decode_tile_bytes(code, KIND, FP8_DTYPE) * s[:, None], tl.float32)
 
 
 @triton.jit
@@ -148,7 +150,7 @@ def _dequantize_rows_kernel(
     local = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     c, s = _row_ptrs(codes_ptr, scales_ptr, codes_row_stride.to(tl.int64), scales_row_stride.to(tl.int64),
                      code_table, scale_table, p, PEERS)  # fmt: skip
-    y = _row_values(c, s, local, blk, blk_ok, KIND, SCALE, FP8_DTYPE)
+    y = saturate(_row_values(c, s, local, blk, blk_ok, KIND, SCALE, FP8_DTYPE), dst_ptr.dtype.element_ty)
     tl.store(dst_ptr + offs, y.to(dst_ptr.dtype.element_ty), mask=valid)
 
 

@@ -298,3 +298,22 @@ def test_reduce_peer_rows_several_output_rows(name, world, nb, cut):
                          average=False, post_scale=0.25, out=single[q * stride:], out_numel=n)
     assert _same_values(got, ref) and _same_values(got, single)
     assert bool((got[total:] == 5.0).all())
+
+
+def test_dequantize_rows_saturate_at_the_destination_dtype_like_the_reference():
+    """Gradients past the destination dtype's range (here 1e5 into fp16) become its largest finite value in
+    kernel and reference alike (agoq.ref.quant.saturate), never Inf; NaN blocks stay NaN."""
+    fmt = parse_format("int8_b32")
+    world, nb = 2, 2
+    _, c, s = _packed(world, nb, fmt)
+    x = torch.linspace(-1e5, 1e5, world * nb * fmt.block, device=DEVICE)
+    x[3] = float("nan")
+    ref_quantize_rows(x, c, s, fmt, row_stride=nb * fmt.block, row_numel=nb * fmt.block, col0=0)
+    kw = dict(row_stride=nb * fmt.block, row_numel=nb * fmt.block, col0=0)
+    ref = torch.zeros(x.numel(), dtype=torch.float16, device=DEVICE)
+    got = ref.clone()
+    ref_dequantize_rows(c, s, ref, fmt, **kw)
+    _ops()[2](c, s, got, fmt, **kw)
+    assert _same_values(got, ref)
+    assert not torch.isinf(got).any() and float(got.nan_to_num().abs().max()) == 65504.0
+    assert torch.isnan(got[:fmt.block]).all()
