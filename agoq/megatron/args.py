@@ -32,16 +32,19 @@ DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "configs" / "policy" / "a
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (LLaMA: RMSNorm, SwiGLU, RoPE, GQA, no biases, untied embeddings)")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-layers", type=int, default=4, help="transformer layers (all pipeline stages together)")
+    g.add_argument("--hidden-size", type=int, default=64, help="model width")
+    g.add_argument("--num-attention-heads", type=int, default=4, help="query heads")
     g.add_argument("--num-query-groups", type=int, default=None, help="KV heads (GQA); default = heads (MHA)")
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: LLaMA's 8/3·hidden rounded to 64")
-    g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="MLP width; default: LLaMA's 8/3·hidden rounded up to a multiple of 64")
+    g.add_argument("--seq-length", type=int, default=128, help="tokens per sample")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (LLaMA-3: 500000)")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="RMSNorm epsilon")
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="standard deviation of the normal weight initialisation")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the tokenizer's vocabulary to a multiple of this x --tensor-model-parallel-size")
     g.add_argument("--attention-backend", choices=("sdpa", "megatron"), default="sdpa",
                    help="sdpa: torch scaled_dot_product_attention (flash/cuDNN on GPU); "
                         "megatron: Megatron's unfused DotProductAttention (saves [b,h,s,s] probabilities)")
@@ -55,43 +58,47 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
 
 def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP: ranks that split each layer")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="PP: pipeline stages (layers split evenly); data-parallel size = world size / (TP x PP)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="enables the interleaved 1F1B schedule")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard optimizer states (and with agoq's optimizer its master) over the data-parallel ranks")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="Megatron-LM's flag: reduce each gradient bucket as soon as its last gradient is ready, "
                         "overlapping the data-parallel reduction with backward (no effect at DP=1)")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket with --overlap-grad-reduce (Megatron's default: "
                         "max(40M, 1M x data-parallel size))")
-    g.add_argument("--micro-batch-size", type=int, default=2)
-    g.add_argument("--global-batch-size", type=int, default=8)
+    g.add_argument("--micro-batch-size", type=int, default=2, help="samples per forward/backward pass per rank")
+    g.add_argument("--global-batch-size", type=int, default=8,
+                   help="samples per optimizer step over all data-parallel ranks (a multiple of micro-batch x DP)")
 
 
 def _optim_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimizer and schedule (Megatron's Adam(W), OptimizerParamScheduler)")
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--min-lr", type=float, default=3e-4)
-    g.add_argument("--lr-warmup-iters", type=int, default=5)
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (after warmup)")
+    g.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end of the decay")
+    g.add_argument("--lr-warmup-iters", type=int, default=5, help="linear warmup iterations from 0 to --lr")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="iterations from the end of warmup to --min-lr; default: --train-iters")
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine", help="decay from --lr to --min-lr")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay (AdamW)")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam first-moment decay")
+    g.add_argument("--adam-beta2", type=float, default=0.95, help="Adam second-moment decay")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="bf16 gradient buffer: accumulate and reduce main_grad in bf16 instead of Megatron's fp32 "
                         "(FlashOptim's 16-bit gradients; 2 instead of 4 bytes/param). Needs bf16 params")
-    g.add_argument("--train-iters", type=int, default=30)
+    g.add_argument("--train-iters", type=int, default=30, help="optimizer steps of the whole run (resumes count on)")
     g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
                    dest="override_opt_param_scheduler",
                    help="on --load, follow this command line's LR schedule (--lr, --min-lr, --lr-warmup-iters, "
                         "--lr-decay-iters, --lr-decay-style, --train-iters) from the checkpoint's iteration on; "
                         "default: the checkpoint's schedule (Megatron-LM's --use-checkpoint-opt_param-scheduler)")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=int, default=1234, help="weight initialisation and data order")
 
 
 def _data_flags(p: argparse.ArgumentParser) -> None:
@@ -104,16 +111,20 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-interval", type=int, default=None,
                    help="validation loss every N iterations and at the end (default: no evaluation)")
     g.add_argument("--eval-iters", type=int, default=2, help="global batches per evaluation")
-    g.add_argument("--data-cache-dir", default=None, help="default: $AGOQ_CACHE or ~/.cache/agoq")
+    g.add_argument("--data-cache-dir", default=None,
+                   help="where the built-in corpus and the dataset indices are cached; default: $AGOQ_CACHE, "
+                        "else ~/.cache/agoq/data")
 
 
 def _run_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpoints and logging")
     g.add_argument("--save", default=None, help="checkpoint directory (megatron.core.dist_checkpointing)")
-    g.add_argument("--load", default=None, help="resume from the latest checkpoint in this directory")
+    g.add_argument("--load", default=None,
+                   help="resume from the latest checkpoint in this directory (a directory without one yet: "
+                        "start from scratch, as Megatron-LM)")
     g.add_argument("--save-interval", type=int, default=None,
                    help="save every N iterations (default, or 0: only at the end, on a signal and at --exit-interval)")
-    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--log-interval", type=int, default=1, help="print an iteration line every N iterations")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving) at this iteration (default, or 0: run to --train-iters)")
     g.add_argument("--debug-nonfinite-at-iteration", type=int, nargs="+", default=None, metavar="N",
@@ -164,6 +175,18 @@ def add_compute_flags(parser: argparse.ArgumentParser) -> None:
                    help="delayed scaling: amaxes kept per tensor (default 16)")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's '(default: X)' after each flag's help, except where the help already says its default in
+    words, for switches (off unless given) and for defaults that mean "not given" (None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or isinstance(action, argparse._StoreTrueAction)):
+            return text
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports an error in one line, without the usage dump (which under torchrun was ~150
     lines per rank); ``quiet`` (ranks other than the first on a node) exits without printing."""
@@ -176,8 +199,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="pretrain_llama.py", allow_abbrev=False,
+        prog="pretrain_llama.py", allow_abbrev=False, formatter_class=_HelpFormatter,
         description="Pretrain a LLaMA-architecture model on megatron-core with agoq.",
+        epilog="Defaults are the built-in ones; a --config file replaces them (file < command line).",
     )
     parser.add_argument("--config", default=None, help="YAML file of flag values (snake_case keys)")
     for add in (_model_flags, _parallel_flags, _optim_flags, _data_flags, _run_flags, _agoq_flags, add_grad_flags,

@@ -67,10 +67,10 @@ def add_optim_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="step each param in its backward hook and free its grad (one stage, no accumulation)",
     )
-    g.add_argument("--agoq-sgd-momentum", type=float, default=0.9)
-    g.add_argument("--agoq-sgd-nesterov", action="store_true")
-    g.add_argument("--agoq-lion-beta1", type=float, default=0.9)
-    g.add_argument("--agoq-lion-beta2", type=float, default=0.99)
+    g.add_argument("--agoq-sgd-momentum", type=float, default=0.9, help="--agoq-optimizer sgd: momentum")
+    g.add_argument("--agoq-sgd-nesterov", action="store_true", help="--agoq-optimizer sgd: Nesterov momentum")
+    g.add_argument("--agoq-lion-beta1", type=float, default=0.9, help="--agoq-optimizer lion: update interpolation")
+    g.add_argument("--agoq-lion-beta2", type=float, default=0.99, help="--agoq-optimizer lion: momentum decay")
 
 
 def check_release_flags(args: argparse.Namespace, data_parallel: int = 1) -> None:
