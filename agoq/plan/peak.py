@@ -1,7 +1,16 @@
 """Predicted per-GPU peak of ``torch.cuda.max_memory_allocated`` for one pipeline stage.
 
-peak = persistent state + max(forward/backward phase, optimizer-step phase), every term from what the
-code allocates (file and function named at each term). Pure Python (no torch, no Megatron).
+peak = max(DDP construction, persistent state + max(forward/backward phase, optimizer-step phase)), every
+term from what the code allocates (file and function named at each term). Pure Python (no torch, no
+Megatron).
+
+DDP construction (``StagePeak.construction``): Megatron's ``_ParamAndGradBuffer.__init__``
+(megatron.core.distributed.param_and_grad_buffer) allocates the float gradient buffer (grad dtype x buffer
+elements; agoq's 8-bit store frees it right after construction) and, with the distributed optimizer, the
+bf16 parameter buffer, while the model's original parameters are still alive (copied in afterwards). With
+agoq's lean state this is the run's peak where activations are small: DP=2 x PP=2, 3B shape, agoq full,
+10.594 GiB = 2.649 (parameters) + 2.649 (parameter buffer) + 5.297 (fp32 gradient buffer) on both stages,
+read off 4 H100s with scripts/mem_trace.py (docs/benchmarks/grads.md). Gradient release builds no DDP.
 
 Persistent (held for the whole run after the first step):
 - weights: bf16 parameters (2 B each) of the stage's layers, embedding (first stage), final norm and
@@ -27,8 +36,9 @@ parameter (4 B/param; the other foreach ops are in place). With bf16 gradients M
 ``_copy_model_grads_to_main_grads`` makes fp32 copies (``main_grad.float()``, 4 B/param). With the 8-bit
 store and Megatron's AdamW the reduced gradient is dequantized into a float buffer (4 B/param,
 agoq.megatron.grad_store; with the distributed optimizer only the rank's fp32 shard gradients, 4/dp; with
-agoq's optimizer nothing: it reads the 8-bit shard one parameter at a time). agoq's optimizer steps one parameter at a time (agoq.optim.base.step_param):
-its temporaries are a few fp32 copies of the largest parameter (``AGOQ_STEP_FP32_COPIES``).
+agoq's optimizer nothing: it reads the 8-bit shard one parameter at a time). agoq's optimizer steps one
+parameter at a time (agoq.optim.base.step_param): its temporaries are a few fp32 copies of the largest
+parameter (``AGOQ_STEP_FP32_COPIES``).
 
 Gradient release (``Recipe.gradient_release``, --agoq-gradient-release): 0 gradient bytes and no step
 phase; the per-parameter step and non-finite check run inside backward (``release_step_bytes``).
@@ -117,6 +127,7 @@ class StagePeak:
     step_extra: int  # optimizer-step temporaries (and float gradient buffers that exist only then)
     transient_source: str
     fp8: int = 0  # FP8 weight caches + scaling state of the stage's FP8 linears (agoq.plan.fp8)
+    construction: int = 0  # model parameters + Megatron DDP's buffers at construction (module docstring)
 
     @property
     def persistent(self) -> int:
@@ -132,10 +143,12 @@ class StagePeak:
 
     @property
     def peak(self) -> int:
-        return max(self.fwd_bwd, self.step)
+        return max(self.fwd_bwd, self.step, self.construction)
 
     @property
     def phase(self) -> str:
+        if self.construction > max(self.fwd_bwd, self.step):
+            return "DDP construction"
         return "forward/backward" if self.fwd_bwd >= self.step else "optimizer step"
 
 
@@ -224,6 +237,16 @@ def grad_bytes_per_param(recipe: Recipe, layout: Layout) -> tuple[float, float]:
     return float(layout.grad_bytes), after
 
 
+def ddp_construction_bytes(weights: int, buffer_numel: int, layout: Layout, recipe: Recipe) -> int:
+    """Allocated while Megatron's DDP builds its buffers (module docstring): the model's parameters, the
+    float gradient buffer and, with the distributed optimizer, the bf16 parameter buffer. 0 with gradient
+    release (agoq.megatron.release wraps the model without Megatron's DDP)."""
+    if recipe.gradient_release:
+        return 0
+    param_buffer = BF16_BYTES * buffer_numel if layout.distributed_optimizer else 0
+    return weights + param_buffer + layout.grad_bytes * buffer_numel
+
+
 def _stage_dims(shape: ModelShape, layout: Layout) -> LayerDims:
     return LayerDims(seq=layout.seq, micro_batch=layout.mbs, hidden=shape.hidden_size, ffn=shape.ffn_hidden_size,
                      heads=shape.num_attention_heads, groups=shape.num_query_groups, tp=layout.tp)
@@ -282,16 +305,23 @@ def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe:
             transient += release_step_bytes(max(tensors))
             source += " + release step"
         fp8 = fp8_persistent_bytes(recipe.fp8, shape, layout.tp, st.layers)
+        construction = ddp_construction_bytes(weights, buffer, layout, recipe)
         out.append(StagePeak(rank, weights, grads, optimizer, CUDA_RUNTIME_BYTES, layer_held + st.head_activations,
-                             transient, step_extra, source, fp8))
+                             transient, step_extra, source, fp8, construction))
     return out
 
 
 def format_peaks(peaks: list[StagePeak]) -> str:
     lines = []
     for p in peaks:
+        head = f"  stage {p.pp_rank}: predicted peak {p.peak / GIB:.2f} GiB ({p.phase}) = "
+        if p.phase == "DDP construction":
+            lines.append(head + f"parameters {p.weights / GIB:.2f} + Megatron's parameter and gradient buffers "
+                         f"{(p.construction - p.weights) / GIB:.2f} GiB (agoq frees the float gradient buffer "
+                         f"after construction; training peak {max(p.fwd_bwd, p.step) / GIB:.2f} GiB)")
+            continue
         lines.append(
-            f"  stage {p.pp_rank}: predicted peak {p.peak / GIB:.2f} GiB ({p.phase}) = weights {p.weights / GIB:.2f}"
+            head + f"weights {p.weights / GIB:.2f}"
             f" + grads {p.grads / GIB:.2f} + optimizer {p.optimizer / GIB:.2f} + runtime {p.runtime / GIB:.2f}"
             + (f" + fp8 weight cache {p.fp8 / GIB:.2f}" if p.fp8 else "")
             + (f" + activations {p.held / GIB:.2f} + {p.transient_source} {p.transient / GIB:.2f}"

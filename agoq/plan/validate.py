@@ -197,12 +197,28 @@ def pp2_cases(path: Path = BENCH / "activations_pp2.json") -> list[Case]:
     return cases
 
 
+def stage_peak_cases(name: str) -> list[Case]:
+    """bench_pretrain.py suites that report every pipeline stage's peak (DP x PP with the distributed optimizer,
+    docs/benchmarks/grads.md); the command's --nproc-per-node gives the data-parallel size."""
+    report = json.loads((BENCH / name).read_text())
+    cases = []
+    for variant in report["variants"]:
+        if variant.get("returncode") != 0 or not variant.get("stage_peaks_gib"):
+            continue
+        shape, layout, policy, recipe = from_pretrain_argv(variant["command"].split())
+        peaks = predict_peaks(shape, layout, load_policy(_policy_path(policy)), _dated(recipe, report))
+        for stage, measured in enumerate(variant["stage_peaks_gib"]):
+            cases.append(_case(name, variant["name"], stage, measured, peaks[stage]))
+    return cases
+
+
 def all_cases() -> list[Case]:
     earlier = [pretrain_cases(BENCH / f"pretrain_memory_{run}.json") for run in PRETRAIN_EARLIER_RUNS]
     fp8 = [c for name in FP8_RUNS for c in pretrain_cases(BENCH / name)]
     whole = [c for name in ACTIVATION_STEP_RUNS for c in pretrain_cases(BENCH / name)]
+    stages = [c for name in STAGE_PEAK_RUNS for c in stage_peak_cases(name)]
     return (pretrain_cases() + [c for cases in earlier for c in cases] + bench_memory_cases() + pp2_cases() + fp8
-            + whole)
+            + whole + stages)
 
 
 # Earlier runs of the memory suite, each on the code of its date (docs/benchmarks/pretrain_memory.md)
@@ -211,6 +227,8 @@ PRETRAIN_EARLIER_RUNS = ("2026-11-24", "2026-11-25a", "2026-11-25b")
 FP8_RUNS = ("fp8_step_run4.json", "fp8_scale_1b.json", "fp8_scale_7b.json", "fp8_scale_1b_v2.json")
 # bench_pretrain.py --suite act_host: baseline vs agoq.yaml at micro-batch 1 / 2 (docs/benchmarks/activations.md)
 ACTIVATION_STEP_RUNS = ("activations_whole_steps.json", "activations_whole_steps_2.json")
+# bench_pretrain.py --suite dp2_pp2 (4 H100, DP=2 x PP=2, distributed optimizer; docs/benchmarks/grads.md)
+STAGE_PEAK_RUNS = ("dp2_pp2.json",)
 
 
 def format_table(cases: list[Case]) -> str:
