@@ -152,7 +152,7 @@ class PeerReducer:
         allreduce_8bit, bit for bit) or one-shot (every rank sums every row: the fp32 sums of the dequantized
         peers, i.e. reduce_scatter_8bit's result for every row, without the second quantization; W-1 rows of
         codes read per rank instead of 2 (W-1)/W, equal at W = 2). ``one_shot=None``: one-shot at W = 2."""
-        from agoq.kernels.comm import dequantize_peer_rows, quantize_rows, reduce_peer_rows
+        from agoq.kernels.comm import PEER_NUM_WARPS, dequantize_peer_rows, quantize_rows, reduce_peer_rows
 
         row_numel = allreduce_row_numel(flat.numel(), self.world, self.fmt)
         if row_numel == 0:
@@ -160,7 +160,8 @@ class PeerReducer:
         nb = self.fmt.num_blocks(row_numel)
         geo, ws = self._ensure(nb), self._next()
         codes, scales = geo.send[ws]
-        quantize_rows(flat, codes, scales, self.fmt, row_stride=row_numel, row_numel=row_numel, col0=0)
+        quantize_rows(flat, codes, scales, self.fmt, row_stride=row_numel, row_numel=row_numel, col0=0,
+                      num_warps=PEER_NUM_WARPS)
         self.handle.barrier(channel=0)
         if one_shot if one_shot is not None else self.world == ONE_SHOT_MAX_WORLD:
             (every_codes, every_scales), tables = geo.one_shot_tables[ws]
@@ -179,13 +180,13 @@ class PeerReducer:
 
     def reduce_scatter(self, out: torch.Tensor, flat_in: torch.Tensor, *, average: bool, post_scale: float) -> None:
         """Rank r's ``out`` (contiguous) = the fp32 sum of shard r of every rank's ``flat_in`` (reduce_scatter_8bit)."""
-        from agoq.kernels.comm import quantize_rows, reduce_peer_rows
+        from agoq.kernels.comm import PEER_NUM_WARPS, quantize_rows, reduce_peer_rows
 
         n = out.numel()
         nb = self.fmt.num_blocks(n)
         geo, ws = self._ensure(nb), self._next()
         codes, scales = geo.send[ws]
-        quantize_rows(flat_in, codes, scales, self.fmt, row_stride=n, row_numel=n, col0=0)
+        quantize_rows(flat_in, codes, scales, self.fmt, row_stride=n, row_numel=n, col0=0, num_warps=PEER_NUM_WARPS)
         self.handle.barrier(channel=0)
         (red_codes, red_scales), tables = geo.reduce_tables[ws]
         reduce_peer_rows(red_codes, red_scales, self.fmt, average=average, post_scale=post_scale, out=out.view(-1),

@@ -201,22 +201,28 @@ def _constexprs(fmt: QuantFormat) -> dict:
                 ROWS=_launch.rows_for(fmt, ELEMS_PER_PROGRAM))
 
 
-_QUANTIZE = FastKernel(_quantize_rows_kernel, num_warps=NUM_WARPS, enable_fp_fusion=False)
-_REDUCE = FastKernel(_reduce_rows_kernel, num_warps=NUM_WARPS, enable_fp_fusion=False)
-_DEQUANTIZE = FastKernel(_dequantize_rows_kernel, num_warps=NUM_WARPS, enable_fp_fusion=False)
+# Warps per program of the peer transport's launches (agoq.comm.symm): 8 was within 3 % of the best of six
+# (elements per program, warps) shapes at every size and the best or second best at 160 MiB (Megatron's
+# bucket: 0.307 ms against 0.617 ms with 4 warps, one-shot all-reduce, 2 H100, 2026-11-26); the NCCL transport
+# keeps NUM_WARPS (its measurements, docs/benchmarks/grads.md).
+PEER_NUM_WARPS = 8
+_KERNELS = {w: (FastKernel(_quantize_rows_kernel, num_warps=w, enable_fp_fusion=False),
+                FastKernel(_reduce_rows_kernel, num_warps=w, enable_fp_fusion=False),
+                FastKernel(_dequantize_rows_kernel, num_warps=w, enable_fp_fusion=False))
+            for w in (NUM_WARPS, PEER_NUM_WARPS)}
 # FastKernel: direct launches of the compiled kernels (agoq.kernels._fastlaunch; every parameter positional, in
 # signature order). A reduction issues 3-5 of these per chunk and the peer transport has no NCCL call to hide
 # host time behind: Triton's own dispatch (~40 us a launch) set the floor at small sizes.
 
 
 def quantize_rows(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, *,
-                  row_stride: int, row_numel: int, col0: int) -> None:
-    """Triton twin of agoq.ref.comm.ref_quantize_rows."""
+                  row_stride: int, row_numel: int, col0: int, num_warps: int = NUM_WARPS) -> None:
+    """Triton twin of agoq.ref.comm.ref_quantize_rows (``num_warps``: NUM_WARPS or PEER_NUM_WARPS, launch only)."""
     world, nb, ce = _check(codes, scales, fmt)
     if nb == 0:
         return
     flat = src.reshape(-1)
-    _QUANTIZE((triton.cdiv(nb, ce["ROWS"]), world), flat, codes, scales, codes.stride(0), scales.stride(0),
+    _KERNELS[num_warps][0]((triton.cdiv(nb, ce["ROWS"]), world), flat, codes, scales, codes.stride(0), scales.stride(0),
               row_stride, row_numel, flat.numel(), col0, nb, ce["KIND"], ce["BLOCK"], ce["ROWS"], ce["SCALE"],
               float(fmt.qmax), ce["FP8_DTYPE"])  # fmt: skip
 
@@ -226,7 +232,8 @@ def _reduce(grid, codes, scales, codes_stride, scales_stride, world, nb, fmt, ce
     requant = out is None
     dummy = codes  # unused pointer arguments of the other output kind / of the strided layout
     code_table, scale_table = tables if peers else (scales, scales)
-    _REDUCE(grid, codes, scales, codes_stride, scales_stride, world, nb, float(world), float(post_scale),
+    launch = _KERNELS[PEER_NUM_WARPS if peers else NUM_WARPS][1]
+    launch(grid, codes, scales, codes_stride, scales_stride, world, nb, float(world), float(post_scale),
             dummy if requant else out.reshape(-1), out_numel, out_row_stride, out_total,
             codes_out.reshape(-1) if requant else dummy, scales_out.reshape(-1) if requant else scales,
             code_table, scale_table, ce["KIND"], ce["BLOCK"], ce["ROWS"], ce["SCALE"], float(fmt.qmax),
@@ -249,7 +256,8 @@ def reduce_rows(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, *, 
 def _dequantize(grid, codes, scales, codes_stride, scales_stride, flat, row_stride, row_numel, col0, nb, ce,
                 tables, peers) -> None:
     code_table, scale_table = tables if peers else (scales, scales)
-    _DEQUANTIZE(grid, codes, scales, codes_stride, scales_stride, flat, row_stride, row_numel, flat.numel(), col0,
+    launch = _KERNELS[PEER_NUM_WARPS if peers else NUM_WARPS][2]
+    launch(grid, codes, scales, codes_stride, scales_stride, flat, row_stride, row_numel, flat.numel(), col0,
                 nb, code_table, scale_table, ce["KIND"], ce["BLOCK"], ce["ROWS"], ce["SCALE"], ce["FP8_DTYPE"],
                 peers)  # fmt: skip
 

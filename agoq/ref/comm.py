@@ -58,8 +58,9 @@ def _row_q(codes: torch.Tensor, scales: torch.Tensor, p: int, fmt: QuantFormat) 
 
 
 def ref_quantize_rows(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, *,
-                      row_stride: int, row_numel: int, col0: int) -> None:
-    """Quantize the chunk ``[col0, col0 + nb * block)`` of every row of ``src`` (flat) into codes/scales."""
+                      row_stride: int, row_numel: int, col0: int, num_warps: int = 4) -> None:
+    """Quantize the chunk ``[col0, col0 + nb * block)`` of every row of ``src`` (flat) into codes/scales
+    (``num_warps``: the kernel's launch shape, accepted for the same signature and unused)."""
     world, nb = _check_views(codes, scales, fmt)
     flat = src.reshape(-1)
     idx, valid = row_index(world, nb * fmt.block, row_stride=row_stride, row_numel=row_numel, col0=col0,
