@@ -22,11 +22,16 @@ import sys
 from pathlib import Path
 
 from agoq.megatron.args import data_blend, parse_and_check, policy_path  # no torch, no megatron
+from agoq.megatron.known_warnings import filter_known_warnings  # no torch, no megatron
 
 if __name__ == "__main__":
     # Flags, config file, policy, layout and --data-path files are checked before torch and megatron load
     # (~5 s): a mistake stops in about a second, in one line (agoq.megatron.args.parse_and_check).
     ARGS = parse_and_check(sys.argv[1:])
+    if os.environ.get("AGOQ_SHOW_KNOWN_WARNINGS") != "1":  # megatron-core / torch warnings harmless here
+        filter_known_warnings()
+    if os.environ.get("RANK", "0") == "0":
+        print("pretrain_llama.py: arguments checked; loading torch and megatron-core ...", flush=True)
 
 import torch  # noqa: E402
 
@@ -38,7 +43,7 @@ from agoq.megatron.compute import check_compute, compute_report, compute_spec  #
 from agoq.megatron.ddp import grad_config_from_args, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.optim_args import check_release_flags  # noqa: E402
 from agoq.megatron.optimizer import shard_alignment_for  # noqa: E402
-from agoq.megatron.pretrain import ddp_config, pretrain  # noqa: E402
+from agoq.megatron.pretrain import ddp_config, pretrain, print_rank0  # noqa: E402
 from agoq.megatron.release import TrainingStopped, wrap_release  # noqa: E402
 from agoq.megatron.training import configure_grad_hooks  # noqa: E402
 from agoq.policy import ScheduleInfo, format_table, load_policy, model_sites, policy_table  # noqa: E402
@@ -93,7 +98,7 @@ def train_valid_test_datasets_provider(args):
         blend, tokenizer_path = data_blend(args.data_path), Path(args.tokenizer_model)
         tokenizer = Tokenizer.load(tokenizer_path)
     else:
-        paths = mdata.ensure_default_dataset_distributed(cache_dir)  # rank 0 builds, then the others read
+        paths = mdata.ensure_default_dataset_distributed(cache_dir, progress=print_rank0)  # rank 0 builds first
         blend, tokenizer_path = [str(paths.prefix)], paths.tokenizer_model
         tokenizer = Tokenizer.load(tokenizer_path)
         mdata.check_dataset_files(blend, split=args.split, tokenizer=tokenizer)
@@ -132,7 +137,8 @@ def grad_config(args, spec):
 
 
 def policy_report(args, shape, layout, num_microbatches) -> str:
-    """Echo the policy file and its resolved per-layer, per-role table for every stage (rank 0 prints)."""
+    """The policy file's resolved per-layer, per-role table for every stage (rank 0 prints; the file's own
+    text and comments are in the file)."""
     if args.agoq_disable:
         return "agoq: disabled (--agoq-disable): plain Megatron baseline"
     path = policy_path(args)
@@ -140,8 +146,7 @@ def policy_report(args, shape, layout, num_microbatches) -> str:
     schedule = ScheduleInfo(pp_size=layout.pp, vp_size=layout.vpp, num_microbatches=num_microbatches)
     table = format_table(policy_table(spec, model_sites(shape.num_layers, schedule), schedule))
     return (
-        f"agoq policy {path}:\n{path.read_text().rstrip()}\n"
-        f"resolved per layer and role (all stages):\n{table}\n"
+        f"agoq policy {path}, resolved per layer and role (all stages):\n{table}\n"
         f"gradients: {_gradients_line(args)}"
         + (f" ({args.agoq_grads_mode} mode)" if args.agoq_grads else "")
         + f"\n{compute_report(compute_spec(args, spec), shape.num_layers)}"

@@ -243,8 +243,12 @@ def ensure_default_dataset(
     max_bytes: int = DEFAULT_MAX_BYTES,
     tokenizer_config: TokenizerTrainConfig | None = None,
     stdlib_dir: str | os.PathLike | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> DatasetPaths:
     """Return the default dataset, building it into ``cache_dir`` first if needed.
+
+    ``progress`` (e.g. a rank-0 print) is told which dataset is used, and when one is built, that the build
+    starts and what it produced.
 
     The directory ``cache_dir/stdlib-<key>`` is keyed on the corpus content hash, ``max_bytes`` and
     the tokenizer options. It is built in a temporary directory and renamed into place, under a
@@ -256,15 +260,20 @@ def ensure_default_dataset(
     corpus = collect_stdlib_corpus(max_bytes, Path(stdlib_dir) if stdlib_dir is not None else None)
     key = _default_dataset_key(corpus.manifest, tokenizer_config)
     final_dir = cache_dir / f"{DEFAULT_DATASET_NAME}-{key}"
+    say = progress or (lambda _text: None)
     if (final_dir / MANIFEST_FILE_NAME).is_file():
+        say(f"data: built-in corpus and tokenizer (cached): {final_dir}")
         return _paths_in(final_dir)
+    say(f"data: building the built-in corpus ({len(corpus.documents)} stdlib documents) and its SentencePiece "
+        f"tokenizer into {final_dir} (once; later runs reuse it) ...")
     cache_dir.mkdir(parents=True, exist_ok=True)
     with _file_lock(cache_dir / f".{final_dir.name}.lock"):
         if (final_dir / MANIFEST_FILE_NAME).is_file():  # another process built it meanwhile
+            say(f"data: built-in corpus ready (built by another process): {final_dir}")
             return _paths_in(final_dir)
         tmp_dir = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".tmp-{final_dir.name}-"))
         try:
-            _build_default_into(tmp_dir, corpus, tokenizer_config, key)
+            say(_build_default_into(tmp_dir, corpus, tokenizer_config, key))
             try:
                 os.rename(tmp_dir, final_dir)
             except OSError:  # lost a race the lock could not see (e.g. another host on NFS)
@@ -282,12 +291,14 @@ def ensure_default_dataset_distributed(cache_dir: str | os.PathLike, **kwargs) -
     The others then hit rank 0's cache (shared filesystem) or build the same dataset themselves
     under the lock (node-local cache). Raises if a rank ended up with a different dataset key (e.g.
     another Python build on another node): use one shared cache or identical Python installs.
-    Without an initialised process group it is :func:`ensure_default_dataset`.
+    Without an initialised process group it is :func:`ensure_default_dataset`. ``progress`` is told on
+    global rank 0 only.
     """
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return ensure_default_dataset(cache_dir, **kwargs)
-    paths = ensure_default_dataset(cache_dir, **kwargs) if dist.get_rank() == 0 else None
+    progress = kwargs.pop("progress", None)
+    paths = ensure_default_dataset(cache_dir, progress=progress, **kwargs) if dist.get_rank() == 0 else None
     dist.barrier()
     if paths is None:
         paths = ensure_default_dataset(cache_dir, **kwargs)
@@ -301,7 +312,8 @@ def ensure_default_dataset_distributed(cache_dir: str | os.PathLike, **kwargs) -
     return paths
 
 
-def _build_default_into(directory: Path, corpus, tokenizer_config: TokenizerTrainConfig, key: str) -> None:
+def _build_default_into(directory: Path, corpus, tokenizer_config: TokenizerTrainConfig, key: str) -> str:
+    """Build into ``directory``; a one-line summary of what was built."""
     paths = _paths_in(directory)
     start = time.perf_counter()
     texts = [doc.text for doc in corpus.documents]
@@ -336,6 +348,8 @@ def _build_default_into(directory: Path, corpus, tokenizer_config: TokenizerTrai
         stats.seconds,
     )
     (paths.manifest).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return (f"data: built-in corpus ready: {stats.num_documents} documents, {stats.num_tokens} tokens, vocabulary "
+            f"{tokenizer.vocab_size} (tokenizer {tokenizer_seconds:.1f} s, encoding {stats.seconds:.1f} s)")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -60,6 +60,17 @@ def _print_stage_first(text: str | None) -> None:
         dist.barrier()
 
 
+class Progress:
+    """Rank 0's start-up progress lines (issue 21: setup was silent for minutes): ``setup [  12.3 s]: what``,
+    seconds since pretrain() began, printed before each slow phase."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def __call__(self, text: str) -> None:
+        print_rank0(f"setup [{time.perf_counter() - self.start:6.1f} s]: {text}")
+
+
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
@@ -170,10 +181,11 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
     """Run the whole job described by ``args`` (see agoq.megatron.args)."""
     device = runtime.choose_device(args.agoq_device, int(os.environ.get("LOCAL_RANK", "0")))
     stop = StopSignal()  # from the start: a signal during start-up stops the job after its first iteration
+    progress = Progress()
     install(AgoqConfig(enabled=not args.agoq_disable, policy_path=args.agoq_policy, device=args.agoq_device))
     info = runtime.init_distributed(device)
     try:
-        _run(args, info, model_provider, datasets_provider, (policy_report, storage_report), stop)
+        _run(args, info, model_provider, datasets_provider, (policy_report, storage_report), (stop, progress))
     finally:
         runtime.shutdown()
         # slurm sends USR1 to the batch step and the launcher relays it: a second copy arriving during
@@ -181,8 +193,9 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, reports, stop) -> None:
+def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, reports, control) -> None:
     policy_report, storage_report = reports
+    stop, progress = control
     layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, vpp=args.vpp)
     check_layout(args, info.world_size)  # the script checked it before torch loaded; callers of pretrain() may not
     check_release_flags(args, data_parallel=info.world_size // (layout.tp * layout.pp))
@@ -192,7 +205,10 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
                 f"vpp {layout.vpp or 1} dp {info.world_size // (layout.tp * layout.pp)} | "
                 f"micro-batches per step {microbatches}")
     runtime.init_model_parallel(layout, args.seed, info.device)
+    progress("tokenizer and data files" + ("" if args.data_path else " (agoq's built-in corpus)"))
     tokenizer, data_factory = datasets_provider(args)
+    progress(f"building the model ({args.num_layers} layers, hidden {args.hidden_size}, {layout.pp} pipeline "
+             f"stage{'s' if layout.pp > 1 else ''}) and its {'Megatron' if args.agoq_disable else 'agoq'} layers")
     model, shape, spec = model_provider(args, layout, tokenizer, info, microbatches)
     report = policy_report(args, shape, layout, microbatches)
     print_rank0(report)
@@ -204,6 +220,7 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
                 "peak_gib": [p.peak / memory_report.GIB for p in peaks], "phase": [p.phase for p in peaks]}}) + "\n")
     _print_stage_first(storage_report(spec))
     params_dtype = torch.float32 if args.fp32 else torch.bfloat16
+    progress("building the optimizer")
     if args.agoq_optimizer == "torch":
         optimizer, scheduler = build_optimizer(args, model, params_dtype)
     else:
@@ -222,11 +239,15 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
         print_rank0(f"optimizer: agoq {args.agoq_optimizer} | moments {args.agoq_moments} | master "
                     f"{args.agoq_master} | step: {step}")
     contract = resume_contract(args, shape, layout)
-    progress = _resume(args, contract, report, (model, optimizer, scheduler))
+    if args.load:
+        progress(f"loading the latest checkpoint in {args.load}")
+    start_state = _resume(args, contract, report, (model, optimizer, scheduler))
     # Megatron's valid iterator continues across evaluations; on resume it restarts where it was.
-    consumed_valid = (progress.iteration // args.eval_interval * args.eval_iters * args.global_batch_size
+    consumed_valid = (start_state.iteration // args.eval_interval * args.eval_iters * args.global_batch_size
                       if args.eval_interval else 0)
-    pairs = [data_factory(progress.consumed_samples, consumed_valid) for _ in range(layout.vpp or 1)]
+    progress("building the datasets (train / valid / test splits and their sample indices, cached next to the "
+             "data)")
+    pairs = [data_factory(start_state.consumed_samples, consumed_valid) for _ in range(layout.vpp or 1)]
     iterators = [train for train, _ in pairs]
     components_valid = [valid for _, valid in pairs] if args.eval_interval else None
     components = Components(model, optimizer, scheduler, layout,
@@ -234,8 +255,11 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
                             policy_report=report, resume_contract=contract)
     tensorboard = open_tensorboard(args.tensorboard_dir, is_writer_rank=training.is_logging_rank())
     tensorboard.log_policy_table(report)
+    if start_state.iteration < args.train_iters:
+        progress(f"setup done; iteration {start_state.iteration + 1} runs next (the first one also warms up: "
+                 "kernel compilation, allocator, communicators)")
     try:
-        _train_loop(args, info, components, (iterators, components_valid), microbatches, progress, tensorboard,
+        _train_loop(args, info, components, (iterators, components_valid), microbatches, start_state, tensorboard,
                     stop)
     finally:
         tensorboard.close()
@@ -341,6 +365,26 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
             print_rank0(f"saved checkpoint {path}")
         if stopping:
             print_rank0(f"stopping at iteration {iteration}"
-                        + (f" on signal {stop.received}" if stop.received else " (--exit-interval)"))
+                        + (f" on the {signal_name(stop.received)}" if stop.received else " (--exit-interval)"))
             break
-    print_rank0(f"done: {iteration} iterations in {time.perf_counter() - start:.1f} s")
+    print_rank0(done_line(progress.iteration, iteration, args.train_iters, time.perf_counter() - start))
+
+
+def signal_name(signum: int) -> str:
+    """How a stop signal is reported: "save-and-exit signal (SIGUSR1)", not "signal 10"."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+    return f"save-and-exit signal ({name})" if signum in StopSignal.SIGNALS else name
+
+
+def done_line(first_iteration: int, last_iteration: int, train_iters: int, seconds: float) -> str:
+    """The closing line: iterations this run did (a resumed run started at ``first_iteration``) and the total."""
+    ran = last_iteration - first_iteration
+    text = f"done: {ran} iteration{'s' if ran != 1 else ''} in {seconds:.1f} s"
+    if first_iteration:
+        text += f" (resumed at iteration {first_iteration}; now at {last_iteration} of {train_iters})"
+    elif last_iteration < train_iters:
+        text += f" (at {last_iteration} of {train_iters})"
+    return text
