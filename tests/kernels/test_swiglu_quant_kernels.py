@@ -194,7 +194,8 @@ def test_saving_input_fused_path_end_to_end(monkeypatch, smooth):
     from agoq.ops import saved_act
     from agoq.ref.swiglu import smooth_scale_per_token
 
-    monkeypatch.setattr(saved_act, "_swiglu_fused", lambda h, fmt, offset: not offset and fusable(h, fmt))
+    monkeypatch.setattr(saved_act, "_swiglu_fused",
+                        lambda h, fmt, offset, fuse=True: fuse and not offset and fusable(h, fmt))
     fmt = parse_format("nf4_b64")
     h = _h((3, 2), _ffn(fmt, 1), torch.bfloat16, "outliers").requires_grad_(True)
     gz = torch.randn((3, 2, h.shape[-1] // 2)).to(torch.bfloat16).to(DEVICE)
