@@ -24,12 +24,15 @@ from pathlib import Path
 from agoq.megatron.args import data_blend, parse_and_check, policy_path  # no torch, no megatron
 from agoq.megatron.known_warnings import filter_known_warnings  # no torch, no megatron
 
+if __name__ in ("__main__", "__mp_main__") and os.environ.get("AGOQ_SHOW_KNOWN_WARNINGS") != "1":
+    # megatron-core / torch warnings known to be harmless here, ignored before torch loads: in this process
+    # and in the checkpoint writer dist_checkpointing spawns (it re-imports this file as __mp_main__)
+    filter_known_warnings()
+
 if __name__ == "__main__":
     # Flags, config file, policy, layout and --data-path files are checked before torch and megatron load
     # (~5 s): a mistake stops in about a second, in one line (agoq.megatron.args.parse_and_check).
     ARGS = parse_and_check(sys.argv[1:])
-    if os.environ.get("AGOQ_SHOW_KNOWN_WARNINGS") != "1":  # megatron-core / torch warnings harmless here
-        filter_known_warnings()
     if os.environ.get("RANK", "0") == "0":
         print("pretrain_llama.py: arguments checked; loading torch and megatron-core ...", flush=True)
 
