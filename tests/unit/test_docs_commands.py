@@ -506,7 +506,8 @@ def test_inline_commands_name_existing_flags(stand_in):
             "`python scripts/pretrain_llama.py --agoq-typo`.\n")
     problems = [p for cmd in inline_commands(REPO_ROOT / "docs" / "example.md", text)
                 for p in check_inline(cmd, stand_in)]
-    assert len(problems) == 2 and "no flag --no-such-plan-flag" in problems[0] and "--agoq-typo" in problems[1], problems
+    assert len(problems) == 2, problems
+    assert "no flag --no-such-plan-flag" in problems[0] and "no flag --agoq-typo" in problems[1], problems
 
 
 def test_skip_marker_and_block_classification(stand_in):
