@@ -1,10 +1,13 @@
 """Apply an activation policy to agoq's layers at model build, and account for saved bytes.
 
-``ActivationStorage`` travels in the layer spec (``agoq_layer_spec(..., policy=, schedule=)``);
-each ``AgoqTransformerLayer`` calls ``assign(self)`` once built: the layer's position (global
-layer index, pipeline rank, virtual stage) resolves the policy per role, the storage rule of
-``agoq.plan.storage`` turns that into what each module stores, and the modules get their format,
-their counter key and their recompute links (norm -> QKV / fc1, SwiGLU -> fc2).
+``ActivationStorage`` travels in the layer spec (``agoq_layer_spec(..., policy=, schedule=, save_paths=)``,
+``params["agoq_storage"]``): a resolver shared by every layer. Each ``AgoqTransformerLayer``
+(agoq.megatron.transformer_layer) calls ``resolve(position)`` in its ``__init__``, before Megatron builds
+its submodules: the layer's position (global layer index, pipeline rank, virtual stage) resolves the
+policy per role, and the storage rule of ``agoq.plan.storage`` turns that into what each module stores.
+The layer then passes each module its format, counter key, counter, host paths and recompute role as
+constructor arguments (``ModuleSpec.params``), and the recompute hand-offs (norm -> QKV / fc1, SwiGLU ->
+fc2) as ``Handoff`` objects owned by the layer and the MLP.
 
 Accounting, two views:
 - ``ActivationStorage.counter`` (``SavedBytesCounter``): exact bytes agoq packs, per (layer, role);
@@ -15,8 +18,10 @@ Accounting, two views:
 
 Seam card
 ---------
-Touches: ``TransformerLayer`` submodule attribute names (``input_layernorm``, ``pre_mlp_layernorm``,
-  ``self_attention.linear_qkv/linear_proj``, ``mlp.linear_fc1/linear_fc2``).
+Touches: the local GPT layer spec (``TransformerLayerSubmodules``, ``SelfAttentionSubmodules``,
+  ``MLPSubmodules``, ``spec.module``, ``spec.params``: substitution in ``with_agoq_modules``);
+  ``TransformerLayer`` submodule attribute names (``input_layernorm``, ``pre_mlp_layernorm``,
+  ``self_attention.linear_qkv/linear_proj``, ``mlp.linear_fc1/linear_fc2``: read by ``agoq_modules``).
 Why: the policy is per (layer, role); the layer is the first place that knows its global index.
 Verified on: megatron-core 0.19.2.
 Guarded by: ``tests/megatron/test_activations.py``, ``tests/megatron/test_activations_pp.py``.
@@ -30,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agoq.megatron.layers import AgoqMLP, AgoqRMSNorm, _AgoqLinearMixin
-from agoq.megatron.sites import layer_position
+from agoq.megatron.sites import LayerPosition
 from agoq.ops.saved_act import SavedBytesCounter, SavePaths
 from agoq.plan.storage import LayerStorage, layer_storage
 from agoq.policy import LAYER_ROLES, PolicySpec, ScheduleInfo
@@ -38,22 +43,24 @@ from agoq.policy import LAYER_ROLES, PolicySpec, ScheduleInfo
 __all__ = ["ActivationStorage", "SavedTensorMeter", "storage_table", "agoq_modules", "with_agoq_modules"]
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class ActivationStorage:
-    """The policy, the schedule it is resolved under, the shared byte counter, and what was assigned."""
+    """The resolver the layer spec carries (``params["agoq_storage"]``, shared by every layer): the policy,
+    the schedule it is resolved under, the model's byte counter and host paths. Each
+    ``AgoqTransformerLayer`` calls ``resolve`` in its ``__init__`` with its own position and passes the
+    result to its modules' constructors; ``layers`` records what each built layer stores."""
 
     policy: PolicySpec
     schedule: ScheduleInfo | None
     counter: SavedBytesCounter = field(default_factory=SavedBytesCounter)
-    layers: dict[int, LayerStorage] = field(default_factory=dict)
+    layers: dict[int, LayerStorage] = field(default_factory=dict)  # filled as layers are built
     paths: SavePaths = field(default_factory=SavePaths)  # host paths of the saved-activation code
 
     def __deepcopy__(self, memo):  # one storage object per model, even if the spec is deep-copied
         return self
 
-    def assign(self, layer) -> LayerStorage:
-        """Resolve the policy for ``layer`` (an AgoqTransformerLayer) and configure its modules."""
-        position = layer_position(layer, layer.agoq_vp_stage)
+    def resolve(self, position: LayerPosition) -> LayerStorage:
+        """What the layer at ``position`` stores per role (the storage rule of ``agoq.plan.storage``)."""
         if self.schedule is not None and (self.schedule.pp_size, self.schedule.vp_size) != (
             position.pp_size, position.vp_size,
         ):
@@ -63,7 +70,6 @@ class ActivationStorage:
                 "ScheduleInfo from the same layout"
             )
         storage = layer_storage(self.policy, position.site, self.schedule)
-        _configure(layer, storage, self.counter, self.paths)
         self.layers[storage.layer_idx] = storage
         return storage
 
@@ -85,30 +91,6 @@ def agoq_modules(layer) -> dict[str, torch.nn.Module]:
             "and FP8 linear has an owner"
         )
     return mods
-
-
-def _configure(layer, storage: LayerStorage, counter: SavedBytesCounter, paths: SavePaths) -> None:
-    mods = agoq_modules(layer)
-    idx = storage.layer_idx
-    for name in mods:
-        mods[name].agoq_counter = counter
-        mods[name].agoq_paths = paths
-    for norm_name, linear_name, linear_role in (("input_layernorm", "linear_qkv", "attn.qkv_input"),
-                                                ("pre_mlp_layernorm", "linear_fc1", "mlp.fc1_input")):
-        norm, linear = mods[norm_name], mods[linear_name]
-        norm.agoq_fmt, norm.agoq_key = storage.fmt("norm.input"), (idx, "norm.input")
-        # a plain attribute, not a registered submodule (that would duplicate the linear's parameters)
-        object.__setattr__(norm, "agoq_consumer", linear)
-        linear.agoq_recomputed = storage.norm_recompute
-        linear.agoq_fmt, linear.agoq_key = storage.fmt(linear_role), (idx, linear_role)
-    mods["linear_proj"].agoq_fmt = storage.fmt("attn.proj_input")
-    mods["linear_proj"].agoq_key = (idx, "attn.proj_input")
-    mlp, fc2 = mods["mlp"], mods["linear_fc2"]
-    mlp.agoq_fmt, mlp.agoq_key = storage.fmt("mlp.swiglu_input"), (idx, "mlp.swiglu_input")
-    if storage.swiglu_recompute:
-        mlp.check_recompute_supported()
-    fc2.agoq_recomputed = storage.swiglu_recompute
-    fc2.agoq_fmt, fc2.agoq_key = storage.fmt("mlp.fc2_input"), (idx, "mlp.fc2_input")
 
 
 def storage_table(storage: ActivationStorage) -> str:
@@ -182,13 +164,14 @@ class SavedTensorMeter:
 
 
 def with_agoq_modules(spec):
-    """Substitute agoq's modules into a local GPT layer spec (same parameter names; with nothing
-    assigned they run Megatron's code)."""
+    """Substitute agoq's modules into a local GPT layer spec (same parameter names; without a resolver in
+    ``spec.params`` they run Megatron's code)."""
     from functools import partial
 
     from megatron.core.transformer.mlp import MLPSubmodules
 
-    from agoq.megatron.layers import AgoqColumnParallelLinear, AgoqRowParallelLinear, AgoqTransformerLayer
+    from agoq.megatron.layers import AgoqColumnParallelLinear, AgoqRowParallelLinear
+    from agoq.megatron.transformer_layer import AgoqTransformerLayer
 
     if spec.module is AgoqTransformerLayer:
         return spec  # already substituted
@@ -206,8 +189,8 @@ def with_agoq_modules(spec):
 
 
 def with_activation_storage(spec, policy, schedule: ScheduleInfo | None, paths: SavePaths | None = None):
-    """Substitute agoq's modules into a local GPT layer spec and attach an ActivationStorage (``paths``:
-    the host paths of the saved-activation code, default :class:`agoq.ops.saved_act.SavePaths`)."""
+    """Substitute agoq's modules into a local GPT layer spec and put an ActivationStorage in its ``params``
+    (``paths``: the host paths of the saved-activation code, default :class:`agoq.ops.saved_act.SavePaths`)."""
     from pathlib import Path
 
     from agoq.policy import load_policy

@@ -3,14 +3,15 @@
 ``--agoq-fp8 {off,current,delayed,rowwise,te}`` and ``--agoq-smooth-swiglu {off,per-channel,per-token}``
 (plus ``--agoq-fp8-bf16-first-layers`` / ``-last-layers`` / ``--agoq-fp8-amax-history-len``) override
 the policy file's ``fp8:`` section (``agoq.policy.FP8Spec``); neither given means off. ``LayerCompute``
-travels in the layer spec (``agoq_layer_spec(..., compute=)``) and configures each built layer: its
-four linears get an ``FP8Recipe`` (or stay bf16: the first/last layers by rule; the LM head always),
-its MLP the Smooth-SwiGLU mode.
+travels in the layer spec (``agoq_layer_spec(..., compute=)``): a resolver each ``AgoqTransformerLayer``
+queries in its ``__init__``; the layer passes the result to its modules' constructors: its four linears
+get an ``FP8Recipe`` (or stay bf16: the first/last layers by rule; the LM head always), its MLP the
+Smooth-SwiGLU mode.
 
 Seam card
 ---------
-Touches: the agoq modules of ``agoq.megatron.layers`` (spec substitution), ``TransformerLayer``
-  submodule names, ``TransformerConfig.num_layers``.
+Touches: the agoq modules of ``agoq.megatron.layers`` (spec substitution; constructor arguments
+  ``agoq_fp8`` / ``agoq_smooth`` through agoq.megatron.transformer_layer), ``TransformerConfig.num_layers``.
 Why: the layer is the first place that knows its global index (first/last layers stay bf16).
 Verified on: megatron-core 0.19.2.
 When disabled: ``--agoq-fp8 off`` and ``--agoq-smooth-swiglu off``: no module is touched.
@@ -104,32 +105,26 @@ def check_compute(spec: FP8Spec, device: torch.device, *, num_layers: int, hidde
         raise ValueError(f"{flag}: torch._scaled_mm needs multiples of {GEMM_DIM_MULTIPLE}, got {bad}")
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class LayerCompute:
-    """What the layer spec carries: the run's FP8Spec; ``assign(layer)`` configures a built layer.
-    ``layers`` records, per global layer index, whether it runs FP8 (for the report and tests)."""
+    """The resolver the layer spec carries (``params["agoq_compute"]``, shared by every layer): the run's
+    FP8Spec. Each ``AgoqTransformerLayer`` calls ``resolve`` in its ``__init__`` and passes the result to its
+    linears and MLP as constructor arguments. ``layers`` records, per global layer index, whether it runs
+    FP8 (for the report and tests)."""
 
     spec: FP8Spec
-    layers: dict[int, bool] = field(default_factory=dict)
+    layers: dict[int, bool] = field(default_factory=dict)  # filled as layers are built
 
     def __deepcopy__(self, memo):  # one object per model, even if the spec is deep-copied
         return self
 
-    def assign(self, layer) -> None:
-        from agoq.megatron.activations import agoq_modules
-        from agoq.megatron.sites import layer_position
-
-        mods = agoq_modules(layer)
-        idx = layer_position(layer, layer.agoq_vp_stage).layer_idx
-        fp8 = self.spec.uses_fp8(idx, layer.config.num_layers)
-        recipe = fp8_recipe(self.spec) if fp8 else None
-        for name in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
-            mods[name].agoq_fp8 = recipe
-        mlp = mods["mlp"]
-        mlp.agoq_smooth = _SMOOTH_OPS_MODE.get(self.spec.smooth_swiglu)
-        if mlp.agoq_smooth is not None:
-            mlp.check_smooth_supported()
-        self.layers[idx] = fp8
+    def resolve(self, position, num_layers: int) -> dict:
+        """``{"fp8": FP8Recipe | None, "smooth": str | None}`` for the layer at ``position``
+        (an ``agoq.megatron.sites.LayerPosition``) of a model of ``num_layers`` (``TransformerConfig``): its
+        four linears' recipe (the first / last layers stay bf16 by rule) and its MLP's Smooth-SwiGLU mode."""
+        fp8 = self.spec.uses_fp8(position.layer_idx, num_layers)
+        self.layers[position.layer_idx] = fp8
+        return {"fp8": fp8_recipe(self.spec) if fp8 else None, "smooth": _SMOOTH_OPS_MODE.get(self.spec.smooth_swiglu)}
 
 
 def compute_report(spec: FP8Spec, num_layers: int) -> str:

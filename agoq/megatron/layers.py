@@ -3,11 +3,12 @@ linears can run in FP8 and whose MLP can be Smooth-SwiGLU.
 
 Seam card
 ---------
-Touches: spec substitution of ``TransformerLayer`` (``spec.module``), ``input_layernorm`` /
+Touches: spec substitution (the layer itself: ``agoq.megatron.transformer_layer``) of ``input_layernorm`` /
   ``pre_mlp_layernorm`` (``WrappedTorchNorm`` -> ``torch.nn.RMSNorm`` subclass, same parameter
   name ``weight``: checkpoints are unchanged), ``SelfAttentionSubmodules.linear_qkv/linear_proj``,
   ``MLPSubmodules.linear_fc1/linear_fc2`` and the MLP builder
-  ``partial(MLP.as_mlp_submodule, submodules=...)``; the private
+  ``partial(MLP.as_mlp_submodule, submodules=...)`` (``AgoqMLP.as_mlp_submodule`` is Megatron's body plus
+  agoq's keywords); the private
   ``ColumnParallelLinear/RowParallelLinear._forward_impl(input, weight, *args, **kwargs)``, which
   calls ``LinearWithGradAccumulationAndAsyncCommunication`` (its ``ctx.save_for_backward(input,
   weight)`` is what agoq intercepts: hooks on saved tensor 0 of the node it returns, checked per call by
@@ -15,7 +16,8 @@ Touches: spec substitution of ``TransformerLayer`` (``spec.module``), ``input_la
   active; its keyword arguments are the parameters of
   ``linear_with_grad_accumulation_and_async_allreduce``, which the FP8 path reads);
   ``copy_to_tensor_model_parallel_region`` (the FP8 path's dgrad all-reduce); ``MLP.forward``
-  (re-implemented for the recompute and Smooth-SwiGLU paths only); ``MLP.tp_group``.
+  (re-implemented for the recompute and Smooth-SwiGLU paths only); ``MLP.tp_group``;
+  ``ModuleSpec(module, params)`` / ``build_module`` (constructor arguments: ``with_params``).
 Why: AGoQ stores the pre-norm input (norm recomputed), the fc1 output (SwiGLU recomputed) and the
   out-projection input in low-bit (../shared/spec/algorithms.md §3.2). The spec is the first-choice seam; the
   ``_forward_impl`` override keeps Megatron's own linear autograd (TP all-reduce, sequence
@@ -23,27 +25,41 @@ Why: AGoQ stores the pre-norm input (norm recomputed), the fc1 output (SwiGLU re
 Verified on: megatron-core 0.19.2.
   FP8 linears and Smooth-SwiGLU (FP8 paper, ../shared/spec/algorithms.md §2) need the same two seams: the GEMM
   inside ``_forward_impl`` and the activation inside ``MLP.forward``.
-When disabled: a module whose ``agoq_fmt``, ``agoq_fp8`` and ``agoq_smooth`` are None (every bf16
-  role, FP8 off) calls Megatron's code unchanged, so the bf16 policy is bit-identical to the plain
-  local spec.
-Guarded by: ``tests/megatron/test_activations.py`` (bit-identity, gradient SQNR, bytes),
+Wiring: every option reaches a module through its constructor (``agoq_save``: a
+  :class:`SavedInputConfig`; ``agoq_fp8``; ``agoq_smooth``; ``agoq_handoff``), as ``ModuleSpec.params``
+  that ``agoq.megatron.transformer_layer.AgoqTransformerLayer`` resolves for its own layer index and
+  stage before Megatron builds its submodules. The recompute hand-offs (pre-norm -> QKV / fc1, SwiGLU ->
+  fc2) are :class:`Handoff` slots owned by the layer (norms -> QKV / fc1) and by the MLP (SwiGLU -> fc2),
+  given to producer and consumer at construction; nothing is written onto a built module or a sibling.
+When disabled: a module built with the default ``SavedInputConfig()`` (every bf16 role), no FP8 recipe
+  and no Smooth-SwiGLU mode calls Megatron's code unchanged, so the bf16 policy is bit-identical to the
+  plain local spec.
+Guarded by: ``tests/megatron/test_activations.py`` (bit-identity, gradient SQNR, bytes, constructor
+  wiring and hand-off errors),
   ``tests/megatron/test_fp8_smooth.py`` (Smooth-SwiGLU vs plain, TP=2, FP8 errors on CPU),
   ``tests/gpu/test_fp8_megatron_gpu.py`` and ``tests/megatron/test_contract.py`` (the CONTRACT rows).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.mlp import MLP
-from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.spec_utils import ModuleSpec
 
+from agoq.formats import QuantFormat
 from agoq.ops.fp8_linear import fp8_linear
-from agoq.ops.fp8_scaling import FP8ScalingState
+from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState
 from agoq.ops.fp8_weight_cache import FP8WeightCache
 from agoq.ops.saved_act import (
+    Key,
+    RecomputeStash,
+    SavedBytesCounter,
     SavePaths,
     default_saved_hooks_active,
     quantized_saves,
@@ -63,23 +79,75 @@ from agoq.ops.smooth_swiglu import fold_channel_scale, glu_smooth_scale, unsmoot
 _MEGATRON_LINEAR_NODE = "LinearWithGradAccumulationAndAsyncCommunicationBackward"
 
 
-class _AgoqStorageAttrs:
-    """Storage settings written by ``ActivationStorage.assign`` after the layer is built."""
+@dataclass(frozen=True, kw_only=True)
+class SavedInputConfig:
+    """How one module stores the tensor it saves for backward (a constructor argument, ``agoq_save``).
 
-    agoq_fmt = None  # QuantFormat to store this module's saved tensor in, or None: Megatron's save
-    agoq_key = (None, "")  # (global layer index, role) for the byte counter
-    agoq_counter = None  # SavedBytesCounter shared by the model, or None
-    agoq_paths = SavePaths()  # host paths of the saved-activation code (same bytes and gradients)
+    The default (no format, not recomputed) is Megatron's own save: the module runs Megatron's code."""
+
+    fmt: QuantFormat | None = None
+    """Store a copy quantized to this format; None: Megatron's save (or nothing, when ``recomputed``)."""
+    key: Key = (None, "")
+    """(global layer index, role): the byte counter's key and the name in error messages."""
+    counter: SavedBytesCounter | None = None
+    """The model's byte counter, shared by every layer (None: not counted)."""
+    paths: SavePaths = SavePaths()
+    """Host paths of the saved-activation code (same bytes and gradients)."""
+    recomputed: bool = False
+    """Linears only: store nothing; the input is rebuilt from the stash the producing op (pre-norm or
+    SwiGLU) leaves in the linear's :class:`Handoff`."""
 
 
-class AgoqRMSNorm(_AgoqStorageAttrs, torch.nn.RMSNorm):
+class Handoff:
+    """A one-slot hand-off from the op that produces a linear's input to that linear, within one forward.
+
+    The producer (``AgoqRMSNorm`` for QKV / fc1, ``AgoqMLP``'s SwiGLU for fc2) ``put``s the
+    ``RecomputeStash`` of its quantized input (and, per-channel Smooth-SwiGLU, the scale fc2 folds into
+    its weight); the consumer linear ``take``s it at the start of its ``_forward_impl``. The slot is
+    created by the module that owns both (the transformer layer, the MLP) and given to producer and
+    consumer at construction. Order is checked: a producer that finds an untaken stash, and a
+    recomputing consumer that finds none, raise instead of recomputing from the wrong tensor (the
+    stash itself also checks that it feeds the tensor the producer returned).
+    """
+
+    __slots__ = ("name", "_stash", "_col_scale")
+
+    def __init__(self, name: str):
+        self.name = name  # "producer -> consumer", for error messages
+        self._stash: RecomputeStash | None = None
+        self._col_scale: torch.Tensor | None = None
+
+    def put(self, stash: RecomputeStash | None, col_scale: torch.Tensor | None = None) -> None:
+        if self._stash is not None:
+            raise RuntimeError(
+                f"agoq hand-off {self.name}: the producer ran again before its consumer took the previous "
+                "stash; the layer's forward order changed (report it) or use a bf16 policy")
+        self._stash, self._col_scale = stash, col_scale
+
+    def take(self) -> tuple[RecomputeStash | None, torch.Tensor | None]:
+        """(stash, col_scale) left by the producer (None, None when none), and empty the slot."""
+        out = self._stash, self._col_scale
+        self._stash = self._col_scale = None
+        return out
+
+    @property
+    def pending(self) -> bool:
+        return self._stash is not None or self._col_scale is not None
+
+    def __repr__(self) -> str:
+        return f"Handoff({self.name!r}, pending={self.pending})"
+
+
+_NO_SAVE = SavedInputConfig()
+
+
+class AgoqRMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` (what ``WrappedTorchNorm`` builds for RMSNorm) that can store only its
-    quantized input and hand a recompute stash to the linear it feeds (``agoq_consumer``)."""
+    quantized input (``agoq_save.fmt``) and hand a recompute stash to the linear it feeds
+    (``agoq_handoff``, shared with that linear)."""
 
-    agoq_consumer = None
-    agoq_node_checked = False  # the CUDA norm node's saved input was checked to be x (first call)
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, *, agoq_save: SavedInputConfig = _NO_SAVE,
+                 agoq_handoff: Handoff | None = None, **_unused):
         problems = [name for name in ("layernorm_zero_centered_gamma", "persist_layer_norm", "sequence_parallel",
                                       "memory_efficient_layer_norm") if getattr(config, name)]
         if config.normalization != "RMSNorm" or problems:
@@ -87,34 +155,45 @@ class AgoqRMSNorm(_AgoqStorageAttrs, torch.nn.RMSNorm):
                 f"agoq's local-spec norm supports normalization='RMSNorm' without {problems or 'extras'} "
                 f"(got normalization={config.normalization!r}); use --agoq-disable or the bf16 policy"
             )
+        if agoq_save.fmt is not None and agoq_handoff is None:
+            raise ValueError(f"agoq: the norm {agoq_save.key} stores its input quantized but has no hand-off to the "
+                             "linear it feeds; build it through AgoqTransformerLayer (agoq_layer_spec)")
         super().__init__(normalized_shape=hidden_size, eps=eps)
+        self.agoq_save = agoq_save
+        self.agoq_handoff = agoq_handoff
+        self.agoq_node_checked = False  # the CUDA norm node's saved input was checked to be x (first call)
 
     def forward(self, x_SBH: torch.Tensor) -> torch.Tensor:
-        if self.agoq_fmt is None:
+        save = self.agoq_save
+        if save.fmt is None:
             return super().forward(x_SBH)
-        y_SBH, stash = rmsnorm_saving_input(x_SBH, self.weight, self.eps, self.agoq_fmt, self.agoq_key,
-                                            self.agoq_counter, check_identity=not self.agoq_node_checked,
-                                            via_aten_node=self.agoq_paths.norm_via_aten_node)
+        y_SBH, stash = rmsnorm_saving_input(x_SBH, self.weight, self.eps, save.fmt, save.key, save.counter,
+                                            check_identity=not self.agoq_node_checked,
+                                            via_aten_node=save.paths.norm_via_aten_node)
         self.agoq_node_checked = self.agoq_node_checked or stash is not None
-        self.agoq_consumer.agoq_pending = stash
+        self.agoq_handoff.put(stash)
         return y_SBH
 
 
-class _AgoqLinearMixin(_AgoqStorageAttrs):
-    """``_forward_impl`` that stores the input quantized (``agoq_fmt``) or not at all
-    (``agoq_recomputed``: the producing norm / SwiGLU left a stash in ``agoq_pending``), and that runs
-    the GEMMs in FP8 when ``agoq_fp8`` (an ``FP8Recipe``) is set. ``agoq_col_scale`` (set by the MLP
-    just before fc2's call, per-channel Smooth-SwiGLU) makes the GEMM use W * s."""
+class _AgoqLinearMixin:
+    """``_forward_impl`` that stores the input quantized (``agoq_save.fmt``) or not at all
+    (``agoq_save.recomputed``: the producing norm / SwiGLU left a stash in ``agoq_handoff``), and that
+    runs the GEMMs in FP8 when ``agoq_fp8`` (an ``FP8Recipe``) is set. A column scale in the hand-off
+    (per-channel Smooth-SwiGLU, fc2) makes the GEMM use W * s."""
 
-    agoq_recomputed = False
-    agoq_pending = None
-    agoq_fp8 = None  # FP8Recipe for this linear, or None: Megatron's bf16 GEMMs
-    agoq_col_scale = None
-    agoq_save_checked = False  # replace_saved_input verified which saved tensor is the input (first call)
+    def __init__(self, *args, agoq_save: SavedInputConfig = _NO_SAVE, agoq_handoff: Handoff | None = None,
+                 agoq_fp8: FP8Recipe | None = None, **kwargs):
+        if agoq_save.recomputed and agoq_handoff is None:
+            raise ValueError(f"agoq: the linear {agoq_save.key} recomputes its input but has no hand-off from the "
+                             "op that produces it; build it through AgoqTransformerLayer (agoq_layer_spec)")
+        super().__init__(*args, **kwargs)
+        self.agoq_save = agoq_save
+        self.agoq_handoff = agoq_handoff
+        self.agoq_fp8 = agoq_fp8  # FP8Recipe for this linear, or None: Megatron's bf16 GEMMs
+        self.agoq_save_checked = False  # replace_saved_input verified which saved tensor is the input (first call)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        stash, self.agoq_pending = self.agoq_pending, None
-        col_scale, self.agoq_col_scale = self.agoq_col_scale, None
+        stash, col_scale = (None, None) if self.agoq_handoff is None else self.agoq_handoff.take()
         if self.agoq_fp8 is not None:
             return self._fp8_forward_impl(input, weight, stash, col_scale, args, kwargs)
         if col_scale is not None:
@@ -122,14 +201,15 @@ class _AgoqLinearMixin(_AgoqStorageAttrs):
         saves_input = torch.is_grad_enabled() and weight.requires_grad and input.requires_grad
         if not saves_input:  # no graph, or frozen weight: Megatron saves no input for wgrad
             return super()._forward_impl(input, weight, *args, **kwargs)
-        if self.agoq_recomputed:
-            kw = {"stash": self._require_stash(stash), "key": self.agoq_key}
-        elif self.agoq_fmt is not None:
-            kw = {"fmt": self.agoq_fmt, "key": self.agoq_key, "counter": self.agoq_counter}
+        save = self.agoq_save
+        if save.recomputed:
+            kw = {"stash": self._require_stash(stash), "key": save.key}
+        elif save.fmt is not None:
+            kw = {"fmt": save.fmt, "key": save.key, "counter": save.counter}
         else:
             return super()._forward_impl(input, weight, *args, **kwargs)
         # agoq's scope must be innermost
-        if not self.agoq_paths.linear_via_node_hooks or default_saved_hooks_active():
+        if not save.paths.linear_via_node_hooks or default_saved_hooks_active():
             with quantized_saves(input, **kw):
                 return super()._forward_impl(input, weight, *args, **kwargs)
         out = super()._forward_impl(input, weight, *args, **kwargs)
@@ -144,8 +224,9 @@ class _AgoqLinearMixin(_AgoqStorageAttrs):
     def _require_stash(self, stash):
         if stash is None:
             raise RuntimeError(
-                f"agoq: {self.agoq_key} expects its input from the recomputable op before it, which "
-                "left no stash; the layer's forward order changed (report it) or use a bf16 policy"
+                f"agoq: {self.agoq_save.key} expects its input from the recomputable op before it "
+                f"(hand-off {self.agoq_handoff.name}), which left no stash; the layer's forward order changed "
+                "(report it) or use a bf16 policy"
             )
         return stash
 
@@ -153,6 +234,7 @@ class _AgoqLinearMixin(_AgoqStorageAttrs):
         """Megatron's local linear (``linear_with_grad_accumulation_and_async_allreduce``) with FP8
         GEMMs: the column-parallel dgrad all-reduce becomes ``copy_to_tensor_model_parallel_region``
         (synchronous, not overlapped with wgrad); the rest of its options raise."""
+        save = self.agoq_save
         unsupported = [name for name in ("gradient_accumulation_fusion", "sequence_parallel") if kw.get(name)]
         if kw.get("grad_output_buffer") is not None:
             unsupported.append("defer_embedding_wgrad_compute")
@@ -161,20 +243,19 @@ class _AgoqLinearMixin(_AgoqStorageAttrs):
         if args or unsupported:
             raise NotImplementedError(
                 f"agoq's FP8 linear does not support {unsupported or 'positional arguments'} (layer/role "
-                f"{self.agoq_key}); turn them off or run this layer in bf16 (--agoq-fp8 off)")
+                f"{save.key}); turn them off or run this layer in bf16 (--agoq-fp8 off)")
         if kw.get("allreduce_dgrad"):
             input = copy_to_tensor_model_parallel_region(input, group=kw.get("tp_group"))
         saver = None
         if torch.is_grad_enabled() and weight.requires_grad:
-            if self.agoq_recomputed:
+            if save.recomputed:
                 stash = self._require_stash(stash)
-                saver = lambda x2: saved_input_handle(input, stash=stash, key=self.agoq_key)  # noqa: E731
-            elif self.agoq_fmt is not None:
-                saver = lambda x2: saved_input_handle(x2, fmt=self.agoq_fmt, key=self.agoq_key,  # noqa: E731
-                                                      counter=self.agoq_counter)
+                saver = lambda x2: saved_input_handle(input, stash=stash, key=save.key)  # noqa: E731
+            elif save.fmt is not None:
+                saver = lambda x2: saved_input_handle(x2, fmt=save.fmt, key=save.key,  # noqa: E731
+                                                      counter=save.counter)
         return fp8_linear(input, weight, self._fp8_state(weight.device), self.agoq_fp8, bias=kw.get("bias"),
                           w_col_scale=col_scale, x_saver=saver, weight_cache=self._fp8_weight_cache())
-
     def _fp8_weight_cache(self):
         """The FP8 copies of this linear's weight, reused by every micro-batch until the weight changes
         (agoq.ops.fp8_weight_cache; a plain attribute, outside the state dict)."""
@@ -205,20 +286,47 @@ class AgoqRowParallelLinear(_AgoqLinearMixin, RowParallelLinear):
     """RowParallelLinear (linear_proj, linear_fc2) with agoq's saved-input storage."""
 
 
-class AgoqMLP(_AgoqStorageAttrs, MLP):
-    """MLP whose SwiGLU can store only its quantized input (the fc1 output) and recompute, and can be
-    Smooth-SwiGLU (``agoq_smooth``: "per_token" or "per_channel", the FP8 paper's rescale).
+class AgoqMLP(MLP):
+    """MLP whose SwiGLU can store only its quantized input (the fc1 output) and recompute
+    (``agoq_save.fmt``), and can be Smooth-SwiGLU (``agoq_smooth``: "per_token" or "per_channel", the FP8
+    paper's rescale).
 
-    With ``agoq_fmt`` and ``agoq_smooth`` None this is Megatron's MLP. Otherwise forward = fc1 ->
-    SwiGLU (Megatron's unfused ``glu`` values: ``silu(gate) * (up + glu_linear_offset)``) -> fc2. With
-    storage, fc2 stores nothing: its input is rebuilt from the same quantized fc1 output in backward.
+    With neither this is Megatron's MLP. Otherwise forward = fc1 -> SwiGLU (Megatron's unfused ``glu``
+    values: ``silu(gate) * (up + glu_linear_offset)``) -> fc2. With storage, fc2 stores nothing: its
+    input is rebuilt from the same quantized fc1 output in backward, through the MLP's own
+    :class:`Handoff` (``agoq_fc2_handoff``, given to fc2 at construction).
     Smooth-SwiGLU divides the SwiGLU output by a power-of-two s (exact) and undoes it around fc2: per
     token, fc2's output (after the TP all-reduce; s is all-reduced MAX over TP first) is multiplied
-    by s; per channel, fc2 uses W * s (s folded into its input columns; each channel lives on one TP
-    rank). In bf16 the smoothed MLP therefore equals the plain one bit for bit, barring underflow.
+    by s; per channel, fc2 uses W * s (s folded into its input columns, handed to fc2 with the stash;
+    each channel lives on one TP rank). In bf16 the smoothed MLP therefore equals the plain one bit for
+    bit, barring underflow.
     """
 
-    agoq_smooth = None
+    def __init__(self, config, submodules, *args, agoq_save: SavedInputConfig = _NO_SAVE,
+                 agoq_smooth: str | None = None, **kwargs):
+        handoff = Handoff(f"layer {agoq_save.key[0]} SwiGLU -> linear_fc2")
+        submodules = dataclasses.replace(
+            submodules, linear_fc2=with_params(submodules.linear_fc2, agoq_handoff=handoff))
+        super().__init__(config, submodules, *args, **kwargs)
+        self.agoq_save = agoq_save
+        self.agoq_smooth = agoq_smooth
+        self.agoq_fc2_handoff = handoff
+        if agoq_save.fmt is not None:
+            self.check_recompute_supported()
+        if agoq_smooth is not None:
+            self.check_smooth_supported()
+
+    @classmethod
+    def as_mlp_submodule(cls, submodules, config, pg_collection, is_mtp_layer, is_expert: bool = False,
+                         input_size: int | None = None, ffn_hidden_size: int | None = None, name: str | None = None,
+                         *, agoq_save: SavedInputConfig = _NO_SAVE, agoq_smooth: str | None = None) -> AgoqMLP:
+        """Megatron's builder (``MLP.as_mlp_submodule``) plus agoq's two constructor arguments, which the
+        layer spec's ``partial`` carries (the MLP entry of ``TransformerLayerSubmodules`` is a builder, not a
+        ModuleSpec, in megatron-core 0.19)."""
+        del is_mtp_layer
+        return cls(config=config, submodules=submodules, tp_group=pg_collection.tp, is_expert=is_expert,
+                   input_size=input_size, ffn_hidden_size=ffn_hidden_size, name=name, agoq_save=agoq_save,
+                   agoq_smooth=agoq_smooth)
 
     def check_recompute_supported(self) -> None:
         problems = self._swiglu_problems()
@@ -248,7 +356,8 @@ class AgoqMLP(_AgoqStorageAttrs, MLP):
         return problems
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
-        if self.agoq_fmt is None and self.agoq_smooth is None:
+        save = self.agoq_save
+        if save.fmt is None and self.agoq_smooth is None:
             return super().forward(hidden_states, per_token_scale, **kwargs)
         if per_token_scale is not None:
             raise NotImplementedError("agoq's MLP (SwiGLU recompute / Smooth-SwiGLU) does not support "
@@ -257,48 +366,38 @@ class AgoqMLP(_AgoqStorageAttrs, MLP):
         if bias is not None:
             h_SBF2 = h_SBF2 + bias
         if self.agoq_smooth is None:
-            z_SBF, stash = swiglu_saving_input(h_SBF2, self.agoq_fmt, self.agoq_key, self.agoq_counter,
-                                               offset=self.config.glu_linear_offset,
-                                               fuse=self.agoq_paths.fuse_swiglu)
-            self.linear_fc2.agoq_pending = stash
+            z_SBF, stash = swiglu_saving_input(h_SBF2, save.fmt, save.key, save.counter,
+                                               offset=self.config.glu_linear_offset, fuse=save.paths.fuse_swiglu)
+            self.agoq_fc2_handoff.put(stash)
             return self.linear_fc2(z_SBF)
         return self._smooth_forward(h_SBF2)
 
     def _smooth_forward(self, h_SBF2):
-        mode = self.agoq_smooth
+        mode, save = self.agoq_smooth, self.agoq_save
         tp_group = self.tp_group if mode == "per_token" else None
 
         def scale_fn(h, glu):
             return glu_smooth_scale(h, glu, mode, tp_group=tp_group)
 
-        if self.agoq_fmt is None:
+        stash = None
+        if save.fmt is None:
             glu_SBF = swiglu_reference(h_SBF2)
             s = scale_fn(h_SBF2, glu_SBF)
             z_SBF = glu_SBF / s.to(glu_SBF.dtype)  # a power of two: exact
         else:
-            z_SBF, s, stash = smooth_swiglu_saving_input(h_SBF2, scale_fn, self.agoq_fmt, self.agoq_key,
-                                                         self.agoq_counter, fuse=self.agoq_paths.fuse_swiglu)
-            self.linear_fc2.agoq_pending = stash
+            z_SBF, s, stash = smooth_swiglu_saving_input(h_SBF2, scale_fn, save.fmt, save.key, save.counter,
+                                                         fuse=save.paths.fuse_swiglu)
         if mode == "per_channel":
-            self.linear_fc2.agoq_col_scale = s
+            self.agoq_fc2_handoff.put(stash, col_scale=s)
             return self.linear_fc2(z_SBF)
+        self.agoq_fc2_handoff.put(stash)
         out_SBH, out_bias = self.linear_fc2(z_SBF)
         return unsmooth_fc2_output(out_SBH, s), out_bias
 
 
-class AgoqTransformerLayer(TransformerLayer):
-    """TransformerLayer that applies the activation policy and the FP8 settings to its modules once
-    they are built.
-
-    ``agoq_storage`` (an ``agoq.megatron.activations.ActivationStorage``) and ``agoq_compute`` (an
-    ``agoq.megatron.compute.LayerCompute``) arrive through the spec's ``params``; None leaves
-    Megatron's behaviour.
-    """
-
-    def __init__(self, *args, agoq_storage=None, agoq_compute=None, vp_stage: int | None = None, **kwargs):
-        super().__init__(*args, vp_stage=vp_stage, **kwargs)
-        self.agoq_vp_stage = vp_stage
-        if agoq_storage is not None:
-            agoq_storage.assign(self)
-        if agoq_compute is not None:
-            agoq_compute.assign(self)
+def with_params(entry, **params) -> ModuleSpec:
+    """``entry`` of a spec (a module class or a ModuleSpec) as a ModuleSpec that also passes ``params`` to the
+    module's ``__init__`` (Megatron's ``build_module``); the shared spec is not modified."""
+    if isinstance(entry, ModuleSpec):
+        return dataclasses.replace(entry, params={**entry.params, **params})
+    return ModuleSpec(module=entry, params=params)

@@ -4,7 +4,8 @@ Seam card
 ---------
 Touches: ``TransformerConfig``, ``get_gpt_layer_local_spec``, ``SelfAttentionSubmodules.core_attention``
   (spec substitution; agoq's layer, norm, linear and MLP modules for activation storage and FP8 /
-  Smooth-SwiGLU), ``GPTModel``, ``DistributedDataParallel`` (public constructors only).
+  Smooth-SwiGLU; ``ModuleSpec.params`` carries the per-run resolvers to agoq's layer constructor),
+  ``GPTModel``, ``DistributedDataParallel`` (public constructors only).
 Why: building the model through the spec is the first-choice seam; agoq never patches model code.
 Verified on: megatron-core 0.19.2.
 Guarded by: ``tests/megatron/test_layouts.py`` (every TP/PP/VPP/DP layout trains the PP=1 model),
@@ -161,14 +162,18 @@ def agoq_layer_spec(attention_backend: str, policy=None, schedule=None, compute=
     ``attention_backend``: "sdpa" (agoq's SDPACoreAttention) or "megatron" (DotProductAttention).
     ``policy``: an activation policy (``agoq.policy.PolicySpec`` or a YAML path) or None (no agoq
     activation storage: Megatron's modules). With a policy, the layer, norms, linears and MLP are
-    agoq's subclasses (same parameter names, checkpoints unchanged) and every layer resolves the
-    policy for its global index and pipeline stage when built; ``schedule``
-    (``agoq.policy.ScheduleInfo``) is required when the policy uses ``auto``. The storage object
-    (byte counter, assigned formats) is ``agoq.megatron.activations.storage_of(spec)``.
+    agoq's subclasses (same parameter names, checkpoints unchanged) and the spec's ``params`` carry a
+    resolver (``agoq_storage``: policy, schedule, byte counter, save paths) shared by every layer: each
+    layer resolves the policy for its global index and pipeline stage in its ``__init__`` and passes its
+    modules their formats, counter and recompute hand-offs as constructor arguments
+    (``agoq.megatron.transformer_layer``); ``schedule`` (``agoq.policy.ScheduleInfo``) is required when the
+    policy uses ``auto``. The storage object (byte counter, what each layer stores) is
+    ``agoq.megatron.activations.storage_of(spec)``.
     ``compute``: an ``agoq.policy.FP8Spec`` (FP8 linears, Smooth-SwiGLU; see
-    ``agoq.megatron.compute``) or None; with it the layers are agoq's modules too, policy or not.
+    ``agoq.megatron.compute``: the ``agoq_compute`` resolver) or None; with it the layers are agoq's
+    modules too, policy or not.
     ``save_paths``: an ``agoq.ops.saved_act.SavePaths`` (how the saved-activation code runs on the host;
-    the default's fast paths when None); used with a policy.
+    the default's fast paths when None); used with a policy, given to every agoq module's constructor.
     """
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend {attention_backend!r}: choose one of {ATTENTION_BACKENDS}")

@@ -257,7 +257,7 @@ def test_save_paths_option_reaches_every_agoq_module(mcore_world1, monkeypatch):
     ref, ref_storage = _build("agoq")
     model, storage = _build("agoq", reference=ref, save_paths=paths)
     for layer in model.decoder.layers:
-        assert all(m.agoq_paths is paths for m in agoq_modules(layer).values())
+        assert all(m.agoq_save.paths is paths for m in agoq_modules(layer).values())
     tokens, labels, pos = _batch(0)
     results = []
     for m, st in ((ref, ref_storage), (model, storage)):
@@ -271,3 +271,61 @@ def test_save_paths_option_reaches_every_agoq_module(mcore_world1, monkeypatch):
     assert packed_ref == packed_new and packed_ref
     for name, grad in grads_ref.items():
         assert torch.equal(grad, grads_new[name]), name
+
+
+def test_layer_settings_reach_modules_through_their_constructors(mcore_world1):
+    """Each layer resolves the policy for its own index in __init__ and hands every agoq module its format,
+    counter key, counter, paths and recompute role as constructor arguments (ModuleSpec.params), and the
+    recompute hand-offs as objects shared by producer and consumer; the spec shared by the layers is not
+    modified (the per-layer arguments live in per-layer copies)."""
+    from agoq.megatron.activations import agoq_modules
+    from agoq.megatron.layers import AgoqRMSNorm, Handoff
+    from agoq.megatron.model import agoq_layer_spec
+    from agoq.policy import ScheduleInfo
+
+    model, storage = _build("agoq")
+    roles = {"input_layernorm": "norm.input", "pre_mlp_layernorm": "norm.input", "linear_qkv": "attn.qkv_input",
+             "linear_proj": "attn.proj_input", "mlp": "mlp.swiglu_input", "linear_fc1": "mlp.fc1_input",
+             "linear_fc2": "mlp.fc2_input"}
+    recomputed = {"linear_qkv", "linear_fc1", "linear_fc2"}  # agoq.yaml quantizes the norm and SwiGLU inputs
+    for layer in model.decoder.layers:
+        idx = layer.layer_number - 1
+        mods = agoq_modules(layer)
+        for name, role in roles.items():
+            save = mods[name].agoq_save
+            assert (save.fmt, save.key, save.recomputed) == (storage.layers[idx].fmt(role), (idx, role),
+                                                             name in recomputed), (idx, name)
+            assert save.counter is storage.counter
+        attn_handoff, mlp_handoff = layer.agoq_handoffs
+        assert isinstance(attn_handoff, Handoff) and attn_handoff is not mlp_handoff
+        assert mods["input_layernorm"].agoq_handoff is attn_handoff is mods["linear_qkv"].agoq_handoff
+        assert mods["pre_mlp_layernorm"].agoq_handoff is mlp_handoff is mods["linear_fc1"].agoq_handoff
+        assert mods["linear_fc2"].agoq_handoff is mods["mlp"].agoq_fc2_handoff
+        assert mods["linear_proj"].agoq_handoff is None
+    handoffs = [h for layer in model.decoder.layers for h in layer.agoq_handoffs]
+    assert len({id(h) for h in handoffs}) == len(handoffs)  # one hand-off per layer and pair
+    spec = agoq_layer_spec("sdpa", policy=POLICIES / "agoq.yaml", schedule=ScheduleInfo(1, None, 1))
+    assert spec.submodules.input_layernorm is AgoqRMSNorm  # the shared spec carries only the resolver
+
+
+def test_handoff_order_is_checked(mcore_world1):
+    """The hand-offs raise instead of letting a linear recompute from the wrong tensor: a recomputing
+    consumer run without its producer's stash, a producer run twice before its consumer, and a consumer
+    fed another tensor than the producer's output."""
+    model, _ = _build("agoq")
+    layer = model.decoder.layers[0]
+    x_SBH = torch.randn(SEQ, MICRO_BATCH, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"\(0, 'attn.qkv_input'\) expects its input .*left no stash"):
+        layer.self_attention.linear_qkv(x_SBH)
+    with pytest.raises(RuntimeError, match="SwiGLU -> linear_fc2.*left no stash"):
+        layer.mlp.linear_fc2(torch.randn(SEQ, MICRO_BATCH, 128, requires_grad=True))
+    layer.input_layernorm(x_SBH)
+    with pytest.raises(RuntimeError, match="input_layernorm -> linear_qkv: the producer ran again"):
+        layer.input_layernorm(x_SBH)
+    y_SBH = layer.pre_mlp_layernorm(x_SBH)
+    with pytest.raises(RuntimeError, match="input is not the output of the recomputable op"):
+        layer.mlp.linear_fc1(y_SBH.clone())
+    for handoff in layer.agoq_handoffs:
+        handoff.take()
+    layer.mlp.linear_fc1(layer.pre_mlp_layernorm(x_SBH))  # in order: fine
+    assert not any(h.pending for h in layer.agoq_handoffs)
