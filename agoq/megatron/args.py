@@ -12,6 +12,7 @@ import argparse
 import difflib
 import os
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -187,14 +188,28 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+# A quiet rank (not the first of its node) waits this long before it exits on an argument error: torchrun
+# stops every worker as soon as one exits non-zero, and a quiet rank that exited first could take the
+# printing rank down before its one error line was out (seen about once in nine launches, 2026-11-26).
+QUIET_EXIT_DELAY_S = 1.0
+
+
+def _exit_quietly_after_delay() -> None:
+    time.sleep(QUIET_EXIT_DELAY_S)
+    raise SystemExit(2)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports an error in one line, without the usage dump (which under torchrun was ~150
-    lines per rank); ``quiet`` (ranks other than the first on a node) exits without printing."""
+    lines per rank); ``quiet`` (ranks other than the first on a node) exits without printing, a moment after
+    the printing rank (QUIET_EXIT_DELAY_S)."""
 
     quiet = False
 
     def error(self, message: str):
-        self.exit(2, None if self.quiet else f"{self.prog}: error: {message} (all flags: {self.prog} --help)\n")
+        if self.quiet:
+            _exit_quietly_after_delay()
+        self.exit(2, f"{self.prog}: error: {message} (all flags: {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -439,7 +454,8 @@ def parse_and_check(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         preflight(args, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as exc:
-        if not quiet:
-            print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
+        if quiet:
+            _exit_quietly_after_delay()
+        print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     return args

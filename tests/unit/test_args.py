@@ -117,6 +117,23 @@ def test_an_error_is_one_line_without_the_usage_dump(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_quiet_ranks_exit_after_the_printing_rank(monkeypatch, capsys):
+    """torchrun stops all workers when the first exits: a quiet rank waits QUIET_EXIT_DELAY_S so the printing
+    rank's error line is out first (both for parser errors and for preflight's)."""
+    import time
+
+    from agoq.megatron import args as margs
+
+    monkeypatch.setattr(margs, "QUIET_EXIT_DELAY_S", 0.2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for argv in (["--num-layers", "0"], ["--pipeline-model-parallel-size", "3"]):
+        t0 = time.monotonic()
+        with pytest.raises(SystemExit) as exc:
+            margs.parse_and_check(argv)
+        assert exc.value.code == 2 and time.monotonic() - t0 >= 0.2, argv
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize(
     "argv,expected",
     [
