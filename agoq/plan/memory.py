@@ -150,6 +150,9 @@ def layer_storage_of(shape: ModelShape, layout: Layout, policy: PolicySpec, rank
     return layer_storage(policy, lambda role: Site(idx, rank, layout.pp, chunk, layout.vpp, role), schedule)
 
 
+MIN_UNITLESS_BYTES = 2**20  # a unitless budget below 1 MiB is a forgotten unit, not a GPU
+
+
 def parse_bytes(text: str) -> int:
     """'80GiB', '80GB', '512MiB', '1e9' -> bytes."""
     units = {"gib": GIB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "kib": 2**10, "kb": 10**3, "b": 1}
@@ -158,6 +161,10 @@ def parse_bytes(text: str) -> int:
         if low.endswith(unit):
             return int(float(low[: -len(unit)]) * factor)
     try:
-        return int(float(low))
+        count = int(float(low))
     except ValueError:
         raise ValueError(f"--memory-budget {text!r}: write e.g. 80GiB, 141GB or a byte count") from None
+    if count < MIN_UNITLESS_BYTES:  # '80' was read as 80 bytes: every policy then "does not fit", silently
+        raise ValueError(f"--memory-budget {text!r} is {count} bytes; give a unit (e.g. {text.strip()}GiB) or a "
+                         "byte count")
+    return count
