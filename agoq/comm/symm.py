@@ -49,6 +49,7 @@ __all__ = ["PeerReducer", "peer_reducer", "allreduce_8bit_peer", "reduce_scatter
 # Row geometries (one per distinct tensor size) whose views and address tables a reducer keeps: Megatron
 # reduces a handful of bucket sizes per model; the oldest geometry is rebuilt if more come (a few host ms).
 MAX_GEOMETRIES = 16
+MAX_REDUCERS = 8  # (group, format, device) workspaces kept per process: DP groups x gradient formats in use
 NUM_WORKSPACES = 2  # alternating workspaces: see "Workspace reuse" in the module docstring
 # The one-shot all-reduce reads (W-1) rows of codes per rank, the two-shot 2 (W-1)/W rows plus a requantize
 # pass and a second barrier: equal wire bytes at W = 2, where one-shot is taken by default (measured,
@@ -102,9 +103,7 @@ class PeerReducer:
             raise ValueError(f"agoq peer reduction: format {self.fmt.name} has no fused kernel (one-byte formats "
                              "only: int8 round-to-nearest, fp8); use the NCCL transport")
         device = torch.device(device)
-        if device.type != "cuda":
-            raise ValueError(f"agoq peer reduction runs on CUDA tensors (NVLink peer memory), got {device}; use "
-                             "agoq.comm.allreduce_8bit (any backend)")
+        _check_device(device)
         self.group = group if group is not None else dist.group.WORLD
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.device = device
@@ -196,13 +195,23 @@ class PeerReducer:
 _REDUCERS: dict[tuple, PeerReducer] = {}
 
 
+def _check_device(device: torch.device) -> None:
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"agoq peer reduction runs on CUDA tensors (NVLink peer memory), got {device}; use "
+                         "agoq.comm.allreduce_8bit / reduce_scatter_8bit (any backend)")
+
+
 def peer_reducer(group, fmt: QuantFormat | str, device: torch.device) -> PeerReducer:
-    """The process's reducer for (group, format, device), created (collectively) at the first call."""
+    """The process's reducer for (group, format, device), created (collectively) at the first call; at most
+    MAX_REDUCERS (a few groups x formats per process; the oldest is dropped, its workspace freed)."""
     fmt = check_grad_format(fmt)
+    _check_device(device)
     g = group if group is not None else dist.group.WORLD
     key = (g.group_name, fmt.name, str(torch.device(device)))
     if key not in _REDUCERS:
         _REDUCERS[key] = PeerReducer(g, fmt, device)
+        while len(_REDUCERS) > MAX_REDUCERS:
+            _REDUCERS.pop(next(iter(_REDUCERS)))
     return _REDUCERS[key]
 
 
@@ -213,6 +222,7 @@ def allreduce_8bit_peer(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, 
     (:meth:`PeerReducer.allreduce_`)."""
     fmt = check_grad_format(fmt)
     average = _check_op(op, tensor.dtype)
+    _check_device(tensor.device)
     if not tensor.is_contiguous():
         raise ValueError("allreduce_8bit_peer: tensor must be contiguous (it is reduced in place)")
     peer_reducer(group, fmt, tensor.device).allreduce_(tensor.detach().view(-1), average=average,
@@ -224,6 +234,7 @@ def reduce_scatter_8bit_peer(output: torch.Tensor, input: torch.Tensor, op=dist.
     """:func:`agoq.comm.reduce.reduce_scatter_8bit` (synchronous form, same results) over NVLink peer memory."""
     fmt = check_grad_format(fmt)
     average = _check_op(op, input.dtype)
+    _check_device(input.device)
     world = dist.get_world_size(group)
     if input.numel() != world * output.numel() or not output.is_contiguous():
         raise ValueError(f"reduce_scatter_8bit_peer: input ({input.numel()} elements) must be world_size ({world}) "
