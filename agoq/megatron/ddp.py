@@ -50,7 +50,6 @@ Guarded by: tests/megatron/test_ddp_agoq.py.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from functools import partial
 
@@ -369,19 +368,6 @@ def wrap_ddp_agoq(chunks: list, config: TransformerConfig, ddp_config: Distribut
 
 
 # -- command line, planner, memory report ----------------------------------------------------------
-
-def add_grad_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """--agoq-grads FORMAT, --agoq-grads-mode, --agoq-grads-error-feedback (the lead wires them in args.py)."""
-    g = parser.add_argument_group("agoq gradients")
-    g.add_argument("--agoq-grads", default=None, metavar="FORMAT",
-                   help="8-bit gradients in DDP, e.g. int8_b256 (agoq.formats name); default: off "
-                        "(Megatron's float gradients). A policy YAML's grads: entry gives the same choice.")
-    g.add_argument("--agoq-grads-mode", choices=GRAD_MODES, default="store",
-                   help="reduce: 8-bit communication, float main_grad; store: also 8-bit main_grad accumulation")
-    g.add_argument("--agoq-grads-error-feedback", action="store_true",
-                   help="store mode: keep the requantization error in a bf16 residual (+2 bytes/param)")
-    return parser
-
 
 def grad_config_from_args(args) -> GradConfig | None:
     if args.agoq_grads is None or args.agoq_grads in ("fp32", "bf16", "fp16"):
