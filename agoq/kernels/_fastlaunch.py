@@ -5,7 +5,7 @@ Triton's per-call binding.
 string cache key, checks the kernel's globals, builds launch metadata and only then calls
 ``compiled.run(grid0, grid1, grid2, stream, function, packed_metadata, launch_metadata, enter_hook,
 exit_hook, *all_arguments)``. On the saved-activation path that binding is paid by every quantize /
-dequantize / SwiGLU launch (docs/benchmarks/activations_launch.json: 44-90 us of host time per agoq
+dequantize / SwiGLU launch (activations_launch.json (commit ca8453e; git show ca8453e:docs/benchmarks/activations_launch.json): 44-90 us of host time per agoq
 call against 9.6 us for ``torch.add``).
 
 :class:`FastKernel` keeps, per *specialization key*, the ``CompiledKernel`` that Triton's own ``run``
@@ -19,7 +19,7 @@ Rules: every kernel parameter is passed positionally, in signature order, conste
 ``JITFunction.run`` passes ``bound_args.values()``); launch options are fixed per FastKernel. Triton's
 own path is used (every call, not silently: it is the same kernel) under ``TRITON_INTERPRET=1``
 (no compiled kernel), when the first argument is not a CUDA tensor (CPU launch recorders such as
-scripts/xc_quant.py), when a launch hook is installed (profilers: they need launch metadata), and when
+benchmarks/xc_quant.py), when a launch hook is installed (profilers: they need launch metadata), and when
 ``AGOQ_TRITON_FAST_LAUNCH=0`` (the escape hatch, read at import; :func:`set_fast_launch` at run time).
 """
 

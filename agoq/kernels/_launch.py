@@ -59,8 +59,8 @@ class QuantConfig:
 
 # Quantize launch shape per format family (kind, bits, stochastic); the codes never depend on it.
 # Tile kernel (_quantize_fwd_kernel) shapes: chosen from the Triton 3.6 sm_90 cross-compile profile
-# (scripts/xc_quant.py --variants: no spills, fewest SASS instructions per element) until an H100 run
-# of `scripts/bench_quant.py --variants` replaces them with measured choices (docs/benchmarks/quant.md).
+# (benchmarks/xc_quant.py --variants: no spills, fewest SASS instructions per element) until an H100 run
+# of `benchmarks/bench_quant.py --variants` replaces them with measured choices (docs/benchmarks/quant.md).
 # split=4 (two 16-byte chunks per block row for b32, capped by split_for) halves the per-block scale
 # work per element twice and stores 16 contiguous bytes of packed words per thread; one-byte codes
 # keep split=1, whose [rows, block] tile stores 16 contiguous code bytes per thread.

@@ -93,7 +93,7 @@ def gather_nc(table_ptr, index):
 
     GPU: inline ``ld.global.nc``. A ``tl.load`` gather is a layout anchor for Triton's coalescing pass,
     which gives it a one-element-per-thread layout and then moves the surrounding tile through shared
-    memory into it (Triton 3.6; scripts/xc_quant.py shows the conversions); inline asm is elementwise
+    memory into it (Triton 3.6; benchmarks/xc_quant.py shows the conversions); inline asm is elementwise
     and keeps the tile's layout. Interpreter: the ``tl.load`` twin."""
     if USE_PTX:
         ty = table_ptr.dtype.element_ty

@@ -1,7 +1,7 @@
 """The tile quantize kernel: ROWS whole blocks per program, absmax + scale + codes + bit-plane packing
 in registers, one read of the input (agoq.kernels.quant.quantize_with_config launches it).
 
-Layout notes (Triton 3.6, checked with scripts/xc_quant.py): every load and store is written with
+Layout notes (Triton 3.6, checked with benchmarks/xc_quant.py): every load and store is written with
 offsets that are contiguous along the tile's last axis, because Triton's coalescing pass orders a
 tensor's threads by the contiguity it can prove; offsets it cannot prove contiguous (a [ROWS, G, SUB]
 view, a bit-cast byte-pointer tensor, a gather) make it spread a warp over 32 rows (strided, slow).

@@ -57,7 +57,7 @@ TWO_POW_M24 = tl.constexpr(5.9604644775390625e-08)
 
 # Launch shapes. Chosen, not swept: the cast tile is [CAST_TILE[0] rows, CAST_TILE[1] columns] with
 # CAST_TILE[2] warps (a 64x64 bf16 tile is 8 KiB in, two 4 KiB fp8 tiles out; the transposed store goes
-# through shared memory). scripts/bench_fp8.py reports each cast's bandwidth against a bf16 copy.
+# through shared memory). benchmarks/bench_fp8.py reports each cast's bandwidth against a bf16 copy.
 CAST_TILE = (64, 64, 4)
 AMAX_BLOCK = 4096  # elements per step of the flat amax loop (4 warps, 32 per thread)
 AMAX_MAX_PROGRAMS = 1024  # a grid-stride loop caps the programs, so at most 1024 atomics hit one word

@@ -65,7 +65,7 @@ META_HEADER = 4  # meta = [scale_inv, scale, 0, 0, history...]: the history star
 
 # [BM rows, BN columns] per tile, TILES_M tiles per program, warps. Chosen, not swept (as
 # agoq.kernels.fp8.CAST_TILE): 64 x 64 tiles as the unfused cast; 4 tiles per program cut the
-# same-address atomics of delayed scaling 4x. scripts/bench_fp8.py --profile reports the kernel times.
+# same-address atomics of delayed scaling 4x. benchmarks/bench_fp8.py --profile reports the kernel times.
 FUSED_CAST_TILE = (64, 64, 4, 4)
 
 

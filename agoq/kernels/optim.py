@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 # Launch shape: 512 elements per program on 2 warps (8 elements per thread). Chosen by
-# `scripts/bench_optim.py --launch-sweep` on an H100 (2026-11-24, docs/benchmarks/optim_sweep.json): best of
+# `benchmarks/bench_optim.py --launch-sweep` on an H100 (2026-11-24, benchmarks/results/optim_sweep.json): best of
 # 512..8192 elements x 2/4/8 warps for both FlashAdamW (10.6 vs 12.7 ms per 1e9 params at the old 2048 x 4)
 # and FP8-moment AdamW (6.9 vs 7.9 ms); the step is latency-bound on the correctly rounded div/sqrt, so
 # fewer live values per thread (more resident warps) win. Results do not depend on it (checked per shape).

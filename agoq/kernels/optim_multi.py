@@ -43,8 +43,8 @@ __all__ = ["MultiTensorLaunch", "OperandError", "NCOL"]
 INT32_MAX = 2**31 - 1
 INT16_MAX = 2**15 - 1
 # Launch shape of the multi-tensor step: ELEMS_PER_PROGRAM (agoq.kernels.optim) elements on `num_warps` warps with
-# at most `maxnreg` registers per thread, per state-format family. Chosen by `scripts/bench_optim.py --launch-sweep`
-# on an H100 (2026-11-25, 1e9 params; docs/benchmarks/optim_sweep_v3.json for FlashAdamW over elements x warps x
+# at most `maxnreg` registers per thread, per state-format family. Chosen by `benchmarks/bench_optim.py --launch-sweep`
+# on an H100 (2026-11-25, 1e9 params; benchmarks/results/optim_sweep_multi.json for FlashAdamW over elements x warps x
 # caps, optim_sweep_formats.json per format): ptxas's own choice at 2 warps (96 registers for FlashAdamW, 20
 # resident warps per SM) ran 7.31 ms against 5.68 ms at 1 warp x 80 registers. Results do not depend on it
 # (checked bit for bit per shape).

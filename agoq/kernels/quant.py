@@ -202,7 +202,7 @@ def quantize(x: torch.Tensor, fmt: QuantFormat | str, *, seed: int | None = None
 def quantize_with_config(
     x: torch.Tensor, fmt: QuantFormat | str, config: _launch.QuantConfig, *, seed: int | None = None
 ) -> QuantizedTensor:
-    """quantize with an explicit launch config (scripts/bench_quant.py --variants); codes never depend
+    """quantize with an explicit launch config (benchmarks/bench_quant.py --variants); codes never depend
     on the config, only speed does."""
     fmt = parse_format(fmt)
     check_input(x, fmt, seed)

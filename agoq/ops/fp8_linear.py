@@ -61,7 +61,7 @@ _phase_ranges = False  # profiler ranges per phase (set_phase_ranges); off: one 
 def set_phase_ranges(enabled: bool) -> None:
     """Wrap every phase of the FP8 linear (``agoq.fp8.cast_x``, ``cast_w``, ``gemm_fwd``, ``cast_g``,
     ``recast_w``, ``recast_x``, ``gemm_dgrad``, ``gemm_wgrad``) in a ``torch.profiler.record_function``
-    range, so a profile attributes kernels and host time to phases (scripts/bench_fp8.py --profile)."""
+    range, so a profile attributes kernels and host time to phases (benchmarks/bench_fp8.py --profile)."""
     global _phase_ranges
     _phase_ranges = bool(enabled)
 

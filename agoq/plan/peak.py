@@ -10,7 +10,7 @@ elements; agoq's 8-bit store frees it right after construction) and, with the di
 bf16 parameter buffer, while the model's original parameters are still alive (copied in afterwards). With
 agoq's lean state this is the run's peak where activations are small: DP=2 x PP=2, 3B shape, agoq full,
 10.594 GiB = 2.649 (parameters) + 2.649 (parameter buffer) + 5.297 (fp32 gradient buffer) on both stages,
-read off 4 H100s with scripts/mem_trace.py (docs/benchmarks/grads.md). Gradient release builds no DDP.
+read off 4 H100s with benchmarks/mem_trace.py (docs/benchmarks/grads.md). Gradient release builds no DDP.
 
 Persistent (held for the whole run after the first step):
 - weights: bf16 parameters (2 B each) of the stage's layers, embedding (first stage), final norm and
@@ -62,7 +62,7 @@ from agoq.policy import FP8Spec, PolicySpec
 
 # Empirical: allocated bytes that are neither parameters, gradients nor optimizer states, read as
 # ``allocated - (weights + grads + optimizer)`` after the step: 0.063 GiB in all 11 variants of
-# docs/benchmarks/pretrain_memory_2026-11-24.json (H100, torch 2.11), and the constant part of bench_memory's peaks
+# pretrain_memory_2026-11-24.json (commit ff040ca; git show ff040ca:docs/benchmarks/pretrain_memory_2026-11-24.json) (H100, torch 2.11), and the constant part of bench_memory's peaks
 # (docs/benchmarks/planner.md). It is what torch allocates through the caching allocator for the cuBLAS
 # and cuBLASLt workspaces on sm_90 (32 MiB each by default) plus the token/label/position batch.
 CUDA_RUNTIME_BYTES = 64 * 2**20
@@ -76,14 +76,14 @@ MASTER_BYTES = {"none": 0, "split24": 1, "split32": 2, "fp32": 4}
 # hook alive with its SavedVariable until backward, so those tensors stayed allocated per layer and
 # in-flight micro-batch (Recipe.pack_hook_held_inputs): 2 x (2h + 2h + 2F) B per token, 12 B x h at
 # ffn = 4h and 9.5 B x h at ffn = 2.75h, which is what an earlier version of this planner had fitted
-# as an unexplained constant (11.5 and ~9.6). Found with scripts/mem_trace.py (docs/benchmarks/planner.md).
+# as an unexplained constant (11.5 and ~9.6). Found with benchmarks/mem_trace.py (docs/benchmarks/planner.md).
 # attn.proj_input is a view of SDPA's output, which SDPA keeps anyway: no extra bytes.
 PACK_HOOK_HELD_ROLES = ("attn.qkv_input", "mlp.fc1_input", "mlp.fc2_input")
 # The non-finite gradient check before the step (agoq.megatron.training / ddp, agoq.ops.nonfinite):
 # torch.isfinite of a float slice allocates |x| (grad dtype) plus three bool temporaries. Since
 # 2026-11-25 07:22 UTC it runs over slices of NONFINITE_CHECK_SLICE elements (agoq.ops.nonfinite, equal by test);
 # before, over the whole buffer (Recipe.full_isfinite_check: 7 B/param for fp32 grads, 6.45 GiB for the
-# 1B model, read off the H100 with scripts/mem_trace.py).
+# 1B model, read off the H100 with benchmarks/mem_trace.py).
 NONFINITE_CHECK_SLICE = 2**24
 ISFINITE_BOOL_TEMPORARIES = 3
 

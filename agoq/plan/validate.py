@@ -1,18 +1,23 @@
-"""The planner's predicted peak next to every measured peak committed in docs/benchmarks.
+"""The planner's predicted peak next to every measured peak in benchmarks/results (one current file per suite;
+earlier runs are in git history).
 
-Sources (GPU measurements, never edited here):
-- ``pretrain_memory.json`` (scripts/bench_pretrain.py --suite memory): each variant's command line is
+Sources (GPU measurements, never edited here; the reports that cite them are in docs/benchmarks):
+- ``pretrain_memory.json`` (benchmarks/bench_pretrain.py --suite memory): each variant's command line is
   parsed back into the shape, layout and recipe; measured = max ``peak_gib`` over the iterations.
-- ``activations.json``, ``activations_mbs2.json``, ``activations_mbs4.json`` (scripts/bench_memory.py):
+- ``activations.json``, ``activations_mbs2.json``, ``activations_mbs4.json`` (benchmarks/bench_memory.py):
   one process runs the policies in turn; besides the measured model, the bf16 reference model (weights
   and its last bf16 .grad) stays alive for every later row, and the previous row's model (weights +
   grads) while the next is measured (``bench_memory.main``: ``reference`` and ``model``). No optimizer
   (an in-place SGD), bf16 ``.grad`` freed at each step's start (zero_grad(set_to_none=True)).
 - ``activations_pp2.json``: the PP=2 peaks of activations_pp2.log transcribed (2 decimals as printed).
-- ``fp8_step_run4.json``, ``fp8_scale_1b.json``, ``fp8_scale_7b.json`` (scripts/bench_pretrain.py --suite
+- ``fp8_step.json``, ``fp8_scale_1b.json``, ``fp8_scale_7b.json`` (benchmarks/bench_pretrain.py --suite
   fp8 / fp8_scale): bf16 and --agoq-fp8 / --agoq-smooth-swiglu runs, read as pretrain_memory.json. All
-  three postdate the FP8 weight cache (FP8_WEIGHT_CACHE_SINCE); the older fp8_run3.json / fp8_wired.json
-  keep no command lines (and fp8_wired predates the cache), so they are not predicted.
+  three postdate the FP8 weight cache (FP8_WEIGHT_CACHE_SINCE); fp8.json (benchmarks/bench_fp8.py) keeps no
+  command lines, so it is not predicted.
+- ``activations_whole_steps.json`` (--suite act_host) and ``dp2_pp2.json`` (--suite dp2_pp2, every stage's peak).
+
+Each file is predicted on the code of its date (``_dated``): the current files of the bench_memory suites
+(2026-11-24) and of the fp8 suite (2026-11-25 07:12) predate changes the planner models.
 
 ``python -m agoq.plan.validate`` prints the table of docs/benchmarks/planner.md.
 """
@@ -30,7 +35,7 @@ from agoq.plan.peak import CUDA_RUNTIME_BYTES, Recipe, StagePeak, predict_peaks
 from agoq.policy import FP8Spec, load_policy
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "docs" / "benchmarks"
+BENCH = REPO / "benchmarks" / "results"
 POLICIES = REPO / "configs" / "policy"
 BUILTIN_VOCAB = 4096  # scripts/pretrain_llama.py's built-in tokenizer (docs/benchmarks/pretrain_memory.md)
 TARGET = 0.05  # issue 9 item 4: predicted peak within 5 % of the measured peak
@@ -120,15 +125,10 @@ def _policy_path(path) -> Path:
     return path if path.is_absolute() else REPO / path
 
 
-# Cases expected outside the target, with the reason (none at present: the two earlier gaps, Megatron's
-# full recompute at mbs 8 and the PP=2 last stage, were the whole-buffer non-finite check's temporaries,
-# found with scripts/mem_trace.py on 2026-11-25 and now modelled).
-KNOWN_GAPS: dict[tuple[str, str, int], str] = {
-    **{(f"pretrain_memory_{run}.json", "1b/mbs8/agoq full + full recompute", 0): (
-        "over-predicted by 0.6 GiB (+7.5 %) on the code of 2026-11-25 before the pack-hook fix (the same variant "
-        "is within 4 % on 2026-11-24 and after the fix): the recompute term (one layer's saves held again) "
-        "does not model that code exactly") for run in ("2026-11-25a", "2026-11-25b")},
-}
+# Cases expected outside the target, with the reason: (source, configuration, stage) -> why. None at present
+# (the earlier gaps, Megatron's full recompute at mbs 8 and the PP=2 last stage, were the whole-buffer
+# non-finite check's temporaries, found with benchmarks/mem_trace.py on 2026-11-25 and now modelled).
+KNOWN_GAPS: dict[tuple[str, str, int], str] = {}
 
 
 def pretrain_cases(path: Path = BENCH / "pretrain_memory.json") -> list[Case]:
@@ -151,7 +151,7 @@ def pretrain_cases(path: Path = BENCH / "pretrain_memory.json") -> list[Case]:
 
 
 def bench_memory_peak(p: StagePeak, resident_bytes: int) -> int:
-    """scripts/bench_memory.py's step: other models alive + own bf16 weights + activations and transient
+    """benchmarks/bench_memory.py's step: other models alive + own bf16 weights + activations and transient
     (grads are None from zero_grad until the backward writes them; no optimizer state)."""
     return resident_bytes + p.weights + CUDA_RUNTIME_BYTES + p.held + p.transient
 
@@ -213,20 +213,16 @@ def stage_peak_cases(name: str) -> list[Case]:
 
 
 def all_cases() -> list[Case]:
-    earlier = [pretrain_cases(BENCH / f"pretrain_memory_{run}.json") for run in PRETRAIN_EARLIER_RUNS]
     fp8 = [c for name in FP8_RUNS for c in pretrain_cases(BENCH / name)]
     whole = [c for name in ACTIVATION_STEP_RUNS for c in pretrain_cases(BENCH / name)]
     stages = [c for name in STAGE_PEAK_RUNS for c in stage_peak_cases(name)]
-    return (pretrain_cases() + [c for cases in earlier for c in cases] + bench_memory_cases() + pp2_cases() + fp8
-            + whole + stages)
+    return pretrain_cases() + bench_memory_cases() + pp2_cases() + fp8 + whole + stages
 
 
-# Earlier runs of the memory suite, each on the code of its date (docs/benchmarks/pretrain_memory.md)
-PRETRAIN_EARLIER_RUNS = ("2026-11-24", "2026-11-25a", "2026-11-25b")
 # bench_pretrain.py runs with --agoq-fp8 / --agoq-smooth-swiglu variants next to bf16 (docs/benchmarks/fp8.md)
-FP8_RUNS = ("fp8_step_run4.json", "fp8_scale_1b.json", "fp8_scale_7b.json", "fp8_scale_1b_v2.json")
+FP8_RUNS = ("fp8_step.json", "fp8_scale_1b.json", "fp8_scale_7b.json")
 # bench_pretrain.py --suite act_host: baseline vs agoq.yaml at micro-batch 1 / 2 (docs/benchmarks/activations.md)
-ACTIVATION_STEP_RUNS = ("activations_whole_steps.json", "activations_whole_steps_2.json")
+ACTIVATION_STEP_RUNS = ("activations_whole_steps.json",)
 # bench_pretrain.py --suite dp2_pp2 (4 H100, DP=2 x PP=2, distributed optimizer; docs/benchmarks/grads.md)
 STAGE_PEAK_RUNS = ("dp2_pp2.json",)
 

@@ -1,4 +1,4 @@
-"""scripts/bench_allreduce.py --smoke runs end to end on CPU (2 gloo ranks) and writes its JSON."""
+"""benchmarks/bench_allreduce.py --smoke runs end to end on CPU (2 gloo ranks) and writes its JSON."""
 
 import json
 import subprocess
@@ -15,7 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_bench_allreduce_smoke_writes_report(tmp_path):
     out = tmp_path / "grads.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "bench_allreduce.py"), "--smoke", "--sizes-mib", "1",
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "bench_allreduce.py"), "--smoke", "--sizes-mib", "1",
          "--out", str(out)],
         capture_output=True, text=True, timeout=240, cwd=REPO_ROOT, env={"PYTHONPATH": str(REPO_ROOT), "PATH": ""},
     )

@@ -1,4 +1,4 @@
-"""scripts/bench_quant.py --smoke runs every code path of the H100 command on CPU (Triton interpreter):
+"""benchmarks/bench_quant.py --smoke runs every code path of the H100 command on CPU (Triton interpreter):
 normal run, --check, --variants (codes equal across launch shapes) and the launch-shape choice."""
 
 import json
@@ -10,7 +10,7 @@ import pytest
 from agoq.testing.procs import REPO_ROOT, child_env
 
 pytestmark = pytest.mark.kernels
-SCRIPT = REPO_ROOT / "scripts" / "bench_quant.py"
+SCRIPT = REPO_ROOT / "benchmarks" / "bench_quant.py"
 
 
 def test_bench_quant_smoke_writes_report(tmp_path):

@@ -2,7 +2,7 @@
 
 The interpreter (the CPU kernel tier) never runs Triton's front end: a Triton 3.6 CompilationError
 (a constexpr reassigned inside ``tl.static_range`` in the NF4 state store) shipped past every CPU
-test and failed scripts/bench_optim.py on the H100. This test records the launches the module makes
+test and failed benchmarks/bench_optim.py on the H100. This test records the launches the module makes
 for every state format x master mode x optimizer (agoq.testing.xcompile.optim_calls) and compiles
 each distinct variant to a cubin, in a subprocess whose ``triton`` comes from $AGOQ_XCOMPILE_TRITON:
 

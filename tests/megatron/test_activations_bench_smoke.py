@@ -1,5 +1,5 @@
-"""scripts/bench_memory.py --smoke runs on CPU (several micro-batch sizes, the @legacy A/B row) and reports
-the agoq policy exactly as the planner predicts; scripts/bench_launch.py --smoke runs end to end."""
+"""benchmarks/bench_memory.py --smoke runs on CPU (several micro-batch sizes, the @legacy A/B row) and reports
+the agoq policy exactly as the planner predicts; benchmarks/bench_launch.py --smoke runs end to end."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_bench_memory_smoke(tmp_path):
     env = child_env()
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)  # an in-process megatron test may have set them (its port is still taken)
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_memory.py"), "--smoke",
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "bench_memory.py"), "--smoke",
                            "--policies", "bf16", "agoq", "agoq@legacy", "--mbs", "1", "2", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -38,7 +38,7 @@ def test_bench_memory_smoke(tmp_path):
 
 def test_bench_launch_smoke(tmp_path):
     out = tmp_path / "launch.json"
-    script = str(REPO_ROOT / "scripts" / "bench_launch.py")
+    script = str(REPO_ROOT / "benchmarks" / "bench_launch.py")
     proc = subprocess.run([sys.executable, script, "--smoke", "--json", str(out)], capture_output=True, text=True,
                           timeout=300, env=child_env(), cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -49,13 +49,13 @@ def test_bench_launch_smoke(tmp_path):
 
 
 def test_bench_host_profile_smoke(tmp_path):
-    """scripts/bench_host_profile.py --smoke: every wrapped function that runs in the agoq policy's step is
+    """benchmarks/bench_host_profile.py --smoke: every wrapped function that runs in the agoq policy's step is
     reported (the timers reach agoq's and Megatron's functions), and the bf16 policy calls none of agoq's."""
     out = tmp_path / "host.json"
     env = child_env()
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_host_profile.py"), "--smoke",
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "bench_host_profile.py"), "--smoke",
                            "--json", str(out)], capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {r["policy"]: {f["function"] for f in r["functions"]} for r in json.loads(out.read_text())["results"]}

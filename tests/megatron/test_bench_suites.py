@@ -1,4 +1,4 @@
-"""Every scripts/bench_pretrain.py suite (GPU and --smoke forms) passes scripts/pretrain_llama.py's own
+"""Every benchmarks/bench_pretrain.py suite (GPU and --smoke forms) passes scripts/pretrain_llama.py's own
 argument parser and validation: a misspelt flag or a batch that does not divide fails here, on CPU, instead
 of minutes into a GPU lease."""
 
@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from agoq.megatron.args import parse_args
-from agoq.testing.procs import PRETRAIN_SCRIPT
+from agoq.testing.procs import REPO_ROOT
 
-SCRIPT = PRETRAIN_SCRIPT.parent / "bench_pretrain.py"
+SCRIPT = REPO_ROOT / "benchmarks" / "bench_pretrain.py"
 
 
 def _bench():

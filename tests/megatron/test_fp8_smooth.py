@@ -212,7 +212,7 @@ def test_fp8_layers_raise_on_cpu_at_the_op(mcore_world1):
 
 @pytest.mark.dist
 def test_bench_fp8_whole_step_harness_smoke(tmp_path, env):
-    """scripts/bench_fp8.py part (b) on CPU: the fp8 suite of bench_pretrain in its tiny form (bf16 and
+    """benchmarks/bench_fp8.py part (b) on CPU: the fp8 suite of bench_pretrain in its tiny form (bf16 and
     Smooth-SwiGLU; FP8 needs a GPU), summarised with the loss comparison."""
     import json
     import subprocess
@@ -221,7 +221,7 @@ def test_bench_fp8_whole_step_harness_smoke(tmp_path, env):
     from agoq.testing.procs import REPO_ROOT
 
     out = tmp_path / "fp8.json"
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_fp8.py"), "--smoke", "--step-smoke",
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "bench_fp8.py"), "--smoke", "--step-smoke",
                            "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
                           env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

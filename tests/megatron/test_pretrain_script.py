@@ -156,7 +156,7 @@ def test_memory_breakdown_counts_megatron_and_agoq_bytes_per_parameter(env, tmp_
 
 
 def test_bench_pretrain_memory_smoke_records_the_predicted_peak(env, tmp_path):
-    """scripts/bench_pretrain.py --suite memory --smoke (CPU): every variant carries the planner's predicted
+    """benchmarks/bench_pretrain.py --suite memory --smoke (CPU): every variant carries the planner's predicted
     peak per stage (agoq.plan.peak, written by the script at start-up), the number the GPU run puts next to
     the measured peak (summary: predicted_peak_gib / predicted_peak_error; docs/benchmarks/planner.md)."""
     import json
@@ -166,7 +166,7 @@ def test_bench_pretrain_memory_smoke_records_the_predicted_peak(env, tmp_path):
     from agoq.testing.procs import REPO_ROOT
 
     out = tmp_path / "memory.json"
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_pretrain.py"), "--suite", "memory",
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "bench_pretrain.py"), "--suite", "memory",
                            "--smoke", "--only", "mbs2/baseline", "mbs2/agoq full", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

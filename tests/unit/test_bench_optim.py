@@ -1,4 +1,4 @@
-"""scripts/bench_optim.py --smoke runs on CPU (unfused path) and writes every field the GPU run reports."""
+"""benchmarks/bench_optim.py --smoke runs on CPU (unfused path) and writes every field the GPU run reports."""
 
 import json
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 from agoq.testing.procs import REPO_ROOT, child_env
 
-SCRIPT = REPO_ROOT / "scripts" / "bench_optim.py"
+SCRIPT = REPO_ROOT / "benchmarks" / "bench_optim.py"
 
 
 def test_bench_optim_smoke_writes_report(tmp_path):

@@ -385,7 +385,8 @@ def check_doc(path: Path, stand_in: Path, text: str | None = None) -> tuple[list
 
 # ------------------------------------------------------------------------------------------------ inline commands
 
-INLINE = re.compile(r"`(?P<cmd>((\S*/)?python3?\s|torchrun\s|(\S*/)?scripts/\S+\.py\s+--|slurm/launch\.sh\s)[^`]*)`")
+INLINE = re.compile(r"`(?P<cmd>((\S*/)?python3?\s|torchrun\s|(\S*/)?(scripts|benchmarks)/\S+\.py\s+--|"
+                    r"slurm/launch\.sh\s)[^`]*)`")
 
 
 def inline_commands(path: Path, text: str | None = None) -> list[Command]:

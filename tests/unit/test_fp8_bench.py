@@ -1,4 +1,4 @@
-"""scripts/bench_fp8.py --smoke runs on CPU (argument checks, plan, bf16 harness) and writes its JSON."""
+"""benchmarks/bench_fp8.py --smoke runs on CPU (argument checks, plan, bf16 harness) and writes its JSON."""
 
 import json
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 from agoq.testing.procs import REPO_ROOT, child_env
 
-SCRIPT = REPO_ROOT / "scripts" / "bench_fp8.py"
+SCRIPT = REPO_ROOT / "benchmarks" / "bench_fp8.py"
 
 
 def test_bench_fp8_smoke_writes_report(tmp_path):
@@ -28,7 +28,7 @@ def test_bench_fp8_smoke_writes_report(tmp_path):
     assert len(profile["linears"]) == 4 and set(profile["four_linears"]) == {"bf16"}
     one = next(iter(profile["linears"].values()))["bf16"]
     assert one["host_ms"] > 0 and one["cpu_ops"] and one["bound"] in ("host", "gpu")
-    host = report["host"]  # --host: scripts/bench_fp8_host.py on the smoke shape (bf16 on the CPU)
+    host = report["host"]  # --host: benchmarks/bench_fp8_host.py on the smoke shape (bf16 on the CPU)
     assert set(host["linears"]["summary"]) == {"bf16"} and len(host["linears"]["rows"]) == 4
 
 
@@ -39,10 +39,10 @@ def test_bench_fp8_rejects_tokens_not_multiple_of_16():
 
 
 def test_bench_fp8_host_smoke_writes_report(tmp_path):
-    """scripts/bench_fp8_host.py --smoke (CPU, bf16 only): host ms per linear, the four linears' sum,
+    """benchmarks/bench_fp8_host.py --smoke (CPU, bf16 only): host ms per linear, the four linears' sum,
     host us per primitive."""
     out = tmp_path / "host.json"
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_fp8_host.py"), "--smoke", "--out",
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "bench_fp8_host.py"), "--smoke", "--out",
                            str(out)], capture_output=True, text=True, timeout=240, cwd=REPO_ROOT, env=child_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())

@@ -1,11 +1,11 @@
-"""scripts/mem_trace.py's replay: the blocks alive at the highest allocated total, grouped by site."""
+"""benchmarks/mem_trace.py's replay: the blocks alive at the highest allocated total, grouped by site."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "mem_trace.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "mem_trace.py"
 
 
 def _module():

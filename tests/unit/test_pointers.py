@@ -23,7 +23,8 @@ SPEC_PATH = re.compile(r"\.\./shared/spec/([\w-]+)\.md")
 
 
 def _sources():
-    for path in sorted([*REPO.joinpath("agoq").rglob("*.py"), *REPO.joinpath("scripts").glob("*.py")]):
+    for path in sorted([*REPO.joinpath("agoq").rglob("*.py"), *REPO.joinpath("scripts").glob("*.py"),
+                        *REPO.joinpath("benchmarks").glob("*.py")]):
         yield path.relative_to(REPO).as_posix(), path.read_text()
 
 
@@ -60,15 +61,22 @@ def test_pending_files_still_need_the_fix():
 
 
 def test_every_benchmark_result_is_cited():
-    """docs/benchmarks holds current results only ("one current result per suite, history lives in git"):
-    a file no page, module, script or test names is an orphan to delete, and a cited file must exist."""
-    bench = REPO / "docs" / "benchmarks"
-    texts = {p: p.read_text(errors="replace") for root in ("docs", "agoq", "scripts", "tests")
-             for p in (REPO / root).rglob("*") if p.suffix in (".md", ".py", ".json", ".log") and p.is_file()}
+    """benchmarks/results holds one current result per suite (history lives in git): a result no page of the docs
+    (README.md, docs/**/*.md) links is an orphan to delete; every file in docs/benchmarks (reports, figures) is
+    named somewhere; every relative link to a result, report or figure resolves."""
+    results, reports = REPO / "benchmarks" / "results", REPO / "docs" / "benchmarks"
+    texts = {p: p.read_text(errors="replace") for root in ("docs", "agoq", "scripts", "benchmarks", "tests")
+             for p in (REPO / root).rglob("*") if p.suffix in (".md", ".py") and p.is_file()}
     texts[REPO / "README.md"] = (REPO / "README.md").read_text()
-    orphans = [f.name for f in sorted(bench.iterdir())
+    pages = {p: t for p, t in texts.items() if p.suffix == ".md" and (p.parent == REPO or REPO / "docs" in p.parents)}
+    links = {(p, m) for p, t in pages.items() for m in re.findall(r"\]\(([\w./-]+\.(?:json|md|png|log))\)", t)}
+    assert not [f"{p.name}: {m}" for p, m in sorted(links) if not (p.parent / m).resolve().exists()], \
+        "broken links in the docs"
+    linked = {(p.parent / m).resolve() for p, m in links}
+    orphans = [f.name for f in sorted(results.iterdir()) if f.resolve() not in linked]
+    assert not orphans, f"results no page links (delete them or cite them): {orphans}"
+    unnamed = [f.name for f in sorted(reports.iterdir())
                if f.name != "README.md" and not any(f.name in t for p, t in texts.items() if p != f)]
-    assert not orphans, f"uncited files in docs/benchmarks (delete them or cite them): {orphans}"
-    linked = {m for p, t in texts.items() if p.parent == bench and p.suffix == ".md"
-              for m in re.findall(r"\]\(([\w.-]+\.(?:json|md|png|log))\)", t)}
-    assert not [m for m in sorted(linked) if not (bench / m).exists()], "broken links in docs/benchmarks pages"
+    assert not unnamed, f"files in docs/benchmarks nothing names: {unnamed}"
+    assert not [f.name for f in reports.iterdir() if f.suffix in (".json", ".log")], \
+        "result files belong in benchmarks/results"

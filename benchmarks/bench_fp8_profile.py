@@ -1,4 +1,4 @@
-"""--profile for scripts/bench_fp8.py: where the time of one FP8 linear forward + backward goes.
+"""--profile for benchmarks/bench_fp8.py: where the time of one FP8 linear forward + backward goes.
 
 Per linear shape and mode (GPU only):
   host_ms   Python + launch time to enqueue one forward + backward (iterations back to back, no sync in

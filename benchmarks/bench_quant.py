@@ -11,9 +11,9 @@ a plain ``dst.copy_(src)`` of the same bf16 tensor in the same run. Reported per
 Target (issue 3): vs_copy >= 0.85 for every format at >= 256 MiB. Also SQNR per format on
 Gaussian and heavy-tailed data, and (--check) kernel-vs-reference code equality at a Llama shape.
 
-    python scripts/bench_quant.py --check --variants --out quant.json   # the full H100 run
-    python scripts/bench_quant.py --variants-only --out variants.json
-    python scripts/bench_quant.py --configs-from variants.json --out quant.json
+    python benchmarks/bench_quant.py --check --variants --out quant.json   # the full H100 run
+    python benchmarks/bench_quant.py --variants-only --out variants.json
+    python benchmarks/bench_quant.py --configs-from variants.json --out quant.json
 
 --variants times quantize of the tile-kernel formats (VARIANT_FORMATS) under every launch shape of
 VARIANT_CONFIGS (elements per program, warps, tile parts) at VARIANT_MIB, checks that each shape's

@@ -1,7 +1,7 @@
 """Figures for docs/benchmarks/ from the JSON the bench scripts wrote (matplotlib, PNG).
 
-    python scripts/plot_benchmarks.py convergence docs/benchmarks/conv_*.json --out docs/benchmarks/convergence.png
-    python scripts/plot_benchmarks.py memory docs/benchmarks/pretrain_memory.json --out docs/benchmarks/memory.png
+    python benchmarks/plot_benchmarks.py convergence benchmarks/results/conv_*.json --out docs/benchmarks/convergence.png
+    python benchmarks/plot_benchmarks.py memory benchmarks/results/pretrain_memory.json --out docs/benchmarks/memory.png
 
 Needs matplotlib (``pip install matplotlib``; not a dependency of agoq itself).
 """

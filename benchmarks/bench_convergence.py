@@ -6,10 +6,10 @@ One preset per invocation (each run is a few minutes on one H100), the training 
     python scripts/build_corpus.py --out data/debdocs.jsonl
     python scripts/prepare_data.py --input data/debdocs.jsonl --vocab-size 32000 \
         --tokenizer-sample-sentences 1000000 --output-prefix data/debdocs --workers 8
-    python scripts/bench_convergence.py --preset baseline --data-prefix data/debdocs --out conv_baseline.json
-    python scripts/bench_convergence.py --preset agoq-default --data-prefix data/debdocs --out conv_default.json
-    python scripts/bench_convergence.py --preset aggressive --data-prefix data/debdocs --out conv_aggressive.json
-    python scripts/plot_benchmarks.py convergence conv_*.json --out docs/benchmarks/convergence.png
+    python benchmarks/bench_convergence.py --preset baseline --data-prefix data/debdocs --out conv_baseline.json
+    python benchmarks/bench_convergence.py --preset agoq-default --data-prefix data/debdocs --out conv_default.json
+    python benchmarks/bench_convergence.py --preset aggressive --data-prefix data/debdocs --out conv_aggressive.json
+    python benchmarks/plot_benchmarks.py convergence conv_*.json --out docs/benchmarks/convergence.png
 
 Presets (all: same model, data order, batch, schedule, SDPA attention, one GPU):
   baseline      Megatron alone (--agoq-disable): bf16 params, fp32 grads, Megatron Adam (fp32 states)
@@ -33,9 +33,11 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_pretrain
+
+from bench_pretrain import environment  # noqa: E402
 
 from agoq.testing.procs import PRETRAIN_SCRIPT, child_env, torchrun_command  # noqa: E402
-from scripts.bench_pretrain import environment  # noqa: E402
 
 MODEL_CONFIG = REPO_ROOT / "configs" / "model" / "llama-125m.yaml"
 GRADS = ["--agoq-grads", "int8_b256"]

@@ -4,8 +4,8 @@ When a training step is host-bound (fwd+bwd enqueue time ~ step time, see bench_
 ``fwd_bwd_host_s_median``), what matters is the CPU time each op costs to enqueue, not its kernel
 time. This times N back-to-back calls on tiny tensors (kernel time negligible) without syncing:
 
-    python scripts/bench_launch.py --json out.json          # GPU, ~1 minute
-    python scripts/bench_launch.py --smoke --json out.json  # CPU: reference ops, checks the script runs
+    python benchmarks/bench_launch.py --json out.json          # GPU, ~1 minute
+    python benchmarks/bench_launch.py --smoke --json out.json  # CPU: reference ops, checks the script runs
 
 Rows (microseconds of host time per call):
 - ``torch_add``: the floor of one ATen launch;

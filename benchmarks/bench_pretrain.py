@@ -7,14 +7,14 @@ the peak of ``torch.cuda.max_memory_allocated`` (the logging rank, i.e. the last
 the first/last loss, and the planner's predicted peak of the same stage (``agoq.plan.peak``, written by
 the script at start-up: ``predicted_peak_gib``, ``predicted_peak_error``; docs/benchmarks/planner.md).
 
-    python scripts/bench_pretrain.py --suite attention --out docs/benchmarks/pretrain_attention.json
+    python benchmarks/bench_pretrain.py --suite attention --out benchmarks/results/pretrain_attention.json
 
 Suites: ``attention`` (issue 2: SDPA vs Megatron's unfused DotProductAttention, ~350M and ~1B LLaMA
 shapes, PP=1, one GPU); ``lean`` (issues 5/6/9: Megatron baseline vs agoq's optimizer and 8-bit
 gradients, ~1B, PP=1, one GPU); ``memory`` (issue 9: baseline vs agoq presets at equal batch, and the baseline
 with full recompute vs agoq at a larger micro-batch); ``fp8`` (issue 7: bf16 vs FP8 linears vs FP8 +
 Smooth-SwiGLU vs FP8 with Triton's launch dispatch, ~1B, PP=1, one GPU, 30 iterations for a short loss
-comparison; also run by scripts/bench_fp8.py); ``fp8_scale`` (issues 4 and 7: FP8 and agoq activations at
+comparison; also run by benchmarks/bench_fp8.py); ``fp8_scale`` (issues 4 and 7: FP8 and agoq activations at
 GPU-bound shapes, ~1B at micro-batch 4 and 8 layers of the LLaMA-2-7B body at seq 4096).
 ``grads`` (issue 5: the memory suite's equal-batch variants with and without 8-bit gradients, torch
 Adam and agoq's optimizer, under 4 minutes). ``release`` (issue 6: agoq AdamW with an fp32 / bf16 gradient
@@ -269,7 +269,7 @@ def release_suite(smoke: bool) -> list[dict]:
 def act_host_suite(smoke: bool) -> list[dict]:
     """Issue 4's host-bound corner in whole training steps: the ~1B shape at seq 4096, micro-batch 1 and 2,
     8 micro-batches per step (gradient accumulation), Megatron baseline vs agoq's default activation policy.
-    scripts/bench_memory.py times forward + backward alone; here Megatron's optimizer step, the gradient
+    benchmarks/bench_memory.py times forward + backward alone; here Megatron's optimizer step, the gradient
     buffer and the data pipeline are in the step too. At micro-batch 1 the pair runs twice, alternating, so
     host-speed drift shows up as the spread between the repeats instead of as a bias."""
     shape, seq, iters = ("tiny", "64", "4") if smoke else ("1b", "4096", "9")

@@ -1,8 +1,8 @@
 """Host time vs GPU time of one FP8 linear forward + backward (issue 7: the FP8 linears were host-bound).
 
-    python scripts/bench_fp8_host.py --out fp8_host.json           # GPU, ~20 s
-    python scripts/bench_fp8_host.py --smoke --out /tmp/h.json     # CPU: harness only (bf16)
-    python scripts/bench_fp8.py --host ...                         # the same, as a section of bench_fp8
+    python benchmarks/bench_fp8_host.py --out fp8_host.json           # GPU, ~20 s
+    python benchmarks/bench_fp8_host.py --smoke --out /tmp/h.json     # CPU: harness only (bf16)
+    python benchmarks/bench_fp8.py --host ...                         # the same, as a section of bench_fp8
 
 Per linear of one LLaMA-1B layer (qkv, proj, fc1, fc2; --tokens, --hidden, --ffn) and mode (bf16
 ``F.linear``; FP8 delayed scaling with the weight cache, with agoq's direct Triton launches and with

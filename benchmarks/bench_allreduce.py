@@ -31,8 +31,8 @@ Targets (issues 5, 19), for the faster agoq transport: >= 2.5x vs NCCL's fp32 al
 one at >= 256 MiB; >= 2x and >= 1.1x at 64-256 MiB (Megatron's 40M-element bucket is 160 MiB). A link
 model (docs/grads.md) predicts the speed-up on slower links: t(agoq) ~ 2 t_roundtrip + wire_bytes / B.
 
-    torchrun --standalone --nproc-per-node 2 scripts/bench_allreduce.py --out $OUT/grads.json
-    python scripts/bench_allreduce.py --smoke            # CPU, 2 gloo ranks, tiny sizes, no targets
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_allreduce.py --out $OUT/grads.json
+    python benchmarks/bench_allreduce.py --smoke            # CPU, 2 gloo ranks, tiny sizes, no targets
 """
 
 from __future__ import annotations

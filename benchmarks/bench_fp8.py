@@ -2,7 +2,7 @@
 
 One command runs all parts and writes one JSON (< 4 min on an H100):
 
-    python scripts/bench_fp8.py --profile --out fp8.json
+    python benchmarks/bench_fp8.py --profile --out fp8.json
 
 (a) Linear layers alone, forward + backward, hidden 2048, tokens 8192, for each --ffn (default 5632
     and 8192; 32 query / 8 KV heads of 64). ``ms``: median over --reps blocks of --iters iterations
@@ -20,17 +20,17 @@ One command runs all parts and writes one JSON (< 4 min on an H100):
       (issue 7 target: >= 1.2x on the linear layers' time);
     - the casts alone (GB/s and the ratio to a bf16 copy of the same tensor), to judge the kernels.
 (b) --profile: per linear of the last --ffn and per mode, host vs GPU time, per-phase breakdown (cast x,
-    cast w, GEMM fwd, cast g, GEMMs bwd), top CUDA kernels and CPU operators (scripts/bench_fp8_profile.py),
+    cast w, GEMM fwd, cast g, GEMMs bwd), top CUDA kernels and CPU operators (benchmarks/bench_fp8_profile.py),
     plus the cost of one weight-cache refresh.
 (d) --host: per linear and mode (bf16, FP8 delayed with direct Triton launches and with Triton's
     dispatch, FP8 current), host ms vs GPU ms vs wall ms of one forward + backward without the profiler,
-    host us per call of the FP8 path's primitives, CPU op / launch counts (scripts/bench_fp8_host.py).
+    host us per call of the FP8 path's primitives, CPU op / launch counts (benchmarks/bench_fp8_host.py).
 (c) Whole training steps of a ~1B LLaMA (16 x 2048, ffn 8192, seq 2048, micro-batch 2 x 4, 30
     iterations) through scripts/pretrain_llama.py: bf16 vs --agoq-fp8 delayed vs --agoq-fp8 delayed
-    --agoq-smooth-swiglu per-token (``scripts/bench_pretrain.py --suite fp8``; needs megatron-core),
+    --agoq-smooth-swiglu per-token (``benchmarks/bench_pretrain.py --suite fp8``; needs megatron-core),
     with tokens/s, peak memory and the loss curves side by side. ``--no-step`` skips it.
 
-    python scripts/bench_fp8.py --smoke --out /tmp/fp8.json   # CPU: arguments and harness (bf16 only)
+    python benchmarks/bench_fp8.py --smoke --out /tmp/fp8.json   # CPU: arguments and harness (bf16 only)
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ def run_profile(args, device: str, linear_rows: list[dict]) -> dict:
 
 
 def run_host(args) -> dict:
-    """(d): scripts/bench_fp8_host.py on this run's shape (the last --ffn) and iteration counts."""
+    """(d): benchmarks/bench_fp8_host.py on this run's shape (the last --ffn) and iteration counts."""
     import bench_fp8_host
 
     host_args = argparse.Namespace(**{k: getattr(args, k) for k in ("tokens", "hidden", "heads", "kv_heads",
@@ -326,10 +326,10 @@ def _with_speedup(ms_by_mode: dict) -> dict:
 
 
 def run_whole_step(args) -> dict:
-    """scripts/bench_pretrain.py --suite fp8 in a child process (torchrun), summarised with the losses."""
+    """benchmarks/bench_pretrain.py --suite fp8 in a child process (torchrun), summarised with the losses."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "step.json"
-        cmd = [sys.executable, str(REPO_ROOT / "scripts" / "bench_pretrain.py"), "--suite", "fp8", "--out", str(out),
+        cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "bench_pretrain.py"), "--suite", "fp8", "--out", str(out),
                "--timeout", str(args.step_timeout)] + (["--smoke"] if args.smoke else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT)
         if not out.exists():
@@ -367,7 +367,7 @@ def main() -> int:
     p.add_argument("--profile-iters", type=int, default=5)
     p.add_argument("--host", action="store_true",
                    help="(d): host vs GPU ms per linear without the profiler, host us per primitive "
-                        "(scripts/bench_fp8_host.py; last --ffn)")
+                        "(benchmarks/bench_fp8_host.py; last --ffn)")
     p.add_argument("--no-step", action="store_true", help="skip (b), the whole-step runs")
     p.add_argument("--step-timeout", type=float, default=240, help="seconds per whole-step variant")
     p.add_argument("--out", default=None, help="write the JSON report here")

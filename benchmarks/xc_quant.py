@@ -3,7 +3,7 @@ kernel launch: registers, spills, shared memory and a SASS instruction profile p
 
 Run with Triton 3.6 first on the path (the H100 machine's version, installed at /tmp/t36 here)::
 
-    PYTHONPATH=/tmp/t36:$PWD python scripts/xc_quant.py [--formats int6_b64 nf4_b64] [--variants]
+    PYTHONPATH=/tmp/t36:$PWD python benchmarks/xc_quant.py [--formats int6_b64 nf4_b64] [--variants]
         [--optim] [--json out.json]
 
 Launches are captured, not guessed: the real Python launchers (quantize_with_config, dequantize, the

@@ -6,13 +6,13 @@ and groups the blocks alive then by the first frames of their allocation stack t
 megatron or torch.nn.functional. Use it when the planner and a measured peak disagree
 (docs/benchmarks/planner.md)::
 
-    python scripts/mem_trace.py --out trace.json -- --config configs/model/llama-1b.yaml --micro-batch-size 4 ...
+    python benchmarks/mem_trace.py --out trace.json -- --config configs/model/llama-1b.yaml --micro-batch-size 4 ...
 
 Everything after ``--`` goes to pretrain_llama.py. Writes a small JSON (top groups, bytes, counts),
 not the raw snapshot. Under torchrun (several GPUs) every rank traces its own GPU and writes
 ``<out stem>.rank<R>.json``::
 
-    torchrun --nproc-per-node 4 scripts/mem_trace.py --out trace.json -- --pipeline-model-parallel-size 2 ...
+    torchrun --nproc-per-node 4 benchmarks/mem_trace.py --out trace.json -- --pipeline-model-parallel-size 2 ...
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Optimizer step time, host time and memory: agoq fused optimizers vs torch.optim.AdamW(fused=True).
 
-GPU:  python scripts/bench_optim.py --out $OUT/bench_optim.json     (~1e9 params, < 4 min on an H100)
-CPU:  python scripts/bench_optim.py --smoke --out /tmp/bench_optim.json   (tiny, unfused, no timing claim)
+GPU:  python benchmarks/bench_optim.py --out $OUT/bench_optim.json     (~1e9 params, < 4 min on an H100)
+CPU:  python benchmarks/bench_optim.py --smoke --out /tmp/bench_optim.json   (tiny, unfused, no timing claim)
 
 Target (issue 6): the agoq fused AdamW step (split24 master, cint8/cuint8 moments, bf16 params and
 grads) <= 0.6x torch.optim.AdamW(fused=True) with fp32 params, grads and states. Arithmetic: the lean

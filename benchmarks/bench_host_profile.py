@@ -7,8 +7,8 @@ does not see and where launches and allocations cost more). This wraps the funct
 timer (inclusive wall time, ~1 us per call of its own), runs the ~1B LLaMA at seq 4096 for a few
 steps per policy, and prints / writes calls and microseconds per step and call::
 
-    python scripts/bench_host_profile.py --policies bf16 agoq --mbs 1 --json host_profile.json
-    python scripts/bench_host_profile.py --smoke          # tiny model on CPU: checks the script runs
+    python benchmarks/bench_host_profile.py --policies bf16 agoq --mbs 1 --json host_profile.json
+    python benchmarks/bench_host_profile.py --smoke          # tiny model on CPU: checks the script runs
 
 Timed: Megatron's linear autograd function (forward / backward, the reference point both policies
 share), agoq's quantize / dequantize / fused SwiGLU launchers, the launch paths (FastKernel,
@@ -32,7 +32,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 _MAIN = threading.main_thread().ident
 

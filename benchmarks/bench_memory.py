@@ -2,15 +2,15 @@
 
 GPU (the issue's benchmark, ~1B LLaMA, seq 4096)::
 
-    python scripts/bench_memory.py --policies bf16 agoq int8 --steps 6 --json out.json
+    python benchmarks/bench_memory.py --policies bf16 agoq int8 --steps 6 --json out.json
     # host cost at small micro-batches, with the old launch path / SwiGLU as an in-process A/B (< 5 min):
-    python scripts/bench_memory.py --policies bf16 agoq agoq@legacy --mbs 1 2 4 --steps 8 --json out.json
+    python benchmarks/bench_memory.py --policies bf16 agoq agoq@legacy --mbs 1 2 4 --steps 8 --json out.json
 
 ``<policy>@<variant>[+<variant>]`` switches parts of the saved-activation host path for an A/B in one
 process: ``fnnorm`` (the RMSNorm through agoq's autograd function, not ATen's node), ``scope`` (linears
 replace their saved input through a hook scope, not the saved tensor's hooks), and ``legacy``, which
 runs the policy with agoq's direct Triton launches, launch sites, fused SwiGLU kernels and the RMSNorm on
-ATen's node switched off (scripts/bench_launch.py's ``legacy_launch`` and ``legacy_save_paths``): the code before
+ATen's node switched off (benchmarks/bench_launch.py's ``legacy_launch`` and ``legacy_save_paths``): the code before
 the host-cost work (its glue trimming stays), timed in the same process, so the comparison does not
 depend on the leased host's speed. Step times: ``--rounds`` interleaved rounds per micro-batch size (the
 ratios the docs quote, ``step_time_ratio_interleaved``). Peaks: ``peak_bytes`` is absolute and includes
@@ -18,7 +18,7 @@ every model kept resident for the rounds; ``peak_above_resident_bytes`` is what 
 
 CPU smoke (tiny model; byte counts are exact, times and peaks are not meaningful)::
 
-    python scripts/bench_memory.py --smoke
+    python benchmarks/bench_memory.py --smoke
 
 Per policy: bytes held for backward after one forward (Megatron's saves metered + agoq's counter),
 CUDA peak allocated memory of a training step, median step time (forward + backward + SGD), and
@@ -40,7 +40,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))  # bench_launch.legacy_launch
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_launch.legacy_launch
 
 LLAMA_1B = dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=5632,
                 seq_length=4096, vocab_size=32000)
@@ -171,7 +171,7 @@ def _sync(device) -> None:
 def _variant_choices() -> dict:
     """Variant name -> (SavePaths overrides, uses the legacy launch path): the A/B of the saved-activation
     host path (options passed into the layer spec, no product switch flipped)."""
-    return {"legacy": ({"norm_via_aten_node": False, "fuse_swiglu": False}, True),  # scripts/bench_launch.py
+    return {"legacy": ({"norm_via_aten_node": False, "fuse_swiglu": False}, True),  # benchmarks/bench_launch.py
             "fnnorm": ({"norm_via_aten_node": False}, False),  # RMSNorm as agoq's autograd function
             "scope": ({"linear_via_node_hooks": False}, False)}  # linears: hook scope
 
