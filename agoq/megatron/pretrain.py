@@ -213,7 +213,7 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     report = policy_report(args, shape, layout, microbatches)
     print_rank0(report)
     print_rank0(memory_report.predicted_report(args, shape, layout, policy_of(spec)))
-    if args.log_json and training.is_logging_rank():  # scripts/bench_pretrain.py puts it next to the measured peak
+    if args.log_json and training.is_logging_rank():  # benchmarks/bench_pretrain.py puts it next to the measured peak
         peaks = memory_report.predicted_peaks(args, shape, layout, policy_of(spec))
         with open(args.log_json, "a") as out:
             out.write(json.dumps({"predicted_memory": {

@@ -270,7 +270,7 @@ def test_script_release_trains_like_the_buffered_run_and_resumes(tmp_path, agoq_
 
 @pytest.mark.dist
 def test_bench_pretrain_release_suite_smoke(tmp_path, agoq_cache):
-    """scripts/bench_pretrain.py --suite release --smoke (CPU): the three variants run, the release one holds
+    """benchmarks/bench_pretrain.py --suite release --smoke (CPU): the three variants run, the release one holds
     no gradient bytes (measured breakdown), and every variant carries the planner's predicted peak."""
     import json
     import subprocess
@@ -279,7 +279,7 @@ def test_bench_pretrain_release_suite_smoke(tmp_path, agoq_cache):
     from agoq.testing.procs import REPO_ROOT, child_env
 
     out = tmp_path / "release.json"
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_pretrain.py"), "--suite", "release",
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "bench_pretrain.py"), "--suite", "release",
                            "--smoke", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
                           env=child_env(AGOQ_CACHE=str(agoq_cache)))  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
