@@ -73,7 +73,7 @@ from agoq.ops.saved_norm import rmsnorm_saving_input
 from agoq.ops.smooth_swiglu import fold_channel_scale, glu_smooth_scale, unsmooth_fc2_output
 
 # The linears replace Megatron's saved input through that saved tensor's own hooks or a hook scope around
-# the call (SavePaths.linear_via_node_hooks=False: scripts/bench_memory.py's A/B; also what runs inside
+# the call (SavePaths.linear_via_node_hooks=False: benchmarks/bench_memory.py's A/B; also what runs inside
 # another scope).
 # the autograd node of LinearWithGradAccumulationAndAsyncCommunication (it saves (input, weight))
 _MEGATRON_LINEAR_NODE = "LinearWithGradAccumulationAndAsyncCommunicationBackward"

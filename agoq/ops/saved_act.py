@@ -61,7 +61,7 @@ Key = tuple[int | None, str]  # (global 0-based layer index or None, role)
 class SavePaths:
     """How agoq's layers run the saved-activation code on the host. Every choice stores the same bytes and
     gives the same gradients (tests/gpu/test_saved_act_gpu.py); the non-defaults are the slower paths kept
-    for benchmarks' A/B (scripts/bench_memory.py variants, scripts/bench_launch.py legacy paths).
+    for benchmarks' A/B (benchmarks/bench_memory.py variants, benchmarks/bench_launch.py legacy paths).
     Passed to ``agoq.megatron.model.agoq_layer_spec(..., save_paths=...)``."""
 
     norm_via_aten_node: bool = True
@@ -309,7 +309,7 @@ class quantized_saves:  # noqa: N801 - used as a function-style context manager:
         # Torch keeps the pack hook (this bound method, hence self) alive with every SavedVariable it
         # packed, until that node's backward. Holding `target` here kept the very tensor agoq replaced
         # (a norm or SwiGLU output: 2-8 bf16 x hidden per token and layer) alive for the whole forward:
-        # ~3 GiB at the 1B H100 peak (scripts/mem_trace.py, docs/benchmarks/planner.md).
+        # ~3 GiB at the 1B H100 peak (benchmarks/mem_trace.py, docs/benchmarks/planner.md).
         self.target = self.stash = self.fmt = self.counter = None
         if exc_type is None and torch.is_grad_enabled() and target.requires_grad and self.hits != 1:
             raise RuntimeError(

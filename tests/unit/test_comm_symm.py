@@ -1,6 +1,6 @@
 """agoq.comm.symm (the NVLink peer-memory transport) refuses what it cannot do, by name, before touching a
 process group: CPU tensors, formats without a fused kernel, unsupported ops. Its results are checked on GPUs
-(tests/kernels/test_comm_kernels.py for the peer kernels; scripts/bench_allreduce.py checks the transport bit
+(tests/kernels/test_comm_kernels.py for the peer kernels; benchmarks/bench_allreduce.py checks the transport bit
 for bit against the NCCL one on every size)."""
 
 import pytest
