@@ -1,4 +1,5 @@
-"""SentencePiece tokenizers: training a small one on a corpus, loading any ``tokenizer.model``.
+"""Tokenizers: training a small SentencePiece one on a corpus, loading any SentencePiece ``tokenizer.model``
+or Hugging Face ``tokenizers`` file (``tokenizer.json``, e.g. LLaMA-3's 128k BPE; :class:`HFTokenizer`).
 
 Training settings follow LLaMA's SentencePiece recipe where it matters for code and prose: BPE,
 ``byte_fallback`` (every string encodes, unknown characters become byte pieces), identity
@@ -9,13 +10,15 @@ Determinism (measured with sentencepiece 0.2.x, 2026-05, 2-core CPU): BPE traini
 sentences (``input_sentence_size=0``, no sampling) gives the same pieces and scores for 1 and 2 threads
 and across runs. The seed is still set for the sampling path (``input_sentence_size > 0``).
 
-No torch, no megatron, no environment reads.
+No torch, no megatron, no environment reads; the ``tokenizers`` package (optional extra ``[hf]``) is
+imported only when a ``tokenizer.json`` is loaded.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import math
 import multiprocessing
 import os
@@ -154,10 +157,13 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
+        """A SentencePiece ``.model``, or a Hugging Face ``tokenizers`` JSON file (an :class:`HFTokenizer`)."""
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"tokenizer model {path} not found; train one with scripts/train_tokenizer.py")
         data = path.read_bytes()
+        if is_hf_tokenizer_file(data):
+            return HFTokenizer.load_file(path, data)
         if not data:  # sentencepiece "loads" empty bytes as a model of 0 pieces
             raise ValueError(f"tokenizer model {path} is empty; pass the SentencePiece .model the data was "
                              "prepared with (or train one with scripts/train_tokenizer.py)")
@@ -218,6 +224,112 @@ class Tokenizer:
         return self._sp.id_to_piece(int(token_id))
 
 
+def is_hf_tokenizer_file(data: bytes) -> bool:
+    """A Hugging Face ``tokenizers`` file: a JSON object with a ``model`` object (SentencePiece models are
+    protobuf, never JSON; agoq's ``<prefix>.tokenizer.json`` data record has no ``model``)."""
+    if not data.lstrip()[:1] == b"{":
+        return False
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(obj, dict) and isinstance(obj.get("model"), dict) and "added_tokens" in obj
+
+
+# End-of-document / beginning-of-sequence tokens of common HF tokenizers, tried in order when no
+# tokenizer_config.json names them: LLaMA-1/2 and Mistral, LLaMA-3, GPT-2/NeoX, Gemma.
+HF_EOS_NAMES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
+HF_BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>")
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizers`` file (``tokenizer.json``), with the interface of :class:`Tokenizer`.
+
+    ``vocab_size`` counts the added (special) tokens: LLaMA-3's file gives 128,256, the rows of its
+    embedding. Special ids come from the files: ``eos_token`` / ``bos_token`` / ``pad_token`` of a
+    ``tokenizer_config.json`` next to it (as ``transformers`` ships them), else the first special added
+    token named in ``HF_EOS_NAMES`` / ``HF_BOS_NAMES`` (LLaMA-3: ``<|end_of_text|>`` = 128001 ends a
+    document, ``<|begin_of_text|>`` = 128000); pad is -1 unless the config names one. Documents are encoded
+    without the file's template (no BOS added), as SentencePiece documents are. Pickles as the file's bytes
+    and the resolved ids.
+    """
+
+    def __init__(self, model_bytes: bytes, path: Path | None = None, *, special: dict | None = None):
+        from tokenizers import Tokenizer as _HFTokenizer  # optional extra [hf]
+
+        self._model_bytes = bytes(model_bytes)
+        self.path = Path(path) if path is not None else None
+        self._tok = _HFTokenizer.from_str(self._model_bytes.decode("utf-8"))
+        self._special = dict(special) if special is not None else self._resolve_special(self.path)
+
+    @classmethod
+    def load_file(cls, path: Path, data: bytes) -> HFTokenizer:
+        try:
+            tokenizer = cls(data, path)
+        except ImportError as err:
+            raise ValueError(f"{path} is a Hugging Face tokenizers file; install the optional extra: "
+                             "pip install 'agoq[hf]' (the tokenizers package)") from err
+        except Exception as err:  # noqa: BLE001 - tokenizers raises its own Exception type
+            raise ValueError(f"{path} is not a loadable Hugging Face tokenizers file ({err})") from err
+        if tokenizer.vocab_size == 0:
+            raise ValueError(f"tokenizer {path} has no tokens")
+        return tokenizer
+
+    def _resolve_special(self, path: Path | None) -> dict:
+        config = {}
+        if path is not None and (path.parent / "tokenizer_config.json").is_file():
+            config = json.loads((path.parent / "tokenizer_config.json").read_text())
+        added = [t["content"] for t in json.loads(self._model_bytes).get("added_tokens", []) if t.get("special")]
+        special = {}
+        for role, names in (("eos", HF_EOS_NAMES), ("bos", HF_BOS_NAMES), ("pad", ())):
+            name = config.get(f"{role}_token")
+            name = name.get("content") if isinstance(name, dict) else name
+            if name is None:
+                name = next((n for n in names if n in added), None)
+            token_id = self._tok.token_to_id(name) if name is not None else None
+            special[role] = -1 if token_id is None else token_id
+        return special
+
+    def __getstate__(self):
+        return {"model_bytes": self._model_bytes, "path": self.path, "special": self._special}
+
+    def __setstate__(self, state):
+        self.__init__(state["model_bytes"], state["path"], special=state["special"])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod_id(self) -> int:
+        if self._special["eos"] < 0:
+            raise ValueError(
+                f"tokenizer {self.path} names no end-of-document token: put a tokenizer_config.json with "
+                f"\"eos_token\" next to it, or add one of {', '.join(HF_EOS_NAMES)} as a special token"
+            )
+        return self._special["eos"]
+
+    @property
+    def pad_id(self) -> int:
+        return self._special["pad"]
+
+    @property
+    def bos_id(self) -> int:
+        return self._special["bos"]
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self._tok.id_to_token(int(token_id))
+
+
 def padded_vocab_size(
     vocab_size: int, tp_size: int = 1, divisible_by: int = MEGATRON_VOCAB_DIVISIBLE_BY
 ) -> int:
@@ -238,9 +350,9 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 DEFAULT_CHUNK_DOCS = 64
 
 
-def _init_worker(model_bytes: bytes) -> None:
+def _init_worker(tokenizer: Tokenizer) -> None:
     global _WORKER_TOKENIZER
-    _WORKER_TOKENIZER = Tokenizer(model_bytes)
+    _WORKER_TOKENIZER = tokenizer  # pickled as its file's bytes (SentencePiece or tokenizers)
 
 
 def _encode_chunk(texts: list[str]) -> list[list[int]]:
@@ -268,8 +380,8 @@ def encode_documents(
         for chunk in _chunks(texts, chunk_docs):
             yield from tokenizer.encode_batch(chunk)
         return
-    # spawn, not fork: the caller may hold threads or a CUDA context; workers only need sentencepiece.
+    # spawn, not fork: the caller may hold threads or a CUDA context; workers only need the tokenizer.
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer.model_bytes,)) as pool:
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
         for encoded in pool.imap(_encode_chunk, _chunks(texts, chunk_docs)):
             yield from encoded

@@ -26,6 +26,8 @@ FORBIDDEN = {
     "agoq.data": ("megatron",),
     "agoq.testing": ("megatron",),
     "agoq.config": ("torch", "megatron"),
+    # the converter's package: megatron only through agoq.megatron.hf_checkpoint, imported when a command runs
+    "agoq.convert": ("megatron", "transformers", "safetensors", "tokenizers"),
 }
 
 

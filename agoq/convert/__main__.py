@@ -1,0 +1,234 @@
+"""Convert LLaMA checkpoints between Hugging Face and agoq (Megatron distributed checkpoints).
+
+    # a HF LlamaForCausalLM directory (config.json + safetensors) -> an agoq checkpoint + its model config
+    python -m agoq.convert hf-to-agoq /models/Meta-Llama-3-8B --output ckpt/llama3-8b
+    torchrun --nproc-per-node 4 scripts/pretrain_llama.py --config ckpt/llama3-8b/model.yaml \\
+        --pipeline-model-parallel-size 4 --load ckpt/llama3-8b --save ckpt/run \\
+        --data-path data/mydata --tokenizer-model /models/Meta-Llama-3-8B/tokenizer.json
+
+    # any agoq checkpoint (any TP / PP layout, with or without optimizer state) -> a HF directory
+    python -m agoq.convert agoq-to-hf ckpt/run --config ckpt/llama3-8b/model.yaml \\
+        --tokenizer-model /models/Meta-Llama-3-8B/tokenizer.json --output hf/llama3-8b-run --dtype bf16
+
+Runs in one CPU process (no torchrun): the whole model is held once in host memory, in the checkpoint's
+dtype (an 8B model: ~16 GB in bf16). Needs the optional extra: ``pip install 'agoq[hf]'``. See docs/hf.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+DTYPES = ("auto", "bf16", "fp32")
+HF_DIMS_KEY = "hf_dims"  # a converted checkpoint's common state: the HF architecture (agoq.convert.llama.LlamaDims)
+PADDED_VOCAB_KEY = "padded_vocab_size"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m agoq.convert", description=__doc__.split("\n")[0],
+                                     allow_abbrev=False)  # fmt: skip
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("hf-to-agoq", allow_abbrev=False,
+                         help="HF LlamaForCausalLM directory -> agoq/Megatron distributed checkpoint + model YAML")
+    imp.add_argument("hf_dir", type=Path, help="directory with config.json and model(-*).safetensors")
+    imp.add_argument("--output", type=Path, required=True, help="checkpoint directory to create (pass it to --load)")
+    imp.add_argument("--config-out", type=Path, default=None,
+                     help="model config YAML for scripts/pretrain_llama.py --config (default: OUTPUT/model.yaml)")
+    imp.add_argument("--dtype", choices=DTYPES, default="auto",
+                     help="tensor dtype in the checkpoint (auto: the HF files' bf16 / fp32, fp16 as fp32); the "
+                          "trainer casts on load to its own (bf16, or fp32 with --fp32)")
+    imp.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                     help="pad the vocabulary for this TP size (the padded rows must match the training run's)")
+    imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                     help="as scripts/pretrain_llama.py: rows are a multiple of this x the TP size")
+    exp = sub.add_parser("agoq-to-hf", allow_abbrev=False,
+                         help="agoq checkpoint (any layout) -> HF LlamaForCausalLM directory that transformers loads")
+    exp.add_argument("load_dir", type=Path, help="checkpoint directory (the one given to --save / --load)")
+    exp.add_argument("--output", type=Path, required=True, help="HF model directory to write")
+    exp.add_argument("--iteration", type=int, default=None, help="iter_N to export (default: the latest)")
+    exp.add_argument("--config", type=Path, default=None,
+                     help="the run's model YAML (--config of pretrain_llama.py); needed unless the checkpoint is a "
+                          "converted one, which records its architecture")
+    exp.add_argument("--tokenizer-model", type=Path, default=None,
+                     help="the run's tokenizer: gives the real vocabulary size and BOS/EOS ids and is copied next to "
+                          "the weights")
+    exp.add_argument("--vocab-size", type=int, default=None,
+                     help="real vocabulary size (rows kept; default: the tokenizer's or the checkpoint's record)")
+    exp.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="safetensors dtype")
+    exp.add_argument("--max-shard-size", type=int, default=5 * 1000**3, help="bytes per safetensors shard")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    start = time.perf_counter()
+    try:
+        if args.command == "hf-to-agoq":
+            lines = hf_to_agoq(args)
+        else:
+            lines = agoq_to_hf(args)
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as exc:
+        print(f"python -m agoq.convert {args.command}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    for line in lines:
+        print(line, flush=True)
+    print(f"done in {time.perf_counter() - start:.1f} s", flush=True)
+    return 0
+
+
+def _torch_dtype(name: str, source=None):
+    import torch
+
+    if name == "auto":
+        return torch.float32 if source in (torch.float32, torch.float16) else torch.bfloat16
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def hf_to_agoq(args) -> list[str]:
+    from agoq.convert import hf_io, llama
+
+    config = hf_io.read_config(args.hf_dir)
+    dims = llama.dims_from_hf_config(config)
+    padded = llama.padded_rows(dims.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    hf_state = hf_io.read_state_dict(args.hf_dir)
+    dtype = _torch_dtype(args.dtype, hf_state["model.embed_tokens.weight"].dtype)
+    state = llama.hf_to_megatron(hf_state, dims, padded)
+    del hf_state
+
+    from agoq.megatron import hf_checkpoint
+
+    hf_checkpoint.init_single_process()
+    shape = _shape(dims, padded)
+    model = hf_checkpoint.build_model(shape, dtype)[0]
+    hf_checkpoint.load_model_state(model, state)
+    del state
+    extra = {HF_DIMS_KEY: dims.as_dict(), PADDED_VOCAB_KEY: padded, "converted_from": str(args.hf_dir)}
+    target = hf_checkpoint.save_weights_only(model, args.output, shape, extra)
+    yaml_path = args.config_out or args.output / "model.yaml"
+    yaml_path.parent.mkdir(parents=True, exist_ok=True)
+    yaml_path.write_text(llama.config_yaml(dims, divisible_by=args.make_vocab_size_divisible_by,
+                                           source=str(args.hf_dir), tp=args.tensor_model_parallel_size,
+                                           padded_vocab=padded))  # fmt: skip
+    return [f"checkpoint: {target} ({shape.num_parameters() / 1e6:.1f}M parameters, {_dtype_name(dtype)}, "
+            f"vocabulary {dims.vocab_size} padded to {padded} rows)",
+            f"model config: {yaml_path}",
+            f"train: scripts/pretrain_llama.py --config {yaml_path} --load {args.output} "
+            f"--tokenizer-model {args.hf_dir / 'tokenizer.json'} ..."]
+
+
+def _shape(dims, padded: int):
+    from agoq.megatron.model import LlamaShape
+
+    return LlamaShape(num_layers=dims.num_layers, hidden_size=dims.hidden_size,
+                      num_attention_heads=dims.num_attention_heads, num_query_groups=dims.num_query_groups,
+                      ffn_hidden_size=dims.ffn_hidden_size, seq_length=dims.max_position_embeddings,
+                      vocab_size=padded, rotary_base=dims.rotary_base, norm_epsilon=dims.norm_epsilon,
+                      init_method_std=dims.init_method_std)  # fmt: skip
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def agoq_to_hf(args) -> list[str]:
+    import torch
+
+    from agoq.convert import hf_io, llama
+    from agoq.megatron import hf_checkpoint
+
+    hf_checkpoint.init_single_process()
+    source = hf_checkpoint.checkpoint_source(args.load_dir, args.iteration)
+    extras = hf_checkpoint.saved_extras(source)
+    dims, padded = _export_dims(args, extras)
+    dtype = _torch_dtype(args.dtype)
+    # read in fp32 (exact for bf16 and fp32 checkpoints; Megatron keeps RMSNorm gains in fp32 in any case),
+    # then round every tensor to the output dtype once
+    model = hf_checkpoint.build_model(_shape(dims, padded), torch.float32)[0]
+    hf_checkpoint.load_weights([model], source)
+    state = {k: v.to(dtype) for k, v in llama.megatron_to_hf(hf_checkpoint.model_state(model), dims).items()}
+    files = hf_io.write_model_dir(args.output, state, llama.hf_config(dims, dtype), max_shard_bytes=args.max_shard_size)
+    copied = hf_io.copy_tokenizer(args.tokenizer_model, args.output) if args.tokenizer_model else []
+    return [f"exported {source} -> {args.output}: {len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
+            f"{_dtype_name(dtype)}, vocabulary {dims.vocab_size} (of {padded} rows)"
+            + (f"; tokenizer files: {', '.join(p.name for p in copied)}" if copied else "")]
+
+
+def _export_dims(args, extras: dict):
+    """(LlamaDims, padded rows): a converted checkpoint's record, else --config + the resume record + tokenizer."""
+    from agoq.convert import llama
+    from agoq.megatron.hf_checkpoint import saved_shape
+
+    contract = saved_shape(extras)
+    if HF_DIMS_KEY in extras and args.config is None:
+        dims = llama.LlamaDims(**extras[HF_DIMS_KEY])
+        padded = extras[PADDED_VOCAB_KEY]
+    else:
+        if args.config is None:
+            raise ValueError(f"{args.load_dir} records no architecture (it was not written by hf-to-agoq): pass the "
+                             "run's --config YAML")  # fmt: skip
+        dims, padded = _dims_from_yaml(args.config, contract)
+    vocab, bos, eos = _vocab_from_tokenizer(args.tokenizer_model)
+    vocab = args.vocab_size or vocab or dims.vocab_size or padded
+    if vocab > padded:
+        raise ValueError(f"vocabulary {vocab} is larger than the checkpoint's {padded} embedding rows")
+    return llama.LlamaDims(**{**dims.as_dict(), "vocab_size": vocab,
+                              "bos_token_id": bos if bos is not None else dims.bos_token_id,
+                              "eos_token_id": eos if eos is not None else dims.eos_token_id}), padded  # fmt: skip
+
+
+def _dims_from_yaml(path: Path, contract: dict):
+    import yaml
+
+    from agoq.convert import llama
+
+    values = yaml.safe_load(path.read_text()) or {}
+    heads = values.get("num_attention_heads", contract.get("num_attention_heads"))
+    hidden = values.get("hidden_size", contract.get("hidden_size"))
+    # scripts/pretrain_llama.py's defaults (agoq.megatron.args) for keys a config file leaves out
+    shape = {
+        "num_layers": values.get("num_layers", 4), "hidden_size": hidden if hidden is not None else 64,
+        "num_attention_heads": heads if heads is not None else 4,
+        "num_query_groups": values.get("num_query_groups") or heads or 4,
+        "ffn_hidden_size": values.get("ffn_hidden_size") or 64 * -(-int(8 * (hidden or 64) / 3) // 64),
+    }
+    for key, value in shape.items():
+        if key in contract and contract[key] != value:
+            raise ValueError(f"{path}: {key} {value}, but the checkpoint was saved with {contract[key]}; pass the "
+                             "run's own --config")  # fmt: skip
+    padded = contract.get("vocab_size")
+    if padded is None:
+        raise ValueError("the checkpoint has no resume record (saved before agoq recorded one): its vocabulary is "
+                         "unknown")  # fmt: skip
+    dims = llama.LlamaDims(**shape, vocab_size=0, rotary_base=int(values.get("rotary_base", 10000)),
+                           norm_epsilon=float(values.get("norm_epsilon", 1e-5)),
+                           max_position_embeddings=int(values.get("seq_length", contract.get("seq_length", 128))),
+                           init_method_std=float(values.get("init_method_std", 0.02)))  # fmt: skip
+    return dims, padded
+
+
+def _vocab_from_tokenizer(path: Path | None):
+    if path is None:
+        return None, None, None
+    from agoq.data.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(path)
+    bos = tokenizer.bos_id if tokenizer.bos_id >= 0 else None
+    try:
+        eos = tokenizer.eod_id
+    except ValueError:
+        eos = None
+    return tokenizer.vocab_size, bos, eos
+
+
+if __name__ in ("__main__", "__mp_main__") and os.environ.get("AGOQ_SHOW_KNOWN_WARNINGS") != "1":
+    # megatron-core / torch warnings known to be harmless (as scripts/pretrain_llama.py), before torch loads; also
+    # in the checkpoint writer's process, which re-imports this module as __mp_main__
+    from agoq.megatron.known_warnings import filter_known_warnings
+
+    filter_known_warnings()
+
+if __name__ == "__main__":
+    sys.exit(main())

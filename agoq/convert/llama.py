@@ -1,0 +1,237 @@
+"""LLaMA weights: Hugging Face ``LlamaForCausalLM`` names and layouts <-> Megatron's ``GPTModel`` (TP=1, PP=1).
+
+What differs between the two, and what this module does about it:
+
+* **Fused QKV, per GQA group.** Megatron's ``linear_qkv.weight`` holds, for each of the ``g`` query groups
+  in turn, the group's ``n/g`` query heads, then its key head, then its value head (``head_dim`` rows each):
+  ``SelfAttention.get_query_key_value_tensors`` views the output as ``[.., g, (n/g + 2) * d]`` and splits
+  it that way. HF keeps ``q_proj`` (``n * d`` rows), ``k_proj`` and ``v_proj`` (``g * d`` rows each), and
+  its ``repeat_kv`` gives query head ``i`` the key/value head ``i // (n/g)``: the same grouping.
+  Tensor parallelism cuts this layout into whole groups, so a TP=1 tensor serves every TP size.
+* **Fused gate/up.** Megatron's gated ``linear_fc1.weight`` is ``[gate; up]`` (``glu``: ``silu(x[0]) *
+  x[1]`` of ``chunk(2)``); HF has ``gate_proj`` and ``up_proj``. ``linear_fc2`` is ``down_proj``.
+* **RoPE.** HF's checkpoints are already permuted for ``rotate_half`` (the halves ``[0, d/2)`` and
+  ``[d/2, d)`` rotate together), which is Megatron's ``rotary_interleaved=False`` default: no permutation.
+  Base = ``rope_theta``; frequencies ``theta^(-2i/d)`` in both. Scaled RoPE (LLaMA-3.1's ``rope_scaling``)
+  is refused: agoq's model has no scaling.
+* **Norms.** ``input_layernorm`` and ``post_attention_layernorm`` (Megatron: ``pre_mlp_layernorm``) are
+  RMSNorm gains, eps = ``rms_norm_eps``; ``model.norm`` is ``decoder.final_layernorm``.
+* **Untied head, padded vocabulary.** agoq never ties: a tied HF model's embedding is copied into
+  ``output_layer``. Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by x TP``;
+  the padded rows are zero (their logits are 0 until training pushes them down) and are cut on export.
+
+No megatron, transformers or safetensors import: state dicts of tensors in, state dicts out.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+
+import torch
+
+# HF keys that carry no weights (old checkpoints saved RoPE's inverse frequencies)
+IGNORED_HF_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+@dataclass(frozen=True)
+class LlamaDims:
+    """The architecture both sides agree on; ``vocab_size`` is the real (unpadded) vocabulary."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    vocab_size: int
+    rotary_base: int
+    norm_epsilon: float
+    max_position_embeddings: int
+    init_method_std: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def dims_from_hf_config(config: dict) -> LlamaDims:
+    """Check a LLaMA ``config.json`` (as a dict) against what agoq's model computes; raise naming the key."""
+    if config.get("model_type", "llama") != "llama":
+        raise ValueError(f"config.json: model_type {config.get('model_type')!r}; only 'llama' (LlamaForCausalLM) "
+                         "converts")  # fmt: skip
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    checks = {
+        "hidden_act": (config.get("hidden_act", "silu"), "silu"),
+        "attention_bias": (config.get("attention_bias", False), False),
+        "mlp_bias": (config.get("mlp_bias", False), False),
+    }
+    for key, (value, wanted) in checks.items():
+        if value != wanted:
+            raise ValueError(f"config.json: {key} = {value!r}; agoq's LLaMA needs {wanted!r}")
+    head_dim = config.get("head_dim") or hidden // heads
+    if head_dim * heads != hidden:
+        raise ValueError(f"config.json: head_dim {head_dim} x num_attention_heads {heads} != hidden_size {hidden}; "
+                         "agoq's LLaMA uses head_dim = hidden_size / heads")  # fmt: skip
+    theta = rope_theta(config)
+    if theta != int(theta):
+        raise ValueError(f"config.json: rope_theta {theta} is not an integer (agoq's --rotary-base is)")
+    return LlamaDims(
+        num_layers=config["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
+        num_query_groups=config.get("num_key_value_heads") or heads, ffn_hidden_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"], rotary_base=int(theta), norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        init_method_std=float(config.get("initializer_range", 0.02)),
+        bos_token_id=_single_id(config.get("bos_token_id")), eos_token_id=_single_id(config.get("eos_token_id")),
+    )  # fmt: skip
+
+
+def _single_id(value) -> int | None:
+    return value[0] if isinstance(value, list) and value else value
+
+
+def rope_theta(config: dict) -> float:
+    """``rope_theta`` (transformers 4) or ``rope_parameters.rope_theta`` (transformers 5); refuses scaled RoPE."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    for source in (params, scaling):
+        kind = source.get("rope_type", source.get("type", "default"))
+        if kind not in ("default", None):
+            raise ValueError(f"config.json: RoPE type {kind!r} (rope_scaling / rope_parameters); agoq's model has "
+                             "plain RoPE only (LLaMA-1/2/3, not 3.1's scaled RoPE)")  # fmt: skip
+    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def hf_config(dims: LlamaDims, dtype: torch.dtype) -> dict:
+    """The ``config.json`` fields of a LlamaForCausalLM with these dims (untied, no biases, plain RoPE);
+    written through ``transformers.LlamaConfig`` by the exporter."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": dims.vocab_size, "hidden_size": dims.hidden_size, "intermediate_size": dims.ffn_hidden_size,
+        "num_hidden_layers": dims.num_layers, "num_attention_heads": dims.num_attention_heads,
+        "num_key_value_heads": dims.num_query_groups, "head_dim": dims.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": dims.max_position_embeddings, "initializer_range": dims.init_method_std,
+        "rms_norm_eps": dims.norm_epsilon, "rope_theta": float(dims.rotary_base), "rope_scaling": None,
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "tie_word_embeddings": False,
+        "bos_token_id": dims.bos_token_id, "eos_token_id": dims.eos_token_id,
+        "torch_dtype": {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype],
+    }  # fmt: skip
+
+
+def padded_rows(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's embedding rows (agoq.data.tokenizer.padded_vocab_size)."""
+    multiple = divisible_by * tp
+    return math.ceil(vocab_size / multiple) * multiple
+
+
+def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    if rows < weight.shape[0]:
+        raise ValueError(f"padded vocabulary {rows} is smaller than the checkpoint's {weight.shape[0]} rows")
+    if rows == weight.shape[0]:
+        return weight
+    return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], weight.shape[1])])
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: LlamaDims) -> torch.Tensor:
+    """HF q/k/v_proj -> Megatron linear_qkv: per group, its query heads, its key head, its value head."""
+    g, d, h = dims.num_query_groups, dims.head_dim, dims.hidden_size
+    per_group = dims.num_attention_heads // g
+    fused = torch.cat([q.reshape(g, per_group * d, h), k.reshape(g, d, h), v.reshape(g, d, h)], dim=1)
+    return fused.reshape((dims.num_attention_heads + 2 * g) * d, h)
+
+
+def split_qkv(qkv: torch.Tensor, dims: LlamaDims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, d, h = dims.num_query_groups, dims.head_dim, dims.hidden_size
+    per_group = dims.num_attention_heads // g
+    grouped = qkv.reshape(g, (per_group + 2) * d, h)
+    q, k, v = grouped.split([per_group * d, d, d], dim=1)
+    return q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], dims: LlamaDims, padded_vocab: int) -> dict[str, torch.Tensor]:
+    """HF LlamaForCausalLM state dict -> Megatron GPTModel (TP=1, PP=1) state dict (global layer indices).
+    Every HF tensor is used once; an unknown or missing one raises."""
+    left = {k: v for k, v in hf.items() if not IGNORED_HF_KEYS.fullmatch(k)}
+
+    def take(key: str) -> torch.Tensor:
+        if key not in left:
+            raise KeyError(f"HF checkpoint lacks {key}")
+        return left.pop(key)
+
+    out = {"embedding.word_embeddings.weight": _pad_rows(take("model.embed_tokens.weight"), padded_vocab)}
+    for i in range(dims.num_layers):
+        hf_l, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[mg + "input_layernorm.weight"] = take(hf_l + "input_layernorm.weight")
+        out[mg + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            take(hf_l + "self_attn.q_proj.weight"), take(hf_l + "self_attn.k_proj.weight"),
+            take(hf_l + "self_attn.v_proj.weight"), dims)  # fmt: skip
+        out[mg + "self_attention.linear_proj.weight"] = take(hf_l + "self_attn.o_proj.weight")
+        out[mg + "pre_mlp_layernorm.weight"] = take(hf_l + "post_attention_layernorm.weight")
+        out[mg + "mlp.linear_fc1.weight"] = torch.cat([take(hf_l + "mlp.gate_proj.weight"),
+                                                       take(hf_l + "mlp.up_proj.weight")])  # fmt: skip
+        out[mg + "mlp.linear_fc2.weight"] = take(hf_l + "mlp.down_proj.weight")
+    out["decoder.final_layernorm.weight"] = take("model.norm.weight")
+    head = left.pop("lm_head.weight", None)
+    if head is None:  # tie_word_embeddings: agoq's output layer is its own copy
+        head = hf["model.embed_tokens.weight"]
+    out["output_layer.weight"] = _pad_rows(head, padded_vocab)
+    if left:
+        raise KeyError(f"HF checkpoint has tensors agoq's LLaMA does not: {sorted(left)[:8]}")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def megatron_to_hf(mg: dict[str, torch.Tensor], dims: LlamaDims) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`hf_to_megatron`: padded vocabulary rows cut, always an untied ``lm_head``."""
+    v = dims.vocab_size
+    out = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"][:v]}
+    for i in range(dims.num_layers):
+        hf_l, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[hf_l + "input_layernorm.weight"] = mg[m + "input_layernorm.weight"]
+        q, k, vv = split_qkv(mg[m + "self_attention.linear_qkv.weight"], dims)
+        out[hf_l + "self_attn.q_proj.weight"], out[hf_l + "self_attn.k_proj.weight"] = q, k
+        out[hf_l + "self_attn.v_proj.weight"] = vv
+        out[hf_l + "self_attn.o_proj.weight"] = mg[m + "self_attention.linear_proj.weight"]
+        out[hf_l + "post_attention_layernorm.weight"] = mg[m + "pre_mlp_layernorm.weight"]
+        gate, up = mg[m + "mlp.linear_fc1.weight"].chunk(2)
+        out[hf_l + "mlp.gate_proj.weight"], out[hf_l + "mlp.up_proj.weight"] = gate, up
+        out[hf_l + "mlp.down_proj.weight"] = mg[m + "mlp.linear_fc2.weight"]
+    out["model.norm.weight"] = mg["decoder.final_layernorm.weight"]
+    out["lm_head.weight"] = mg["output_layer.weight"][:v]
+    return {k: t.contiguous() for k, t in out.items()}
+
+
+def config_yaml(dims: LlamaDims, *, divisible_by: int, source: str, tp: int, padded_vocab: int) -> str:
+    """A configs/model-style YAML (scripts/pretrain_llama.py --config) for the converted checkpoint."""
+    lines = [
+        f"# Converted from the Hugging Face LlamaForCausalLM {source} by python -m agoq.convert hf-to-agoq.",
+        f"# Vocabulary: {dims.vocab_size} tokens, {padded_vocab} embedding rows (padded to a multiple of "
+        f"{divisible_by} x TP {tp});",
+        "#   train with the model's own tokenizer (--tokenizer-model .../tokenizer.json) and a",
+        f"#   --tensor-model-parallel-size whose padding gives {padded_vocab} rows; any pipeline layout loads it.",
+        f"# Context: max_position_embeddings {dims.max_position_embeddings} (seq_length below; lower it freely).",
+        f"num_layers: {dims.num_layers}",
+        f"hidden_size: {dims.hidden_size}",
+        f"num_attention_heads: {dims.num_attention_heads}",
+        f"num_query_groups: {dims.num_query_groups}",
+        f"ffn_hidden_size: {dims.ffn_hidden_size}",
+        f"seq_length: {dims.max_position_embeddings}",
+        f"rotary_base: {dims.rotary_base}",
+        f"norm_epsilon: {_yaml_float(dims.norm_epsilon)}",
+        f"init_method_std: {_yaml_float(dims.init_method_std)}",
+        f"make_vocab_size_divisible_by: {divisible_by}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_float(value: float) -> str:
+    """A float YAML reads back as a float (PyYAML reads ``1e-05`` as a string: it wants ``1.0e-05``)."""
+    text = repr(float(value))
+    mantissa, _, exponent = text.partition("e")
+    if exponent and "." not in mantissa:
+        text = f"{mantissa}.0e{exponent}"
+    return text

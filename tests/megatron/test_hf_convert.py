@@ -1,0 +1,294 @@
+"""Hugging Face LLaMA checkpoints in and out (issue 22 item 2), against ``transformers`` itself, on CPU.
+
+A tiny ``LlamaForCausalLM`` is built here from a random init (no download) with settings that differ from
+agoq's defaults wherever a mapping could go wrong: GQA (4 query heads, 2 KV groups), RMSNorm eps 1e-6,
+RoPE theta 50000, random RMSNorm gains, an untied head, a vocabulary (the size of a BPE tokenizer trained
+here by ``tokenizers``) that Megatron pads to 384 rows, and sharded safetensors.
+
+Tolerance (fp32 logits). agoq's model and transformers' compute the same fp32 function with other
+kernels and orders: one fused QKV and one fused gate/up matmul instead of three and two (other summation
+blocking), torch's RMSNorm vs HF's ``x * rsqrt(mean(x^2) + eps)``, RoPE's cos/sin from ``outer`` vs a
+matmul. Each can differ by a rounding or two (fp32 unit roundoff 6e-8) per element; through 4 layers that
+stays below ~1e-6 of the logits' scale. Measured on the CI CPU (1 thread per rank): bit-identical logits at
+TP=1 and PP=2 (difference 0). LOGITS_REL = 2e-5 of the largest logit leaves room for other CPUs / BLAS
+builds and stays far below any mapping error: a swapped gate/up, a mis-grouped query head or the other RoPE
+half convention changes the logits by O(1) of their scale (tests/unit/test_convert_llama.py pins the layouts
+exactly).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from agoq.testing.dist import spawn_ranks
+from agoq.testing.hf import stdlib_texts, train_bpe_tokenizer
+from agoq.testing.procs import REPO_ROOT, child_env, iteration_records, run_pretrain
+
+pytestmark = [pytest.mark.megatron, pytest.mark.dist]
+
+LOGITS_REL = 2e-5
+SEQ, BATCH = 24, 2
+HF_SETTINGS = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=50000.0, max_position_embeddings=64,
+                   tie_word_embeddings=False, initializer_range=0.2)  # fmt: skip
+TOKENIZER_VOCAB = 300  # -> 384 rows in Megatron (multiple of 128)
+
+
+def _tiny_hf_model(vocab_size: int, bos: int, eos: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, **HF_SETTINGS)
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():  # gains away from 1 so that a misplaced norm shows
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+    return model
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, TOKENIZER_VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def hf_logits(model_dir: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(_tokens()).logits
+
+
+def assert_logits_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got = got[..., : want.shape[-1]].float()
+    err = (got - want).abs().max().item() / want.abs().max().item()
+    print(f"{what}: max |logit difference| / max |logit| = {err:.2e}")
+    assert err < LOGITS_REL, f"{what}: logits differ by {err:.2e} of their scale (tolerance {LOGITS_REL})"
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """(HF directory with sharded fp32 safetensors + tokenizer files, its logits on _tokens())."""
+    root = tmp_path_factory.mktemp("hf")
+    tok_path = train_bpe_tokenizer(root / "tiny" / "tokenizer.json", TOKENIZER_VOCAB)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_path))
+    bos, eos = tok.token_to_id("<|begin_of_text|>"), tok.token_to_id("<|end_of_text|>")
+    model = _tiny_hf_model(TOKENIZER_VOCAB, bos, eos)
+    model.save_pretrained(root / "tiny", max_shard_size="200KB")
+    assert (root / "tiny" / "model.safetensors.index.json").is_file()  # sharded
+    with torch.no_grad():
+        logits = model(_tokens()).logits
+    return root / "tiny", logits
+
+
+def _convert(*argv: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "agoq.convert", *argv], capture_output=True, text=True,
+                          env=child_env(), cwd=REPO_ROOT, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def converted(hf_model, tmp_path_factory):
+    """``python -m agoq.convert hf-to-agoq`` (the CLI, as a user runs it) of the tiny model."""
+    hf_dir, _ = hf_model
+    out = tmp_path_factory.mktemp("ckpt") / "tiny"
+    proc = _convert("hf-to-agoq", str(hf_dir), "--output", str(out))
+    assert "padded to 384 rows" in proc.stdout, proc.stdout
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# TP=1 (one process): logits, and export -> import -> export
+
+
+def _megatron_logits(chunks, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Forward of one batch through this rank's chunks with Megatron's schedule (forward only); the last
+    pipeline stage returns the logits [b, s, padded vocab], other stages None."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batch = {"tokens": tokens, "position_ids": torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)}
+
+    def forward_step(data_iterator, model):
+        data = next(data_iterator)
+        output = model(data["tokens"], data["position_ids"], None)
+        return output, lambda out: (out.sum() * 0, {"logits": out.detach().clone()})
+
+    for chunk in chunks:
+        chunk.eval()
+    with torch.no_grad():
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([batch]), model=chunks, num_microbatches=1,
+            seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0], forward_only=True)  # fmt: skip
+    return out[0]["logits"] if parallel_state.is_pipeline_last_stage() else None
+
+
+def _tp1_worker(rank, world_size, ckpt: str, out_dir: str, tokenizer: str):
+    """Logits of the converted checkpoint, then the CLI's export / import in this process."""
+    from agoq.convert.__main__ import _shape, main
+    from agoq.convert.llama import LlamaDims
+    from agoq.megatron import hf_checkpoint
+
+    hf_checkpoint.init_single_process()
+    source = hf_checkpoint.checkpoint_source(ckpt)
+    extras = hf_checkpoint.saved_extras(source)
+    shape = _shape(LlamaDims(**extras["hf_dims"]), extras["padded_vocab_size"])
+    chunks = hf_checkpoint.build_model(shape, torch.float32)
+    hf_checkpoint.load_weights(chunks, source)
+    logits = _megatron_logits(chunks, _tokens())
+    out = Path(out_dir)
+    runs = [
+        ["agoq-to-hf", ckpt, "--output", str(out / "hf1"), "--dtype", "fp32", "--tokenizer-model", tokenizer],
+        ["hf-to-agoq", str(out / "hf1"), "--output", str(out / "ckpt2")],
+        ["agoq-to-hf", str(out / "ckpt2"), "--output", str(out / "hf2"), "--dtype", "fp32"],
+        ["agoq-to-hf", str(out / "ckpt2"), "--output", str(out / "hf2_sharded"), "--dtype", "fp32",
+         "--max-shard-size", "300000"],
+        ["agoq-to-hf", ckpt, "--output", str(out / "hf_bf16"), "--dtype", "bf16"],
+    ]
+    for argv in runs:
+        assert main(argv) == 0, argv
+    return logits
+
+
+def test_tp1_logits_match_transformers_and_round_trip_is_bit_identical(hf_model, converted, tmp_path):
+    from agoq.convert import hf_io
+
+    hf_dir, want = hf_model
+    yaml_text = (converted / "model.yaml").read_text()
+    for line in ("num_query_groups: 2", "rotary_base: 50000", "norm_epsilon: 1.0e-06", "ffn_hidden_size: 160",
+                 "seq_length: 64"):
+        assert line in yaml_text, yaml_text
+    logits = spawn_ranks(1, _tp1_worker, args=(str(converted), str(tmp_path), str(hf_dir / "tokenizer.json")))[0]
+    assert logits.shape == (BATCH, SEQ, 384)
+    assert_logits_close(logits, want, "agoq TP=1 vs transformers")
+
+    original = hf_io.read_state_dict(hf_dir)
+    exported = hf_io.read_state_dict(tmp_path / "hf1")
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():  # fp32 in, fp32 out: the mapping only moves values
+        assert torch.equal(exported[name], tensor), name
+    assert (tmp_path / "hf1" / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
+    config = json.loads((tmp_path / "hf1" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)  # from the tokenizer file
+    assert torch.equal(hf_logits(tmp_path / "hf1"), want)  # transformers loads the export: the same model
+    # export -> import -> export: byte-identical files; a sharded export holds the same tensors
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "hf1" / name).read_bytes() == (tmp_path / "hf2" / name).read_bytes(), name
+    assert (tmp_path / "hf2_sharded" / "model.safetensors.index.json").is_file()
+    sharded = hf_io.read_state_dict(tmp_path / "hf2_sharded")
+    assert sorted(sharded) == sorted(exported) and all(torch.equal(sharded[n], t) for n, t in exported.items())
+    bf16 = hf_io.read_state_dict(tmp_path / "hf_bf16")
+    assert all(bf16[n].dtype == torch.bfloat16 and torch.equal(bf16[n], t.bfloat16()) for n, t in original.items())
+    assert json.loads((tmp_path / "hf_bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+# ---------------------------------------------------------------------------------------------------
+# PP=2 (two gloo ranks): the converted checkpoint read into the trainer's pipeline layout
+
+
+def _pp2_worker(rank, world_size, ckpt: str):
+    from agoq.config import AgoqConfig
+    from agoq.convert.__main__ import _shape
+    from agoq.convert.llama import LlamaDims
+    from agoq.megatron import hf_checkpoint, runtime
+    from agoq.megatron.install import install
+    from agoq.megatron.model import ParallelLayout
+
+    install(AgoqConfig(enabled=False, device="cpu"))
+    layout = ParallelLayout(pp=2)
+    runtime.init_model_parallel(layout, seed=0, device=torch.device("cpu"))
+    try:
+        source = hf_checkpoint.checkpoint_source(ckpt)
+        extras = hf_checkpoint.saved_extras(source)
+        shape = _shape(LlamaDims(**extras["hf_dims"]), extras["padded_vocab_size"])
+        chunks = hf_checkpoint.build_model(shape, torch.float32, layout)
+        hf_checkpoint.load_weights(chunks, source)
+        return _megatron_logits(chunks, _tokens())
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+
+
+def test_pp2_logits_match_transformers(hf_model, converted):
+    _, want = hf_model
+    first, last = spawn_ranks(2, _pp2_worker, args=(str(converted),))
+    assert first is None
+    assert_logits_close(last, want, "agoq PP=2 vs transformers")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The trainer: a converted checkpoint trains (PP=2, data prepared with the HF tokenizer.json), then exports
+
+
+def _prepare_data(tokenizer: Path, out: Path) -> Path:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("agoq_script_prepare_data", REPO_ROOT / "scripts" / "prepare_data.py")
+    prepare_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare_data)
+    jsonl = out / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in stdlib_texts() * 8))
+    prefix = out / "docs"
+    assert prepare_data.main(["--input", str(jsonl), "--tokenizer-model", str(tokenizer),
+                              "--output-prefix", str(prefix)]) == 0  # fmt: skip
+    return prefix
+
+
+def _expected_first_loss(hf_dir: Path, padded: int) -> float:
+    """The tiny HF model's mean next-token loss over Megatron's padded vocabulary (the padded rows' logits
+    are 0) on this test's text: the trainer's iteration-1 loss from the converted weights, up to which
+    samples it draws (a random init gives ~ln(padded) instead)."""
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    ids = torch.tensor(tok.encode("".join(stdlib_texts())).ids[: 8 * 32]).view(8, 32)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(ids).logits
+    logits = torch.cat([logits, logits.new_zeros(*logits.shape[:2], padded - logits.shape[-1])], dim=-1)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, padded), ids[:, 1:].reshape(-1)).item()
+
+
+def test_converted_checkpoint_trains_with_hf_tokenizer_and_exports(hf_model, converted, tmp_path):
+    """scripts/pretrain_llama.py --load <converted> (PP=2, agoq's default policy, fp32) on data that
+    prepare_data.py wrote with the model's tokenizer.json (issue 22 item 3: EOD from the file, 300 tokens
+    padded to the checkpoint's 384 rows), then agoq-to-hf of the trained PP=2 checkpoint loads in transformers."""
+    hf_dir, _ = hf_model
+    tokenizer = hf_dir / "tokenizer.json"
+    prefix = _prepare_data(tokenizer, tmp_path)
+    run = tmp_path / "run"
+    args = ["--config", str(converted / "model.yaml"), "--pipeline-model-parallel-size", "2", "--fp32",
+            "--load", str(converted), "--save", str(run), "--data-path", str(prefix),
+            "--tokenizer-model", str(tokenizer),
+            "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
+            "--lr", "1e-3", "--lr-warmup-iters", "1", "--split", "90,5,5"]  # fmt: skip
+    proc = run_pretrain(2, args, env=child_env(AGOQ_CACHE=str(tmp_path / "cache")))
+    assert "holds model weights only (a converted checkpoint)" in proc.stdout, proc.stdout[-3000:]
+    losses = [r["loss"] for r in iteration_records(proc.stdout)]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), proc.stdout[-3000:]
+    expected = _expected_first_loss(hf_dir, 384)
+    assert expected > math.log(384) + 1.0  # the test can tell loaded weights from a fresh init
+    assert abs(losses[0] - expected) < 0.5, (losses, expected)
+
+    out = tmp_path / "hf_trained"
+    _convert("agoq-to-hf", str(run), "--config", str(converted / "model.yaml"), "--tokenizer-model", str(tokenizer),
+             "--output", str(out), "--dtype", "fp32")  # fmt: skip
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    original = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    delta = (trained.lm_head.weight - original.lm_head.weight).abs().max().item()
+    assert 0 < delta < 0.05, delta  # 3 Adam steps at lr <= 1e-3 moved the weights, a little
+    assert (out / "tokenizer.json").is_file()
