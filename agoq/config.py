@@ -1,27 +1,282 @@
-"""AgoqConfig: the run-time options of agoq, one frozen dataclass (the single source of truth).
+"""AgoqConfig: the run-time options of agoq, one frozen dataclass of frozen sections (the single source of truth).
 
-Core agoq code reads only this object; ``agoq.megatron.args`` maps ``--agoq-*`` flags onto it and
-``scripts/`` map environment variables onto flags. No field is read from the environment here.
+Built once by a trainer (``agoq.megatron.args`` for ``scripts/pretrain_llama.py``; ``python -m agoq.plan``
+for the planner) with :meth:`AgoqConfig.from_flags` from the ``--agoq-*`` flag values (a config file's keys
+and the command line, already merged), validated here once, and passed to everything below the trainer:
+library code reads this object (or one of its sections), never an argparse Namespace or the environment.
+Errors name the flag (or config-file key: the flag's snake_case name) and the fix.
+
+Sections (torchtitan's per-component config, torchao's frozen ``Float8LinearConfig``):
+
+* ``policy``      the bit-width policy file and its loaded ``PolicySpec`` (loaded once)
+* ``activations`` what the layers keep for backward besides the policy's formats (Megatron's full recompute)
+* ``grads``       gradient format, mode, error feedback, bf16 buffer
+* ``optimizer``   optimizer kind, state formats, master weights and their hyperparameters
+* ``fp8``         FP8 linears and Smooth-SwiGLU (``agoq.policy.FP8Spec``: flags over the policy's ``fp8:``)
+* top level       ``enabled`` (False: plain Megatron), ``device``, ``triton_interpret`` (runtime options)
+
+``as_dict()`` is what every checkpoint saves (``agoq.megatron.resume``); ``from_dict`` reads it back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from agoq.formats import parse_format
+from agoq.policy import FP8Spec, PolicySpec
 
 DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZERS = ("torch", "adamw", "lion", "sgd")
+# agoq.optim.base.MASTER_CHOICES, spelled out: this module imports no torch (tests/unit/test_args.py checks)
+MASTER_CHOICES = ("none", "fp32", "split24", "split32")
+DEFAULT_MOMENTS = "flash"
+DEFAULT_MASTER = "split24"
+# name -> (m format, v format); v is ignored by Lion / SGD
+MOMENT_PRESETS = {
+    "flash": ("cint8_b32", "cuint8_b32"),  # FlashOptim companded int8 / uint8, fp16 scales per 32
+    "fp8": ("fp8e4m3_b128", "fp8e5m2_b128"),  # Fishman et al. 2025: m E4M3, v E5M2 (block-scaled)
+    "4bit": ("nf4_b32", "cuint8_b32"),  # NF4 m, companded uint8 v (4-bit v diverges, docs/optim.md)
+    "bf16": ("bf16", "bf16"),
+    "fp32": ("fp32", "fp32"),
+}
+GRAD_MODES = ("reduce", "store")  # agoq.megatron.ddp.GRAD_MODES (tests/unit/test_args.py checks they agree)
+FLOAT_GRADS = ("fp32", "bf16", "fp16")  # --agoq-grads values that mean Megatron's float gradients
+FP8_FLAGS = {  # FP8Spec field -> flag
+    "recipe": "--agoq-fp8", "smooth_swiglu": "--agoq-smooth-swiglu",
+    "bf16_first_layers": "--agoq-fp8-bf16-first-layers", "bf16_last_layers": "--agoq-fp8-bf16-last-layers",
+    "amax_history_len": "--agoq-fp8-amax-history-len",
+}
+
+
+def parse_moments(text: str) -> tuple[str, str]:
+    """A preset name or "<m format>,<v format>" (agoq.formats names)."""
+    if text in MOMENT_PRESETS:
+        return MOMENT_PRESETS[text]
+    parts = [t.strip() for t in text.split(",")]
+    if len(parts) != 2:
+        raise ValueError(f"--agoq-moments {text!r}: use a preset {sorted(MOMENT_PRESETS)} or '<m fmt>,<v fmt>'")
+    return parts[0], parts[1]
+
+
+def _choose(flag: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{flag} {value!r}: choose one of {list(allowed)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyConfig:
+    """The bit-width policy: its file and the spec loaded from it (once, by the trainer)."""
+
+    path: str | None = None
+    """--agoq-policy: the YAML file (configs/policy/*.yaml); None means the default policy."""
+
+    spec: PolicySpec | None = field(default=None, repr=False)
+    """The loaded policy (None with agoq disabled, or where nothing was loaded: the planner)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationsConfig:
+    """What the layers keep for backward besides the policy's per-role formats."""
+
+    recompute: bool = False
+    """--recompute-granularity full: Megatron's full recompute (the recomputed forward stores per the policy)."""
+
+    recompute_num_layers: int = 1
+    """--recompute-num-layers: layers per recomputed group."""
+
+    def __post_init__(self):
+        if self.recompute_num_layers < 1:
+            raise ValueError(f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradsConfig:
+    """Gradients in DDP: Megatron's float buffer (fp32, or bf16) or agoq's 8-bit store / reduction."""
+
+    format: str | None = None
+    """--agoq-grads (or the policy's ``default: {grads: ...}``): a signed round-to-nearest quantized format,
+    a float name (fp32/bf16/fp16: Megatron's gradients) or None (Megatron's gradients)."""
+
+    mode: str = "store"
+    """--agoq-grads-mode: reduce (8-bit communication, float main_grad) or store (also 8-bit accumulation)."""
+
+    error_feedback: bool = False
+    """--agoq-grads-error-feedback: keep the requantization error in a bf16 residual (needs a quantized format)."""
+
+    reduce_in_bf16: bool = False
+    """--grad-reduce-in-bf16: bf16 main_grad buffer instead of Megatron's fp32 (FlashOptim's 16-bit gradients)."""
+
+    @property
+    def quantized(self) -> bool:
+        """True when agoq's 8-bit gradient path is on (a quantized --agoq-grads format)."""
+        return self.format is not None and self.format not in FLOAT_GRADS
+
+    def __post_init__(self):
+        _choose("--agoq-grads-mode", self.mode, GRAD_MODES)
+        if self.format is not None and self.format not in FLOAT_GRADS:
+            allowed = ("a signed quantized format with round-to-nearest, e.g. int8_b256 or int4_b128, or "
+                       f"{', '.join(FLOAT_GRADS)} (Megatron's float gradients)")
+            try:
+                fmt = parse_format(self.format)
+            except ValueError as exc:
+                raise ValueError(f"--agoq-grads {self.format}: {exc}. Allowed: {allowed}") from None
+            if not fmt.signed or fmt.rounding == "stochastic":
+                raise ValueError(f"--agoq-grads {self.format}: "
+                                 f"{'unsigned' if not fmt.signed else 'stochastic rounding'}; allowed: {allowed}")
+        if self.error_feedback and not self.quantized:
+            raise ValueError("--agoq-grads-error-feedback needs --agoq-grads FORMAT (a quantized format)")
+        if self.error_feedback and self.mode != "store":
+            raise ValueError("--agoq-grads-error-feedback needs --agoq-grads-mode store (it corrects 8-bit "
+                             "accumulation)")
+        if self.reduce_in_bf16 and self.quantized:
+            raise ValueError(
+                f"--grad-reduce-in-bf16 with --agoq-grads {self.format}: the 8-bit gradient path is validated with "
+                "Megatron's fp32 float buffer only; use one of the two (8-bit grads already store 1 byte/param)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerOptions:
+    """The optimizer: Megatron's Adam (``kind="torch"``) or agoq.optim over quantized states. Megatron's own
+    hyperparameters (lr, weight decay, Adam betas / eps, clipping) travel in Megatron's OptimizerConfig."""
+
+    kind: str = "torch"
+    """--agoq-optimizer: torch (Megatron's Adam) | adamw | lion | sgd."""
+
+    moments: str = DEFAULT_MOMENTS
+    """--agoq-moments: a preset (MOMENT_PRESETS) or '<m fmt>,<v fmt>'."""
+
+    master: str = DEFAULT_MASTER
+    """--agoq-master: split24 | split32 | fp32 | none."""
+
+    unfused: bool = False
+    """--agoq-unfused: the plain-PyTorch reference step instead of the fused Triton kernel."""
+
+    small_numel: int = 4096
+    """--agoq-small-numel: tensors with ndim < 2 or fewer elements keep fp32 states and a split32 master."""
+
+    gradient_release: bool = False
+    """--agoq-gradient-release: step each param in its backward hook and free its grad."""
+
+    sgd_momentum: float = 0.9
+    sgd_nesterov: bool = False
+    lion_beta1: float = 0.9
+    lion_beta2: float = 0.99
+
+    def __post_init__(self):
+        _choose("--agoq-optimizer", self.kind, OPTIMIZERS)
+        _choose("--agoq-master", self.master, MASTER_CHOICES)
+        parse_moments(self.moments)
+        if self.gradient_release and self.kind == "torch":
+            raise ValueError("--agoq-gradient-release conflicts with --agoq-optimizer torch (release steps agoq's "
+                             "optimizer inside backward: use --agoq-optimizer adamw, lion or sgd); drop one of the two")
+
+    @property
+    def agoq(self) -> bool:
+        return self.kind != "torch"
+
+    @property
+    def state_formats(self) -> tuple[str, ...] | None:
+        """The moment formats this optimizer keeps: (m, v) for AdamW, (m,) for Lion / SGD, None for Megatron's."""
+        if not self.agoq:
+            return None
+        m_fmt, v_fmt = parse_moments(self.moments)
+        return (m_fmt, v_fmt) if self.kind == "adamw" else (m_fmt,)
 
 
 @dataclass(frozen=True, kw_only=True)
 class AgoqConfig:
     enabled: bool = True
-    """False runs plain Megatron (the baseline): no agoq seam is installed."""
-
-    policy_path: str | None = None
-    """Bit-width policy YAML (configs/policy/*.yaml); None means the default policy."""
+    """False runs plain Megatron (the baseline, --agoq-disable): no agoq seam is installed."""
 
     device: str = "auto"
-    """auto: CUDA when available, else megatron-core's CPU mode; cpu / cuda force one."""
+    """auto: CUDA when available, else megatron-core's CPU mode; cpu / cuda force one (--agoq-device)."""
+
+    triton_interpret: bool = False
+    """Triton's CPU interpreter is on (TRITON_INTERPRET=1, read by the trainer): fused kernels run on the CPU."""
+
+    policy: PolicyConfig = PolicyConfig()
+    activations: ActivationsConfig = ActivationsConfig()
+    grads: GradsConfig = GradsConfig()
+    optimizer: OptimizerOptions = OptimizerOptions()
+    fp8: FP8Spec = FP8Spec()
 
     def __post_init__(self):
-        if self.device not in DEVICES:
-            raise ValueError(f"AgoqConfig.device={self.device!r}: choose one of {DEVICES}")
+        _choose("AgoqConfig.device", self.device, DEVICES)
+        if self.optimizer.gradient_release and self.grads.format is not None:
+            raise ValueError(f"--agoq-gradient-release conflicts with --agoq-grads {self.grads.format} (8-bit "
+                             "gradients live in a gradient buffer; release keeps none); drop one of the two")
+        if self.optimizer.gradient_release and self.grads.reduce_in_bf16:
+            raise ValueError("--agoq-gradient-release conflicts with --grad-reduce-in-bf16 (there is no gradient "
+                             "buffer to keep in bf16; release's gradients are the params' dtype already); drop one "
+                             "of the two")
+
+    # -- one way to build it: flag values (config file + command line) -----------------------------
+
+    @classmethod
+    def from_flags(cls, values: Mapping[str, Any], *, policy: PolicySpec | None = None,
+                   triton_interpret: bool = False) -> AgoqConfig:
+        """The config of the flag ``values`` (flag destinations, e.g. ``{"agoq_optimizer": "adamw"}``; a missing
+        key takes this module's default, the same for the trainer, the planner and the memory report). ``policy``: the
+        loaded policy of ``agoq_policy`` (its ``fp8:`` section and ``default: {grads: ...}`` apply under the
+        flags); None: no policy section applies (the planner compares several)."""
+        get = values.get
+        enabled = not get("agoq_disable", False)
+        fp8 = FP8Spec()
+        grads = get("agoq_grads")
+        if enabled:
+            base = policy.fp8 if policy is not None and policy.fp8 is not None else FP8Spec()
+            given = {name: get(flag[2:].replace("-", "_")) for name, flag in FP8_FLAGS.items()}
+            try:
+                fp8 = replace(base, **{k: v for k, v in given.items() if v is not None})
+            except ValueError as exc:
+                raise ValueError(f"{exc} (flags {', '.join(FP8_FLAGS.values())})") from exc
+            if grads is None and policy is not None:  # --agoq-grads wins over the policy's default: {grads: ...}
+                grads = policy.default_name("grads")
+        return cls(
+            enabled=enabled, device=get("agoq_device") or "auto", triton_interpret=triton_interpret,
+            policy=PolicyConfig(path=get("agoq_policy"), spec=policy if enabled else None),
+            activations=ActivationsConfig(recompute=get("recompute_granularity") == "full",
+                                          recompute_num_layers=_given(get("recompute_num_layers"), 1)),
+            grads=GradsConfig(format=grads, mode=get("agoq_grads_mode") or "store",
+                              error_feedback=bool(get("agoq_grads_error_feedback", False)),
+                              reduce_in_bf16=bool(get("grad_reduce_in_bf16", False))),
+            optimizer=OptimizerOptions(
+                kind=get("agoq_optimizer") or "torch", moments=get("agoq_moments") or DEFAULT_MOMENTS,
+                master=get("agoq_master") or DEFAULT_MASTER, unfused=bool(get("agoq_unfused", False)),
+                small_numel=_given(get("agoq_small_numel"), OptimizerOptions.small_numel),
+                gradient_release=bool(get("agoq_gradient_release", False)),
+                sgd_momentum=_given(get("agoq_sgd_momentum"), OptimizerOptions.sgd_momentum),
+                sgd_nesterov=bool(get("agoq_sgd_nesterov", False)),
+                lion_beta1=_given(get("agoq_lion_beta1"), OptimizerOptions.lion_beta1),
+                lion_beta2=_given(get("agoq_lion_beta2"), OptimizerOptions.lion_beta2)),
+            fp8=fp8,
+        )  # fmt: skip
+
+    # -- saved with every checkpoint ---------------------------------------------------------------
+
+    def as_dict(self) -> dict:
+        """Plain JSON values, section by section (the policy as its path; its resolved table is saved apart)."""
+        out = {"enabled": self.enabled, "device": self.device, "triton_interpret": self.triton_interpret,
+               "policy": {"path": self.policy.path}}
+        for name in SECTIONS:
+            out[name] = dataclasses.asdict(getattr(self, name))
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> AgoqConfig:
+        """The config ``as_dict`` wrote (the policy spec is not restored: load it from ``policy.path``)."""
+        return cls(enabled=data["enabled"], device=data["device"], triton_interpret=data["triton_interpret"],
+                   policy=PolicyConfig(path=data["policy"]["path"]),
+                   **{name: _SECTION_TYPES[name](**data[name]) for name in SECTIONS})
+
+
+SECTIONS = ("activations", "grads", "optimizer", "fp8")  # the sections as_dict writes field by field
+_SECTION_TYPES = {"activations": ActivationsConfig, "grads": GradsConfig, "optimizer": OptimizerOptions,
+                  "fp8": FP8Spec}
+
+
+def _given(value, default):
+    return default if value is None else value

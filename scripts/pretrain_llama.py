@@ -42,18 +42,20 @@ from agoq.data.tokenizer import Tokenizer, padded_vocab_size  # noqa: E402
 from agoq.megatron import data as mdata  # noqa: E402
 from agoq.megatron import model as mmodel  # noqa: E402
 from agoq.megatron.activations import storage_of, storage_table  # noqa: E402
-from agoq.megatron.compute import check_compute, compute_report, compute_spec  # noqa: E402
-from agoq.megatron.ddp import grad_config_from_args, wrap_ddp_agoq  # noqa: E402
+from agoq.megatron.compute import check_compute, compute_report  # noqa: E402
+from agoq.megatron.ddp import grad_config, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.optim_args import check_release_flags  # noqa: E402
 from agoq.megatron.optimizer import shard_alignment_for  # noqa: E402
 from agoq.megatron.pretrain import ddp_config, pretrain, print_rank0  # noqa: E402
 from agoq.megatron.release import TrainingStopped, wrap_release  # noqa: E402
 from agoq.megatron.training import configure_grad_hooks  # noqa: E402
-from agoq.policy import ScheduleInfo, format_table, load_policy, model_sites, policy_table  # noqa: E402
+from agoq.policy import ScheduleInfo, format_table, model_sites, policy_table  # noqa: E402
 
 
 def model_provider(args, layout, tokenizer, info, num_microbatches):
-    """Model chunks of this pipeline rank (DDP-wrapped), their LlamaShape and the layer spec used."""
+    """Model chunks of this pipeline rank (DDP-wrapped), their LlamaShape and the layer spec used.
+    Megatron's flags from ``args``; agoq's settings from ``args.agoq_config`` (built once by parse_args)."""
+    agoq = args.agoq_config
     shape = mmodel.LlamaShape(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
@@ -71,21 +73,21 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity else None,
     )
     schedule = ScheduleInfo(pp_size=layout.pp, vp_size=layout.vpp, num_microbatches=num_microbatches)
-    compute = None if args.agoq_disable else compute_spec(args, load_agoq_policy(args))
+    compute = agoq.fp8 if agoq.enabled else None
     if compute is not None:
         check_compute(compute, info.device, num_layers=shape.num_layers, hidden=shape.hidden_size,
                       ffn=shape.ffn_hidden_size, heads=shape.num_attention_heads, groups=shape.num_query_groups,
                       tp=layout.tp, tokens_per_microbatch=args.seq_length * args.micro_batch_size)
-    spec = mmodel.agoq_layer_spec(args.attention_backend, policy=load_agoq_policy(args), schedule=schedule,
+    spec = mmodel.agoq_layer_spec(args.attention_backend, policy=agoq.policy.spec, schedule=schedule,
                                   compute=compute)
     chunks = mmodel.build_model_chunks(shape, config, spec, layout.vpp)
-    grad = grad_config(args, load_agoq_policy(args))
-    if args.agoq_gradient_release:
-        check_release_flags(args, data_parallel=info.world_size // (layout.tp * layout.pp))  # policy may set grads
+    grad = grad_config(agoq.grads)  # --agoq-grads, else the policy's default: {grads: ...} (agoq.config)
+    if agoq.optimizer.gradient_release:
+        check_release_flags(args, data_parallel=info.world_size // (layout.tp * layout.pp))
         model = wrap_release(chunks, config, info.device)
     elif grad is None:
         model = mmodel.wrap_ddp(chunks, config, ddp_config(args, params_dtype), info.device,
-                                param_alignment=shard_alignment_for(args))
+                                param_alignment=shard_alignment_for(agoq.optimizer, args.use_distributed_optimizer))
     else:
         model = wrap_ddp_agoq(chunks, config, ddp_config(args, params_dtype), info.device, grad)
     configure_grad_hooks(model, config)
@@ -127,39 +129,27 @@ def train_valid_test_datasets_provider(args):
     return tokenizer, factory
 
 
-def load_agoq_policy(args):
-    """The policy spec (None with --agoq-disable); the default policy is configs/policy/agoq.yaml."""
-    return None if args.agoq_disable else load_policy(policy_path(args))
-
-
-def grad_config(args, spec):
-    """--agoq-grads FORMAT wins over the policy's `default: {grads: ...}`; neither means float grads."""
-    if spec is not None and args.agoq_grads is None and spec.default_name("grads"):
-        args.agoq_grads = spec.default_name("grads")
-    return grad_config_from_args(args)
-
-
 def policy_report(args, shape, layout, num_microbatches) -> str:
     """The policy file's resolved per-layer, per-role table for every stage (rank 0 prints; the file's own
     text and comments are in the file)."""
-    if args.agoq_disable:
+    agoq = args.agoq_config
+    if not agoq.enabled:
         return "agoq: disabled (--agoq-disable): plain Megatron baseline"
-    path = policy_path(args)
-    spec = load_policy(path)
+    path, spec = policy_path(args), agoq.policy.spec
     schedule = ScheduleInfo(pp_size=layout.pp, vp_size=layout.vpp, num_microbatches=num_microbatches)
     table = format_table(policy_table(spec, model_sites(shape.num_layers, schedule), schedule))
     return (
         f"agoq policy {path}, resolved per layer and role (all stages):\n{table}\n"
-        f"gradients: {_gradients_line(args)}"
-        + (f" ({args.agoq_grads_mode} mode)" if args.agoq_grads else "")
-        + f"\n{compute_report(compute_spec(args, spec), shape.num_layers)}"
+        f"gradients: {_gradients_line(agoq)}"
+        + (f" ({agoq.grads.mode} mode)" if agoq.grads.format else "")
+        + f"\n{compute_report(agoq.fp8, shape.num_layers)}"
     )
 
 
-def _gradients_line(args) -> str:
-    if args.agoq_gradient_release:
+def _gradients_line(agoq) -> str:
+    if agoq.optimizer.gradient_release:
         return "no buffer (--agoq-gradient-release: each parameter is stepped and its gradient freed in backward)"
-    return args.agoq_grads or "Megatron float main_grad"
+    return agoq.grads.format or "Megatron float main_grad"
 
 
 def storage_report(spec) -> str | None:

@@ -1,6 +1,9 @@
 """Command line of ``scripts/pretrain_llama.py``: Megatron-compatible flags, ``--agoq-*`` flags, config files.
 
 Precedence (lowest to highest): built-in defaults < ``--config FILE.yaml`` < flags on the command line.
+:func:`parse_args` also builds the run's ``agoq.config.AgoqConfig`` from the merged values, once, and keeps it
+as ``args.agoq_config``: the trainer passes it (or a section) to library code, which never reads this
+Namespace. Megatron's own flags (layout, batch sizes, lr) stay on the Namespace for the trainer.
 A config file holds flag names in snake_case (``num_layers: 4``); an unknown key stops the run with
 the file, the key and the allowed keys. Unknown or abbreviated flags are errors too
 (``allow_abbrev=False``), so a typo never silently falls back to a default.
@@ -20,14 +23,12 @@ import yaml
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
+from agoq.config import FLOAT_GRADS, GRAD_MODES, AgoqConfig  # noqa: F401 (FLOAT_GRADS re-exported)
 from agoq.data.indexed import split_weights
-from agoq.formats import parse_format
 from agoq.megatron.optim_args import DEFAULT_MASTER, DEFAULT_MOMENTS, add_optim_flags, check_release_flags
 from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES, ScheduleInfo, check_rules_used, load_policy, model_sites
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-GRAD_MODES = ("reduce", "store")  # agoq.megatron.ddp.GRAD_MODES (tests/unit/test_args.py checks they agree)
-FLOAT_GRADS = ("fp32", "bf16", "fp16")  # --agoq-grads values that mean Megatron's float gradients
 DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "configs" / "policy" / "agoq.yaml"
 
 
@@ -250,8 +251,11 @@ def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
     return values
 
 
-def parse_args(argv: list[str] | None = None, *, quiet: bool = False) -> argparse.Namespace:
-    """Parse and check the command line; on an error print one line (none with ``quiet``) and exit 2."""
+def parse_args(argv: list[str] | None = None, *, quiet: bool = False,
+               environ: dict[str, str] | None = None) -> argparse.Namespace:
+    """Parse and check the command line and build ``args.agoq_config`` (:func:`build_config`; ``environ``:
+    the process environment, ``os.environ`` when None); on an error print one line (none with ``quiet``)
+    and exit 2."""
     parser = build_parser()
     parser.quiet = quiet
     first = parser.parse_args(argv)
@@ -265,9 +269,19 @@ def parse_args(argv: list[str] | None = None, *, quiet: bool = False) -> argpars
         _check_optimizer_state_flags(args)
         _fill_derived(args)
         validate(args)
+        args.agoq_config = build_config(args, os.environ if environ is None else environ)
+        check_policy_rules(args, args.agoq_config.policy.spec)
     except ValueError as exc:
         parser.error(str(exc))
     return args
+
+
+def build_config(args: argparse.Namespace, environ) -> AgoqConfig:
+    """The run's AgoqConfig from the parsed flags (config file < command line), the policy file loaded once,
+    and the one environment variable agoq's library would otherwise read (TRITON_INTERPRET). The planner
+    and the memory report build theirs with the same ``AgoqConfig.from_flags``."""
+    policy = None if args.agoq_disable else load_policy(policy_path(args))
+    return AgoqConfig.from_flags(vars(args), policy=policy, triton_interpret=environ.get("TRITON_INTERPRET") == "1")
 
 
 def _check_optimizer_state_flags(args: argparse.Namespace) -> None:
@@ -299,7 +313,9 @@ def _fill_derived(args: argparse.Namespace) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    """Checks that need no process group; layout checks against the world size run at start-up."""
+    """Checks that need no process group; layout checks against the world size run at start-up. Then
+    :func:`parse_args` builds the config (whose sections validate agoq's own values) and checks the policy's
+    rules against this model (:func:`check_policy_rules`)."""
     if args.eval_interval is not None and (args.eval_interval <= 0 or args.eval_iters <= 0):
         raise ValueError("--eval-interval and --eval-iters must be positive")
     positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
@@ -341,13 +357,6 @@ def validate(args: argparse.Namespace) -> None:
         )
     if args.grad_reduce_in_bf16 and args.fp32:
         raise ValueError("--grad-reduce-in-bf16 needs bf16 parameters; drop --fp32 (fp32 params reduce fp32 grads)")
-    if args.grad_reduce_in_bf16 and args.agoq_grads and args.agoq_grads not in ("fp32", "bf16", "fp16"):
-        raise ValueError(
-            f"--grad-reduce-in-bf16 with --agoq-grads {args.agoq_grads}: the 8-bit gradient path is validated with "
-            "Megatron's fp32 float buffer only; use one of the two (8-bit grads already store 1 byte/param)"
-        )
-    if args.recompute_num_layers < 1:
-        raise ValueError(f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}")
     if args.load and Path(args.load).exists() and not Path(args.load).is_dir():
         raise ValueError(f"--load {args.load}: not a directory (pass the checkpoint directory given to --save)")
     # (a --load directory that does not exist yet is a first run: it starts from scratch and says so)
@@ -364,25 +373,8 @@ def validate(args: argparse.Namespace) -> None:
             "that divides evenly"
         )
     split_weights(args.split)
-    _check_grads_flag(args.agoq_grads)
     data_blend(args.data_path)
-    check_policy_rules(args)
     check_release_flags(args)  # data-parallel size 1 assumed here; pretrain checks the real one
-
-
-def _check_grads_flag(value: str | None) -> None:
-    """--agoq-grads: a float name (Megatron's gradients) or a signed, round-to-nearest quantized format."""
-    if value is None or value in FLOAT_GRADS:
-        return
-    allowed = ("a signed quantized format with round-to-nearest, e.g. int8_b256 or int4_b128, or "
-               f"{', '.join(FLOAT_GRADS)} (Megatron's float gradients)")
-    try:
-        fmt = parse_format(value)
-    except ValueError as exc:
-        raise ValueError(f"--agoq-grads {value}: {exc}. Allowed: {allowed}") from None
-    if not fmt.signed or fmt.rounding == "stochastic":
-        raise ValueError(f"--agoq-grads {value}: {'unsigned' if not fmt.signed else 'stochastic rounding'}; "
-                         f"allowed: {allowed}")
 
 
 def data_blend(values: list[str] | None) -> list[tuple[float, str]] | list[str] | None:
@@ -404,12 +396,11 @@ def policy_path(args: argparse.Namespace) -> Path:
     return Path(args.agoq_policy) if args.agoq_policy else DEFAULT_POLICY
 
 
-def check_policy_rules(args: argparse.Namespace) -> None:
-    """The policy loads (agoq.policy errors name file, key and fix) and each rule decides some site of this
-    model and layout (docs/policy.md section 8): a rule for layers or stages that do not exist is an error."""
+def check_policy_rules(args: argparse.Namespace, spec) -> None:
+    """Each rule of the loaded policy ``spec`` (agoq.policy errors name file, key and fix) decides some site of
+    this model and layout (docs/policy.md section 8): a rule for layers or stages that do not exist is an error."""
     if args.agoq_disable:
         return
-    spec = load_policy(policy_path(args))
     chunks = args.pipeline_model_parallel_size * (args.vpp or 1)
     if args.num_layers % chunks:
         return  # reported by the layout check

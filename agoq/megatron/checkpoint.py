@@ -34,17 +34,13 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
-from agoq.megatron.resume import CONTRACT_KEY, ResumeContract, check_contract, policy_note
+from agoq.megatron.resume import CONTRACT_KEY, RECORD_KEY, check_contract, policy_note  # noqa: F401 (keys re-exported)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 PROGRESS_FILE = "agoq_progress.json"  # human-readable copy of the progress counters
 # Reloadable with another data-parallel size. Megatron's default, fully_sharded_model_space, fails in
 # 0.19.2 with "ShardedTensor.flattened_range is not supported" (measured).
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
-# state["agoq"][WEIGHTS_ONLY_KEY] = True: a converted checkpoint (python -m agoq.convert hf-to-agoq,
-# agoq.megatron.hf_checkpoint) holding the model's tensors only; --load takes the weights and starts the
-# optimizer, LR schedule and data position fresh.
-WEIGHTS_ONLY_KEY = "weights_only"
 
 
 @dataclass(frozen=True)
@@ -251,14 +247,15 @@ def _init_torch_optimizer_steps(optimizer) -> None:
 
 def load_checkpoint(
     load_dir: str | os.PathLike, model_chunks: list, optimizer, scheduler, *,
-    contract: ResumeContract | None = None, policy_report: str | None = None, override_schedule: bool = False,
+    record: dict | None = None, policy_report: str | None = None, override_schedule: bool = False,
 ) -> tuple[Progress, dict] | None:
     """Load the newest readable checkpoint into the model, optimizer and scheduler; None when there is none.
 
     Candidates: the tracker's iteration, then older ``iter_*`` directories, newest first. For each, on
     every rank, and agreed between all ranks after each stage:
       1. complete: ``agoq_progress.json`` (rank 0 writes it after every rank finished) exists and parses;
-      2. its common state reads, and its resume record serves ``contract`` (else ResumeMismatch: the
+      2. its common state reads, and its saved run record serves this run's ``record``
+         (agoq.megatron.resume.run_record; else ResumeMismatch: the
          older checkpoints share the settings, so there is no fallback);
       3. every rank reads its tensors into a template.
     A candidate failing 1 or 3 on any rank is reported with every failing rank's error and skipped.
@@ -274,17 +271,9 @@ def load_checkpoint(
         problem, progress = _on_every_rank(_read_progress, source)
         if problem is None:
             problem, common = _on_every_rank(dist_checkpointing.load_common_state_dict, str(source))
-        weights_only = problem is None and bool(common.get("agoq", {}).get(WEIGHTS_ONLY_KEY))
         if problem is None:
-            _check_resume_contract(source, common.get("agoq", {}), contract, policy_report)
-            read = _read_model_state if weights_only else _read_state
-            problem, state = _on_every_rank(read, source, model_chunks, optimizer, common)
-        if problem is None and weights_only:
-            _print_rank0(f"agoq checkpoint: {source} holds model weights only (a converted checkpoint): the "
-                         "optimizer, LR schedule and data position start fresh")
-            _apply_on_every_rank(source, state, model_chunks, optimizer, scheduler, override_schedule,
-                                 apply=_apply_weights_only)
-            return progress, common["agoq"]
+            _check_resume_contract(source, common.get("agoq", {}), record, policy_report)
+            problem, state = _on_every_rank(_read_state, source, model_chunks, optimizer, common)
         if problem is None:
             _apply_on_every_rank(source, state, model_chunks, optimizer, scheduler, override_schedule)
             return progress, state["agoq"]
@@ -356,12 +345,12 @@ def _gather_errors(error: str | None) -> str | None:
                      for text, r in failing.items())
 
 
-def _check_resume_contract(source: Path, saved_extra: dict, contract, policy_report) -> None:
+def _check_resume_contract(source: Path, saved_extra: dict, record, policy_report) -> None:
     """Stop (ResumeMismatch) before any tensor is read when the checkpoint cannot serve this run;
     report the changes it can serve."""
     notes = []
-    if contract is not None:
-        notes += check_contract(str(source), saved_extra.get(CONTRACT_KEY), contract)
+    if record is not None:
+        notes += check_contract(str(source), saved_extra, record)
     if policy_report is not None:
         notes.append(policy_note(str(source), saved_extra.get("policy_report"), policy_report))
     saved_dp = saved_extra.get("data_parallel_size")
@@ -382,23 +371,10 @@ def _read_state(source: Path, model_chunks, optimizer, common: dict) -> dict:
     return dist_checkpointing.load(template, str(source))
 
 
-def _read_model_state(source: Path, model_chunks, optimizer, common: dict) -> dict:
-    """A weights-only checkpoint: the model tensors of this rank."""
-    return dist_checkpointing.load(_model_sharded_state_dict(model_chunks), str(source))
-
-
-def _apply_weights_only(state: dict, model_chunks, optimizer, scheduler, override: bool) -> None:
-    _load_model_chunks(state, model_chunks)
-    # Megatron's optimizers copied the (initial) weights into their fp32 main params when built
-    # (Megatron-LM's --no-load-optim path does the same); agoq's optimizer states start at the first step
-    optimizer.reload_model_params()
-
-
-def _apply_on_every_rank(source: Path, state: dict, model_chunks, optimizer, scheduler, override: bool,
-                         apply=None) -> None:
+def _apply_on_every_rank(source: Path, state: dict, model_chunks, optimizer, scheduler, override: bool) -> None:
     error, local = None, None
     try:
-        (apply or _apply_loaded_state)(state, model_chunks, optimizer, scheduler, override)
+        _apply_loaded_state(state, model_chunks, optimizer, scheduler, override)
     except Exception as exc:  # noqa: BLE001 - re-raised below on every rank, with every rank's reason
         error, local = f"{type(exc).__name__}: {exc}", exc
     problem = _gather_errors(error)
@@ -409,16 +385,12 @@ def _apply_on_every_rank(source: Path, state: dict, model_chunks, optimizer, sch
         ) from local
 
 
-def _load_model_chunks(state: dict, model_chunks) -> None:
+def _apply_loaded_state(state: dict, model_chunks, optimizer, scheduler, override: bool) -> None:
     if len(model_chunks) == 1:
         model_chunks[0].module.load_state_dict(state["model"])
     else:
         for i, chunk in enumerate(model_chunks):
             chunk.module.load_state_dict(state[f"model{i}"])
-
-
-def _apply_loaded_state(state: dict, model_chunks, optimizer, scheduler, override: bool) -> None:
-    _load_model_chunks(state, model_chunks)
     _rebase_saved_group_lrs(state["optimizer"], state["opt_param_scheduler"], optimizer)
     with torch.no_grad():  # fp32-param distopt loads in place into leaves (../shared/spec/megatron.md 1.4)
         optimizer.load_state_dict(state["optimizer"])

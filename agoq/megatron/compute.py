@@ -2,7 +2,8 @@
 
 ``--agoq-fp8 {off,current,delayed,rowwise,te}`` and ``--agoq-smooth-swiglu {off,per-channel,per-token}``
 (plus ``--agoq-fp8-bf16-first-layers`` / ``-last-layers`` / ``--agoq-fp8-amax-history-len``) override
-the policy file's ``fp8:`` section (``agoq.policy.FP8Spec``); neither given means off. ``LayerCompute``
+the policy file's ``fp8:`` section (``agoq.policy.FP8Spec``); neither given means off. The run's resolved
+spec is ``AgoqConfig.fp8`` (agoq.config builds it once from both). ``LayerCompute``
 travels in the layer spec (``agoq_layer_spec(..., compute=)``): a resolver each ``AgoqTransformerLayer``
 queries in its ``__init__``; the layer passes the result to its modules' constructors: its four linears
 get an ``FP8Recipe`` (or stay bf16: the first/last layers by rule; the LM head always), its MLP the
@@ -20,35 +21,19 @@ Guarded by: ``tests/megatron/test_fp8_smooth.py``, ``tests/gpu/test_fp8_megatron
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from agoq.megatron.args import add_compute_flags  # noqa: F401 (re-exported; defined there: parsed before torch)
 from agoq.ops.fp8_linear import GEMM_DIM_MULTIPLE, MIN_FP8_CAPABILITY
 from agoq.ops.fp8_scaling import FP8Recipe
-from agoq.policy import FP8Spec, PolicySpec
+from agoq.policy import FP8Spec
 
-__all__ = ["LayerCompute", "add_compute_flags", "compute_spec", "check_compute", "compute_report", "fp8_recipe"]
+__all__ = ["LayerCompute", "add_compute_flags", "check_compute", "compute_report", "fp8_recipe"]
 
-_FLAGS = {  # FP8Spec field -> flag
-    "recipe": "--agoq-fp8", "smooth_swiglu": "--agoq-smooth-swiglu",
-    "bf16_first_layers": "--agoq-fp8-bf16-first-layers", "bf16_last_layers": "--agoq-fp8-bf16-last-layers",
-    "amax_history_len": "--agoq-fp8-amax-history-len",
-}
 _SMOOTH_OPS_MODE = {"per-channel": "per_channel", "per-token": "per_token"}
-
-
-def compute_spec(args: argparse.Namespace, policy: PolicySpec | None) -> FP8Spec:
-    """The run's FP8Spec: flags over the policy's ``fp8:`` section over the defaults."""
-    base = policy.fp8 if policy is not None and policy.fp8 is not None else FP8Spec()
-    given = {name: getattr(args, flag[2:].replace("-", "_")) for name, flag in _FLAGS.items()}
-    try:
-        return replace(base, **{k: v for k, v in given.items() if v is not None})
-    except ValueError as exc:
-        raise ValueError(f"{exc} (flags {', '.join(_FLAGS.values())})") from exc
 
 
 def fp8_recipe(spec: FP8Spec) -> FP8Recipe | None:

@@ -62,6 +62,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from agoq.comm.grad_buffer import QuantizedGradBuffer
 from agoq.comm.reduce import allreduce_8bit, check_grad_format, reduce_scatter_8bit
+from agoq.config import GradsConfig
 from agoq.megatron.grad_store import BucketStore, finalize_touched
 from agoq.megatron.install import mark, swap_class
 from agoq.ops.nonfinite import nonfinite_in
@@ -369,13 +370,11 @@ def wrap_ddp_agoq(chunks: list, config: TransformerConfig, ddp_config: Distribut
 
 # -- command line, planner, memory report ----------------------------------------------------------
 
-def grad_config_from_args(args) -> GradConfig | None:
-    if args.agoq_grads is None or args.agoq_grads in ("fp32", "bf16", "fp16"):
-        if getattr(args, "agoq_grads_error_feedback", False):
-            raise ValueError("--agoq-grads-error-feedback needs --agoq-grads FORMAT (a quantized format)")
+def grad_config(grads: GradsConfig) -> GradConfig | None:
+    """The DDP wrapper's GradConfig of the run's ``AgoqConfig.grads`` (None: Megatron's float gradients)."""
+    if not grads.quantized:
         return None
-    return GradConfig(fmt=args.agoq_grads, mode=args.agoq_grads_mode,
-                      error_feedback=args.agoq_grads_error_feedback)
+    return GradConfig(fmt=grads.format, mode=grads.mode, error_feedback=grads.error_feedback)
 
 
 def grad_bytes_per_param(grad: GradConfig | None, *, grad_reduce_in_fp32: bool,

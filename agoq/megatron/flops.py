@@ -56,21 +56,20 @@ def training_flops_per_token(
     return PASSES * FLOPS_PER_MAC * macs
 
 
-def training_flops_per_iteration(args, vocab_size: int) -> int:
-    """FLOPs of one optimizer step for the parsed flags of ``scripts/pretrain_llama.py``.
-
-    ``vocab_size`` is the padded vocabulary the model was built with (the output layer's width).
-    """
+def training_flops_per_iteration(shape, global_batch_size: int) -> int:
+    """FLOPs of one optimizer step of ``global_batch_size`` samples of a model of ``shape`` (an
+    ``agoq.megatron.model.LlamaShape``: its ``vocab_size`` is the padded vocabulary the model was built with,
+    the output layer's width)."""
     per_token = training_flops_per_token(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        ffn_hidden_size=args.ffn_hidden_size,
-        seq_length=args.seq_length,
-        vocab_size=vocab_size,
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        seq_length=shape.seq_length,
+        vocab_size=shape.vocab_size,
     )
-    return per_token * args.global_batch_size * args.seq_length
+    return per_token * global_batch_size * shape.seq_length
 
 
 def tflops_per_gpu(flops_per_iteration: int, step_seconds: float, world_size: int) -> float:

@@ -198,12 +198,17 @@ class Handle:
 _INSTALLED: dict[str, Handle] = {}
 
 
+def _install_key(config: AgoqConfig) -> tuple:
+    return config.enabled, config.device, config.policy.path
+
+
 def install(config: AgoqConfig) -> Handle:
     """Check the contract, then apply the seams ``config`` asks for. Installing again is a no-op
-    for the same config and an error for a different one (undo first)."""
+    for the same install settings and an error for different ones (undo first): ``enabled``, ``device``
+    and the policy file (the rest of the config shapes models and optimizers, not process state)."""
     current = _INSTALLED.get("handle")
     if current is not None:
-        if current.config != config:
+        if _install_key(current.config) != _install_key(config):
             raise RuntimeError(
                 "agoq is already installed with a different config; call handle.undo() first"
             )

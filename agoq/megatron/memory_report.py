@@ -15,99 +15,84 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from agoq.config import AgoqConfig
 from agoq.megatron import runtime
 from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
 from agoq.plan.peak import Recipe, StagePeak, format_peaks, grad_bytes_per_param, predict_peaks
+from agoq.plan.recipe import recipe_of
 
 
-def _plan_inputs(args, shape, layout, policy):
+def plan_layout(config: AgoqConfig, layout, *, data_parallel: int, micro_batch_size: int, global_batch_size: int,
+                seq_length: int, distributed_optimizer: bool) -> Layout:
+    """The planner's Layout of a run: ``layout`` (an agoq.megatron.model.ParallelLayout) and Megatron's batch
+    settings from the trainer; the gradient buffer's bytes per parameter from ``config.grads`` / ``optimizer``:
+    fp32 main_grad, bf16 with --grad-reduce-in-bf16, none with --agoq-gradient-release (agoq.megatron.release)."""
+    grad_bytes = 0 if config.optimizer.gradient_release else 2 if config.grads.reduce_in_bf16 else 4
+    return Layout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, dp=data_parallel, mbs=micro_batch_size,
+                  gbs=global_batch_size, seq=seq_length, distributed_optimizer=distributed_optimizer,
+                  grad_bytes=grad_bytes)
+
+
+def _plan_inputs(shape, policy):
     if policy is None:
         from agoq.policy import load_policy
 
         policy = load_policy(_bf16_policy_path())
-    dp = dist.get_world_size() // (layout.tp * layout.pp)
     model = ModelShape(shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.num_query_groups,
                        shape.ffn_hidden_size, shape.vocab_size)
-    plan_layout = Layout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, dp=dp, mbs=args.micro_batch_size,
-                         gbs=args.global_batch_size, seq=args.seq_length,
-                         distributed_optimizer=args.use_distributed_optimizer,
-                         grad_bytes=_grad_bytes(args))
-    return model, plan_layout, policy
+    return model, policy
 
 
-def _grad_bytes(args) -> int:
-    """Bytes per parameter of the gradient buffer: fp32 main_grad, bf16 with --grad-reduce-in-bf16, none with
-    --agoq-gradient-release (agoq.megatron.release)."""
-    if getattr(args, "agoq_gradient_release", False):
-        return 0
-    return 2 if getattr(args, "grad_reduce_in_bf16", False) else 4
+def recipe_from_config(config: AgoqConfig) -> Recipe:
+    """The planner's Recipe of a run's config (agoq.plan.recipe.recipe_of: the same for the planner's CLI)."""
+    return recipe_of(config)
 
 
-def recipe_from_args(args, policy=None) -> Recipe:
-    """The optimizer / gradient / recompute / FP8 settings of scripts/pretrain_llama.py's flags; ``policy``
-    (the agoq policy, None with --agoq-disable) supplies the fp8 section the flags override."""
-    from agoq.megatron.compute import compute_spec
-    from agoq.megatron.optim_args import parse_moments
-    from agoq.policy import FP8Spec
-
-    optimizer = getattr(args, "agoq_optimizer", "torch")
-    grads = getattr(args, "agoq_grads", None)
-    store = grads not in (None, "fp32", "bf16", "fp16") and getattr(args, "agoq_grads_mode", "store") == "store"
-    moments = parse_moments(getattr(args, "agoq_moments", "flash"))
-    return Recipe(optimizer="torch" if optimizer == "torch" else "agoq", grads=grads if store else None,
-                  grad_error_feedback=bool(getattr(args, "agoq_grads_error_feedback", False)),
-                  moments=moments if optimizer == "adamw" else moments[:1],
-                  master=getattr(args, "agoq_master", "split24"),
-                  recompute=getattr(args, "recompute_granularity", None) == "full",
-                  gradient_release=bool(getattr(args, "agoq_gradient_release", False)),
-                  fp8=FP8Spec() if getattr(args, "agoq_disable", False) else compute_spec(args, policy))
+def predicted_peaks(config: AgoqConfig, shape, plan: Layout, policy) -> list[StagePeak]:
+    model, policy = _plan_inputs(shape, policy)
+    return predict_peaks(model, plan, policy, recipe_from_config(config))
 
 
-def predicted_peaks(args, shape, layout, policy) -> list[StagePeak]:
-    recipe = recipe_from_args(args, policy)
-    model, plan_layout, policy = _plan_inputs(args, shape, layout, policy)
-    return predict_peaks(model, plan_layout, policy, recipe)
-
-
-def optimizer_name(args, recipe: Recipe, dp: int) -> str:
+def optimizer_name(config: AgoqConfig, recipe: Recipe, dp: int, distributed_optimizer: bool) -> str:
     """The optimizer in use, as the report names it."""
     if recipe.optimizer == "torch":
         name = "Megatron's Adam (fp32 master + moments)"
     else:
-        kind = {"adamw": "AdamW", "lion": "Lion", "sgd": "SGD"}.get(getattr(args, "agoq_optimizer", ""), "optimizer")
+        kind = {"adamw": "AdamW", "lion": "Lion", "sgd": "SGD"}.get(config.optimizer.kind, "optimizer")
         name = f"agoq {kind} ({','.join(recipe.moments)} states, master {recipe.master})"
-    if getattr(args, "use_distributed_optimizer", False):
+    if distributed_optimizer:
         name += f", distributed over {dp} data-parallel rank{'s' if dp > 1 else ''}"
     return name
 
 
-def gradient_name(args, recipe: Recipe, plan_layout) -> str:
+def gradient_name(config: AgoqConfig, recipe: Recipe, plan: Layout) -> str:
     """The gradient format in use and its bytes per parameter per rank (agoq.plan.peak.grad_bytes_per_param)."""
-    held, after = grad_bytes_per_param(recipe, plan_layout)
+    held, after = grad_bytes_per_param(recipe, plan)
     if recipe.gradient_release:
         return "no gradient buffer (gradient release)"
     if recipe.grads is not None:
         text = f"{recipe.grads} gradients (8-bit store{' + bf16 error feedback' if recipe.grad_error_feedback else ''}"
-    elif getattr(args, "agoq_grads", None) not in (None, "fp32", "bf16", "fp16"):
-        text = f"{'bf16' if plan_layout.grad_bytes == 2 else 'fp32'} gradients ({args.agoq_grads} reduction only"
+    elif config.grads.quantized:
+        text = f"{'bf16' if plan.grad_bytes == 2 else 'fp32'} gradients ({config.grads.format} reduction only"
     else:
-        text = f"{'bf16' if plan_layout.grad_bytes == 2 else 'fp32'} gradients (Megatron's buffer"
+        text = f"{'bf16' if plan.grad_bytes == 2 else 'fp32'} gradients (Megatron's buffer"
     text += f", {held:.3f} B/param held"
     if after:
         text += f" + {after:.3f} B/param fp32 from the reduction to zero_grad"
     return text + ")"
 
 
-def predicted_report(args, shape, layout, policy) -> str:
+def predicted_report(config: AgoqConfig, shape, plan: Layout, policy) -> str:
     """Per stage: held GiB by component for this run's optimizer and gradients, and the predicted peak
     (rank 0 prints it)."""
-    recipe = recipe_from_args(args, policy)
-    model, plan_layout, policy = _plan_inputs(args, shape, layout, policy)
-    plan = plan_stages(model, plan_layout, policy, fp8=recipe.fp8)
-    peaks = predict_peaks(model, plan_layout, policy, recipe)
-    lines = [f"predicted memory per GPU (agoq.plan; held bytes with {optimizer_name(args, recipe, plan_layout.dp)} "
-             f"and {gradient_name(args, recipe, plan_layout)}):"]
-    for s, p in zip(plan, peaks, strict=True):
+    recipe = recipe_from_config(config)
+    model, policy = _plan_inputs(shape, policy)
+    stages = plan_stages(model, plan, policy, fp8=recipe.fp8)
+    peaks = predict_peaks(model, plan, policy, recipe)
+    lines = [f"predicted memory per GPU (agoq.plan; held bytes with "
+             f"{optimizer_name(config, recipe, plan.dp, plan.distributed_optimizer)} "
+             f"and {gradient_name(config, recipe, plan)}):"]
+    for s, p in zip(stages, peaks, strict=True):
         total = p.weights + p.grads + p.optimizer + p.held
         lines.append(
             f"  stage {s.pp_rank}: weights {p.weights / GIB:.2f} | grads {p.grads / GIB:.2f} | optimizer "
@@ -117,7 +102,7 @@ def predicted_report(args, shape, layout, policy) -> str:
     lines.append("predicted peak per GPU (agoq.plan.peak, this run's optimizer / gradients / recompute; "
                  "accuracy: docs/benchmarks/planner.md):")
     lines.append(format_peaks(peaks))
-    if getattr(args, "recompute_granularity", None) == "full" and getattr(args, "recompute_num_layers", 1) != 1:
+    if config.activations.recompute and config.activations.recompute_num_layers != 1:
         lines.append("  note: the peak model assumes --recompute-num-layers 1")
     return "\n".join(lines)
 

@@ -1,34 +1,22 @@
-"""--agoq-optimizer / --agoq-moments / --agoq-master ... flags (wired into agoq/megatron/args.py)."""
+"""--agoq-optimizer / --agoq-moments / --agoq-master ... flags (wired into agoq/megatron/args.py).
+
+Part of the trainer's command line (with agoq.megatron.args): ``check_release_flags`` reads the parsed
+Namespace (Megatron's layout and batch flags next to agoq's); library code gets ``agoq.config.AgoqConfig``."""
 
 from __future__ import annotations
 
 import argparse
 
-# agoq.optim.base.MASTER_CHOICES, spelled out: the command line is parsed before torch loads
-# (tests/unit/test_args.py checks that the two agree)
-MASTER_CHOICES = ("none", "fp32", "split24", "split32")
-DEFAULT_MOMENTS = "flash"
-DEFAULT_MASTER = "split24"
-
-# name -> (m format, v format); v is ignored by Lion / SGD
-MOMENT_PRESETS = {
-    "flash": ("cint8_b32", "cuint8_b32"),  # FlashOptim companded int8 / uint8, fp16 scales per 32
-    "fp8": ("fp8e4m3_b128", "fp8e5m2_b128"),  # Fishman et al. 2025: m E4M3, v E5M2 (block-scaled)
-    "4bit": ("nf4_b32", "cuint8_b32"),  # NF4 m, companded uint8 v (4-bit v diverges, docs/optim.md)
-    "bf16": ("bf16", "bf16"),
-    "fp32": ("fp32", "fp32"),
-}
-OPTIMIZERS = ("torch", "adamw", "lion", "sgd")
-
-
-def parse_moments(text: str) -> tuple[str, str]:
-    """A preset name or "<m format>,<v format>" (agoq.formats names)."""
-    if text in MOMENT_PRESETS:
-        return MOMENT_PRESETS[text]
-    parts = [t.strip() for t in text.split(",")]
-    if len(parts) != 2:
-        raise ValueError(f"--agoq-moments {text!r}: use a preset {sorted(MOMENT_PRESETS)} or '<m fmt>,<v fmt>'")
-    return parts[0], parts[1]
+# the values and defaults live with the config (agoq.config: one set of defaults for the trainer, the
+# planner and the memory report); re-exported here for the flags' help and older imports
+from agoq.config import (  # noqa: F401
+    DEFAULT_MASTER,
+    DEFAULT_MOMENTS,
+    MASTER_CHOICES,
+    MOMENT_PRESETS,
+    OPTIMIZERS,
+    parse_moments,
+)
 
 
 def add_optim_flags(parser: argparse.ArgumentParser) -> None:

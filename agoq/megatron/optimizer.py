@@ -1,5 +1,8 @@
-"""Megatron glue for agoq.optim: build_agoq_optimizer(args, model_chunks, params_dtype) -> (optimizer,
-scheduler), a drop-in for agoq.megatron.pretrain.build_optimizer.
+"""Megatron glue for agoq.optim: build_agoq_optimizer(config, megatron_config, model_chunks) -> optimizer,
+the agoq counterpart of Megatron's get_megatron_optimizer (agoq.megatron.pretrain.build_optimizer). ``config``
+is the run's AgoqConfig (its ``optimizer`` section: kind, state formats, master; ``grads.reduce_in_bf16``);
+``megatron_config`` is Megatron's OptimizerConfig (lr, weight decay, Adam betas / eps, clipping, dtype,
+distributed optimizer) that the trainer builds; the trainer builds the LR schedule too.
 
 Path (../shared/spec/megatron.md §1.4): without --use-distributed-optimizer, agoq's optimizer runs directly on the
 bf16 model params inside Megatron's FP32Optimizer wrapper (which copies param.main_grad to .grad,
@@ -17,18 +20,16 @@ compressed checkpoints), with DP shards aligned to the quantization groups (shar
 
 from __future__ import annotations
 
-import os
-
 import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer import FP32Optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from agoq.config import AgoqConfig, parse_moments
 from agoq.megatron import grad_reader
-from agoq.megatron.optim_args import check_release_flags, parse_moments
 from agoq.optim import SGD, AdamW, Lion
+from agoq.optim.release import check_release_compatible
 
 STATE_PREFIX = "optimizer.agoq_state"
 
@@ -44,22 +45,23 @@ def param_groups(model_chunks: list) -> list[dict]:
     return [dict(g, default_config=True) for g in groups if g["params"]]
 
 
-def make_agoq_optimizer(args, groups: list[dict]):
-    m_fmt, v_fmt = parse_moments(args.agoq_moments)
+def make_agoq_optimizer(config: AgoqConfig, megatron_config: OptimizerConfig, groups: list[dict]):
+    opt, mc = config.optimizer, megatron_config
+    m_fmt, v_fmt = parse_moments(opt.moments)
     # The fused Triton step needs a GPU (or Triton's CPU interpreter, TRITON_INTERPRET=1, as the kernel
-    # tests use); otherwise (CI, CPU mode) the plain-PyTorch reference step runs, which computes the same
-    # values (tests/kernels/test_optim_kernels.py). The choice is printed at start.
-    fused = not args.agoq_unfused and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
-    common = dict(master=args.agoq_master, fused=fused, small_numel=args.agoq_small_numel)
-    if args.agoq_optimizer == "adamw":
-        return AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                     weight_decay=args.weight_decay, state_formats={"exp_avg": m_fmt, "exp_avg_sq": v_fmt},
+    # tests use: config.triton_interpret); otherwise (CI, CPU mode) the plain-PyTorch reference step runs,
+    # which computes the same values (tests/kernels/test_optim_kernels.py). The choice is printed at start.
+    fused = not opt.unfused and (torch.cuda.is_available() or config.triton_interpret)
+    common = dict(master=opt.master, fused=fused, small_numel=opt.small_numel)
+    if opt.kind == "adamw":
+        return AdamW(groups, lr=mc.lr, betas=(mc.adam_beta1, mc.adam_beta2), eps=mc.adam_eps,
+                     weight_decay=mc.weight_decay, state_formats={"exp_avg": m_fmt, "exp_avg_sq": v_fmt},
                      **common)  # fmt: skip
-    if args.agoq_optimizer == "lion":
-        return Lion(groups, lr=args.lr, betas=(args.agoq_lion_beta1, args.agoq_lion_beta2),
-                    weight_decay=args.weight_decay, state_formats={"exp_avg": m_fmt}, **common)  # fmt: skip
-    return SGD(groups, lr=args.lr, momentum=args.agoq_sgd_momentum, nesterov=args.agoq_sgd_nesterov,
-               weight_decay=args.weight_decay, state_formats={"momentum_buffer": m_fmt}, **common)  # fmt: skip
+    if opt.kind == "lion":
+        return Lion(groups, lr=mc.lr, betas=(opt.lion_beta1, opt.lion_beta2),
+                    weight_decay=mc.weight_decay, state_formats={"exp_avg": m_fmt}, **common)  # fmt: skip
+    return SGD(groups, lr=mc.lr, momentum=opt.sgd_momentum, nesterov=opt.sgd_nesterov,
+               weight_decay=mc.weight_decay, state_formats={"momentum_buffer": m_fmt}, **common)  # fmt: skip
 
 
 def _init_all_states(optimizer, _config=None) -> None:
@@ -188,17 +190,6 @@ def _saved_tensors(state: dict):
             yield key, value
 
 
-def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
-    """Megatron's OptimizerParamScheduler for the run's flags (steps counted in samples, as Megatron)."""
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
-        lr_decay_steps=args.lr_decay_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * args.global_batch_size, wd_incr_style="constant",
-    )  # fmt: skip
-
-
 def keep_autograd_grad_dtype(params) -> None:
     """``grad_dtype = None``: autograd keeps each gradient in the dtype its backward produced instead of
     casting it to the param's dtype (torch >= 2.10). Measured on torch 2.14 CPU: torch's RMSNorm gives a
@@ -208,37 +199,39 @@ def keep_autograd_grad_dtype(params) -> None:
         p.grad_dtype = None
 
 
-def build_agoq_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
-    """(optimizer, scheduler) for --agoq-optimizer adamw|lion|sgd; the caller keeps Megatron's own
-    build_optimizer for --agoq-optimizer torch."""
-    if args.agoq_optimizer == "torch":
+def build_agoq_optimizer(agoq_config: AgoqConfig, config: OptimizerConfig, model_chunks: list):
+    """agoq's optimizer (``agoq_config.optimizer.kind`` adamw|lion|sgd) over ``model_chunks`` in Megatron's
+    optimizer interface; ``config``: Megatron's OptimizerConfig of the run (a copy is kept and adjusted). The
+    caller keeps Megatron's own optimizer for kind torch and builds the LR schedule."""
+    import copy
+
+    if not agoq_config.optimizer.agoq:
         raise ValueError(
             "build_agoq_optimizer needs --agoq-optimizer adamw|lion|sgd (torch = pretrain.build_optimizer)"
         )
-    if args.agoq_gradient_release:
-        check_release_flags(args, data_parallel=parallel_state.get_data_parallel_world_size())
-    config = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                             clip_grad=args.clip_grad, params_dtype=params_dtype,
-                             bf16=params_dtype == torch.bfloat16,
-                             use_distributed_optimizer=args.use_distributed_optimizer)  # fmt: skip
-    inner = make_agoq_optimizer(args, param_groups(model_chunks))
+    if agoq_config.optimizer.gradient_release:  # the trainer checked its flags; what the process groups say
+        check_release_compatible(pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size(),
+                                 data_parallel=parallel_state.get_data_parallel_world_size(),
+                                 clip_grad=config.clip_grad)  # fmt: skip
+    config = copy.copy(config)
+    inner = make_agoq_optimizer(agoq_config, config, param_groups(model_chunks))
     names = _layer_global_names(model_chunks)
-    if args.use_distributed_optimizer:
+    if config.use_distributed_optimizer:
         from agoq.megatron.dist_optimizer import AgoqDistributedOptimizer
 
         optimizer = AgoqDistributedOptimizer(inner, config, model_chunks, names)
         grad_reader.attach(optimizer, model_chunks)  # 8-bit gradient store: shards read one param at a time
-    elif args.agoq_gradient_release:
+    elif agoq_config.optimizer.gradient_release:
         from agoq.megatron.release import AgoqReleaseOptimizer
 
         optimizer = AgoqReleaseOptimizer(inner, config, _init_all_states, model_chunks)  # steps in backward hooks
         optimizer.param_names = names
-        return optimizer, build_scheduler(args, optimizer)
+        return optimizer
     else:
         optimizer = AgoqMegatronOptimizer(inner, config, _init_all_states)
         optimizer.param_names = names
         grad_reader.attach(optimizer, model_chunks)  # 8-bit gradient store: per-parameter reads, no float buffer
-        if getattr(args, "grad_reduce_in_bf16", False):
+        if agoq_config.grads.reduce_in_bf16:
             config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True  # see prepare_grads
             inner.grad_attr = "decoupled_grad"
         elif optimizer.grad_reader is None:
@@ -246,14 +239,14 @@ def build_agoq_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
             # backward like every later one (see keep_autograd_grad_dtype)
             keep_autograd_grad_dtype([p for g in inner.param_groups for p in g["params"]
                                       if getattr(p, "main_grad", None) is not None and p.main_grad.dtype != p.dtype])
-    return optimizer, build_scheduler(args, optimizer)
+    return optimizer
 
 
-def shard_alignment_for(args) -> int | None:
-    """Elements the DDP buffer layout must align DP shards to for --agoq-optimizer with
-    --use-distributed-optimizer (None otherwise): see agoq.megatron.dist_optimizer."""
-    if args.agoq_optimizer == "torch" or not args.use_distributed_optimizer:
+def shard_alignment_for(options, distributed_optimizer: bool) -> int | None:
+    """Elements the DDP buffer layout must align DP shards to for agoq's optimizer (``options``: an
+    ``AgoqConfig.optimizer``) with --use-distributed-optimizer (None otherwise): see agoq.megatron.dist_optimizer."""
+    if not options.agoq or not distributed_optimizer:
         return None
     from agoq.megatron.dist_optimizer import shard_alignment
 
-    return shard_alignment(parse_moments(args.agoq_moments))
+    return shard_alignment(parse_moments(options.moments))

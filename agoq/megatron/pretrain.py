@@ -4,6 +4,10 @@ Order of work (Megatron's ``training.pretrain`` shape): install agoq (contract c
 there is no GPU) → process groups → data (rank 0 builds caches first) → model chunks + DDP →
 Megatron optimizer + LR schedule → resume → train loop (log, save on interval / signal / end).
 Everything that can be wrong with the input is checked before the first forward pass.
+
+A trainer entry point (with agoq.megatron.args): it reads the parsed Namespace for Megatron's own flags
+(layout, batch sizes, lr, logging) and hands agoq's library code the run's ``AgoqConfig``
+(``args.agoq_config``, built once by agoq.megatron.args.parse_args) or one of its sections.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from agoq.config import AgoqConfig
 from agoq.megatron import checkpoint, grad_reader, memory_report, runtime, training
@@ -32,8 +37,8 @@ from agoq.megatron.flops import tflops_per_gpu, training_flops_per_iteration
 from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
 from agoq.megatron.optim_args import check_release_flags
-from agoq.megatron.optimizer import build_agoq_optimizer, build_scheduler
-from agoq.megatron.resume import CONTRACT_KEY, ResumeContract, schedule_line
+from agoq.megatron.optimizer import build_agoq_optimizer
+from agoq.megatron.resume import RECORD_KEY, run_record, schedule_line
 from agoq.megatron.tensorboard import open_tensorboard
 
 log = logging.getLogger("agoq.pretrain")
@@ -104,11 +109,12 @@ class Components:
     layout: ParallelLayout
     flops_per_iteration: int
     policy_report: str  # the resolved policy table, saved with every checkpoint
-    resume_contract: ResumeContract  # the settings saved with every checkpoint, checked on --load
+    run_record: dict  # the run's config, shape and layout, saved with every checkpoint, checked on --load
 
 
-def build_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
-    config = OptimizerConfig(
+def megatron_optimizer_config(args, params_dtype: torch.dtype) -> OptimizerConfig:
+    """Megatron's OptimizerConfig of the run's flags (Megatron's Adam, and the Megatron side of agoq's)."""
+    return OptimizerConfig(
         optimizer="adam",
         lr=args.lr,
         min_lr=args.min_lr,
@@ -121,10 +127,28 @@ def build_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
         params_dtype=params_dtype,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(config, model_chunks)
-    grad_reader.attach(optimizer, model_chunks)  # 8-bit gradient store + distributed optimizer: shard reads
-    scheduler = build_scheduler(args, optimizer)
-    return optimizer, scheduler
+
+
+def build_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
+    """(optimizer, scheduler): Megatron's Adam (--agoq-optimizer torch) or agoq's (args.agoq_config.optimizer)."""
+    config = megatron_optimizer_config(args, params_dtype)
+    if args.agoq_config.optimizer.agoq:
+        optimizer = build_agoq_optimizer(args.agoq_config, config, model_chunks)
+    else:
+        optimizer = get_megatron_optimizer(config, model_chunks)
+        grad_reader.attach(optimizer, model_chunks)  # 8-bit gradient store + distributed optimizer: shard reads
+    return optimizer, build_scheduler(args, optimizer)
+
+
+def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
+    """Megatron's OptimizerParamScheduler for the run's flags (steps counted in samples, as Megatron)."""
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
+        lr_decay_steps=args.lr_decay_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * args.global_batch_size, wd_incr_style="constant",
+    )  # fmt: skip
 
 
 def ddp_config(args, params_dtype: torch.dtype) -> DistributedDataParallelConfig:
@@ -178,11 +202,12 @@ def versions_line() -> str:
 
 def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy_report: Callable,
              storage_report: Callable) -> None:
-    """Run the whole job described by ``args`` (see agoq.megatron.args)."""
-    device = runtime.choose_device(args.agoq_device, int(os.environ.get("LOCAL_RANK", "0")))
+    """Run the whole job described by ``args`` (see agoq.megatron.args; ``args.agoq_config``: agoq's part)."""
+    config: AgoqConfig = args.agoq_config
+    device = runtime.choose_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
     stop = StopSignal()  # from the start: a signal during start-up stops the job after its first iteration
     progress = Progress()
-    install(AgoqConfig(enabled=not args.agoq_disable, policy_path=args.agoq_policy, device=args.agoq_device))
+    install(config)
     info = runtime.init_distributed(device)
     try:
         _run(args, info, model_provider, datasets_provider, (policy_report, storage_report), (stop, progress))
@@ -212,36 +237,39 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     model, shape, spec = model_provider(args, layout, tokenizer, info, microbatches)
     report = policy_report(args, shape, layout, microbatches)
     print_rank0(report)
-    print_rank0(memory_report.predicted_report(args, shape, layout, policy_of(spec)))
+    config: AgoqConfig = args.agoq_config
+    plan = memory_report.plan_layout(config, layout, data_parallel=info.world_size // (layout.tp * layout.pp),
+                                     micro_batch_size=args.micro_batch_size,
+                                     global_batch_size=args.global_batch_size, seq_length=args.seq_length,
+                                     distributed_optimizer=args.use_distributed_optimizer)  # fmt: skip
+    print_rank0(memory_report.predicted_report(config, shape, plan, policy_of(spec)))
     if args.log_json and training.is_logging_rank():  # benchmarks/bench_pretrain.py puts it next to the measured peak
-        peaks = memory_report.predicted_peaks(args, shape, layout, policy_of(spec))
+        peaks = memory_report.predicted_peaks(config, shape, plan, policy_of(spec))
         with open(args.log_json, "a") as out:
             out.write(json.dumps({"predicted_memory": {
                 "peak_gib": [p.peak / memory_report.GIB for p in peaks], "phase": [p.phase for p in peaks]}}) + "\n")
     _print_stage_first(storage_report(spec))
     params_dtype = torch.float32 if args.fp32 else torch.bfloat16
     progress("building the optimizer")
-    if args.agoq_optimizer == "torch":
-        optimizer, scheduler = build_optimizer(args, model, params_dtype)
-    else:
-        optimizer, scheduler = build_agoq_optimizer(args, model, params_dtype)
-    if args.grad_reduce_in_bf16:
+    optimizer, scheduler = build_optimizer(args, model, params_dtype)
+    if config.grads.reduce_in_bf16:
         print_rank0("gradients: bf16 main_grad, accumulated and reduced in bf16 (--grad-reduce-in-bf16)")
-    if args.agoq_optimizer == "torch":
+    if not config.optimizer.agoq:
         print_rank0("optimizer: Megatron Adam(W)")
     else:
         inner = getattr(optimizer, "optimizer", optimizer)
         fused = any(g.get("fused", False) for g in inner.param_groups)
         step = "fused Triton kernel, multi-tensor launches" if fused else "reference (PyTorch)"
-        if args.agoq_gradient_release:  # step_param: one launch per parameter, inside backward
+        if config.optimizer.gradient_release:  # step_param: one launch per parameter, inside backward
             step = ("fused Triton kernel" if fused else "reference (PyTorch)") + \
                 ", one parameter at a time inside backward (gradient release: no gradient buffer)"
-        print_rank0(f"optimizer: agoq {args.agoq_optimizer} | moments {args.agoq_moments} | master "
-                    f"{args.agoq_master} | step: {step}")
-    contract = resume_contract(args, shape, layout)
+        print_rank0(f"optimizer: agoq {config.optimizer.kind} | moments {config.optimizer.moments} | master "
+                    f"{config.optimizer.master} | step: {step}")
+    record = run_record(config, shape=shape, tensor_parallel=layout.tp, pipeline_parallel=layout.pp,
+                        virtual_pipeline=layout.vpp, distributed_optimizer=args.use_distributed_optimizer)
     if args.load:
         progress(f"loading the latest checkpoint in {args.load}")
-    start_state = _resume(args, contract, report, (model, optimizer, scheduler))
+    start_state = _resume(args, record, report, (model, optimizer, scheduler))
     # Megatron's valid iterator continues across evaluations; on resume it restarts where it was.
     consumed_valid = (start_state.iteration // args.eval_interval * args.eval_iters * args.global_batch_size
                       if args.eval_interval else 0)
@@ -251,8 +279,8 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     iterators = [train for train, _ in pairs]
     components_valid = [valid for _, valid in pairs] if args.eval_interval else None
     components = Components(model, optimizer, scheduler, layout,
-                            flops_per_iteration=training_flops_per_iteration(args, shape.vocab_size),
-                            policy_report=report, resume_contract=contract)
+                            flops_per_iteration=training_flops_per_iteration(shape, args.global_batch_size),
+                            policy_report=report, run_record=record)
     tensorboard = open_tensorboard(args.tensorboard_dir, is_writer_rank=training.is_logging_rank())
     tensorboard.log_policy_table(report)
     if start_state.iteration < args.train_iters:
@@ -265,23 +293,13 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
         tensorboard.close()
 
 
-def resume_contract(args, shape, layout: ParallelLayout) -> ResumeContract:
-    """The settings this run's checkpoints depend on (agoq.megatron.resume)."""
-    return ResumeContract.from_run(
-        shape=shape, tensor_parallel=layout.tp, pipeline_parallel=layout.pp, virtual_pipeline=layout.vpp,
-        optimizer=args.agoq_optimizer, moments=args.agoq_moments, master=args.agoq_master,
-        small_numel=args.agoq_small_numel, distributed_optimizer=args.use_distributed_optimizer,
-        gradient_release=args.agoq_gradient_release, grads=args.agoq_grads,
-    )
-
-
-def _resume(args, contract: ResumeContract, policy: str, parts: tuple) -> checkpoint.Progress:
+def _resume(args, record: dict, policy: str, parts: tuple) -> checkpoint.Progress:
     """--load: the checkpoint's progress (iteration 0 without one), and one line on the LR schedule in force."""
     model, optimizer, scheduler = parts
     if not args.load:
         return checkpoint.Progress(iteration=0, consumed_samples=0)
     requested = scheduler.state_dict()
-    loaded = checkpoint.load_checkpoint(args.load, model, optimizer, scheduler, contract=contract,
+    loaded = checkpoint.load_checkpoint(args.load, model, optimizer, scheduler, record=record,
                                         policy_report=policy, override_schedule=args.override_opt_param_scheduler)
     if loaded is None:
         print_rank0(f"--load {args.load}: no checkpoint yet, starting from scratch")
@@ -361,7 +379,7 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
         if args.save and (periodic or stopping or iteration == args.train_iters):
             path = checkpoint.save_checkpoint(args.save, state, parts.model, parts.optimizer, parts.scheduler,
                                               extra={"policy_report": parts.policy_report,
-                                                     CONTRACT_KEY: parts.resume_contract.as_dict()})
+                                                     RECORD_KEY: parts.run_record})
             print_rank0(f"saved checkpoint {path}")
         if stopping:
             print_rank0(f"stopping at iteration {iteration}"

@@ -1,12 +1,22 @@
-"""What a checkpoint can be resumed with: the resume contract, checked before any tensor is read.
+"""What a checkpoint can be resumed with: the run's config saved with every checkpoint, checked before any tensor
+is read.
 
-Every checkpoint records the settings its tensors depend on (``ResumeContract``, saved in the common
-state under ``agoq.resume_contract``). ``--load`` compares them with the current run before reading
-tensors: a setting the checkpoint cannot serve (model shape, tensor/pipeline/virtual-pipeline size,
-optimizer kind, its state formats, the distributed optimizer) stops the job with the setting, both
-values and the fix; a setting it can serve (data-parallel size, gradient release, 8-bit gradient
-format, sequence length, the activation policy) is reported in one line and allowed. Checkpoints
-written before the record existed load without the check.
+Every checkpoint saves its run record (:func:`run_record`, in the common state under ``agoq.config``): the
+whole ``AgoqConfig.as_dict()``, the model shape and the parallel layout. ``--load`` derives the
+``ResumeContract`` (the settings the tensors depend on) of the saved record and of the current run and
+compares them before reading tensors; every key of the record is classified here, by name:
+
+* stops the load (``_MUST_MATCH``): model shape, tensor/pipeline/virtual-pipeline size, optimizer kind, its
+  state formats, master and small-tensor rule, the distributed optimizer; the error names the flag, both
+  values and the fix;
+* may change, reported in one line (``_MAY_CHANGE`` and ``CONFIG_MAY_CHANGE``): data-parallel size (not
+  recorded), sequence length, gradient release, gradient format / mode / error feedback / bf16 buffer,
+  recompute, FP8 / Smooth-SwiGLU, the policy file (its resolved table is compared too: ``policy_note``);
+* may change silently (``CONFIG_RUNTIME``): device, Triton interpreter, fused or reference optimizer step.
+
+Checkpoints without the record: those with a flat ``resume_contract`` entry (written before the record, or
+converted weights-only checkpoints with their shape) are checked by the keys it has; others load without
+the check.
 
 Also here: the one line that says which LR schedule is in force after a resume (Megatron-LM's
 ``--use-checkpoint-opt_param-scheduler`` default versus ``--override-opt-param-scheduler``).
@@ -18,18 +28,37 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from agoq.megatron.optim_args import MOMENT_PRESETS, parse_moments
+from agoq.config import MOMENT_PRESETS, AgoqConfig
 
-CONTRACT_KEY = "resume_contract"  # key in the checkpoint's state["agoq"] extras
+RECORD_KEY = "config"  # key in the checkpoint's state["agoq"] extras: run_record(...)
+# ResumeContract fields, flat (any subset): what checkpoints saved before the record (2026-11-26), and what
+# converted weights-only checkpoints write (agoq.megatron.hf_checkpoint: the model shape); checked key by key
+CONTRACT_KEY = "resume_contract"
 
 
 class ResumeMismatch(ValueError):
     """The checkpoint's saved settings cannot serve this run (nothing was read or changed)."""
 
 
+_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                 "vocab_size", "seq_length")
+
+
+def run_record(config: AgoqConfig, *, shape, tensor_parallel: int, pipeline_parallel: int,
+               virtual_pipeline: int | None, distributed_optimizer: bool) -> dict:
+    """What every checkpoint saves about its run (plain JSON values): the agoq config, the model shape (an
+    agoq.megatron.model.LlamaShape; ``vocab_size`` padded) and the parallel layout. The data-parallel size is
+    not part of it (a checkpoint loads at any)."""
+    return {"agoq": config.as_dict(),
+            "model": {name: getattr(shape, name) for name in _SHAPE_FIELDS},
+            "parallel": {"tensor": tensor_parallel, "pipeline": pipeline_parallel,
+                         "virtual_pipeline": virtual_pipeline or 1, "distributed_optimizer": distributed_optimizer}}
+
+
 @dataclass(frozen=True)
 class ResumeContract:
-    """The settings a checkpoint's tensors depend on (and a few recorded for the report only)."""
+    """The settings a checkpoint's tensors depend on (and a few recorded for the report only), derived from
+    a run record (:func:`run_record`)."""
 
     num_layers: int
     hidden_size: int
@@ -50,29 +79,20 @@ class ResumeContract:
     grads: str | None  # agoq 8-bit gradient format (None: Megatron's float main_grad)
 
     @classmethod
-    def from_run(cls, *, shape, tensor_parallel: int, pipeline_parallel: int, virtual_pipeline: int | None,
-                 optimizer: str, moments: str, master: str, small_numel: int, distributed_optimizer: bool,
-                 gradient_release: bool, grads: str | None) -> ResumeContract:
-        """``shape``: an agoq.megatron.model.LlamaShape; the rest are the run's resolved settings."""
-        agoq = optimizer != "torch"
+    def from_record(cls, record: dict) -> ResumeContract:
+        config = AgoqConfig.from_dict(record["agoq"])
+        opt, parallel = config.optimizer, record["parallel"]
         return cls(
-            num_layers=shape.num_layers, hidden_size=shape.hidden_size,
-            num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
-            ffn_hidden_size=shape.ffn_hidden_size, vocab_size=shape.vocab_size, seq_length=shape.seq_length,
-            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-            virtual_pipeline=virtual_pipeline or 1, optimizer=optimizer,
-            moments=_state_formats(optimizer, moments) if agoq else None, master=master if agoq else None,
-            small_numel=small_numel if agoq else None, distributed_optimizer=distributed_optimizer,
-            gradient_release=gradient_release, grads=grads,
+            **record["model"], tensor_parallel=parallel["tensor"], pipeline_parallel=parallel["pipeline"],
+            virtual_pipeline=parallel["virtual_pipeline"], optimizer=opt.kind,
+            moments=",".join(opt.state_formats) if opt.agoq else None, master=opt.master if opt.agoq else None,
+            small_numel=opt.small_numel if opt.agoq else None,
+            distributed_optimizer=parallel["distributed_optimizer"], gradient_release=opt.gradient_release,
+            grads=config.grads.format,
         )  # fmt: skip
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def _state_formats(optimizer: str, moments: str) -> str:
-    m_fmt, v_fmt = parse_moments(moments)
-    return f"{m_fmt},{v_fmt}" if optimizer == "adamw" else m_fmt  # Lion and SGD keep one state
 
 
 # field -> (what it is called, the flag that sets it); fields missing here are allowed to change
@@ -98,23 +118,74 @@ _MAY_CHANGE = {
     "gradient_release": "--agoq-gradient-release",
     "grads": "--agoq-grads",
 }
+# AgoqConfig keys ("section.field" of as_dict) that the contract above does not derive: allowed to change,
+# reported by their flag ...
+CONFIG_MAY_CHANGE = {
+    "enabled": "--agoq-disable",
+    "policy.path": "--agoq-policy",
+    "activations.recompute": "--recompute-granularity",
+    "activations.recompute_num_layers": "--recompute-num-layers",
+    "grads.mode": "--agoq-grads-mode",
+    "grads.error_feedback": "--agoq-grads-error-feedback",
+    "grads.reduce_in_bf16": "--grad-reduce-in-bf16",
+    "optimizer.sgd_momentum": "--agoq-sgd-momentum",
+    "optimizer.sgd_nesterov": "--agoq-sgd-nesterov",
+    "optimizer.lion_beta1": "--agoq-lion-beta1",
+    "optimizer.lion_beta2": "--agoq-lion-beta2",
+    "fp8.recipe": "--agoq-fp8",
+    "fp8.smooth_swiglu": "--agoq-smooth-swiglu",
+    "fp8.bf16_first_layers": "--agoq-fp8-bf16-first-layers",
+    "fp8.bf16_last_layers": "--agoq-fp8-bf16-last-layers",
+    "fp8.amax_history_len": "--agoq-fp8-amax-history-len",
+}
+# ... or silently: how the run executes, not what it computes
+CONFIG_RUNTIME = ("device", "triton_interpret", "optimizer.unfused")
+# ... and those the contract derives its fields from (checked there)
+CONFIG_IN_CONTRACT = ("optimizer.kind", "optimizer.moments", "optimizer.master", "optimizer.small_numel",
+                      "optimizer.gradient_release", "grads.format")
 
 
-def check_contract(source: str, saved: dict | None, current: ResumeContract) -> list[str]:
+def config_keys(data: dict, prefix: str = "") -> dict:
+    """``as_dict()`` flattened to "section.field" keys."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(config_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+_LEGACY_NOTE = ("{source} predates agoq's resume record: its settings are not checked (a changed model or "
+                "parallel layout shows as a read error)")
+
+
+def check_contract(source: str, saved_extra: dict | None, current: dict) -> list[str]:
     """Raise ResumeMismatch naming every setting the checkpoint at ``source`` cannot serve; return one
-    report line per allowed change (or for a checkpoint without a record)."""
+    report line per allowed change (or for a checkpoint without a record). ``saved_extra``: the checkpoint's
+    ``state["agoq"]``; ``current``: this run's :func:`run_record`."""
+    saved_extra = saved_extra or {}
+    record = saved_extra.get(RECORD_KEY)
+    if record is not None:
+        saved = ResumeContract.from_record(record).as_dict()
+    else:
+        saved = saved_extra.get(CONTRACT_KEY)
     if saved is None:
-        return [f"{source} predates agoq's resume record: its settings are not checked (a changed model or "
-                "parallel layout shows as a read error)"]
-    now = current.as_dict()
+        return [_LEGACY_NOTE.format(source=source)]
+    now = ResumeContract.from_record(current).as_dict()
     changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]}
     if "optimizer" in changed:  # the state formats of another optimizer kind follow from it
         changed = {k: v for k, v in changed.items() if k not in _AGOQ_STATE_FIELDS}
     hard = [k for k in changed if k in _MUST_MATCH]
     if hard:
         raise ResumeMismatch(_mismatch_message(source, saved, {k: changed[k] for k in hard}))
-    return [f"{source}: {_MAY_CHANGE[k]} changed since the checkpoint (saved {old!r}, now {new!r}); allowed, "
-            "the checkpoint's tensors do not depend on it" for k, (old, new) in changed.items()]
+    notes = [(_MAY_CHANGE[k], old, new) for k, (old, new) in changed.items()]
+    if record is not None:
+        old_keys, new_keys = config_keys(record["agoq"]), config_keys(current["agoq"])
+        notes += [(CONFIG_MAY_CHANGE[k], old_keys[k], new_keys[k]) for k in CONFIG_MAY_CHANGE
+                  if k in old_keys and old_keys[k] != new_keys[k]]
+    return [f"{source}: {flag} changed since the checkpoint (saved {old!r}, now {new!r}); allowed, "
+            "the checkpoint's tensors do not depend on it" for flag, old, new in notes]
 
 
 def _mismatch_message(source: str, saved: dict, changed: dict) -> str:

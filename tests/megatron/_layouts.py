@@ -122,7 +122,6 @@ def run_case(case: Case, reference_state: dict | None, device: torch.device, wor
     from agoq.megatron import pretrain, runtime
     from agoq.megatron.args import parse_args
     from agoq.megatron.model import ParallelLayout
-    from agoq.megatron.optimizer import build_agoq_optimizer
     from agoq.megatron.training import StepRunner
 
     args = parse_args(case.argv())
@@ -139,10 +138,7 @@ def run_case(case: Case, reference_state: dict | None, device: torch.device, wor
             with torch.no_grad():
                 for name, param in params.items():
                     param.copy_(tp_shard(reference_state[name], name, _partition_dim(param), tp_rank, layout.tp))
-        if args.agoq_optimizer == "torch":
-            optimizer, scheduler = pretrain.build_optimizer(args, model, torch.float32)
-        else:
-            optimizer, scheduler = build_agoq_optimizer(args, model, torch.float32)
+        optimizer, scheduler = pretrain.build_optimizer(args, model, torch.float32)
         dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         batches = micro_batches(dp_rank, dp_size)

@@ -208,7 +208,7 @@ def _skip_rank(rank: int, world_size: int, optimizer_kind: str) -> dict:
 
     from agoq.megatron.install import install
     from agoq.megatron.optim_args import add_optim_flags
-    from agoq.megatron.optimizer import build_agoq_optimizer
+    from agoq.megatron.pretrain import build_optimizer
 
     handle = install(AgoqConfig(device="cpu"))
     try:
@@ -228,7 +228,8 @@ def _skip_rank(rank: int, world_size: int, optimizer_kind: str) -> dict:
                              global_batch_size=8, lr_decay_iters=10, lr_decay_style="constant", train_iters=10,
                              pipeline_model_parallel_size=1).items():
                 setattr(args, k, v)
-            optimizer, _ = build_agoq_optimizer(args, model, torch.float32)
+            args.agoq_config = AgoqConfig.from_flags(vars(args))
+            optimizer, _ = build_optimizer(args, model, torch.float32)
         else:
             optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0, bf16=False,
                                                                params_dtype=torch.float32), model)

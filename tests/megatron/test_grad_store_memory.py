@@ -69,6 +69,7 @@ def _agoq_args():
                      lr_decay_iters=10, lr_decay_style="constant", train_iters=10,
                      pipeline_model_parallel_size=1).items():
         setattr(args, k, v)
+    args.agoq_config = AgoqConfig.from_flags(vars(args))
     return args
 
 
@@ -81,7 +82,7 @@ def _batch(rank: int, step: int, mb: int):
 
 
 def _run_variant(rank: int, grad: GradConfig, optimizer_kind: str) -> dict:
-    from agoq.megatron.optimizer import build_agoq_optimizer
+    from agoq.megatron.pretrain import build_optimizer
 
     runtime.init_model_parallel(ParallelLayout(tp=1, pp=1), seed=1234, device=torch.device("cpu"))
     config = llama_transformer_config(SHAPE, ParallelLayout(tp=1, pp=1), params_dtype=torch.float32,
@@ -95,7 +96,7 @@ def _run_variant(rank: int, grad: GradConfig, optimizer_kind: str) -> dict:
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0, bf16=False,
                                                      params_dtype=torch.float32), [model])
     else:
-        opt, _ = build_agoq_optimizer(_agoq_args(), [model], torch.float32)
+        opt, _ = build_optimizer(_agoq_args(), [model], torch.float32)
         if optimizer_kind == "agoq_materialized":  # same optimizer, Megatron's float-buffer read path
             opt.grad_reader = None
             model.agoq_set_lazy(False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agoq.config import AgoqConfig
+from agoq.config import AgoqConfig, PolicyConfig
 from agoq.megatron.install import install
 
 pytestmark = pytest.mark.megatron
@@ -29,7 +29,7 @@ def test_install_twice_then_uninstall_restores_torch():
     assert torch.zeros(2).type() == "torch.cuda.FloatTensor"  # Megatron's optimizer type checks
     assert torch.zeros(2).type(torch.float64).dtype == torch.float64  # the 1-arg form is untouched
     with pytest.raises(RuntimeError, match="different config"):
-        install(AgoqConfig(device="cpu", policy_path="x.yaml"))
+        install(AgoqConfig(device="cpu", policy=PolicyConfig(path="x.yaml")))
     handle.uninstall()
     assert _patched_symbols() == before
     with pytest.raises((RuntimeError, AssertionError)):

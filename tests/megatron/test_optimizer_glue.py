@@ -25,7 +25,8 @@ SCRIPT = textwrap.dedent(
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
     from agoq.megatron.optim_args import add_optim_flags
-    from agoq.megatron.optimizer import build_agoq_optimizer
+    from agoq.config import AgoqConfig
+    from agoq.megatron.pretrain import build_optimizer
     p = argparse.ArgumentParser(); add_optim_flags(p)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"  # fused step under Triton's interpreter
     args = p.parse_args(["--agoq-optimizer", "adamw"] + ([] if interpret else ["--agoq-unfused"]))
@@ -43,7 +44,8 @@ SCRIPT = textwrap.dedent(
     cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, bf16=True, params_dtype=torch.bfloat16)
     m = M().to(torch.bfloat16)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), m)
-    opt, sch = build_agoq_optimizer(args, [ddp], torch.bfloat16)
+    args.agoq_config = AgoqConfig.from_flags(vars(args), triton_interpret=interpret)
+    opt, sch = build_optimizer(args, [ddp], torch.bfloat16)
     w0 = m.l.weight.detach().clone()
     for i in range(3):
         ddp.zero_grad_buffer(); opt.zero_grad()

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from agoq.megatron.compute import _FLAGS, add_compute_flags, compute_spec
+from agoq.config import FP8_FLAGS, AgoqConfig
+from agoq.megatron.compute import add_compute_flags
 from agoq.plan import memory, peak, validate
 from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
 from agoq.plan.peak import Recipe, predict_peaks
@@ -77,12 +78,12 @@ def test_fp8_and_smooth_swiglu_held_bytes():
                                     "--agoq-fp8-bf16-first-layers", "0", "--agoq-fp8-amax-history-len", "32"],
                                    ["--agoq-fp8", "current", "--agoq-fp8-bf16-last-layers", "3", "--agoq-disable"]])
 def test_validate_reads_the_fp8_flags_as_pretrain_llama(extra):
-    assert validate.FP8_FLAGS == _FLAGS
+    assert validate.FP8_FLAGS == FP8_FLAGS
     argv = ["--num-layers", "8", "--agoq-policy", "configs/policy/bf16.yaml", *extra]
     parser = argparse.ArgumentParser()
     add_compute_flags(parser)
     args, _ = parser.parse_known_args(argv)
-    expected = FP8Spec() if "--agoq-disable" in argv else compute_spec(args, BF16)
+    expected = FP8Spec() if "--agoq-disable" in argv else AgoqConfig.from_flags(vars(args), policy=BF16).fp8
     assert validate.fp8_spec_of(argv, "configs/policy/bf16.yaml") == expected
 
 
@@ -116,12 +117,12 @@ def test_cli_takes_the_fp8_flags(capsys):
 
 
 def test_pretrain_llama_start_up_prediction_carries_the_fp8_spec():
-    """agoq.megatron.memory_report.recipe_from_args (the script's start-up prediction and bench_pretrain's
+    """agoq.megatron.memory_report.recipe_from_config (the script's start-up prediction and bench_pretrain's
     predicted_peak_gib) on the fp8_scale suite's own command lines."""
     import importlib.util
 
     from agoq.megatron.args import parse_args
-    from agoq.megatron.memory_report import recipe_from_args
+    from agoq.megatron.memory_report import recipe_from_config
     from agoq.testing.procs import REPO_ROOT
 
     script = REPO_ROOT / "benchmarks" / "bench_pretrain.py"
@@ -131,8 +132,7 @@ def test_pretrain_llama_start_up_prediction_carries_the_fp8_spec():
 
     for variant in bench_pretrain.fp8_scale_suite(False):
         args = parse_args(variant["args"])
-        policy = None if args.agoq_disable else load_policy(args.agoq_policy or validate.POLICIES / "agoq.yaml")
-        fp8 = recipe_from_args(args, policy).fp8
+        fp8 = recipe_from_config(args.agoq_config).fp8
         assert fp8 == validate.fp8_spec_of(variant["args"], args.agoq_policy or validate.POLICIES / "agoq.yaml")
         assert fp8.fp8_enabled == ("fp8" in variant["name"]), variant["name"]
         assert fp8.smooth_swiglu == ("per-token" if "per-token" in variant["name"] else

@@ -54,8 +54,7 @@ def _build(args, device, release: bool, num_microbatches=1, alive_probe=None):
         llama_transformer_config,
         wrap_ddp,
     )
-    from agoq.megatron.optimizer import build_agoq_optimizer
-    from agoq.megatron.pretrain import ddp_config
+    from agoq.megatron.pretrain import build_optimizer, ddp_config
     from agoq.megatron.release import wrap_release
     from agoq.megatron.training import StepRunner, configure_grad_hooks
     from agoq.policy import ScheduleInfo
@@ -78,7 +77,7 @@ def _build(args, device, release: bool, num_microbatches=1, alive_probe=None):
     else:
         model = wrap_ddp(chunks, config, ddp_config(args, dtype), device)
     configure_grad_hooks(model, config)
-    optimizer, scheduler = build_agoq_optimizer(args, model, dtype)
+    optimizer, scheduler = build_optimizer(args, model, dtype)
     runner = StepRunner(model_chunks=model, optimizer=optimizer, scheduler=scheduler, device=device,
                         seq_length=SEQ, micro_batch_size=MBS, global_batch_size=MBS * num_microbatches,
                         num_microbatches=num_microbatches)  # fmt: skip
@@ -182,17 +181,18 @@ def test_each_conflicting_flag_is_named(extra, named, capsys):
     assert "--agoq-gradient-release conflicts with" in err and named in err, err
 
 
-def test_data_parallel_and_policy_grads_are_named():
+def test_data_parallel_and_policy_grads_are_named(tmp_path, capsys):
     from agoq.megatron.optim_args import check_release_flags
 
     args = _args(["--global-batch-size", str(2 * MBS)], release=False)  # DP=2 x MBS: one micro-batch each
     args.agoq_gradient_release = True
     with pytest.raises(ValueError, match="data-parallel size 2"):
         check_release_flags(args, data_parallel=2)
-    args = _args()
-    args.agoq_grads = "int8_b256"  # as a policy's `default: {grads: ...}` sets it (scripts/pretrain_llama.py)
-    with pytest.raises(ValueError, match="--agoq-grads int8_b256"):
-        check_release_flags(args)
+    policy = tmp_path / "grads.yaml"  # a policy's `default: {grads: ...}` (the config resolves it at parse time)
+    policy.write_text("version: 1\ndefault: {activations: bf16, grads: int8_b256}\n")
+    with pytest.raises(SystemExit):
+        _args(["--agoq-policy", str(policy)])
+    assert "--agoq-gradient-release conflicts with --agoq-grads int8_b256" in capsys.readouterr().err
     check_release_flags(_args())  # the valid setting passes
 
 

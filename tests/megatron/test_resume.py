@@ -204,39 +204,70 @@ def test_sigterm_saves_and_the_resumed_run_continues_the_same_losses(env, uninte
 
 
 # ------------------------------------------------------------------------------ in-process (no launch)
-def _contract(**changes):
+def _record(**changes):
+    """A run record (agoq.megatron.resume.run_record) of the tiny model; ``changes``: flag values, or the
+    layout's ``pipeline_parallel`` / ``virtual_pipeline``."""
     from types import SimpleNamespace
 
-    from agoq.megatron.resume import ResumeContract
+    from agoq.config import AgoqConfig
+    from agoq.megatron.resume import run_record
 
     shape = SimpleNamespace(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=192, vocab_size=32768, seq_length=128)  # fmt: skip
-    settings = dict(shape=shape, tensor_parallel=1, pipeline_parallel=2, virtual_pipeline=None,
-                    optimizer="adamw", moments="flash", master="split24", small_numel=4096,
-                    distributed_optimizer=False, gradient_release=False, grads=None)  # fmt: skip
-    return ResumeContract.from_run(**{**settings, **changes})
+    layout = dict(tensor_parallel=1, pipeline_parallel=2, virtual_pipeline=None, distributed_optimizer=False)
+    layout.update({k: changes.pop(k) for k in list(changes) if k in layout})
+    flags = {"agoq_optimizer": "adamw", "agoq_moments": "flash", **changes}
+    return run_record(AgoqConfig.from_flags(flags), shape=shape, **layout)
 
 
 def test_resume_record_allows_what_the_checkpoint_serves_and_names_what_it_does_not():
-    from agoq.megatron.resume import ResumeMismatch, check_contract
+    from agoq.megatron.resume import RECORD_KEY, ResumeMismatch, check_contract
 
-    saved = _contract().as_dict()
-    assert check_contract("ck", saved, _contract()) == []
-    assert "predates agoq's resume record" in check_contract("ck", None, _contract())[0]
-    notes = check_contract("ck", saved, _contract(grads="int8_b256"))
+    saved = {RECORD_KEY: _record()}
+    assert check_contract("ck", saved, _record()) == []
+    assert "predates agoq's resume record" in check_contract("ck", {}, _record())[0]
+    notes = check_contract("ck", saved, _record(agoq_grads="int8_b256"))
     assert notes == ["ck: --agoq-grads changed since the checkpoint (saved None, now 'int8_b256'); allowed, the "
                      "checkpoint's tensors do not depend on it"]  # fmt: skip
-    assert check_contract("ck", dict(saved, future_setting=1), _contract()) == []  # unknown saved keys: ignored
+    # the config's other keys: allowed, reported by their flag; runtime keys: silent
+    assert check_contract("ck", saved, _record(agoq_smooth_swiglu="per-token")) == [
+        "ck: --agoq-smooth-swiglu changed since the checkpoint (saved 'off', now 'per-token'); allowed, the "
+        "checkpoint's tensors do not depend on it"]  # fmt: skip
+    assert check_contract("ck", saved, _record(agoq_device="cpu", agoq_unfused=True)) == []
+    assert check_contract("ck", saved, _record(agoq_moments="cint8_b32,cuint8_b32")) == []  # = flash
     with pytest.raises(ResumeMismatch) as err:
-        check_contract("ck", saved, _contract(moments="bf16", virtual_pipeline=2, pipeline_parallel=1))
+        check_contract("ck", saved, _record(agoq_moments="bf16", virtual_pipeline=2, pipeline_parallel=1))
     text = str(err.value)
     assert "--agoq-moments: saved 'cint8_b32,cuint8_b32', requested 'bf16,bf16'" in text
     assert "--pipeline-model-parallel-size: saved 2, requested 1" in text
     assert ("Fix: resume with --pipeline-model-parallel-size 2, without --num-layers-per-virtual-pipeline-stage, "
             "--agoq-moments flash; or start a new run without --load") in text
     with pytest.raises(ResumeMismatch, match="--agoq-optimizer: saved 'adamw', requested 'torch'") as err:
-        check_contract("ck", saved, _contract(optimizer="torch"))
+        check_contract("ck", saved, _record(agoq_optimizer="torch"))
     assert "--agoq-moments" not in str(err.value)  # follows from the optimizer kind
+
+
+def test_flat_contract_of_older_and_converted_checkpoints_is_checked_by_its_keys():
+    from agoq.megatron.resume import CONTRACT_KEY, ResumeContract, ResumeMismatch, check_contract
+
+    flat = ResumeContract.from_record(_record()).as_dict()  # what checkpoints saved before the record
+    assert check_contract("ck", {CONTRACT_KEY: dict(flat, future_setting=1)}, _record()) == []
+    shape_only = {k: flat[k] for k in ("num_layers", "hidden_size", "vocab_size")}  # a converted checkpoint
+    assert check_contract("ck", {CONTRACT_KEY: shape_only}, _record(agoq_optimizer="lion")) == []
+    with pytest.raises(ResumeMismatch, match="--hidden-size: saved 64, requested 128"):
+        check_contract("ck", {CONTRACT_KEY: dict(shape_only, hidden_size=64)},
+                       {**_record(), "model": {**_record()["model"], "hidden_size": 128}})
+
+
+def test_every_config_key_is_classified_for_resume():
+    """A new AgoqConfig field must be placed: in the contract (stops a load when changed), allowed and
+    reported, or runtime (silent)."""
+    from agoq.megatron.resume import CONFIG_IN_CONTRACT, CONFIG_MAY_CHANGE, CONFIG_RUNTIME, config_keys
+
+    keys = set(config_keys(_record()["agoq"]))
+    classified = [*CONFIG_IN_CONTRACT, *CONFIG_MAY_CHANGE, *CONFIG_RUNTIME]
+    assert len(classified) == len(set(classified))
+    assert keys == set(classified)
 
 
 def test_override_flag_accepts_megatron_lms_spelling():

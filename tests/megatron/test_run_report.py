@@ -4,12 +4,12 @@ stop signal by name, the closing line after a resume, the memory header's optimi
 
 from __future__ import annotations
 
-import argparse
 import signal
 
 import pytest
 
-from agoq.megatron.memory_report import gradient_name, optimizer_name, recipe_from_args
+from agoq.config import AgoqConfig
+from agoq.megatron.memory_report import gradient_name, optimizer_name, recipe_from_config
 from agoq.megatron.pretrain import done_line, signal_name
 from agoq.plan.memory import Layout
 
@@ -30,10 +30,10 @@ def test_done_line_counts_this_run_and_the_total():
     assert done_line(0, 1, 30, 1.0) == "done: 1 iteration in 1.0 s (at 1 of 30)"  # stopped early (signal / exit)
 
 
-def _args(**kw) -> argparse.Namespace:
+def _config(**kw) -> AgoqConfig:
     base = dict(agoq_optimizer="torch", agoq_grads=None, agoq_grads_mode="store", agoq_moments="flash",
-                agoq_master="split24", agoq_disable=True, use_distributed_optimizer=False)
-    return argparse.Namespace(**{**base, **kw})
+                agoq_master="split24", agoq_disable=True)
+    return AgoqConfig.from_flags({**base, **kw})
 
 
 @pytest.mark.parametrize("kw, optimizer, grads", [
@@ -44,7 +44,7 @@ def _args(**kw) -> argparse.Namespace:
      "agoq Lion (cint8_b32 states, master split32)", "fp32 gradients (int8_b256 reduction only"),
 ])
 def test_memory_header_names_the_optimizer_and_gradients_in_use(kw, optimizer, grads):
-    args = _args(**kw)
-    recipe = recipe_from_args(args)
-    assert optimizer_name(args, recipe, dp=1).startswith(optimizer)
-    assert gradient_name(args, recipe, Layout()).startswith(grads)
+    config = _config(**kw)
+    recipe = recipe_from_config(config)
+    assert optimizer_name(config, recipe, dp=1, distributed_optimizer=False).startswith(optimizer)
+    assert gradient_name(config, recipe, Layout()).startswith(grads)

@@ -64,8 +64,8 @@ def test_flops_per_iteration_matches_megatron(name):
     training = pytest.importorskip("megatron.training.training")
     kw = _kwargs(name)
     global_batch = 16
-    args = argparse.Namespace(**{k: v for k, v in kw.items() if k != "vocab_size"}, global_batch_size=global_batch)
-    ours = flops.training_flops_per_iteration(args, vocab_size=kw["vocab_size"])
+    shape = argparse.Namespace(**kw)  # the LlamaShape fields flops reads
+    ours = flops.training_flops_per_iteration(shape, global_batch)
     try:
         theirs = training.num_floating_point_operations(_megatron_args(kw), global_batch)
     except AttributeError as exc:  # a Megatron version that reads another flag: say which

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agoq.config import AgoqConfig
 from agoq.megatron.args import parse_args
-from agoq.megatron.compute import check_compute, compute_report, compute_spec, fp8_recipe
+from agoq.megatron.compute import check_compute, compute_report, fp8_recipe
 from agoq.ops.fp8_scaling import DEFAULT_AMAX_HISTORY_LEN
 from agoq.policy import FP8Spec, PolicyError, policy_from_dict
 from agoq.policy.schema import FP8_DEFAULT_AMAX_HISTORY_LEN
@@ -46,12 +47,13 @@ def test_first_and_last_layers_stay_bf16(first, last, expected):
 def test_flags_override_the_policy_section():
     policy = policy_from_dict({**BASE, "fp8": {"recipe": "delayed", "smooth_swiglu": "per-token",
                                                "bf16_first_layers": 0}})
-    args = parse_args(["--agoq-fp8", "rowwise", "--agoq-fp8-bf16-last-layers", "2"])
-    assert compute_spec(args, policy) == FP8Spec(recipe="rowwise", smooth_swiglu="per-token", bf16_first_layers=0,
-                                                 bf16_last_layers=2)
-    assert compute_spec(parse_args([]), None) == FP8Spec()  # nothing given: off
+    flags = vars(parse_args(["--agoq-fp8", "rowwise", "--agoq-fp8-bf16-last-layers", "2"]))
+    assert AgoqConfig.from_flags(flags, policy=policy).fp8 == FP8Spec(
+        recipe="rowwise", smooth_swiglu="per-token", bf16_first_layers=0, bf16_last_layers=2)
+    assert AgoqConfig.from_flags({}, policy=None).fp8 == FP8Spec()  # nothing given: off
+    assert parse_args([]).agoq_config.fp8 == FP8Spec()  # the default policy has no fp8 section
     with pytest.raises(ValueError, match="--agoq-fp8-amax-history-len"):
-        compute_spec(parse_args(["--agoq-fp8-amax-history-len", "0"]), None)
+        AgoqConfig.from_flags({"agoq_fp8_amax_history_len": 0})
 
 
 def test_agoq_disable_rejects_fp8_flags(capsys):

@@ -1,0 +1,19 @@
+"""The planner's Recipe of a run's AgoqConfig: one function for the trainer's start-up report
+(agoq.megatron.memory_report), benchmarks and ``python -m agoq.plan``."""
+
+from __future__ import annotations
+
+from agoq.config import AgoqConfig, parse_moments
+from agoq.plan.peak import Recipe
+from agoq.policy import FP8Spec
+
+
+def recipe_of(config: AgoqConfig) -> Recipe:
+    """Optimizer / gradient / recompute / FP8 settings of ``config`` as agoq.plan.peak models them."""
+    opt, grads = config.optimizer, config.grads
+    store = grads.quantized and grads.mode == "store"
+    return Recipe(optimizer="agoq" if opt.agoq else "torch", grads=grads.format if store else None,
+                  grad_error_feedback=grads.error_feedback,
+                  moments=opt.state_formats or parse_moments(opt.moments), master=opt.master,
+                  recompute=config.activations.recompute, gradient_release=opt.gradient_release,
+                  fp8=config.fp8 if config.enabled else FP8Spec())

@@ -1,0 +1,83 @@
+"""python -m agoq.plan --model FILE: the model file's layout (tensor / pipeline / virtual-pipeline sizes, the
+distributed optimizer), batch, vocabulary and agoq settings are the planner's input, as the trainer reads the
+same file; flags given to the planner override it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from agoq.plan import __main__ as plan
+from agoq.plan.memory import Layout, ModelShape
+from agoq.plan.peak import predict_peaks
+from agoq.plan.recipe import recipe_of
+from agoq.policy import load_policy
+
+MODEL = """num_layers: 8
+hidden_size: 256
+num_attention_heads: 4
+num_query_groups: 2
+ffn_hidden_size: 704
+seq_length: 512
+micro_batch_size: 2
+global_batch_size: 16
+tensor_model_parallel_size: 2
+pipeline_model_parallel_size: 2
+num_layers_per_virtual_pipeline_stage: 2
+use_distributed_optimizer: true
+tokenizer_model: fake.model
+make_vocab_size_divisible_by: 128
+agoq_optimizer: adamw
+"""
+
+
+@pytest.fixture
+def model_file(tmp_path, monkeypatch):
+    import agoq.data.tokenizer as tokenizer
+
+    monkeypatch.setattr(tokenizer.Tokenizer, "load", classmethod(lambda cls, path: SimpleNamespace(vocab_size=4000)))
+    path = tmp_path / "model.yaml"
+    path.write_text(MODEL)
+    return path
+
+
+def _stages(out: str) -> list[str]:
+    return [line.split("stage")[1].split()[0] for line in out.splitlines() if " stage " in line]
+
+
+def test_planner_honours_the_model_files_layout(model_file, capsys):
+    argv = ["--model", str(model_file), "--dp", "2", "--memory-budget", "1000GiB", "--policies",
+            str(plan.POLICY_DIR / "bf16.yaml")]
+    assert plan.main(argv) == 0
+    out = capsys.readouterr().out
+    assert _stages(out) == ["0", "1"]  # pipeline_model_parallel_size 2
+    assert "agoq's optimizer, distributed over 2 ranks" in out  # use_distributed_optimizer, agoq_optimizer
+
+    args = plan.parse(argv)
+    cfg = plan.read_model_file(str(model_file))
+    config = plan.config_of(args, cfg)
+    layout = plan.layout_of(args, cfg, config)
+    assert layout == Layout(tp=2, pp=2, vpp=2, dp=2, mbs=2, gbs=16, seq=512, distributed_optimizer=True)
+    assert config.optimizer.kind == "adamw"
+    # vocabulary: the tokenizer's 4000 padded to a multiple of 128 x TP 2, as the trainer pads it
+    assert plan._vocab_size(cfg, layout.tp) == 4096
+    expected = predict_peaks(ModelShape(8, 256, 4, 2, 704, 4096), layout, load_policy(plan.POLICY_DIR / "bf16.yaml"),
+                             recipe_of(config))
+    peaks = [line.split("peak")[1].split()[0] for line in out.splitlines() if " stage " in line]
+    assert peaks == [f"{p.peak / 2**30:7.2f}".strip() for p in expected]
+
+
+def test_flags_override_the_model_file(model_file, capsys):
+    argv = ["--model", str(model_file), "--pp", "4", "--tp", "1", "--vpp", "2", "--agoq-optimizer", "torch",
+            "--memory-budget", "1000GiB", "--policies", str(plan.POLICY_DIR / "bf16.yaml")]
+    assert plan.main(argv) == 0
+    out = capsys.readouterr().out
+    assert _stages(out) == ["0", "1", "2", "3"] and "Megatron's Adam, distributed over 1 rank)" in out
+
+
+def test_model_file_values_are_validated_as_the_trainers(tmp_path, capsys):
+    path = tmp_path / "m.yaml"
+    path.write_text(MODEL.replace("tokenizer_model: fake.model\n", "") + "agoq_grads: uint8_b256\n")
+    assert plan.main(["--model", str(path), "--memory-budget", "80GiB"]) == 2
+    assert "--agoq-grads uint8_b256" in capsys.readouterr().err
