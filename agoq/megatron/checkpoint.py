@@ -41,6 +41,10 @@ PROGRESS_FILE = "agoq_progress.json"  # human-readable copy of the progress coun
 # Reloadable with another data-parallel size. Megatron's default, fully_sharded_model_space, fails in
 # 0.19.2 with "ShardedTensor.flattened_range is not supported" (measured).
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+# state["agoq"][WEIGHTS_ONLY_KEY] = True: a converted checkpoint (python -m agoq.convert hf-to-agoq,
+# agoq.megatron.hf_checkpoint) holding the model's tensors only; --load takes the weights and starts the
+# optimizer, LR schedule and data position fresh.
+WEIGHTS_ONLY_KEY = "weights_only"
 
 
 @dataclass(frozen=True)
@@ -271,9 +275,17 @@ def load_checkpoint(
         problem, progress = _on_every_rank(_read_progress, source)
         if problem is None:
             problem, common = _on_every_rank(dist_checkpointing.load_common_state_dict, str(source))
+        weights_only = problem is None and bool(common.get("agoq", {}).get(WEIGHTS_ONLY_KEY))
         if problem is None:
             _check_resume_contract(source, common.get("agoq", {}), record, policy_report)
-            problem, state = _on_every_rank(_read_state, source, model_chunks, optimizer, common)
+            read = _read_model_state if weights_only else _read_state
+            problem, state = _on_every_rank(read, source, model_chunks, optimizer, common)
+        if problem is None and weights_only:
+            _print_rank0(f"agoq checkpoint: {source} holds model weights only (a converted checkpoint): the "
+                         "optimizer, LR schedule and data position start fresh")
+            _apply_on_every_rank(source, state, model_chunks, optimizer, scheduler, override_schedule,
+                                 apply=_apply_weights_only)
+            return progress, common["agoq"]
         if problem is None:
             _apply_on_every_rank(source, state, model_chunks, optimizer, scheduler, override_schedule)
             return progress, state["agoq"]
@@ -371,10 +383,23 @@ def _read_state(source: Path, model_chunks, optimizer, common: dict) -> dict:
     return dist_checkpointing.load(template, str(source))
 
 
-def _apply_on_every_rank(source: Path, state: dict, model_chunks, optimizer, scheduler, override: bool) -> None:
+def _read_model_state(source: Path, model_chunks, optimizer, common: dict) -> dict:
+    """A weights-only checkpoint: the model tensors of this rank."""
+    return dist_checkpointing.load(_model_sharded_state_dict(model_chunks), str(source))
+
+
+def _apply_weights_only(state: dict, model_chunks, optimizer, scheduler, override: bool) -> None:
+    _load_model_chunks(state, model_chunks)
+    # Megatron's optimizers copied the (initial) weights into their fp32 main params when built
+    # (Megatron-LM's --no-load-optim path does the same); agoq's optimizer states start at the first step
+    optimizer.reload_model_params()
+
+
+def _apply_on_every_rank(source: Path, state: dict, model_chunks, optimizer, scheduler, override: bool,
+                         apply=None) -> None:
     error, local = None, None
     try:
-        _apply_loaded_state(state, model_chunks, optimizer, scheduler, override)
+        (apply or _apply_loaded_state)(state, model_chunks, optimizer, scheduler, override)
     except Exception as exc:  # noqa: BLE001 - re-raised below on every rank, with every rank's reason
         error, local = f"{type(exc).__name__}: {exc}", exc
     problem = _gather_errors(error)
@@ -385,12 +410,16 @@ def _apply_on_every_rank(source: Path, state: dict, model_chunks, optimizer, sch
         ) from local
 
 
-def _apply_loaded_state(state: dict, model_chunks, optimizer, scheduler, override: bool) -> None:
+def _load_model_chunks(state: dict, model_chunks) -> None:
     if len(model_chunks) == 1:
         model_chunks[0].module.load_state_dict(state["model"])
     else:
         for i, chunk in enumerate(model_chunks):
             chunk.module.load_state_dict(state[f"model{i}"])
+
+
+def _apply_loaded_state(state: dict, model_chunks, optimizer, scheduler, override: bool) -> None:
+    _load_model_chunks(state, model_chunks)
     _rebase_saved_group_lrs(state["optimizer"], state["opt_param_scheduler"], optimizer)
     with torch.no_grad():  # fp32-param distopt loads in place into leaves (../shared/spec/megatron.md 1.4)
         optimizer.load_state_dict(state["optimizer"])
