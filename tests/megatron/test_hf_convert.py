@@ -9,8 +9,9 @@ Tolerance (fp32 logits). agoq's model and transformers' compute the same fp32 fu
 kernels and orders: one fused QKV and one fused gate/up matmul instead of three and two (other summation
 blocking), torch's RMSNorm vs HF's ``x * rsqrt(mean(x^2) + eps)``, RoPE's cos/sin from ``outer`` vs a
 matmul. Each can differ by a rounding or two (fp32 unit roundoff 6e-8) per element; through 4 layers that
-stays below ~1e-6 of the logits' scale. Measured on the CI CPU (1 thread per rank): bit-identical logits at
-TP=1 and PP=2 (difference 0). LOGITS_REL = 2e-5 of the largest logit leaves room for other CPUs / BLAS
+stays below ~1e-6 of the logits' scale; TP=2 adds the row-parallel layers' partial sums in another order (an
+all-reduce). Measured on the CI CPU (1 thread per rank): bit-identical logits at TP=1 and PP=2 (difference 0),
+1.1e-6 of the largest logit at TP=2. LOGITS_REL = 2e-5 of the largest logit leaves room for other CPUs / BLAS
 builds and stays far below any mapping error: a swapped gate/up, a mis-grouped query head or the other RoPE
 half convention changes the logits by O(1) of their scale (tests/unit/test_convert_llama.py pins the layouts
 exactly).
@@ -107,6 +108,16 @@ def converted(hf_model, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def converted_tp2(hf_model, tmp_path_factory):
+    """The same model converted for TP=2: the vocabulary padded to a multiple of 128 x 2 (512 rows)."""
+    hf_dir, _ = hf_model
+    out = tmp_path_factory.mktemp("ckpt") / "tiny_tp2"
+    proc = _convert("hf-to-agoq", str(hf_dir), "--output", str(out), "--tensor-model-parallel-size", "2")
+    assert "padded to 512 rows" in proc.stdout, proc.stdout
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------
 # TP=1 (one process): logits, and export -> import -> export
 
@@ -196,16 +207,15 @@ def test_tp1_logits_match_transformers_and_round_trip_is_bit_identical(hf_model,
 # PP=2 (two gloo ranks): the converted checkpoint read into the trainer's pipeline layout
 
 
-def _pp2_worker(rank, world_size, ckpt: str):
-    from agoq.config import AgoqConfig
+def _logits_in_layout(layout, ckpt: str):
+    """This rank's logits of ``ckpt`` read into ``layout`` (vocabulary shards of TP ranks gathered)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
     from agoq.convert.__main__ import _shape
     from agoq.convert.llama import LlamaDims
     from agoq.megatron import hf_checkpoint, runtime
-    from agoq.megatron.install import install
-    from agoq.megatron.model import ParallelLayout
 
-    install(AgoqConfig(enabled=False, device="cpu"))
-    layout = ParallelLayout(pp=2)
     runtime.init_model_parallel(layout, seed=0, device=torch.device("cpu"))
     try:
         source = hf_checkpoint.checkpoint_source(ckpt)
@@ -213,18 +223,36 @@ def _pp2_worker(rank, world_size, ckpt: str):
         shape = _shape(LlamaDims(**extras["hf_dims"]), extras["padded_vocab_size"])
         chunks = hf_checkpoint.build_model(shape, torch.float32, layout)
         hf_checkpoint.load_weights(chunks, source)
-        return _megatron_logits(chunks, _tokens())
+        logits = _megatron_logits(chunks, _tokens())
+        if layout.tp > 1:  # Megatron's output layer keeps each TP rank's vocabulary shard (parallel_output)
+            shards = [torch.empty_like(logits) for _ in range(layout.tp)]
+            dist.all_gather(shards, logits.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+            logits = torch.cat(shards, dim=-1)
+        return logits
     finally:
-        from megatron.core import parallel_state
-
         parallel_state.destroy_model_parallel()
 
 
-def test_pp2_logits_match_transformers(hf_model, converted):
+def _two_rank_worker(rank, world_size, ckpt: str, ckpt_tp2: str):
+    from agoq.config import AgoqConfig
+    from agoq.megatron.install import install
+    from agoq.megatron.model import ParallelLayout
+
+    install(AgoqConfig(enabled=False, device="cpu"))
+    pp2 = _logits_in_layout(ParallelLayout(pp=2), ckpt)
+    tp2 = _logits_in_layout(ParallelLayout(tp=2), ckpt_tp2)
+    return pp2, tp2
+
+
+def test_pp2_and_tp2_logits_match_transformers(hf_model, converted, converted_tp2):
+    """The converted checkpoint read into PP=2 (the 384-row one) and TP=2 (converted for it: 512 rows; QKV and
+    the gated fc1 cut by Megatron's sharded state dict) on two gloo ranks."""
     _, want = hf_model
-    first, last = spawn_ranks(2, _pp2_worker, args=(str(converted),))
-    assert first is None
-    assert_logits_close(last, want, "agoq PP=2 vs transformers")
+    (pp_first, tp_0), (pp_last, tp_1) = spawn_ranks(2, _two_rank_worker, args=(str(converted), str(converted_tp2)))
+    assert pp_first is None
+    assert_logits_close(pp_last, want, "agoq PP=2 vs transformers")
+    assert tp_0.shape == (BATCH, SEQ, 512) and torch.equal(tp_0, tp_1)
+    assert_logits_close(tp_0, want, "agoq TP=2 vs transformers")
 
 
 # ---------------------------------------------------------------------------------------------------
