@@ -51,7 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     tok = parser.add_mutually_exclusive_group()
     tok.add_argument(
-        "--tokenizer-model", type=Path, help="an existing SentencePiece .model (ours or LLaMA's)"
+        "--tokenizer-model", type=Path,
+        help="an existing tokenizer: SentencePiece .model (ours or LLaMA-2's) or Hugging Face tokenizer.json "
+             "(LLaMA-3's; needs the [hf] extra)",
     )
     tok.add_argument("--vocab-size", type=int, help="train a tokenizer with this many pieces on the inputs")
     parser.add_argument("--tokenizer-type", choices=MODEL_TYPES, default="bpe", help="with --vocab-size")

@@ -108,7 +108,9 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-path", nargs="+", default=None,
                    help="Megatron blend: PREFIX or 'W1 PREFIX1 W2 PREFIX2 ...' (.bin/.idx written by "
                         "scripts/prepare_data.py). Default: agoq's built-in corpus, built once and cached")
-    g.add_argument("--tokenizer-model", default=None, help="SentencePiece model (required with --data-path)")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="the tokenizer the data was written with: a SentencePiece .model or a Hugging Face "
+                        "tokenizer.json (required with --data-path)")
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights")
     g.add_argument("--eval-interval", type=int, default=None,
                    help="validation loss every N iterations and at the end (default: no evaluation)")
@@ -330,7 +332,8 @@ def validate(args: argparse.Namespace) -> None:
             f"{args.lr_decay_iters} (which defaults to --train-iters)"
         )
     if args.data_path and not args.tokenizer_model:
-        raise ValueError("--data-path needs --tokenizer-model (the SentencePiece model the data was written with)")
+        raise ValueError("--data-path needs --tokenizer-model (the tokenizer the data was written with: a "
+                         "SentencePiece .model or a tokenizer.json)")
     nlpvs = args.num_layers_per_virtual_pipeline_stage
     if nlpvs and args.pipeline_model_parallel_size < 2:
         raise ValueError(f"--num-layers-per-virtual-pipeline-stage {nlpvs} (the interleaved schedule) needs "
