@@ -34,7 +34,13 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
-from agoq.megatron.resume import CONTRACT_KEY, RECORD_KEY, check_contract, policy_note  # noqa: F401 (keys re-exported)
+from agoq.megatron.resume import (  # noqa: F401 (keys re-exported)
+    CONTRACT_KEY,
+    RECORD_KEY,
+    ResumeMismatch,
+    check_contract,
+    policy_note,
+)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 PROGRESS_FILE = "agoq_progress.json"  # human-readable copy of the progress counters
@@ -45,6 +51,10 @@ OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 # agoq.megatron.hf_checkpoint) holding the model's tensors only; --load takes the weights and starts the
 # optimizer, LR schedule and data position fresh.
 WEIGHTS_ONLY_KEY = "weights_only"
+CONVERTED_HINT = ("It is a converted checkpoint: its shape is the Hugging Face model's (use the model.yaml written "
+                  "next to it as --config), and its vocabulary rows are padded for the tensor-parallel size it was "
+                  "converted for: convert again with python -m agoq.convert hf-to-agoq --tensor-model-parallel-size "
+                  "<this run's TP> (and this run's --make-vocab-size-divisible-by)")
 
 
 @dataclass(frozen=True)
@@ -277,7 +287,12 @@ def load_checkpoint(
             problem, common = _on_every_rank(dist_checkpointing.load_common_state_dict, str(source))
         weights_only = problem is None and bool(common.get("agoq", {}).get(WEIGHTS_ONLY_KEY))
         if problem is None:
-            _check_resume_contract(source, common.get("agoq", {}), record, policy_report)
+            try:
+                _check_resume_contract(source, common.get("agoq", {}), record, policy_report)
+            except ResumeMismatch as exc:
+                if weights_only:
+                    raise ResumeMismatch(f"{exc}\n{CONVERTED_HINT}") from None
+                raise
             read = _read_model_state if weights_only else _read_state
             problem, state = _on_every_rank(read, source, model_chunks, optimizer, common)
         if problem is None and weights_only:
