@@ -270,6 +270,18 @@ def _prepare_data(tokenizer: Path, out: Path) -> Path:
     prefix = out / "docs"
     assert prepare_data.main(["--input", str(jsonl), "--tokenizer-model", str(tokenizer),
                               "--output-prefix", str(prefix)]) == 0  # fmt: skip
+    # every document is its ids (no template, no BOS) + the file's end-of-text id (1), as SentencePiece data
+    import numpy as np
+
+    from agoq.data.indexed import read_index
+    from agoq.data.tokenizer import Tokenizer
+
+    data, tok = read_index(prefix), Tokenizer.load(tokenizer)
+    tokens = np.fromfile(data.bin_path, dtype=data.dtype)
+    ends = np.cumsum(data.sequence_lengths) - 1
+    assert tok.eod_id == 1 and (tokens[ends] == 1).all() and (tokens == 1).sum() == len(ends)
+    first = stdlib_texts()[0]
+    assert tokens[: ends[0] + 1].tolist() == tok.encode(first) + [1]
     return prefix
 
 
