@@ -326,6 +326,9 @@ def validate(args: argparse.Namespace) -> None:
     for name in positive:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0.0 <= args.min_lr <= args.lr:  # Megatron's scheduler asserts max_lr >= min_lr deep in set-up
+        raise ValueError(f"--lr {args.lr} must be at least --min-lr {args.min_lr} (default 3e-4) and --min-lr "
+                         f"non-negative; pass --min-lr explicitly, e.g. --min-lr {args.lr / 10:g}")
     if args.lr_warmup_iters >= args.lr_decay_iters:
         raise ValueError(
             f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "

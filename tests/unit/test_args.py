@@ -233,3 +233,8 @@ def test_preflight_checks_layout_and_data_before_torch(tmp_path):
     (tmp_path / "empty.model").write_bytes(b"")
     with pytest.raises(ValueError, match="empty.model is empty"):
         preflight(parse_args([*base, "--split", "90,5,5", "--tokenizer-model", str(tmp_path / "empty.model")]), 1)
+
+
+def test_lr_below_min_lr_is_an_argument_error_not_a_megatron_assert(capsys):
+    err = _error(capsys, ["--lr", "1e-4"])
+    assert "--lr 0.0001 must be at least --min-lr 0.0003" in err and "--min-lr 1e-05" in err
