@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from agoq.data.debdocs import PACKAGES, iter_documents
-from agoq.megatron.data import default_cache_dir
+from agoq.train.data import default_cache_dir
 
 
 def main(argv=None) -> int:

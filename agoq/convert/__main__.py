@@ -187,7 +187,7 @@ def _dims_from_yaml(path: Path, contract: dict):
     values = yaml.safe_load(path.read_text()) or {}
     heads = values.get("num_attention_heads", contract.get("num_attention_heads"))
     hidden = values.get("hidden_size", contract.get("hidden_size"))
-    # scripts/pretrain_llama.py's defaults (agoq.megatron.args) for keys a config file leaves out
+    # scripts/pretrain_llama.py's defaults (agoq.train.args) for keys a config file leaves out
     shape = {
         "num_layers": values.get("num_layers", 4), "hidden_size": hidden if hidden is not None else 64,
         "num_attention_heads": heads if heads is not None else 4,
@@ -226,7 +226,7 @@ def _vocab_from_tokenizer(path: Path | None):
 if __name__ in ("__main__", "__mp_main__") and os.environ.get("AGOQ_SHOW_KNOWN_WARNINGS") != "1":
     # megatron-core / torch warnings known to be harmless (as scripts/pretrain_llama.py), before torch loads; also
     # in the checkpoint writer's process, which re-imports this module as __mp_main__
-    from agoq.megatron.known_warnings import filter_known_warnings
+    from agoq.train.known_warnings import filter_known_warnings
 
     filter_known_warnings()
 

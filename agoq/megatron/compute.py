@@ -1,9 +1,9 @@
-"""FP8 linears and Smooth-SwiGLU in the Megatron model: flags, checks, per-layer assignment.
+"""FP8 linears and Smooth-SwiGLU in the Megatron model: checks, per-layer assignment, the report line.
 
 ``--agoq-fp8 {off,current,delayed,rowwise,te}`` and ``--agoq-smooth-swiglu {off,per-channel,per-token}``
-(plus ``--agoq-fp8-bf16-first-layers`` / ``-last-layers`` / ``--agoq-fp8-amax-history-len``) override
-the policy file's ``fp8:`` section (``agoq.policy.FP8Spec``); neither given means off. The run's resolved
-spec is ``AgoqConfig.fp8`` (agoq.config builds it once from both). ``LayerCompute``
+(plus ``--agoq-fp8-bf16-first-layers`` / ``-last-layers`` / ``--agoq-fp8-amax-history-len``; the trainer's
+flags, agoq.train.args) override the policy file's ``fp8:`` section (``agoq.policy.FP8Spec``); neither given
+means off. The run's resolved spec is ``AgoqConfig.fp8`` (agoq.config builds it once from both). ``LayerCompute``
 travels in the layer spec (``agoq_layer_spec(..., compute=)``): a resolver each ``AgoqTransformerLayer``
 queries in its ``__init__``; the layer passes the result to its modules' constructors: its four linears
 get an ``FP8Recipe`` (or stay bf16: the first/last layers by rule; the LM head always), its MLP the
@@ -26,12 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agoq.megatron.args import add_compute_flags  # noqa: F401 (re-exported; defined there: parsed before torch)
 from agoq.ops.fp8_linear import GEMM_DIM_MULTIPLE, MIN_FP8_CAPABILITY
 from agoq.ops.fp8_scaling import FP8Recipe
 from agoq.policy import FP8Spec
 
-__all__ = ["LayerCompute", "add_compute_flags", "check_compute", "compute_report", "fp8_recipe"]
+__all__ = ["LayerCompute", "check_compute", "compute_report", "fp8_recipe"]
 
 _SMOOTH_OPS_MODE = {"per-channel": "per_channel", "per-token": "per_token"}
 

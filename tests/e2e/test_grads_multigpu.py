@@ -57,7 +57,7 @@ class _NoScheduler:
 
 
 def _agoq_args():
-    from agoq.megatron.optim_args import add_optim_flags
+    from agoq.train.optim_args import add_optim_flags
 
     p = argparse.ArgumentParser()
     add_optim_flags(p)
@@ -77,7 +77,7 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from agoq.config import AgoqConfig
-    from agoq.megatron import grad_reader, runtime, training
+    from agoq.megatron import grad_reader, runtime
     from agoq.megatron.ddp import grad_memory_report, wrap_ddp_agoq
     from agoq.megatron.install import install
     from agoq.megatron.model import (
@@ -88,6 +88,7 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
         llama_transformer_config,
     )
     from agoq.megatron.optimizer import build_agoq_optimizer
+    from agoq.train import training
 
     cuda = device_type == "cuda"
     if cuda:

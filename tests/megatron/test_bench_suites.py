@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from agoq.megatron.args import parse_args
 from agoq.testing.procs import REPO_ROOT
+from agoq.train.args import parse_args
 
 SCRIPT = REPO_ROOT / "benchmarks" / "bench_pretrain.py"
 

@@ -26,7 +26,7 @@ from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E40
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 
 from agoq.config import AgoqConfig  # noqa: E402
-from agoq.megatron import grad_reader, runtime, training  # noqa: E402
+from agoq.megatron import grad_reader, runtime  # noqa: E402
 from agoq.megatron.ddp import GradConfig, grad_memory_report, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.model import (  # noqa: E402
     LlamaShape,
@@ -36,6 +36,7 @@ from agoq.megatron.model import (  # noqa: E402
     llama_transformer_config,
 )
 from agoq.testing.dist import spawn_ranks  # noqa: E402
+from agoq.train import training  # noqa: E402
 
 STEPS = 8
 LOSS_BAND_REL = 0.005
@@ -207,8 +208,8 @@ def _skip_rank(rank: int, world_size: int, optimizer_kind: str) -> dict:
     import argparse
 
     from agoq.megatron.install import install
-    from agoq.megatron.optim_args import add_optim_flags
-    from agoq.megatron.pretrain import build_optimizer
+    from agoq.train.optim_args import add_optim_flags
+    from agoq.train.pretrain import build_optimizer
 
     handle = install(AgoqConfig(device="cpu"))
     try:

@@ -1,6 +1,6 @@
 """The planner's FP8 / Smooth-SwiGLU terms (agoq.plan.fp8) against hand arithmetic and the committed H100 runs
 (benchmarks/results/fp8_step.json, fp8_scale_1b.json, fp8_scale_7b.json). Pure Python besides the flag
-parser of agoq.megatron.compute."""
+parser of agoq.train.args."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import json
 import pytest
 
 from agoq.config import FP8_FLAGS, AgoqConfig
-from agoq.megatron.compute import add_compute_flags
 from agoq.plan import memory, peak, validate
 from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
 from agoq.plan.peak import Recipe, predict_peaks
 from agoq.policy import FP8Spec, load_policy
+from agoq.train.args import add_compute_flags
 
 BF16 = load_policy(validate.POLICIES / "bf16.yaml")
 DELAYED = FP8Spec(recipe="delayed")
@@ -117,13 +117,13 @@ def test_cli_takes_the_fp8_flags(capsys):
 
 
 def test_pretrain_llama_start_up_prediction_carries_the_fp8_spec():
-    """agoq.megatron.memory_report.recipe_from_config (the script's start-up prediction and bench_pretrain's
+    """agoq.train.memory_report.recipe_from_config (the script's start-up prediction and bench_pretrain's
     predicted_peak_gib) on the fp8_scale suite's own command lines."""
     import importlib.util
 
-    from agoq.megatron.args import parse_args
-    from agoq.megatron.memory_report import recipe_from_config
     from agoq.testing.procs import REPO_ROOT
+    from agoq.train.args import parse_args
+    from agoq.train.memory_report import recipe_from_config
 
     script = REPO_ROOT / "benchmarks" / "bench_pretrain.py"
     spec = importlib.util.spec_from_file_location("bench_pretrain_fp8plan", script)

@@ -20,8 +20,8 @@ import torch
 
 pytestmark = [pytest.mark.megatron]
 
-from agoq.megatron.args import parse_args  # noqa: E402
 from agoq.testing.procs import TINY_CONFIG  # noqa: E402
+from agoq.train.args import parse_args  # noqa: E402
 
 SEQ, MBS, VOCAB, STEPS = 32, 2, 256, 6  # 6 steps at lr 1e-2: the norm gains' fp32-vs-bf16 gradient showed at step 3
 VALID = ["--config", str(TINY_CONFIG), "--seq-length", str(SEQ), "--micro-batch-size", str(MBS),
@@ -54,10 +54,10 @@ def _build(args, device, release: bool, num_microbatches=1, alive_probe=None):
         llama_transformer_config,
         wrap_ddp,
     )
-    from agoq.megatron.pretrain import build_optimizer, ddp_config
     from agoq.megatron.release import wrap_release
-    from agoq.megatron.training import StepRunner, configure_grad_hooks
     from agoq.policy import ScheduleInfo
+    from agoq.train.pretrain import build_optimizer, ddp_config
+    from agoq.train.training import StepRunner, configure_grad_hooks
 
     dtype = torch.float32 if args.fp32 else torch.bfloat16
     shape = LlamaShape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
@@ -137,7 +137,7 @@ def test_fused_release_equals_the_fused_multi_tensor_run():
 
 
 def test_no_gradient_buffer_and_one_gradient_alive_at_a_time(mcore_world1):
-    from agoq.megatron.memory_report import static_breakdown_gib
+    from agoq.train.memory_report import static_breakdown_gib
 
     alive = []
 
@@ -182,7 +182,7 @@ def test_each_conflicting_flag_is_named(extra, named, capsys):
 
 
 def test_data_parallel_and_policy_grads_are_named(tmp_path, capsys):
-    from agoq.megatron.optim_args import check_release_flags
+    from agoq.train.optim_args import check_release_flags
 
     args = _args(["--global-batch-size", str(2 * MBS)], release=False)  # DP=2 x MBS: one micro-batch each
     args.agoq_gradient_release = True

@@ -1,5 +1,6 @@
-"""House rule 1: layers by what code may know. Only agoq/megatron imports megatron; agoq.policy and
-agoq.formats import no torch; importing agoq initialises no CUDA."""
+"""House rule 1: layers by what code may know. Only agoq/megatron (the plugin) and agoq/train (the reference
+trainer, its client) import megatron; the plugin has no command line and no training loop, and no library
+package imports the trainer; agoq.policy and agoq.formats import no torch; importing agoq initialises no CUDA."""
 
 from __future__ import annotations
 
@@ -42,13 +43,79 @@ def _imported_modules(path: Path) -> set[str]:
     return names
 
 
-def test_only_agoq_megatron_imports_megatron_ast_scan():
+MEGATRON_PACKAGES = ("megatron", "train")  # agoq/megatron: the plugin; agoq/train: the trainer on megatron-core
+
+# The plugin (agoq/megatron) must not hold a trainer: no command line (argparse), no training loop (running
+# Megatron's forward/backward schedules or an LR schedule is the trainer's job), no import of the trainer.
+PLUGIN_FORBIDDEN_MODULES = ("argparse", "agoq.train")
+PLUGIN_FORBIDDEN_NAMES = ("get_forward_backward_func", "OptimizerParamScheduler", "ArgumentParser")
+# Modules outside agoq/train that may import it: command-line tools above the trainer (python -m agoq.convert
+# filters the trainer's known start-up warnings).
+TRAINER_IMPORTERS = ("agoq/convert/__main__.py",)
+
+
+def _is_module(name: str, top: str) -> bool:
+    return name == top or name.startswith(top + ".")
+
+
+def _plugin_offences(path: Path) -> list[str]:
+    """'line: what' for each import of a forbidden module or use of a forbidden name in one file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names
+                      if any(_is_module(a.name, m) for m in PLUGIN_FORBIDDEN_MODULES)]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if any(_is_module(node.module, m) for m in PLUGIN_FORBIDDEN_MODULES):
+                found.append(f"{node.lineno}: from {node.module} import ...")
+            found += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names
+                      if a.name in PLUGIN_FORBIDDEN_NAMES]
+        elif isinstance(node, ast.Attribute) and node.attr in PLUGIN_FORBIDDEN_NAMES:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Name) and node.id in PLUGIN_FORBIDDEN_NAMES:
+            found.append(f"{node.lineno}: {node.id}")
+    return found
+
+
+def test_only_agoq_megatron_and_agoq_train_import_megatron_ast_scan():
     offenders = []
     for path in AGOQ.rglob("*.py"):
-        if path.relative_to(AGOQ).parts[0] == "megatron":
+        if path.relative_to(AGOQ).parts[0] in MEGATRON_PACKAGES:
             continue
-        if any(name == "megatron" or name.startswith("megatron.") for name in _imported_modules(path)):
+        if any(_is_module(name, "megatron") for name in _imported_modules(path)):
             offenders.append(str(path.relative_to(REPO_ROOT)))
+    assert offenders == []
+
+
+def test_plugin_has_no_command_line_and_no_training_loop_ast_scan():
+    """agoq/megatron is the plugin only (issue 20 item 5): argparse, the schedules' driver, the LR schedule and
+    agoq.train belong to the trainer (agoq/train)."""
+    offenders = [f"{path.relative_to(REPO_ROOT)}:{where}"
+                 for path in sorted((AGOQ / "megatron").rglob("*.py")) for where in _plugin_offences(path)]
+    assert offenders == [], "move it to agoq/train (the trainer) or take it as an argument:\n" + "\n".join(offenders)
+
+
+def test_the_plugin_scan_sees_what_it_forbids(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import argparse\nfrom agoq.train.args import parse_args\nimport agoq.train\n"
+                   "from megatron.core.pipeline_parallel import get_forward_backward_func\n"
+                   "from megatron.core import optimizer_param_scheduler as ops\n"
+                   "def f():\n    return ops.OptimizerParamScheduler, argparse.ArgumentParser()\n")
+    assert len(_plugin_offences(bad)) == 6
+    good = tmp_path / "good.py"
+    good.write_text("from megatron.core import parallel_state\nimport agoq.config\n")
+    assert _plugin_offences(good) == []
+
+
+def test_no_library_package_imports_the_trainer_ast_scan():
+    offenders = []
+    for path in AGOQ.rglob("*.py"):
+        rel = path.relative_to(REPO_ROOT).as_posix()
+        if path.relative_to(AGOQ).parts[0] == "train" or rel in TRAINER_IMPORTERS:
+            continue
+        if any(_is_module(name, "agoq.train") for name in _imported_modules(path)):
+            offenders.append(rel)
     assert offenders == []
 
 

@@ -5,9 +5,9 @@ there is no GPU) → process groups → data (rank 0 builds caches first) → mo
 Megatron optimizer + LR schedule → resume → train loop (log, save on interval / signal / end).
 Everything that can be wrong with the input is checked before the first forward pass.
 
-A trainer entry point (with agoq.megatron.args): it reads the parsed Namespace for Megatron's own flags
+A trainer entry point (with agoq.train.args): it reads the parsed Namespace for Megatron's own flags
 (layout, batch sizes, lr, logging) and hands agoq's library code the run's ``AgoqConfig``
-(``args.agoq_config``, built once by agoq.megatron.args.parse_args) or one of its sections.
+(``args.agoq_config``, built once by agoq.train.args.parse_args) or one of its sections.
 """
 
 from __future__ import annotations
@@ -30,16 +30,17 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from agoq.config import AgoqConfig
-from agoq.megatron import checkpoint, grad_reader, memory_report, runtime, training
+from agoq.megatron import checkpoint, grad_reader, runtime
 from agoq.megatron.activations import policy_of
-from agoq.megatron.args import check_layout
-from agoq.megatron.flops import tflops_per_gpu, training_flops_per_iteration
 from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
-from agoq.megatron.optim_args import check_release_flags
 from agoq.megatron.optimizer import build_agoq_optimizer
 from agoq.megatron.resume import RECORD_KEY, run_record, schedule_line
-from agoq.megatron.tensorboard import open_tensorboard
+from agoq.train import memory_report, training
+from agoq.train.args import check_layout
+from agoq.train.flops import tflops_per_gpu, training_flops_per_iteration
+from agoq.train.optim_args import check_release_flags
+from agoq.train.tensorboard import open_tensorboard
 
 log = logging.getLogger("agoq.pretrain")
 
@@ -202,7 +203,7 @@ def versions_line() -> str:
 
 def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy_report: Callable,
              storage_report: Callable) -> None:
-    """Run the whole job described by ``args`` (see agoq.megatron.args; ``args.agoq_config``: agoq's part)."""
+    """Run the whole job described by ``args`` (see agoq.train.args; ``args.agoq_config``: agoq's part)."""
     config: AgoqConfig = args.agoq_config
     device = runtime.choose_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
     stop = StopSignal()  # from the start: a signal during start-up stops the job after its first iteration

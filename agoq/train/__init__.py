@@ -1,0 +1,11 @@
+"""agoq's reference trainer on megatron-core, a client of the plugin (:mod:`agoq.megatron`).
+
+Everything that belongs to running a job rather than to agoq inside Megatron lives here: the command line
+(``args``, ``optim_args``: argparse, config files, ``AgoqConfig`` built once), the training loop
+(``pretrain``, ``training``), the data pipeline (``data``), start-up and per-iteration reports
+(``memory_report``, ``flops``, ``tensorboard``, ``known_warnings``). ``scripts/pretrain_llama.py`` calls it.
+
+Layering: agoq.train may import agoq.megatron and megatron.core; nothing else in agoq imports agoq.train
+except the command-line tools (``agoq.convert.__main__``). It is the only agoq package that reads the
+environment (tests/unit/test_config_boundary.py).
+"""
