@@ -42,13 +42,7 @@ MOMENT_PRESETS = {
     "bf16": ("bf16", "bf16"),
     "fp32": ("fp32", "fp32"),
 }
-# --recompute-granularity: Megatron's TransformerConfig.recompute_granularity values (megatron-core 0.19.2)
-RECOMPUTE_GRANULARITIES = ("full", "selective")
 GRAD_MODES = ("reduce", "store")  # agoq.megatron.ddp.GRAD_MODES (tests/unit/test_args.py checks they agree)
-# How the 8-bit reduction moves bytes (agoq.megatron.ddp.GRAD_TRANSPORTS): NCCL collectives (any link), NVLink
-# peer memory (CUDA symmetric memory, the ranks of one host), or auto (peer where it applies, else nccl; the
-# choice and its reason are printed at start-up).
-GRAD_TRANSPORTS = ("auto", "nccl", "peer")
 FLOAT_GRADS = ("fp32", "bf16", "fp16")  # --agoq-grads values that mean Megatron's float gradients
 FP8_FLAGS = {  # FP8Spec field -> flag
     "recipe": "--agoq-fp8", "smooth_swiglu": "--agoq-smooth-swiglu",
@@ -93,15 +87,9 @@ class ActivationsConfig:
     recompute_num_layers: int = 1
     """--recompute-num-layers: layers per recomputed group."""
 
-    selective_recompute: bool = False
-    """--recompute-granularity selective: Megatron's selective recompute of core attention (TransformerConfig
-    ``recompute_modules=["core_attn"]``): attention's internals are rebuilt in backward from q, k, v."""
-
     def __post_init__(self):
         if self.recompute_num_layers < 1:
             raise ValueError(f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")
-        if self.recompute and self.selective_recompute:
-            raise ValueError("--recompute-granularity is full or selective, not both")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,9 +109,6 @@ class GradsConfig:
     reduce_in_bf16: bool = False
     """--grad-reduce-in-bf16: bf16 main_grad buffer instead of Megatron's fp32 (FlashOptim's 16-bit gradients)."""
 
-    transport: str = "auto"
-    """--agoq-grad-transport: auto, nccl or peer (NVLink peer memory; see GRAD_TRANSPORTS)."""
-
     @property
     def quantized(self) -> bool:
         """True when agoq's 8-bit gradient path is on (a quantized --agoq-grads format)."""
@@ -131,7 +116,6 @@ class GradsConfig:
 
     def __post_init__(self):
         _choose("--agoq-grads-mode", self.mode, GRAD_MODES)
-        _choose("--agoq-grad-transport", self.transport, GRAD_TRANSPORTS)
         if self.format is not None and self.format not in FLOAT_GRADS:
             allowed = ("a signed quantized format with round-to-nearest, e.g. int8_b256 or int4_b128, or "
                        f"{', '.join(FLOAT_GRADS)} (Megatron's float gradients)")
@@ -240,9 +224,6 @@ class AgoqConfig:
         flags); None: no policy section applies (the planner compares several)."""
         get = values.get
         enabled = not get("agoq_disable", False)
-        if get("recompute_granularity") not in (None, *RECOMPUTE_GRANULARITIES):
-            raise ValueError(f"--recompute-granularity {get('recompute_granularity')!r}: choose one of "
-                             f"{list(RECOMPUTE_GRANULARITIES)}")
         fp8 = FP8Spec()
         grads = get("agoq_grads")
         if enabled:
@@ -258,12 +239,10 @@ class AgoqConfig:
             enabled=enabled, device=get("agoq_device") or "auto", triton_interpret=triton_interpret,
             policy=PolicyConfig(path=get("agoq_policy"), spec=policy if enabled else None),
             activations=ActivationsConfig(recompute=get("recompute_granularity") == "full",
-                                          recompute_num_layers=_given(get("recompute_num_layers"), 1),
-                                          selective_recompute=get("recompute_granularity") == "selective"),
+                                          recompute_num_layers=_given(get("recompute_num_layers"), 1)),
             grads=GradsConfig(format=grads, mode=get("agoq_grads_mode") or "store",
                               error_feedback=bool(get("agoq_grads_error_feedback", False)),
-                              reduce_in_bf16=bool(get("grad_reduce_in_bf16", False)),
-                              transport=get("agoq_grad_transport") or "auto"),
+                              reduce_in_bf16=bool(get("grad_reduce_in_bf16", False))),
             optimizer=OptimizerOptions(
                 kind=get("agoq_optimizer") or "torch", moments=get("agoq_moments") or DEFAULT_MOMENTS,
                 master=get("agoq_master") or DEFAULT_MASTER, unfused=bool(get("agoq_unfused", False)),
