@@ -43,6 +43,10 @@ MOMENT_PRESETS = {
     "fp32": ("fp32", "fp32"),
 }
 GRAD_MODES = ("reduce", "store")  # agoq.megatron.ddp.GRAD_MODES (tests/unit/test_args.py checks they agree)
+# How the 8-bit reduction moves bytes (agoq.megatron.ddp.GRAD_TRANSPORTS): NCCL collectives (any link), NVLink
+# peer memory (CUDA symmetric memory, the ranks of one host), or auto (peer where it applies, else nccl; the
+# choice and its reason are printed at start-up).
+GRAD_TRANSPORTS = ("auto", "nccl", "peer")
 FLOAT_GRADS = ("fp32", "bf16", "fp16")  # --agoq-grads values that mean Megatron's float gradients
 FP8_FLAGS = {  # FP8Spec field -> flag
     "recipe": "--agoq-fp8", "smooth_swiglu": "--agoq-smooth-swiglu",
@@ -109,6 +113,9 @@ class GradsConfig:
     reduce_in_bf16: bool = False
     """--grad-reduce-in-bf16: bf16 main_grad buffer instead of Megatron's fp32 (FlashOptim's 16-bit gradients)."""
 
+    transport: str = "auto"
+    """--agoq-grad-transport: auto, nccl or peer (NVLink peer memory; see GRAD_TRANSPORTS)."""
+
     @property
     def quantized(self) -> bool:
         """True when agoq's 8-bit gradient path is on (a quantized --agoq-grads format)."""
@@ -116,6 +123,7 @@ class GradsConfig:
 
     def __post_init__(self):
         _choose("--agoq-grads-mode", self.mode, GRAD_MODES)
+        _choose("--agoq-grad-transport", self.transport, GRAD_TRANSPORTS)
         if self.format is not None and self.format not in FLOAT_GRADS:
             allowed = ("a signed quantized format with round-to-nearest, e.g. int8_b256 or int4_b128, or "
                        f"{', '.join(FLOAT_GRADS)} (Megatron's float gradients)")
@@ -242,7 +250,8 @@ class AgoqConfig:
                                           recompute_num_layers=_given(get("recompute_num_layers"), 1)),
             grads=GradsConfig(format=grads, mode=get("agoq_grads_mode") or "store",
                               error_feedback=bool(get("agoq_grads_error_feedback", False)),
-                              reduce_in_bf16=bool(get("grad_reduce_in_bf16", False))),
+                              reduce_in_bf16=bool(get("grad_reduce_in_bf16", False)),
+                              transport=get("agoq_grad_transport") or "auto"),
             optimizer=OptimizerOptions(
                 kind=get("agoq_optimizer") or "torch", moments=get("agoq_moments") or DEFAULT_MOMENTS,
                 master=get("agoq_master") or DEFAULT_MASTER, unfused=bool(get("agoq_unfused", False)),

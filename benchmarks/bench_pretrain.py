@@ -157,14 +157,18 @@ def dp2_link_suite(smoke: bool) -> list[dict]:
         shape, common = "tiny", SHAPES["tiny"] + COMMON[2:] + ["--seq-length", "64", "--train-iters", "4"]
         batch = ["--micro-batch-size", "2", "--global-batch-size", "8"]
     users = ["--use-distributed-optimizer", "--overlap-grad-reduce"]
+    full = ["--agoq-grads", "int8_b256", "--agoq-optimizer", "adamw"]
     variants = {
         "Megatron, fp32 reduction": ["--agoq-disable"],
         "Megatron, bf16 reduction": ["--agoq-disable", "--grad-reduce-in-bf16"],
-        "agoq full (8-bit grads + lean optimizer)": ["--agoq-grads", "int8_b256", "--agoq-optimizer", "adamw"],
+        "agoq full (8-bit grads + lean optimizer), NCCL transport": full + ["--agoq-grad-transport", "nccl"],
     }
+    # NVLink peer memory is not a network link: the socket stand-in measures the NCCL transport only
+    peer = {"agoq full (8-bit grads + lean optimizer), peer transport": full + ["--agoq-grad-transport", "peer"]}
     links = {"nvlink": {}, "socket link": {} if smoke else SOCKET_LINK_ENV}
     return [{"name": f"{shape}/dp2/{link}/{name}", "nproc": 2, "args": common + batch + users + extra, "env": env}
-            for link, env in links.items() for name, extra in variants.items()]  # fmt: skip
+            for link, env in links.items()
+            for name, extra in {**variants, **(peer if link == "nvlink" and not smoke else {})}.items()]  # fmt: skip
 
 
 def grads_suite(smoke: bool) -> list[dict]:
@@ -363,7 +367,9 @@ def dp2_pp2_suite(smoke: bool) -> list[dict]:
         shape, nproc = "3b", 4
     variants = {"baseline (Megatron, fp32 reduction)": ["--agoq-disable"],
                 "baseline (Megatron, bf16 reduction)": ["--agoq-disable", "--grad-reduce-in-bf16"],
-                "agoq full": _FULL}
+                "agoq full, NCCL transport": _FULL + ["--agoq-grad-transport", "nccl"]}
+    if not smoke:
+        variants["agoq full, peer transport"] = _FULL + ["--agoq-grad-transport", "peer"]
     return [{"name": f"{shape}/dp2_pp2/{name}", "nproc": nproc, "args": common + extra}
             for name, extra in variants.items()]
 

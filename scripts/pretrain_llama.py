@@ -90,6 +90,8 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
                                 param_alignment=shard_alignment_for(agoq.optimizer, args.use_distributed_optimizer))
     else:
         model = wrap_ddp_agoq(chunks, config, ddp_config(args, params_dtype), info.device, grad)
+        for transport, why in dict.fromkeys(model[0].agoq_transport.values()):
+            print_rank0(f"agoq grads: {grad.fmt} reduced over the {transport} transport ({why})")
     configure_grad_hooks(model, config)
     return model, shape, spec
 

@@ -22,6 +22,8 @@ Non-finite values: a block that receives NaN / Inf gets a NaN scale and stays Na
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from agoq.comm.reduce import check_grad_format, quant_ops_for
@@ -40,11 +42,14 @@ class QuantizedGradBuffer:
     error_feedback: keep the requantization error in a ``residual_dtype`` tensor.
     block_multiple: pad the block count to a multiple of this (the data-parallel size for
         :func:`agoq.comm.reduce.allreduce_blocks_`).
+    storage: ``storage(num_blocks) -> (codes_u8, scales)``, zeroed tensors to hold the blocks (e.g.
+        agoq.comm.symm_store.SymmetricBlocks, which the peers of the reduction map); default: fresh tensors.
     """
 
     def __init__(self, segment_numels: list[int], fmt: QuantFormat | str, device: torch.device | str = "cpu", *,
                  error_feedback: bool = False, residual_dtype: torch.dtype = torch.bfloat16,
-                 block_multiple: int = 1):
+                 block_multiple: int = 1,
+                 storage: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.fmt = check_grad_format(fmt)
         if any((not isinstance(n, int)) or n < 0 for n in segment_numels):
             raise ValueError(f"segment_numels must be non-negative ints, got {segment_numels!r}")
@@ -59,8 +64,13 @@ class QuantizedGradBuffer:
         num_blocks = -(-self.block_offsets[-1] // block_multiple) * block_multiple
         self.num_blocks = num_blocks
         self.code_bytes_per_block = self.fmt.block * self.fmt.bits // 8
-        self.codes_u8 = torch.zeros(num_blocks * self.code_bytes_per_block, dtype=torch.uint8, device=self.device)
-        self.scales = torch.zeros(num_blocks, dtype=_SCALE_DTYPES[self.fmt.scale], device=self.device)
+        if storage is None:
+            self.codes_u8 = torch.zeros(num_blocks * self.code_bytes_per_block, dtype=torch.uint8,
+                                        device=self.device)
+            self.scales = torch.zeros(num_blocks, dtype=_SCALE_DTYPES[self.fmt.scale], device=self.device)
+        else:
+            self.codes_u8, self.scales = storage(num_blocks)
+            self._check_storage(num_blocks)
         self.residual = None
         if error_feedback:
             self.residual = torch.zeros(num_blocks * self.fmt.block, dtype=residual_dtype, device=self.device)
@@ -72,6 +82,15 @@ class QuantizedGradBuffer:
             from agoq.kernels.comm import accumulate_
 
             self._fused_accumulate = accumulate_
+
+    def _check_storage(self, num_blocks: int) -> None:
+        want = ((num_blocks * self.code_bytes_per_block, torch.uint8), (num_blocks, _SCALE_DTYPES[self.fmt.scale]))
+        for name, t, (numel, dtype) in zip(("codes", "scales"), (self.codes_u8, self.scales), want, strict=True):
+            if t.numel() != numel or t.dtype != dtype or t.device != self.device or not t.is_contiguous():
+                raise ValueError(f"QuantizedGradBuffer storage: {name} must be {numel} contiguous {dtype} on "
+                                 f"{self.device}, got {t.numel()} {t.dtype} on {t.device}")
+        if bool(self.codes_u8.any()) or bool(self.scales.any()):
+            raise ValueError("QuantizedGradBuffer storage must start zeroed")
 
     # -- accounting -------------------------------------------------------------------------
     @property

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from agoq.formats import QuantFormat
 
 __all__ = ["comm_ops_for", "run_pipeline", "Slots", "all_to_all", "all_gather", "Done", "scale_dtype",
-           "DEFAULT_CHUNK_BYTES", "blocks_per_chunk", "chunk_bytes_for"]
+           "DEFAULT_CHUNK_BYTES", "blocks_per_chunk", "chunk_bytes_for", "run_maybe_async"]
 
 # Chunk size (codes moved per chunk, all W rows together) when the caller gives none: about
 # TARGET_CHUNKS chunks, clamped to [MIN_CHUNK_BYTES, MAX_CHUNK_BYTES]. Why: pipelining needs a few
@@ -189,6 +189,13 @@ def run_pipeline(device: torch.device, num_chunks: int, send: Callable[[int], li
                 if finish is not None:
                     finish(t - 2)
 
+    return run_maybe_async(device, body, async_op=async_op)
+
+
+def run_maybe_async(device: torch.device, body: Callable[[], None], *, async_op: bool):
+    """Enqueue ``body()``: on CUDA with ``async_op`` on the side stream (after the caller's earlier work),
+    returning a handle whose ``wait()`` orders the caller's stream after it; else run it here and return
+    None (``async_op`` False) or a finished handle."""
     if torch.device(device).type == "cuda" and async_op:
         caller = torch.cuda.current_stream(device)
         side = _side_stream(torch.device(device).index or 0)

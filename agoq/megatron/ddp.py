@@ -61,13 +61,17 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from agoq.comm.grad_buffer import QuantizedGradBuffer
+from agoq.comm.pipeline import run_maybe_async
 from agoq.comm.reduce import allreduce_8bit, check_grad_format, reduce_scatter_8bit
+from agoq.comm.symm import allreduce_8bit_peer, reduce_scatter_8bit_peer
 from agoq.config import GradsConfig
 from agoq.megatron.grad_store import BucketStore, finalize_touched
+from agoq.megatron.grad_transport import resolve_transport
 from agoq.megatron.install import mark, swap_class
 from agoq.ops.nonfinite import nonfinite_in
 
 GRAD_MODES = ("reduce", "store")
+GRAD_TRANSPORTS = ("auto", "nccl", "peer")  # agoq.config.GRAD_TRANSPORTS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,11 +84,16 @@ class GradConfig:
     """store mode: keep the requantization error in a bf16 residual (2 more bytes per parameter)."""
     chunk_bytes: int | None = None
     """Codes per pipeline chunk of the reduction (None: agoq.comm.pipeline.DEFAULT_CHUNK_BYTES)."""
+    transport: str = "nccl"
+    """nccl: NCCL collectives; peer: NVLink peer memory (agoq.comm.symm / symm_store; CUDA, one host);
+    auto: peer where it applies, else nccl (agoq.megatron.grad_transport.resolve_transport)."""
 
     def __post_init__(self):
         check_grad_format(self.fmt)
         if self.mode not in GRAD_MODES:
             raise ValueError(f"GradConfig.mode={self.mode!r}: choose one of {GRAD_MODES}")
+        if self.transport not in GRAD_TRANSPORTS:
+            raise ValueError(f"GradConfig.transport={self.transport!r}: choose one of {GRAD_TRANSPORTS}")
         if self.error_feedback and self.mode != "store":
             raise ValueError("GradConfig.error_feedback needs mode='store' (it corrects 8-bit accumulation)")
 
@@ -108,6 +117,7 @@ class AgoqBucketGroup(_ParamAndGradBucketGroup):
     agoq_stores: list | None  # store mode: one BucketStore per bucket
     agoq_lazy: bool  # store mode, all-reduce: leave the reduced gradient 8-bit (a reader dequantizes it)
     agoq_on_reduced = None  # store mode: callback after the reduction (the DDP allocates the float buffer)
+    agoq_transport: str = "nccl"  # resolved transport of this group's reductions: nccl or peer
 
     def start_grad_sync(self, force_all_reduce: bool | None = False):
         if self.is_first_batch and self.grad_reduce_handle is not None:
@@ -145,14 +155,21 @@ class AgoqBucketGroup(_ParamAndGradBucketGroup):
             return store.start_allreduce(self._group(), average=average, post_scale=scale, async_op=async_op)
         fmt, chunk = self.agoq_grad.fmt, self.agoq_grad.chunk_bytes
         op = torch.distributed.ReduceOp.AVG if average else torch.distributed.ReduceOp.SUM
+        peer = self.agoq_transport == "peer"
         if self._uses_reduce_scatter(force_all_reduce):
             if self.cached_grad_buffer_shard_list[idx] is None:
                 self.cached_grad_buffer_shard_list[idx] = shard_buffer(
                     bucket.grad_data, self.intra_distributed_optimizer_instance_size
                 )
             shard = self.cached_grad_buffer_shard_list[idx][self.intra_distributed_optimizer_instance_rank]
+            if peer:
+                return run_maybe_async(bucket.grad_data.device, lambda: reduce_scatter_8bit_peer(
+                    shard, bucket.grad_data, op, self._group(), fmt=fmt, post_scale=scale), async_op=async_op)
             return reduce_scatter_8bit(shard, bucket.grad_data, op, self._group(), async_op, fmt=fmt,
                                        post_scale=scale, chunk_bytes=chunk)
+        if peer:
+            return run_maybe_async(bucket.grad_data.device, lambda: allreduce_8bit_peer(
+                bucket.grad_data, op, self._group(), fmt=fmt, post_scale=scale), async_op=async_op)
         return allreduce_8bit(bucket.grad_data, op, self._group(), async_op, fmt=fmt, post_scale=scale,
                               chunk_bytes=chunk)
 
@@ -217,10 +234,12 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
         self.agoq_grad = grad
         self._agoq_store_of: dict = {}  # param -> BucketStore
         touched = {p for name, p in self.module.named_parameters() if finalize_touched(p, name)}
+        self.agoq_transport = {}  # process-group name -> (transport, reason), for the start-up report
         for bg in self.bucket_groups + self.expert_parallel_bucket_groups:
             swap_class(bg, AgoqBucketGroup, seam="ddp.bucket_group")  # undone by the install handle
             bg.agoq_grad = grad
             bg.agoq_lazy = False
+            bg.agoq_transport = self._transport_of(self._reduction_group(bg))
             bg.agoq_stores = self._build_stores(bg, touched) if grad.mode == "store" else None
             bg.agoq_on_reduced = self._allocate_float_buffer_of
         if grad.mode == "store":
@@ -232,18 +251,31 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
                 "--agoq-grads-mode store: some parameters keep a separate fp32 main_grad next to a bf16 grad "
                 "buffer (Megatron's promoted main_grads); use --agoq-grads-mode reduce or --grad-reduce-in-fp32"
             )
-        group = (bucket_group.intra_distributed_optimizer_instance_group
-                 if self.ddp_config.use_distributed_optimizer else bucket_group.data_parallel_group)
+        group = self._reduction_group(bucket_group)
         world, rank = group.size(), group.rank()
+        peer_group = group if bucket_group.agoq_transport == "peer" else None
         stores = []
         for bucket in bucket_group.buckets:
             store = BucketStore(bucket, self.agoq_grad.fmt, bucket.grad_data.device,
                                 error_feedback=self.agoq_grad.error_feedback, world=world, rank=rank,
-                                touched=touched, chunk_bytes=self.agoq_grad.chunk_bytes)
+                                touched=touched, chunk_bytes=self.agoq_grad.chunk_bytes, peer_group=peer_group)
             stores.append(store)
             for param in store.params:
                 self._agoq_store_of[param] = store
         return stores
+
+    def _reduction_group(self, bucket_group):
+        return (bucket_group.intra_distributed_optimizer_instance_group
+                if self.ddp_config.use_distributed_optimizer else bucket_group.data_parallel_group)
+
+    def _transport_of(self, group) -> str:
+        """The group's transport (resolved once per group: a collective on the first call)."""
+        name = getattr(group, "group_name", str(id(group)))
+        if name not in self.agoq_transport:
+            device = next(iter(self.module.parameters())).device
+            self.agoq_transport[name] = resolve_transport(self.agoq_grad.transport, group, device,
+                                                          self.agoq_grad.fmt)
+        return self.agoq_transport[name][0]
 
     def stores(self) -> list[BucketStore]:
         return [s for bg in self.bucket_groups + self.expert_parallel_bucket_groups for s in (bg.agoq_stores or [])]
@@ -374,7 +406,8 @@ def grad_config(grads: GradsConfig) -> GradConfig | None:
     """The DDP wrapper's GradConfig of the run's ``AgoqConfig.grads`` (None: Megatron's float gradients)."""
     if not grads.quantized:
         return None
-    return GradConfig(fmt=grads.format, mode=grads.mode, error_feedback=grads.error_feedback)
+    return GradConfig(fmt=grads.format, mode=grads.mode, error_feedback=grads.error_feedback,
+                      transport=grads.transport)
 
 
 def grad_bytes_per_param(grad: GradConfig | None, *, grad_reduce_in_fp32: bool,

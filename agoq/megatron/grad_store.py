@@ -22,6 +22,10 @@ Reduction (agoq.comm.reduce), started per bucket when Megatron would start its c
     tensors, 4/W bytes per parameter from the step to zero_grad). Without an attached reader the
     reduction raises.
 
+Transport: the NCCL collectives above (any backend), or NVLink peer memory (``peer_group``, CUDA, one host):
+the store's codes and scales then live in CUDA symmetric memory (agoq/comm/symm_store.py) and the same
+reductions read the peers' stores directly, bit for bit the same results.
+
 Readers after the all-reduce: ``materialize()`` dequantizes into Megatron's float grad buffer (for
 optimizers that need every ``.grad`` at once, e.g. torch Adam: 4 bytes/param again, but only from the
 end of the reduction to the next zero_grad_buffer), or ``grad(param)`` dequantizes one parameter on
@@ -38,7 +42,9 @@ from __future__ import annotations
 import torch
 
 from agoq.comm.grad_buffer import QuantizedGradBuffer
+from agoq.comm.pipeline import blocks_per_chunk, run_maybe_async
 from agoq.comm.reduce import allreduce_blocks_, reduce_blocks_to_owners
+from agoq.comm.symm_store import SymmetricBlocks
 
 __all__ = ["BucketStore", "finalize_touched"]
 
@@ -56,13 +62,19 @@ class BucketStore:
     """8-bit main_grad of one bucket (see module docstring)."""
 
     def __init__(self, bucket, fmt, device, *, error_feedback: bool, world: int, rank: int,
-                 touched: set, chunk_bytes: int | None = None):
+                 touched: set, chunk_bytes: int | None = None, peer_group=None):
         self.bucket = bucket
         self.params = sorted(bucket.params_list, key=lambda p: bucket.param_to_index[p][0])
         self.spans = [bucket.param_to_index[p] for p in self.params]  # bucket-flat (start, end)
         self.segment = {p: i for i, p in enumerate(self.params)}
+        self.peer = None  # peer transport: SymmetricBlocks holding the store (None: NCCL transport)
+        storage = None
+        if peer_group is not None:
+            def storage(num_blocks: int):
+                self.peer = SymmetricBlocks(peer_group, fmt, num_blocks, device)
+                return self.peer.codes_u8, self.peer.scales
         self.qbuf = QuantizedGradBuffer([p.numel() for p in self.params], fmt, device,
-                                        error_feedback=error_feedback, block_multiple=world)
+                                        error_feedback=error_feedback, block_multiple=world, storage=storage)
         self.world, self.rank, self.chunk_bytes = world, rank, chunk_bytes
         self.touched = [p for p in self.params if p in touched]
         self.original_main_grad = {p: p.main_grad for p in self.params}
@@ -81,6 +93,10 @@ class BucketStore:
     # -- reduction --------------------------------------------------------------------------------
     def start_allreduce(self, group, *, average: bool, post_scale: float, async_op: bool):
         self.qbuf.fold_residual_()
+        if self.peer is not None:
+            return run_maybe_async(self.qbuf.device, lambda: self.peer.allreduce_(average=average,
+                                                                                 post_scale=post_scale),
+                                   async_op=async_op)
         return allreduce_blocks_(self.qbuf.codes_u8, self.qbuf.scales, self.qbuf.fmt, group, average=average,
                                  post_scale=post_scale, async_op=async_op, chunk_bytes=self.chunk_bytes)
 
@@ -112,6 +128,12 @@ class BucketStore:
             self._install(p, torch.zeros(p.shape, dtype=torch.float32, device=self.qbuf.device))
             self.own_float.append(p.main_grad)
         self.reducing = True
+        if self.peer is not None:
+            chunk = blocks_per_chunk(self.qbuf.fmt, self.world, self.chunk_bytes,
+                                     self.world * max(z - a for a, z in ranges))
+            return run_maybe_async(self.qbuf.device, lambda: self.peer.reduce_to_owners(
+                ranges, self._consume, average=average, post_scale=post_scale, chunk_blocks=chunk),
+                async_op=async_op)
         return reduce_blocks_to_owners(self.qbuf.codes_u8, self.qbuf.scales, self.qbuf.fmt, ranges,
                                        self._consume, group, average=average,
                                        post_scale=post_scale, async_op=async_op, chunk_bytes=self.chunk_bytes)

@@ -91,12 +91,18 @@ def shutdown() -> None:
 
 
 def memory_reading(device: torch.device) -> dict[str, float]:
-    """GiB: allocated and peak on GPU (torch's allocator); resident set size on CPU (not comparable)."""
+    """GiB: allocated and peak on GPU (torch's allocator, plus the CUDA symmetric memory that holds agoq's
+    8-bit gradient stores under the peer transport, which the allocator does not count: agoq.comm.symm_store);
+    resident set size on CPU (not comparable)."""
     if device.type == "cuda":
+        from agoq.comm.symm_store import symmetric_bytes
+
+        symm = symmetric_bytes()
         return {
-            "allocated_gib": torch.cuda.memory_allocated(device) / GIB,
-            "peak_gib": torch.cuda.max_memory_allocated(device) / GIB,
+            "allocated_gib": (torch.cuda.memory_allocated(device) + symm) / GIB,
+            "peak_gib": (torch.cuda.max_memory_allocated(device) + symm) / GIB,
             "reserved_gib": torch.cuda.memory_reserved(device) / GIB,
+            "symmetric_gib": symm / GIB,
         }
     return {"rss_gib": psutil.Process().memory_info().rss / GIB}
 

@@ -23,7 +23,7 @@ import yaml
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
-from agoq.config import FLOAT_GRADS, GRAD_MODES, AgoqConfig  # noqa: F401 (FLOAT_GRADS re-exported)
+from agoq.config import FLOAT_GRADS, GRAD_MODES, GRAD_TRANSPORTS, AgoqConfig  # noqa: F401 (FLOAT_GRADS re-exported)
 from agoq.data.indexed import split_weights
 from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES, ScheduleInfo, check_rules_used, load_policy, model_sites
 from agoq.train.optim_args import DEFAULT_MASTER, DEFAULT_MOMENTS, add_optim_flags, check_release_flags
@@ -158,6 +158,10 @@ def add_grad_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="reduce: 8-bit communication, float main_grad; store: also 8-bit main_grad accumulation")
     g.add_argument("--agoq-grads-error-feedback", action="store_true",
                    help="store mode: keep the requantization error in a bf16 residual (+2 bytes/param)")
+    g.add_argument("--agoq-grad-transport", choices=GRAD_TRANSPORTS, default="auto",
+                   help="how the 8-bit reduction moves bytes: nccl (collectives, any link), peer (the reduce "
+                        "kernels read the peers' 8-bit stores over NVLink; CUDA, one host), auto (peer where it "
+                        "applies, else nccl; the choice and its reason are printed at start-up)")
     return parser
 
 

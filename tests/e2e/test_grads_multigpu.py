@@ -156,6 +156,13 @@ def results():
         ("reduce_agoq", GradConfig(fmt=fmt, mode="reduce"), False, False, "agoq"),
         ("store_agoq", GradConfig(fmt=fmt), False, False, "agoq"),
         ("store_agoq_overlap_ef", GradConfig(fmt=fmt, error_feedback=True), False, True, "agoq"),
+        # the NVLink peer transport (agoq.comm.symm_store / symm): same store-mode arithmetic as the NCCL
+        # transport, so the same losses bit for bit; reduce mode's one-shot peer all-reduce sums in fp32
+        # without the second quantization (different, within the band)
+        ("store_torch_overlap_peer", GradConfig(fmt=fmt, transport="peer"), False, True, "torch"),
+        ("store_distopt_overlap_peer", GradConfig(fmt=fmt, transport="peer"), True, True, "torch"),
+        ("store_agoq_peer", GradConfig(fmt=fmt, transport="peer"), False, False, "agoq"),
+        ("reduce_torch_peer", GradConfig(fmt=fmt, mode="reduce", transport="peer"), False, False, "torch"),
     ]
     return spawn_ranks(2, _train, backend="nccl", args=(variants,))
 
@@ -182,3 +189,10 @@ def test_store_with_agoq_optimizer_lowers_the_peak(results):
         store, red = r["store_agoq"], r["reduce_agoq"]
         saving = red["peak"] - store["peak"]
         assert saving >= MEMORY_SAVING_BYTES_PER_PARAM * store["numel"], (store["peak"], red["peak"], store["numel"])
+
+
+def test_peer_transport_trains_bit_identically_to_nccl_transport(results):
+    for r in results:
+        for name in ("store_torch_overlap", "store_distopt_overlap", "store_agoq"):
+            assert r[f"{name}_peer"]["losses"] == r[name]["losses"], name
+            assert torch.equal(r[f"{name}_peer"]["weights"], r[name]["weights"]), name

@@ -116,3 +116,16 @@ def test_reference_accumulate_is_the_buffers_composition(feedback):
     assert torch.equal(buf.codes_u8, codes) and torch.equal(buf.scales, scales)
     if feedback:
         assert torch.equal(buf.residual, residual)
+
+
+def test_given_storage_is_used_and_checked():
+    """The peer transport hands the buffer its storage (agoq.comm.symm_store); a wrong one is refused."""
+    fmt = "int8_b256"
+    codes, scales = torch.zeros(3 * 256, dtype=torch.uint8), torch.zeros(3)
+    buf = QuantizedGradBuffer([300, 100], fmt, storage=lambda nb: (codes[: nb * 256], scales[:nb]))
+    buf.accumulate(0, torch.ones(300))
+    assert buf.codes_u8.data_ptr() == codes.data_ptr() and bool(scales[0] > 0)
+    with pytest.raises(ValueError, match="codes must be 768 contiguous"):
+        QuantizedGradBuffer([300, 100], fmt, storage=lambda nb: (codes[:256], scales[:nb]))
+    with pytest.raises(ValueError, match="must start zeroed"):
+        QuantizedGradBuffer([300, 100], fmt, storage=lambda nb: (codes[: nb * 256], scales[:nb]))

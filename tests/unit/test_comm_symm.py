@@ -27,3 +27,43 @@ def test_formats_without_a_peer_kernel_are_refused(fmt, match):
 def test_max_product_is_refused():
     with pytest.raises(ValueError, match="SUM and ReduceOp.AVG"):
         symm.allreduce_8bit_peer(torch.zeros(512), dist.ReduceOp.MAX, fmt="int8_b256")
+
+
+def test_symmetric_store_refuses_cpu_formats_and_uneven_blocks():
+    from agoq.comm.symm_store import SymmetricBlocks
+
+    with pytest.raises(ValueError, match="no fused kernel.*--agoq-grad-transport nccl"):
+        SymmetricBlocks(None, "int4_b64", 4, torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="runs on CUDA tensors"):
+        SymmetricBlocks(None, "int8_b256", 4, torch.device("cpu"))
+
+
+def test_peer_transport_problems_on_cpu_name_the_flag():
+    """On CPU (gloo) auto picks nccl and says why; peer stops with the flag and the fix. No process group is
+    touched (the local checks fail first), so a plain object stands in for the group."""
+    from agoq.megatron.grad_transport import resolve_transport
+
+    class _Group:  # dist.get_world_size(group) is the only call before the device check
+        pass
+
+    import unittest.mock as mock
+
+    with mock.patch.object(dist, "get_world_size", return_value=2):
+        transport, why = resolve_transport("auto", _Group(), torch.device("cpu"), "int8_b256")
+        assert transport == "nccl" and "cpu" in why and why.startswith("auto")
+        with pytest.raises(ValueError, match="--agoq-grad-transport peer: the gradients are on cpu.*nccl"):
+            resolve_transport("peer", _Group(), torch.device("cpu"), "int8_b256")
+    assert resolve_transport("nccl", None, torch.device("cpu"), "int8_b256")[0] == "nccl"
+
+
+def test_transport_choices_are_checked_where_the_flag_lands():
+    from agoq.config import GRAD_TRANSPORTS, GradsConfig
+    from agoq.megatron import ddp
+
+    assert ddp.GRAD_TRANSPORTS == GRAD_TRANSPORTS
+    with pytest.raises(ValueError, match="--agoq-grad-transport 'nvlink': choose one of"):
+        GradsConfig(format="int8_b256", transport="nvlink")
+    with pytest.raises(ValueError, match="transport='x'"):
+        ddp.GradConfig(fmt="int8_b256", transport="x")
+    grads = GradsConfig(format="int8_b256", transport="peer")
+    assert ddp.grad_config(grads).transport == "peer"

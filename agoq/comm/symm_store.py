@@ -1,0 +1,167 @@
+"""8-bit gradient storage that the peers of its group read over NVLink: the peer transport of the store-mode
+reductions (:func:`agoq.comm.reduce.allreduce_blocks_`, :func:`~agoq.comm.reduce.reduce_blocks_to_owners`).
+
+:class:`SymmetricBlocks` holds the codes and scales of B blocks (B a multiple of the group size W) in one
+CUDA symmetric-memory allocation (``torch.distributed._symmetric_memory``) that every rank maps. The 8-bit
+gradient store (agoq.comm.grad_buffer.QuantizedGradBuffer) uses these tensors as its own storage, so a
+reduction reads the peers' stored codes where they lie: no send buffer, no copy, no NCCL call, and no
+memory beyond the store itself. Rows: rank r owns blocks [r B/W, (r+1) B/W).
+
+all-reduce (two-shot, bit for bit allreduce_blocks_'s result: every block is the fp32 sum over ranks in rank
+order, times post_scale, / W if averaging, requantized with a fresh absmax)::
+
+    barrier                                        every rank's accumulation into its store is done
+    reduce_peer_rows(row r of every peer -> row r of my store, requantized in place)
+        (no peer reads my row r: peer q reads row q; a program loads its blocks before it stores them)
+    barrier                                        every owned row is reduced
+    copy row p of peer p into my row p, for every p != r   (NVLink reads of the peers' memory)
+    barrier                                        no peer still reads my row r (the store is zeroed next)
+
+reduce to owners (distributed optimizer; rank r gets the fp32 sum of blocks ranges[r] of every peer, which
+may overlap a neighbour's range by a block, and hands it to ``consume`` chunk by chunk, as
+reduce_blocks_to_owners does)::
+
+    barrier; for each chunk of my range: reduce_peer_rows(-> fp32 chunk); consume(first, chunk); barrier
+
+The closing barrier lets the caller rewrite blocks that neighbours read (the shared boundary blocks) and
+zero the store afterwards. All barriers are the symmetric-memory handle's stream-ordered device barriers
+(no host synchronisation); Megatron issues the bucket reductions in the same order on every rank.
+
+Memory: the allocation is the store (codes + scales, 1.016 B per element for int8_b256) rounded up to
+16 bytes. It comes from the symmetric-memory allocator, not PyTorch's caching allocator, so
+``torch.cuda.max_memory_allocated`` does not see it: :func:`symmetric_bytes` reports it, and agoq's memory
+report adds it (docs/benchmarks/grads.md).
+
+Requirements (checked; it raises, never falls back): CUDA tensors, one-byte formats (int8 round-to-nearest,
+fp8), ranks that can map each other's memory (one NVLink domain, e.g. one host), torch with symmetric
+memory. NVLink multicast is not used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from agoq.comm import pipeline as pl
+from agoq.comm.reduce import ROW_ALIGN_BYTES, check_grad_format
+from agoq.comm.symm import _check_device, _symm_mem
+from agoq.formats import QuantFormat
+
+__all__ = ["SymmetricBlocks", "symmetric_bytes"]
+
+_ALLOCATED_BYTES = [0]  # symmetric bytes held by live SymmetricBlocks of this process
+
+
+def symmetric_bytes() -> int:
+    """Bytes of CUDA symmetric memory held by this process's 8-bit gradient stores (not in torch's
+    allocator statistics)."""
+    return _ALLOCATED_BYTES[0]
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
+
+
+class SymmetricBlocks:
+    """Codes and scales of ``num_blocks`` blocks of ``fmt`` that every rank of ``group`` maps (module
+    docstring). Collective: every rank of the group constructs it with the same arguments, in the same order."""
+
+    def __init__(self, group, fmt: QuantFormat | str, num_blocks: int, device: torch.device):
+        self.fmt = check_grad_format(fmt)
+        from agoq.kernels import _launch
+
+        if not _launch.uses_bytes_kernel(self.fmt):
+            raise ValueError(f"agoq peer transport: format {self.fmt.name} has no fused kernel (one-byte formats "
+                             "only: int8 round-to-nearest, fp8); use --agoq-grad-transport nccl")
+        _check_device(device)
+        self.group = group if group is not None else dist.group.WORLD
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if num_blocks % self.world:
+            raise ValueError(f"SymmetricBlocks: {num_blocks} blocks are not a multiple of the group size "
+                             f"{self.world}")
+        self.num_blocks, self.cb = num_blocks, self.fmt.code_bytes(self.fmt.block)
+        sdt = pl.scale_dtype(self.fmt)
+        codes_bytes = _aligned(num_blocks * self.cb)
+        self.nbytes = codes_bytes + _aligned(num_blocks * sdt.itemsize)
+        symm_mem = _symm_mem()
+        name = self.group.group_name
+        enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", None)
+        if enabled is not None and not enabled(name):
+            symm_mem.enable_symm_mem_for_group(name)
+        self.buffer = symm_mem.empty(max(self.nbytes, ROW_ALIGN_BYTES), dtype=torch.uint8, device=device)
+        try:
+            self.handle = symm_mem.rendezvous(self.buffer, name)
+        except RuntimeError as err:
+            raise RuntimeError(f"agoq peer transport: the ranks of group {name!r} cannot map each other's memory "
+                               f"({err}); use --agoq-grad-transport nccl") from err
+        peers = [self.buffer if p == self.rank else self.handle.get_buffer(p, (self.buffer.numel(),), torch.uint8)
+                 for p in range(self.world)]
+        self.peer_codes = [b[: num_blocks * self.cb] for b in peers]
+        self.peer_scales = [b[codes_bytes: codes_bytes + num_blocks * sdt.itemsize].view(sdt) for b in peers]
+        self.codes_u8, self.scales = self.peer_codes[self.rank], self.peer_scales[self.rank]
+        self.codes_u8.zero_()
+        self.scales.zero_()
+        self._tables: dict[tuple[int, int], tuple] = {}  # (first, last) block -> rows + address tables
+        self._fp32 = None  # chunk of fp32 sums (reduce to owners), reused
+        _ALLOCATED_BYTES[0] += self.buffer.numel()
+
+    def __del__(self):
+        _ALLOCATED_BYTES[0] -= getattr(self, "buffer", torch.empty(0)).numel()
+
+    def _rows(self, first: int, last: int) -> tuple:
+        """Blocks [first, last) of every peer, in rank order, with their address tables (built once)."""
+        got = self._tables.get((first, last))
+        if got is None:
+            from agoq.kernels.comm import row_address_table
+
+            codes = [c[first * self.cb: last * self.cb] for c in self.peer_codes]
+            scales = [s[first:last] for s in self.peer_scales]
+            got = (codes, scales, (row_address_table(codes), row_address_table(scales)))
+            self._tables[(first, last)] = got
+        return got
+
+    def allreduce_(self, *, average: bool, post_scale: float) -> None:
+        """Two-shot all-reduce of the stored blocks in place (module docstring); stream-ordered, no host sync."""
+        from agoq.kernels.comm import reduce_peer_rows  # Triton: imported lazily
+
+        if self.num_blocks == 0 or (self.world == 1 and post_scale == 1.0):
+            return
+        per = self.num_blocks // self.world
+        lo, hi = self.rank * per, (self.rank + 1) * per
+        codes, scales, tables = self._rows(lo, hi)
+        self.handle.barrier(channel=0)
+        reduce_peer_rows(codes, scales, self.fmt, average=average, post_scale=post_scale,
+                         codes_out=codes[self.rank], scales_out=scales[self.rank], tables=tables)
+        self.handle.barrier(channel=0)
+        for p in range(self.world):
+            if p != self.rank:
+                a, b = p * per, (p + 1) * per
+                self.codes_u8[a * self.cb: b * self.cb].copy_(self.peer_codes[p][a * self.cb: b * self.cb])
+                self.scales[a:b].copy_(self.peer_scales[p][a:b])
+        self.handle.barrier(channel=0)
+
+    def reduce_to_owners(self, ranges: list[tuple[int, int]], consume: Callable[[int, torch.Tensor], None], *,
+                         average: bool, post_scale: float, chunk_blocks: int) -> None:
+        """Rank r: the fp32 sum of blocks ``ranges[r]`` of every peer, handed to ``consume(first_block,
+        values_f32)`` chunk by chunk (``values_f32`` is valid only during the call; stream-ordered)."""
+        from agoq.kernels.comm import reduce_peer_rows
+
+        if len(ranges) != self.world or any(not (0 <= lo <= hi <= self.num_blocks) for lo, hi in ranges):
+            raise ValueError(f"reduce_to_owners: need {self.world} block ranges within [0, {self.num_blocks}], "
+                             f"got {ranges}")
+        lo, hi = ranges[self.rank]
+        chunk = max(1, min(chunk_blocks, hi - lo))
+        block = self.fmt.block
+        if self._fp32 is None or self._fp32.numel() < chunk * block:
+            self._fp32 = torch.empty(chunk * block, dtype=torch.float32, device=self.buffer.device)
+        self.handle.barrier(channel=0)
+        for first in range(lo, hi, chunk):
+            last = min(hi, first + chunk)
+            codes, scales, tables = self._rows(first, last)
+            out = self._fp32[: (last - first) * block]
+            reduce_peer_rows(codes, scales, self.fmt, average=average, post_scale=post_scale, out=out,
+                             out_numel=out.numel(), tables=tables)
+            consume(first, out)
+        self.handle.barrier(channel=0)

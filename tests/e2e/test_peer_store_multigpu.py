@@ -1,0 +1,104 @@
+"""Two or more GPUs of one host: the NVLink peer transport of the 8-bit gradient store
+(agoq.comm.symm_store.SymmetricBlocks) gives bit for bit the results of the NCCL transport
+(agoq.comm.reduce.allreduce_blocks_ / reduce_blocks_to_owners) on the same stored blocks: random stores with a
+NaN block, ragged chunking, overlapping owner ranges (a block across a shard boundary), synchronous and on the
+side stream (as under --overlap-grad-reduce), and a second call reusing the store (the closing barrier).
+
+Run: ``pytest tests/e2e/test_peer_store_multigpu.py -m multigpu`` (2 GPUs; also at 4 when 4 are visible).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.multigpu]
+
+FMT = "int8_b256"
+BLOCKS_PER_RANK = 37  # odd: ragged chunks
+CHUNK_BLOCKS = 5
+
+
+def _stores(world: int, seed: int):
+    from agoq.formats import parse_format
+    from agoq.ref.quant import ref_quantize
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for r in range(world):
+        x = torch.randn(world * BLOCKS_PER_RANK * 256, generator=g) * (1 + 3 * r)
+        x[1000 + r] = 1e4  # an outlier block
+        q = ref_quantize(x, parse_format(FMT))
+        if r == 0:
+            q.scales[3] = float("nan")  # a non-finite block stays non-finite through both transports
+        out.append((q.codes.reshape(-1).clone(), q.scales.reshape(-1).clone()))
+    return out
+
+
+def _rank_fn(rank: int, world: int, stores: list, ranges: list) -> dict:
+    import torch.distributed as dist
+
+    from agoq.comm.pipeline import run_maybe_async
+    from agoq.comm.reduce import allreduce_blocks_, reduce_blocks_to_owners
+    from agoq.comm.symm_store import SymmetricBlocks, symmetric_bytes
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    group = dist.group.WORLD
+    codes, scales = (t.to(dev) for t in stores[rank])
+    nblocks = scales.numel()
+    peer = SymmetricBlocks(group, FMT, nblocks, dev)
+    out = {"symm_bytes": symmetric_bytes(), "nbytes": peer.nbytes}
+    for async_op in (False, True):
+        ref_c, ref_s = codes.clone(), scales.clone()
+        allreduce_blocks_(ref_c, ref_s, FMT, group, average=True, post_scale=0.5, chunk_bytes=CHUNK_BLOCKS * 256 * world)
+        for repeat in range(2):  # the second call reuses the store right after the first
+            peer.codes_u8.copy_(codes)
+            peer.scales.copy_(scales)
+            h = run_maybe_async(dev, lambda: peer.allreduce_(average=True, post_scale=0.5), async_op=async_op)
+            if h is not None:
+                h.wait()
+            out[f"ar_{async_op}_{repeat}"] = (torch.equal(peer.codes_u8, ref_c),
+                                              torch.equal(peer.scales.view(torch.uint8), ref_s.view(torch.uint8)))
+        ref_got, got = {}, {}
+        reduce_blocks_to_owners(codes, scales, FMT, ranges, lambda b, v: ref_got.__setitem__(b, v.clone()), group,
+                                post_scale=2.0, chunk_bytes=CHUNK_BLOCKS * 256 * world)
+        peer.codes_u8.copy_(codes)
+        peer.scales.copy_(scales)
+        h = run_maybe_async(dev, lambda: peer.reduce_to_owners(ranges, lambda b, v: got.__setitem__(b, v.clone()),
+                                                               average=False, post_scale=2.0,
+                                                               chunk_blocks=CHUNK_BLOCKS), async_op=async_op)
+        if h is not None:
+            h.wait()
+        ref_cat = torch.cat([ref_got[k] for k in sorted(ref_got)]) if ref_got else torch.empty(0, device=dev)
+        cat = torch.cat([got[k] for k in sorted(got)]) if got else torch.empty(0, device=dev)
+        out[f"owners_{async_op}"] = (ref_cat.numel() == (ranges[rank][1] - ranges[rank][0]) * 256
+                                     and torch.equal(ref_cat.view(torch.int32), cat.view(torch.int32)))
+        out[f"owners_unmodified_{async_op}"] = torch.equal(peer.codes_u8, codes)  # reading leaves the store as it was
+    torch.cuda.synchronize()
+    del peer
+    out["symm_bytes_after"] = symmetric_bytes()
+    return out
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_peer_store_reductions_equal_nccl_transport(world):
+    if _gpus() < world:
+        pytest.skip(f"needs {world} GPUs, {_gpus()} visible")
+    from agoq.testing.dist import spawn_ranks
+
+    stores = _stores(world, seed=world)
+    nblocks = world * BLOCKS_PER_RANK
+    # owner ranges as the distributed optimizer's shards give them: neighbours share the boundary block
+    ranges = [(max(0, r * nblocks // world - 1), min(nblocks, (r + 1) * nblocks // world + 1)) for r in range(world)]
+    per_rank = spawn_ranks(world, _rank_fn, backend="nccl", args=(stores, ranges))
+    for rank, res in enumerate(per_rank):
+        for key, value in res.items():
+            if key.startswith(("ar_", "owners")):
+                assert value is True or value == (True, True), f"rank {rank} {key}: {value}"
+        assert res["symm_bytes"] >= res["nbytes"] >= nblocks * (256 + 4)  # the store is counted
+        assert res["symm_bytes_after"] == res["symm_bytes"] - res["nbytes"]
