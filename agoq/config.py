@@ -42,6 +42,8 @@ MOMENT_PRESETS = {
     "bf16": ("bf16", "bf16"),
     "fp32": ("fp32", "fp32"),
 }
+# --recompute-granularity: Megatron's TransformerConfig.recompute_granularity values (megatron-core 0.19.2)
+RECOMPUTE_GRANULARITIES = ("full", "selective")
 GRAD_MODES = ("reduce", "store")  # agoq.megatron.ddp.GRAD_MODES (tests/unit/test_args.py checks they agree)
 # How the 8-bit reduction moves bytes (agoq.megatron.ddp.GRAD_TRANSPORTS): NCCL collectives (any link), NVLink
 # peer memory (CUDA symmetric memory, the ranks of one host), or auto (peer where it applies, else nccl; the
@@ -91,9 +93,15 @@ class ActivationsConfig:
     recompute_num_layers: int = 1
     """--recompute-num-layers: layers per recomputed group."""
 
+    selective_recompute: bool = False
+    """--recompute-granularity selective: Megatron's selective recompute of core attention (TransformerConfig
+    ``recompute_modules=["core_attn"]``): attention's internals are rebuilt in backward from q, k, v."""
+
     def __post_init__(self):
         if self.recompute_num_layers < 1:
             raise ValueError(f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")
+        if self.recompute and self.selective_recompute:
+            raise ValueError("--recompute-granularity is full or selective, not both")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,6 +240,9 @@ class AgoqConfig:
         flags); None: no policy section applies (the planner compares several)."""
         get = values.get
         enabled = not get("agoq_disable", False)
+        if get("recompute_granularity") not in (None, *RECOMPUTE_GRANULARITIES):
+            raise ValueError(f"--recompute-granularity {get('recompute_granularity')!r}: choose one of "
+                             f"{list(RECOMPUTE_GRANULARITIES)}")
         fp8 = FP8Spec()
         grads = get("agoq_grads")
         if enabled:
@@ -247,7 +258,8 @@ class AgoqConfig:
             enabled=enabled, device=get("agoq_device") or "auto", triton_interpret=triton_interpret,
             policy=PolicyConfig(path=get("agoq_policy"), spec=policy if enabled else None),
             activations=ActivationsConfig(recompute=get("recompute_granularity") == "full",
-                                          recompute_num_layers=_given(get("recompute_num_layers"), 1)),
+                                          recompute_num_layers=_given(get("recompute_num_layers"), 1),
+                                          selective_recompute=get("recompute_granularity") == "selective"),
             grads=GradsConfig(format=grads, mode=get("agoq_grads_mode") or "store",
                               error_feedback=bool(get("agoq_grads_error_feedback", False)),
                               reduce_in_bf16=bool(get("grad_reduce_in_bf16", False)),

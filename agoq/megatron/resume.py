@@ -125,6 +125,7 @@ CONFIG_MAY_CHANGE = {
     "policy.path": "--agoq-policy",
     "activations.recompute": "--recompute-granularity",
     "activations.recompute_num_layers": "--recompute-num-layers",
+    "activations.selective_recompute": "--recompute-granularity",
     "grads.mode": "--agoq-grads-mode",
     "grads.error_feedback": "--agoq-grads-error-feedback",
     "grads.reduce_in_bf16": "--grad-reduce-in-bf16",

@@ -19,18 +19,31 @@ the shape, the layout (``tensor_model_parallel_size``, ``pipeline_model_parallel
 (``tokenizer_model`` padded to ``make_vocab_size_divisible_by`` x TP as the trainer does; else 32000) and
 any ``agoq_*`` settings; flags given here override it.
 Exit code 0 when a policy fits (its YAML is copied to --out), 3 when none does.
+
+Capacity mode (``--capacity``): the fewest GPUs, and the layout, on which the model trains at --memory-budget
+per GPU, for Megatron's baseline (bf16 weights, fp32 gradients, Megatron's AdamW; with and without the
+distributed optimizer) and each agoq preset (agoq.plan.capacity.PRESETS), searching TP / PP / DP, recompute
+(none, selective, full), the distributed optimizer and the candidate policies; a table, and with --out a
+JSON file. The model file gives the shape, the sequence and the global batch; its layout and agoq settings
+are what the search varies, so they are not read. --vocab-size (or the file's tokenizer) is the tokenizer's
+vocabulary, padded per TP as the trainer pads it. Example (LLaMA-3-8B with its 128,256-entry vocabulary)::
+
+    python -m agoq.plan --capacity --model configs/model/llama3-8b.yaml --vocab-size 128256 --seq 4096 \
+        --memory-budget 80GiB --max-gpus 8 --out capacity.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
 
 import yaml
 
-from agoq.config import MASTER_CHOICES, OPTIMIZERS, AgoqConfig
+from agoq.config import MASTER_CHOICES, OPTIMIZERS, RECOMPUTE_GRANULARITIES, AgoqConfig
+from agoq.plan import capacity
 from agoq.plan.memory import Layout, ModelShape, parse_bytes
 from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report, grad_bytes_per_param
 from agoq.plan.recipe import recipe_of
@@ -66,8 +79,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--grad-reduce-in-bf16", action="store_true", default=None)
     p.add_argument("--agoq-gradient-release", action="store_true", default=None,
                    help="no gradient buffer; each parameter stepped inside backward (agoq optimizer, PP=DP=1)")
-    p.add_argument("--recompute-granularity", choices=("full",), default=None,
-                   help="Megatron's full recompute (one layer per group)")
+    p.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
+                   help="Megatron's full recompute (one layer per group) or selective recompute of core attention")
     p.add_argument("--agoq-fp8", choices=[r for r in FP8_RECIPES if r != "te"], default=None,
                    help="agoq's FP8 linears: weight caches, scaling state, FP8 saved inputs (agoq.plan.fp8)")
     p.add_argument("--agoq-smooth-swiglu", choices=SMOOTH_SWIGLU_MODES, default=None)
@@ -75,7 +88,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--agoq-fp8-bf16-last-layers", type=int, default=None)
     p.add_argument("--memory-budget", required=True, help="per GPU, e.g. 80GiB")
     p.add_argument("--policies", nargs="+", help="candidate policy YAMLs, richest first")
-    p.add_argument("--out", help="write the chosen policy YAML here")
+    p.add_argument("--out", help="write the chosen policy YAML here (with --capacity: the answers as JSON)")
+    p.add_argument("--capacity", action="store_true",
+                   help="report the smallest layout that fits --memory-budget for the baseline and each agoq preset")
+    p.add_argument("--max-gpus", type=int, default=capacity.DEFAULT_MAX_GPUS, help="--capacity: GPUs searched")
+    p.add_argument("--max-mbs", type=int, default=capacity.DEFAULT_MAX_MBS,
+                   help="--capacity: largest micro-batch tried at each answer's layout")
     return p.parse_args(argv)
 
 
@@ -127,8 +145,66 @@ def config_of(args: argparse.Namespace, cfg: dict) -> AgoqConfig:
     return AgoqConfig.from_flags({**cfg, **given}, policy=None)
 
 
+# flags capacity mode refuses: the presets and the search set them
+CAPACITY_REFUSED = ("agoq_optimizer", "agoq_moments", "agoq_master", "agoq_grads", "grad_reduce_in_bf16",
+                    "agoq_gradient_release", "recompute_granularity", "distributed_optimizer", "policies")
+
+
+def _raw_vocab(args: argparse.Namespace, cfg: dict) -> int:
+    """The tokenizer's vocabulary (unpadded): --vocab-size, the model file's vocab_size or tokenizer_model."""
+    if args.vocab_size or cfg.get("vocab_size"):
+        return args.vocab_size or cfg["vocab_size"]
+    if not cfg.get("tokenizer_model"):
+        return DEFAULT_VOCAB
+    from agoq.data.tokenizer import Tokenizer
+
+    return Tokenizer.load(cfg["tokenizer_model"]).vocab_size
+
+
+def run_capacity(args: argparse.Namespace, cfg: dict) -> int:
+    """--capacity: one answer per preset (agoq.plan.capacity), printed and written to --out as JSON."""
+    refused = [k for k in CAPACITY_REFUSED if getattr(args, k) is not None]
+    if refused:
+        flags = ", ".join("--" + k.replace("_", "-") for k in refused)
+        raise ValueError(f"--capacity searches {flags} itself (agoq.plan.capacity.PRESETS); drop them")
+    if args.max_gpus < 1:
+        raise ValueError(f"--max-gpus {args.max_gpus}: need at least 1")
+    values = {k: getattr(args, k) if getattr(args, k) is not None else cfg.get(k) for k in SHAPE_KEYS[:-1]}
+    missing = [k for k, v in values.items() if v is None]
+    if missing:
+        raise ValueError(f"give --{', --'.join(m.replace('_', '-') for m in missing)} (or a --model YAML)")
+    vocab = _raw_vocab(args, cfg)
+    shape = ModelShape(**values, vocab_size=vocab)
+    policies = {n: load_policy(POLICY_DIR / f"{n}.yaml") for n in DEFAULT_CANDIDATES}
+    budget = parse_bytes(args.memory_budget)
+    kw = dict(seq=args.seq or cfg.get("seq_length") or LAYOUT_DEFAULTS["seq"], vocab=vocab,
+              divisible_by=cfg.get("make_vocab_size_divisible_by", MEGATRON_VOCAB_DIVISIBLE_BY), base_flags={},
+              gbs=args.gbs or cfg.get("global_batch_size"), mbs=args.mbs or 1, vpp=args.vpp,
+              fixed={k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None})
+    answers = [capacity.find_capacity(shape, preset, policies, budget, max_gpus=args.max_gpus,
+                                      max_mbs=args.max_mbs, **kw) for preset in capacity.PRESETS]
+    print(f"model {args.model or '(flags)'}: {values}, vocabulary {vocab} (padded per TP), seq {kw['seq']}, "
+          f"global batch {kw['gbs'] or '2 x PP micro-batches per DP rank'}; up to {args.max_gpus} GPUs"
+          + ("; the model file's layout and agoq_* settings are not read (searched)" if args.model else ""))
+    print(capacity.format_table(answers, budget))
+    if args.out:
+        report = {"model": args.model, "shape": values, "vocab": vocab, "seq_length": kw["seq"],
+                  "global_batch_size": kw["gbs"], "memory_budget_gib": round(budget / 2**30, 3),
+                  "max_gpus": args.max_gpus,
+                  "answers": [capacity.answer_dict(a, budget, "configs/policy") for a in answers]}
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.capacity:
+        try:
+            return run_capacity(args, read_model_file(args.model))
+        except ValueError as err:
+            print(f"agoq.plan: error: {err}", file=sys.stderr)
+            return 2
     try:
         cfg = read_model_file(args.model)
         config = config_of(args, cfg)

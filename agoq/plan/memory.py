@@ -105,9 +105,10 @@ def stage_layers(shape: ModelShape, layout: Layout) -> list[list[tuple[int, int 
 
 
 def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec, *, v_view: bool = False,
-                fp8: FP8Spec | None = None) -> list[StageMemory]:
+                fp8: FP8Spec | None = None, core_attn_recompute: bool = False) -> list[StageMemory]:
     """``v_view``: model attention's v as saved before 2026-11-25 (``agoq.plan.storage.megatron_bytes``);
-    ``fp8``: the run's FP8 / Smooth-SwiGLU settings (saved-activation changes: ``agoq.plan.fp8``)."""
+    ``fp8``: the run's FP8 / Smooth-SwiGLU settings (saved-activation changes: ``agoq.plan.fp8``);
+    ``core_attn_recompute``: Megatron's selective recompute of core attention (``megatron_bytes``)."""
     schedule = ScheduleInfo(layout.pp, layout.vpp, layout.num_microbatches)
     dims = LayerDims(seq=layout.seq, micro_batch=layout.mbs, hidden=shape.hidden_size, ffn=shape.ffn_hidden_size,
                      heads=shape.num_attention_heads, groups=shape.num_query_groups, tp=layout.tp)
@@ -121,7 +122,8 @@ def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec, *, v_view
             )
             fp8_layer = fp8 is not None and fp8.uses_fp8(idx, shape.num_layers)
             per_layer.append(sum(agoq_bytes(storage, dims).values())
-                             + sum(megatron_bytes(storage, dims, v_view=v_view).values())
+                             + sum(megatron_bytes(storage, dims, v_view=v_view,
+                                                    core_attn_recompute=core_attn_recompute).values())
                              + saved_delta_bytes(fp8, storage, dims, fp8_layer))
         params = len(layers) * shape.layer_params() // layout.tp
         extra = 0

@@ -104,6 +104,10 @@ class Recipe:
     moments: tuple[str, str] = ("cint8_b32", "cuint8_b32")  # agoq optimizer's m, v formats
     master: str = "split24"
     recompute: bool = False  # Megatron's full recompute, one layer per group (--recompute-granularity full)
+    # Megatron's selective recompute of core attention (--recompute-granularity selective): changes what
+    # attention saves (agoq.plan.storage.megatron_bytes); the recomputed attention's own temporaries in
+    # backward ([T, n d] out + fp32 log-sum-exp) are below the MLP's and are not added
+    selective_recompute: bool = False
     # attention's v saved as a view of the fused QKV output: the code before 2026-11-25, i.e. every GPU
     # measurement committed before then (agoq.plan.validate); the current code saves a compact v
     sdpa_v_view: bool = False
@@ -128,6 +132,7 @@ class StagePeak:
     transient_source: str
     fp8: int = 0  # FP8 weight caches + scaling state of the stage's FP8 linears (agoq.plan.fp8)
     construction: int = 0  # model parameters + Megatron DDP's buffers at construction (module docstring)
+    head_held: int = 0  # part of ``held``: the LM head's and loss's saves (last stage; storage.head_saved_bytes)
 
     @property
     def persistent(self) -> int:
@@ -255,7 +260,8 @@ def _stage_dims(shape: ModelShape, layout: Layout) -> LayerDims:
 def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe: Recipe = Recipe()) -> list[StagePeak]:
     """One StagePeak per pipeline rank."""
     dims = _stage_dims(shape, layout)
-    stages = plan_stages(shape, layout, policy, v_view=recipe.sdpa_v_view, fp8=recipe.fp8)
+    stages = plan_stages(shape, layout, policy, v_view=recipe.sdpa_v_view, fp8=recipe.fp8,
+                         core_attn_recompute=recipe.selective_recompute)
     out = []
     for st in stages:
         rank = st.pp_rank
@@ -307,7 +313,7 @@ def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe:
         fp8 = fp8_persistent_bytes(recipe.fp8, shape, layout.tp, st.layers)
         construction = ddp_construction_bytes(weights, buffer, layout, recipe)
         out.append(StagePeak(rank, weights, grads, optimizer, CUDA_RUNTIME_BYTES, layer_held + st.head_activations,
-                             transient, step_extra, source, fp8, construction))
+                             transient, step_extra, source, fp8, construction, st.head_activations))
     return out
 
 

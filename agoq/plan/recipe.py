@@ -15,5 +15,6 @@ def recipe_of(config: AgoqConfig) -> Recipe:
     return Recipe(optimizer="agoq" if opt.agoq else "torch", grads=grads.format if store else None,
                   grad_error_feedback=grads.error_feedback,
                   moments=opt.state_formats or parse_moments(opt.moments), master=opt.master,
-                  recompute=config.activations.recompute, gradient_release=opt.gradient_release,
+                  recompute=config.activations.recompute,
+                  selective_recompute=config.activations.selective_recompute, gradient_release=opt.gradient_release,
                   fp8=config.fp8 if config.enabled else FP8Spec())

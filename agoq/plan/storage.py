@@ -139,7 +139,8 @@ def agoq_bytes(storage: LayerStorage, dims: LayerDims) -> dict[str, int]:
     return out
 
 
-def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, v_view: bool = False) -> dict[str, int]:
+def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, v_view: bool = False,
+                   core_attn_recompute: bool = False) -> dict[str, int]:
     """Modelled bytes Megatron itself keeps per role (bf16 training dtype) for one micro-batch.
 
     Model (CUDA, megatron-core 0.19.2 local spec + agoq's SDPA attention):
@@ -154,6 +155,15 @@ def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, v_view: bool = Fal
       before that date); RoPE keeps its cos and sin ([s, 1, 1, d], cast to bf16 per layer) for q and for k;
     - linear_proj's bf16 input is ``out.permute(2, 0, 1, 3).reshape(s, b, -1)``, a view of SDPA's
       output (allocated in the query's [s, b, n, d] memory order), so it adds no storage.
+    ``core_attn_recompute`` (--recompute-granularity selective, Megatron's ``recompute_modules=["core_attn"]``):
+    ``Attention._checkpointed_attention_forward`` runs the core attention under Megatron's CheckpointFunction,
+    which saves its inputs instead of SDPA's saves. q and k are RoPE's outputs (as before); v is the strided
+    view of the fused QKV output (agoq's compact copy is made inside the checkpointed core attention), so the
+    whole [T, (n + 2g) d] buffer stays alive; SDPA's out and log-sum-exp are not saved, and linear_proj keeps
+    its input, now a tensor of its own ([T, n d] bf16; nothing when agoq stores attn.proj_input quantized).
+    With SDPA (flash) attention this saves *more* than no recompute (2 (n + g) d - 4 n bytes per token and
+    layer): the recompute pays off only with Megatron's unfused attention, whose [b, n, s, s] probabilities
+    it drops (not modelled here: the planner models SDPA).
     Checked against ``SavedTensorMeter`` (storages de-duplicated): on CPU per save (see
     tests/megatron/test_plan_peak.py), on the H100 as held bytes (docs/benchmarks/planner.md).
     """
@@ -162,6 +172,9 @@ def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, v_view: bool = Fal
     n, g, d = dims.heads // dims.tp, dims.groups // dims.tp, dims.head_dim
     for role, rs in storage.roles.items():
         if rs.how not in (MEGATRON, NOT_APPLIED):
+            continue
+        if core_attn_recompute and role in ("attn.v", "attn.out"):
+            out[role] = _checkpointed_attention_bytes(role, storage, dims)
             continue
         if role == "norm.input":
             out[role] = 2 * (BF16_BYTES * dims.numel(role) + FP32_BYTES * t)
@@ -178,6 +191,15 @@ def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, v_view: bool = Fal
         else:
             out[role] = BF16_BYTES * dims.numel(role)
     return out
+
+
+def _checkpointed_attention_bytes(role: str, storage: LayerStorage, dims: LayerDims) -> int:
+    """attn.v / attn.out under Megatron's core-attention recompute (``megatron_bytes``)."""
+    n, g, d = dims.heads // dims.tp, dims.groups // dims.tp, dims.head_dim
+    if role == "attn.v":  # the checkpoint's saved value: a view of the fused QKV output
+        return BF16_BYTES * dims.tokens * (n + 2 * g) * d
+    proj_saved_by_megatron = storage.roles["attn.proj_input"].how in (MEGATRON, NOT_APPLIED)
+    return BF16_BYTES * dims.numel("attn.out") if proj_saved_by_megatron else 0  # linear_proj's input
 
 
 LOSS_BYTES_PER_TOKEN = 21  # final-norm fp32 rstd 4 + int64 masked target 8 + int64 target 8 + bool mask 1
