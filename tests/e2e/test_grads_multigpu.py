@@ -88,6 +88,7 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
         llama_transformer_config,
     )
     from agoq.megatron.optimizer import build_agoq_optimizer
+    from agoq.train.pretrain import megatron_optimizer_config
     from agoq.train import training
 
     cuda = device_type == "cuda"
@@ -115,7 +116,10 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
             model = wrap_ddp_agoq(chunks, config, ddp_cfg, device, grad)
             training.configure_grad_hooks(model, config)
             if opt_kind == "agoq":
-                optimizer, _ = build_agoq_optimizer(_agoq_args(), model, config.params_dtype)
+                args = _agoq_args()
+                args.use_distributed_optimizer = distopt
+                optimizer = build_agoq_optimizer(AgoqConfig.from_flags(vars(args)),
+                                                 megatron_optimizer_config(args, config.params_dtype), model)
             else:
                 optimizer = get_megatron_optimizer(OptimizerConfig(
                     optimizer="adam", lr=LR, clip_grad=1.0, bf16=cuda, params_dtype=config.params_dtype,
