@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.megatron._tiny import TINY_SEQ, TINY_VOCAB, tiny_shape
+
 pytestmark = pytest.mark.megatron
 
 POLICIES = Path(__file__).resolve().parents[2] / "configs" / "policy"
-SEQ, MICRO_BATCH, VOCAB = 32, 2, 128
+SEQ, MICRO_BATCH, VOCAB = TINY_SEQ, 2, TINY_VOCAB
 STEPS, LR = 2, 1e-2
-SHAPE_KW = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-                seq_length=SEQ, vocab_size=VOCAB)
 
 
 def _build(policy, dtype=torch.float32, recompute=False, reference=None, save_paths=None):
@@ -27,16 +27,10 @@ def _build(policy, dtype=torch.float32, recompute=False, reference=None, save_pa
     from megatron.core.transformer.module import Float16Module
 
     from agoq.megatron.activations import storage_of
-    from agoq.megatron.model import (
-        LlamaShape,
-        ParallelLayout,
-        agoq_layer_spec,
-        build_model_chunks,
-        llama_transformer_config,
-    )
+    from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
     from agoq.policy import ScheduleInfo
 
-    shape = LlamaShape(**SHAPE_KW)
+    shape = tiny_shape()
     config = llama_transformer_config(shape, ParallelLayout(), params_dtype=dtype, use_cpu_initialization=True)
     if recompute:  # Megatron's --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1

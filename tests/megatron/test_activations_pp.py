@@ -22,21 +22,15 @@ def _rank(rank: int, world_size: int, vpp) -> dict:
     from agoq.megatron import runtime
     from agoq.megatron.activations import storage_of
     from agoq.megatron.install import install
-    from agoq.megatron.model import (
-        LlamaShape,
-        ParallelLayout,
-        agoq_layer_spec,
-        build_model_chunks,
-        llama_transformer_config,
-    )
+    from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
     from agoq.policy import ScheduleInfo
+    from tests.megatron._tiny import tiny_shape
 
     handle = install(AgoqConfig(device="cpu"))
     try:
         layout = ParallelLayout(tp=1, pp=2, vpp=vpp)
         runtime.init_model_parallel(layout, seed=1234, device=torch.device("cpu"))
-        shape = LlamaShape(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                           ffn_hidden_size=128, seq_length=32, vocab_size=128)
+        shape = tiny_shape(num_layers=4)
         config = llama_transformer_config(shape, layout, params_dtype=torch.float32, use_cpu_initialization=True)
         schedule = ScheduleInfo(pp_size=2, vp_size=vpp, num_microbatches=NUM_MICROBATCHES)
         out, reference = {}, None

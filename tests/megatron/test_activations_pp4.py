@@ -17,18 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.megatron._tiny import TINY_SHAPE_KW, tiny_shape
+
 pytestmark = [pytest.mark.megatron, pytest.mark.dist]
 
 POLICIES = Path(__file__).resolve().parents[2] / "configs" / "policy"
 PP, NUM_MICROBATCHES, MICRO_BATCH = 4, 8, 2
-SEQ, HIDDEN, FFN, HEADS, GROUPS, VOCAB = 32, 64, 128, 4, 2, 128
-
-
-def _shape(num_layers: int):
-    from agoq.megatron.model import LlamaShape
-
-    return LlamaShape(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
-                      ffn_hidden_size=FFN, seq_length=SEQ, vocab_size=VOCAB)  # fmt: skip
+SEQ, HIDDEN, FFN, HEADS, GROUPS, VOCAB = (TINY_SHAPE_KW[key] for key in (
+    "seq_length", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size"))
 
 
 def _rank(rank: int, world_size: int, vpp, policies: tuple[str, ...]) -> dict:
@@ -46,7 +42,7 @@ def _rank(rank: int, world_size: int, vpp, policies: tuple[str, ...]) -> dict:
     try:
         layout = ParallelLayout(tp=1, pp=PP, vpp=vpp)
         runtime.init_model_parallel(layout, seed=1234, device=torch.device("cpu"))
-        shape = _shape(PP * (vpp or 1))
+        shape = tiny_shape(num_layers=PP * (vpp or 1))
         config = llama_transformer_config(shape, layout, params_dtype=torch.float32, use_cpu_initialization=True)
         schedule = ScheduleInfo(pp_size=PP, vp_size=vpp, num_microbatches=NUM_MICROBATCHES)
         out = {}

@@ -29,7 +29,6 @@ from agoq.config import AgoqConfig  # noqa: E402
 from agoq.megatron import grad_reader, runtime  # noqa: E402
 from agoq.megatron.ddp import GradConfig, grad_memory_report, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.model import (  # noqa: E402
-    LlamaShape,
     ParallelLayout,
     agoq_layer_spec,
     build_model_chunks,
@@ -37,13 +36,13 @@ from agoq.megatron.model import (  # noqa: E402
 )
 from agoq.testing.dist import spawn_ranks  # noqa: E402
 from agoq.train import training  # noqa: E402
+from tests.megatron._tiny import tiny_shape  # noqa: E402
 
 STEPS = 8
 LOSS_BAND_REL = 0.005
 GRAD_REL_BOUND = 0.05
 MICRO_BATCH, NUM_MICROBATCHES = 2, 2
-SHAPE = LlamaShape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                   ffn_hidden_size=128, seq_length=32, vocab_size=128)
+SHAPE = tiny_shape()
 
 
 class _NoScheduler:

@@ -19,23 +19,21 @@ import pytest
 import torch
 
 from agoq.testing.procs import TINY_CONFIG, child_env, iteration_records, run_pretrain
+from tests.megatron._tiny import TINY_SEQ, TINY_VOCAB, tiny_shape
 
 pytestmark = pytest.mark.megatron
 
 POLICIES = Path(__file__).resolve().parents[2] / "configs" / "policy"
-SEQ, MICRO_BATCH, VOCAB = 32, 2, 128
-SHAPE_KW = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-                seq_length=SEQ, vocab_size=VOCAB)
+SEQ, MICRO_BATCH, VOCAB = TINY_SEQ, 2, TINY_VOCAB
 
 
 def _build(smooth: str, policy: str | None, dtype, reference=None, tp: int = 1):
     from megatron.core.transformer.module import Float16Module
 
-    from agoq.megatron.model import LlamaShape, ParallelLayout, agoq_layer_spec, build_model_chunks, \
-        llama_transformer_config
+    from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
     from agoq.policy import FP8Spec, ScheduleInfo
 
-    shape = LlamaShape(**SHAPE_KW)
+    shape = tiny_shape()
     config = llama_transformer_config(shape, ParallelLayout(tp=tp), params_dtype=dtype, use_cpu_initialization=True)
     spec = agoq_layer_spec("sdpa", policy=None if policy is None else POLICIES / f"{policy}.yaml",
                            schedule=ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1),
@@ -191,11 +189,10 @@ def test_pretrain_fp8_on_cpu_stops_with_the_flag_named(env):
 def test_fp8_layers_raise_on_cpu_at_the_op(mcore_world1):
     """A model built with FP8 linears directly through the API (no script check) fails on the first
     forward with the op's error, never silently in bf16."""
-    from agoq.megatron.model import LlamaShape, ParallelLayout, agoq_layer_spec, build_model_chunks, \
-        llama_transformer_config
+    from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
     from agoq.policy import FP8Spec
 
-    shape = LlamaShape(**{**SHAPE_KW, "num_layers": 3})
+    shape = tiny_shape(num_layers=3)
     config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.bfloat16,
                                       use_cpu_initialization=True)
     spec = agoq_layer_spec("sdpa", compute=FP8Spec(recipe="delayed"))

@@ -47,7 +47,6 @@ def _build(args, device, release: bool, num_microbatches=1, alive_probe=None):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from agoq.megatron.model import (
-        LlamaShape,
         ParallelLayout,
         agoq_layer_spec,
         build_model_chunks,
@@ -58,10 +57,10 @@ def _build(args, device, release: bool, num_microbatches=1, alive_probe=None):
     from agoq.policy import ScheduleInfo
     from agoq.train.pretrain import build_optimizer, ddp_config
     from agoq.train.training import StepRunner, configure_grad_hooks
+    from tests.megatron._tiny import tiny_shape
 
     dtype = torch.float32 if args.fp32 else torch.bfloat16
-    shape = LlamaShape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                       ffn_hidden_size=192, seq_length=SEQ, vocab_size=VOCAB)
+    shape = tiny_shape(ffn_hidden_size=192, seq_length=SEQ, vocab_size=VOCAB)  # tiny.yaml's FFN, a wider vocabulary
     config = llama_transformer_config(shape, ParallelLayout(), params_dtype=dtype, use_cpu_initialization=True)
     policy = args.agoq_policy  # None: Megatron's modules; a path: agoq's activation storage
     spec = agoq_layer_spec("sdpa", policy=policy,
