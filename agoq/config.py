@@ -102,6 +102,9 @@ class ActivationsConfig:
             raise ValueError(f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")
         if self.recompute and self.selective_recompute:
             raise ValueError("--recompute-granularity is full or selective, not both")
+        if self.selective_recompute and self.recompute_num_layers != 1:
+            raise ValueError(f"--recompute-num-layers {self.recompute_num_layers} applies to --recompute-granularity "
+                             "full; selective recompute takes no layer count (drop --recompute-num-layers)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -65,12 +65,10 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
     )
     layout.check(shape, info.world_size)
     params_dtype = torch.float32 if args.fp32 else torch.bfloat16
-    if args.recompute_granularity and info.is_cpu:
-        raise ValueError("--recompute-granularity full needs a GPU (Megatron's CheckpointFunction saves and "
-                         "restores the CUDA RNG state); drop it for CPU runs")  # fmt: skip
     config = mmodel.llama_transformer_config(
         shape, layout, params_dtype=params_dtype, use_cpu_initialization=info.is_cpu,
-        recompute_num_layers=args.recompute_num_layers if args.recompute_granularity else None,
+        recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
+        selective_recompute=args.recompute_granularity == "selective",
     )
     schedule = ScheduleInfo(pp_size=layout.pp, vp_size=layout.vpp, num_microbatches=num_microbatches)
     compute = agoq.fp8 if agoq.enabled else None

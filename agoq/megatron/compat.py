@@ -46,7 +46,7 @@ _TC_FIELDS = (
     "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size",
     "tensor_model_parallel_size", "sequence_parallel", "context_parallel_size", "softmax_type",
     "window_size", "apply_query_key_layer_scaling", "recompute_granularity", "recompute_method",
-    "recompute_num_layers",
+    "recompute_num_layers", "recompute_modules",
 )
 
 CONTRACT: tuple[Symbol, ...] = (
@@ -63,6 +63,13 @@ CONTRACT: tuple[Symbol, ...] = (
            params=("with_context_parallel",)),
     Symbol("megatron.core.parallel_state:get_data_parallel_group", "loss averaging",
            params=("with_context_parallel",)),
+    Symbol("megatron.core.tensor_parallel.random:_get_cuda_rng_state",
+           "CPU mode replaces it (CheckpointFunction: full and selective recompute)", params=("device", "clone")),
+    Symbol("megatron.core.tensor_parallel.random:_set_cuda_rng_state", "CPU mode replaces it (no-op)",
+           params=("new_state", "device")),
+    Symbol("megatron.core.transformer.attention:Attention._checkpointed_attention_forward",
+           "--recompute-granularity selective: core attention under CheckpointFunction (agoq.plan.storage)",
+           params=("query", "key", "value", "attention_mask")),
     Symbol("megatron.core.tensor_parallel:model_parallel_cuda_manual_seed",
            "seeding; CPU runs pass inference_rng_tracker=True (no CUDA RNG state)",
            params=("seed", "inference_rng_tracker")),

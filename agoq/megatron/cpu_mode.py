@@ -5,7 +5,10 @@ Seam card
 Touches (runtime patches, all undone by :func:`exit_cpu_mode`):
   ``torch.cuda.current_device``, ``torch.cuda.current_stream``, ``torch.cuda.synchronize``,
   ``torch.Tensor.cuda``, ``torch.Tensor.type`` (no-argument form only), and a global
-  ``TorchFunctionMode`` that rewrites ``device="cuda"`` / ``"cuda:N"`` arguments to the CPU.
+  ``TorchFunctionMode`` that rewrites ``device="cuda"`` / ``"cuda:N"`` arguments to the CPU;
+  ``megatron.core.tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` (a placeholder
+  state, a no-op restore: there is no CUDA generator; the CPU generator is saved and restored by the same
+  ``_get_all_rng_states`` as on a GPU).
 Why: megatron-core assumes CUDA in ~130 places (``device=torch.cuda.current_device()``, dummy
   streams in the bucket groups, ``torch.cuda.FloatTensor`` type checks in the optimizers,
   ``torch.cuda.synchronize`` in dist_checkpointing). Each shim below names the first place that
@@ -53,6 +56,15 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func in (torch.Tensor.to,) and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)
+
+
+def _no_cuda_rng_state(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+    """Stands in for ``megatron.core.tensor_parallel.random._get_cuda_rng_state``: an empty state.
+
+    First needed by ``CheckpointFunction.forward`` (``_get_all_rng_states``), i.e. Megatron's full recompute
+    and its selective recompute of core attention (``Attention._checkpointed_attention_forward``); its
+    ``_set_cuda_rng_state`` counterpart is a no-op."""
+    return torch.empty(0, dtype=torch.uint8)
 
 
 class _NoOpStream:
@@ -128,12 +140,16 @@ def enter_cpu_mode() -> None:
     _patch(torch.cuda, "synchronize", lambda device=None: None)
     _patch(torch.Tensor, "cuda", lambda self, *a, **k: self)
     _patch(torch.Tensor, "type", _tensor_type_cuda_names(torch.Tensor.type))
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    _patch(mcore_random, "_get_cuda_rng_state", _no_cuda_rng_state)
+    _patch(mcore_random, "_set_cuda_rng_state", lambda *_a, **_k: None)
     mode = _CudaToCpuMode()
     mode.__enter__()
     _STATE.mode = mode
     log.warning(
         "agoq: no CUDA GPU found, running megatron-core in CPU mode (shims: current_device, "
-        "current_stream, synchronize, Tensor.cuda, Tensor.type, device='cuda'->cpu). "
+        "current_stream, synchronize, Tensor.cuda, Tensor.type, device='cuda'->cpu, Megatron's CUDA RNG state). "
         "For correctness checks only: no speed or memory claim holds in this mode."
     )
 

@@ -101,16 +101,22 @@ class ParallelLayout:
 
 def llama_transformer_config(
     shape: LlamaShape, layout: ParallelLayout, *, params_dtype: torch.dtype, use_cpu_initialization: bool,
-    recompute_num_layers: int | None = None,
+    recompute_num_layers: int | None = None, selective_recompute: bool = False,
 ) -> TransformerConfig:
     """``recompute_num_layers``: Megatron's full activation recompute (granularity "full", method
     "uniform": every group of this many layers saves only its input and reruns its forward in
-    backward); None = off. The baseline for equal-memory comparisons (issue 9)."""
+    backward); None = off. The baseline for equal-memory comparisons (issue 9). ``selective_recompute``:
+    Megatron's selective recompute of core attention (granularity "selective", ``recompute_modules
+    ["core_attn"]``; what it saves with SDPA: agoq.plan.storage.megatron_bytes). One of the two at most."""
+    if recompute_num_layers and selective_recompute:
+        raise ValueError("--recompute-granularity is full or selective, not both")
     bf16 = params_dtype == torch.bfloat16
     recompute = {}
     if recompute_num_layers:
         recompute = dict(recompute_granularity="full", recompute_method="uniform",
                          recompute_num_layers=recompute_num_layers)  # fmt: skip
+    if selective_recompute:
+        recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
     return TransformerConfig(
         **recompute,
         num_layers=shape.num_layers,

@@ -23,7 +23,7 @@ import yaml
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
-from agoq.config import FLOAT_GRADS, GRAD_MODES, GRAD_TRANSPORTS, AgoqConfig  # noqa: F401 (FLOAT_GRADS re-exported)
+from agoq.config import FLOAT_GRADS, GRAD_MODES, GRAD_TRANSPORTS, RECOMPUTE_GRANULARITIES, AgoqConfig  # noqa: F401 (FLOAT_GRADS re-exported)
 from agoq.data.indexed import split_weights
 from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES, ScheduleInfo, check_rules_used, load_policy, model_sites
 from agoq.train.optim_args import DEFAULT_MASTER, DEFAULT_MOMENTS, add_optim_flags, check_release_flags
@@ -51,9 +51,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="sdpa: torch scaled_dot_product_attention (flash/cuDNN on GPU); "
                         "megatron: Megatron's unfused DotProductAttention (saves [b,h,s,s] probabilities)")
     g.add_argument("--fp32", action="store_true", help="fp32 parameters and compute (default: bf16)")
-    g.add_argument("--recompute-granularity", choices=("full",), default=None,
-                   help="Megatron's full activation recompute (GPU only; with an agoq policy the recomputed "
-                        "forward stores its activations per the policy for the backward that follows)")
+    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
+                   help="Megatron's activation recompute: full (each group of --recompute-num-layers layers keeps "
+                        "its input and reruns its forward; with an agoq policy the recomputed forward stores its "
+                        "activations per the policy) or selective (core attention only, recompute_modules "
+                        "['core_attn']: with SDPA attention it saves no memory, agoq.plan.storage.megatron_bytes)")
     g.add_argument("--recompute-num-layers", type=int, default=1,
                    help="with --recompute-granularity full: layers per recomputed group (method 'uniform')")
 

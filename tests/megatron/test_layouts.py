@@ -1,7 +1,8 @@
 """Layout equivalence (issue 18): from identical weights, every parallel layout trains the same model.
 
 One world-of-one launch trains the PP=1 reference (and its agoq variants); one 2-rank launch trains
-PP=2, PP=2 x VPP=2, DP=2 (distributed optimizer), TP=2 and their agoq variants from the reference's
+PP=2, PP=2 x VPP=2, DP=2 (distributed optimizer), TP=2, Megatron's selective recompute (PP=2, and DP=2 with
+agoq's policy) and their agoq variants from the reference's
 initial weights, 10 real training steps each (tests/megatron/_layouts.py: the script's model_provider,
 Megatron's schedules, DDP, optimizer and LR schedule).
 
@@ -40,6 +41,7 @@ ADAMW = ("--agoq-optimizer", "adamw")
 DISTOPT = ("--use-distributed-optimizer",)
 OVERLAP = ("--overlap-grad-reduce", "--ddp-bucket-size", "3000")  # several buckets per chunk
 INT8_GRADS = ("--agoq-grads", "int8_b256")
+SELECTIVE = ("--recompute-granularity", "selective")  # Megatron's core-attention recompute (issue 23)
 
 REFERENCE_CASES = [Case("pp1"), Case("pp1_agoq", policy="agoq"), Case("pp1_adamw", policy="bf16", flags=ADAMW)]
 LAYOUT_CASES = [
@@ -53,11 +55,13 @@ LAYOUT_CASES = [
     Case("dp2_int8_grads", policy="bf16", flags=ADAMW + INT8_GRADS + DISTOPT + OVERLAP),
     Case("dp2_agoq", policy="agoq", flags=DISTOPT),
     Case("tp2", tp=2),
+    Case("pp2_selective", pp=2, flags=SELECTIVE),
+    Case("dp2_agoq_selective", policy="agoq", flags=DISTOPT + SELECTIVE),
 ]
 LAYOUTS = {case.name: case for case in LAYOUT_CASES}
 # the PP=1 run each layout is compared with
 REFERENCE_OF = {"pp2": "pp1", "vpp": "pp1", "vpp_bf16": "pp1", "vpp_adamw": "pp1_adamw", "dp2": "pp1",
-                "dp2_overlap": "pp1", "dp2_agoq": "pp1_agoq", "tp2": "pp1"}
+                "dp2_overlap": "pp1", "dp2_agoq": "pp1_agoq", "tp2": "pp1", "pp2_selective": "pp1"}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +73,7 @@ def runs():
     return reference, layouts
 
 
-@pytest.mark.parametrize("name", ["pp2", "vpp", "vpp_adamw", "dp2", "dp2_overlap", "tp2"])
+@pytest.mark.parametrize("name", ["pp2", "vpp", "vpp_adamw", "dp2", "dp2_overlap", "tp2", "pp2_selective"])
 def test_layout_trains_like_pp1(runs, name):
     reference, layouts = runs
     ref = reference[REFERENCE_OF[name]]
@@ -104,3 +108,6 @@ def test_quantized_policy_stays_in_band_in_every_layout(runs):
     assert 0 < max(diffs) <= QUANTIZED_BAND, diffs
     # DP=2 with the same policy quantizes the same per-micro-batch activations as DP=1
     assert layouts["dp2_agoq"]["losses"] == pytest.approx(reference["pp1_agoq"]["losses"], rel=QUANTIZER_REL)
+    # ... and so does it under Megatron's selective recompute of core attention (agoq's SDPA recomputed)
+    assert layouts["dp2_agoq_selective"]["losses"] == pytest.approx(reference["pp1_agoq"]["losses"],
+                                                                    rel=QUANTIZER_REL)

@@ -74,6 +74,11 @@ def test_recompute_flags(capsys):
     assert (args.recompute_granularity, args.recompute_num_layers) == ("full", 2)
     assert "--recompute-num-layers must be >= 1" in _error(capsys, ["--agoq-disable", "--recompute-granularity",
                                                                    "full", "--recompute-num-layers", "0"])
+    selective = parse_args(["--recompute-granularity", "selective", "--agoq-disable"])
+    assert selective.agoq_config.activations.selective_recompute and not selective.agoq_config.activations.recompute
+    assert "selective recompute takes no layer count" in _error(capsys, ["--recompute-granularity", "selective",
+                                                                        "--recompute-num-layers", "2"])
+    assert "invalid choice: 'block'" in _error(capsys, ["--recompute-granularity", "block"])
 
 
 def test_grad_reduce_in_bf16_sets_megatron_ddp_and_refuses_unvalidated_combos(capsys):

@@ -87,7 +87,8 @@ def test_release_is_searched_only_where_it_runs_and_layouts_respect_heads_and_gr
     assert all(t == p == d == 1 for g in (1, 2, 4) for t, p, d in capacity.layouts(LLAMA3_8B, g)
                if capacity._allowed(_preset("agoq release"), t, p, d))
     assert (5, 1, 1) not in list(capacity.layouts(LLAMA_32B, 5))  # 40 heads divide by 5, 8 query groups do not
-    assert all(32 % p == 0 for _, p, _ in capacity.layouts(LLAMA3_8B, 8)) and (1, 8, 1) in capacity.layouts(LLAMA3_8B, 8)
+    eight = list(capacity.layouts(LLAMA3_8B, 8))
+    assert all(32 % p == 0 for _, p, _ in eight) and (1, 8, 1) in eight and len(eight) == 10
     answer = capacity.find_capacity(LLAMA_32B, _preset("agoq release"), policies, BUDGET, max_gpus=2, **_kw())
     assert not answer.fits and (answer.best.tp, answer.best.pp, answer.best.dp) == (1, 1, 1)
 
@@ -108,7 +109,8 @@ def test_cli_table_and_json(tmp_path, capsys):
 
 
 def test_cli_refuses_the_flags_capacity_mode_searches(capsys):
-    assert plan.main(["--capacity", "--model", str(plan.POLICY_DIR.parent / "model" / "llama3-8b.yaml"), "--memory-budget", "80GiB",
+    model = str(plan.POLICY_DIR.parent / "model" / "llama3-8b.yaml")
+    assert plan.main(["--capacity", "--model", model, "--memory-budget", "80GiB",
                       "--agoq-optimizer", "adamw", "--recompute-granularity", "full"]) == 2
     err = capsys.readouterr().err
     assert "--agoq-optimizer" in err and "--recompute-granularity" in err and "drop them" in err

@@ -50,7 +50,8 @@ def test_the_flag_reaches_the_recipe_and_the_peak():
     shape, layout = ModelShape(4, 512, 8, 2, 1408, 32000), Layout(seq=256, mbs=2, gbs=2)
     bf16 = load_policy(plan.POLICY_DIR / "bf16.yaml")
     held = [p.held for p in predict_peaks(shape, layout, bf16, recipe)]
-    plain = [p.held for p in predict_peaks(shape, layout, bf16, recipe_of(AgoqConfig.from_flags({"agoq_disable": True})))]
+    baseline = recipe_of(AgoqConfig.from_flags({"agoq_disable": True}))
+    plain = [p.held for p in predict_peaks(shape, layout, bf16, baseline)]
     assert held[0] - plain[0] == 4 * DIMS.tokens * (2 * (8 + 2) * 64 - 4 * 8)
 
 
