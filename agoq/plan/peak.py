@@ -109,7 +109,7 @@ class Recipe:
     # backward ([T, n d] out + fp32 log-sum-exp) are below the MLP's and are not added
     selective_recompute: bool = False
     # attention's v saved as a view of the fused QKV output: the code before 2026-11-25, i.e. every GPU
-    # measurement committed before then (agoq.plan.validate); the current code saves a compact v
+    # measurement committed before then (benchmarks/validate_planner.py); the current code saves a compact v
     sdpa_v_view: bool = False
     full_isfinite_check: bool = False  # the whole-buffer non-finite check (code before 2026-11-25 07:22 UTC)
     pack_hook_held_inputs: bool = False  # replaced linear inputs kept alive (code before 2026-11-25 07:34 UTC)

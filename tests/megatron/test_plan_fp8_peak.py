@@ -10,11 +10,14 @@ import json
 import pytest
 
 from agoq.config import FP8_FLAGS, AgoqConfig
-from agoq.plan import memory, peak, validate
+from agoq.plan import memory, peak
 from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
 from agoq.plan.peak import Recipe, predict_peaks
 from agoq.policy import FP8Spec, load_policy
 from agoq.train.args import add_compute_flags
+from tests.megatron._bench_scripts import load_bench_script
+
+validate = load_bench_script("validate_planner")
 
 BF16 = load_policy(validate.POLICIES / "bf16.yaml")
 DELAYED = FP8Spec(recipe="delayed")

@@ -19,7 +19,9 @@ Sources (GPU measurements, never edited here; the reports that cite them are in 
 Each file is predicted on the code of its date (``_dated``): the current files of the bench_memory suites
 (2026-11-24) and of the fp8 suite (2026-11-25 07:12) predate changes the planner models.
 
-``python -m agoq.plan.validate`` prints the table of docs/benchmarks/planner.md.
+``python benchmarks/validate_planner.py`` prints the table of docs/benchmarks/planner.md (exit status 1 when a
+case leaves the target without a known gap); tests/megatron/test_plan_peak.py runs the same checks.
+Bench scaffolding, not product: it lives next to the results it reads (issue 20 item 5).
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from agoq.plan.memory import GIB, Layout, ModelShape
-from agoq.plan.peak import CUDA_RUNTIME_BYTES, Recipe, StagePeak, predict_peaks
-from agoq.policy import FP8Spec, load_policy
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from a checkout without installing agoq, as the bench_* scripts
 
-REPO = Path(__file__).resolve().parents[2]
+from agoq.plan.memory import GIB, Layout, ModelShape  # noqa: E402
+from agoq.plan.peak import CUDA_RUNTIME_BYTES, Recipe, StagePeak, predict_peaks  # noqa: E402
+from agoq.policy import FP8Spec, load_policy  # noqa: E402
+
 BENCH = REPO / "benchmarks" / "results"
 POLICIES = REPO / "configs" / "policy"
 BUILTIN_VOCAB = 4096  # scripts/pretrain_llama.py's built-in tokenizer (docs/benchmarks/pretrain_memory.md)
