@@ -20,6 +20,12 @@ median is reported):
                                        only); default algorithm (one-shot at 2 ranks, two-shot beyond)
   agoq_peer_twoshot_allreduce_fp32     the two-shot algorithm forced (at 2 ranks; bit-identical to allreduce_8bit)
   agoq_peer_reduce_scatter_fp32        agoq.comm.symm.reduce_scatter_8bit_peer (checked against reduce_scatter_8bit)
+  agoq_peer_store_allreduce            agoq.comm.symm_store.SymmetricBlocks.allreduce_: the 8-bit store in peer
+                                       memory reduced in place, what a training step runs with --agoq-grads and
+                                       --agoq-grad-transport peer/auto (checked bit for bit against
+                                       agoq_store_allreduce's allreduce_blocks_)
+  agoq_peer_store_reduce_to_owners     SymmetricBlocks.reduce_to_owners + requantizing each fp32 chunk: the
+                                       distributed optimizer's reduction of the store (vs NCCL's reduce-scatter)
 
 Correctness, on every size: all ranks hold bit-identical agoq all-reduce results, and the relative L2
 error vs the fp32 NCCL all-reduce is below MAX_REL_ERR. At sizes <= --exact-check-mib every rank also
@@ -182,6 +188,15 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
         if world == 2:
             cases["agoq_peer_twoshot_allreduce_fp32"] = lambda: allreduce_8bit_peer(work["fp32"], fmt=fmt,
                                                                                     one_shot=False)
+        from agoq.comm.symm_store import SymmetricBlocks
+
+        peer_store = SymmetricBlocks(dist.group.WORLD, fmt, scales.numel(), device)
+        per = scales.numel() // world
+        owners = [(r * per, (r + 1) * per) for r in range(world)]
+        chunk_blocks = max(1, (16 << 20) // (world * qfmt.block))  # the training path's auto chunk floor
+        cases["agoq_peer_store_allreduce"] = lambda: peer_store.allreduce_(average=False, post_scale=1.0)
+        cases["agoq_peer_store_reduce_to_owners"] = lambda: peer_store.reduce_to_owners(
+            owners, lambda b, v: quantize(v, fmt), average=False, post_scale=1.0, chunk_blocks=chunk_blocks)
     for mib in args.chunk_mib:
         name = "agoq_allreduce_fp32" + (f"_c{mib}" if mib else "")
         chunk = mib << 20 if mib else None
@@ -189,6 +204,9 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
     ms = {}
     for name, fn in cases.items():
         work.update(fp32=x32.clone(), bf16=x16.clone())
+        if name.startswith("agoq_peer_store"):  # the stored gradient (values grow in place; timing is value-blind)
+            peer_store.codes_u8.copy_(codes)
+            peer_store.scales.copy_(scales)
         ms[name] = _median_ms(fn, device, args.warmup, args.iters)
     work.clear()
     agoq_names = [n for n in ms if n.startswith("agoq_allreduce_fp32")]
@@ -222,10 +240,33 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
                 ms["nccl_reduce_scatter_fp32"] / ms["agoq_peer_reduce_scatter_fp32"],
             "peer_rs_speedup_vs_reduce_scatter_bf16":
                 ms["nccl_reduce_scatter_bf16"] / ms["agoq_peer_reduce_scatter_fp32"],
+            "peer_store_speedup_vs_allreduce_fp32": ms["nccl_allreduce_fp32"] / ms["agoq_peer_store_allreduce"],
+            "peer_store_speedup_vs_allreduce_bf16": ms["nccl_allreduce_bf16"] / ms["agoq_peer_store_allreduce"],
+            "peer_store_owners_speedup_vs_reduce_scatter_fp32":
+                ms["nccl_reduce_scatter_fp32"] / ms["agoq_peer_store_reduce_to_owners"],
+            "peer_store_owners_speedup_vs_reduce_scatter_bf16":
+                ms["nccl_reduce_scatter_bf16"] / ms["agoq_peer_store_reduce_to_owners"],
         })
         row["check"].update(check_peer(numel, fmt, device))
+        row["check"]["peer_store_allreduce_bitwise_vs_nccl_transport"] = _peer_store_equal(peer_store, codes, scales, fmt)
+        row["check"]["peer_ok"] = row["check"]["peer_ok"] and row["check"]["peer_store_allreduce_bitwise_vs_nccl_transport"]
+        del peer_store
         row["check"]["ok"] = row["check"]["ok"] and row["check"]["peer_ok"]
     return row
+
+
+def _peer_store_equal(peer_store, codes: torch.Tensor, scales: torch.Tensor, fmt: str) -> bool:
+    """The peer store's in-place all-reduce = allreduce_blocks_ (the NCCL transport) bit for bit, on every rank."""
+    ref_c, ref_s = codes.clone(), scales.clone()
+    allreduce_blocks_(ref_c, ref_s, fmt)
+    peer_store.codes_u8.copy_(codes)
+    peer_store.scales.copy_(scales)
+    peer_store.allreduce_(average=False, post_scale=1.0)
+    ok = torch.tensor(float(torch.equal(peer_store.codes_u8, ref_c)
+                            and torch.equal(peer_store.scales.view(torch.uint8), ref_s.view(torch.uint8))),
+                      device=codes.device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
 
 
 def check_peer(numel: int, fmt: str, device) -> dict:
@@ -314,6 +355,12 @@ def summarize(rows: list[dict], check_targets: bool) -> tuple[list[str], bool]:
                 f"{r['peer_bf16_speedup_vs_allreduce_bf16']:.2f}x bf16 | peer RS {peer_rs:7.3f} ms "
                 f"({r['peer_rs_speedup_vs_reduce_scatter_fp32']:.2f}x fp32 RS, "
                 f"{r['peer_rs_speedup_vs_reduce_scatter_bf16']:.2f}x bf16 RS)")
+            lines.append(
+                f"      peer 8-bit store AR {ms['agoq_peer_store_allreduce']:7.3f} ms "
+                f"({r['peer_store_speedup_vs_allreduce_fp32']:.2f}x fp32, {r['peer_store_speedup_vs_allreduce_bf16']:.2f}x "
+                f"bf16 AR) | to owners {ms['agoq_peer_store_reduce_to_owners']:7.3f} ms "
+                f"({r['peer_store_owners_speedup_vs_reduce_scatter_fp32']:.2f}x fp32, "
+                f"{r['peer_store_owners_speedup_vs_reduce_scatter_bf16']:.2f}x bf16 RS)")
     if check_targets:
         lines.append(target_line(rows))
     lines.append("correctness checks passed" if ok else "CORRECTNESS CHECK FAILED")
