@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from agoq.ops.fp8_linear import fp8_linear  # noqa: E402
 from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState  # noqa: E402
 from agoq.ops.fp8_weight_cache import FP8WeightCache  # noqa: E402
-from agoq.ops.saved_act import swiglu_reference  # noqa: E402
+from agoq.ops.saved_swiglu import swiglu_reference  # noqa: E402
 from agoq.ops.smooth_swiglu import glu_smooth_scale, unsmooth_fc2_output  # noqa: E402
 
 LLAMA_1B = dict(hidden=2048, heads=32, kv_heads=8, head_dim=64)  # Llama-3.2-1B attention

@@ -70,7 +70,7 @@ def install_timers(timers: Timers) -> None:
 
     from agoq.kernels import _fastlaunch, quant, swiglu_quant
     from agoq.megatron import layers as alayers
-    from agoq.ops import saved_act, saved_norm
+    from agoq.ops import saved_act, saved_norm, saved_swiglu
 
     linear = mlayers.LinearWithGradAccumulationAndAsyncCommunication
     timers.patch(linear, "forward", "megatron_linear.forward", static=True)
@@ -83,7 +83,7 @@ def install_timers(timers: Timers) -> None:
         timers.patch(swiglu_quant, name, name)
     for name in ("forward", "backward"):
         timers.patch(saved_norm._RMSNormSavingInput, name, f"rmsnorm_function.{name}", static=True)
-        timers.patch(saved_act._SwiGLUSavingInput, name, f"swiglu_function.{name}", static=True)
+        timers.patch(saved_swiglu._SwiGLUSavingInput, name, f"swiglu_function.{name}", static=True)
     timers.patch(saved_norm, "_hook_fused_norm_node", "rmsnorm_node_hooks")
     timers.patch(saved_act, "_unpack_saved", "unpack_saved")
     timers.patch(saved_act.RecomputeStash, "recomputed_output", "stash.recomputed_output")

@@ -90,8 +90,9 @@ def _linear_saving(x, w, stash):
 def path_steps(dev: torch.device, fmt, paths=None) -> dict:
     """name -> zero-argument callable running one forward + backward of a plain or saving path (``paths``:
     an ``agoq.ops.saved_act.SavePaths``, default the current paths)."""
-    from agoq.ops.saved_act import SavePaths, swiglu_reference, swiglu_saving_input
+    from agoq.ops.saved_act import SavePaths
     from agoq.ops.saved_norm import rmsnorm_saving_input
+    from agoq.ops.saved_swiglu import swiglu_reference, swiglu_saving_input
 
     paths = paths or SavePaths()
     norm_kw, glu_kw = {"via_aten_node": paths.norm_via_aten_node}, {"fuse": paths.fuse_swiglu}

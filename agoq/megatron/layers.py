@@ -65,11 +65,9 @@ from agoq.ops.saved_act import (
     quantized_saves,
     replace_saved_input,
     saved_input_handle,
-    smooth_swiglu_saving_input,
-    swiglu_reference,
-    swiglu_saving_input,
 )
 from agoq.ops.saved_norm import rmsnorm_saving_input
+from agoq.ops.saved_swiglu import smooth_swiglu_saving_input, swiglu_reference, swiglu_saving_input
 from agoq.ops.smooth_swiglu import fold_channel_scale, glu_smooth_scale, unsmooth_fc2_output
 
 # The linears replace Megatron's saved input through that saved tensor's own hooks or a hook scope around

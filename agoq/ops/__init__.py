@@ -1,6 +1,6 @@
 """agoq.ops: autograd-level building blocks (torch only, no Megatron).
 
 ``agoq.ops.saved_act``: activations saved for backward in low-bit formats (quantized saves of a
-linear's input, RMSNorm / SwiGLU that store only their quantized input and recompute), with exact
-byte accounting.
+linear's input, the recompute stash), with exact byte accounting; ``agoq.ops.saved_norm`` and
+``agoq.ops.saved_swiglu``: RMSNorm and SwiGLU that store only their quantized input and recompute.
 """

@@ -27,7 +27,7 @@ which models bf16 linears and Megatron's SwiGLU):
   (0 bytes), so its FP8 copy is +1 B per element. A quantized or recomputed role gives the FP8
   linear an ``x_saver`` (agoq.megatron.layers._fp8_forward_impl): the same bytes as without FP8.
 - Smooth-SwiGLU (agoq.megatron.layers.AgoqMLP._smooth_forward) on every layer's MLP: with
-  mlp.swiglu_input bf16 it runs ``agoq.ops.saved_act.swiglu_reference``, which at glu_linear_offset 0
+  mlp.swiglu_input bf16 it runs ``agoq.ops.saved_swiglu.swiglu_reference``, which at glu_linear_offset 0
   (required: AgoqMLP.check_smooth_supported) does not make Megatron's ``x_linear + 0`` tensor: -2 B x f
   per token; ``glu / s`` keeps only s (DivBackward, s needs no grad). s itself is kept (fp32, per
   token [T, 1] or per FFN channel [f]), also on the quantized path (``_SwiGLUSavingInput``).

@@ -186,7 +186,7 @@ def layer_backward_transient(dims: LayerDims, swiglu_recompute: bool, norm_recom
     F = bf16 [T, f] bytes. The MLP dominates (f >= h):
     - Megatron's SwiGLU (autograd of ``silu(x_glu) * x_linear``): MulBackward holds the incoming grad
       and writes two [T, f] grads before its saved inputs are released: 3F.
-    - agoq's SwiGLU recompute (agoq.ops.saved_act): fc2's backward dequantizes the fc1 output h^ (2F,
+    - agoq's SwiGLU recompute (agoq.ops.saved_swiglu): fc2's backward dequantizes the fc1 output h^ (2F,
       cached in the stash) and recomputes z (F); the SwiGLU backward (agoq.kernels.swiglu.swiglu_bwd)
       then holds h^ (2F), grad_z (F) and writes grad_h (2F): 5F.
     - plus the bf16 weight gradient of fc1 before DDP adds it to main_grad ([2f, h]), and with norm

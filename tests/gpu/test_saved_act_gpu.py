@@ -1,4 +1,4 @@
-"""GPU paths of agoq.ops.saved_act: RMSNorm backward through ATen's fused op, fused SwiGLU backward.
+"""GPU paths of agoq.ops.saved_act / saved_norm / saved_swiglu: ATen's fused RMSNorm backward, fused SwiGLU backward.
 
 The CUDA RMSNorm backward calls aten::_fused_rms_norm_backward directly (no re-entrant autograd);
 autograd of F.rms_norm runs the same op on CUDA, so the gradients must be the same bits. The fused
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from agoq.formats import parse_format
-from agoq.ops.saved_act import swiglu_saving_input
 from agoq.ops.saved_norm import rmsnorm_saving_input
+from agoq.ops.saved_swiglu import swiglu_saving_input
 from agoq.ref.swiglu import ref_swiglu_bwd_scaled
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

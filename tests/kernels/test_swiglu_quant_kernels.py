@@ -185,29 +185,29 @@ def test_fusable_rule_and_errors():
 
 @pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smooth-per-token"])
 def test_saving_input_fused_path_end_to_end(monkeypatch, smooth):
-    """agoq.ops.saved_act on the fused path (forced on the interpreter's CPU tensors): forward values,
+    """agoq.ops.saved_swiglu on the fused path (forced on the interpreter's CPU tensors): forward values,
     exact bytes, fc2's recomputed input and the gradient equal the unfused kernels' (same tensor
     dequantized), and the quantized copy is released after backward."""
     from agoq.kernels.quant import dequantize
     from agoq.kernels.swiglu import swiglu_bwd, swiglu_fwd
     from agoq.kernels.swiglu_quant import fusable
-    from agoq.ops import saved_act
+    from agoq.ops import saved_act, saved_swiglu
     from agoq.ref.swiglu import smooth_scale_per_token
 
-    monkeypatch.setattr(saved_act, "_swiglu_fused",
+    monkeypatch.setattr(saved_swiglu, "_swiglu_fused",
                         lambda h, fmt, offset, fuse=True: fuse and not offset and fusable(h, fmt))
     fmt = parse_format("nf4_b64")
     h = _h((3, 2), _ffn(fmt, 1), torch.bfloat16, "outliers").requires_grad_(True)
     gz = torch.randn((3, 2, h.shape[-1] // 2)).to(torch.bfloat16).to(DEVICE)
     counter = saved_act.SavedBytesCounter()
     if smooth:
-        z, s, stash = saved_act.smooth_swiglu_saving_input(h, lambda t, glu: smooth_scale_per_token(t), fmt,
-                                                           (1, "mlp.swiglu_input"), counter)
-        _close(z, saved_act._smoothed(saved_act.swiglu_reference(h.detach()), s), 0)
+        z, s, stash = saved_swiglu.smooth_swiglu_saving_input(h, lambda t, glu: smooth_scale_per_token(t), fmt,
+                                                              (1, "mlp.swiglu_input"), counter)
+        _close(z, saved_swiglu._smoothed(saved_swiglu.swiglu_reference(h.detach()), s), 0)
     else:
         s = None
-        z, stash = saved_act.swiglu_saving_input(h, fmt, (1, "mlp.swiglu_input"), counter)
-        _close(z, saved_act.swiglu_reference(h.detach()), 0 if DEVICE == "cuda" else 2)
+        z, stash = saved_swiglu.swiglu_saving_input(h, fmt, (1, "mlp.swiglu_input"), counter)
+        _close(z, saved_swiglu.swiglu_reference(h.detach()), 0 if DEVICE == "cuda" else 2)
     assert stash.from_codes and stash.output_ptr == z.data_ptr()
     assert counter.packed == {(1, "mlp.swiglu_input"): fmt.storage_bytes(h.numel())}
     h_hat = dequantize(stash.q)

@@ -1,4 +1,5 @@
-"""agoq.ops.saved_act: forward unchanged, backward from quantized saves, exact byte accounting.
+"""agoq.ops.saved_act / saved_norm / saved_swiglu: forward unchanged, backward from quantized saves, exact byte
+accounting.
 
 SQNR floors for gradients: a gradient computed from a dequantized saved tensor carries that
 tensor's relative error through a smooth op (RMSNorm, SwiGLU, a matmul) whose local gain is O(1)
@@ -21,10 +22,9 @@ from agoq.ops.saved_act import (
     default_saved_hooks_active,
     quantized_saves,
     replace_saved_input,
-    swiglu_reference,
-    swiglu_saving_input,
 )
 from agoq.ops.saved_norm import rmsnorm_saving_input
+from agoq.ops.saved_swiglu import swiglu_reference, swiglu_saving_input
 from agoq.ref.quant import ref_dequantize, ref_quantize
 from agoq.testing.numerics import gaussian_floor_db, sqnr_db
 
