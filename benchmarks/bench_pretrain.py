@@ -20,7 +20,18 @@ GPU-bound shapes, ~1B at micro-batch 4 and 8 layers of the LLaMA-2-7B body at se
 Adam and agoq's optimizer, under 4 minutes). ``release`` (issue 6: agoq AdamW with an fp32 / bf16 gradient
 buffer vs ``--agoq-gradient-release``, ~1B, one GPU, one micro-batch per step, under 4 minutes).
 ``--smoke`` runs a tiny CPU version of the suite (for CI-style checks; FP8 variants need a GPU, so the fp8
-smoke suite runs bf16 and Smooth-SwiGLU only).
+smoke suite runs bf16 and Smooth-SwiGLU only). ``--list`` prints every variant's command and runs nothing.
+
+Issue 23 (capacity and speed at equal memory; every variant records tokens/s, MFU, loss first/last and the
+planner's per-stage prediction next to the measured per-stage peaks):
+``capacity_1gpu`` (the LLaMA-3-8B shape with its 128,256-row vocabulary on one GPU, seq 4096: Megatron's
+baseline, expected to run out of memory and recorded as such, against agoq full, full + 4-bit moments and
+gradient release; the planner's capacity answer for the device's memory is in the report);
+``capacity_4gpu`` (the ~32B shape, configs/model/llama-32b.yaml, PP=4 on 4 GPUs: baseline vs agoq full, full +
+4-bit moments); ``equal_memory_1b`` (~1B, seq 4096, one GPU) and ``equal_memory_8b_pp4`` (8B shape on 4 GPUs):
+the baseline's options (micro-batch, selective / full recompute, the distributed optimizer where DP > 1) against
+agoq's (larger micro-batches, no recompute, fewer pipeline stages); the report's ``equal_memory`` table takes,
+per memory budget, the fastest run of each side whose measured peak fits, with their tokens/s ratio and MFUs.
 """
 
 from __future__ import annotations
@@ -53,6 +64,19 @@ SHAPES = {
              "--num-query-groups", "2", "--ffn-hidden-size", "192"],
 }
 COMMON = ["--seq-length", "2048", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "2", "--log-interval", "1"]
+MODEL_DIR = REPO_ROOT / "configs" / "model"
+# The trainer flags of a model file's architecture (its layout, batch and schedule keys are the suite's to set).
+ARCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "rotary_base",
+             "norm_epsilon")
+# LLaMA-3's vocabulary (meta-llama/Meta-Llama-3-8B config.json vocab_size; configs/model/llama3-8b.yaml). The
+# suites reach it without LLaMA-3's tokenizer (the GPU machines reach no network) by padding the built-in
+# corpus's tokenizer (agoq.data.tokenizer.DEFAULT_VOCAB_SIZE 4096 rows) to a multiple of 128,256 at TP=1: the
+# embedding, the output layer and the logits have the real 128,256 rows; the token ids stay below 4096.
+LLAMA3_VOCAB = 128256
+REAL_VOCAB = ["--make-vocab-size-divisible-by", str(LLAMA3_VOCAB)]
+# Dense BF16 tensor-core peak per GPU, TFLOP/s (NVIDIA's H100 and H200 datasheets: 1,979 with 2:4 sparsity for
+# the SXM parts, 1,513 for H100 PCIe), the denominator of MFU (model FLOPs of agoq.train.flops, no recompute).
+DENSE_BF16_TFLOPS = {"H100 PCIe": 756.5, "H100": 989.4, "H200": 989.4}
 
 
 def attention_suite(smoke: bool) -> list[dict]:
@@ -374,26 +398,163 @@ def dp2_pp2_suite(smoke: bool) -> list[dict]:
             for name, extra in variants.items()]
 
 
+def arch_flags(model: str) -> list[str]:
+    """``--num-layers ...`` of configs/model/<model>.yaml's architecture (ARCH_KEYS)."""
+    import yaml
+
+    cfg = yaml.safe_load((MODEL_DIR / f"{model}.yaml").read_text())
+    return [arg for key in ARCH_KEYS for arg in ("--" + key.replace("_", "-"), str(cfg[key]))]
+
+
+# issue 23: "agoq full" (8-bit gradient store + agoq AdamW, default policy) and its variants
+_FULL_4BIT = _FULL + ["--agoq-moments", "4bit"]
+_RELEASE = ["--agoq-optimizer", "adamw", "--agoq-gradient-release", "--clip-grad", "0"]
+_SELECTIVE, _FULL_RECOMPUTE = ["--recompute-granularity", "selective"], ["--recompute-granularity", "full"]
+_BASELINE = ["--agoq-disable"]
+_SMOKE_23 = SHAPES["tiny"] + COMMON[2:] + ["--seq-length", "64", "--train-iters", "3"]
+
+
+def _v(name: str, nproc: int, args: list[str], side: str, expect: str | None = None) -> dict:
+    """A variant of the issue-23 suites: ``side`` baseline | agoq; ``expect`` "oom": an out-of-memory exit is the
+    expected result (recorded, not a failure of the suite)."""
+    return {"name": name, "nproc": nproc, "args": args, "side": side, "expect": expect}
+
+
+def capacity_1gpu_suite(smoke: bool) -> list[dict]:
+    """Issue 23 item 1 on one GPU: the LLaMA-3-8B shape (configs/model/llama3-8b.yaml) with the 128,256-row
+    vocabulary (REAL_VOCAB), PP=1, seq 4096, micro-batch 1, 20 iterations. Megatron's bf16 baseline needs
+    16 B/param of model state (~128 GB): expected out of memory. agoq full (default policy, 8-bit gradients,
+    agoq AdamW; 4 micro-batches per step), the same with 4-bit first moments, and gradient release (one
+    micro-batch per step, --clip-grad 0 as release needs). About 7 minutes on one H100."""
+    if smoke:
+        batch = ["--micro-batch-size", "1", "--global-batch-size", "2"]
+        return [_v(f"tiny/{n}", 1, _SMOKE_23 + b + x, side) for n, b, x, side in (
+            ("baseline (Megatron)", batch, _BASELINE, "baseline"), ("agoq full", batch, _FULL, "agoq"),
+            ("agoq release", ["--micro-batch-size", "1", "--global-batch-size", "1"], _RELEASE, "agoq"))]
+    common = arch_flags("llama3-8b") + REAL_VOCAB + COMMON[2:] + ["--seq-length", "4096", "--micro-batch-size", "1",
+                                                                   "--train-iters", "20"]
+    four, one = ["--global-batch-size", "4"], ["--global-batch-size", "1"]
+    return [_v("8b/baseline (Megatron bf16)", 1, common + four + _BASELINE, "baseline", expect="oom"),
+            _v("8b/agoq full", 1, common + four + _FULL, "agoq"),
+            _v("8b/agoq full + 4-bit moments", 1, common + four + _FULL_4BIT, "agoq"),
+            _v("8b/agoq gradient release", 1, common + one + _RELEASE, "agoq")]
+
+
+def capacity_4gpu_suite(smoke: bool) -> list[dict]:
+    """Issue 23 item 1 on four GPUs: the ~32B shape (configs/model/llama-32b.yaml) with the 128,256-row
+    vocabulary, PP=4 (16 layers per stage), seq 4096, micro-batch 1, 8 micro-batches per step, 20 iterations:
+    Megatron's baseline (~8.1e9 parameters per stage at 16 B/param: expected out of memory), agoq full and agoq
+    full + 4-bit moments (planner: 66 / 61 / 58 / 72 GiB and 63 / 58 / 55 / 69 GiB per stage). About 8 minutes on
+    four H100s."""
+    if smoke:
+        common = _SMOKE_23 + ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
+                              "--global-batch-size", "4"]
+        return [_v("tiny/pp2/baseline (Megatron)", 2, common + _BASELINE, "baseline"),
+                _v("tiny/pp2/agoq full", 2, common + _FULL, "agoq")]
+    common = arch_flags("llama-32b") + REAL_VOCAB + COMMON[2:] + [
+        "--seq-length", "4096", "--pipeline-model-parallel-size", "4", "--micro-batch-size", "1",
+        "--global-batch-size", "8", "--train-iters", "20"]
+    return [_v("32b/pp4/baseline (Megatron bf16)", 4, common + _BASELINE, "baseline", expect="oom"),
+            _v("32b/pp4/agoq full", 4, common + _FULL, "agoq"),
+            _v("32b/pp4/agoq full + 4-bit moments", 4, common + _FULL_4BIT, "agoq")]
+
+
+def equal_memory_1b_suite(smoke: bool) -> list[dict]:
+    """Issue 23 item 2 on one GPU: ~1B (the LLaMA-3.2-1B body, the built-in 4096-row vocabulary as the memory
+    suite), seq 4096, 32 sequences per step, 8 iterations. The baseline's options: micro-batch 1 / 2 / 4 / 8
+    without recompute, 1 and 4 with selective recompute of core attention, 8 and 16 with full recompute; agoq
+    full at micro-batch 4 / 8 / 16 without recompute. The report's equal_memory table compares, per budget
+    (EQUAL_MEMORY_BUDGETS_GIB), the fastest run of each side whose measured peak fits. About 7 minutes on one
+    H100 (~120k tokens/s at micro-batch 1)."""
+    if smoke:
+        batch = lambda mbs: ["--micro-batch-size", str(mbs), "--global-batch-size", "4"]  # noqa: E731
+        return [_v("tiny/baseline mbs1", 1, _SMOKE_23 + batch(1) + _BASELINE, "baseline"),
+                _v("tiny/baseline mbs2 selective", 1, _SMOKE_23 + batch(2) + _BASELINE + _SELECTIVE, "baseline"),
+                _v("tiny/agoq full mbs4", 1, _SMOKE_23 + batch(4) + _FULL, "agoq")]
+    common = SHAPES["1b"] + COMMON[2:] + ["--seq-length", "4096", "--global-batch-size", "32", "--train-iters", "8"]
+    mbs = lambda n: ["--micro-batch-size", str(n)]  # noqa: E731
+    variants = [_v(f"1b/baseline mbs{n}", 1, common + mbs(n) + _BASELINE, "baseline") for n in (1, 2, 4, 8)]
+    variants += [_v(f"1b/baseline mbs{n} selective recompute", 1, common + mbs(n) + _BASELINE + _SELECTIVE,
+                    "baseline") for n in (1, 4)]
+    variants += [_v(f"1b/baseline mbs{n} full recompute", 1, common + mbs(n) + _BASELINE + _FULL_RECOMPUTE,
+                    "baseline") for n in (8, 16)]
+    return variants + [_v(f"1b/agoq full mbs{n}", 1, common + mbs(n) + _FULL, "agoq") for n in (4, 8, 16)]
+
+
+def equal_memory_8b_pp4_suite(smoke: bool) -> list[dict]:
+    """Issue 23 item 2 on four GPUs: the LLaMA-3-8B shape with the 128,256-row vocabulary, seq 4096, 16 sequences
+    per step, 8 iterations. Baseline: PP=4 micro-batch 1 without and with selective recompute (the issue's
+    measured layout), and DP=4 with the distributed optimizer and full recompute (no pipeline bubble; planner
+    75 GiB); agoq full: PP=4 at micro-batch 2, PP=2 x DP=2 and DP=4 (PP=1) with the distributed optimizer
+    (fewer pipeline stages; planner 31 / 31 / 60 GiB). Every variant is predicted to fit 80 GiB. About 8 minutes
+    on four H100s."""
+    if smoke:
+        common = _SMOKE_23 + ["--num-layers", "4", "--global-batch-size", "4", "--micro-batch-size", "1"]
+        return [_v("tiny/pp2/baseline", 2, common + ["--pipeline-model-parallel-size", "2"] + _BASELINE, "baseline"),
+                _v("tiny/dp2/agoq full", 2, common + _USERS + _FULL, "agoq")]
+    common = arch_flags("llama3-8b") + REAL_VOCAB + COMMON[2:] + ["--seq-length", "4096", "--global-batch-size",
+                                                                   "16", "--train-iters", "8"]
+    pp = lambda n: ["--pipeline-model-parallel-size", str(n)]  # noqa: E731
+    mbs = lambda n: ["--micro-batch-size", str(n)]  # noqa: E731
+    return [
+        _v("8b/pp4/baseline mbs1", 4, common + pp(4) + mbs(1) + _BASELINE, "baseline"),
+        _v("8b/pp4/baseline mbs1 selective recompute", 4, common + pp(4) + mbs(1) + _BASELINE + _SELECTIVE, "baseline"),
+        _v("8b/dp4/baseline mbs1 full recompute, distributed optimizer", 4,
+           common + pp(1) + mbs(1) + _USERS + _BASELINE + _FULL_RECOMPUTE, "baseline"),
+        _v("8b/pp4/agoq full mbs2", 4, common + pp(4) + mbs(2) + _FULL, "agoq"),
+        _v("8b/pp2_dp2/agoq full mbs2, distributed optimizer", 4, common + pp(2) + mbs(2) + _USERS + _FULL, "agoq"),
+        _v("8b/dp4/agoq full mbs1, distributed optimizer", 4, common + pp(1) + mbs(1) + _USERS + _FULL, "agoq"),
+    ]
+
+
+# per equal-memory suite: the budgets (GiB per GPU) at which the fastest fitting run of each side is compared
+EQUAL_MEMORY_BUDGETS_GIB = {"equal_memory_1b": (24, 32, 48, 80), "equal_memory_8b_pp4": (48, 64, 80)}
+# per capacity suite: the model file and GPU count the planner's capacity answer is given for
+CAPACITY_PLANS = {"capacity_1gpu": ("llama3-8b", 1), "capacity_4gpu": ("llama-32b", 4)}
+
+
 SUITES = {"act_host": act_host_suite, "pp2_interleaved": pp2_interleaved_suite, "attention": attention_suite,
           "fp8_scale": fp8_scale_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite,
           "grads": grads_suite, "dp2": dp2_suite, "dp2_link": dp2_link_suite, "release": release_suite,
-          "pp4_interleaved": pp4_interleaved_suite, "pp4_distopt": pp4_distopt_suite, "dp2_pp2": dp2_pp2_suite}
+          "pp4_interleaved": pp4_interleaved_suite, "pp4_distopt": pp4_distopt_suite, "dp2_pp2": dp2_pp2_suite,
+          "capacity_1gpu": capacity_1gpu_suite, "capacity_4gpu": capacity_4gpu_suite,
+          "equal_memory_1b": equal_memory_1b_suite, "equal_memory_8b_pp4": equal_memory_8b_pp4_suite}
+
+
+def variant_command(variant: dict, log: Path) -> tuple[list[str], str]:
+    """(argv, the shell line) of one variant: torchrun + scripts/pretrain_llama.py + its flags + --log-json."""
+    cmd = torchrun_command(variant["nproc"], PRETRAIN_SCRIPT, variant["args"] + ["--log-json", str(log)])
+    env = variant.get("env", {})
+    return cmd, " ".join([*(f"{k}={v}" for k, v in env.items()), *cmd[1:]])
+
+
+# what torch prints when the caching allocator cannot serve a request (torch.OutOfMemoryError's message)
+OUT_OF_MEMORY_MARKERS = ("torch.OutOfMemoryError", "CUDA out of memory", "OutOfMemoryError")
+
+
+def _error_lines(output: str, limit: int = 20) -> list[str]:
+    """The distinct lines that name an error (``...Error: ...`` / ``error:``), first ``limit``."""
+    lines = [line.strip() for line in output.splitlines() if re.search(r"(Error|error):", line)]
+    return list(dict.fromkeys(lines))[:limit]
 
 
 def run_variant(variant: dict, workdir: Path, timeout: float) -> dict:
     log = workdir / ("".join(c if c.isalnum() else "_" for c in variant["name"]) + ".jsonl")
-    cmd = torchrun_command(variant["nproc"], PRETRAIN_SCRIPT, variant["args"] + ["--log-json", str(log)])
+    cmd, line = variant_command(variant, log)
     env = variant.get("env", {})
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(**env), cwd=REPO_ROOT)
-    result = {"name": variant["name"], "command": " ".join([*(f"{k}={v}" for k, v in env.items()), *cmd[1:]]),
-              "returncode": proc.returncode}
-    if proc.returncode != 0:
-        result["error_tail"] = (proc.stdout + proc.stderr)[-4000:]
-        return result
-    records = [json.loads(line) for line in log.read_text().splitlines()]
+    result = {"name": variant["name"], "command": line, "returncode": proc.returncode,
+              **{k: variant[k] for k in ("side", "expect") if variant.get(k)}}
+    records = [json.loads(r) for r in log.read_text().splitlines()] if log.exists() else []
     predicted = [r["predicted_memory"] for r in records if "predicted_memory" in r]
     if predicted:
         result["predicted_memory"] = predicted[-1]  # agoq.plan.peak, per stage (the script's start-up report)
+    if proc.returncode != 0:
+        output = proc.stdout + proc.stderr
+        result["out_of_memory"] = any(m in output for m in OUT_OF_MEMORY_MARKERS)
+        result["error_lines"] = _error_lines(output)  # the workers' errors (torchrun's own report comes last)
+        result["error_tail"] = output[-4000:]
+        return result
     breakdowns = [r["memory_breakdown"] for r in records if "memory_breakdown" in r]
     if breakdowns:
         result["memory_breakdown_last"] = breakdowns[-1]  # weights / grads / optimizer GiB + peak (logging rank)
@@ -416,9 +577,15 @@ def _stage_peaks(stdout: str) -> list[float]:
     return [float(peak) for _, peak in sorted((int(s), p) for s, p in _STAGE_PEAK.findall(lines[-1]))]
 
 
-def summarise(result: dict, warmup: int) -> dict:
+def summarise(result: dict, warmup: int, device: str | None = None) -> dict:
     if result["returncode"] != 0:
-        return {"name": result["name"], "failed": True}
+        out = {"name": result["name"], "failed": True, "out_of_memory": result.get("out_of_memory", False),
+               **{k: result[k] for k in ("side", "expect") if k in result}}
+        if out["out_of_memory"] and result.get("expect") == "oom":
+            out["outcome"] = "out of memory (expected)"
+        if "predicted_memory" in result:
+            out["predicted_stage_peaks_gib"] = result["predicted_memory"]["peak_gib"]
+        return out
     steady = [r for r in result["records"] if r["iteration"] > warmup] or result["records"]
     summary = {
         "name": result["name"],
@@ -441,7 +608,85 @@ def summarise(result: dict, warmup: int) -> dict:
     for key in ("weights_gib", "grads_gib", "optimizer_gib"):
         if key in result.get("memory_breakdown_last", {}):
             summary[key] = result["memory_breakdown_last"][key]
+    summary.update(_mfu(steady, device))
+    for key in ("side", "expect"):
+        if key in result:
+            summary[key] = result[key]
+    if result.get("expect") == "oom":
+        summary["outcome"] = "trained (expected out of memory)"
     return summary
+
+
+def peak_tflops(device: str | None) -> float | None:
+    """DENSE_BF16_TFLOPS of the device name (the most specific key it contains), None if unknown."""
+    keys = [k for k in DENSE_BF16_TFLOPS if device and k in device]
+    return DENSE_BF16_TFLOPS[max(keys, key=len)] if keys else None
+
+
+def _mfu(steady: list[dict], device: str | None) -> dict:
+    """Median model TFLOP/s per GPU (agoq.train.flops: no recompute counted) and MFU against the device's dense
+    BF16 peak."""
+    if not steady or "tflops_per_gpu" not in steady[0]:
+        return {}
+    tflops = statistics.median(r["tflops_per_gpu"] for r in steady)
+    peak = peak_tflops(device)
+    return {"tflops_per_gpu_median": tflops, **({"mfu": tflops / peak} if peak else {})}
+
+
+def measured_peak_gib(summary: dict) -> float | None:
+    """The largest measured per-GPU peak of a run (every stage where the script reported them)."""
+    if summary.get("stage_peaks_gib"):
+        return max(summary["stage_peaks_gib"])
+    return summary.get("peak_gib")
+
+
+def _fastest(summaries: list[dict], side: str, budget_gib: float) -> dict | None:
+    fits = [s for s in summaries if s.get("side") == side and not s.get("failed")
+            and (measured_peak_gib(s) or float("inf")) <= budget_gib]
+    return max(fits, key=lambda s: s["tokens_per_second_median"]) if fits else None
+
+
+def equal_memory_table(summaries: list[dict], budgets_gib) -> list[dict]:
+    """Per budget: the fastest baseline and agoq run whose measured peak fits it, their tokens/s ratio and MFUs."""
+    rows = []
+    for budget in budgets_gib:
+        base, agoq = _fastest(summaries, "baseline", budget), _fastest(summaries, "agoq", budget)
+        row = {"budget_gib": budget, "baseline": base and base["name"], "agoq": agoq and agoq["name"]}
+        for tag, run in (("baseline", base), ("agoq", agoq)):
+            if run:
+                row[f"{tag}_tokens_per_second"] = run["tokens_per_second_median"]
+                row[f"{tag}_peak_gib"] = measured_peak_gib(run)
+                row[f"{tag}_mfu"] = run.get("mfu")
+        if base and agoq:
+            row["speedup"] = agoq["tokens_per_second_median"] / base["tokens_per_second_median"]
+        rows.append(row)
+    return rows
+
+
+def planner_capacity(model: str, budget: str, seq: int = 4096) -> dict:
+    """``python -m agoq.plan --capacity`` for configs/model/<model>.yaml with LLaMA-3's vocabulary at ``budget``."""
+    from agoq.plan.__main__ import main as plan_main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "capacity.json"
+        argv = ["--capacity", "--model", str(MODEL_DIR / f"{model}.yaml"), "--vocab-size", str(LLAMA3_VOCAB),
+                "--seq", str(seq), "--memory-budget", budget, "--max-gpus", "16", "--out", str(out)]
+        if plan_main(argv) != 0:
+            return {"error": f"python -m agoq.plan {' '.join(argv)} failed"}
+        return {"command": "python -m agoq.plan " + " ".join(argv[:-2]), **json.loads(out.read_text())}
+
+
+def _device_budget() -> str:
+    """The planner's budget for this machine: GPU 0's total memory, 80GiB without a GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return str(torch.cuda.get_device_properties(0).total_memory)
+    return "80GiB"
+
+
+def expected_failure(summary: dict) -> bool:
+    return bool(summary.get("failed") and summary.get("out_of_memory") and summary.get("expect") == "oom")
 
 
 def environment() -> dict:
@@ -463,6 +708,15 @@ def environment() -> dict:
     return info
 
 
+def select_variants(suite: str, smoke: bool, only: list[str] | None) -> list[dict]:
+    variants = SUITES[suite](smoke)
+    if only:
+        variants = [v for v in variants if any(t in v["name"] for t in only)]
+        if not variants:
+            raise SystemExit(f"--only {only}: no variant of suite {suite!r} matches")
+    return variants
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", choices=sorted(SUITES), default="attention")
@@ -472,27 +726,33 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny CPU version of the suite")
     parser.add_argument("--only", nargs="+", metavar="TEXT",
                         help="run only the variants whose name contains one of these strings")
+    parser.add_argument("--list", action="store_true", help="print every variant's command; run nothing")
     args = parser.parse_args(argv)
+    if args.list:
+        for variant in select_variants(args.suite, args.smoke, args.only):
+            print(f"{variant['name']}\n  {variant_command(variant, Path(args.out + '.' + 'log.jsonl'))[1]}")
+        return 0
     report = {
         "suite": args.suite, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]), "environment": environment(),
         "warmup_iterations_excluded": args.warmup, "variants": [], "summary": [],
     }
+    if args.suite in CAPACITY_PLANS:
+        model, gpus = CAPACITY_PLANS[args.suite]
+        report["planner_capacity"] = {"gpus_in_this_suite": gpus, **planner_capacity(model, _device_budget())}
+    device = report["environment"].get("device")
     with tempfile.TemporaryDirectory() as tmp:
-        variants = SUITES[args.suite](args.smoke)
-        if args.only:
-            variants = [v for v in variants if any(t in v["name"] for t in args.only)]
-            if not variants:
-                raise SystemExit(f"--only {args.only}: no variant of suite {args.suite!r} matches")
-        for variant in variants:
+        for variant in select_variants(args.suite, args.smoke, args.only):
             result = run_variant(variant, Path(tmp), args.timeout)
             report["variants"].append(result)
-            report["summary"].append(summarise(result, args.warmup))
+            report["summary"].append(summarise(result, args.warmup, device))
+            if args.suite in EQUAL_MEMORY_BUDGETS_GIB:
+                report["equal_memory"] = equal_memory_table(report["summary"], EQUAL_MEMORY_BUDGETS_GIB[args.suite])
             print(json.dumps(report["summary"][-1]), flush=True)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             # after each variant: a cut run keeps its results
             Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    failed = [s["name"] for s in report["summary"] if s.get("failed")]
+    failed = [s["name"] for s in report["summary"] if s.get("failed") and not expected_failure(s)]
     if failed:
         print(f"failed variants: {failed} (see error_tail in {args.out})", file=sys.stderr)
     return 1 if failed else 0

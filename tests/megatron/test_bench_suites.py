@@ -44,3 +44,99 @@ def test_fp8_scale_suite_compares_like_with_like():
         bf16, fp8 = variants[f"{shape}/bf16"], variants[f"{shape}/fp8 delayed"]
         assert fp8[: len(bf16)] == bf16 and fp8[len(bf16):] == ["--agoq-fp8", "delayed"]
     assert parse_args(variants["7b-layers/mbs1/bf16"]).seq_length == 4096
+
+
+# ---- issue 23: capacity and equal-memory suites ------------------------------------------------------------
+
+CAPACITY_BUDGET_GIB = 80  # one H100's memory: what the capacity suites' expectations are stated against
+
+
+def _predicted_peaks_gib(variant: dict) -> list[float]:
+    """agoq.plan.peak's per-stage peaks of a variant, rebuilt from the trainer's own parse of its flags (the
+    built-in tokenizer's rows padded as the trainer pads them)."""
+    from agoq.data.tokenizer import DEFAULT_VOCAB_SIZE, padded_vocab_size
+    from agoq.plan.memory import GIB, Layout, ModelShape
+    from agoq.plan.peak import predict_peaks
+    from agoq.plan.recipe import recipe_of
+    from agoq.policy import load_policy
+
+    args = parse_args(variant["args"])
+    config = args.agoq_config
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    layout = Layout(tp=tp, pp=pp, dp=variant["nproc"] // (tp * pp), mbs=args.micro_batch_size,
+                    gbs=args.global_batch_size, seq=args.seq_length,
+                    distributed_optimizer=args.use_distributed_optimizer,
+                    grad_bytes=0 if config.optimizer.gradient_release else 4)
+    rows = padded_vocab_size(DEFAULT_VOCAB_SIZE, tp, args.make_vocab_size_divisible_by)
+    shape = ModelShape(args.num_layers, args.hidden_size, args.num_attention_heads, args.num_query_groups,
+                       args.ffn_hidden_size, rows)
+    policy = config.policy.spec if config.enabled else load_policy(REPO_ROOT / "configs" / "policy" / "bf16.yaml")
+    return [p.peak / GIB for p in predict_peaks(shape, layout, policy, recipe_of(config))]
+
+
+@pytest.mark.parametrize("suite, model, nproc", [("capacity_1gpu", "llama3-8b", 1), ("capacity_4gpu", "llama-32b", 4)])
+def test_capacity_suites_run_the_model_files_shape_with_the_real_vocabulary(suite, model, nproc):
+    import yaml
+
+    from agoq.data.tokenizer import DEFAULT_VOCAB_SIZE, padded_vocab_size
+
+    cfg = yaml.safe_load((REPO_ROOT / "configs" / "model" / f"{model}.yaml").read_text())
+    variants = BENCH.SUITES[suite](False)
+    assert {v["side"] for v in variants} == {"baseline", "agoq"}
+    for variant in variants:
+        args = parse_args(variant["args"])
+        assert variant["nproc"] == nproc and args.pipeline_model_parallel_size == nproc
+        assert all(getattr(args, key) == cfg[key] for key in BENCH.ARCH_KEYS), variant["name"]
+        rows = padded_vocab_size(DEFAULT_VOCAB_SIZE, args.tensor_model_parallel_size, args.make_vocab_size_divisible_by)
+        assert rows == BENCH.LLAMA3_VOCAB == 128256
+        assert args.seq_length == 4096 and args.train_iters >= 20
+        worst = max(_predicted_peaks_gib(variant))
+        if variant["side"] == "baseline":  # Megatron bf16 is expected not to start: the planner agrees
+            assert variant["expect"] == "oom" and args.agoq_disable and worst > CAPACITY_BUDGET_GIB, worst
+        else:
+            assert variant["expect"] is None and worst < CAPACITY_BUDGET_GIB, (variant["name"], worst)
+
+
+def test_equal_memory_8b_variants_are_all_predicted_to_fit_one_h100():
+    variants = BENCH.SUITES["equal_memory_8b_pp4"](False)
+    assert {v["side"] for v in variants} == {"baseline", "agoq"}
+    for variant in variants:
+        assert max(_predicted_peaks_gib(variant)) <= CAPACITY_BUDGET_GIB, variant["name"]
+        assert parse_args(variant["args"]).seq_length == 4096
+
+
+def test_equal_memory_table_takes_the_fastest_fitting_run_of_each_side():
+    runs = [{"name": "b1", "side": "baseline", "tokens_per_second_median": 100.0, "peak_gib": 30.0, "mfu": 0.3},
+            {"name": "b2", "side": "baseline", "tokens_per_second_median": 150.0, "stage_peaks_gib": [70.0, 50.0]},
+            {"name": "a1", "side": "agoq", "tokens_per_second_median": 160.0, "peak_gib": 20.0},
+            {"name": "a2", "side": "agoq", "failed": True}]
+    low, high = BENCH.equal_memory_table(runs, (32, 80))
+    assert (low["baseline"], low["agoq"], low["speedup"]) == ("b1", "a1", 1.6)
+    assert (high["baseline"], high["baseline_peak_gib"]) == ("b2", 70.0)  # the largest stage peak counts
+    assert high["speedup"] == pytest.approx(160 / 150)
+    assert BENCH.equal_memory_table(runs, (10,))[0] == {"budget_gib": 10, "baseline": None, "agoq": None}
+
+
+def test_an_expected_out_of_memory_is_a_result_and_an_unexpected_one_a_failure():
+    crash = {"name": "x", "returncode": 1, "out_of_memory": True, "expect": "oom", "side": "baseline",
+             "predicted_memory": {"peak_gib": [164.6], "phase": ["optimizer step"]}}
+    summary = BENCH.summarise(crash, warmup=3)
+    assert summary["outcome"] == "out of memory (expected)" and BENCH.expected_failure(summary)
+    assert summary["predicted_stage_peaks_gib"] == [164.6]
+    assert not BENCH.expected_failure(BENCH.summarise({**crash, "out_of_memory": False}, warmup=3))
+    assert not BENCH.expected_failure(BENCH.summarise({**crash, "expect": None}, warmup=3))
+
+
+def test_mfu_uses_the_devices_dense_bf16_peak():
+    assert BENCH.peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert BENCH.peak_tflops("NVIDIA H100 PCIe") == 756.5
+    assert BENCH.peak_tflops("NVIDIA H200") == 989.4 and BENCH.peak_tflops("cpu") is None
+    steady = [{"tflops_per_gpu": t} for t in (400.0, 500.0, 450.0)]
+    assert BENCH._mfu(steady, "NVIDIA H100 80GB HBM3") == {"tflops_per_gpu_median": 450.0, "mfu": 450.0 / 989.4}
+
+
+def test_list_prints_every_command_and_runs_nothing(tmp_path, capsys):
+    assert BENCH.main(["--suite", "capacity_4gpu", "--out", str(tmp_path / "r.json"), "--list"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--nproc-per-node 4") == 3 and "--make-vocab-size-divisible-by 128256" in out
+    assert not (tmp_path / "r.json").exists()
