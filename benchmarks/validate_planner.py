@@ -35,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout without installing agoq, as the bench_* scripts
 
+from agoq.config import DEFAULT_MOMENTS, parse_moments  # noqa: E402
 from agoq.plan.memory import GIB, Layout, ModelShape  # noqa: E402
 from agoq.plan.peak import CUDA_RUNTIME_BYTES, Recipe, StagePeak, predict_peaks  # noqa: E402
 from agoq.policy import FP8Spec, load_policy  # noqa: E402
@@ -42,6 +43,7 @@ from agoq.policy import FP8Spec, load_policy  # noqa: E402
 BENCH = REPO / "benchmarks" / "results"
 POLICIES = REPO / "configs" / "policy"
 BUILTIN_VOCAB = 4096  # scripts/pretrain_llama.py's built-in tokenizer (docs/benchmarks/pretrain_memory.md)
+MEGATRON_VOCAB_DIVISIBLE_BY = 128  # the trainer's --make-vocab-size-divisible-by default
 TARGET = 0.05  # issue 9 item 4: predicted peak within 5 % of the measured peak
 # When the code changes the planner models came in (UTC, compared with each report's "date"; files
 # without a date predate all of them): agoq's SDPA saves a compact v (Recipe.sdpa_v_view before it), the
@@ -106,11 +108,14 @@ def fp8_spec_of(argv: list[str], policy_path) -> FP8Spec:
 
 
 def from_pretrain_argv(argv: list[str], vocab: int = BUILTIN_VOCAB, world_size: int | None = None):
-    """(shape, layout, policy path, recipe) of a scripts/pretrain_llama.py command line."""
+    """(shape, layout, policy path, recipe) of a scripts/pretrain_llama.py command line; ``vocab``: the tokenizer's
+    rows, padded as the trainer pads them (--make-vocab-size-divisible-by x TP; the issue-23 suites pad the
+    built-in tokenizer to LLaMA-3's 128,256 rows this way)."""
+    tp, pp = int(_flag(argv, "--tensor-model-parallel-size", 1)), int(_flag(argv, "--pipeline-model-parallel-size", 1))
+    multiple = int(_flag(argv, "--make-vocab-size-divisible-by", MEGATRON_VOCAB_DIVISIBLE_BY)) * tp
     shape = ModelShape(int(_flag(argv, "--num-layers")), int(_flag(argv, "--hidden-size")),
                        int(_flag(argv, "--num-attention-heads")), int(_flag(argv, "--num-query-groups")),
-                       int(_flag(argv, "--ffn-hidden-size")), vocab)
-    tp, pp = int(_flag(argv, "--tensor-model-parallel-size", 1)), int(_flag(argv, "--pipeline-model-parallel-size", 1))
+                       int(_flag(argv, "--ffn-hidden-size")), -(-vocab // multiple) * multiple)
     nproc = world_size or int(_flag(argv, "--nproc-per-node", 1))
     layout = Layout(tp=tp, pp=pp, dp=nproc // (tp * pp), mbs=int(_flag(argv, "--micro-batch-size")),
                     gbs=int(_flag(argv, "--global-batch-size")), seq=int(_flag(argv, "--seq-length")),
@@ -118,9 +123,15 @@ def from_pretrain_argv(argv: list[str], vocab: int = BUILTIN_VOCAB, world_size: 
                     grad_bytes=2 if "--grad-reduce-in-bf16" in argv else 4)
     policy = POLICIES / "bf16.yaml" if "--agoq-disable" in argv else Path(_flag(argv, "--agoq-policy",
                                                                              POLICIES / "agoq.yaml"))
+    granularity = _flag(argv, "--recompute-granularity")
+    release = "--agoq-gradient-release" in argv
     recipe = Recipe(optimizer="torch" if _flag(argv, "--agoq-optimizer", "torch") == "torch" else "agoq",
-                    grads=_flag(argv, "--agoq-grads"), recompute="--recompute-granularity" in argv,
+                    grads=_flag(argv, "--agoq-grads"), recompute=granularity == "full",
+                    selective_recompute=granularity == "selective", gradient_release=release,
+                    moments=parse_moments(_flag(argv, "--agoq-moments", DEFAULT_MOMENTS)),
                     fp8=fp8_spec_of(argv, policy))
+    if release:  # no gradient buffer (agoq.train.memory_report.plan_layout)
+        layout = dataclasses.replace(layout, grad_bytes=0)
     return shape, layout, policy, recipe
 
 

@@ -140,3 +140,22 @@ def test_list_prints_every_command_and_runs_nothing(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("--nproc-per-node 4") == 3 and "--make-vocab-size-divisible-by 128256" in out
     assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("suite", ["capacity_1gpu", "capacity_4gpu", "equal_memory_1b", "equal_memory_8b_pp4"])
+def test_validate_planner_reads_the_issue_23_commands_as_the_trainer_does(suite, tmp_path):
+    """benchmarks/validate_planner.py predicts a committed result from its command line: for these suites it must
+    read selective / full recompute, the moments, gradient release and the padded vocabulary as the trainer does."""
+    spec = importlib.util.spec_from_file_location("validate_planner", REPO_ROOT / "benchmarks" / "validate_planner.py")
+    validate = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("validate_planner", validate)  # its dataclasses look their module up
+    spec.loader.exec_module(validate)
+    from agoq.plan.memory import GIB
+    from agoq.plan.peak import predict_peaks
+    from agoq.policy import load_policy
+
+    for variant in BENCH.SUITES[suite](False):
+        argv, _ = BENCH.variant_command(variant, tmp_path / "log.jsonl")
+        shape, layout, policy, recipe = validate.from_pretrain_argv(argv)
+        peaks = [p.peak / GIB for p in predict_peaks(shape, layout, load_policy(policy), recipe)]
+        assert peaks == pytest.approx(_predicted_peaks_gib(variant), rel=1e-9), variant["name"]
