@@ -140,7 +140,7 @@ def main(argv=None) -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     handle = install(AgoqConfig(device="cpu" if device.type == "cpu" else "auto"))
-    runtime.init_distributed(device)
+    runtime.init_distributed(device, runtime.SINGLE_PROCESS)  # one process: run it with python, not torchrun
     runtime.init_model_parallel(ParallelLayout(), seed=1234, device=device)
     shape_kw, steps = (bench_memory.TINY, 2) if args.smoke else (bench_memory.LLAMA_1B, args.steps)
     timers = Timers()

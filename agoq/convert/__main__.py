@@ -99,8 +99,9 @@ def hf_to_agoq(args) -> list[str]:
     del hf_state
 
     from agoq.megatron import hf_checkpoint
+    from agoq.train.environment import launch_from_environment
 
-    hf_checkpoint.init_single_process()
+    hf_checkpoint.init_single_process(launch_from_environment())
     shape = _shape(dims, padded)
     model = hf_checkpoint.build_model(shape, dtype)[0]
     hf_checkpoint.load_model_state(model, state)
@@ -138,8 +139,9 @@ def agoq_to_hf(args) -> list[str]:
 
     from agoq.convert import hf_io, llama
     from agoq.megatron import hf_checkpoint
+    from agoq.train.environment import launch_from_environment
 
-    hf_checkpoint.init_single_process()
+    hf_checkpoint.init_single_process(launch_from_environment())
     source = hf_checkpoint.checkpoint_source(args.load_dir, args.iteration)
     extras = hf_checkpoint.saved_extras(source)
     dims, padded = _export_dims(args, extras)

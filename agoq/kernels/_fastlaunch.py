@@ -20,20 +20,17 @@ Rules: every kernel parameter is passed positionally, in signature order, conste
 own path is used (every call, not silently: it is the same kernel) under ``TRITON_INTERPRET=1``
 (no compiled kernel), when the first argument is not a CUDA tensor (CPU launch recorders such as
 benchmarks/xc_quant.py), when a launch hook is installed (profilers: they need launch metadata), and when
-``AGOQ_TRITON_FAST_LAUNCH=0`` (the escape hatch, read at import; :func:`set_fast_launch` at run time).
+switched off with :func:`set_fast_launch` (the escape hatch; the trainer calls it once at start-up for
+``AGOQ_TRITON_FAST_LAUNCH=0``, agoq.train.environment: this module reads no environment).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-__all__ = ["FastKernel", "LaunchSite", "FAST_LAUNCH_ENV", "arg_key", "fast_launch_enabled", "set_fast_launch",
-           "set_check_sites"]
+__all__ = ["FastKernel", "LaunchSite", "arg_key", "fast_launch_enabled", "set_fast_launch", "set_check_sites"]
 
-FAST_LAUNCH_ENV = "AGOQ_TRITON_FAST_LAUNCH"
-_ENABLED = os.environ.get(FAST_LAUNCH_ENV, "1") != "0"
+_ENABLED = True  # direct launches on; set_fast_launch switches them (agoq.train.environment, benchmarks' A/B)
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _ALIGN = 16  # bytes / divisor Triton specializes pointers and ints on ("D" attribute)
 
@@ -43,7 +40,8 @@ def fast_launch_enabled() -> bool:
 
 
 def set_fast_launch(enabled: bool) -> bool:
-    """Switch direct launches on / off process-wide (benchmarks' A/B); returns the previous setting."""
+    """Switch direct launches on / off process-wide (the trainer's AGOQ_TRITON_FAST_LAUNCH, benchmarks' A/B);
+    returns the previous setting."""
     global _ENABLED
     previous, _ENABLED = _ENABLED, bool(enabled)
     return previous

@@ -4,14 +4,17 @@ Every function mirrors one step of agoq.ref.quant bit for bit (see each docstrin
 kernels in agoq/kernels/quant.py, _quant_tile.py and optim.py compose them.
 """
 
-import os
-
 import triton
 import triton.language as tl
 
 # Inline PTX on GPU; Triton's CPU interpreter cannot run it, so there the functions below take their
-# tl.* twins (read at import, like Triton itself reads TRITON_INTERPRET).
-USE_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+# tl.* twins. Whether Triton interprets is Triton's setting (TRITON_INTERPRET, which Triton reads): ask Triton
+# (triton.knobs.runtime.interpret, what its @triton.jit consults when it decorates the kernels below, at import
+# as here); agoq reads no environment. agoq/kernels/_fastlaunch.py needs triton.knobs too.
+if not hasattr(triton, "knobs"):
+    raise ImportError(f"agoq.kernels needs a Triton with triton.knobs (Triton 3.6 and 3.8 are tested); found "
+                      f"triton {triton.__version__}")
+USE_PTX = tl.constexpr(not triton.knobs.runtime.interpret)
 
 # Round half away from zero as int32 for |y| < 2**22: trunc(y + copysign(HALF_BELOW, y)), one add
 # and one truncating convert. HALF_BELOW = 0.5 - 2**-25 (the largest float below 0.5): for

@@ -44,15 +44,17 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_g
                 "vocab_size")  # fmt: skip
 
 
-def init_single_process() -> None:
-    """agoq's CPU mode, a world-of-one gloo group and TP=1 / PP=1 model parallelism (idempotent)."""
+def init_single_process(launch: runtime.LaunchInfo) -> None:
+    """agoq's CPU mode, a world-of-one gloo group and TP=1 / PP=1 model parallelism (idempotent). ``launch``: how
+    the process was started (the converter's command line reads it from torchrun's environment); a launch of more
+    than one process is refused."""
     from agoq.config import AgoqConfig
     from agoq.megatron.install import install
 
     device = torch.device("cpu")
     install(AgoqConfig(enabled=False, device="cpu"))
     if not dist.is_initialized():
-        runtime.init_distributed(device)
+        runtime.init_distributed(device, launch)
     if dist.get_world_size() != 1:
         raise RuntimeError("the converter runs in one process (it builds the TP=1 / PP=1 model); run it without "
                            "torchrun")

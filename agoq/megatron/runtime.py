@@ -8,11 +8,14 @@ Why: ``megatron.training.initialize_megatron`` asserts CUDA and skips model-para
   GPU (../shared/spec/megatron.md 1.5), so agoq initialises megatron-core itself: NCCL on GPU, gloo on CPU.
 Verified on: megatron-core 0.19.2.
 Guarded by: every multi-process test in ``tests/megatron``.
+
+Reads no environment: where this process sits in the job (torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``
+/ ``MASTER_ADDR``) comes in as a :class:`LaunchInfo`, which the trainer builds from the environment
+(``agoq.train.environment.launch_from_environment``) and in-process users state (:data:`SINGLE_PROCESS`).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import psutil
@@ -23,6 +26,22 @@ from megatron.core import parallel_state, tensor_parallel
 from agoq.megatron.model import ParallelLayout
 
 GIB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchInfo:
+    """This process's place in the job as its launcher announced it (torchrun: RANK, WORLD_SIZE, LOCAL_RANK)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    rendezvous_from_environment: bool = False
+    """True: the launcher set MASTER_ADDR / MASTER_PORT, so the process group uses torch's ``env://``
+    rendezvous. False: a world of one on a free local port, passed as ``init_method`` so no MASTER_* variable
+    leaks to child processes started later (plain ``python script.py``, in-process tests)."""
+
+
+SINGLE_PROCESS = LaunchInfo()  # one process, no launcher
 
 
 @dataclass(frozen=True)
@@ -50,18 +69,14 @@ def choose_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_distributed(device: torch.device) -> RankInfo:
-    """Join the torchrun process group (a single process without torchrun)."""
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+def init_distributed(device: torch.device, launch: LaunchInfo) -> RankInfo:
+    """Join the launcher's process group (``launch``: :data:`SINGLE_PROCESS` for a world of one)."""
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        # Without torchrun (plain `python script.py`, in-process tests): a world of one on a free port,
-        # passed as init_method so no MASTER_* variable leaks to child processes started later.
-        init_method = None if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{_free_port()}"
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, init_method=init_method)
-    return RankInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+        init_method = None if launch.rendezvous_from_environment else f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group(backend=backend, rank=launch.rank, world_size=launch.world_size,
+                                init_method=init_method)
+    return RankInfo(rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank, device=device)
 
 
 def _free_port() -> int:

@@ -7,5 +7,5 @@ Everything that belongs to running a job rather than to agoq inside Megatron liv
 
 Layering: agoq.train may import agoq.megatron and megatron.core; nothing else in agoq imports agoq.train
 except the command-line tools (``agoq.convert.__main__``). It is the only agoq package that reads the
-environment (tests/unit/test_config_boundary.py).
+environment (``environment``: torchrun's variables, kernel switches; tests/unit/test_config_boundary.py).
 """

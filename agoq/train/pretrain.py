@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import signal
 import sys
 import time
@@ -36,7 +35,7 @@ from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
 from agoq.megatron.optimizer import build_agoq_optimizer
 from agoq.megatron.resume import RECORD_KEY, run_record, schedule_line
-from agoq.train import memory_report, training
+from agoq.train import environment, memory_report, training
 from agoq.train.args import check_layout
 from agoq.train.flops import tflops_per_gpu, training_flops_per_iteration
 from agoq.train.optim_args import check_release_flags
@@ -205,11 +204,13 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
              storage_report: Callable) -> None:
     """Run the whole job described by ``args`` (see agoq.train.args; ``args.agoq_config``: agoq's part)."""
     config: AgoqConfig = args.agoq_config
-    device = runtime.choose_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
+    launch = environment.launch_from_environment()
+    environment.apply_kernel_switches()
+    device = runtime.choose_device(config.device, launch.local_rank)
     stop = StopSignal()  # from the start: a signal during start-up stops the job after its first iteration
     progress = Progress()
     install(config)
-    info = runtime.init_distributed(device)
+    info = runtime.init_distributed(device, launch)
     try:
         _run(args, info, model_provider, datasets_provider, (policy_report, storage_report), (stop, progress))
     finally:

@@ -40,7 +40,7 @@ def gpu_world():
 
     handle = install(AgoqConfig(device="cuda"))
     device = runtime.choose_device("cuda", 0)
-    runtime.init_distributed(device)
+    runtime.init_distributed(device, runtime.SINGLE_PROCESS)
     runtime.init_model_parallel(ParallelLayout(), seed=1234, device=device)
     yield device
     runtime.shutdown()

@@ -16,7 +16,7 @@ def mcore_world1():
 
     handle = install(AgoqConfig(device="auto"))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    runtime.init_distributed(device)
+    runtime.init_distributed(device, runtime.SINGLE_PROCESS)
     runtime.init_model_parallel(ParallelLayout(), seed=1234, device=device)
     yield device
     runtime.shutdown()

@@ -148,9 +148,9 @@ def _tp1_worker(rank, world_size, ckpt: str, out_dir: str, tokenizer: str):
     """Logits of the converted checkpoint, then the CLI's export / import in this process."""
     from agoq.convert.__main__ import _shape, main
     from agoq.convert.llama import LlamaDims
-    from agoq.megatron import hf_checkpoint
+    from agoq.megatron import hf_checkpoint, runtime
 
-    hf_checkpoint.init_single_process()
+    hf_checkpoint.init_single_process(runtime.SINGLE_PROCESS)
     source = hf_checkpoint.checkpoint_source(ckpt)
     extras = hf_checkpoint.saved_extras(source)
     shape = _shape(LlamaDims(**extras["hf_dims"]), extras["padded_vocab_size"])

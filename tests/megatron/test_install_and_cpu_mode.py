@@ -72,7 +72,7 @@ def test_undo_restores_every_runtime_change():
         assert "fp8_weight_cache" in [s.name for s in handle.applied]
         assert fp8_weight_cache.optimizer_hook_installed()
         assert install_mod.marked_seam(fp8_weight_cache.fp8_weights_changed) == "fp8_weight_cache"
-        runtime.init_distributed(device)
+        runtime.init_distributed(device, runtime.SINGLE_PROCESS)
         layout = ParallelLayout()
         runtime.init_model_parallel(layout, seed=1234, device=device)
         shape = LlamaShape(num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=2,

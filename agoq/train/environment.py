@@ -1,0 +1,42 @@
+"""The environment variables the trainer reads, once, at start-up, and where each one goes.
+
+Library code (agoq/megatron, agoq/kernels, agoq/ops, ...) reads no environment (tests/unit/test_config_boundary.py);
+the trainer reads it here and passes what it found in:
+
+* torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_ADDR`` -> :class:`agoq.megatron.runtime.LaunchInfo`
+  (:func:`launch_from_environment`), given to ``runtime.init_distributed`` and ``runtime.choose_device``;
+* ``AGOQ_TRITON_FAST_LAUNCH=0`` (Triton's own launch path instead of agoq's direct launches, the escape hatch of
+  agoq.kernels._fastlaunch) -> ``set_fast_launch`` (:func:`apply_kernel_switches`);
+* ``TRITON_INTERPRET=1`` -> ``AgoqConfig.triton_interpret`` (agoq.train.args builds the config).
+
+Other readers outside the library: ``scripts/pretrain_llama.py`` (``AGOQ_CACHE``, ``AGOQ_SHOW_KNOWN_WARNINGS``,
+rank-0 printing) and the command-line tools' ``__main__`` modules.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from agoq.kernels._fastlaunch import set_fast_launch
+from agoq.megatron.runtime import LaunchInfo
+
+FAST_LAUNCH_ENV = "AGOQ_TRITON_FAST_LAUNCH"
+
+
+def launch_from_environment(environ: Mapping[str, str] = os.environ) -> LaunchInfo:
+    """torchrun's launch variables (a single process when they are absent), as torch.distributed's env:// reads
+    them."""
+    return LaunchInfo(rank=int(environ.get("RANK", "0")), world_size=int(environ.get("WORLD_SIZE", "1")),
+                      local_rank=int(environ.get("LOCAL_RANK", "0")),
+                      rendezvous_from_environment="MASTER_ADDR" in environ)
+
+
+def fast_launch_from_environment(environ: Mapping[str, str] = os.environ) -> bool:
+    """False only when ``AGOQ_TRITON_FAST_LAUNCH=0``."""
+    return environ.get(FAST_LAUNCH_ENV, "1") != "0"
+
+
+def apply_kernel_switches(environ: Mapping[str, str] = os.environ) -> None:
+    """Set the process-wide kernel switches the environment asks for (called once, before any kernel runs)."""
+    set_fast_launch(fast_launch_from_environment(environ))

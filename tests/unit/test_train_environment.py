@@ -1,0 +1,47 @@
+"""agoq.train.environment: the trainer reads torchrun's variables and agoq's kernel switch from the environment
+and passes them in; the library modules that used to read them at import read nothing (issue 20 item 5)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from agoq.testing.procs import child_env
+
+TORCHRUN_RANK1 = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+
+def test_launch_from_torchrun_variables_and_without_them():
+    from agoq.megatron.runtime import SINGLE_PROCESS, LaunchInfo
+    from agoq.train.environment import launch_from_environment
+
+    assert launch_from_environment({}) == SINGLE_PROCESS
+    assert launch_from_environment(TORCHRUN_RANK1) == LaunchInfo(rank=1, world_size=2, local_rank=1,
+                                                                 rendezvous_from_environment=True)
+
+
+@pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False)])
+def test_fast_launch_switch_is_applied_by_the_trainer(value, enabled):
+    from agoq.kernels import _fastlaunch
+    from agoq.train.environment import FAST_LAUNCH_ENV, apply_kernel_switches
+
+    previous = _fastlaunch.fast_launch_enabled()
+    try:
+        apply_kernel_switches({} if value is None else {FAST_LAUNCH_ENV: value})
+        assert _fastlaunch.fast_launch_enabled() is enabled
+    finally:
+        _fastlaunch.set_fast_launch(previous)
+
+
+def test_library_modules_ignore_the_environment_at_import():
+    """With every variable set, importing the kernels' launcher and the plugin's runtime changes nothing: only
+    the trainer's calls above carry them in."""
+    code = ("from agoq.kernels import _fastlaunch\n"
+            "from agoq.megatron import runtime\n"
+            "assert _fastlaunch.fast_launch_enabled()\n"
+            "assert runtime.SINGLE_PROCESS.world_size == 1\n")
+    env = child_env(AGOQ_TRITON_FAST_LAUNCH="0", **TORCHRUN_RANK1)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
