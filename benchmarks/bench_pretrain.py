@@ -42,6 +42,7 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -532,6 +533,25 @@ def variant_command(variant: dict, log: Path) -> tuple[list[str], str]:
 OUT_OF_MEMORY_MARKERS = ("torch.OutOfMemoryError", "CUDA out of memory", "OutOfMemoryError")
 
 
+TIMEOUT_RETURNCODE = 124  # as timeout(1): the variant ran past --timeout and its process group was killed
+
+
+def _run_bounded(cmd: list[str], timeout: float, env: dict) -> subprocess.CompletedProcess:
+    """Run torchrun in its own process group; past ``timeout`` kill the whole group (torchrun and its workers:
+    killing torchrun alone would orphan workers that keep their GPU memory and spoil the next variant) and
+    return TIMEOUT_RETURNCODE with what was printed, so the suite goes on."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        note = f"\nbench: killed after --timeout {timeout} s"
+        return subprocess.CompletedProcess(cmd, TIMEOUT_RETURNCODE, out, err + note)
+
+
 def _error_lines(output: str, limit: int = 20) -> list[str]:
     """The distinct lines that name an error (``...Error: ...`` / ``error:``), first ``limit``."""
     lines = [line.strip() for line in output.splitlines() if re.search(r"(Error|error):", line)]
@@ -542,7 +562,7 @@ def run_variant(variant: dict, workdir: Path, timeout: float) -> dict:
     log = workdir / ("".join(c if c.isalnum() else "_" for c in variant["name"]) + ".jsonl")
     cmd, line = variant_command(variant, log)
     env = variant.get("env", {})
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(**env), cwd=REPO_ROOT)
+    proc = _run_bounded(cmd, timeout, child_env(**env))
     result = {"name": variant["name"], "command": line, "returncode": proc.returncode,
               **{k: variant[k] for k in ("side", "expect") if variant.get(k)}}
     records = [json.loads(r) for r in log.read_text().splitlines()] if log.exists() else []
@@ -580,6 +600,7 @@ def _stage_peaks(stdout: str) -> list[float]:
 def summarise(result: dict, warmup: int, device: str | None = None) -> dict:
     if result["returncode"] != 0:
         out = {"name": result["name"], "failed": True, "out_of_memory": result.get("out_of_memory", False),
+               "timed_out": result["returncode"] == TIMEOUT_RETURNCODE,
                **{k: result[k] for k in ("side", "expect") if k in result}}
         if out["out_of_memory"] and result.get("expect") == "oom":
             out["outcome"] = "out of memory (expected)"

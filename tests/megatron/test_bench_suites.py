@@ -5,7 +5,10 @@ of minutes into a GPU lease."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -159,3 +162,30 @@ def test_validate_planner_reads_the_issue_23_commands_as_the_trainer_does(suite,
         shape, layout, policy, recipe = validate.from_pretrain_argv(argv)
         peaks = [p.peak / GIB for p in predict_peaks(shape, layout, load_policy(policy), recipe)]
         assert peaks == pytest.approx(_predicted_peaks_gib(variant), rel=1e-9), variant["name"]
+
+
+def test_a_variant_past_its_timeout_is_killed_with_its_workers_and_the_suite_goes_on(tmp_path):
+    """torchrun's workers are in its process group: killing torchrun alone would leave them holding GPU memory."""
+    pid_file = tmp_path / "worker.pid"
+    worker = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    launcher = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}]); "
+                "print('launched', flush=True); time.sleep(60)")
+
+    start = time.monotonic()
+    proc = BENCH._run_bounded([sys.executable, "-c", launcher], timeout=3, env=dict(os.environ))
+    assert time.monotonic() - start < 30  # a surviving worker would hold the output pipe open for its 60 s
+    assert proc.returncode == BENCH.TIMEOUT_RETURNCODE and "launched" in proc.stdout and "--timeout 3" in proc.stderr
+    status = Path(f"/proc/{pid_file.read_text()}/status")
+
+    def alive() -> bool:  # SIGKILL is delivered at once, the exit takes a moment; a zombie awaits its reaper
+        try:
+            return "\nState:\tZ" not in status.read_text()
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive()
+    summary = BENCH.summarise({"name": "x", "returncode": proc.returncode}, warmup=3)
+    assert summary["failed"] and summary["timed_out"]
