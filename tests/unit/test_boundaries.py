@@ -52,6 +52,13 @@ PLUGIN_FORBIDDEN_NAMES = ("get_forward_backward_func", "OptimizerParamScheduler"
 # Modules outside agoq/train that may import it: command-line tools above the trainer (python -m agoq.convert
 # filters the trainer's known start-up warnings).
 TRAINER_IMPORTERS = ("agoq/convert/__main__.py",)
+# Plugin files that still hold command-line code, each with its reason and way out (a stale entry fails).
+PLUGIN_EXCEPTIONS = {
+    "agoq/megatron/megatron_lm.py": "issue 22's door into megatron.training (35e96db), written in parallel with the "
+                                    "plugin / trainer split: add_agoq_args (Megatron's extra_args_provider, argparse "
+                                    "types) and the bridge from Megatron's parsed args to AgoqConfig belong in "
+                                    "agoq/train or the entry script; move them there and drop this entry",
+}
 
 
 def _is_module(name: str, top: str) -> bool:
@@ -92,8 +99,15 @@ def test_plugin_has_no_command_line_and_no_training_loop_ast_scan():
     """agoq/megatron is the plugin only (issue 20 item 5): argparse, the schedules' driver, the LR schedule and
     agoq.train belong to the trainer (agoq/train)."""
     offenders = [f"{path.relative_to(REPO_ROOT)}:{where}"
-                 for path in sorted((AGOQ / "megatron").rglob("*.py")) for where in _plugin_offences(path)]
+                 for path in sorted((AGOQ / "megatron").rglob("*.py"))
+                 if path.relative_to(REPO_ROOT).as_posix() not in PLUGIN_EXCEPTIONS for where in _plugin_offences(path)]
     assert offenders == [], "move it to agoq/train (the trainer) or take it as an argument:\n" + "\n".join(offenders)
+
+
+def test_plugin_exceptions_are_still_needed():
+    stale = [rel for rel in PLUGIN_EXCEPTIONS
+             if not (REPO_ROOT / rel).is_file() or not _plugin_offences(REPO_ROOT / rel)]
+    assert stale == [], f"no longer needed: drop {stale} from PLUGIN_EXCEPTIONS"
 
 
 def test_the_plugin_scan_sees_what_it_forbids(tmp_path):
