@@ -3,7 +3,7 @@
 The shape of Megatron-LM's ``pretrain_gpt.py``: a model provider, a forward step and a train/valid/test
 dataset provider around ``pretrain()``. Every Megatron-LM flag keeps its meaning (data with --data-path
 and the tokenizer flags, --save/--load, logging, --use-distributed-optimizer, recompute); agoq adds
-``--agoq-*`` (agoq.megatron.megatron_lm.add_agoq_args). GPU only (megatron.training asserts CUDA).
+``--agoq-*`` (agoq.train.megatron_lm.add_agoq_args). GPU only (megatron.training asserts CUDA).
 Commands and the flag set that reproduces scripts/pretrain_llama.py: docs/megatron_lm.md. One GPU:
 
     torchrun --nproc-per-node 1 scripts/pretrain_gpt_agoq.py \
@@ -38,15 +38,11 @@ from megatron.training.argument_utils import core_transformer_config_from_args, 
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split
 
-from agoq.megatron.megatron_lm import (
-    add_agoq_args,
-    agoq_config_from_megatron_args,
-    build_gpt_model,
-    describe,
-    install_for_megatron_training,
-)
+from agoq.megatron.megatron_lm import build_gpt_model, describe, install_for_megatron_training
+from agoq.train.megatron_lm import add_agoq_args, agoq_config_from_megatron_args, gpt_model_options
 
 AGOQ = None  # the run's AgoqConfig, built once in main()
+MODEL_OPTIONS = None  # its GPTModelOptions (vocabulary, attention, RoPE) from Megatron's args
 LOSS_LOG = {"pending": [], "iteration": 0}  # --agoq-log-json: micro-batch losses of the running iteration
 
 
@@ -61,8 +57,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     """One GPTModel chunk over agoq's layer spec (Megatron's model when --agoq-disable)."""
     args = get_args()
     transformer_config = config if config is not None else core_transformer_config_from_args(args)
-    return build_gpt_model(AGOQ, args, transformer_config, pre_process=pre_process, post_process=post_process,
-                           vp_stage=vp_stage, num_microbatches=get_num_microbatches())
+    return build_gpt_model(AGOQ, MODEL_OPTIONS, transformer_config, pre_process=pre_process,
+                           post_process=post_process, vp_stage=vp_stage, num_microbatches=get_num_microbatches())
 
 
 def loss_func(loss_mask, training, output_tensor):
@@ -137,9 +133,10 @@ train_valid_test_datasets_provider.is_distributed = True  # every rank builds it
 
 
 def main() -> None:
-    global AGOQ
+    global AGOQ, MODEL_OPTIONS
     args = parse_and_validate_args(extra_args_provider=extra_args_provider)
     AGOQ = agoq_config_from_megatron_args(args)  # raises naming the flag for combinations agoq cannot run
+    MODEL_OPTIONS = gpt_model_options(args)
     handle = install_for_megatron_training(AGOQ)
     print_rank_0(describe(AGOQ))
     try:

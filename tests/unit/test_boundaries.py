@@ -53,12 +53,7 @@ PLUGIN_FORBIDDEN_NAMES = ("get_forward_backward_func", "OptimizerParamScheduler"
 # filters the trainer's known start-up warnings).
 TRAINER_IMPORTERS = ("agoq/convert/__main__.py",)
 # Plugin files that still hold command-line code, each with its reason and way out (a stale entry fails).
-PLUGIN_EXCEPTIONS = {
-    "agoq/megatron/megatron_lm.py": "issue 22's door into megatron.training (35e96db), written in parallel with the "
-                                    "plugin / trainer split: add_agoq_args (Megatron's extra_args_provider, argparse "
-                                    "types) and the bridge from Megatron's parsed args to AgoqConfig belong in "
-                                    "agoq/train or the entry script; move them there and drop this entry",
-}
+PLUGIN_EXCEPTIONS: dict[str, str] = {}
 
 
 def _is_module(name: str, top: str) -> bool:

@@ -30,8 +30,6 @@ ENTRY_POINTS = {
     "agoq/plan/__main__.py": "python -m agoq.plan: the planner's command line",
     "agoq/testing/xcompile.py": "python -m agoq.testing.xcompile: a tool's command line",
     "agoq/convert/__main__.py": "python -m agoq.convert: a tool's command line",
-    # not a tool: see tests/unit/test_boundaries.py PLUGIN_EXCEPTIONS (to move to agoq/train with its flags)
-    "agoq/megatron/megatron_lm.py": "megatron.training's parsed args -> AgoqConfig (agoq_config_from_megatron_args)",
 }
 # Environment reads outside the trainer package, each argued; everything else (the plugin, kernels, ops, ...)
 # takes what the environment said as an argument: torchrun's variables as agoq.megatron.runtime.LaunchInfo,

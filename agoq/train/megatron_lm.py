@@ -1,0 +1,204 @@
+"""The trainer side of agoq inside Megatron-LM's trainer (``megatron.training.pretrain``): the ``--agoq-*`` flags on
+Megatron's parser and the bridge from Megatron's parsed args to agoq's typed config and model options.
+
+Used by ``scripts/pretrain_gpt_agoq.py`` (the ``pretrain_gpt.py``-shaped entry script) and by a user's own
+Megatron-LM ``pretrain_gpt.py`` (docs/megatron_lm.md):
+
+* :func:`add_agoq_args` — the ``--agoq-*`` flags, for ``extra_args_provider`` (Megatron's own flags unchanged);
+* :func:`agoq_config_from_megatron_args` — the run's frozen ``AgoqConfig`` after checking the combinations agoq
+  cannot run (each error names the flag and the fix);
+* :func:`gpt_model_options` — what the model provider needs from the args (agoq.megatron.megatron_lm.GPTModelOptions).
+
+The plugin side (agoq/megatron/megatron_lm.py) takes only these typed objects: the model builder and the
+registered patches of ``megatron.training``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from agoq.config import (
+    DEFAULT_MASTER,
+    DEFAULT_MOMENTS,
+    GRAD_MODES,
+    GRAD_TRANSPORTS,
+    MASTER_CHOICES,
+    MOMENT_PRESETS,
+    OPTIMIZERS,
+    AgoqConfig,
+)
+from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES, load_policy
+from agoq.train.args import DEFAULT_POLICY
+
+ATTENTION_CHOICES = ("sdpa", "megatron")
+
+# Megatron flags that agoq's layers need with agoq on (dest, wanted value, the flag that gives it). agoq's
+# layer spec is the local spec of a LLaMA decoder (RMSNorm, SwiGLU, no biases); dropout-free attention.
+LLAMA_FLAGS = (
+    ("transformer_impl", "local", "--transformer-impl local"),
+    ("normalization", "RMSNorm", "--normalization RMSNorm"),
+    ("swiglu", True, "--swiglu"),
+    ("add_bias_linear", False, "--disable-bias-linear"),
+    ("position_embedding_type", "rope", "--position-embedding-type rope"),
+)
+
+
+# -- flags ------------------------------------------------------------------------------------------
+
+def add_agoq_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--agoq-*`` flags to Megatron's parser (``extra_args_provider``); returns the parser.
+
+    Megatron-LM flags keep their meaning: agoq reads ``--recompute-granularity``/``--recompute-num-layers``,
+    ``--grad-reduce-in-bf16``, ``--use-distributed-optimizer`` and the optimizer hyperparameters from them."""
+    g = parser.add_argument_group("agoq (activation storage, 8-bit gradients, lean optimizers; docs/megatron_lm.md)")
+    g.add_argument("--agoq-disable", action="store_true",
+                   help="plain Megatron (the baseline): no agoq layers, gradients or optimizer")
+    g.add_argument("--agoq-policy", default=None,
+                   help="bit-width policy YAML (default: configs/policy/agoq.yaml); see docs/policy.md")
+    g.add_argument("--agoq-attention", choices=ATTENTION_CHOICES, default="sdpa",
+                   help="core attention: sdpa (torch scaled_dot_product_attention, flash/cuDNN) or megatron "
+                        "(the local spec's unfused DotProductAttention); applies with --agoq-disable too")
+    g.add_argument("--agoq-grads", default=None, metavar="FORMAT",
+                   help="8-bit gradients in DDP, e.g. int8_b256 (default: the policy's grads entry, else Megatron's "
+                        "float gradients)")
+    g.add_argument("--agoq-grads-mode", choices=GRAD_MODES, default=None,
+                   help="reduce: 8-bit communication, float main_grad; store (default): also 8-bit accumulation")
+    g.add_argument("--agoq-grads-error-feedback", action="store_true",
+                   help="store mode: keep the requantization error in a bf16 residual (+2 bytes/param)")
+    g.add_argument("--agoq-grad-transport", choices=GRAD_TRANSPORTS, default=None,
+                   help="how the 8-bit reduction moves bytes: nccl, peer (NVLink peer memory) or auto (default)")
+    g.add_argument("--agoq-optimizer", choices=OPTIMIZERS, default="torch",
+                   help="torch: Megatron's own optimizer (--optimizer); adamw/lion/sgd: agoq's, over quantized "
+                        "states (lr, weight decay, betas, eps, clipping from Megatron's flags)")
+    g.add_argument("--agoq-moments", default=None,
+                   help=f"state formats of agoq's optimizer: preset {sorted(MOMENT_PRESETS)} or '<m fmt>,<v fmt>' "
+                        f"(default {DEFAULT_MOMENTS})")
+    g.add_argument("--agoq-master", choices=MASTER_CHOICES, default=None,
+                   help=f"master weight of agoq's optimizer (default {DEFAULT_MASTER}: bf16 + int8 remainder)")
+    g.add_argument("--agoq-unfused", action="store_true", help="reference PyTorch optimizer step, not Triton")
+    g.add_argument("--agoq-small-numel", type=int, default=None,
+                   help="tensors with ndim < 2 or fewer elements keep fp32 states (default 4096)")
+    g.add_argument("--agoq-gradient-release", action="store_true",
+                   help="not available under megatron.training (use scripts/pretrain_llama.py)")
+    g.add_argument("--agoq-sgd-momentum", type=float, default=None, help="--agoq-optimizer sgd: momentum (0.9)")
+    g.add_argument("--agoq-sgd-nesterov", action="store_true", help="--agoq-optimizer sgd: Nesterov momentum")
+    g.add_argument("--agoq-lion-beta1", type=float, default=None, help="--agoq-optimizer lion: beta1 (0.9)")
+    g.add_argument("--agoq-lion-beta2", type=float, default=None, help="--agoq-optimizer lion: beta2 (0.99)")
+    g.add_argument("--agoq-fp8", choices=FP8_RECIPES, default=None,
+                   help="FP8 linears (sm_89+ GPU); default: the policy's fp8 section, else off")
+    g.add_argument("--agoq-smooth-swiglu", choices=SMOOTH_SWIGLU_MODES, default=None,
+                   help="Smooth-SwiGLU (per-token / per-channel); default: the policy's, else off")
+    g.add_argument("--agoq-fp8-bf16-first-layers", type=int, default=None, metavar="N",
+                   help="keep the first N layers in bf16 under FP8 (default 1)")
+    g.add_argument("--agoq-fp8-bf16-last-layers", type=int, default=None, metavar="N",
+                   help="keep the last N layers in bf16 under FP8 (default 1)")
+    g.add_argument("--agoq-fp8-amax-history-len", type=int, default=None, metavar="N",
+                   help="FP8 delayed scaling: amaxes kept per tensor (default 16)")
+    return parser
+
+
+AGOQ_SWITCHES = ("agoq_grads", "agoq_grads_mode", "agoq_grads_error_feedback", "agoq_grad_transport", "agoq_policy",
+                 "agoq_moments", "agoq_master", "agoq_unfused", "agoq_small_numel", "agoq_gradient_release",
+                 "agoq_sgd_momentum", "agoq_sgd_nesterov", "agoq_lion_beta1", "agoq_lion_beta2", "agoq_fp8",
+                 "agoq_smooth_swiglu", "agoq_fp8_bf16_first_layers", "agoq_fp8_bf16_last_layers",
+                 "agoq_fp8_amax_history_len")
+"""Flags that set an agoq feature (all but --agoq-disable and --agoq-attention): refused with --agoq-disable."""
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _given(args, dest: str) -> bool:
+    value = getattr(args, dest, None)
+    return value not in (None, False) and not (dest == "agoq_optimizer" and value == "torch")
+
+
+def check_megatron_args(args: argparse.Namespace) -> None:
+    """Raise ValueError / NotImplementedError naming the flag and the fix for combinations agoq cannot run
+    under ``megatron.training`` (Megatron's own validation has run: ``parse_and_validate_args``)."""
+    if args.agoq_disable:
+        extra = [_flag(d) for d in AGOQ_SWITCHES if _given(args, d)]
+        if args.agoq_optimizer != "torch":
+            extra.append("--agoq-optimizer")
+        if extra:
+            raise ValueError(f"--agoq-disable runs the plain Megatron baseline; drop {', '.join(extra)}")
+    if getattr(args, "transformer_impl", "local") != "local":
+        raise ValueError(f"--transformer-impl {args.transformer_impl}: agoq builds on Megatron's local spec; add "
+                         "--transformer-impl local (for Megatron's Transformer Engine baseline run Megatron-LM's "
+                         "pretrain_gpt.py)")
+    if args.agoq_gradient_release:
+        raise NotImplementedError("--agoq-gradient-release steps the optimizer inside backward, which "
+                                  "megatron.training's train_step cannot host; run it with scripts/pretrain_llama.py "
+                                  "or drop the flag")
+    if args.agoq_attention == "sdpa" and args.attention_dropout:
+        raise ValueError(f"--agoq-attention sdpa runs without attention dropout, got --attention-dropout "
+                         f"{args.attention_dropout}; add --attention-dropout 0 or use --agoq-attention megatron")
+    if args.agoq_disable:
+        return
+    for dest, wanted, fix in LLAMA_FLAGS:
+        if getattr(args, dest, None) != wanted:
+            raise ValueError(f"agoq's layers are LLaMA's ({fix[2:].split()[0]}: {getattr(args, dest, None)!r}); add "
+                             f"{fix}, or --agoq-disable for the plain Megatron model")
+    if args.fp16:
+        raise ValueError("--fp16: agoq runs bf16 (--bf16) or fp32 parameters; use --bf16, or --agoq-disable")
+    modules = list(getattr(args, "recompute_modules", None) or ["core_attn"])
+    if args.recompute_granularity == "selective" and modules != ["core_attn"]:
+        raise ValueError(f"--recompute-modules {' '.join(modules)}: with agoq's layers, selective recompute covers "
+                         "core attention only (its linears, norms and SwiGLU store per the policy); use "
+                         "--recompute-modules core_attn, or --recompute-granularity full")
+    if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
+        raise ValueError("--use-torch-fsdp2 / --use-megatron-fsdp: agoq's gradients and optimizer hook Megatron's "
+                         "DistributedDataParallel; drop the FSDP flag (--use-distributed-optimizer shards states)")
+    _check_optimizer_flags(args)
+
+
+def _check_optimizer_flags(args: argparse.Namespace) -> None:
+    if args.agoq_optimizer == "torch":
+        for dest in ("agoq_moments", "agoq_master", "agoq_small_numel", "agoq_unfused"):
+            if _given(args, dest):
+                raise ValueError(f"{_flag(dest)} sets agoq's optimizer, but --agoq-optimizer is torch (Megatron's "
+                                 f"optimizer); add --agoq-optimizer adamw (or lion / sgd), or drop {_flag(dest)}")
+        return
+    if args.optimizer != "adam":
+        raise ValueError(f"--optimizer {args.optimizer} with --agoq-optimizer {args.agoq_optimizer}: agoq's "
+                         "optimizer replaces Megatron's; drop --optimizer (or --agoq-optimizer)")
+    for dest, why in (("use_precision_aware_optimizer", "agoq keeps its own state formats"),
+                      ("optimizer_cpu_offload", "agoq's states live on the GPU"),
+                      ("decoupled_lr", "agoq's optimizer has one learning rate per step"),
+                      ("use_layer_wise_distributed_optimizer", "agoq shards through Megatron's distributed "
+                                                                "optimizer (--use-distributed-optimizer)")):
+        if getattr(args, dest, None) not in (None, False):
+            raise ValueError(f"{_flag(dest)} with --agoq-optimizer {args.agoq_optimizer}: {why}; drop one of the two")
+
+
+def agoq_config_from_megatron_args(args: argparse.Namespace) -> AgoqConfig:
+    """The run's ``AgoqConfig`` from Megatron's parsed and validated args (``args`` is not changed).
+
+    The policy file is loaded once (``--agoq-policy``, default configs/policy/agoq.yaml); the flags of
+    :func:`add_agoq_args` and Megatron's ``--recompute-granularity`` / ``--recompute-num-layers`` /
+    ``--grad-reduce-in-bf16`` map onto the config as in ``scripts/pretrain_llama.py``."""
+    check_megatron_args(args)
+    values = dict(vars(args))
+    values["agoq_device"] = "cuda"  # megatron.training is CUDA-only (initialize_megatron asserts it)
+    policy = None if args.agoq_disable else load_policy(Path(args.agoq_policy) if args.agoq_policy
+                                                         else DEFAULT_POLICY)
+    return AgoqConfig.from_flags(values, policy=policy)
+
+
+
+
+def gpt_model_options(args: argparse.Namespace):
+    """The model provider's options (``agoq.megatron.megatron_lm.GPTModelOptions``) from Megatron's parsed args."""
+    from agoq.megatron.megatron_lm import GPTModelOptions
+
+    return GPTModelOptions(
+        attention=args.agoq_attention, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        tokens_per_microbatch=args.seq_length * args.micro_batch_size,
+    )

@@ -1,0 +1,78 @@
+"""GPU: agoq through Megatron-LM's trainer (scripts/pretrain_gpt_agoq.py, ``megatron.training.pretrain``) trains
+exactly as agoq through its own trainer (scripts/pretrain_llama.py): same model, seed and data (the default
+dataset), one GPU, 20 iterations. Run: ``pytest tests/gpu -m gpu`` (needs megatron-core 0.19.2).
+
+Losses must be the same bits at every iteration: both trainers build the same TransformerConfig, weights
+(Megatron's CUDA RNG tracker, same seed), GPTDataset samples, gradients and optimizer steps (CPU twin:
+tests/megatron/test_megatron_lm.py, bit-identical too).
+
+Peaks (torch.cuda.max_memory_allocated at the end): the model, gradient buffers, optimizer states and saved
+activations are the same tensors in both (allocator traces in benchmarks/results/megatron_lm.json,
+tiny_agoq_default_peak_trace); each trainer's own loop adds its temporaries, which can move the peak:
+* megatron.training's loop (loss and grad-norm bookkeeping, its NaN check by norm): at most
+  MEGATRON_LOOP_BYTES above pretrain_llama.py (measured up to 3.2 MiB, benchmarks/results/megatron_lm.json);
+* pretrain_llama.py's non-finite check of the float gradient buffer (agoq.ops.nonfinite.nonfinite_in: 4 blocks,
+  33.70 MiB alive at its peak for the 19.26 MiB fp32 buffer in the trace, i.e. 7 bytes per element): at most
+  MEGATRON_LOOP_BYTES + NONFINITE_BYTES_PER_ELEMENT x parameters above megatron.training (measured 14.2 MiB
+  for the tiny agoq_default run, where the check sets pretrain_llama.py's peak).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from agoq.testing.procs import REPO_ROOT, child_env
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ITERS = 20
+MEGATRON_LOOP_BYTES = 4 * 2**20  # module docstring (measured <= 3.2 MiB)
+NONFINITE_BYTES_PER_ELEMENT = 7  # module docstring (measured in the allocator trace)
+
+
+def _bench():
+    path = REPO_ROOT / "benchmarks" / "bench_megatron_lm.py"
+    spec = importlib.util.spec_from_file_location("bench_megatron_lm", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_megatron_lm", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench_env(tmp_path_factory):
+    pytest.importorskip("megatron.training", reason="needs megatron-core 0.19.2 (megatron.training)")
+    bench = _bench()
+    env = child_env(AGOQ_CACHE=str(tmp_path_factory.mktemp("agoq_cache")), OMP_NUM_THREADS="2")
+    return bench, env, bench.default_data(env)
+
+
+@pytest.mark.parametrize("variant", ["baseline", "agoq_default", "agoq_full"])
+def test_megatron_training_matches_agoq_trainer(bench_env, tmp_path, variant):
+    bench, env, data = bench_env
+    flags = bench.VARIANTS[variant]
+    port = 29700 + sorted(bench.VARIANTS).index(variant) * 2
+    jobs = [(f"{variant}/megatron_training", bench.megatron_command("tiny", ITERS, flags, data, tmp_path / "m.jsonl",
+                                                                    port), tmp_path / "m.jsonl"),
+            (f"{variant}/pretrain_llama", bench.agoq_command("tiny", ITERS, flags, data, tmp_path / "a.jsonl",
+                                                             port + 1), tmp_path / "a.jsonl")]
+    with ThreadPoolExecutor(2) as pool:
+        mlm, own = pool.map(lambda j: bench.run_row(*j, env, 400), jobs)
+    for row in (mlm, own):
+        assert row["returncode"] == 0, f"{row['name']} failed:\n{row.get('output_tail', '')}"
+        assert len(row["losses"]) == ITERS, row
+    comparison = bench.compare(mlm, own)
+    assert comparison["bit_identical"], (comparison, mlm["losses"], own["losses"])
+    peaks = f"peak bytes: megatron.training {mlm['peak_bytes']}, pretrain_llama.py {own['peak_bytes']}"
+    layers, hidden, heads, groups, ffn, seq, _, _ = bench.SIZES["tiny"]
+    from agoq.megatron.model import LlamaShape
+
+    params = LlamaShape(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+                        ffn_hidden_size=ffn, seq_length=seq, vocab_size=4096).num_parameters()
+    assert mlm["peak_bytes"] - own["peak_bytes"] <= MEGATRON_LOOP_BYTES, peaks
+    assert own["peak_bytes"] - mlm["peak_bytes"] <= MEGATRON_LOOP_BYTES + NONFINITE_BYTES_PER_ELEMENT * params, peaks

@@ -1,0 +1,294 @@
+"""agoq in Megatron-LM's trainer (agoq/train/megatron_lm.py, agoq/megatron/megatron_lm.py, scripts/pretrain_gpt_agoq.py)
+on the CPU.
+
+* flags: ``add_agoq_args`` on Megatron's own parser (no clash with its ~1000 flags) offers every ``--agoq-*``
+  flag of scripts/pretrain_llama.py with the same choices;
+* config: Megatron's parsed args give the same ``AgoqConfig`` as pretrain_llama.py's for every benchmark
+  variant, and the documented Megatron flags give pretrain_llama.py's ``TransformerConfig``;
+* errors: combinations agoq cannot run raise, naming the flag and the fix;
+* patches: the handle's ``undo()`` puts Megatron's own objects back (identical), installing twice is refused;
+* end to end: ``megatron.training.pretrain`` runs on the CPU (tests/megatron/_megatron_lm_cpu.py) and its
+  losses are the same bits as pretrain_llama.py's, for the baseline and agoq's presets (GPU twin:
+  tests/gpu/test_megatron_lm_gpu.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import io
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from agoq.testing.procs import REPO_ROOT, child_env
+
+DRIVER = REPO_ROOT / "tests" / "megatron" / "_megatron_lm_cpu.py"
+SCRIPT = REPO_ROOT / "scripts" / "pretrain_gpt_agoq.py"
+
+
+def _bench():
+    path = REPO_ROOT / "benchmarks" / "bench_megatron_lm.py"
+    spec = importlib.util.spec_from_file_location("bench_megatron_lm", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_megatron_lm", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = _bench()
+DATA = {"prefix": "/data/text_document", "tokenizer": str(REPO_ROOT / "pyproject.toml")}  # parsing only
+
+
+def _megatron_args(monkeypatch, argv: list[str]) -> argparse.Namespace:
+    """Megatron's parse_args + validate_args with agoq's flags (no global state: no tokenizer, no timers)."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    from agoq.train.megatron_lm import add_agoq_args
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt_agoq.py", *argv])
+    args = parse_args(extra_args_provider=add_agoq_args)
+    with contextlib.redirect_stdout(io.StringIO()):
+        validate_args(args)
+    return args
+
+
+def _bench_megatron_argv(variant: str, extra: tuple[str, ...] = ()) -> list[str]:
+    command = BENCH.megatron_command("tiny", 20, BENCH.VARIANTS[variant], DATA, REPO_ROOT / "x.jsonl", 1)
+    argv = command[command.index(str(BENCH.MEGATRON_SCRIPT)) + 1:]
+    at = argv.index("--agoq-log-json")
+    return argv[:at] + argv[at + 2:] + list(extra)
+
+
+# -- flags ------------------------------------------------------------------------------------------
+
+def test_agoq_flags_join_megatron_parser_and_cover_the_trainer_flags():
+    from megatron.training.arguments import add_megatron_arguments
+
+    from agoq.train.args import build_parser
+    from agoq.train.megatron_lm import add_agoq_args
+
+    parser = add_agoq_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))  # raises on a clash
+    ours = {o: a for a in parser._actions for o in a.option_strings if o.startswith("--agoq-")}
+    trainer = {o: a for a in build_parser()._actions for o in a.option_strings if o.startswith("--agoq-")}
+    # --agoq-device: megatron.training is CUDA-only; --agoq-attention is the trainer's --attention-backend
+    assert set(trainer) - {"--agoq-device"} <= set(ours), set(trainer) - set(ours)
+    for flag in set(trainer) - {"--agoq-device"}:
+        assert ours[flag].dest == trainer[flag].dest, flag
+        assert ours[flag].choices == trainer[flag].choices, flag
+    assert ours["--agoq-attention"].choices == ("sdpa", "megatron")
+
+
+# -- config -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", sorted(BENCH.VARIANTS))
+def test_config_equals_the_trainers_for_the_same_flags(monkeypatch, variant):
+    from agoq.train.args import parse_args as trainer_parse_args
+    from agoq.train.megatron_lm import agoq_config_from_megatron_args
+
+    ours = agoq_config_from_megatron_args(_megatron_args(monkeypatch, _bench_megatron_argv(variant)))
+    trainer = trainer_parse_args([*BENCH.common_flags("tiny", 20), *BENCH.VARIANTS[variant]]).agoq_config
+    assert ours.device == "cuda"
+    assert dataclasses.replace(ours, device=trainer.device) == trainer
+
+
+# fields whose difference cannot change a single-GPU run's numbers (pretrain_llama.py vs Megatron's flags)
+NEUTRAL_FIELDS = {
+    "use_cpu_initialization": "False vs None (falsy both)",
+    "batch_p2p_sync": "pipeline-parallel p2p only",
+    "deallocate_pipeline_outputs": "pipeline-parallel only",
+    "cp_comm_type": "context parallelism only",
+    "inference_sampling_seed": "inference only",
+    "transformer_impl": "the layer spec is built by agoq, not from this field",
+    "tensor_parallel_num_weight_shards": "None vs 1: one shard",
+    "expert_tensor_parallel_num_weight_shards": "None vs 1: one shard",
+    "init_method": "compared by its keywords below",
+    "output_layer_init_method": "compared by its keywords below",
+    "embedding_init_method": "compared by its keywords below",
+}
+
+
+def test_documented_megatron_flags_give_the_trainers_transformer_config(monkeypatch):
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    from agoq.megatron.model import LlamaShape, ParallelLayout, llama_transformer_config
+
+    layers, hidden, heads, groups, ffn, seq, _, _ = BENCH.SIZES["tiny"]
+    ours = core_transformer_config_from_args(_megatron_args(monkeypatch, _bench_megatron_argv("agoq_default")))
+    shape = LlamaShape(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+                       ffn_hidden_size=ffn, seq_length=seq, vocab_size=4096)
+    trainer = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.bfloat16,
+                                       use_cpu_initialization=False)
+    differ = [f.name for f in dataclasses.fields(trainer)
+              if f.name not in NEUTRAL_FIELDS and getattr(trainer, f.name) != getattr(ours, f.name)]
+    assert differ == [], {name: (getattr(trainer, name), getattr(ours, name)) for name in differ}
+    for name in ("init_method", "output_layer_init_method", "embedding_init_method"):
+        assert getattr(trainer, name).func is getattr(ours, name).func, name
+        assert getattr(trainer, name).keywords == getattr(ours, name).keywords, name
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+REFUSED = [  # (flags added to the agoq_default command, error type, words the message must hold)
+    (["--transformer-impl", "transformer_engine"], ValueError, ["--transformer-impl", "--transformer-impl local"]),
+    (["--agoq-gradient-release"], NotImplementedError, ["--agoq-gradient-release", "scripts/pretrain_llama.py"]),
+    (["--agoq-disable", "--agoq-grads", "int8_b256"], ValueError, ["--agoq-disable", "drop --agoq-grads"]),
+    (["--agoq-disable", "--agoq-optimizer", "adamw"], ValueError, ["--agoq-disable", "--agoq-optimizer"]),
+    (["--agoq-moments", "fp8"], ValueError, ["--agoq-moments", "--agoq-optimizer adamw"]),
+    (["--agoq-optimizer", "adamw", "--optimizer", "sgd"], ValueError, ["--optimizer sgd", "drop --optimizer"]),
+    (["--agoq-optimizer", "adamw", "--use-precision-aware-optimizer"], ValueError,
+     ["--use-precision-aware-optimizer", "drop one"]),
+    (["--agoq-optimizer", "adamw", "--decoupled-lr", "1e-3"], ValueError, ["--decoupled-lr", "drop one"]),
+    (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp"], ValueError,
+     ["--recompute-modules core_attn mlp", "--recompute-modules core_attn"]),
+    (["--attention-dropout", "0.1"], ValueError, ["--attention-dropout", "--agoq-attention megatron"]),
+    (["--fp16"], ValueError, ["--fp16", "--bf16"]),
+    (["--agoq-grads", "uint8_b256"], ValueError, ["--agoq-grads uint8_b256", "signed"]),
+]
+
+
+def _without(argv: list[str], flag: str, nargs: int) -> list[str]:
+    at = argv.index(flag)
+    return argv[:at] + argv[at + 1 + nargs:]
+
+
+@pytest.mark.parametrize(("extra", "error", "words"), REFUSED, ids=[" ".join(r[0]) for r in REFUSED])
+def test_unsupported_combinations_name_the_flag_and_the_fix(monkeypatch, extra, error, words):
+    from agoq.train.megatron_lm import agoq_config_from_megatron_args
+
+    argv = _bench_megatron_argv("agoq_default")
+    if "--fp16" in extra:
+        argv = _without(argv, "--bf16", 0)
+    if "--transformer-impl" in extra:
+        argv = _without(argv, "--transformer-impl", 1)
+    args = _megatron_args(monkeypatch, argv + extra)
+    with pytest.raises(error) as info:
+        agoq_config_from_megatron_args(args)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+@pytest.mark.parametrize(("dest", "flag"), [("swiglu", "--swiglu"), ("normalization", "--normalization RMSNorm"),
+                                            ("add_bias_linear", "--disable-bias-linear")])
+def test_non_llama_model_flags_are_refused_with_agoq_on(monkeypatch, dest, flag):
+    from agoq.train.megatron_lm import agoq_config_from_megatron_args
+
+    args = _megatron_args(monkeypatch, _bench_megatron_argv("agoq_default"))
+    setattr(args, dest, {"swiglu": False, "normalization": "LayerNorm", "add_bias_linear": True}[dest])
+    with pytest.raises(ValueError, match=flag):
+        agoq_config_from_megatron_args(args)
+    args.agoq_disable = True  # the plain Megatron model takes any of Megatron's architectures
+    assert not agoq_config_from_megatron_args(args).enabled
+
+
+# -- patches ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def training_module():
+    import megatron.core.datasets.utils as dataset_utils
+    import megatron.training.training as mtt
+
+    originals = (mtt.DDP, mtt.get_megatron_optimizer, dataset_utils.compile_helpers)
+    yield mtt, dataset_utils, originals
+    assert (mtt.DDP, mtt.get_megatron_optimizer, dataset_utils.compile_helpers) == originals, "a test left a patch"
+
+
+@pytest.mark.parametrize("variant", ["baseline", "agoq_default", "agoq_full"])
+def test_install_patches_what_the_config_needs_and_undo_restores_megatron(monkeypatch, training_module, variant):
+    from megatron.core.distributed import DistributedDataParallel
+
+    from agoq.megatron.install import marked_seam
+    from agoq.megatron.megatron_lm import install_for_megatron_training
+    from agoq.train.megatron_lm import agoq_config_from_megatron_args
+
+    mtt, dataset_utils, (ddp, factory, compile_helpers) = training_module
+    config = agoq_config_from_megatron_args(_megatron_args(monkeypatch, _bench_megatron_argv(variant)))
+    handle = install_for_megatron_training(config)
+    try:
+        assert marked_seam(dataset_utils.compile_helpers) == "megatron_training.dataset_helpers"
+        if variant == "agoq_full":
+            assert marked_seam(mtt.DDP) == "megatron_training.ddp"
+            assert issubclass(mtt.DDP, DistributedDataParallel)  # train() checks isinstance(chunk, DDP)
+            assert marked_seam(mtt.get_megatron_optimizer) == "megatron_training.optimizer"
+        else:
+            assert mtt.DDP is ddp and mtt.get_megatron_optimizer is factory
+        with pytest.raises(RuntimeError, match="already patched"):
+            install_for_megatron_training(config)
+    finally:
+        handle.undo()
+    assert mtt.DDP is ddp and mtt.get_megatron_optimizer is factory and dataset_utils.compile_helpers is compile_helpers
+
+
+def test_compile_helpers_runs_no_make_when_the_wheels_module_imports(monkeypatch, training_module):
+    """The 0.19.2 wheel has helpers_cpp but no Makefile: Megatron's compile_helpers runs make, which fails, and
+    exits the process. agoq's replacement skips make when the compiled module imports."""
+    from agoq.megatron.megatron_lm import _compile_helpers_if_missing
+
+    _, dataset_utils, _ = training_module
+    from megatron.core.datasets import helpers_cpp  # noqa: F401 (the wheel's compiled module)
+
+    ran = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: ran.append(a) or subprocess.CompletedProcess(a, 2))
+    with pytest.raises(SystemExit):
+        dataset_utils.compile_helpers()  # Megatron's own: make fails -> sys.exit(1)
+    ran.clear()
+    _compile_helpers_if_missing(dataset_utils.compile_helpers)()
+    assert ran == []
+
+
+def test_megatron_training_contract_holds():
+    from agoq.megatron import compat
+    from agoq.megatron.megatron_lm import MEGATRON_TRAINING_CONTRACT
+
+    assert compat.contract_problems(MEGATRON_TRAINING_CONTRACT) == []
+
+
+# -- end to end on the CPU --------------------------------------------------------------------------
+
+CPU_ITERS = 3
+CPU_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+             "--ffn-hidden-size", "192", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
+             "--train-iters", str(CPU_ITERS), "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "1",
+             "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", "1234", "--split", "969,30,1"]
+
+
+@pytest.fixture(scope="module")
+def default_data(agoq_cache):
+    from agoq.train.data import ensure_default_dataset
+
+    paths = ensure_default_dataset(agoq_cache)
+    return {"prefix": str(paths.prefix), "tokenizer": str(paths.tokenizer_model)}
+
+
+def _run(command: list[str], port: int, tmp_path, log_name: str) -> list[float]:
+    env = child_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                    AGOQ_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    records = [json.loads(line) for line in (tmp_path / log_name).read_text().splitlines()]
+    return [r["lm_loss"] for r in records if "lm_loss" in r and "iteration" in r]
+
+
+@pytest.mark.parametrize("variant", ["baseline", "agoq_default", "agoq_full_distopt"])
+def test_megatron_training_on_cpu_trains_as_pretrain_llama(default_data, tmp_path, variant):
+    flags = BENCH.VARIANTS[variant]
+    megatron = [sys.executable, str(DRIVER), str(SCRIPT), *CPU_FLAGS, "--group-query-attention",
+                "--max-position-embeddings", "64", *BENCH.MEGATRON_EQUIVALENCE_FLAGS, "--data-path",
+                default_data["prefix"], "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
+                default_data["tokenizer"], "--distributed-backend", "gloo", "--use-cpu-initialization",
+                "--inference-rng-tracker", "--data-cache-path", str(tmp_path / "mcache"),
+                "--agoq-log-json", str(tmp_path / "m.jsonl"), *flags]
+    own = [sys.executable, str(REPO_ROOT / "scripts" / "pretrain_llama.py"), *CPU_FLAGS, "--data-path",
+           default_data["prefix"], "--tokenizer-model", default_data["tokenizer"], "--data-cache-dir",
+           str(tmp_path / "acache"), "--log-json", str(tmp_path / "a.jsonl"), *flags]
+    port = 29810 + 2 * sorted(BENCH.VARIANTS).index(variant)
+    with ThreadPoolExecutor(2) as pool:
+        ours, theirs = pool.map(lambda job: _run(job[0], job[1], tmp_path, job[2]),
+                                [(megatron, port, "m.jsonl"), (own, port + 1, "a.jsonl")])
+    assert len(ours) == CPU_ITERS and ours == theirs, (ours, theirs)  # the same bits, every iteration
