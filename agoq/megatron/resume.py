@@ -129,6 +129,7 @@ CONFIG_MAY_CHANGE = {
     "grads.mode": "--agoq-grads-mode",
     "grads.error_feedback": "--agoq-grads-error-feedback",
     "grads.reduce_in_bf16": "--grad-reduce-in-bf16",
+    "grads.transport": "--agoq-grad-transport",
     "optimizer.sgd_momentum": "--agoq-sgd-momentum",
     "optimizer.sgd_nesterov": "--agoq-sgd-nesterov",
     "optimizer.lion_beta1": "--agoq-lion-beta1",
