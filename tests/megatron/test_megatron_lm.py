@@ -292,3 +292,33 @@ def test_megatron_training_on_cpu_trains_as_pretrain_llama(default_data, tmp_pat
         ours, theirs = pool.map(lambda job: _run(job[0], job[1], tmp_path, job[2]),
                                 [(megatron, port, "m.jsonl"), (own, port + 1, "a.jsonl")])
     assert len(ours) == CPU_ITERS and ours == theirs, (ours, theirs)  # the same bits, every iteration
+
+
+# -- the documented commands --------------------------------------------------------------------------
+
+def _documented_command() -> list[str]:
+    import re
+    import shlex
+
+    text = (REPO_ROOT / "docs" / "megatron_lm.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()
+             if "pretrain_gpt_agoq.py" in line and not line.lstrip().startswith("#")]
+    assert len(lines) == 1, lines
+    tokens = shlex.split(lines[0])
+    return tokens[tokens.index("scripts/pretrain_gpt_agoq.py") + 1:]
+
+
+@pytest.mark.parametrize("preset", [["--agoq-disable"], [], ["--agoq-optimizer", "adamw", "--agoq-grads", "int8_b256"],
+                                    ["--agoq-optimizer", "adamw", "--agoq-grads", "int8_b256",
+                                     "--use-distributed-optimizer"]], ids=["baseline", "default", "full", "distopt"])
+def test_documented_command_and_presets_pass_megatrons_and_agoqs_checks(monkeypatch, preset):
+    """docs/megatron_lm.md's command (with each preset of its table) through Megatron's parse + validate and
+    agoq's config; the docs check (tests/unit/test_docs_commands.py) only parses it."""
+    from agoq.train.megatron_lm import agoq_config_from_megatron_args
+
+    argv = _documented_command() + preset
+    config = agoq_config_from_megatron_args(_megatron_args(monkeypatch, argv))
+    assert config.enabled == ("--agoq-disable" not in preset)
+    missing = {f for f in BENCH.MEGATRON_EQUIVALENCE_FLAGS if f.startswith("--")} - set(argv)
+    assert missing == set(), f"docs/megatron_lm.md's command lacks the reproducing flags {sorted(missing)}"
