@@ -254,7 +254,7 @@ def test_megatron_training_contract_holds():
 CPU_ITERS = 3
 CPU_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
              "--ffn-hidden-size", "192", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
-             "--train-iters", str(CPU_ITERS), "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "1",
+             "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "1",
              "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", "1234", "--split", "969,30,1"]
 
 
@@ -275,23 +275,55 @@ def _run(command: list[str], port: int, tmp_path, log_name: str) -> list[float]:
     return [r["lm_loss"] for r in records if "lm_loss" in r and "iteration" in r]
 
 
-@pytest.mark.parametrize("variant", ["baseline", "agoq_default", "agoq_full_distopt"])
-def test_megatron_training_on_cpu_trains_as_pretrain_llama(default_data, tmp_path, variant):
-    flags = BENCH.VARIANTS[variant]
-    megatron = [sys.executable, str(DRIVER), str(SCRIPT), *CPU_FLAGS, "--group-query-attention",
-                "--max-position-embeddings", "64", *BENCH.MEGATRON_EQUIVALENCE_FLAGS, "--data-path",
-                default_data["prefix"], "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
-                default_data["tokenizer"], "--distributed-backend", "gloo", "--use-cpu-initialization",
-                "--inference-rng-tracker", "--data-cache-path", str(tmp_path / "mcache"),
-                "--agoq-log-json", str(tmp_path / "m.jsonl"), *flags]
+# case -> (flags for megatron.training, flags for pretrain_llama.py); Megatron's full recompute names its method
+CPU_CASES = {
+    "baseline": (BENCH.VARIANTS["baseline"], BENCH.VARIANTS["baseline"]),
+    "agoq_default": (BENCH.VARIANTS["agoq_default"], BENCH.VARIANTS["agoq_default"]),
+    "agoq_full_distopt": (BENCH.VARIANTS["agoq_full_distopt"], BENCH.VARIANTS["agoq_full_distopt"]),
+    "agoq_recompute_full": (["--recompute-granularity", "full", "--recompute-method", "uniform",
+                             "--recompute-num-layers", "1"], ["--recompute-granularity", "full"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CPU_CASES))
+def test_megatron_training_on_cpu_trains_as_pretrain_llama(default_data, tmp_path, case):
+    megatron_flags, own_flags = CPU_CASES[case]
+    iters = ["--train-iters", str(CPU_ITERS)]
+    megatron = _megatron_cpu_command(default_data, tmp_path, "m.jsonl", [*megatron_flags, *iters])
     own = [sys.executable, str(REPO_ROOT / "scripts" / "pretrain_llama.py"), *CPU_FLAGS, "--data-path",
            default_data["prefix"], "--tokenizer-model", default_data["tokenizer"], "--data-cache-dir",
-           str(tmp_path / "acache"), "--log-json", str(tmp_path / "a.jsonl"), *flags]
-    port = 29810 + 2 * sorted(BENCH.VARIANTS).index(variant)
+           str(tmp_path / "acache"), "--log-json", str(tmp_path / "a.jsonl"), *own_flags, *iters]
+    port = 29810 + 2 * sorted(CPU_CASES).index(case)
     with ThreadPoolExecutor(2) as pool:
         ours, theirs = pool.map(lambda job: _run(job[0], job[1], tmp_path, job[2]),
                                 [(megatron, port, "m.jsonl"), (own, port + 1, "a.jsonl")])
     assert len(ours) == CPU_ITERS and ours == theirs, (ours, theirs)  # the same bits, every iteration
+
+
+def _megatron_cpu_command(default_data, tmp_path, log_name: str, extra: list[str]) -> list[str]:
+    return [sys.executable, str(DRIVER), str(SCRIPT), *CPU_FLAGS, "--group-query-attention",
+            "--max-position-embeddings", "64", *BENCH.MEGATRON_EQUIVALENCE_FLAGS, "--data-path",
+            default_data["prefix"], "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
+            default_data["tokenizer"], "--distributed-backend", "gloo", "--use-cpu-initialization",
+            "--inference-rng-tracker", "--data-cache-path", str(tmp_path / "mcache"),
+            "--agoq-log-json", str(tmp_path / log_name), *extra]
+
+
+@pytest.mark.parametrize("variant", ["agoq_full", "agoq_full_distopt"])
+def test_megatron_save_and_load_resume_bit_identically(default_data, tmp_path, variant):
+    """Megatron's own --save / --exit-interval / --load with agoq's optimizer states (compressed, through
+    sharded_state_dict) and 8-bit gradients: the resumed iterations equal the uninterrupted run's. On the CPU
+    --no-load-rng: the test driver has no CUDA RNG state to restore (dropout is 0, nothing draws from it)."""
+    flags = [*BENCH.VARIANTS[variant], "--train-iters", "4"]
+    ckpt = str(tmp_path / "ckpt")
+    port = 29840 + 4 * ["agoq_full", "agoq_full_distopt"].index(variant)
+    straight = _run(_megatron_cpu_command(default_data, tmp_path, "a.jsonl", flags), port, tmp_path, "a.jsonl")
+    first = _run(_megatron_cpu_command(default_data, tmp_path, "b.jsonl", [*flags, "--save", ckpt, "--save-interval",
+                                                                            "2", "--exit-interval", "2"]),
+                 port + 1, tmp_path, "b.jsonl")
+    resumed = _run(_megatron_cpu_command(default_data, tmp_path, "c.jsonl", [*flags, "--load", ckpt, "--no-load-rng"]),
+                   port + 2, tmp_path, "c.jsonl")
+    assert len(straight) == 4 and first == straight[:2] and resumed == straight[2:], (straight, first, resumed)
 
 
 # -- the documented commands --------------------------------------------------------------------------
