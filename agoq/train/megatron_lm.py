@@ -167,8 +167,9 @@ def _check_optimizer_flags(args: argparse.Namespace) -> None:
     for dest, why in (("use_precision_aware_optimizer", "agoq keeps its own state formats"),
                       ("optimizer_cpu_offload", "agoq's states live on the GPU"),
                       ("decoupled_lr", "agoq's optimizer has one learning rate per step"),
-                      ("use_layer_wise_distributed_optimizer", "agoq shards through Megatron's distributed "
-                                                                "optimizer (--use-distributed-optimizer)")):
+                      ("use_mup", "agoq's param groups do not take muP's per-group learning rates"),
+                      ("apply_wd_to_qk_layernorm", "agoq's param groups exempt every 1-D parameter from weight "
+                                                   "decay (Megatron's standard rule)")):
         if getattr(args, dest, None) not in (None, False):
             raise ValueError(f"{_flag(dest)} with --agoq-optimizer {args.agoq_optimizer}: {why}; drop one of the two")
 
