@@ -196,6 +196,23 @@ def dp2_link_suite(smoke: bool) -> list[dict]:
             for name, extra in {**variants, **(peer if link == "nvlink" and not smoke else {})}.items()]  # fmt: skip
 
 
+def dp2_transport_suite(smoke: bool) -> list[dict]:
+    """Issue 19: the same DP=2 ~1B steps as dp2_link on NVLink, agoq full only, with and without the distributed
+    optimizer (8-bit store reduced to its owners / all-reduced in place), over the NCCL transport and the NVLink
+    peer transport (--agoq-grad-transport): what the transport alone changes in a whole step."""
+    shape, common = "1b", SHAPES["1b"] + COMMON + ["--train-iters", "6"]
+    batch = ["--micro-batch-size", "4", "--global-batch-size", "16"]
+    if smoke:
+        shape, common = "tiny", SHAPES["tiny"] + COMMON[2:] + ["--seq-length", "64", "--train-iters", "4"]
+        batch = ["--micro-batch-size", "2", "--global-batch-size", "8"]
+    full = ["--agoq-grads", "int8_b256", "--agoq-optimizer", "adamw", "--overlap-grad-reduce"]
+    layouts = {"distributed optimizer": ["--use-distributed-optimizer"], "no distributed optimizer": []}
+    transports = ("nccl",) if smoke else ("nccl", "peer")
+    return [{"name": f"{shape}/dp2/agoq full/{layout}/{t} transport", "nproc": 2,
+             "args": common + batch + full + extra + ["--agoq-grad-transport", t]}
+            for layout, extra in layouts.items() for t in transports]
+
+
 def grads_suite(smoke: bool) -> list[dict]:
     """Issue 5 (a): the memory suite's equal-batch shape (~1B, PP=1, one GPU, micro-batch 4, global batch 16,
     default activation policy), only the four variants that show what the 8-bit gradient store costs or saves:
@@ -516,7 +533,7 @@ CAPACITY_PLANS = {"capacity_1gpu": ("llama3-8b", 1), "capacity_4gpu": ("llama-32
 
 SUITES = {"act_host": act_host_suite, "pp2_interleaved": pp2_interleaved_suite, "attention": attention_suite,
           "fp8_scale": fp8_scale_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite,
-          "grads": grads_suite, "dp2": dp2_suite, "dp2_link": dp2_link_suite, "release": release_suite,
+          "grads": grads_suite, "dp2": dp2_suite, "dp2_link": dp2_link_suite, "dp2_transport": dp2_transport_suite, "release": release_suite,
           "pp4_interleaved": pp4_interleaved_suite, "pp4_distopt": pp4_distopt_suite, "dp2_pp2": dp2_pp2_suite,
           "capacity_1gpu": capacity_1gpu_suite, "capacity_4gpu": capacity_4gpu_suite,
           "equal_memory_1b": equal_memory_1b_suite, "equal_memory_8b_pp4": equal_memory_8b_pp4_suite}

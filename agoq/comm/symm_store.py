@@ -104,7 +104,6 @@ class SymmetricBlocks:
         self.codes_u8.zero_()
         self.scales.zero_()
         self._tables: dict[tuple[int, int], tuple] = {}  # (first, last) block -> rows + address tables
-        self._fp32 = None  # chunk of fp32 sums (reduce to owners), reused
         _ALLOCATED_BYTES[0] += self.buffer.numel()
 
     def __del__(self):
@@ -154,13 +153,14 @@ class SymmetricBlocks:
         lo, hi = ranges[self.rank]
         chunk = max(1, min(chunk_blocks, hi - lo))
         block = self.fmt.block
-        if self._fp32 is None or self._fp32.numel() < chunk * block:
-            self._fp32 = torch.empty(chunk * block, dtype=torch.float32, device=self.buffer.device)
+        # one chunk of fp32 sums per call, returned to the caching allocator at the end (kept per store, it
+        # cost ~1 GiB over the 28 buckets of a ~1B model at DP=2: benchmarks/results/dp2_link.json, 13:08 run)
+        fp32 = torch.empty(chunk * block, dtype=torch.float32, device=self.buffer.device)
         self.handle.barrier(channel=0)
         for first in range(lo, hi, chunk):
             last = min(hi, first + chunk)
             codes, scales, tables = self._rows(first, last)
-            out = self._fp32[: (last - first) * block]
+            out = fp32[: (last - first) * block]
             reduce_peer_rows(codes, scales, self.fmt, average=average, post_scale=post_scale, out=out,
                              out_numel=out.numel(), tables=tables)
             consume(first, out)
