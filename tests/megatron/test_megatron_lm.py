@@ -20,6 +20,7 @@ import dataclasses
 import importlib.util
 import io
 import json
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -269,7 +270,14 @@ def default_data(agoq_cache):
     return {"prefix": str(paths.prefix), "tokenizer": str(paths.tokenizer_model)}
 
 
-def _run(command: list[str], port: int, tmp_path, log_name: str) -> list[float]:
+def _free_port() -> int:
+    with socket.socket() as sock:  # xdist runs other modules' launches beside these: no fixed port
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run(command: list[str], port: int | None, tmp_path, log_name: str) -> list[float]:
+    port = port or _free_port()
     env = child_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                     AGOQ_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
@@ -296,10 +304,9 @@ def test_megatron_training_on_cpu_trains_as_pretrain_llama(default_data, tmp_pat
     own = [sys.executable, str(REPO_ROOT / "scripts" / "pretrain_llama.py"), *CPU_FLAGS, "--data-path",
            default_data["prefix"], "--tokenizer-model", default_data["tokenizer"], "--data-cache-dir",
            str(tmp_path / "acache"), "--log-json", str(tmp_path / "a.jsonl"), *own_flags, *iters]
-    port = 29810 + 2 * sorted(CPU_CASES).index(case)
     with ThreadPoolExecutor(2) as pool:
-        ours, theirs = pool.map(lambda job: _run(job[0], job[1], tmp_path, job[2]),
-                                [(megatron, port, "m.jsonl"), (own, port + 1, "a.jsonl")])
+        ours, theirs = pool.map(lambda job: _run(job[0], None, tmp_path, job[1]),
+                                [(megatron, "m.jsonl"), (own, "a.jsonl")])
     assert len(ours) == CPU_ITERS and ours == theirs, (ours, theirs)  # the same bits, every iteration
 
 
@@ -319,13 +326,12 @@ def test_megatron_save_and_load_resume_bit_identically(default_data, tmp_path, v
     --no-load-rng: the test driver has no CUDA RNG state to restore (dropout is 0, nothing draws from it)."""
     flags = [*BENCH.VARIANTS[variant], "--train-iters", "4"]
     ckpt = str(tmp_path / "ckpt")
-    port = 29840 + 4 * ["agoq_full", "agoq_full_distopt"].index(variant)
-    straight = _run(_megatron_cpu_command(default_data, tmp_path, "a.jsonl", flags), port, tmp_path, "a.jsonl")
+    straight = _run(_megatron_cpu_command(default_data, tmp_path, "a.jsonl", flags), None, tmp_path, "a.jsonl")
     first = _run(_megatron_cpu_command(default_data, tmp_path, "b.jsonl", [*flags, "--save", ckpt, "--save-interval",
                                                                             "2", "--exit-interval", "2"]),
-                 port + 1, tmp_path, "b.jsonl")
+                 None, tmp_path, "b.jsonl")
     resumed = _run(_megatron_cpu_command(default_data, tmp_path, "c.jsonl", [*flags, "--load", ckpt, "--no-load-rng"]),
-                   port + 2, tmp_path, "c.jsonl")
+                   None, tmp_path, "c.jsonl")
     assert len(straight) == 4 and first == straight[:2] and resumed == straight[2:], (straight, first, resumed)
 
 
