@@ -62,6 +62,7 @@ from agoq.ops.saved_act import (
     SavedBytesCounter,
     SavePaths,
     default_saved_hooks_active,
+    eager_under_compile,
     quantized_saves,
     replace_saved_input,
     saved_input_handle,
@@ -191,6 +192,9 @@ class _AgoqLinearMixin:
         self.agoq_save_checked = False  # replace_saved_input verified which saved tensor is the input (first call)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
+        if torch.compiler.is_compiling() and (self.agoq_handoff is not None or self.agoq_fp8 is not None
+                                              or self.agoq_save.fmt is not None):
+            return _eager_linear_forward_impl(self, input, weight, *args, **kwargs)
         stash, col_scale = (None, None) if self.agoq_handoff is None else self.agoq_handoff.take()
         if self.agoq_fp8 is not None:
             return self._fp8_forward_impl(input, weight, stash, col_scale, args, kwargs)
@@ -274,6 +278,16 @@ class _AgoqLinearMixin:
             state = FP8ScalingState(self.agoq_fp8, device=device)
             self.__dict__["_agoq_fp8_state"] = state
         return state
+
+
+# Under torch.compile the saving (or FP8) linear runs eagerly, between graphs: it takes the recompute stash from
+# the hand-off, checks it feeds this very input tensor (data pointers), and hooks the saved input of Megatron's
+# autograd node (out.grad_fn), none of which a traced graph has (docs/activations.md, "Custom ops and
+# torch.compile"). Megatron's own linear breaks the graph here as well (a warnings.warn in
+# get_tensor_model_parallel_group_if_none, megatron-core 0.19.2).
+_eager_linear_forward_impl = eager_under_compile(
+    _AgoqLinearMixin._forward_impl, "linear storing its input quantized or recomputed (autograd-node hooks, "
+    "recompute hand-off) or running FP8 GEMMs")
 
 
 class AgoqColumnParallelLinear(_AgoqLinearMixin, ColumnParallelLinear):

@@ -14,8 +14,8 @@ kept for backward is quantized (agoq formats, :mod:`agoq.formats`). Three pieces
   quantized tensor (norm -> QKV / fc1, SwiGLU -> fc2).
 - :class:`SavedBytesCounter`: exact bytes packed, per (layer, role), plus live and peak bytes.
 
-Device dispatch (:func:`quant_ops`): CUDA tensors use the Triton kernels of
-:mod:`agoq.kernels.quant`, every other device the reference :mod:`agoq.ref.quant`; they produce
+Device dispatch (:func:`agoq.ops.dispatch.quant_ops`, re-exported here): CUDA tensors use the Triton kernels
+of :mod:`agoq.kernels.quant`, every other device the reference :mod:`agoq.ref.quant`; they produce
 identical codes (tests/kernels). The choice follows the tensor's device, is logged once per path,
 and never falls back silently (a CUDA tensor without Triton raises the ImportError).
 
@@ -24,8 +24,6 @@ Shape legend: T = tokens (any leading dims), H = hidden.
 
 from __future__ import annotations
 
-import logging
-import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from agoq.formats import QuantFormat
+from agoq.ops import custom_ops  # noqa: F401 (registers torch.ops.agoq.*: agoq.ops.custom_ops)
+from agoq.ops.dispatch import quant_ops
 from agoq.ref.quant import QuantizedTensor
 
 __all__ = [
@@ -45,11 +45,8 @@ __all__ = [
     "replace_saved_input",
     "default_saved_hooks_active",
     "saved_input_handle",
+    "eager_under_compile",
 ]
-
-log = logging.getLogger("agoq.ops.saved_act")
-_LOGGED_PATHS: set[str] = set()
-_LOG_LOCK = threading.Lock()
 
 Key = tuple[int | None, str]  # (global 0-based layer index or None, role)
 
@@ -69,33 +66,14 @@ class SavePaths:
     """Linears replace Megatron's saved input through its own hooks (False: a saved-tensor hook scope)."""
 
 
-_OPS_BY_KIND: dict[str, tuple[Callable, Callable]] = {}  # host-side fast path: one lookup per call
-
-
-def quant_ops(device: torch.device) -> tuple[Callable, Callable]:
-    """(quantize, dequantize) for tensors on ``device``: Triton on CUDA, the reference elsewhere."""
-    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
-    ops = _OPS_BY_KIND.get(kind)
-    if ops is None:
-        ops = _OPS_BY_KIND[kind] = _resolve_quant_ops(kind)
-    return ops
-
-
-def _resolve_quant_ops(kind: str) -> tuple[Callable, Callable]:
-    if kind == "cuda":
-        from agoq.kernels.quant import dequantize, quantize  # lazily: needs Triton
-
-        path = "agoq.kernels.quant (Triton)"
-    else:
-        from agoq.ref.quant import ref_dequantize as dequantize
-        from agoq.ref.quant import ref_quantize as quantize
-
-        path = "agoq.ref.quant (reference)"
-    with _LOG_LOCK:
-        if kind not in _LOGGED_PATHS:
-            _LOGGED_PATHS.add(kind)
-            log.info("saved activations on %s tensors are quantized with %s", kind, path)
-    return quantize, dequantize
+# ------------------------------------------------------------------------ torch.compile ----
+def eager_under_compile(fn: Callable, reason: str) -> Callable:
+    """``fn`` as torch.compile must run it: eagerly, between graphs (``torch.compiler.disable``), because it
+    keeps Python state across autograd nodes that a graph cannot carry (``reason``: the byte counter's weak
+    references, the recompute stash handed from one node's forward to another's backward, hooks on an
+    autograd node's saved tensor); docs/activations.md, "Custom ops and torch.compile". Callers test
+    ``torch.compiler.is_compiling()`` first, so eager calls pay nothing for this."""
+    return torch.compiler.disable(fn, reason=f"agoq: {reason}")
 
 
 # ----------------------------------------------------------------------------- accounting ----

@@ -24,6 +24,7 @@ from agoq.ops.saved_act import (
     _Saved,
     _unpack_saved,
     default_saved_hooks_active,
+    eager_under_compile,
     quantize_saved,
 )
 
@@ -102,12 +103,19 @@ def rmsnorm_saving_input(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float,
     """
     if not (torch.is_grad_enabled() and (x_TH.requires_grad or weight_H.requires_grad)):
         return F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps), None  # nothing is saved
+    if torch.compiler.is_compiling():
+        return _rmsnorm_saving_input_eager(x_TH, weight_H, eps, fmt, key, counter, check_identity,
+                                           via_aten_node=via_aten_node)
     if via_aten_node and x_TH.is_cuda and not default_saved_hooks_active():
         y_TH = F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps)
         return y_TH, _hook_fused_norm_node(y_TH, x_TH, weight_H, eps, fmt, key, counter, check_identity)
     out: list = []
     y_TH = _RMSNormSavingInput.apply(x_TH, weight_H, eps, fmt, key, counter, out)
     return y_TH, out[0]
+
+
+_rmsnorm_saving_input_eager = eager_under_compile(
+    rmsnorm_saving_input, "RMSNorm saving its quantized input (byte counter, recompute stash for the next linear)")
 
 
 # CUDA: F.rms_norm's own autograd node (ATen's fused RMSNorm, C++ backward) with hooks on the two saved

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from agoq.formats import QuantFormat
-from agoq.ops.saved_act import Key, RecomputeStash, SavedBytesCounter, quantize_saved
+from agoq.ops.saved_act import Key, RecomputeStash, SavedBytesCounter, eager_under_compile, quantize_saved
 
 __all__ = ["smooth_swiglu_saving_input", "swiglu_reference", "swiglu_saving_input"]
 
@@ -130,6 +130,8 @@ def swiglu_saving_input(h_TF2: torch.Tensor, fmt: QuantFormat, key: Key, counter
     ``fuse=False`` takes the unfused quantize + ATen SwiGLU path on CUDA too (an A/B of benchmarks)."""
     if not (torch.is_grad_enabled() and h_TF2.requires_grad):
         return swiglu_reference(h_TF2, offset), None  # nothing is saved
+    if torch.compiler.is_compiling():
+        return _swiglu_saving_input_eager(h_TF2, fmt, key, counter, offset, fuse=fuse)
     out: list = []
     z_TF = _SwiGLUSavingInput.apply(h_TF2, offset, fmt, key, counter, None, out, fuse)
     return z_TF, out[0]
@@ -145,6 +147,14 @@ def smooth_swiglu_saving_input(h_TF2: torch.Tensor, scale_fn: Callable, fmt: Qua
             glu = swiglu_reference(h_TF2)
             s = scale_fn(h_TF2, glu)
         return _smoothed(glu, s), s, None
+    if torch.compiler.is_compiling():
+        return _smooth_swiglu_saving_input_eager(h_TF2, scale_fn, fmt, key, counter, fuse=fuse)
     out: list = []
     z_TF = _SwiGLUSavingInput.apply(h_TF2, 0.0, fmt, key, counter, scale_fn, out, fuse)
     return z_TF, out[1], out[0]
+
+
+_swiglu_saving_input_eager = eager_under_compile(
+    swiglu_saving_input, "SwiGLU saving its quantized input (byte counter, recompute stash for linear_fc2)")
+_smooth_swiglu_saving_input_eager = eager_under_compile(
+    smooth_swiglu_saving_input, "Smooth-SwiGLU saving its quantized input (byte counter, recompute stash)")
