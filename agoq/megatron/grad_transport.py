@@ -54,10 +54,15 @@ def peer_problems(group, device: torch.device, fmt: str) -> list[str]:
         problems.append("this torch has no torch.distributed._symmetric_memory")
     if problems:
         return problems
-    hosts: list = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    if len(set(hosts)) > 1:
-        problems.append(f"the group spans {len(set(hosts))} hosts (peer memory is one NVLink domain)")
+    mine = torch.device(device).index
+    mine = torch.cuda.current_device() if mine is None else mine
+    ranks: list = [None] * world
+    dist.all_gather_object(ranks, (socket.gethostname(), mine), group=group)
+    hosts = {host for host, _ in ranks}
+    if len(hosts) > 1:
+        problems.append(f"the group spans {len(hosts)} hosts (peer memory is one NVLink domain)")
+    elif not all(torch.cuda.can_device_access_peer(mine, other) for _, other in ranks if other != mine):
+        problems.append(f"GPU {mine} cannot access the memory of every peer GPU {[d for _, d in ranks]} (no P2P)")
     return problems
 
 
