@@ -7,10 +7,11 @@ GPU (the issue's benchmark, ~1B LLaMA, seq 4096)::
     python benchmarks/bench_memory.py --policies bf16 agoq agoq@legacy --mbs 1 2 4 --steps 8 --json out.json
 
 ``<policy>@<variant>[+<variant>]`` switches parts of the saved-activation host path for an A/B in one
-process: ``fnnorm`` (the RMSNorm through agoq's autograd function, not ATen's node), ``scope`` (linears
-replace their saved input through a hook scope, not the saved tensor's hooks), and ``legacy``, which
-runs the policy with agoq's direct Triton launches, launch sites, fused SwiGLU kernels and the RMSNorm on
-ATen's node switched off (benchmarks/bench_launch.py's ``legacy_launch`` and ``legacy_save_paths``): the code before
+process: ``atennorm`` (the CUDA RMSNorm on ATen's own node with hooks on its saved tensors, not agoq's autograd
+function), ``nodehooks`` (linears replace their saved input through that saved tensor's hooks, not a hook
+scope; both opt into private autograd attributes, agoq.ops.saved_act.SavePaths; before issue 24 they were the
+defaults, and the variants ``fnnorm`` / ``scope`` of older result files are today's defaults), and ``legacy``,
+which runs the policy with agoq's direct Triton launches, launch sites and fused SwiGLU kernels switched off (benchmarks/bench_launch.py's ``legacy_launch`` and ``legacy_save_paths``): the code before
 the host-cost work (its glue trimming stays), timed in the same process, so the comparison does not
 depend on the leased host's speed. Step times: ``--rounds`` interleaved rounds per micro-batch size (the
 ratios the docs quote, ``step_time_ratio_interleaved``). Peaks: ``peak_bytes`` is absolute and includes
@@ -172,8 +173,8 @@ def _variant_choices() -> dict:
     """Variant name -> (SavePaths overrides, uses the legacy launch path): the A/B of the saved-activation
     host path (options passed into the layer spec, no product switch flipped)."""
     return {"legacy": ({"norm_via_aten_node": False, "fuse_swiglu": False}, True),  # benchmarks/bench_launch.py
-            "fnnorm": ({"norm_via_aten_node": False}, False),  # RMSNorm as agoq's autograd function
-            "scope": ({"linear_via_node_hooks": False}, False)}  # linears: hook scope
+            "atennorm": ({"norm_via_aten_node": True}, False),  # RMSNorm on ATen's node (private hooks)
+            "nodehooks": ({"linear_via_node_hooks": True}, False)}  # linears: hooks on Megatron's node
 
 
 def _variant(spec: str):

@@ -11,9 +11,10 @@ Touches: spec substitution (the layer itself: ``agoq.megatron.transformer_layer`
   agoq's keywords); the private
   ``ColumnParallelLinear/RowParallelLinear._forward_impl(input, weight, *args, **kwargs)``, which
   calls ``LinearWithGradAccumulationAndAsyncCommunication`` (its ``ctx.save_for_backward(input,
-  weight)`` is what agoq intercepts: hooks on saved tensor 0 of the node it returns, checked per call by
-  node name and input identity, or a ``saved_tensors_hooks`` scope when another scope is already
-  active; its keyword arguments are the parameters of
+  weight)`` is what agoq intercepts: a ``saved_tensors_hooks`` scope around the call that matches the input
+  by identity (public; the default), or, opt-in (``SavePaths.linear_via_node_hooks``), hooks on saved tensor 0
+  of the node it returns, checked per call by ``Node.name()`` and input identity; its keyword arguments are the
+  parameters of
   ``linear_with_grad_accumulation_and_async_allreduce``, which the FP8 path reads);
   ``copy_to_tensor_model_parallel_region`` (the FP8 path's dgrad all-reduce); ``MLP.forward``
   (re-implemented for the recompute and Smooth-SwiGLU paths only); ``MLP.tp_group``;
@@ -71,9 +72,9 @@ from agoq.ops.saved_norm import rmsnorm_saving_input
 from agoq.ops.saved_swiglu import smooth_swiglu_saving_input, swiglu_reference, swiglu_saving_input
 from agoq.ops.smooth_swiglu import fold_channel_scale, glu_smooth_scale, unsmooth_fc2_output
 
-# The linears replace Megatron's saved input through that saved tensor's own hooks or a hook scope around
-# the call (SavePaths.linear_via_node_hooks=False: benchmarks/bench_memory.py's A/B; also what runs inside
-# another scope).
+# The linears replace Megatron's saved input through a hook scope around the call (the default, public) or,
+# opt-in, that saved tensor's own hooks (SavePaths.linear_via_node_hooks=True: benchmarks/bench_memory.py's A/B;
+# the scope still runs inside another active scope).
 # the autograd node of LinearWithGradAccumulationAndAsyncCommunication (it saves (input, weight))
 _MEGATRON_LINEAR_NODE = "LinearWithGradAccumulationAndAsyncCommunicationBackward"
 
@@ -215,8 +216,8 @@ class _AgoqLinearMixin:
             with quantized_saves(input, **kw):
                 return super()._forward_impl(input, weight, *args, **kwargs)
         out = super()._forward_impl(input, weight, *args, **kwargs)
-        # Megatron's ctx.save_for_backward(input, weight): replace saved tensor 0 (cheaper on the host than
-        # a hook scope, which also sends the weight through Python in forward and backward)
+        # Opt-in: Megatron's ctx.save_for_backward(input, weight): replace saved tensor 0 (cheaper per call on
+        # the host than a hook scope, which also sends the weight through Python in forward and backward)
         # (identity of the saved input checked on this module's first call; node and count on every call)
         replace_saved_input(out, input, node_name=_MEGATRON_LINEAR_NODE, index=0,
                             check_identity=not self.agoq_save_checked, **kw)

@@ -54,16 +54,23 @@ Key = tuple[int | None, str]  # (global 0-based layer index or None, role)
 @dataclass(frozen=True, kw_only=True)
 class SavePaths:
     """How agoq's layers run the saved-activation code on the host. Every choice stores the same bytes and
-    gives the same gradients (tests/gpu/test_saved_act_gpu.py); the non-defaults are the slower paths kept
-    for benchmarks' A/B (benchmarks/bench_memory.py variants, benchmarks/bench_launch.py legacy paths).
-    Passed to ``agoq.megatron.model.agoq_layer_spec(..., save_paths=...)``."""
+    gives the same gradients (tests/gpu/test_saved_act_gpu.py, tests/megatron/test_activations.py). The defaults
+    use public autograd mechanisms only (a custom ``autograd.Function`` with ``ctx.save_for_backward``, a
+    ``torch.autograd.graph.saved_tensors_hooks`` scope); the two ``*_via_*`` options opt into hooks on the
+    saved tensors of an autograd node torch built (``_raw_saved_*`` attributes, matched by ``Node.name()``),
+    which spare some host time per call but measured within noise of the defaults in whole steps
+    (docs/benchmarks/activations.md, variants ``fnnorm`` / ``scope`` of that run). ``fuse_swiglu=False`` is the
+    slower unfused path. Non-defaults are kept for benchmarks' A/B (benchmarks/bench_memory.py variants,
+    benchmarks/bench_launch.py legacy paths). Passed to ``agoq.megatron.model.agoq_layer_spec(..., save_paths=...)``."""
 
-    norm_via_aten_node: bool = True
-    """CUDA RMSNorm: ATen's fused node with hooks on its saved tensors (False: agoq's autograd function)."""
+    norm_via_aten_node: bool = False
+    """CUDA RMSNorm: True: ATen's fused node with hooks on its saved tensors (private ``_raw_saved_input`` /
+    ``_raw_saved_rstd``); False (default): agoq's autograd function."""
     fuse_swiglu: bool = True
     """CUDA SwiGLU: one fused quantize kernel (False: quantize + ATen SwiGLU, unfused)."""
-    linear_via_node_hooks: bool = True
-    """Linears replace Megatron's saved input through its own hooks (False: a saved-tensor hook scope)."""
+    linear_via_node_hooks: bool = False
+    """Linears: True: replace Megatron's saved input through hooks on its node's saved tensor (private
+    ``_raw_saved_tensors``); False (default): a ``saved_tensors_hooks`` scope around Megatron's linear."""
 
 
 # ------------------------------------------------------------------------ torch.compile ----
@@ -300,7 +307,9 @@ def _unpack_saved(obj):
 
 def default_saved_hooks_active() -> bool:
     """Whether a ``saved_tensors_hooks`` scope (activation offloading, torch.utils.checkpoint, ...) is active:
-    a tensor saved inside it already has hooks, so :func:`replace_saved_input` cannot add agoq's."""
+    a tensor saved inside it already has hooks, so :func:`replace_saved_input` cannot add agoq's. Only the
+    opt-in node-hook paths ask (SavePaths); torch has no public query of the active default hooks, hence the
+    private ``_top_saved_tensors_default_hooks``."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
@@ -349,7 +358,10 @@ def replace_saved_input(out: torch.Tensor, target: torch.Tensor, *, node_name: s
     if stash is not None:
         _check_stash_feeds(stash, target)
     node = out.grad_fn
-    raw = node._raw_saved_tensors if node is not None and type(node).__name__ == node_name else ()
+    # _raw_saved_tensors: the SavedTensor objects of a Python autograd.Function's node, documented with their
+    # register_hooks in torch's autograd notes ("Hooks for saved tensors") but underscored; no public way
+    # reaches one saved tensor of a node already built (the public scope, quantized_saves, is the default path)
+    raw = node._raw_saved_tensors if node is not None and node.name() == node_name else ()
     if len(raw) <= index:
         saved = None
     elif check_identity:
@@ -360,7 +372,7 @@ def replace_saved_input(out: torch.Tensor, target: torch.Tensor, *, node_name: s
                                                  and saved.shape == target.shape and saved.dtype == target.dtype)):
         raise RuntimeError(
             f"agoq: expected {node_name} to have saved its input as saved tensor {index} (layer/role {key}), got "
-            f"node {type(node).__name__ if node is not None else None} with {len(raw)} saved tensors; the wrapped "
+            f"node {node.name() if node is not None else None} with {len(raw)} saved tensors; the wrapped "
             "op changed (a megatron-core change): use a bf16 policy for this role or report it")
     raw[index].register_hooks(_PackQuantized(fmt, key, counter) if stash is None else _PackRecompute(stash),
                               _unpack_saved)

@@ -2,9 +2,11 @@
 §3.2) and hands the next linear a :class:`~agoq.ops.saved_act.RecomputeStash`, so that linear stores nothing.
 
 Two implementations with the same stored bytes and the same gradient bits (tests/gpu/test_saved_act_gpu.py):
-on CUDA, ``F.rms_norm``'s own ATen node (``FusedRmsNormBackward0``) with hooks on its two saved activations
-(``via_aten_node=True``, the default; no Python autograd function per norm: docs/activations.md, "Host cost");
-elsewhere, and with ``via_aten_node=False``, agoq's autograd function :class:`_RMSNormSavingInput`.
+agoq's autograd function :class:`_RMSNormSavingInput` (public mechanisms only: ``ctx.save_for_backward`` and a
+stash on ``ctx``; the default, and the only one off CUDA), and, opt-in on CUDA (``via_aten_node=True``),
+``F.rms_norm``'s own ATen node (``FusedRmsNormBackward0``) with hooks on its two saved activations (no Python
+autograd function per norm, docs/activations.md "Host cost"; it reaches the node's private ``_raw_saved_input`` /
+``_raw_saved_rstd``, for which torch has no public equivalent).
 
 Shape legend: T = tokens (any leading dims), H = hidden.
 """
@@ -92,14 +94,14 @@ def _norm_recompute(weight_H: torch.Tensor, eps: float) -> Callable:
 
 def rmsnorm_saving_input(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float, fmt: QuantFormat, key: Key,
                          counter: SavedBytesCounter | None = None, check_identity: bool = True, *,
-                         via_aten_node: bool = True) -> tuple[torch.Tensor, RecomputeStash | None]:
+                         via_aten_node: bool = False) -> tuple[torch.Tensor, RecomputeStash | None]:
     """RMSNorm with the same forward values as ``torch.nn.RMSNorm``; keeps ``fmt``-quantized x only.
 
     Returns (y, stash); stash is None when nothing needs saving (no grad). Pass the stash to the
     next linear's :func:`quantized_saves` so it stores nothing either (its input is recomputed from
     the same quantized x). ``check_identity=False`` skips checking that the CUDA norm node saved ``x_TH``
     itself (its node type is checked on every call): for callers that checked on their first call.
-    ``via_aten_node=False`` uses agoq's autograd function on CUDA too (see ``_hook_fused_norm_node``).
+    ``via_aten_node=True`` hooks ATen's fused node on CUDA instead of agoq's function (``_hook_fused_norm_node``).
     """
     if not (torch.is_grad_enabled() and (x_TH.requires_grad or weight_H.requires_grad)):
         return F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps), None  # nothing is saved
@@ -121,8 +123,8 @@ _rmsnorm_saving_input_eager = eager_under_compile(
 # CUDA: F.rms_norm's own autograd node (ATen's fused RMSNorm, C++ backward) with hooks on the two saved
 # activations, instead of the Python autograd function above: the same stored bytes and the same gradient
 # bits (ATen's backward at x_hat with rstd(x_hat), as the function computes), without a Python
-# Function's forward / backward per norm (docs/activations.md, "Host cost"). rmsnorm_saving_input's
-# ``via_aten_node=False`` (the layers' ``SavePaths.norm_via_aten_node``): the function (A/B).
+# Function's forward / backward per norm (docs/activations.md, "Host cost"). Opt-in: rmsnorm_saving_input's
+# ``via_aten_node=True`` (the layers' ``SavePaths.norm_via_aten_node``); the default is the function.
 _FUSED_NORM_NODE = "FusedRmsNormBackward0"
 _NORM_RSTD_ATTRS = ("_raw_saved_rstd", "_raw_saved_result1")  # the name of its second output, by torch version
 
@@ -133,10 +135,10 @@ def _hook_fused_norm_node(y_TH, x_TH, weight_H, eps, fmt, key, counter, check_id
     node = y_TH.grad_fn
     raw_x = getattr(node, "_raw_saved_input", None)
     raw_rstd = getattr(node, _NORM_RSTD_ATTRS[0], None) or getattr(node, _NORM_RSTD_ATTRS[1], None)
-    if type(node).__name__ != _FUSED_NORM_NODE or raw_x is None or raw_rstd is None \
+    if node is None or node.name() != _FUSED_NORM_NODE or raw_x is None or raw_rstd is None \
             or (check_identity and node._saved_input.data_ptr() != x_TH.data_ptr()):
         raise RuntimeError(
-            f"agoq: F.rms_norm on CUDA made a {type(node).__name__} node, not ATen's fused RMSNorm "
+            f"agoq: F.rms_norm on CUDA made a {node.name() if node is not None else None} node, not ATen's fused RMSNorm "
             f"({_FUSED_NORM_NODE} saving input and rstd) that agoq hooks (torch {torch.__version__}); pass "
             "via_aten_node=False to rmsnorm_saving_input (agoq's layers: "
             "agoq_layer_spec(..., save_paths=SavePaths(norm_via_aten_node=False))) to use agoq's autograd "

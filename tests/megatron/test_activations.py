@@ -234,7 +234,8 @@ def test_inside_an_outer_saved_tensors_scope_the_same_storage_and_gradients(mcor
 def test_save_paths_option_reaches_every_agoq_module(mcore_world1, monkeypatch):
     """agoq_layer_spec(save_paths=...) is how a caller (a benchmark's A/B) picks the host path of the
     saved-activation code (no module constant to flip): every agoq module of the model gets it, the
-    linears then go through a hook scope, and bytes and gradients stay those of the default path."""
+    linears then hook Megatron's node instead of the default hook scope, and bytes and gradients stay those
+    of the default path."""
     from agoq.megatron import layers
     from agoq.megatron.activations import agoq_modules
     from agoq.ops.saved_act import SavePaths
@@ -247,7 +248,7 @@ def test_save_paths_option_reaches_every_agoq_module(mcore_world1, monkeypatch):
         return real_scope(*args, **kwargs)
 
     monkeypatch.setattr(layers, "quantized_saves", counting_scope)
-    paths = SavePaths(linear_via_node_hooks=False)
+    paths = SavePaths(linear_via_node_hooks=True)
     ref, ref_storage = _build("agoq")
     model, storage = _build("agoq", reference=ref, save_paths=paths)
     for layer in model.decoder.layers:
@@ -261,7 +262,7 @@ def test_save_paths_option_reaches_every_agoq_module(mcore_world1, monkeypatch):
         loss.backward()
         results[-1] += ({n: p.grad.detach().clone() for n, p in m.named_parameters()},)
     (scopes_ref, packed_ref, grads_ref), (scopes_new, packed_new, grads_new) = results
-    assert scopes_ref == 0 and scopes_new > 0  # the option switched the linears' path
+    assert scopes_ref > 0 and scopes_new == 0  # the option switched the linears' path
     assert packed_ref == packed_new and packed_ref
     for name, grad in grads_ref.items():
         assert torch.equal(grad, grads_new[name]), name

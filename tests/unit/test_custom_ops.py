@@ -15,7 +15,6 @@ from agoq.ref.quant import ref_dequantize, ref_quantize
 from agoq.ref.swiglu import ref_swiglu_bwd_scaled, ref_swiglu_scaled
 from agoq.ref.swiglu_quant import ref_dequant_swiglu_bwd, ref_swiglu_quantize
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 OPCHECK_OK = {"test_schema": "SUCCESS", "test_autograd_registration": "SUCCESS", "test_faketensor": "SUCCESS",
               "test_aot_dispatch_dynamic": "SUCCESS"}
 
