@@ -129,7 +129,11 @@ CONTRACT: tuple[Symbol, ...] = (
            params=("params", "param_data", "grad_data", "offset", "numel_unpadded", "gradient_scaling_factor",
                    "bucket_id", "param_index_map", "params_with_extra_main_grads")),
     Symbol("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBuffer",
-           "grad_data storage released / re-allocated", attrs=("scale_gradients", "reset")),
+           "store mode: grad_data allocated on meta by deferred_grad_buffer.GradBufferOnMeta during __init__ "
+           "(torch.zeros(..., requires_grad=False), param_data first under the distributed optimizer: checked "
+           "after construction); grad_data / bucket.grad_data / main_grad re-pointed by DeferredGradBuffer",
+           params=("ddp_config", "param_dtype", "grad_dtype", "params_with_names", "nccl_ub"),
+           attrs=("scale_gradients", "reset")),
     Symbol("megatron.core.distributed:DistributedDataParallelConfig", "ddp fields read by agoq",
            fields=("use_distributed_optimizer", "overlap_grad_reduce", "average_in_collective",
                    "check_for_nan_in_grad", "check_for_large_grads", "num_distributed_optimizer_instances",

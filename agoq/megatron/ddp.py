@@ -11,6 +11,10 @@ Touches (megatron-core 0.19.2, ``megatron/core/distributed/``):
     by the install handle; ../shared/spec/megatron.md §1.3), which overrides
     ``start_grad_sync``, ``check_grads`` and ``finish_grad_sync`` (Megatron's, then agoq's
     post-reduction step; Megatron's only needs a handle with ``wait()``).
+  * ``_ParamAndGradBuffer.__init__``'s gradient-buffer allocation (store mode): Megatron's constructor runs
+    under agoq/megatron/deferred_grad_buffer.py's scoped ``TorchFunctionMode``, which puts that buffer on
+    the meta device; its bucket and ``main_grad`` views are placeholders, re-pointed at a real buffer
+    only by the materialize path (no full-size float buffer at construction; why this mechanism: there).
   * Reads ``_ParamAndGradBucket.{grad_data, params_list, param_to_index, gradient_scaling_factor,
     params_with_extra_main_grads}``, ``_ParamAndGradBucketGroup.{buckets, ddp_config,
     intra_distributed_optimizer_instance_group/_size/_rank, data_parallel_group,
@@ -27,15 +31,17 @@ Modes:
     distributed optimizer the owned fp32 shard is kept and the all-gather skipped). Megatron's
     gradient_scaling_factor is applied to the fp32 sum (no separate pass over the buffer).
   * ``store``: main_grad is accumulated in 8 bits (agoq/megatron/grad_store.py: one block grid per
-    parameter, dequant-add-requant in the backward post-hook) and Megatron's float grad buffer has no
-    storage. The reduction works on the 8-bit store directly (no float copy of the bucket): without
-    the distributed optimizer the reduced gradient stays 8-bit in the store, and either a reader
-    dequantizes it one parameter at a time (``agoq_set_lazy(True)``, done by agoq's optimizer through
+    parameter, dequant-add-requant in the backward post-hook) and Megatron's float grad buffer is not
+    allocated, not even at construction (meta placeholders, agoq/megatron/deferred_grad_buffer.py). The
+    reduction works on the 8-bit store directly (no float copy of the bucket): without the distributed
+    optimizer the reduced gradient stays 8-bit in the store, and either a reader dequantizes it one
+    parameter at a time (``agoq_set_lazy(True)``, done by agoq's optimizer through
     agoq/megatron/grad_reader.py) or, for optimizers that need every ``.grad`` at once (Megatron's
     torch optimizers), it is dequantized into the float buffer in ``finish_grad_sync`` (allocated
-    there, released in ``zero_grad_buffer``). With the distributed optimizer the owned shard's sum is
-    requantized in place into the 8-bit store (no float window, no float buffer) and the optimizer
-    reads it through agoq/megatron/grad_reader.py (``attach``; the reduction raises without it).
+    there and every bucket / main_grad view re-pointed at it; placeholders back in
+    ``zero_grad_buffer``). With the distributed optimizer the owned shard's sum is requantized in place
+    into the 8-bit store (no float window, no float buffer) and the optimizer reads it through
+    agoq/megatron/grad_reader.py (``attach``; the reduction raises without it).
 Kept: ``check_for_nan_in_grad`` (store mode: the same check on the norm of the 8-bit bucket; NaN
   blocks stay NaN through the reduction), gradient scaling, grad-norm clipping, loss scaling,
   ``overlap_grad_reduce`` (async handles; on CUDA the reduction runs on a side stream), TP / PP / VPP,
@@ -45,7 +51,7 @@ Not supported (raise): ``num_distributed_optimizer_instances > 1``; ``store`` wi
   promoted fp32 main_grads next to a bf16 buffer, or with ``reuse_grad_buf_for_mxfp8_param_ag``.
 Verified on: megatron-core 0.19.2 (CPU/gloo).
 When disabled: ``wrap_ddp_agoq(..., grad_format=None)`` builds Megatron's own DDP.
-Guarded by: tests/megatron/test_ddp_agoq.py.
+Guarded by: tests/megatron/test_ddp_agoq.py, tests/megatron/test_deferred_grad_buffer.py.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ from agoq.comm.pipeline import run_maybe_async
 from agoq.comm.reduce import allreduce_8bit, check_grad_format, reduce_scatter_8bit
 from agoq.comm.symm import allreduce_8bit_peer, reduce_scatter_8bit_peer
 from agoq.config import GradsConfig
+from agoq.megatron.deferred_grad_buffer import DeferredGradBuffer, GradBufferOnMeta, check_deferred
 from agoq.megatron.grad_store import BucketStore, finalize_touched
 from agoq.megatron.grad_transport import resolve_transport
 from agoq.megatron.install import mark, swap_class
@@ -214,14 +221,6 @@ class AgoqBucketGroup(_ParamAndGradBucketGroup):
 mark(AgoqBucketGroup, "ddp.bucket_group")
 
 
-def _ensure_allocated(grad_data: torch.Tensor) -> None:
-    storage = grad_data.untyped_storage()
-    wanted = (grad_data.storage_offset() + grad_data.numel()) * grad_data.element_size()
-    if storage.nbytes() < wanted:
-        storage.resize_(wanted)
-        grad_data.zero_()
-
-
 class AgoqDistributedDataParallel(DistributedDataParallel):
     """Megatron's DDP with 8-bit gradient reduction (and, in ``store`` mode, 8-bit main_grad)."""
 
@@ -229,8 +228,17 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
                  module: torch.nn.Module, disable_bucketing: bool = False, pg_collection=None, *,
                  grad: GradConfig):
         _check_supported(config, ddp_config, grad)
-        super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing,
-                         pg_collection=pg_collection)
+        if grad.mode == "store":  # Megatron's float grad buffer: meta placeholders (deferred_grad_buffer.py)
+            with GradBufferOnMeta(distributed_optimizer=ddp_config.use_distributed_optimizer) as on_meta:
+                super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing,
+                                 pg_collection=pg_collection)
+            check_deferred(self.buffers + self.expert_parallel_buffers, on_meta)
+            self._agoq_float_buffers = {id(b): DeferredGradBuffer(b, on_meta.device_of(b.grad_data))
+                                        for b in self.buffers + self.expert_parallel_buffers}
+        else:
+            super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing,
+                             pg_collection=pg_collection)
+            self._agoq_float_buffers = {}
         self.agoq_grad = grad
         self._agoq_store_of: dict = {}  # param -> BucketStore
         touched = {p for name, p in self.module.named_parameters() if finalize_touched(p, name)}
@@ -242,8 +250,6 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
             bg.agoq_transport = self._transport_of(self._reduction_group(bg))
             bg.agoq_stores = self._build_stores(bg, touched) if grad.mode == "store" else None
             bg.agoq_on_reduced = self._allocate_float_buffer_of
-        if grad.mode == "store":
-            self._release_float_buffers()
 
     def _build_stores(self, bucket_group, touched: set) -> list[BucketStore]:
         if any(b.params_with_extra_main_grads for b in bucket_group.buckets):
@@ -256,7 +262,8 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
         peer_group = group if bucket_group.agoq_transport == "peer" else None
         stores = []
         for bucket in bucket_group.buckets:
-            store = BucketStore(bucket, self.agoq_grad.fmt, bucket.grad_data.device,
+            device = self._agoq_float_buffers[id(self._buffer_of(bucket))].device  # grad_data is meta here
+            store = BucketStore(bucket, self.agoq_grad.fmt, device,
                                 error_feedback=self.agoq_grad.error_feedback, world=world, rank=rank,
                                 touched=touched, chunk_bytes=self.agoq_grad.chunk_bytes, peer_group=peer_group)
             stores.append(store)
@@ -315,15 +322,25 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
             found = nonfinite_in(b.grad_data, found)
         return found is not None and bool(found)
 
+    def _buffer_of(self, bucket):
+        return next(b for b in self.buffers + self.expert_parallel_buffers
+                    if any(x is bucket for x in b.buckets))
+
     def _allocate_float_buffer_of(self, bucket_group) -> None:
-        for buffer in self.buffers + self.expert_parallel_buffers:
-            if any(bucket in buffer.buckets for bucket in bucket_group.buckets):
-                _ensure_allocated(buffer.grad_data)
+        """Store mode, before materialize(): Megatron's float buffers of the group's buckets, allocated."""
+        for bucket in bucket_group.buckets:
+            self._agoq_float_buffers[id(self._buffer_of(bucket))].allocate()
 
     def _release_float_buffers(self) -> None:
-        """Free the float grad buffers' storage (views stay valid; re-allocated by materialize)."""
-        for buffer in self.buffers + self.expert_parallel_buffers:
-            buffer.grad_data.untyped_storage().resize_(0)
+        """Store mode: drop the float grad buffers (meta placeholders back; re-allocated by materialize)."""
+        for deferred in self._agoq_float_buffers.values():
+            deferred.release()
+
+    def agoq_float_grad_bytes(self) -> int:
+        """Bytes of Megatron's float grad buffers allocated now (store mode: 0 unless materialised)."""
+        if self.agoq_grad.mode == "store":
+            return sum(d.nbytes for d in self._agoq_float_buffers.values())
+        return sum(b.grad_data.untyped_storage().nbytes() for b in self.buffers + self.expert_parallel_buffers)
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter):
         default_hook = super()._make_backward_post_hook(param)
@@ -356,7 +373,7 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
     def scale_gradients(self, scaling_factor):
         if self.agoq_grad.mode != "store":
             return super().scale_gradients(scaling_factor)
-        if any(b.grad_data.untyped_storage().nbytes() > 0 for b in self.buffers + self.expert_parallel_buffers):
+        if any(d.allocated for d in self._agoq_float_buffers.values()):
             super().scale_gradients(scaling_factor)  # materialised: scale the float values as Megatron
         for store in self.stores():
             store.scale_(scaling_factor)
@@ -434,9 +451,12 @@ def grad_memory_report(model_chunks: list) -> dict:
     for chunk in model_chunks:
         for buffer in chunk.buffers + chunk.expert_parallel_buffers:
             numel += sum(p.numel() for p in buffer.params)
-            float_bytes += buffer.grad_data.untyped_storage().nbytes()
         if isinstance(chunk, AgoqDistributedDataParallel):
+            float_bytes += chunk.agoq_float_grad_bytes()
             quant_bytes += sum(q.nbytes for q in chunk.quantized_grad_buffers())
+        else:
+            float_bytes += sum(b.grad_data.untyped_storage().nbytes()
+                               for b in chunk.buffers + chunk.expert_parallel_buffers)
     total = float_bytes + quant_bytes
     return {"grad_numel": numel, "grad_float_bytes": float_bytes, "grad_quant_bytes": quant_bytes,
             "grad_bytes_per_param": total / max(numel, 1)}

@@ -14,6 +14,9 @@ Touches: whatever the registered seams and runtime changes touch; each is named 
     (Megatron's ``DistributedOptimizer`` reading the 8-bit shard, agoq/megatron/grad_reader.py) and
     ``checkpoint.results_queue`` (``filesystem_async._results_queue`` from a signal-proof manager,
     agoq/megatron/checkpoint.py).
+  * Scoped, nothing to undo: ``ddp.deferred_grad_buffer`` (a ``TorchFunctionMode`` active only while
+    agoq's DDP runs Megatron's DDP constructor in store mode, popped on return or error; marked;
+    agoq/megatron/deferred_grad_buffer.py).
   Spec substitutions (SDPA attention, agoq linears) need no install step: they enter through the
   layer spec (agoq/megatron/model.py).
 Why: one place where agoq changes process state (the Liger pattern: every patch carries a marker,

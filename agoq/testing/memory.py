@@ -6,7 +6,8 @@ thread) is reported with the allocator's running total since the profiler starte
 ``peak.bytes`` is the highest running total inside the region, i.e. the most bytes allocated at once
 beyond what was live when it started (frees of tensors allocated before any profiling are not
 reported, so they never lower it: the number is an upper bound), and ``peak.net`` the total at the
-end. CPU only (CUDA has torch.cuda.max_memory_allocated).
+end, and ``peak.largest`` the largest single allocation inside the region. CPU only (CUDA has
+torch.cuda.max_memory_allocated).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class AllocationPeak:
     bytes: int = 0
     net: int = 0
     events: int = 0
+    largest: int = 0  # bytes of the largest single allocation in the region
 
 
 @contextlib.contextmanager
@@ -53,3 +55,4 @@ def cpu_allocation_peak():
     result.events = len(totals)
     result.bytes = max([0] + totals)
     result.net = totals[-1]
+    result.largest = max([0] + [int(a["Bytes"]) for a in mem])
