@@ -24,6 +24,7 @@ inductor's CPU code generation needs one): a CI runner without one skips with th
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -60,10 +61,16 @@ def _run(layer, fn, rope, seed=7):
 
 
 def _breaks(fn, *args):
+    """(torch._dynamo.explain's result, {break reason: count} from dynamo's counters): explain lists a break's user
+    stack but not every break; the counters have every reason."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     explained = torch._dynamo.explain(fn)(*args)
+    reasons = dict(counters["graph_break"])
     torch._dynamo.reset()
-    return explained
+    return explained, reasons
 
 
 def test_agoq_layer_compiles_and_matches_eager(mcore_world1, capsys):
@@ -96,22 +103,24 @@ def test_agoq_layer_compiles_and_matches_eager(mcore_world1, capsys):
                     assert worst[name] >= 120.0, f"inductor: {name} {worst[name]:.1f} dB"
     assert storage.counter.total() == 5 * bytes_per_step  # the same bytes stored on every call
 
-    agoq_breaks = _breaks(step, torch.randn(TINY_SEQ, 2, layer.config.hidden_size, requires_grad=True), rope)
+    agoq_breaks, reasons = _breaks(step, torch.randn(TINY_SEQ, 2, layer.config.hidden_size, requires_grad=True), rope)
     _, plain, _ = _layer(None)
-    plain_breaks = _breaks(lambda h, r: plain(h, attention_mask=None, rotary_pos_emb=r)[0],
-                           torch.randn(TINY_SEQ, 2, layer.config.hidden_size, requires_grad=True), rope)
-    inside_agoq = []
+    plain_breaks, _ = _breaks(lambda h, r: plain(h, attention_mask=None, rotary_pos_emb=r)[0],
+                              torch.randn(TINY_SEQ, 2, layer.config.hidden_size, requires_grad=True), rope)
+    # every break dynamo met in agoq's code is a declared boundary (torch.compiler.disable, reason "agoq: ...")
     for b in agoq_breaks.break_reasons:
         agoq_frames = [f for f in b.user_stack if "/agoq/" in f.filename]
-        if agoq_frames:
-            inside_agoq.append((agoq_frames[-1].name, b.reason.splitlines()[0]))
-    assert inside_agoq, "agoq's eager boundaries were not seen: is the storage on?"
-    for name, reason in inside_agoq:
-        assert name in AGOQ_BOUNDARIES and "torch.compiler.disable" in reason, (name, reason)
+        assert not agoq_frames or (agoq_frames[-1].name in AGOQ_BOUNDARIES
+                                   and "torch.compiler.disable" in b.reason), (agoq_frames[-1].name, b.reason)
+    for reason in reasons:
+        assert "agoq" not in reason or "(reason: agoq: " in reason, reason
+    seen = set(re.findall(r"Skip calling function `<function (\S+) at", "\n".join(reasons)))
+    assert seen == {"rmsnorm_saving_input", "swiglu_saving_input", "_AgoqLinearMixin._forward_impl"}, seen
+    at_agoq = sum(n for r, n in reasons.items() if "(reason: agoq: " in r)
     with capsys.disabled():
         print(f"\n[compile] inductor vs eager: min SQNR {min(worst.values()):.1f} dB ({min(worst, key=worst.get)})")
         print(f"[compile] agoq layer: {agoq_breaks.graph_count} graphs, {agoq_breaks.graph_break_count} breaks "
-              f"({len(inside_agoq)} at agoq's declared boundaries); plain local-spec layer: "
+              f"(dynamo met agoq's declared boundaries {at_agoq} times: {sorted(seen)}); plain local-spec layer: "
               f"{plain_breaks.graph_count} graphs, {plain_breaks.graph_break_count} breaks")
 
 
