@@ -52,6 +52,9 @@ TARGET = 0.05  # issue 9 item 4: predicted peak within 5 % of the measured peak
 COMPACT_V_SINCE = "2026-11-25"
 SLICED_CHECK_SINCE = "2026-11-25T07:22:37"  # the fix's commit time; run 3 07:15 before, run 4 07:25 after
 PACK_HOOK_FIX_SINCE = "2026-11-25T07:34:39"  # the fix's commit time; run 4 07:25 before, run 5 07:35 after
+# the 8-bit store's float gradient buffer stays a meta placeholder at DDP construction
+# (agoq/megatron/deferred_grad_buffer.py; Recipe.float_grad_buffer_at_construction before it): the commit time
+DEFERRED_GRAD_BUFFER_SINCE = "2026-11-26T13:57:35"  # commit 1bd195f
 # agoq.ops.fp8_weight_cache came in with commit 9a9e60e (2026-11-24T01:46:04 UTC); the planner models
 # the cache, so an FP8 run measured before it is refused rather than mispredicted.
 FP8_WEIGHT_CACHE_SINCE = "2026-11-24T01:46:04"
@@ -65,7 +68,8 @@ def _dated(recipe: Recipe, report: dict) -> Recipe:
     date = report.get("date", "")
     return dataclasses.replace(recipe, sdpa_v_view=date < COMPACT_V_SINCE,
                                full_isfinite_check=date < SLICED_CHECK_SINCE,
-                               pack_hook_held_inputs=date < PACK_HOOK_FIX_SINCE)
+                               pack_hook_held_inputs=date < PACK_HOOK_FIX_SINCE,
+                               float_grad_buffer_at_construction=date < DEFERRED_GRAD_BUFFER_SINCE)
 
 
 @dataclass(frozen=True)

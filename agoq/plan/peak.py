@@ -5,12 +5,16 @@ term from what the code allocates (file and function named at each term). Pure P
 Megatron).
 
 DDP construction (``StagePeak.construction``): Megatron's ``_ParamAndGradBuffer.__init__``
-(megatron.core.distributed.param_and_grad_buffer) allocates the float gradient buffer (grad dtype x buffer
-elements; agoq's 8-bit store frees it right after construction) and, with the distributed optimizer, the
-bf16 parameter buffer, while the model's original parameters are still alive (copied in afterwards). With
-agoq's lean state this is the run's peak where activations are small: DP=2 x PP=2, 3B shape, agoq full,
-10.594 GiB = 2.649 (parameters) + 2.649 (parameter buffer) + 5.297 (fp32 gradient buffer) on both stages,
-read off 4 H100s with benchmarks/mem_trace.py (docs/benchmarks/grads.md). Gradient release builds no DDP.
+(megatron.core.distributed.param_and_grad_buffer) allocates, with the distributed optimizer, the bf16
+parameter buffer while the model's original parameters are still alive (copied in afterwards), and the
+float gradient buffer (grad dtype x buffer elements). With agoq's 8-bit store the gradient buffer is a
+meta placeholder (agoq/megatron/deferred_grad_buffer.py): construction holds parameters + parameter
+buffer, and the 8-bit store is built after the parameters were copied (<= the parameters' bytes, in the
+persistent term). Before that change (``Recipe.float_grad_buffer_at_construction``) the store mode
+allocated the float buffer too and freed it right after construction, which made construction the run's
+peak where activations are small: DP=2 x PP=2, 3B shape, agoq full, 10.594 GiB = 2.649 (parameters) +
+2.649 (parameter buffer) + 5.297 (fp32 gradient buffer) on both stages, read off 4 H100s with
+benchmarks/mem_trace.py (docs/benchmarks/grads.md). Gradient release builds no DDP.
 
 Persistent (held for the whole run after the first step):
 - weights: bf16 parameters (2 B each) of the stage's layers, embedding (first stage), final norm and
@@ -114,6 +118,9 @@ class Recipe:
     full_isfinite_check: bool = False  # the whole-buffer non-finite check (code before 2026-11-25 07:22 UTC)
     pack_hook_held_inputs: bool = False  # replaced linear inputs kept alive (code before 2026-11-25 07:34 UTC)
     gradient_release: bool = False  # --agoq-gradient-release: no gradient buffer, each param stepped in backward
+    # 8-bit store: Megatron's float gradient buffer allocated at DDP construction, then freed (the code before
+    # agoq/megatron/deferred_grad_buffer.py; benchmarks/validate_planner.py DEFERRED_GRAD_BUFFER_SINCE)
+    float_grad_buffer_at_construction: bool = False
     # --agoq-fp8 / --agoq-smooth-swiglu / --agoq-fp8-bf16-*-layers over the policy's fp8 section
     # (agoq.megatron.compute.compute_spec): weight caches, scaling state, saved inputs (agoq.plan.fp8)
     fp8: FP8Spec = FP8Spec()
@@ -243,13 +250,17 @@ def grad_bytes_per_param(recipe: Recipe, layout: Layout) -> tuple[float, float]:
 
 
 def ddp_construction_bytes(weights: int, buffer_numel: int, layout: Layout, recipe: Recipe) -> int:
-    """Allocated while Megatron's DDP builds its buffers (module docstring): the model's parameters, the
-    float gradient buffer and, with the distributed optimizer, the bf16 parameter buffer. 0 with gradient
-    release (agoq.megatron.release wraps the model without Megatron's DDP)."""
+    """Allocated while Megatron's DDP builds its buffers (module docstring): the model's parameters, with the
+    distributed optimizer the bf16 parameter buffer, and the float gradient buffer, except with agoq's 8-bit
+    store (a meta placeholder, agoq/megatron/deferred_grad_buffer.py; allocated before
+    ``Recipe.float_grad_buffer_at_construction``). 0 with gradient release (agoq.megatron.release wraps the
+    model without Megatron's DDP)."""
     if recipe.gradient_release:
         return 0
     param_buffer = BF16_BYTES * buffer_numel if layout.distributed_optimizer else 0
-    return weights + param_buffer + layout.grad_bytes * buffer_numel
+    deferred = recipe.grads is not None and not recipe.float_grad_buffer_at_construction
+    float_grads = 0 if deferred else layout.grad_bytes * buffer_numel
+    return weights + param_buffer + float_grads
 
 
 def _stage_dims(shape: ModelShape, layout: Layout) -> LayerDims:
@@ -322,9 +333,10 @@ def format_peaks(peaks: list[StagePeak]) -> str:
     for p in peaks:
         head = f"  stage {p.pp_rank}: predicted peak {p.peak / GIB:.2f} GiB ({p.phase}) = "
         if p.phase == "DDP construction":
-            lines.append(head + f"parameters {p.weights / GIB:.2f} + Megatron's parameter and gradient buffers "
-                         f"{(p.construction - p.weights) / GIB:.2f} GiB (agoq frees the float gradient buffer "
-                         f"after construction; training peak {max(p.fwd_bwd, p.step) / GIB:.2f} GiB)")
+            lines.append(head + f"parameters {p.weights / GIB:.2f} + Megatron's DDP buffers "
+                         f"{(p.construction - p.weights) / GIB:.2f} GiB (parameter buffer with the distributed "
+                         f"optimizer, float gradient buffer unless agoq's 8-bit store defers it; training peak "
+                         f"{max(p.fwd_bwd, p.step) / GIB:.2f} GiB)")
             continue
         lines.append(
             head + f"weights {p.weights / GIB:.2f}"

@@ -8,6 +8,7 @@ measured exactly: the persistent state (live-tensor breakdown) and the held byte
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -45,6 +46,31 @@ def test_ddp_construction_is_the_dp_pp_agoq_peak():
     cases = [c for c in validate.stage_peak_cases("dp2_pp2.json") if "agoq" in c.name]
     assert [c.phase for c in cases] == ["DDP construction"] * 2
     assert all(abs(c.error) < 0.01 for c in cases)
+
+
+def test_store_mode_construction_holds_no_float_gradient_buffer():
+    """agoq/megatron/deferred_grad_buffer.py: with the 8-bit store Megatron's float gradient buffer is a meta
+    placeholder at construction. The dp2_pp2 run predates it (Recipe.float_grad_buffer_at_construction, set by
+    validate_planner from the report's date); the same run today: construction = parameters + bf16 parameter
+    buffer, below the training peak, so the peak moves to forward/backward or the step."""
+    report = json.loads((BENCH / "dp2_pp2.json").read_text())
+    variant = next(v for v in report["variants"] if "agoq" in v["name"])
+    shape, layout, policy, recipe = validate.from_pretrain_argv(variant["command"].split())
+    assert recipe.grads is not None and layout.distributed_optimizer and not recipe.float_grad_buffer_at_construction
+    assert validate._dated(recipe, report).float_grad_buffer_at_construction
+    spec = load_policy(validate._policy_path(policy))
+    now = predict_peaks(shape, layout, spec, recipe)
+    before = predict_peaks(shape, layout, spec, dataclasses.replace(recipe, float_grad_buffer_at_construction=True))
+    for a, b in zip(now, before, strict=True):
+        buffer = peak.grad_buffer_numel(peak.param_tensors(shape, layout, a.pp_rank), layout)
+        assert a.construction == a.weights + 2 * buffer
+        assert b.construction - a.construction == layout.grad_bytes * buffer
+        assert b.phase == "DDP construction" and a.phase != "DDP construction"
+    # Megatron's own DDP (no 8-bit store) still allocates it
+    plain = dataclasses.replace(recipe, grads=None)
+    p = predict_peaks(shape, layout, spec, plain)[0]
+    assert p.construction == p.weights + (2 + layout.grad_bytes) * peak.grad_buffer_numel(
+        peak.param_tensors(shape, layout, 0), layout)
 
 
 def test_the_check_fails_when_the_model_is_wrong(monkeypatch):
