@@ -68,6 +68,7 @@ from agoq.ops.saved_act import (
     replace_saved_input,
     saved_input_handle,
 )
+from agoq.ops import saved_norm, saved_swiglu
 from agoq.ops.saved_norm import rmsnorm_saving_input
 from agoq.ops.saved_swiglu import smooth_swiglu_saving_input, swiglu_reference, swiglu_saving_input
 from agoq.ops.smooth_swiglu import fold_channel_scale, glu_smooth_scale, unsmooth_fc2_output
@@ -289,6 +290,9 @@ class _AgoqLinearMixin:
 _eager_linear_forward_impl = eager_under_compile(
     _AgoqLinearMixin._forward_impl, "linear storing its input quantized or recomputed (autograd-node hooks, "
     "recompute hand-off) or running FP8 GEMMs")
+for _boundary in (_eager_linear_forward_impl, saved_norm._rmsnorm_saving_input_eager,
+                  saved_swiglu._swiglu_saving_input_eager, saved_swiglu._smooth_swiglu_saving_input_eager):
+    _boundary.prepare()  # built before any compilation: no extra graph break (eager_under_compile)
 
 
 class AgoqColumnParallelLinear(_AgoqLinearMixin, ColumnParallelLinear):

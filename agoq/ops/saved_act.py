@@ -74,13 +74,31 @@ class SavePaths:
 
 
 # ------------------------------------------------------------------------ torch.compile ----
-def eager_under_compile(fn: Callable, reason: str) -> Callable:
+class eager_under_compile:  # noqa: N801 - used like the function it wraps
     """``fn`` as torch.compile must run it: eagerly, between graphs (``torch.compiler.disable``), because it
     keeps Python state across autograd nodes that a graph cannot carry (``reason``: the byte counter's weak
     references, the recompute stash handed from one node's forward to another's backward, hooks on an
     autograd node's saved tensor); docs/activations.md, "Custom ops and torch.compile". Callers test
-    ``torch.compiler.is_compiling()`` first, so eager calls pay nothing for this."""
-    return torch.compiler.disable(fn, reason=f"agoq: {reason}")
+    ``torch.compiler.is_compiling()`` first, so eager calls pay nothing for this.
+
+    The disabled wrapper is built by :meth:`prepare` (it imports ``torch._dynamo``, ~1.5 s, which agoq.ops
+    does not pay at import); ``agoq.megatron.layers`` prepares its boundaries at import (Megatron imports
+    dynamo anyway). One that was not prepared is built on its first call inside a compiled region, which
+    costs that first compilation one more graph break ("torch.compiler.disable() called inside a compiled
+    region"), never a wrong result."""
+
+    __slots__ = ("fn", "reason", "_disabled")
+
+    def __init__(self, fn: Callable, reason: str):
+        self.fn, self.reason, self._disabled = fn, reason, None
+
+    def prepare(self) -> Callable:
+        if self._disabled is None:
+            self._disabled = torch.compiler.disable(self.fn, reason=f"agoq: {self.reason}")
+        return self._disabled
+
+    def __call__(self, *args, **kwargs):
+        return self.prepare()(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- accounting ----

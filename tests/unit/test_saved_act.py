@@ -296,3 +296,41 @@ def test_replace_saved_input_without_the_identity_check_still_checks_node_and_co
     counter = SavedBytesCounter()
     replace_saved_input(out, x, node_name=_NODE, fmt=fmt, counter=counter, check_identity=False)
     assert counter.live == fmt.storage_bytes(x.numel())
+
+
+@pytest.mark.parametrize("prepared", [True, False])
+def test_eager_under_compile_runs_its_function_eagerly(prepared):
+    """agoq's compile boundary: the wrapped function runs eagerly between graphs (never traced), prepared at
+    import (agoq.megatron.layers) or built on its first call inside the compiled region."""
+    from agoq.ops.saved_act import eager_under_compile
+
+    compiling_inside = []
+
+    def side(x):
+        compiling_inside.append(torch.compiler.is_compiling())
+        return x + 1
+
+    boundary = eager_under_compile(side, "test boundary")
+    if prepared:
+        boundary.prepare()
+
+    def f(x):
+        y = x * 2
+        y = boundary(y) if torch.compiler.is_compiling() else side(y)
+        return y.sin()
+
+    torch._dynamo.reset()
+    x = torch.randn(4)
+    assert torch.equal(torch.compile(f, backend="eager")(x), f(x))
+    assert compiling_inside and not any(compiling_inside)
+
+
+def test_importing_agoq_ops_does_not_import_dynamo():
+    """The compile boundaries are built lazily (agoq.ops.saved_act.eager_under_compile): torch._dynamo costs
+    ~1.5 s of import, which agoq.ops alone does not pay."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import agoq.ops.saved_norm, agoq.ops.saved_swiglu, agoq.ops.custom_ops; "
+            "assert 'torch._dynamo' not in sys.modules, 'agoq.ops imported torch._dynamo'")
+    subprocess.run([sys.executable, "-c", code], check=True)
