@@ -88,7 +88,8 @@ def install_timers(timers: Timers) -> None:
     timers.patch(saved_act, "_unpack_saved", "unpack_saved")
     timers.patch(saved_act.RecomputeStash, "recomputed_output", "stash.recomputed_output")
     timers.patch(saved_act.SavedBytesCounter, "add", "counter.add")
-    timers.patch(alayers, "replace_saved_input", "replace_saved_input")
+    timers.patch(alayers, "replace_saved_input", "replace_saved_input")  # opt-in path (SavePaths.linear_via_node_hooks)
+    timers.patch(saved_act.quantized_saves, "__enter__", "linear_save_scope.enter")  # the linears' default path
     timers.patch(torch, "empty", "torch.empty")
 
 
