@@ -248,8 +248,9 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
                 ms["nccl_reduce_scatter_bf16"] / ms["agoq_peer_store_reduce_to_owners"],
         })
         row["check"].update(check_peer(numel, fmt, device))
-        row["check"]["peer_store_allreduce_bitwise_vs_nccl_transport"] = _peer_store_equal(peer_store, codes, scales, fmt)
-        row["check"]["peer_ok"] = row["check"]["peer_ok"] and row["check"]["peer_store_allreduce_bitwise_vs_nccl_transport"]
+        store_ok = _peer_store_equal(peer_store, codes, scales, fmt)
+        row["check"]["peer_store_allreduce_bitwise_vs_nccl_transport"] = store_ok
+        row["check"]["peer_ok"] = row["check"]["peer_ok"] and store_ok
         del peer_store
         row["check"]["ok"] = row["check"]["ok"] and row["check"]["peer_ok"]
     return row
@@ -357,8 +358,9 @@ def summarize(rows: list[dict], check_targets: bool) -> tuple[list[str], bool]:
                 f"{r['peer_rs_speedup_vs_reduce_scatter_bf16']:.2f}x bf16 RS)")
             lines.append(
                 f"      peer 8-bit store AR {ms['agoq_peer_store_allreduce']:7.3f} ms "
-                f"({r['peer_store_speedup_vs_allreduce_fp32']:.2f}x fp32, {r['peer_store_speedup_vs_allreduce_bf16']:.2f}x "
-                f"bf16 AR) | to owners {ms['agoq_peer_store_reduce_to_owners']:7.3f} ms "
+                f"({r['peer_store_speedup_vs_allreduce_fp32']:.2f}x fp32, "
+                f"{r['peer_store_speedup_vs_allreduce_bf16']:.2f}x bf16 AR) | "
+                f"to owners {ms['agoq_peer_store_reduce_to_owners']:7.3f} ms "
                 f"({r['peer_store_owners_speedup_vs_reduce_scatter_fp32']:.2f}x fp32, "
                 f"{r['peer_store_owners_speedup_vs_reduce_scatter_bf16']:.2f}x bf16 RS)")
     if check_targets:

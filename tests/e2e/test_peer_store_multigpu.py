@@ -51,23 +51,24 @@ def _rank_fn(rank: int, world: int, stores: list, ranges: list) -> dict:
     out = {"symm_bytes": symmetric_bytes(), "nbytes": peer.nbytes}
     for async_op in (False, True):
         ref_c, ref_s = codes.clone(), scales.clone()
-        allreduce_blocks_(ref_c, ref_s, FMT, group, average=True, post_scale=0.5, chunk_bytes=CHUNK_BLOCKS * 256 * world)
+        allreduce_blocks_(ref_c, ref_s, FMT, group, average=True, post_scale=0.5,
+                          chunk_bytes=CHUNK_BLOCKS * 256 * world)
         for repeat in range(2):  # the second call reuses the store right after the first
             peer.codes_u8.copy_(codes)
             peer.scales.copy_(scales)
-            h = run_maybe_async(dev, lambda: peer.allreduce_(average=True, post_scale=0.5), async_op=async_op)
+            h = run_maybe_async(dev, lambda p=peer: p.allreduce_(average=True, post_scale=0.5), async_op=async_op)
             if h is not None:
                 h.wait()
             out[f"ar_{async_op}_{repeat}"] = (torch.equal(peer.codes_u8, ref_c),
                                               torch.equal(peer.scales.view(torch.uint8), ref_s.view(torch.uint8)))
         ref_got, got = {}, {}
-        reduce_blocks_to_owners(codes, scales, FMT, ranges, lambda b, v: ref_got.__setitem__(b, v.clone()), group,
+        reduce_blocks_to_owners(codes, scales, FMT, ranges, lambda b, v, d=ref_got: d.__setitem__(b, v.clone()), group,
                                 post_scale=2.0, chunk_bytes=CHUNK_BLOCKS * 256 * world)
         peer.codes_u8.copy_(codes)
         peer.scales.copy_(scales)
-        h = run_maybe_async(dev, lambda: peer.reduce_to_owners(ranges, lambda b, v: got.__setitem__(b, v.clone()),
-                                                               average=False, post_scale=2.0,
-                                                               chunk_blocks=CHUNK_BLOCKS), async_op=async_op)
+        h = run_maybe_async(dev, lambda p=peer, d=got: p.reduce_to_owners(
+            ranges, lambda b, v: d.__setitem__(b, v.clone()), average=False, post_scale=2.0,
+            chunk_blocks=CHUNK_BLOCKS), async_op=async_op)
         if h is not None:
             h.wait()
         ref_cat = torch.cat([ref_got[k] for k in sorted(ref_got)]) if ref_got else torch.empty(0, device=dev)

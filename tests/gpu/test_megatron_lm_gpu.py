@@ -19,14 +19,13 @@ tiny_agoq_default_peak_trace); each trainer's own loop adds its temporaries, whi
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from agoq.testing.procs import REPO_ROOT, child_env
+from agoq.testing.procs import child_env
+from tests.megatron._bench_scripts import load_bench_script
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -35,19 +34,10 @@ MEGATRON_LOOP_BYTES = 4 * 2**20  # module docstring (measured <= 3.2 MiB)
 NONFINITE_BYTES_PER_ELEMENT = 7  # module docstring (measured in the allocator trace)
 
 
-def _bench():
-    path = REPO_ROOT / "benchmarks" / "bench_megatron_lm.py"
-    spec = importlib.util.spec_from_file_location("bench_megatron_lm", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_megatron_lm", module)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def bench_env(tmp_path_factory):
     pytest.importorskip("megatron.training", reason="needs megatron-core 0.19.2 (megatron.training)")
-    bench = _bench()
+    bench = load_bench_script("bench_megatron_lm")
     env = child_env(AGOQ_CACHE=str(tmp_path_factory.mktemp("agoq_cache")), OMP_NUM_THREADS="2")
     return bench, env, bench.default_data(env)
 

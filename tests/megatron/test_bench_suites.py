@@ -4,7 +4,6 @@ of minutes into a GPU lease."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import time
@@ -14,19 +13,9 @@ import pytest
 
 from agoq.testing.procs import REPO_ROOT
 from agoq.train.args import parse_args
+from tests.megatron._bench_scripts import load_bench_script
 
-SCRIPT = REPO_ROOT / "benchmarks" / "bench_pretrain.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_pretrain", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_pretrain", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH = _bench()
+BENCH = load_bench_script("bench_pretrain")
 
 
 @pytest.mark.parametrize("smoke", [False, True], ids=["gpu", "smoke"])
@@ -149,10 +138,7 @@ def test_list_prints_every_command_and_runs_nothing(tmp_path, capsys):
 def test_validate_planner_reads_the_issue_23_commands_as_the_trainer_does(suite, tmp_path):
     """benchmarks/validate_planner.py predicts a committed result from its command line: for these suites it must
     read selective / full recompute, the moments, gradient release and the padded vocabulary as the trainer does."""
-    spec = importlib.util.spec_from_file_location("validate_planner", REPO_ROOT / "benchmarks" / "validate_planner.py")
-    validate = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("validate_planner", validate)  # its dataclasses look their module up
-    spec.loader.exec_module(validate)
+    validate = load_bench_script("validate_planner")
     from agoq.plan.memory import GIB
     from agoq.plan.peak import predict_peaks
     from agoq.policy import load_policy

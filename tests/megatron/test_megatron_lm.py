@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
 import io
 import json
 import socket
@@ -29,21 +28,13 @@ import pytest
 import torch
 
 from agoq.testing.procs import REPO_ROOT, child_env
+from tests.megatron._bench_scripts import load_bench_script
 
 DRIVER = REPO_ROOT / "tests" / "megatron" / "_megatron_lm_cpu.py"
 SCRIPT = REPO_ROOT / "scripts" / "pretrain_gpt_agoq.py"
 
 
-def _bench():
-    path = REPO_ROOT / "benchmarks" / "bench_megatron_lm.py"
-    spec = importlib.util.spec_from_file_location("bench_megatron_lm", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_megatron_lm", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH = _bench()
+BENCH = load_bench_script("bench_megatron_lm")
 DATA = {"prefix": "/data/text_document", "tokenizer": str(REPO_ROOT / "pyproject.toml")}  # parsing only
 
 
