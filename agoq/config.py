@@ -1,6 +1,6 @@
 """AgoqConfig: the run-time options of agoq, one frozen dataclass of frozen sections (the single source of truth).
 
-Built once by a trainer (``agoq.train.args`` for ``scripts/pretrain_llama.py``; ``python -m agoq.plan``
+Built once by a trainer (``agoq.megatron.train.args`` for ``scripts/pretrain_llama.py``; ``python -m agoq.plan``
 for the planner) with :meth:`AgoqConfig.from_flags` from the ``--agoq-*`` flag values (a config file's keys
 and the command line, already merged), validated here once, and passed to everything below the trainer:
 library code reads this object (or one of its sections), never an argparse Namespace or the environment.

@@ -76,7 +76,7 @@ ARCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_grou
 LLAMA3_VOCAB = 128256
 REAL_VOCAB = ["--make-vocab-size-divisible-by", str(LLAMA3_VOCAB)]
 # Dense BF16 tensor-core peak per GPU, TFLOP/s (NVIDIA's H100 and H200 datasheets: 1,979 with 2:4 sparsity for
-# the SXM parts, 1,513 for H100 PCIe), the denominator of MFU (model FLOPs of agoq.train.flops, no recompute).
+# the SXM parts, 1,513 for H100 PCIe), the denominator of MFU (model FLOPs of agoq.megatron.train.flops, no recompute).
 DENSE_BF16_TFLOPS = {"H100 PCIe": 756.5, "H100": 989.4, "H200": 989.4}
 
 
@@ -662,7 +662,7 @@ def peak_tflops(device: str | None) -> float | None:
 
 
 def _mfu(steady: list[dict], device: str | None) -> dict:
-    """Median model TFLOP/s per GPU (agoq.train.flops: no recompute counted) and MFU against the device's dense
+    """Median model TFLOP/s per GPU (agoq.megatron.train.flops: no recompute counted) and MFU against the device's dense
     BF16 peak."""
     if not steady or "tflops_per_gpu" not in steady[0]:
         return {}

@@ -134,7 +134,7 @@ def from_pretrain_argv(argv: list[str], vocab: int = BUILTIN_VOCAB, world_size: 
                     selective_recompute=granularity == "selective", gradient_release=release,
                     moments=parse_moments(_flag(argv, "--agoq-moments", DEFAULT_MOMENTS)),
                     fp8=fp8_spec_of(argv, policy))
-    if release:  # no gradient buffer (agoq.train.memory_report.plan_layout)
+    if release:  # no gradient buffer (agoq.megatron.train.memory_report.plan_layout)
         layout = dataclasses.replace(layout, grad_bytes=0)
     return shape, layout, policy, recipe
 

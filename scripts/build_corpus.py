@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from agoq.data.debdocs import PACKAGES, iter_documents
-from agoq.train.data import default_cache_dir
+from agoq.megatron.train.data import default_cache_dir
 
 
 def main(argv=None) -> int:

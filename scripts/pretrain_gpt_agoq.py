@@ -3,7 +3,7 @@
 The shape of Megatron-LM's ``pretrain_gpt.py``: a model provider, a forward step and a train/valid/test
 dataset provider around ``pretrain()``. Every Megatron-LM flag keeps its meaning (data with --data-path
 and the tokenizer flags, --save/--load, logging, --use-distributed-optimizer, recompute); agoq adds
-``--agoq-*`` (agoq.train.megatron_lm.add_agoq_args). GPU only (megatron.training asserts CUDA).
+``--agoq-*`` (agoq.megatron.train.megatron_lm.add_agoq_args). GPU only (megatron.training asserts CUDA).
 Commands and the flag set that reproduces scripts/pretrain_llama.py: docs/megatron_lm.md. One GPU:
 
     torchrun --nproc-per-node 1 scripts/pretrain_gpt_agoq.py \
@@ -39,7 +39,7 @@ from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split
 
 from agoq.megatron.megatron_lm import build_gpt_model, describe, install_for_megatron_training
-from agoq.train.megatron_lm import add_agoq_args, agoq_config_from_megatron_args, gpt_model_options
+from agoq.megatron.train.megatron_lm import add_agoq_args, agoq_config_from_megatron_args, gpt_model_options
 
 AGOQ = None  # the run's AgoqConfig, built once in main()
 MODEL_OPTIONS = None  # its GPTModelOptions (vocabulary, attention, RoPE) from Megatron's args

@@ -99,7 +99,7 @@ def hf_to_agoq(args) -> list[str]:
     del hf_state
 
     from agoq.megatron import hf_checkpoint
-    from agoq.train.environment import launch_from_environment
+    from agoq.megatron.train.environment import launch_from_environment
 
     hf_checkpoint.init_single_process(launch_from_environment())
     shape = _shape(dims, padded)
@@ -139,7 +139,7 @@ def agoq_to_hf(args) -> list[str]:
 
     from agoq.convert import hf_io, llama
     from agoq.megatron import hf_checkpoint
-    from agoq.train.environment import launch_from_environment
+    from agoq.megatron.train.environment import launch_from_environment
 
     hf_checkpoint.init_single_process(launch_from_environment())
     source = hf_checkpoint.checkpoint_source(args.load_dir, args.iteration)
@@ -189,7 +189,7 @@ def _dims_from_yaml(path: Path, contract: dict):
     values = yaml.safe_load(path.read_text()) or {}
     heads = values.get("num_attention_heads", contract.get("num_attention_heads"))
     hidden = values.get("hidden_size", contract.get("hidden_size"))
-    # scripts/pretrain_llama.py's defaults (agoq.train.args) for keys a config file leaves out
+    # scripts/pretrain_llama.py's defaults (agoq.megatron.train.args) for keys a config file leaves out
     shape = {
         "num_layers": values.get("num_layers", 4), "hidden_size": hidden if hidden is not None else 64,
         "num_attention_heads": heads if heads is not None else 4,
@@ -228,7 +228,7 @@ def _vocab_from_tokenizer(path: Path | None):
 if __name__ in ("__main__", "__mp_main__") and os.environ.get("AGOQ_SHOW_KNOWN_WARNINGS") != "1":
     # megatron-core / torch warnings known to be harmless (as scripts/pretrain_llama.py), before torch loads; also
     # in the checkpoint writer's process, which re-imports this module as __mp_main__
-    from agoq.train.known_warnings import filter_known_warnings
+    from agoq.megatron.train.known_warnings import filter_known_warnings
 
     filter_known_warnings()
 

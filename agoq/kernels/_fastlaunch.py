@@ -21,7 +21,7 @@ own path is used (every call, not silently: it is the same kernel) under ``TRITO
 (no compiled kernel), when the first argument is not a CUDA tensor (CPU launch recorders such as
 benchmarks/xc_quant.py), when a launch hook is installed (profilers: they need launch metadata), and when
 switched off with :func:`set_fast_launch` (the escape hatch; the trainer calls it once at start-up for
-``AGOQ_TRITON_FAST_LAUNCH=0``, agoq.train.environment: this module reads no environment).
+``AGOQ_TRITON_FAST_LAUNCH=0``, agoq.megatron.train.environment: this module reads no environment).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 __all__ = ["FastKernel", "LaunchSite", "arg_key", "fast_launch_enabled", "set_fast_launch", "set_check_sites"]
 
-_ENABLED = True  # direct launches on; set_fast_launch switches them (agoq.train.environment, benchmarks' A/B)
+_ENABLED = True  # direct launches on; set_fast_launch switches them (agoq.megatron.train.environment, benchmarks' A/B)
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _ALIGN = 16  # bytes / divisor Triton specializes pointers and ints on ("D" attribute)
 

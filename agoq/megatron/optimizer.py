@@ -1,5 +1,5 @@
 """Megatron glue for agoq.optim: build_agoq_optimizer(config, megatron_config, model_chunks) -> optimizer,
-the agoq counterpart of Megatron's get_megatron_optimizer (agoq.train.pretrain.build_optimizer). ``config``
+the agoq counterpart of Megatron's get_megatron_optimizer (agoq.megatron.train.pretrain.build_optimizer). ``config``
 is the run's AgoqConfig (its ``optimizer`` section: kind, state formats, master; ``grads.reduce_in_bf16``);
 ``megatron_config`` is Megatron's OptimizerConfig (lr, weight decay, Adam betas / eps, clipping, dtype,
 distributed optimizer) that the trainer builds; the trainer builds the LR schedule too.

@@ -83,7 +83,7 @@ MASTER_BYTES = {"none": 0, "split24": 1, "split32": 2, "fp32": 4}
 # as an unexplained constant (11.5 and ~9.6). Found with benchmarks/mem_trace.py (docs/benchmarks/planner.md).
 # attn.proj_input is a view of SDPA's output, which SDPA keeps anyway: no extra bytes.
 PACK_HOOK_HELD_ROLES = ("attn.qkv_input", "mlp.fc1_input", "mlp.fc2_input")
-# The non-finite gradient check before the step (agoq.train.training / ddp, agoq.ops.nonfinite):
+# The non-finite gradient check before the step (agoq.megatron.train.training / ddp, agoq.ops.nonfinite):
 # torch.isfinite of a float slice allocates |x| (grad dtype) plus three bool temporaries. Since
 # 2026-11-25 07:22 UTC it runs over slices of NONFINITE_CHECK_SLICE elements (agoq.ops.nonfinite, equal by test);
 # before, over the whole buffer (Recipe.full_isfinite_check: 7 B/param for fp32 grads, 6.45 GiB for the

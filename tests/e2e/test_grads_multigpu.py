@@ -57,7 +57,7 @@ class _NoScheduler:
 
 
 def _agoq_args():
-    from agoq.train.optim_args import add_optim_flags
+    from agoq.megatron.train.optim_args import add_optim_flags
 
     p = argparse.ArgumentParser()
     add_optim_flags(p)
@@ -88,8 +88,8 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
         llama_transformer_config,
     )
     from agoq.megatron.optimizer import build_agoq_optimizer
-    from agoq.train import training
-    from agoq.train.pretrain import megatron_optimizer_config
+    from agoq.megatron.train import training
+    from agoq.megatron.train.pretrain import megatron_optimizer_config
 
     cuda = device_type == "cuda"
     if cuda:

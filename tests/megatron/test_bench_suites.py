@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agoq.testing.procs import REPO_ROOT
-from agoq.train.args import parse_args
+from agoq.megatron.train.args import parse_args
 from tests.megatron._bench_scripts import load_bench_script
 
 BENCH = load_bench_script("bench_pretrain")

@@ -35,7 +35,7 @@ from agoq.megatron.model import (  # noqa: E402
     llama_transformer_config,
 )
 from agoq.testing.dist import spawn_ranks  # noqa: E402
-from agoq.train import training  # noqa: E402
+from agoq.megatron.train import training  # noqa: E402
 from tests.megatron._tiny import tiny_shape  # noqa: E402
 
 STEPS = 8
@@ -207,8 +207,8 @@ def _skip_rank(rank: int, world_size: int, optimizer_kind: str) -> dict:
     import argparse
 
     from agoq.megatron.install import install
-    from agoq.train.optim_args import add_optim_flags
-    from agoq.train.pretrain import build_optimizer
+    from agoq.megatron.train.optim_args import add_optim_flags
+    from agoq.megatron.train.pretrain import build_optimizer
 
     handle = install(AgoqConfig(device="cpu"))
     try:

@@ -43,7 +43,7 @@ from agoq.megatron.model import (  # noqa: E402
 )
 from agoq.testing.dist import spawn_ranks  # noqa: E402
 from agoq.testing.memory import cpu_allocation_peak  # noqa: E402
-from agoq.train.optim_args import add_optim_flags  # noqa: E402
+from agoq.megatron.train.optim_args import add_optim_flags  # noqa: E402
 
 # deep and narrow: no parameter holds more than 3 % of the gradient, so "one parameter at a time" and
 # "the whole buffer" are far apart
@@ -82,7 +82,7 @@ def _batch(rank: int, step: int, mb: int):
 
 
 def _run_variant(rank: int, grad: GradConfig, optimizer_kind: str) -> dict:
-    from agoq.train.pretrain import build_optimizer
+    from agoq.megatron.train.pretrain import build_optimizer
 
     runtime.init_model_parallel(ParallelLayout(tp=1, pp=1), seed=1234, device=torch.device("cpu"))
     config = llama_transformer_config(SHAPE, ParallelLayout(tp=1, pp=1), params_dtype=torch.float32,

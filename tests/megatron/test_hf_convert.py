@@ -287,12 +287,12 @@ def _prepare_data(tokenizer: Path, out: Path) -> Path:
 
 def _first_batch_loss(hf_dir: Path, prefix: Path, cache: Path, padded: int) -> float:
     """The tiny HF model's loss on the trainer's first global batch (the same GPTDataset iterator, seed and
-    split: agoq.train.data.build_data_iterators), over Megatron's padded vocabulary (the padded rows'
+    split: agoq.megatron.train.data.build_data_iterators), over Megatron's padded vocabulary (the padded rows'
     logits are 0), token-averaged as Megatron's loss is. A fresh init would give ~ln(padded) instead."""
     from transformers import AutoModelForCausalLM
 
     from agoq.data.tokenizer import Tokenizer
-    from agoq.train import data as mdata
+    from agoq.megatron.train import data as mdata
 
     train, _, _ = mdata.build_data_iterators(
         [str(prefix)], Tokenizer.load(hf_dir / "tokenizer.json"), seq_length=TRAIN_SEQ, micro_batch_size=TRAIN_MBS,

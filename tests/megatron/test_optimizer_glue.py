@@ -24,9 +24,9 @@ SCRIPT = textwrap.dedent(
     model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
-    from agoq.train.optim_args import add_optim_flags
+    from agoq.megatron.train.optim_args import add_optim_flags
     from agoq.config import AgoqConfig
-    from agoq.train.pretrain import build_optimizer
+    from agoq.megatron.train.pretrain import build_optimizer
     p = argparse.ArgumentParser(); add_optim_flags(p)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"  # fused step under Triton's interpreter
     args = p.parse_args(["--agoq-optimizer", "adamw"] + ([] if interpret else ["--agoq-unfused"]))

@@ -1,6 +1,6 @@
 """The planner's FP8 / Smooth-SwiGLU terms (agoq.plan.fp8) against hand arithmetic and the committed H100 runs
 (benchmarks/results/fp8_step.json, fp8_scale_1b.json, fp8_scale_7b.json). Pure Python besides the flag
-parser of agoq.train.args."""
+parser of agoq.megatron.train.args."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from agoq.plan import memory, peak
 from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
 from agoq.plan.peak import Recipe, predict_peaks
 from agoq.policy import FP8Spec, load_policy
-from agoq.train.args import add_compute_flags
+from agoq.megatron.train.args import add_compute_flags
 from tests.megatron._bench_scripts import load_bench_script
 
 validate = load_bench_script("validate_planner")
@@ -120,13 +120,13 @@ def test_cli_takes_the_fp8_flags(capsys):
 
 
 def test_pretrain_llama_start_up_prediction_carries_the_fp8_spec():
-    """agoq.train.memory_report.recipe_from_config (the script's start-up prediction and bench_pretrain's
+    """agoq.megatron.train.memory_report.recipe_from_config (the script's start-up prediction and bench_pretrain's
     predicted_peak_gib) on the fp8_scale suite's own command lines."""
     import importlib.util
 
     from agoq.testing.procs import REPO_ROOT
-    from agoq.train.args import parse_args
-    from agoq.train.memory_report import recipe_from_config
+    from agoq.megatron.train.args import parse_args
+    from agoq.megatron.train.memory_report import recipe_from_config
 
     script = REPO_ROOT / "benchmarks" / "bench_pretrain.py"
     spec = importlib.util.spec_from_file_location("bench_pretrain_fp8plan", script)

@@ -21,7 +21,7 @@ import torch
 pytestmark = [pytest.mark.megatron]
 
 from agoq.testing.procs import TINY_CONFIG  # noqa: E402
-from agoq.train.args import parse_args  # noqa: E402
+from agoq.megatron.train.args import parse_args  # noqa: E402
 
 SEQ, MBS, VOCAB, STEPS = 32, 2, 256, 6  # 6 steps at lr 1e-2: the norm gains' fp32-vs-bf16 gradient showed at step 3
 VALID = ["--config", str(TINY_CONFIG), "--seq-length", str(SEQ), "--micro-batch-size", str(MBS),
@@ -55,8 +55,8 @@ def _build(args, device, release: bool, num_microbatches=1, alive_probe=None):
     )
     from agoq.megatron.release import wrap_release
     from agoq.policy import ScheduleInfo
-    from agoq.train.pretrain import build_optimizer, ddp_config
-    from agoq.train.training import StepRunner, configure_grad_hooks
+    from agoq.megatron.train.pretrain import build_optimizer, ddp_config
+    from agoq.megatron.train.training import StepRunner, configure_grad_hooks
     from tests.megatron._tiny import tiny_shape
 
     dtype = torch.float32 if args.fp32 else torch.bfloat16
@@ -136,7 +136,7 @@ def test_fused_release_equals_the_fused_multi_tensor_run():
 
 
 def test_no_gradient_buffer_and_one_gradient_alive_at_a_time(mcore_world1):
-    from agoq.train.memory_report import static_breakdown_gib
+    from agoq.megatron.train.memory_report import static_breakdown_gib
 
     alive = []
 
@@ -181,7 +181,7 @@ def test_each_conflicting_flag_is_named(extra, named, capsys):
 
 
 def test_data_parallel_and_policy_grads_are_named(tmp_path, capsys):
-    from agoq.train.optim_args import check_release_flags
+    from agoq.megatron.train.optim_args import check_release_flags
 
     args = _args(["--global-batch-size", str(2 * MBS)], release=False)  # DP=2 x MBS: one micro-batch each
     args.agoq_gradient_release = True

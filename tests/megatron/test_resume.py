@@ -271,7 +271,7 @@ def test_every_config_key_is_classified_for_resume():
 
 
 def test_override_flag_accepts_megatron_lms_spelling():
-    from agoq.train.args import parse_args
+    from agoq.megatron.train.args import parse_args
 
     assert parse_args(["--override-opt_param-scheduler"]).override_opt_param_scheduler
     assert parse_args(["--override-opt-param-scheduler"]).override_opt_param_scheduler

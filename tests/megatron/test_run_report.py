@@ -1,4 +1,4 @@
-"""What scripts/pretrain_llama.py says about a run (agoq.train.pretrain / memory_report), in-process: the
+"""What scripts/pretrain_llama.py says about a run (agoq.megatron.train.pretrain / memory_report), in-process: the
 stop signal by name, the closing line after a resume, the memory header's optimizer and gradient format
 (issue 21, "docs contradict the code")."""
 
@@ -10,8 +10,8 @@ import pytest
 
 from agoq.config import AgoqConfig
 from agoq.plan.memory import Layout
-from agoq.train.memory_report import gradient_name, optimizer_name, recipe_from_config
-from agoq.train.pretrain import done_line, signal_name
+from agoq.megatron.train.memory_report import gradient_name, optimizer_name, recipe_from_config
+from agoq.megatron.train.pretrain import done_line, signal_name
 
 pytestmark = pytest.mark.megatron
 

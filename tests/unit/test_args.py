@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agoq.testing.procs import TINY_CONFIG
-from agoq.train.args import parse_args
+from agoq.megatron.train.args import parse_args
 
 
 def _error(capsys, argv) -> str:
@@ -82,7 +82,7 @@ def test_recompute_flags(capsys):
 
 
 def test_grad_reduce_in_bf16_sets_megatron_ddp_and_refuses_unvalidated_combos(capsys):
-    from agoq.train.pretrain import ddp_config
+    from agoq.megatron.train.pretrain import ddp_config
 
     args = parse_args(["--grad-reduce-in-bf16"])
     import torch
@@ -101,15 +101,15 @@ def test_parsing_imports_neither_torch_nor_megatron():
     import sys
 
     code = ("import sys; sys.modules['torch'] = None; sys.modules['megatron'] = None\n"
-            "from agoq.train.args import parse_args; parse_args(['--agoq-optimizer', 'adamw'])")
+            "from agoq.megatron.train.args import parse_args; parse_args(['--agoq-optimizer', 'adamw'])")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_light_copies_of_choices_agree_with_their_sources():
     from agoq.megatron import ddp
     from agoq.optim.base import MASTER_CHOICES
-    from agoq.train import args as margs
-    from agoq.train import optim_args
+    from agoq.megatron.train import args as margs
+    from agoq.megatron.train import optim_args
 
     assert optim_args.MASTER_CHOICES == MASTER_CHOICES and margs.GRAD_MODES == ddp.GRAD_MODES
 
@@ -128,7 +128,7 @@ def test_quiet_ranks_exit_after_the_printing_rank(monkeypatch, capsys):
     rank's error line is out first (both for parser errors and for preflight's)."""
     import time
 
-    from agoq.train import args as margs
+    from agoq.megatron.train import args as margs
 
     monkeypatch.setattr(margs, "QUIET_EXIT_DELAY_S", 0.2)
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -178,7 +178,7 @@ def test_state_flags_with_agoq_optimizer_and_defaults():
 
 
 def test_weighted_data_path_is_megatrons_blend():
-    from agoq.train.args import data_blend
+    from agoq.megatron.train.args import data_blend
 
     assert data_blend(["0.3", "data/a", "0.7", "data/b"]) == [(0.3, "data/a"), (0.7, "data/b")]
     assert data_blend(["data/a", "data/b"]) == ["data/a", "data/b"]
@@ -221,7 +221,7 @@ def test_policy_rules_that_decide_no_site_are_errors(tmp_path, capsys, rules, la
 def test_preflight_checks_layout_and_data_before_torch(tmp_path):
     from agoq.data.tokenizer import TokenizerTrainConfig, train_sentencepiece
     from agoq.testing.indexed import write_indexed_dataset as write_dataset
-    from agoq.train.args import preflight
+    from agoq.megatron.train.args import preflight
 
     with pytest.raises(ValueError, match=r"world size 2 is not divisible by --tensor-model-parallel-size 1 x "
                                          r"--pipeline-model-parallel-size 4; launch a multiple of 4 processes"):

@@ -1,4 +1,4 @@
-"""agoq.train.environment: the trainer reads torchrun's variables and agoq's kernel switch from the environment
+"""agoq.megatron.train.environment: the trainer reads torchrun's variables and agoq's kernel switch from the environment
 and passes them in; the library modules that used to read them at import read nothing (issue 20 item 5)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ TORCHRUN_RANK1 = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADD
 
 def test_launch_from_torchrun_variables_and_without_them():
     from agoq.megatron.runtime import SINGLE_PROCESS, LaunchInfo
-    from agoq.train.environment import launch_from_environment
+    from agoq.megatron.train.environment import launch_from_environment
 
     assert launch_from_environment({}) == SINGLE_PROCESS
     assert launch_from_environment(TORCHRUN_RANK1) == LaunchInfo(rank=1, world_size=2, local_rank=1,
@@ -25,7 +25,7 @@ def test_launch_from_torchrun_variables_and_without_them():
 @pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False)])
 def test_fast_launch_switch_is_applied_by_the_trainer(value, enabled):
     from agoq.kernels import _fastlaunch
-    from agoq.train.environment import FAST_LAUNCH_ENV, apply_kernel_switches
+    from agoq.megatron.train.environment import FAST_LAUNCH_ENV, apply_kernel_switches
 
     previous = _fastlaunch.fast_launch_enabled()
     try:

@@ -29,7 +29,7 @@ from agoq.config import (
     AgoqConfig,
 )
 from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES, load_policy
-from agoq.train.args import DEFAULT_POLICY
+from agoq.megatron.train.args import DEFAULT_POLICY
 
 ATTENTION_CHOICES = ("sdpa", "megatron")
 

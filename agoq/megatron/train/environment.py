@@ -7,7 +7,7 @@ the trainer reads it here and passes what it found in:
   (:func:`launch_from_environment`), given to ``runtime.init_distributed`` and ``runtime.choose_device``;
 * ``AGOQ_TRITON_FAST_LAUNCH=0`` (Triton's own launch path instead of agoq's direct launches, the escape hatch of
   agoq.kernels._fastlaunch) -> ``set_fast_launch`` (:func:`apply_kernel_switches`);
-* ``TRITON_INTERPRET=1`` -> ``AgoqConfig.triton_interpret`` (agoq.train.args builds the config).
+* ``TRITON_INTERPRET=1`` -> ``AgoqConfig.triton_interpret`` (agoq.megatron.train.args builds the config).
 
 Other readers outside the library: ``scripts/pretrain_llama.py`` (``AGOQ_CACHE``, ``AGOQ_SHOW_KNOWN_WARNINGS``,
 rank-0 printing) and the command-line tools' ``__main__`` modules.

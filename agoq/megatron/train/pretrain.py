@@ -5,9 +5,9 @@ there is no GPU) → process groups → data (rank 0 builds caches first) → mo
 Megatron optimizer + LR schedule → resume → train loop (log, save on interval / signal / end).
 Everything that can be wrong with the input is checked before the first forward pass.
 
-A trainer entry point (with agoq.train.args): it reads the parsed Namespace for Megatron's own flags
+A trainer entry point (with agoq.megatron.train.args): it reads the parsed Namespace for Megatron's own flags
 (layout, batch sizes, lr, logging) and hands agoq's library code the run's ``AgoqConfig``
-(``args.agoq_config``, built once by agoq.train.args.parse_args) or one of its sections.
+(``args.agoq_config``, built once by agoq.megatron.train.args.parse_args) or one of its sections.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
 from agoq.megatron.optimizer import build_agoq_optimizer
 from agoq.megatron.resume import RECORD_KEY, run_record, schedule_line
-from agoq.train import environment, memory_report, training
-from agoq.train.args import check_layout
-from agoq.train.flops import tflops_per_gpu, training_flops_per_iteration
-from agoq.train.optim_args import check_release_flags
-from agoq.train.tensorboard import open_tensorboard
+from agoq.megatron.train import environment, memory_report, training
+from agoq.megatron.train.args import check_layout
+from agoq.megatron.train.flops import tflops_per_gpu, training_flops_per_iteration
+from agoq.megatron.train.optim_args import check_release_flags
+from agoq.megatron.train.tensorboard import open_tensorboard
 
 log = logging.getLogger("agoq.pretrain")
 
@@ -202,7 +202,7 @@ def versions_line() -> str:
 
 def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy_report: Callable,
              storage_report: Callable) -> None:
-    """Run the whole job described by ``args`` (see agoq.train.args; ``args.agoq_config``: agoq's part)."""
+    """Run the whole job described by ``args`` (see agoq.megatron.train.args; ``args.agoq_config``: agoq's part)."""
     config: AgoqConfig = args.agoq_config
     launch = environment.launch_from_environment()
     environment.apply_kernel_switches()

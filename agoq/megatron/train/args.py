@@ -26,10 +26,10 @@ import yaml
 from agoq.config import FLOAT_GRADS, GRAD_MODES, GRAD_TRANSPORTS, RECOMPUTE_GRANULARITIES, AgoqConfig  # noqa: F401 (FLOAT_GRADS re-exported)
 from agoq.data.indexed import split_weights
 from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES, ScheduleInfo, check_rules_used, load_policy, model_sites
-from agoq.train.optim_args import DEFAULT_MASTER, DEFAULT_MOMENTS, add_optim_flags, check_release_flags
+from agoq.megatron.train.optim_args import DEFAULT_MASTER, DEFAULT_MOMENTS, add_optim_flags, check_release_flags
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "configs" / "policy" / "agoq.yaml"
+DEFAULT_POLICY = Path(__file__).resolve().parents[3] / "configs" / "policy" / "agoq.yaml"
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
