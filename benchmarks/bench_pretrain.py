@@ -533,7 +533,8 @@ CAPACITY_PLANS = {"capacity_1gpu": ("llama3-8b", 1), "capacity_4gpu": ("llama-32
 
 SUITES = {"act_host": act_host_suite, "pp2_interleaved": pp2_interleaved_suite, "attention": attention_suite,
           "fp8_scale": fp8_scale_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite,
-          "grads": grads_suite, "dp2": dp2_suite, "dp2_link": dp2_link_suite, "dp2_transport": dp2_transport_suite, "release": release_suite,
+          "grads": grads_suite, "dp2": dp2_suite, "dp2_link": dp2_link_suite, "dp2_transport": dp2_transport_suite,
+          "release": release_suite,
           "pp4_interleaved": pp4_interleaved_suite, "pp4_distopt": pp4_distopt_suite, "dp2_pp2": dp2_pp2_suite,
           "capacity_1gpu": capacity_1gpu_suite, "capacity_4gpu": capacity_4gpu_suite,
           "equal_memory_1b": equal_memory_1b_suite, "equal_memory_8b_pp4": equal_memory_8b_pp4_suite}
@@ -553,20 +554,54 @@ OUT_OF_MEMORY_MARKERS = ("torch.OutOfMemoryError", "CUDA out of memory", "OutOfM
 TIMEOUT_RETURNCODE = 124  # as timeout(1): the variant ran past --timeout and its process group was killed
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc's parent links), children before grandchildren."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL torchrun and all its workers. torchrun starts each worker in a session of its own
+    (torch.distributed.elastic's SubprocessHandler, start_new_session=True), so killing torchrun's process
+    group alone leaves the workers running, holding their GPU memory and the output pipes (the 2026-11-26
+    capacity_4gpu run hung that way). The tree is read before anything is killed: orphans lose their parent link."""
+    for target in [pid, *_descendants(pid)]:
+        for kill in (lambda t: os.killpg(t, signal.SIGKILL), lambda t: os.kill(t, signal.SIGKILL)):
+            try:
+                kill(target)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 def _run_bounded(cmd: list[str], timeout: float, env: dict) -> subprocess.CompletedProcess:
-    """Run torchrun in its own process group; past ``timeout`` kill the whole group (torchrun and its workers:
-    killing torchrun alone would orphan workers that keep their GPU memory and spoil the next variant) and
-    return TIMEOUT_RETURNCODE with what was printed, so the suite goes on."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        note = f"\nbench: killed after --timeout {timeout} s"
-        return subprocess.CompletedProcess(cmd, TIMEOUT_RETURNCODE, out, err + note)
+    """Run torchrun in its own process group; past ``timeout`` kill it and every worker (see _kill_tree) and
+    return TIMEOUT_RETURNCODE with what was printed, so the suite goes on. Output goes to files, not pipes, so
+    a surviving grandchild can never block the read."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env, cwd=REPO_ROOT,
+                                start_new_session=True)
+        note = ""
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
+            proc.wait()
+            note = f"\nbench: killed after --timeout {timeout} s"
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode if not note else TIMEOUT_RETURNCODE,
+                                           out.read(), err.read() + note)
 
 
 def _error_lines(output: str, limit: int = 20) -> list[str]:
@@ -781,6 +816,7 @@ def main(argv=None) -> int:
     device = report["environment"].get("device")
     with tempfile.TemporaryDirectory() as tmp:
         for variant in select_variants(args.suite, args.smoke, args.only):
+            print(f"bench: {dt.datetime.now(dt.UTC):%H:%M:%S} running {variant['name']}", file=sys.stderr, flush=True)
             result = run_variant(variant, Path(tmp), args.timeout)
             report["variants"].append(result)
             report["summary"].append(summarise(result, args.warmup, device))

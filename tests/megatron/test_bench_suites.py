@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agoq.testing.procs import REPO_ROOT
 from agoq.megatron.train.args import parse_args
+from agoq.testing.procs import REPO_ROOT
 from tests.megatron._bench_scripts import load_bench_script
 
 BENCH = load_bench_script("bench_pretrain")
@@ -151,10 +151,12 @@ def test_validate_planner_reads_the_issue_23_commands_as_the_trainer_does(suite,
 
 
 def test_a_variant_past_its_timeout_is_killed_with_its_workers_and_the_suite_goes_on(tmp_path):
-    """torchrun's workers are in its process group: killing torchrun alone would leave them holding GPU memory."""
+    """torchrun starts each worker in a session of its own (start_new_session=True): killing torchrun's process
+    group alone would leave them holding GPU memory and the output, and the suite would hang (it did, on GPUs)."""
     pid_file = tmp_path / "worker.pid"
     worker = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
-    launcher = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}]); "
+    launcher = (f"import subprocess, sys, time; "
+                f"subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True); "
                 "print('launched', flush=True); time.sleep(60)")
 
     start = time.monotonic()
