@@ -34,7 +34,7 @@ import math
 import torch
 
 from agoq.formats import QuantFormat, parse_format
-from agoq.ref.master import MASTER_NS, ref_master_merge, ref_master_split
+from agoq.ref.master import MASTER_NS, ref_master_merge
 from agoq.ref.quant import QuantizedTensor, ref_quantize
 
 MASTER_CHOICES = ("none", "fp32", "split24", "split32")
@@ -52,6 +52,18 @@ def check_master(master: str) -> str:
         raise ValueError(f"master={master!r} is not supported; use one of {list(MASTER_CHOICES)}")
     return master
 
+
+
+def zero_quantized(shape: torch.Size, fmt: QuantFormat, device: torch.device) -> QuantizedTensor:
+    """``ref_quantize(torch.zeros(shape), fmt)`` without its full-size fp32 input and temporaries: every block of
+    zeros encodes alike, so one block's codes and scale are repeated (block-quantized formats pad to whole
+    blocks). Plain formats (fp32 states of small tensors) take the reference path."""
+    numel = math.prod(shape)
+    if not fmt.quantized:
+        return ref_quantize(torch.zeros(shape, dtype=torch.float32, device=device), fmt)
+    one = ref_quantize(torch.zeros(fmt.block, dtype=torch.float32, device=device), fmt)
+    blocks = fmt.num_blocks(numel)
+    return QuantizedTensor(one.codes.repeat(blocks), one.scales.repeat(blocks), fmt, torch.Size(shape), torch.float32)
 
 class QuantizedOptimizer(torch.optim.Optimizer):
     """Base class: state allocation, (de)serialisation, accounting. Subclasses set STATE_NAMES and
@@ -137,11 +149,13 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         master = self.master_for(p, group)
         state["step"] = torch.zeros((), dtype=torch.float32)
         for name, fmt in fmts.items():
-            q = ref_quantize(torch.zeros(p.shape, dtype=torch.float32, device=p.device), fmt)
+            q = zero_quantized(p.shape, fmt, p.device)
             state[f"{name}.codes"], state[f"{name}.scales"] = q.codes, q.scales
         if master in ("split24", "split32"):
-            _, rho = ref_master_split(p.detach().float(), p.dtype, MASTER_DTYPES[master])
-            state["master"] = rho  # zero: theta' is the master at start (p is already bf16)
+            # theta' = p is the master at start: p is bf16/fp16 (master_for gives fp32 params none), so the
+            # remainder is exactly zero; ref_master_split would say so through ~8 float64 temporaries of p's
+            # size (4 GiB each for the 8B shape's 525M-element embedding: it ran one 80 GB H100 out of memory)
+            state["master"] = torch.zeros(p.shape, dtype=MASTER_DTYPES[master], device=p.device)
         elif master == "fp32":
             state["master"] = p.detach().float().clone()
         state["formats"] = ";".join([f"{n}={f.name}" for n, f in fmts.items()] + [f"master={master}"])

@@ -128,3 +128,43 @@ def test_bad_options_raise_with_the_fix():
         AdamW(p, state_formats={"exp_avg": "cint8_b32_sr"})
     with pytest.raises(NotImplementedError, match="dampening"):
         SGD(p, momentum=0.9, dampening=0.1)
+
+
+# the moment formats agoq's optimizers default to or accept (agoq.config's moment presets) and plain fp32
+_ZERO_FORMATS = ["cint8_b32", "cuint8_b32", "nf4_b32", "fp8e4m3_b128", "fp8e5m2_b128", "int8_b256", "bf16", "fp32"]
+
+
+@pytest.mark.parametrize("fmt", _ZERO_FORMATS)
+@pytest.mark.parametrize("shape", [(1,), (31,), (3, 257), (64,), (2, 0)])
+def test_zero_state_is_the_reference_quantization_of_zeros(fmt, shape):
+    from agoq.formats import parse_format
+    from agoq.optim.base import zero_quantized
+    from agoq.ref.quant import ref_quantize
+
+    f = parse_format(fmt)
+    want = ref_quantize(torch.zeros(shape), f)
+    got = zero_quantized(torch.Size(shape), f, torch.device("cpu"))
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
+    assert got.codes.dtype == want.codes.dtype and got.scales.dtype == want.scales.dtype
+    assert tuple(got.shape) == shape
+
+
+@pytest.mark.parametrize("master", ["split24", "split32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_initial_split_master_remainder_is_what_the_reference_split_gives(master, dtype):
+    """init_state writes zeros without computing the split; the reference split of a 16-bit param agrees
+    (subnormals, extremes, signed zeros, inf and nan included)."""
+    from agoq.optim import AdamW
+    from agoq.optim.base import MASTER_DTYPES
+    from agoq.ref.master import ref_master_split
+
+    rows, cols = 3, 40001  # a matrix above the small-tensor rule's size (small tensors always get split32)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows * cols, generator=g) * torch.logspace(-40, 4, rows * cols)
+    x[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), torch.finfo(dtype).max])
+    p = torch.nn.Parameter(x.to(dtype).view(rows, cols))
+    opt = AdamW([p], lr=1e-3, master=master)
+    assert opt.master_for(p, opt.param_groups[0]) == master
+    state = opt.init_state(p, opt.param_groups[0])
+    _, rho = ref_master_split(p.detach().float(), p.dtype, MASTER_DTYPES[master])
+    assert state["master"].dtype == rho.dtype and torch.equal(state["master"], rho)
