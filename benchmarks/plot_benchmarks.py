@@ -2,6 +2,8 @@
 
     python benchmarks/plot_benchmarks.py convergence benchmarks/results/conv_*.json --out docs/benchmarks/convergence.png
     python benchmarks/plot_benchmarks.py memory benchmarks/results/pretrain_memory.json --out docs/benchmarks/memory.png
+    python benchmarks/plot_benchmarks.py stages benchmarks/results/pp4_distopt.json benchmarks/results/dp2_pp2.json \
+        --out docs/benchmarks/stage_peaks.png
 
 Needs matplotlib (``pip install matplotlib``; not a dependency of agoq itself).
 """
@@ -89,14 +91,47 @@ def plot_memory(path: Path, out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
+def plot_stages(paths: list[Path], out: Path) -> None:
+    """One panel per bench JSON: each run's measured peak per pipeline stage (bars) and the planner's
+    prediction for it (black ticks)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reports = [json.loads(path.read_text()) for path in paths]
+    fig, axes = plt.subplots(1, len(reports), figsize=(6.5 * len(reports), 4.2), squeeze=False)
+    for ax, report in zip(axes[0], reports, strict=True):
+        rows = [s for s in report["summary"] if s.get("stage_peaks_gib")]
+        width = 0.8 / max(1, len(rows))
+        for i, row in enumerate(rows):
+            stages = range(len(row["stage_peaks_gib"]))
+            xs = [st + (i - (len(rows) - 1) / 2) * width for st in stages]
+            ax.bar(xs, row["stage_peaks_gib"], width, label=row["name"].split("/")[-1])
+            predicted = row.get("predicted_stage_peaks_gib") or []
+            ax.scatter(xs[: len(predicted)], predicted, marker="_", s=300, color="black", zorder=3)
+        ax.set_xticks(range(max(len(r["stage_peaks_gib"]) for r in rows)))
+        ax.set_xlabel("pipeline stage")
+        ax.set_ylabel("peak GPU memory (GiB)")
+        ax.set_title(f"{report['suite']} ({report['environment'].get('num_gpus', '?')} GPUs, {report['date'][:10]})")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{reports[0]['environment'].get('device', '')}: per-stage peaks, measured (bars) and "
+                 "predicted by agoq.plan (black ticks)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kind", choices=("convergence", "memory"))
+    parser.add_argument("kind", choices=("convergence", "memory", "stages"))
     parser.add_argument("inputs", nargs="+", type=Path)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
     if args.kind == "convergence":
         plot_convergence(args.inputs, args.out)
+    elif args.kind == "stages":
+        plot_stages(args.inputs, args.out)
     else:
         plot_memory(args.inputs[0], args.out)
     print(f"wrote {args.out}")
