@@ -1,6 +1,7 @@
 """Figures for docs/benchmarks/ from the JSON the bench scripts wrote (matplotlib, PNG).
 
-    python benchmarks/plot_benchmarks.py convergence benchmarks/results/conv_*.json --out docs/benchmarks/convergence.png
+    python benchmarks/plot_benchmarks.py convergence benchmarks/results/conv_*.json \
+        --out docs/benchmarks/convergence.png
     python benchmarks/plot_benchmarks.py memory benchmarks/results/pretrain_memory.json --out docs/benchmarks/memory.png
     python benchmarks/plot_benchmarks.py stages benchmarks/results/pp4_distopt.json benchmarks/results/dp2_pp2.json \
         --out docs/benchmarks/stage_peaks.png
@@ -26,6 +27,8 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 
 
 def plot_convergence(paths: list[Path], out: Path) -> None:
+    """Training (moving average) and validation curves of every run, and each run's training curve against the
+    mean of the baseline's seeds (issue 25: the spread between baseline seeds is the yardstick)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,29 +43,33 @@ def plot_convergence(paths: list[Path], out: Path) -> None:
         valid = [r for r in run["records"] if "validation_lm_loss" in r]
         x = [r["iteration"] * tokens / 1e6 for r in train]
         smooth = _moving_average([r["lm_loss"] for r in train], SMOOTH_WINDOW)
-        curves[run["preset"]] = (x, smooth)
-        ax_train.plot(x, smooth, label=run["preset"], lw=1.2)
+        label = f"{run['preset']} s{run['seed']}" if "seed" in run else run["preset"]
+        curves[label] = (run["preset"], x, smooth)
+        ax_train.plot(x, smooth, label=label, lw=1.2)
         ax_valid.plot([r["iteration"] * tokens / 1e6 for r in valid], [r["validation_lm_loss"] for r in valid],
-                      marker="o", ms=3, label=run["preset"])  # fmt: skip
+                      marker="o", ms=3, label=label)  # fmt: skip
     for ax, title in ((ax_train, f"training loss (moving average of {SMOOTH_WINDOW} logs)"),
                       (ax_valid, "validation loss")):  # fmt: skip
         ax.set_xlabel("tokens (millions)")
         ax.set_ylabel("loss")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend()
-    if "baseline" in curves:
-        base_x, base = curves["baseline"]
-        for name, (x, smooth) in curves.items():
-            if name != "baseline" and x == base_x:
-                ax_diff.plot(x, [100 * (a / b - 1) for a, b in zip(smooth, base)], label=name, lw=1.0)
+        ax.legend(fontsize=7)
+    baselines = [(x, smooth) for preset, x, smooth in curves.values() if preset == "baseline"]
+    if baselines and all(x == baselines[0][0] for x, _ in baselines):
+        base_x = baselines[0][0]
+        base_mean = [sum(vals) / len(vals) for vals in zip(*(smooth for _, smooth in baselines), strict=True)]
+        for label, (_, x, smooth) in curves.items():
+            if x == base_x:
+                ax_diff.plot(x, [100 * (a / b - 1) for a, b in zip(smooth, base_mean, strict=True)], label=label,
+                             lw=1.0, ls="--" if label.startswith("baseline") else "-")
         ax_diff.axhline(0.0, color="black", lw=0.8)
         ax_diff.set_xlabel("tokens (millions)")
-        ax_diff.set_ylabel("% vs baseline")
-        ax_diff.set_title("training loss vs baseline (moving averages)")
+        ax_diff.set_ylabel(f"% vs the mean of {len(baselines)} baseline run(s)")
+        ax_diff.set_title("training loss vs baseline mean (moving averages)")
         ax_diff.set_ylim(-3, 3)
         ax_diff.grid(alpha=0.3)
-        ax_diff.legend()
+        ax_diff.legend(fontsize=7)
     ax_train.set_ylim(top=min(6.0, ax_train.get_ylim()[1]))
     ax_valid.set_ylim(top=min(6.0, ax_valid.get_ylim()[1]))
     fig.tight_layout()
