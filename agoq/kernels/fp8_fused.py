@@ -93,10 +93,12 @@ def _cast_tensor_kernel(
     meta_ptr,  # fp32 [4 + L] (DELAYED): the scale at meta[1]
     new_meta_ptr,  # fp32 [4 + L] (DELAYED) written by the last program; fp32 [5] view of ws (current)
     ws_ptr,  # int32: [amax bits, arrivals] (DELAYED, zero on entry) or [., ., 0, 0, amax bits] (current)
+    mul_ptr,  # fp32 [M] (MUL == 1) or [N] (MUL == 2): x is cast (and its amax taken) as x * mul
     M, N, L,
     FMAX: tl.constexpr, FMAX_DIV: tl.constexpr, POW2: tl.constexpr, FP8: tl.constexpr,
     DELAYED: tl.constexpr, ROWMAJOR: tl.constexpr, TRANSPOSED: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, TILES_M: tl.constexpr, BL: tl.constexpr, TRANSPOSE_F32: tl.constexpr,
+    MUL: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -105,11 +107,17 @@ def _cast_tensor_kernel(
     else:
         s = _scale_from_amax(tl.load(ws_ptr + 4).to(tl.float32, bitcast=True), FMAX_DIV, POW2)
     c = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+    if MUL == 2:
+        mul_c = tl.load(mul_ptr + c, mask=c < N, other=1.0)
     amax_bits = tl.zeros([BM, BN], dtype=tl.int32)
     for t in range(TILES_M):
         r = (pid_m.to(tl.int64) * TILES_M + t) * BM + tl.arange(0, BM)
         mask = (r[:, None] < M) & (c[None, :] < N)
         x = tl.load(x_ptr + r[:, None] * N + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if MUL == 1:
+            x = x * tl.load(mul_ptr + r, mask=r < M, other=1.0)[:, None]
+        elif MUL == 2:
+            x = x * mul_c[None, :]
         if DELAYED:
             amax_bits = tl.maximum(amax_bits, _abs_bits(x))
         q = _sat_cast(x * s, FMAX, FP8)
@@ -120,6 +128,10 @@ def _cast_tensor_kernel(
                 # see agoq.kernels.fp8._cast_kernel)
                 mask_t = (c[:, None] < N) & (r[None, :] < M)
                 x_t = tl.load(x_ptr + r[None, :] * N + c[:, None], mask=mask_t, other=0.0).to(tl.float32)
+                if MUL == 1:
+                    x_t = x_t * tl.load(mul_ptr + r, mask=r < M, other=1.0)[None, :]
+                elif MUL == 2:
+                    x_t = x_t * mul_c[:, None]
                 qt = _sat_cast(x_t * s, FMAX, FP8)
             else:
                 qt = tl.trans(q)
@@ -152,10 +164,11 @@ def _cast_plan(variant: str, margin: int, pow2: bool, length: int) -> tuple:
             triton.next_power_of_2(max(length, 1)))
 
 
-def _launch_cast(x, m, n, plan, rowmajor, transposed, t_colmajor, meta, new_meta, ws, delayed, length):
+def _launch_cast(x, m, n, plan, rowmajor, transposed, t_colmajor, meta, new_meta, ws, delayed, length, mul=None):
     """One _cast_tensor_kernel launch over x viewed as [m, n] (contiguous, any leading dims). out_t is
     [n, m] row-major, or with ``t_colmajor`` the same memory as an [m, n] column-major tensor (the
-    layout torch._scaled_mm's operand b wants, without a .t() per call)."""
+    layout torch._scaled_mm's operand b wants, without a .t() per call). ``mul``: fp32 [m, 1] or [1, n]
+    (contiguous): cast x * mul (_mul_mode)."""
     fmax, fmax_div, pow2, tl_fp8, fp8, bl = plan
     device = x.device
     out = torch.empty((m, n), dtype=fp8, device=device) if rowmajor else None
@@ -165,29 +178,41 @@ def _launch_cast(x, m, n, plan, rowmajor, transposed, t_colmajor, meta, new_meta
                  else torch.empty((n, m), dtype=fp8, device=device))
     bm, bn, tiles, _ = FUSED_CAST_TILE
     grid = ((m + bm * tiles - 1) // (bm * tiles), (n + bn - 1) // bn)
-    _CAST_LAUNCH(grid, x, out if rowmajor else x, out_t if transposed else x, meta, new_meta, ws, m, n, length,
-                        fmax, fmax_div, pow2, tl_fp8, delayed, rowmajor, transposed, bm, bn, tiles, bl,
-                        x.dtype == torch.float32)
+    _CAST_LAUNCH(grid, x, out if rowmajor else x, out_t if transposed else x, meta, new_meta, ws,
+                 meta if mul is None else mul, m, n, length, fmax, fmax_div, pow2, tl_fp8, delayed, rowmajor,
+                 transposed, bm, bn, tiles, bl, x.dtype == torch.float32, _mul_mode(mul, m, n))
     return out, out_t
 
 
+def _mul_mode(mul: torch.Tensor | None, m: int, n: int) -> int:
+    """0: no multiplier; 1: per row (mul [m, 1]); 2: per column (mul [1, n]); checked (the hot path's
+    callers pass what agoq.ops.smooth_swiglu_fp8 made; a wrong shape would read out of bounds)."""
+    if mul is None:
+        return 0
+    if mul.dtype != torch.float32 or not mul.is_contiguous() or mul.shape not in ((m, 1), (1, n)):
+        raise ValueError(f"mul must be contiguous fp32 ({m}, 1) or (1, {n}), got {mul.dtype} {tuple(mul.shape)}")
+    return 1 if mul.shape == (m, 1) and (m != 1 or n == 1) else 2
+
+
 def cast_delayed_unchecked(x, variant, meta, workspace, margin, pow2, rowmajor, transposed, t_colmajor=False,
-                           new_meta=None):
+                           new_meta=None, mul=None):
     """fp8_cast_delayed_2d without the argument checks, for agoq.ops.fp8_scaling.FP8ScalingState (which
     made ``meta``, ``workspace`` and ``new_meta``; agoq.ops.fp8_linear checked x): x contiguous [..., n]
     bf16/fp16/fp32, read as [numel / n, n]; ``t_colmajor`` as in _launch_cast; ``new_meta``: where the
-    next meta goes (an fp32 [4 + L] vector no one reads yet; default: a new allocation)."""
+    next meta goes (an fp32 [4 + L] vector no one reads yet; default: a new allocation); ``mul``: fp32
+    [m, 1] or [1, n]: cast x * mul (Smooth-SwiGLU: fc2's gradient times the per-token s, or fc2's weight
+    times the per-channel s; a power of two, so the product is exact)."""
     n = x.shape[-1]
     m = x.numel() // n if n else 0
     if m == 0 or n == 0:
         out, out_t, new = fp8_cast_delayed_2d(x.reshape(m, n), variant, meta, workspace, margin, pow2,
-                                              rowmajor=rowmajor, transposed=transposed)
+                                              rowmajor=rowmajor, transposed=transposed, mul=mul)
         return out, (out_t.t() if t_colmajor and out_t is not None else out_t), new
     length = meta.shape[0] - META_HEADER
     if new_meta is None:
         new_meta = torch.empty_like(meta)
     out, out_t = _launch_cast(x, m, n, _cast_plan(variant, margin, pow2, length), rowmajor, transposed, t_colmajor,
-                              meta, new_meta, workspace, True, length)
+                              meta, new_meta, workspace, True, length, mul)
     return out, out_t, new_meta
 
 
@@ -205,14 +230,16 @@ def cast_current_unchecked(x, variant, margin, pow2, rowmajor, transposed, t_col
     _AMAX_LAUNCH((min((numel + AMAX_BLOCK - 1) // AMAX_BLOCK, AMAX_MAX_PROGRAMS),),
                  x, ws[META_HEADER:], numel, AMAX_BLOCK)
     out, out_t = _launch_cast(x, m, n, _cast_plan(variant, margin, pow2, 1), rowmajor, transposed, t_colmajor,
-                              meta, meta, ws, False, 1)
+                              meta, meta, ws, False, 1, None)
     return out, out_t, meta
 
 
 def fp8_cast_delayed_2d(x2d: torch.Tensor, variant: str, meta: torch.Tensor, workspace: torch.Tensor, margin: int = 0,
-                        pow2: bool = False, *, rowmajor: bool = True, transposed: bool = False):
+                        pow2: bool = False, *, rowmajor: bool = True, transposed: bool = False,
+                        mul: torch.Tensor | None = None):
     """Triton twin of agoq.ref.fp8.ref_fp8_cast_delayed_2d (module docstring): cast with meta's scale,
-    push this tensor's amax; returns (out, out_t, new_meta)."""
+    push this tensor's amax; returns (out, out_t, new_meta). ``mul`` (fp32 [M, 1] or [1, N]): cast and
+    record x * mul instead of x."""
     _variant(variant)
     x = _check_2d(x2d, "fp8_cast_delayed_2d")
     if meta.dtype != torch.float32 or meta.dim() != 1 or meta.numel() <= META_HEADER or not meta.is_contiguous():
@@ -226,8 +253,9 @@ def fp8_cast_delayed_2d(x2d: torch.Tensor, variant: str, meta: torch.Tensor, wor
         from agoq.ref.fp8 import ref_fp8_cast_delayed_2d
 
         return ref_fp8_cast_delayed_2d(x, variant, meta, workspace, margin, pow2, rowmajor=rowmajor,
-                                       transposed=transposed)
-    return cast_delayed_unchecked(x, variant, meta, workspace, margin, pow2, rowmajor, transposed)
+                                       transposed=transposed, mul=mul)
+    _mul_mode(mul, *x.shape)
+    return cast_delayed_unchecked(x, variant, meta, workspace, margin, pow2, rowmajor, transposed, mul=mul)
 
 
 def fp8_cast_current_2d(x2d: torch.Tensor, variant: str, margin: int = 0, pow2: bool = False, *,

@@ -86,11 +86,11 @@ def _colmajor(out_t: torch.Tensor | None, t_colmajor: bool) -> torch.Tensor | No
 
 
 def _ref_cast_delayed(x, variant, meta, workspace, margin, pow2, rowmajor, transposed, t_colmajor=False,
-                      new_meta=None):
+                      new_meta=None, mul=None):
     from agoq.ref.fp8 import ref_fp8_cast_delayed_2d
 
     out, out_t, new = ref_fp8_cast_delayed_2d(x.reshape(-1, x.shape[-1]), variant, meta, workspace, margin, pow2,
-                                              rowmajor=rowmajor, transposed=transposed)
+                                              rowmajor=rowmajor, transposed=transposed, mul=mul)
     return out, _colmajor(out_t, t_colmajor), (new if new_meta is None else new_meta.copy_(new))
 
 

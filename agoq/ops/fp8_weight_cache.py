@@ -71,17 +71,29 @@ class FP8WeightCache:
         install_optimizer_hook()  # a no-op after agoq.megatron.install (its fp8_weight_cache seam)
         self._key: tuple | None = None
         self._recipe = None
+        self._col_scale: torch.Tensor | None = None
         self._entry = None
         self.refreshes = 0  # how many times the entry was (re)built: for tests and reports
 
-    def get(self, weight: torch.Tensor, recipe, make: Callable[[torch.Tensor], object]):
-        key = (_generation, weight.data_ptr(), weight._version, weight.shape, weight.dtype)
-        if key != self._key or recipe is not self._recipe:
+    def get(self, weight: torch.Tensor, recipe, make: Callable[[torch.Tensor], object],
+            col_scale: torch.Tensor | None = None):
+        """The entry for ``weight`` (``make(weight.detach())`` when stale). ``col_scale``: a tensor the entry
+        also depends on (per-channel Smooth-SwiGLU's s, folded into fc2's FP8 weight): the entry is
+        rebuilt when it is another tensor or its autograd version changed (the forward and backward of
+        one micro-batch, and a recomputed forward, share the scale tensor and so the entry)."""
+        key = (_generation, weight.data_ptr(), weight._version, weight.shape, weight.dtype,
+               None if col_scale is None else col_scale._version)
+        if key != self._key or recipe is not self._recipe or col_scale is not self._col_scale:
             self._entry = None  # drop the old copies before making the new ones
             self._entry = make(weight.detach())
-            self._key, self._recipe = key, recipe
+            self._key, self._recipe, self._col_scale = key, recipe, col_scale
             self.refreshes += 1
         return self._entry
 
+    def release(self, entry) -> None:
+        """Drop ``entry`` if it is the cached one (a per-micro-batch entry whose backward has run)."""
+        if entry is not None and entry is self._entry:
+            self.clear()
+
     def clear(self) -> None:
-        self._key = self._recipe = self._entry = None
+        self._key = self._recipe = self._entry = self._col_scale = None

@@ -187,13 +187,20 @@ def _meta(scale: torch.Tensor, scale_inv: torch.Tensor, history: torch.Tensor) -
 
 
 def ref_fp8_cast_delayed_2d(x2d: torch.Tensor, variant: str, meta: torch.Tensor, workspace: torch.Tensor,
-                            margin: int = 0, pow2: bool = False, *, rowmajor: bool = True, transposed: bool = False):
+                            margin: int = 0, pow2: bool = False, *, rowmajor: bool = True, transposed: bool = False,
+                            mul: torch.Tensor | None = None):
     """Delayed scaling in one call: cast x2d with ``meta[1]`` (the scale from the previous amaxes) and
     push its amax: ``(out, out_t, new_meta)``, ``new_meta = [1 / scale', scale', 0, 0, amax,
     history[:-1]]`` (:func:`ref_fp8_history_update`). ``meta`` is not modified; ``workspace`` (the
-    kernel's int32 [2] accumulator, zero between calls) is not used here."""
+    kernel's int32 [2] accumulator, zero between calls) is not used here. ``mul`` (fp32 [M, 1] per row
+    or [1, N] per column): cast and record ``x * mul`` (the fp32 product) instead of x."""
     if meta.dim() != 1 or meta.numel() <= META_HEADER:
         raise ValueError(f"meta must be an fp32 [4 + L] vector (L >= 1), got {tuple(meta.shape)}")
+    if mul is not None:
+        if mul.dtype != torch.float32 or mul.shape not in ((x2d.shape[0], 1), (1, x2d.shape[1])):
+            raise ValueError(f"mul must be fp32 ({x2d.shape[0]}, 1) or (1, {x2d.shape[1]}), got {mul.dtype} "
+                             f"{tuple(mul.shape)}")
+        x2d = x2d.to(torch.float32) * mul
     out, out_t, amax = ref_fp8_cast_2d(x2d, variant, meta[1].to(torch.float32), rowmajor=rowmajor,
                                        transposed=transposed, record_amax=True)
     history, scale, scale_inv = ref_fp8_history_update(meta[META_HEADER:], amax, variant, margin, pow2)
