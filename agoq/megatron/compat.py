@@ -193,6 +193,9 @@ CONTRACT: tuple[Symbol, ...] = (
            "Smooth-SwiGLU / FP8 support checks, first/last bf16 layers",
            fields=("num_layers", "glu_linear_offset", "sequence_parallel", "gated_linear_unit",
                    "gradient_accumulation_fusion", "use_te_activation_func")),
+    Symbol("megatron.core.transformer.transformer_config:TransformerConfig",
+           "CUDA graphs refused with agoq's layers, 8-bit gradients, gradient release (agoq.megatron.graphs)",
+           fields=("cuda_graph_impl",)),
     Symbol("megatron.core.utils:get_pg_rank", "pipeline rank of a layer (agoq.megatron.sites)"),
     # agoq optimizers under the distributed optimizer (agoq/megatron/dist_optimizer.py, its seam card):
     # DistributedOptimizer subclassed in precision-aware mode, checkpoint methods replaced, aligned layout.

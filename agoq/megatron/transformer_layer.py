@@ -44,6 +44,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
 
+from agoq.megatron.graphs import refuse_cuda_graphs
 from agoq.megatron.layers import (
     AgoqMLP,
     AgoqRMSNorm,
@@ -163,6 +164,8 @@ class AgoqTransformerLayer(TransformerLayer):
             global_number += get_transformer_layer_offset(config, vp_stage, get_pg_rank(pg_collection.pp))
         options, handoffs = None, ()
         if agoq_storage is not None or agoq_compute is not None:
+            refuse_cuda_graphs(config, "agoq's layers (low-bit saved activations, FP8 linears, Smooth-SwiGLU)",
+                               "run the layers without agoq (--agoq-disable)")
             position = position_of(config, global_number, pg_collection.pp, vp_stage)
             options = LayerOptions(
                 storage=None if agoq_storage is None else agoq_storage.resolve(position),
