@@ -72,6 +72,7 @@ from agoq.ops import saved_norm, saved_swiglu
 from agoq.ops.saved_norm import rmsnorm_saving_input
 from agoq.ops.saved_swiglu import smooth_swiglu_saving_input, swiglu_reference, swiglu_saving_input
 from agoq.ops.smooth_swiglu import fold_channel_scale, glu_smooth_scale, unsmooth_fc2_output
+from agoq.ops.smooth_swiglu_fp8 import fused_smooth_supported, smooth_swiglu_fp8_fc2
 
 # The linears replace Megatron's saved input through a hook scope around the call (the default, public) or,
 # opt-in, that saved tensor's own hooks (SavePaths.linear_via_node_hooks=True: benchmarks/bench_memory.py's A/B;
@@ -99,6 +100,19 @@ class SavedInputConfig:
     SwiGLU) leaves in the linear's :class:`Handoff`."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class SmoothFc2Input:
+    """Sent by ``AgoqMLP`` to its FP8 fc2 with the fc1 output as fc2's input: fc2 runs Smooth-SwiGLU and its
+    GEMMs as one op (agoq.ops.smooth_swiglu_fp8)."""
+
+    per_token: bool
+    """per-token (True) or per-channel (False) smoothing."""
+    tp_group: object | None = None
+    """The group the per-token amax is all-reduced over (the MLP's TP group)."""
+    store: tuple | None = None
+    """(fmt, key, counter): keep only the fc1 output quantized (activation storage); None: keep it as is."""
+
+
 class Handoff:
     """A one-slot hand-off from the op that produces a linear's input to that linear, within one forward.
 
@@ -111,29 +125,31 @@ class Handoff:
     stash itself also checks that it feeds the tensor the producer returned).
     """
 
-    __slots__ = ("name", "_stash", "_col_scale")
+    __slots__ = ("name", "_stash", "_col_scale", "_smooth")
 
     def __init__(self, name: str):
         self.name = name  # "producer -> consumer", for error messages
         self._stash: RecomputeStash | None = None
         self._col_scale: torch.Tensor | None = None
+        self._smooth: SmoothFc2Input | None = None
 
-    def put(self, stash: RecomputeStash | None, col_scale: torch.Tensor | None = None) -> None:
-        if self._stash is not None:
+    def put(self, stash: RecomputeStash | None, col_scale: torch.Tensor | None = None,
+            smooth: SmoothFc2Input | None = None) -> None:
+        if self.pending:
             raise RuntimeError(
                 f"agoq hand-off {self.name}: the producer ran again before its consumer took the previous "
                 "stash; the layer's forward order changed (report it) or use a bf16 policy")
-        self._stash, self._col_scale = stash, col_scale
+        self._stash, self._col_scale, self._smooth = stash, col_scale, smooth
 
-    def take(self) -> tuple[RecomputeStash | None, torch.Tensor | None]:
-        """(stash, col_scale) left by the producer (None, None when none), and empty the slot."""
-        out = self._stash, self._col_scale
-        self._stash = self._col_scale = None
+    def take(self) -> tuple[RecomputeStash | None, torch.Tensor | None, SmoothFc2Input | None]:
+        """(stash, col_scale, smooth) left by the producer (Nones when none), and empty the slot."""
+        out = self._stash, self._col_scale, self._smooth
+        self._stash = self._col_scale = self._smooth = None
         return out
 
     @property
     def pending(self) -> bool:
-        return self._stash is not None or self._col_scale is not None
+        return self._stash is not None or self._col_scale is not None or self._smooth is not None
 
     def __repr__(self) -> str:
         return f"Handoff({self.name!r}, pending={self.pending})"
@@ -197,7 +213,9 @@ class _AgoqLinearMixin:
         if torch.compiler.is_compiling() and (self.agoq_handoff is not None or self.agoq_fp8 is not None
                                               or self.agoq_save.fmt is not None):
             return _eager_linear_forward_impl(self, input, weight, *args, **kwargs)
-        stash, col_scale = (None, None) if self.agoq_handoff is None else self.agoq_handoff.take()
+        stash, col_scale, smooth = (None, None, None) if self.agoq_handoff is None else self.agoq_handoff.take()
+        if smooth is not None:
+            return self._smooth_fp8_forward_impl(input, weight, smooth, args, kwargs)
         if self.agoq_fp8 is not None:
             return self._fp8_forward_impl(input, weight, stash, col_scale, args, kwargs)
         if col_scale is not None:
@@ -234,10 +252,22 @@ class _AgoqLinearMixin:
             )
         return stash
 
-    def _fp8_forward_impl(self, input, weight, stash, col_scale, args, kw):
-        """Megatron's local linear (``linear_with_grad_accumulation_and_async_allreduce``) with FP8
-        GEMMs: the column-parallel dgrad all-reduce becomes ``copy_to_tensor_model_parallel_region``
-        (synchronous, not overlapped with wgrad); the rest of its options raise."""
+    def _smooth_fp8_forward_impl(self, h, weight, smooth: SmoothFc2Input, args, kw):
+        """fc2 fed the fc1 output ``h`` by AgoqMLP: Smooth-SwiGLU and the FP8 GEMMs as one op
+        (agoq.ops.smooth_swiglu_fp8), returning fc2's TP-partial output (Megatron's RowParallelLinear.forward
+        all-reduces it and adds the bias)."""
+        self._check_fp8_kwargs(args, kw)
+        if kw.get("allreduce_dgrad"):
+            raise NotImplementedError(
+                f"agoq's fused Smooth-SwiGLU runs on a row-parallel fc2 only ({self.agoq_save.key})")
+        cache = self.__dict__.get("_agoq_fp8_smooth_wcache")
+        if cache is None:  # its entries carry the row-wise scale / the folded per-channel s: not the plain cache's
+            cache = self.__dict__["_agoq_fp8_smooth_wcache"] = FP8WeightCache()
+        y = smooth_swiglu_fp8_fc2(h, weight, self._fp8_state(weight.device), self.agoq_fp8, per_token=smooth.per_token,
+                                  weight_cache=cache, tp_group=smooth.tp_group, store=smooth.store)
+        return y if kw.get("bias") is None else y + kw["bias"]
+
+    def _check_fp8_kwargs(self, args, kw) -> None:
         save = self.agoq_save
         unsupported = [name for name in ("gradient_accumulation_fusion", "sequence_parallel") if kw.get(name)]
         if kw.get("grad_output_buffer") is not None:
@@ -248,6 +278,13 @@ class _AgoqLinearMixin:
             raise NotImplementedError(
                 f"agoq's FP8 linear does not support {unsupported or 'positional arguments'} (layer/role "
                 f"{save.key}); turn them off or run this layer in bf16 (--agoq-fp8 off)")
+
+    def _fp8_forward_impl(self, input, weight, stash, col_scale, args, kw):
+        """Megatron's local linear (``linear_with_grad_accumulation_and_async_allreduce``) with FP8
+        GEMMs: the column-parallel dgrad all-reduce becomes ``copy_to_tensor_model_parallel_region``
+        (synchronous, not overlapped with wgrad); the rest of its options raise."""
+        save = self.agoq_save
+        self._check_fp8_kwargs(args, kw)
         if kw.get("allreduce_dgrad"):
             input = copy_to_tensor_model_parallel_region(input, group=kw.get("tp_group"))
         saver = None
@@ -392,6 +429,11 @@ class AgoqMLP(MLP):
     def _smooth_forward(self, h_SBF2):
         mode, save = self.agoq_smooth, self.agoq_save
         tp_group = self.tp_group if mode == "per_token" else None
+        if self._fused_smooth(h_SBF2):  # fc2 takes the fc1 output: one op (agoq.ops.smooth_swiglu_fp8)
+            store = None if save.fmt is None else (save.fmt, save.key, save.counter)
+            self.agoq_fc2_handoff.put(None, smooth=SmoothFc2Input(per_token=mode == "per_token", tp_group=tp_group,
+                                                                  store=store))
+            return self.linear_fc2(h_SBF2)
 
         def scale_fn(h, glu):
             return glu_smooth_scale(h, glu, mode, tp_group=tp_group)
@@ -410,6 +452,17 @@ class AgoqMLP(MLP):
         self.agoq_fc2_handoff.put(stash)
         out_SBH, out_bias = self.linear_fc2(z_SBF)
         return unsmooth_fc2_output(out_SBH, s), out_bias
+
+
+def _fused_smooth(self, h_SBF2) -> bool:
+    """Whether the Smooth-SwiGLU MLP runs as one op with its FP8 fc2: fc2 in FP8 with per-tensor delayed
+    scaling (agoq.ops.smooth_swiglu_fp8.fused_smooth_supported), ``SavePaths.fuse_smooth_fp8`` (the default)
+    and eager mode (under torch.compile the unfused ops, the same math, are traced)."""
+    return (self.agoq_save.paths.fuse_smooth_fp8 and not torch.compiler.is_compiling()
+            and fused_smooth_supported(getattr(self.linear_fc2, "agoq_fp8", None), h_SBF2))
+
+
+AgoqMLP._fused_smooth = _fused_smooth
 
 
 def with_params(entry, **params) -> ModuleSpec:

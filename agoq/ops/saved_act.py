@@ -68,6 +68,10 @@ class SavePaths:
     ``_raw_saved_rstd``); False (default): agoq's autograd function."""
     fuse_swiglu: bool = True
     """CUDA SwiGLU: one fused quantize kernel (False: quantize + ATen SwiGLU, unfused)."""
+    fuse_smooth_fp8: bool = True
+    """Smooth-SwiGLU feeding an FP8 fc2 under per-tensor delayed scaling: one op (agoq.ops.smooth_swiglu_fp8:
+    fused smoothing + FP8 cast, un-smoothing in fc2's GEMM); False: the unfused SwiGLU, scale and FP8 linear
+    (same math; benchmarks' A/B)."""
     linear_via_node_hooks: bool = False
     """Linears: True: replace Megatron's saved input through hooks on its node's saved tensor (private
     ``_raw_saved_tensors``); False (default): a ``saved_tensors_hooks`` scope around Megatron's linear."""
