@@ -416,6 +416,43 @@ def dp2_pp2_suite(smoke: bool) -> list[dict]:
             for name, extra in variants.items()]
 
 
+def dp2_pp4_8b_suite(smoke: bool) -> list[dict]:
+    """Issue 26 run 1 (8 GPUs, a withheld kind): the LLaMA-3-8B shape (configs/model/llama3-8b.yaml: distributed
+    optimizer and --overlap-grad-reduce on), DP=2 x PP=4, seq 4096, micro-batch 1, global batch 32 (16 micro-batches
+    per DP rank), 20 iterations: Megatron baseline vs agoq full; every stage's peak against the planner."""
+    if smoke:
+        common, nproc, shape = _DP_PP_SMOKE + ["--pipeline-model-parallel-size", "2"] + _USERS, 4, "tiny"
+    else:
+        common = ["--config", str(REPO_ROOT / "configs" / "model" / "llama3-8b.yaml"), "--seq-length", "4096",
+                  "--micro-batch-size", "1", "--global-batch-size", "32", "--train-iters", "20",
+                  "--lr-warmup-iters", "2", "--log-interval", "1", "--pipeline-model-parallel-size", "4"] + _USERS
+        nproc, shape = 8, "8b"
+    return [{"name": f"{shape}/dp2_pp4/baseline (Megatron)", "nproc": nproc, "args": common + ["--agoq-disable"]},
+            {"name": f"{shape}/dp2_pp4/agoq full", "nproc": nproc, "args": common + _FULL}]
+
+
+def dp8_suite(smoke: bool) -> list[dict]:
+    """Issue 26 runs 2-3 (8 GPUs, a withheld kind): ~1B LLaMA, DP=8 as users run it (distributed optimizer,
+    --overlap-grad-reduce, Megatron's bucket size), seq 2048, micro-batch 4, global batch 64: Megatron's fp32 and
+    bf16 reduction vs agoq full over the NCCL and the NVLink peer transport, on NVLink and on the socket stand-in
+    for an inter-node link (NCCL transport only there)."""
+    nproc = 4 if smoke else 8
+    shape, common = "1b", SHAPES["1b"] + COMMON + ["--train-iters", "6"]
+    batch = ["--micro-batch-size", "4", "--global-batch-size", "64"]
+    if smoke:
+        shape, common = "tiny", SHAPES["tiny"] + COMMON[2:] + ["--seq-length", "64", "--train-iters", "4"]
+        batch = ["--micro-batch-size", "1", "--global-batch-size", "8"]
+    variants = {"Megatron, fp32 reduction": ["--agoq-disable"],
+                "Megatron, bf16 reduction": ["--agoq-disable", "--grad-reduce-in-bf16"],
+                "agoq full, NCCL transport": _FULL + ["--agoq-grad-transport", "nccl"]}
+    peer = {"agoq full, peer transport": _FULL + ["--agoq-grad-transport", "peer"]}
+    links = {"nvlink": {}, "socket link": {} if smoke else SOCKET_LINK_ENV}
+    return [{"name": f"{shape}/dp{nproc}/{link}/{name}", "nproc": nproc, "args": common + batch + _USERS + extra,
+             "env": env}
+            for link, env in links.items()
+            for name, extra in {**variants, **(peer if link == "nvlink" and not smoke else {})}.items()]  # fmt: skip
+
+
 def arch_flags(model: str) -> list[str]:
     """``--num-layers ...`` of configs/model/<model>.yaml's architecture (ARCH_KEYS)."""
     import yaml
@@ -537,7 +574,8 @@ SUITES = {"act_host": act_host_suite, "pp2_interleaved": pp2_interleaved_suite, 
           "release": release_suite,
           "pp4_interleaved": pp4_interleaved_suite, "pp4_distopt": pp4_distopt_suite, "dp2_pp2": dp2_pp2_suite,
           "capacity_1gpu": capacity_1gpu_suite, "capacity_4gpu": capacity_4gpu_suite,
-          "equal_memory_1b": equal_memory_1b_suite, "equal_memory_8b_pp4": equal_memory_8b_pp4_suite}
+          "equal_memory_1b": equal_memory_1b_suite, "equal_memory_8b_pp4": equal_memory_8b_pp4_suite,
+          "dp2_pp4_8b": dp2_pp4_8b_suite, "dp8": dp8_suite}
 
 
 def variant_command(variant: dict, log: Path) -> tuple[list[str], str]:
