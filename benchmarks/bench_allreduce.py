@@ -24,8 +24,10 @@ median is reported):
                                        memory reduced in place, what a training step runs with --agoq-grads and
                                        --agoq-grad-transport peer/auto (checked bit for bit against
                                        agoq_store_allreduce's allreduce_blocks_)
-  agoq_peer_store_reduce_to_owners     SymmetricBlocks.reduce_to_owners + requantizing each fp32 chunk: the
+  agoq_peer_store_reduce_to_owners     SymmetricBlocks.reduce_to_owners requantizing in place (float_spans): the
                                        distributed optimizer's reduction of the store (vs NCCL's reduce-scatter)
+  agoq_peer_store_reduce_to_owners_via_fp32  the same through an fp32 chunk and a separate quantize (the path
+                                       before the in-place reduction; still taken for shared/touched blocks)
 
 Correctness, on every size: all ranks hold bit-identical agoq all-reduce results, and the relative L2
 error vs the fp32 NCCL all-reduce is below MAX_REL_ERR. At sizes <= --exact-check-mib every rank also
@@ -195,7 +197,11 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
         owners = [(r * per, (r + 1) * per) for r in range(world)]
         chunk_blocks = max(1, (16 << 20) // (world * qfmt.block))  # the training path's auto chunk floor
         cases["agoq_peer_store_allreduce"] = lambda: peer_store.allreduce_(average=False, post_scale=1.0)
+        # what a training step runs: the reduce kernel requantizes the owned blocks into the store in place
+        # (average: repeated timing calls keep the stored values bounded)
         cases["agoq_peer_store_reduce_to_owners"] = lambda: peer_store.reduce_to_owners(
+            owners, None, average=True, post_scale=1.0, chunk_blocks=chunk_blocks, float_spans=[])
+        cases["agoq_peer_store_reduce_to_owners_via_fp32"] = lambda: peer_store.reduce_to_owners(
             owners, lambda b, v: quantize(v, fmt), average=False, post_scale=1.0, chunk_blocks=chunk_blocks)
     for mib in args.chunk_mib:
         name = "agoq_allreduce_fp32" + (f"_c{mib}" if mib else "")

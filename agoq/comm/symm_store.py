@@ -19,9 +19,11 @@ order, times post_scale, / W if averaging, requantized with a fresh absmax)::
 
 reduce to owners (distributed optimizer; rank r gets the fp32 sum of blocks ranges[r] of every peer, which
 may overlap a neighbour's range by a block, and hands it to ``consume`` chunk by chunk, as
-reduce_blocks_to_owners does)::
+reduce_blocks_to_owners does; with ``float_spans``, the blocks outside them are requantized by the reduce
+kernel into r's own store rows instead, the 8-bit store's case)::
 
-    barrier; for each chunk of my range: reduce_peer_rows(-> fp32 chunk); consume(first, chunk); barrier
+    barrier; for each chunk of my range: reduce_peer_rows(-> fp32 chunk; consume(first, chunk)
+                                                          or -> my own rows, requantized); barrier
 
 The closing barrier lets the caller rewrite blocks that neighbours read (the shared boundary blocks) and
 zero the store afterwards. All barriers are the symmetric-memory handle's stream-ordered device barriers
@@ -49,7 +51,7 @@ from agoq.comm.reduce import ROW_ALIGN_BYTES, check_grad_format
 from agoq.comm.symm import _check_device, _symm_mem
 from agoq.formats import QuantFormat
 
-__all__ = ["SymmetricBlocks", "symmetric_bytes"]
+__all__ = ["SymmetricBlocks", "split_segments", "symmetric_bytes"]
 
 _ALLOCATED_BYTES = [0]  # symmetric bytes held by live SymmetricBlocks of this process
 
@@ -142,26 +144,60 @@ class SymmetricBlocks:
         self.handle.barrier(channel=0)
 
     def reduce_to_owners(self, ranges: list[tuple[int, int]], consume: Callable[[int, torch.Tensor], None], *,
-                         average: bool, post_scale: float, chunk_blocks: int) -> None:
+                         average: bool, post_scale: float, chunk_blocks: int,
+                         float_spans: list[tuple[int, int]] | None = None) -> None:
         """Rank r: the fp32 sum of blocks ``ranges[r]`` of every peer, handed to ``consume(first_block,
-        values_f32)`` chunk by chunk (``values_f32`` is valid only during the call; stream-ordered)."""
+        values_f32)`` chunk by chunk (``values_f32`` is valid only during the call; stream-ordered).
+
+        ``float_spans`` (sorted, disjoint block intervals): when given, only those blocks of the range go
+        through fp32 and ``consume``; every other block of it is summed and requantized by the reduce kernel
+        straight into this rank's own store rows (one pass, no fp32 chunk, no separate quantize). In place is
+        safe for a block no other rank's range holds: no peer reads it and no peer writes it; the caller
+        passes the blocks shared with a neighbour's range (and any it needs in fp32) as float spans."""
         from agoq.kernels.comm import reduce_peer_rows
 
         if len(ranges) != self.world or any(not (0 <= lo <= hi <= self.num_blocks) for lo, hi in ranges):
             raise ValueError(f"reduce_to_owners: need {self.world} block ranges within [0, {self.num_blocks}], "
                              f"got {ranges}")
         lo, hi = ranges[self.rank]
+        segments = [(lo, hi, True)] if float_spans is None else split_segments(lo, hi, float_spans)
+        float_len = max((z - a for a, z, is_float in segments if is_float), default=0)
         chunk = max(1, min(chunk_blocks, hi - lo))
         block = self.fmt.block
         # one chunk of fp32 sums per call, returned to the caching allocator at the end (kept per store, it
         # cost ~1 GiB over the 28 buckets of a ~1B model at DP=2: benchmarks/results/dp2_link.json, 13:08 run)
-        fp32 = torch.empty(chunk * block, dtype=torch.float32, device=self.buffer.device)
+        fp32 = torch.empty(min(chunk, float_len) * block, dtype=torch.float32, device=self.buffer.device)
         self.handle.barrier(channel=0)
-        for first in range(lo, hi, chunk):
-            last = min(hi, first + chunk)
-            codes, scales, tables = self._rows(first, last)
-            out = fp32[: (last - first) * block]
-            reduce_peer_rows(codes, scales, self.fmt, average=average, post_scale=post_scale, out=out,
-                             out_numel=out.numel(), tables=tables)
-            consume(first, out)
+        for a, z, is_float in segments:
+            for first in range(a, z, chunk):
+                last = min(z, first + chunk)
+                codes, scales, tables = self._rows(first, last)
+                if not is_float:
+                    reduce_peer_rows(codes, scales, self.fmt, average=average, post_scale=post_scale,
+                                     codes_out=codes[self.rank], scales_out=scales[self.rank], tables=tables)
+                    continue
+                out = fp32[: (last - first) * block]
+                reduce_peer_rows(codes, scales, self.fmt, average=average, post_scale=post_scale, out=out,
+                                 out_numel=out.numel(), tables=tables)
+                consume(first, out)
         self.handle.barrier(channel=0)
+
+
+def split_segments(lo: int, hi: int, float_spans: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+    """[lo, hi) cut into consecutive (first, last, is_float) runs: ``is_float`` where a span of ``float_spans``
+    (sorted, disjoint) covers the block. Empty runs are left out."""
+    out, at, prev = [], lo, None
+    for a, z in float_spans:
+        if a > z or (prev is not None and a < prev):
+            raise ValueError(f"float spans must be sorted, disjoint intervals; got {float_spans}")
+        prev = z
+        a, z = max(a, lo, at), min(z, hi)
+        if a >= z:
+            continue
+        if a > at:
+            out.append((at, a, False))
+        out.append((a, z, True))
+        at = z
+    if at < hi:
+        out.append((at, hi, False))
+    return out

@@ -131,9 +131,11 @@ class BucketStore:
         if self.peer is not None:
             chunk = blocks_per_chunk(self.qbuf.fmt, self.world, self.chunk_bytes,
                                      self.world * max(z - a for a, z in ranges))
+            # the reduce kernel requantizes every other block of the range into this rank's store rows itself
+            spans = self._float_spans(lo, hi)
             return run_maybe_async(self.qbuf.device, lambda: self.peer.reduce_to_owners(
-                ranges, self._consume, average=average, post_scale=post_scale, chunk_blocks=chunk),
-                async_op=async_op)
+                ranges, self._consume, average=average, post_scale=post_scale, chunk_blocks=chunk,
+                float_spans=spans), async_op=async_op)
         return reduce_blocks_to_owners(self.qbuf.codes_u8, self.qbuf.scales, self.qbuf.fmt, ranges,
                                        self._consume, group, average=average,
                                        post_scale=post_scale, async_op=async_op, chunk_bytes=self.chunk_bytes)
@@ -146,6 +148,23 @@ class BucketStore:
                 values.record_stream(torch.cuda.current_stream(values.device))
         self.deferred = {}
         self.reducing = False
+
+    def _float_spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Blocks of [lo, hi) that must arrive in fp32 (through _consume): those shared with a neighbour's range
+        (deferred until every chunk is reduced) and the finalize_touched parameters' (their fp32 main_grad),
+        as sorted, merged intervals."""
+        offs = self.qbuf.block_offsets
+        spans = sorted([(b, b + 1) for b in self.shared_blocks]
+                       + [(max(lo, offs[i]), min(hi, offs[i + 1])) for i in map(self.segment.get, self.touched)])
+        merged: list[tuple[int, int]] = []
+        for a, z in spans:
+            if a >= z:
+                continue
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], z))
+            else:
+                merged.append((a, z))
+        return merged
 
     def _blocks_of(self, lo: int, hi: int) -> tuple[int, int]:
         """Store blocks [first, last) holding the bucket-flat elements [lo, hi)."""

@@ -67,3 +67,20 @@ def test_transport_choices_are_checked_where_the_flag_lands():
         ddp.GradConfig(fmt="int8_b256", transport="x")
     grads = GradsConfig(format="int8_b256", transport="peer")
     assert ddp.grad_config(grads).transport == "peer"
+
+
+def test_split_segments_cuts_a_range_at_its_float_spans():
+    """reduce_to_owners' plan (agoq.comm.symm_store.split_segments): fp32 runs where a span covers the range,
+    in-place runs between, spans clipped to the range, empty runs left out, unsorted spans refused."""
+    from agoq.comm.symm_store import split_segments
+
+    assert split_segments(10, 20, []) == [(10, 20, False)]
+    assert split_segments(10, 20, [(10, 11), (19, 20)]) == [(10, 11, True), (11, 19, False), (19, 20, True)]
+    assert split_segments(10, 20, [(0, 12), (15, 16), (16, 17), (25, 30)]) == [
+        (10, 12, True), (12, 15, False), (15, 16, True), (16, 17, True), (17, 20, False)]
+    assert split_segments(10, 20, [(0, 30)]) == [(10, 20, True)]
+    assert split_segments(5, 5, [(5, 6)]) == []
+    with pytest.raises(ValueError, match="sorted, disjoint"):
+        split_segments(0, 10, [(5, 6), (2, 3)])
+    with pytest.raises(ValueError, match="sorted, disjoint"):
+        split_segments(0, 10, [(6, 5)])
