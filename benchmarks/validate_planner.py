@@ -14,10 +14,14 @@ Sources (GPU measurements, never edited here; the reports that cite them are in 
   fp8 / fp8_scale): bf16 and --agoq-fp8 / --agoq-smooth-swiglu runs, read as pretrain_memory.json. All
   three postdate the FP8 weight cache (FP8_WEIGHT_CACHE_SINCE); fp8.json (benchmarks/bench_fp8.py) keeps no
   command lines, so it is not predicted.
-- ``activations_whole_steps.json`` (--suite act_host) and ``dp2_pp2.json`` (--suite dp2_pp2, every stage's peak).
+- ``activations_whole_steps.json`` (--suite act_host), ``pretrain_release.json`` (--suite release) and ``dp2_pp2.json`` (--suite dp2_pp2, every stage's peak).
+- ``capacity_1gpu.json`` and ``equal_memory_1b.json`` (--suite capacity_1gpu / equal_memory_1b, one GPU): merged from
+  several bench invocations (``merged_from``: rows and date of each); every finished variant's peak.
 
-Each file is predicted on the code of its date (``_dated``): the current files of the bench_memory suites
-(2026-11-24) and of the fp8 suite (2026-11-25 07:12) predate changes the planner models.
+Each file is predicted on the code of its date (``_dated``; a merged file's row on its own invocation's date,
+``run_date``): the current files of the bench_memory suites (2026-11-24) and of the fp8 suite (2026-11-25 07:12)
+predate changes the planner models, and every agoq-optimizer run before 98c84d5 (2026-11-26 15:57) initialised its
+states through full-size temporaries (``Recipe.state_init``: dp2_pp2's last stage peaks there).
 
 ``python benchmarks/validate_planner.py`` prints the table of docs/benchmarks/planner.md (exit status 1 when a
 case leaves the target without a known gap); tests/megatron/test_plan_peak.py runs the same checks.
@@ -55,6 +59,10 @@ PACK_HOOK_FIX_SINCE = "2026-11-25T07:34:39"  # the fix's commit time; run 4 07:2
 # the 8-bit store's float gradient buffer stays a meta placeholder at DDP construction
 # (agoq/megatron/deferred_grad_buffer.py; Recipe.float_grad_buffer_at_construction before it): the commit time
 DEFERRED_GRAD_BUFFER_SINCE = "2026-11-26T13:57:35"  # commit 1bd195f
+# agoq's optimizer's state initialisation at the first step (Recipe.state_init): its reference master split
+# rounds in float64 since fb51259, and the states are written at their final size since 98c84d5 (commit times)
+FP64_MASTER_SPLIT_SINCE = "2026-11-26T10:12:12"  # commit fb51259
+ZERO_STATE_INIT_SINCE = "2026-11-26T15:57:51"  # commit 98c84d5
 # agoq.ops.fp8_weight_cache came in with commit 9a9e60e (2026-11-24T01:46:04 UTC); the planner models
 # the cache, so an FP8 run measured before it is refused rather than mispredicted.
 FP8_WEIGHT_CACHE_SINCE = "2026-11-24T01:46:04"
@@ -64,12 +72,26 @@ def _v_view(report: dict) -> bool:
     return report.get("date", "") < COMPACT_V_SINCE
 
 
-def _dated(recipe: Recipe, report: dict) -> Recipe:
-    date = report.get("date", "")
+def run_date(report: dict, variant: str | None = None) -> str:
+    """When ``variant`` ran: its row's date in a merged report (``merged_from``: several bench invocations, each
+    with its rows and date), else the report's."""
+    for part in report.get("merged_from", []):
+        if variant in part.get("rows", ()):
+            return part["date"]
+    return report.get("date", "")
+
+
+def _state_init(date: str) -> str:
+    return "zeros" if date >= ZERO_STATE_INIT_SINCE else "split_fp64" if date >= FP64_MASTER_SPLIT_SINCE else "split"
+
+
+def _dated(recipe: Recipe, report: dict, variant: str | None = None) -> Recipe:
+    date = run_date(report, variant)
     return dataclasses.replace(recipe, sdpa_v_view=date < COMPACT_V_SINCE,
                                full_isfinite_check=date < SLICED_CHECK_SINCE,
                                pack_hook_held_inputs=date < PACK_HOOK_FIX_SINCE,
-                               float_grad_buffer_at_construction=date < DEFERRED_GRAD_BUFFER_SINCE)
+                               float_grad_buffer_at_construction=date < DEFERRED_GRAD_BUFFER_SINCE,
+                               state_init=_state_init(date))
 
 
 @dataclass(frozen=True)
@@ -144,10 +166,14 @@ def _policy_path(path) -> Path:
     return path if path.is_absolute() else REPO / path
 
 
-# Cases expected outside the target, with the reason: (source, configuration, stage) -> why. None at present
-# (the earlier gaps, Megatron's full recompute at mbs 8 and the PP=2 last stage, were the whole-buffer
-# non-finite check's temporaries, found with benchmarks/mem_trace.py on 2026-11-25 and now modelled).
-KNOWN_GAPS: dict[tuple[str, str, int], str] = {}
+# Cases expected outside the target, with the reason: (source, configuration, stage) -> why. (The earlier
+# gaps, Megatron's full recompute at mbs 8 and the PP=2 last stage, were the whole-buffer non-finite check's
+# temporaries, found with benchmarks/mem_trace.py on 2026-11-25 and now modelled.)
+KNOWN_GAPS: dict[tuple[str, str, int], str] = {
+    ("fp8_scale_1b.json", "1b/mbs4/fp8 delayed + smooth-swiglu per-token", 0):
+        "measured on the unfused Smooth-SwiGLU; the fused op (issue 27, agoq.ops.smooth_swiglu_fp8) keeps no silu "
+        "output (-2 B x T x f per FP8 layer): re-run bench_pretrain.py --suite fp8_scale",
+}
 
 
 def pretrain_cases(path: Path = BENCH / "pretrain_memory.json") -> list[Case]:
@@ -161,7 +187,7 @@ def pretrain_cases(path: Path = BENCH / "pretrain_memory.json") -> list[Case]:
         if recipe.fp8.fp8_enabled and report.get("date", "") < FP8_WEIGHT_CACHE_SINCE:
             raise ValueError(f"{path.name} {variant['name']}: an FP8 run from before the FP8 weight cache "
                              f"({FP8_WEIGHT_CACHE_SINCE}); the planner models only the code since")
-        recipe = _dated(recipe, report)
+        recipe = _dated(recipe, report, variant["name"])
         peaks = predict_peaks(shape, layout, load_policy(_policy_path(policy)), recipe)
         measured = max(r["peak_gib"] for r in variant["records"])  # the logging rank: last stage
         p = peaks[-1]
@@ -200,7 +226,9 @@ def _mbs_of(name: str) -> int:
 
 
 def _case(source: str, name: str, stage: int, measured_gib: float, p: StagePeak) -> Case:
-    return Case(source, name, stage, measured_gib, p.peak / GIB, p.phase, KNOWN_GAPS.get((source, name, stage), ""))
+    phase = f"{p.phase} ({p.step_source})" if p.phase == "optimizer step" and p.step_source != "step temporaries" \
+        else p.phase
+    return Case(source, name, stage, measured_gib, p.peak / GIB, phase, KNOWN_GAPS.get((source, name, stage), ""))
 
 
 def pp2_cases(path: Path = BENCH / "activations_pp2.json") -> list[Case]:
@@ -218,14 +246,15 @@ def pp2_cases(path: Path = BENCH / "activations_pp2.json") -> list[Case]:
 
 def stage_peak_cases(name: str) -> list[Case]:
     """bench_pretrain.py suites that report every pipeline stage's peak (DP x PP with the distributed optimizer,
-    docs/benchmarks/grads.md); the command's --nproc-per-node gives the data-parallel size."""
+    docs/benchmarks/grads.md; the issue-23 suites, one GPU); the command's --nproc-per-node gives the data-parallel
+    size. Variants that did not finish (an expected out-of-memory baseline) have no peak and are left out."""
     report = json.loads((BENCH / name).read_text())
     cases = []
     for variant in report["variants"]:
         if variant.get("returncode") != 0 or not variant.get("stage_peaks_gib"):
             continue
         shape, layout, policy, recipe = from_pretrain_argv(variant["command"].split())
-        peaks = predict_peaks(shape, layout, load_policy(_policy_path(policy)), _dated(recipe, report))
+        peaks = predict_peaks(shape, layout, load_policy(_policy_path(policy)), _dated(recipe, report, variant["name"]))
         for stage, measured in enumerate(variant["stage_peaks_gib"]):
             cases.append(_case(name, variant["name"], stage, measured, peaks[stage]))
     return cases
@@ -233,7 +262,7 @@ def stage_peak_cases(name: str) -> list[Case]:
 
 def all_cases() -> list[Case]:
     fp8 = [c for name in FP8_RUNS for c in pretrain_cases(BENCH / name)]
-    whole = [c for name in ACTIVATION_STEP_RUNS for c in pretrain_cases(BENCH / name)]
+    whole = [c for name in ACTIVATION_STEP_RUNS + RELEASE_RUNS for c in pretrain_cases(BENCH / name)]
     stages = [c for name in STAGE_PEAK_RUNS for c in stage_peak_cases(name)]
     return pretrain_cases() + bench_memory_cases() + pp2_cases() + fp8 + whole + stages
 
@@ -242,8 +271,13 @@ def all_cases() -> list[Case]:
 FP8_RUNS = ("fp8_step.json", "fp8_scale_1b.json", "fp8_scale_7b.json")
 # bench_pretrain.py --suite act_host: baseline vs agoq.yaml at micro-batch 1 / 2 (docs/benchmarks/activations.md)
 ACTIVATION_STEP_RUNS = ("activations_whole_steps.json",)
-# bench_pretrain.py --suite dp2_pp2 (4 H100, DP=2 x PP=2, distributed optimizer; docs/benchmarks/grads.md)
-STAGE_PEAK_RUNS = ("dp2_pp2.json",)
+# bench_pretrain.py --suite release: agoq's AdamW with an fp32 / bf16 gradient buffer and with gradient release
+# (1B, H100, 2026-11-25; docs/optim.md)
+RELEASE_RUNS = ("pretrain_release.json",)
+# bench_pretrain.py --suite dp2_pp2 (4 H100, DP=2 x PP=2, distributed optimizer; docs/benchmarks/grads.md), and
+# issue 23's one-GPU suites: capacity_1gpu (LLaMA-3-8B shape, 128,256-row vocabulary; docs/benchmarks/capacity.md)
+# and equal_memory_1b (1B at micro-batches 1-16, recompute variants)
+STAGE_PEAK_RUNS = ("dp2_pp2.json", "capacity_1gpu.json", "equal_memory_1b.json")
 
 
 def format_table(cases: list[Case]) -> str:

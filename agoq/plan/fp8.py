@@ -10,7 +10,10 @@ Persistent (``fp8_persistent_bytes``, held for the whole run like the weights):
   keeps the weight in FP8 twice, row-major for the forward GEMM and transposed for dgrad, 1 byte per
   element each: 2 B per parameter of every cached linear. The entry lives until the next forward after
   a weight change rebuilds it, so it is alive in the optimizer step too. fc2 with per-channel
-  Smooth-SwiGLU passes ``w_col_scale`` and so uses no cache (agoq.ops.fp8_linear.FP8LinearFunction).
+  Smooth-SwiGLU keeps no persistent entry: unfused (current / row-wise scaling) it passes ``w_col_scale``
+  (agoq.ops.fp8_linear.FP8LinearFunction, no cache); fused (delayed scaling,
+  agoq.ops.smooth_swiglu_fp8) its W * s entry is per micro-batch (below). Per-token fused, fc2's entry
+  (the fused op's own cache) also holds the row-wise ``scale_b`` [1, h] (fp32).
 - row-wise scaling: the cache entry's scale vectors (``_cast`` with granularity "row": fwd scale_inv
   [N], dgrad scale_t_inv [K], scale_src scale_t [K], fp32).
 - delayed scaling: one FP8ScalingState per FP8 linear (agoq.ops.fp8_scaling): per slot (x, w, g) a meta
@@ -33,6 +36,10 @@ which models bf16 linears and Megatron's SwiGLU):
   token [T, 1] or per FFN channel [f]), also on the quantized path (``_SwiGLUSavingInput``).
   Per-channel on a bf16 layer folds s into fc2's weight (``fold_channel_scale``: W * s, bf16), which
   Megatron's linear saves for dgrad: +2 B x h x f per micro-batch.
+- fused Smooth-SwiGLU on an FP8 layer under delayed scaling (agoq.ops.smooth_swiglu_fp8, fc2 fed the fc1
+  output): with mlp.swiglu_input bf16 the op keeps h and fc2's FP8 input copy, not the silu output
+  autograd kept: -2 B x f per token more; per channel each micro-batch holds its FP8 W * s (both
+  layouts, released after its backward): +2 x 1 B x h x f.
 
 Transients (why none is added): the forward casts of a layer (x in FP8, two layouts) run before the
 later layers' saves exist, and in backward the casts of fc1's incoming gradient (E5M2, two layouts,
@@ -83,6 +90,12 @@ def cached_linears(spec: FP8Spec) -> tuple[str, ...]:
     return tuple(n for n in LINEARS if not (n == "linear_fc2" and spec.smooth_swiglu == "per-channel"))
 
 
+def fused_smooth(spec: FP8Spec) -> bool:
+    """Smooth-SwiGLU runs fused with an FP8 fc2 (agoq.ops.smooth_swiglu_fp8.fused_smooth_supported: per-tensor
+    delayed scaling; SavePaths.fuse_smooth_fp8 at its default)."""
+    return spec.smooth_swiglu != "off" and spec.recipe == "delayed"
+
+
 def fp8_layers(spec: FP8Spec, layers, num_layers: int) -> list[int]:
     """The FP8 ones among global layer indices ``layers`` (the rule of LayerCompute.resolve)."""
     return [i for i in layers if spec.uses_fp8(i, num_layers)]
@@ -96,6 +109,8 @@ def weight_cache_bytes(spec: FP8Spec, shape: ModelShape, tp: int = 1) -> int:
         total += WEIGHT_CACHE_LAYOUTS * FP8_BYTES * n * k
         if spec.recipe == "rowwise":
             total += FP32_BYTES * (n + 2 * k)
+        if name == "linear_fc2" and fused_smooth(spec) and spec.smooth_swiglu == "per-token":
+            total += FP32_BYTES * n  # the row-wise scale_b of the fused op's entry
     return total
 
 
@@ -133,5 +148,10 @@ def saved_delta_bytes(spec: FP8Spec | None, storage: LayerStorage, dims: LayerDi
         delta += FP32_BYTES * (dims.tokens if spec.smooth_swiglu == "per-token" else f_local)  # s
         if spec.smooth_swiglu == "per-channel" and not fp8_layer:
             delta += BF16_BYTES * dims.hidden * f_local  # W * s saved by Megatron's fc2
+        if fp8_layer and fused_smooth(spec):
+            if storage.roles["mlp.swiglu_input"].how == MEGATRON:
+                delta -= BF16_BYTES * dims.numel("mlp.fc2_input")  # no silu output kept
+            if spec.smooth_swiglu == "per-channel":
+                delta += WEIGHT_CACHE_LAYOUTS * FP8_BYTES * dims.hidden * f_local  # this micro-batch's W * s
     return delta
 

@@ -63,7 +63,8 @@ def test_fp8_peak_in_the_step_is_the_weight_cache():
 def test_fp8_and_smooth_swiglu_held_bytes():
     """bf16 policy: an FP8 layer keeps qkv / fc1 / fc2 inputs in 1 B instead of 2 and adds a 1 B copy of the
     attention output (its bf16 save was a view): -T (h + f) per FP8 layer; per-token Smooth-SwiGLU drops
-    Megatron's x_linear + 0 tensor and keeps s: -T (2 f - 4) per layer (all layers)."""
+    Megatron's x_linear + 0 tensor and keeps s: -T (2 f - 4) per layer (all layers), and fused with the FP8
+    fc2 (delayed scaling, agoq.ops.smooth_swiglu_fp8) keeps no silu output either: -2 T f per FP8 layer."""
     shape = ModelShape(6, 256, 4, 2, 512, 1000)
     layout = Layout(mbs=2, gbs=2, seq=64)
     tokens, h, f = 128, 256, 512
@@ -71,7 +72,12 @@ def test_fp8_and_smooth_swiglu_held_bytes():
     (fp8,) = plan_stages(shape, layout, BF16, fp8=DELAYED)
     (smooth,) = plan_stages(shape, layout, BF16, fp8=FP8Spec(recipe="delayed", smooth_swiglu="per-token"))
     assert base.activations - fp8.activations == 4 * tokens * (h + f)
-    assert fp8.activations - smooth.activations == 6 * tokens * (2 * f - 4)
+    fp8_layers = sum(DELAYED.uses_fp8(i, shape.num_layers) for i in range(shape.num_layers))
+    assert fp8.activations - smooth.activations == 6 * tokens * (2 * f - 4) + fp8_layers * 2 * tokens * f
+    (channel_fp8,) = plan_stages(shape, layout, BF16, fp8=FP8Spec(recipe="delayed", smooth_swiglu="per-channel"))
+    # per channel: s is [f] not [T]; each FP8 layer holds its micro-batch's FP8 W * s (2 layouts, 1 B), each
+    # bf16 layer Megatron's saved bf16 W * s
+    assert channel_fp8.activations - smooth.activations == 6 * 4 * (f - tokens) + 6 * 2 * h * f
     (channel,) = plan_stages(shape, layout, BF16, fp8=FP8Spec(smooth_swiglu="per-channel"))  # bf16 linears
     assert channel.activations - base.activations == 6 * (-2 * tokens * f + 4 * f + 2 * h * f)
 
