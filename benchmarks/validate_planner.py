@@ -14,7 +14,8 @@ Sources (GPU measurements, never edited here; the reports that cite them are in 
   fp8 / fp8_scale): bf16 and --agoq-fp8 / --agoq-smooth-swiglu runs, read as pretrain_memory.json. All
   three postdate the FP8 weight cache (FP8_WEIGHT_CACHE_SINCE); fp8.json (benchmarks/bench_fp8.py) keeps no
   command lines, so it is not predicted.
-- ``activations_whole_steps.json`` (--suite act_host), ``pretrain_release.json`` (--suite release) and ``dp2_pp2.json`` (--suite dp2_pp2, every stage's peak).
+- ``activations_whole_steps.json`` (--suite act_host), ``pretrain_release.json`` (--suite release) and
+  ``dp2_pp2.json`` (--suite dp2_pp2, every stage's peak).
 - ``capacity_1gpu.json`` and ``equal_memory_1b.json`` (--suite capacity_1gpu / equal_memory_1b, one GPU): merged from
   several bench invocations (``merged_from``: rows and date of each); every finished variant's peak.
 

@@ -41,11 +41,13 @@ parameter (4 B/param; the other foreach ops are in place). With bf16 gradients M
 store and Megatron's AdamW the reduced gradient is dequantized into a float buffer (4 B/param,
 agoq.megatron.grad_store; with the distributed optimizer only the rank's fp32 shard gradients, 4/dp; with
 agoq's optimizer nothing: it reads the 8-bit shard one parameter at a time). agoq's optimizer steps one
-parameter at a time (agoq.optim.base.step_param): its temporaries are a few fp32 copies of the largest
-parameter (``AGOQ_STEP_FP32_COPIES``).
+parameter (or shard) at a time with the fused Triton step, which allocates nothing; what it does allocate is
+``agoq_step_bytes``: the 8-bit store's fp32 read of the largest parameter and its clipped copy, and, at the
+first step of the code before 98c84d5, the states' initialisation temporaries (``Recipe.state_init``).
 
 Gradient release (``Recipe.gradient_release``, --agoq-gradient-release): 0 gradient bytes and no step
-phase; the per-parameter step and non-finite check run inside backward (``release_step_bytes``).
+phase; the per-parameter step and non-finite check run inside backward (``release_step_bytes``), the
+largest at the start of backward on top of the layers' held activations (a third forward/backward candidate).
 
 FP8 linears and Smooth-SwiGLU (``Recipe.fp8``, an ``agoq.policy.FP8Spec``): the FP8 weight caches and
 delayed scaling's state are persistent (``StagePeak.fp8``, in both phases), the FP8 inputs saved for
@@ -56,7 +58,7 @@ add no transient at either peak).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from agoq.formats import parse_format
 from agoq.plan.fp8 import fp8_persistent_bytes
@@ -66,14 +68,31 @@ from agoq.policy import FP8Spec, PolicySpec
 
 # Empirical: allocated bytes that are neither parameters, gradients nor optimizer states, read as
 # ``allocated - (weights + grads + optimizer)`` after the step: 0.063 GiB in all 11 variants of
-# pretrain_memory_2026-11-24.json (commit ff040ca; git show ff040ca:docs/benchmarks/pretrain_memory_2026-11-24.json) (H100, torch 2.11), and the constant part of bench_memory's peaks
-# (docs/benchmarks/planner.md). It is what torch allocates through the caching allocator for the cuBLAS
+# pretrain_memory_2026-11-24.json (H100, torch 2.11; commit ff040ca:
+# git show ff040ca:docs/benchmarks/pretrain_memory_2026-11-24.json), and the constant part of bench_memory's
+# peaks (docs/benchmarks/planner.md). It is what torch allocates through the caching allocator for the cuBLAS
 # and cuBLASLt workspaces on sm_90 (32 MiB each by default) plus the token/label/position batch.
 CUDA_RUNTIME_BYTES = 64 * 2**20
 DIST_OPT_PARAM_ALIGN = 64  # elements; megatron param_and_grad_buffer pads each param start (dist-opt)
 DIST_OPT_BUCKET_ALIGN = 128  # bucket end padded to a multiple of lcm(dp, 128) (dist-opt)
 TORCH_ADAM_STEP_BYTES = FP32_BYTES  # torch._foreach_sqrt(exp_avg_sq): one fp32 list, per parameter
-AGOQ_STEP_FP32_COPIES = 4  # agoq step of one tensor: fp32 grad, master, m, v views at most (upper bound)
+# agoq's optimizer with the 8-bit store reads one parameter's (shard's) reduced gradient as fp32
+# (agoq.megatron.grad_reader: QuantizedGradReader.grad / ShardGradReader.clipped_grad) and, while Megatron's
+# --clip-grad (default 1.0) scales it, ``g * clip_coeff`` is a second fp32 tensor until the first is dropped;
+# the fused step (agoq.kernels.optim._launch_step) then allocates nothing. Measured: capacity_1gpu.json
+# 8b/agoq full, iteration 1 (grad norm 56): 48.419 GiB = 46.036 allocated after the step - 1.529 GiB of
+# states the output layer (stepped last) creates in its own step + 2 x 4 B x its 525,336,576 elements.
+# With Megatron's float buffer the step reads main_grad in place (FP32Optimizer clips in place): 0.
+STORE_GRAD_READ_FP32_COPIES = 2
+# agoq's optimizer creates a parameter's states inside its first step_param (agoq.optim.base.init_state), with
+# that parameter's gradient alive. Since 98c84d5 (2026-11-26 15:57 UTC) it writes them at their final size
+# (zero_quantized, a zero split remainder): "zeros", no temporaries. Before, it quantized fp32 zeros and split
+# p.float() through agoq.ref (ref_quantize, ref_master_split), whose temporaries peaked at these bytes per
+# element of the parameter above the states it keeps (bf16 parameter, cint8_b32 / cuint8_b32 moments, split24;
+# CPU allocator events, agoq.testing.memory.cpu_allocation_peak, torch 2.11; tests/unit/test_plan_state_init.py
+# measures "split_fp64" on the reference as it still is): "split_fp64" since fb51259 (2026-11-26 10:12 UTC: the
+# remainder rounds in float64), "split" before (the reference of ``git show fb51259^:agoq/ref/master.py``).
+STATE_INIT_BYTES_PER_ELEMENT = {"zeros": 0, "split_fp64": 70, "split": 46}
 MASTER_BYTES = {"none": 0, "split24": 1, "split32": 2, "fp32": 4}
 # Linear inputs agoq replaces inside quantized_saves (a quantized copy or a recompute handle). Until
 # 2026-11-25 07:34 UTC the pack hook kept a reference to the replaced bf16 tensor, and torch keeps a pack
@@ -121,6 +140,9 @@ class Recipe:
     # 8-bit store: Megatron's float gradient buffer allocated at DDP construction, then freed (the code before
     # agoq/megatron/deferred_grad_buffer.py; benchmarks/validate_planner.py DEFERRED_GRAD_BUFFER_SINCE)
     float_grad_buffer_at_construction: bool = False
+    # agoq's optimizer's state initialisation at the first step (STATE_INIT_BYTES_PER_ELEMENT): "zeros" for the
+    # code since 98c84d5; "split_fp64" / "split" for runs before it (benchmarks/validate_planner.py)
+    state_init: str = "zeros"
     # --agoq-fp8 / --agoq-smooth-swiglu / --agoq-fp8-bf16-*-layers over the policy's fp8 section
     # (agoq.megatron.compute.compute_spec): weight caches, scaling state, saved inputs (agoq.plan.fp8)
     fp8: FP8Spec = FP8Spec()
@@ -140,6 +162,7 @@ class StagePeak:
     fp8: int = 0  # FP8 weight caches + scaling state of the stage's FP8 linears (agoq.plan.fp8)
     construction: int = 0  # model parameters + Megatron DDP's buffers at construction (module docstring)
     head_held: int = 0  # part of ``held``: the LM head's and loss's saves (last stage; storage.head_saved_bytes)
+    step_source: str = "step temporaries"  # what ``step_extra`` is (agoq's first step: the states' initialisation)
 
     @property
     def persistent(self) -> int:
@@ -219,13 +242,40 @@ def nonfinite_check_bytes(numel: int, elem_bytes: int, recipe: Recipe) -> int:
     return checked * (elem_bytes + ISFINITE_BOOL_TEMPORARIES)
 
 
+def state_init_bytes(largest_numel: int, recipe: Recipe) -> int:
+    """Temporaries of agoq's optimizer creating the largest parameter's states (first step; 0 since 98c84d5)."""
+    if recipe.state_init not in STATE_INIT_BYTES_PER_ELEMENT:
+        raise ValueError(f"Recipe.state_init {recipe.state_init!r}: one of {sorted(STATE_INIT_BYTES_PER_ELEMENT)}")
+    return STATE_INIT_BYTES_PER_ELEMENT[recipe.state_init] * largest_numel
+
+
+def agoq_step_bytes(largest_numel: int, recipe: Recipe) -> int:
+    """Temporaries of agoq's optimizer step, bounded by its largest parameter (or shard; the one stepped last
+    finds every other state allocated). With the 8-bit store: the fp32 read and its clipped copy
+    (``STORE_GRAD_READ_FP32_COPIES``), then the clipped gradient alone while ``step_param`` initialises the
+    states (first step); with Megatron's float buffer only the initialisation (``state_init_bytes``)."""
+    read = FP32_BYTES * largest_numel if recipe.grads is not None else 0
+    return max(STORE_GRAD_READ_FP32_COPIES * read, read + state_init_bytes(largest_numel, recipe))
+
+
 def release_step_bytes(largest_numel: int) -> int:
-    """Gradient release (agoq.megatron.release): inside backward, one parameter's hook holds its bf16
-    gradient plus the larger of the non-finite check's temporaries (``nonfinite_check_bytes``) and the
-    agoq step's fp32 copies; bounded by the largest parameter. Counted on top of the backward transient
-    (the output layer's hook fires at the start of backward, with every activation still held)."""
+    """Gradient release (agoq.megatron.release): inside backward, one parameter's hook holds its bf16 gradient
+    and the non-finite check's temporaries (``nonfinite_check_bytes``: one slice); the fused step allocates
+    nothing. Bounded by the largest parameter. The output layer's hook fires at the start of backward, after
+    the loss's and the output layer's backward released the head's saves: counted on top of the layers' held
+    activations. Measured: capacity_1gpu.json 8b/agoq gradient release, iteration 1: 39.451 GiB = 38.473
+    allocated after the step + the embedding's bf16 gradient (2 B x 525,336,576; stepped last: in the first
+    step its states, 1.5 GiB, are created after the check, whose 80 MiB fit in the room they take later)."""
     check = min(largest_numel, NONFINITE_CHECK_SLICE) * (BF16_BYTES + ISFINITE_BOOL_TEMPORARIES)
-    return BF16_BYTES * largest_numel + max(check, AGOQ_STEP_FP32_COPIES * FP32_BYTES * largest_numel)
+    return BF16_BYTES * largest_numel + check
+
+
+def first_release_step_bytes(largest_numel: int, optimizer_bytes: int, recipe: Recipe) -> int:
+    """Gradient release's first step: the hook of the largest parameter also creates its states
+    (``state_init_bytes``), and the optimizer's states do not exist yet (each is created in its parameter's
+    hook), so the term is relative to the persistent state without them (``optimizer_bytes``); the states of
+    the parameters stepped before it in that backward (the output layer's first) are left out."""
+    return BF16_BYTES * largest_numel + state_init_bytes(largest_numel, recipe) - optimizer_bytes
 
 
 def grad_bytes_per_param(recipe: Recipe, layout: Layout) -> tuple[float, float]:
@@ -263,6 +313,23 @@ def ddp_construction_bytes(weights: int, buffer_numel: int, layout: Layout, reci
     return weights + param_buffer + float_grads
 
 
+def _fwd_bwd_transient(dims: LayerDims, storage, st, last: bool, vocab: int, largest_and_optimizer: tuple[int, int],
+                       recipe: Recipe) -> tuple[int, str]:
+    """(bytes, source) of the largest forward/backward temporary on top of the held bytes. The loss's backward
+    and the output layer's run before the last layer's: by then the head's saves are released, so the layer
+    transient (and gradient release's step) sits on top of the layers' held bytes only."""
+    backward = layer_backward_transient(dims, storage.swiglu_recompute, storage.norm_recompute)
+    candidates = [(logits_transient(dims, vocab) if last else 0, "LM-head logits"),
+                  (backward - st.head_activations, "layer backward")]
+    if recipe.gradient_release:
+        largest, optimizer = largest_and_optimizer
+        candidates.append((release_step_bytes(largest) - st.head_activations, "release step"))
+        if recipe.state_init != "zeros":
+            first = first_release_step_bytes(largest, optimizer, recipe) - st.head_activations
+            candidates.append((first, "first release step: state init"))
+    return max(candidates)
+
+
 def _stage_dims(shape: ModelShape, layout: Layout) -> LayerDims:
     return LayerDims(seq=layout.seq, micro_batch=layout.mbs, hidden=shape.hidden_size, ffn=shape.ffn_hidden_size,
                      heads=shape.num_attention_heads, groups=shape.num_query_groups, tp=layout.tp)
@@ -281,7 +348,7 @@ def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe:
         weights = BF16_BYTES * params
         buffer = grad_buffer_numel(tensors, layout)
         share = layout.dp if layout.distributed_optimizer else 1
-        step_extra = 0
+        step_extra, step_source = 0, "step temporaries"
         if recipe.grads is not None:
             fmt = parse_format(recipe.grads)
             grads = int(fmt.bytes_per_element() * params) + (BF16_BYTES * params if recipe.grad_error_feedback else 0)
@@ -297,34 +364,29 @@ def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe:
         else:
             per_param = sum(parse_format(m).bytes_per_element() for m in recipe.moments) + MASTER_BYTES[recipe.master]
             optimizer = int(per_param * params / share)
-            step_extra += AGOQ_STEP_FP32_COPIES * FP32_BYTES * max(tensors)
+            step_extra += agoq_step_bytes(max(tensors), recipe)
+            if step_extra > agoq_step_bytes(max(tensors), replace(recipe, state_init="zeros")):
+                step_source = "first step's state init"
         storage = layer_storage_of(shape, layout, policy, rank)
-        last = rank == layout.pp - 1
-        head_transient = logits_transient(dims, shape.vocab_size) if last else 0
         layer_held = st.activations - st.head_activations  # every in-flight micro-batch's layers
         if recipe.recompute:
             # Megatron's full recompute (uniform, 1 layer): each in-flight micro-batch keeps every layer's
             # bf16 input; the layer being recomputed holds its own saves again during its backward.
             per_layer = layer_held // max(st.inflight * len(st.layers), 1)
             layer_held = st.inflight * len(st.layers) * BF16_BYTES * dims.tokens * dims.hidden // dims.tp + per_layer
-        backward = layer_backward_transient(dims, storage.swiglu_recompute, storage.norm_recompute)
-        # The loss's backward and the output layer's run before the last layer's: by then the head's
-        # saves are released, so the layer transient sits on top of the layers' held bytes only.
-        transient, source = max((head_transient, "LM-head logits"),
-                                (backward - st.head_activations, "layer backward"))
+        transient, source = _fwd_bwd_transient(dims, storage, st, rank == layout.pp - 1, shape.vocab_size,
+                                               (max(tensors), optimizer), recipe)
         if recipe.pack_hook_held_inputs:
             copies = 1 if recipe.recompute else st.inflight * len(st.layers)
             layer_held += pack_hook_held_bytes(storage, dims) * copies
         if recipe.grads is None:  # Megatron's float buffers are checked (8-bit grads: their own check)
             step_extra = max(step_extra, nonfinite_check_bytes(buffer, layout.grad_bytes, recipe))
-        if recipe.gradient_release:  # no buffer; the per-parameter step and check move into backward
+        if recipe.gradient_release:  # no buffer; the per-parameter step and check moved into backward (above)
             grads, step_extra = 0, 0
-            transient += release_step_bytes(max(tensors))
-            source += " + release step"
         fp8 = fp8_persistent_bytes(recipe.fp8, shape, layout.tp, st.layers)
         construction = ddp_construction_bytes(weights, buffer, layout, recipe)
         out.append(StagePeak(rank, weights, grads, optimizer, CUDA_RUNTIME_BYTES, layer_held + st.head_activations,
-                             transient, step_extra, source, fp8, construction, st.head_activations))
+                             transient, step_extra, source, fp8, construction, st.head_activations, step_source))
     return out
 
 
@@ -343,7 +405,7 @@ def format_peaks(peaks: list[StagePeak]) -> str:
             f" + grads {p.grads / GIB:.2f} + optimizer {p.optimizer / GIB:.2f} + runtime {p.runtime / GIB:.2f}"
             + (f" + fp8 weight cache {p.fp8 / GIB:.2f}" if p.fp8 else "")
             + (f" + activations {p.held / GIB:.2f} + {p.transient_source} {p.transient / GIB:.2f}"
-               if p.phase == "forward/backward" else f" + step temporaries {p.step_extra / GIB:.2f}")
+               if p.phase == "forward/backward" else f" + {p.step_source} {p.step_extra / GIB:.2f}")
             + " GiB")
     return "\n".join(lines)
 
