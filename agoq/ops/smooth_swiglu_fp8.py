@@ -21,7 +21,8 @@ agoq.ops.fp8_linear FP8 linear, in fewer passes:
   micro-batch's forward and backward and released after that backward. No W * s bf16 temporaries.
 * backward: per token, fc2's gradient is cast as g * s (the un-smoothing's gradient) inside the E5M2 cast
   (``mul``); dgrad and wgrad as agoq.ops.fp8_linear; the SwiGLU backward is one kernel with the forward's s
-  (agoq.kernels.swiglu.swiglu_bwd), per channel dW' * s per column as the unfused op.
+  (agoq.kernels.swiglu.swiglu_bwd); per channel dW = dW' * s per column, for a bf16 weight inside the wgrad
+  GEMM as its row-wise ``scale_b`` (no extra pass over dW).
 
 Saved for backward: h (bf16), or with activation storage (``store=(fmt, key, counter)``) only its quantized
 copy; s (fp32, 4 B per token or channel); z's transposed FP8 copy for wgrad when h is kept as is (with
@@ -196,14 +197,24 @@ class SmoothSwiGLUFP8Fc2(torch.autograd.Function):
                 scale = s.reshape(*h.shape[:-1], 1) if per_token else s
                 z_hat = impl.fwd(h, scale).reshape(-1, h.shape[-1] // 2).contiguous()
                 z_cm = _recast_t(z_hat, "x", recipe, base, meta_x).t()
-            dw = _gemm(g8_t, z_cm, sg_inv, sx_inv, _wgrad_dtype(weight), False, None)
-            if not per_token:  # d(W * s)/dW = s per input column
-                dw = dw.to(torch.float32) * s
-            if dw.dtype != weight.dtype:
-                dw = dw.to(weight.dtype)
+            dw = _wgrad(g8_t, z_cm, sg_inv, sx_inv, None if per_token else s, weight)
         if not per_token:
             ctx.cache.release(entry)  # this micro-batch's W * s: no later use
         return dh, dw, None, None, None, None, None, None, None
+
+
+def _wgrad(g8_t, z_cm, sg_inv, sx_inv, col_scale, weight):
+    """dW = Q(g).T @ Q(z) (scaled), times the per-channel s per input column when ``col_scale`` is given
+    (d(W * s)/dW = s): for a bf16 weight inside the GEMM, as its row-wise ``scale_b = s * scale_inv_z``
+    [1, F] (no pass over dW); else as the unfused op does (an fp32 product)."""
+    if col_scale is None:
+        dw = _gemm(g8_t, z_cm, sg_inv, sx_inv, _wgrad_dtype(weight), False, None)
+    elif weight.dtype == torch.bfloat16:  # row-wise scaled_mm returns bf16 only
+        scale_a = sg_inv.reshape(1, 1).expand(g8_t.shape[0], 1).contiguous()
+        dw = _gemm(g8_t, z_cm, scale_a, (col_scale * sx_inv).reshape(1, -1), torch.bfloat16, False, None)
+    else:
+        dw = _gemm(g8_t, z_cm, sg_inv, sx_inv, _wgrad_dtype(weight), False, None).to(torch.float32) * col_scale
+    return dw if dw.dtype == weight.dtype else dw.to(weight.dtype)
 
 
 def smooth_swiglu_fp8_fc2(h: torch.Tensor, weight: torch.Tensor, state: FP8ScalingState, recipe: FP8Recipe, *,

@@ -1,0 +1,179 @@
+"""agoq.ops.smooth_swiglu_fp8 (the fused Smooth-SwiGLU + FP8 fc2 op) on CPU, where it runs the agoq.ref twins
+of its kernels and CPU ``torch._scaled_mm``, against the unfused composition it replaces: Megatron's SwiGLU
+(swiglu_reference), the smoothing scale (glu_smooth_scale), ``z / s``, the FP8 linear (FP8LinearFunction,
+``w_col_scale`` per channel) and, per token, the un-smoothing (unsmooth_fc2_output).
+
+What must be equal, bit for bit: fc2's output, fc2's weight gradient and all three delayed-scaling histories
+(the same codes are cast with the same scales and, s being a power of two, the row-wise GEMM scales and the
+in-cast multiply by s are exact); the fc1-output gradient equals agoq.ref.swiglu.ref_swiglu_bwd_scaled of the
+unfused path's own grad_z (the fused op computes the SwiGLU backward in fp32 with one rounding, as the
+saved-activation path's kernel; the unfused autograd of bf16 ops rounds after every op, so against it the
+fc1-output gradient differs by a few bf16 rounding steps: bound below). TP=2 (gloo): the per-token amax
+all-reduce makes every rank's s the TP-global one, so each rank's partial output equals the unfused path's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agoq.formats import parse_format
+from agoq.ops.fp8_linear import FP8LinearFunction
+from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState
+from agoq.ops.fp8_weight_cache import FP8WeightCache
+from agoq.ops.saved_act import SavedBytesCounter
+from agoq.ops.saved_swiglu import swiglu_reference
+from agoq.ops.smooth_swiglu import glu_smooth_scale, unsmooth_fc2_output
+from agoq.ops.smooth_swiglu_fp8 import fused_smooth_supported, smooth_swiglu_fp8_fc2
+from agoq.ref.swiglu import ref_swiglu_bwd_scaled
+from agoq.testing.numerics import sqnr_db
+
+MODES = ["per_token", "per_channel"]
+RECIPE = FP8Recipe(scaling="delayed")
+SEQ, BATCH, FFN, HIDDEN = 16, 2, 64, 48  # tokens and widths multiples of 16 (torch._scaled_mm)
+# Unfused autograd rounds to bf16 after silu, its backward, the products and the division by s (about six
+# roundings of 2**-9 relative each) where the fused backward rounds once: 6 * 2**-9 ~ 2**-6.4, so 2**-6 of
+# the gradient's largest magnitude bounds the elementwise difference.
+DH_UNFUSED_ATOL = 2.0**-6
+STORE_FLOOR_DB = 20.0  # int8_b64 h (>= 40 dB) then the E4M3 re-cast of z (~28 dB floor): 20 dB with margin
+
+
+def _inputs(seed=0, outlier=True):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(SEQ, BATCH, 2 * FFN, generator=g)
+    if outlier:
+        h[3, 1, FFN + 5] = 60.0  # an up outlier: the token / channel the smoothing exists for
+    w = torch.randn(HIDDEN, FFN, generator=g) * 0.1
+    gy = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+    return h.to(torch.bfloat16), w.to(torch.bfloat16), gy.to(torch.bfloat16)
+
+
+def _unfused(h0, w0, gy, state, mode, tp_group=None):
+    h = h0.clone().requires_grad_()
+    w = w0.clone().requires_grad_()
+    glu = swiglu_reference(h)
+    s = glu_smooth_scale(h, glu, mode, tp_group=tp_group)
+    z = glu / s.to(glu.dtype)
+    grads = {}
+    z.register_hook(lambda grad: grads.setdefault("z", grad))
+    y = FP8LinearFunction.apply(z, w, state, RECIPE, None if mode == "per_token" else s, None, True, None)
+    if mode == "per_token":
+        y = unsmooth_fc2_output(y, s)
+    y.backward(gy)
+    return y.detach(), h.grad, w.grad, s, grads["z"]
+
+
+def _fused(h0, w0, gy, state, cache, mode, **kw):
+    h = h0.clone().requires_grad_()
+    w = w0.clone().requires_grad_()
+    y = smooth_swiglu_fp8_fc2(h, w, state, RECIPE, per_token=mode == "per_token", weight_cache=cache, **kw)
+    y.backward(gy)
+    return y.detach(), h.grad, w.grad
+
+
+def _same_states(a: FP8ScalingState, b: FP8ScalingState) -> bool:
+    return all(torch.equal(a.meta(slot), b.meta(slot)) for slot in ("x", "w", "g"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_equals_unfused_over_delayed_steps(mode):
+    """Three micro-batches of one weight version: the first bootstraps every slot (current scaling), later
+    ones use the history (the weight cache's entry of the first micro-batch serves all three per token)."""
+    st_f, st_u, cache = FP8ScalingState(RECIPE), FP8ScalingState(RECIPE), FP8WeightCache()
+    _, w, _ = _inputs()
+    for step in range(3):
+        h, _, gy = _inputs(seed=step)
+        y_u, dh_u, dw_u, s, grad_z = _unfused(h, w, gy, st_u, mode)
+        y_f, dh_f, dw_f = _fused(h, w, gy, st_f, cache, mode)
+        assert torch.equal(y_f, y_u) and torch.equal(dw_f, dw_u), step
+        assert _same_states(st_f, st_u), step
+        assert torch.equal(dh_f, ref_swiglu_bwd_scaled(h, grad_z, s)), step
+        bound = DH_UNFUSED_ATOL * dh_u.float().abs().max()
+        assert (dh_f.float() - dh_u.float()).abs().max() <= bound, step
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_with_activation_storage(mode):
+    """store=(fmt, key, counter): only h quantized is kept (counted), the forward is unchanged, and the
+    gradients come from the dequantized h with the forward's s (wgrad re-casts z with the forward's scale)."""
+    fmt = parse_format("int8_b64")
+    counter = SavedBytesCounter()
+    h, w, gy = _inputs()
+    y_ref, dh_ref, dw_ref = _fused(h, w, gy, FP8ScalingState(RECIPE), FP8WeightCache(), mode)
+    y, dh, dw = _fused(h, w, gy, FP8ScalingState(RECIPE), FP8WeightCache(), mode,
+                       store=(fmt, (3, "mlp.swiglu_input"), counter))
+    assert torch.equal(y, y_ref)
+    assert sqnr_db(dw_ref.float(), dw.float()) >= STORE_FLOOR_DB
+    assert sqnr_db(dh_ref.float(), dh.float()) >= STORE_FLOOR_DB
+    assert counter.by_role() and counter.total() > 0  # the quantized h was counted (and freed by backward)
+
+
+def test_no_grad_forward_keeps_nothing():
+    h, w, _ = _inputs()
+    st, cache = FP8ScalingState(RECIPE), FP8WeightCache()
+    with torch.no_grad():
+        y = smooth_swiglu_fp8_fc2(h, w, st, RECIPE, per_token=True, weight_cache=cache)
+    y_grad, _, _ = _fused(h, w, torch.ones(SEQ, BATCH, HIDDEN, dtype=torch.bfloat16), FP8ScalingState(RECIPE),
+                          FP8WeightCache(), "per_token")
+    assert y.grad_fn is None and torch.equal(y, y_grad)
+
+
+def test_weight_cache_per_token_persists_per_channel_follows_the_scale():
+    """Per token the FP8 weight is made once per weight version; per channel once per scale tensor (each
+    micro-batch's s), shared by that micro-batch's forward and backward and dropped after its backward."""
+    h, w0, gy = _inputs()
+    w = w0.clone().requires_grad_()  # one parameter across micro-batches, as in training
+    for mode, refreshes in (("per_token", 1), ("per_channel", 3)):
+        st, cache = FP8ScalingState(RECIPE), FP8WeightCache()
+        for _ in range(3):
+            y = smooth_swiglu_fp8_fc2(h.clone().requires_grad_(), w, st, RECIPE, per_token=mode == "per_token",
+                                      weight_cache=cache)
+            y.backward(gy)
+        assert cache.refreshes == refreshes, mode
+        assert (cache._entry is None) == (mode == "per_channel"), mode
+    cache, st = FP8WeightCache(), FP8ScalingState(RECIPE)
+    s = torch.ones(FFN)
+    first = cache.get(w, RECIPE, lambda x: object(), s)
+    assert cache.get(w, RECIPE, lambda x: object(), s) is first
+    s.mul_(2)  # in place: a new version of the same tensor
+    assert cache.get(w, RECIPE, lambda x: object(), s) is not first
+
+
+def test_rejects_what_it_cannot_fuse():
+    h, w, _ = _inputs()
+    assert not fused_smooth_supported(FP8Recipe(), h)  # current scaling: the unfused path
+    assert not fused_smooth_supported(FP8Recipe(granularity="row"), h)
+    assert not fused_smooth_supported(RECIPE, h.float())
+    with pytest.raises(ValueError, match="delayed scaling"):
+        smooth_swiglu_fp8_fc2(h, w, None, FP8Recipe(), per_token=True, weight_cache=FP8WeightCache())
+    with pytest.raises(ValueError, match="does not take the SwiGLU"):
+        smooth_swiglu_fp8_fc2(h, w[:, :-16], FP8ScalingState(RECIPE), RECIPE, per_token=True,
+                              weight_cache=FP8WeightCache())
+
+
+def _tp_rank(rank, world_size):
+    import torch.distributed as dist
+
+    h_full, w_full, gy = _inputs(outlier=False)
+    h_full[3, 1, FFN + 5 + rank] = 60.0 * (rank + 1)  # each rank's local up max differs: s must be all-reduced
+    local = FFN // world_size
+    cols = slice(rank * local, (rank + 1) * local)
+    h = torch.cat([h_full[..., :FFN][..., cols], h_full[..., FFN:][..., cols]], dim=-1).contiguous()
+    w = w_full[:, cols].contiguous()
+    group = dist.group.WORLD
+    out = []
+    for mode in MODES:
+        st_f, st_u, cache = FP8ScalingState(RECIPE), FP8ScalingState(RECIPE), FP8WeightCache()
+        for _ in range(2):
+            y_u, _, dw_u, _, _ = _unfused(h, w, gy, st_u, mode, tp_group=group if mode == "per_token" else None)
+            y_f, _, dw_f = _fused(h, w, gy, st_f, cache, mode, tp_group=group)
+            out.append(torch.equal(y_f, y_u) and torch.equal(dw_f, dw_u) and _same_states(st_f, st_u))
+    return out
+
+
+@pytest.mark.dist
+def test_tp2_per_token_scale_is_tp_global():
+    from agoq.testing.dist import spawn_ranks
+
+    results = spawn_ranks(2, _tp_rank)
+    assert results == [[True] * 4, [True] * 4]
