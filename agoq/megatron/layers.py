@@ -426,6 +426,13 @@ class AgoqMLP(MLP):
             return self.linear_fc2(z_SBF)
         return self._smooth_forward(h_SBF2)
 
+    def _fused_smooth(self, h_SBF2) -> bool:
+        """Whether the Smooth-SwiGLU MLP runs as one op with its FP8 fc2: fc2 in FP8 with per-tensor delayed
+        scaling (agoq.ops.smooth_swiglu_fp8.fused_smooth_supported), ``SavePaths.fuse_smooth_fp8`` (the default)
+        and eager mode (under torch.compile the unfused ops, the same math, are traced)."""
+        return (self.agoq_save.paths.fuse_smooth_fp8 and not torch.compiler.is_compiling()
+                and fused_smooth_supported(getattr(self.linear_fc2, "agoq_fp8", None), h_SBF2))
+
     def _smooth_forward(self, h_SBF2):
         mode, save = self.agoq_smooth, self.agoq_save
         tp_group = self.tp_group if mode == "per_token" else None
@@ -452,17 +459,6 @@ class AgoqMLP(MLP):
         self.agoq_fc2_handoff.put(stash)
         out_SBH, out_bias = self.linear_fc2(z_SBF)
         return unsmooth_fc2_output(out_SBH, s), out_bias
-
-
-def _fused_smooth(self, h_SBF2) -> bool:
-    """Whether the Smooth-SwiGLU MLP runs as one op with its FP8 fc2: fc2 in FP8 with per-tensor delayed
-    scaling (agoq.ops.smooth_swiglu_fp8.fused_smooth_supported), ``SavePaths.fuse_smooth_fp8`` (the default)
-    and eager mode (under torch.compile the unfused ops, the same math, are traced)."""
-    return (self.agoq_save.paths.fuse_smooth_fp8 and not torch.compiler.is_compiling()
-            and fused_smooth_supported(getattr(self.linear_fc2, "agoq_fp8", None), h_SBF2))
-
-
-AgoqMLP._fused_smooth = _fused_smooth
 
 
 def with_params(entry, **params) -> ModuleSpec:
