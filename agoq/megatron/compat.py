@@ -92,6 +92,20 @@ CONTRACT: tuple[Symbol, ...] = (
     Symbol("megatron.core.distributed:DistributedDataParallelConfig", "DDP options",
            fields=("grad_reduce_in_fp32", "overlap_grad_reduce", "use_distributed_optimizer",
                    "check_for_nan_in_grad", "bucket_size")),
+    # --overlap-param-gather (agoq/megatron/train/pretrain.py ddp_config, training.ParamGather / configure_grad_hooks):
+    # Megatron's DDP forward pre-hooks all-gather the updated params in the next forward; the trainer forces the
+    # gather (disable with param_sync=True) before saves, evaluation and at the end, and re-enables the hooks
+    Symbol("megatron.core.distributed:DistributedDataParallelConfig", "--overlap-param-gather",
+           fields=("overlap_param_gather", "align_param_gather", "use_distributed_optimizer", "overlap_grad_reduce")),
+    Symbol("megatron.core.distributed:DistributedDataParallel",
+           "--overlap-param-gather: pre-hooks toggled around saves / evaluation / the end; start_param_sync is "
+           "the interleaved schedule's param_sync_func (align_param_gather)",
+           attrs=("enable_forward_pre_hook", "disable_forward_pre_hook", "start_param_sync")),
+    Symbol("megatron.core.distributed:DistributedDataParallel.disable_forward_pre_hook",
+           "called with param_sync=True: the forced all-gather of the updated params", params=("param_sync",)),
+    Symbol("megatron.core.transformer.transformer_config:TransformerConfig",
+           "param_sync_func: per-chunk start_param_sync for the interleaved schedule (align_param_gather)",
+           fields=("param_sync_func",)),
     Symbol("megatron.core.distributed:finalize_model_grads", "end-of-step grad sync hook"),
     Symbol("megatron.core.optimizer:get_megatron_optimizer", "Megatron's optimizer factory",
            params=("config", "model_chunks")),

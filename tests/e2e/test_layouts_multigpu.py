@@ -1,7 +1,8 @@
 """Layout equivalence on GPUs with NCCL (issue 18): PP=4 x VPP=2, PP=4, PP=2 x VPP=2 and DP=2 x PP=2 with the
-distributed optimizer train like PP=1 from identical weights (tests/megatron/_layouts.py; fp32 params,
-8 layers, 10 real steps). The CPU tier (tests/megatron/test_layouts.py) covers 2 ranks with gloo; this
-covers NCCL's point-to-point matching, PP=4's distinct neighbours and the 4-rank interleaved warm-up.
+distributed optimizer (also with --overlap-param-gather, interleaved) train like PP=1 from identical weights
+(tests/megatron/_layouts.py; fp32 params, 8 layers, 10 real steps). The CPU tier (tests/megatron/test_layouts.py)
+covers 2 ranks with gloo; this covers NCCL's point-to-point matching, PP=4's distinct neighbours and the
+4-rank interleaved warm-up.
 
 Run: ``pytest tests/e2e/test_layouts_multigpu.py -m multigpu`` on a machine with 4 GPUs (the 2-GPU cases
 run with 2).
@@ -26,16 +27,22 @@ pytestmark = [pytest.mark.multigpu]
 LAYERS, REL = 8, 1e-4
 CASES_4 = [Case("pp4_vpp2", pp=4, layers_per_virtual_stage=1, num_layers=LAYERS),
            Case("pp4", pp=4, num_layers=LAYERS),
-           Case("dp2_pp2_distopt", pp=2, num_layers=LAYERS, flags=("--use-distributed-optimizer",))]
+           Case("dp2_pp2_distopt", pp=2, num_layers=LAYERS, flags=("--use-distributed-optimizer",)),
+           # --overlap-param-gather with interleaved pipelines: each chunk's all-gather launched by the schedule at
+           # the same point on every stage (align_param_gather, Megatron-LM's default), over NCCL, several buckets
+           Case("dp2_pp2_vpp2_param_gather", pp=2, layers_per_virtual_stage=2, num_layers=LAYERS,
+                flags=("--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "3000",
+                       "--overlap-param-gather"))]
 CASES_2 = [Case("pp2_vpp2", pp=2, layers_per_virtual_stage=2, num_layers=LAYERS)]
-# issue 19: DP=2 x PP=2 as users run it (distributed optimizer, overlapped reduction) with agoq full: 8-bit
-# gradients reduced by agoq's 8-bit reduce-scatter under the distributed optimizer, agoq's AdamW, the
-# default activation policy. Not bit-comparable with PP=1 (8-bit gradients, low-bit activations): it must
-# learn and stay within AGOQ_BAND of the fp32 PP=1 losses at every step (8-bit gradients move a tiny model's
-# loss by ~0.1 %, docs/grads.md; a lost shard or a wrong scale is off by far more or diverges).
+# issue 19: DP=2 x PP=2 as users run it (distributed optimizer, overlapped reduction and parameter all-gather)
+# with agoq full: 8-bit gradients reduced by agoq's 8-bit reduce-scatter under the distributed optimizer, agoq's
+# AdamW, the default activation policy; the updated parameters all-gathered in the next forward (NCCL, async).
+# Not bit-comparable with PP=1 (8-bit gradients, low-bit activations): it must learn and stay within AGOQ_BAND
+# of the fp32 PP=1 losses at every step (8-bit gradients move a tiny model's loss by ~0.1 %, docs/grads.md; a
+# lost shard or a wrong scale is off by far more or diverges).
 AGOQ_FULL = Case("dp2_pp2_distopt_agoq_full", pp=2, num_layers=LAYERS, policy="agoq",
-                 flags=("--use-distributed-optimizer", "--overlap-grad-reduce", "--agoq-grads", "int8_b256",
-                        "--agoq-optimizer", "adamw"))
+                 flags=("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                        "--agoq-grads", "int8_b256", "--agoq-optimizer", "adamw"))
 AGOQ_BAND = 0.05
 
 

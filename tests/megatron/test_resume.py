@@ -46,7 +46,11 @@ CASES = {
     "pp2-agoq-adamw": PP2 + ADAMW,  # finding 2: never loaded before (param groups of rank 0 only)
     "pp2-vpp2-agoq-adamw": PP2 + ADAMW + ["--num-layers-per-virtual-pipeline-stage", "1"],
     "dp2-megatron-adam-distopt": ["--use-distributed-optimizer"],
-    "dp2-agoq-adamw-int8-grads": ADAMW + ["--agoq-grads", "int8_b256"],
+    # agoq full under the distributed optimizer with both of Megatron-LM's overlaps: with --overlap-param-gather
+    # the updated weights reach the other rank only in the next forward, so the save must gather them first
+    # (a checkpoint of stale weights resumes off the uninterrupted run from its first iteration)
+    "dp2-agoq-full-distopt-overlap": ADAMW + ["--agoq-grads", "int8_b256", "--use-distributed-optimizer",
+                                              "--overlap-grad-reduce", "--overlap-param-gather"],
     "tp2-agoq-adamw": ["--tensor-model-parallel-size", "2"] + ADAMW,
 }
 

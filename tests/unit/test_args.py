@@ -94,6 +94,28 @@ def test_grad_reduce_in_bf16_sets_megatron_ddp_and_refuses_unvalidated_combos(ca
     assert "--grad-reduce-in-bf16 with --agoq-grads int8_b256" in err
 
 
+def test_overlap_param_gather_needs_the_distributed_optimizer_and_reaches_megatrons_ddp(capsys):
+    """Megatron-LM's two requirements (megatron/training/arguments.py), refused by name before any work; the
+    accepted flag sets DistributedDataParallelConfig.overlap_param_gather, and align_param_gather (Megatron-LM's
+    default) only with an interleaved pipeline."""
+    import torch
+
+    from agoq.megatron.train.pretrain import ddp_config
+
+    err = _error(capsys, ["--overlap-param-gather", "--overlap-grad-reduce"])
+    assert "--overlap-param-gather" in err and "needs --use-distributed-optimizer" in err
+    err = _error(capsys, ["--overlap-param-gather", "--use-distributed-optimizer"])
+    assert "--overlap-param-gather needs --overlap-grad-reduce" in err
+    flags = ["--overlap-param-gather", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+    plain = ddp_config(parse_args(flags), torch.bfloat16)
+    assert (plain.overlap_param_gather, plain.align_param_gather) == (True, False)
+    vpp = ddp_config(parse_args(flags + ["--pipeline-model-parallel-size", "2",
+                                         "--num-layers-per-virtual-pipeline-stage", "1"]), torch.bfloat16)
+    assert (vpp.overlap_param_gather, vpp.align_param_gather) == (True, True)
+    off = ddp_config(parse_args(flags[1:]), torch.bfloat16)
+    assert (off.overlap_param_gather, off.align_param_gather) == (False, False)
+
+
 # --------------------------------------------------------------------------------------- issue 21 ----
 def test_parsing_imports_neither_torch_nor_megatron():
     """The script checks its command line before torch and megatron load (~5 s): argument errors are fast."""

@@ -72,6 +72,13 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="Megatron-LM's flag: reduce each gradient bucket as soon as its last gradient is ready, "
                         "overlapping the data-parallel reduction with backward (no effect at DP=1)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="Megatron-LM's flag: the distributed optimizer's all-gather of the updated parameters runs "
+                        "bucket by bucket during the next forward (DDP forward pre-hooks) instead of right after "
+                        "the step; needs --use-distributed-optimizer and --overlap-grad-reduce. With interleaved "
+                        "pipelines the stages launch their all-gathers together (Megatron-LM's default "
+                        "align_param_gather). Checkpoints, evaluation and the end of training sync the parameters "
+                        "first")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket with --overlap-grad-reduce (Megatron's default: "
                         "max(40M, 1M x data-parallel size))")
@@ -367,6 +374,7 @@ def validate(args: argparse.Namespace) -> None:
             "--agoq-disable runs the plain Megatron baseline; drop --agoq-grads / --agoq-policy / --agoq-optimizer "
             "/ --agoq-fp8* / --agoq-smooth-swiglu"
         )
+    _check_param_gather_flags(args)
     if args.grad_reduce_in_bf16 and args.fp32:
         raise ValueError("--grad-reduce-in-bf16 needs bf16 parameters; drop --fp32 (fp32 params reduce fp32 grads)")
     if args.load and Path(args.load).exists() and not Path(args.load).is_dir():
@@ -387,6 +395,19 @@ def validate(args: argparse.Namespace) -> None:
     split_weights(args.split)
     data_blend(args.data_path)
     check_release_flags(args)  # data-parallel size 1 assumed here; pretrain checks the real one
+
+
+def _check_param_gather_flags(args: argparse.Namespace) -> None:
+    """--overlap-param-gather: Megatron-LM's two requirements (megatron/training/arguments.py), same words."""
+    if not args.overlap_param_gather:
+        return
+    if not args.use_distributed_optimizer:
+        raise ValueError("--overlap-param-gather overlaps the distributed optimizer's parameter all-gather with the "
+                         "forward pass: it needs --use-distributed-optimizer (without it every rank updates every "
+                         "parameter and nothing is gathered); add --use-distributed-optimizer or drop the flag")
+    if not args.overlap_grad_reduce:
+        raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM: "
+                         "'Must use --overlap-param-gather with --overlap-grad-reduce'); add --overlap-grad-reduce")
 
 
 def data_blend(values: list[str] | None) -> list[tuple[float, str]] | list[str] | None:

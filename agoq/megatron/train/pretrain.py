@@ -158,6 +158,12 @@ def ddp_config(args, params_dtype: torch.dtype) -> DistributedDataParallelConfig
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=params_dtype != torch.float32 and not getattr(args, "grad_reduce_in_bf16", False),
         overlap_grad_reduce=args.overlap_grad_reduce,
+        # --overlap-param-gather: the updated parameters are all-gathered in the next forward (DDP's forward
+        # pre-hooks; agoq.megatron.train.training.ParamGather syncs them before saves and evaluation); with
+        # interleaved pipelines the stages launch the gathers together (Megatron-LM's default
+        # align_param_gather: the schedule calls each chunk's start_param_sync, training.configure_grad_hooks)
+        overlap_param_gather=getattr(args, "overlap_param_gather", False),
+        align_param_gather=bool(getattr(args, "overlap_param_gather", False) and getattr(args, "vpp", None)),
         bucket_size=args.ddp_bucket_size,  # None: Megatron's max(40M, 1M x DP) with overlap, one bucket without
         use_distributed_optimizer=args.use_distributed_optimizer,
         # agoq's step checks loss and reduced gradients itself and skips a non-finite step (counted,
@@ -379,14 +385,16 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
         stopping = stop.agreed(info.device) or iteration == args.exit_interval
         periodic = args.save_interval and iteration % args.save_interval == 0
         if args.save and (periodic or stopping or iteration == args.train_iters):
-            path = checkpoint.save_checkpoint(args.save, state, parts.model, parts.optimizer, parts.scheduler,
-                                              extra={"policy_report": parts.policy_report,
-                                                     RECORD_KEY: parts.run_record})
+            with runner.param_gather.synced():  # --overlap-param-gather: save the updated weights, not the stale
+                path = checkpoint.save_checkpoint(args.save, state, parts.model, parts.optimizer, parts.scheduler,
+                                                  extra={"policy_report": parts.policy_report,
+                                                         RECORD_KEY: parts.run_record})
             print_rank0(f"saved checkpoint {path}")
         if stopping:
             print_rank0(f"stopping at iteration {iteration}"
                         + (f" on the {signal_name(stop.received)}" if stop.received else " (--exit-interval)"))
             break
+    runner.param_gather.pause()  # the weights in memory are the updated ones when training ends (Megatron-LM)
     print_rank0(done_line(progress.iteration, iteration, args.train_iters, time.perf_counter() - start))
 
 

@@ -3,14 +3,16 @@
 Seam card
 ---------
 Touches: ``get_forward_backward_func`` (schedule choice), ``finalize_model_grads`` and the
-  ``no_sync_func`` / ``grad_sync_func`` / ``finalize_model_grads_func`` config hooks, Megatron's
-  optimizer ``step()`` contract ``(update_successful, grad_norm, num_zeros)``.
+  ``no_sync_func`` / ``grad_sync_func`` / ``param_sync_func`` / ``finalize_model_grads_func`` config hooks,
+  Megatron's optimizer ``step()`` contract ``(update_successful, grad_norm, num_zeros)``; with
+  ``--overlap-param-gather`` DDP's ``start_param_sync`` (the interleaved schedule's ``param_sync_func``) and
+  ``disable_forward_pre_hook(param_sync=True)`` / ``enable_forward_pre_hook`` (:class:`ParamGather`).
 Why: the shape of Megatron's ``pretrain_gpt.py`` / ``training.train_step``, rebuilt on megatron.core
   because ``megatron.training.pretrain`` is GPU-only in 0.19.2 (../shared/spec/megatron.md 1.5).
 Verified on: megatron-core 0.19.2.
 Guarded by: ``tests/megatron/test_pretrain_script.py`` (loss falls), ``tests/megatron/test_layouts.py``
-  (PP=2 1F1B and interleaved; DDP with and without the distributed optimizer) and
-  ``tests/megatron/test_resume.py`` (checkpoints).
+  (PP=2 1F1B and interleaved; DDP with and without the distributed optimizer, ``--overlap-param-gather``) and
+  ``tests/megatron/test_resume.py`` (checkpoints, also with ``--overlap-param-gather``).
 
 Shape legend: b = micro-batch, s = sequence.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -71,9 +74,53 @@ def configure_grad_hooks(model_chunks: list, config) -> None:
     if ddp_config is not None and ddp_config.overlap_grad_reduce:
         sync = [chunk.start_grad_sync for chunk in model_chunks]
         config.grad_sync_func = sync[0] if len(sync) == 1 else sync
+    config.param_sync_func = None
+    if ddp_config is not None and ddp_config.overlap_param_gather and ddp_config.align_param_gather:
+        # Megatron-LM's --overlap-param-gather with interleaved pipelines (align_param_gather, its default): the
+        # schedule launches each chunk's parameter all-gather at the same point on every stage
+        sync = [chunk.start_param_sync for chunk in model_chunks]
+        config.param_sync_func = sync[0] if len(sync) == 1 else sync
     config.finalize_model_grads_func = finalize_model_grads
     if any(isinstance(chunk, ReleaseDataParallel) for chunk in model_chunks):
         config.finalize_model_grads_func = finalize_release_grads  # gradients applied in backward: no reduction
+
+
+class ParamGather:
+    """``--overlap-param-gather`` (DDP ``overlap_param_gather`` with the distributed optimizer): after the
+    step each rank holds only its own shard of the updated parameters; the rest arrive bucket by bucket in
+    the next forward, through DDP's forward pre-hooks. Whatever reads the weights outside a training
+    forward (a checkpoint save, evaluation, the end of training) first disables the hooks, which forces the
+    all-gather (``disable_forward_pre_hook(param_sync=True)``), and re-enables them after: Megatron-LM's
+    training loop does the same around saves, evaluation and at the end. Without the flag: nothing."""
+
+    def __init__(self, model_chunks: list):
+        self.chunks = [c for c in model_chunks
+                       if getattr(getattr(c, "ddp_config", None), "overlap_param_gather", False)]
+        self.hooks_on = bool(self.chunks)  # DDP registers the pre-hooks in its constructor
+
+    def pause(self) -> None:
+        """All-gather the updated parameters now and take the pre-hooks off (no-op when they are off)."""
+        if self.hooks_on:
+            for chunk in self.chunks:
+                chunk.disable_forward_pre_hook(param_sync=True)
+            self.hooks_on = False
+
+    def resume(self) -> None:
+        if self.chunks and not self.hooks_on:
+            for chunk in self.chunks:
+                chunk.enable_forward_pre_hook()
+            self.hooks_on = True
+
+    @contextmanager
+    def synced(self):
+        """The updated parameters in every chunk for the ``with`` block; the overlap back on after it."""
+        was_on = self.hooks_on
+        self.pause()
+        try:
+            yield
+        finally:
+            if was_on:
+                self.resume()
 
 
 @dataclass
@@ -97,11 +144,13 @@ class StepRunner:
     global_batch_size: int
     num_microbatches: int
     forward_step: Callable = field(init=False)
+    param_gather: ParamGather = field(init=False)
     poison: dict = field(default_factory=dict)
     iteration: int | None = None  # the iteration run() performs (labels gradient release's errors)
 
     def __post_init__(self):
         self.forward_step = make_forward_step(self.device, self.poison)
+        self.param_gather = ParamGather(self.model_chunks)
 
     def evaluate(self, data_iterators: list[Iterator], num_batches: int) -> float | None:
         """Mean validation loss over ``num_batches`` global batches (forward only, no gradients)."""
@@ -109,7 +158,7 @@ class StepRunner:
         for chunk in self.model_chunks:
             chunk.eval()
         total, forward_backward = 0.0, get_forward_backward_func()
-        with torch.no_grad():
+        with torch.no_grad(), self.param_gather.synced():
             for _ in range(num_batches):
                 losses = forward_backward(
                     forward_step_func=self.forward_step,
