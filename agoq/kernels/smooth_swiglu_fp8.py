@@ -40,6 +40,7 @@ import triton.language as tl
 
 from agoq.formats import FP8_MAX
 from agoq.kernels._fastlaunch import FastKernel
+from agoq.kernels._quant_math import USE_PTX
 from agoq.kernels.fp8 import _TL_FP8, _TORCH_FP8, EXP_MASK, _abs_bits, _fmax_div, _sat_cast, _variant
 from agoq.kernels.fp8_fused import FUSED_CAST_TILE, META_HEADER, _history_push
 from agoq.kernels.swiglu_quant import _silu_megatron
@@ -208,7 +209,7 @@ def smooth_swiglu_amax(h: torch.Tensor, per_token: bool) -> torch.Tensor:
     bits = torch.zeros(ffn, dtype=torch.int32, device=h.device)
     if tokens:
         bm, bn, tiles, _ = FUSED_CAST_TILE
-        _CHANNEL_AMAX(_grid(tokens, ffn), h, bits, tokens, ffn, h.is_cuda, bm, bn, tiles)
+        _CHANNEL_AMAX(_grid(tokens, ffn), h, bits, tokens, ffn, USE_PTX.value, bm, bn, tiles)
     return bits.view(torch.float32)
 
 
@@ -257,6 +258,6 @@ def smooth_swiglu_cast_delayed(h: torch.Tensor, amax: torch.Tensor, variant: str
     bm, bn, tiles, _ = FUSED_CAST_TILE
     _CAST(_grid(tokens, ffn), h, amax, out if rowmajor else h, out_t if transposed else h, s,
           s if scale_a is None else scale_a, meta, new, workspace, tokens, ffn, meta.numel() - META_HEADER,
-          fmax, fmax_div, pow2_, tl_fp8, bool(per_token), bool(rowmajor), bool(transposed), h.is_cuda, bm, bn, tiles,
-          bl)
+          fmax, fmax_div, pow2_, tl_fp8, bool(per_token), bool(rowmajor), bool(transposed), USE_PTX.value, bm, bn,
+          tiles, bl)
     return out, out_t, new, s, scale_a

@@ -272,6 +272,31 @@ def swiglu_quant_calls(full: bool = False) -> Iterator[tuple[str, Callable[[], N
             yield f"dequant_swiglu_bwd {name} {dt} {mode}", lambda q=q, gz=gz, s=s: k.dequant_swiglu_bwd(q, gz, s)
 
 
+def smooth_swiglu_fp8_calls(full: bool = False) -> Iterator[tuple[str, Callable[[], None]]]:
+    """(label, call) for agoq.kernels.smooth_swiglu_fp8 (both amaxes, the cast in every layout and mode) and the
+    ``mul`` variants of agoq.kernels.fp8_fused's delayed cast."""
+    from agoq.kernels import fp8_fused
+    from agoq.kernels import smooth_swiglu_fp8 as k
+
+    meta = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float32)
+    ws = torch.zeros(2, dtype=torch.int32)
+    for dt in k.SMOOTH_DTYPES:
+        h = torch.zeros(300, 2 * 130, dtype=dt)
+        for per_token in (True, False):
+            yield f"smooth_amax {dt} per_token={per_token}", lambda h=h, p=per_token: k.smooth_swiglu_amax(h, p)
+            amax = torch.zeros(300 if per_token else 130)
+            for rm, tr in ((True, True), (True, False), (False, True)):
+                yield (f"smooth_cast {dt} per_token={per_token} rowmajor={rm} transposed={tr}",
+                       lambda h=h, a=amax, p=per_token, rm=rm, tr=tr: k.smooth_swiglu_cast_delayed(
+                           h, a, "e4m3", meta, ws, per_token=p, rowmajor=rm, transposed=tr, t_colmajor=tr))
+        x = torch.zeros(300, 130, dtype=dt)
+        for mul in (None, torch.ones(300, 1), torch.ones(1, 130)):
+            for variant in ("e4m3", "e5m2"):
+                yield (f"fp8_fused_cast {dt} {variant} mul={None if mul is None else tuple(mul.shape)}",
+                       lambda x=x, m=mul, v=variant: fp8_fused.fp8_cast_delayed_2d(x, v, meta, ws, rowmajor=True,
+                                                                                 transposed=True, mul=m))
+
+
 def _only(calls, prefix):
     return lambda full=False: ((label, c) for label, c in calls(full) if label.startswith(prefix))
 
@@ -325,6 +350,12 @@ MODULES = {
     "swiglu_quant_fwd": ("agoq.kernels.swiglu_quant", "_FWD", _only(swiglu_quant_calls, "swiglu_quantize")),
     "swiglu_quant_bwd": ("agoq.kernels.swiglu_quant", "_DQ", _only(swiglu_quant_calls, "dequant_swiglu")),
     "optim_multi": ("agoq.kernels.optim_multi", "_multi_step_kernel", optim_multi_calls),
+    "smooth_token_amax": ("agoq.kernels.smooth_swiglu_fp8", "_TOKEN_AMAX",
+                          _only(smooth_swiglu_fp8_calls, "smooth_amax torch.bfloat16 per_token=True")),
+    "smooth_channel_amax": ("agoq.kernels.smooth_swiglu_fp8", "_CHANNEL_AMAX",
+                            _only(smooth_swiglu_fp8_calls, "smooth_amax torch.bfloat16 per_token=False")),
+    "smooth_cast": ("agoq.kernels.smooth_swiglu_fp8", "_CAST", _only(smooth_swiglu_fp8_calls, "smooth_cast")),
+    "fp8_fused_cast": ("agoq.kernels.fp8_fused", "_CAST_LAUNCH", _only(smooth_swiglu_fp8_calls, "fp8_fused_cast")),
 }
 
 
