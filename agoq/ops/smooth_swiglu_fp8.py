@@ -182,25 +182,42 @@ class SmoothSwiGLUFP8Fc2(torch.autograd.Function):
         g = grad_y if grad_y.is_contiguous() else grad_y.contiguous()
         ops = _MulCastOps(base, s.reshape(-1, 1)) if per_token else base  # per token: cast g * s (un-smoothing)
         g8, g8_t, _, sg_inv = state.cast_meta("g", g, ops, need_dh, need_dw, False)
-        if h is None and (need_dh or need_dw):
+        h_shape = ctx.h_shape
+        scale = s.reshape(*h_shape[:-1], 1) if per_token else s  # the forward's s, never recomputed
+        swiglu_fwd, swiglu_bwd, src = impl.fwd, impl.bwd, h
+        if h is None:  # activation storage: read the codes (one pass each) or dequantize once
             q, ctx.h_q = ctx.h_q, None
-            h = _dequantize(q).reshape(ctx.h_shape).to(ctx.h_dtype)
+            swiglu_fwd, swiglu_bwd, src = _stored_swiglu(q, g.device.type, impl)
         dh = dw = None
         if need_dh:
             w = entry.w
             grad_z = _gemm(g8, w.dgrad_b, sg_inv, w.dgrad_scale_inv, g.dtype, False, None)
-            scale = s.reshape(*h.shape[:-1], 1) if per_token else s
-            dh = impl.bwd(h, grad_z.view(*h.shape[:-1], grad_z.shape[-1]), scale)
+            dh = swiglu_bwd(src, grad_z.view(*h_shape[:-1], grad_z.shape[-1]), scale)
         if need_dw:
             sx_inv, meta_x = ctx.x_scales
             if z_cm is None:  # activation storage: z rebuilt from the stored h with the forward's s
-                scale = s.reshape(*h.shape[:-1], 1) if per_token else s
-                z_hat = impl.fwd(h, scale).reshape(-1, h.shape[-1] // 2).contiguous()
+                z_hat = swiglu_fwd(src, scale).reshape(-1, h_shape[-1] // 2).contiguous()
                 z_cm = _recast_t(z_hat, "x", recipe, base, meta_x).t()
             dw = _wgrad(g8_t, z_cm, sg_inv, sx_inv, None if per_token else s, weight)
         if not per_token:
             ctx.cache.release(entry)  # this micro-batch's W * s: no later use
         return dh, dw, None, None, None, None, None, None, None
+
+
+def _stored_swiglu(q, kind: str, impl):
+    """(swiglu_fwd, swiglu_bwd, source) for a quantized fc1 output: the kernels that read the codes
+    (agoq.kernels.swiglu_quant's dequant_swiglu_*, their agoq.ref twins on CPU) where the format and width
+    allow, else the dequantized h (one [T, 2F] temporary) with the plain SwiGLU kernels."""
+    width = q.shape[-1]
+    if kind == "cuda":
+        from agoq.kernels import swiglu_quant as k
+
+        if q.dtype in k.DTYPES and q.fmt.kind in k.FUSED_KINDS and (width // 2) % q.fmt.block == 0:
+            return k.dequant_swiglu_fwd, k.dequant_swiglu_bwd, q
+        return impl.fwd, impl.bwd, _dequantize(q).reshape(q.shape).to(q.dtype)
+    from agoq.ref.swiglu_quant import ref_dequant_swiglu_bwd, ref_dequant_swiglu_fwd
+
+    return ref_dequant_swiglu_fwd, ref_dequant_swiglu_bwd, q
 
 
 def _wgrad(g8_t, z_cm, sg_inv, sx_inv, col_scale, weight):

@@ -55,7 +55,7 @@ def _inputs(device, seed=0):
     return (t.to(torch.bfloat16).to(device) for t in (h, w, gy))
 
 
-def _unfused(h0, w, gy, state, mode):
+def _unfused(h0, w, gy, state, mode, cache):
     from agoq.ops.fp8_linear import FP8LinearFunction
     from agoq.ops.fp8_scaling import FP8Recipe
     from agoq.ops.saved_swiglu import swiglu_reference
@@ -69,7 +69,8 @@ def _unfused(h0, w, gy, state, mode):
     z = glu / s.to(glu.dtype)
     seen = {}
     z.register_hook(lambda grad: seen.setdefault("grad_z", grad))
-    y = FP8LinearFunction.apply(z, w, state, recipe, None if mode == "per_token" else s, None, True, None)
+    y = FP8LinearFunction.apply(z, w, state, recipe, None if mode == "per_token" else s, None, True,
+                                cache if mode == "per_token" else None)  # as the layer: no cache with W * s
     if mode == "per_token":
         y = unsmooth_fc2_output(y, s)
     y.backward(gy)
@@ -95,13 +96,14 @@ def test_fused_op_vs_unfused_on_cuda(cuda, mode):
     from agoq.ops.fp8_weight_cache import FP8WeightCache
 
     recipe = FP8Recipe(scaling="delayed")
-    st_u, st_f, cache = FP8ScalingState(recipe, cuda), FP8ScalingState(recipe, cuda), FP8WeightCache()
+    st_u, st_f = FP8ScalingState(recipe, cuda), FP8ScalingState(recipe, cuda)
+    cache_u, cache_f = FP8WeightCache(), FP8WeightCache()
     _, w0, _ = _inputs(cuda)
-    w = w0.clone().requires_grad_()
+    w_u, w_f = w0.clone().requires_grad_(), w0.clone().requires_grad_()
     for step in range(3):  # step 0 bootstraps the histories
         h, _, gy = _inputs(cuda, seed=step)
-        y_u, dh_u, dw_u, s, grad_z = _unfused(h, w, gy, st_u, mode)
-        y_f, dh_f, dw_f = _fused(h, w, gy, st_f, cache, mode)
+        y_u, dh_u, dw_u, s, grad_z = _unfused(h, w_u, gy, st_u, mode, cache_u)
+        y_f, dh_f, dw_f = _fused(h, w_f, gy, st_f, cache_f, mode)
         for slot in ("x", "w", "g"):
             assert torch.equal(st_f.meta(slot), st_u.meta(slot)), (step, slot)
         assert _sqnr_db(y_u, y_f) >= GEMM_SQNR_DB, step

@@ -48,24 +48,31 @@ def _inputs(seed=0, outlier=True):
     return h.to(torch.bfloat16), w.to(torch.bfloat16), gy.to(torch.bfloat16)
 
 
-def _unfused(h0, w0, gy, state, mode, tp_group=None):
+def _param(w0):
+    return w0.clone().requires_grad_()
+
+
+def _unfused(h0, w, gy, state, mode, tp_group=None, cache=None):
+    """The unfused path as AgoqMLP ran it; ``w`` a leaf parameter (its grad is reset), ``cache`` fc2's weight
+    cache (FP8LinearFunction ignores it with a column scale, as in the layer)."""
     h = h0.clone().requires_grad_()
-    w = w0.clone().requires_grad_()
+    w.grad = None
     glu = swiglu_reference(h)
     s = glu_smooth_scale(h, glu, mode, tp_group=tp_group)
     z = glu / s.to(glu.dtype)
     grads = {}
     z.register_hook(lambda grad: grads.setdefault("z", grad))
-    y = FP8LinearFunction.apply(z, w, state, RECIPE, None if mode == "per_token" else s, None, True, None)
+    y = FP8LinearFunction.apply(z, w, state, RECIPE, None if mode == "per_token" else s, None, True,
+                                cache if mode == "per_token" else None)
     if mode == "per_token":
         y = unsmooth_fc2_output(y, s)
     y.backward(gy)
     return y.detach(), h.grad, w.grad, s, grads["z"]
 
 
-def _fused(h0, w0, gy, state, cache, mode, **kw):
+def _fused(h0, w, gy, state, cache, mode, **kw):
     h = h0.clone().requires_grad_()
-    w = w0.clone().requires_grad_()
+    w.grad = None
     y = smooth_swiglu_fp8_fc2(h, w, state, RECIPE, per_token=mode == "per_token", weight_cache=cache, **kw)
     y.backward(gy)
     return y.detach(), h.grad, w.grad
@@ -79,12 +86,13 @@ def _same_states(a: FP8ScalingState, b: FP8ScalingState) -> bool:
 def test_fused_equals_unfused_over_delayed_steps(mode):
     """Three micro-batches of one weight version: the first bootstraps every slot (current scaling), later
     ones use the history (the weight cache's entry of the first micro-batch serves all three per token)."""
-    st_f, st_u, cache = FP8ScalingState(RECIPE), FP8ScalingState(RECIPE), FP8WeightCache()
-    _, w, _ = _inputs()
+    st_f, st_u, cache_f, cache_u = FP8ScalingState(RECIPE), FP8ScalingState(RECIPE), FP8WeightCache(), FP8WeightCache()
+    _, w0, _ = _inputs()
+    w_f, w_u = _param(w0), _param(w0)
     for step in range(3):
         h, _, gy = _inputs(seed=step)
-        y_u, dh_u, dw_u, s, grad_z = _unfused(h, w, gy, st_u, mode)
-        y_f, dh_f, dw_f = _fused(h, w, gy, st_f, cache, mode)
+        y_u, dh_u, dw_u, s, grad_z = _unfused(h, w_u, gy, st_u, mode, cache=cache_u)
+        y_f, dh_f, dw_f = _fused(h, w_f, gy, st_f, cache_f, mode)
         assert torch.equal(y_f, y_u) and torch.equal(dw_f, dw_u), step
         assert _same_states(st_f, st_u), step
         assert torch.equal(dh_f, ref_swiglu_bwd_scaled(h, grad_z, s)), step
@@ -98,9 +106,9 @@ def test_fused_with_activation_storage(mode):
     gradients come from the dequantized h with the forward's s (wgrad re-casts z with the forward's scale)."""
     fmt = parse_format("int8_b64")
     counter = SavedBytesCounter()
-    h, w, gy = _inputs()
-    y_ref, dh_ref, dw_ref = _fused(h, w, gy, FP8ScalingState(RECIPE), FP8WeightCache(), mode)
-    y, dh, dw = _fused(h, w, gy, FP8ScalingState(RECIPE), FP8WeightCache(), mode,
+    h, w0, gy = _inputs()
+    y_ref, dh_ref, dw_ref = _fused(h, _param(w0), gy, FP8ScalingState(RECIPE), FP8WeightCache(), mode)
+    y, dh, dw = _fused(h, _param(w0), gy, FP8ScalingState(RECIPE), FP8WeightCache(), mode,
                        store=(fmt, (3, "mlp.swiglu_input"), counter))
     assert torch.equal(y, y_ref)
     assert sqnr_db(dw_ref.float(), dw.float()) >= STORE_FLOOR_DB
@@ -113,8 +121,8 @@ def test_no_grad_forward_keeps_nothing():
     st, cache = FP8ScalingState(RECIPE), FP8WeightCache()
     with torch.no_grad():
         y = smooth_swiglu_fp8_fc2(h, w, st, RECIPE, per_token=True, weight_cache=cache)
-    y_grad, _, _ = _fused(h, w, torch.ones(SEQ, BATCH, HIDDEN, dtype=torch.bfloat16), FP8ScalingState(RECIPE),
-                          FP8WeightCache(), "per_token")
+    y_grad, _, _ = _fused(h, _param(w), torch.ones(SEQ, BATCH, HIDDEN, dtype=torch.bfloat16),
+                          FP8ScalingState(RECIPE), FP8WeightCache(), "per_token")
     assert y.grad_fn is None and torch.equal(y, y_grad)
 
 
@@ -159,14 +167,16 @@ def _tp_rank(rank, world_size):
     local = FFN // world_size
     cols = slice(rank * local, (rank + 1) * local)
     h = torch.cat([h_full[..., :FFN][..., cols], h_full[..., FFN:][..., cols]], dim=-1).contiguous()
-    w = w_full[:, cols].contiguous()
+    w_f, w_u = _param(w_full[:, cols]), _param(w_full[:, cols])
     group = dist.group.WORLD
     out = []
     for mode in MODES:
-        st_f, st_u, cache = FP8ScalingState(RECIPE), FP8ScalingState(RECIPE), FP8WeightCache()
+        st_f, st_u, cache_f, cache_u = (FP8ScalingState(RECIPE), FP8ScalingState(RECIPE), FP8WeightCache(),
+                                        FP8WeightCache())
         for _ in range(2):
-            y_u, _, dw_u, _, _ = _unfused(h, w, gy, st_u, mode, tp_group=group if mode == "per_token" else None)
-            y_f, _, dw_f = _fused(h, w, gy, st_f, cache, mode, tp_group=group)
+            y_u, _, dw_u, _, _ = _unfused(h, w_u, gy, st_u, mode, tp_group=group if mode == "per_token" else None,
+                                          cache=cache_u)
+            y_f, _, dw_f = _fused(h, w_f, gy, st_f, cache_f, mode, tp_group=group)
             out.append(torch.equal(y_f, y_u) and torch.equal(dw_f, dw_u) and _same_states(st_f, st_u))
     return out
 
