@@ -286,6 +286,10 @@ def fp8_scale_suite(smoke: bool) -> list[dict]:
     if not smoke:  # the planner's per-channel terms (agoq.plan.fp8: no fc2 weight cache, W * s saved on bf16 layers)
         variants.insert(3, {"name": "1b/mbs4/fp8 delayed + smooth-swiglu per-channel", "nproc": 1,
                             "args": one_b + bf16_policy + fp8 + ["--agoq-smooth-swiglu", "per-channel"]})
+        # issue 27's A/B: the fused per-token op un-smoothing after a tensor-wise GEMM instead of in a row-wise one
+        variants.insert(4, {"name": "1b/mbs4/fp8 delayed + smooth-swiglu per-token, unsmooth epilogue", "nproc": 1,
+                            "args": one_b + bf16_policy + fp8 + ["--agoq-smooth-swiglu", "per-token"],
+                            "env": {"AGOQ_SMOOTH_UNSMOOTH": "epilogue"}})
     variants += [
         {"name": "7b-layers/mbs1/baseline (Megatron)", "nproc": 1, "args": seven_b + ["--agoq-disable"]},
         {"name": "7b-layers/mbs1/agoq activations (default policy)", "nproc": 1, "args": seven_b},

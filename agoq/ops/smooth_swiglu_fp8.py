@@ -50,7 +50,29 @@ from agoq.ops.fp8_scaling import SLOT_VARIANTS, FP8Recipe, FP8ScalingState
 from agoq.ops.fp8_weight_cache import FP8WeightCache
 from agoq.ops.saved_act import Key, SavedBytesCounter, _dequantize, quantize_saved
 
-__all__ = ["smooth_swiglu_fp8_fc2", "fused_smooth_supported", "SmoothSwiGLUFP8Fc2"]
+__all__ = ["smooth_swiglu_fp8_fc2", "fused_smooth_supported", "SmoothSwiGLUFP8Fc2", "UNSMOOTH_MODES",
+           "set_unsmooth_mode", "unsmooth_mode"]
+
+# Where the per-token un-smoothing y = (z @ W.T) * s happens: "gemm" (the default): fc2's forward GEMM is the
+# row-wise torch._scaled_mm with scale_a = s * scale_inv (CUTLASS on sm_90, no extra pass); "epilogue": the
+# tensor-wise GEMM (cuBLAS, as plain FP8) then y *= s in place (one pass over fc2's output). Both exact for a
+# power-of-two s up to the GEMM's rounding order. A process-wide switch for benchmarks' A/B (the trainer's
+# AGOQ_SMOOTH_UNSMOOTH, agoq.megatron.train.environment), as agoq.kernels._fastlaunch.set_fast_launch.
+UNSMOOTH_MODES = ("gemm", "epilogue")
+_unsmooth = "gemm"
+
+
+def set_unsmooth_mode(mode: str) -> str:
+    """Set where the per-token un-smoothing runs (:data:`UNSMOOTH_MODES`); returns the previous mode."""
+    global _unsmooth
+    if mode not in UNSMOOTH_MODES:
+        raise ValueError(f"un-smoothing mode {mode!r}: use one of {UNSMOOTH_MODES}")
+    previous, _unsmooth = _unsmooth, mode
+    return previous
+
+
+def unsmooth_mode() -> str:
+    return _unsmooth
 
 
 def fused_smooth_supported(recipe: FP8Recipe | None, h: torch.Tensor) -> bool:
@@ -157,9 +179,12 @@ class SmoothSwiGLUFP8Fc2(torch.autograd.Function):
         col = None if per_token else s
         entry = weight_cache.get(weight, recipe, lambda w: _make_entry(w, recipe, state, base, per_token, col), col)
         out_shape = (*h.shape[:-1], weight.shape[0])
-        if per_token:  # y = (z @ W.T) * s through the row-wise scale_a = s * scale_inv_z
+        if per_token and _unsmooth == "gemm":  # y = (z @ W.T) * s through the row-wise scale_a = s * scale_inv_z
             y = _gemm(z8, entry.w.fwd_b, smooth.scale_a, entry.row_scale_b, torch.bfloat16,
                       recipe.fast_accum_forward, out_shape)
+        elif per_token:  # the tensor-wise GEMM, then y *= s (a power of two: exact in the model dtype)
+            y = _gemm(z8, entry.w.fwd_b, sx_inv, entry.w.fwd_scale_inv, h.dtype, recipe.fast_accum_forward, out_shape)
+            y.mul_(s.view(*out_shape[:-1], 1).to(y.dtype))
         else:
             y = _gemm(z8, entry.w.fwd_b, sx_inv, entry.w.fwd_scale_inv, h.dtype, recipe.fast_accum_forward, out_shape)
         if grad_enabled:

@@ -116,6 +116,24 @@ def test_fused_with_activation_storage(mode):
     assert counter.by_role() and counter.total() > 0  # the quantized h was counted (and freed by backward)
 
 
+def test_epilogue_unsmoothing_equals_the_gemm_one():
+    """AGOQ_SMOOTH_UNSMOOTH=epilogue (benchmarks' A/B): tensor-wise GEMM then y *= s gives the unfused values too."""
+    from agoq.ops import smooth_swiglu_fp8 as op
+
+    h, w0, gy = _inputs()
+    y_gemm, dh_gemm, dw_gemm = _fused(h, _param(w0), gy, FP8ScalingState(RECIPE), FP8WeightCache(), "per_token")
+    previous = op.set_unsmooth_mode("epilogue")
+    try:
+        y_epi, dh_epi, dw_epi = _fused(h, _param(w0), gy, FP8ScalingState(RECIPE), FP8WeightCache(), "per_token")
+    finally:
+        op.set_unsmooth_mode(previous)
+    y_u, _, _, _, _ = _unfused(h, _param(w0), gy, FP8ScalingState(RECIPE), "per_token", cache=FP8WeightCache())
+    assert torch.equal(y_epi, y_u) and torch.equal(y_epi, y_gemm)
+    assert torch.equal(dh_epi, dh_gemm) and torch.equal(dw_epi, dw_gemm)
+    with pytest.raises(ValueError, match="un-smoothing mode"):
+        op.set_unsmooth_mode("after")
+
+
 def test_no_grad_forward_keeps_nothing():
     h, w, _ = _inputs()
     st, cache = FP8ScalingState(RECIPE), FP8WeightCache()

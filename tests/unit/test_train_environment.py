@@ -35,6 +35,21 @@ def test_fast_launch_switch_is_applied_by_the_trainer(value, enabled):
         _fastlaunch.set_fast_launch(previous)
 
 
+@pytest.mark.parametrize("value, mode", [(None, "gemm"), ("gemm", "gemm"), ("epilogue", "epilogue")])
+def test_unsmooth_switch_is_applied_by_the_trainer(value, mode):
+    from agoq.megatron.train.environment import UNSMOOTH_ENV, apply_kernel_switches
+    from agoq.ops import smooth_swiglu_fp8
+
+    previous = smooth_swiglu_fp8.unsmooth_mode()
+    try:
+        apply_kernel_switches({} if value is None else {UNSMOOTH_ENV: value})
+        assert smooth_swiglu_fp8.unsmooth_mode() == mode
+        with pytest.raises(ValueError, match="un-smoothing mode"):  # a typo stops the run, never ignored
+            apply_kernel_switches({UNSMOOTH_ENV: "gem"})
+    finally:
+        smooth_swiglu_fp8.set_unsmooth_mode(previous)
+
+
 def test_library_modules_ignore_the_environment_at_import():
     """With every variable set, importing the kernels' launcher and the plugin's runtime changes nothing: only
     the trainer's calls above carry them in."""

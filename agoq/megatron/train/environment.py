@@ -7,6 +7,9 @@ the trainer reads it here and passes what it found in:
   (:func:`launch_from_environment`), given to ``runtime.init_distributed`` and ``runtime.choose_device``;
 * ``AGOQ_TRITON_FAST_LAUNCH=0`` (Triton's own launch path instead of agoq's direct launches, the escape hatch of
   agoq.kernels._fastlaunch) -> ``set_fast_launch`` (:func:`apply_kernel_switches`);
+* ``AGOQ_SMOOTH_UNSMOOTH=epilogue`` (per-token Smooth-SwiGLU fused with an FP8 fc2: un-smooth after a tensor-wise
+  GEMM instead of inside a row-wise one; benchmarks' A/B) -> ``agoq.ops.smooth_swiglu_fp8.set_unsmooth_mode``
+  (:func:`apply_kernel_switches`);
 * ``TRITON_INTERPRET=1`` -> ``AgoqConfig.triton_interpret`` (agoq.megatron.train.args builds the config).
 
 Other readers outside the library: ``scripts/pretrain_llama.py`` (``AGOQ_CACHE``, ``AGOQ_SHOW_KNOWN_WARNINGS``,
@@ -20,8 +23,10 @@ from collections.abc import Mapping
 
 from agoq.kernels._fastlaunch import set_fast_launch
 from agoq.megatron.runtime import LaunchInfo
+from agoq.ops.smooth_swiglu_fp8 import set_unsmooth_mode
 
 FAST_LAUNCH_ENV = "AGOQ_TRITON_FAST_LAUNCH"
+UNSMOOTH_ENV = "AGOQ_SMOOTH_UNSMOOTH"
 
 
 def launch_from_environment(environ: Mapping[str, str] = os.environ) -> LaunchInfo:
@@ -40,3 +45,4 @@ def fast_launch_from_environment(environ: Mapping[str, str] = os.environ) -> boo
 def apply_kernel_switches(environ: Mapping[str, str] = os.environ) -> None:
     """Set the process-wide kernel switches the environment asks for (called once, before any kernel runs)."""
     set_fast_launch(fast_launch_from_environment(environ))
+    set_unsmooth_mode(environ.get(UNSMOOTH_ENV, "gemm"))
