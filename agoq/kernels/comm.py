@@ -112,8 +112,10 @@ def _reduce_rows_kernel(
     blk = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     blk_ok = blk < nb
     local = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    codes_stride64 = codes_row_stride.to(tl.int64)
-    scales_stride64 = scales_row_stride.to(tl.int64)
+    # tl.cast, not .to: Triton passes an int argument equal to 1 as a constant (a one-block row's stride), which
+    # has no .to (it failed to compile on the H100 for a one-block chunk of the peer reduce-to-owners)
+    codes_stride64 = tl.cast(codes_row_stride, tl.int64)
+    scales_stride64 = tl.cast(scales_row_stride, tl.int64)
     q = tl.program_id(1).to(tl.int64)  # output row (PEERS: its W input rows are table entries q*W .. q*W+W-1)
     # row 0 first, then += rows 1..W-1: the reference's order (also keeps a lone -0.0 a -0.0)
     c, s = _row_ptrs(codes_ptr, scales_ptr, codes_stride64, scales_stride64, code_table, scale_table, q * world,
@@ -148,7 +150,7 @@ def _dequantize_rows_kernel(
     offs, valid, blk, blk_ok = _row_offsets(col0, row_stride, row_numel, numel, nb, ROWS, BLOCK)
     p = tl.program_id(1).to(tl.int64)
     local = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    c, s = _row_ptrs(codes_ptr, scales_ptr, codes_row_stride.to(tl.int64), scales_row_stride.to(tl.int64),
+    c, s = _row_ptrs(codes_ptr, scales_ptr, tl.cast(codes_row_stride, tl.int64), tl.cast(scales_row_stride, tl.int64),
                      code_table, scale_table, p, PEERS)  # fmt: skip
     y = saturate(_row_values(c, s, local, blk, blk_ok, KIND, SCALE, FP8_DTYPE), dst_ptr.dtype.element_ty)
     tl.store(dst_ptr + offs, y.to(dst_ptr.dtype.element_ty), mask=valid)
@@ -210,6 +212,8 @@ _KERNELS = {w: (FastKernel(_quantize_rows_kernel, num_warps=w, enable_fp_fusion=
                 FastKernel(_reduce_rows_kernel, num_warps=w, enable_fp_fusion=False),
                 FastKernel(_dequantize_rows_kernel, num_warps=w, enable_fp_fusion=False))
             for w in (NUM_WARPS, PEER_NUM_WARPS)}
+# the peer transport's reduce and dequantize launchers by name (agoq.testing.xcompile compiles their variants)
+_PEER_REDUCE, _PEER_DEQUANTIZE = _KERNELS[PEER_NUM_WARPS][1], _KERNELS[PEER_NUM_WARPS][2]
 # FastKernel: direct launches of the compiled kernels (agoq.kernels._fastlaunch; every parameter positional, in
 # signature order). A reduction issues 3-5 of these per chunk and the peer transport has no NCCL call to hide
 # host time behind: Triton's own dispatch (~40 us a launch) set the floor at small sizes.

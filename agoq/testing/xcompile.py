@@ -297,6 +297,31 @@ def smooth_swiglu_fp8_calls(full: bool = False) -> Iterator[tuple[str, Callable[
                                                                                  transposed=True, mul=m))
 
 
+def comm_peer_calls(full: bool = False) -> Iterator[tuple[str, Callable[[], None]]]:
+    """(label, call) for the peer transport's reduce / dequantize launches (agoq.kernels.comm ``*_peer_rows``): float
+    and requantized output, average and post-scale, rows of 1 block (Triton passes a stride of 1 as a constant), 3
+    and 37 blocks, 2 and 4 peers."""
+    from agoq.formats import parse_format
+    from agoq.kernels import comm as k
+
+    for fmt_name in ("int8_b256", "fp8e4m3_b256"):
+        fmt = parse_format(fmt_name)
+        for world, nb in ((2, 1), (2, 3), (4, 37)):
+            codes = [torch.zeros(nb * 256, dtype=torch.uint8) for _ in range(world)]
+            scales = [torch.zeros(nb, dtype=torch.float32) for _ in range(world)]
+            tag = f"{fmt_name} W={world} nb={nb}"
+            for average, post_scale in ((False, 1.0), (True, 0.5)):
+                yield (f"reduce_peer_rows {tag} float average={average}",
+                       lambda c=codes, s=scales, f=fmt, a=average, ps=post_scale, n=nb * 256: k.reduce_peer_rows(
+                           c, s, f, average=a, post_scale=ps, out=torch.zeros(n), out_numel=n))
+                yield (f"reduce_peer_rows {tag} requant average={average}",
+                       lambda c=codes, s=scales, f=fmt, a=average, ps=post_scale: k.reduce_peer_rows(
+                           c, s, f, average=a, post_scale=ps, codes_out=c[0], scales_out=s[0]))
+            yield (f"dequantize_peer_rows {tag}",
+                   lambda c=codes, s=scales, f=fmt, n=nb * 256, w=world: k.dequantize_peer_rows(
+                       c, s, torch.zeros(w * n), f, row_stride=n, row_numel=n, col0=0))
+
+
 def _only(calls, prefix):
     return lambda full=False: ((label, c) for label, c in calls(full) if label.startswith(prefix))
 
@@ -356,6 +381,8 @@ MODULES = {
                             _only(smooth_swiglu_fp8_calls, "smooth_amax torch.bfloat16 per_token=False")),
     "smooth_cast": ("agoq.kernels.smooth_swiglu_fp8", "_CAST", _only(smooth_swiglu_fp8_calls, "smooth_cast")),
     "fp8_fused_cast": ("agoq.kernels.fp8_fused", "_CAST_LAUNCH", _only(smooth_swiglu_fp8_calls, "fp8_fused_cast")),
+    "comm_peer_reduce": ("agoq.kernels.comm", "_PEER_REDUCE", _only(comm_peer_calls, "reduce_peer_rows")),
+    "comm_peer_dequantize": ("agoq.kernels.comm", "_PEER_DEQUANTIZE", _only(comm_peer_calls, "dequantize_peer_rows")),
 }
 
 

@@ -82,3 +82,16 @@ def test_smooth_swiglu_fp8_kernel_variants_compile_for_sm90(module):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "FAIL" not in out, out[-8000:]
     assert "variants compiled" in out, out[-2000:]
+
+
+@pytest.mark.parametrize("module", ["comm_peer_reduce", "comm_peer_dequantize"])
+def test_peer_comm_kernel_variants_compile_for_sm90_with_this_triton(module):
+    """The peer transport's reduce / dequantize kernels (agoq.kernels.comm ``*_peer_rows``), one-block rows
+    included: Triton passes an int argument equal to 1 as a constant, and ``stride.to(tl.int64)`` on it failed to
+    compile on the H100 for a one-block chunk of the peer reduce-to-owners (2026-11-26). A front-end error, so
+    this Triton (no $AGOQ_XCOMPILE_TRITON needed) catches it; a few seconds."""
+    env = _env(os.environ.get(TRITON_ENV_VAR, ""))
+    proc = _run(["-m", "agoq.testing.xcompile", module], env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "FAIL" not in out, out[-8000:]
+    assert "variants compiled" in out, out[-2000:]
