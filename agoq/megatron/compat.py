@@ -198,6 +198,10 @@ CONTRACT: tuple[Symbol, ...] = (
            "the keyword arguments ColumnParallelLinear/RowParallelLinear pass to _forward_impl, read by the FP8 path",
            params=("input", "weight", "bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
                    "grad_output_buffer", "wgrad_deferral_limit", "tp_group", "gtp_remat_size")),
+    Symbol("megatron.core.tensor_parallel.layers:RowParallelLinear.forward",
+           "fused Smooth-SwiGLU + FP8 fc2 (agoq.ops.smooth_swiglu_fp8): AgoqMLP calls linear_fc2 with the fc1 output "
+           "[.., 2F]; forward hands its input (input_is_parallel) to _forward_impl without a width check, then "
+           "all-reduces over TP and adds the bias (megatron-core 0.19.2)", params=("input_",)),
     Symbol("megatron.core.tensor_parallel.mappings:copy_to_tensor_model_parallel_region",
            "FP8 column-parallel linear: identity forward, TP all-reduce of dgrad", params=("input_", "group")),
     Symbol("megatron.core.transformer.mlp:MLP.__init__",

@@ -16,7 +16,9 @@ Touches: spec substitution (the layer itself: ``agoq.megatron.transformer_layer`
   of the node it returns, checked per call by ``Node.name()`` and input identity; its keyword arguments are the
   parameters of
   ``linear_with_grad_accumulation_and_async_allreduce``, which the FP8 path reads);
-  ``copy_to_tensor_model_parallel_region`` (the FP8 path's dgrad all-reduce); ``MLP.forward``
+  ``copy_to_tensor_model_parallel_region`` (the FP8 path's dgrad all-reduce); ``RowParallelLinear.forward``
+  (fused Smooth-SwiGLU with an FP8 fc2 calls fc2 with the fc1 output, which it hands to ``_forward_impl``
+  unchecked; fc2 then runs agoq.ops.smooth_swiglu_fp8 and Megatron's all-reduce and bias follow); ``MLP.forward``
   (re-implemented for the recompute and Smooth-SwiGLU paths only); ``MLP.tp_group``;
   ``ModuleSpec(module, params)`` / ``build_module`` (constructor arguments: ``with_params``).
 Why: AGoQ stores the pre-norm input (norm recomputed), the fc1 output (SwiGLU recomputed) and the
@@ -38,6 +40,7 @@ When disabled: a module built with the default ``SavedInputConfig()`` (every bf1
 Guarded by: ``tests/megatron/test_activations.py`` (bit-identity, gradient SQNR, bytes, constructor
   wiring and hand-off errors),
   ``tests/megatron/test_fp8_smooth.py`` (Smooth-SwiGLU vs plain, TP=2, FP8 errors on CPU),
+  ``tests/megatron/test_smooth_fp8_fused.py`` (the fused Smooth-SwiGLU FP8 path vs the unfused one),
   ``tests/gpu/test_fp8_megatron_gpu.py`` and ``tests/megatron/test_contract.py`` (the CONTRACT rows).
 """
 
