@@ -98,7 +98,16 @@ def init_model_parallel(layout: ParallelLayout, seed: int, device: torch.device)
     torch.manual_seed(seed)
 
 
-def shutdown() -> None:
+def shutdown(*, after_error: bool = False) -> None:
+    """Tear down Megatron's parallel state and the process groups. ``after_error``: the job is leaving through an
+    exception, possibly on this rank only; then NCCL groups are left to the process exit. Destroying them is
+    collective (ncclCommDestroy waits for the peers), and a peer still blocked in a pipeline receive or a
+    reduction would keep this rank from ever exiting, so the launcher would never see the failure and stop the
+    job: the 2026-11-26 capacity_4gpu run on 4 H100 hung that way for its whole timeout (torchtitan stopped
+    destroying process groups on its exception path for the same reason, pytorch/torchtitan#1342). Gloo's
+    teardown is local and still runs."""
+    if after_error and dist.is_initialized() and dist.get_backend() == dist.Backend.NCCL:
+        return
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

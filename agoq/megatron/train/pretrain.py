@@ -217,10 +217,12 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
     progress = Progress()
     install(config)
     info = runtime.init_distributed(device, launch)
+    failed = True
     try:
         _run(args, info, model_provider, datasets_provider, (policy_report, storage_report), (stop, progress))
+        failed = False
     finally:
-        runtime.shutdown()
+        runtime.shutdown(after_error=failed)  # no collective NCCL teardown on an exception (see shutdown)
         # slurm sends USR1 to the batch step and the launcher relays it: a second copy arriving during
         # interpreter shutdown would kill the process (exit -10) after the checkpoint was saved.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
