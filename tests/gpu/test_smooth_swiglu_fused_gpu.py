@@ -31,7 +31,10 @@ SEQ, BATCH, FFN, HIDDEN = 512, 4, 2816, 1024
 GEMM_SQNR_DB = 40.0  # module docstring
 MODEL_GRAD_FLOOR_DB = 15.0  # module docstring
 DH_ATOL = 2.0**-6  # the unfused bf16 autograd vs one fp32 rounding (tests/unit/test_smooth_swiglu_fp8.py)
-ALLOC_SLACK = 4 * 512  # CUDA allocator rounding: up to 512 B per held tensor (codes, s, metas)
+# CUDA caching allocator: sizes round up to 512 B (a few held tensors), and a cached block reused for a smaller
+# request is not split when at most 1 MiB would remain (kSmallSize), so it may count up to 1 MiB more. Either is
+# far below what the check guards (a kept silu output or bf16 z: 2 B x T x F = 11.5 MB here).
+ALLOC_SLACK = 2**20 + 4 * 512
 
 
 @pytest.fixture(scope="module")
