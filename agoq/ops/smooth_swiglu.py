@@ -34,6 +34,9 @@ s to the rank's sequence shard before :func:`unsmooth_fc2_output`.
 Savings: none (a numerics feature). Caveats: s costs 4 bytes per token (per_token) or per FFN
 channel (per_channel) of extra saved state; per_channel materialises W * s (one fc2-weight-sized
 temporary per call).
+
+With an FP8 fc2 under per-tensor delayed scaling, agoq's MLP does not compose these pieces: it runs
+:mod:`agoq.ops.smooth_swiglu_fp8`, the same math fused with fc2's FP8 cast and GEMMs (issue 27).
 """
 
 from __future__ import annotations
