@@ -15,7 +15,9 @@ One command runs all parts and writes one JSON (< 4 min on an H100):
       step), fp8_delayed_uncached (weight cast in every forward and re-cast in every backward), and
       gemm_fp8 (the three FP8 GEMMs on pre-cast operands: the bound that fused casts approach);
     - the MLP block fc1 -> SwiGLU -> fc2 in bf16, FP8 (delayed), FP8 + Smooth-SwiGLU per token and
-      per channel (the same ops as agoq's Megatron MLP);
+      per channel unfused (the ops agoq's Megatron MLP ran before issue 27; SavePaths(fuse_smooth_fp8=False))
+      and ``..._fused`` (agoq.ops.smooth_swiglu_fp8, what it runs now; ``..._fused_epilogue``: the per-token
+      un-smoothing after a tensor-wise GEMM, AGOQ_SMOOTH_UNSMOOTH=epilogue);
     - one layer's linear time = qkv + proj + MLP block, per variant, with the speed-up over bf16
       (issue 7 target: >= 1.2x on the linear layers' time);
     - the casts alone (GB/s and the ratio to a bf16 copy of the same tensor), to judge the kernels.
@@ -62,7 +64,9 @@ LLAMA_1B = dict(hidden=2048, heads=32, kv_heads=8, head_dim=64)  # Llama-3.2-1B 
 FFNS = (5632, 8192)  # LLaMA's 8/3 ratio (5632 = 2.75 x 2048) and Llama-3.2-1B's 8192
 LINEAR_MODES = ("bf16", "fp8_delayed", "fp8_current", "fp8_rowwise", "fp8_delayed_uncached", "gemm_fp8")
 PROFILE_MODES = ("bf16", "fp8_delayed", "fp8_current", "fp8_rowwise", "fp8_delayed_uncached")
-MLP_MODES = ("bf16", "fp8_delayed", "fp8_delayed_smooth_per_token", "fp8_delayed_smooth_per_channel")
+MLP_MODES = ("bf16", "fp8_delayed", "fp8_delayed_smooth_per_token", "fp8_delayed_smooth_per_channel",
+             "fp8_delayed_smooth_per_token_fused", "fp8_delayed_smooth_per_token_fused_epilogue",
+             "fp8_delayed_smooth_per_channel_fused")
 SMOKE_SHAPE = dict(tokens=64, hidden=64, heads=4, kv_heads=2, head_dim=16, ffns=(128,))
 TARGET_SPEEDUP = 1.2  # issue 7: >= 1.2x over bf16 on the linear layers' time
 RECIPES = {"fp8_delayed": FP8Recipe(scaling="delayed"), "fp8_current": FP8Recipe(scaling="current"),
@@ -151,6 +155,8 @@ def _gemm_only_step(x, w, g):
 
 def _mlp_step(mode: str, x, w1, w2, g):
     """fc1 -> SwiGLU -> fc2 as agoq's Megatron MLP computes it (agoq.megatron.layers.AgoqMLP)."""
+    if mode.endswith(("_fused", "_fused_epilogue")):
+        return _fused_mlp_step(mode, x, w1, w2, g)
     smooth = {"fp8_delayed_smooth_per_token": "per_token", "fp8_delayed_smooth_per_channel": "per_channel",
               "bf16_smooth_per_token": "per_token"}.get(mode)
     if mode.startswith("fp8"):
@@ -178,6 +184,26 @@ def _mlp_step(mode: str, x, w1, w2, g):
             z = glu / s.to(glu.dtype)
             y = unsmooth_fc2_output(fc2(z), s) if smooth == "per_token" else fc2(z, s)
         y.backward(g)
+    return step
+
+
+def _fused_mlp_step(mode: str, x, w1, w2, g):
+    """fc1 -> the fused Smooth-SwiGLU + FP8 fc2 op (agoq.ops.smooth_swiglu_fp8), as AgoqMLP runs it under
+    delayed scaling; ``_epilogue``: the per-token un-smoothing after a tensor-wise GEMM."""
+    from agoq.ops import smooth_swiglu_fp8 as op
+    from agoq.ops.fp8_weight_cache import FP8WeightCache
+
+    (r1, s1, c1), (r2, s2, _) = _fp8("fp8_delayed", x.device), _fp8("fp8_delayed", x.device)
+    cache, per_token = FP8WeightCache(), "per_token" in mode
+    unsmooth = "epilogue" if mode.endswith("_epilogue") else "gemm"
+
+    def step():
+        previous = op.set_unsmooth_mode(unsmooth)
+        try:
+            h = fp8_linear(x, w1, s1, r1, weight_cache=c1)
+            op.smooth_swiglu_fp8_fc2(h, w2, s2, r2, per_token=per_token, weight_cache=cache).backward(g)
+        finally:
+            op.set_unsmooth_mode(previous)
     return step
 
 
