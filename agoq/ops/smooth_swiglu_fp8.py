@@ -56,7 +56,8 @@ __all__ = ["smooth_swiglu_fp8_fc2", "fused_smooth_supported", "SmoothSwiGLUFP8Fc
 # Where the per-token un-smoothing y = (z @ W.T) * s happens: "gemm" (the default): fc2's forward GEMM is the
 # row-wise torch._scaled_mm with scale_a = s * scale_inv (CUTLASS on sm_90, no extra pass); "epilogue": the
 # tensor-wise GEMM (cuBLAS, as plain FP8) then y *= s in place (one pass over fc2's output). Both exact for a
-# power-of-two s up to the GEMM's rounding order. A process-wide switch for benchmarks' A/B (the trainer's
+# power-of-two s up to the GEMM's rounding order (fp16 models always take "epilogue": the row-wise GEMM returns
+# bf16 only). A process-wide switch for benchmarks' A/B (the trainer's
 # AGOQ_SMOOTH_UNSMOOTH, agoq.megatron.train.environment), as agoq.kernels._fastlaunch.set_fast_launch.
 UNSMOOTH_MODES = ("gemm", "epilogue")
 _unsmooth = "gemm"
@@ -179,7 +180,9 @@ class SmoothSwiGLUFP8Fc2(torch.autograd.Function):
         col = None if per_token else s
         entry = weight_cache.get(weight, recipe, lambda w: _make_entry(w, recipe, state, base, per_token, col), col)
         out_shape = (*h.shape[:-1], weight.shape[0])
-        if per_token and _unsmooth == "gemm":  # y = (z @ W.T) * s through the row-wise scale_a = s * scale_inv_z
+        # y = (z @ W.T) * s through the row-wise scale_a = s * scale_inv_z; it returns bf16 only, so an fp16 model
+        # un-smooths after the tensor-wise GEMM (fp16 out, as the unfused path)
+        if per_token and _unsmooth == "gemm" and h.dtype == torch.bfloat16:
             y = _gemm(z8, entry.w.fwd_b, smooth.scale_a, entry.row_scale_b, torch.bfloat16,
                       recipe.fast_accum_forward, out_shape)
         elif per_token:  # the tensor-wise GEMM, then y *= s (a power of two: exact in the model dtype)

@@ -134,6 +134,17 @@ def test_epilogue_unsmoothing_equals_the_gemm_one():
         op.set_unsmooth_mode("after")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_fp16_model_equals_unfused(mode):
+    """fp16: the row-wise GEMM returns bf16 only, so per token the op un-smooths after the tensor-wise GEMM (fp16
+    out): the output stays the unfused path's, bit for bit."""
+    h, w0, gy = (t.to(torch.float16) for t in _inputs())
+    y_u, _, dw_u, _, _ = _unfused(h, _param(w0), gy, FP8ScalingState(RECIPE), mode, cache=FP8WeightCache())
+    y_f, _, dw_f = _fused(h, _param(w0), gy, FP8ScalingState(RECIPE), FP8WeightCache(), mode)
+    assert y_f.dtype == torch.float16 and torch.equal(y_f, y_u)
+    assert torch.equal(dw_f, dw_u)  # per channel: the fp16 wgrad times s after the GEMM, as unfused
+
+
 def test_no_grad_forward_keeps_nothing():
     h, w, _ = _inputs()
     st, cache = FP8ScalingState(RECIPE), FP8WeightCache()
