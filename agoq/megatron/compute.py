@@ -30,7 +30,7 @@ from agoq.ops.fp8_linear import GEMM_DIM_MULTIPLE, MIN_FP8_CAPABILITY
 from agoq.ops.fp8_scaling import FP8Recipe
 from agoq.policy import FP8Spec
 
-__all__ = ["LayerCompute", "check_compute", "compute_report", "fp8_recipe"]
+__all__ = ["LayerCompute", "check_compute", "compute_report", "fc2_input_amax", "fp8_recipe"]
 
 _SMOOTH_OPS_MODE = {"per-channel": "per_channel", "per-token": "per_token"}
 
@@ -123,6 +123,29 @@ def compute_report(spec: FP8Spec, num_layers: int) -> str:
     else:
         text = "fp8: off (bf16 linears)"
     return f"{text} | smooth-swiglu: {spec.smooth_swiglu}"
+
+
+def fc2_input_amax(model_chunks) -> dict[str, float]:
+    """The long-horizon outlier proxy of issue 27 (FP8 paper §2.2: SwiGLU weight alignment grows fc2's input
+    outliers until FP8 overflows): the newest amax of every FP8 fc2's input on this rank, read from its
+    delayed-scaling history (the x slot, newest first: what the last micro-batch's E4M3 cast saw; with
+    Smooth-SwiGLU the smoothed z, which stays bounded where the plain SwiGLU output grows), keyed
+    ``fc2_input_amax/layer_<global index>``, plus ``fc2_input_amax_max`` over them. No extra pass over any
+    activation; one device-to-host copy of one float per layer. Empty when no fc2 runs FP8 with delayed
+    scaling (current scaling keeps no history)."""
+    amaxes: dict[int, torch.Tensor] = {}
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            fc2 = getattr(getattr(module, "mlp", None), "linear_fc2", None)
+            state = None if fc2 is None else fc2.__dict__.get("_agoq_fp8_state")
+            if state is not None and state.num_updates["x"] and hasattr(module, "layer_number"):
+                amaxes[module.layer_number - 1] = state.amax_history("x")[0]  # global 0-based index
+    if not amaxes:
+        return {}
+    values = torch.stack([amaxes[i] for i in sorted(amaxes)]).tolist()
+    out = {f"fc2_input_amax/layer_{i}": v for i, v in zip(sorted(amaxes), values, strict=True)}
+    out["fc2_input_amax_max"] = max(values)
+    return out
 
 
 def _ranges(idx: list[int]) -> str:

@@ -101,3 +101,33 @@ def test_fused_smooth_fp8_mlp_equals_unfused(mcore_world1, fp8_on_cpu, mode, pol
             in m.__dict__]
     assert len(fc2s) == 2  # both layers' fc2 ran the fused op
     assert not any("_agoq_fp8_smooth_wcache" in m.__dict__ for m in unfused.modules())
+
+
+def test_fc2_input_amax_reads_the_delayed_history(mcore_world1, fp8_on_cpu):
+    """agoq.megatron.compute.fc2_input_amax (the trainer's --log-fc2-amax): per global layer the newest amax of
+    fc2's FP8 input, i.e. the smoothed z's max with Smooth-SwiGLU (bounded by |silu(gate)|) and the SwiGLU
+    output's without; nothing for a model without FP8."""
+    from agoq.megatron.compute import fc2_input_amax
+
+    smooth = _build("per-token", "bf16", fused=True)
+    plain = _build("off", "bf16", fused=True, reference=smooth)
+    assert fc2_input_amax([smooth]) == {}  # no history before the first forward
+    _step(smooth, 0)
+    _step(plain, 0)
+    got, got_plain = fc2_input_amax([smooth]), fc2_input_amax([plain])
+    assert sorted(got) == ["fc2_input_amax/layer_0", "fc2_input_amax/layer_1", "fc2_input_amax_max"]
+    fc2s = [m.mlp.linear_fc2 for m in smooth.modules() if hasattr(m, "layer_number") and hasattr(m, "mlp")]
+    for i, fc2 in enumerate(fc2s):
+        assert got[f"fc2_input_amax/layer_{i}"] == fc2.__dict__["_agoq_fp8_state"].amax_history("x")[0].item()
+    assert got["fc2_input_amax_max"] == max(got[k] for k in got if "/layer_" in k)
+    assert got.keys() == got_plain.keys() and got != got_plain  # z = glu / s vs glu
+    assert fc2_input_amax([_build_bf16()]) == {}
+
+
+def _build_bf16():
+    from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
+
+    config = llama_transformer_config(tiny_shape(), ParallelLayout(), params_dtype=torch.float32,
+                                      use_cpu_initialization=True)
+    (model,) = build_model_chunks(tiny_shape(), config, agoq_layer_spec("sdpa"), None)
+    return model

@@ -266,3 +266,14 @@ def test_preflight_checks_layout_and_data_before_torch(tmp_path):
 def test_lr_below_min_lr_is_an_argument_error_not_a_megatron_assert(capsys):
     err = _error(capsys, ["--lr", "1e-4"])
     assert "--lr 0.0001 must be at least --min-lr 0.0003" in err and "--min-lr 1e-05" in err
+
+
+def test_log_fc2_amax_needs_fp8_delayed(capsys):
+    """--log-fc2-amax (issue 27's outlier proxy) reads the FP8 fc2's delayed-scaling history: refused by name
+    without --agoq-fp8 delayed, accepted with it."""
+    err = _error(capsys, ["--log-fc2-amax"])
+    assert "--log-fc2-amax" in err and "--agoq-fp8 delayed" in err
+    err = _error(capsys, ["--log-fc2-amax", "--agoq-fp8", "current"])
+    assert "this run: current" in err
+    args = parse_args(["--log-fc2-amax", "--agoq-fp8", "delayed", "--agoq-smooth-swiglu", "per-token"])
+    assert args.log_fc2_amax and not parse_args([]).log_fc2_amax

@@ -146,6 +146,10 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                    help="write TensorBoard scalars and the resolved policy table here (needs `tensorboard`)")
     g.add_argument("--log-json", default=None,
                    help="also append each logged iteration as one JSON object per line to this file")
+    g.add_argument("--log-fc2-amax", action="store_true",
+                   help="add each FP8 fc2 input's newest amax (per layer, and their max) to the logged iterations "
+                        "(TensorBoard, --log-json): the FP8 paper's outlier proxy, with or without "
+                        "--agoq-smooth-swiglu; needs --agoq-fp8 delayed")
 
 
 def _agoq_flags(p: argparse.ArgumentParser) -> None:
@@ -286,6 +290,7 @@ def parse_args(argv: list[str] | None = None, *, quiet: bool = False,
         validate(args)
         args.agoq_config = build_config(args, os.environ if environ is None else environ)
         check_policy_rules(args, args.agoq_config.policy.spec)
+        _check_fc2_amax_flag(args)
     except ValueError as exc:
         parser.error(str(exc))
     return args
@@ -395,6 +400,14 @@ def validate(args: argparse.Namespace) -> None:
     split_weights(args.split)
     data_blend(args.data_path)
     check_release_flags(args)  # data-parallel size 1 assumed here; pretrain checks the real one
+
+
+def _check_fc2_amax_flag(args: argparse.Namespace) -> None:
+    """--log-fc2-amax reads fc2's delayed-scaling history (agoq.megatron.compute.fc2_input_amax): without FP8
+    delayed scaling there is none, and the flag would log nothing."""
+    if args.log_fc2_amax and args.agoq_config.fp8.recipe != "delayed":
+        raise ValueError(f"--log-fc2-amax reads the FP8 fc2's amax history, which only --agoq-fp8 delayed keeps "
+                         f"(this run: {args.agoq_config.fp8.recipe}); add --agoq-fp8 delayed or drop the flag")
 
 
 def _check_param_gather_flags(args: argparse.Namespace) -> None:

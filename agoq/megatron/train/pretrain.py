@@ -31,6 +31,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from agoq.config import AgoqConfig
 from agoq.megatron import checkpoint, grad_reader, runtime
 from agoq.megatron.activations import policy_of
+from agoq.megatron.compute import fc2_input_amax
 from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
 from agoq.megatron.optimizer import build_agoq_optimizer
@@ -337,6 +338,8 @@ def _log_iteration(args, info, parts: Components, result, iteration, consumed, s
     record = {"iteration": iteration, "lm_loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
               "consumed_samples": consumed, "skipped_iterations": skipped, "step_seconds": result.seconds,
               "tokens_per_second": tokens_per_step / result.seconds, "tflops_per_gpu": tflops, **memory}
+    if args.log_fc2_amax:  # issue 27's outlier proxy (this rank's FP8 layers: the last pipeline stage's)
+        record.update(fc2_input_amax(parts.model))
     tensorboard.log_iteration(record)
     if args.log_json:
         with open(args.log_json, "a") as out:
