@@ -15,7 +15,8 @@ agoq.ops.fp8_linear FP8 linear, in fewer passes:
 * per token, the un-smoothing is fc2's GEMM itself: row-wise ``torch._scaled_mm`` with ``scale_a = s *
   scale_inv_z`` [T, 1] (written by the cast kernel) and ``scale_b`` = the weight's inverse scale as [1, N]
   (kept with the weight cache entry). s is a power of two, so this is the unfused ``fc2(z) * s`` up to
-  the GEMM's fp32 epilogue rounding order (docs/fp8.md, "Smooth-SwiGLU").
+  the GEMM's fp32 epilogue rounding order (docs/fp8.md, "Smooth-SwiGLU"). The row-wise GEMM returns bf16
+  only, so fp16 models (and ``set_unsmooth_mode("epilogue")``) use the tensor-wise GEMM and ``y *= s``.
 * per channel, s goes into fc2's FP8 weight: one cast of W * s (both layouts, the multiply inside the
   cast kernel) per (weight version, scale tensor), through an FP8WeightCache keyed on both, shared by the
   micro-batch's forward and backward and released after that backward. No W * s bf16 temporaries.
