@@ -164,6 +164,18 @@ def _cast_plan(variant: str, margin: int, pow2: bool, length: int) -> tuple:
             triton.next_power_of_2(max(length, 1)))
 
 
+def fp8_outputs(m: int, n: int, fp8: torch.dtype, device, *, rowmajor: bool, transposed: bool,
+                t_colmajor: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The cast kernels' FP8 outputs of an [m, n] input: ``out`` [m, n] row-major (``rowmajor``) and ``out_t``
+    (``transposed``): [n, m] row-major, or with ``t_colmajor`` the same memory as an [m, n] column-major tensor."""
+    out = torch.empty((m, n), dtype=fp8, device=device) if rowmajor else None
+    out_t = None
+    if transposed:
+        out_t = (torch.empty_strided((m, n), (1, m), dtype=fp8, device=device) if t_colmajor
+                 else torch.empty((n, m), dtype=fp8, device=device))
+    return out, out_t
+
+
 def _launch_cast(x, m, n, plan, rowmajor, transposed, t_colmajor, meta, new_meta, ws, delayed, length, mul=None):
     """One _cast_tensor_kernel launch over x viewed as [m, n] (contiguous, any leading dims). out_t is
     [n, m] row-major, or with ``t_colmajor`` the same memory as an [m, n] column-major tensor (the
@@ -171,11 +183,7 @@ def _launch_cast(x, m, n, plan, rowmajor, transposed, t_colmajor, meta, new_meta
     (contiguous): cast x * mul (_mul_mode)."""
     fmax, fmax_div, pow2, tl_fp8, fp8, bl = plan
     device = x.device
-    out = torch.empty((m, n), dtype=fp8, device=device) if rowmajor else None
-    out_t = None
-    if transposed:
-        out_t = (torch.empty_strided((m, n), (1, m), dtype=fp8, device=device) if t_colmajor
-                 else torch.empty((n, m), dtype=fp8, device=device))
+    out, out_t = fp8_outputs(m, n, fp8, device, rowmajor=rowmajor, transposed=transposed, t_colmajor=t_colmajor)
     bm, bn, tiles, _ = FUSED_CAST_TILE
     grid = ((m + bm * tiles - 1) // (bm * tiles), (n + bn - 1) // bn)
     _CAST_LAUNCH(grid, x, out if rowmajor else x, out_t if transposed else x, meta, new_meta, ws,

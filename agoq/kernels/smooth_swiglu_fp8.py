@@ -42,7 +42,7 @@ from agoq.formats import FP8_MAX
 from agoq.kernels._fastlaunch import FastKernel
 from agoq.kernels._quant_math import USE_PTX
 from agoq.kernels.fp8 import _TL_FP8, _TORCH_FP8, EXP_MASK, _abs_bits, _fmax_div, _sat_cast, _variant
-from agoq.kernels.fp8_fused import FUSED_CAST_TILE, META_HEADER, _history_push
+from agoq.kernels.fp8_fused import FUSED_CAST_TILE, META_HEADER, _history_push, fp8_outputs
 from agoq.kernels.swiglu_quant import _silu_megatron
 
 __all__ = ["smooth_swiglu_amax", "smooth_swiglu_cast_delayed", "fusable_smooth", "SMOOTH_DTYPES"]
@@ -247,11 +247,8 @@ def smooth_swiglu_cast_delayed(h: torch.Tensor, amax: torch.Tensor, variant: str
         return out, out_t, (new if new_meta is None else new_meta.copy_(new)), s, scale_a
     fmax, fmax_div, pow2_, tl_fp8, fp8, bl = _plan(variant, margin, pow2, meta.numel() - META_HEADER)
     device = h.device
-    out = torch.empty((tokens, ffn), dtype=fp8, device=device) if rowmajor else None
-    out_t = None
-    if transposed:
-        out_t = (torch.empty_strided((tokens, ffn), (1, tokens), dtype=fp8, device=device) if t_colmajor
-                 else torch.empty((ffn, tokens), dtype=fp8, device=device))
+    out, out_t = fp8_outputs(tokens, ffn, fp8, device, rowmajor=rowmajor, transposed=transposed,
+                             t_colmajor=t_colmajor)
     s = torch.empty(want, dtype=torch.float32, device=device)
     scale_a = torch.empty((tokens, 1), dtype=torch.float32, device=device) if per_token else None
     new = torch.empty_like(meta) if new_meta is None else new_meta
