@@ -37,6 +37,9 @@ def test_the_trainer_tears_down_as_failed_when_the_job_raises(monkeypatch):
     from agoq.megatron.train import pretrain as trainer
 
     seen = []
+    # pretrain() installs its stop handlers and ignores SIGUSR1 on the way out: here that would stay in the
+    # pytest worker, and a bash started later with SIGUSR1 ignored cannot trap it (the slurm dry-run tests failed)
+    monkeypatch.setattr(trainer.signal, "signal", lambda signum, handler: None)
     monkeypatch.setattr(trainer.runtime, "shutdown", lambda after_error=False: seen.append(after_error))
     monkeypatch.setattr(trainer.runtime, "init_distributed", lambda device, launch: None)
     monkeypatch.setattr(trainer.runtime, "choose_device", lambda device, local_rank: "cpu")
