@@ -28,8 +28,8 @@ from agoq.config import (
     OPTIMIZERS,
     AgoqConfig,
 )
-from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES, load_policy
-from agoq.megatron.train.args import DEFAULT_POLICY
+from agoq.megatron.train.args import DEFAULT_POLICY, add_compute_flags
+from agoq.policy import load_policy
 
 ATTENTION_CHOICES = ("sdpa", "megatron")
 
@@ -85,16 +85,7 @@ def add_agoq_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--agoq-sgd-nesterov", action="store_true", help="--agoq-optimizer sgd: Nesterov momentum")
     g.add_argument("--agoq-lion-beta1", type=float, default=None, help="--agoq-optimizer lion: beta1 (0.9)")
     g.add_argument("--agoq-lion-beta2", type=float, default=None, help="--agoq-optimizer lion: beta2 (0.99)")
-    g.add_argument("--agoq-fp8", choices=FP8_RECIPES, default=None,
-                   help="FP8 linears (sm_89+ GPU); default: the policy's fp8 section, else off")
-    g.add_argument("--agoq-smooth-swiglu", choices=SMOOTH_SWIGLU_MODES, default=None,
-                   help="Smooth-SwiGLU (per-token / per-channel); default: the policy's, else off")
-    g.add_argument("--agoq-fp8-bf16-first-layers", type=int, default=None, metavar="N",
-                   help="keep the first N layers in bf16 under FP8 (default 1)")
-    g.add_argument("--agoq-fp8-bf16-last-layers", type=int, default=None, metavar="N",
-                   help="keep the last N layers in bf16 under FP8 (default 1)")
-    g.add_argument("--agoq-fp8-amax-history-len", type=int, default=None, metavar="N",
-                   help="FP8 delayed scaling: amaxes kept per tensor (default 16)")
+    add_compute_flags(parser)  # the FP8 / Smooth-SwiGLU flags as scripts/pretrain_llama.py has them
     return parser
 
 
