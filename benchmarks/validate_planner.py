@@ -163,18 +163,20 @@ def from_pretrain_argv(argv: list[str], vocab: int = BUILTIN_VOCAB, world_size: 
 
 
 def _policy_path(path) -> Path:
+    """A policy path from a run's recorded argv: relative to the repository, or absolute on the machine that ran
+    it; an absolute path that does not exist here is read from this checkout's configs/ (same relative path)."""
     path = Path(path)
-    return path if path.is_absolute() else REPO / path
+    if not path.is_absolute():
+        return REPO / path
+    if not path.exists() and "configs" in path.parts:
+        return REPO.joinpath(*path.parts[path.parts.index("configs"):])
+    return path
 
 
 # Cases expected outside the target, with the reason: (source, configuration, stage) -> why. (The earlier
 # gaps, Megatron's full recompute at mbs 8 and the PP=2 last stage, were the whole-buffer non-finite check's
 # temporaries, found with benchmarks/mem_trace.py on 2026-11-25 and now modelled.)
-KNOWN_GAPS: dict[tuple[str, str, int], str] = {
-    ("fp8_scale_1b.json", "1b/mbs4/fp8 delayed + smooth-swiglu per-token", 0):
-        "measured on the unfused Smooth-SwiGLU; the fused op (issue 27, agoq.ops.smooth_swiglu_fp8) keeps no silu "
-        "output (-2 B x T x f per FP8 layer): re-run bench_pretrain.py --suite fp8_scale",
-}
+KNOWN_GAPS: dict[tuple[str, str, int], str] = {}
 
 
 def pretrain_cases(path: Path = BENCH / "pretrain_memory.json") -> list[Case]:
