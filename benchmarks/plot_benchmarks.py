@@ -5,6 +5,7 @@
     python benchmarks/plot_benchmarks.py memory benchmarks/results/pretrain_memory.json --out docs/benchmarks/memory.png
     python benchmarks/plot_benchmarks.py stages benchmarks/results/pp4_distopt.json benchmarks/results/dp2_pp2.json \
         --out docs/benchmarks/stage_peaks.png
+    python benchmarks/plot_benchmarks.py fc2_amax benchmarks/results/fc2_amax.json --out docs/benchmarks/fc2_amax.png
 
 Needs matplotlib (``pip install matplotlib``; not a dependency of agoq itself).
 """
@@ -129,9 +130,41 @@ def plot_stages(paths: list[Path], out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
+def plot_fc2_amax(path: Path, out: Path) -> None:
+    """Issue 27's long-horizon proxy: per run of fc2_amax.json, the largest fc2-input amax over the FP8 layers and
+    their median per iteration (log scale), and the training loss."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = json.loads(path.read_text())
+    fig, (ax_amax, ax_loss) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for run, records in report["runs"].items():
+        its = [r["iteration"] for r in records]
+        per_layer = [[v for k, v in r.items() if k.startswith("fc2_input_amax/")] for r in records]
+        line = ax_amax.plot(its, [r["fc2_input_amax_max"] for r in records], lw=1.0, label=f"{run}: max over layers")
+        ax_amax.plot(its, [statistics.median(v) for v in per_layer], lw=1.0, ls="--", color=line[0].get_color(),
+                     label=f"{run}: median layer")
+        ax_loss.plot(its, _moving_average([r["lm_loss"] for r in records], SMOOTH_WINDOW), lw=1.0, label=run)
+    ax_amax.set_yscale("log")
+    ax_amax.set_ylabel("fc2 input amax (E4M3 cast's history)")
+    ax_loss.set_ylabel(f"training loss (moving average of {SMOOTH_WINDOW})")
+    for ax in (ax_amax, ax_loss):
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{report['environment'].get('device', '')}, {report['date'][:10]}: fc2 input amax with and "
+                 "without Smooth-SwiGLU")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kind", choices=("convergence", "memory", "stages"))
+    parser.add_argument("kind", choices=("convergence", "memory", "stages", "fc2_amax"))
     parser.add_argument("inputs", nargs="+", type=Path)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
@@ -139,6 +172,8 @@ def main(argv=None) -> int:
         plot_convergence(args.inputs, args.out)
     elif args.kind == "stages":
         plot_stages(args.inputs, args.out)
+    elif args.kind == "fc2_amax":
+        plot_fc2_amax(args.inputs[0], args.out)
     else:
         plot_memory(args.inputs[0], args.out)
     print(f"wrote {args.out}")
