@@ -183,6 +183,8 @@ def seed_bands(runs: list[dict]) -> dict:
                "peak_gib": max(r["summary"].get("peak_gib", 0.0) for r in rs)}
         if band is not None:
             row["inside_baseline_band"] = band[0] <= mean <= band[1]
+            # outside on the low side is a lower (better) loss than every baseline seed, not a failure to converge
+            row["vs_baseline_band"] = "below" if mean < band[0] else "above" if mean > band[1] else "inside"
             row["vs_baseline_mean"] = mean / base_mean - 1.0
             row["within_1pct_of_baseline_mean"] = abs(mean / base_mean - 1.0) <= AGGRESSIVE_BAND_REL
         presets[preset] = row

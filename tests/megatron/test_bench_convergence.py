@@ -24,7 +24,8 @@ def _run(preset: str, seed: int, loss: float, skipped: int = 0) -> dict:
 def test_seed_bands_place_each_preset_against_the_baselines_spread():
     runs = [_run("baseline", 1, 2.10), _run("baseline", 2, 2.14), _run("baseline", 3, 2.12),
             _run("agoq-full", 1, 2.11), _run("agoq-full", 2, 2.15),  # mean 2.13: inside
-            _run("aggressive", 1, 2.16, skipped=3)]  # outside the band, +1.9 % of the mean
+            _run("aggressive", 1, 2.16, skipped=3),  # outside the band, +1.9 % of the mean
+            _run("agoq-default", 1, 2.09)]  # below the band: a lower loss than every baseline seed
     bands = CONV.seed_bands(runs)
     assert bands["baseline_band"] == (2.10, 2.14) and bands["baseline_mean"] == pytest.approx(2.12)
     full, aggressive = bands["presets"]["agoq-full"], bands["presets"]["aggressive"]
@@ -33,6 +34,8 @@ def test_seed_bands_place_each_preset_against_the_baselines_spread():
     assert not aggressive["inside_baseline_band"] and not aggressive["within_1pct_of_baseline_mean"]
     assert aggressive["vs_baseline_mean"] == pytest.approx(2.16 / 2.12 - 1)
     assert aggressive["skipped_iterations"] == {1: 3}
+    assert [bands["presets"][p]["vs_baseline_band"] for p in ("agoq-full", "aggressive", "agoq-default")] == [
+        "inside", "above", "below"]
 
 
 def test_matrix_runs_each_job_once_and_reports_its_bands(tmp_path):
