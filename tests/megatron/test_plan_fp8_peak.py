@@ -10,11 +10,11 @@ import json
 import pytest
 
 from agoq.config import FP8_FLAGS, AgoqConfig
+from agoq.megatron.train.args import add_compute_flags
 from agoq.plan import memory, peak
 from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
 from agoq.plan.peak import Recipe, predict_peaks
 from agoq.policy import FP8Spec, load_policy
-from agoq.megatron.train.args import add_compute_flags
 from tests.megatron._bench_scripts import load_bench_script
 
 validate = load_bench_script("validate_planner")
@@ -133,9 +133,9 @@ def test_pretrain_llama_start_up_prediction_carries_the_fp8_spec():
     predicted_peak_gib) on the fp8_scale suite's own command lines."""
     import importlib.util
 
-    from agoq.testing.procs import REPO_ROOT
     from agoq.megatron.train.args import parse_args
     from agoq.megatron.train.memory_report import recipe_from_config
+    from agoq.testing.procs import REPO_ROOT
 
     script = REPO_ROOT / "benchmarks" / "bench_pretrain.py"
     spec = importlib.util.spec_from_file_location("bench_pretrain_fp8plan", script)
