@@ -8,6 +8,10 @@ width per TP rank; h = fc1 output [T.., 2F] = [gate | up], bf16 / fp16)::
                              rowmajor=True, transposed=False, t_colmajor=False, new_meta=None)
       -> (out [T, F] fp8 | None, out_t | None, new_meta, s, scale_a [T, 1] | None)
 
+``amax=None`` (with ``per_token=False``) is plain SwiGLU feeding a plain FP8 fc2 (s = 1; docs/fp8.md): no smoothing
+amax launch, no division, z = glu cast as is; s and scale_a are None (the SMOOTH=False specialisation of the
+same cast kernel).
+
 Why: the unfused Smooth-SwiGLU on an FP8 fc2 ran silu, mul, |up|, amax, the pow2 rounding (five small
 launches on [T]), the division by s, the FP8 cast of z, and after fc2 the un-smoothing (fp32 convert,
 multiply, convert back): about nine passes over [T, F]-sized tensors where plain FP8 runs three
@@ -128,16 +132,16 @@ def _channel_amax_kernel(
 @triton.jit
 def _smooth_cast_kernel(
     h_ptr,  # fc1 output [T, 2F] bf16/fp16, row-major
-    amax_ptr,  # fp32 [T] (PER_TOKEN) or [F]: the (TP-global) smoothing amax
+    amax_ptr,  # fp32 [T] (PER_TOKEN) or [F]: the (TP-global) smoothing amax; unused without SMOOTH
     out_ptr,  # fp8 [T, F] row-major (ROWMAJOR)
     out_t_ptr,  # fp8 [F, T] row-major = [T, F] column-major (TRANSPOSED)
-    s_ptr,  # fp32 [T] or [F]: s = pow2_ceil(amax), written
-    scale_a_ptr,  # fp32 [T] (PER_TOKEN): s * meta[0], fc2's row-wise scale_a, written
+    s_ptr,  # fp32 [T] or [F]: s = pow2_ceil(amax), written (SMOOTH)
+    scale_a_ptr,  # fp32 [T] (SMOOTH and PER_TOKEN): s * meta[0], fc2's row-wise scale_a, written
     meta_ptr,  # fp32 [4 + L]: [scale_inv, scale, 0, 0, history]; the cast uses meta[1]
     new_meta_ptr,  # fp32 [4 + L]: written by the last program (history push of max |z|)
     ws_ptr,  # int32 [2]: [amax bits, arrivals], zero on entry and exit
     T, F, L,  # int: tokens, FFN width, history length
-    FMAX: tl.constexpr, FMAX_DIV: tl.constexpr, POW2: tl.constexpr, FP8: tl.constexpr,
+    FMAX: tl.constexpr, FMAX_DIV: tl.constexpr, POW2: tl.constexpr, FP8: tl.constexpr, SMOOTH: tl.constexpr,
     PER_TOKEN: tl.constexpr, ROWMAJOR: tl.constexpr, TRANSPOSED: tl.constexpr, EXACT_EXP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, TILES_M: tl.constexpr, BL: tl.constexpr,
 ):  # fmt: skip
@@ -145,7 +149,7 @@ def _smooth_cast_kernel(
     pid_n = tl.program_id(1)
     scale = tl.load(meta_ptr + 1)
     c = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
-    if not PER_TOKEN:  # this program's column strip has one s per column
+    if SMOOTH and not PER_TOKEN:  # this program's column strip has one s per column
         s_col = _pow2_ceil(tl.load(amax_ptr + c, mask=c < F, other=0.0))
         if pid_m == 0:
             tl.store(s_ptr + c, s_col, mask=c < F)
@@ -154,7 +158,9 @@ def _smooth_cast_kernel(
         r = (pid_m.to(tl.int64) * TILES_M + t) * BM + tl.arange(0, BM)
         mask = (r[:, None] < T) & (c[None, :] < F)
         glu = _glu(h_ptr, r, c, mask, F, EXACT_EXP)
-        if PER_TOKEN:
+        if not SMOOTH:  # plain SwiGLU (s = 1): glu is already in the model dtype
+            z = glu
+        elif PER_TOKEN:
             s_row = _pow2_ceil(tl.load(amax_ptr + r, mask=r < T, other=0.0))
             if pid_n == 0:
                 tl.store(s_ptr + r, s_row, mask=r < T)
@@ -220,20 +226,31 @@ def _plan(variant: str, margin: int, pow2: bool, length: int) -> tuple:
             triton.next_power_of_2(max(length, 1)))
 
 
-def smooth_swiglu_cast_delayed(h: torch.Tensor, amax: torch.Tensor, variant: str, meta: torch.Tensor,
+def _check_amax(amax: torch.Tensor | None, per_token: bool, want: tuple[int]) -> None:
+    if amax is None:
+        if per_token:
+            raise ValueError("smooth_swiglu_cast_delayed: per_token smoothing needs its amax (smooth_swiglu_amax); "
+                             "amax=None is plain SwiGLU (s = 1) and takes per_token=False")
+        return
+    if amax.shape != want or amax.dtype != torch.float32 or not amax.is_contiguous():
+        raise ValueError(f"smooth_swiglu_cast_delayed: amax must be contiguous fp32 {want}, got {amax.dtype} "
+                         f"{tuple(amax.shape)} (smooth_swiglu_amax)")
+
+
+def smooth_swiglu_cast_delayed(h: torch.Tensor, amax: torch.Tensor | None, variant: str, meta: torch.Tensor,
                                workspace: torch.Tensor, margin: int = 0, pow2: bool = False, *, per_token: bool,
                                rowmajor: bool = True, transposed: bool = False, t_colmajor: bool = False,
                                new_meta: torch.Tensor | None = None):
     """Triton twin of agoq.ref.smooth_swiglu_fp8.ref_smooth_swiglu_cast_delayed (module docstring).
 
-    ``t_colmajor``: out_t as the [T, F] column-major tensor (fc2's wgrad operand, agoq.kernels.fp8_fused);
-    ``new_meta``: where the next meta goes (default: a new tensor). An empty h pushes amax 0 through the
-    reference (no program would run the push)."""
+    ``amax=None``: no smoothing (plain SwiGLU, s = 1; s and scale_a returned as None). ``t_colmajor``: out_t as
+    the [T, F] column-major tensor (fc2's wgrad operand, agoq.kernels.fp8_fused); ``new_meta``: where the next
+    meta goes (default: a new tensor). An empty h pushes amax 0 through the reference (no program would run the
+    push)."""
     tokens, ffn = _check_h(h, "smooth_swiglu_cast_delayed")
+    smooth = amax is not None
     want = (tokens,) if per_token else (ffn,)
-    if amax.shape != want or amax.dtype != torch.float32 or not amax.is_contiguous():
-        raise ValueError(f"smooth_swiglu_cast_delayed: amax must be contiguous fp32 {want}, got {amax.dtype} "
-                         f"{tuple(amax.shape)} (smooth_swiglu_amax)")
+    _check_amax(amax, per_token, want)
     if meta.dtype != torch.float32 or meta.dim() != 1 or meta.numel() <= META_HEADER or not meta.is_contiguous():
         raise ValueError(f"meta must be a contiguous fp32 [4 + L] vector, got {meta.dtype} {tuple(meta.shape)}")
     if workspace.dtype != torch.int32 or workspace.numel() < 2:
@@ -249,12 +266,13 @@ def smooth_swiglu_cast_delayed(h: torch.Tensor, amax: torch.Tensor, variant: str
     device = h.device
     out, out_t = fp8_outputs(tokens, ffn, fp8, device, rowmajor=rowmajor, transposed=transposed,
                              t_colmajor=t_colmajor)
-    s = torch.empty(want, dtype=torch.float32, device=device)
-    scale_a = torch.empty((tokens, 1), dtype=torch.float32, device=device) if per_token else None
+    s = torch.empty(want, dtype=torch.float32, device=device) if smooth else None
+    scale_a = torch.empty((tokens, 1), dtype=torch.float32, device=device) if smooth and per_token else None
     new = torch.empty_like(meta) if new_meta is None else new_meta
     bm, bn, tiles, _ = FUSED_CAST_TILE
-    _CAST(_grid(tokens, ffn), h, amax, out if rowmajor else h, out_t if transposed else h, s,
-          s if scale_a is None else scale_a, meta, new, workspace, tokens, ffn, meta.numel() - META_HEADER,
-          fmax, fmax_div, pow2_, tl_fp8, bool(per_token), bool(rowmajor), bool(transposed), USE_PTX.value, bm, bn,
-          tiles, bl)
+    # without smoothing the amax, s and scale_a pointers are never read or written: h stands in for them
+    _CAST(_grid(tokens, ffn), h, amax if smooth else h, out if rowmajor else h, out_t if transposed else h,
+          s if smooth else h, scale_a if scale_a is not None else (s if smooth else h), meta, new, workspace, tokens,
+          ffn, meta.numel() - META_HEADER, fmax, fmax_div, pow2_, tl_fp8, smooth, bool(per_token), bool(rowmajor),
+          bool(transposed), USE_PTX.value, bm, bn, tiles, bl)
     return out, out_t, new, s, scale_a

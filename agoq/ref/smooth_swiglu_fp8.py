@@ -12,7 +12,8 @@ with h = fc1 output [T.., 2F] = [gate | up] (T: all leading dims), glu = Megatro
 pow2_ceil(amax) (agoq.ref.swiglu.pow2_ceil: 0 -> 1; a power of two, so z = glu / s is exact), z in h's
 dtype, and the FP8 cast of z with the delayed scale ``meta[1]`` plus the history push of max |z|
 (agoq.ref.fp8.ref_fp8_cast_delayed_2d). ``scale_a`` = s * meta[0] [T, 1] per token (fc2's row-wise
-``scale_a``: the GEMM then returns (z @ W.T) * s, the un-smoothed output), None per channel.
+``scale_a``: the GEMM then returns (z @ W.T) * s, the un-smoothed output), None per channel. ``amax=None``
+(``per_token=False``): plain SwiGLU feeding a plain FP8 fc2: z = glu, no division; s and scale_a None.
 
 These equal the composition the unfused path runs (agoq.megatron.layers.AgoqMLP._smooth_forward, then
 agoq.ops.fp8_linear's cast), which is what the Triton kernels are tested against.
@@ -51,23 +52,30 @@ def ref_smooth_swiglu_amax(h: torch.Tensor, per_token: bool) -> torch.Tensor:
     return torch.linalg.vector_norm(src, float("inf"), dim=dim).to(torch.float32)
 
 
-def ref_smooth_swiglu_cast_delayed(h: torch.Tensor, amax: torch.Tensor, variant: str, meta: torch.Tensor,
+def ref_smooth_swiglu_cast_delayed(h: torch.Tensor, amax: torch.Tensor | None, variant: str, meta: torch.Tensor,
                                    workspace: torch.Tensor, margin: int = 0, pow2: bool = False, *, per_token: bool,
                                    rowmajor: bool = True, transposed: bool = False, t_colmajor: bool = False,
                                    new_meta: torch.Tensor | None = None):
-    """z = glu / pow2_ceil(amax) cast to FP8 with meta's delayed scale, history pushed (module docstring).
-    ``workspace`` is the kernel's and not used here; ``t_colmajor`` returns out_t as a [T, F] column-major
-    view."""
+    """z = glu / pow2_ceil(amax) cast to FP8 with meta's delayed scale, history pushed (module docstring);
+    ``amax=None``: z = glu (no smoothing; s and scale_a None). ``workspace`` is the kernel's and not used here;
+    ``t_colmajor`` returns out_t as a [T, F] column-major view."""
+    if amax is None and per_token:
+        raise ValueError("ref_smooth_swiglu_cast_delayed: per_token smoothing needs its amax; amax=None is plain "
+                         "SwiGLU (s = 1) and takes per_token=False")
     glu = ref_megatron_glu(h)
-    s = pow2_ceil(amax.to(torch.float32))
-    # fp32 division, one rounding to h's dtype: what glu / s.to(glu.dtype) gives, also for a subnormal s
-    # below the model dtype's range (the kernel divides in fp32)
-    z = (glu.to(torch.float32) / (s[:, None] if per_token else s[None, :])).to(glu.dtype)
+    s = scale_a = None
+    if amax is None:
+        z = glu
+    else:
+        s = pow2_ceil(amax.to(torch.float32))
+        # fp32 division, one rounding to h's dtype: what glu / s.to(glu.dtype) gives, also for a subnormal s
+        # below the model dtype's range (the kernel divides in fp32)
+        z = (glu.to(torch.float32) / (s[:, None] if per_token else s[None, :])).to(glu.dtype)
+        scale_a = (s * meta[0]).reshape(-1, 1) if per_token else None
     out, out_t, new = ref_fp8_cast_delayed_2d(z, variant, meta, workspace, margin, pow2, rowmajor=rowmajor,
                                               transposed=transposed)
     if t_colmajor and out_t is not None:
         out_t = out_t.t()
     if new_meta is not None:
         new = new_meta.copy_(new)
-    scale_a = (s * meta[0]).reshape(-1, 1) if per_token else None
     return out, out_t, new, s, scale_a

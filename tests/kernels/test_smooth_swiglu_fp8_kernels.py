@@ -1,4 +1,5 @@
-"""agoq.kernels.smooth_swiglu_fp8 vs agoq.ref.smooth_swiglu_fp8, and the ``mul`` argument of
+"""agoq.kernels.smooth_swiglu_fp8 vs agoq.ref.smooth_swiglu_fp8 (Smooth-SwiGLU per token and per channel, and
+the plain mode ``amax=None``: SwiGLU cast for a plain FP8 fc2, s = 1), and the ``mul`` argument of
 agoq.kernels.fp8_fused's delayed cast vs agoq.ref.fp8.ref_fp8_cast_delayed_2d.
 
 CPU: ``TRITON_INTERPRET=1 python -m pytest tests/kernels -m "not gpu"``; GPU: ``python -m pytest tests/kernels``.
@@ -62,7 +63,11 @@ def _same(a, b):
 
 
 def _check_cast(h, per_token, amax=None, **layout):
-    amax = ref_smooth_swiglu_amax(h, per_token) if amax is None else amax
+    """per_token True / False: Smooth-SwiGLU with ``amax`` (default: the reference's); None: the plain mode."""
+    if per_token is None:
+        per_token, amax = False, None
+    else:
+        amax = ref_smooth_swiglu_amax(h, per_token) if amax is None else amax
     ws = torch.zeros(2, dtype=torch.int32, device=DEVICE)
     out = _k().smooth_swiglu_cast_delayed(h, amax, "e4m3", _meta(), ws, per_token=per_token, **layout)
     ref = ref_smooth_swiglu_cast_delayed(h, amax, "e4m3", _meta(), ws, per_token=per_token, **layout)
@@ -79,22 +84,51 @@ def test_amax_matches_reference(shape, per_token):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("per_token", [True, False])
+@pytest.mark.parametrize("per_token", [True, False, None])
 @pytest.mark.parametrize("layout", [dict(transposed=True, t_colmajor=True), dict(), dict(rowmajor=False,
                                                                                       transposed=True)])
 def test_cast_matches_reference(shape, per_token, layout):
     _check_cast(_grid_h(*shape), per_token, **layout)
 
 
-@pytest.mark.parametrize("per_token", [True, False])
+@pytest.mark.parametrize("per_token", [True, False, None])
 def test_cast_zeros_outliers_and_saturation(per_token):
     """All-zero rows / channels (amax 0: s = 1), an outlier 2**4 above the rest, and values past the FP8
-    range at the given delayed scale (saturated, not inf)."""
+    range at the given delayed scale (saturated, not inf); per_token None: the plain mode."""
     h = _grid_h(40, 96)
     h[5] = 0
     h[:, 96 + 7] = 0  # one up channel zero
     h[9, 96 + 3] = 2.0**8  # |z| * scale up to 64 * 16: past E4M3's 448 elsewhere
     _check_cast(h, per_token, transposed=True, t_colmajor=True)
+
+
+def test_plain_cast_has_no_scale_outputs():
+    """amax=None (plain SwiGLU for a plain FP8 fc2): s and scale_a are None, the codes are those of the plain
+    delayed cast of Megatron's SwiGLU values (agoq.ref.fp8.ref_fp8_cast_delayed_2d of ref_megatron_glu)."""
+    from agoq.ref.smooth_swiglu_fp8 import ref_megatron_glu
+
+    h = _grid_h(70, 130)
+    ws = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    out, out_t, new, s, scale_a = _k().smooth_swiglu_cast_delayed(h, None, "e4m3", _meta(), ws, per_token=False,
+                                                                   transposed=True)
+    plain = ref_fp8_cast_delayed_2d(ref_megatron_glu(h), "e4m3", _meta(), ws, rowmajor=True, transposed=True)
+    assert s is None and scale_a is None
+    for a, b in zip((out, out_t, new), plain, strict=True):
+        assert _same(a, b)
+    with pytest.raises(ValueError, match="per_token smoothing needs its amax"):
+        _k().smooth_swiglu_cast_delayed(h, None, "e4m3", _meta(), ws, per_token=True)
+
+
+def test_plain_cast_nonfinite_up():
+    """Plain mode: an infinite up (gate 32: silu exact) gives z = +-inf, saturated to +-448 in the codes, and the
+    history push of an infinite amax makes the next scale NaN (agoq.ref.fp8: nothing silent); NaN h on GPU (the
+    interpreter converts NaN to the code of 384)."""
+    h = _grid_h(33, 48)
+    h[4, 7], h[4, 48 + 7] = 32.0, float("inf")
+    h[9, 8], h[9, 48 + 8] = 32.0, float("-inf")
+    if not INTERPRET:
+        h[12, 48 + 2] = float("nan")
+    _check_cast(h, None, transposed=True, t_colmajor=True)
 
 
 @pytest.mark.parametrize("per_token", [True, False])
@@ -148,11 +182,12 @@ def test_fused_cast_mul_matches_reference(shape, per_row):
 
 @GPU_ROUNDING
 @pytest.mark.parametrize("shape", [(4096, 5632), (333, 1030)])
-@pytest.mark.parametrize("per_token", [True, False])
+@pytest.mark.parametrize("per_token", [True, False, None])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_random_data_matches_reference_gpu(shape, per_token, dtype):
     gen = torch.Generator().manual_seed(2)
     h = (torch.randn(shape[0], 2 * shape[1], generator=gen) * 3).to(dtype).to(DEVICE)
     h[7, shape[1] + 11] = 300.0  # an outlier token / channel
-    assert _same(_k().smooth_swiglu_amax(h, per_token), ref_smooth_swiglu_amax(h, per_token))
+    if per_token is not None:
+        assert _same(_k().smooth_swiglu_amax(h, per_token), ref_smooth_swiglu_amax(h, per_token))
     _check_cast(h, per_token, transposed=True, t_colmajor=True)
