@@ -71,7 +71,7 @@ class _Geometry:
 
     def __init__(self, peers: list[torch.Tensor], rank: int, world: int, nb: int, fmt: QuantFormat,
                  ws_bytes: int):
-        from agoq.kernels.comm import row_address_table
+        from agoq.kernels.comm import peer_tables
 
         row = _row_bytes(nb, fmt)
         self.send, self.reduce_tables, self.mine, self.gather_rows, self.gather_tables = [], [], [], [], []
@@ -82,14 +82,14 @@ class _Geometry:
             mines = [_packed(p[base + world * row: base + (world + 1) * row], 1, nb, fmt) for p in peers]
             self.send.append(sends[rank])  # my W rows, written by quantize_rows
             red_rows = ([c[rank] for c, _ in sends], [s[rank] for _, s in sends])  # row `rank` of every peer
-            self.reduce_tables.append((red_rows, (row_address_table(red_rows[0]), row_address_table(red_rows[1]))))
+            self.reduce_tables.append((red_rows, peer_tables(*red_rows)))
             self.mine.append(mines[rank])
             gather = ([c[0] for c, _ in mines], [s[0] for _, s in mines])  # every peer's reduced row
             self.gather_rows.append(gather)
-            self.gather_tables.append((row_address_table(gather[0]), row_address_table(gather[1])))
+            self.gather_tables.append(peer_tables(*gather))
             # one-shot all-reduce: output row q sums row q of every peer (q-major, the kernel's table order)
             every = ([c[q] for q in range(world) for c, _ in sends], [s[q] for q in range(world) for _, s in sends])
-            self.one_shot_tables.append((every, (row_address_table(every[0]), row_address_table(every[1]))))
+            self.one_shot_tables.append((every, peer_tables(*every)))
 
 
 class PeerReducer:

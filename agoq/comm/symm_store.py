@@ -115,11 +115,11 @@ class SymmetricBlocks:
         """Blocks [first, last) of every peer, in rank order, with their address tables (built once)."""
         got = self._tables.get((first, last))
         if got is None:
-            from agoq.kernels.comm import row_address_table
+            from agoq.kernels.comm import peer_tables
 
             codes = [c[first * self.cb: last * self.cb] for c in self.peer_codes]
             scales = [s[first:last] for s in self.peer_scales]
-            got = (codes, scales, (row_address_table(codes), row_address_table(scales)))
+            got = (codes, scales, peer_tables(codes, scales))
             self._tables[(first, last)] = got
         return got
 

@@ -10,7 +10,8 @@ with the signatures and results of agoq.ref.comm (read its docstring for the row
 * reduce_peer_rows / dequantize_peer_rows: the same two kernels reading each row through a table of
   row addresses instead of one strided buffer, so the rows can live in W different allocations: the
   peers' CUDA symmetric-memory buffers mapped over NVLink (agoq.comm.symm), where the kernel's loads
-  are the communication.
+  are the communication. Launched with ALIGNED (16-byte vector loads of the codes) when peer_tables found
+  every codes row address 16-byte aligned, unhinted (byte loads, same results) otherwise.
 * accumulate_: the gradient store's per-micro-batch dequantize + add + requantize of one parameter
   (and error-feedback residual) in one pass: reads codes, scales and the gradient, writes codes and
   scales (~4 bytes per element for a bf16 gradient), no fp32 temporary.
@@ -23,6 +24,7 @@ so the codes and sums are bit-identical to the reference (tests/kernels/test_com
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -35,12 +37,22 @@ from agoq.kernels._quant_math import saturate
 from agoq.kernels.quant import _pow2_value, decode_tile_bytes, load_scale_f32, quantize_tile_bytes
 
 __all__ = ["quantize_rows", "reduce_rows", "dequantize_rows", "reduce_peer_rows", "dequantize_peer_rows",
-           "row_address_table", "accumulate_"]
+           "row_address_table", "PeerTables", "peer_tables", "PEER_ROW_ALIGN_BYTES", "accumulate_"]
 
 # Elements per program and warps: the shape measured best for the one-byte quantize kernel
 # (_launch.QUANT_CONFIGS["int", 8], H100, docs/benchmarks/quant.md); not re-tuned for these kernels.
 ELEMS_PER_PROGRAM = 4096
 NUM_WARPS = 4
+
+# Alignment in bytes the PEERS kernels assume of every codes row address when launched with ALIGNED (set only by
+# peer_tables after checking each row): 16 B = one ld.global.v4.b32, the widest load, and the divisor Triton's own
+# pointer-argument specialisation uses (agoq.kernels._fastlaunch._ALIGN). The PEERS rows come from int64 address
+# tables, which the compiler cannot see through: unhinted, it loads the codes one byte at a time (int8_b256, W=2,
+# sm_90, Triton 3.6 PTX: 32 ld.global.b8 per thread and row instead of 2 ld.global.v4.b32; 840 -> 792 SASS
+# instructions; 2026-11-26, not yet timed on a GPU). The offsets added to the row base (block * BLOCK + lane) are
+# compile-time multiples of BLOCK, which the compiler tracks itself: only the bases need the host check.
+PEER_ROW_ALIGN_BYTES = 16
+_PEER_ROW_ALIGN = tl.constexpr(PEER_ROW_ALIGN_BYTES)
 
 
 @triton.jit
@@ -85,11 +97,16 @@ def _row_values(codes_ptr, scales_ptr, local, blk, blk_ok, KIND: tl.constexpr, S
 
 @triton.jit
 def _row_ptrs(codes_ptr, scales_ptr, codes_stride64, scales_stride64, code_table, scale_table, p,
-              PEERS: tl.constexpr):  # fmt: skip
+              PEERS: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
     """Row p's codes / scales pointers: ``base + p * stride`` of one buffer, or (PEERS) the addresses held
-    in the int64 tables (``codes_ptr`` / ``scales_ptr`` then only give the element types)."""
+    in the int64 tables (``codes_ptr`` / ``scales_ptr`` then only give the element types). ALIGNED (PEERS only):
+    every codes address in the table is a multiple of PEER_ROW_ALIGN_BYTES, checked on the host (peer_tables)."""
     if PEERS:
         c = tl.load(code_table + p).to(tl.pointer_type(codes_ptr.dtype.element_ty))
+        if ALIGNED:  # vector loads of the codes (PEER_ROW_ALIGN_BYTES); the strided layout gets this from Triton's
+            c = tl.multiple_of(c, _PEER_ROW_ALIGN)  # argument specialisation (16-byte pointer and stride)
+        # scales not hinted: one scale per thread and row, a scalar load either way (the same hint on them left the
+        # PTX loads unchanged, Triton 3.6 sm_90)
         s = tl.load(scale_table + p).to(tl.pointer_type(scales_ptr.dtype.element_ty))
     else:
         c = codes_ptr + p * codes_stride64
@@ -107,7 +124,7 @@ def _reduce_rows_kernel(
     code_table, scale_table,  # PEERS True: int64 addresses of the W rows
     KIND: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SCALE: tl.constexpr, QMAX: tl.constexpr,
     FP8_DTYPE: tl.constexpr, AVERAGE: tl.constexpr, SCALED: tl.constexpr, REQUANT: tl.constexpr,
-    PEERS: tl.constexpr,
+    PEERS: tl.constexpr, ALIGNED: tl.constexpr,  # ALIGNED: see _row_ptrs (False unless PEERS)
 ):  # fmt: skip
     blk = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     blk_ok = blk < nb
@@ -119,11 +136,11 @@ def _reduce_rows_kernel(
     q = tl.program_id(1).to(tl.int64)  # output row (PEERS: its W input rows are table entries q*W .. q*W+W-1)
     # row 0 first, then += rows 1..W-1: the reference's order (also keeps a lone -0.0 a -0.0)
     c, s = _row_ptrs(codes_ptr, scales_ptr, codes_stride64, scales_stride64, code_table, scale_table, q * world,
-                     PEERS)  # fmt: skip
+                     PEERS, ALIGNED)  # fmt: skip
     acc = _row_values(c, s, local, blk, blk_ok, KIND, SCALE, FP8_DTYPE)
     for p in range(1, world):
         c, s = _row_ptrs(codes_ptr, scales_ptr, codes_stride64, scales_stride64, code_table, scale_table,
-                         q * world + p, PEERS)  # fmt: skip
+                         q * world + p, PEERS, ALIGNED)  # fmt: skip
         acc = acc + _row_values(c, s, local, blk, blk_ok, KIND, SCALE, FP8_DTYPE)
     if AVERAGE:
         acc = tl.math.div_rn(acc, tl.full(acc.shape, 1.0, tl.float32) * world_f32)
@@ -145,13 +162,13 @@ def _dequantize_rows_kernel(
     row_stride, row_numel, numel, col0, nb,
     code_table, scale_table,  # PEERS True: int64 addresses of the W rows
     KIND: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SCALE: tl.constexpr, FP8_DTYPE: tl.constexpr,
-    PEERS: tl.constexpr,
+    PEERS: tl.constexpr, ALIGNED: tl.constexpr,  # ALIGNED: see _row_ptrs (False unless PEERS)
 ):  # fmt: skip
     offs, valid, blk, blk_ok = _row_offsets(col0, row_stride, row_numel, numel, nb, ROWS, BLOCK)
     p = tl.program_id(1).to(tl.int64)
     local = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     c, s = _row_ptrs(codes_ptr, scales_ptr, tl.cast(codes_row_stride, tl.int64), tl.cast(scales_row_stride, tl.int64),
-                     code_table, scale_table, p, PEERS)  # fmt: skip
+                     code_table, scale_table, p, PEERS, ALIGNED)  # fmt: skip
     y = saturate(_row_values(c, s, local, blk, blk_ok, KIND, SCALE, FP8_DTYPE), dst_ptr.dtype.element_ty)
     tl.store(dst_ptr + offs, y.to(dst_ptr.dtype.element_ty), mask=valid)
 
@@ -235,13 +252,13 @@ def _reduce(grid, codes, scales, codes_stride, scales_stride, world, nb, fmt, ce
             out_numel, out_row_stride, out_total, codes_out, scales_out, tables, peers) -> None:
     requant = out is None
     dummy = codes  # unused pointer arguments of the other output kind / of the strided layout
-    code_table, scale_table = tables if peers else (scales, scales)
+    code_table, scale_table, aligned = tables if peers else (scales, scales, False)
     launch = _KERNELS[PEER_NUM_WARPS if peers else NUM_WARPS][1]
     launch(grid, codes, scales, codes_stride, scales_stride, world, nb, float(world), float(post_scale),
             dummy if requant else out.reshape(-1), out_numel, out_row_stride, out_total,
             codes_out.reshape(-1) if requant else dummy, scales_out.reshape(-1) if requant else scales,
             code_table, scale_table, ce["KIND"], ce["BLOCK"], ce["ROWS"], ce["SCALE"], float(fmt.qmax),
-            ce["FP8_DTYPE"], average, post_scale != 1.0, requant, peers)  # fmt: skip
+            ce["FP8_DTYPE"], average, post_scale != 1.0, requant, peers, aligned)  # fmt: skip
 
 
 def reduce_rows(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, *, average: bool, post_scale: float,
@@ -259,11 +276,11 @@ def reduce_rows(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, *, 
 
 def _dequantize(grid, codes, scales, codes_stride, scales_stride, flat, row_stride, row_numel, col0, nb, ce,
                 tables, peers) -> None:
-    code_table, scale_table = tables if peers else (scales, scales)
+    code_table, scale_table, aligned = tables if peers else (scales, scales, False)
     launch = _KERNELS[PEER_NUM_WARPS if peers else NUM_WARPS][2]
     launch(grid, codes, scales, codes_stride, scales_stride, flat, row_stride, row_numel, flat.numel(), col0,
                 nb, code_table, scale_table, ce["KIND"], ce["BLOCK"], ce["ROWS"], ce["SCALE"], ce["FP8_DTYPE"],
-                peers)  # fmt: skip
+                peers, aligned)  # fmt: skip
 
 
 def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor, fmt: QuantFormat, *,
@@ -277,9 +294,29 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor
 
 
 def row_address_table(rows: list[torch.Tensor]) -> torch.Tensor:
-    """int64 tensor of the rows' addresses, on the rows' device (the PEERS kernels' row table). Build it
-    once per set of rows and pass it as ``tables``: it costs a host-to-device copy."""
+    """int64 tensor of the rows' addresses, on the rows' device (the PEERS kernels' row table)."""
     return torch.tensor([r.data_ptr() for r in rows], dtype=torch.int64).to(rows[0].device)
+
+
+class PeerTables(NamedTuple):
+    """The PEERS kernels' row address tables of one set of rows, and whether every codes row starts at a multiple
+    of PEER_ROW_ALIGN_BYTES (the kernels' ALIGNED flag: vector loads of the codes). Build with peer_tables."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    codes_aligned: bool
+
+
+def peer_tables(code_rows: list[torch.Tensor], scale_rows: list[torch.Tensor]) -> PeerTables:
+    """Address tables of the rows for reduce_peer_rows / dequantize_peer_rows ``tables=``. Build them once per set
+    of rows: they cost two host-to-device copies.
+
+    ``codes_aligned`` is True only when every codes row address is a multiple of PEER_ROW_ALIGN_BYTES (the peer
+    transports' rows are: symmetric allocations, rows padded to 16 bytes, store rows at block boundaries). Otherwise
+    the kernels are launched without the alignment hint: the same results, byte loads of the codes; a
+    specialisation, like Triton's own on a pointer argument's alignment, not a change of behaviour."""
+    aligned = all(r.data_ptr() % PEER_ROW_ALIGN_BYTES == 0 for r in code_rows)
+    return PeerTables(row_address_table(code_rows), row_address_table(scale_rows), aligned)
 
 
 def _check_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tensor], fmt: QuantFormat,
@@ -306,9 +343,11 @@ def _constexprs_checked(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFor
     return _constexprs(fmt)
 
 
-def _tables(code_rows, scale_rows, tables):
+def _tables(code_rows, scale_rows, tables) -> PeerTables:
     if tables is None:
-        return row_address_table(code_rows), row_address_table(scale_rows)
+        return peer_tables(code_rows, scale_rows)
+    if not isinstance(tables, PeerTables):  # a bare (codes, scales) pair carries no alignment check
+        raise TypeError(f"tables must be peer_tables(code_rows, scale_rows), a PeerTables; got {type(tables).__name__}")
     return tables
 
 
@@ -316,13 +355,13 @@ def reduce_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tenso
                      average: bool, post_scale: float, out: torch.Tensor | None = None, out_numel: int = 0,
                      codes_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None,
                      out_rows: int = 1, out_row_stride: int = 0, out_total: int | None = None,
-                     tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                     tables: PeerTables | None = None) -> None:
     """reduce_rows over rows given one by one (each may be its own allocation, e.g. a peer's symmetric memory).
 
     ``out_rows`` R > 1 (float output only): R independent reductions in one launch, output row q summing
     ``code_rows[q W : (q + 1) W]`` (W = len(code_rows) / R) into ``out[q out_row_stride :]``, its first
     ``out_numel`` elements, none at or past ``out_total`` (default: R x out_row_stride). ``tables`` =
-    (row_address_table(code_rows), row_address_table(scale_rows)) if prebuilt (then the rows are trusted).
+    peer_tables(code_rows, scale_rows) if prebuilt (then the rows are trusted).
     Triton twin of agoq.ref.comm.ref_reduce_peer_rows."""
     nb, ce = _check_peer_rows(code_rows, scale_rows, fmt, tables)
     if (out is None) == (codes_out is None):
@@ -341,7 +380,7 @@ def reduce_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tenso
 
 def dequantize_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tensor], dst: torch.Tensor,
                          fmt: QuantFormat, *, row_stride: int, row_numel: int, col0: int,
-                         tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                         tables: PeerTables | None = None) -> None:
     """dequantize_rows with row p read from ``code_rows[p]`` / ``scale_rows[p]`` (see reduce_peer_rows).
     Triton twin of agoq.ref.comm.ref_dequantize_peer_rows."""
     nb, ce = _check_peer_rows(code_rows, scale_rows, fmt, tables)

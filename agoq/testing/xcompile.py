@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import importlib
 import itertools
+import json
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -135,6 +136,15 @@ def compile_all(kernel, launches: list[Launch], *, log=None) -> list[Outcome]:
             detail = "" if out.ok else f"\n{out.error}"
             log(f"{'ok  ' if out.ok else 'FAIL'} {out.seconds:6.1f}s {out.label}{detail}")
     return outcomes
+
+
+def ptx_global_ops(ptx: str) -> dict[str, int]:
+    """Static counts of the global-memory instructions of a PTX text (``ld.global.v4.b32``: 8, ...), qualifiers
+    (cache hints, vector width, type) included: vectorised loads show as ``.v2`` / ``.v4``."""
+    import re
+    from collections import Counter
+
+    return dict(Counter(re.findall(r"\b(?:ld|st)\.global(?:\.[\w:]+)*", ptx)))
 
 
 def sass_stats(cubin: bytes, top: int = 12) -> dict:
@@ -297,19 +307,32 @@ def smooth_swiglu_fp8_calls(full: bool = False) -> Iterator[tuple[str, Callable[
                                                                                  transposed=True, mul=m))
 
 
+# Byte offset of the last codes row in the ``rows=offset`` variants of comm_peer_calls: a multiple of 8, not of 16
+# (agoq.kernels.comm.PEER_ROW_ALIGN_BYTES), so the host check must look at every row and at the full 16 bytes.
+PEER_ROW_OFFSET = 8
+
+
+def _peer_code_rows(world: int, nb: int, offset: int) -> list[torch.Tensor]:
+    """W codes rows of nb 256-byte blocks, separate CPU allocations (64-byte aligned); the last one starts
+    ``offset`` bytes into its allocation."""
+    rows = [torch.zeros(nb * 256, dtype=torch.uint8) for _ in range(world - 1)]
+    return rows + [torch.zeros(nb * 256 + offset, dtype=torch.uint8)[offset:]]
+
+
 def comm_peer_calls(full: bool = False) -> Iterator[tuple[str, Callable[[], None]]]:
     """(label, call) for the peer transport's reduce / dequantize launches (agoq.kernels.comm ``*_peer_rows``): float
     and requantized output, average and post-scale, rows of 1 block (Triton passes a stride of 1 as a constant), 3
-    and 37 blocks, 2 and 4 peers."""
+    and 37 blocks, 2 and 4 peers; codes rows at 16-byte aligned addresses (``rows=aligned``: the kernels' ALIGNED
+    specialisation, vector loads) and with one row PEER_ROW_OFFSET bytes off (``rows=offset``: byte loads)."""
     from agoq.formats import parse_format
     from agoq.kernels import comm as k
 
     for fmt_name in ("int8_b256", "fp8e4m3_b256"):
         fmt = parse_format(fmt_name)
-        for world, nb in ((2, 1), (2, 3), (4, 37)):
-            codes = [torch.zeros(nb * 256, dtype=torch.uint8) for _ in range(world)]
+        for (world, nb), offset in itertools.product(((2, 1), (2, 3), (4, 37)), (0, PEER_ROW_OFFSET)):
+            codes = _peer_code_rows(world, nb, offset)
             scales = [torch.zeros(nb, dtype=torch.float32) for _ in range(world)]
-            tag = f"{fmt_name} W={world} nb={nb}"
+            tag = f"{fmt_name} W={world} nb={nb} rows={'offset' if offset else 'aligned'}"
             for average, post_scale in ((False, 1.0), (True, 0.5)):
                 yield (f"reduce_peer_rows {tag} float average={average}",
                        lambda c=codes, s=scales, f=fmt, a=average, ps=post_scale, n=nb * 256: k.reduce_peer_rows(
@@ -414,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first", type=int, default=0, help="compile only the first N distinct variants")
     parser.add_argument("--match", default="", help="compile only variants whose label contains this")
     parser.add_argument("--sass", action="store_true", help="print the SASS instruction counts of each variant")
+    parser.add_argument("--ptx-ops", action="store_true",
+                        help="print each variant's global loads / stores in its PTX, one JSON object a line")
     args = parser.parse_args(argv)
     if not triton.__version__.startswith(EXPECTED_TRITON):
         print(f"warning: Triton {triton.__version__} imported, the GPU runs {EXPECTED_TRITON}", file=sys.stderr)
@@ -427,13 +452,18 @@ def main(argv: list[str] | None = None) -> int:
                 keys.add(key)
                 kept.append(launch)
         launches = kept
-    if args.sass:
+    if args.sass or args.ptx_ops:
         seen = set()
         for launch in launches:
             key = specialize(kernel, launch)[2]
             if key not in seen:
                 seen.add(key)
-                print(launch.label, sass_stats(compile_launch(kernel, launch).asm["cubin"]), flush=True)
+                compiled = compile_launch(kernel, launch)
+                if args.sass:
+                    print(launch.label, sass_stats(compiled.asm["cubin"]), flush=True)
+                if args.ptx_ops:
+                    print(json.dumps({"label": launch.label, "ptx_ops": ptx_global_ops(compiled.asm["ptx"])}),
+                          flush=True)  # fmt: skip
         return 0
     outcomes = compile_all(kernel, launches, log=lambda s: print(s, flush=True))
     bad = [o for o in outcomes if not o.ok]

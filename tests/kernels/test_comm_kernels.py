@@ -231,13 +231,14 @@ def test_reduce_peer_rows_match_reference_and_strided_kernel(name, world, nb, av
     """Requantized and float outputs from rows in W allocations: identical to the reference of the same
     signature and to the strided kernel on the packed rows (the all-reduce's results do not depend on
     the transport)."""
-    from agoq.kernels.comm import reduce_peer_rows, row_address_table
+    from agoq.kernels.comm import peer_tables, reduce_peer_rows
     from agoq.ref.comm import ref_reduce_peer_rows
 
     fmt = parse_format(name)
     _, c, s = _random_rows(world, nb, fmt, 41 + world, "adversarial")
     code_rows, scale_rows = _separate_rows(c, s)
-    tables = (row_address_table(code_rows), row_address_table(scale_rows))
+    tables = peer_tables(code_rows, scale_rows)
+    assert tables.codes_aligned  # separate allocations: 16-byte aligned (the ALIGNED kernels)
     bufs = [_packed(1, nb, fmt, fill=9) for _ in range(3)]
     ref_reduce_peer_rows(code_rows, scale_rows, fmt, average=average, post_scale=post_scale,
                          codes_out=bufs[0][1], scales_out=bufs[0][2])
@@ -275,7 +276,7 @@ def test_dequantize_peer_rows_match_reference(name, geometry):
 
 
 def test_peer_rows_are_checked():
-    from agoq.kernels.comm import reduce_peer_rows
+    from agoq.kernels.comm import reduce_peer_rows, row_address_table
 
     fmt = parse_format("int8_b256")
     _, c, s = _random_rows(2, 2, fmt, 3, "gauss")
@@ -285,6 +286,63 @@ def test_peer_rows_are_checked():
     with pytest.raises(ValueError, match="2 contiguous blocks"):
         reduce_peer_rows([code_rows[0], code_rows[1][:256]], scale_rows, fmt, average=False, post_scale=1.0,
                          out=torch.empty(512))
+    with pytest.raises(TypeError, match="peer_tables"):  # bare address tables carry no alignment check
+        reduce_peer_rows(code_rows, scale_rows, fmt, average=False, post_scale=1.0, out=torch.empty(512),
+                         tables=(row_address_table(code_rows), row_address_table(scale_rows)))
+
+
+class _LaunchSpy:
+    """Forwards to a FastKernel launcher and keeps the arguments of each launch."""
+
+    def __init__(self, launcher):
+        self.launcher, self.args = launcher, []
+
+    def __call__(self, grid, *args):
+        self.args.append(args)
+        self.launcher(grid, *args)
+
+
+@pytest.mark.parametrize("name", ["int8_b256", "int8_b32", "int8_b64_sp2"])
+@pytest.mark.parametrize("offset", [0, 8, 1])
+def test_peer_kernels_aligned_flag_follows_the_row_addresses(name, offset, monkeypatch):
+    """peer_tables sets codes_aligned only when every codes row starts at a multiple of PEER_ROW_ALIGN_BYTES (here
+    the last row of three is moved ``offset`` bytes into its allocation); the reduce and dequantize launches carry
+    it as ALIGNED (their last argument: 16-byte vector loads of the codes, tests/kernels/test_xcompile.py) and give
+    the reference's results either way."""
+    from agoq.kernels import comm as k
+    from agoq.ref.comm import ref_dequantize_peer_rows, ref_reduce_peer_rows
+
+    fmt = parse_format(name)
+    world, nb = 3, 4
+    _, c, s = _random_rows(world, nb, fmt, 71, "adversarial")
+    code_rows, scale_rows = _separate_rows(c, s)
+    last = torch.zeros(code_rows[-1].numel() + offset, dtype=code_rows[-1].dtype, device=DEVICE)[offset:]
+    code_rows[-1] = last.copy_(code_rows[-1])
+    assert [r.data_ptr() % k.PEER_ROW_ALIGN_BYTES for r in code_rows] == [0, 0, offset]  # allocations: 16-aligned
+    tables = k.peer_tables(code_rows, scale_rows)
+    assert tables.codes_aligned is (offset == 0)
+    quant, reduce, dequant = k._KERNELS[k.PEER_NUM_WARPS]
+    spies = _LaunchSpy(reduce), _LaunchSpy(dequant)
+    monkeypatch.setitem(k._KERNELS, k.PEER_NUM_WARPS, (quant, *spies))
+
+    ref_buf, got_buf = _packed(1, nb, fmt, fill=9), _packed(1, nb, fmt, fill=9)
+    ref_reduce_peer_rows(code_rows, scale_rows, fmt, average=True, post_scale=0.5, codes_out=ref_buf[1],
+                         scales_out=ref_buf[2])  # fmt: skip
+    k.reduce_peer_rows(code_rows, scale_rows, fmt, average=True, post_scale=0.5, codes_out=got_buf[1],
+                       scales_out=got_buf[2], tables=tables)  # fmt: skip
+    assert torch.equal(*(_codes_of_nonfinite_blocks_zeroed(b[0], nb, fmt) for b in (ref_buf, got_buf)))
+    n = nb * fmt.block
+    ref, got = torch.full((n,), 3.0, device=DEVICE), torch.full((n,), 3.0, device=DEVICE)
+    ref_reduce_peer_rows(code_rows, scale_rows, fmt, average=False, post_scale=1.0, out=ref, out_numel=n - 5)
+    k.reduce_peer_rows(code_rows, scale_rows, fmt, average=False, post_scale=1.0, out=got, out_numel=n - 5)
+    assert _same_values(got, ref)
+    ref, got = torch.full((world * n,), -2.0, device=DEVICE), torch.full((world * n,), -2.0, device=DEVICE)
+    kw = dict(row_stride=n, row_numel=n, col0=0)
+    ref_dequantize_peer_rows(code_rows, scale_rows, ref, fmt, **kw)
+    k.dequantize_peer_rows(code_rows, scale_rows, got, fmt, tables=tables, **kw)
+    assert _same_values(got, ref)
+    # every launch (prebuilt tables and tables built per call alike) carried the flag the rows allow
+    assert [a[-1] for a in spies[0].args] == [offset == 0] * 2 and [a[-1] for a in spies[1].args] == [offset == 0]
 
 
 @pytest.mark.parametrize("name", ["int8_b256", "int8_b128_s16", "int8_b64_sp2"])

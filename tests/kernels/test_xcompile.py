@@ -13,7 +13,9 @@ each distinct variant to a cubin, in a subprocess whose ``triton`` comes from $A
 About 4 minutes on 2 CPU cores the first time (~625 variants), seconds once Triton's cache holds them.
 """
 
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -95,3 +97,31 @@ def test_peer_comm_kernel_variants_compile_for_sm90_with_this_triton(module):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "FAIL" not in out, out[-8000:]
     assert "variants compiled" in out, out[-2000:]
+
+
+def _byte_loads(ops: dict) -> int:
+    return sum(n for op, n in ops.items() if re.fullmatch(r"ld\.global(\.[\w:]+)*\.[bsu]8", op))
+
+
+@pytest.mark.parametrize("module", ["comm_peer_reduce", "comm_peer_dequantize"])
+def test_peer_comm_code_loads_are_vectorised_on_aligned_rows(module):
+    """The peer kernels read each row at an address from an int64 table, which the compiler cannot see through:
+    without agoq.kernels.comm's ALIGNED hint it loads the codes one byte at a time (32 ld.global.b8 per thread and
+    row, reduce, Triton 3.6 sm_90). Rows at 16-byte aligned addresses (``rows=aligned`` variants of
+    agoq.testing.xcompile.comm_peer_calls) must get vector loads of the codes (ld.global.v4 / v2) and no byte loads;
+    a row 8 bytes off (``rows=offset``) must get the unhinted kernel (byte loads), which still compiles. The
+    variants' scales are fp32, so every byte load is a code load. This Triton or $AGOQ_XCOMPILE_TRITON's."""
+    env = _env(os.environ.get(TRITON_ENV_VAR, ""))
+    proc = _run(["-m", "agoq.testing.xcompile", module, "--ptx-ops"], env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-8000:]
+    variants = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    aligned = [v for v in variants if "rows=aligned" in v["label"]]
+    offset = [v for v in variants if "rows=offset" in v["label"]]
+    assert aligned and offset, out[-4000:]
+    for v in aligned:
+        ops = v["ptx_ops"]
+        vector = sum(n for op, n in ops.items() if op.startswith(("ld.global.v4.", "ld.global.v2.")))
+        assert vector and not _byte_loads(ops), v
+    for v in offset:
+        assert _byte_loads(v["ptx_ops"]), v
