@@ -1,10 +1,11 @@
-"""Smooth-SwiGLU + FP8 fc2 as one autograd op, under per-tensor delayed scaling (issue 27).
+"""(Smooth-)SwiGLU + FP8 fc2 as one autograd op, under per-tensor delayed scaling (issue 27).
 
 ``smooth_swiglu_fp8_fc2(h, weight, state, recipe, per_token=..., ...)`` computes fc2's (TP-partial) output
 from the fc1 output h [T.., 2F] = [gate | up] directly::
 
     per token    y = (Q(z) @ Q(W).T) * s,  z = swiglu(h) / s, s [T] = pow2_ceil(max_f |up|)  (TP-global)
     per channel  y =  Q(z) @ Q(W * s).T,   z = swiglu(h) / s, s [F] = pow2_ceil(max_t |swiglu|)
+    plain        y =  Q(z) @ Q(W).T,       z = swiglu(h)     (swiglu_fp8_fc2: s = 1, no smoothing)
 
 the math of agoq.ops.smooth_swiglu and agoq.megatron.layers.AgoqMLP._smooth_forward with fc2 an
 agoq.ops.fp8_linear FP8 linear, in fewer passes:
@@ -12,6 +13,10 @@ agoq.ops.fp8_linear FP8 linear, in fewer passes:
 * forward: the smoothing amax (one read of h, or of its up half), then one kernel that computes the
   SwiGLU, divides by s, casts z to E4M3 with fc2's delayed scale (both GEMM layouts) and pushes the amax
   history (agoq.kernels.smooth_swiglu_fp8). z in the model dtype is never materialised.
+* plain (``swiglu_fp8_fc2``, the plain FP8 MLP's fc2): the same cast kernel without smoothing (``amax=None``):
+  no amax launch, no division, fc2's tensor-wise GEMM as agoq.ops.fp8_linear runs it; codes, scales and
+  histories are those of Megatron's unfused SwiGLU followed by the FP8 linear (docs/fp8.md). TP needs nothing:
+  per-tensor delayed scaling keeps one history per rank, as the unfused FP8 linear does.
 * per token, the un-smoothing is fc2's GEMM itself: row-wise ``torch._scaled_mm`` with ``scale_a = s *
   scale_inv_z`` [T, 1] (written by the cast kernel) and ``scale_b`` = the weight's inverse scale as [1, N]
   (kept with the weight cache entry). s is a power of two, so this is the unfused ``fc2(z) * s`` up to
@@ -22,8 +27,8 @@ agoq.ops.fp8_linear FP8 linear, in fewer passes:
   micro-batch's forward and backward and released after that backward. No W * s bf16 temporaries.
 * backward: per token, fc2's gradient is cast as g * s (the un-smoothing's gradient) inside the E5M2 cast
   (``mul``); dgrad and wgrad as agoq.ops.fp8_linear; the SwiGLU backward is one kernel with the forward's s
-  (agoq.kernels.swiglu.swiglu_bwd); per channel dW = dW' * s per column, for a bf16 weight inside the wgrad
-  GEMM as its row-wise ``scale_b`` (no extra pass over dW).
+  (agoq.kernels.swiglu.swiglu_bwd; no s in the plain mode); per channel dW = dW' * s per column, for a bf16
+  weight inside the wgrad GEMM as its row-wise ``scale_b`` (no extra pass over dW).
 
 Saved for backward: h (bf16), or with activation storage (``store=(fmt, key, counter)``) only its quantized
 copy; s (fp32, 4 B per token or channel); z's transposed FP8 copy for wgrad when h is kept as is (with
@@ -32,9 +37,10 @@ as agoq.ops.saved_swiglu does). TP: the per-token amax is all-reduced (MAX) befo
 uses the TP-global s and the row-parallel all-reduce of y is exact (s a power of two).
 
 Savings (vs the unfused Smooth-SwiGLU on FP8): 2 B per token and FFN channel (the silu output autograd
-kept) with h kept in bf16. Caveats: per-tensor delayed scaling only (``fused_smooth_supported``; current
-and row-wise scaling run the unfused path); per channel each micro-batch in flight holds its FP8 W * s
-(2 B per fc2 parameter) until its backward.
+kept) with h kept in bf16; plain (vs Megatron's SwiGLU then the FP8 linear): 4 B per token and FFN channel
+(the silu output and Megatron's ``x_linear + 0`` tensor). Caveats: per-tensor delayed scaling only
+(``fused_smooth_supported``, the rule for every mode; current and row-wise scaling run the unfused path); per
+channel each micro-batch in flight holds its FP8 W * s (2 B per fc2 parameter) until its backward.
 """
 
 from __future__ import annotations
@@ -51,8 +57,11 @@ from agoq.ops.fp8_scaling import SLOT_VARIANTS, FP8Recipe, FP8ScalingState
 from agoq.ops.fp8_weight_cache import FP8WeightCache
 from agoq.ops.saved_act import Key, SavedBytesCounter, _dequantize, quantize_saved
 
-__all__ = ["smooth_swiglu_fp8_fc2", "fused_smooth_supported", "SmoothSwiGLUFP8Fc2", "UNSMOOTH_MODES",
-           "set_unsmooth_mode", "unsmooth_mode"]
+__all__ = ["smooth_swiglu_fp8_fc2", "swiglu_fp8_fc2", "fused_smooth_supported", "SmoothSwiGLUFP8Fc2", "SMOOTHING",
+           "UNSMOOTH_MODES", "set_unsmooth_mode", "unsmooth_mode", "set_plain_swiglu_fusion", "plain_swiglu_fusion"]
+
+# The op's modes: Smooth-SwiGLU per token / per channel, or plain SwiGLU (s = 1) for a plain FP8 fc2.
+SMOOTHING = ("per_token", "per_channel", "none")
 
 # Where the per-token un-smoothing y = (z @ W.T) * s happens: "gemm" (the default): fc2's forward GEMM is the
 # row-wise torch._scaled_mm with scale_a = s * scale_inv (CUTLASS on sm_90, no extra pass); "epilogue": the
@@ -77,9 +86,31 @@ def unsmooth_mode() -> str:
     return _unsmooth
 
 
+# Whether agoq's Megatron MLP runs plain SwiGLU + its FP8 fc2 (per-tensor delayed scaling) as this op
+# (agoq.megatron.layers.AgoqMLP); False: Megatron's SwiGLU then the FP8 linear (same values; benchmarks' A/B).
+# A process-wide switch like the un-smoothing mode above (the trainer's AGOQ_FP8_SWIGLU_FUSION=0,
+# agoq.megatron.train.environment); the op itself never reads it.
+_plain_fusion = True
+
+
+def set_plain_swiglu_fusion(enabled: bool) -> bool:
+    """Fuse plain SwiGLU with a plain FP8 fc2 in agoq's MLP (True, the default) or not; returns the previous
+    setting."""
+    global _plain_fusion
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_plain_swiglu_fusion takes a bool, got {enabled!r}")
+    previous, _plain_fusion = _plain_fusion, enabled
+    return previous
+
+
+def plain_swiglu_fusion() -> bool:
+    return _plain_fusion
+
+
 def fused_smooth_supported(recipe: FP8Recipe | None, h: torch.Tensor) -> bool:
-    """The rule for the fused path: per-tensor delayed scaling and an fc1 output the kernels take (bf16 /
-    fp16, contiguous, even width). Anything else runs the unfused Smooth-SwiGLU (the same math)."""
+    """The rule for the fused path (every mode, plain included): per-tensor delayed scaling and an fc1 output the
+    kernels take (bf16 / fp16, contiguous, even width). Anything else runs the unfused (Smooth-)SwiGLU and FP8
+    linear (the same math)."""
     if recipe is None or recipe.granularity != "tensor" or recipe.scaling != "delayed":
         return False
     width = h.shape[-1] if h.dim() else 0
@@ -105,7 +136,8 @@ def _impl(kind: str) -> SimpleNamespace:
 
 class _SmoothCastOps:
     """``cast_ops`` for FP8ScalingState.cast_meta (slot x of fc2) whose "x" is the fc1 output: the fused
-    smooth cast; the first call of the slot (no history yet) bootstraps with current scaling of z."""
+    smooth cast (``amax`` None: plain, s = 1); the first call of the slot (no history yet) bootstraps with
+    current scaling of z."""
 
     def __init__(self, impl, base, amax: torch.Tensor, per_token: bool):
         self.impl, self.base, self.amax, self.per_token = impl, base, amax, per_token
@@ -121,9 +153,10 @@ class _SmoothCastOps:
         from agoq.ref.smooth_swiglu_fp8 import ref_megatron_glu
         from agoq.ref.swiglu import pow2_ceil
 
-        self.s = pow2_ceil(self.amax)
-        glu = ref_megatron_glu(h)
-        z = (glu.float() / (self.s[:, None] if self.per_token else self.s[None, :])).to(h.dtype)
+        z = ref_megatron_glu(h)
+        if self.amax is not None:
+            self.s = pow2_ceil(self.amax)
+            z = (z.float() / (self.s[:, None] if self.per_token else self.s[None, :])).to(h.dtype)
         out, out_t, meta = self.base.cast_current(z, variant, margin, pow2, rowmajor, transposed, t_colmajor)
         self.scale_a = (self.s * meta[0]).reshape(-1, 1) if self.per_token else None
         return out, out_t, meta
@@ -163,22 +196,23 @@ def _make_entry(weight, recipe, state, base, per_token: bool, s: torch.Tensor | 
 
 
 class SmoothSwiGLUFP8Fc2(torch.autograd.Function):
-    """The op of :func:`smooth_swiglu_fp8_fc2` (module docstring); ``apply(h, weight, state, recipe, per_token,
-    tp_group, store, weight_cache, grad_enabled)``."""
+    """The op of :func:`smooth_swiglu_fp8_fc2` and :func:`swiglu_fp8_fc2` (module docstring); ``apply(h, weight,
+    state, recipe, mode, tp_group, store, weight_cache, grad_enabled)``, ``mode`` one of :data:`SMOOTHING`."""
 
     @staticmethod
-    def forward(ctx, h, weight, state, recipe, per_token, tp_group, store, weight_cache, grad_enabled):
+    def forward(ctx, h, weight, state, recipe, mode, tp_group, store, weight_cache, grad_enabled):
         h = h if h.is_contiguous() else h.contiguous()
         impl, base = _impl(h.device.type), fp8_cast_ops(h.device)
-        amax = impl.amax(h, per_token)
+        per_token = mode == "per_token"
+        amax = None if mode == "none" else impl.amax(h, per_token)
         if per_token and tp_group is not None and dist.get_world_size(tp_group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)  # TP-global s (exact un-smoothing)
         needs_wgrad = grad_enabled and ctx.needs_input_grad[1]
         keep_z = needs_wgrad and store is None
         smooth = _SmoothCastOps(impl, base, amax, per_token)
         z8, z8_t, meta_x, sx_inv = state.cast_meta("x", h, smooth, True, keep_z, True)
-        s = smooth.s
-        col = None if per_token else s
+        s = smooth.s  # None in the plain mode
+        col = s if mode == "per_channel" else None
         entry = weight_cache.get(weight, recipe, lambda w: _make_entry(w, recipe, state, base, per_token, col), col)
         out_shape = (*h.shape[:-1], weight.shape[0])
         # y = (z @ W.T) * s through the row-wise scale_a = s * scale_inv_z; it returns bf16 only, so an fp16 model
@@ -186,17 +220,16 @@ class SmoothSwiGLUFP8Fc2(torch.autograd.Function):
         if per_token and _unsmooth == "gemm" and h.dtype == torch.bfloat16:
             y = _gemm(z8, entry.w.fwd_b, smooth.scale_a, entry.row_scale_b, torch.bfloat16,
                       recipe.fast_accum_forward, out_shape)
-        elif per_token:  # the tensor-wise GEMM, then y *= s (a power of two: exact in the model dtype)
+        else:  # the tensor-wise GEMM (per token then y *= s: a power of two, exact in the model dtype)
             y = _gemm(z8, entry.w.fwd_b, sx_inv, entry.w.fwd_scale_inv, h.dtype, recipe.fast_accum_forward, out_shape)
-            y.mul_(s.view(*out_shape[:-1], 1).to(y.dtype))
-        else:
-            y = _gemm(z8, entry.w.fwd_b, sx_inv, entry.w.fwd_scale_inv, h.dtype, recipe.fast_accum_forward, out_shape)
+            if per_token:
+                y.mul_(s.view(*out_shape[:-1], 1).to(y.dtype))
         if grad_enabled:
             saved_h = h
             if store is not None:
                 fmt, key, counter = store
                 ctx.h_q, saved_h = quantize_saved(h, fmt, key, counter), None
-            ctx.state, ctx.recipe, ctx.base, ctx.impl, ctx.per_token = state, recipe, base, impl, per_token
+            ctx.state, ctx.recipe, ctx.base, ctx.impl, ctx.mode = state, recipe, base, impl, mode
             ctx.entry, ctx.cache, ctx.x_scales = entry, weight_cache, (sx_inv, meta_x)
             ctx.h_dtype, ctx.h_shape = h.dtype, h.shape
             ctx.save_for_backward(saved_h, weight, s, z8_t if keep_z else None)
@@ -205,14 +238,15 @@ class SmoothSwiGLUFP8Fc2(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         h, weight, s, z_cm = ctx.saved_tensors
-        state, recipe, base, impl, per_token = ctx.state, ctx.recipe, ctx.base, ctx.impl, ctx.per_token
+        state, recipe, base, impl, mode = ctx.state, ctx.recipe, ctx.base, ctx.impl, ctx.mode
+        per_token = mode == "per_token"
         entry, ctx.entry = ctx.entry, None
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g = grad_y if grad_y.is_contiguous() else grad_y.contiguous()
         ops = _MulCastOps(base, s.reshape(-1, 1)) if per_token else base  # per token: cast g * s (un-smoothing)
         g8, g8_t, _, sg_inv = state.cast_meta("g", g, ops, need_dh, need_dw, False)
         h_shape = ctx.h_shape
-        scale = s.reshape(*h_shape[:-1], 1) if per_token else s  # the forward's s, never recomputed
+        scale = s.reshape(*h_shape[:-1], 1) if per_token else s  # the forward's s, never recomputed (plain: None)
         swiglu_fwd, swiglu_bwd, src = impl.fwd, impl.bwd, h
         if h is None:  # activation storage: read the codes (one pass each) or dequantize once
             q, ctx.h_q = ctx.h_q, None
@@ -227,8 +261,8 @@ class SmoothSwiGLUFP8Fc2(torch.autograd.Function):
             if z_cm is None:  # activation storage: z rebuilt from the stored h with the forward's s
                 z_hat = swiglu_fwd(src, scale).reshape(-1, h_shape[-1] // 2).contiguous()
                 z_cm = _recast_t(z_hat, "x", recipe, base, meta_x).t()
-            dw = _wgrad(g8_t, z_cm, sg_inv, sx_inv, None if per_token else s, weight)
-        if not per_token:
+            dw = _wgrad(g8_t, z_cm, sg_inv, sx_inv, s if mode == "per_channel" else None, weight)
+        if mode == "per_channel":
             ctx.cache.release(entry)  # this micro-batch's W * s: no later use
         return dh, dw, None, None, None, None, None, None, None
 
@@ -271,10 +305,26 @@ def smooth_swiglu_fp8_fc2(h: torch.Tensor, weight: torch.Tensor, state: FP8Scali
     FP8WeightCache for this op only (its entries carry the row-wise scale / the folded per-channel s);
     ``tp_group``: the per-token amax is all-reduced over it; ``store``: keep only h quantized to
     ``fmt`` (activation storage) instead of h itself."""
+    mode = "per_token" if per_token else "per_channel"
+    return _apply(h, weight, state, recipe, mode, weight_cache, tp_group, store)
+
+
+def swiglu_fp8_fc2(h: torch.Tensor, weight: torch.Tensor, state: FP8ScalingState, recipe: FP8Recipe, *,
+                   weight_cache: FP8WeightCache,
+                   store: tuple[QuantFormat, Key, SavedBytesCounter | None] | None = None) -> torch.Tensor:
+    """fc2's output (before its TP all-reduce) of plain SwiGLU on the fc1 output ``h`` [T.., 2F]: Megatron's SwiGLU
+    then the FP8 linear (agoq.ops.fp8_linear, delayed scaling) in one op, without smoothing (module docstring).
+    ``state``, ``weight_cache``, ``store`` as :func:`smooth_swiglu_fp8_fc2` (``weight_cache`` for this op only:
+    its entries are not agoq.ops.fp8_linear's); no TP reduction (one history per rank, as the FP8 linear)."""
+    return _apply(h, weight, state, recipe, "none", weight_cache, None, store)
+
+
+def _apply(h, weight, state, recipe, mode, weight_cache, tp_group, store) -> torch.Tensor:
     if not fused_smooth_supported(recipe, h):
-        raise ValueError(f"smooth_swiglu_fp8_fc2 needs per-tensor delayed scaling and a bf16/fp16 fc1 output with "
-                         f"an even width, got {recipe} and {h.dtype} {tuple(h.shape)}; use the unfused "
-                         "Smooth-SwiGLU (agoq.ops.smooth_swiglu) with agoq.ops.fp8_linear")
+        unfused = "agoq.ops.smooth_swiglu" if mode != "none" else "Megatron's SwiGLU"
+        raise ValueError(f"the fused SwiGLU + FP8 fc2 op ({mode}) needs per-tensor delayed scaling and a bf16/fp16 "
+                         f"fc1 output with an even width, got {recipe} and {h.dtype} {tuple(h.shape)}; use the "
+                         f"unfused {unfused} with agoq.ops.fp8_linear")
     if weight.dim() != 2 or 2 * weight.shape[1] != h.shape[-1]:
         raise ValueError(f"fc2 weight {tuple(weight.shape)} does not take the SwiGLU of fc1 output {tuple(h.shape)} "
                          "(expected [H, F] for h [..., 2F])")
@@ -282,5 +332,4 @@ def smooth_swiglu_fp8_fc2(h: torch.Tensor, weight: torch.Tensor, state: FP8Scali
     if SLOT_VARIANTS["x"] != "e4m3":
         raise AssertionError("fc2's input slot must be E4M3 (the row-wise GEMM's operand b)")
     grad_enabled = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return SmoothSwiGLUFP8Fc2.apply(h, weight, state, recipe, per_token, tp_group, store, weight_cache,
-                                    grad_enabled)
+    return SmoothSwiGLUFP8Fc2.apply(h, weight, state, recipe, mode, tp_group, store, weight_cache, grad_enabled)
