@@ -179,8 +179,9 @@ CONTRACT: tuple[Symbol, ...] = (
            "saves (input, weight) for backward; agoq swaps saved tensor 0 of its autograd node "
            "(LinearWithGradAccumulationAndAsyncCommunicationBackward, checked per call: node name, input identity)",
            attrs=("forward", "backward")),
-    Symbol("megatron.core.transformer.mlp:MLP.forward", "AgoqMLP re-implements it for SwiGLU recompute",
-           params=("hidden_states", "per_token_scale")),
+    Symbol("megatron.core.transformer.mlp:MLP.forward", "AgoqMLP re-implements it for SwiGLU recompute, "
+           "Smooth-SwiGLU and plain SwiGLU fused with an FP8 fc2 (its unfused glu: silu(x_glu) * (x_linear + "
+           "glu_linear_offset), what the fused kernel reproduces)", params=("hidden_states", "per_token_scale")),
     Symbol("megatron.core.transformer.mlp:MLP.as_mlp_submodule",
            "AgoqMLP builder in the layer spec; AgoqMLP.as_mlp_submodule re-implements its body (plus agoq's "
            "keywords) and passes these on to MLP.__init__",
@@ -207,6 +208,11 @@ CONTRACT: tuple[Symbol, ...] = (
     Symbol("megatron.core.transformer.mlp:MLP.__init__",
            "AgoqMLP reads self.tp_group (per-token Smooth-SwiGLU scale all-reduce) set from this parameter",
            params=("config", "submodules", "tp_group", "is_expert", "input_size", "ffn_hidden_size", "name")),
+    Symbol("megatron.core.transformer.transformer_config:TransformerConfig",
+           "plain SwiGLU fused with an FP8 fc2 (AgoqMLP.plain_fusion_problems): only where MLP.forward runs its "
+           "unfused glu (no bias_activation_fusion: the compiled bias_swiglu rounds differently)",
+           fields=("bias_activation_fusion", "activation_func", "gated_linear_unit", "activation_func_clamp_value",
+                   "glu_linear_offset", "use_te_activation_func")),
     Symbol("megatron.core.transformer.transformer_config:TransformerConfig",
            "Smooth-SwiGLU / FP8 support checks, first/last bf16 layers",
            fields=("num_layers", "glu_linear_offset", "sequence_parallel", "gated_linear_unit",

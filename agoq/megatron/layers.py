@@ -17,9 +17,11 @@ Touches: spec substitution (the layer itself: ``agoq.megatron.transformer_layer`
   parameters of
   ``linear_with_grad_accumulation_and_async_allreduce``, which the FP8 path reads);
   ``copy_to_tensor_model_parallel_region`` (the FP8 path's dgrad all-reduce); ``RowParallelLinear.forward``
-  (fused Smooth-SwiGLU with an FP8 fc2 calls fc2 with the fc1 output, which it hands to ``_forward_impl``
+  (fused (Smooth-)SwiGLU with an FP8 fc2 calls fc2 with the fc1 output, which it hands to ``_forward_impl``
   unchecked; fc2 then runs agoq.ops.smooth_swiglu_fp8 and Megatron's all-reduce and bias follow); ``MLP.forward``
-  (re-implemented for the recompute and Smooth-SwiGLU paths only); ``MLP.tp_group``;
+  (re-implemented for the recompute, Smooth-SwiGLU and fused plain-FP8 paths only; the last computes Megatron's
+  unfused ``glu`` values, so it applies only where Megatron's MLP runs that branch: no
+  ``bias_activation_fusion``); ``MLP.tp_group``;
   ``ModuleSpec(module, params)`` / ``build_module`` (constructor arguments: ``with_params``).
 Why: AGoQ stores the pre-norm input (norm recomputed), the fc1 output (SwiGLU recomputed) and the
   out-projection input in low-bit (../shared/spec/algorithms.md §3.2). The spec is the first-choice seam; the
@@ -40,7 +42,7 @@ When disabled: a module built with the default ``SavedInputConfig()`` (every bf1
 Guarded by: ``tests/megatron/test_activations.py`` (bit-identity, gradient SQNR, bytes, constructor
   wiring and hand-off errors),
   ``tests/megatron/test_fp8_smooth.py`` (Smooth-SwiGLU vs plain, TP=2, FP8 errors on CPU),
-  ``tests/megatron/test_smooth_fp8_fused.py`` (the fused Smooth-SwiGLU FP8 path vs the unfused one),
+  ``tests/megatron/test_smooth_fp8_fused.py`` (the fused (Smooth-)SwiGLU FP8 paths vs the unfused ones),
   ``tests/gpu/test_fp8_megatron_gpu.py`` and ``tests/megatron/test_contract.py`` (the CONTRACT rows).
 """
 
@@ -57,6 +59,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from agoq.formats import QuantFormat
+from agoq.ops import saved_norm, saved_swiglu
 from agoq.ops.fp8_linear import fp8_linear
 from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState
 from agoq.ops.fp8_weight_cache import FP8WeightCache
@@ -71,11 +74,15 @@ from agoq.ops.saved_act import (
     replace_saved_input,
     saved_input_handle,
 )
-from agoq.ops import saved_norm, saved_swiglu
 from agoq.ops.saved_norm import rmsnorm_saving_input
 from agoq.ops.saved_swiglu import smooth_swiglu_saving_input, swiglu_reference, swiglu_saving_input
 from agoq.ops.smooth_swiglu import fold_channel_scale, glu_smooth_scale, unsmooth_fc2_output
-from agoq.ops.smooth_swiglu_fp8 import fused_smooth_supported, smooth_swiglu_fp8_fc2
+from agoq.ops.smooth_swiglu_fp8 import (
+    fused_smooth_supported,
+    plain_swiglu_fusion,
+    smooth_swiglu_fp8_fc2,
+    swiglu_fp8_fc2,
+)
 
 # The linears replace Megatron's saved input through a hook scope around the call (the default, public) or,
 # opt-in, that saved tensor's own hooks (SavePaths.linear_via_node_hooks=True: benchmarks/bench_memory.py's A/B;
@@ -105,13 +112,13 @@ class SavedInputConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class SmoothFc2Input:
-    """Sent by ``AgoqMLP`` to its FP8 fc2 with the fc1 output as fc2's input: fc2 runs Smooth-SwiGLU and its
+    """Sent by ``AgoqMLP`` to its FP8 fc2 with the fc1 output as fc2's input: fc2 runs (Smooth-)SwiGLU and its
     GEMMs as one op (agoq.ops.smooth_swiglu_fp8)."""
 
-    per_token: bool
-    """per-token (True) or per-channel (False) smoothing."""
+    mode: str
+    """agoq.ops.smooth_swiglu_fp8.SMOOTHING: "per_token" / "per_channel" smoothing, or "none" (plain SwiGLU)."""
     tp_group: object | None = None
-    """The group the per-token amax is all-reduced over (the MLP's TP group)."""
+    """The group the per-token amax is all-reduced over (the MLP's TP group; unused otherwise)."""
     store: tuple | None = None
     """(fmt, key, counter): keep only the fc1 output quantized (activation storage); None: keep it as is."""
 
@@ -256,18 +263,22 @@ class _AgoqLinearMixin:
         return stash
 
     def _smooth_fp8_forward_impl(self, h, weight, smooth: SmoothFc2Input, args, kw):
-        """fc2 fed the fc1 output ``h`` by AgoqMLP: Smooth-SwiGLU and the FP8 GEMMs as one op
+        """fc2 fed the fc1 output ``h`` by AgoqMLP: (Smooth-)SwiGLU and the FP8 GEMMs as one op
         (agoq.ops.smooth_swiglu_fp8), returning fc2's TP-partial output (Megatron's RowParallelLinear.forward
         all-reduces it and adds the bias)."""
         self._check_fp8_kwargs(args, kw)
         if kw.get("allreduce_dgrad"):
             raise NotImplementedError(
-                f"agoq's fused Smooth-SwiGLU runs on a row-parallel fc2 only ({self.agoq_save.key})")
+                f"agoq's fused SwiGLU + FP8 fc2 runs on a row-parallel fc2 only ({self.agoq_save.key})")
         cache = self.__dict__.get("_agoq_fp8_smooth_wcache")
         if cache is None:  # its entries carry the row-wise scale / the folded per-channel s: not the plain cache's
             cache = self.__dict__["_agoq_fp8_smooth_wcache"] = FP8WeightCache()
-        y = smooth_swiglu_fp8_fc2(h, weight, self._fp8_state(weight.device), self.agoq_fp8, per_token=smooth.per_token,
-                                  weight_cache=cache, tp_group=smooth.tp_group, store=smooth.store)
+        state = self._fp8_state(weight.device)
+        if smooth.mode == "none":
+            y = swiglu_fp8_fc2(h, weight, state, self.agoq_fp8, weight_cache=cache, store=smooth.store)
+        else:
+            y = smooth_swiglu_fp8_fc2(h, weight, state, self.agoq_fp8, per_token=smooth.mode == "per_token",
+                                      weight_cache=cache, tp_group=smooth.tp_group, store=smooth.store)
         return y if kw.get("bias") is None else y + kw["bias"]
 
     def _check_fp8_kwargs(self, args, kw) -> None:
@@ -357,6 +368,11 @@ class AgoqMLP(MLP):
     by s; per channel, fc2 uses W * s (s folded into its input columns, handed to fc2 with the stash;
     each channel lives on one TP rank). In bf16 the smoothed MLP therefore equals the plain one bit for
     bit, barring underflow.
+
+    Plain SwiGLU with an FP8 fc2 under per-tensor delayed scaling (``agoq_plain_fp8``, decided at construction;
+    the rule is :meth:`plain_fusion_problems`) hands fc2 the fc1 output and fc2 runs SwiGLU, its E4M3 cast and
+    its GEMMs as one op (agoq.ops.smooth_swiglu_fp8.swiglu_fp8_fc2: Megatron's values, no silu output kept),
+    unless switched off process-wide (``set_plain_swiglu_fusion(False)``: Megatron's MLP, benchmarks' A/B).
     """
 
     def __init__(self, config, submodules, *args, agoq_save: SavedInputConfig = _NO_SAVE,
@@ -372,6 +388,8 @@ class AgoqMLP(MLP):
             self.check_recompute_supported()
         if agoq_smooth is not None:
             self.check_smooth_supported()
+        # plain SwiGLU fused with the FP8 fc2 (forward checks the switch, eager mode and the fc1 output's dtype)
+        self.agoq_plain_fp8 = agoq_smooth is None and not self.plain_fusion_problems()
 
     @classmethod
     def as_mlp_submodule(cls, submodules, config, pg_collection, is_mtp_layer, is_expert: bool = False,
@@ -401,6 +419,23 @@ class AgoqMLP(MLP):
         if problems:
             raise NotImplementedError(f"Smooth-SwiGLU needs {', '.join(problems)}; use --agoq-smooth-swiglu off")
 
+    def plain_fusion_problems(self) -> list[str]:
+        """Why plain SwiGLU cannot run fused with fc2 (empty: it can): fc2 must be FP8 with per-tensor delayed
+        scaling (agoq.ops.smooth_swiglu_fp8.fused_smooth_supported's recipe rule), and Megatron's MLP must be
+        computing the unfused ``glu`` the fused kernel reproduces: plain SwiGLU, no clamp, no offset, no
+        ``bias_activation_fusion`` (Megatron's compiled bias_swiglu rounds once in fp32, not after silu and after
+        the product). Anything else keeps Megatron's MLP (docs/fp8.md, "SwiGLU fused with a plain FP8 fc2")."""
+        recipe = getattr(self.linear_fc2, "agoq_fp8", None)
+        problems = []
+        if recipe is None or recipe.granularity != "tensor" or recipe.scaling != "delayed":
+            problems.append("an FP8 fc2 with per-tensor delayed scaling (--agoq-fp8 delayed)")
+        problems += self._swiglu_problems()
+        if self.config.glu_linear_offset:
+            problems.append("glu_linear_offset=0")
+        if self.config.bias_activation_fusion:
+            problems.append("bias_activation_fusion=False (--no-bias-swiglu-fusion)")
+        return problems
+
     def _swiglu_problems(self) -> list[str]:
         cfg = self.config
         problems = []
@@ -414,7 +449,8 @@ class AgoqMLP(MLP):
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         save = self.agoq_save
-        if save.fmt is None and self.agoq_smooth is None:
+        plain_fused = per_token_scale is None and self._fused_plain(hidden_states)
+        if save.fmt is None and self.agoq_smooth is None and not plain_fused:
             return super().forward(hidden_states, per_token_scale, **kwargs)
         if per_token_scale is not None:
             raise NotImplementedError("agoq's MLP (SwiGLU recompute / Smooth-SwiGLU) does not support "
@@ -422,12 +458,37 @@ class AgoqMLP(MLP):
         h_SBF2, bias = self.linear_fc1(hidden_states)
         if bias is not None:
             h_SBF2 = h_SBF2 + bias
-        if self.agoq_smooth is None:
-            z_SBF, stash = swiglu_saving_input(h_SBF2, save.fmt, save.key, save.counter,
-                                               offset=self.config.glu_linear_offset, fuse=save.paths.fuse_swiglu)
-            self.agoq_fc2_handoff.put(stash)
-            return self.linear_fc2(z_SBF)
-        return self._smooth_forward(h_SBF2)
+        if self.agoq_smooth is not None:
+            return self._smooth_forward(h_SBF2)
+        if plain_fused and fused_smooth_supported(self.linear_fc2.agoq_fp8, h_SBF2):
+            return self._fused_fc2(h_SBF2, "none", None)
+        if save.fmt is None:  # an fc1 output the fused op does not take (not the input's dtype): Megatron's glu
+            return self.linear_fc2(self._megatron_glu(h_SBF2))
+        z_SBF, stash = swiglu_saving_input(h_SBF2, save.fmt, save.key, save.counter,
+                                           offset=self.config.glu_linear_offset, fuse=save.paths.fuse_swiglu)
+        self.agoq_fc2_handoff.put(stash)
+        return self.linear_fc2(z_SBF)
+
+    def _fused_plain(self, hidden_states) -> bool:
+        """Whether plain SwiGLU runs fused with the FP8 fc2 (class docstring): the construction-time rule, the
+        process-wide switch, eager mode (under torch.compile Megatron's ops are traced) and an input dtype the
+        fused kernels take (the fc1 output has the input's dtype; checked again on it)."""
+        return (self.agoq_plain_fp8 and plain_swiglu_fusion() and not torch.compiler.is_compiling()
+                and hidden_states.dtype in (torch.bfloat16, torch.float16))
+
+    def _megatron_glu(self, h_SBF2):
+        """megatron.core.transformer.mlp.MLP.forward's unfused ``glu`` under ``plain_fusion_problems``' rule (no
+        clamp), in its own words (``x_linear + glu_linear_offset`` included)."""
+        x_glu, x_linear = torch.chunk(h_SBF2, 2, dim=-1)
+        return self.config.activation_func(x_glu) * (x_linear + self.config.glu_linear_offset)
+
+    def _fused_fc2(self, h_SBF2, mode: str, tp_group):
+        """Hand fc2 the fc1 output: fc2 runs the SwiGLU (``mode``: agoq.ops.smooth_swiglu_fp8.SMOOTHING), its
+        E4M3 cast and its GEMMs as one op; with activation storage only the quantized h is kept."""
+        save = self.agoq_save
+        store = None if save.fmt is None else (save.fmt, save.key, save.counter)
+        self.agoq_fc2_handoff.put(None, smooth=SmoothFc2Input(mode=mode, tp_group=tp_group, store=store))
+        return self.linear_fc2(h_SBF2)
 
     def _fused_smooth(self, h_SBF2) -> bool:
         """Whether the Smooth-SwiGLU MLP runs as one op with its FP8 fc2: fc2 in FP8 with per-tensor delayed
@@ -440,10 +501,7 @@ class AgoqMLP(MLP):
         mode, save = self.agoq_smooth, self.agoq_save
         tp_group = self.tp_group if mode == "per_token" else None
         if self._fused_smooth(h_SBF2):  # fc2 takes the fc1 output: one op (agoq.ops.smooth_swiglu_fp8)
-            store = None if save.fmt is None else (save.fmt, save.key, save.counter)
-            self.agoq_fc2_handoff.put(None, smooth=SmoothFc2Input(per_token=mode == "per_token", tp_group=tp_group,
-                                                                  store=store))
-            return self.linear_fc2(h_SBF2)
+            return self._fused_fc2(h_SBF2, mode, tp_group)
 
         def scale_fn(h, glu):
             return glu_smooth_scale(h, glu, mode, tp_group=tp_group)

@@ -1,4 +1,4 @@
-"""The fused Smooth-SwiGLU + FP8 fc2 path (agoq.ops.smooth_swiglu_fp8) inside the real megatron-core model, on CPU.
+"""The fused (Smooth-)SwiGLU + FP8 fc2 paths (agoq.ops.smooth_swiglu_fp8) inside the real megatron-core model, on CPU.
 
 FP8 linears need an sm_89+ GPU for speed, but their math runs on CPU too (agoq.ref casts, CPU
 ``torch._scaled_mm``); this test lifts the device check (monkeypatched ``check_fp8_device``) to compare, in one
@@ -15,10 +15,16 @@ E5M2 code of the next FP8 gradient cast (2 mantissa bits: steps of 2**-2) with p
 an error of ~2**-2: noise power ~2**-5 * 2**-4 = 2**-9 per cast (27 dB), about two such casts on the longest
 chain of this 2-layer model: ~24 dB (measured 22.5-23.5 dB). Floor: 15 dB; a wiring error (a wrong scale,
 a missing un-smoothing, the TP / bias path) is ~0 dB.
+
+Plain FP8 (no Smooth-SwiGLU): the fused path (swiglu_fp8_fc2, the default) against Megatron's own MLP (its
+unfused ``glu``, then the FP8 fc2; ``set_plain_swiglu_fusion(False)``), with the same equalities and floor, also
+at TP=2 (gloo: Megatron's row-parallel all-reduce after the op; per-rank delayed-scaling histories on both paths),
+and the rule that keeps Megatron's MLP (bias_activation_fusion, current scaling, the bf16 first / last layers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -48,7 +54,9 @@ def fp8_on_cpu(monkeypatch):
     monkeypatch.setattr(fp8_linear, "check_fp8_device", lambda *a, **k: None)
 
 
-def _build(mode, policy, fused, reference=None):
+def _build(mode, policy, fused, reference=None, tp=1, recipe="delayed", bf16_layers=0, **config_overrides):
+    import dataclasses
+
     from megatron.core.transformer.module import Float16Module
 
     from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
@@ -56,9 +64,11 @@ def _build(mode, policy, fused, reference=None):
     from agoq.policy import FP8Spec, ScheduleInfo
 
     shape = tiny_shape()
-    config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.bfloat16,
+    config = llama_transformer_config(shape, ParallelLayout(tp=tp), params_dtype=torch.bfloat16,
                                       use_cpu_initialization=True)
-    compute = FP8Spec(recipe="delayed", smooth_swiglu=mode, bf16_first_layers=0, bf16_last_layers=0)
+    if config_overrides:
+        config = dataclasses.replace(config, **config_overrides)
+    compute = FP8Spec(recipe=recipe, smooth_swiglu=mode, bf16_first_layers=bf16_layers, bf16_last_layers=0)
     spec = agoq_layer_spec("sdpa", policy=None if policy is None else POLICIES / f"{policy}.yaml",
                            schedule=ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1), compute=compute,
                            save_paths=SavePaths(fuse_smooth_fp8=fused))
@@ -131,3 +141,95 @@ def _build_bf16():
                                       use_cpu_initialization=True)
     (model,) = build_model_chunks(tiny_shape(), config, agoq_layer_spec("sdpa"), None)
     return model
+
+
+@contextlib.contextmanager
+def _plain_fusion(enabled):
+    from agoq.ops.smooth_swiglu_fp8 import set_plain_swiglu_fusion
+
+    previous = set_plain_swiglu_fusion(enabled)
+    try:
+        yield
+    finally:
+        set_plain_swiglu_fusion(previous)
+
+
+def _fused_fc2s(model):
+    return [m for m in model.modules() if "_agoq_fp8_smooth_wcache" in m.__dict__]
+
+
+def _compare_plain(unfused, fused, policy, steps=2):
+    """(loss equal, last fc2 weight gradient equal, worst gradient SQNR) per step: Megatron's MLP vs the fused op."""
+    out = []
+    for step in range(steps):  # step 0 bootstraps the delayed histories, step 1 uses them
+        with _plain_fusion(False):
+            loss_u, grads_u = _step(unfused, step)
+        loss_f, grads_f = _step(fused, step)
+        last_fc2 = [n for n in grads_u if "layers.1.mlp.linear_fc2.weight" in n]
+        fc2_equal = bool(last_fc2) and all(torch.equal(grads_f[n], grads_u[n]) for n in last_fc2)
+        worst = min(_sqnr_db(grads_u[n], grads_f[n]) for n in grads_u)
+        out.append((torch.equal(loss_f, loss_u), fc2_equal or policy != "bf16", worst))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["bf16", "agoq"])
+def test_fused_plain_fp8_mlp_equals_megatrons(mcore_world1, fp8_on_cpu, policy):
+    """Plain FP8 (delayed): the fused SwiGLU + fc2 op against Megatron's MLP (bf16 policy) or agoq's SwiGLU storing
+    the quantized fc1 output (agoq policy): the loss bit for bit, the last fc2's weight gradient bit for bit with the
+    fc1 output kept in bf16, every gradient >= GRAD_FLOOR_DB (module docstring)."""
+    unfused = _build("off", policy, fused=True)
+    fused = _build("off", policy, fused=True, reference=unfused)
+    for step, (loss_equal, fc2_equal, worst) in enumerate(_compare_plain(unfused, fused, policy)):
+        assert loss_equal and fc2_equal, step
+        assert worst >= GRAD_FLOOR_DB, (step, worst)
+    assert len(_fused_fc2s(fused)) == 2 and not _fused_fc2s(unfused)  # both layers' fc2 ran the fused op
+    assert all(m.agoq_plain_fp8 for m in fused.modules() if type(m).__name__ == "AgoqMLP")
+
+
+def test_plain_fusion_rule_keeps_megatrons_mlp(mcore_world1, fp8_on_cpu):
+    """Where the fused op cannot give Megatron's values it does not run, and the rule says why: Megatron's
+    compiled bias_swiglu (bias_activation_fusion), current scaling, and the bf16 first layer (no FP8 fc2)."""
+    fusion = _build("off", "bf16", fused=True, bias_activation_fusion=True)
+    for mlp in (m for m in fusion.modules() if type(m).__name__ == "AgoqMLP"):
+        assert not mlp.agoq_plain_fp8 and any("bias_activation_fusion" in p for p in mlp.plain_fusion_problems())
+    current = _build("off", "bf16", fused=True, recipe="current")
+    first_bf16 = _build("off", "bf16", fused=True, bf16_layers=1)
+    for model in (current, first_bf16):
+        _step(model, 0)
+    assert not _fused_fc2s(current) and len(_fused_fc2s(first_bf16)) == 1
+    mlps = [m for m in first_bf16.modules() if type(m).__name__ == "AgoqMLP"]
+    assert [m.agoq_plain_fp8 for m in mlps] == [False, True]
+    assert any("delayed scaling" in p for p in mlps[0].plain_fusion_problems())
+
+
+def _tp_rank(rank: int, world_size: int) -> list:
+    from megatron.core import parallel_state
+
+    from agoq.config import AgoqConfig
+    from agoq.megatron import runtime
+    from agoq.megatron.install import install
+    from agoq.megatron.model import ParallelLayout
+    from agoq.ops import fp8_linear
+
+    fp8_linear.check_fp8_device = lambda *a, **k: None  # FP8 math on CPU (the fp8_on_cpu fixture, in this rank)
+    handle = install(AgoqConfig(device="cpu"))
+    try:
+        runtime.init_model_parallel(ParallelLayout(tp=2), seed=1234, device=torch.device("cpu"))
+        unfused = _build("off", "bf16", fused=True, tp=2)
+        fused = _build("off", "bf16", fused=True, tp=2, reference=unfused)
+        out = _compare_plain(unfused, fused, "bf16")
+        parallel_state.destroy_model_parallel()
+        return [(a, b, w >= GRAD_FLOOR_DB) for a, b, w in out]
+    finally:
+        handle.uninstall()
+
+
+@pytest.mark.dist
+def test_tp2_fused_plain_fp8_mlp_equals_megatrons(fp8_on_cpu):
+    """TP=2 (gloo, 2 ranks, each half of the FFN channels): the fused op's TP-partial output goes through Megatron's
+    row-parallel all-reduce; per-tensor delayed scaling keeps one history per rank on both paths (nothing is
+    reduced), so each rank's loss and last fc2 weight-gradient shard equal the unfused path's."""
+    from agoq.testing.dist import spawn_ranks
+
+    per_rank = spawn_ranks(2, _tp_rank, start_method="spawn")
+    assert per_rank == [[(True, True, True)] * 2] * 2, per_rank
