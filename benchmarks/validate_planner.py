@@ -21,8 +21,9 @@ Sources (GPU measurements, never edited here; the reports that cite them are in 
 
 Each file is predicted on the code of its date (``_dated``; a merged file's row on its own invocation's date,
 ``run_date``): the current files of the bench_memory suites (2026-11-24) and of the fp8 suite (2026-11-25 07:12)
-predate changes the planner models, and every agoq-optimizer run before 98c84d5 (2026-11-26 15:57) initialised its
-states through full-size temporaries (``Recipe.state_init``: dp2_pp2's last stage peaks there).
+predate changes the planner models, every agoq-optimizer run before 98c84d5 (2026-11-26 15:57) initialised its
+states through full-size temporaries (``Recipe.state_init``: dp2_pp2's last stage peaks there), and every plain
+FP8 run before e9f6759 (2026-11-26 19:34) ran Megatron's SwiGLU before the FP8 fc2 (``Recipe.fuse_plain_swiglu_fp8``).
 
 ``python benchmarks/validate_planner.py`` prints the table of docs/benchmarks/planner.md (exit status 1 when a
 case leaves the target without a known gap); tests/megatron/test_plan_peak.py runs the same checks.
@@ -64,6 +65,12 @@ DEFERRED_GRAD_BUFFER_SINCE = "2026-11-26T13:57:35"  # commit 1bd195f
 # rounds in float64 since fb51259, and the states are written at their final size since 98c84d5 (commit times)
 FP64_MASTER_SPLIT_SINCE = "2026-11-26T10:12:12"  # commit fb51259
 ZERO_STATE_INIT_SINCE = "2026-11-26T15:57:51"  # commit 98c84d5
+# plain SwiGLU fused with the FP8 fc2 under delayed scaling (agoq.ops.smooth_swiglu_fp8.swiglu_fp8_fc2 in
+# agoq.megatron.layers.AgoqMLP, Recipe.fuse_plain_swiglu_fp8): the commit time of e9f6759. Every plain FP8 row
+# committed so far (fp8_step.json 2026-11-25, fp8_scale_*.json 2026-11-26 18:30) ran Megatron's SwiGLU then the
+# FP8 linear and is predicted as such; the fused path's term (-4 B x f per token per FP8 layer with a bf16
+# fc1 output) is not measured yet (docs/fp8.md, "SwiGLU fused with a plain FP8 fc2").
+PLAIN_SWIGLU_FP8_FUSION_SINCE = "2026-11-26T19:34:03"
 # agoq.ops.fp8_weight_cache came in with commit 9a9e60e (2026-11-24T01:46:04 UTC); the planner models
 # the cache, so an FP8 run measured before it is refused rather than mispredicted.
 FP8_WEIGHT_CACHE_SINCE = "2026-11-24T01:46:04"
@@ -92,7 +99,9 @@ def _dated(recipe: Recipe, report: dict, variant: str | None = None) -> Recipe:
                                full_isfinite_check=date < SLICED_CHECK_SINCE,
                                pack_hook_held_inputs=date < PACK_HOOK_FIX_SINCE,
                                float_grad_buffer_at_construction=date < DEFERRED_GRAD_BUFFER_SINCE,
-                               state_init=_state_init(date))
+                               state_init=_state_init(date),
+                               fuse_plain_swiglu_fp8=recipe.fuse_plain_swiglu_fp8
+                               and date >= PLAIN_SWIGLU_FP8_FUSION_SINCE)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,12 @@ which models bf16 linears and Megatron's SwiGLU):
   output): with mlp.swiglu_input bf16 the op keeps h and fc2's FP8 input copy, not the silu output
   autograd kept: -2 B x f per token more; per channel each micro-batch holds its FP8 W * s (both
   layouts, released after its backward): +2 x 1 B x h x f.
+- fused plain SwiGLU on an FP8 layer under delayed scaling (agoq.ops.smooth_swiglu_fp8.swiglu_fp8_fc2, the code
+  since commit e9f6759, 2026-11-26 19:34 UTC; ``plain_fusion``, ``Recipe.fuse_plain_swiglu_fp8``: False for the
+  code before it and for AGOQ_FP8_SWIGLU_FUSION=0): with mlp.swiglu_input bf16 the op keeps h and fc2's FP8 input
+  copy where Megatron's SwiGLU kept the silu output and its ``x_linear + 0`` tensor besides: -2 x 2 B x f per
+  token. With mlp.swiglu_input quantized both paths keep the same quantized h: no change. Its fc2 weight entry is
+  the op's own cache (the same 2 B per parameter, no row-wise scale): no persistent change.
 
 Transients (why none is added): the forward casts of a layer (x in FP8, two layouts) run before the
 later layers' saves exist, and in backward the casts of fc1's incoming gradient (E5M2, two layouts,
@@ -90,6 +96,12 @@ def cached_linears(spec: FP8Spec) -> tuple[str, ...]:
     return tuple(n for n in LINEARS if not (n == "linear_fc2" and spec.smooth_swiglu == "per-channel"))
 
 
+def fused_plain(spec: FP8Spec, plain_fusion: bool = True) -> bool:
+    """Plain SwiGLU runs fused with an FP8 fc2 (agoq.megatron.layers.AgoqMLP.plain_fusion_problems: per-tensor
+    delayed scaling; the trainer's model has no bias_activation_fusion) when the code fuses it (``plain_fusion``)."""
+    return plain_fusion and spec.smooth_swiglu == "off" and spec.recipe == "delayed"
+
+
 def fused_smooth(spec: FP8Spec) -> bool:
     """Smooth-SwiGLU runs fused with an FP8 fc2 (agoq.ops.smooth_swiglu_fp8.fused_smooth_supported: per-tensor
     delayed scaling; SavePaths.fuse_smooth_fp8 at its default)."""
@@ -130,8 +142,10 @@ def fp8_persistent_bytes(spec: FP8Spec | None, shape: ModelShape, tp: int, layer
     return per_layer * len(fp8_layers(spec, layers, shape.num_layers))
 
 
-def saved_delta_bytes(spec: FP8Spec | None, storage: LayerStorage, dims: LayerDims, fp8_layer: bool) -> int:
-    """Held bytes of one layer and micro-batch minus the bf16-linear model's (module docstring)."""
+def saved_delta_bytes(spec: FP8Spec | None, storage: LayerStorage, dims: LayerDims, fp8_layer: bool,
+                      plain_fusion: bool = True) -> int:
+    """Held bytes of one layer and micro-batch minus the bf16-linear model's (module docstring); ``plain_fusion``:
+    the code fuses plain SwiGLU with an FP8 fc2 (``fused_plain``)."""
     if spec is None:
         return 0
     delta = 0
@@ -141,6 +155,8 @@ def saved_delta_bytes(spec: FP8Spec | None, storage: LayerStorage, dims: LayerDi
                 continue  # x_saver: agoq's quantized copy or recompute handle, as without FP8
             was = 0 if role in VIEW_SAVED_ROLES else BF16_BYTES
             delta += (FP8_BYTES - was) * dims.numel(role)
+        if fused_plain(spec, plain_fusion) and storage.roles["mlp.swiglu_input"].how == MEGATRON:
+            delta -= 2 * BF16_BYTES * dims.numel("mlp.fc2_input")  # no silu output, no x_linear + 0 tensor
     if spec.smooth_swiglu != "off":
         f_local = dims.numel("mlp.fc2_input") // dims.tokens
         if storage.roles["mlp.swiglu_input"].how == MEGATRON:

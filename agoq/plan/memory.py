@@ -105,9 +105,12 @@ def stage_layers(shape: ModelShape, layout: Layout) -> list[list[tuple[int, int 
 
 
 def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec, *, v_view: bool = False,
-                fp8: FP8Spec | None = None, core_attn_recompute: bool = False) -> list[StageMemory]:
+                fp8: FP8Spec | None = None, core_attn_recompute: bool = False,
+                plain_swiglu_fusion: bool = True) -> list[StageMemory]:
     """``v_view``: model attention's v as saved before 2026-11-25 (``agoq.plan.storage.megatron_bytes``);
     ``fp8``: the run's FP8 / Smooth-SwiGLU settings (saved-activation changes: ``agoq.plan.fp8``);
+    ``plain_swiglu_fusion``: plain SwiGLU fused with the FP8 fc2 (``agoq.plan.fp8.fused_plain``; False: the code
+    before it, or AGOQ_FP8_SWIGLU_FUSION=0);
     ``core_attn_recompute``: Megatron's selective recompute of core attention (``megatron_bytes``)."""
     schedule = ScheduleInfo(layout.pp, layout.vpp, layout.num_microbatches)
     dims = LayerDims(seq=layout.seq, micro_batch=layout.mbs, hidden=shape.hidden_size, ffn=shape.ffn_hidden_size,
@@ -124,7 +127,7 @@ def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec, *, v_view
             per_layer.append(sum(agoq_bytes(storage, dims).values())
                              + sum(megatron_bytes(storage, dims, v_view=v_view,
                                                     core_attn_recompute=core_attn_recompute).values())
-                             + saved_delta_bytes(fp8, storage, dims, fp8_layer))
+                             + saved_delta_bytes(fp8, storage, dims, fp8_layer, plain_swiglu_fusion))
         params = len(layers) * shape.layer_params() // layout.tp
         extra = 0
         if rank == 0:

@@ -146,6 +146,10 @@ class Recipe:
     # --agoq-fp8 / --agoq-smooth-swiglu / --agoq-fp8-bf16-*-layers over the policy's fp8 section
     # (agoq.megatron.compute.compute_spec): weight caches, scaling state, saved inputs (agoq.plan.fp8)
     fp8: FP8Spec = FP8Spec()
+    # plain SwiGLU fused with the FP8 fc2 under delayed scaling (agoq.plan.fp8.fused_plain): the code since commit
+    # e9f6759 (2026-11-26 19:34 UTC); False before it (benchmarks/validate_planner.py) and with the trainer's
+    # AGOQ_FP8_SWIGLU_FUSION=0 (agoq.megatron.train.memory_report)
+    fuse_plain_swiglu_fp8: bool = True
 
 
 @dataclass(frozen=True)
@@ -339,7 +343,8 @@ def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe:
     """One StagePeak per pipeline rank."""
     dims = _stage_dims(shape, layout)
     stages = plan_stages(shape, layout, policy, v_view=recipe.sdpa_v_view, fp8=recipe.fp8,
-                         core_attn_recompute=recipe.selective_recompute)
+                         core_attn_recompute=recipe.selective_recompute,
+                         plain_swiglu_fusion=recipe.fuse_plain_swiglu_fp8)
     out = []
     for st in stages:
         rank = st.pp_rank

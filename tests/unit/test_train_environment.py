@@ -50,13 +50,31 @@ def test_unsmooth_switch_is_applied_by_the_trainer(value, mode):
         smooth_swiglu_fp8.set_unsmooth_mode(previous)
 
 
+@pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False)])
+def test_plain_swiglu_fusion_switch_is_applied_by_the_trainer(value, enabled):
+    from agoq.megatron.train.environment import PLAIN_FUSION_ENV, apply_kernel_switches
+    from agoq.ops import smooth_swiglu_fp8
+
+    previous = smooth_swiglu_fp8.plain_swiglu_fusion()
+    try:
+        apply_kernel_switches({} if value is None else {PLAIN_FUSION_ENV: value})
+        assert smooth_swiglu_fp8.plain_swiglu_fusion() is enabled
+        with pytest.raises(ValueError, match=PLAIN_FUSION_ENV):  # a typo stops the run, never ignored
+            apply_kernel_switches({PLAIN_FUSION_ENV: "off"})
+    finally:
+        smooth_swiglu_fp8.set_plain_swiglu_fusion(previous)
+
+
 def test_library_modules_ignore_the_environment_at_import():
     """With every variable set, importing the kernels' launcher and the plugin's runtime changes nothing: only
     the trainer's calls above carry them in."""
     code = ("from agoq.kernels import _fastlaunch\n"
             "from agoq.megatron import runtime\n"
+            "from agoq.ops import smooth_swiglu_fp8\n"
             "assert _fastlaunch.fast_launch_enabled()\n"
+            "assert smooth_swiglu_fp8.plain_swiglu_fusion() and smooth_swiglu_fp8.unsmooth_mode() == 'gemm'\n"
             "assert runtime.SINGLE_PROCESS.world_size == 1\n")
-    env = child_env(AGOQ_TRITON_FAST_LAUNCH="0", **TORCHRUN_RANK1)
+    env = child_env(AGOQ_TRITON_FAST_LAUNCH="0", AGOQ_FP8_SWIGLU_FUSION="0", AGOQ_SMOOTH_UNSMOOTH="epilogue",
+                    **TORCHRUN_RANK1)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -10,6 +10,10 @@ the trainer reads it here and passes what it found in:
 * ``AGOQ_SMOOTH_UNSMOOTH=epilogue`` (per-token Smooth-SwiGLU fused with an FP8 fc2: un-smooth after a tensor-wise
   GEMM instead of inside a row-wise one; benchmarks' A/B) -> ``agoq.ops.smooth_swiglu_fp8.set_unsmooth_mode``
   (:func:`apply_kernel_switches`);
+* ``AGOQ_FP8_SWIGLU_FUSION=0`` (plain FP8 MLPs run Megatron's SwiGLU then the FP8 fc2 instead of the fused SwiGLU +
+  FP8 fc2 op; benchmarks' A/B; ``1``, the default, fuses) -> ``agoq.ops.smooth_swiglu_fp8.set_plain_swiglu_fusion``
+  (:func:`apply_kernel_switches`; the start-up memory prediction follows it,
+  agoq.megatron.train.memory_report.recipe_from_config);
 * ``TRITON_INTERPRET=1`` -> ``AgoqConfig.triton_interpret`` (agoq.megatron.train.args builds the config).
 
 Other readers outside the library: ``scripts/pretrain_llama.py`` (``AGOQ_CACHE``, ``AGOQ_SHOW_KNOWN_WARNINGS``,
@@ -23,10 +27,12 @@ from collections.abc import Mapping
 
 from agoq.kernels._fastlaunch import set_fast_launch
 from agoq.megatron.runtime import LaunchInfo
-from agoq.ops.smooth_swiglu_fp8 import set_unsmooth_mode
+from agoq.ops.smooth_swiglu_fp8 import set_plain_swiglu_fusion, set_unsmooth_mode
 
 FAST_LAUNCH_ENV = "AGOQ_TRITON_FAST_LAUNCH"
 UNSMOOTH_ENV = "AGOQ_SMOOTH_UNSMOOTH"
+PLAIN_FUSION_ENV = "AGOQ_FP8_SWIGLU_FUSION"
+_SWITCH_VALUES = {"1": True, "0": False}
 
 
 def launch_from_environment(environ: Mapping[str, str] = os.environ) -> LaunchInfo:
@@ -42,7 +48,16 @@ def fast_launch_from_environment(environ: Mapping[str, str] = os.environ) -> boo
     return environ.get(FAST_LAUNCH_ENV, "1") != "0"
 
 
+def plain_fusion_from_environment(environ: Mapping[str, str] = os.environ) -> bool:
+    """``AGOQ_FP8_SWIGLU_FUSION``: 1 (the default) or 0; anything else stops the run (a typo is never ignored)."""
+    value = environ.get(PLAIN_FUSION_ENV, "1")
+    if value not in _SWITCH_VALUES:
+        raise ValueError(f"{PLAIN_FUSION_ENV}={value!r}: use 1 (fused SwiGLU + FP8 fc2, the default) or 0 (unfused)")
+    return _SWITCH_VALUES[value]
+
+
 def apply_kernel_switches(environ: Mapping[str, str] = os.environ) -> None:
     """Set the process-wide kernel switches the environment asks for (called once, before any kernel runs)."""
     set_fast_launch(fast_launch_from_environment(environ))
     set_unsmooth_mode(environ.get(UNSMOOTH_ENV, "gemm"))
+    set_plain_swiglu_fusion(plain_fusion_from_environment(environ))

@@ -11,12 +11,15 @@ the CPU, not comparable).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from agoq.config import AgoqConfig
 from agoq.megatron import runtime
+from agoq.ops.smooth_swiglu_fp8 import plain_swiglu_fusion
 from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
 from agoq.plan.peak import Recipe, StagePeak, format_peaks, grad_bytes_per_param, predict_peaks
 from agoq.plan.recipe import recipe_of
@@ -44,8 +47,10 @@ def _plan_inputs(shape, policy):
 
 
 def recipe_from_config(config: AgoqConfig) -> Recipe:
-    """The planner's Recipe of a run's config (agoq.plan.recipe.recipe_of: the same for the planner's CLI)."""
-    return recipe_of(config)
+    """The planner's Recipe of a run's config (agoq.plan.recipe.recipe_of: the same for the planner's CLI), with
+    the process-wide plain SwiGLU + FP8 fc2 fusion switch the trainer set from AGOQ_FP8_SWIGLU_FUSION
+    (agoq.megatron.train.environment), which changes what plain FP8 layers hold (agoq.plan.fp8)."""
+    return dataclasses.replace(recipe_of(config), fuse_plain_swiglu_fp8=plain_swiglu_fusion())
 
 
 def predicted_peaks(config: AgoqConfig, shape, plan: Layout, policy) -> list[StagePeak]:
@@ -87,7 +92,7 @@ def predicted_report(config: AgoqConfig, shape, plan: Layout, policy) -> str:
     (rank 0 prints it)."""
     recipe = recipe_from_config(config)
     model, policy = _plan_inputs(shape, policy)
-    stages = plan_stages(model, plan, policy, fp8=recipe.fp8)
+    stages = plan_stages(model, plan, policy, fp8=recipe.fp8, plain_swiglu_fusion=recipe.fuse_plain_swiglu_fp8)
     peaks = predict_peaks(model, plan, policy, recipe)
     lines = [f"predicted memory per GPU (agoq.plan; held bytes with "
              f"{optimizer_name(config, recipe, plan.dp, plan.distributed_optimizer)} "
