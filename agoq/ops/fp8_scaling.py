@@ -19,10 +19,22 @@ version (optimizer step), not once per micro-batch.
 Caveats: with activation recomputation the recomputed forward records its amaxes a second time (the
 history's max is unchanged by a repeated value); amaxes are not reduced across ranks (each rank scales
 its own tensors, which is exact; Transformer Engine's cross-rank amax reduction only aligns scales).
+
+CUDA graphs (``graph_phase``, set by the owner: agoq.megatron.graphs for Megatron's per-layer graphs; None,
+the default, is everything above). A graph replays kernels at the addresses of its capture and runs no Python,
+so the meta swap above would freeze every replay at the capture's scale. ``"capture"``: each cast reads a copy
+of the slot's meta (what the backward keeps), writes the next meta into a fresh tensor and copies it back into
+the slot's meta in place: the slot's tensor stays the same, and each replay advances the history as an eager
+call would. A gate (:meth:`gated`, the weight cache under capture) makes that update conditional on a device
+flag: the weight's amax is recorded once per weight generation, as the eager cache does, and the casts in
+between reuse the meta of the last recording. ``"warmup"`` (Megatron's eager passes on zero-filled inputs just
+before a capture): casts with the current scale and records nothing. Host counters (``num_updates``) count
+captures, not replays.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +125,9 @@ class FP8ScalingState(torch.nn.Module):
         self._variants = dict(SLOT_VARIANTS)
         self._pools: dict = {}  # slot -> [meta rows, their element 0, next unused index] (_fresh_meta)
         self._invs: dict = {}  # slot -> (current meta, its element 0) when made with it (cast_meta)
+        self.graph_phase: str | None = None  # None (eager), "warmup" or "capture" (module docstring)
+        self._gates: dict = {}  # slot -> 0-dim bool device tensor: record this cast (capture, gated)
+        self._gate_last: dict = {}  # slot -> the meta the last recorded cast of a gated slot used (capture)
         for slot in SLOT_VARIANTS:
             meta = torch.zeros(META_HEADER + self.length, dtype=torch.float32, device=device)
             meta[:2] = 1.0  # scale and its inverse before the first record
@@ -190,7 +205,10 @@ class FP8ScalingState(torch.nn.Module):
         The next meta is a row of a pool allocated :data:`META_POOL_ROWS` at a time, with its element-0
         view made in the same pass (two ``unbind`` calls), so a delayed cast allocates nothing and
         makes no view for its scales. Rows are never reused (each is written once, by the cast that
-        makes it), so saved scales stay valid; a pool is freed when its last row is."""
+        makes it), so saved scales stay valid; a pool is freed when its last row is. Under CUDA graphs
+        (``graph_phase``) :meth:`_cast_meta_graphs` instead."""
+        if self.graph_phase is not None:
+            return self._cast_meta_graphs(slot, x, cast_ops, rowmajor, transposed, t_colmajor)
         recipe = self.recipe
         if self.num_updates[slot]:
             key = self._meta_keys[slot]
@@ -212,6 +230,60 @@ class FP8ScalingState(torch.nn.Module):
         self._set(slot, new)
         return out, out_t, current, current[0]
 
+    def _cast_meta_graphs(self, slot: str, x: torch.Tensor, cast_ops, rowmajor: bool, transposed: bool,
+                          t_colmajor: bool):
+        """:meth:`cast_meta` in Megatron's graph creation (module docstring, "CUDA graphs"): same values as the
+        eager call, the slot's meta tensor kept and updated in place under capture, nothing recorded in warm-up."""
+        recipe, key = self.recipe, self._meta_keys[slot]
+        meta, ws = self._buffers[key], self._buffers[self._ws_keys[slot]]
+        args = (self._variants[slot], recipe.margin, recipe.pow2_scales)
+        if not self.num_updates[slot]:
+            if self.graph_phase == "capture":  # a replay would bootstrap again every time
+                raise RuntimeError(
+                    f"FP8 delayed scaling: slot {slot!r} has no amax history when its CUDA graph is captured; run an "
+                    "eager pass first (Megatron's local CUDA graphs record the first iteration eagerly) or use "
+                    "current scaling")
+            out, out_t, current = cast_ops.cast_current(x, *args, rowmajor, transposed, t_colmajor)  # warm-up
+            return out, out_t, current, current[0]
+        if self.graph_phase == "warmup":  # cast with the current scale, record nothing, keep the meta tensor
+            out, out_t, _ = cast_ops.cast_delayed(x, args[0], meta, ws, args[1], args[2], rowmajor, transposed,
+                                                  t_colmajor, torch.empty_like(meta))
+            return out, out_t, meta, meta[0]
+        if self.graph_phase != "capture":
+            raise ValueError(f"FP8ScalingState.graph_phase={self.graph_phase!r}: use None, 'warmup' or 'capture'")
+        gate = self._gates.get(slot)
+        if gate is None:
+            used = meta.clone()  # the backward keeps this cast's scales; the slot's meta moves on in place
+        else:
+            last = self._gate_last.get(slot)
+            if last is None:
+                raise RuntimeError(f"FP8 delayed scaling: gated slot {slot!r} captured without prepare_gate (the "
+                                   "weight cache calls it in the warm-up pass: cuda_graph_warmup_steps >= 1)")
+            used = torch.where(gate, meta, last)
+            last.copy_(used)
+        out, out_t, new = cast_ops.cast_delayed(x, args[0], used, ws, args[1], args[2], rowmajor, transposed,
+                                                t_colmajor, torch.empty_like(meta))
+        meta.copy_(new if gate is None else torch.where(gate, new, meta))
+        self.num_updates[slot] += 1
+        return out, out_t, used, used[0]
+
+    def prepare_gate(self, slot: str) -> None:
+        """Before a capture (the warm-up): the tensor a gated slot keeps its last recorded meta in, made outside the
+        graph so that every replay reads and writes the same one (idempotent)."""
+        if slot not in self._gate_last:
+            self._gate_last[slot] = self._buffers[self._meta_keys[slot]].clone()
+
+    @contextlib.contextmanager
+    def gated(self, slot: str, record: torch.Tensor):
+        """Captured casts of ``slot`` inside this block record their amax only where the 0-dim bool device tensor
+        ``record`` is true at replay; otherwise they cast with the meta of the slot's last recorded cast (the
+        weight cache under capture: one recording per weight generation)."""
+        self._gates[slot] = record
+        try:
+            yield
+        finally:
+            del self._gates[slot]
+
     def _fresh_meta(self, slot: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(an unused meta row on ``like``'s device, its element 0); a new pool when one runs out.
         A pool is [rows, element-0 views, next index] (plain tuples: the state stays deep-copyable)."""
@@ -226,7 +298,7 @@ class FP8ScalingState(torch.nn.Module):
         return pool[0][i], pool[1][i]
 
     def _apply(self, *args, **kwargs):  # .to() / .cuda() / .float(): pools of the old device are dropped
-        self._pools, self._invs = {}, {}
+        self._pools, self._invs, self._gate_last = {}, {}, {}
         return super()._apply(*args, **kwargs)
 
     def _load_from_state_dict(self, *args, **kwargs):
