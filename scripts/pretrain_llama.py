@@ -45,11 +45,12 @@ from agoq.megatron.compute import check_compute, compute_report  # noqa: E402
 from agoq.megatron.ddp import grad_config, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.optimizer import shard_alignment_for  # noqa: E402
 from agoq.megatron.release import TrainingStopped, wrap_release  # noqa: E402
-from agoq.policy import ScheduleInfo, format_table, model_sites, policy_table  # noqa: E402
 from agoq.megatron.train import data as mdata  # noqa: E402
 from agoq.megatron.train.optim_args import check_release_flags  # noqa: E402
 from agoq.megatron.train.pretrain import ddp_config, pretrain, print_rank0  # noqa: E402
 from agoq.megatron.train.training import configure_grad_hooks  # noqa: E402
+from agoq.ops.smooth_swiglu_fp8 import plain_swiglu_fusion  # noqa: E402
+from agoq.policy import ScheduleInfo, format_table, model_sites, policy_table  # noqa: E402
 
 
 def model_provider(args, layout, tokenizer, info, num_microbatches):
@@ -142,7 +143,7 @@ def policy_report(args, shape, layout, num_microbatches) -> str:
         f"agoq policy {path}, resolved per layer and role (all stages):\n{table}\n"
         f"gradients: {_gradients_line(agoq)}"
         + (f" ({agoq.grads.mode} mode)" if agoq.grads.format else "")
-        + f"\n{compute_report(agoq.fp8, shape.num_layers)}"
+        + f"\n{compute_report(agoq.fp8, shape.num_layers, plain_swiglu_fusion=plain_swiglu_fusion())}"
     )
 
 

@@ -111,8 +111,10 @@ class LayerCompute:
         return {"fp8": fp8_recipe(self.spec) if fp8 else None, "smooth": _SMOOTH_OPS_MODE.get(self.spec.smooth_swiglu)}
 
 
-def compute_report(spec: FP8Spec, num_layers: int) -> str:
-    """One line for the start-up log."""
+def compute_report(spec: FP8Spec, num_layers: int, *, plain_swiglu_fusion: bool = True) -> str:
+    """One line for the start-up log; under delayed scaling it says whether fc2 takes the SwiGLU fused into its
+    E4M3 cast (agoq.ops.smooth_swiglu_fp8: always with Smooth-SwiGLU; plain SwiGLU unless the process-wide switch,
+    ``plain_swiglu_fusion``, is off)."""
     if spec.fp8_enabled:
         fp8 = [i for i in range(num_layers) if spec.uses_fp8(i, num_layers)]
         bf16 = [i for i in range(num_layers) if i not in fp8]
@@ -122,7 +124,11 @@ def compute_report(spec: FP8Spec, num_layers: int) -> str:
                 f"{'layers ' + _ranges(bf16) + ' and ' if bf16 else ''}the LM head")
     else:
         text = "fp8: off (bf16 linears)"
-    return f"{text} | smooth-swiglu: {spec.smooth_swiglu}"
+    text = f"{text} | smooth-swiglu: {spec.smooth_swiglu}"
+    if spec.recipe == "delayed":
+        fused = spec.smooth_swiglu != "off" or plain_swiglu_fusion
+        text += " | swiglu + fc2 cast: " + ("fused" if fused else "unfused (AGOQ_FP8_SWIGLU_FUSION=0)")
+    return text
 
 
 def fc2_input_amax(model_chunks) -> dict[str, float]:

@@ -8,10 +8,10 @@ import torch
 
 from agoq.config import AgoqConfig
 from agoq.megatron.compute import check_compute, compute_report, fp8_recipe
+from agoq.megatron.train.args import parse_args
 from agoq.ops.fp8_scaling import DEFAULT_AMAX_HISTORY_LEN
 from agoq.policy import FP8Spec, PolicyError, policy_from_dict
 from agoq.policy.schema import FP8_DEFAULT_AMAX_HISTORY_LEN
-from agoq.megatron.train.args import parse_args
 
 BASE = {"version": 1, "default": {"activations": "bf16"}}
 DIMS = dict(num_layers=4, hidden=64, ffn=192, heads=4, groups=2, tp=1, tokens_per_microbatch=256)
@@ -120,4 +120,9 @@ def test_report_lines():
     assert compute_report(FP8Spec(), 4) == "fp8: off (bf16 linears) | smooth-swiglu: off"
     text = compute_report(FP8Spec(recipe="delayed", smooth_swiglu="per-token", bf16_last_layers=2), 6)
     assert text == ("fp8: per-tensor delayed scaling (amax history 16), E4M3 forward / E5M2 backward, layers 1-3; "
-                    "bf16: layers 0, 4-5 and the LM head | smooth-swiglu: per-token")
+                    "bf16: layers 0, 4-5 and the LM head | smooth-swiglu: per-token | swiglu + fc2 cast: fused")
+    plain = FP8Spec(recipe="delayed")
+    assert compute_report(plain, 6).endswith("| smooth-swiglu: off | swiglu + fc2 cast: fused")
+    assert compute_report(plain, 6, plain_swiglu_fusion=False).endswith(
+        "| swiglu + fc2 cast: unfused (AGOQ_FP8_SWIGLU_FUSION=0)")
+    assert compute_report(FP8Spec(recipe="current"), 6).endswith("| smooth-swiglu: off")  # never fused
