@@ -71,6 +71,7 @@ ZERO_STATE_INIT_SINCE = "2026-11-26T15:57:51"  # commit 98c84d5
 # FP8 linear and is predicted as such; the fused path's term (-4 B x f per token per FP8 layer with a bf16
 # fc1 output) is not measured yet (docs/fp8.md, "SwiGLU fused with a plain FP8 fc2").
 PLAIN_SWIGLU_FP8_FUSION_SINCE = "2026-11-26T19:34:03"
+PLAIN_FUSION_ENV = "AGOQ_FP8_SWIGLU_FUSION"  # agoq.megatron.train.environment.PLAIN_FUSION_ENV (equal by test)
 # agoq.ops.fp8_weight_cache came in with commit 9a9e60e (2026-11-24T01:46:04 UTC); the planner models
 # the cache, so an FP8 run measured before it is refused rather than mispredicted.
 FP8_WEIGHT_CACHE_SINCE = "2026-11-24T01:46:04"
@@ -165,7 +166,9 @@ def from_pretrain_argv(argv: list[str], vocab: int = BUILTIN_VOCAB, world_size: 
                     grads=_flag(argv, "--agoq-grads"), recompute=granularity == "full",
                     selective_recompute=granularity == "selective", gradient_release=release,
                     moments=parse_moments(_flag(argv, "--agoq-moments", DEFAULT_MOMENTS)),
-                    fp8=fp8_spec_of(argv, policy))
+                    fp8=fp8_spec_of(argv, policy),
+                    # the trainer's environment switch, recorded ahead of the command (bench_pretrain's A/B rows)
+                    fuse_plain_swiglu_fp8=f"{PLAIN_FUSION_ENV}=0" not in argv)
     if release:  # no gradient buffer (agoq.megatron.train.memory_report.plan_layout)
         layout = dataclasses.replace(layout, grad_bytes=0)
     return shape, layout, policy, recipe

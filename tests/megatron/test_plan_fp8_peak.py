@@ -210,3 +210,17 @@ def test_start_up_prediction_follows_the_plain_fusion_switch():
         assert not recipe_from_config(config).fuse_plain_swiglu_fp8
     finally:
         set_plain_swiglu_fusion(previous)
+
+
+def test_validate_reads_the_plain_fusion_switch_off_a_recorded_command():
+    """bench_pretrain records a variant's environment ahead of its command: its plain-FP8 A/B row
+    (AGOQ_FP8_SWIGLU_FUSION=0) is predicted with Megatron's SwiGLU, the others with the fused path."""
+    from agoq.megatron.train.environment import PLAIN_FUSION_ENV
+    from agoq.testing.procs import REPO_ROOT
+
+    assert validate.PLAIN_FUSION_ENV == PLAIN_FUSION_ENV
+    bench = load_bench_script("bench_pretrain")
+    rows = {v["name"]: v for v in bench.fp8_scale_suite(False)}
+    for name, fused in (("1b/mbs4/fp8 delayed", True), ("1b/mbs4/fp8 delayed, unfused swiglu", False)):
+        line = bench.variant_command(rows[name], REPO_ROOT / "log.jsonl")[1]
+        assert validate.from_pretrain_argv(line.split())[3].fuse_plain_swiglu_fp8 is fused, name
