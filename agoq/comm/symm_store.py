@@ -1,21 +1,35 @@
-"""8-bit gradient storage that the peers of its group read over NVLink: the peer transport of the store-mode
-reductions (:func:`agoq.comm.reduce.allreduce_blocks_`, :func:`~agoq.comm.reduce.reduce_blocks_to_owners`).
+"""8-bit gradient storage that the peers of its group read and write over NVLink: the peer transport of the
+store-mode reductions (:func:`agoq.comm.reduce.allreduce_blocks_`, :func:`~agoq.comm.reduce.reduce_blocks_to_owners`).
 
 :class:`SymmetricBlocks` holds the codes and scales of B blocks (B a multiple of the group size W) in one
 CUDA symmetric-memory allocation (``torch.distributed._symmetric_memory``) that every rank maps. The 8-bit
 gradient store (agoq.comm.grad_buffer.QuantizedGradBuffer) uses these tensors as its own storage, so a
-reduction reads the peers' stored codes where they lie: no send buffer, no copy, no NCCL call, and no
-memory beyond the store itself. Rows: rank r owns blocks [r B/W, (r+1) B/W).
+reduction reads the peers' stored codes where they lie (and the all-reduce writes its results there): no send
+buffer, no copy, no NCCL call, and no memory beyond the store itself. Rows: rank r owns blocks [r B/W, (r+1) B/W).
 
-all-reduce (two-shot, bit for bit allreduce_blocks_'s result: every block is the fp32 sum over ranks in rank
-order, times post_scale, / W if averaging, requantized with a fresh absmax)::
+all-reduce (two-shot with a push, bit for bit allreduce_blocks_'s result: every block is the fp32 sum over ranks
+in rank order, times post_scale, / W if averaging, requantized with a fresh absmax)::
 
     barrier                                        every rank's accumulation into its store is done
-    reduce_peer_rows(row r of every peer -> row r of my store, requantized in place)
-        (no peer reads my row r: peer q reads row q; a program loads its blocks before it stores them)
-    barrier                                        every owned row is reduced
-    copy row p of peer p into my row p, for every p != r   (NVLink reads of the peers' memory)
-    barrier                                        no peer still reads my row r (the store is zeroed next)
+    reduce_peer_rows(segment r of every peer -> segment r of every peer, requantized; one kernel whose loads
+                     and stores are the communication: the input and the output address tables are the same rows)
+    barrier                                        every rank's store holds every reduced segment
+
+Why this is safe (rank r, segment r = blocks [r B/W, (r+1) B/W)):
+
+* only rank r reads or writes segment r, on any rank, during the call (rank q's kernel touches segment q only),
+  so the W kernels never race with each other;
+* within the kernel each block is read from all W peers before it is written: a program owns its blocks, and
+  every code and scale it stores depends on the block's absmax, i.e. on all W loads of that block (in place
+  through the same table, as the reference reads every input before writing, agoq.ref.comm);
+* the first barrier makes sure every rank's backward (the accumulation into its store, stream-ordered before
+  the barrier's release) finished writing before any peer reads it;
+* the final barrier makes every rank's store complete before anyone reads it (the optimizer) or rewrites it
+  (the store is zeroed after the step): each rank's pushed stores are stream-ordered before its release on the
+  signal pads, and a rank passes the barrier only after acquiring every peer's.
+
+This replaced a pull (reduce into my own segment, barrier, copy segment p from peer p for every p, barrier):
+one barrier and 2 (W - 1) copy launches fewer per call, the same bytes over NVLink (written instead of read).
 
 reduce to owners (distributed optimizer; rank r gets the fp32 sum of blocks ranges[r] of every peer, which
 may overlap a neighbour's range by a block, and hands it to ``consume`` chunk by chunk, as
@@ -26,8 +40,9 @@ kernel into r's own store rows instead, the 8-bit store's case)::
                                                           or -> my own rows, requantized); barrier
 
 The closing barrier lets the caller rewrite blocks that neighbours read (the shared boundary blocks) and
-zero the store afterwards. All barriers are the symmetric-memory handle's stream-ordered device barriers
-(no host synchronisation); Megatron issues the bucket reductions in the same order on every rank.
+zero the store afterwards (nothing is pushed there: the sums are needed by their owner only). All barriers are
+the symmetric-memory handle's stream-ordered device barriers (no host synchronisation); Megatron issues the
+bucket reductions in the same order on every rank.
 
 Memory: the allocation is the store (codes + scales, 1.016 B per element for int8_b256) rounded up to
 16 bytes. It comes from the symmetric-memory allocator, not PyTorch's caching allocator, so
@@ -84,9 +99,7 @@ class SymmetricBlocks:
             raise ValueError(f"SymmetricBlocks: {num_blocks} blocks are not a multiple of the group size "
                              f"{self.world}")
         self.num_blocks, self.cb = num_blocks, self.fmt.code_bytes(self.fmt.block)
-        sdt = pl.scale_dtype(self.fmt)
-        codes_bytes = _aligned(num_blocks * self.cb)
-        self.nbytes = codes_bytes + _aligned(num_blocks * sdt.itemsize)
+        self.nbytes = _aligned(num_blocks * self.cb) + _aligned(num_blocks * pl.scale_dtype(self.fmt).itemsize)
         symm_mem = _symm_mem()
         name = self.group.group_name
         enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", None)
@@ -98,15 +111,22 @@ class SymmetricBlocks:
         except RuntimeError as err:
             raise RuntimeError(f"agoq peer transport: the ranks of group {name!r} cannot map each other's memory "
                                f"({err}); use --agoq-grad-transport nccl") from err
-        peers = [self.buffer if p == self.rank else self.handle.get_buffer(p, (self.buffer.numel(),), torch.uint8)
-                 for p in range(self.world)]
-        self.peer_codes = [b[: num_blocks * self.cb] for b in peers]
-        self.peer_scales = [b[codes_bytes: codes_bytes + num_blocks * sdt.itemsize].view(sdt) for b in peers]
-        self.codes_u8, self.scales = self.peer_codes[self.rank], self.peer_scales[self.rank]
+        self._map([self.buffer if p == self.rank else self.handle.get_buffer(p, (self.buffer.numel(),), torch.uint8)
+                   for p in range(self.world)])  # fmt: skip
         self.codes_u8.zero_()
         self.scales.zero_()
-        self._tables: dict[tuple[int, int], tuple] = {}  # (first, last) block -> rows + address tables
         _ALLOCATED_BYTES[0] += self.buffer.numel()
+
+    def _map(self, peers: list[torch.Tensor]) -> None:
+        """The codes and scales views of every rank's buffer (``peers``, rank order, ``nbytes`` uint8 each): codes
+        first, scales from the next 16-byte boundary. (tests/kernels/test_comm_kernels.py emulates the W ranks on
+        the CPU through it, with local buffers and a recording barrier.)"""
+        sdt = pl.scale_dtype(self.fmt)
+        codes_bytes = _aligned(self.num_blocks * self.cb)
+        self.peer_codes = [b[: self.num_blocks * self.cb] for b in peers]
+        self.peer_scales = [b[codes_bytes: codes_bytes + self.num_blocks * sdt.itemsize].view(sdt) for b in peers]
+        self.codes_u8, self.scales = self.peer_codes[self.rank], self.peer_scales[self.rank]
+        self._tables: dict[tuple[int, int], tuple] = {}  # (first, last) block -> rows + address tables
 
     def __del__(self):
         _ALLOCATED_BYTES[0] -= getattr(self, "buffer", torch.empty(0)).numel()
@@ -124,23 +144,18 @@ class SymmetricBlocks:
         return got
 
     def allreduce_(self, *, average: bool, post_scale: float) -> None:
-        """Two-shot all-reduce of the stored blocks in place (module docstring); stream-ordered, no host sync."""
+        """All-reduce of the stored blocks in place: barrier, one reduce kernel pushing this rank's reduced segment
+        into every peer's store, barrier (module docstring: why that is safe); stream-ordered, no host sync."""
         from agoq.kernels.comm import reduce_peer_rows  # Triton: imported lazily
 
         if self.num_blocks == 0 or (self.world == 1 and post_scale == 1.0):
             return
         per = self.num_blocks // self.world
         lo, hi = self.rank * per, (self.rank + 1) * per
-        codes, scales, tables = self._rows(lo, hi)
+        codes, scales, tables = self._rows(lo, hi)  # segment r of every peer: the inputs and the outputs
         self.handle.barrier(channel=0)
-        reduce_peer_rows(codes, scales, self.fmt, average=average, post_scale=post_scale,
-                         codes_out=codes[self.rank], scales_out=scales[self.rank], tables=tables)
-        self.handle.barrier(channel=0)
-        for p in range(self.world):
-            if p != self.rank:
-                a, b = p * per, (p + 1) * per
-                self.codes_u8[a * self.cb: b * self.cb].copy_(self.peer_codes[p][a * self.cb: b * self.cb])
-                self.scales[a:b].copy_(self.peer_scales[p][a:b])
+        reduce_peer_rows(codes, scales, self.fmt, average=average, post_scale=post_scale, tables=tables,
+                         codes_out_rows=codes, scales_out_rows=scales, out_tables=tables)
         self.handle.barrier(channel=0)
 
     def reduce_to_owners(self, ranges: list[tuple[int, int]], consume: Callable[[int, torch.Tensor], None], *,

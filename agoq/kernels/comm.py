@@ -10,8 +10,11 @@ with the signatures and results of agoq.ref.comm (read its docstring for the row
 * reduce_peer_rows / dequantize_peer_rows: the same two kernels reading each row through a table of
   row addresses instead of one strided buffer, so the rows can live in W different allocations: the
   peers' CUDA symmetric-memory buffers mapped over NVLink (agoq.comm.symm), where the kernel's loads
-  are the communication. Launched with ALIGNED (16-byte vector loads of the codes) when peer_tables found
-  every codes row address 16-byte aligned, unhinted (byte loads, same results) otherwise.
+  are the communication. The requantized reduction can also write its result through a second table into
+  several output rows (PUSH: every peer's copy of the segment, agoq.comm.symm_store's all-reduce), where the
+  stores are communication too. Launched with ALIGNED (16-byte vector loads and stores of the codes) when
+  peer_tables found every codes row address of the launch 16-byte aligned, unhinted (byte accesses, same
+  results) otherwise.
 * accumulate_: the gradient store's per-micro-batch dequantize + add + requantize of one parameter
   (and error-feedback residual) in one pass: reads codes, scales and the gradient, writes codes and
   scales (~4 bytes per element for a bf16 gradient), no fp32 temporary.
@@ -100,10 +103,11 @@ def _row_ptrs(codes_ptr, scales_ptr, codes_stride64, scales_stride64, code_table
               PEERS: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
     """Row p's codes / scales pointers: ``base + p * stride`` of one buffer, or (PEERS) the addresses held
     in the int64 tables (``codes_ptr`` / ``scales_ptr`` then only give the element types). ALIGNED (PEERS only):
-    every codes address in the table is a multiple of PEER_ROW_ALIGN_BYTES, checked on the host (peer_tables)."""
+    every codes address in the table is a multiple of PEER_ROW_ALIGN_BYTES, checked on the host (peer_tables).
+    The pointers serve loads (input rows) and stores (PUSH output rows) alike."""
     if PEERS:
         c = tl.load(code_table + p).to(tl.pointer_type(codes_ptr.dtype.element_ty))
-        if ALIGNED:  # vector loads of the codes (PEER_ROW_ALIGN_BYTES); the strided layout gets this from Triton's
+        if ALIGNED:  # vector accesses of the codes (PEER_ROW_ALIGN_BYTES); the strided layout gets this from Triton's
             c = tl.multiple_of(c, _PEER_ROW_ALIGN)  # argument specialisation (16-byte pointer and stride)
         # scales not hinted: one scale per thread and row, a scalar load either way (the same hint on them left the
         # PTX loads unchanged, Triton 3.6 sm_90)
@@ -120,11 +124,14 @@ def _reduce_rows_kernel(
     world_f32, post_scale,  # fp32: W (AVERAGE divides by it) and the factor applied after
     out_ptr, out_numel,  # REQUANT False: float output, first out_numel elements (of each output row) written
     out_row_stride, out_total,  # output row q (grid axis 1, PEERS only) starts at q * out_row_stride; < out_total
-    codes_out_ptr, scales_out_ptr,  # REQUANT True
+    codes_out_ptr, scales_out_ptr,  # REQUANT True: the output row (PUSH: its element types only)
     code_table, scale_table,  # PEERS True: int64 addresses of the W rows
+    out_code_table, out_scale_table, n_out,  # PUSH True: int64 addresses of the n_out output rows
     KIND: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SCALE: tl.constexpr, QMAX: tl.constexpr,
     FP8_DTYPE: tl.constexpr, AVERAGE: tl.constexpr, SCALED: tl.constexpr, REQUANT: tl.constexpr,
-    PEERS: tl.constexpr, ALIGNED: tl.constexpr,  # ALIGNED: see _row_ptrs (False unless PEERS)
+    PEERS: tl.constexpr,
+    PUSH: tl.constexpr,  # REQUANT and PEERS only: the requantized blocks go to every output row of the out tables
+    ALIGNED: tl.constexpr,  # see _row_ptrs (False unless PEERS); with PUSH it covers the output codes rows too
 ):  # fmt: skip
     blk = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     blk_ok = blk < nb
@@ -148,8 +155,19 @@ def _reduce_rows_kernel(
         acc = acc * post_scale
     if REQUANT:
         code, stored = quantize_tile_bytes(acc, KIND, SCALE, QMAX, FP8_DTYPE)
-        tl.store(codes_out_ptr + local, code, mask=blk_ok[:, None])
-        tl.store(scales_out_ptr + blk, stored.to(scales_out_ptr.dtype.element_ty), mask=blk_ok)
+        stored = stored.to(scales_out_ptr.dtype.element_ty)
+        if PUSH:
+            # the same codes and scales into every output row. Safe in place (outputs = inputs) as no program
+            # stores a block before it has all of that block's inputs: every code of a block depends on the
+            # block's absmax, hence on all W rows' loads of it; programs own disjoint blocks
+            for o in range(n_out):
+                co, so = _row_ptrs(codes_out_ptr, scales_out_ptr, codes_stride64, scales_stride64, out_code_table,
+                                   out_scale_table, o, True, ALIGNED)  # fmt: skip
+                tl.store(co + local, code, mask=blk_ok[:, None])
+                tl.store(so + blk, stored, mask=blk_ok)
+        else:
+            tl.store(codes_out_ptr + local, code, mask=blk_ok[:, None])
+            tl.store(scales_out_ptr + blk, stored, mask=blk_ok)
     else:
         at = q * out_row_stride + local
         keep = blk_ok[:, None] & (local < out_numel) & (at < out_total)
@@ -249,16 +267,23 @@ def quantize_rows(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
 
 
 def _reduce(grid, codes, scales, codes_stride, scales_stride, world, nb, fmt, ce, average, post_scale, out,
-            out_numel, out_row_stride, out_total, codes_out, scales_out, tables, peers) -> None:
-    requant = out is None
+            out_numel, out_row_stride, out_total, codes_out, scales_out, tables, peers, out_tables=None,
+            n_out=0) -> None:
+    """One launch of _reduce_rows_kernel. ``out_tables`` (PeerTables, PEERS only): PUSH mode, ``codes_out`` /
+    ``scales_out`` are then the first output row (element types) and the result goes to the ``n_out`` rows of
+    the tables; ALIGNED only when the input and the output codes rows all are."""
+    requant, push = out is None, out_tables is not None
     dummy = codes  # unused pointer arguments of the other output kind / of the strided layout
     code_table, scale_table, aligned = tables if peers else (scales, scales, False)
+    out_code_table, out_scale_table = (out_tables.codes, out_tables.scales) if push else (scales, scales)
+    aligned = aligned and (out_tables.codes_aligned if push else True)
     launch = _KERNELS[PEER_NUM_WARPS if peers else NUM_WARPS][1]
     launch(grid, codes, scales, codes_stride, scales_stride, world, nb, float(world), float(post_scale),
             dummy if requant else out.reshape(-1), out_numel, out_row_stride, out_total,
             codes_out.reshape(-1) if requant else dummy, scales_out.reshape(-1) if requant else scales,
-            code_table, scale_table, ce["KIND"], ce["BLOCK"], ce["ROWS"], ce["SCALE"], float(fmt.qmax),
-            ce["FP8_DTYPE"], average, post_scale != 1.0, requant, peers, aligned)  # fmt: skip
+            code_table, scale_table, out_code_table, out_scale_table, n_out, ce["KIND"], ce["BLOCK"], ce["ROWS"],
+            ce["SCALE"], float(fmt.qmax), ce["FP8_DTYPE"], average, post_scale != 1.0, requant, peers, push,
+            aligned)  # fmt: skip
 
 
 def reduce_rows(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, *, average: bool, post_scale: float,
@@ -355,8 +380,15 @@ def reduce_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tenso
                      average: bool, post_scale: float, out: torch.Tensor | None = None, out_numel: int = 0,
                      codes_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None,
                      out_rows: int = 1, out_row_stride: int = 0, out_total: int | None = None,
-                     tables: PeerTables | None = None) -> None:
+                     tables: PeerTables | None = None, codes_out_rows: list[torch.Tensor] | None = None,
+                     scales_out_rows: list[torch.Tensor] | None = None, out_tables: PeerTables | None = None) -> None:
     """reduce_rows over rows given one by one (each may be its own allocation, e.g. a peer's symmetric memory).
+
+    Output: ``out`` (float), ``codes_out`` / ``scales_out`` (requantized, one row), or ``codes_out_rows`` /
+    ``scales_out_rows`` (push: the same requantized codes and scales written into every one of these rows, which
+    may be the input rows themselves, e.g. every peer's copy of a segment; ``out_tables`` =
+    peer_tables(codes_out_rows, scales_out_rows) if prebuilt). Each program loads all of its blocks' inputs before
+    it stores them, and programs own disjoint blocks, so outputs may alias inputs block for block.
 
     ``out_rows`` R > 1 (float output only): R independent reductions in one launch, output row q summing
     ``code_rows[q W : (q + 1) W]`` (W = len(code_rows) / R) into ``out[q out_row_stride :]``, its first
@@ -364,10 +396,21 @@ def reduce_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tenso
     peer_tables(code_rows, scale_rows) if prebuilt (then the rows are trusted).
     Triton twin of agoq.ref.comm.ref_reduce_peer_rows."""
     nb, ce = _check_peer_rows(code_rows, scale_rows, fmt, tables)
-    if (out is None) == (codes_out is None):
-        raise ValueError("reduce_peer_rows writes either out (float) or codes_out/scales_out (requantized)")
+    push = codes_out_rows is not None or scales_out_rows is not None
+    if (out is not None) + (codes_out is not None or scales_out is not None) + push != 1:
+        raise ValueError("reduce_peer_rows writes exactly one of out (float), codes_out/scales_out (requantized) "
+                         "or codes_out_rows/scales_out_rows (requantized, pushed to every row)")
     if len(code_rows) % out_rows or (out_rows > 1 and out is None):
         raise ValueError(f"out_rows={out_rows}: needs a float out and a multiple of it rows, got {len(code_rows)}")
+    if push:
+        if codes_out_rows is None or scales_out_rows is None:
+            raise ValueError("push output needs both codes_out_rows and scales_out_rows")
+        _check_peer_rows(codes_out_rows, scales_out_rows, fmt, out_tables)
+        if out_tables is None and (scales_out_rows[0].numel() != nb or codes_out_rows[0].dtype != code_rows[0].dtype
+                                   or scales_out_rows[0].dtype != scale_rows[0].dtype):
+            raise ValueError(f"every output row must hold {nb} blocks with the input rows' codes and scales dtypes")
+        out_tables = _tables(codes_out_rows, scales_out_rows, out_tables)
+        codes_out, scales_out = codes_out_rows[0], scales_out_rows[0]
     if nb == 0:
         return
     world = len(code_rows) // out_rows
@@ -375,7 +418,7 @@ def reduce_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tenso
     codes, scales = code_rows[0], scale_rows[0]
     _reduce((triton.cdiv(nb, ce["ROWS"]), out_rows), codes, scales, codes.numel(), scales.numel(), world, nb, fmt,
             ce, average, post_scale, out, out_numel, out_row_stride, total, codes_out, scales_out,
-            _tables(code_rows, scale_rows, tables), True)  # fmt: skip
+            _tables(code_rows, scale_rows, tables), True, out_tables, len(codes_out_rows) if push else 0)  # fmt: skip
 
 
 def dequantize_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tensor], dst: torch.Tensor,

@@ -112,11 +112,23 @@ def ref_reduce_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.T
                          average: bool, post_scale: float, out: torch.Tensor | None = None, out_numel: int = 0,
                          codes_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None,
                          out_rows: int = 1, out_row_stride: int = 0, out_total: int | None = None,
-                         tables=None) -> None:
+                         tables=None, codes_out_rows: list[torch.Tensor] | None = None,
+                         scales_out_rows: list[torch.Tensor] | None = None, out_tables=None) -> None:
     """ref_reduce_rows over rows given one by one (each may be its own allocation). ``out_rows`` R > 1: R
     reductions, output row q summing rows [q W, (q + 1) W) into ``out[q out_row_stride:]`` (first
-    ``out_numel`` elements, none at or past ``out_total``). ``tables`` (the kernel's row address tables) is
-    accepted for the same signature and unused."""
+    ``out_numel`` elements, none at or past ``out_total``). ``codes_out_rows`` / ``scales_out_rows`` (push): the
+    requantized result copied into every one of these rows (they may be the input rows: all inputs are read
+    first). ``tables`` / ``out_tables`` (the kernel's row address tables) are accepted for the same signature and
+    unused."""
+    if codes_out_rows is not None:
+        codes_out = torch.empty_like(codes_out_rows[0])
+        scales_out = torch.empty_like(scales_out_rows[0])
+        ref_reduce_peer_rows(code_rows, scale_rows, fmt, average=average, post_scale=post_scale, codes_out=codes_out,
+                             scales_out=scales_out)  # fmt: skip
+        for c, s in zip(codes_out_rows, scales_out_rows, strict=True):
+            c.copy_(codes_out.view_as(c))
+            s.copy_(scales_out.view_as(s))
+        return
     world = len(code_rows) // out_rows
     total = out_total if out_total is not None else max(out_rows * out_row_stride, out_numel)
     for q in range(out_rows):

@@ -320,10 +320,11 @@ def _peer_code_rows(world: int, nb: int, offset: int) -> list[torch.Tensor]:
 
 
 def comm_peer_calls(full: bool = False) -> Iterator[tuple[str, Callable[[], None]]]:
-    """(label, call) for the peer transport's reduce / dequantize launches (agoq.kernels.comm ``*_peer_rows``): float
-    and requantized output, average and post-scale, rows of 1 block (Triton passes a stride of 1 as a constant), 3
-    and 37 blocks, 2 and 4 peers; codes rows at 16-byte aligned addresses (``rows=aligned``: the kernels' ALIGNED
-    specialisation, vector loads) and with one row PEER_ROW_OFFSET bytes off (``rows=offset``: byte loads)."""
+    """(label, call) for the peer transport's reduce / dequantize launches (agoq.kernels.comm ``*_peer_rows``): float,
+    requantized and pushed (requantized into every row, in place: the store all-reduce) output, average and
+    post-scale, rows of 1 block (Triton passes a stride of 1 as a constant), 3 and 37 blocks, 2 and 4 peers; codes
+    rows at 16-byte aligned addresses (``rows=aligned``: the kernels' ALIGNED specialisation, vector loads and
+    stores) and with one row PEER_ROW_OFFSET bytes off (``rows=offset``: byte loads and stores)."""
     from agoq.formats import parse_format
     from agoq.kernels import comm as k
 
@@ -340,6 +341,9 @@ def comm_peer_calls(full: bool = False) -> Iterator[tuple[str, Callable[[], None
                 yield (f"reduce_peer_rows {tag} requant average={average}",
                        lambda c=codes, s=scales, f=fmt, a=average, ps=post_scale: k.reduce_peer_rows(
                            c, s, f, average=a, post_scale=ps, codes_out=c[0], scales_out=s[0]))
+                yield (f"reduce_peer_rows {tag} push average={average}",
+                       lambda c=codes, s=scales, f=fmt, a=average, ps=post_scale: k.reduce_peer_rows(
+                           c, s, f, average=a, post_scale=ps, codes_out_rows=c, scales_out_rows=s))
             yield (f"dequantize_peer_rows {tag}",
                    lambda c=codes, s=scales, f=fmt, n=nb * 256, w=world: k.dequantize_peer_rows(
                        c, s, torch.zeros(w * n), f, row_stride=n, row_numel=n, col0=0))

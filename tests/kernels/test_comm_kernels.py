@@ -373,6 +373,197 @@ def test_reduce_peer_rows_several_output_rows(name, world, nb, cut):
     assert bool((got[total:] == 5.0).all())
 
 
+# -- push: the requantized sum written into every output row (agoq.comm.symm_store's all-reduce) --------------
+
+def _push_rows(world, nb, fmt, seed, case):
+    """W separate (codes, scales) rows of nb blocks, quantized with the reference from: random values ("gauss"),
+    all zeros ("zeros"), or random values with a zero block, a 1e4x outlier, a NaN and an Inf in three different
+    blocks of three different rows ("specials": every non-finite block stays non-finite in the sum)."""
+    n = nb * fmt.block
+    x = torch.zeros(world * n) if case == "zeros" else _data(world * n, seed).cpu()
+    if case == "specials":
+        x[:fmt.block] = 0.0  # row 0, block 0: zero
+        x[n // 2] = 1e4 * (1.0 + abs(float(x[n // 2])))  # row 0: an outlier
+        x[(world - 1) * n + n - 3] = float("nan")  # the last row's last block
+        x[min(1, world - 1) * n + (nb // 2) * fmt.block + 1] = float("inf")  # row 1 (or 0), a middle block
+    _, c, s = _packed(world, nb, fmt)
+    ref_quantize_rows(x.to(DEVICE), c, s, fmt, row_stride=n, row_numel=n, col0=0)
+    return _separate_rows(c, s)
+
+
+def _row_bytes(code_row, scale_row, fmt):
+    """One (codes, scales) row as comparable bytes: codes of non-finite (NaN-scale) blocks zeroed and one NaN
+    payload (see _codes_of_nonfinite_blocks_zeroed)."""
+    return _codes_of_nonfinite_blocks_zeroed(torch.cat([code_row.view(torch.uint8), scale_row.view(torch.uint8)])
+                                             [None], scale_row.numel(), fmt)  # fmt: skip
+
+
+PUSH_SHAPES = [(2, 1), (2, 17), (3, 5), (4, 33)]  # (W, blocks): odd counts, a tail program, W = 2, 3, 4
+
+
+@pytest.mark.parametrize("name", _params(["int8_b256", "int8_b32", "int8_b128_s16", "int8_b64_sp2",
+                                          "fp8e4m3_b128"]))
+@pytest.mark.parametrize("world, nb", PUSH_SHAPES)
+@pytest.mark.parametrize("average, post_scale", [(False, 1.0), (True, 0.5)])
+@pytest.mark.parametrize("case", ["gauss", "zeros", "specials"])
+def test_reduce_peer_rows_push_writes_every_row(name, world, nb, average, post_scale, case):
+    """Push mode (codes_out_rows / scales_out_rows): the requantized sum in every one of W separate output rows,
+    each equal to the reference of the same signature and to the one-row requantized kernel; then in place
+    (outputs = inputs, the same tables: the store all-reduce), every input row holds that same result."""
+    from agoq.kernels.comm import peer_tables, reduce_peer_rows
+    from agoq.ref.comm import ref_reduce_peer_rows
+
+    fmt = parse_format(name)
+    code_rows, scale_rows = _push_rows(world, nb, fmt, 81 + world + nb, case)
+    kw = dict(average=average, post_scale=post_scale)
+    one = _packed(1, nb, fmt, fill=9)
+    reduce_peer_rows(code_rows, scale_rows, fmt, codes_out=one[1], scales_out=one[2], **kw)
+    expect = _codes_of_nonfinite_blocks_zeroed(one[0], nb, fmt)
+    outs = {impl: ([torch.full_like(c, 9) for c in code_rows], [torch.full_like(s, 9) for s in scale_rows])
+            for impl in ("ref", "kernel")}
+    ref_reduce_peer_rows(code_rows, scale_rows, fmt, codes_out_rows=outs["ref"][0], scales_out_rows=outs["ref"][1],
+                         **kw)  # fmt: skip
+    reduce_peer_rows(code_rows, scale_rows, fmt, codes_out_rows=outs["kernel"][0], scales_out_rows=outs["kernel"][1],
+                     **kw)  # fmt: skip
+    for impl, (cs, ss) in outs.items():
+        for q in range(world):
+            assert torch.equal(_row_bytes(cs[q], ss[q], fmt), expect), (impl, q)
+    tables = peer_tables(code_rows, scale_rows)
+    ref_rows = ([c.clone() for c in code_rows], [s.clone() for s in scale_rows])
+    ref_reduce_peer_rows(*ref_rows, fmt, codes_out_rows=ref_rows[0], scales_out_rows=ref_rows[1], **kw)
+    reduce_peer_rows(code_rows, scale_rows, fmt, codes_out_rows=code_rows, scales_out_rows=scale_rows,
+                     tables=tables, out_tables=tables, **kw)  # fmt: skip
+    for q in range(world):
+        assert torch.equal(_row_bytes(code_rows[q], scale_rows[q], fmt), expect), ("in place", q)
+        assert torch.equal(_row_bytes(ref_rows[0][q], ref_rows[1][q], fmt), expect), ("ref in place", q)
+
+
+@pytest.mark.parametrize("in_offset, out_offset", [(0, 0), (0, 8), (8, 0)])
+def test_push_aligned_flag_needs_every_input_and_output_row_aligned(in_offset, out_offset, monkeypatch):
+    """The push launch carries ALIGNED (its last argument: vector loads and stores of the codes) only when every
+    input and every output codes row starts at a multiple of PEER_ROW_ALIGN_BYTES, and gives the reference's
+    rows either way."""
+    from agoq.kernels import comm as k
+    from agoq.ref.comm import ref_reduce_peer_rows
+
+    fmt = parse_format("int8_b256")
+    world, nb = 3, 5
+    code_rows, scale_rows = _push_rows(world, nb, fmt, 91, "specials")
+
+    def moved(rows, offset):  # the last row `offset` bytes into its allocation
+        last = torch.zeros(rows[-1].numel() + offset, dtype=rows[-1].dtype, device=DEVICE)[offset:]
+        return rows[:-1] + [last.copy_(rows[-1])]
+
+    code_rows = moved(code_rows, in_offset)
+    out_codes = moved([torch.full_like(c, 9) for c in code_rows], out_offset)
+    out_scales = [torch.full_like(s, 9) for s in scale_rows]
+    quant, reduce, dequant = k._KERNELS[k.PEER_NUM_WARPS]
+    spy = _LaunchSpy(reduce)
+    monkeypatch.setitem(k._KERNELS, k.PEER_NUM_WARPS, (quant, spy, dequant))
+    k.reduce_peer_rows(code_rows, scale_rows, fmt, average=True, post_scale=0.25, codes_out_rows=out_codes,
+                       scales_out_rows=out_scales, tables=k.peer_tables(code_rows, scale_rows),
+                       out_tables=k.peer_tables(out_codes, out_scales))  # fmt: skip
+    k.reduce_peer_rows(code_rows, scale_rows, fmt, average=True, post_scale=0.25, codes_out_rows=out_codes,
+                       scales_out_rows=out_scales)  # tables built per call: the same flag
+    assert [a[-1] for a in spy.args] == [in_offset == 0 and out_offset == 0] * 2
+    ref_c, ref_s = [torch.empty_like(c) for c in out_codes], [torch.empty_like(s) for s in out_scales]
+    ref_reduce_peer_rows(code_rows, scale_rows, fmt, average=True, post_scale=0.25, codes_out_rows=ref_c,
+                         scales_out_rows=ref_s)  # fmt: skip
+    for q in range(world):
+        assert torch.equal(_row_bytes(out_codes[q], out_scales[q], fmt), _row_bytes(ref_c[q], ref_s[q], fmt))
+
+
+def test_push_outputs_are_checked():
+    from agoq.kernels.comm import reduce_peer_rows
+
+    fmt = parse_format("int8_b256")
+    code_rows, scale_rows = _push_rows(2, 2, fmt, 3, "gauss")
+    kw = dict(average=False, post_scale=1.0)
+    with pytest.raises(ValueError, match="exactly one of"):
+        reduce_peer_rows(code_rows, scale_rows, fmt, codes_out=code_rows[0], scales_out=scale_rows[0],
+                         codes_out_rows=code_rows, scales_out_rows=scale_rows, **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="both codes_out_rows and scales_out_rows"):
+        reduce_peer_rows(code_rows, scale_rows, fmt, codes_out_rows=code_rows, **kw)
+    with pytest.raises(ValueError, match="2 contiguous blocks"):
+        reduce_peer_rows(code_rows, scale_rows, fmt, codes_out_rows=[code_rows[0], code_rows[1][:256]],
+                         scales_out_rows=scale_rows, **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="every output row must hold 2 blocks"):
+        reduce_peer_rows(code_rows, scale_rows, fmt, codes_out_rows=[c[:256] for c in code_rows],
+                         scales_out_rows=[s[:1] for s in scale_rows], **kw)  # fmt: skip
+
+
+class _RecordingHandle:
+    """Stands in for a symmetric-memory handle: barrier() records (rank, "barrier") in a shared log."""
+
+    def __init__(self, rank, log):
+        self.rank, self.log = rank, log
+
+    def barrier(self, channel=0):
+        self.log.append((self.rank, "barrier"))
+
+
+def _emulated_store(fmt, world, rank, num_blocks, buffers, log):
+    """A SymmetricBlocks of rank ``rank`` over W local buffers (the peers' symmetric allocations) through its own
+    view builder (_map), with a recording barrier: the W ranks of one group, emulated in one process."""
+    from agoq.comm.symm_store import SymmetricBlocks
+
+    blocks = SymmetricBlocks.__new__(SymmetricBlocks)
+    blocks.fmt, blocks.world, blocks.rank, blocks.num_blocks = fmt, world, rank, num_blocks
+    blocks.cb, blocks.handle = fmt.code_bytes(fmt.block), _RecordingHandle(rank, log)
+    blocks._map(buffers)
+    return blocks
+
+
+@pytest.mark.parametrize("name", _params(["int8_b256", "int8_b64_sp2", "fp8e4m3_b128"]))
+@pytest.mark.parametrize("world, per_rank", [(2, 3), (3, 1), (4, 5)])
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+def test_symmetric_store_allreduce_is_one_push_between_two_barriers(name, world, per_rank, order, monkeypatch):
+    """SymmetricBlocks.allreduce_ over W emulated ranks (local buffers laid out by its own _map, a recording
+    barrier): each rank runs barrier, ONE reduce launch whose outputs are its segment in every rank's store, barrier
+    (no copy phase); afterwards every rank's whole store is the reference's all-reduce (every block the requantized
+    fp32 sum over ranks), bit for bit, whichever rank runs first (segments are disjoint)."""
+    from agoq.comm import symm_store
+    from agoq.kernels import comm as k
+    from agoq.ref.comm import ref_reduce_peer_rows
+
+    fmt = parse_format(name)
+    nblocks = world * per_rank
+    log, launches = [], []
+    real = k.reduce_peer_rows
+
+    def spy(*args, **kw):
+        launches.append(kw)
+        log.append(("kernel", "reduce_peer_rows"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(k, "reduce_peer_rows", spy)  # allreduce_ imports it at the call
+    nbytes = symm_store._aligned(nblocks * fmt.block) + symm_store._aligned(nblocks * _sdt(fmt).itemsize)
+    buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=DEVICE) for _ in range(world)]
+    stores = [_emulated_store(fmt, world, r, nblocks, buffers, log) for r in range(world)]
+    code_rows, scale_rows = _push_rows(world, nblocks, fmt, 101 + world, "specials")
+    for r in range(world):
+        stores[r].codes_u8.copy_(code_rows[r])
+        stores[r].scales.copy_(scale_rows[r])
+    expect_c, expect_s = torch.empty_like(code_rows[0]), torch.empty_like(scale_rows[0])
+    ref_reduce_peer_rows(code_rows, scale_rows, fmt, average=True, post_scale=0.5, codes_out=expect_c,
+                         scales_out=expect_s)  # fmt: skip
+    ranks = list(range(world)) if order == "forward" else list(reversed(range(world)))
+    for r in ranks:
+        before = len(log)
+        stores[r].allreduce_(average=True, post_scale=0.5)
+        assert log[before:] == [(r, "barrier"), ("kernel", "reduce_peer_rows"), (r, "barrier")]
+    for r, kw in zip(ranks, launches, strict=True):
+        seg = slice(r * per_rank * stores[r].cb, (r + 1) * per_rank * stores[r].cb)
+        assert "codes_out" not in kw and "out" not in kw  # pushed, not into the own rows only
+        segment_r_of_every_rank = [s.codes_u8[seg].data_ptr() for s in stores]
+        assert [c.data_ptr() for c in kw["codes_out_rows"]] == segment_r_of_every_rank
+        assert kw["out_tables"].codes.tolist() == segment_r_of_every_rank  # the addresses the kernel stores to
+        assert kw["out_tables"] is kw["tables"] and kw["tables"].codes_aligned
+    expect = _row_bytes(expect_c, expect_s, fmt)
+    for r in range(world):
+        assert torch.equal(_row_bytes(stores[r].codes_u8, stores[r].scales, fmt), expect), r
+
+
 def test_dequantize_rows_saturate_at_the_destination_dtype_like_the_reference():
     """Gradients past the destination dtype's range (here 1e5 into fp16) become its largest finite value in
     kernel and reference alike (agoq.ref.quant.saturate), never Inf; NaN blocks stay NaN."""

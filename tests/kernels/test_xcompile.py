@@ -125,3 +125,31 @@ def test_peer_comm_code_loads_are_vectorised_on_aligned_rows(module):
         assert vector and not _byte_loads(ops), v
     for v in offset:
         assert _byte_loads(v["ptx_ops"]), v
+
+
+def _byte_stores(ops: dict) -> int:
+    return sum(n for op, n in ops.items() if re.fullmatch(r"st\.global(\.[\w:]+)*\.[bsu]8", op))
+
+
+def test_peer_push_code_stores_are_vectorised_on_aligned_rows():
+    """The push reduce (agoq.kernels.comm PUSH: the store all-reduce writes its requantized segment into every
+    peer's store) stores the codes at addresses from an int64 table as well: with every input and output codes row
+    16-byte aligned (``rows=aligned`` push variants) the codes go out as vector stores (st.global.v4 / v2; Triton 3.6
+    and 3.8 sm_90: one st.global.v4.b32 per thread and output row, 2026-11-27) with no byte store, and the loads stay
+    vectorised; a row PEER_ROW_OFFSET bytes off (``rows=offset``) gets the unhinted kernel (byte stores), which still
+    compiles. The scales are fp32: every byte store is a code store. This Triton or $AGOQ_XCOMPILE_TRITON's."""
+    env = _env(os.environ.get(TRITON_ENV_VAR, ""))
+    proc = _run(["-m", "agoq.testing.xcompile", "comm_peer_reduce", "--ptx-ops", "--match", "push"], env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-8000:]
+    variants = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    aligned = [v for v in variants if "rows=aligned" in v["label"]]
+    offset = [v for v in variants if "rows=offset" in v["label"]]
+    assert aligned and offset and all(" push " in v["label"] for v in variants), out[-4000:]
+    for v in aligned:
+        ops = v["ptx_ops"]
+        stores = sum(n for op, n in ops.items() if op.startswith(("st.global.v4.", "st.global.v2.")))
+        loads = sum(n for op, n in ops.items() if op.startswith(("ld.global.v4.", "ld.global.v2.")))
+        assert stores and loads and not _byte_stores(ops) and not _byte_loads(ops), v
+    for v in offset:
+        assert _byte_stores(v["ptx_ops"]), v
