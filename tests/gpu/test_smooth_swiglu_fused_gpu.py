@@ -16,11 +16,22 @@ error on both sides) and per channel the weight gradient (``s`` in the row-wise 
 after the GEMM): SQNR >= 40 dB; a wrong scale or layout is ~0 dB. In the real model (fused vs unfused,
 2 layers, 3 delayed steps): gradient SQNR >= 15 dB (tests/megatron/test_smooth_fp8_fused.py argues the E5M2
 code flips the fp32 SwiGLU backward causes downstream), loss within 1e-3 relative.
+
+Plain FP8 (agoq.ops.smooth_swiglu_fp8.swiglu_fp8_fc2, the plain FP8 MLP's path under delayed scaling) against
+Megatron's SwiGLU (ATen silu, ``x_linear + 0.0``, the product) then agoq.ops.fp8_linear with fc2's weight cache
+(what AgoqMLP ran before, and runs with AGOQ_FP8_SWIGLU_FUSION=0): bit for bit (the fused kernel computes ATen's
+two bf16 roundings, then the same cast and the same tensor-wise cuBLAS GEMMs on the same codes) fc2's output, its
+weight gradient and the three histories; the fc1-output gradient is swiglu_bwd of the unfused grad_z. Random
+normal inputs have no up of -0.0, the one input where the codes differ (the sign of a zero,
+tests/unit/test_swiglu_fp8_fc2.py). Held bytes: z's transposed FP8 copy only; the unfused path also Megatron's
+silu output and ``x_linear + 0`` tensor (2 x 2 B x T x F: the planner's term). In the model (bf16 and agoq
+policies): the same bounds as above.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -218,3 +229,136 @@ def test_fused_vs_unfused_in_the_model(gpu_world, smooth):
         worst = min(grads_u, key=lambda n: _sqnr_db(grads_u[n], grads_f[n]))
         assert _sqnr_db(grads_u[worst], grads_f[worst]) >= MODEL_GRAD_FLOOR_DB, (step, worst)
     assert sum("_agoq_fp8_smooth_wcache" in m.__dict__ for m in fused.modules()) == MODEL_KW["num_layers"]
+
+
+# ---- plain SwiGLU + FP8 fc2 (no smoothing) ----------------------------------------------------------------------
+def _delayed():
+    from agoq.ops.fp8_scaling import FP8Recipe
+
+    return FP8Recipe(scaling="delayed")
+
+
+def _megatron_glu(h):
+    x_glu, x_linear = torch.chunk(h, 2, dim=-1)
+    return torch.nn.functional.silu(x_glu) * (x_linear + 0.0)
+
+
+def _plain_unfused(h0, w, gy, state, cache, backward=True):
+    from agoq.ops.fp8_linear import FP8LinearFunction
+
+    h = h0.clone().requires_grad_()
+    w.grad = None
+    z = _megatron_glu(h)
+    seen = {}
+    z.register_hook(lambda grad: seen.setdefault("grad_z", grad))
+    y = FP8LinearFunction.apply(z, w, state, _delayed(), None, None, True, cache)
+    if not backward:
+        return y
+    y.backward(gy)
+    return y.detach(), h.grad, w.grad.clone(), seen["grad_z"]
+
+
+def _plain_fused(h0, w, gy, state, cache, backward=True):
+    from agoq.ops.smooth_swiglu_fp8 import swiglu_fp8_fc2
+
+    h = h0.clone().requires_grad_()
+    w.grad = None
+    y = swiglu_fp8_fc2(h, w, state, _delayed(), weight_cache=cache)
+    if not backward:
+        return y
+    y.backward(gy)
+    return y.detach(), h.grad, w.grad.clone()
+
+
+def test_plain_fused_op_vs_megatrons_swiglu_on_cuda(cuda):
+    from agoq.kernels.swiglu import swiglu_bwd
+    from agoq.ops.fp8_scaling import FP8ScalingState
+    from agoq.ops.fp8_weight_cache import FP8WeightCache
+
+    st_u, st_f = FP8ScalingState(_delayed(), cuda), FP8ScalingState(_delayed(), cuda)
+    cache_u, cache_f = FP8WeightCache(), FP8WeightCache()
+    _, w0, _ = _inputs(cuda)
+    w_u, w_f = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    for step in range(3):  # step 0 bootstraps the histories
+        h, _, gy = _inputs(cuda, seed=step)
+        y_u, dh_u, dw_u, grad_z = _plain_unfused(h, w_u, gy, st_u, cache_u)
+        y_f, dh_f, dw_f = _plain_fused(h, w_f, gy, st_f, cache_f)
+        for slot in ("x", "w", "g"):
+            assert torch.equal(st_f.meta(slot), st_u.meta(slot)), (step, slot)
+        assert torch.equal(y_f, y_u) and torch.equal(dw_f, dw_u), step
+        assert torch.equal(dh_f, swiglu_bwd(h, grad_z)), step
+        assert (dh_f.float() - dh_u.float()).abs().max() <= DH_ATOL * dh_u.float().abs().max(), step
+
+
+def _held(run, h0, w, gy, state, cache):
+    """Bytes allocated by a forward and still held for its backward (the output left out), after two warm steps."""
+    for _ in range(2):  # history pools and the weight cache entry exist
+        run(h0, w, gy, state, cache)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = run(h0, w, gy, state, cache, backward=False)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+    y.backward(gy)
+    return held
+
+
+def test_plain_fused_op_holds_only_z_codes(cuda):
+    """The fused op holds z's transposed FP8 copy (T x F bytes; h is the caller's); Megatron's SwiGLU before the
+    FP8 linear also holds the silu output and the x_linear + 0 tensor: 2 x 2 B x T x F more (agoq.plan.fp8)."""
+    from agoq.ops.fp8_scaling import FP8ScalingState
+    from agoq.ops.fp8_weight_cache import FP8WeightCache
+
+    h0, w0, gy = _inputs(cuda)
+    tokens = SEQ * BATCH
+    held = {name: _held(run, h0, w0.clone().requires_grad_(), gy, FP8ScalingState(_delayed(), cuda), FP8WeightCache())
+            for name, run in (("fused", _plain_fused), ("unfused", _plain_unfused))}
+    assert tokens * FFN <= held["fused"] <= tokens * FFN + ALLOC_SLACK, held
+    expected_unfused = tokens * FFN + 2 * 2 * tokens * FFN
+    assert expected_unfused <= held["unfused"] <= expected_unfused + ALLOC_SLACK, held
+
+
+def _plain_model(device, policy, reference=None):
+    from megatron.core.transformer.module import Float16Module
+
+    from agoq.megatron.model import (
+        LlamaShape,
+        ParallelLayout,
+        agoq_layer_spec,
+        build_model_chunks,
+        llama_transformer_config,
+    )
+    from agoq.policy import FP8Spec, ScheduleInfo
+
+    shape = LlamaShape(**MODEL_KW)
+    config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.bfloat16,
+                                      use_cpu_initialization=False)
+    compute = FP8Spec(recipe="delayed", bf16_first_layers=0, bf16_last_layers=0)
+    path = Path(__file__).resolve().parents[2] / "configs" / "policy" / f"{policy}.yaml"
+    spec = agoq_layer_spec("sdpa", policy=path, schedule=ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1),
+                           compute=compute)
+    (model,) = build_model_chunks(shape, config, spec, None)
+    model = Float16Module(config, model.to(device))
+    if reference is not None:
+        model.load_state_dict(reference.state_dict())
+    return model
+
+
+@pytest.mark.parametrize("policy", ["bf16", "agoq"])
+def test_plain_fused_vs_megatrons_mlp_in_the_model(gpu_world, policy):
+    from agoq.ops.smooth_swiglu_fp8 import set_plain_swiglu_fusion
+
+    unfused = _plain_model(gpu_world, policy)
+    fused = _plain_model(gpu_world, policy, reference=unfused)
+    for step in range(3):
+        previous = set_plain_swiglu_fusion(False)
+        try:
+            loss_u, grads_u = _model_step(unfused, gpu_world, step)
+        finally:
+            set_plain_swiglu_fusion(previous)
+        loss_f, grads_f = _model_step(fused, gpu_world, step)
+        assert abs(loss_f - loss_u) <= 1e-3 * abs(loss_u), (step, loss_f, loss_u)
+        worst = min(grads_u, key=lambda n: _sqnr_db(grads_u[n], grads_f[n]))
+        assert _sqnr_db(grads_u[worst], grads_f[worst]) >= MODEL_GRAD_FLOOR_DB, (step, worst)
+    assert sum("_agoq_fp8_smooth_wcache" in m.__dict__ for m in fused.modules()) == MODEL_KW["num_layers"]
+    assert not any("_agoq_fp8_smooth_wcache" in m.__dict__ for m in unfused.modules())
