@@ -283,8 +283,8 @@ def swiglu_quant_calls(full: bool = False) -> Iterator[tuple[str, Callable[[], N
 
 
 def smooth_swiglu_fp8_calls(full: bool = False) -> Iterator[tuple[str, Callable[[], None]]]:
-    """(label, call) for agoq.kernels.smooth_swiglu_fp8 (both amaxes, the cast in every layout and mode) and the
-    ``mul`` variants of agoq.kernels.fp8_fused's delayed cast."""
+    """(label, call) for agoq.kernels.smooth_swiglu_fp8 (both amaxes, the cast in every layout and mode: per token,
+    per channel, plain) and the ``mul`` variants of agoq.kernels.fp8_fused's delayed cast."""
     from agoq.kernels import fp8_fused
     from agoq.kernels import smooth_swiglu_fp8 as k
 
@@ -299,6 +299,10 @@ def smooth_swiglu_fp8_calls(full: bool = False) -> Iterator[tuple[str, Callable[
                 yield (f"smooth_cast {dt} per_token={per_token} rowmajor={rm} transposed={tr}",
                        lambda h=h, a=amax, p=per_token, rm=rm, tr=tr: k.smooth_swiglu_cast_delayed(
                            h, a, "e4m3", meta, ws, per_token=p, rowmajor=rm, transposed=tr, t_colmajor=tr))
+        for rm, tr in ((True, True), (True, False), (False, True)):  # plain SwiGLU for a plain FP8 fc2 (s = 1)
+            yield (f"smooth_cast {dt} plain rowmajor={rm} transposed={tr}",
+                   lambda h=h, rm=rm, tr=tr: k.smooth_swiglu_cast_delayed(
+                       h, None, "e4m3", meta, ws, per_token=False, rowmajor=rm, transposed=tr, t_colmajor=tr))
         x = torch.zeros(300, 130, dtype=dt)
         for mul in (None, torch.ones(300, 1), torch.ones(1, 130)):
             for variant in ("e4m3", "e5m2"):

@@ -77,8 +77,8 @@ def test_swiglu_quant_kernel_variants_compile_for_sm90(module):
 @pytest.mark.parametrize("module", ["smooth_token_amax", "smooth_channel_amax", "smooth_cast", "fp8_fused_cast"])
 def test_smooth_swiglu_fp8_kernel_variants_compile_for_sm90(module):
     """The fused Smooth-SwiGLU FP8 kernels (agoq.kernels.smooth_swiglu_fp8: both amaxes, the cast in every layout,
-    per token and per channel, bf16 / fp16) and the ``mul`` variants of agoq.kernels.fp8_fused's delayed cast
-    compile with the GPU's Triton (3.6 on 2026-11-26: 1 + 1 + 12 + 12 variants)."""
+    per token, per channel and plain (no smoothing), bf16 / fp16) and the ``mul`` variants of agoq.kernels.fp8_fused's
+    delayed cast compile with the GPU's Triton (3.6 on 2026-11-26: 1 + 1 + 18 + 12 variants)."""
     env = _env(_triton_dir())
     proc = _run(["-m", "agoq.testing.xcompile", module], env)
     out = proc.stdout + proc.stderr
