@@ -24,10 +24,12 @@ def test_policy_fp8_section_loads_and_absent_means_none():
     assert spec.fp8 == FP8Spec(recipe="delayed", smooth_swiglu="per-token", bf16_last_layers=2, amax_history_len=64)
 
 
-@pytest.mark.parametrize("section,key", [({"recipe": "fp4"}, "fp8.recipe"), ({"smooth_swiglu": "on"}, "fp8.smooth_swiglu"),
+@pytest.mark.parametrize("section,key", [({"recipe": "fp4"}, "fp8.recipe"),
+                                         ({"smooth_swiglu": "on"}, "fp8.smooth_swiglu"),
                                          ({"bf16_first_layers": -1}, "fp8.bf16_first_layers"),
                                          ({"bf16_last_layers": True}, "fp8.bf16_last_layers"),
-                                         ({"amax_history_len": 0}, "fp8.amax_history_len"), ({"margin": 1}, "fp8.margin")])
+                                         ({"amax_history_len": 0}, "fp8.amax_history_len"),
+                                         ({"margin": 1}, "fp8.margin")])
 def test_policy_fp8_section_errors_cite_the_key(section, key):
     with pytest.raises(PolicyError, match=key.replace(".", r"\.")):
         policy_from_dict({**BASE, "fp8": section}, "p.yaml")
