@@ -179,9 +179,9 @@ def gpu_world(cuda):
     handle.uninstall()
 
 
-def _model(device, smooth, fused, reference=None):
-    from pathlib import Path
-
+def _model(device, smooth, fused, reference=None, policy="bf16"):
+    """The 2-layer model in FP8 (delayed) with Smooth-SwiGLU ``smooth`` ("off": plain), its fused op on or off
+    (SavePaths.fuse_smooth_fp8; plain FP8 follows agoq.ops.smooth_swiglu_fp8's process-wide switch instead)."""
     from megatron.core.transformer.module import Float16Module
 
     from agoq.megatron.model import (
@@ -198,8 +198,8 @@ def _model(device, smooth, fused, reference=None):
     config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.bfloat16,
                                       use_cpu_initialization=False)
     compute = FP8Spec(recipe="delayed", smooth_swiglu=smooth, bf16_first_layers=0, bf16_last_layers=0)
-    policy = Path(__file__).resolve().parents[2] / "configs" / "policy" / "bf16.yaml"
-    spec = agoq_layer_spec("sdpa", policy=policy, schedule=ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1),
+    path = Path(__file__).resolve().parents[2] / "configs" / "policy" / f"{policy}.yaml"
+    spec = agoq_layer_spec("sdpa", policy=path, schedule=ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1),
                            compute=compute, save_paths=SavePaths(fuse_smooth_fp8=fused))
     (model,) = build_model_chunks(shape, config, spec, None)
     model = Float16Module(config, model.to(device))
@@ -320,38 +320,12 @@ def test_plain_fused_op_holds_only_z_codes(cuda):
         assert expected[name] <= held[name] <= expected[name] + ALLOC_SLACK, (held, expected)
 
 
-def _plain_model(device, policy, reference=None):
-    from megatron.core.transformer.module import Float16Module
-
-    from agoq.megatron.model import (
-        LlamaShape,
-        ParallelLayout,
-        agoq_layer_spec,
-        build_model_chunks,
-        llama_transformer_config,
-    )
-    from agoq.policy import FP8Spec, ScheduleInfo
-
-    shape = LlamaShape(**MODEL_KW)
-    config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.bfloat16,
-                                      use_cpu_initialization=False)
-    compute = FP8Spec(recipe="delayed", bf16_first_layers=0, bf16_last_layers=0)
-    path = Path(__file__).resolve().parents[2] / "configs" / "policy" / f"{policy}.yaml"
-    spec = agoq_layer_spec("sdpa", policy=path, schedule=ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1),
-                           compute=compute)
-    (model,) = build_model_chunks(shape, config, spec, None)
-    model = Float16Module(config, model.to(device))
-    if reference is not None:
-        model.load_state_dict(reference.state_dict())
-    return model
-
-
 @pytest.mark.parametrize("policy", ["bf16", "agoq"])
 def test_plain_fused_vs_megatrons_mlp_in_the_model(gpu_world, policy):
     from agoq.ops.smooth_swiglu_fp8 import set_plain_swiglu_fusion
 
-    unfused = _plain_model(gpu_world, policy)
-    fused = _plain_model(gpu_world, policy, reference=unfused)
+    unfused = _model(gpu_world, "off", fused=True, policy=policy)
+    fused = _model(gpu_world, "off", fused=True, reference=unfused, policy=policy)
     for step in range(3):
         previous = set_plain_swiglu_fusion(False)
         try:
