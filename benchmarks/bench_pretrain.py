@@ -22,6 +22,9 @@ buffer vs ``--agoq-gradient-release``, ~1B, one GPU, one micro-batch per step, u
 ``--smoke`` runs a tiny CPU version of the suite (for CI-style checks; FP8 variants need a GPU, so the fp8
 smoke suite runs bf16 and Smooth-SwiGLU only). ``--list`` prints every variant's command and runs nothing.
 
+``graphs`` (issue 24 item 3: the host-bound ~1B shape at seq 4096, micro-batch 1, eager and under Megatron's CUDA
+graphs, baseline / agoq / bf16 / FP8 pairs).
+
 Issue 23 (capacity and speed at equal memory; every variant records tokens/s, MFU, loss first/last and the
 planner's per-stage prediction next to the measured per-stage peaks):
 ``capacity_1gpu`` (the LLaMA-3-8B shape with its 128,256-row vocabulary on one GPU, seq 4096: Megatron's
@@ -340,6 +343,33 @@ def act_host_suite(smoke: bool) -> list[dict]:
     return variants
 
 
+# issue 24 items 1 and 3: agoq's features under Megatron's CUDA graphs run through this driver (pretrain_llama.py
+# with the refusal of not-yet-validated graph features lifted; agoq/megatron/graphs.py) until they are validated
+UNVALIDATED_GRAPHS_DRIVER = REPO_ROOT / "agoq" / "testing" / "unvalidated_cuda_graphs.py"
+
+
+def graphs_suite(smoke: bool) -> list[dict]:
+    """Issue 24 item 3, the host-bound corner with and without Megatron's CUDA graphs (--cuda-graph-impl local): the
+    ~1B shape at seq 4096, micro-batch 1, 8 micro-batches per step, 9 iterations (iteration 1 records and captures:
+    left out by --warmup), one GPU. Pairs (eager, graphs) of: the Megatron baseline; agoq's default activation policy
+    (target: >= 1.00x the baseline in the same mode); bf16 linears and FP8 delayed linears under the bf16 policy
+    (target: FP8 >= 1.05x bf16), and FP8 delayed + per-token Smooth-SwiGLU. Every variant runs the same driver (it
+    changes nothing when the refusal does not apply). About 10 minutes on one H100. ``--smoke``: the eager half on the
+    CPU (graphs need a GPU)."""
+    shape, seq, iters = ("tiny", "64", "4") if smoke else ("1b", "4096", "9")
+    common = SHAPES[shape] + COMMON + ["--seq-length", seq, "--train-iters", iters, "--micro-batch-size", "1",
+                                       "--global-batch-size", "8"]
+    bf16 = ["--agoq-policy", str(REPO_ROOT / "configs" / "policy" / "bf16.yaml")]
+    fp8 = [] if smoke else ["--agoq-fp8", "delayed"]  # FP8 needs a GPU: the smoke suite checks the plumbing
+    pairs = {"baseline (Megatron)": ["--agoq-disable"], "agoq activations (default policy)": [],
+             "bf16 linears (bf16 policy)": bf16, "fp8 delayed (bf16 policy)": bf16 + fp8,
+             "fp8 delayed + smooth-swiglu per-token (bf16 policy)": bf16 + fp8 + ["--agoq-smooth-swiglu", "per-token"]}
+    modes = {"eager": []} if smoke else {"eager": [], "graphs": ["--cuda-graph-impl", "local"]}
+    return [{"name": f"{shape}/mbs1/{name}/{mode}", "nproc": 1, "args": common + extra + graphs,
+             "script": UNVALIDATED_GRAPHS_DRIVER}
+            for name, extra in pairs.items() for mode, graphs in modes.items()]
+
+
 def _interleaved_variants(shape: str, common: list[str], nproc: int, vpp: list[str]) -> list[dict]:
     """1F1B against the interleaved schedule, Megatron baseline and agoq's default policy in each."""
     return [{"name": f"{shape}/{schedule}/{who}", "nproc": nproc, "args": common + extra + more}
@@ -576,7 +606,8 @@ EQUAL_MEMORY_BUDGETS_GIB = {"equal_memory_1b": (24, 32, 48, 80), "equal_memory_8
 CAPACITY_PLANS = {"capacity_1gpu": ("llama3-8b", 1), "capacity_4gpu": ("llama-32b", 4)}
 
 
-SUITES = {"act_host": act_host_suite, "pp2_interleaved": pp2_interleaved_suite, "attention": attention_suite,
+SUITES = {"act_host": act_host_suite, "graphs": graphs_suite, "pp2_interleaved": pp2_interleaved_suite,
+          "attention": attention_suite,
           "fp8_scale": fp8_scale_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite,
           "grads": grads_suite, "dp2": dp2_suite, "dp2_link": dp2_link_suite, "dp2_transport": dp2_transport_suite,
           "release": release_suite,
@@ -587,8 +618,10 @@ SUITES = {"act_host": act_host_suite, "pp2_interleaved": pp2_interleaved_suite, 
 
 
 def variant_command(variant: dict, log: Path) -> tuple[list[str], str]:
-    """(argv, the shell line) of one variant: torchrun + scripts/pretrain_llama.py + its flags + --log-json."""
-    cmd = torchrun_command(variant["nproc"], PRETRAIN_SCRIPT, variant["args"] + ["--log-json", str(log)])
+    """(argv, the shell line) of one variant: torchrun + scripts/pretrain_llama.py (or the variant's ``script``, a
+    driver that runs it) + its flags + --log-json."""
+    script = variant.get("script", PRETRAIN_SCRIPT)
+    cmd = torchrun_command(variant["nproc"], script, variant["args"] + ["--log-json", str(log)])
     env = variant.get("env", {})
     return cmd, " ".join([*(f"{k}={v}" for k, v in env.items()), *cmd[1:]])
 

@@ -71,8 +71,9 @@ CONTRACT: tuple[Symbol, ...] = (
            "--recompute-granularity selective: core attention under CheckpointFunction (agoq.plan.storage)",
            params=("query", "key", "value", "attention_mask")),
     Symbol("megatron.core.tensor_parallel:model_parallel_cuda_manual_seed",
-           "seeding; CPU runs pass inference_rng_tracker=True (no CUDA RNG state)",
-           params=("seed", "inference_rng_tracker")),
+           "seeding; CPU runs pass inference_rng_tracker=True (no CUDA RNG state); CUDA graphs "
+           "use_cudagraphable_rng=True (CudaGraphManager's requirement without Transformer Engine)",
+           params=("seed", "inference_rng_tracker", "use_cudagraphable_rng", "force_reset_rng")),
     Symbol("megatron.core.transformer.transformer_config:TransformerConfig", "LLaMA config",
            fields=_TC_FIELDS),
     Symbol("megatron.core.models.gpt.gpt_layer_specs:get_gpt_layer_local_spec",
@@ -217,9 +218,24 @@ CONTRACT: tuple[Symbol, ...] = (
            "Smooth-SwiGLU / FP8 support checks, first/last bf16 layers",
            fields=("num_layers", "glu_linear_offset", "sequence_parallel", "gated_linear_unit",
                    "gradient_accumulation_fusion", "use_te_activation_func")),
+    # CUDA graphs (agoq/megatron/graphs.py, issue 24): the trainer's flags, the per-feature refusals, the FP8 graph mode
     Symbol("megatron.core.transformer.transformer_config:TransformerConfig",
-           "CUDA graphs refused with agoq's layers, 8-bit gradients, gradient release (agoq.megatron.graphs)",
-           fields=("cuda_graph_impl",)),
+           "CUDA graphs: --cuda-graph-impl local, whole-layer graphs, warm-up passes (agoq.megatron.model); agoq's "
+           "features refused or allowed per graph implementation (agoq.megatron.graphs)",
+           fields=("cuda_graph_impl", "cuda_graph_modules", "cuda_graph_warmup_steps")),
+    Symbol("megatron.core.transformer.cuda_graphs:CudaGraphManager",
+           "agoq.megatron.graphs.captured_graphs reads each manager's cudagraph_runners and their fwd_graph / "
+           "bwd_graph (the trainer's report after iteration 1)", params=("config",), attrs=("get_cudagraph_runner",)),
+    Symbol("megatron.core.transformer.cuda_graphs:is_graph_warmup",
+           "agoq.megatron.graphs.graph_phase: Megatron's eager warm-up passes before a capture (FP8 state records "
+           "nothing there; the weight cache prepares its graph state)"),
+    Symbol("megatron.core.transformer.transformer_layer:TransformerLayer.forward",
+           "AgoqTransformerLayer.forward sets its FP8 linears' graph phase, then calls it (*args, **kwargs); "
+           "Megatron's CudaGraphManager runs it through nn.Module.__call__ in record, warm-up and capture",
+           params=("hidden_states", "attention_mask")),
+    Symbol("megatron.core.transformer.transformer_layer:TransformerLayer.create_mcore_cudagraph_manager",
+           "with cuda_graph_impl='local' a TransformerLayer builds its CudaGraphManager in __init__: agoq's "
+           "feature check runs before (AgoqTransformerLayer), tests stub it on the CPU", params=("config",)),
     Symbol("megatron.core.utils:get_pg_rank", "pipeline rank of a layer (agoq.megatron.sites)"),
     # agoq optimizers under the distributed optimizer (agoq/megatron/dist_optimizer.py, its seam card):
     # DistributedOptimizer subclassed in precision-aware mode, checkpoint methods replaced, aligned layout.

@@ -74,7 +74,7 @@ from agoq.config import GradsConfig
 from agoq.megatron.deferred_grad_buffer import DeferredGradBuffer, GradBufferOnMeta, check_deferred
 from agoq.megatron.grad_store import BucketStore, finalize_touched
 from agoq.megatron.grad_transport import resolve_transport
-from agoq.megatron.graphs import refuse_cuda_graphs
+from agoq.megatron.graphs import check_cuda_graphs
 from agoq.megatron.install import mark, swap_class
 from agoq.ops.nonfinite import nonfinite_in
 
@@ -381,7 +381,7 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
 
 
 def _check_supported(config: TransformerConfig, ddp_config: DistributedDataParallelConfig, grad: GradConfig) -> None:
-    refuse_cuda_graphs(config, "agoq's 8-bit gradients (--agoq-grads)", "drop --agoq-grads")
+    check_cuda_graphs(config, ["grads_store" if grad.mode == "store" else "grads_reduce"])
     if ddp_config.num_distributed_optimizer_instances > 1:
         raise NotImplementedError(
             "agoq 8-bit gradients support num_distributed_optimizer_instances=1 only; drop "

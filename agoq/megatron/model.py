@@ -101,13 +101,17 @@ class ParallelLayout:
 
 def llama_transformer_config(
     shape: LlamaShape, layout: ParallelLayout, *, params_dtype: torch.dtype, use_cpu_initialization: bool,
-    recompute_num_layers: int | None = None, selective_recompute: bool = False,
+    recompute_num_layers: int | None = None, selective_recompute: bool = False, cuda_graph_impl: str = "none",
+    cuda_graph_warmup_steps: int = 3,
 ) -> TransformerConfig:
     """``recompute_num_layers``: Megatron's full activation recompute (granularity "full", method
     "uniform": every group of this many layers saves only its input and reruns its forward in
     backward); None = off. The baseline for equal-memory comparisons (issue 9). ``selective_recompute``:
     Megatron's selective recompute of core attention (granularity "selective", ``recompute_modules
-    ["core_attn"]``; what it saves with SDPA: agoq.plan.storage.megatron_bytes). One of the two at most."""
+    ["core_attn"]``; what it saves with SDPA: agoq.plan.storage.megatron_bytes). One of the two at most.
+    ``cuda_graph_impl``: Megatron's CUDA graphs ("none", or "local": whole-layer graphs, ``cuda_graph_modules``
+    empty, ``cuda_graph_warmup_steps`` eager passes before each capture; agoq.megatron.graphs); with "none" no
+    graph field is passed (Megatron's defaults)."""
     if recompute_num_layers and selective_recompute:
         raise ValueError("--recompute-granularity is full or selective, not both")
     bf16 = params_dtype == torch.bfloat16
@@ -117,8 +121,13 @@ def llama_transformer_config(
                          recompute_num_layers=recompute_num_layers)  # fmt: skip
     if selective_recompute:
         recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    graphs = {}
+    if cuda_graph_impl != "none":
+        graphs = dict(cuda_graph_impl=cuda_graph_impl, cuda_graph_modules=[],
+                      cuda_graph_warmup_steps=cuda_graph_warmup_steps)
     return TransformerConfig(
         **recompute,
+        **graphs,
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,

@@ -222,12 +222,11 @@ def build_agoq_optimizer(agoq_config: AgoqConfig, config: OptimizerConfig, model
         optimizer = AgoqDistributedOptimizer(inner, config, model_chunks, names)
         grad_reader.attach(optimizer, model_chunks)  # 8-bit gradient store: shards read one param at a time
     elif agoq_config.optimizer.gradient_release:
-        from agoq.megatron.graphs import refuse_cuda_graphs
+        from agoq.megatron.graphs import check_cuda_graphs
         from agoq.megatron.release import AgoqReleaseOptimizer
 
-        # it steps each parameter in a backward hook: inside Megatron's captured region
-        refuse_cuda_graphs(model_chunks[0].config, "agoq's gradient release (--agoq-gradient-release)",
-                           "drop --agoq-gradient-release")
+        # it steps each parameter in a backward hook, which a graphed backward never calls
+        check_cuda_graphs(model_chunks[0].config, ["gradient_release"])
 
         optimizer = AgoqReleaseOptimizer(inner, config, _init_all_states, model_chunks)  # steps in backward hooks
         optimizer.param_names = names

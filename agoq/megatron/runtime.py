@@ -3,7 +3,8 @@
 Seam card
 ---------
 Touches: ``parallel_state.initialize_model_parallel`` / ``destroy_model_parallel`` and
-  ``tensor_parallel.model_parallel_cuda_manual_seed`` (public functions).
+  ``tensor_parallel.model_parallel_cuda_manual_seed`` (public functions; its ``use_cudagraphable_rng`` with CUDA
+  graphs).
 Why: ``megatron.training.initialize_megatron`` asserts CUDA and skips model-parallel set-up without a
   GPU (../shared/spec/megatron.md 1.5), so agoq initialises megatron-core itself: NCCL on GPU, gloo on CPU.
 Verified on: megatron-core 0.19.2.
@@ -87,14 +88,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_model_parallel(layout: ParallelLayout, seed: int, device: torch.device) -> None:
+def init_model_parallel(layout: ParallelLayout, seed: int, device: torch.device, *, cuda_graphs: bool = False) -> None:
+    """Process groups of ``layout`` and Megatron's RNG tracker. ``cuda_graphs`` (Megatron's CUDA graphs on): the
+    graph-safe ``CudaRNGStatesTracker(use_cudagraphable_rng=True)`` that ``CudaGraphManager`` requires without
+    Transformer Engine, as Megatron-LM's ``initialize`` seeds it (``use_cudagraphable_rng=cuda_graph_impl !=
+    'none'``); its states are seeded alike, and the weights drawn under it are the same."""
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError("--cuda-graph-impl local captures CUDA graphs: it needs a GPU (this run is on the "
+                         f"{device.type}); drop it for CPU runs")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
     )
     # CPU: the default tracker snapshots CUDA RNG state; the inference tracker does not (../shared/spec/megatron.md 2).
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=device.type == "cpu")
+    # force_reset_rng: a tracker some earlier call made with the defaults would otherwise stay (not graph-safe)
+    graph_safe = {"use_cudagraphable_rng": True, "force_reset_rng": True} if cuda_graphs else {}
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=device.type == "cpu", **graph_safe)
     torch.manual_seed(seed)
 
 

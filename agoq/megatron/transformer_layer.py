@@ -13,6 +13,11 @@ counter key, counter, host paths, recomputed), ``agoq_fp8`` (the linears' ``FP8R
 input_layernorm -> linear_qkv and pre_mlp_layernorm -> linear_fc1; the MLP owns SwiGLU -> linear_fc2).
 No attribute is written onto a built module, and no module reaches a sibling.
 
+Under Megatron's CUDA graphs (``TransformerConfig.cuda_graph_impl``), the layer refuses, before Megatron builds its
+graph manager, every agoq feature it uses that graphs cannot hold or that is not validated yet
+(agoq.megatron.graphs.check_cuda_graphs), and its ``forward`` puts its FP8 linears' scaling state and weight cache
+into the graph phase of the call (record, warm-up, capture: agoq.megatron.graphs.set_fp8_graph_phase).
+
 Seam card
 ---------
 Touches: ``TransformerLayer.__init__`` (subclass, spec.module; its parameters ``layer_number``,
@@ -29,6 +34,7 @@ When disabled: no resolver in the spec (``agoq_layer_spec(policy=None, compute=N
   Megatron's own modules); with resolvers that decide bf16 / FP8 off everywhere, every agoq module
   runs Megatron's code (bit-identical, tests/megatron/test_activations.py).
 Guarded by: ``tests/megatron/test_activations.py`` (constructor wiring, hand-off errors, bit-identity),
+  ``tests/megatron/test_cuda_graph_refusal.py`` / ``test_cuda_graph_replay.py`` (graphs, on the CPU),
   ``tests/megatron/test_activations_pp.py`` (formats per stage, global indices),
   ``tests/megatron/test_fp8_smooth.py``, ``tests/megatron/test_contract.py``.
 """
@@ -44,7 +50,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
 
-from agoq.megatron.graphs import refuse_cuda_graphs
+from agoq.megatron.graphs import check_cuda_graphs, graph_phase, graphs_on, layer_features, set_fp8_graph_phase
 from agoq.megatron.layers import (
     AgoqMLP,
     AgoqRMSNorm,
@@ -164,8 +170,6 @@ class AgoqTransformerLayer(TransformerLayer):
             global_number += get_transformer_layer_offset(config, vp_stage, get_pg_rank(pg_collection.pp))
         options, handoffs = None, ()
         if agoq_storage is not None or agoq_compute is not None:
-            refuse_cuda_graphs(config, "agoq's layers (low-bit saved activations, FP8 linears, Smooth-SwiGLU)",
-                               "run the layers without agoq (--agoq-disable)")
             position = position_of(config, global_number, pg_collection.pp, vp_stage)
             options = LayerOptions(
                 storage=None if agoq_storage is None else agoq_storage.resolve(position),
@@ -173,6 +177,8 @@ class AgoqTransformerLayer(TransformerLayer):
                 paths=SavePaths() if agoq_storage is None else agoq_storage.paths,
                 **({} if agoq_compute is None else agoq_compute.resolve(position, config.num_layers)),
             )
+            # before Megatron builds the layer's graph manager: a feature graphs cannot hold is refused by name
+            check_cuda_graphs(config, layer_features(options))
             handoffs = (Handoff(f"layer {position.layer_idx} input_layernorm -> linear_qkv"),
                         Handoff(f"layer {position.layer_idx} pre_mlp_layernorm -> linear_fc1"))
             submodules = wire_submodules(submodules, options, *handoffs, layer_number=global_number)
@@ -183,3 +189,13 @@ class AgoqTransformerLayer(TransformerLayer):
                                f"{self.layer_number}; megatron-core's layer numbering changed (agoq.megatron.compat)")
         self.agoq_options = options  # LayerOptions this layer's modules were built with (None: no agoq settings)
         self.agoq_handoffs = handoffs  # (input_layernorm -> linear_qkv, pre_mlp_layernorm -> linear_fc1)
+        # under Megatron's CUDA graphs, the FP8 linears whose scaling state and weight cache follow the graph phase
+        self.agoq_graph_fp8 = () if not graphs_on(config) or options is None or options.fp8 is None else tuple(
+            m for m in (self.self_attention.linear_qkv, self.self_attention.linear_proj,
+                        self.mlp.linear_fc1, self.mlp.linear_fc2) if getattr(m, "agoq_fp8", None) is not None)
+
+    @functools.wraps(TransformerLayer.forward)  # Megatron's signature for introspection
+    def forward(self, *args, **kwargs):
+        if self.agoq_graph_fp8:  # graphs on: record (eager), warm-up or capture (agoq.megatron.graphs.graph_phase)
+            set_fp8_graph_phase(self.agoq_graph_fp8, graph_phase())
+        return super().forward(*args, **kwargs)

@@ -25,8 +25,9 @@ import yaml
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
 from agoq.config import FLOAT_GRADS, GRAD_MODES, GRAD_TRANSPORTS, RECOMPUTE_GRANULARITIES, AgoqConfig  # noqa: F401 (FLOAT_GRADS re-exported)
 from agoq.data.indexed import split_weights
-from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES, ScheduleInfo, check_rules_used, load_policy, model_sites
+from agoq.megatron.train.graph_args import add_graph_flags, check_graph_flags
 from agoq.megatron.train.optim_args import DEFAULT_MASTER, DEFAULT_MOMENTS, add_optim_flags, check_release_flags
+from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES, ScheduleInfo, check_rules_used, load_policy, model_sites
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 DEFAULT_POLICY = Path(__file__).resolve().parents[3] / "configs" / "policy" / "agoq.yaml"
@@ -240,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", default=None, help="YAML file of flag values (snake_case keys)")
     for add in (_model_flags, _parallel_flags, _optim_flags, _data_flags, _run_flags, _agoq_flags, add_grad_flags,
-                add_optim_flags, add_compute_flags):
+                add_optim_flags, add_compute_flags, add_graph_flags):
         add(parser)
     # None = not given, so that --agoq-moments/--agoq-master without agoq's optimizer is an error, not ignored;
     # _fill_derived puts in the defaults
@@ -380,6 +381,7 @@ def validate(args: argparse.Namespace) -> None:
             "/ --agoq-fp8* / --agoq-smooth-swiglu"
         )
     _check_param_gather_flags(args)
+    check_graph_flags(args)
     if args.grad_reduce_in_bf16 and args.fp32:
         raise ValueError("--grad-reduce-in-bf16 needs bf16 parameters; drop --fp32 (fp32 params reduce fp32 grads)")
     if args.load and Path(args.load).exists() and not Path(args.load).is_dir():

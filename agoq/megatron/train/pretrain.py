@@ -240,7 +240,7 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     print_rank0(f"device: {info.device} | world size {info.world_size} | tp {layout.tp} pp {layout.pp} "
                 f"vpp {layout.vpp or 1} dp {info.world_size // (layout.tp * layout.pp)} | "
                 f"micro-batches per step {microbatches}")
-    runtime.init_model_parallel(layout, args.seed, info.device)
+    runtime.init_model_parallel(layout, args.seed, info.device, cuda_graphs=args.cuda_graph_impl != "none")
     progress("tokenizer and data files" + ("" if args.data_path else " (agoq's built-in corpus)"))
     tokenizer, data_factory = datasets_provider(args)
     progress(f"building the model ({args.num_layers} layers, hidden {args.hidden_size}, {layout.pp} pipeline "
@@ -379,6 +379,8 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
                 if args.log_json:
                     with open(args.log_json, "a") as out:
                         out.write(json.dumps({"iteration": iteration, "validation_lm_loss": loss}) + "\n")
+        if iteration == progress.iteration + 1 and args.cuda_graph_impl != "none":
+            _report_graphs(args, parts.model)
         if iteration in (progress.iteration + 1, args.train_iters):
             breakdown = memory_report.static_breakdown_gib(parts.model, parts.optimizer)
             print_rank0(memory_report.measured_report(info.device, iteration, breakdown))
@@ -401,6 +403,19 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
             break
     runner.param_gather.pause()  # the weights in memory are the updated ones when training ends (Megatron-LM)
     print_rank0(done_line(progress.iteration, iteration, args.train_iters, time.perf_counter() - start))
+
+
+def _report_graphs(args, model: list) -> None:
+    """After the first iteration under --cuda-graph-impl local: how many layer graphs Megatron captured on this rank
+    (every later call of those layers replays them)."""
+    from agoq.megatron.graphs import captured_graphs
+
+    found = captured_graphs(model)
+    _print_stage_first(f"CUDA graphs ({args.cuda_graph_impl}): {found['captured']} of {found['runners']} layer graph "
+                       "runners captured (forward + backward) in iteration 1, replayed from iteration 2 on")
+    if args.log_json and training.is_logging_rank():
+        with open(args.log_json, "a") as out:
+            out.write(json.dumps({"cuda_graphs": found}) + "\n")
 
 
 def signal_name(signum: int) -> str:
