@@ -12,22 +12,13 @@ import torch
 from agoq.ops.fp8_linear import FP8LinearFunction, check_fp8_linear_args, fp8_linear
 from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState
 from agoq.ref.fp8 import fp8_amax, fp8_scale_from_amax, ref_fp8_linear
+from agoq.testing.fp8 import CPU_SCALED_MM_SKIP_REASON, cpu_scaled_mm_available
 
 EPS32 = torch.finfo(torch.float32).eps
 BF16_REL = 2.0**-8  # bf16 rounding of a GEMM output: half an ulp of an 8-bit significand
 
 
-def _cpu_scaled_mm_available() -> bool:
-    try:
-        a = torch.zeros(16, 16).to(torch.float8_e4m3fn)
-        torch._scaled_mm(a, a.t(), torch.tensor(1.0), torch.tensor(1.0), out_dtype=torch.float32)
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
-needs_cpu_scaled_mm = pytest.mark.skipif(not _cpu_scaled_mm_available(),
-                                         reason="this torch has no CPU torch._scaled_mm; run tests/gpu on a GPU")
+needs_cpu_scaled_mm = pytest.mark.skipif(not cpu_scaled_mm_available(), reason=CPU_SCALED_MM_SKIP_REASON)
 
 
 def _data(m=64, k=96, n=48, dtype=torch.bfloat16, seed=0):
@@ -278,7 +269,7 @@ def test_raw_apply_binding_is_the_public_apply_when_torch_has_no_wrapper(monkeyp
     bound = mod._bind_apply()
     x, w, g = _data()
     x, w = x.requires_grad_(), w.requires_grad_()
-    if _cpu_scaled_mm_available():
+    if cpu_scaled_mm_available():
         y = bound(x, w, None, FP8Recipe(), None, None, True, None)
         y.backward(g)
         assert calls == [] and x.grad is not None and w.grad is not None  # the raw C++ apply ran

@@ -13,19 +13,9 @@ import torch
 from agoq.ops.fp8_linear import FP8LinearFunction
 from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState
 from agoq.ops.fp8_weight_cache import FP8WeightCache, fp8_weights_changed, weight_generation
+from agoq.testing.fp8 import CPU_SCALED_MM_SKIP_REASON, cpu_scaled_mm_available
 
-
-def _cpu_scaled_mm_available() -> bool:
-    try:
-        a = torch.zeros(16, 16).to(torch.float8_e4m3fn)
-        torch._scaled_mm(a, a.t(), torch.tensor(1.0), torch.tensor(1.0), out_dtype=torch.float32)
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
-needs_cpu_scaled_mm = pytest.mark.skipif(not _cpu_scaled_mm_available(),
-                                         reason="this torch has no CPU torch._scaled_mm; run tests/gpu on a GPU")
+needs_cpu_scaled_mm = pytest.mark.skipif(not cpu_scaled_mm_available(), reason=CPU_SCALED_MM_SKIP_REASON)
 
 
 def _counting_cache():
