@@ -154,7 +154,7 @@ def _gemm_only_step(x, w, g):
 
 
 def _mlp_step(mode: str, x, w1, w2, g):
-    """fc1 -> SwiGLU -> fc2 as agoq's Megatron MLP computes it (agoq.megatron.layers.AgoqMLP)."""
+    """fc1 -> SwiGLU -> fc2 as agoq's Megatron MLP computes it (agoq.megatron.mlp.AgoqMLP)."""
     if mode.endswith(("_fused", "_fused_epilogue")):
         return _fused_mlp_step(mode, x, w1, w2, g)
     smooth = {"fp8_delayed_smooth_per_token": "per_token", "fp8_delayed_smooth_per_channel": "per_channel",

@@ -66,7 +66,7 @@ DEFERRED_GRAD_BUFFER_SINCE = "2026-11-26T13:57:35"  # commit 1bd195f
 FP64_MASTER_SPLIT_SINCE = "2026-11-26T10:12:12"  # commit fb51259
 ZERO_STATE_INIT_SINCE = "2026-11-26T15:57:51"  # commit 98c84d5
 # plain SwiGLU fused with the FP8 fc2 under delayed scaling (agoq.ops.smooth_swiglu_fp8.swiglu_fp8_fc2 in
-# agoq.megatron.layers.AgoqMLP, Recipe.fuse_plain_swiglu_fp8): the commit time of e9f6759. Every plain FP8 row
+# agoq.megatron.mlp.AgoqMLP, Recipe.fuse_plain_swiglu_fp8): the commit time of e9f6759. Every plain FP8 row
 # committed so far (fp8_step.json 2026-11-25, fp8_scale_*.json 2026-11-26 18:30) ran Megatron's SwiGLU then the
 # FP8 linear and is predicted as such; the fused path's term (-4 B x f per token per FP8 layer with a bf16
 # fc1 output) is not measured yet (docs/fp8.md, "SwiGLU fused with a plain FP8 fc2").

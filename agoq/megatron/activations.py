@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agoq.megatron.layers import AgoqMLP, AgoqRMSNorm, _AgoqLinearMixin
+from agoq.megatron.layers import AgoqRMSNorm, _AgoqLinearMixin
+from agoq.megatron.mlp import AgoqMLP
 from agoq.megatron.sites import LayerPosition
 from agoq.ops.saved_act import SavedBytesCounter, SavePaths
 from agoq.plan.storage import LayerStorage, layer_storage

@@ -1,5 +1,6 @@
 """agoq's layer modules: Megatron's local-spec modules whose saved activations can be low-bit, whose
-linears can run in FP8 and whose MLP can be Smooth-SwiGLU.
+linears can run in FP8 and whose MLP can be Smooth-SwiGLU (the MLP itself, ``AgoqMLP``, is in
+``agoq.megatron.mlp``; the seam card below covers both files).
 
 Seam card
 ---------
@@ -52,10 +53,8 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from agoq.formats import QuantFormat
@@ -75,11 +74,8 @@ from agoq.ops.saved_act import (
     saved_input_handle,
 )
 from agoq.ops.saved_norm import rmsnorm_saving_input
-from agoq.ops.saved_swiglu import smooth_swiglu_saving_input, swiglu_reference, swiglu_saving_input
-from agoq.ops.smooth_swiglu import fold_channel_scale, glu_smooth_scale, unsmooth_fc2_output
+from agoq.ops.smooth_swiglu import fold_channel_scale
 from agoq.ops.smooth_swiglu_fp8 import (
-    fused_smooth_supported,
-    plain_swiglu_fusion,
     smooth_swiglu_fp8_fc2,
     swiglu_fp8_fc2,
 )
@@ -352,174 +348,6 @@ class AgoqColumnParallelLinear(_AgoqLinearMixin, ColumnParallelLinear):
 
 class AgoqRowParallelLinear(_AgoqLinearMixin, RowParallelLinear):
     """RowParallelLinear (linear_proj, linear_fc2) with agoq's saved-input storage."""
-
-
-class AgoqMLP(MLP):
-    """MLP whose SwiGLU can store only its quantized input (the fc1 output) and recompute
-    (``agoq_save.fmt``), and can be Smooth-SwiGLU (``agoq_smooth``: "per_token" or "per_channel", the FP8
-    paper's rescale).
-
-    With neither this is Megatron's MLP. Otherwise forward = fc1 -> SwiGLU (Megatron's unfused ``glu``
-    values: ``silu(gate) * (up + glu_linear_offset)``) -> fc2. With storage, fc2 stores nothing: its
-    input is rebuilt from the same quantized fc1 output in backward, through the MLP's own
-    :class:`Handoff` (``agoq_fc2_handoff``, given to fc2 at construction).
-    Smooth-SwiGLU divides the SwiGLU output by a power-of-two s (exact) and undoes it around fc2: per
-    token, fc2's output (after the TP all-reduce; s is all-reduced MAX over TP first) is multiplied
-    by s; per channel, fc2 uses W * s (s folded into its input columns, handed to fc2 with the stash;
-    each channel lives on one TP rank). In bf16 the smoothed MLP therefore equals the plain one bit for
-    bit, barring underflow.
-
-    Plain SwiGLU with an FP8 fc2 under per-tensor delayed scaling (``agoq_plain_fp8``, decided at construction;
-    the rule is :meth:`plain_fusion_problems`) hands fc2 the fc1 output and fc2 runs SwiGLU, its E4M3 cast and
-    its GEMMs as one op (agoq.ops.smooth_swiglu_fp8.swiglu_fp8_fc2: Megatron's values, no silu output kept),
-    unless switched off process-wide (``set_plain_swiglu_fusion(False)``: Megatron's MLP, benchmarks' A/B).
-    """
-
-    def __init__(self, config, submodules, *args, agoq_save: SavedInputConfig = _NO_SAVE,
-                 agoq_smooth: str | None = None, **kwargs):
-        handoff = Handoff(f"layer {agoq_save.key[0]} SwiGLU -> linear_fc2")
-        submodules = dataclasses.replace(
-            submodules, linear_fc2=with_params(submodules.linear_fc2, agoq_handoff=handoff))
-        super().__init__(config, submodules, *args, **kwargs)
-        self.agoq_save = agoq_save
-        self.agoq_smooth = agoq_smooth
-        self.agoq_fc2_handoff = handoff
-        if agoq_save.fmt is not None:
-            self.check_recompute_supported()
-        if agoq_smooth is not None:
-            self.check_smooth_supported()
-        # plain SwiGLU fused with the FP8 fc2 (forward checks the switch, eager mode and the fc1 output's dtype)
-        self.agoq_plain_fp8 = agoq_smooth is None and not self.plain_fusion_problems()
-
-    @classmethod
-    def as_mlp_submodule(cls, submodules, config, pg_collection, is_mtp_layer, is_expert: bool = False,
-                         input_size: int | None = None, ffn_hidden_size: int | None = None, name: str | None = None,
-                         *, agoq_save: SavedInputConfig = _NO_SAVE, agoq_smooth: str | None = None) -> AgoqMLP:
-        """Megatron's builder (``MLP.as_mlp_submodule``) plus agoq's two constructor arguments, which the
-        layer spec's ``partial`` carries (the MLP entry of ``TransformerLayerSubmodules`` is a builder, not a
-        ModuleSpec, in megatron-core 0.19)."""
-        del is_mtp_layer
-        return cls(config=config, submodules=submodules, tp_group=pg_collection.tp, is_expert=is_expert,
-                   input_size=input_size, ffn_hidden_size=ffn_hidden_size, name=name, agoq_save=agoq_save,
-                   agoq_smooth=agoq_smooth)
-
-    def check_recompute_supported(self) -> None:
-        problems = self._swiglu_problems()
-        if problems:
-            raise NotImplementedError(
-                f"agoq's SwiGLU recompute needs {', '.join(problems)}; set mlp.swiglu_input to bf16 in the policy"
-            )
-
-    def check_smooth_supported(self) -> None:
-        problems = self._swiglu_problems()
-        if self.config.glu_linear_offset:
-            problems.append("glu_linear_offset=0")
-        if self.config.sequence_parallel:
-            problems.append("sequence_parallel=False (the per-token scale would need slicing)")
-        if problems:
-            raise NotImplementedError(f"Smooth-SwiGLU needs {', '.join(problems)}; use --agoq-smooth-swiglu off")
-
-    def plain_fusion_problems(self) -> list[str]:
-        """Why plain SwiGLU cannot run fused with fc2 (empty: it can): fc2 must be FP8 with per-tensor delayed
-        scaling (agoq.ops.smooth_swiglu_fp8.fused_smooth_supported's recipe rule), and Megatron's MLP must be
-        computing the unfused ``glu`` the fused kernel reproduces: plain SwiGLU, no clamp, no offset, no
-        ``bias_activation_fusion`` (Megatron's compiled bias_swiglu rounds once in fp32, not after silu and after
-        the product). Anything else keeps Megatron's MLP (docs/fp8.md, "SwiGLU fused with a plain FP8 fc2")."""
-        recipe = getattr(self.linear_fc2, "agoq_fp8", None)
-        problems = []
-        if recipe is None or recipe.granularity != "tensor" or recipe.scaling != "delayed":
-            problems.append("an FP8 fc2 with per-tensor delayed scaling (--agoq-fp8 delayed)")
-        problems += self._swiglu_problems()
-        if self.config.glu_linear_offset:
-            problems.append("glu_linear_offset=0")
-        if self.config.bias_activation_fusion:
-            problems.append("bias_activation_fusion=False (--no-bias-swiglu-fusion)")
-        return problems
-
-    def _swiglu_problems(self) -> list[str]:
-        cfg = self.config
-        problems = []
-        if not cfg.gated_linear_unit or cfg.activation_func is not F.silu:
-            problems.append("SwiGLU (gated_linear_unit=True, activation_func=F.silu)")
-        if cfg.use_te_activation_func:
-            problems.append("use_te_activation_func=False")
-        if getattr(cfg, "activation_func_clamp_value", None) is not None:
-            problems.append("activation_func_clamp_value=None")
-        return problems
-
-    def forward(self, hidden_states, per_token_scale=None, **kwargs):
-        save = self.agoq_save
-        plain_fused = per_token_scale is None and self._fused_plain(hidden_states)
-        if save.fmt is None and self.agoq_smooth is None and not plain_fused:
-            return super().forward(hidden_states, per_token_scale, **kwargs)
-        if per_token_scale is not None:
-            raise NotImplementedError("agoq's MLP (SwiGLU recompute / Smooth-SwiGLU) does not support "
-                                      "per_token_scale (MoE experts)")
-        h_SBF2, bias = self.linear_fc1(hidden_states)
-        if bias is not None:
-            h_SBF2 = h_SBF2 + bias
-        if self.agoq_smooth is not None:
-            return self._smooth_forward(h_SBF2)
-        if plain_fused and fused_smooth_supported(self.linear_fc2.agoq_fp8, h_SBF2):
-            return self._fused_fc2(h_SBF2, "none", None)
-        if save.fmt is None:  # an fc1 output the fused op does not take (not the input's dtype): Megatron's glu
-            return self.linear_fc2(self._megatron_glu(h_SBF2))
-        z_SBF, stash = swiglu_saving_input(h_SBF2, save.fmt, save.key, save.counter,
-                                           offset=self.config.glu_linear_offset, fuse=save.paths.fuse_swiglu)
-        self.agoq_fc2_handoff.put(stash)
-        return self.linear_fc2(z_SBF)
-
-    def _fused_plain(self, hidden_states) -> bool:
-        """Whether plain SwiGLU runs fused with the FP8 fc2 (class docstring): the construction-time rule, the
-        process-wide switch, eager mode (under torch.compile Megatron's ops are traced) and an input dtype the
-        fused kernels take (the fc1 output has the input's dtype; checked again on it)."""
-        return (self.agoq_plain_fp8 and plain_swiglu_fusion() and not torch.compiler.is_compiling()
-                and hidden_states.dtype in (torch.bfloat16, torch.float16))
-
-    def _megatron_glu(self, h_SBF2):
-        """megatron.core.transformer.mlp.MLP.forward's unfused ``glu`` under ``plain_fusion_problems``' rule (no
-        clamp), in its own words (``x_linear + glu_linear_offset`` included)."""
-        x_glu, x_linear = torch.chunk(h_SBF2, 2, dim=-1)
-        return self.config.activation_func(x_glu) * (x_linear + self.config.glu_linear_offset)
-
-    def _fused_fc2(self, h_SBF2, mode: str, tp_group):
-        """Hand fc2 the fc1 output: fc2 runs the SwiGLU (``mode``: agoq.ops.smooth_swiglu_fp8.SMOOTHING), its
-        E4M3 cast and its GEMMs as one op; with activation storage only the quantized h is kept."""
-        save = self.agoq_save
-        store = None if save.fmt is None else (save.fmt, save.key, save.counter)
-        self.agoq_fc2_handoff.put(None, smooth=SmoothFc2Input(mode=mode, tp_group=tp_group, store=store))
-        return self.linear_fc2(h_SBF2)
-
-    def _fused_smooth(self, h_SBF2) -> bool:
-        """Whether the Smooth-SwiGLU MLP runs as one op with its FP8 fc2: fc2 in FP8 with per-tensor delayed
-        scaling (agoq.ops.smooth_swiglu_fp8.fused_smooth_supported), ``SavePaths.fuse_smooth_fp8`` (the default)
-        and eager mode (under torch.compile the unfused ops, the same math, are traced)."""
-        return (self.agoq_save.paths.fuse_smooth_fp8 and not torch.compiler.is_compiling()
-                and fused_smooth_supported(getattr(self.linear_fc2, "agoq_fp8", None), h_SBF2))
-
-    def _smooth_forward(self, h_SBF2):
-        mode, save = self.agoq_smooth, self.agoq_save
-        tp_group = self.tp_group if mode == "per_token" else None
-        if self._fused_smooth(h_SBF2):  # fc2 takes the fc1 output: one op (agoq.ops.smooth_swiglu_fp8)
-            return self._fused_fc2(h_SBF2, mode, tp_group)
-
-        def scale_fn(h, glu):
-            return glu_smooth_scale(h, glu, mode, tp_group=tp_group)
-
-        stash = None
-        if save.fmt is None:
-            glu_SBF = swiglu_reference(h_SBF2)
-            s = scale_fn(h_SBF2, glu_SBF)
-            z_SBF = glu_SBF / s.to(glu_SBF.dtype)  # a power of two: exact
-        else:
-            z_SBF, s, stash = smooth_swiglu_saving_input(h_SBF2, scale_fn, save.fmt, save.key, save.counter,
-                                                         fuse=save.paths.fuse_swiglu)
-        if mode == "per_channel":
-            self.agoq_fc2_handoff.put(stash, col_scale=s)
-            return self.linear_fc2(z_SBF)
-        self.agoq_fc2_handoff.put(stash)
-        out_SBH, out_bias = self.linear_fc2(z_SBF)
-        return unsmooth_fc2_output(out_SBH, s), out_bias
 
 
 def with_params(entry, **params) -> ModuleSpec:

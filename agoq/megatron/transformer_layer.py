@@ -52,13 +52,13 @@ from megatron.core.utils import get_pg_rank
 
 from agoq.megatron.graphs import check_cuda_graphs, graph_phase, graphs_on, layer_features, set_fp8_graph_phase
 from agoq.megatron.layers import (
-    AgoqMLP,
     AgoqRMSNorm,
     Handoff,
     SavedInputConfig,
     _AgoqLinearMixin,
     with_params,
 )
+from agoq.megatron.mlp import AgoqMLP
 from agoq.megatron.sites import position_of
 from agoq.ops.fp8_scaling import FP8Recipe
 from agoq.ops.saved_act import SavedBytesCounter, SavePaths

@@ -7,7 +7,7 @@ from the fc1 output h [T.., 2F] = [gate | up] directly::
     per channel  y =  Q(z) @ Q(W * s).T,   z = swiglu(h) / s, s [F] = pow2_ceil(max_t |swiglu|)
     plain        y =  Q(z) @ Q(W).T,       z = swiglu(h)     (swiglu_fp8_fc2: s = 1, no smoothing)
 
-the math of agoq.ops.smooth_swiglu and agoq.megatron.layers.AgoqMLP._smooth_forward with fc2 an
+the math of agoq.ops.smooth_swiglu and agoq.megatron.mlp.AgoqMLP._smooth_forward with fc2 an
 agoq.ops.fp8_linear FP8 linear, in fewer passes:
 
 * forward: the smoothing amax (one read of h, or of its up half), then one kernel that computes the
@@ -87,7 +87,7 @@ def unsmooth_mode() -> str:
 
 
 # Whether agoq's Megatron MLP runs plain SwiGLU + its FP8 fc2 (per-tensor delayed scaling) as this op
-# (agoq.megatron.layers.AgoqMLP); False: Megatron's SwiGLU then the FP8 linear (same values; benchmarks' A/B).
+# (agoq.megatron.mlp.AgoqMLP); False: Megatron's SwiGLU then the FP8 linear (same values; benchmarks' A/B).
 # A process-wide switch like the un-smoothing mode above (the trainer's AGOQ_FP8_SWIGLU_FUSION=0,
 # agoq.megatron.train.environment); the op itself never reads it.
 _plain_fusion = True

@@ -29,7 +29,7 @@ which models bf16 linears and Megatron's SwiGLU):
   the norm keeps its own input, the SwiGLU its input); attn.proj_input was a view of SDPA's output
   (0 bytes), so its FP8 copy is +1 B per element. A quantized or recomputed role gives the FP8
   linear an ``x_saver`` (agoq.megatron.layers._fp8_forward_impl): the same bytes as without FP8.
-- Smooth-SwiGLU (agoq.megatron.layers.AgoqMLP._smooth_forward) on every layer's MLP: with
+- Smooth-SwiGLU (agoq.megatron.mlp.AgoqMLP._smooth_forward) on every layer's MLP: with
   mlp.swiglu_input bf16 it runs ``agoq.ops.saved_swiglu.swiglu_reference``, which at glu_linear_offset 0
   (required: AgoqMLP.check_smooth_supported) does not make Megatron's ``x_linear + 0`` tensor: -2 B x f
   per token; ``glu / s`` keeps only s (DivBackward, s needs no grad). s itself is kept (fp32, per
@@ -97,7 +97,7 @@ def cached_linears(spec: FP8Spec) -> tuple[str, ...]:
 
 
 def fused_plain(spec: FP8Spec, plain_fusion: bool = True) -> bool:
-    """Plain SwiGLU runs fused with an FP8 fc2 (agoq.megatron.layers.AgoqMLP.plain_fusion_problems: per-tensor
+    """Plain SwiGLU runs fused with an FP8 fc2 (agoq.megatron.mlp.AgoqMLP.plain_fusion_problems: per-tensor
     delayed scaling; the trainer's model has no bias_activation_fusion) when the code fuses it (``plain_fusion``)."""
     return plain_fusion and spec.smooth_swiglu == "off" and spec.recipe == "delayed"
 

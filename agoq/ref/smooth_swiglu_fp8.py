@@ -15,7 +15,7 @@ dtype, and the FP8 cast of z with the delayed scale ``meta[1]`` plus the history
 ``scale_a``: the GEMM then returns (z @ W.T) * s, the un-smoothed output), None per channel. ``amax=None``
 (``per_token=False``): plain SwiGLU feeding a plain FP8 fc2: z = glu, no division; s and scale_a None.
 
-These equal the composition the unfused path runs (agoq.megatron.layers.AgoqMLP._smooth_forward, then
+These equal the composition the unfused path runs (agoq.megatron.mlp.AgoqMLP._smooth_forward, then
 agoq.ops.fp8_linear's cast), which is what the Triton kernels are tested against.
 """
 

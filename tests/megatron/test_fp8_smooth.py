@@ -94,16 +94,16 @@ def test_smooth_swiglu_mlp_equals_plain_swiglu(mcore_world1, mode, dtype, policy
 def test_smooth_swiglu_really_rescales(mcore_world1, monkeypatch):
     """Guard against a vacuous identity: fc2's input in the smoothed model is the SwiGLU output divided
     by a non-trivial scale (per token: its max |up|, rounded up to a power of two)."""
-    from agoq.megatron import layers
+    from agoq.megatron import mlp
 
     seen = {}
-    real = layers.glu_smooth_scale
+    real = mlp.glu_smooth_scale
 
     def spy(h, glu, mode, **kw):
         seen["s"] = real(h, glu, mode, **kw)
         return seen["s"]
 
-    monkeypatch.setattr(layers, "glu_smooth_scale", spy)
+    monkeypatch.setattr(mlp, "glu_smooth_scale", spy)
     model = _build("per-token", None, torch.float32)
     tokens, labels, pos = _batch(0)
     model(tokens, pos, None, labels=labels)
