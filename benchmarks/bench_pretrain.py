@@ -23,7 +23,7 @@ buffer vs ``--agoq-gradient-release``, ~1B, one GPU, one micro-batch per step, u
 smoke suite runs bf16 and Smooth-SwiGLU only). ``--list`` prints every variant's command and runs nothing.
 
 ``graphs`` (issue 24 item 3: the host-bound ~1B shape at seq 4096, micro-batch 1, eager and under Megatron's CUDA
-graphs, baseline / agoq / bf16 / FP8 pairs).
+graphs, baseline / agoq / bf16 / FP8 pairs); ``graphs_pp2`` (the same shape at PP=2 on 2 GPUs, baseline and agoq).
 
 Issue 23 (capacity and speed at equal memory; every variant records tokens/s, MFU, loss first/last and the
 planner's per-stage prediction next to the measured per-stage peaks):
@@ -370,6 +370,21 @@ def graphs_suite(smoke: bool) -> list[dict]:
             for name, extra in pairs.items() for mode, graphs in modes.items()]
 
 
+def graphs_pp2_suite(smoke: bool) -> list[dict]:
+    """Issue 24 item 3 at PP=2 on 2 GPUs: the graphs suite's ~1B shape at seq 4096 and micro-batch 1 split over two
+    pipeline stages (1F1B, 16 micro-batches per step, 9 iterations), eager and under Megatron's CUDA graphs, for the
+    Megatron baseline and agoq's default activation policy (target: agoq >= 1.00x the baseline in the same mode).
+    About 5 minutes on two H100s. ``--smoke``: the eager half on the CPU."""
+    shape, seq, iters = ("tiny", "64", "4") if smoke else ("1b", "4096", "9")
+    common = SHAPES[shape] + COMMON + ["--seq-length", seq, "--train-iters", iters, "--micro-batch-size", "1",
+                                       "--global-batch-size", "16", "--pipeline-model-parallel-size", "2"]
+    pairs = {"baseline (Megatron)": ["--agoq-disable"], "agoq activations (default policy)": []}
+    modes = {"eager": []} if smoke else {"eager": [], "graphs": ["--cuda-graph-impl", "local"]}
+    return [{"name": f"{shape}/pp2/mbs1/{name}/{mode}", "nproc": 2, "args": common + extra + graphs,
+             "script": UNVALIDATED_GRAPHS_DRIVER}
+            for name, extra in pairs.items() for mode, graphs in modes.items()]
+
+
 def _interleaved_variants(shape: str, common: list[str], nproc: int, vpp: list[str]) -> list[dict]:
     """1F1B against the interleaved schedule, Megatron baseline and agoq's default policy in each."""
     return [{"name": f"{shape}/{schedule}/{who}", "nproc": nproc, "args": common + extra + more}
@@ -504,6 +519,7 @@ _FULL_4BIT = _FULL + ["--agoq-moments", "4bit"]
 _RELEASE = ["--agoq-optimizer", "adamw", "--agoq-gradient-release", "--clip-grad", "0"]
 _SELECTIVE, _FULL_RECOMPUTE = ["--recompute-granularity", "selective"], ["--recompute-granularity", "full"]
 _BASELINE = ["--agoq-disable"]
+_FP8_SMOOTH = ["--agoq-fp8", "delayed", "--agoq-smooth-swiglu", "per-token"]  # the stable FP8 recipe (issue 27)
 _SMOKE_23 = SHAPES["tiny"] + COMMON[2:] + ["--seq-length", "64", "--train-iters", "3"]
 
 
@@ -556,9 +572,11 @@ def equal_memory_1b_suite(smoke: bool) -> list[dict]:
     """Issue 23 item 2 on one GPU: ~1B (the LLaMA-3.2-1B body, the built-in 4096-row vocabulary as the memory
     suite), seq 4096, 32 sequences per step, 8 iterations. The baseline's options: micro-batch 1 / 2 / 4 / 8
     without recompute, 1 and 4 with selective recompute of core attention, 8 and 16 with full recompute; agoq
-    full at micro-batch 4 / 8 / 16 without recompute. The report's equal_memory table compares, per budget
-    (EQUAL_MEMORY_BUDGETS_GIB), the fastest run of each side whose measured peak fits. About 7 minutes on one
-    H100 (~120k tokens/s at micro-batch 1)."""
+    full at micro-batch 4 / 8 / 16 without recompute, and agoq full with FP8 delayed linears and per-token
+    Smooth-SwiGLU (the stable FP8 recipe, docs/fp8.md) at micro-batch 4 / 8: agoq spending its memory on FP8's
+    tensor-core rate (the baseline stays bf16: megatron-core's FP8 needs Transformer Engine). The report's
+    equal_memory table compares, per budget (EQUAL_MEMORY_BUDGETS_GIB), the fastest run of each side whose measured
+    peak fits. About 8 minutes on one H100 (~120k tokens/s at micro-batch 1)."""
     if smoke:
         batch = lambda mbs: ["--micro-batch-size", str(mbs), "--global-batch-size", "4"]  # noqa: E731
         return [_v("tiny/baseline mbs1", 1, _SMOKE_23 + batch(1) + _BASELINE, "baseline"),
@@ -571,7 +589,9 @@ def equal_memory_1b_suite(smoke: bool) -> list[dict]:
                     "baseline") for n in (1, 4)]
     variants += [_v(f"1b/baseline mbs{n} full recompute", 1, common + mbs(n) + _BASELINE + _FULL_RECOMPUTE,
                     "baseline") for n in (8, 16)]
-    return variants + [_v(f"1b/agoq full mbs{n}", 1, common + mbs(n) + _FULL, "agoq") for n in (4, 8, 16)]
+    variants += [_v(f"1b/agoq full mbs{n}", 1, common + mbs(n) + _FULL, "agoq") for n in (4, 8, 16)]
+    return variants + [_v(f"1b/agoq full + fp8 smooth-swiglu mbs{n}", 1, common + mbs(n) + _FULL + _FP8_SMOOTH,
+                          "agoq") for n in (4, 8)]
 
 
 def equal_memory_8b_pp4_suite(smoke: bool) -> list[dict]:
@@ -579,8 +599,8 @@ def equal_memory_8b_pp4_suite(smoke: bool) -> list[dict]:
     per step, 8 iterations. Baseline: PP=4 micro-batch 1 without and with selective recompute (the issue's
     measured layout), and DP=4 with the distributed optimizer and full recompute (no pipeline bubble; planner
     75 GiB); agoq full: PP=4 at micro-batch 2, PP=2 x DP=2 and DP=4 (PP=1) with the distributed optimizer
-    (fewer pipeline stages; planner 31 / 31 / 60 GiB). Every variant is predicted to fit 80 GiB. About 8 minutes
-    on four H100s."""
+    (fewer pipeline stages; planner 31 / 31 / 60 GiB), and PP=2 x DP=2 again with FP8 delayed linears and
+    per-token Smooth-SwiGLU. Every variant is predicted to fit 80 GiB. About 9 minutes on four H100s."""
     if smoke:
         common = _SMOKE_23 + ["--num-layers", "4", "--global-batch-size", "4", "--micro-batch-size", "1"]
         return [_v("tiny/pp2/baseline", 2, common + ["--pipeline-model-parallel-size", "2"] + _BASELINE, "baseline"),
@@ -597,6 +617,8 @@ def equal_memory_8b_pp4_suite(smoke: bool) -> list[dict]:
         _v("8b/pp4/agoq full mbs2", 4, common + pp(4) + mbs(2) + _FULL, "agoq"),
         _v("8b/pp2_dp2/agoq full mbs2, distributed optimizer", 4, common + pp(2) + mbs(2) + _USERS + _FULL, "agoq"),
         _v("8b/dp4/agoq full mbs1, distributed optimizer", 4, common + pp(1) + mbs(1) + _USERS + _FULL, "agoq"),
+        _v("8b/pp2_dp2/agoq full + fp8 smooth-swiglu mbs2, distributed optimizer", 4,
+           common + pp(2) + mbs(2) + _USERS + _FULL + _FP8_SMOOTH, "agoq"),
     ]
 
 
@@ -606,7 +628,7 @@ EQUAL_MEMORY_BUDGETS_GIB = {"equal_memory_1b": (24, 32, 48, 80), "equal_memory_8
 CAPACITY_PLANS = {"capacity_1gpu": ("llama3-8b", 1), "capacity_4gpu": ("llama-32b", 4)}
 
 
-SUITES = {"act_host": act_host_suite, "graphs": graphs_suite, "pp2_interleaved": pp2_interleaved_suite,
+SUITES = {"act_host": act_host_suite, "graphs": graphs_suite, "graphs_pp2": graphs_pp2_suite, "pp2_interleaved": pp2_interleaved_suite,
           "attention": attention_suite,
           "fp8_scale": fp8_scale_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite,
           "grads": grads_suite, "dp2": dp2_suite, "dp2_link": dp2_link_suite, "dp2_transport": dp2_transport_suite,
