@@ -628,8 +628,8 @@ EQUAL_MEMORY_BUDGETS_GIB = {"equal_memory_1b": (24, 32, 48, 80), "equal_memory_8
 CAPACITY_PLANS = {"capacity_1gpu": ("llama3-8b", 1), "capacity_4gpu": ("llama-32b", 4)}
 
 
-SUITES = {"act_host": act_host_suite, "graphs": graphs_suite, "graphs_pp2": graphs_pp2_suite, "pp2_interleaved": pp2_interleaved_suite,
-          "attention": attention_suite,
+SUITES = {"act_host": act_host_suite, "graphs": graphs_suite, "graphs_pp2": graphs_pp2_suite,
+          "pp2_interleaved": pp2_interleaved_suite, "attention": attention_suite,
           "fp8_scale": fp8_scale_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite,
           "grads": grads_suite, "dp2": dp2_suite, "dp2_link": dp2_link_suite, "dp2_transport": dp2_transport_suite,
           "release": release_suite,

@@ -1,0 +1,92 @@
+"""benchmarks/device: the per-machine GPU plans and the detached runner. On the CPU: every suite, test path and
+script a plan names exists (a typo fails here, not minutes into a GPU lease), the step runner records exit codes
+and time limits and runs only the steps asked for, and detach.sh starts a plan once, polls it and copies its
+results."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agoq.testing.procs import REPO_ROOT
+from tests.megatron._bench_scripts import load_bench_script
+
+DEVICE = REPO_ROOT / "benchmarks" / "device"
+PLANS = ("x1.sh", "x2.sh", "x4.sh")
+
+
+def _plan_text(plan: str) -> str:
+    return (DEVICE / plan).read_text().replace("\\\n", " ")  # continued lines as one
+
+
+@pytest.mark.parametrize("script", [*PLANS, "common.sh", "detach.sh"])
+def test_scripts_are_valid_bash(script):
+    subprocess.run(["bash", "-n", str(DEVICE / script)], check=True)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_every_suite_test_path_and_script_a_plan_names_exists(plan):
+    suites = load_bench_script("bench_pretrain").SUITES
+    text = _plan_text(plan)
+    named = re.findall(r"--suite (\S+)", text)
+    assert named and set(named) <= set(suites), set(named) - set(suites)
+    paths = [p for p, glob in re.findall(r"\b((?:tests|benchmarks|scripts)/[\w./-]+)(\*?)", text) if not glob]
+    assert paths
+    assert [p for p in paths if not (REPO_ROOT / p).exists()] == []
+    steps = re.findall(r"^step (\w+) (\d+) ", text, flags=re.M)
+    assert len({name for name, _ in steps}) == len(steps)  # names select steps: no two alike
+    listed = re.findall(r"^#   (\w+)  ", text, flags=re.M)  # the header's step table, in order
+    assert listed == [name for name, _ in steps] + (["conv"] if "wanted conv" in text else [])
+
+
+def _run_steps(tmp_path: Path, asked: str, body: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "AGOQ_RESULTS": str(tmp_path / "results"), "PYTHON": sys.executable}
+    script = f'source "{DEVICE / "common.sh"}" {asked}\n{body}\n'
+    return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_step_runner_records_exit_codes_limits_and_runs_only_the_steps_asked_for(tmp_path):
+    body = "step ok 20 true\nstep fails 20 false\nstep slow 1 sleep 30\nstep skipped 20 true\n"
+    proc = _run_steps(tmp_path, "ok fails slow", body)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split("\t") for line in (tmp_path / "results" / "steps.tsv").read_text().splitlines()]
+    assert [(name, rc) for name, rc, _ in rows] == [("ok", "0"), ("fails", "1"), ("slow", "124")]
+    assert int(rows[2][2]) < 15  # the limit stopped it, not the sleep
+    every = _run_steps(tmp_path / "all", "", body)
+    assert every.returncode == 0 and "== skipped: exit 0" in every.stdout
+
+
+def test_detach_starts_the_plan_once_polls_it_and_copies_its_results(tmp_path):
+    repo = tmp_path / "checkout"
+    (repo / "benchmarks" / "device").mkdir(parents=True)
+    for name in ("detach.sh", "common.sh"):
+        shutil.copy(DEVICE / name, repo / "benchmarks" / "device" / name)
+    # a plan that counts its own starts, writes a JSON in a subfolder and a step log, then waits for a go file
+    (repo / "benchmarks" / "device" / "fake.sh").write_text(
+        'source "$(dirname "${BASH_SOURCE[0]}")/common.sh"\n'
+        'echo start >> "$AGOQ_RESULTS/starts"\n'
+        'step first 20 bash -c \'mkdir -p "$AGOQ_RESULTS/sub"; echo "{\\"x\\": 1}" > "$AGOQ_RESULTS/sub/r.json"; '
+        'echo line-of-first\'\n'
+        f'step second 60 bash -c \'until [ -f {tmp_path}/go ]; do sleep 0.2; done\'\n')
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "AGOQ_DETACH_ROOT": str(root), "OUT": str(out), "PYTHON": sys.executable}
+    detach = ["bash", str(repo / "benchmarks" / "device" / "detach.sh"), "fake.sh"]
+    first = subprocess.run(detach + ["3"], env=env, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 75 and "still running" in first.stdout, first.stdout + first.stderr
+    assert (root / "repo" / "benchmarks" / "device" / "fake.sh").exists()
+    (tmp_path / "go").touch()
+    poll = subprocess.run(["bash", str(root / "repo" / "benchmarks" / "device" / "detach.sh"), "fake.sh", "30"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert poll.returncode == 0 and "finished" in poll.stdout, poll.stdout + poll.stderr
+    assert (root / "results" / "starts").read_text() == "start\n"  # the poll did not start it again
+    assert (out / "sub" / "r.json").read_text() == '{"x": 1}\n'
+    assert "line-of-first" in (out / "logs" / "first.tail").read_text()
+    assert [r.split("\t")[:2] for r in (out / "steps.tsv").read_text().splitlines()] == [["first", "0"],
+                                                                                          ["second", "0"]]
