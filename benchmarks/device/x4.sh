@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Four GPUs of one host (nvidia-h100-x4 / nvidia-h200-x4): the open 4-GPU checks and suites, most urgent first.
-#   bash benchmarks/device/x4.sh [step ...]      (no step: all, in this order; ~30 minutes on four H100)
+#   bash benchmarks/device/x4.sh [step ...]      (no step: all, in this order; ~36 minutes on four H100)
 # Steps and what they settle:
 #   e2e                 issue 19 item 5: every multi-GPU e2e test, the 4-GPU DP x PP one included          ~8 min
 #   allreduce           issue 19 item 2 at 4 ranks                                                          ~4 min
 #   capacity_4gpu       issue 23 item 1: the ~32B shape at PP=4 (Megatron expected out of memory)            ~8 min
 #   equal_memory_8b_pp4  issue 23 item 2 at the 8B shape                                                      ~9 min
+#   pp4_interleaved  the 8B shape at PP=4, 1F1B vs VPP=2, baseline and agoq (docs/benchmarks/scale.md)        ~6 min
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 header
 nvidia-smi topo -m 2>/dev/null | head -6
@@ -18,4 +19,5 @@ step allreduce 400 torchrun --standalone --nproc-per-node 4 benchmarks/bench_all
 step capacity_4gpu 1000 "$PY" $B --suite capacity_4gpu --timeout 300 --out "$AGOQ_RESULTS/capacity_4gpu.json"
 step equal_memory_8b_pp4 1300 "$PY" $B --suite equal_memory_8b_pp4 --timeout 200 \
   --out "$AGOQ_RESULTS/equal_memory_8b_pp4.json"
+step pp4_interleaved 1000 "$PY" $B --suite pp4_interleaved --timeout 200 --out "$AGOQ_RESULTS/pp4_interleaved.json"
 echo "== plan x4 finished $(date -u +%T)"
