@@ -29,6 +29,13 @@ if ! PY="$(find_python312)"; then
   exit 1
 fi
 echo "setup_env.sh: using $PY ($("$PY" --version 2>&1))"
+# A fresh .venv (torch with its CUDA libraries, megatron-core, Triton) takes about 6 GiB (measured: 5.9 GiB);
+# say so before pip fails with "No space left on device".
+VENV_GIB=7
+avail_kib=$(df -Pk . 2>/dev/null | awk 'NR == 2 {print $4}')
+if [ ! -x .venv/bin/python ] && [ -n "$avail_kib" ] && [ "$avail_kib" -lt $((VENV_GIB * 1024 * 1024)) ]; then
+  echo "setup_env.sh: warning: $((avail_kib / 1024 / 1024)) GiB free on $(pwd); a fresh .venv needs about ${VENV_GIB} GiB" >&2
+fi
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 12) else 1)'; then
   rm -rf .venv
   "$PY" -m venv .venv
