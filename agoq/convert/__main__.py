@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-DTYPES = ("auto", "bf16", "fp32")
+from agoq.convert.request import DEFAULT_MAX_SHARD_BYTES, EXPORT_DTYPES, IMPORT_DTYPES, ExportRequest, ImportRequest
+
 HF_DIMS_KEY = "hf_dims"  # a converted checkpoint's common state: the HF architecture (agoq.convert.llama.LlamaDims)
 PADDED_VOCAB_KEY = "padded_vocab_size"
 
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--output", type=Path, required=True, help="checkpoint directory to create (pass it to --load)")
     imp.add_argument("--config-out", type=Path, default=None,
                      help="model config YAML for scripts/pretrain_llama.py --config (default: OUTPUT/model.yaml)")
-    imp.add_argument("--dtype", choices=DTYPES, default="auto",
+    imp.add_argument("--dtype", choices=IMPORT_DTYPES, default="auto",
                      help="tensor dtype in the checkpoint (auto: the HF files' bf16 / fp32, fp16 as fp32); the "
                           "trainer casts on load to its own (bf16, or fp32 with --fp32)")
     imp.add_argument("--tensor-model-parallel-size", type=int, default=1,
@@ -57,21 +58,27 @@ def build_parser() -> argparse.ArgumentParser:
                           "the weights")
     exp.add_argument("--vocab-size", type=int, default=None,
                      help="real vocabulary size (rows kept; default: the tokenizer's or the checkpoint's record)")
-    exp.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="safetensors dtype")
-    exp.add_argument("--max-shard-size", type=int, default=5 * 1000**3, help="bytes per safetensors shard")
+    exp.add_argument("--dtype", choices=EXPORT_DTYPES, default="bf16", help="safetensors dtype")
+    exp.add_argument("--max-shard-size", type=int, default=DEFAULT_MAX_SHARD_BYTES, help="bytes per safetensors shard")
     return parser
 
 
+def request_of(namespace: argparse.Namespace) -> ImportRequest | ExportRequest:
+    """The one place the Namespace is read: the command's flags, typed and frozen."""
+    values = {k: v for k, v in vars(namespace).items() if k != "command"}
+    if namespace.command == ImportRequest.COMMAND:
+        return ImportRequest(**values)
+    values["max_shard_bytes"] = values.pop("max_shard_size")
+    return ExportRequest(**values)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    request = request_of(build_parser().parse_args(argv))
     start = time.perf_counter()
     try:
-        if args.command == "hf-to-agoq":
-            lines = hf_to_agoq(args)
-        else:
-            lines = agoq_to_hf(args)
+        lines = hf_to_agoq(request) if isinstance(request, ImportRequest) else agoq_to_hf(request)
     except (ValueError, KeyError, FileNotFoundError, FileExistsError) as exc:
-        print(f"python -m agoq.convert {args.command}: error: {exc}", file=sys.stderr, flush=True)
+        print(f"python -m agoq.convert {request.COMMAND}: error: {exc}", file=sys.stderr, flush=True)
         return 2
     for line in lines:
         print(line, flush=True)
@@ -87,14 +94,15 @@ def _torch_dtype(name: str, source=None):
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
-def hf_to_agoq(args) -> list[str]:
+def hf_to_agoq(request: ImportRequest) -> list[str]:
     from agoq.convert import hf_io, llama
 
-    config = hf_io.read_config(args.hf_dir)
+    config = hf_io.read_config(request.hf_dir)
     dims = llama.dims_from_hf_config(config)
-    padded = llama.padded_rows(dims.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
-    hf_state = hf_io.read_state_dict(args.hf_dir)
-    dtype = _torch_dtype(args.dtype, hf_state["model.embed_tokens.weight"].dtype)
+    padded = llama.padded_rows(dims.vocab_size, request.make_vocab_size_divisible_by,
+                               request.tensor_model_parallel_size)
+    hf_state = hf_io.read_state_dict(request.hf_dir)
+    dtype = _torch_dtype(request.dtype, hf_state["model.embed_tokens.weight"].dtype)
     state = llama.hf_to_megatron(hf_state, dims, padded)
     del hf_state
 
@@ -106,18 +114,18 @@ def hf_to_agoq(args) -> list[str]:
     model = hf_checkpoint.build_model(shape, dtype)[0]
     hf_checkpoint.load_model_state(model, state)
     del state
-    extra = {HF_DIMS_KEY: dims.as_dict(), PADDED_VOCAB_KEY: padded, "converted_from": str(args.hf_dir)}
-    target = hf_checkpoint.save_weights_only(model, args.output, shape, extra)
-    yaml_path = args.config_out or args.output / "model.yaml"
+    extra = {HF_DIMS_KEY: dims.as_dict(), PADDED_VOCAB_KEY: padded, "converted_from": str(request.hf_dir)}
+    target = hf_checkpoint.save_weights_only(model, request.output, shape, extra)
+    yaml_path = request.config_out or request.output / "model.yaml"
     yaml_path.parent.mkdir(parents=True, exist_ok=True)
-    yaml_path.write_text(llama.config_yaml(dims, divisible_by=args.make_vocab_size_divisible_by,
-                                           source=str(args.hf_dir), tp=args.tensor_model_parallel_size,
+    yaml_path.write_text(llama.config_yaml(dims, divisible_by=request.make_vocab_size_divisible_by,
+                                           source=str(request.hf_dir), tp=request.tensor_model_parallel_size,
                                            padded_vocab=padded))  # fmt: skip
     return [f"checkpoint: {target} ({shape.num_parameters() / 1e6:.1f}M parameters, {_dtype_name(dtype)}, "
             f"vocabulary {dims.vocab_size} padded to {padded} rows)",
             f"model config: {yaml_path}",
-            f"train: scripts/pretrain_llama.py --config {yaml_path} --load {args.output} "
-            f"--tokenizer-model {args.hf_dir / 'tokenizer.json'} ..."]
+            f"train: scripts/pretrain_llama.py --config {yaml_path} --load {request.output} "
+            f"--tokenizer-model {request.hf_dir / 'tokenizer.json'} ..."]
 
 
 def _shape(dims, padded: int):
@@ -134,7 +142,7 @@ def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def agoq_to_hf(args) -> list[str]:
+def agoq_to_hf(request: ExportRequest) -> list[str]:
     import torch
 
     from agoq.convert import hf_io, llama
@@ -142,38 +150,39 @@ def agoq_to_hf(args) -> list[str]:
     from agoq.megatron.train.environment import launch_from_environment
 
     hf_checkpoint.init_single_process(launch_from_environment())
-    source = hf_checkpoint.checkpoint_source(args.load_dir, args.iteration)
+    source = hf_checkpoint.checkpoint_source(request.load_dir, request.iteration)
     extras = hf_checkpoint.saved_extras(source)
-    dims, padded = _export_dims(args, extras)
-    dtype = _torch_dtype(args.dtype)
+    dims, padded = _export_dims(request, extras)
+    dtype = _torch_dtype(request.dtype)
     # read in fp32 (exact for bf16 and fp32 checkpoints; Megatron keeps RMSNorm gains in fp32 in any case),
     # then round every tensor to the output dtype once
     model = hf_checkpoint.build_model(_shape(dims, padded), torch.float32)[0]
     hf_checkpoint.load_weights([model], source)
     state = {k: v.to(dtype) for k, v in llama.megatron_to_hf(hf_checkpoint.model_state(model), dims).items()}
-    files = hf_io.write_model_dir(args.output, state, llama.hf_config(dims, dtype), max_shard_bytes=args.max_shard_size)
-    copied = hf_io.copy_tokenizer(args.tokenizer_model, args.output) if args.tokenizer_model else []
-    return [f"exported {source} -> {args.output}: {len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
+    files = hf_io.write_model_dir(request.output, state, llama.hf_config(dims, dtype),
+                                  max_shard_bytes=request.max_shard_bytes)
+    copied = hf_io.copy_tokenizer(request.tokenizer_model, request.output) if request.tokenizer_model else []
+    return [f"exported {source} -> {request.output}: {len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
             f"{_dtype_name(dtype)}, vocabulary {dims.vocab_size} (of {padded} rows)"
             + (f"; tokenizer files: {', '.join(p.name for p in copied)}" if copied else "")]
 
 
-def _export_dims(args, extras: dict):
+def _export_dims(request: ExportRequest, extras: dict):
     """(LlamaDims, padded rows): a converted checkpoint's record, else --config + the resume record + tokenizer."""
     from agoq.convert import llama
     from agoq.megatron.hf_checkpoint import saved_shape
 
     contract = saved_shape(extras)
-    if HF_DIMS_KEY in extras and args.config is None:
+    if HF_DIMS_KEY in extras and request.config is None:
         dims = llama.LlamaDims(**extras[HF_DIMS_KEY])
         padded = extras[PADDED_VOCAB_KEY]
     else:
-        if args.config is None:
-            raise ValueError(f"{args.load_dir} records no architecture (it was not written by hf-to-agoq): pass the "
+        if request.config is None:
+            raise ValueError(f"{request.load_dir} records no architecture (it was not written by hf-to-agoq): pass the "
                              "run's --config YAML")  # fmt: skip
-        dims, padded = _dims_from_yaml(args.config, contract)
-    vocab, bos, eos = _vocab_from_tokenizer(args.tokenizer_model)
-    vocab = args.vocab_size or vocab or dims.vocab_size or padded
+        dims, padded = _dims_from_yaml(request.config, contract)
+    vocab, bos, eos = _vocab_from_tokenizer(request.tokenizer_model)
+    vocab = request.vocab_size or vocab or dims.vocab_size or padded
     if vocab > padded:
         raise ValueError(f"vocabulary {vocab} is larger than the checkpoint's {padded} embedding rows")
     return llama.LlamaDims(**{**dims.as_dict(), "vocab_size": vocab,

@@ -44,10 +44,11 @@ import yaml
 
 from agoq.config import MASTER_CHOICES, OPTIMIZERS, RECOMPUTE_GRANULARITIES, AgoqConfig
 from agoq.plan import capacity
-from agoq.plan.memory import Layout, ModelShape, parse_bytes
+from agoq.plan.memory import Layout, ModelShape
 from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report, grad_bytes_per_param
 from agoq.plan.recipe import recipe_of
-from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES, load_policy
+from agoq.plan.request import AGOQ_FLAGS, PLANNER_FP8_RECIPES, PlanRequest, flag_name
+from agoq.policy import SMOOTH_SWIGLU_MODES, load_policy
 
 POLICY_DIR = Path(__file__).resolve().parents[2] / "configs" / "policy"
 DEFAULT_CANDIDATES = ("bf16", "int8", "agoq", "int4", "aggressive")
@@ -60,7 +61,7 @@ LAYOUT_KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_paralle
 LAYOUT_DEFAULTS = {"tp": 1, "pp": 1, "dp": 1, "mbs": 1, "gbs": 1, "seq": 2048, "distributed_optimizer": False}
 
 
-def parse(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m agoq.plan", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model YAML (configs/model/*.yaml): shape, layout, batch, vocabulary; flags "
                                    "below override it")
@@ -70,7 +71,20 @@ def parse(argv=None) -> argparse.Namespace:
         p.add_argument(flag, type=int, default=None)
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per rank")
     p.add_argument("--distributed-optimizer", action="store_true", default=None)
-    # agoq's settings: the trainer's flags, defaults from agoq.config (None: not given here)
+    _add_agoq_flags(p)
+    p.add_argument("--memory-budget", required=True, help="per GPU, e.g. 80GiB")
+    p.add_argument("--policies", nargs="+", help="candidate policy YAMLs, richest first")
+    p.add_argument("--out", help="write the chosen policy YAML here (with --capacity: the answers as JSON)")
+    p.add_argument("--capacity", action="store_true",
+                   help="report the smallest layout that fits --memory-budget for the baseline and each agoq preset")
+    p.add_argument("--max-gpus", type=int, default=capacity.DEFAULT_MAX_GPUS, help="--capacity: GPUs searched")
+    p.add_argument("--max-mbs", type=int, default=capacity.DEFAULT_MAX_MBS,
+                   help="--capacity: largest micro-batch tried at each answer's layout")
+    return p
+
+
+def _add_agoq_flags(p: argparse.ArgumentParser) -> None:
+    """agoq's settings: the trainer's flags, defaults from agoq.config (None: not given here)."""
     p.add_argument("--agoq-optimizer", choices=OPTIMIZERS, default=None,
                    help="torch (Megatron's AdamW, default) or an agoq optimizer (adamw, lion, sgd)")
     p.add_argument("--agoq-moments", default=None, help="agoq optimizer's state formats (default flash)")
@@ -81,20 +95,22 @@ def parse(argv=None) -> argparse.Namespace:
                    help="no gradient buffer; each parameter stepped inside backward (agoq optimizer, PP=DP=1)")
     p.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
                    help="Megatron's full recompute (one layer per group) or selective recompute of core attention")
-    p.add_argument("--agoq-fp8", choices=[r for r in FP8_RECIPES if r != "te"], default=None,
+    p.add_argument("--agoq-fp8", choices=list(PLANNER_FP8_RECIPES), default=None,
                    help="agoq's FP8 linears: weight caches, scaling state, FP8 saved inputs (agoq.plan.fp8)")
     p.add_argument("--agoq-smooth-swiglu", choices=SMOOTH_SWIGLU_MODES, default=None)
     p.add_argument("--agoq-fp8-bf16-first-layers", type=int, default=None)
     p.add_argument("--agoq-fp8-bf16-last-layers", type=int, default=None)
-    p.add_argument("--memory-budget", required=True, help="per GPU, e.g. 80GiB")
-    p.add_argument("--policies", nargs="+", help="candidate policy YAMLs, richest first")
-    p.add_argument("--out", help="write the chosen policy YAML here (with --capacity: the answers as JSON)")
-    p.add_argument("--capacity", action="store_true",
-                   help="report the smallest layout that fits --memory-budget for the baseline and each agoq preset")
-    p.add_argument("--max-gpus", type=int, default=capacity.DEFAULT_MAX_GPUS, help="--capacity: GPUs searched")
-    p.add_argument("--max-mbs", type=int, default=capacity.DEFAULT_MAX_MBS,
-                   help="--capacity: largest micro-batch tried at each answer's layout")
-    return p.parse_args(argv)
+
+
+def request_of(namespace: argparse.Namespace) -> PlanRequest:
+    """The one place the Namespace is read: every flag's value, typed and frozen (policies as a tuple)."""
+    values = vars(namespace)
+    policies = values["policies"]
+    return PlanRequest(**{**values, "policies": tuple(policies) if policies is not None else None})
+
+
+def parse(argv=None) -> PlanRequest:
+    return request_of(build_parser().parse_args(argv))
 
 
 def _gradient_line(recipe: Recipe, layout: Layout) -> str:
@@ -126,11 +142,11 @@ def _vocab_size(cfg: dict, tp: int) -> int:
     return padded_vocab_size(vocab, tp, cfg.get("make_vocab_size_divisible_by", MEGATRON_VOCAB_DIVISIBLE_BY))
 
 
-def layout_of(args: argparse.Namespace, cfg: dict, config: AgoqConfig) -> Layout:
+def layout_of(request: PlanRequest, cfg: dict, config: AgoqConfig) -> Layout:
     """The planner's Layout: flags over the model file's layout and batch keys over the defaults."""
-    values = {key: getattr(args, key) if getattr(args, key) is not None
-              else cfg.get(LAYOUT_KEYS.get(key, key), default) for key, default in LAYOUT_DEFAULTS.items()}
-    vpp = args.vpp
+    values = {key: cfg.get(LAYOUT_KEYS.get(key, key), default) for key, default in LAYOUT_DEFAULTS.items()}
+    values.update(request.given(LAYOUT_DEFAULTS))
+    vpp = request.vpp
     per_chunk = cfg.get("num_layers_per_virtual_pipeline_stage")
     if vpp is None and per_chunk:
         vpp = cfg["num_layers"] // values["pp"] // per_chunk
@@ -138,11 +154,25 @@ def layout_of(args: argparse.Namespace, cfg: dict, config: AgoqConfig) -> Layout
     return Layout(vpp=vpp, grad_bytes=grad_bytes, **values)
 
 
-def config_of(args: argparse.Namespace, cfg: dict) -> AgoqConfig:
+def config_of(request: PlanRequest, cfg: dict) -> AgoqConfig:
     """The run's AgoqConfig as the trainer builds it (AgoqConfig.from_flags): the model file's values, then
     the flags given here; no policy's fp8 / grads section (the candidates differ)."""
-    given = {k: v for k, v in vars(args).items() if v is not None}
-    return AgoqConfig.from_flags({**cfg, **given}, policy=None)
+    return AgoqConfig.from_flags({**cfg, **request.given(AGOQ_FLAGS)}, policy=None)
+
+
+def _shape_values(request: PlanRequest, cfg: dict, keys: tuple[str, ...]) -> dict:
+    """The shape: each flag given here over the model file's value (None: neither)."""
+    return {**{k: cfg.get(k) for k in keys}, **request.given(keys)}
+
+
+def _missing_message(values: dict) -> str | None:
+    missing = [k for k, v in values.items() if v is None]
+    return f"give {', '.join(flag_name(m) for m in missing)} (or a --model YAML)" if missing else None
+
+
+def _error(err) -> int:
+    print(f"agoq.plan: error: {err}", file=sys.stderr)
+    return 2
 
 
 # flags capacity mode refuses: the presets and the search set them
@@ -150,10 +180,10 @@ CAPACITY_REFUSED = ("agoq_optimizer", "agoq_moments", "agoq_master", "agoq_grads
                     "agoq_gradient_release", "recompute_granularity", "distributed_optimizer", "policies")
 
 
-def _raw_vocab(args: argparse.Namespace, cfg: dict) -> int:
+def _raw_vocab(vocab_size: int | None, cfg: dict) -> int:
     """The tokenizer's vocabulary (unpadded): --vocab-size, the model file's vocab_size or tokenizer_model."""
-    if args.vocab_size or cfg.get("vocab_size"):
-        return args.vocab_size or cfg["vocab_size"]
+    if vocab_size or cfg.get("vocab_size"):
+        return vocab_size or cfg["vocab_size"]
     if not cfg.get("tokenizer_model"):
         return DEFAULT_VOCAB
     from agoq.data.tokenizer import Tokenizer
@@ -161,84 +191,92 @@ def _raw_vocab(args: argparse.Namespace, cfg: dict) -> int:
     return Tokenizer.load(cfg["tokenizer_model"]).vocab_size
 
 
-def run_capacity(args: argparse.Namespace, cfg: dict) -> int:
-    """--capacity: one answer per preset (agoq.plan.capacity), printed and written to --out as JSON."""
-    refused = [k for k in CAPACITY_REFUSED if getattr(args, k) is not None]
+def _check_capacity_request(request: PlanRequest) -> None:
+    refused = request.given(CAPACITY_REFUSED)
     if refused:
-        flags = ", ".join("--" + k.replace("_", "-") for k in refused)
+        flags = ", ".join(flag_name(k) for k in refused)
         raise ValueError(f"--capacity searches {flags} itself (agoq.plan.capacity.PRESETS); drop them")
-    if args.max_gpus < 1:
-        raise ValueError(f"--max-gpus {args.max_gpus}: need at least 1")
-    values = {k: getattr(args, k) if getattr(args, k) is not None else cfg.get(k) for k in SHAPE_KEYS[:-1]}
-    missing = [k for k, v in values.items() if v is None]
+    if request.max_gpus < 1:
+        raise ValueError(f"--max-gpus {request.max_gpus}: need at least 1")
+
+
+def _capacity_search(request: PlanRequest, cfg: dict, vocab: int) -> dict:
+    """capacity.find_capacity's keywords: the sequence, the vocabulary, the batch and the flags' fixed sizes."""
+    return dict(seq=request.seq or cfg.get("seq_length") or LAYOUT_DEFAULTS["seq"], vocab=vocab,
+                divisible_by=cfg.get("make_vocab_size_divisible_by", MEGATRON_VOCAB_DIVISIBLE_BY), base_flags={},
+                gbs=request.gbs or cfg.get("global_batch_size"), mbs=request.mbs or 1, vpp=request.vpp,
+                fixed=request.given(("tp", "pp", "dp")))
+
+
+def run_capacity(request: PlanRequest, cfg: dict) -> int:
+    """--capacity: one answer per preset (agoq.plan.capacity), printed and written to --out as JSON."""
+    _check_capacity_request(request)
+    values = _shape_values(request, cfg, SHAPE_KEYS[:-1])
+    missing = _missing_message(values)
     if missing:
-        raise ValueError(f"give --{', --'.join(m.replace('_', '-') for m in missing)} (or a --model YAML)")
-    vocab = _raw_vocab(args, cfg)
+        raise ValueError(missing)
+    vocab = _raw_vocab(request.vocab_size, cfg)
     shape = ModelShape(**values, vocab_size=vocab)
     policies = {n: load_policy(POLICY_DIR / f"{n}.yaml") for n in DEFAULT_CANDIDATES}
-    budget = parse_bytes(args.memory_budget)
-    kw = dict(seq=args.seq or cfg.get("seq_length") or LAYOUT_DEFAULTS["seq"], vocab=vocab,
-              divisible_by=cfg.get("make_vocab_size_divisible_by", MEGATRON_VOCAB_DIVISIBLE_BY), base_flags={},
-              gbs=args.gbs or cfg.get("global_batch_size"), mbs=args.mbs or 1, vpp=args.vpp,
-              fixed={k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None})
-    answers = [capacity.find_capacity(shape, preset, policies, budget, max_gpus=args.max_gpus,
-                                      max_mbs=args.max_mbs, **kw) for preset in capacity.PRESETS]
-    print(f"model {args.model or '(flags)'}: {values}, vocabulary {vocab} (padded per TP), seq {kw['seq']}, "
-          f"global batch {kw['gbs'] or '2 x PP micro-batches per DP rank'}; up to {args.max_gpus} GPUs"
-          + ("; the model file's layout and agoq_* settings are not read (searched)" if args.model else ""))
+    budget = request.memory_budget_bytes
+    kw = _capacity_search(request, cfg, vocab)
+    answers = [capacity.find_capacity(shape, preset, policies, budget, max_gpus=request.max_gpus,
+                                      max_mbs=request.max_mbs, **kw) for preset in capacity.PRESETS]
+    print(f"model {request.model or '(flags)'}: {values}, vocabulary {vocab} (padded per TP), seq {kw['seq']}, "
+          f"global batch {kw['gbs'] or '2 x PP micro-batches per DP rank'}; up to {request.max_gpus} GPUs"
+          + ("; the model file's layout and agoq_* settings are not read (searched)" if request.model else ""))
     print(capacity.format_table(answers, budget))
-    if args.out:
-        report = {"model": args.model, "shape": values, "vocab": vocab, "seq_length": kw["seq"],
+    if request.out:
+        report = {"model": request.model, "shape": values, "vocab": vocab, "seq_length": kw["seq"],
                   "global_batch_size": kw["gbs"], "memory_budget_gib": round(budget / 2**30, 3),
-                  "max_gpus": args.max_gpus,
+                  "max_gpus": request.max_gpus,
                   "answers": [capacity.answer_dict(a, budget, "configs/policy") for a in answers]}
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        Path(request.out).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {request.out}")
     return 0
 
 
-def main(argv=None) -> int:
-    args = parse(argv)
-    if args.capacity:
-        try:
-            return run_capacity(args, read_model_file(args.model))
-        except ValueError as err:
-            print(f"agoq.plan: error: {err}", file=sys.stderr)
-            return 2
+def run_plan(request: PlanRequest) -> int:
+    """The richest candidate policy whose predicted peak fits every stage; its YAML copied to --out."""
     try:
-        cfg = read_model_file(args.model)
-        config = config_of(args, cfg)
+        cfg = read_model_file(request.model)
+        config = config_of(request, cfg)
     except ValueError as err:
-        print(f"agoq.plan: error: {err}", file=sys.stderr)
-        return 2
-    layout = layout_of(args, cfg, config)
-    values = {k: getattr(args, k) if getattr(args, k) is not None else cfg.get(k) for k in SHAPE_KEYS}
+        return _error(err)
+    layout = layout_of(request, cfg, config)
+    values = _shape_values(request, cfg, SHAPE_KEYS)
     values["vocab_size"] = values["vocab_size"] or _vocab_size(cfg, layout.tp)
-    missing = [k for k, v in values.items() if v is None]
+    missing = _missing_message(values)
     if missing:
-        print(f"agoq.plan: error: give --{', --'.join(m.replace('_', '-') for m in missing)} (or a --model YAML)",
-              file=sys.stderr)
-        return 2
+        return _error(missing)
     recipe = recipe_of(config)
-    names = DEFAULT_CANDIDATES
-    paths = [Path(p) for p in args.policies] if args.policies else [POLICY_DIR / f"{n}.yaml" for n in names]
+    paths = [Path(p) for p in request.policies or [POLICY_DIR / f"{n}.yaml" for n in DEFAULT_CANDIDATES]]
     candidates = [(p.stem, load_policy(p)) for p in paths]
-    budget = parse_bytes(args.memory_budget)
+    budget = request.memory_budget_bytes
     try:
         chosen, report = choose_by_peak(ModelShape(**values), layout, candidates, budget, recipe)
     except ValueError as err:
-        print(f"agoq.plan: error: {err}", file=sys.stderr)
-        return 2
+        return _error(err)
     print(_gradient_line(recipe, layout))
     print(format_peak_report(report, budget))
     if chosen is None:
         print("no candidate policy fits: lower --mbs, raise --pp/--tp, or use the distributed optimizer")
         return 3
     print(f"chosen: {chosen}")
-    if args.out:
-        shutil.copyfile(paths[[n for n, _ in candidates].index(chosen)], args.out)
-        print(f"wrote {args.out}")
+    if request.out:
+        shutil.copyfile(paths[[n for n, _ in candidates].index(chosen)], request.out)
+        print(f"wrote {request.out}")
     return 0
+
+
+def main(argv=None) -> int:
+    request = parse(argv)
+    if not request.capacity:
+        return run_plan(request)
+    try:
+        return run_capacity(request, read_model_file(request.model))
+    except ValueError as err:
+        return _error(err)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,88 @@
+"""The planner's request: ``python -m agoq.plan``'s command line, parsed once into a frozen, typed object.
+
+``agoq.plan.__main__.parse`` builds it from argparse's Namespace right after parsing; everything below the entry
+point takes a ``PlanRequest`` (or plain values), never the Namespace. A field is named as its flag's destination
+(``--agoq-fp8`` -> ``agoq_fp8``), so an error names the flag; ``None``: the flag was not given (the --model file,
+then the defaults, decide)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from agoq.config import MASTER_CHOICES, OPTIMIZERS, RECOMPUTE_GRANULARITIES
+from agoq.plan.capacity import DEFAULT_MAX_GPUS, DEFAULT_MAX_MBS
+from agoq.plan.memory import parse_bytes
+from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES
+
+PLANNER_FP8_RECIPES = tuple(r for r in FP8_RECIPES if r != "te")  # agoq's FP8 linears only
+# agoq's settings: the trainer's flags of the same names, read by AgoqConfig.from_flags
+AGOQ_FLAGS = ("agoq_optimizer", "agoq_moments", "agoq_master", "agoq_grads", "grad_reduce_in_bf16",
+              "agoq_gradient_release", "recompute_granularity", "agoq_fp8", "agoq_smooth_swiglu",
+              "agoq_fp8_bf16_first_layers", "agoq_fp8_bf16_last_layers")
+CHOICES = {"agoq_optimizer": OPTIMIZERS, "agoq_master": MASTER_CHOICES,
+           "recompute_granularity": RECOMPUTE_GRANULARITIES, "agoq_fp8": PLANNER_FP8_RECIPES,
+           "agoq_smooth_swiglu": SMOOTH_SWIGLU_MODES}
+
+
+def flag_name(field: str) -> str:
+    """The command-line flag of a field: ``max_gpus`` -> ``--max-gpus``."""
+    return "--" + field.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    memory_budget: str  # per GPU, as written (80GiB, 141GB, a byte count); memory_budget_bytes reads it
+    model: str | None = None  # path of the model YAML (configs/model/*.yaml)
+    # the shape: layers, elements per hidden / FFN row, heads, vocabulary entries
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = None
+    vocab_size: int | None = None
+    # the layout (GPUs per parallel dimension, virtual chunks per rank) and the batch (sequences; tokens per sequence)
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    mbs: int | None = None
+    gbs: int | None = None
+    seq: int | None = None
+    vpp: int | None = None
+    distributed_optimizer: bool | None = None
+    # agoq's settings (AGOQ_FLAGS)
+    agoq_optimizer: str | None = None
+    agoq_moments: str | None = None
+    agoq_master: str | None = None
+    agoq_grads: str | None = None
+    grad_reduce_in_bf16: bool | None = None
+    agoq_gradient_release: bool | None = None
+    recompute_granularity: str | None = None
+    agoq_fp8: str | None = None
+    agoq_smooth_swiglu: str | None = None
+    agoq_fp8_bf16_first_layers: int | None = None
+    agoq_fp8_bf16_last_layers: int | None = None
+    # what to do: the candidates (policy YAML paths, richest first), the output path, capacity mode's search
+    policies: tuple[str, ...] | None = None
+    out: str | None = None
+    capacity: bool = False
+    max_gpus: int = DEFAULT_MAX_GPUS
+    max_mbs: int = DEFAULT_MAX_MBS
+
+    def __post_init__(self):
+        for field, allowed in CHOICES.items():
+            value = getattr(self, field)
+            if value is not None and value not in allowed:
+                raise ValueError(f"{flag_name(field)} {value!r}: choose one of {list(allowed)}")
+        if self.policies is not None and not isinstance(self.policies, tuple):
+            raise ValueError(f"--policies {self.policies!r}: a tuple of policy YAML paths")
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        """--memory-budget in bytes (agoq.plan.memory.parse_bytes; its errors name the flag)."""
+        return parse_bytes(self.memory_budget)
+
+    def given(self, fields: Iterable[str]) -> dict[str, Any]:
+        """The fields among ``fields`` whose flags were given (not None), in that order."""
+        return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
