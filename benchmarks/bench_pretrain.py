@@ -293,9 +293,11 @@ def environment() -> dict:
 def select_variants(suite: str, smoke: bool, only: list[str] | None) -> list[dict]:
     variants = SUITES[suite](smoke)
     if only:
+        unmatched = [t for t in only if not any(t in v["name"] for v in variants)]
+        if unmatched:  # a misspelt filter beside a good one would otherwise drop its variants silently
+            names = "\n  ".join(v["name"] for v in variants)
+            raise SystemExit(f"--only {unmatched}: no variant of suite {suite!r} matches; its variants:\n  {names}")
         variants = [v for v in variants if any(t in v["name"] for t in only)]
-        if not variants:
-            raise SystemExit(f"--only {only}: no variant of suite {suite!r} matches")
     return variants
 
 

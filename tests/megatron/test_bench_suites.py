@@ -177,3 +177,10 @@ def test_a_variant_past_its_timeout_is_killed_with_its_workers_and_the_suite_goe
     assert not alive()
     summary = BENCH.summarise({"name": "x", "returncode": proc.returncode}, warmup=3)
     assert summary["failed"] and summary["timed_out"]
+
+
+def test_only_refuses_a_filter_that_matches_nothing_even_beside_one_that_matches():
+    picked = BENCH.select_variants("fp8_scale", False, ["1b/mbs4/bf16"])
+    assert [v["name"] for v in picked] == ["1b/mbs4/bf16"]
+    with pytest.raises(SystemExit, match=r"(?s)--only \['1b/mbs4/fp8 delayd'\].*1b/mbs4/fp8 delayed"):
+        BENCH.select_variants("fp8_scale", False, ["1b/mbs4/bf16", "1b/mbs4/fp8 delayd"])
