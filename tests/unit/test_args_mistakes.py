@@ -48,3 +48,44 @@ def test_config_values_are_typed_as_on_the_command_line(tmp_path):
     assert args.debug_nonfinite_at_iteration == [3]
     blend = _config(tmp_path, "data_path: [0.3, data/a, 0.7, data/b]\ntokenizer_model: " + __file__ + "\n")
     assert parse_args(["--config", blend]).data_path == ["0.3", "data/a", "0.7", "data/b"]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--tokenizer-model", __file__],  # the built-in corpus was used with its own tokenizer
+     f"--tokenizer-model {__file__} is read only with --data-path"),
+    (["--save-interval", "5"], "--save-interval 5 saves checkpoints into --save DIR, which is not given"),
+    (["--eval-iters", "5"], "--eval-iters 5 sizes each evaluation, but evaluation runs only with --eval-interval N"),
+    (["--recompute-num-layers", "2"],
+     "--recompute-num-layers 2 sets the layers per group of --recompute-granularity full, which is not given"),
+    (["--agoq-grads-mode", "reduce"], "--agoq-grads-mode reduce applies to agoq's 8-bit gradients, which this run "
+                                      "does not use (no --agoq-grads FORMAT, and the policy sets no default grads); "
+                                      "add --agoq-grads int8_b256, or drop --agoq-grads-mode"),
+    (["--agoq-grads", "fp32", "--agoq-grad-transport", "peer"],
+     "--agoq-grad-transport peer applies to agoq's 8-bit gradients, which this run does not use (--agoq-grads fp32)"),
+    (["--agoq-disable", "--agoq-grads-mode", "store"], "which this run does not use (--agoq-disable); drop"),
+    (["--agoq-optimizer", "adamw", "--agoq-sgd-momentum", "0.5"],
+     "--agoq-sgd-momentum applies to --agoq-optimizer sgd (this run: adamw)"),
+    (["--agoq-optimizer", "lion", "--agoq-sgd-nesterov"], "--agoq-sgd-nesterov applies to --agoq-optimizer sgd"),
+    (["--agoq-lion-beta2", "0.9"], "--agoq-lion-beta2 applies to --agoq-optimizer lion (this run: torch)"),
+])  # fmt: skip
+def test_a_flag_whose_setting_is_off_is_an_error_not_ignored(capsys, argv, expected):
+    """Each of these ran before without a word, the flag doing nothing."""
+    assert expected in _error(capsys, argv)
+
+
+def test_flags_with_the_setting_they_need_are_accepted(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    assert parse_args(["--save", ckpt, "--save-interval", "5"]).save_interval == 5
+    assert parse_args(["--save-interval", "0"]).save_interval == 0  # 0: off, as in Megatron-LM
+    assert parse_args(["--eval-interval", "10", "--eval-iters", "5"]).eval_iters == 5
+    assert parse_args(["--recompute-granularity", "full", "--recompute-num-layers", "2"]).recompute_num_layers == 2
+    assert parse_args(["--agoq-grads", "int8_b256", "--agoq-grads-mode", "reduce"]).agoq_grads_mode == "reduce"
+    assert parse_args(["--agoq-optimizer", "sgd", "--agoq-sgd-momentum", "0.5"]).agoq_sgd_momentum == 0.5
+    # a model config's save_interval is a default for runs that pass --save: without --save it is not an error
+    assert parse_args(["--config", _config(tmp_path, "save_interval: 500\n")]).save_interval == 500
+    # (the shipped configs set it: tests/unit/test_model_configs.py parses every one without --save)
+
+
+def test_a_config_key_counts_as_given(tmp_path, capsys):
+    err = _error(capsys, ["--config", _config(tmp_path, "eval_iters: 3\n")])
+    assert "--eval-iters 3 sizes each evaluation" in err

@@ -127,6 +127,7 @@ def test_requeue_stops_at_max_requeues():
         ({"SAVE_DIR": None}, "set SAVE_DIR="),
         ({"CONFIG": "configs/model/nope.yaml"}, "file not found"),
         ({"TOKENIZER": None}, "also set TOKENIZER"),
+        ({"DATA_PATH": None}, "TOKENIZER=/data/tokenizer.model is used only with DATA_PATH"),
         ({"NNODES": "4"}, "NNODES=4 but the allocation has 2 nodes"),
     ],
 )

@@ -333,11 +333,14 @@ def parse_args(argv: list[str] | None = None, *, quiet: bool = False,
     parser = build_parser()
     parser.quiet = quiet
     first = parser.parse_args(argv)
+    file_keys: set[str] = set()
     if first.config:
         try:
-            parser.set_defaults(**load_config_file(first.config, parser))
+            values = load_config_file(first.config, parser)
         except ValueError as exc:
             parser.error(str(exc))
+        parser.set_defaults(**values)
+        file_keys = set(values)
     args = parser.parse_args(argv)
     try:
         _check_optimizer_state_flags(args)
@@ -346,6 +349,8 @@ def parse_args(argv: list[str] | None = None, *, quiet: bool = False,
         args.agoq_config = build_config(args, os.environ if environ is None else environ)
         check_policy_rules(args, args.agoq_config.policy.spec)
         _check_fc2_amax_flag(args)
+        command_line = given_on_command_line(argv)
+        check_unused_flags(args, command_line | file_keys, command_line)
     except ValueError as exc:
         parser.error(str(exc))
     return args
@@ -456,6 +461,56 @@ def validate(args: argparse.Namespace) -> None:
     split_weights(args.split)
     data_blend(args.data_path)
     check_release_flags(args)  # data-parallel size 1 assumed here; pretrain checks the real one
+
+
+def given_on_command_line(argv: list[str] | None) -> set[str]:
+    """The destinations of the flags ``argv`` gives (parsed again with every default suppressed)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    parser._defaults.clear()
+    return set(vars(parser.parse_args(argv)))
+
+
+def check_unused_flags(args: argparse.Namespace, given: set[str], command_line: set[str]) -> None:
+    """A flag that only acts together with another setting is an error when that setting is off: the run would
+    silently do without it. ``given``: the flags on the command line or in the --config file; ``command_line``:
+    those on the command line (the shipped model configs set save_interval for runs that pass --save)."""
+    if args.tokenizer_model and not args.data_path:
+        raise ValueError(
+            f"--tokenizer-model {args.tokenizer_model} is read only with --data-path (the tokenizer your data was "
+            "written with); without --data-path the run trains on the built-in corpus with its own tokenizer. Add "
+            "--data-path PREFIX (data written with this tokenizer by scripts/prepare_data.py), or drop "
+            "--tokenizer-model"
+        )
+    if "save_interval" in command_line and args.save_interval and not args.save:
+        raise ValueError(f"--save-interval {args.save_interval} saves checkpoints into --save DIR, which is not given, "
+                         "so nothing would be saved; add --save DIR (and --load DIR to resume from it), or drop "
+                         "--save-interval")
+    if "eval_iters" in given and args.eval_interval is None:
+        raise ValueError(f"--eval-iters {args.eval_iters} sizes each evaluation, but evaluation runs only with "
+                         "--eval-interval N (here no default; Megatron-LM's is 1000); add --eval-interval N, or drop "
+                         "--eval-iters")
+    if "recompute_num_layers" in given and args.recompute_granularity is None:
+        raise ValueError(f"--recompute-num-layers {args.recompute_num_layers} sets the layers per group of "
+                         "--recompute-granularity full, which is not given (nothing is recomputed); add "
+                         "--recompute-granularity full, or drop --recompute-num-layers")
+    config = args.agoq_config
+    if not config.grads.quantized:
+        why = ("--agoq-disable" if args.agoq_disable else
+               f"--agoq-grads {args.agoq_grads}" if args.agoq_grads else
+               "no --agoq-grads FORMAT, and the policy sets no default grads")
+        for name in ("agoq_grads_mode", "agoq_grad_transport"):
+            flag = "--" + name.replace("_", "-")
+            if name in given:
+                add = "" if args.agoq_disable else "add --agoq-grads int8_b256, or "
+                raise ValueError(f"{flag} {getattr(args, name)} applies to agoq's 8-bit gradients, which this run does "
+                                 f"not use ({why}); {add}drop {flag}")
+    for name in ("agoq_sgd_momentum", "agoq_sgd_nesterov", "agoq_lion_beta1", "agoq_lion_beta2"):
+        kind = name.split("_")[1]
+        if name in given and args.agoq_optimizer != kind:
+            raise ValueError(f"--{name.replace('_', '-')} applies to --agoq-optimizer {kind} (this run: "
+                             f"{args.agoq_optimizer}); add --agoq-optimizer {kind}, or drop --{name.replace('_', '-')}")
 
 
 def _check_fc2_amax_flag(args: argparse.Namespace) -> None:
