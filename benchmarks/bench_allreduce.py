@@ -70,6 +70,7 @@ from agoq.comm.reduce import (
 from agoq.formats import parse_format
 from agoq.ref.collectives import ref_allreduce_8bit, ref_reduce_scatter_8bit
 from agoq.testing.dist import spawn_ranks
+from agoq.testing.procs import source_commit
 
 DEFAULT_SIZES_MIB = [16, 64, 256, 1024]
 SMOKE_SIZES_MIB = [1]
@@ -445,7 +446,8 @@ def main() -> None:
                 + " ".join(f"{k}={v}" for k, v in SOCKET_LINK_ENV.items())) if args.link == "socket" else "default"
         report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "env": env, "link": link,
                   "torch": torch.__version__, "triton": triton.__version__, "host": platform.node(),
-                  "command": " ".join(sys.argv), "seconds": time.time() - started, "correct": ok, "rows": rows}
+                  "agoq_commit": source_commit(), "command": " ".join(sys.argv),
+                  "seconds": time.time() - started, "correct": ok, "rows": rows}
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

@@ -40,7 +40,7 @@ from pretrain_flags import ARCH_KEYS, LLAMA3_VOCAB, MODEL_DIR  # noqa: E402, F40
 from pretrain_suites import SUITES, fp8_scale_suite  # noqa: E402, F401
 from pretrain_suites_scale import CAPACITY_PLANS, EQUAL_MEMORY_BUDGETS_GIB  # noqa: E402
 
-from agoq.testing.procs import PRETRAIN_SCRIPT, child_env, torchrun_command  # noqa: E402
+from agoq.testing.procs import PRETRAIN_SCRIPT, child_env, source_commit, torchrun_command  # noqa: E402
 
 # Dense BF16 tensor-core peak per GPU, TFLOP/s (NVIDIA's H100 and H200 datasheets: 1,979 with 2:4 sparsity for
 # the SXM parts, 1,513 for H100 PCIe), the denominator of MFU (model FLOPs of agoq.megatron.train.flops, no recompute).
@@ -274,7 +274,8 @@ def expected_failure(summary: dict) -> bool:
 def environment() -> dict:
     import torch
 
-    info = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node()}
+    info = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node(),
+            "agoq_commit": source_commit()}
     try:
         import megatron.core
         import triton

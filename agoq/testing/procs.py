@@ -12,6 +12,29 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PRETRAIN_SCRIPT = REPO_ROOT / "scripts" / "pretrain_llama.py"
 TINY_CONFIG = REPO_ROOT / "configs" / "model" / "tiny.yaml"
 
+# A tree exported without .git (git archive, a device machine's copy) names its commit in this file
+# (benchmarks/device/README.md); benchmark reports record it.
+COMMIT_FILE = ".commit"
+
+
+def source_commit(root: Path = REPO_ROOT) -> str:
+    """The commit the code under ``root`` is: git's HEAD, with "+dirty" when tracked files differ from it; else the
+    first line of ``root/.commit``; else "unknown"."""
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=30)
+        if head.returncode == 0 and (root / ".git").exists():
+            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=30).stdout.strip()
+            return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    marker = root / COMMIT_FILE
+    if marker.is_file():
+        return marker.read_text().strip().splitlines()[0] if marker.read_text().strip() else "unknown"
+    return "unknown"
+
+
 _ITERATION_RE = re.compile(
     r"^iteration\s+(?P<iteration>\d+)/(?P<total>\d+) \|.*?lm loss: (?P<loss>\S+) \|"
     r".*?grad norm: (?P<grad_norm>\S+) \|.*?skipped iterations: (?P<skipped>\d+)",

@@ -47,7 +47,7 @@ step() {
 }
 
 header() {
-  echo "== machine $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null || echo unknown)"
+  echo "== machine $(date -u +%FT%TZ) commit $("$PY" -c 'from agoq.testing.procs import source_commit; print(source_commit())')"
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
   "$PY" -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, '| triton', triton.__version__, '| megatron-core', m.__version__)"
 }

@@ -25,7 +25,7 @@ if [ ! -f "$ROOT/started" ]; then
   mkdir -p "$ROOT/results"
   if [ "$here" != "$ROOT/repo" ]; then
     rm -rf "$ROOT/repo" && cp -r "$here" "$ROOT/repo"
-    git -C "$here" rev-parse --short HEAD > "$ROOT/repo/.commit" 2>/dev/null || true
+    if commit=$(git -C "$here" rev-parse HEAD 2>/dev/null); then echo "$commit" > "$ROOT/repo/.commit"; fi
   fi
   date -u +%FT%TZ > "$ROOT/started"
   # only the setsid command is backgrounded (a backgrounded "cd && ..." list would hold the caller's stdout open)

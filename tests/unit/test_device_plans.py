@@ -90,3 +90,12 @@ def test_detach_starts_the_plan_once_polls_it_and_copies_its_results(tmp_path):
     assert "line-of-first" in (out / "logs" / "first.tail").read_text()
     assert [r.split("\t")[:2] for r in (out / "steps.tsv").read_text().splitlines()] == [["first", "0"],
                                                                                           ["second", "0"]]
+
+
+def test_reports_name_the_commit_from_git_or_from_an_exported_trees_marker(tmp_path):
+    from agoq.testing.procs import COMMIT_FILE, source_commit
+
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", source_commit())  # this checkout
+    assert source_commit(tmp_path) == "unknown"  # no git, no marker
+    (tmp_path / COMMIT_FILE).write_text("0123abc\n")
+    assert source_commit(tmp_path) == "0123abc"
