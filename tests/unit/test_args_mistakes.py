@@ -89,3 +89,15 @@ def test_flags_with_the_setting_they_need_are_accepted(tmp_path):
 def test_a_config_key_counts_as_given(tmp_path, capsys):
     err = _error(capsys, ["--config", _config(tmp_path, "eval_iters: 3\n")])
     assert "--eval-iters 3 sizes each evaluation" in err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "0"],  # was: no interleaving
+     "--num-layers-per-virtual-pipeline-stage must be positive, got 0; leave it out for the plain 1F1B schedule"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "12", "--num-layers-per-virtual-pipeline-stage", "4"],
+     "at least two virtual stages (--num-layers 12); allowed here: 1, 2, 3"),
+    (["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "no value fits this layout: use more layers per stage, or leave the flag out"),
+])  # fmt: skip
+def test_virtual_pipeline_errors_name_the_values_that_fit(capsys, argv, expected):
+    assert expected in _error(capsys, argv)

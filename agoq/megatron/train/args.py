@@ -416,16 +416,23 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--data-path needs --tokenizer-model (the tokenizer the data was written with: a "
                          "SentencePiece .model or a tokenizer.json)")
     nlpvs = args.num_layers_per_virtual_pipeline_stage
+    if nlpvs is not None and nlpvs <= 0:  # 0 used to turn interleaving off without a word
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage must be positive, got {nlpvs}; leave it out for the "
+                         "plain 1F1B schedule")
     if nlpvs and args.pipeline_model_parallel_size < 2:
         raise ValueError(f"--num-layers-per-virtual-pipeline-stage {nlpvs} (the interleaved schedule) needs "
                          "--pipeline-model-parallel-size >= 2; drop it, or add pipeline stages")
     if nlpvs:
         per_stage, rem = divmod(args.num_layers, args.pipeline_model_parallel_size)
         if rem or per_stage % nlpvs or per_stage // nlpvs < 2:
+            fits = [v for v in range(1, per_stage // 2 + 1) if per_stage % v == 0]
+            allowed = ("--num-layers must first divide over the stages" if rem else
+                       f"allowed here: {', '.join(map(str, fits))}" if fits else
+                       "no value fits this layout: use more layers per stage, or leave the flag out")
             raise ValueError(
                 f"--num-layers-per-virtual-pipeline-stage {nlpvs}: each of the "
                 f"{args.pipeline_model_parallel_size} stages must hold a multiple of it, and at least two "
-                f"virtual stages (--num-layers {args.num_layers})"
+                f"virtual stages (--num-layers {args.num_layers}); {allowed}"
             )
     for flag in ("agoq_policy", "config", "tokenizer_model"):
         value = getattr(args, flag)
