@@ -101,3 +101,20 @@ def test_a_config_key_counts_as_given(tmp_path, capsys):
 ])  # fmt: skip
 def test_virtual_pipeline_errors_name_the_values_that_fit(capsys, argv, expected):
     assert expected in _error(capsys, argv)
+
+
+def test_batch_sizes_against_the_processes_are_checked_before_torch_with_the_sizes_that_fit():
+    """The script's preflight (before torch and megatron load; it used to be found after both had loaded)."""
+    from agoq.megatron.train.args import preflight
+
+    with pytest.raises(ValueError, match=r"--global-batch-size 15 must be a multiple of --micro-batch-size 2 x "
+                                         r"data-parallel size 2 \(world size 2 / \(TP 1 x PP 1\)\) = 4; use "
+                                         r"--global-batch-size 12 or 16, or another --micro-batch-size"):
+        preflight(parse_args(["--global-batch-size", "15"]), world_size=2)
+    with pytest.raises(ValueError, match=r"use --global-batch-size 4, or another"):
+        preflight(parse_args(["--global-batch-size", "3"]), world_size=2)
+    interleaved = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    with pytest.raises(ValueError, match=r"micro-batches \(3\) to be a multiple of --pipeline-model-parallel-size 2; "
+                                         r"raise --global-batch-size \(e.g. 8\), or drop"):
+        preflight(parse_args([*interleaved, "--global-batch-size", "6"]), world_size=2)
+    preflight(parse_args([*interleaved, "--global-batch-size", "8"]), world_size=2)

@@ -37,7 +37,7 @@ from agoq.megatron.model import ParallelLayout
 from agoq.megatron.optimizer import build_agoq_optimizer
 from agoq.megatron.resume import RECORD_KEY, run_record, schedule_line
 from agoq.megatron.train import environment, memory_report, training
-from agoq.megatron.train.args import check_layout
+from agoq.megatron.train.args import check_layout, microbatch_count
 from agoq.megatron.train.flops import tflops_per_gpu, training_flops_per_iteration
 from agoq.megatron.train.optim_args import check_release_flags
 from agoq.megatron.train.tensorboard import open_tensorboard
@@ -174,20 +174,9 @@ def ddp_config(args, params_dtype: torch.dtype) -> DistributedDataParallelConfig
 
 
 def num_microbatches(args, layout: ParallelLayout, world_size: int) -> int:
-    dp_size = world_size // (layout.tp * layout.pp)
-    per_step = args.micro_batch_size * dp_size
-    if args.global_batch_size % per_step:
-        raise ValueError(
-            f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
-            f"{args.micro_batch_size} x data-parallel size {dp_size}"
-        )
-    count = args.global_batch_size // per_step
-    if layout.vpp and count % layout.pp:
-        raise ValueError(
-            f"the interleaved schedule needs the number of micro-batches ({count}) to be a multiple of "
-            f"--pipeline-model-parallel-size {layout.pp}; raise --global-batch-size"
-        )
-    return count
+    """Micro-batches per step (agoq.megatron.train.args.microbatch_count: the script checks it before torch loads)."""
+    return microbatch_count(args.global_batch_size, args.micro_batch_size, layout.tp, layout.pp, layout.vpp,
+                            world_size)
 
 
 def versions_line() -> str:
