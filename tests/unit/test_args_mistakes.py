@@ -118,3 +118,12 @@ def test_batch_sizes_against_the_processes_are_checked_before_torch_with_the_siz
                                          r"raise --global-batch-size \(e.g. 8\), or drop"):
         preflight(parse_args([*interleaved, "--global-batch-size", "6"]), world_size=2)
     preflight(parse_args([*interleaved, "--global-batch-size", "8"]), world_size=2)
+
+
+def test_log_json_path_is_checked_at_parse_time(tmp_path, capsys):
+    """It was opened after the model was built: '[Errno 2] No such file or directory', no flag named."""
+    missing = tmp_path / "runs" / "log.jsonl"
+    assert (f"--log-json {missing}: directory {missing.parent} does not exist; create it first"
+            in _error(capsys, ["--log-json", str(missing)]))
+    assert f"--log-json {tmp_path}: is a directory" in _error(capsys, ["--log-json", str(tmp_path)])
+    assert parse_args(["--log-json", str(tmp_path / "log.jsonl")]).log_json

@@ -438,6 +438,13 @@ def validate(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value and not Path(value).is_file():
             raise ValueError(f"--{flag.replace('_', '-')} {value}: file not found")
+    if args.log_json:  # opened for appending after the model is built; a bad path used to stop there, flag unnamed
+        log = Path(args.log_json)
+        if log.is_dir():
+            raise ValueError(f"--log-json {log}: is a directory; pass a file path (e.g. {log / 'log.jsonl'})")
+        if not log.parent.is_dir():
+            raise ValueError(f"--log-json {log}: directory {log.parent} does not exist; create it first (mkdir -p "
+                             f"{log.parent}) or pass a file in an existing directory")
     compute_flags = [args.agoq_fp8, args.agoq_smooth_swiglu, args.agoq_fp8_bf16_first_layers,
                      args.agoq_fp8_bf16_last_layers, args.agoq_fp8_amax_history_len]
     if args.agoq_disable and (args.agoq_grads or args.agoq_policy or args.agoq_optimizer != "torch"
