@@ -127,3 +127,27 @@ def test_log_json_path_is_checked_at_parse_time(tmp_path, capsys):
             in _error(capsys, ["--log-json", str(missing)]))
     assert f"--log-json {tmp_path}: is a directory" in _error(capsys, ["--log-json", str(tmp_path)])
     assert parse_args(["--log-json", str(tmp_path / "log.jsonl")]).log_json
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--agoq-grads", "bf16"],  # ran Megatron's fp32 gradient buffer without a word
+     "--agoq-grads bf16 names Megatron's float gradients in bf16, but this run keeps them in fp32: Megatron keeps "
+     "fp32 gradients unless --grad-reduce-in-bf16 is given; add --grad-reduce-in-bf16"),
+    (["--agoq-grads", "fp16"], "--agoq-grads fp16 names Megatron's float gradients in fp16, but this run keeps them "
+                               "in fp32: this trainer keeps fp32 gradients, or bf16 ones with --grad-reduce-in-bf16"),
+    (["--agoq-grads", "fp32", "--grad-reduce-in-bf16"], "keeps them in bf16: --grad-reduce-in-bf16 keeps them in "
+                                                        "bf16; write bf16, or drop --grad-reduce-in-bf16"),
+    (["--agoq-grads", "bf16", "--fp32"], "--fp32 parameters keep fp32 gradients; write fp32"),
+])  # fmt: skip
+def test_a_float_gradient_name_must_be_the_buffer_the_run_keeps(capsys, argv, expected):
+    assert expected in _error(capsys, argv)
+
+
+def test_float_gradient_names_that_match_the_buffer_are_accepted(tmp_path, capsys):
+    assert parse_args(["--agoq-grads", "fp32"]).agoq_config.grads.format == "fp32"
+    grads = parse_args(["--agoq-grads", "bf16", "--grad-reduce-in-bf16"]).agoq_config.grads
+    assert (grads.format, grads.reduce_in_bf16, grads.quantized) == ("bf16", True, False)
+    policy = tmp_path / "p.yaml"
+    policy.write_text("version: 1\ndefault: {activations: int8_b128, grads: bf16}\n")
+    assert f"{policy}: default.grads bf16 names Megatron's float gradients in bf16" in _error(
+        capsys, ["--agoq-policy", str(policy)])

@@ -167,7 +167,8 @@ def add_grad_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("agoq gradients")
     g.add_argument("--agoq-grads", default=None, metavar="FORMAT",
                    help="8-bit gradients in DDP, e.g. int8_b256 (agoq.formats name); default: off "
-                        "(Megatron's float gradients). A policy YAML's grads: entry gives the same choice.")
+                        "(Megatron's float gradients; fp32 says so, as does bf16 with --grad-reduce-in-bf16). A "
+                        "policy YAML's grads: entry gives the same choice.")
     g.add_argument("--agoq-grads-mode", choices=GRAD_MODES, default="store",
                    help="reduce: 8-bit communication, float main_grad; store: also 8-bit main_grad accumulation")
     g.add_argument("--agoq-grads-error-feedback", action="store_true",
@@ -520,11 +521,36 @@ def check_unused_flags(args: argparse.Namespace, given: set[str], command_line: 
                 add = "" if args.agoq_disable else "add --agoq-grads int8_b256, or "
                 raise ValueError(f"{flag} {getattr(args, name)} applies to agoq's 8-bit gradients, which this run does "
                                  f"not use ({why}); {add}drop {flag}")
+    _check_float_grads_name(args)
     for name in ("agoq_sgd_momentum", "agoq_sgd_nesterov", "agoq_lion_beta1", "agoq_lion_beta2"):
         kind = name.split("_")[1]
         if name in given and args.agoq_optimizer != kind:
             raise ValueError(f"--{name.replace('_', '-')} applies to --agoq-optimizer {kind} (this run: "
                              f"{args.agoq_optimizer}); add --agoq-optimizer {kind}, or drop --{name.replace('_', '-')}")
+
+
+def _check_float_grads_name(args: argparse.Namespace) -> None:
+    """A float name for the gradients (FLOAT_GRADS: agoq's 8-bit gradients off) must be the gradient buffer this run
+    keeps: fp32 (Megatron's default, and with --fp32), or bf16 with --grad-reduce-in-bf16. ``--agoq-grads bf16``
+    alone used to run an fp32 buffer without a word."""
+    fmt = args.agoq_config.grads.format
+    if fmt not in FLOAT_GRADS:
+        return
+    kept = "bf16" if args.grad_reduce_in_bf16 else "fp32"
+    if fmt == kept:
+        return
+    source = f"--agoq-grads {fmt}" if args.agoq_grads else f"{policy_path(args)}: default.grads {fmt}"
+    if fmt == "fp16":
+        fix = ("this trainer keeps fp32 gradients, or bf16 ones with --grad-reduce-in-bf16 (it builds no fp16 "
+               "parameters); write fp32, or bf16 with --grad-reduce-in-bf16")
+    elif fmt == "bf16" and args.fp32:
+        fix = "--fp32 parameters keep fp32 gradients; write fp32, or drop --fp32 and add --grad-reduce-in-bf16"
+    elif fmt == "bf16":
+        fix = ("Megatron keeps fp32 gradients unless --grad-reduce-in-bf16 is given; add --grad-reduce-in-bf16 for a "
+               "bf16 gradient buffer, or write fp32")
+    else:
+        fix = "--grad-reduce-in-bf16 keeps them in bf16; write bf16, or drop --grad-reduce-in-bf16"
+    raise ValueError(f"{source} names Megatron's float gradients in {fmt}, but this run keeps them in {kept}: {fix}")
 
 
 def _check_fc2_amax_flag(args: argparse.Namespace) -> None:
