@@ -151,3 +151,21 @@ def test_float_gradient_names_that_match_the_buffer_are_accepted(tmp_path, capsy
     policy.write_text("version: 1\ndefault: {activations: int8_b128, grads: bf16}\n")
     assert f"{policy}: default.grads bf16 names Megatron's float gradients in bf16" in _error(
         capsys, ["--agoq-policy", str(policy)])
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--agoq-polcy", "p.yaml"], "unrecognized arguments: --agoq-polcy p.yaml (did you mean --agoq-policy?)"),
+    (["--agoq-grad", "int8_b256", "--global-batch", "8"],
+     "(did you mean --agoq-grads for --agoq-grad, --global-batch-size for --global-batch?)"),
+    (["--num-lay", "4"], "(did you mean --num-layers?)"),  # abbreviations stay errors, with the full name
+    (["--bf16", "--swiglu"], "(Megatron-LM flags this LLaMA-only trainer does not take: --bf16: bf16 is the default "
+                             "here (--fp32 for fp32); --swiglu: the model is always LLaMA"),
+])  # fmt: skip
+def test_an_unknown_flag_names_the_closest_real_one_or_what_megatron_lms_flag_means_here(capsys, argv, expected):
+    assert expected in _error(capsys, argv)
+
+
+def test_megatron_lm_only_flags_are_not_flags_here():
+    from agoq.megatron.train.args import MEGATRON_LM_ONLY, build_parser
+
+    assert not set(MEGATRON_LM_ONLY) & set(build_parser()._option_string_actions)
