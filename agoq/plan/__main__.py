@@ -17,7 +17,9 @@ the --model file's values and these flags. The --model file (a trainer config, c
 the shape, the layout (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
 ``num_layers_per_virtual_pipeline_stage``, ``use_distributed_optimizer``), the batch, the vocabulary
 (``tokenizer_model`` padded to ``make_vocab_size_divisible_by`` x TP as the trainer does; else 32000) and
-any ``agoq_*`` settings; flags given here override it.
+any ``agoq_*`` settings; flags given here override it. It is read by the trainer's own loader, so a misspelt key
+or a value of the wrong type stops with the file, the key and the flag, as ``--config`` does; ``vocab_size`` is
+the one key the planner adds.
 Exit code 0 when a policy fits (its YAML is copied to --out), 3 when none does.
 
 Capacity mode (``--capacity``): the fewest GPUs, and the layout, on which the model trains at --memory-budget
@@ -39,8 +41,6 @@ import json
 import shutil
 import sys
 from pathlib import Path
-
-import yaml
 
 from agoq.config import MASTER_CHOICES, OPTIMIZERS, RECOMPUTE_GRANULARITIES, AgoqConfig
 from agoq.plan import capacity
@@ -123,13 +123,16 @@ def _gradient_line(recipe: Recipe, layout: Layout) -> str:
 
 
 def read_model_file(path: str | None) -> dict:
-    """The model file's values (a trainer config: flag names in snake_case); {} without one."""
+    """The model file's values (a trainer config: flag names in snake_case, read and checked by the trainer's own
+    loader, so a misspelt key or a value of the wrong type is an error naming the file, not skipped); the planner's
+    ``vocab_size`` key too; {} without one."""
     if not path:
         return {}
-    values = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(values, dict):
-        raise ValueError(f"--model {path}: expected a mapping of flag names to values")
-    return values
+    from agoq.megatron.train.args import build_parser, load_config_file  # torch-free: the trainer's command line
+
+    parser = build_parser()
+    parser.add_argument("--vocab-size", type=int, default=None, help="the planner's own key: the tokenizer's size")
+    return load_config_file(path, parser, flag="--model")
 
 
 def _vocab_size(cfg: dict, tp: int) -> int:
@@ -241,19 +244,19 @@ def run_plan(request: PlanRequest) -> int:
     try:
         cfg = read_model_file(request.model)
         config = config_of(request, cfg)
+        layout = layout_of(request, cfg, config)
+        values = _shape_values(request, cfg, SHAPE_KEYS)
+        values["vocab_size"] = values["vocab_size"] or _vocab_size(cfg, layout.tp)  # the file's tokenizer_model
     except ValueError as err:
         return _error(err)
-    layout = layout_of(request, cfg, config)
-    values = _shape_values(request, cfg, SHAPE_KEYS)
-    values["vocab_size"] = values["vocab_size"] or _vocab_size(cfg, layout.tp)
     missing = _missing_message(values)
     if missing:
         return _error(missing)
     recipe = recipe_of(config)
     paths = [Path(p) for p in request.policies or [POLICY_DIR / f"{n}.yaml" for n in DEFAULT_CANDIDATES]]
-    candidates = [(p.stem, load_policy(p)) for p in paths]
-    budget = request.memory_budget_bytes
     try:
+        candidates = [(p.stem, load_policy(p)) for p in paths]  # PolicyError names the file and the fix
+        budget = request.memory_budget_bytes
         chosen, report = choose_by_peak(ModelShape(**values), layout, candidates, budget, recipe)
     except ValueError as err:
         return _error(err)
@@ -270,7 +273,10 @@ def run_plan(request: PlanRequest) -> int:
 
 
 def main(argv=None) -> int:
-    request = parse(argv)
+    try:
+        request = parse(argv)
+    except ValueError as err:  # a value argparse took that the request refuses (PlanRequest names the flag)
+        return _error(err)
     if not request.capacity:
         return run_plan(request)
     try:

@@ -162,13 +162,16 @@ def parse_bytes(text: str) -> int:
     """'80GiB', '80GB', '512MiB', '1e9' -> bytes."""
     units = {"gib": GIB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "kib": 2**10, "kb": 10**3, "b": 1}
     low = text.strip().lower()
-    for unit, factor in units.items():
-        if low.endswith(unit):
-            return int(float(low[: -len(unit)]) * factor)
+    unit = next((u for u in units if low.endswith(u)), None)
     try:
-        count = int(float(low))
-    except ValueError:
+        number = float(low[: -len(unit)] if unit else low)
+    except ValueError:  # 'eightyGiB' used to end in float()'s own message, naming no flag
         raise ValueError(f"--memory-budget {text!r}: write e.g. 80GiB, 141GB or a byte count") from None
+    if not number > 0 or number == float("inf"):  # '-5GiB' / '0GiB' / 'nan': no policy could fit, reported as such
+        raise ValueError(f"--memory-budget {text!r}: must be a positive size, e.g. 80GiB")
+    if unit:
+        return int(number * units[unit])
+    count = int(number)
     if count < MIN_UNITLESS_BYTES:  # '80' was read as 80 bytes: every policy then "does not fit", silently
         raise ValueError(f"--memory-budget {text!r} is {count} bytes; give a unit (e.g. {text.strip()}GiB) or a "
                          "byte count")

@@ -81,3 +81,31 @@ def test_model_file_values_are_validated_as_the_trainers(tmp_path, capsys):
     path.write_text(MODEL.replace("tokenizer_model: fake.model\n", "") + "agoq_grads: uint8_b256\n")
     assert plan.main(["--model", str(path), "--memory-budget", "80GiB"]) == 2
     assert "--agoq-grads uint8_b256" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, expected", [
+    (None, "--model {path}: file not found"),  # was a FileNotFoundError traceback
+    (MODEL.replace("num_layers:", "num_layer:"),  # was skipped: "give --num-layers ... (or a --model YAML)"
+     "--model {path}: unknown key 'num_layer' (did you mean 'num_layers'?)"),
+    (MODEL.replace("num_layers: 8", "num_layers: eight"),  # was read as a string
+     "--model {path}: num_layers (--num-layers) takes an integer; got 'eight'"),
+])  # fmt: skip
+@pytest.mark.parametrize("capacity", [[], ["--capacity"]])
+def test_model_file_is_read_by_the_trainers_loader(tmp_path, capsys, text, expected, capacity):
+    path = tmp_path / "m.yaml"
+    if text is not None:
+        path.write_text(text)
+    assert plan.main([*capacity, "--model", str(path), "--memory-budget", "80GiB"]) == 2
+    assert expected.format(path=path) in capsys.readouterr().err
+
+
+def test_model_file_may_give_the_planners_vocab_size(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text(MODEL.replace("tokenizer_model: fake.model\n", "vocab_size: 32000\n"))
+    assert plan.read_model_file(str(path))["vocab_size"] == 32000
+
+
+def test_a_missing_candidate_policy_is_one_error_line(model_file, capsys):
+    argv = ["--model", str(model_file), "--memory-budget", "80GiB", "--policies", str(model_file.parent / "no.yaml")]
+    assert plan.main(argv) == 2  # was a PolicyError traceback
+    assert "no.yaml: cannot read policy file" in capsys.readouterr().err

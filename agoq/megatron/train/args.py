@@ -283,38 +283,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
-    """Read a YAML config of flag values; every key must be a flag's snake_case name."""
+def load_config_file(path: str, parser: argparse.ArgumentParser, *, flag: str = "--config") -> dict:
+    """Read a YAML config of flag values; every key must be a flag's snake_case name, every value one its flag
+    takes. ``flag``: the option that named the file, for the messages (the planner reads the same files as
+    ``--model``)."""
     file = Path(path)
     if not file.is_file():
-        raise ValueError(f"--config {path}: file not found")
+        raise ValueError(f"{flag} {path}: file not found")
     try:
         values = yaml.safe_load(file.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ValueError(f"--config {path}: YAML syntax error: {exc}") from exc
+        raise ValueError(f"{flag} {path}: YAML syntax error: {exc}") from exc
     if not isinstance(values, dict):
-        raise ValueError(f"--config {path}: expected a mapping of flag names to values")
+        raise ValueError(f"{flag} {path}: expected a mapping of flag names to values")
     allowed = {a.dest for a in parser._actions if a.dest not in ("help", "config")}
     for key in values:
         if key not in allowed:
             close = difflib.get_close_matches(str(key), allowed, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(
-                f"--config {path}: unknown key {key!r}{hint}. Allowed keys: {', '.join(sorted(allowed))}"
+                f"{flag} {path}: unknown key {key!r}{hint}. Allowed keys: {', '.join(sorted(allowed))}"
             )
     actions = {a.dest: a for a in parser._actions}
-    return {key: _config_value(path, key, value, actions[key]) for key, value in values.items()}
+    return {key: _config_value(f"{flag} {path}", key, value, actions[key]) for key, value in values.items()}
 
 
 _TYPE_WORDS = {int: "an integer", float: "a number"}
 
 
-def _config_value(path: str, key: str, value, action: argparse.Action):
+def _config_value(source: str, key: str, value, action: argparse.Action):
     """A config file's ``value`` for ``key`` as the command line would give it (typed, within the choices), or a
     ValueError naming the file, the key, its flag and what it takes. set_defaults alone would keep a YAML list,
     a quoted boolean or a float for an integer flag as they are (``fp32: "no"`` turned fp32 on)."""
     flag = max(action.option_strings, key=len)
-    where = f"--config {path}: {key} ({flag})"
+    where = f"{source}: {key} ({flag})"
     if value is None and action.default is None:
         return None  # as if the key were left out
     if isinstance(action, argparse._StoreTrueAction):
