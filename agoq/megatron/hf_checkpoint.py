@@ -112,6 +112,11 @@ def checkpoint_source(load_dir: str | os.PathLike, iteration: int | None = None)
         if iteration is None:
             raise FileNotFoundError(f"{load_dir}: no {checkpoint.TRACKER_FILE}; pass the directory given to --save")
     source = checkpoint.iteration_dir(load_dir, iteration)
+    if not source.is_dir():  # it used to read 'not a complete agoq checkpoint', as if the directory were there
+        saved = sorted(int(d.name[len("iter_"):]) for d in Path(load_dir).glob("iter_*") if d.name[5:].isdigit())
+        raise FileNotFoundError(f"{load_dir}: no checkpoint of iteration {iteration} ({source.name} does not exist); "
+                                f"saved iterations: {', '.join(map(str, saved)) or 'none'}. Pass one of them, or "
+                                "leave --iteration out for the latest")
     if not (source / checkpoint.PROGRESS_FILE).is_file():
         raise FileNotFoundError(f"{source}: not a complete agoq checkpoint ({checkpoint.PROGRESS_FILE} missing)")
     return source
