@@ -336,7 +336,9 @@ def _parse_fp8(source: str, value: Any) -> FP8Spec:
     allowed = {"recipe": list(POLICY_FP8_RECIPES), "smooth_swiglu": list(SMOOTH_SWIGLU_MODES)}
     for key, choices in allowed.items():
         if key in value and value[key] not in choices:
-            raise PolicyError(source, f"fp8.{key}", "unknown value", got=value[key], allowed=choices)
+            quoted = isinstance(value[key], bool)  # YAML 1.1 reads an unquoted off / no as false
+            raise PolicyError(source, f"fp8.{key}", "unknown value", got=value[key], allowed=choices,
+                              fix=f"YAML reads an unquoted off as false: write {key}: 'off'" if quoted else None)
     for key in ("bf16_first_layers", "bf16_last_layers", "amax_history_len"):
         if key in value:
             number = _plain_int(value[key])

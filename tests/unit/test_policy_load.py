@@ -72,6 +72,12 @@ ERROR_CASES = [
          "Fix: use current"],
     ),
     (
+        "fp8_unquoted_off_is_yaml_false",  # `recipe: off` in a file: the docs' value, read by YAML as False
+        yaml.safe_load("{version: 1, default: {activations: bf16}, fp8: {smooth_swiglu: off}}"),
+        ["fp8.smooth_swiglu: unknown value", "got False", "Fix: YAML reads an unquoted off as false: write "
+         "smooth_swiglu: 'off'"],
+    ),
+    (
         "default_not_mapping",
         _doc(default="bf16"),
         ["default: must be a mapping", "got 'bf16'", "'activations'"],
