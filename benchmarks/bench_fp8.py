@@ -330,8 +330,10 @@ def summarize(rows: list[dict]) -> dict:
     out = {}
     for ffn in sorted({r["ffn"] for r in rows}):
         lin = [r for r in rows if r["kind"] == "linear" and r["ffn"] == ffn]
-        linears = {mode: sum(r["ms"] for r in lin if r["mode"] == mode) for mode in dict.fromkeys(r["mode"] for r in lin)}
-        attn = {mode: sum(r["ms"] for r in lin if r["mode"] == mode and r["name"] in ("qkv", "proj")) for mode in linears}
+        modes = dict.fromkeys(r["mode"] for r in lin)
+        linears = {mode: sum(r["ms"] for r in lin if r["mode"] == mode) for mode in modes}
+        attn = {mode: sum(r["ms"] for r in lin if r["mode"] == mode and r["name"] in ("qkv", "proj"))
+                for mode in linears}
         mlp = {r["mode"]: r["ms"] for r in rows if r["kind"] == "mlp" and r["ffn"] == ffn}
         layer = {}
         for variant, ms in mlp.items():

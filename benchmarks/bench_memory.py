@@ -11,7 +11,8 @@ process: ``atennorm`` (the CUDA RMSNorm on ATen's own node with hooks on its sav
 function), ``nodehooks`` (linears replace their saved input through that saved tensor's hooks, not a hook
 scope; both opt into private autograd attributes, agoq.ops.saved_act.SavePaths; before issue 24 they were the
 defaults, and the variants ``fnnorm`` / ``scope`` of older result files are today's defaults), and ``legacy``,
-which runs the policy with agoq's direct Triton launches, launch sites and fused SwiGLU kernels switched off (benchmarks/bench_launch.py's ``legacy_launch`` and ``legacy_save_paths``): the code before
+which runs the policy with agoq's direct Triton launches, launch sites and fused SwiGLU kernels switched off
+(benchmarks/bench_launch.py's ``legacy_launch`` and ``legacy_save_paths``): the code before
 the host-cost work (its glue trimming stays), timed in the same process, so the comparison does not
 depend on the leased host's speed. Step times: ``--rounds`` interleaved rounds per micro-batch size (the
 ratios the docs quote, ``step_time_ratio_interleaved``). Peaks: ``peak_bytes`` is absolute and includes

@@ -40,7 +40,8 @@ def main(argv=None) -> int:
             chars[pkg] += len(record["text"])
     for pkg in PACKAGES:
         print(f"{pkg.name:16s} {docs[pkg.name]:7d} documents {chars[pkg.name] / 1e6:8.1f} M chars")
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, sha256 {digest.hexdigest()[:16]}) in {time.time() - t0:.0f} s")
+    size_mib = out.stat().st_size / 2**20
+    print(f"wrote {out} ({size_mib:.1f} MiB, sha256 {digest.hexdigest()[:16]}) in {time.time() - t0:.0f} s")
     return 0
 
 

@@ -7,8 +7,9 @@
 # at most the number of cores; 0 = in-process, serial). --dist loadgroup keeps the tests that share a
 # module-scoped fixture on one worker (tests/conftest.py); the megatron tier is collected first so that its
 # long launches start early and the many short unit tests fill the end. Without pytest-xdist the tiers run
-# serially, with a notice. Exit status: non-zero if any test of either process fails (the kernels process
-# selecting no test, pytest's exit 5, is not a failure); the last line says which.
+# serially, with a notice. Before the tiers, `ruff check .` (pyproject.toml's rules). Exit status: non-zero if
+# ruff finds anything or any test of either process fails (the kernels process selecting no test, pytest's exit 5,
+# is not a failure); the last line says which.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
@@ -28,6 +29,8 @@ else
   echo "run_tests.sh: each tier in one serial pytest process"
 fi
 status=0
+# Lint first (seconds): pyproject.toml's ruff rules over the whole checkout; a finding fails the run like a test.
+"$PY" -m ruff check . || { echo "run_tests.sh: ruff found the problems above (ruff check --fix fixes the [*] ones)"; status=1; }
 "$PY" -m pytest tests/megatron tests/dist tests/unit -m "not gpu and not multigpu" -q -p no:cacheprovider \
   "${parallel[@]}" "$@" || status=$?
 TRITON_INTERPRET=1 "$PY" -m pytest tests/kernels -m "not gpu" -q -p no:cacheprovider "${parallel[@]}" "$@" \

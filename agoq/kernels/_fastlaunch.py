@@ -5,7 +5,8 @@ Triton's per-call binding.
 string cache key, checks the kernel's globals, builds launch metadata and only then calls
 ``compiled.run(grid0, grid1, grid2, stream, function, packed_metadata, launch_metadata, enter_hook,
 exit_hook, *all_arguments)``. On the saved-activation path that binding is paid by every quantize /
-dequantize / SwiGLU launch (activations_launch.json (commit ca8453e; git show ca8453e:docs/benchmarks/activations_launch.json): 44-90 us of host time per agoq
+dequantize / SwiGLU launch (activations_launch.json (commit ca8453e; git show
+ca8453e:docs/benchmarks/activations_launch.json): 44-90 us of host time per agoq
 call against 9.6 us for ``torch.add``).
 
 :class:`FastKernel` keeps, per *specialization key*, the ``CompiledKernel`` that Triton's own ``run``

@@ -11,7 +11,8 @@ agoq's typed config only. The flags and the bridge from Megatron's parsed args (
 Seam card
 ---------
 Touches (megatron-core 0.19.2, ``megatron/training/``):
-  * ``arguments.parse_and_validate_args(extra_args_provider=)`` — public hook (agoq/megatron/train/megatron_lm.py's flags).
+  * ``arguments.parse_and_validate_args(extra_args_provider=)`` — public hook (agoq/megatron/train/megatron_lm.py's
+  flags).
   * ``training.pretrain(..., model_provider=)`` and ``get_model``'s provider call
     ``(pre_process, post_process, vp_stage, config, pg_collection)`` — public: :func:`build_gpt_model`
     (the model's ``TransformerConfig`` is Megatron's own, ``argument_utils.core_transformer_config_from_args``).
@@ -91,7 +92,8 @@ MEGATRON_TRAINING_CONTRACT: tuple[compat.Symbol, ...] = (
 
 @dataclass(frozen=True, kw_only=True)
 class GPTModelOptions:
-    """What the model provider needs besides Megatron's TransformerConfig (agoq.megatron.train.megatron_lm.gpt_model_options
+    """What the model provider needs besides Megatron's TransformerConfig
+    (agoq.megatron.train.megatron_lm.gpt_model_options
     reads them from Megatron's parsed args)."""
 
     attention: str = "sdpa"

@@ -26,7 +26,8 @@ Non-finite gradients: checked per parameter in the hook before its step (agoq.op
   sync per parameter). Other parameters may already be stepped, so the iteration cannot be skipped as
   without release: a ``RuntimeError`` naming the iteration and the parameter stops the job (like
   Megatron's ``check_for_nan_in_grad``); resume from the last checkpoint.
-Verified on: megatron-core 0.19.2 (CPU/gloo tests; whole ~1B steps on an H100, benchmarks/results/pretrain_release.json).
+Verified on: megatron-core 0.19.2 (CPU/gloo tests; whole ~1B steps on an H100,
+benchmarks/results/pretrain_release.json).
 Guarded by: tests/megatron/test_release.py.
 """
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-
 # Elements per isfinite() slice: torch.isfinite(x) of a float tensor allocates |x| (one copy) plus three
 # bool temporaries. Over a whole fp32 gradient buffer that was 7 B per parameter at the step's start
 # (6.45 GiB for a 1B model, the H100 peak of the agoq runs: benchmarks/mem_trace.py, 2026-11-25); per

@@ -138,7 +138,8 @@ def _hook_fused_norm_node(y_TH, x_TH, weight_H, eps, fmt, key, counter, check_id
     if node is None or node.name() != _FUSED_NORM_NODE or raw_x is None or raw_rstd is None \
             or (check_identity and node._saved_input.data_ptr() != x_TH.data_ptr()):
         raise RuntimeError(
-            f"agoq: F.rms_norm on CUDA made a {node.name() if node is not None else None} node, not ATen's fused RMSNorm "
+            f"agoq: F.rms_norm on CUDA made a {node.name() if node is not None else None} node, "
+            "not ATen's fused RMSNorm "
             f"({_FUSED_NORM_NODE} saving input and rstd) that agoq hooks (torch {torch.__version__}); pass "
             "via_aten_node=False to rmsnorm_saving_input (agoq's layers: "
             "agoq_layer_spec(..., save_paths=SavePaths(norm_via_aten_node=False))) to use agoq's autograd "

@@ -17,7 +17,8 @@ differ, the machine's kernels are not deterministic here and the comparison fall
 Run (~5 minutes, 21 trainer runs, 5 at a time):
     pytest tests/gpu/test_cuda_graphs_gpu.py -m gpu -s -rA
 The per-case table is printed; the whole record (losses, gradient norms, step times, captured graphs, output tails)
-is written to the path printed as "report:" (and copied into $AGOQ_CUDA_GRAPHS_REPORT_DIR when set). Features whose cases pass here (and PP=2 there) may join
+is written to the path printed as "report:" (and copied into $AGOQ_CUDA_GRAPHS_REPORT_DIR when set). Features whose
+cases pass here (and PP=2 there) may join
 agoq.megatron.graphs.VALIDATED (tests/gpu/_cuda_graph_runs.VALIDATES).
 """
 

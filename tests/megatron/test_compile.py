@@ -144,7 +144,7 @@ def test_agoq_ops_trace_into_one_graph():
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=BACKEND, fullgraph=True)  # raises on any graph break
     got, want = compiled(x, h), fn(x, h)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
     gz = torch.randn(got[1].shape, generator=g)
     (grad_c,) = torch.autograd.grad(got[1], h, gz)

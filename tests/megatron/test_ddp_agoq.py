@@ -34,8 +34,8 @@ from agoq.megatron.model import (  # noqa: E402
     build_model_chunks,
     llama_transformer_config,
 )
-from agoq.testing.dist import spawn_ranks  # noqa: E402
 from agoq.megatron.train import training  # noqa: E402
+from agoq.testing.dist import spawn_ranks  # noqa: E402
 from tests.megatron._tiny import tiny_shape  # noqa: E402
 
 STEPS = 8

@@ -182,7 +182,8 @@ def test_pretrain_fp8_on_cpu_stops_with_the_flag_named(env):
     args = ["--config", str(TINY_CONFIG), "--train-iters", "4", "--agoq-fp8", "delayed"]
     proc = run_pretrain(2, args, env=env, check=False)
     assert proc.returncode != 0
-    assert "pretrain_llama.py: error: --agoq-fp8 delayed (or the policy's fp8.recipe) needs an NVIDIA GPU" in proc.stderr
+    needs_gpu = "pretrain_llama.py: error: --agoq-fp8 delayed (or the policy's fp8.recipe) needs an NVIDIA GPU"
+    assert needs_gpu in proc.stderr
     assert "this run is on the cpu" in proc.stderr and iteration_records(proc.stdout) == []
 
 
@@ -200,7 +201,8 @@ def test_fp8_layers_raise_on_cpu_at_the_op(mcore_world1):
     compute = spec.params["agoq_compute"]
     assert compute.layers == {0: False, 1: True, 2: False}  # first and last layers stay bf16 by rule
     layer1 = model.decoder.layers[1]
-    assert layer1.mlp.linear_fc2.agoq_fp8.scaling == "delayed" and model.decoder.layers[0].mlp.linear_fc1.agoq_fp8 is None
+    assert layer1.mlp.linear_fc2.agoq_fp8.scaling == "delayed"
+    assert model.decoder.layers[0].mlp.linear_fc1.agoq_fp8 is None
     assert model.output_layer.__class__.__name__ == "ColumnParallelLinear"  # the LM head is Megatron's, bf16
     tokens, labels, pos = _batch(0)
     with pytest.raises(NotImplementedError, match="sm_89"):

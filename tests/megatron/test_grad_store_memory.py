@@ -41,9 +41,9 @@ from agoq.megatron.model import (  # noqa: E402
     build_model_chunks,
     llama_transformer_config,
 )
+from agoq.megatron.train.optim_args import add_optim_flags  # noqa: E402
 from agoq.testing.dist import spawn_ranks  # noqa: E402
 from agoq.testing.memory import cpu_allocation_peak  # noqa: E402
-from agoq.megatron.train.optim_args import add_optim_flags  # noqa: E402
 
 # deep and narrow: no parameter holds more than 3 % of the gradient, so "one parameter at a time" and
 # "the whole buffer" are far apart

@@ -51,7 +51,8 @@ def test_agoq_optimizer_reads_the_8bit_shard_without_a_float_window(env, tmp_pat
     base, base_mem, _ = _run(env, tmp_path, "float", ["--agoq-optimizer", "adamw"])
     losses, mem, stdout = _run(env, tmp_path, "int8", ["--agoq-optimizer", "adamw"] + INT8)
     grads = mem["grads_bytes_per_param"]
-    assert STORE_BYTES <= grads <= 1.1 + 1.1 / D, f"int8 grads + distributed optimizer + agoq AdamW: {grads:.3f} B/param"
+    assert STORE_BYTES <= grads <= 1.1 + 1.1 / D, \
+        f"int8 grads + distributed optimizer + agoq AdamW: {grads:.3f} B/param"
     assert base_mem["grads_bytes_per_param"] >= 2.0  # the float run keeps Megatron's bf16/fp32 buffer
     assert mem["weights_bytes_per_param"] == base_mem["weights_bytes_per_param"]
     assert mem["optimizer_bytes_per_param"] == pytest.approx(base_mem["optimizer_bytes_per_param"], rel=1e-6)

@@ -1,4 +1,5 @@
-"""agoq in Megatron-LM's trainer (agoq/megatron/train/megatron_lm.py, agoq/megatron/megatron_lm.py, scripts/pretrain_gpt_agoq.py)
+"""agoq in Megatron-LM's trainer (agoq/megatron/train/megatron_lm.py, agoq/megatron/megatron_lm.py,
+scripts/pretrain_gpt_agoq.py)
 on the CPU.
 
 * flags: ``add_agoq_args`` on Megatron's own parser (no clash with its ~1000 flags) offers every ``--agoq-*``

@@ -9,9 +9,9 @@ import signal
 import pytest
 
 from agoq.config import AgoqConfig
-from agoq.plan.memory import Layout
 from agoq.megatron.train.memory_report import gradient_name, optimizer_name, recipe_from_config
 from agoq.megatron.train.pretrain import done_line, signal_name
+from agoq.plan.memory import Layout
 
 pytestmark = pytest.mark.megatron
 

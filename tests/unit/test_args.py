@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agoq.testing.procs import TINY_CONFIG
 from agoq.megatron.train.args import parse_args
+from agoq.testing.procs import TINY_CONFIG
 
 
 def _error(capsys, argv) -> str:
@@ -129,9 +129,9 @@ def test_parsing_imports_neither_torch_nor_megatron():
 
 def test_light_copies_of_choices_agree_with_their_sources():
     from agoq.megatron import ddp
-    from agoq.optim.base import MASTER_CHOICES
     from agoq.megatron.train import args as margs
     from agoq.megatron.train import optim_args
+    from agoq.optim.base import MASTER_CHOICES
 
     assert optim_args.MASTER_CHOICES == MASTER_CHOICES and margs.GRAD_MODES == ddp.GRAD_MODES
 
@@ -242,8 +242,8 @@ def test_policy_rules_that_decide_no_site_are_errors(tmp_path, capsys, rules, la
 
 def test_preflight_checks_layout_and_data_before_torch(tmp_path):
     from agoq.data.tokenizer import TokenizerTrainConfig, train_sentencepiece
-    from agoq.testing.indexed import write_indexed_dataset as write_dataset
     from agoq.megatron.train.args import preflight
+    from agoq.testing.indexed import write_indexed_dataset as write_dataset
 
     with pytest.raises(ValueError, match=r"world size 2 is not divisible by --tensor-model-parallel-size 1 x "
                                          r"--pipeline-model-parallel-size 4; launch a multiple of 4 processes"):

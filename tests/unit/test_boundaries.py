@@ -1,6 +1,7 @@
 """House rule 1: layers by what code may know. Only agoq/megatron imports megatron: the plugin, and inside it the
 reference trainer (agoq/megatron/train, the plugin's client); the plugin (agoq/megatron outside train/) has no
-command line and no training loop, and no library package imports the trainer; agoq.policy and agoq.formats import no torch; importing agoq initialises no CUDA."""
+command line and no training loop, and no library package imports the trainer; agoq.policy and agoq.formats import no
+torch; importing agoq initialises no CUDA."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def _imported_modules(path: Path) -> set[str]:
 MEGATRON_PACKAGES = ("megatron",)  # agoq/megatron: the plugin and, in agoq/megatron/train, the trainer on megatron-core
 TRAINER_DIR = ("megatron", "train")  # agoq/megatron/train, relative to agoq/
 
-# The plugin (agoq/megatron outside train/) must not hold a trainer: no command line (argparse), no training loop (running
+# The plugin (agoq/megatron outside train/) must not hold a trainer: no command line (argparse), no training loop
+# (running
 # Megatron's forward/backward schedules or an LR schedule is the trainer's job), no import of the trainer.
 PLUGIN_FORBIDDEN_MODULES = ("argparse", "agoq.megatron.train")
 PLUGIN_FORBIDDEN_NAMES = ("get_forward_backward_func", "OptimizerParamScheduler", "ArgumentParser")
@@ -102,7 +104,8 @@ def test_plugin_has_no_command_line_and_no_training_loop_ast_scan():
     offenders = [f"{path.relative_to(REPO_ROOT)}:{where}"
                  for path in sorted((AGOQ / "megatron").rglob("*.py")) if not _in_trainer(path)
                  if path.relative_to(REPO_ROOT).as_posix() not in PLUGIN_EXCEPTIONS for where in _plugin_offences(path)]
-    assert offenders == [], "move it to agoq/megatron/train (the trainer) or take it as an argument:\n" + "\n".join(offenders)
+    fix = "move it to agoq/megatron/train (the trainer) or take it as an argument"
+    assert offenders == [], fix + ":\n" + "\n".join(offenders)
 
 
 def test_plugin_exceptions_are_still_needed():

@@ -1,5 +1,6 @@
 """House rule 2, one typed config: below the trainer, agoq's code reads ``agoq.config.AgoqConfig`` (or a
-section of it), never an argparse Namespace or the environment (AST scan of agoq/: only agoq/megatron/train, the trainer,
+section of it), never an argparse Namespace or the environment (AST scan of agoq/: only agoq/megatron/train, the
+trainer,
 reads the environment, plus the short list of argued exceptions below); the config is frozen, built by one
 function with one set of defaults, and survives the JSON a checkpoint saves."""
 
@@ -130,8 +131,8 @@ def test_config_round_trips_through_checkpoint_json():
 
 def test_one_builder_one_set_of_defaults():
     """The trainer's parse_args, the planner and the memory report build with AgoqConfig.from_flags."""
-    from agoq.plan.__main__ import config_of, parse
     from agoq.megatron.train.args import parse_args
+    from agoq.plan.__main__ import config_of, parse
 
     trainer = parse_args([]).agoq_config
     planner = config_of(parse(["--memory-budget", "80GiB"]), {})

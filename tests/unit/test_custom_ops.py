@@ -100,7 +100,7 @@ def test_fp8_cast_ops(rowmajor, transposed, kind):
     assert opcheck(C.fp8_cast_current_op, (x, "e4m3", 0, False, rowmajor, transposed)) == OPCHECK_OK
     out, out_t, meta = C.fp8_cast_current(x, "e4m3", 0, False, rowmajor, transposed)
     ref = ref_fp8_cast_current_2d(x, "e4m3", 0, False, rowmajor=rowmajor, transposed=transposed)
-    for got, want in zip((out, out_t, meta), ref):
+    for got, want in zip((out, out_t, meta), ref, strict=True):
         assert (got is None) == (want is None)
         assert got is None or torch.equal(got.view(torch.uint8) if got.dtype != torch.float32 else got,
                                           want.view(torch.uint8) if want.dtype != torch.float32 else want)

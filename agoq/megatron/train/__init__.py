@@ -5,7 +5,8 @@ Everything that belongs to running a job rather than to agoq inside Megatron liv
 (``pretrain``, ``training``), the data pipeline (``data``), start-up and per-iteration reports
 (``memory_report``, ``flops``, ``tensorboard``, ``known_warnings``). ``scripts/pretrain_llama.py`` calls it.
 
-Layering: agoq.megatron.train may import agoq.megatron and megatron.core; nothing else in agoq imports agoq.megatron.train
+Layering: agoq.megatron.train may import agoq.megatron and megatron.core; nothing else in agoq imports
+agoq.megatron.train
 except the command-line tools (``agoq.convert.__main__``). It is the only agoq package that reads the
 environment (``environment``: torchrun's variables, kernel switches; tests/unit/test_config_boundary.py).
 """
