@@ -4,6 +4,8 @@ instead of being ignored or failing later (house rule: clear errors)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from agoq.megatron.train.args import parse_args
@@ -89,6 +91,36 @@ def test_flags_with_the_setting_they_need_are_accepted(tmp_path):
 def test_a_config_key_counts_as_given(tmp_path, capsys):
     err = _error(capsys, ["--config", _config(tmp_path, "eval_iters: 3\n")])
     assert "--eval-iters 3 sizes each evaluation" in err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--agoq-optimizer", "lion", "--adam-beta1", "0.8"],  # Lion's own betas ran; --adam-beta1 did nothing
+     "--adam-beta1 0.8 sets Adam (--agoq-optimizer torch or adamw), which --agoq-optimizer lion does not use; "
+     "lion takes --agoq-lion-beta1 and --agoq-lion-beta2 (and no eps); drop --adam-beta1"),
+    (["--agoq-optimizer", "sgd", "--adam-beta2", "0.99", "--adam-eps", "1e-6"],
+     "--adam-beta2 0.99, --adam-eps 1e-06 set Adam (--agoq-optimizer torch or adamw), which --agoq-optimizer sgd "
+     "does not use; sgd takes --agoq-sgd-momentum and --agoq-sgd-nesterov; drop --adam-beta2, --adam-eps"),
+])  # fmt: skip
+def test_adam_flags_with_lion_or_sgd_are_an_error_not_ignored(capsys, argv, expected):
+    assert expected in _error(capsys, argv)
+
+
+def test_adam_flags_with_lion_or_sgd_in_one_config_file_are_an_error(tmp_path, capsys):
+    path = _config(tmp_path, "agoq_optimizer: lion\nadam_eps: 1.0e-5\n")
+    assert "--adam-eps 1e-05 sets Adam (--agoq-optimizer torch or adamw), which --agoq-optimizer lion does not use" in (
+        _error(capsys, ["--config", path]))
+
+
+def test_adam_defaults_and_a_model_configs_adam_settings_are_accepted_with_lion_or_sgd(tmp_path):
+    assert parse_args(["--agoq-optimizer", "lion"]).adam_beta1 == 0.9  # the defaults, not given
+    assert parse_args(["--agoq-optimizer", "adamw", "--adam-beta1", "0.8"]).adam_beta1 == 0.8
+    assert parse_args(["--adam-eps", "1e-6"]).adam_eps == 1e-6  # torch: Megatron's Adam
+    # the shipped model configs set Adam's settings for Adam runs (as save_interval for runs that save): choosing
+    # lion or sgd on the command line over such a config is not an error
+    path = _config(tmp_path, "adam_beta1: 0.9\nadam_beta2: 0.95\nadam_eps: 1.0e-8\n")
+    assert parse_args(["--config", path, "--agoq-optimizer", "sgd"]).agoq_optimizer == "sgd"
+    shipped = str(Path(__file__).resolve().parents[2] / "configs" / "model" / "llama-125m.yaml")
+    assert parse_args(["--config", shipped, "--agoq-optimizer", "lion"]).adam_beta2 == 0.95
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -97,9 +97,9 @@ def _optim_flags(p: argparse.ArgumentParser) -> None:
                    help="iterations from the end of warmup to --min-lr; default: --train-iters")
     g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine", help="decay from --lr to --min-lr")
     g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay (AdamW)")
-    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam first-moment decay")
-    g.add_argument("--adam-beta2", type=float, default=0.95, help="Adam second-moment decay")
-    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam first-moment decay (optimizer torch / adamw)")
+    g.add_argument("--adam-beta2", type=float, default=0.95, help="Adam second-moment decay (torch / adamw)")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon (torch / adamw)")
     g.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="bf16 gradient buffer: accumulate and reduce main_grad in bf16 instead of Megatron's fp32 "
@@ -562,6 +562,29 @@ def check_unused_flags(args: argparse.Namespace, given: set[str], command_line: 
         if name in given and args.agoq_optimizer != kind:
             raise ValueError(f"--{name.replace('_', '-')} applies to --agoq-optimizer {kind} (this run: "
                              f"{args.agoq_optimizer}); add --agoq-optimizer {kind}, or drop --{name.replace('_', '-')}")
+    _check_adam_flags(args, given, command_line)
+
+
+ADAM_FLAGS = ("adam_beta1", "adam_beta2", "adam_eps")
+OWN_FLAGS = {"lion": "--agoq-lion-beta1 and --agoq-lion-beta2 (and no eps)",
+             "sgd": "--agoq-sgd-momentum and --agoq-sgd-nesterov"}
+
+
+def _check_adam_flags(args: argparse.Namespace, given: set[str], command_line: set[str]) -> None:
+    """--adam-beta1/2 / --adam-eps act on Adam only (Megatron's, --agoq-optimizer torch, and agoq's adamw): with lion
+    or sgd they did nothing. Given on the command line, or in a --config file that also picks lion / sgd; a model
+    config's Adam settings under --agoq-optimizer lion / sgd on the command line stay defaults for Adam runs (the
+    shipped configs set them, as save_interval)."""
+    if args.agoq_optimizer not in OWN_FLAGS:
+        return
+    from_file = "agoq_optimizer" in given and "agoq_optimizer" not in command_line
+    unused = [name for name in ADAM_FLAGS if name in command_line or (from_file and name in given)]
+    if unused:
+        flags = ", ".join("--" + name.replace("_", "-") for name in unused)
+        values = ", ".join(f"--{name.replace('_', '-')} {getattr(args, name)}" for name in unused)
+        raise ValueError(f"{values} set{'s' * (len(unused) == 1)} Adam (--agoq-optimizer torch or adamw), which "
+                         f"--agoq-optimizer {args.agoq_optimizer} does not use; {args.agoq_optimizer} takes "
+                         f"{OWN_FLAGS[args.agoq_optimizer]}; drop {flags} (or use --agoq-optimizer adamw)")
 
 
 def _check_float_grads_name(args: argparse.Namespace) -> None:
