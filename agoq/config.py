@@ -107,6 +107,22 @@ class ActivationsConfig:
                              "full; selective recompute takes no layer count (drop --recompute-num-layers)")
 
 
+class GradsFormatError(ValueError):
+    """--agoq-grads (or a policy's default.grads) names no gradient format. The message lists every float name
+    (FLOAT_GRADS, as the Megatron-LM path takes them); scripts/pretrain_llama.py's args layer, which takes fewer,
+    words its own with :meth:`allowing`."""
+
+    QUANTIZED = "a signed quantized format with round-to-nearest, e.g. int8_b256 or int4_b128"
+
+    def __init__(self, head: str):
+        self.head = head  # '--agoq-grads NAME: what is wrong. Allowed: '
+        super().__init__(self.allowing(f"{', '.join(FLOAT_GRADS)} (Megatron's float gradients)"))
+
+    def allowing(self, floats: str) -> str:
+        """The message with ``floats``: the float names the caller takes, after the quantized formats."""
+        return f"{self.head}{self.QUANTIZED}, or {floats}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class GradsConfig:
     """Gradients in DDP: Megatron's float buffer (fp32, or bf16) or agoq's 8-bit store / reduction."""
@@ -136,15 +152,13 @@ class GradsConfig:
         _choose("--agoq-grads-mode", self.mode, GRAD_MODES)
         _choose("--agoq-grad-transport", self.transport, GRAD_TRANSPORTS)
         if self.format is not None and self.format not in FLOAT_GRADS:
-            allowed = ("a signed quantized format with round-to-nearest, e.g. int8_b256 or int4_b128, or "
-                       f"{', '.join(FLOAT_GRADS)} (Megatron's float gradients)")
             try:
                 fmt = parse_format(self.format)
             except ValueError as exc:
-                raise ValueError(f"--agoq-grads {self.format}: {exc}. Allowed: {allowed}") from None
+                raise GradsFormatError(f"--agoq-grads {self.format}: {exc}. Allowed: ") from None
             if not fmt.signed or fmt.rounding == "stochastic":
-                raise ValueError(f"--agoq-grads {self.format}: "
-                                 f"{'unsigned' if not fmt.signed else 'stochastic rounding'}; allowed: {allowed}")
+                raise GradsFormatError(f"--agoq-grads {self.format}: "
+                                       f"{'unsigned' if not fmt.signed else 'stochastic rounding'}; allowed: ")
         if self.error_feedback and not self.quantized:
             raise ValueError("--agoq-grads-error-feedback needs --agoq-grads FORMAT (a quantized format)")
         if self.error_feedback and self.mode != "store":

@@ -190,7 +190,17 @@ def test_silently_accepted_flags_are_refused(argv, expected, capsys):
 def test_grads_error_names_the_allowed_values(capsys):
     err = _error(capsys, ["--agoq-grads", "int7_b256"])
     assert "Allowed: a signed quantized format with round-to-nearest, e.g. int8_b256" in err
-    assert "fp32, bf16, fp16 (Megatron's float gradients)" in err
+    # the float names this trainer takes (fp16 is refused: tests/unit/test_args_mistakes.py); it listed fp16
+    assert "or fp32, or bf16 with --grad-reduce-in-bf16 (Megatron's float gradients)" in err
+    assert "fp16" not in err.split("Allowed:")[1]
+
+
+def test_grads_error_on_the_megatron_lm_path_keeps_every_float_name():
+    """Under megatron.training (agoq.megatron.train.megatron_lm) the config layer's message lists FLOAT_GRADS."""
+    from agoq.config import AgoqConfig
+
+    with pytest.raises(ValueError, match=r"or fp32, bf16, fp16 \(Megatron's float gradients\)"):
+        AgoqConfig.from_flags({"agoq_grads": "int7_b256"})
 
 
 def test_state_flags_with_agoq_optimizer_and_defaults():

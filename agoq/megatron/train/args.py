@@ -23,7 +23,14 @@ import yaml
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
-from agoq.config import FLOAT_GRADS, GRAD_MODES, GRAD_TRANSPORTS, RECOMPUTE_GRANULARITIES, AgoqConfig  # noqa: F401 (FLOAT_GRADS re-exported)
+from agoq.config import (  # noqa: F401 (FLOAT_GRADS re-exported)
+    FLOAT_GRADS,
+    GRAD_MODES,
+    GRAD_TRANSPORTS,
+    RECOMPUTE_GRANULARITIES,
+    AgoqConfig,
+    GradsFormatError,
+)
 from agoq.data.indexed import split_weights
 from agoq.megatron.train.graph_args import add_graph_flags, check_graph_flags
 from agoq.megatron.train.optim_args import DEFAULT_MASTER, DEFAULT_MOMENTS, add_optim_flags, check_release_flags
@@ -397,7 +404,12 @@ def build_config(args: argparse.Namespace, environ) -> AgoqConfig:
     and the one environment variable agoq's library would otherwise read (TRITON_INTERPRET). The planner
     and the memory report build theirs with the same ``AgoqConfig.from_flags``."""
     policy = None if args.agoq_disable else load_policy(policy_path(args))
-    return AgoqConfig.from_flags(vars(args), policy=policy, triton_interpret=environ.get("TRITON_INTERPRET") == "1")
+    try:
+        return AgoqConfig.from_flags(vars(args), policy=policy,
+                                     triton_interpret=environ.get("TRITON_INTERPRET") == "1")
+    except GradsFormatError as exc:  # the float names this trainer takes (_check_float_grads_name)
+        floats = "fp32, or bf16 with --grad-reduce-in-bf16 (Megatron's float gradients)"
+        raise ValueError(exc.allowing(floats)) from None
 
 
 def _check_optimizer_state_flags(args: argparse.Namespace) -> None:
