@@ -168,9 +168,16 @@ def _shape_values(request: PlanRequest, cfg: dict, keys: tuple[str, ...]) -> dic
     return {**{k: cfg.get(k) for k in keys}, **request.given(keys)}
 
 
-def _missing_message(values: dict) -> str | None:
+def _missing_message(values: dict, model: str | None) -> str | None:
+    """The shape keys neither the flags nor the --model file give (None: all given), naming the file if one was."""
     missing = [k for k, v in values.items() if v is None]
-    return f"give {', '.join(flag_name(m) for m in missing)} (or a --model YAML)" if missing else None
+    if not missing:
+        return None
+    flags = ", ".join(flag_name(m) for m in missing)
+    if model:
+        return (f"--model {model} lacks the model shape's {', '.join(missing)}: add them to the file, or give "
+                f"{flags}")
+    return f"give {flags} (or a --model YAML)"
 
 
 def _error(err) -> int:
@@ -215,7 +222,7 @@ def run_capacity(request: PlanRequest, cfg: dict) -> int:
     """--capacity: one answer per preset (agoq.plan.capacity), printed and written to --out as JSON."""
     _check_capacity_request(request)
     values = _shape_values(request, cfg, SHAPE_KEYS[:-1])
-    missing = _missing_message(values)
+    missing = _missing_message(values, request.model)
     if missing:
         raise ValueError(missing)
     vocab = _raw_vocab(request.vocab_size, cfg)
@@ -249,7 +256,7 @@ def run_plan(request: PlanRequest) -> int:
         values["vocab_size"] = values["vocab_size"] or _vocab_size(cfg, layout.tp)  # the file's tokenizer_model
     except ValueError as err:
         return _error(err)
-    missing = _missing_message(values)
+    missing = _missing_message(values, request.model)
     if missing:
         return _error(missing)
     recipe = recipe_of(config)

@@ -109,3 +109,18 @@ def test_a_missing_candidate_policy_is_one_error_line(model_file, capsys):
     argv = ["--model", str(model_file), "--memory-budget", "80GiB", "--policies", str(model_file.parent / "no.yaml")]
     assert plan.main(argv) == 2  # was a PolicyError traceback
     assert "no.yaml: cannot read policy file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("capacity", [[], ["--capacity"]])
+def test_a_model_file_without_the_shape_names_the_file_and_the_missing_keys(tmp_path, capsys, capacity):
+    """It said 'give --hidden-size, ... (or a --model YAML)', as if no file had been given."""
+    path = tmp_path / "m.yaml"
+    path.write_text("num_layers: 4\nhidden_size: 256\nseq_length: 512\n")
+    assert plan.main([*capacity, "--model", str(path), "--memory-budget", "80GiB", "--ffn-hidden-size", "704"]) == 2
+    err = capsys.readouterr().err
+    assert (f"--model {path} lacks the model shape's num_attention_heads, num_query_groups: add them to the file, "
+            "or give --num-attention-heads, --num-query-groups") in err, err
+    assert "(or a --model YAML)" not in err
+    # without a file, the flags (or a file) are what to give, as before
+    assert plan.main([*capacity, "--memory-budget", "80GiB"]) == 2
+    assert "give --num-layers, --hidden-size, --num-attention-heads" in capsys.readouterr().err
