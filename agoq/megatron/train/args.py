@@ -147,7 +147,8 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                    help="save every N iterations (default, or 0: only at the end, on a signal and at --exit-interval)")
     g.add_argument("--log-interval", type=int, default=1, help="print an iteration line every N iterations")
     g.add_argument("--exit-interval", type=int, default=None,
-                   help="stop (after saving) at this iteration (default, or 0: run to --train-iters)")
+                   help="stop (after saving) at the first iteration of this run that is a multiple of N, as "
+                        "Megatron-LM (default, or 0: run to --train-iters)")
     g.add_argument("--debug-nonfinite-at-iteration", type=int, nargs="+", default=None, metavar="N",
                    help="fault injection for testing: make the loss NaN at these iterations (the step is skipped)")
     g.add_argument("--tensorboard-dir", default=None,

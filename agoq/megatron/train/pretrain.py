@@ -378,7 +378,7 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
                     reading = dict(runtime.memory_reading(info.device), **breakdown)
                     out.write(json.dumps({"iteration": iteration, "memory_breakdown": reading}) + "\n")
         state = checkpoint.Progress(iteration, consumed, skipped)
-        stopping = stop.agreed(info.device) or iteration == args.exit_interval
+        stopping = stop.agreed(info.device) or training.exit_interval_reached(iteration, args.exit_interval)
         periodic = args.save_interval and iteration % args.save_interval == 0
         if args.save and (periodic or stopping or iteration == args.train_iters):
             with runner.param_gather.synced():  # --overlap-param-gather: save the updated weights, not the stale

@@ -263,3 +263,11 @@ def format_iteration_line(
         f"lm loss: {loss} | grad norm: {grad_norm} | skipped iterations: {skipped} | "
         f"tokens/s: {tokens_per_step / result.seconds:.1f} | {memory}"
     )
+
+
+def exit_interval_reached(iteration: int, exit_interval: int | None) -> bool:
+    """Megatron-LM's ``--exit-interval N``: stop (after saving) at every iteration that is a multiple of N; None or 0:
+    never. A run resumed past N stops at the next multiple, as in Megatron-LM (it used to stop only at iteration N
+    itself, so a resumed run never stopped through it)."""
+    return bool(exit_interval) and iteration % exit_interval == 0
+
