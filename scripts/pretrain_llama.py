@@ -101,7 +101,7 @@ def train_valid_test_datasets_provider(args):
 
     Rank 0 builds caches first; ``valid`` is None without --eval-interval."""
     cache_dir = Path(args.data_cache_dir or os.environ.get("AGOQ_CACHE") or mdata.default_cache_dir())
-    if args.data_path:  # checked with the tokenizer before torch loaded (agoq.megatron.train.args.preflight)
+    if args.data_path:  # checked with the tokenizer before torch loaded (agoq.megatron.train.preflight)
         blend, tokenizer_path = data_blend(args.data_path), Path(args.tokenizer_model)
         tokenizer = Tokenizer.load(tokenizer_path)
     else:

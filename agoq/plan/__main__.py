@@ -128,7 +128,9 @@ def read_model_file(path: str | None) -> dict:
     ``vocab_size`` key too; {} without one."""
     if not path:
         return {}
-    from agoq.megatron.train.args import build_parser, load_config_file  # torch-free: the trainer's command line
+    # torch-free: the trainer's command line
+    from agoq.megatron.train.config_file import load_config_file
+    from agoq.megatron.train.flags import build_parser
 
     parser = build_parser()
     parser.add_argument("--vocab-size", type=int, default=None, help="the planner's own key: the tokenizer's size")

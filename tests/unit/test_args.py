@@ -151,8 +151,9 @@ def test_quiet_ranks_exit_after_the_printing_rank(monkeypatch, capsys):
     import time
 
     from agoq.megatron.train import args as margs
+    from agoq.megatron.train import flags
 
-    monkeypatch.setattr(margs, "QUIET_EXIT_DELAY_S", 0.2)
+    monkeypatch.setattr(flags, "QUIET_EXIT_DELAY_S", 0.2)
     monkeypatch.setenv("LOCAL_RANK", "1")
     for argv in (["--num-layers", "0"], ["--pipeline-model-parallel-size", "3"]):
         t0 = time.monotonic()

@@ -1,7 +1,8 @@
 """agoq's reference trainer on megatron-core, a client of the plugin (:mod:`agoq.megatron`).
 
 Everything that belongs to running a job rather than to agoq inside Megatron lives here: the command line
-(``args``, ``optim_args``: argparse, config files, ``AgoqConfig`` built once), the training loop
+(``args``: ``AgoqConfig`` built once, from ``flags`` with ``optim_args``, ``graph_args`` and ``flag_hints``:
+argparse; ``config_file``; ``checks`` and ``preflight``), the training loop
 (``pretrain``, ``training``), the data pipeline (``data``), start-up and per-iteration reports
 (``memory_report``, ``flops``, ``tensorboard``, ``known_warnings``). ``scripts/pretrain_llama.py`` calls it.
 

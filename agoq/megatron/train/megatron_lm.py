@@ -28,7 +28,7 @@ from agoq.config import (
     OPTIMIZERS,
     AgoqConfig,
 )
-from agoq.megatron.train.args import DEFAULT_POLICY, add_compute_flags
+from agoq.megatron.train.flags import DEFAULT_POLICY, add_compute_flags
 from agoq.policy import load_policy
 
 ATTENTION_CHOICES = ("sdpa", "megatron")

@@ -37,9 +37,9 @@ from agoq.megatron.model import ParallelLayout
 from agoq.megatron.optimizer import build_agoq_optimizer
 from agoq.megatron.resume import RECORD_KEY, run_record, schedule_line
 from agoq.megatron.train import environment, memory_report, training
-from agoq.megatron.train.args import check_layout, microbatch_count
 from agoq.megatron.train.flops import tflops_per_gpu, training_flops_per_iteration
 from agoq.megatron.train.optim_args import check_release_flags
+from agoq.megatron.train.preflight import check_layout, microbatch_count
 from agoq.megatron.train.tensorboard import open_tensorboard
 
 log = logging.getLogger("agoq.pretrain")
@@ -174,7 +174,8 @@ def ddp_config(args, params_dtype: torch.dtype) -> DistributedDataParallelConfig
 
 
 def num_microbatches(args, layout: ParallelLayout, world_size: int) -> int:
-    """Micro-batches per step (agoq.megatron.train.args.microbatch_count: the script checks it before torch loads)."""
+    """Micro-batches per step (agoq.megatron.train.preflight.microbatch_count: the script checks it before torch
+    loads)."""
     return microbatch_count(args.global_batch_size, args.micro_batch_size, layout.tp, layout.pp, layout.vpp,
                             world_size)
 
