@@ -268,11 +268,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+PORT_ATTEMPTS = 3  # a free port can be taken by a launch beside this one before the child binds it
+
+
 def _run(command: list[str], port: int | None, tmp_path, log_name: str) -> list[float]:
-    port = port or _free_port()
-    env = child_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                    AGOQ_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
+    for _ in range(1 if port else PORT_ATTEMPTS):
+        env = child_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port or _free_port()), AGOQ_CACHE=str(tmp_path / "cache"))
+        proc = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
+        if "EADDRINUSE" not in proc.stderr:
+            break
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     records = [json.loads(line) for line in (tmp_path / log_name).read_text().splitlines()]
     return [r["lm_loss"] for r in records if "lm_loss" in r and "iteration" in r]

@@ -166,7 +166,6 @@ CONFLICTS = [
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16"),
     (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
     (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2"),
-    (["--global-batch-size", str(4 * MBS)], "gradient accumulation over 4 micro-batches"),
     (["--clip-grad", "1.0"], "--clip-grad 1.0"),
     (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
 ]
@@ -178,6 +177,18 @@ def test_each_conflicting_flag_is_named(extra, named, capsys):
         _args(extra)
     err = capsys.readouterr().err
     assert "--agoq-gradient-release conflicts with" in err and named in err, err
+
+
+def test_the_batch_is_checked_against_the_real_data_parallel_size_before_torch_loads():
+    """Micro-batches per step depend on the data-parallel size, known from the world size in the script's preflight:
+    one process accumulating 4 micro-batches is named as accumulation, two ranks with one micro-batch each as DP."""
+    from agoq.megatron.train.preflight import preflight
+
+    accumulating = _args(["--global-batch-size", str(4 * MBS)])  # parsing alone cannot tell: no error yet
+    with pytest.raises(ValueError, match="gradient accumulation over 4 micro-batches"):
+        preflight(accumulating, world_size=1)
+    with pytest.raises(ValueError, match="data-parallel size 2"):  # not "accumulation over 2 micro-batches"
+        preflight(_args(["--global-batch-size", str(2 * MBS)]), world_size=2)
 
 
 def test_data_parallel_and_policy_grads_are_named(tmp_path, capsys):
@@ -300,7 +311,8 @@ def test_script_with_two_data_parallel_ranks_stops_naming_it(agoq_cache):
     """The data-parallel size is known only at start-up: two ranks stop before any model is built."""
     from agoq.testing.procs import child_env, iteration_records, run_pretrain
 
-    args = ["--config", str(TINY_CONFIG), "--micro-batch-size", "2", "--global-batch-size", "2", "--clip-grad", "0",
+    # a global batch that two data-parallel ranks can split (the batch check comes first since fa2fdb7)
+    args = ["--config", str(TINY_CONFIG), "--micro-batch-size", "2", "--global-batch-size", "4", "--clip-grad", "0",
             "--agoq-optimizer", "adamw", "--agoq-gradient-release", "--train-iters", "2", "--lr-warmup-iters", "1"]
     proc = run_pretrain(2, args, env=child_env(AGOQ_CACHE=str(agoq_cache)), check=False)
     assert proc.returncode != 0

@@ -102,7 +102,7 @@ def validate(args: argparse.Namespace) -> None:
         )
     split_weights(args.split)
     data_blend(args.data_path)
-    check_release_flags(args)  # data-parallel size 1 assumed here; pretrain checks the real one
+    check_release_flags(args)  # the flags alone: preflight and pretrain check the batch against the real DP size
 
 
 def given_on_command_line(argv: list[str] | None) -> set[str]:

@@ -61,14 +61,16 @@ def add_optim_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--agoq-lion-beta2", type=float, default=0.99, help="--agoq-optimizer lion: momentum decay")
 
 
-def check_release_flags(args: argparse.Namespace, data_parallel: int = 1) -> None:
+def check_release_flags(args: argparse.Namespace, data_parallel: int | None = None) -> None:
     """With --agoq-gradient-release: raise ValueError naming the first flag it conflicts with.
 
     Release steps each parameter inside backward and keeps no gradient buffer, so it needs agoq's
     optimizer, gradients that are final after one backward (one pipeline stage, one tensor-parallel
     rank, one data-parallel rank, one micro-batch per step), no global-norm clipping, and none of the
     options that shape a gradient buffer (8-bit gradients, bf16 buffer, distributed optimizer).
-    ``data_parallel`` is known only once the process group exists (pretrain checks again then)."""
+    ``data_parallel`` None (the data-parallel size is not known yet: argument parsing): the data-parallel size and
+    the micro-batches per step are left to the later calls that know it (the script's preflight, from the world
+    size; pretrain, from the process group), so a DP=2 run is not told that it accumulates gradients."""
     if not getattr(args, "agoq_gradient_release", False):
         return
     from agoq.optim.release import check_release_compatible
@@ -90,7 +92,8 @@ def check_release_flags(args: argparse.Namespace, data_parallel: int = 1) -> Non
     for bad, what in flags:
         if bad:
             raise ValueError(f"--agoq-gradient-release conflicts with {what}; drop one of the two")
-    per_step = args.micro_batch_size * data_parallel
-    accumulation = 1 if args.global_batch_size == per_step else max(2, -(-args.global_batch_size // per_step))
-    check_release_compatible(pipeline_parallel=args.pipeline_model_parallel_size, data_parallel=data_parallel,
+    per_step = args.micro_batch_size * (data_parallel or 1)
+    accumulation = 1 if data_parallel is None or args.global_batch_size == per_step else max(
+        2, -(-args.global_batch_size // per_step))
+    check_release_compatible(pipeline_parallel=args.pipeline_model_parallel_size, data_parallel=data_parallel or 1,
                              grad_accumulation=accumulation, clip_grad=args.clip_grad)  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from agoq.megatron.train.checks import data_blend
+from agoq.megatron.train.optim_args import check_release_flags
 
 
 def check_layout(args: argparse.Namespace, world_size: int) -> None:
@@ -48,11 +49,13 @@ def microbatch_count(global_batch: int, micro_batch: int, tp: int, pp: int, vpp:
 
 
 def preflight(args: argparse.Namespace, world_size: int) -> None:
-    """What the script checks before torch and megatron load: the layout against ``world_size``, and with
+    """What the script checks before torch and megatron load: the layout and the batch sizes against ``world_size``
+    (gradient release against the real data-parallel size too), and with
     --data-path the tokenizer and every dataset (headers, sizes, splits, token ids: agoq.data.indexed)."""
     check_layout(args, world_size)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     microbatch_count(args.global_batch_size, args.micro_batch_size, tp, pp, args.vpp, world_size)
+    check_release_flags(args, data_parallel=world_size // (tp * pp))
     blend = data_blend(args.data_path)
     if blend:
         from agoq.data.indexed import check_split, check_token_ids, check_tokenizer_record, read_index
