@@ -9,6 +9,7 @@
 #   graphs          issue 24 item 3: whole steps at the host-bound shape, eager and graphs                ~10 min
 #   equal_memory_1b  issue 23 item 2 at ~1B, with the agoq + FP8 Smooth-SwiGLU rows                         ~9 min
 #   conv            issue 25's remaining seed-band runs (needs data/debdocs.*; done runs are skipped)     ~26 min
+#   conv_report     issue 25's seed bands from every run so far (conv/bands.json; with conv)            seconds
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 header
 B=benchmarks/bench_pretrain.py
@@ -32,4 +33,6 @@ if wanted conv; then
       --out-dir "$AGOQ_RESULTS/conv"
   fi
 fi
+step conv_report 120 "$PY" benchmarks/bench_convergence.py --report "$AGOQ_RESULTS/conv" \
+  --out "$AGOQ_RESULTS/conv/bands.json"
 echo "== plan x1 finished $(date -u +%T)"
