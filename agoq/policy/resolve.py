@@ -100,6 +100,7 @@ def check_rules_used(spec: PolicySpec, sites: list[Site]) -> None:
     """Raise if a rule decides no site of this model and layout (a typo'd layer, a stage or chunk
     beyond the pipeline, a rule shadowed by earlier ones together). Pass *all* model sites
     (``model_sites``), not one rank's, or rules meant for other ranks look dead."""
+    _check_rule_layers_exist(spec, sites)
     dead = unmatched_rules(spec, sites)
     if dead:
         layers = sorted({s.layer_idx for s in sites if s.layer_idx is not None})
@@ -110,6 +111,33 @@ def check_rules_used(spec: PolicySpec, sites: list[Site]) -> None:
             f"vp_size={vp_size}): their layers/pp_stage/vp_stage do not exist here or earlier rules "
             "cover them; fix or delete them, or use a policy written for this layout"
         )
+
+
+def _check_rule_layers_exist(spec: PolicySpec, sites: list[Site]) -> None:
+    """Raise if a rule's ``layers`` name layers this model does not have, also when others in it exist: ``"0-9"`` on
+    a 4-layer model would silently act on layers 0..3 only (almost always a policy for another depth, or a 1-based
+    index)."""
+    model = {s.layer_idx for s in sites if s.layer_idx is not None}
+    if not model:
+        return
+    for rule in spec.rules:
+        missing = sorted(rule.when.layers - model) if rule.when.layers is not None else []
+        if missing and len(missing) < len(rule.when.layers):  # a rule with no existing layer is a dead rule
+            raise ValueError(
+                f"{spec.source}: rules[{rule.index}].when.layers names layers this model does not have "
+                f"({_ranges(missing)}); the model's layers are {min(model)}..{max(model)} (global, 0-based): "
+                "narrow the range, or use a policy written for this depth")
+
+
+def _ranges(values: list[int]) -> str:
+    """Sorted ints as closed ranges: [4, 5, 6, 9] -> '4-6, 9'."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 # ------------------------------------------------------------------------------------ table ----

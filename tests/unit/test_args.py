@@ -251,6 +251,18 @@ def test_policy_rules_that_decide_no_site_are_errors(tmp_path, capsys, rules, la
     assert "fix or delete them" in err
 
 
+def test_a_rule_naming_layers_beyond_the_model_is_an_error_even_when_some_exist(tmp_path, capsys):
+    """'0-9' on the 4-layer model would act on layers 0..3 only, without a word: name the missing ones."""
+    def rule(layers: str) -> str:
+        return _policy(tmp_path, f"  - {{when: {{layers: {layers}}}, set: {{activations: bf16}}}}\n")
+
+    err = _error(capsys, ["--agoq-policy", rule("'0-9'")])
+    assert "p.yaml: rules[0].when.layers names layers this model does not have (4-9)" in err, err
+    assert "the model's layers are 0..3" in err
+    assert "(5-6, 8)" in _error(capsys, ["--agoq-policy", rule("[1, 5, 6, 8]")])
+    assert parse_args(["--agoq-policy", rule("'0-3'")])
+
+
 def test_preflight_checks_layout_and_data_before_torch(tmp_path):
     from agoq.data.tokenizer import TokenizerTrainConfig, train_sentencepiece
     from agoq.megatron.train.args import preflight
