@@ -29,10 +29,8 @@ def source_commit(root: Path = REPO_ROOT) -> str:
             return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.TimeoutExpired):
         pass
-    marker = root / COMMIT_FILE
-    if marker.is_file():
-        return marker.read_text().strip().splitlines()[0] if marker.read_text().strip() else "unknown"
-    return "unknown"
+    marker = (root / COMMIT_FILE).read_text().strip() if (root / COMMIT_FILE).is_file() else ""
+    return marker.splitlines()[0] if marker else "unknown"
 
 
 _ITERATION_RE = re.compile(

@@ -92,8 +92,10 @@ def check_release_flags(args: argparse.Namespace, data_parallel: int | None = No
     for bad, what in flags:
         if bad:
             raise ValueError(f"--agoq-gradient-release conflicts with {what}; drop one of the two")
-    per_step = args.micro_batch_size * (data_parallel or 1)
-    accumulation = 1 if data_parallel is None or args.global_batch_size == per_step else max(
-        2, -(-args.global_batch_size // per_step))
-    check_release_compatible(pipeline_parallel=args.pipeline_model_parallel_size, data_parallel=data_parallel or 1,
+    if data_parallel is None:  # parsing: the data-parallel size, hence the micro-batches per step, comes later
+        data_parallel, accumulation = 1, 1
+    else:
+        per_step = args.micro_batch_size * data_parallel
+        accumulation = 1 if args.global_batch_size == per_step else max(2, -(-args.global_batch_size // per_step))
+    check_release_compatible(pipeline_parallel=args.pipeline_model_parallel_size, data_parallel=data_parallel,
                              grad_accumulation=accumulation, clip_grad=args.clip_grad)  # fmt: skip
