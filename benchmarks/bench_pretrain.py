@@ -310,7 +310,7 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per variant")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU version of the suite")
     parser.add_argument("--only", nargs="+", metavar="TEXT",
-                        help="run only the variants whose name contains one of these strings")
+                        help="run only the variants whose name contains one of these strings (each must match one)")
     parser.add_argument("--list", action="store_true", help="print every variant's command; run nothing")
     args = parser.parse_args(argv)
     if args.list:
