@@ -5,6 +5,7 @@ results."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -18,7 +19,8 @@ from agoq.testing.procs import REPO_ROOT
 from tests.megatron._bench_scripts import load_bench_script
 
 DEVICE = REPO_ROOT / "benchmarks" / "device"
-PLANS = ("x1.sh", "x2.sh", "x4.sh")
+PLANS = ("x1.sh", "x2.sh", "x4.sh", "x4_lanes.sh")
+LANES = "x4_lanes.sh"  # runs other plans' steps (sub_plan) and one convergence run per step (conv_run)
 
 
 def _plan_text(plan: str) -> str:
@@ -30,19 +32,48 @@ def test_scripts_are_valid_bash(script):
     subprocess.run(["bash", "-n", str(DEVICE / script)], check=True)
 
 
+def _own_steps(text: str) -> list[str]:
+    """The steps a plan defines, in order: `step NAME LIMIT ...` and x4_lanes.sh's `conv_run GPU PRESET SEED`."""
+    found = re.finditer(r"^\s*step (\w+) \d+ |\bconv_run \S+ ([\w-]+) (\d+)", text, flags=re.M)
+    return [m[1] or f"conv_{m[2]}_s{m[3]}" for m in found]
+
+
 @pytest.mark.parametrize("plan", PLANS)
 def test_every_suite_test_path_and_script_a_plan_names_exists(plan):
     suites = load_bench_script("bench_pretrain").SUITES
     text = _plan_text(plan)
     named = re.findall(r"--suite (\S+)", text)
-    assert named and set(named) <= set(suites), set(named) - set(suites)
-    paths = [p for p, glob in re.findall(r"(?<![\w/])((?:tests|benchmarks|scripts)/[\w./-]+)(\*?)", text) if not glob]
+    assert set(named) <= set(suites), set(named) - set(suites)
+    assert named or plan == LANES
+    paths = [p for p, glob in re.findall(r"(?<![\w/])((?:tests|benchmarks|scripts)/[\w./:\[\]-]+)(\*?)", text)
+             if not glob]
     assert paths
-    assert [p for p in paths if not (REPO_ROOT / p).exists()] == []
-    steps = re.findall(r"^\s*step (\w+) (\d+) ", text, flags=re.M)
-    assert len({name for name, _ in steps}) == len(steps)  # names select steps: no two alike
-    listed = re.findall(r"^#   (\w+)  ", text, flags=re.M)  # the header's step table, in order
-    assert listed == [name for name, _ in steps]
+    assert [p for p in paths if not (REPO_ROOT / p.split("::")[0]).exists()] == []
+    steps = _own_steps(text)
+    assert len(set(steps)) == len(steps)  # names select steps: no two alike
+    listed = re.findall(r"^#   ([\w-]+)  ", text, flags=re.M)  # the header's step table, in order
+    assert listed == steps
+
+
+def test_lanes_name_only_steps_their_sub_plans_have_and_real_presets():
+    text = _plan_text(LANES)
+    calls = re.findall(r"sub_plan (\S+) (x\d\.sh) ([\w ]+?)(?:;|$)", text, flags=re.M)
+    assert {plan for _, plan, _ in calls} == {"x1.sh", "x2.sh"}
+    for _, plan, names in calls:
+        assert set(names.split()) <= set(_own_steps(_plan_text(plan))), (plan, names)
+    presets = load_bench_script("bench_convergence").PRESETS
+    runs = re.findall(r"conv_run \S+ ([\w-]+) \d+", text)
+    assert runs and set(runs) <= set(presets)
+
+
+def test_lanes_plan_runs_only_the_steps_asked_for_and_reports_seed_bands(tmp_path):
+    env = {**os.environ, "AGOQ_RESULTS": str(tmp_path), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(DEVICE / LANES), "conv_report"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [r.split("\t")[:2] for r in (tmp_path / "steps.tsv").read_text().splitlines()] == [["conv_report", "0"]]
+    bands = json.loads((tmp_path / "conv" / "bands.json").read_text())  # from the committed runs, copied in
+    assert "baseline" in bands["presets"] and bands["baseline_band"][0] <= bands["baseline_band"][1]
 
 
 def _run_steps(tmp_path: Path, asked: str, body: str) -> subprocess.CompletedProcess:
