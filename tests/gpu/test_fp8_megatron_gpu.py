@@ -23,6 +23,9 @@ import torch
 pytestmark = [pytest.mark.gpu]
 
 GRAD_FLOOR_DB = 8.5  # module docstring
+# the FP8 linears' weight caches (agoq/megatron/layers.py): each linear's own, and fc2's inside the fused
+# SwiGLU -> FP8 fc2 op (plain SwiGLU under delayed scaling, and Smooth-SwiGLU)
+WEIGHT_CACHE_ATTRS = ("_agoq_fp8_wcache", "_agoq_fp8_smooth_wcache")
 SEQ, MICRO_BATCH, VOCAB = 128, 2, 256
 SHAPE_KW = dict(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=512,
                 seq_length=SEQ, vocab_size=VOCAB)
@@ -130,7 +133,7 @@ def test_weight_cache_bytes_equal_the_planner(gpu_world, recipe, smooth, policy)
 
     model = _build(gpu_world, recipe=recipe, smooth=smooth, policy=policy)
     _step(model, gpu_world)
-    caches = [m.__dict__["_agoq_fp8_wcache"] for m in model.modules() if "_agoq_fp8_wcache" in m.__dict__]
+    caches = [m.__dict__[key] for m in model.modules() for key in WEIGHT_CACHE_ATTRS if key in m.__dict__]
     live = [c for c in caches if c._entry is not None]
     spec = FP8Spec(recipe=recipe, smooth_swiglu=smooth, bf16_first_layers=0, bf16_last_layers=0)
     shape = ModelShape(*(SHAPE_KW[k] for k in ("num_layers", "hidden_size", "num_attention_heads",

@@ -294,6 +294,7 @@ def _held(run, h0, w, gy, state, cache):
     """Bytes allocated by a forward and still held for its backward (the output left out), after two warm steps."""
     for _ in range(2):  # history pools and the weight cache entry exist
         run(h0, w, gy, state, cache)
+    w.grad = None  # the run drops it first thing: freed inside the measured window it would hide H x F x 2 bytes
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     y = run(h0, w, gy, state, cache, backward=False)
