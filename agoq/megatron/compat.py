@@ -222,7 +222,11 @@ CONTRACT: tuple[Symbol, ...] = (
     Symbol("megatron.core.transformer.transformer_config:TransformerConfig",
            "CUDA graphs: --cuda-graph-impl local, whole-layer graphs, warm-up passes (agoq.megatron.model); agoq's "
            "features refused or allowed per graph implementation (agoq.megatron.graphs)",
-           fields=("cuda_graph_impl", "cuda_graph_modules", "cuda_graph_warmup_steps")),
+           fields=("cuda_graph_impl", "cuda_graph_modules", "cuda_graph_warmup_steps", "pipeline_model_parallel_size")),
+    Symbol("megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.forward",
+           "lru_cache'd: one rotary table shared by every micro-batch; under local graphs at PP > 1 the trainer clears "
+           "it before each micro-batch (agoq.megatron.graphs.rope_per_microbatch: Megatron's shared graph-input "
+           "buffer is released only once every runner using it is captured)", attrs=("cache_clear",)),
     Symbol("megatron.core.transformer.cuda_graphs:CudaGraphManager",
            "agoq.megatron.graphs.captured_graphs reads each manager's cudagraph_runners and their fwd_graph / "
            "bwd_graph (the trainer's report after iteration 1)", params=("config",), attrs=("get_cudagraph_runner",)),

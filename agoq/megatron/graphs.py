@@ -47,10 +47,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.cuda_graphs import is_graph_warmup
 
 __all__ = ["FEATURES", "VALIDATED", "allow_unvalidated", "captured_graphs", "check_cuda_graphs", "graph_phase",
-           "graphs_on", "layer_features", "set_fp8_graph_phase"]
+           "graphs_on", "layer_features", "needs_rope_per_microbatch", "rope_per_microbatch",
+           "set_fp8_graph_phase"]
 
 NO_GRAPHS = "none"  # TransformerConfig.cuda_graph_impl when CUDA graphs are off (megatron-core 0.19.2)
 LOCAL = "local"  # Megatron's own per-layer graphs: the only implementation without Transformer Engine
@@ -194,6 +196,25 @@ def set_fp8_graph_phase(linears: Iterable[torch.nn.Module], phase: str | None) -
             cache = linear.__dict__.get(name)
             if cache is not None:
                 cache.graph_phase, cache.gate_state = phase, state
+
+
+def needs_rope_per_microbatch(config) -> bool:
+    """Whether the trainer must give every micro-batch its own rotary table (:func:`rope_per_microbatch`): local
+    graphs with pipeline parallelism."""
+    return getattr(config, "cuda_graph_impl", NO_GRAPHS) == LOCAL and config.pipeline_model_parallel_size > 1
+
+
+def rope_per_microbatch() -> None:
+    """Drop megatron-core's cached rotary table so the next forward builds its own (call before each micro-batch).
+
+    Why: with pipeline parallelism Megatron's local graphs make one runner per layer and micro-batch
+    (``_CudaGraphRunner``; ``reuse_cudagraphs`` only at PP=1), and a tensor that several runners take as input gets
+    one graph-pool buffer, released once all of them are captured. ``RotaryEmbedding.forward`` is ``lru_cache``d, so
+    one rotary table feeds every layer of every micro-batch; the 1F1B schedule records a backward after one or two
+    micro-batches' forwards, and graph creation stops at ``assert fwd_buffer_reuse_ref_count == 0`` (megatron-core
+    0.19.2, cuda_graphs.py; the baseline without agoq too, measured on 2 x H100 2026-11-27). A table per
+    micro-batch is used up within its micro-batch. Cost: the table's few small kernels once per micro-batch."""
+    RotaryEmbedding.forward.cache_clear()
 
 
 def captured_graphs(model_chunks) -> dict[str, int]:

@@ -117,3 +117,45 @@ def test_feature_table_and_override_semantics():
     with pytest.raises(ValueError, match="unknown features"):
         with allow_unvalidated("no_such_feature"):
             pass
+
+
+def test_pp_graphs_give_each_micro_batch_its_own_rotary_table():
+    """Local graphs at PP > 1 (agoq.megatron.graphs.rope_per_microbatch): the trainer's forward step drops
+    megatron-core's cached rotary table before each micro-batch, so no two micro-batches' graph runners share it;
+    without graphs, or at PP=1, the cache is left alone."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from agoq.megatron import graphs
+    from agoq.megatron.cpu_mode import enter_cpu_mode, exit_cpu_mode
+
+    def config(impl, pp):
+        return type("C", (), {"cuda_graph_impl": impl, "pipeline_model_parallel_size": pp})()
+
+    assert graphs.needs_rope_per_microbatch(config("local", 2))
+    assert not graphs.needs_rope_per_microbatch(config("local", 1))
+    assert not graphs.needs_rope_per_microbatch(config("none", 4))
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
+    batch = {k: torch.zeros(1, 4, dtype=torch.long) for k in ("tokens", "labels", "position_ids", "loss_mask")}
+    enter_cpu_mode()  # megatron-core moves the table to torch.cuda.current_device() (agoq.megatron.cpu_mode)
+    try:
+        tables_by_mode = {fresh: _rope_tables(rope, batch, fresh) for fresh in (True, False)}
+    finally:
+        exit_cpu_mode()
+    for fresh, tables in tables_by_mode.items():
+        assert all(torch.equal(t, tables[0]) for t in tables)  # same values either way
+        assert len({id(t) for t in tables}) == (3 if fresh else 1), fresh  # one tensor per micro-batch, or shared
+
+
+def _rope_tables(rope, batch, fresh: bool) -> list:
+    from agoq.megatron.train.training import make_forward_step
+
+    tables = []
+
+    def model(tokens, position_ids, attention_mask, labels):
+        tables.append(rope(16))  # what GPTModel.forward asks for, once per micro-batch
+        return torch.zeros(1, 4)
+
+    step = make_forward_step(torch.device("cpu"), rope_per_microbatch=fresh)
+    for _ in range(3):
+        step(iter([batch]), model)
+    return tables

@@ -31,7 +31,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 
+from agoq.megatron import graphs
 from agoq.megatron.release import ReleaseDataParallel, TrainingStopped, finalize_release_grads
 from agoq.ops.fp8_weight_cache import fp8_weights_changed
 from agoq.ops.nonfinite import nonfinite_in
@@ -46,10 +48,13 @@ def _loss_func(loss_mask_BS: torch.Tensor, output_BS: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def make_forward_step(device: torch.device, poison: dict | None = None) -> Callable:
-    """``poison["now"]`` True makes the loss NaN (fault-injection for tests of the skip path)."""
+def make_forward_step(device: torch.device, poison: dict | None = None, rope_per_microbatch: bool = False) -> Callable:
+    """``poison["now"]`` True makes the loss NaN (fault-injection for tests of the skip path);
+    ``rope_per_microbatch``: a fresh rotary table per micro-batch (CUDA graphs at PP > 1: agoq.megatron.graphs)."""
 
     def forward_step(data_iterator: Iterator, model):
+        if rope_per_microbatch:
+            graphs.rope_per_microbatch()
         batch = next(data_iterator)
         tokens_BS = batch["tokens"].to(device, non_blocking=True)
         labels_BS = batch["labels"].to(device, non_blocking=True)
@@ -149,7 +154,8 @@ class StepRunner:
     iteration: int | None = None  # the iteration run() performs (labels gradient release's errors)
 
     def __post_init__(self):
-        self.forward_step = make_forward_step(self.device, self.poison)
+        config = get_model_config(self.model_chunks[0])
+        self.forward_step = make_forward_step(self.device, self.poison, graphs.needs_rope_per_microbatch(config))
         self.param_gather = ParamGather(self.model_chunks)
 
     def evaluate(self, data_iterators: list[Iterator], num_batches: int) -> float | None:
