@@ -44,8 +44,10 @@ LAYERS_PER_RANK = 4  # one runner per graphed layer at PP=1 (runners are reused 
 def results(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("cuda_graphs")
     extra = {"baseline/eager_repeat": (["--agoq-disable"], PRETRAIN_SCRIPT),
-             # the script itself, graphs on with agoq's default policy: refused until validated
-             "agoq_default/refused": (GRAPHS, PRETRAIN_SCRIPT)}
+             # the script itself (no override), graphs on: agoq's default policy runs (validated); the 8-bit gradient
+             # store is refused (incompatible: agoq.megatron.graphs)
+             "agoq_default/plain_script": (GRAPHS, PRETRAIN_SCRIPT),
+             "grads_store/refused": (GRAPHS + ["--agoq-grads", "int8_b256"], PRETRAIN_SCRIPT)}
     out = run_cases(CASES, 1, TINY + BATCH, workdir, parallel=5, timeout_s=600, extra=extra)
     paths = write_report(out, workdir / "cuda_graphs_gpu.json")
     print("\n".join(["", *summary_lines(out), *(f"report: {p}" for p in paths)]))
@@ -73,11 +75,13 @@ def test_graphs_train_exactly_as_eager(results, case):
         assert comparison["max_rel_loss_diff"] <= NONDETERMINISTIC_REL, comparison
 
 
-def test_the_plain_script_refuses_unvalidated_features(results):
-    row = results["agoq_default/refused"]
+def test_the_plain_script_runs_validated_features_and_refuses_incompatible_ones(results):
+    plain, driven = results["agoq_default/plain_script"], results["agoq_default"]["graphs"]
+    assert plain["returncode"] == 0 and plain["losses"] == driven["losses"], plain.get("output_tail", plain)[-2000:]
+    row = results["grads_store/refused"]
     tail = row.get("output_tail", "")
-    assert row["returncode"] != 0 and "not yet supported under Megatron's CUDA graphs" in tail, tail[-2000:]
-    assert "low-bit saved activations" in tail and not row["losses"]
+    assert row["returncode"] != 0 and "cannot run under Megatron's CUDA graphs" in tail, tail[-2000:]
+    assert "8-bit gradient store" in tail and not row["losses"]
 
 
 def test_eager_runs_are_deterministic_at_this_shape(results):

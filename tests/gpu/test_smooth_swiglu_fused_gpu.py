@@ -316,9 +316,11 @@ def test_plain_fused_op_holds_only_z_codes(cuda):
     held = {name: _held(run, h0, w0.clone().requires_grad_(), gy, FP8ScalingState(_delayed(), cuda), FP8WeightCache())
             for name, run in (("fused", _plain_fused), ("unfused", _plain_unfused))}
     h_clone = 2 * tokens * 2 * FFN
-    expected = {"fused": h_clone + tokens * FFN, "unfused": h_clone + tokens * FFN + 2 * 2 * tokens * FFN}
-    for name in held:
-        assert expected[name] <= held[name] <= expected[name] + ALLOC_SLACK, (held, expected)
+    fused = h_clone + tokens * FFN
+    assert fused <= held["fused"] <= fused + ALLOC_SLACK, held
+    # what the fusion saves: at least Megatron's silu output and x_linear + 0 (its own temporaries round up further:
+    # 1.75 MiB over 2 x 2 B x T x F on an H100, 2026-11-27, so the unfused side has no upper bound here)
+    assert held["unfused"] - held["fused"] >= 2 * 2 * tokens * FFN - ALLOC_SLACK, held
 
 
 @pytest.mark.parametrize("policy", ["bf16", "agoq"])
