@@ -18,8 +18,12 @@ COMMIT_FILE = ".commit"
 
 
 def source_commit(root: Path = REPO_ROOT) -> str:
-    """The commit the code under ``root`` is: git's HEAD, with "+dirty" when tracked files differ from it; else the
-    first line of ``root/.commit``; else "unknown"."""
+    """The commit the code under ``root`` is: the first line of ``root/.commit`` when present (written by whoever
+    exported or carried the tree: a copy's own ``.git`` may lag behind it, benchmarks/device/README.md); else git's
+    HEAD, with "+dirty" when tracked files differ from it; else "unknown"."""
+    marker = (root / COMMIT_FILE).read_text().strip() if (root / COMMIT_FILE).is_file() else ""
+    if marker:
+        return marker.splitlines()[0]
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                               timeout=30)
@@ -29,8 +33,7 @@ def source_commit(root: Path = REPO_ROOT) -> str:
             return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.TimeoutExpired):
         pass
-    marker = (root / COMMIT_FILE).read_text().strip() if (root / COMMIT_FILE).is_file() else ""
-    return marker.splitlines()[0] if marker else "unknown"
+    return "unknown"
 
 
 _ITERATION_RE = re.compile(

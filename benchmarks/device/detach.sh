@@ -25,7 +25,10 @@ if [ ! -f "$ROOT/started" ]; then
   mkdir -p "$ROOT/results"
   if [ "$here" != "$ROOT/repo" ]; then
     rm -rf "$ROOT/repo" && cp -r "$here" "$ROOT/repo"
-    if commit=$(git -C "$here" rev-parse HEAD 2>/dev/null); then echo "$commit" > "$ROOT/repo/.commit"; fi
+    # a carried .commit names the tree (a copy's own .git may lag behind it); else git's HEAD here
+    if [ ! -f "$here/.commit" ] && commit=$(git -C "$here" rev-parse HEAD 2>/dev/null); then
+      echo "$commit" > "$ROOT/repo/.commit"
+    fi
   fi
   date -u +%FT%TZ > "$ROOT/started"
   # only the setsid command is backgrounded (a backgrounded "cd && ..." list would hold the caller's stdout open)

@@ -5,7 +5,6 @@ results."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -20,7 +19,7 @@ from tests.megatron._bench_scripts import load_bench_script
 
 DEVICE = REPO_ROOT / "benchmarks" / "device"
 PLANS = ("x1.sh", "x2.sh", "x4.sh", "x4_lanes.sh")
-LANES = "x4_lanes.sh"  # runs other plans' steps (sub_plan) and one convergence run per step (conv_run)
+LANES = "x4_lanes.sh"  # runs other plans' steps side by side (sub_plan)
 
 
 def _plan_text(plan: str) -> str:
@@ -33,9 +32,8 @@ def test_scripts_are_valid_bash(script):
 
 
 def _own_steps(text: str) -> list[str]:
-    """The steps a plan defines, in order: `step NAME LIMIT ...` and x4_lanes.sh's `conv_run GPU PRESET SEED`."""
-    found = re.finditer(r"^\s*step (\w+) \d+ |\bconv_run \S+ ([\w-]+) (\d+)", text, flags=re.M)
-    return [m[1] or f"conv_{m[2]}_s{m[3]}" for m in found]
+    """The steps a plan defines (`step NAME LIMIT ...`), in order."""
+    return re.findall(r"^\s*step (\w+) \d+ ", text, flags=re.M)
 
 
 @pytest.mark.parametrize("plan", PLANS)
@@ -44,7 +42,6 @@ def test_every_suite_test_path_and_script_a_plan_names_exists(plan):
     text = _plan_text(plan)
     named = re.findall(r"--suite (\S+)", text)
     assert set(named) <= set(suites), set(named) - set(suites)
-    assert named or plan == LANES
     paths = [p for p, glob in re.findall(r"(?<![\w/])((?:tests|benchmarks|scripts)/[\w./:\[\]-]+)(\*?)", text)
              if not glob]
     assert paths
@@ -55,25 +52,33 @@ def test_every_suite_test_path_and_script_a_plan_names_exists(plan):
     assert listed == steps
 
 
-def test_lanes_name_only_steps_their_sub_plans_have_and_real_presets():
+def test_lanes_name_only_steps_their_sub_plans_have():
     text = _plan_text(LANES)
     calls = re.findall(r"sub_plan (\S+) (x\d\.sh) ([\w ]+?)(?:;|$)", text, flags=re.M)
     assert {plan for _, plan, _ in calls} == {"x1.sh", "x2.sh"}
     for _, plan, names in calls:
         assert set(names.split()) <= set(_own_steps(_plan_text(plan))), (plan, names)
-    presets = load_bench_script("bench_convergence").PRESETS
-    runs = re.findall(r"conv_run \S+ ([\w-]+) \d+", text)
-    assert runs and set(runs) <= set(presets)
 
 
-def test_lanes_plan_runs_only_the_steps_asked_for_and_reports_seed_bands(tmp_path):
-    env = {**os.environ, "AGOQ_RESULTS": str(tmp_path), "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(DEVICE / LANES), "conv_report"], env=env, capture_output=True, text=True,
-                          timeout=300)
+def test_lanes_run_each_asked_step_on_its_own_gpus(tmp_path):
+    """x4_lanes.sh with a stand-in interpreter that logs its GPUs and arguments: the 4-GPU step sees every GPU, each
+    lane's steps only their own, and steps nobody asked for do not run."""
+    stub = tmp_path / "python"
+    stub.write_text('#!/usr/bin/env bash\n[ "$1" = -c ] && exit 0\n'
+                    f'echo "${{CUDA_VISIBLE_DEVICES:-all}} $*" >> {tmp_path}/calls\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "AGOQ_RESULTS": str(tmp_path / "results"), "PYTHON": str(stub)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run(["bash", str(DEVICE / LANES), "e2e4", "equal_memory_1b", "e2e"], env=env,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [r.split("\t")[:2] for r in (tmp_path / "steps.tsv").read_text().splitlines()] == [["conv_report", "0"]]
-    bands = json.loads((tmp_path / "conv" / "bands.json").read_text())  # from the committed runs, copied in
-    assert "baseline" in bands["presets"] and bands["baseline_band"][0] <= bands["baseline_band"][1]
+    calls = (tmp_path / "calls").read_text().splitlines()
+    gpus = {next(w for w in line.split() if w.startswith(("tests/", "benchmarks/"))): line.split()[0]
+            for line in calls}
+    assert gpus == {"tests/e2e/test_layouts_multigpu.py::test_four_gpu_layouts_train_like_pp1": "all",
+                    "benchmarks/bench_pretrain.py": "0", "tests/e2e/test_peer_store_multigpu.py": "2,3"}, calls
+    rows = [r.split("\t")[0] for r in (tmp_path / "results" / "steps.tsv").read_text().splitlines()]
+    assert sorted(rows) == ["e2e", "e2e4", "equal_memory_1b"]
 
 
 def _run_steps(tmp_path: Path, asked: str, body: str) -> subprocess.CompletedProcess:
@@ -130,3 +135,15 @@ def test_reports_name_the_commit_from_git_or_from_an_exported_trees_marker(tmp_p
     assert source_commit(tmp_path) == "unknown"  # no git, no marker
     (tmp_path / COMMIT_FILE).write_text("0123abc\n")
     assert source_commit(tmp_path) == "0123abc"
+    # a copy whose own .git lags behind the tree carried into it: the carried marker names the tree
+    lagging = tmp_path / "copy"
+    lagging.mkdir()
+    git = ["git", "-C", str(lagging), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    (lagging / "f.py").write_text("x = 1\n")
+    subprocess.run(git + ["add", "f.py"], check=True)
+    subprocess.run(git + ["commit", "-qm", "old"], check=True)
+    (lagging / "f.py").write_text("x = 2\n")
+    assert source_commit(lagging).endswith("+dirty")
+    (lagging / COMMIT_FILE).write_text("feedbee\n")
+    assert source_commit(lagging) == "feedbee"
