@@ -48,3 +48,15 @@ def test_memory_header_names_the_optimizer_and_gradients_in_use(kw, optimizer, g
     recipe = recipe_from_config(config)
     assert optimizer_name(config, recipe, dp=1, distributed_optimizer=False).startswith(optimizer)
     assert gradient_name(config, recipe, Layout()).startswith(grads)
+
+
+def test_memory_prediction_says_graph_memory_is_not_modelled():
+    """Megatron's CUDA graphs hold their own pool (docs/benchmarks/activations.md): the start-up prediction says so
+    when graphs are on, and only then."""
+    from agoq.megatron.train.memory_report import GRAPHS_NOTE, predicted_report
+    from tests.megatron._tiny import tiny_shape
+
+    eager = predicted_report(_config(), tiny_shape(), Layout(), None)
+    graphed = predicted_report(_config(), tiny_shape(), Layout(), None, cuda_graphs=True)
+    assert GRAPHS_NOTE not in eager and graphed == eager + "\n" + GRAPHS_NOTE
+    assert "--cuda-graph-impl local" in GRAPHS_NOTE and "not model" in GRAPHS_NOTE

@@ -87,9 +87,18 @@ def gradient_name(config: AgoqConfig, recipe: Recipe, plan: Layout) -> str:
     return text + ")"
 
 
-def predicted_report(config: AgoqConfig, shape, plan: Layout, policy) -> str:
+# Megatron's local CUDA graphs without Transformer Engine hold their static buffers in their own pool (strong
+# references; at PP > 1 one runner per layer and micro-batch). Measured on H100, 2026-11-27, ~1B seq 4096 mbs 1
+# (benchmarks/results/pretrain_graphs*.json): 21.00 GiB peak for every variant at PP=1 (eager 20.35-23.46) and
+# 15.35 GiB on the last stage at PP=2 for baseline and agoq alike (eager 11.85 / 10.24).
+GRAPHS_NOTE = ("  note: --cuda-graph-impl local: the peaks above are eager; Megatron's CUDA graphs hold their own "
+               "memory pool, which agoq.plan does not model (measured: every variant near the same peak under graphs, "
+               "+0.6 to +5.1 GiB over agoq's eager peak at ~1B; docs/benchmarks/activations.md)")
+
+
+def predicted_report(config: AgoqConfig, shape, plan: Layout, policy, cuda_graphs: bool = False) -> str:
     """Per stage: held GiB by component for this run's optimizer and gradients, and the predicted peak
-    (rank 0 prints it)."""
+    (rank 0 prints it); ``cuda_graphs``: Megatron's CUDA graphs are on (a note: their pool is not modelled)."""
     recipe = recipe_from_config(config)
     model, policy = _plan_inputs(shape, policy)
     stages = plan_stages(model, plan, policy, fp8=recipe.fp8, plain_swiglu_fusion=recipe.fuse_plain_swiglu_fp8)
@@ -109,6 +118,8 @@ def predicted_report(config: AgoqConfig, shape, plan: Layout, policy) -> str:
     lines.append(format_peaks(peaks))
     if config.activations.recompute and config.activations.recompute_num_layers != 1:
         lines.append("  note: the peak model assumes --recompute-num-layers 1")
+    if cuda_graphs:
+        lines.append(GRAPHS_NOTE)
     return "\n".join(lines)
 
 
