@@ -36,8 +36,9 @@ may overlap a neighbour's range by a block, and hands it to ``consume`` chunk by
 reduce_blocks_to_owners does; with ``float_spans``, the blocks outside them are requantized by the reduce
 kernel into r's own store rows instead, the 8-bit store's case)::
 
-    barrier; for each chunk of my range: reduce_peer_rows(-> fp32 chunk; consume(first, chunk)
-                                                          or -> my own rows, requantized); barrier
+    barrier; for each run of my range: float run: per chunk reduce_peer_rows(-> fp32 chunk); consume(first, chunk)
+                                        other run: reduce_peer_rows(-> my own rows, requantized), one launch
+    barrier
 
 The closing barrier lets the caller rewrite blocks that neighbours read (the shared boundary blocks) and
 zero the store afterwards (nothing is pushed there: the sums are needed by their owner only). All barriers are
@@ -181,11 +182,15 @@ class SymmetricBlocks:
         block = self.fmt.block
         # one chunk of fp32 sums per call, returned to the caching allocator at the end (kept per store, it
         # cost ~1 GiB over the 28 buckets of a ~1B model at DP=2: benchmarks/results/dp2_link.json, 13:08 run)
-        fp32 = torch.empty(min(chunk, float_len) * block, dtype=torch.float32, device=self.buffer.device)
+        fp32 = torch.empty(min(chunk, float_len) * block, dtype=torch.float32, device=self.codes_u8.device)
         self.handle.barrier(channel=0)
         for a, z, is_float in segments:
-            for first in range(a, z, chunk):
-                last = min(z, first + chunk)
+            # an fp32 run goes chunk by chunk (one fp32 chunk held); an in-place run in one launch: chunking it
+            # only multiplied the host work per launch (reduce-to-owners measured slower than the all-reduce it
+            # halves, 0.283 vs 0.208 ms at 160 MiB on 2 x H100: three launches there, one here)
+            step = chunk if is_float else max(1, z - a)
+            for first in range(a, z, step):
+                last = min(z, first + step)
                 codes, scales, tables = self._rows(first, last)
                 if not is_float:
                     reduce_peer_rows(codes, scales, self.fmt, average=average, post_scale=post_scale,

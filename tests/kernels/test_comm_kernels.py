@@ -581,3 +581,59 @@ def test_dequantize_rows_saturate_at_the_destination_dtype_like_the_reference():
     assert _same_values(got, ref)
     assert not torch.isinf(got).any() and float(got.nan_to_num().abs().max()) == 65504.0
     assert torch.isnan(got[:fmt.block]).all()
+
+
+@pytest.mark.parametrize("name", _params(["int8_b256", "fp8e4m3_b128"]))
+@pytest.mark.parametrize("world, nblocks", [(2, 9), (3, 11)])
+def test_symmetric_store_reduce_to_owners_in_place_runs_are_one_launch(name, world, nblocks, monkeypatch):
+    """SymmetricBlocks.reduce_to_owners over W emulated ranks, ranges that share a boundary block with the next
+    rank (the distributed optimizer's case), those blocks as float spans, chunk_blocks=1: each float run goes chunk
+    by chunk through fp32 (one launch and one consume per block), each in-place run is ONE launch whatever the chunk
+    (chunking it only multiplied the host work); the float chunks are the reference's fp32 sums and the in-place
+    blocks the reference's requantized sums, bit for bit. Ranks run in reverse order: a rank's in-place blocks are
+    its own, so no order can change another rank's result."""
+    from agoq.comm import symm_store
+    from agoq.kernels import comm as k
+    from agoq.ref.comm import ref_reduce_peer_rows
+
+    fmt = parse_format(name)
+    log, launches = [], []
+    real = k.reduce_peer_rows
+
+    def spy(*args, **kw):
+        launches.append(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(k, "reduce_peer_rows", spy)
+    nbytes = symm_store._aligned(nblocks * fmt.block) + symm_store._aligned(nblocks * _sdt(fmt).itemsize)
+    buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=DEVICE) for _ in range(world)]
+    stores = [_emulated_store(fmt, world, r, nblocks, buffers, log) for r in range(world)]
+    code_rows, scale_rows = _push_rows(world, nblocks, fmt, 7 + world, "specials")
+    for r in range(world):
+        stores[r].codes_u8.copy_(code_rows[r])
+        stores[r].scales.copy_(scale_rows[r])
+    sum_f32 = torch.empty(nblocks * fmt.block, dtype=torch.float32, device=DEVICE)
+    ref_reduce_peer_rows(code_rows, scale_rows, fmt, average=True, post_scale=1.0, out=sum_f32,
+                         out_numel=sum_f32.numel())
+    expect_c, expect_s = torch.empty_like(code_rows[0]), torch.empty_like(scale_rows[0])
+    ref_reduce_peer_rows(code_rows, scale_rows, fmt, average=True, post_scale=1.0, codes_out=expect_c,
+                         scales_out=expect_s)
+    cuts = [round(r * nblocks / world) for r in range(world + 1)]
+    ranges = [(cuts[r], min(nblocks, cuts[r + 1] + 1)) for r in range(world)]  # one block shared with the next
+    shared = [(cuts[r], cuts[r] + 1) for r in range(1, world)]
+    for r in reversed(range(world)):
+        got, before = {}, len(launches)
+        stores[r].reduce_to_owners(ranges, lambda first, v: got.setdefault(first, v.clone()), average=True,
+                                   post_scale=1.0, chunk_blocks=1, float_spans=shared)
+        mine = symm_store.split_segments(*ranges[r], shared)
+        float_blocks = [b for a, z, f in mine if f for b in range(a, z)]
+        assert len(launches) - before == len(float_blocks) + sum(1 for *_, f in mine if not f)
+        assert sorted(got) == float_blocks
+        for b in float_blocks:
+            ref = sum_f32[b * fmt.block:(b + 1) * fmt.block]
+            assert torch.equal(got[b].nan_to_num(), ref.nan_to_num()) and torch.equal(got[b].isnan(), ref.isnan())
+        cb = stores[r].cb
+        for a, z, f in mine:
+            if not f:
+                own = _row_bytes(stores[r].codes_u8[a * cb:z * cb], stores[r].scales[a:z], fmt)
+                assert torch.equal(own, _row_bytes(expect_c[a * cb:z * cb], expect_s[a:z], fmt)), (r, a, z)
