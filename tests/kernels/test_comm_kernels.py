@@ -623,7 +623,7 @@ def test_symmetric_store_reduce_to_owners_in_place_runs_are_one_launch(name, wor
     shared = [(cuts[r], cuts[r] + 1) for r in range(1, world)]
     for r in reversed(range(world)):
         got, before = {}, len(launches)
-        stores[r].reduce_to_owners(ranges, lambda first, v: got.setdefault(first, v.clone()), average=True,
+        stores[r].reduce_to_owners(ranges, lambda first, v, got=got: got.setdefault(first, v.clone()), average=True,
                                    post_scale=1.0, chunk_blocks=1, float_spans=shared)
         mine = symm_store.split_segments(*ranges[r], shared)
         float_blocks = [b for a, z, f in mine if f for b in range(a, z)]
