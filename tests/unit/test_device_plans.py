@@ -18,7 +18,7 @@ from agoq.testing.procs import REPO_ROOT
 from tests.megatron._bench_scripts import load_bench_script
 
 DEVICE = REPO_ROOT / "benchmarks" / "device"
-PLANS = ("x1.sh", "x2.sh", "x4.sh", "x4_lanes.sh")
+PLANS = ("x1.sh", "x2.sh", "x4.sh", "x4_lanes.sh", "x8.sh")
 LANES = "x4_lanes.sh"  # runs other plans' steps side by side (sub_plan)
 
 
