@@ -514,20 +514,13 @@ def _emulated_store(fmt, world, rank, num_blocks, buffers, log):
     return blocks
 
 
-@pytest.mark.parametrize("name", _params(["int8_b256", "int8_b64_sp2", "fp8e4m3_b128"]))
-@pytest.mark.parametrize("world, per_rank", [(2, 3), (3, 1), (4, 5)])
-@pytest.mark.parametrize("order", ["forward", "reverse"])
-def test_symmetric_store_allreduce_is_one_push_between_two_barriers(name, world, per_rank, order, monkeypatch):
-    """SymmetricBlocks.allreduce_ over W emulated ranks (local buffers laid out by its own _map, a recording
-    barrier): each rank runs barrier, ONE reduce launch whose outputs are its segment in every rank's store, barrier
-    (no copy phase); afterwards every rank's whole store is the reference's all-reduce (every block the requantized
-    fp32 sum over ranks), bit for bit, whichever rank runs first (segments are disjoint)."""
+def _spied_stores(fmt, world, nblocks, seed, monkeypatch):
+    """W emulated SymmetricBlocks (_emulated_store) filled with _push_rows(..., "specials"), and reduce_peer_rows
+    spied on: returns (stores, code_rows, scale_rows, launches: each launch's kwargs, log: barriers and launches in
+    order)."""
     from agoq.comm import symm_store
     from agoq.kernels import comm as k
-    from agoq.ref.comm import ref_reduce_peer_rows
 
-    fmt = parse_format(name)
-    nblocks = world * per_rank
     log, launches = [], []
     real = k.reduce_peer_rows
 
@@ -536,14 +529,30 @@ def test_symmetric_store_allreduce_is_one_push_between_two_barriers(name, world,
         log.append(("kernel", "reduce_peer_rows"))
         return real(*args, **kw)
 
-    monkeypatch.setattr(k, "reduce_peer_rows", spy)  # allreduce_ imports it at the call
+    monkeypatch.setattr(k, "reduce_peer_rows", spy)  # the store imports it at the call
     nbytes = symm_store._aligned(nblocks * fmt.block) + symm_store._aligned(nblocks * _sdt(fmt).itemsize)
     buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=DEVICE) for _ in range(world)]
     stores = [_emulated_store(fmt, world, r, nblocks, buffers, log) for r in range(world)]
-    code_rows, scale_rows = _push_rows(world, nblocks, fmt, 101 + world, "specials")
+    code_rows, scale_rows = _push_rows(world, nblocks, fmt, seed, "specials")
     for r in range(world):
         stores[r].codes_u8.copy_(code_rows[r])
         stores[r].scales.copy_(scale_rows[r])
+    return stores, code_rows, scale_rows, launches, log
+
+
+@pytest.mark.parametrize("name", _params(["int8_b256", "int8_b64_sp2", "fp8e4m3_b128"]))
+@pytest.mark.parametrize("world, per_rank", [(2, 3), (3, 1), (4, 5)])
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+def test_symmetric_store_allreduce_is_one_push_between_two_barriers(name, world, per_rank, order, monkeypatch):
+    """SymmetricBlocks.allreduce_ over W emulated ranks (local buffers laid out by its own _map, a recording
+    barrier): each rank runs barrier, ONE reduce launch whose outputs are its segment in every rank's store, barrier
+    (no copy phase); afterwards every rank's whole store is the reference's all-reduce (every block the requantized
+    fp32 sum over ranks), bit for bit, whichever rank runs first (segments are disjoint)."""
+    from agoq.ref.comm import ref_reduce_peer_rows
+
+    fmt = parse_format(name)
+    nblocks = world * per_rank
+    stores, code_rows, scale_rows, launches, log = _spied_stores(fmt, world, nblocks, 101 + world, monkeypatch)
     expect_c, expect_s = torch.empty_like(code_rows[0]), torch.empty_like(scale_rows[0])
     ref_reduce_peer_rows(code_rows, scale_rows, fmt, average=True, post_scale=0.5, codes_out=expect_c,
                          scales_out=expect_s)  # fmt: skip
@@ -593,25 +602,10 @@ def test_symmetric_store_reduce_to_owners_in_place_runs_are_one_launch(name, wor
     blocks the reference's requantized sums, bit for bit. Ranks run in reverse order: a rank's in-place blocks are
     its own, so no order can change another rank's result."""
     from agoq.comm import symm_store
-    from agoq.kernels import comm as k
     from agoq.ref.comm import ref_reduce_peer_rows
 
     fmt = parse_format(name)
-    log, launches = [], []
-    real = k.reduce_peer_rows
-
-    def spy(*args, **kw):
-        launches.append(kw)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(k, "reduce_peer_rows", spy)
-    nbytes = symm_store._aligned(nblocks * fmt.block) + symm_store._aligned(nblocks * _sdt(fmt).itemsize)
-    buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=DEVICE) for _ in range(world)]
-    stores = [_emulated_store(fmt, world, r, nblocks, buffers, log) for r in range(world)]
-    code_rows, scale_rows = _push_rows(world, nblocks, fmt, 7 + world, "specials")
-    for r in range(world):
-        stores[r].codes_u8.copy_(code_rows[r])
-        stores[r].scales.copy_(scale_rows[r])
+    stores, code_rows, scale_rows, launches, _ = _spied_stores(fmt, world, nblocks, 7 + world, monkeypatch)
     sum_f32 = torch.empty(nblocks * fmt.block, dtype=torch.float32, device=DEVICE)
     ref_reduce_peer_rows(code_rows, scale_rows, fmt, average=True, post_scale=1.0, out=sum_f32,
                          out_numel=sum_f32.numel())
