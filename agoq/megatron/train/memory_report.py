@@ -87,13 +87,14 @@ def gradient_name(config: AgoqConfig, recipe: Recipe, plan: Layout) -> str:
     return text + ")"
 
 
-# Megatron's local CUDA graphs without Transformer Engine hold their static buffers in their own pool (strong
-# references; at PP > 1 one runner per layer and micro-batch). Measured on H100, 2026-11-27, ~1B seq 4096 mbs 1
-# (benchmarks/results/pretrain_graphs*.json): 21.00 GiB peak for every variant at PP=1 (eager 20.35-23.46) and
-# 15.35 GiB on the last stage at PP=2 for baseline and agoq alike (eager 11.85 / 10.24).
-GRAPHS_NOTE = ("  note: --cuda-graph-impl local: the peaks above are eager; Megatron's CUDA graphs hold their own "
-               "memory pool, which agoq.plan does not model (measured: every variant near the same peak under graphs, "
-               "+0.6 to +5.1 GiB over agoq's eager peak at ~1B; docs/benchmarks/activations.md)")
+# Megatron's local CUDA graphs without Transformer Engine keep their static buffers and each layer's activations in
+# the graph pool the capture reserved (a replay allocates nothing). Measured on H100, 2026-11-27, ~1B seq 4096 mbs 1
+# (benchmarks/results/pretrain_graphs*.json): reserved bytes under graphs +2.1 to +7.1 GiB over eager (agoq 22.66 vs
+# baseline 27.48 GiB at PP=1; 17.05 vs 18.98 on PP=2's last stage), while max_memory_allocated stays near the eager
+# figures. The planner predicts eager runs only.
+GRAPHS_NOTE = ("  note: --cuda-graph-impl local: the peaks above are for eager steps; under Megatron's CUDA graphs "
+               "(no Transformer Engine) the graph pool holds the activations and static buffers, which agoq.plan does "
+               "not model: measured reserved memory 2-7 GiB above eager at ~1B (docs/benchmarks/activations.md)")
 
 
 def predicted_report(config: AgoqConfig, shape, plan: Layout, policy, cuda_graphs: bool = False) -> str:
