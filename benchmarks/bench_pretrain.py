@@ -187,7 +187,9 @@ def summarise(result: dict, warmup: int, device: str | None = None) -> dict:
         summary["losses"] = [r["lm_loss"] for r in result["records"]]
         if "predicted_memory" in result:
             summary["predicted_stage_peaks_gib"] = result["predicted_memory"]["peak_gib"]
-    for key in ("weights_gib", "grads_gib", "optimizer_gib"):
+    # reserved_gib: the allocator's footprint at the last step; under CUDA graphs the memory to compare (a replay
+    # allocates nothing, so peak_gib misses what the graph pool holds: docs/benchmarks/activations.md)
+    for key in ("weights_gib", "grads_gib", "optimizer_gib", "reserved_gib"):
         if key in result.get("memory_breakdown_last", {}):
             summary[key] = result["memory_breakdown_last"][key]
     summary.update(_mfu(steady, device))

@@ -184,3 +184,14 @@ def test_only_refuses_a_filter_that_matches_nothing_even_beside_one_that_matches
     assert [v["name"] for v in picked] == ["1b/mbs4/bf16"]
     with pytest.raises(SystemExit, match=r"(?s)--only \['1b/mbs4/fp8 delayd'\].*1b/mbs4/fp8 delayed"):
         BENCH.select_variants("fp8_scale", False, ["1b/mbs4/bf16", "1b/mbs4/fp8 delayd"])
+
+
+def test_summary_carries_the_reserved_bytes_next_to_the_allocated_peak():
+    """Under CUDA graphs a replay allocates nothing, so the allocated peak misses the graph pool: the summary keeps
+    the allocator's reserved bytes of the last step beside it (docs/benchmarks/activations.md)."""
+    records = [{"iteration": i, "tokens_per_second": 10.0, "step_seconds": 1.0, "lm_loss": 5.0, "peak_gib": 21.0}
+               for i in (1, 2, 3, 4, 5)]
+    run = {"name": "x/graphs", "returncode": 0, "records": records,
+           "memory_breakdown_last": {"peak_gib": 21.0, "reserved_gib": 27.48, "weights_gib": 1.8}}
+    summary = BENCH.summarise(run, warmup=3)
+    assert (summary["peak_gib"], summary["reserved_gib"], summary["weights_gib"]) == (21.0, 27.48, 1.8)
