@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # One GPU (nvidia-h100-x1 / nvidia-h200): the open one-GPU checks and suites, most urgent first.
-#   bash benchmarks/device/x1.sh [step ...]      (no step: all, in this order; ~25 minutes on one H100)
+#   bash benchmarks/device/x1.sh [step ...]      (no step: all, in this order; ~33 minutes on one H100)
 # Steps and what they settle:
+#   graphs          issue 24 item 3, nothing beside it (the 2026-11-27 run shared its host with lanes)     ~8 min
 #   gpu_tier        the GPU tier on current code: every tests/gpu file (fused FP8, CUDA graphs, kernels)          ~8 min
 #   fp8_scale       issue 27's suite on current code (plain FP8 now fused): one current result            ~8 min
 #   equal_memory_1b  issue 23 item 2 at ~1B, with the agoq + FP8 Smooth-SwiGLU rows                         ~9 min
 # Done on 2026-11-27 and left out: issue 25's convergence matrix (docs/benchmarks/convergence.md; rerun one run with
-# benchmarks/bench_convergence.py --preset), the graphs suite and the CUDA-graph validation (docs/activations.md).
+# benchmarks/bench_convergence.py --preset) and the CUDA-graph validation (docs/activations.md).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 header
 B=benchmarks/bench_pretrain.py
+step graphs 1200 "$PY" $B --suite graphs --timeout 150 --out "$AGOQ_RESULTS/pretrain_graphs.json"
 mkdir -p "$AGOQ_RESULTS/graph_reports"
 step gpu_tier 900 env AGOQ_CUDA_GRAPHS_REPORT_DIR="$AGOQ_RESULTS/graph_reports" "$PY" -m pytest -q -p no:cacheprovider \
   -m gpu -rA tests/gpu

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Two GPUs of one host (nvidia-h100-x2 / nvidia-h200-x2): the open 2-GPU checks and suites, most urgent first.
-#   bash benchmarks/device/x2.sh [step ...]      (no step: all, in this order; ~8 minutes on two H100)
+#   bash benchmarks/device/x2.sh [step ...]      (no step: all, in this order; ~10 minutes on two H100)
 # Steps and what they settle:
+#   allreduce   issue 19 item 2: the 8-bit reductions vs NCCL on NVLink (reduce-to-owners in one launch)   ~1 min
+#   graphs_pp2  issue 24 item 3 at PP=2, nothing beside it (the 2026-11-27 run shared its host with lanes)  ~4 min
 #   e2e         issue 19 / 24: peer store, 8-bit gradients and PP=2 CUDA graphs, each against its reference  ~5 min
-#   allreduce   issue 19 item 2: the 8-bit reductions vs NCCL on NVLink (vector loads, push all-reduce)     ~4 min
-# Done on 2026-11-27 and left out: bench_pretrain.py's graphs_pp2 suite (docs/benchmarks/activations.md).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 header
 nvidia-smi topo -m 2>/dev/null | head -4
+step allreduce 400 torchrun --standalone --nproc-per-node 2 benchmarks/bench_allreduce.py \
+  --sizes-mib 16 64 160 256 1024 --out "$AGOQ_RESULTS/grads.json"
+step graphs_pp2 600 "$PY" benchmarks/bench_pretrain.py --suite graphs_pp2 --timeout 150 \
+  --out "$AGOQ_RESULTS/pretrain_graphs_pp2.json"
 mkdir -p "$AGOQ_RESULTS/graph_reports"
 step e2e 600 env AGOQ_CUDA_GRAPHS_REPORT_DIR="$AGOQ_RESULTS/graph_reports" "$PY" -m pytest -q -p no:cacheprovider \
   -m multigpu -rA tests/e2e/test_peer_store_multigpu.py tests/e2e/test_grads_multigpu.py \
   tests/e2e/test_cuda_graphs_multigpu.py
-step allreduce 400 torchrun --standalone --nproc-per-node 2 benchmarks/bench_allreduce.py \
-  --sizes-mib 16 64 160 256 1024 --out "$AGOQ_RESULTS/grads.json"
 echo "== plan x2 finished $(date -u +%T)"
