@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Two GPUs of one host (nvidia-h100-x2 / nvidia-h200-x2): the open 2-GPU checks and suites, most urgent first.
-#   bash benchmarks/device/x2.sh [step ...]      (no step: all, in this order; ~10 minutes on two H100)
+#   bash benchmarks/device/x2.sh [step ...]      (no step: all, in this order; ~13 minutes on two H100)
 # Steps and what they settle:
 #   allreduce   issue 19 item 2: the 8-bit reductions vs NCCL on NVLink (reduce-to-owners in one launch)   ~1 min
-#   graphs_pp2  issue 24 item 3 at PP=2, nothing beside it (the 2026-11-27 run shared its host with lanes)  ~4 min
+#   graphs_pp2  issue 24 item 3 at PP=2, nothing beside it; eager also with --manual-gc                     ~7 min
 #   e2e         issue 19 / 24: peer store, 8-bit gradients and PP=2 CUDA graphs, each against its reference  ~5 min
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 header

@@ -106,9 +106,12 @@ def test_validation_loss_is_reported_and_resumes_on_the_same_batches(env, tmp_pa
     # first run of a job that always passes --load: the directory does not exist yet (Megatron-LM's behaviour)
     first = run_pretrain(2, args + ["--save", str(ckpt), "--load", str(ckpt), "--exit-interval", "2"], env=env)
     assert f"--load {ckpt}: no checkpoint yet, starting from scratch" in first.stdout
-    again = run_pretrain(2, args + ["--load", str(ckpt)], env=env)
+    # resumed with Megatron-LM's manual garbage collection: the same numbers, the collector's schedule said
+    again = run_pretrain(2, args + ["--load", str(ckpt), "--manual-gc", "--manual-gc-interval", "1"], env=env)
     resumed = validation(again.stdout)
     assert resumed == {4: full[4]}
+    assert "manual garbage collection (--manual-gc): automatic collector off while training; full collection " \
+           "every 1 steps; before and after each evaluation" in again.stdout
     # a save (its writer process re-imports the script) and a load print no megatron/torch warnings either;
     # the closing line counts this run's iterations, not the checkpoint's (issue 21)
     noise = _third_party_warnings(first.stdout + first.stderr + again.stdout + again.stderr)

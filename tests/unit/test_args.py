@@ -173,6 +173,10 @@ def test_quiet_ranks_exit_after_the_printing_rank(monkeypatch, capsys):
                                     "at the end only), got -1"),  # it used to save at every iteration
         (["--exit-interval", "-3"], "--exit-interval must be a positive number of iterations (0 or left out: run "
                                     "to --train-iters), got -3"),
+        (["--manual-gc-interval", "5"], "--manual-gc-interval acts only with --manual-gc"),
+        (["--no-manual-gc-eval"], "--no-manual-gc-eval acts only with --manual-gc"),
+        (["--manual-gc", "--manual-gc-interval", "-1"], "--manual-gc-interval must be 0 (no collection between "
+                                                        "steps) or a positive number of steps, got -1"),
         (["--num-layers-per-virtual-pipeline-stage", "1"],
          "--num-layers-per-virtual-pipeline-stage 1 (the interleaved schedule) needs "
          "--pipeline-model-parallel-size >= 2"),
@@ -300,3 +304,15 @@ def test_log_fc2_amax_needs_fp8_delayed(capsys):
     assert "this run: current" in err
     args = parse_args(["--log-fc2-amax", "--agoq-fp8", "delayed", "--agoq-smooth-swiglu", "per-token"])
     assert args.log_fc2_amax and not parse_args([]).log_fc2_amax
+
+
+def test_manual_gc_flags_as_megatron_lm_and_from_a_config_file(tmp_path, capsys):
+    args = parse_args(["--manual-gc", "--manual-gc-interval", "10", "--no-manual-gc-eval"])
+    assert (args.manual_gc, args.manual_gc_interval, args.manual_gc_eval) == (True, 10, False)
+    assert parse_args([]).manual_gc_eval is True  # collections around evaluations by default (Megatron-LM)
+    cfg = tmp_path / "gc.yaml"
+    cfg.write_text("manual_gc: true\nmanual_gc_eval: false\n")  # a store_false switch by its snake_case name
+    args = parse_args(["--config", str(cfg)])
+    assert (args.manual_gc, args.manual_gc_eval) == (True, False)
+    cfg.write_text("manual_gc_eval: 'no'\n")
+    assert "manual_gc_eval (--no-manual-gc-eval) is a switch" in _error(capsys, ["--config", str(cfg)])

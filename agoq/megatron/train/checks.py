@@ -94,6 +94,7 @@ def validate(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of iterations (0 or left out: "
                              + ("save at the end only" if name == "save_interval" else "run to --train-iters")
                              + f"), got {value}")
+    _check_manual_gc_flags(args)
     if args.num_layers % args.pipeline_model_parallel_size:
         raise ValueError(
             f"--num-layers {args.num_layers} is not divisible by {args.pipeline_model_parallel_size} model chunks "
@@ -103,6 +104,17 @@ def validate(args: argparse.Namespace) -> None:
     split_weights(args.split)
     data_blend(args.data_path)
     check_release_flags(args)  # the flags alone: preflight and pretrain check the batch against the real DP size
+
+
+def _check_manual_gc_flags(args) -> None:
+    """Megatron-LM's --manual-gc family: the interval is a step count; its companions do nothing without it."""
+    if args.manual_gc_interval < 0:
+        raise ValueError(f"--manual-gc-interval must be 0 (no collection between steps) or a positive number of "
+                         f"steps, got {args.manual_gc_interval}")
+    if not args.manual_gc and (args.manual_gc_interval or not args.manual_gc_eval):
+        given = "--manual-gc-interval" if args.manual_gc_interval else "--no-manual-gc-eval"
+        raise ValueError(f"{given} acts only with --manual-gc (Python's automatic collector stays on without it); "
+                         f"add --manual-gc or drop {given}")
 
 
 def given_on_command_line(argv: list[str] | None) -> set[str]:

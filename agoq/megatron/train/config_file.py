@@ -49,7 +49,7 @@ def _config_value(source: str, key: str, value, action: argparse.Action):
     where = f"{source}: {key} ({flag})"
     if value is None and action.default is None:
         return None  # as if the key were left out
-    if isinstance(action, argparse._StoreTrueAction):
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         if not isinstance(value, bool):
             raise ValueError(f"{where} is a switch: write {key}: true or {key}: false (YAML booleans, unquoted); "
                              f"got {value!r}")

@@ -134,6 +134,14 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving) at the first iteration of this run that is a multiple of N, as "
                         "Megatron-LM (default, or 0: run to --train-iters)")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Python's automatic garbage collector off during training, collections at fixed points "
+                        "instead (Megatron-LM's flag: aligns the pauses across ranks where the host sets the pace)")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="with --manual-gc: a full collection every N training steps (0, the default: not between "
+                        "steps)")
+    g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+                   help="with --manual-gc: no collection before and after each evaluation")
     g.add_argument("--debug-nonfinite-at-iteration", type=int, nargs="+", default=None, metavar="N",
                    help="fault injection for testing: make the loss NaN at these iterations (the step is skipped)")
     g.add_argument("--tensorboard-dir", default=None,

@@ -38,6 +38,7 @@ from agoq.megatron.optimizer import build_agoq_optimizer
 from agoq.megatron.resume import RECORD_KEY, run_record, schedule_line
 from agoq.megatron.train import environment, memory_report, training
 from agoq.megatron.train.flops import tflops_per_gpu, training_flops_per_iteration
+from agoq.megatron.train.manual_gc import ManualGC
 from agoq.megatron.train.optim_args import check_release_flags
 from agoq.megatron.train.preflight import check_layout, microbatch_count
 from agoq.megatron.train.tensorboard import open_tensorboard
@@ -288,9 +289,13 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     if start_state.iteration < args.train_iters:
         progress(f"setup done; iteration {start_state.iteration + 1} runs next (the first one also warms up: "
                  "kernel compilation, allocator, communicators)")
+    manual_gc = ManualGC.from_args(args)
+    if manual_gc.describe():
+        print_rank0(manual_gc.describe())
     try:
-        _train_loop(args, info, components, (iterators, components_valid), microbatches, start_state, tensorboard,
-                    stop)
+        with manual_gc.training():  # --manual-gc: Python's automatic collector off while training
+            _train_loop(args, info, components, (iterators, components_valid), microbatches, start_state,
+                        tensorboard, stop)
     finally:
         tensorboard.close()
 
@@ -347,6 +352,7 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
     iteration, consumed, skipped = progress.iteration, progress.consumed_samples, progress.skipped_iterations
     tokens_per_step = args.global_batch_size * args.seq_length
     start = time.perf_counter()
+    manual_gc = ManualGC.from_args(args)  # --manual-gc (Megatron-LM); the collector is off around this loop (_run)
     while iteration < args.train_iters:
         runner.poison["now"] = iteration + 1 in (args.debug_nonfinite_at_iteration or ())
         runner.iteration = iteration + 1
@@ -361,8 +367,10 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             eta_s = (time.perf_counter() - start) / (iteration - progress.iteration) * (args.train_iters - iteration)
             _log_iteration(args, info, parts, result, iteration, consumed, skipped, tokens_per_step, tensorboard, eta_s)
+        manual_gc.after_step(iteration)
         if valid_iterators and (iteration % args.eval_interval == 0 or iteration == args.train_iters):
-            loss = runner.evaluate(valid_iterators, args.eval_iters)
+            with manual_gc.evaluation():
+                loss = runner.evaluate(valid_iterators, args.eval_iters)
             if training.is_logging_rank():
                 print(f"validation at iteration {iteration} | lm loss: {loss:.6f} | lm loss PPL: "
                       f"{math.exp(min(loss, 50)):.3f}", flush=True)
