@@ -290,12 +290,12 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
         progress(f"setup done; iteration {start_state.iteration + 1} runs next (the first one also warms up: "
                  "kernel compilation, allocator, communicators)")
     manual_gc = ManualGC.from_args(args)
-    if manual_gc.describe():
-        print_rank0(manual_gc.describe())
+    if (gc_line := manual_gc.describe()) is not None:
+        print_rank0(gc_line)
     try:
         with manual_gc.training():  # --manual-gc: Python's automatic collector off while training
             _train_loop(args, info, components, (iterators, components_valid), microbatches, start_state,
-                        tensorboard, stop)
+                        tensorboard, stop, manual_gc)
     finally:
         tensorboard.close()
 
@@ -342,7 +342,9 @@ def _log_iteration(args, info, parts: Components, result, iteration, consumed, s
             out.write(json.dumps(record) + "\n")
 
 
-def _train_loop(args, info, parts: Components, data, microbatches: int, progress, tensorboard, stop) -> None:
+def _train_loop(args, info, parts: Components, data, microbatches: int, progress, tensorboard, stop,
+                manual_gc: ManualGC) -> None:
+    """The training iterations; ``manual_gc``: --manual-gc's collections (the collector is off around this call)."""
     iterators, valid_iterators = data
     runner = training.StepRunner(
         model_chunks=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler, device=info.device,
@@ -352,7 +354,6 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
     iteration, consumed, skipped = progress.iteration, progress.consumed_samples, progress.skipped_iterations
     tokens_per_step = args.global_batch_size * args.seq_length
     start = time.perf_counter()
-    manual_gc = ManualGC.from_args(args)  # --manual-gc (Megatron-LM); the collector is off around this loop (_run)
     while iteration < args.train_iters:
         runner.poison["now"] = iteration + 1 in (args.debug_nonfinite_at_iteration or ())
         runner.iteration = iteration + 1
