@@ -246,8 +246,9 @@ def graphs_suite(smoke: bool) -> list[dict]:
     ~1B shape at seq 4096, micro-batch 1, 8 micro-batches per step, 9 iterations (iteration 1 records and captures:
     left out by --warmup), one GPU. Pairs (eager, graphs) of: the Megatron baseline; agoq's default activation policy
     (target: >= 1.00x the baseline in the same mode); bf16 linears and FP8 delayed linears under the bf16 policy
-    (target: FP8 >= 1.05x bf16), and FP8 delayed + per-token Smooth-SwiGLU. Every variant runs the same driver (it
-    changes nothing when the refusal does not apply). About 10 minutes on one H100. ``--smoke``: the eager half on the
+    (target: FP8 >= 1.05x bf16), and FP8 delayed + per-token Smooth-SwiGLU; eager also with Megatron-LM's
+    --manual-gc (no collector pause inside a step). Every variant runs the same driver (it changes nothing when the
+    refusal does not apply). About 10 minutes on one H100. ``--smoke``: the eager half on the
     CPU (graphs need a GPU)."""
     shape, seq, iters = ("tiny", "64", "4") if smoke else ("1b", "4096", "9")
     common = SHAPES[shape] + COMMON + ["--seq-length", seq, "--train-iters", iters, "--micro-batch-size", "1",
@@ -257,7 +258,9 @@ def graphs_suite(smoke: bool) -> list[dict]:
     pairs = {"baseline (Megatron)": ["--agoq-disable"], "agoq activations (default policy)": [],
              "bf16 linears (bf16 policy)": bf16, "fp8 delayed (bf16 policy)": bf16 + fp8,
              "fp8 delayed + smooth-swiglu per-token (bf16 policy)": bf16 + fp8 + ["--agoq-smooth-swiglu", "per-token"]}
-    modes = {"eager": []} if smoke else {"eager": [], "graphs": ["--cuda-graph-impl", "local"]}
+    modes = {"eager": [], "eager_manual_gc": ["--manual-gc"]}
+    if not smoke:
+        modes["graphs"] = ["--cuda-graph-impl", "local"]
     return [{"name": f"{shape}/mbs1/{name}/{mode}", "nproc": 1, "args": common + extra + graphs,
              "script": UNVALIDATED_GRAPHS_DRIVER}
             for name, extra in pairs.items() for mode, graphs in modes.items()]

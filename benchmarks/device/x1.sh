@@ -2,7 +2,7 @@
 # One GPU (nvidia-h100-x1 / nvidia-h200): the open one-GPU checks and suites, most urgent first.
 #   bash benchmarks/device/x1.sh [step ...]      (no step: all, in this order; ~33 minutes on one H100)
 # Steps and what they settle:
-#   graphs          issue 24 item 3, nothing beside it (the 2026-11-27 run shared its host with lanes)     ~8 min
+#   graphs          issue 24 item 3 (eager, eager --manual-gc, graphs), on its own GPU and cores          ~9 min
 #   gpu_tier        the GPU tier on current code: every tests/gpu file (fused FP8, CUDA graphs, kernels)          ~8 min
 #   fp8_scale       issue 27's suite on current code (plain FP8 now fused): one current result            ~8 min
 #   equal_memory_1b  issue 23 item 2 at ~1B, with the agoq + FP8 Smooth-SwiGLU rows                         ~9 min

@@ -54,8 +54,8 @@ def test_every_suite_test_path_and_script_a_plan_names_exists(plan):
 
 def test_lanes_name_only_steps_their_sub_plans_have():
     text = _plan_text(LANES)
-    calls = re.findall(r"sub_plan (\S+) (x\d\.sh) ([\w ]+?)(?:;|$)", text, flags=re.M)
-    assert {plan for _, plan, _ in calls} == {"x1.sh", "x2.sh"}
+    calls = re.findall(r'sub_plan (\S+) (?:"[^"]*" )?(x\d\.sh) ([\w ]+?)(?:;|$)', text, flags=re.M)
+    assert {plan for _, plan, _ in calls} == {"x1.sh", "x2.sh", "x4.sh"}
     for _, plan, names in calls:
         assert set(names.split()) <= set(_own_steps(_plan_text(plan))), (plan, names)
 
@@ -69,16 +69,21 @@ def test_lanes_run_each_asked_step_on_its_own_gpus(tmp_path):
     stub.chmod(0o755)
     env = {**os.environ, "AGOQ_RESULTS": str(tmp_path / "results"), "PYTHON": str(stub)}
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.run(["bash", str(DEVICE / LANES), "e2e4", "equal_memory_1b", "e2e"], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(["bash", str(DEVICE / LANES), "e2e4", "equal_memory_1b", "graphs_pp2", "capacity_4gpu"],
+                          env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
-    gpus = {next(w for w in line.split() if w.startswith(("tests/", "benchmarks/"))): line.split()[0]
-            for line in calls}
+
+    def what(line: str) -> str:  # the test path, or the bench suite
+        words = line.split()
+        return words[words.index("--suite") + 1] if "--suite" in words else next(
+            w for w in words if w.startswith("tests/"))
+    gpus = {what(line): line.split()[0] for line in calls}
     assert gpus == {"tests/e2e/test_layouts_multigpu.py::test_four_gpu_layouts_train_like_pp1": "all",
-                    "benchmarks/bench_pretrain.py": "0", "tests/e2e/test_peer_store_multigpu.py": "2,3"}, calls
+                    "equal_memory_1b": "1", "graphs_pp2": "2,3", "capacity_4gpu": "0,1,2,3"}, calls
     rows = [r.split("\t")[0] for r in (tmp_path / "results" / "steps.tsv").read_text().splitlines()]
-    assert sorted(rows) == ["e2e", "e2e4", "equal_memory_1b"]
+    assert sorted(rows) == ["capacity_4gpu", "e2e4", "equal_memory_1b", "graphs_pp2"]
+    assert rows[-1] == "capacity_4gpu"  # the 4-GPU suites wait for the lanes
 
 
 def _run_steps(tmp_path: Path, asked: str, body: str) -> subprocess.CompletedProcess:
