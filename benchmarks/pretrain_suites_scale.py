@@ -299,7 +299,9 @@ def equal_memory_8b_pp4_suite(smoke: bool) -> list[dict]:
     measured layout), and DP=4 with the distributed optimizer and full recompute (no pipeline bubble; planner
     75 GiB); agoq full: PP=4 at micro-batch 2, PP=2 x DP=2 and DP=4 (PP=1) with the distributed optimizer
     (fewer pipeline stages; planner 31 / 31 / 60 GiB), and PP=2 x DP=2 again with FP8 delayed linears and
-    per-token Smooth-SwiGLU. Every variant is predicted to fit 80 GiB. About 9 minutes on four H100s."""
+    per-token Smooth-SwiGLU; then the baseline's best layouts by the planner, PP=2 x DP=2 with the distributed
+    optimizer at micro-batch 1 and at micro-batch 2 with full recompute, and agoq's DP=4 with FP8 + Smooth-SwiGLU
+    at micro-batch 1 and 2. Every variant is predicted to fit 80 GiB. About 9 minutes on four H200s."""
     if smoke:
         common = _SMOKE_23 + ["--num-layers", "4", "--global-batch-size", "4", "--micro-batch-size", "1"]
         return [_v("tiny/pp2/baseline", 2, common + ["--pipeline-model-parallel-size", "2"] + _BASELINE, "baseline"),
@@ -318,6 +320,16 @@ def equal_memory_8b_pp4_suite(smoke: bool) -> list[dict]:
         _v("8b/dp4/agoq full mbs1, distributed optimizer", 4, common + pp(1) + mbs(1) + _USERS + _FULL, "agoq"),
         _v("8b/pp2_dp2/agoq full + fp8 smooth-swiglu mbs2, distributed optimizer", 4,
            common + pp(2) + mbs(2) + _USERS + _FULL + _FP8_SMOOTH, "agoq"),
+        # the baseline's best layouts by the planner (2026-11-27): PP=2 x DP=2 without recompute (69.6 GiB) and
+        # with full recompute at micro-batch 2 (53.4 GiB); agoq without a pipeline at all, with FP8
+        _v("8b/pp2_dp2/baseline mbs1, distributed optimizer", 4, common + pp(2) + mbs(1) + _USERS + _BASELINE,
+           "baseline"),
+        _v("8b/pp2_dp2/baseline mbs2 full recompute, distributed optimizer", 4,
+           common + pp(2) + mbs(2) + _USERS + _BASELINE + _FULL_RECOMPUTE, "baseline"),
+        _v("8b/dp4/agoq full + fp8 smooth-swiglu mbs1, distributed optimizer", 4,
+           common + pp(1) + mbs(1) + _USERS + _FULL + _FP8_SMOOTH, "agoq"),
+        _v("8b/dp4/agoq full + fp8 smooth-swiglu mbs2, distributed optimizer", 4,
+           common + pp(1) + mbs(2) + _USERS + _FULL + _FP8_SMOOTH, "agoq"),
     ]
 
 
