@@ -292,7 +292,8 @@ RELEASE_RUNS = ("pretrain_release.json",)
 # bench_pretrain.py --suite dp2_pp2 (4 H100, DP=2 x PP=2, distributed optimizer; docs/benchmarks/grads.md), and
 # issue 23's one-GPU suites: capacity_1gpu (LLaMA-3-8B shape, 128,256-row vocabulary; docs/benchmarks/capacity.md)
 # and equal_memory_1b (1B at micro-batches 1-16, recompute variants)
-STAGE_PEAK_RUNS = ("dp2_pp2.json", "capacity_1gpu.json", "equal_memory_1b.json")
+STAGE_PEAK_RUNS = ("dp2_pp2.json", "capacity_1gpu.json", "equal_memory_1b.json", "capacity_4gpu.json",
+                   "equal_memory_8b_pp4.json")
 
 
 def format_table(cases: list[Case]) -> str:
