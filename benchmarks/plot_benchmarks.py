@@ -115,17 +115,18 @@ def plot_stages(paths: list[Path], out: Path) -> None:
         for i, row in enumerate(rows):
             stages = range(len(row["stage_peaks_gib"]))
             xs = [st + (i - (len(rows) - 1) / 2) * width for st in stages]
-            ax.bar(xs, row["stage_peaks_gib"], width, label=row["name"].split("/")[-1])
+            ax.bar(xs, row["stage_peaks_gib"], width, label="/".join(row["name"].split("/")[1:]))  # less the shape
             predicted = row.get("predicted_stage_peaks_gib") or []
             ax.scatter(xs[: len(predicted)], predicted, marker="_", s=300, color="black", zorder=3)
         ax.set_xticks(range(max(len(r["stage_peaks_gib"]) for r in rows)))
         ax.set_xlabel("pipeline stage")
         ax.set_ylabel("peak GPU memory (GiB)")
-        ax.set_title(f"{report['suite']} ({report['environment'].get('num_gpus', '?')} GPUs, {report['date'][:10]})")
+        env = report["environment"]
+        gpus = f"{env.get('num_gpus', '?')} x {env.get('device', '?')}"
+        ax.set_title(f"{report['suite']} ({gpus}, {report['date'][:10]})", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{reports[0]['environment'].get('device', '')}: per-stage peaks, measured (bars) and "
-                 "predicted by agoq.plan (black ticks)")
+    fig.suptitle("per-stage peaks, measured (bars) and predicted by agoq.plan (black ticks)")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
