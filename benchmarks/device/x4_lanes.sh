@@ -9,7 +9,9 @@
 #   lane 1 (GPU 1):     x1.sh equal_memory_1b
 #   lane 2 (GPUs 2,3):  x2.sh allreduce graphs_pp2
 # then x4.sh's capacity_4gpu and equal_memory_8b_pp4 on all four GPUs. A timing compares variants of one suite run
-# inside one lane (same GPU, same minutes). Steps of this file (the lanes' steps are listed in x1.sh, x2.sh and x4.sh;
+# inside one lane (same GPU, same minutes). Host-bound eager timings are not clean beside other lanes even pinned
+# (2026-11-27: eager steps jittered by +-10 %; the core ranges need not be disjoint physical cores): measure those on
+# a machine of their own (x1.sh graphs, x2.sh graphs_pp2). Steps of this file (the lanes' steps are listed in x1.sh, x2.sh and x4.sh;
 # name them here to run only those):
 #   e2e4   issue 19 item 5 / 18: the 4-GPU e2e tests (DP=2 x PP=2 agoq full, PP=4 x VPP=2, 4-rank store)   ~2 min
 # The lease of 2026-11-27 ran e2e4 with issue 25's last four convergence runs in the lanes (git history).
