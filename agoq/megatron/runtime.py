@@ -27,6 +27,15 @@ from megatron.core import parallel_state, tensor_parallel
 from agoq.megatron.model import ParallelLayout
 
 GIB = 1024**3
+# Megatron-LM's _set_random_seed (megatron/training/initialize.py): each pipeline rank seeds with seed + 100 x its
+# rank, so the stages draw their layers' initial weights from different streams (with one seed everywhere, every
+# stage past the first would draw the same numbers in the same order: at PP=4, stages 1-3 would start as copies).
+PIPELINE_RANK_SEED_STRIDE = 100
+
+
+def stage_seed(seed: int, pipeline_rank: int) -> int:
+    """The seed pipeline rank ``pipeline_rank`` initialises with (Megatron-LM's offset, PIPELINE_RANK_SEED_STRIDE)."""
+    return seed + PIPELINE_RANK_SEED_STRIDE * pipeline_rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +98,8 @@ def _free_port() -> int:
 
 
 def init_model_parallel(layout: ParallelLayout, seed: int, device: torch.device, *, cuda_graphs: bool = False) -> None:
-    """Process groups of ``layout`` and Megatron's RNG tracker. ``cuda_graphs`` (Megatron's CUDA graphs on): the
+    """Process groups of ``layout`` and Megatron's RNG tracker, seeded per pipeline rank as Megatron-LM seeds them
+    (:func:`stage_seed`; the data order does not use this seed). ``cuda_graphs`` (Megatron's CUDA graphs on): the
     graph-safe ``CudaRNGStatesTracker(use_cudagraphable_rng=True)`` that ``CudaGraphManager`` requires without
     Transformer Engine, as Megatron-LM's ``initialize`` seeds it (``use_cudagraphable_rng=cuda_graph_impl !=
     'none'``); its states are seeded alike, and the weights drawn under it are the same."""
@@ -104,8 +114,9 @@ def init_model_parallel(layout: ParallelLayout, seed: int, device: torch.device,
     # CPU: the default tracker snapshots CUDA RNG state; the inference tracker does not (../shared/spec/megatron.md 2).
     # force_reset_rng: a tracker some earlier call made with the defaults would otherwise stay (not graph-safe)
     graph_safe = {"use_cudagraphable_rng": True, "force_reset_rng": True} if cuda_graphs else {}
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=device.type == "cpu", **graph_safe)
-    torch.manual_seed(seed)
+    rank_seed = stage_seed(seed, parallel_state.get_pipeline_model_parallel_rank())
+    tensor_parallel.model_parallel_cuda_manual_seed(rank_seed, inference_rng_tracker=device.type == "cpu", **graph_safe)
+    torch.manual_seed(rank_seed)
 
 
 def shutdown(*, after_error: bool = False) -> None:

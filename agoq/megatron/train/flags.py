@@ -102,7 +102,9 @@ def _optim_flags(p: argparse.ArgumentParser) -> None:
                    help="on --load, follow this command line's LR schedule (--lr, --min-lr, --lr-warmup-iters, "
                         "--lr-decay-iters, --lr-decay-style, --train-iters) from the checkpoint's iteration on; "
                         "default: the checkpoint's schedule (Megatron-LM's --use-checkpoint-opt_param-scheduler)")
-    g.add_argument("--seed", type=int, default=1234, help="weight initialisation and data order")
+    g.add_argument("--seed", type=int, default=1234,
+                   help="weight initialisation (stage s of a pipeline seeds with SEED + 100 x s, as Megatron-LM) "
+                        "and data order")
 
 
 def _data_flags(p: argparse.ArgumentParser) -> None:
