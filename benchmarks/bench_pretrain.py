@@ -279,11 +279,12 @@ def environment() -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node(),
             "agoq_commit": source_commit()}
     try:
-        import megatron.core
         import triton
 
-        info.update(megatron_core=megatron.core.__version__, triton=triton.__version__)
-    except ImportError as exc:
+        from agoq.megatron.compat import installed_mcore_version  # pip's release, not megatron's git-tagged one
+
+        info.update(megatron_core=installed_mcore_version(), triton=triton.__version__)
+    except (ImportError, RuntimeError) as exc:  # RuntimeError: megatron-core not installed
         info["import_error"] = str(exc)
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name(0)

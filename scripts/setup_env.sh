@@ -42,4 +42,4 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(0 if
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[dev]"
-.venv/bin/python -c 'import torch, megatron.core, agoq; print("setup_env.sh: torch", torch.__version__, "| megatron-core", megatron.core.__version__, "| agoq", agoq.__version__)'
+.venv/bin/python -c 'import torch, megatron.core, agoq; from importlib.metadata import version; print("setup_env.sh: torch", torch.__version__, "| megatron-core", version("megatron-core"), "| agoq", agoq.__version__)'

@@ -49,5 +49,5 @@ step() {
 header() {
   echo "== machine $(date -u +%FT%TZ) commit $("$PY" -c 'from agoq.testing.procs import source_commit; print(source_commit())')"
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-  "$PY" -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, '| triton', triton.__version__, '| megatron-core', m.__version__)"
+  "$PY" -c "import torch, triton, megatron.core; from importlib.metadata import version; print('torch', torch.__version__, '| triton', triton.__version__, '| megatron-core', version('megatron-core'))"
 }

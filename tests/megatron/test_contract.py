@@ -31,3 +31,16 @@ def test_wrong_version_is_reported(monkeypatch):
     monkeypatch.setattr(compat, "installed_mcore_version", lambda: "0.20.0")
     problems = compat.contract_problems()
     assert problems == ["megatron-core 0.20.0 is installed; agoq supports ('0.19.2',)"]
+
+
+def test_versions_line_names_the_installed_release_not_a_git_tag(monkeypatch):
+    """megatron-core's own __version__ appends `git rev-parse HEAD` of the repository its install folder sits in (a
+    .venv inside agoq's checkout printed agoq's commit as megatron-core's); the start-up line reads pip's release."""
+    import megatron.core
+
+    from agoq.megatron.train.pretrain import versions_line
+
+    monkeypatch.setattr(megatron.core, "__version__", "0.19.2+0123abc")  # what the git suffix looks like
+    line = versions_line()
+    assert f"| megatron-core {compat.installed_mcore_version()} |" in line and "0123abc" not in line, line
+    assert compat.installed_mcore_version() in compat.SUPPORTED_MCORE_VERSIONS

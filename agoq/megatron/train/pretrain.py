@@ -182,9 +182,12 @@ def num_microbatches(args, layout: ParallelLayout, world_size: int) -> int:
 
 
 def versions_line() -> str:
-    import megatron.core
-
+    """The start-up ``versions:`` line. megatron-core's release comes from pip's metadata
+    (agoq.megatron.compat.installed_mcore_version): its own ``__version__`` appends ``git rev-parse HEAD`` of
+    whatever repository its install folder sits in, so a virtual environment inside a checkout (agoq's
+    ``.venv``) printed ``0.19.2+<agoq's commit>``."""
     import agoq
+    from agoq.megatron.compat import installed_mcore_version
 
     try:
         import triton
@@ -193,7 +196,7 @@ def versions_line() -> str:
     except ImportError:
         triton_version = "absent"
     return (
-        f"versions: agoq {agoq.__version__} | megatron-core {megatron.core.__version__} | "
+        f"versions: agoq {agoq.__version__} | megatron-core {installed_mcore_version()} | "
         f"torch {torch.__version__} | triton {triton_version} | python {sys.version.split()[0]}"
     )
 
