@@ -8,6 +8,13 @@ median is reported):
   nccl_reduce_scatter_fp32 / _bf16     torch.distributed.reduce_scatter_tensor (distributed-optimizer layout)
   raw_int8_a2a_ag                      all_to_all of N bytes + all_gather of N/W bytes: the wire floor of
                                        any 8-bit all-reduce (issue 5's "ceiling")
+  raw_int8_allgather                   one all_gather of N bytes per rank (W x N gathered): the floor of an
+                                       all-gather-only 8-bit all-reduce (every rank sums every rank's codes).
+                                       It sends (W - 1) x N bytes per rank, as many as a2a + ag only at W = 2.
+                                       It is measured because on the socket link NCCL's all-to-all + all-gather
+                                       reached only 1.45x its bf16 all-reduce at 160 MiB where the bytes say ~2x
+                                       (grads_socket.json, 2026-11-26): one ring collective may use the link as
+                                       the all-reduce does
   agoq_allreduce_fp32[_c<MiB>]         agoq.comm.allreduce_8bit on the fp32 gradient, in place, quantization
                                        included; one entry per --chunk-mib value (0 = auto)
   agoq_allreduce_bf16                  the same on a bf16 gradient (auto chunks)
@@ -168,6 +175,7 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
     codes, scales = q.codes.clone(), q.scales.clone()
     raw_send = torch.empty(numel, dtype=torch.uint8, device=device)
     raw_recv, raw_own = torch.empty_like(raw_send), torch.empty(numel // world, dtype=torch.uint8, device=device)
+    raw_gathered = torch.empty(world * numel, dtype=torch.uint8, device=device)
     quantize, dequantize = quant_ops_for(device)
     work = {}  # fresh copies per case: in-place all-reduces grow the values (timing is value-blind)
     cases = {
@@ -177,6 +185,7 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
         "nccl_reduce_scatter_bf16": lambda: dist.reduce_scatter_tensor(shard16, x16),
         "raw_int8_a2a_ag": lambda: (dist.all_to_all_single(raw_recv, raw_send),
                                     dist.all_gather_into_tensor(raw_send, raw_own)),
+        "raw_int8_allgather": lambda: dist.all_gather_into_tensor(raw_gathered, raw_send),
         "agoq_allreduce_bf16": lambda: allreduce_8bit(work["bf16"], fmt=fmt),
         "agoq_reduce_scatter_fp32": lambda: reduce_scatter_8bit(shard32, x32, fmt=fmt),
         "agoq_store_allreduce": lambda: allreduce_blocks_(codes, scales, fmt),
@@ -229,6 +238,8 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
         "store_speedup_vs_allreduce_fp32": ms["nccl_allreduce_fp32"] / ms["agoq_store_allreduce"],
         "store_speedup_vs_allreduce_bf16": ms["nccl_allreduce_bf16"] / ms["agoq_store_allreduce"],
         "agoq_vs_raw_int8_floor": ms[auto] / ms["raw_int8_a2a_ag"],
+        "raw_floor_speedup_vs_allreduce_bf16": ms["nccl_allreduce_bf16"] / ms["raw_int8_a2a_ag"],
+        "raw_allgather_speedup_vs_allreduce_bf16": ms["nccl_allreduce_bf16"] / ms["raw_int8_allgather"],
         "rs_speedup_vs_reduce_scatter_fp32": ms["nccl_reduce_scatter_fp32"] / ms["agoq_reduce_scatter_fp32"],
         "rs_speedup_vs_reduce_scatter_bf16": ms["nccl_reduce_scatter_bf16"] / ms["agoq_reduce_scatter_fp32"],
         "wire_bytes_agoq_allreduce": wire_bytes(numel, world, fmt),
