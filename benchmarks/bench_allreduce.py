@@ -21,6 +21,9 @@ median is reported):
   agoq_reduce_scatter_fp32             agoq.comm.reduce_scatter_8bit (owned fp32 shard, no all-gather)
   agoq_store_allreduce                 agoq.comm.allreduce_blocks_: 8-bit storage reduced in place (what
                                        --agoq-grads store does: no quantize / dequantize pass)
+  agoq_store_allreduce_gather          agoq.comm.allreduce_blocks_gather_: the same storage reduced through one
+                                       all-gather per chunk, every rank reducing every block (checked bit for bit
+                                       against allreduce_blocks_ on every size)
   local_quant_roundtrip                quantize + dequantize of the whole fp32 gradient (no communication)
   agoq_peer_allreduce_fp32 / _bf16     agoq.comm.symm.allreduce_8bit_peer: the same reduction with NVLink peer
                                        memory as the transport instead of NCCL collectives (CUDA, --link default
@@ -70,6 +73,7 @@ import torch.distributed as dist  # noqa: E402
 from agoq.comm.reduce import (
     allreduce_8bit,
     allreduce_blocks_,
+    allreduce_blocks_gather_,
     quant_ops_for,
     reduce_scatter_8bit,
     wire_bytes,
@@ -159,6 +163,13 @@ def check_size(numel: int, fmt: str, device, exact: bool) -> dict:
         reduce_scatter_8bit(shard, x, fmt=fmt)
         out["bitwise_vs_reference_reduce_scatter"] = torch.equal(shard, ref_reduce_scatter_8bit(everyone, fmt)[rank])
         out["ok"] = out["ok"] and out["bitwise_vs_reference_allreduce"] and out["bitwise_vs_reference_reduce_scatter"]
+    q = quant_ops_for(device)[0](x, fmt)  # the 8-bit storage: both routes must store the same bits
+    owner_route, gather_route = (q.codes.clone(), q.scales.clone()), (q.codes.clone(), q.scales.clone())
+    allreduce_blocks_(*owner_route, fmt, average=True)
+    allreduce_blocks_gather_(*gather_route, fmt, average=True)
+    out["store_gather_bitwise_vs_allreduce_blocks"] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                                                          for a, b in zip(owner_route, gather_route, strict=True))
+    out["ok"] = out["ok"] and out["store_gather_bitwise_vs_allreduce_blocks"]
     return out
 
 
@@ -189,6 +200,7 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
         "agoq_allreduce_bf16": lambda: allreduce_8bit(work["bf16"], fmt=fmt),
         "agoq_reduce_scatter_fp32": lambda: reduce_scatter_8bit(shard32, x32, fmt=fmt),
         "agoq_store_allreduce": lambda: allreduce_blocks_(codes, scales, fmt),
+        "agoq_store_allreduce_gather": lambda: allreduce_blocks_gather_(codes, scales, fmt),
         "local_quant_roundtrip": lambda: dequantize(quantize(x32, fmt), torch.float32),
     }
     if args.peer:
@@ -237,6 +249,8 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
         "best_speedup_vs_allreduce_bf16": ms["nccl_allreduce_bf16"] / ms[best],
         "store_speedup_vs_allreduce_fp32": ms["nccl_allreduce_fp32"] / ms["agoq_store_allreduce"],
         "store_speedup_vs_allreduce_bf16": ms["nccl_allreduce_bf16"] / ms["agoq_store_allreduce"],
+        "store_gather_speedup_vs_allreduce_fp32": ms["nccl_allreduce_fp32"] / ms["agoq_store_allreduce_gather"],
+        "store_gather_speedup_vs_allreduce_bf16": ms["nccl_allreduce_bf16"] / ms["agoq_store_allreduce_gather"],
         "agoq_vs_raw_int8_floor": ms[auto] / ms["raw_int8_a2a_ag"],
         "raw_floor_speedup_vs_allreduce_bf16": ms["nccl_allreduce_bf16"] / ms["raw_int8_a2a_ag"],
         "raw_allgather_speedup_vs_allreduce_bf16": ms["nccl_allreduce_bf16"] / ms["raw_int8_allgather"],

@@ -55,6 +55,7 @@ __all__ = [
     "reduce_scatter_int8",
     "make_reduce_scatter",
     "allreduce_blocks_",
+    "allreduce_blocks_gather_",
     "reduce_blocks_to_owners",
     "quant_ops_for",
     "check_grad_format",
@@ -318,6 +319,51 @@ def allreduce_blocks_(codes_u8: torch.Tensor, scales: torch.Tensor, fmt: QuantFo
                codes_out=mc, scales_out=ms)
         c, s = stored(k)
         return [pl.all_gather(c, mc, group), pl.all_gather(s, ms, group)]
+
+    return pl.run_pipeline(codes_u8.device, num_chunks, send, reduce, None, async_op=async_op)
+
+
+def allreduce_blocks_gather_(codes_u8: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat | str, group=None, *,
+                             average: bool = False, post_scale: float = 1.0, async_op: bool = False,
+                             chunk_bytes: int | None = None):
+    """:func:`allreduce_blocks_` through one all-gather per chunk: every rank receives every peer's stored blocks
+    and reduces all of them itself, with the same kernel, inputs and rank order as the owner does there, so the
+    storage ends bit-identical to :func:`allreduce_blocks_`'s. Any number of blocks (no multiple of W needed).
+
+    Wire bytes per rank: (W - 1) x the storage, against 2 (W - 1) / W x in allreduce_blocks_'s all-to-all +
+    all-gather; equal at W = 2, where this needs one ring collective per chunk instead of an all-to-all and an
+    all-gather. Measured motive: on the socket link NCCL's int8 all-to-all + all-gather reached only 1.45x its bf16
+    all-reduce at 160 MiB where the bytes say ~2x (docs/benchmarks/grads.md); benchmarks/bench_allreduce.py times
+    both (``agoq_store_allreduce_gather``, ``raw_int8_allgather``). Temporaries: two slots of W x ~``chunk_bytes``.
+    """
+    fmt = check_grad_format(fmt)
+    num_blocks = _check_storage(codes_u8, scales, fmt)
+    world = dist.get_world_size(group)
+    if num_blocks == 0 or (world == 1 and post_scale == 1.0):
+        return pl.Done() if async_op else None
+    cb, sdt = fmt.code_bytes(fmt.block), pl.scale_dtype(fmt)
+    per_chunk = min(num_blocks, pl.blocks_per_chunk(fmt, world, chunk_bytes, num_blocks))
+    num_chunks = -(-num_blocks // per_chunk)
+    slots, ops = pl.Slots(codes_u8.device), pl.comm_ops_for(codes_u8.device, fmt)
+
+    def stored(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b0 = k * per_chunk
+        b1 = min(num_blocks, b0 + per_chunk)
+        return codes_u8[b0 * cb: b1 * cb], scales[b0: b1]
+
+    def gathered(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = stored(k)[1].numel()
+        return slots.get("gc", k, world * n * cb, torch.uint8), slots.get("gs", k, world * n, sdt)
+
+    def send(k: int) -> list:
+        (c, s), (gc, gs) = stored(k), gathered(k)
+        return [pl.all_gather(gc, c, group), pl.all_gather(gs, s, group)]
+
+    def reduce(k: int) -> list:
+        (c, s), (gc, gs) = stored(k), gathered(k)
+        ops[1](gc.view(world, -1), gs.view(world, -1), fmt, average=average, post_scale=post_scale,
+               codes_out=c, scales_out=s)
+        return []
 
     return pl.run_pipeline(codes_u8.device, num_chunks, send, reduce, None, async_op=async_op)
 

@@ -25,5 +25,6 @@ def test_bench_allreduce_smoke_writes_report(tmp_path):
     row = rows[0]
     assert row["world_size"] == 2 and row["wire_bytes_agoq_allreduce"] < row["wire_bytes_nccl_allreduce_fp32"] / 3
     assert {m["link_gbps"] for m in row["link_model"]} and all(v > 0 for v in row["ms"].values())
-    assert {"raw_int8_a2a_ag", "raw_int8_allgather"} <= row["ms"].keys()  # both 8-bit wire floors are timed
+    assert {"raw_int8_a2a_ag", "raw_int8_allgather", "agoq_store_allreduce_gather"} <= row["ms"].keys()
+    assert row["check"]["store_gather_bitwise_vs_allreduce_blocks"] and row["check"]["ok"]
     assert row["raw_allgather_speedup_vs_allreduce_bf16"] > 0 and row["raw_floor_speedup_vs_allreduce_bf16"] > 0

@@ -17,7 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agoq.comm.reduce import allreduce_8bit, allreduce_blocks_, reduce_blocks_to_owners, reduce_scatter_8bit
+from agoq.comm.reduce import (
+    allreduce_8bit,
+    allreduce_blocks_,
+    allreduce_blocks_gather_,
+    reduce_blocks_to_owners,
+    reduce_scatter_8bit,
+)
 from agoq.formats import parse_format
 from agoq.ref.collectives import error_bound_8bit, ref_allreduce_8bit, ref_reduce_scatter_8bit
 from agoq.testing.dist import spawn_ranks
@@ -169,10 +175,16 @@ def _chunked_rank_fn(rank: int, world_size: int, inputs: list, stores: list, ran
     reduce_scatter_8bit(shard, x, fmt=fmt, chunk_bytes=CHUNK_BYTES)
     codes, scales = stores[rank][0].clone(), stores[rank][1].clone()
     allreduce_blocks_(codes, scales, fmt, average=True, post_scale=0.5, chunk_bytes=CHUNK_BYTES)
+    # the all-gather route, chunked (3 blocks per chunk at W=2, 2 at W=3: ragged last chunks) and whole (async)
+    g_codes, g_scales = stores[rank][0].clone(), stores[rank][1].clone()
+    allreduce_blocks_gather_(g_codes, g_scales, fmt, average=True, post_scale=0.5, chunk_bytes=CHUNK_BYTES)
+    w_codes, w_scales = stores[rank][0].clone(), stores[rank][1].clone()
+    allreduce_blocks_gather_(w_codes, w_scales, fmt, average=True, post_scale=0.5, async_op=True).wait()
     got = {}
     reduce_blocks_to_owners(stores[rank][0], stores[rank][1], fmt, ranges,
                             lambda b, v: got.__setitem__(b, v.clone()), chunk_bytes=CHUNK_BYTES)
-    return dict(whole=whole, chunked=chunked, shard=shard, codes=codes, scales=scales, owned=got)
+    return dict(whole=whole, chunked=chunked, shard=shard, codes=codes, scales=scales, owned=got,
+                gather=[(g_codes, g_scales), (w_codes, w_scales)])
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -198,6 +210,9 @@ def test_chunked_pipeline_and_8bit_storage_reductions(world_size):
         assert torch.equal(res["shard"], ref_rs[r])
         assert torch.equal(res["codes"], expect.codes)
         assert torch.equal(res["scales"].view(torch.uint8), expect.scales.view(torch.uint8))  # NaN bits too
+        for g_codes, g_scales in res["gather"]:  # the all-gather route ends bit-identical to allreduce_blocks_
+            assert torch.equal(g_codes, expect.codes)
+            assert torch.equal(g_scales.view(torch.uint8), expect.scales.view(torch.uint8))
         lo, hi = ranges[r]
         owned = torch.cat([res["owned"][b] for b in sorted(res["owned"])])
         assert sorted(res["owned"])[0] == lo and owned.numel() == (hi - lo) * 256
