@@ -274,9 +274,10 @@ def test_every_config_key_is_classified_for_resume():
     assert keys == set(classified)
 
 
-def test_override_flag_accepts_megatron_lms_spelling():
+def test_override_flag_accepts_megatron_lms_spelling(tmp_path):
     from agoq.megatron.train.args import parse_args
 
-    assert parse_args(["--override-opt_param-scheduler"]).override_opt_param_scheduler
-    assert parse_args(["--override-opt-param-scheduler"]).override_opt_param_scheduler
+    load = ["--load", str(tmp_path)]  # without --load the flag is an error (tests/unit/test_args_mistakes.py)
+    assert parse_args(["--override-opt_param-scheduler", *load]).override_opt_param_scheduler
+    assert parse_args(["--override-opt-param-scheduler", *load]).override_opt_param_scheduler
     assert not parse_args([]).override_opt_param_scheduler

@@ -69,6 +69,22 @@ def test_config_values_are_typed_as_on_the_command_line(tmp_path):
      "--agoq-sgd-momentum applies to --agoq-optimizer sgd (this run: adamw)"),
     (["--agoq-optimizer", "lion", "--agoq-sgd-nesterov"], "--agoq-sgd-nesterov applies to --agoq-optimizer sgd"),
     (["--agoq-lion-beta2", "0.9"], "--agoq-lion-beta2 applies to --agoq-optimizer lion (this run: torch)"),
+    # found by the 2026-11-27 review: megatron-core sets bucket_size=None without overlap, graphs' warm-up, a schedule
+    # override with nothing to load, the fused step's switches with Megatron's Adam, FP8 sub-settings without FP8
+    (["--ddp-bucket-size", "1000"], "--ddp-bucket-size 1000 sizes the buckets of --overlap-grad-reduce"),
+    (["--cuda-graph-warmup-steps", "7"], "--cuda-graph-warmup-steps 7 warms up Megatron's CUDA graphs"),
+    (["--override-opt-param-scheduler"], "--override-opt-param-scheduler replaces the learning-rate schedule"),
+    (["--agoq-unfused"], "--agoq-unfused runs agoq's optimizer step in plain PyTorch, but --agoq-optimizer is torch"),
+    (["--agoq-small-numel", "10"], "--agoq-small-numel 10 tunes agoq's fused optimizer step, but --agoq-optimizer"),
+    (["--agoq-fp8", "current", "--agoq-fp8-amax-history-len", "4"],
+     "--agoq-fp8-amax-history-len 4 sizes FP8 delayed scaling's amax history, and this run's FP8 recipe is current"),
+    (["--agoq-fp8-amax-history-len", "4"], "this run's FP8 recipe is off; add --agoq-fp8 delayed"),
+    (["--agoq-fp8-bf16-first-layers", "2"], "--agoq-fp8-bf16-first-layers 2 keeps the first layers of FP8 linears"),
+    (["--agoq-fp8-bf16-last-layers", "3"], "--agoq-fp8-bf16-last-layers 3 keeps the last layers of FP8 linears"),
+    (["--fp32", "--agoq-optimizer", "adamw", "--agoq-master", "split32"],
+     "--agoq-master split32 splits a 16-bit parameter's fp32 master, but --fp32 parameters are their own master"),
+    (["--agoq-optimizer", "sgd", "--agoq-sgd-momentum", "0", "--agoq-sgd-nesterov"],
+     "--agoq-sgd-nesterov needs momentum, and --agoq-sgd-momentum is 0"),
 ])  # fmt: skip
 def test_a_flag_whose_setting_is_off_is_an_error_not_ignored(capsys, argv, expected):
     """Each of these ran before without a word, the flag doing nothing."""
@@ -83,6 +99,15 @@ def test_flags_with_the_setting_they_need_are_accepted(tmp_path):
     assert parse_args(["--recompute-granularity", "full", "--recompute-num-layers", "2"]).recompute_num_layers == 2
     assert parse_args(["--agoq-grads", "int8_b256", "--agoq-grads-mode", "reduce"]).agoq_grads_mode == "reduce"
     assert parse_args(["--agoq-optimizer", "sgd", "--agoq-sgd-momentum", "0.5"]).agoq_sgd_momentum == 0.5
+    assert parse_args(["--overlap-grad-reduce", "--ddp-bucket-size", "1000"]).ddp_bucket_size == 1000
+    assert parse_args(["--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "2"]).cuda_graph_warmup_steps == 2
+    assert parse_args(["--load", ckpt, "--override-opt-param-scheduler"]).override_opt_param_scheduler
+    assert parse_args(["--agoq-optimizer", "adamw", "--agoq-unfused", "--agoq-small-numel", "10"]).agoq_unfused
+    fp8 = parse_args(["--agoq-fp8", "delayed", "--agoq-fp8-amax-history-len", "4", "--agoq-fp8-bf16-first-layers",
+                      "0", "--agoq-fp8-bf16-last-layers", "2"]).agoq_config.fp8
+    assert (fp8.amax_history_len, fp8.bf16_first_layers, fp8.bf16_last_layers) == (4, 0, 2)
+    assert parse_args(["--agoq-fp8", "current", "--agoq-fp8-bf16-first-layers", "2"]).agoq_config.fp8.recipe
+    assert parse_args(["--fp32", "--agoq-optimizer", "adamw", "--agoq-master", "none"]).agoq_master == "none"
     # a model config's save_interval is a default for runs that pass --save: without --save it is not an error
     assert parse_args(["--config", _config(tmp_path, "save_interval: 500\n")]).save_interval == 500
     # (the shipped configs set it: tests/unit/test_model_configs.py parses every one without --save)

@@ -161,12 +161,54 @@ def check_unused_flags(args: argparse.Namespace, given: set[str], command_line: 
                 raise ValueError(f"{flag} {getattr(args, name)} applies to agoq's 8-bit gradients, which this run does "
                                  f"not use ({why}); {add}drop {flag}")
     _check_float_grads_name(args)
+    _check_companion_flags(args, given)
     for name in ("agoq_sgd_momentum", "agoq_sgd_nesterov", "agoq_lion_beta1", "agoq_lion_beta2"):
         kind = name.split("_")[1]
         if name in given and args.agoq_optimizer != kind:
             raise ValueError(f"--{name.replace('_', '-')} applies to --agoq-optimizer {kind} (this run: "
                              f"{args.agoq_optimizer}); add --agoq-optimizer {kind}, or drop --{name.replace('_', '-')}")
     _check_adam_flags(args, given, command_line)
+
+
+def _companions(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
+    """(flag dest, whether the setting it acts with is on, the fix) per flag that acts only with another one."""
+    fp8 = args.agoq_config.fp8.recipe
+    return [
+        ("ddp_bucket_size", args.overlap_grad_reduce, "sizes the buckets of --overlap-grad-reduce; without it "
+         "megatron-core reduces each model chunk in one bucket (DistributedDataParallel sets bucket_size=None); add "
+         "--overlap-grad-reduce"),
+        ("cuda_graph_warmup_steps", args.cuda_graph_impl != "none", "warms up Megatron's CUDA graphs before capture, "
+         "which are off; add --cuda-graph-impl local"),
+        ("override_opt_param_scheduler", bool(args.load), "replaces the learning-rate schedule a checkpoint carries, "
+         "and no --load DIR is given (a fresh run uses the command line's schedule anyway); add --load DIR"),
+        ("agoq_unfused", args.agoq_optimizer != "torch", "runs agoq's optimizer step in plain PyTorch, but "
+         "--agoq-optimizer is torch (Megatron's Adam); add --agoq-optimizer adamw (or lion / sgd)"),
+        ("agoq_small_numel", args.agoq_optimizer != "torch", "tunes agoq's fused optimizer step, but "
+         "--agoq-optimizer is torch (Megatron's Adam); add --agoq-optimizer adamw (or lion / sgd)"),
+        ("agoq_fp8_amax_history_len", fp8 == "delayed", f"sizes FP8 delayed scaling's amax history, and this run's "
+         f"FP8 recipe is {fp8}; add --agoq-fp8 delayed"),
+        ("agoq_fp8_bf16_first_layers", fp8 != "off", "keeps the first layers of FP8 linears in bf16, and FP8 is off; "
+         "add --agoq-fp8 delayed (or current / rowwise)"),
+        ("agoq_fp8_bf16_last_layers", fp8 != "off", "keeps the last layers of FP8 linears in bf16, and FP8 is off; "
+         "add --agoq-fp8 delayed (or current / rowwise)"),
+    ]
+
+
+def _check_companion_flags(args: argparse.Namespace, given: set[str]) -> None:
+    """A flag given (command line or --config file) whose companion setting is off would do nothing: an error that
+    names both, as megatron-core and agoq would otherwise drop it without a word."""
+    for name, active, fix in _companions(args):
+        if name in given and not active:
+            flag = "--" + name.replace("_", "-")
+            value = getattr(args, name)
+            shown = flag if isinstance(value, bool) else f"{flag} {value}"
+            raise ValueError(f"{shown} {fix}, or drop {flag}")
+    if args.fp32 and "agoq_master" in given and args.agoq_master != "none":
+        raise ValueError(f"--agoq-master {args.agoq_master} splits a 16-bit parameter's fp32 master, but --fp32 "
+                         "parameters are their own master (agoq's optimizer keeps none); drop --agoq-master")
+    if args.agoq_optimizer == "sgd" and args.agoq_sgd_nesterov and args.agoq_sgd_momentum == 0:
+        raise ValueError("--agoq-sgd-nesterov needs momentum, and --agoq-sgd-momentum is 0 (plain SGD); set "
+                         "--agoq-sgd-momentum > 0, or drop --agoq-sgd-nesterov")
 
 
 ADAM_FLAGS = ("adam_beta1", "adam_beta2", "adam_eps")
