@@ -58,12 +58,21 @@ FP8_FLAGS = {  # FP8Spec field -> flag
 
 
 def parse_moments(text: str) -> tuple[str, str]:
-    """A preset name or "<m format>,<v format>" (agoq.formats names)."""
+    """A preset name or "<m format>,<v format>" (agoq.formats names, round-to-nearest: agoq's optimizer rounds its
+    states to nearest; a typo used to pass the command line and stop the run once torch and the model had loaded)."""
     if text in MOMENT_PRESETS:
         return MOMENT_PRESETS[text]
     parts = [t.strip() for t in text.split(",")]
     if len(parts) != 2:
         raise ValueError(f"--agoq-moments {text!r}: use a preset {sorted(MOMENT_PRESETS)} or '<m fmt>,<v fmt>'")
+    for which, name in zip(("m", "v"), parts, strict=True):
+        try:
+            rounding = parse_format(name).rounding
+        except ValueError as exc:
+            raise ValueError(f"--agoq-moments {text!r}: the {which} format: {exc}") from None
+        if rounding == "stochastic":
+            raise ValueError(f"--agoq-moments {text!r}: the {which} format {name!r} rounds stochastically, which "
+                             "agoq's optimizer does not support; drop the _sr suffix")
     return parts[0], parts[1]
 
 

@@ -85,6 +85,11 @@ def test_config_values_are_typed_as_on_the_command_line(tmp_path):
      "--agoq-master split32 splits a 16-bit parameter's fp32 master, but --fp32 parameters are their own master"),
     (["--agoq-optimizer", "sgd", "--agoq-sgd-momentum", "0", "--agoq-sgd-nesterov"],
      "--agoq-sgd-nesterov needs momentum, and --agoq-sgd-momentum is 0"),
+    (["--agoq-optimizer", "adamw", "--agoq-moments", "foo,cuint8_b32"],  # stopped only after torch had loaded
+     "--agoq-moments 'foo,cuint8_b32': the m format: unknown format name 'foo'"),
+    (["--agoq-optimizer", "lion", "--agoq-moments", "cint8_b32,garbage"], "the v format: unknown format name"),
+    (["--agoq-optimizer", "adamw", "--agoq-moments", "cint8_b32,cuint8_b32_sr"],
+     "the v format 'cuint8_b32_sr' rounds stochastically"),
 ])  # fmt: skip
 def test_a_flag_whose_setting_is_off_is_an_error_not_ignored(capsys, argv, expected):
     """Each of these ran before without a word, the flag doing nothing."""

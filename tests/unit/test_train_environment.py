@@ -31,6 +31,8 @@ def test_fast_launch_switch_is_applied_by_the_trainer(value, enabled):
     try:
         apply_kernel_switches({} if value is None else {FAST_LAUNCH_ENV: value})
         assert _fastlaunch.fast_launch_enabled() is enabled
+        with pytest.raises(ValueError, match=FAST_LAUNCH_ENV):  # "false" used to leave it on without a word
+            apply_kernel_switches({FAST_LAUNCH_ENV: "false"})
     finally:
         _fastlaunch.set_fast_launch(previous)
 

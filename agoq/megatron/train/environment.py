@@ -44,8 +44,13 @@ def launch_from_environment(environ: Mapping[str, str] = os.environ) -> LaunchIn
 
 
 def fast_launch_from_environment(environ: Mapping[str, str] = os.environ) -> bool:
-    """False only when ``AGOQ_TRITON_FAST_LAUNCH=0``."""
-    return environ.get(FAST_LAUNCH_ENV, "1") != "0"
+    """``AGOQ_TRITON_FAST_LAUNCH``: 1 (the default) or 0; anything else stops the run (``false`` used to leave the
+    fast launch on without a word)."""
+    value = environ.get(FAST_LAUNCH_ENV, "1")
+    if value not in _SWITCH_VALUES:
+        raise ValueError(f"{FAST_LAUNCH_ENV}={value!r}: use 1 (agoq's cached Triton launcher, the default) or 0 "
+                         "(Triton's own launch path)")
+    return _SWITCH_VALUES[value]
 
 
 def plain_fusion_from_environment(environ: Mapping[str, str] = os.environ) -> bool:

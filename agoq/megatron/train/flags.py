@@ -86,7 +86,8 @@ def _optim_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end of the decay")
     g.add_argument("--lr-warmup-iters", type=int, default=5, help="linear warmup iterations from 0 to --lr")
     g.add_argument("--lr-decay-iters", type=int, default=None,
-                   help="iterations from the end of warmup to --min-lr; default: --train-iters")
+                   help="iteration at which the decay reaches --min-lr, counted from iteration 0 with the warmup "
+                        "included (Megatron's OptimizerParamScheduler); default: --train-iters")
     g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine", help="decay from --lr to --min-lr")
     g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay (AdamW)")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam first-moment decay (optimizer torch / adamw)")
