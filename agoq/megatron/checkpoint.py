@@ -488,10 +488,12 @@ def _param_group_lists(tree):
 
 def _pin_group_lr_bounds(optimizer, scheduler) -> None:
     """Megatron's scheduler reads max_lr / min_lr from each group before its own: make the groups carry
-    the schedule in force, then recompute every group's lr."""
-    if _live_lr_bounds(optimizer) is None:
-        return
-    for group in optimizer.param_groups:
-        if "max_lr" in group:
-            group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
+    the schedule in force, then recompute every group's lr and weight decay. The recompute runs for agoq's
+    groups too (they carry no bounds): megatron-core 0.19.2's ``load_state_dict`` steps the groups before it
+    reads the checkpoint's weight decay, so without it the first resumed step used the command line's
+    --weight-decay and every later one the checkpoint's."""
+    if _live_lr_bounds(optimizer) is not None:
+        for group in optimizer.param_groups:
+            if "max_lr" in group:
+                group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
     scheduler.step(0)

@@ -18,8 +18,8 @@ Checkpoints without the record: those with a flat ``resume_contract`` entry (wri
 converted weights-only checkpoints with their shape) are checked by the keys it has; others load without
 the check.
 
-Also here: the one line that says which LR schedule is in force after a resume (Megatron-LM's
-``--use-checkpoint-opt_param-scheduler`` default versus ``--override-opt-param-scheduler``).
+Also here: the one line that says which LR schedule (and weight decay) is in force after a resume (agoq's default,
+Megatron-LM's ``--use-checkpoint-opt_param-scheduler``, versus ``--override-opt-param-scheduler``).
 No Megatron import: plain values in, plain values out.
 """
 
@@ -228,8 +228,11 @@ def policy_note(source: str, saved_report: str | None, current_report: str) -> s
             "gradients are not part of a checkpoint); the new table is printed above")
 
 
+# scheduler state-dict key -> the flag that sets it (weight decay: Megatron's scheduler carries it, constant here:
+# start_wd = end_wd = --weight-decay)
 _SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
-                   "lr_decay_steps": "--lr-decay-iters (default --train-iters)", "lr_decay_style": "--lr-decay-style"}
+                   "lr_decay_steps": "--lr-decay-iters (default --train-iters)", "lr_decay_style": "--lr-decay-style",
+                   "start_wd": "--weight-decay", "end_wd": "--weight-decay"}
 
 
 def schedule_line(in_force: dict, requested: dict, *, override: bool, global_batch_size: int,
@@ -243,7 +246,8 @@ def schedule_line(in_force: dict, requested: dict, *, override: bool, global_bat
     if override:
         return f"LR schedule: the command line's (--override-opt-param-scheduler): {values}"
     line = f"LR schedule: the checkpoint's ({values})"
-    differs = [flag for key, flag in _SCHEDULE_FLAGS.items() if requested[key] != in_force[key]]
+    differs = list(dict.fromkeys(flag for key, flag in _SCHEDULE_FLAGS.items()
+                                 if key in requested and requested[key] != in_force[key]))
     if differs:
         line += f"; not used from this command line: {', '.join(differs)}"
     if train_iters * global_batch_size > in_force["lr_decay_steps"]:

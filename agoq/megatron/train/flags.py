@@ -101,8 +101,9 @@ def _optim_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
                    dest="override_opt_param_scheduler",
                    help="on --load, follow this command line's LR schedule (--lr, --min-lr, --lr-warmup-iters, "
-                        "--lr-decay-iters, --lr-decay-style, --train-iters) from the checkpoint's iteration on; "
-                        "default: the checkpoint's schedule (Megatron-LM's --use-checkpoint-opt_param-scheduler)")
+                        "--lr-decay-iters, --lr-decay-style, --train-iters) and --weight-decay from the checkpoint's "
+                        "iteration on; default: the checkpoint's, with the differences printed (Megatron-LM's "
+                        "--use-checkpoint-opt_param-scheduler; Megatron-LM without either flag stops on a difference)")
     g.add_argument("--seed", type=int, default=1234,
                    help="weight initialisation (stage s of a pipeline seeds with SEED + 100 x s, as Megatron-LM) "
                         "and data order")
