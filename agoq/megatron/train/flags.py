@@ -134,7 +134,8 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                         "start from scratch, as Megatron-LM)")
     g.add_argument("--save-interval", type=int, default=None,
                    help="save every N iterations (default, or 0: only at the end, on a signal and at --exit-interval)")
-    g.add_argument("--log-interval", type=int, default=1, help="print an iteration line every N iterations")
+    g.add_argument("--log-interval", type=int, default=1,
+                   help="print an iteration line every N iterations (averaged over them, as Megatron-LM)")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving) at the first iteration of this run that is a multiple of N, as "
                         "Megatron-LM (default, or 0: run to --train-iters)")

@@ -356,6 +356,7 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
     )
     iteration, consumed, skipped = progress.iteration, progress.consumed_samples, progress.skipped_iterations
     tokens_per_step = args.global_batch_size * args.seq_length
+    interval = training.IntervalMeter()  # the logged line averages the iterations since the last one (Megatron-LM)
     start = time.perf_counter()
     while iteration < args.train_iters:
         runner.poison["now"] = iteration + 1 in (args.debug_nonfinite_at_iteration or ())
@@ -363,6 +364,7 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
         result = runner.run(iterators)
         iteration += 1
         consumed += args.global_batch_size
+        interval.add(result)
         if not result.update_successful:
             skipped += 1
             # the logging rank, as the iteration line: two processes writing one pipe interleave their lines
@@ -370,7 +372,8 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
                        f"({skipped} skipped so far)")
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             eta_s = (time.perf_counter() - start) / (iteration - progress.iteration) * (args.train_iters - iteration)
-            _log_iteration(args, info, parts, result, iteration, consumed, skipped, tokens_per_step, tensorboard, eta_s)
+            _log_iteration(args, info, parts, interval.take(result), iteration, consumed, skipped, tokens_per_step,
+                           tensorboard, eta_s)
         manual_gc.after_step(iteration)
         if valid_iterators and (iteration % args.eval_interval == 0 or iteration == args.train_iters):
             with manual_gc.evaluation():

@@ -257,6 +257,41 @@ def is_logging_rank() -> bool:
     )
 
 
+@dataclass
+class IntervalMeter:
+    """What one logged line reports for the iterations since the previous one (Megatron-LM's ``training_log``): the
+    loss averaged over the interval's updated iterations (a skipped one's loss is left out; NaN when every one was
+    skipped), the mean step time; the grad norm is the last iteration's. With --log-interval 1 the line is that
+    iteration's own numbers (a skipped iteration's loss included); with N > 1 it used to be the N-th iteration's
+    alone."""
+
+    loss_sum: float = 0.0
+    losses: int = 0
+    seconds_sum: float = 0.0
+    iterations: int = 0
+
+    def add(self, result: StepResult) -> None:
+        self.iterations += 1
+        self.seconds_sum += result.seconds
+        if result.update_successful and result.loss is not None:
+            self.loss_sum += result.loss
+            self.losses += 1
+
+    def take(self, last: StepResult) -> StepResult:
+        """The interval's line values (``last``: the interval's last iteration), and a fresh interval."""
+        if self.iterations <= 1:  # --log-interval 1: the iteration itself (a skipped one shows its own loss)
+            self.loss_sum, self.losses, self.seconds_sum, self.iterations = 0.0, 0, 0.0, 0
+            return last
+        if last.loss is None:  # not the last pipeline stage: no loss here
+            loss = None
+        else:
+            loss = self.loss_sum / self.losses if self.losses else float("nan")
+        averaged = StepResult(loss=loss, grad_norm=last.grad_norm, update_successful=last.update_successful,
+                              seconds=self.seconds_sum / max(1, self.iterations))
+        self.loss_sum, self.losses, self.seconds_sum, self.iterations = 0.0, 0, 0.0, 0
+        return averaged
+
+
 def format_iteration_line(
     iteration: int, train_iters: int, result: StepResult, *, lr: float, consumed_samples: int,
     tokens_per_step: int, memory: str, skipped: int,
