@@ -134,7 +134,30 @@ def read_model_file(path: str | None) -> dict:
 
     parser = build_parser()
     parser.add_argument("--vocab-size", type=int, default=None, help="the planner's own key: the tokenizer's size")
-    return load_config_file(path, parser, flag="--model")
+    values = load_config_file(path, parser, flag="--model")
+    _check_unmodelled(path, values)
+    return values
+
+
+# model-file keys that change a run's memory in ways the planner does not model: key -> (the value it models, why);
+# a file that sets another value is refused (its prediction would be for the modelled value without a word)
+UNMODELLED_KEYS = {
+    "attention_backend": ("sdpa", "Megatron's unfused attention keeps the [b, heads, s, s] softmax for backward"),
+    "fp32": (False, "fp32 parameters change the weights', gradients' and master's bytes"),
+    "recompute_num_layers": (1, "full recompute is modelled one layer per group"),
+    "agoq_disable": (False, "plans are for agoq's candidate policies (the bf16 candidate is the closest; capacity "
+                            "mode's megatron preset is the baseline)"),
+    "agoq_policy": (None, "the candidates are --policies (default: the shipped ones); pass --policies FILE to plan "
+                          "this one"),
+}
+
+
+def _check_unmodelled(path: str, values: dict) -> None:
+    for key, (modelled, why) in UNMODELLED_KEYS.items():
+        value = values.get(key, modelled)
+        if value != modelled:
+            raise ValueError(f"--model {path}: {key}: {value} is not something the planner models ({why}); its "
+                             f"prediction would be for {key}: {modelled}. Plan a copy of the file without the key")
 
 
 def _vocab_size(cfg: dict, tp: int) -> int:

@@ -99,6 +99,23 @@ def test_model_file_is_read_by_the_trainers_loader(tmp_path, capsys, text, expec
     assert expected.format(path=path) in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("line, expected", [
+    ("attention_backend: megatron\n", "attention_backend: megatron is not something the planner models"),
+    ("fp32: true\n", "fp32: True is not something the planner models"),
+    ("recompute_granularity: full\nrecompute_num_layers: 4\n", "recompute_num_layers: 4 is not something"),
+    ("agoq_disable: true\n", "agoq_disable: True is not something the planner models"),
+    ("agoq_policy: configs/policy/int4.yaml\n", "pass --policies FILE to plan this one"),
+])  # fmt: skip
+@pytest.mark.parametrize("capacity", [[], ["--capacity"]])
+def test_a_model_file_key_the_planner_does_not_model_is_refused(tmp_path, capsys, line, expected, capacity):
+    """2026-11-27 review: each of these printed the same prediction as without the key."""
+    path = tmp_path / "m.yaml"
+    path.write_text(MODEL.replace("tokenizer_model: fake.model\n", "") + line)
+    assert plan.main([*capacity, "--model", str(path), "--memory-budget", "80GiB"]) == 2
+    err = capsys.readouterr().err
+    assert f"--model {path}: " in err and expected in err, err
+
+
 def test_model_file_may_give_the_planners_vocab_size(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text(MODEL.replace("tokenizer_model: fake.model\n", "vocab_size: 32000\n"))
