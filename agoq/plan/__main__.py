@@ -42,7 +42,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from agoq.config import MASTER_CHOICES, OPTIMIZERS, RECOMPUTE_GRANULARITIES, AgoqConfig
+from agoq.config import FLOAT_GRADS, MASTER_CHOICES, OPTIMIZERS, RECOMPUTE_GRANULARITIES, AgoqConfig
 from agoq.plan import capacity
 from agoq.plan.memory import Layout, ModelShape
 from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report, grad_bytes_per_param
@@ -188,6 +188,35 @@ def config_of(request: PlanRequest, cfg: dict) -> AgoqConfig:
     return AgoqConfig.from_flags({**cfg, **request.given(AGOQ_FLAGS)}, policy=None)
 
 
+def check_run_flags(values: dict, layout: Layout) -> None:
+    """The trainer's refusals of flags that would do nothing or cannot run (scripts/pretrain_llama.py stops on each),
+    on the model file's values with the flags given here over them: a plan for a run that cannot start, or for a
+    setting the run would not keep, is an error naming the flag (2026-11-27 review: each printed a plan)."""
+    optimizer = values.get("agoq_optimizer") or "torch"
+    for key in ("agoq_moments", "agoq_master"):
+        if values.get(key) is not None and optimizer == "torch":
+            raise ValueError(f"{flag_name(key)} {values[key]} sets a state format of agoq's optimizer, but "
+                             "--agoq-optimizer is torch (Megatron's Adam, fp32 states); add --agoq-optimizer adamw "
+                             f"(or lion / sgd), or drop {flag_name(key)}")
+    grads, bf16_buffer = values.get("agoq_grads"), bool(values.get("grad_reduce_in_bf16"))
+    kept = "bf16" if bf16_buffer else "fp32"
+    if grads in FLOAT_GRADS and grads != kept:
+        raise ValueError(f"--agoq-grads {grads} names Megatron's float gradients in {grads}, but this run keeps them "
+                         f"in {kept} (bf16 needs --grad-reduce-in-bf16; fp16 is never kept); write {kept}")
+    if not values.get("agoq_gradient_release"):
+        return
+    conflicts = [(optimizer == "torch", "--agoq-optimizer torch (release steps agoq's optimizer)"),
+                 (layout.distributed_optimizer, "the distributed optimizer"),
+                 (grads is not None and grads not in FLOAT_GRADS, f"--agoq-grads {grads}"),
+                 (bf16_buffer, "--grad-reduce-in-bf16"), (layout.tp > 1, f"TP={layout.tp}"),
+                 (layout.pp > 1, f"PP={layout.pp}"), (layout.dp > 1, f"DP={layout.dp}")]
+    found = [what for hit, what in conflicts if hit]
+    if found:
+        raise ValueError(f"--agoq-gradient-release conflicts with {', '.join(found)} (from the flags or the model "
+                         "file): release keeps no gradient buffer and needs one GPU per model, as the trainer "
+                         "refuses; drop --agoq-gradient-release or those settings")
+
+
 def _shape_values(request: PlanRequest, cfg: dict, keys: tuple[str, ...]) -> dict:
     """The shape: each flag given here over the model file's value (None: neither)."""
     return {**{k: cfg.get(k) for k in keys}, **request.given(keys)}
@@ -284,6 +313,10 @@ def run_plan(request: PlanRequest) -> int:
     missing = _missing_message(values, request.model)
     if missing:
         return _error(missing)
+    try:
+        check_run_flags({**cfg, **request.given(AGOQ_FLAGS)}, layout)
+    except ValueError as err:
+        return _error(err)
     recipe = recipe_of(config)
     paths = [Path(p) for p in request.policies or [POLICY_DIR / f"{n}.yaml" for n in DEFAULT_CANDIDATES]]
     try:

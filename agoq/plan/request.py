@@ -31,6 +31,11 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+# counts that must be >= 1 (layers, widths, heads, vocabulary, GPUs per dimension, batch, tokens, chunks, search bounds)
+POSITIVE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                   "vocab_size", "tp", "pp", "dp", "mbs", "gbs", "seq", "vpp", "max_gpus", "max_mbs")
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     memory_budget: str  # per GPU, as written (80GiB, 141GB, a byte count); memory_budget_bytes reads it
@@ -77,6 +82,10 @@ class PlanRequest:
                 raise ValueError(f"{flag_name(field)} {value!r}: choose one of {list(allowed)}")
         if self.policies is not None and not isinstance(self.policies, tuple):
             raise ValueError(f"--policies {self.policies!r}: a tuple of policy YAML paths")
+        for field in POSITIVE_FIELDS:  # --dp 0 was a ZeroDivisionError traceback
+            value = getattr(self, field)
+            if value is not None and value < 1:
+                raise ValueError(f"{flag_name(field)} {value}: use a positive integer")
 
     @property
     def memory_budget_bytes(self) -> int:

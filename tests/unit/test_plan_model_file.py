@@ -116,6 +116,19 @@ def test_a_model_file_key_the_planner_does_not_model_is_refused(tmp_path, capsys
     assert f"--model {path}: " in err and expected in err, err
 
 
+@pytest.mark.parametrize("flags, expected", [
+    (["--agoq-gradient-release"], "--agoq-gradient-release conflicts with the distributed optimizer, TP=2, PP=2"),
+    (["--agoq-grads", "bf16"], "--agoq-grads bf16 names Megatron's float gradients in bf16, but this run keeps them"),
+    (["--agoq-optimizer", "torch", "--agoq-master", "split32"],
+     "--agoq-master split32 sets a state format of agoq's optimizer, but --agoq-optimizer is torch"),
+    (["--dp", "0"], "--dp 0: use a positive integer"),  # was a ZeroDivisionError traceback
+])  # fmt: skip
+def test_a_run_the_trainer_refuses_is_not_planned(model_file, capsys, flags, expected):
+    """2026-11-27 review: each printed a plan for a run scripts/pretrain_llama.py refuses (or keeps otherwise)."""
+    assert plan.main(["--model", str(model_file), "--memory-budget", "80GiB", *flags]) == 2
+    assert expected in capsys.readouterr().err
+
+
 def test_model_file_may_give_the_planners_vocab_size(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text(MODEL.replace("tokenizer_model: fake.model\n", "vocab_size: 32000\n"))
