@@ -231,3 +231,24 @@ def test_megatron_lm_only_flags_are_not_flags_here():
     from agoq.megatron.train.args import MEGATRON_LM_ONLY, build_parser
 
     assert not set(MEGATRON_LM_ONLY) & set(build_parser()._option_string_actions)
+
+
+@pytest.mark.parametrize("fp8, flags, expected", [
+    ("{amax_history_len: 64}", [], "fp8.amax_history_len 64 acts only with delayed scaling, and this run's FP8 "
+                                   "recipe is off"),
+    ("{recipe: current, amax_history_len: 64}", [], "recipe is current"),
+    ("{recipe: delayed, amax_history_len: 64}", ["--agoq-fp8", "rowwise"], "recipe is rowwise (the policy's"),
+    ("{bf16_first_layers: 0}", [], "fp8.bf16_first_layers 0 acts only with FP8 linears, and this run's FP8 recipe"),
+])  # fmt: skip
+def test_a_policy_fp8_setting_without_its_recipe_is_an_error(tmp_path, capsys, fp8, flags, expected):
+    """2026-11-27 review: the policy's fp8 sub-settings were accepted where the run's recipe never reads them."""
+    policy = tmp_path / "p.yaml"
+    policy.write_text(f"version: 1\ndefault: {{activations: bf16}}\nrules: []\nfp8: {fp8}\n")
+    err = _error(capsys, ["--agoq-policy", str(policy), *flags])
+    assert f"{policy}: " in err and expected in err, err
+
+
+def test_a_policy_fp8_setting_with_its_recipe_is_accepted(tmp_path):
+    policy = tmp_path / "p.yaml"
+    policy.write_text("version: 1\ndefault: {activations: bf16}\nrules: []\nfp8: {amax_history_len: 64}\n")
+    assert parse_args(["--agoq-policy", str(policy), "--agoq-fp8", "delayed"]).agoq_config.fp8.amax_history_len == 64

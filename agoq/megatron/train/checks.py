@@ -203,12 +203,33 @@ def _check_companion_flags(args: argparse.Namespace, given: set[str]) -> None:
             value = getattr(args, name)
             shown = flag if isinstance(value, bool) else f"{flag} {value}"
             raise ValueError(f"{shown} {fix}, or drop {flag}")
+    _check_policy_fp8_settings(args, given)
     if args.fp32 and "agoq_master" in given and args.agoq_master != "none":
         raise ValueError(f"--agoq-master {args.agoq_master} splits a 16-bit parameter's fp32 master, but --fp32 "
                          "parameters are their own master (agoq's optimizer keeps none); drop --agoq-master")
     if args.agoq_optimizer == "sgd" and args.agoq_sgd_nesterov and args.agoq_sgd_momentum == 0:
         raise ValueError("--agoq-sgd-nesterov needs momentum, and --agoq-sgd-momentum is 0 (plain SGD); set "
                          "--agoq-sgd-momentum > 0, or drop --agoq-sgd-nesterov")
+
+
+def _check_policy_fp8_settings(args: argparse.Namespace, given: set[str]) -> None:
+    """The policy file's fp8 sub-settings, as the flags': amax_history_len acts only with delayed scaling and the
+    bf16 first / last layers only with FP8 on, in the run's resolved recipe (the flags' value over the file's)."""
+    from agoq.policy.schema import FP8Spec
+
+    spec = args.agoq_config.policy.spec
+    if spec is None or spec.fp8 is None:  # agoq off, or a policy without an fp8 section
+        return
+    recipe, defaults = args.agoq_config.fp8.recipe, FP8Spec()
+    settings = [("amax_history_len", recipe == "delayed", "delayed scaling"),
+                ("bf16_first_layers", recipe != "off", "FP8 linears"), ("bf16_last_layers", recipe != "off",
+                                                                          "FP8 linears")]
+    for key, active, what in settings:
+        value = getattr(spec.fp8, key)
+        if value != getattr(defaults, key) and not active and f"agoq_fp8_{key}" not in given:
+            raise ValueError(f"{policy_path(args)}: fp8.{key} {value} acts only with {what}, and this run's FP8 "
+                             f"recipe is {recipe} (the policy's fp8.recipe, or --agoq-fp8 over it); set the recipe, "
+                             f"or drop fp8.{key}")
 
 
 ADAM_FLAGS = ("adam_beta1", "adam_beta2", "adam_eps")
