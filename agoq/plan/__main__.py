@@ -182,10 +182,11 @@ def layout_of(request: PlanRequest, cfg: dict, config: AgoqConfig) -> Layout:
     return Layout(vpp=vpp, grad_bytes=grad_bytes, **values)
 
 
-def config_of(request: PlanRequest, cfg: dict) -> AgoqConfig:
+def config_of(request: PlanRequest, cfg: dict, policy=None) -> AgoqConfig:
     """The run's AgoqConfig as the trainer builds it (AgoqConfig.from_flags): the model file's values, then
-    the flags given here; no policy's fp8 / grads section (the candidates differ)."""
-    return AgoqConfig.from_flags({**cfg, **request.given(AGOQ_FLAGS)}, policy=None)
+    the flags given here; ``policy``: a candidate whose fp8 / default grads sections apply under the flags, as the
+    trainer applies its --agoq-policy's (None: no policy section)."""
+    return AgoqConfig.from_flags({**cfg, **request.given(AGOQ_FLAGS)}, policy=policy)
 
 
 def check_run_flags(values: dict, layout: Layout) -> None:
@@ -322,10 +323,17 @@ def run_plan(request: PlanRequest) -> int:
     try:
         candidates = [(p.stem, load_policy(p)) for p in paths]  # PolicyError names the file and the fix
         budget = request.memory_budget_bytes
-        chosen, report = choose_by_peak(ModelShape(**values), layout, candidates, budget, recipe)
+        # a candidate's own fp8 / default grads sections change its run as the trainer would apply them (they were
+        # planned as the flags' run: float gradients for a policy that stores them in 8 bits)
+        recipes = {name: recipe_of(config_of(request, cfg, policy)) for name, policy in candidates}
+        chosen, report = choose_by_peak(ModelShape(**values), layout, candidates, budget, recipe, recipes=recipes)
     except ValueError as err:
         return _error(err)
     print(_gradient_line(recipe, layout))
+    for name, own in recipes.items():
+        if (own.grads, own.fp8) != (recipe.grads, recipe.fp8):
+            print(f"{name}: its own sections apply to its rows (gradients {own.grads or 'float'}, "
+                  f"FP8 {own.fp8.recipe})")
     print(format_peak_report(report, budget))
     if chosen is None:
         print("no candidate policy fits: lower --mbs, raise --pp/--tp, or use the distributed optimizer")

@@ -415,12 +415,14 @@ def format_peaks(peaks: list[StagePeak]) -> str:
     return "\n".join(lines)
 
 
-def choose_by_peak(shape: ModelShape, layout: Layout, candidates, budget: int, recipe: Recipe = Recipe()):
+def choose_by_peak(shape: ModelShape, layout: Layout, candidates, budget: int, recipe: Recipe = Recipe(), *,
+                   recipes: dict[str, Recipe] | None = None):
     """(name, report) of the first candidate policy (richest first) whose predicted peak fits ``budget`` on
-    every stage, else (None, report); report = [(name, [StagePeak, ...]), ...] of the candidates tried."""
+    every stage, else (None, report); report = [(name, [StagePeak, ...]), ...] of the candidates tried.
+    ``recipes``: a candidate's own recipe by name (its policy's fp8 / grads sections), else ``recipe``."""
     report = []
     for name, policy in candidates:
-        peaks = predict_peaks(shape, layout, policy, recipe)
+        peaks = predict_peaks(shape, layout, policy, (recipes or {}).get(name, recipe))
         report.append((name, peaks))
         if all(p.peak <= budget for p in peaks):
             return name, report

@@ -129,6 +129,27 @@ def test_a_run_the_trainer_refuses_is_not_planned(model_file, capsys, flags, exp
     assert expected in capsys.readouterr().err
 
 
+def test_a_candidates_own_grads_section_is_planned_as_the_trainer_runs_it(model_file, tmp_path, capsys):
+    """A candidate policy with default: {grads: int8_b256} runs the 8-bit store in the trainer (AgoqConfig.from_flags
+    applies it); the planner planned it with float gradients (2026-11-27 review). Its rows now equal the bf16
+    policy's under --agoq-grads int8_b256."""
+    own = tmp_path / "own.yaml"
+    own.write_text("version: 1\ndefault: {activations: bf16, grads: int8_b256}\nrules: []\n")
+    bf16 = str(plan.POLICY_DIR / "bf16.yaml")
+    base = ["--model", str(model_file), "--memory-budget", "80GiB"]
+    assert plan.main([*base, "--policies", str(own)]) == 0
+    planned = capsys.readouterr().out
+    assert "own: its own sections apply to its rows (gradients int8_b256, FP8 off)" in planned
+    assert plan.main([*base, "--agoq-grads", "int8_b256", "--policies", bf16]) == 0
+    flagged = capsys.readouterr().out
+    def rows(out: str) -> list[str]:  # each stage's numbers, without the candidate's name
+        return [line.split(" stage ", 1)[1] for line in out.splitlines() if " stage " in line]
+
+    assert rows(planned) == rows(flagged) and len(rows(planned)) == 2
+    assert plan.main([*base, "--policies", bf16]) == 0
+    assert rows(capsys.readouterr().out) != rows(flagged)  # the float-gradient plan differs
+
+
 def test_model_file_may_give_the_planners_vocab_size(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text(MODEL.replace("tokenizer_model: fake.model\n", "vocab_size: 32000\n"))
