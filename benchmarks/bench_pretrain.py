@@ -294,8 +294,13 @@ def environment() -> dict:
     return info
 
 
-def select_variants(suite: str, smoke: bool, only: list[str] | None) -> list[dict]:
+def select_variants(suite: str, smoke: bool, only: list[str] | None, skip: list[str] | None = None) -> list[dict]:
     variants = SUITES[suite](smoke)
+    if skip:
+        unmatched = [t for t in skip if not any(t in v["name"] for v in variants)]
+        if unmatched:  # as --only: a misspelt filter must not pass unnoticed
+            raise SystemExit(f"--skip {unmatched}: no variant of suite {suite!r} matches")
+        variants = [v for v in variants if not any(t in v["name"] for t in skip)]
     if only:
         unmatched = [t for t in only if not any(t in v["name"] for v in variants)]
         if unmatched:  # a misspelt filter beside a good one would otherwise drop its variants silently
@@ -303,6 +308,31 @@ def select_variants(suite: str, smoke: bool, only: list[str] | None) -> list[dic
             raise SystemExit(f"--only {unmatched}: no variant of suite {suite!r} matches; its variants:\n  {names}")
         variants = [v for v in variants if any(t in v["name"] for t in only)]
     return variants
+
+
+ROUND_SUFFIX = " #round "
+
+
+def round_robin(variants: list[dict], rounds: int) -> list[dict]:
+    """The variants ``rounds`` times in A B A B order; with more than one round each copy's name ends in
+    ``" #round k"`` (k from 1), so that every run keeps its own record and summary."""
+    if rounds == 1:
+        return variants
+    return [{**v, "name": f"{v['name']}{ROUND_SUFFIX}{k}"} for k in range(1, rounds + 1) for v in variants]
+
+
+def rounds_summary(summaries: list[dict]) -> list[dict]:
+    """Per variant (its name without the round suffix): the tokens/s medians of its rounds in run order, their
+    median, and the spread (max / min - 1) that says how far one round alone could be trusted."""
+    by_name: dict[str, list[float]] = {}
+    for s in summaries:
+        base = s["name"].split(ROUND_SUFFIX)[0]
+        if not s.get("failed"):
+            by_name.setdefault(base, []).append(s["tokens_per_second_median"])
+    return [{"name": name, "tokens_per_second_rounds": values,
+             "tokens_per_second_median_of_rounds": statistics.median(values),
+             "spread": max(values) / min(values) - 1}
+            for name, values in by_name.items()]
 
 
 def main(argv=None) -> int:
@@ -315,9 +345,17 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="+", metavar="TEXT",
                         help="run only the variants whose name contains one of these strings (each must match one)")
     parser.add_argument("--list", action="store_true", help="print every variant's command; run nothing")
+    parser.add_argument("--skip", nargs="+", metavar="TEXT",
+                        help="leave out the variants whose name contains one of these strings (each must match one)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the selected variants this many times, round-robin (A B A B ...), so that slow "
+                             "drift of a shared host lands on every variant alike; the report adds a "
+                             "per-variant summary over the rounds (``rounds``)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
     if args.list:
-        for variant in select_variants(args.suite, args.smoke, args.only):
+        for variant in round_robin(select_variants(args.suite, args.smoke, args.only, args.skip), args.rounds):
             print(f"{variant['name']}\n  {variant_command(variant, Path(args.out + '.' + 'log.jsonl'))[1]}")
         return 0
     report = {
@@ -330,11 +368,13 @@ def main(argv=None) -> int:
         report["planner_capacity"] = {"gpus_in_this_suite": gpus, **planner_capacity(model, _device_budget())}
     device = report["environment"].get("device")
     with tempfile.TemporaryDirectory() as tmp:
-        for variant in select_variants(args.suite, args.smoke, args.only):
+        for variant in round_robin(select_variants(args.suite, args.smoke, args.only, args.skip), args.rounds):
             print(f"bench: {dt.datetime.now(dt.UTC):%H:%M:%S} running {variant['name']}", file=sys.stderr, flush=True)
             result = run_variant(variant, Path(tmp), args.timeout)
             report["variants"].append(result)
             report["summary"].append(summarise(result, args.warmup, device))
+            if args.rounds > 1:
+                report["rounds"] = rounds_summary(report["summary"])
             if args.suite in EQUAL_MEMORY_BUDGETS_GIB:
                 report["equal_memory"] = equal_memory_table(report["summary"], EQUAL_MEMORY_BUDGETS_GIB[args.suite])
             print(json.dumps(report["summary"][-1]), flush=True)

@@ -195,3 +195,25 @@ def test_summary_carries_the_reserved_bytes_next_to_the_allocated_peak():
            "memory_breakdown_last": {"peak_gib": 21.0, "reserved_gib": 27.48, "weights_gib": 1.8}}
     summary = BENCH.summarise(run, warmup=3)
     assert (summary["peak_gib"], summary["reserved_gib"], summary["weights_gib"]) == (21.0, 27.48, 1.8)
+
+
+def test_skip_drops_matching_variants_and_refuses_a_filter_that_matches_nothing():
+    eager = BENCH.select_variants("graphs_pp2", False, None, ["manual_gc", "/graphs"])
+    assert [v["name"].rsplit("/", 1)[1] for v in eager] == ["eager", "eager"]
+    with pytest.raises(SystemExit, match=r"--skip \['manual-gc'\]"):
+        BENCH.select_variants("graphs_pp2", False, None, ["manual-gc"])
+
+
+def test_rounds_alternate_the_variants_and_summarise_each_over_its_rounds():
+    runs = BENCH.round_robin([{"name": "a", "nproc": 1}, {"name": "b", "nproc": 1}], 3)
+    assert [r["name"] for r in runs] == ["a #round 1", "b #round 1", "a #round 2", "b #round 2",
+                                         "a #round 3", "b #round 3"]
+    assert BENCH.round_robin(runs[:1], 1) == runs[:1]  # one round: the names stay as the suite gives them
+    speeds = {"a": [100.0, 90.0, 110.0], "b": [50.0, 60.0, 55.0]}
+    summaries = [{"name": r["name"], "tokens_per_second_median": speeds[r["name"][0]][int(r["name"][-1]) - 1]}
+                 for r in runs] + [{"name": "b #round 4", "failed": True}]
+    table = {row["name"]: row for row in BENCH.rounds_summary(summaries)}
+    assert table["a"]["tokens_per_second_rounds"] == [100.0, 90.0, 110.0]
+    assert table["a"]["tokens_per_second_median_of_rounds"] == 100.0
+    assert table["b"]["tokens_per_second_median_of_rounds"] == 55.0  # the failed round is not a number
+    assert table["a"]["spread"] == pytest.approx(110 / 90 - 1)

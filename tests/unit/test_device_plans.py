@@ -54,36 +54,62 @@ def test_every_suite_test_path_and_script_a_plan_names_exists(plan):
 
 def test_lanes_name_only_steps_their_sub_plans_have():
     text = _plan_text(LANES)
-    calls = re.findall(r'sub_plan (\S+) (?:"[^"]*" )?(x\d\.sh) ([\w ]+?)(?:;|$)', text, flags=re.M)
-    assert {plan for _, plan, _ in calls} == {"x1.sh", "x2.sh", "x4.sh"}
+    calls = re.findall(r'sub_plan (\S+) (?:"[^"]*" )?(x\d\.sh) ([\w "$]+?)(?:;|$)', text, flags=re.M)
+    assert {plan for _, plan, _ in calls} == {"x2.sh", "x4.sh"}
     for _, plan, names in calls:
-        assert set(names.split()) <= set(_own_steps(_plan_text(plan))), (plan, names)
+        names = set(names.replace('"$suite"', "").split())
+        assert names <= set(_own_steps(_plan_text(plan))), (plan, names)
+    looped = re.search(r"for suite in ([\w ]+);", text).group(1).split()
+    assert set(looped) <= set(_own_steps(_plan_text("x4.sh")))
 
 
-def test_lanes_run_each_asked_step_on_its_own_gpus(tmp_path):
-    """x4_lanes.sh with a stand-in interpreter that logs its GPUs and arguments: the 4-GPU step sees every GPU, each
-    lane's steps only their own, and steps nobody asked for do not run."""
+def _lanes_calls(tmp_path: Path, steps: list[str]) -> tuple[list[str], list[str]]:
+    """x4_lanes.sh with a stand-in interpreter that logs its GPUs and arguments: (the calls, the steps.tsv rows)."""
     stub = tmp_path / "python"
     stub.write_text('#!/usr/bin/env bash\n[ "$1" = -c ] && exit 0\n'
                     f'echo "${{CUDA_VISIBLE_DEVICES:-all}} $*" >> {tmp_path}/calls\n')
     stub.chmod(0o755)
-    env = {**os.environ, "AGOQ_RESULTS": str(tmp_path / "results"), "PYTHON": str(stub)}
+    bin_dir = tmp_path / "bin"  # torchrun stands in the same way (the reductions launch through it)
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(f'#!/usr/bin/env bash\necho "${{CUDA_VISIBLE_DEVICES:-all}} $*" >> '
+                                      f'{tmp_path}/calls\n')
+    (bin_dir / "torchrun").chmod(0o755)
+    env = {**os.environ, "AGOQ_RESULTS": str(tmp_path / "results"), "PYTHON": str(stub),
+           "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.run(["bash", str(DEVICE / LANES), "e2e4", "equal_memory_1b", "graphs_pp2", "capacity_4gpu"],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(["bash", str(DEVICE / LANES), *steps], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    calls = (tmp_path / "calls").read_text().splitlines()
-
-    def what(line: str) -> str:  # the test path, or the bench suite
-        words = line.split()
-        return words[words.index("--suite") + 1] if "--suite" in words else next(
-            w for w in words if w.startswith("tests/"))
-    gpus = {what(line): line.split()[0] for line in calls}
-    assert gpus == {"tests/e2e/test_layouts_multigpu.py::test_four_gpu_layouts_train_like_pp1": "all",
-                    "equal_memory_1b": "1", "graphs_pp2": "2,3", "capacity_4gpu": "0,1,2,3"}, calls
     rows = [r.split("\t")[0] for r in (tmp_path / "results" / "steps.tsv").read_text().splitlines()]
-    assert sorted(rows) == ["capacity_4gpu", "e2e4", "equal_memory_1b", "graphs_pp2"]
-    assert rows[-1] == "capacity_4gpu"  # the 4-GPU suites wait for the lanes
+    return (tmp_path / "calls").read_text().splitlines(), rows
+
+
+def test_lanes_run_each_asked_step_on_its_own_gpus_in_its_phase(tmp_path):
+    """The alone-phase timings run one after another before the lanes, each lane's steps see only their own GPUs,
+    the 4-GPU steps see every GPU and come last, and steps nobody asked for do not run."""
+    calls, rows = _lanes_calls(tmp_path, ["allreduce", "allreduce4", "eager_pp2", "allreduce_socket", "e2e", "e2e4",
+                                          "capacity_4gpu"])
+
+    def what(line: str) -> str:  # the bench suite, the reduction's link, or the first test path
+        words = line.split()
+        if "--suite" in words:
+            return words[words.index("--suite") + 1]
+        if "benchmarks/bench_allreduce.py" in words:
+            return "socket" if "socket" in words else f"nvlink x{words[words.index('--nproc-per-node') + 1]}"
+        return next(w for w in words if w.startswith("tests/"))
+    gpus = {what(line): line.split()[0] for line in calls}
+    assert gpus == {"nvlink x2": "0,1", "nvlink x4": "0,1,2,3", "graphs_pp2": "0,1", "socket": "0,1",
+                    "tests/e2e/test_peer_store_multigpu.py": "2,3",
+                    "tests/e2e/test_layouts_multigpu.py::test_four_gpu_layouts_train_like_pp1": "all",
+                    "capacity_4gpu": "0,1,2,3"}, calls
+    assert rows[:3] == ["allreduce", "allreduce4", "eager_pp2"]  # alone, in this order
+    assert sorted(rows[3:5]) == ["allreduce_socket", "e2e"]  # the lanes
+    assert rows[5:] == ["e2e4", "capacity_4gpu"]  # the 4-GPU steps wait for the lanes
+
+
+def test_lanes_run_the_4gpu_suites_only_when_named(tmp_path):
+    _, rows = _lanes_calls(tmp_path, [])
+    assert "capacity_4gpu" not in rows and "equal_memory_8b_pp4" not in rows
+    assert {"allreduce", "allreduce4", "eager_pp2", "allreduce_socket", "e2e", "e2e4"} <= set(rows)
 
 
 def _run_steps(tmp_path: Path, asked: str, body: str) -> subprocess.CompletedProcess:
