@@ -3,6 +3,7 @@
 #   bash benchmarks/device/x1.sh [step ...]      (no step: all, in this order; ~33 minutes on one H100)
 # Steps and what they settle:
 #   eager           issue 24 item 3 eager alone: baseline, agoq, bf16 and FP8 linears, 2 rounds A B A B       ~6 min
+#   profile         issue 24: where eager steps spend host time and whether they wait on the GPU, baseline / agoq  ~3 min
 #   graphs          issue 24 item 3 (eager, eager --manual-gc, graphs), on its own GPU and cores          ~9 min
 #   gpu_tier        the GPU tier on current code: every tests/gpu file (fused FP8, CUDA graphs, kernels)          ~8 min
 #   fp8_scale       issue 27's suite on current code (plain FP8 now fused): one current result            ~8 min
@@ -14,6 +15,7 @@ header
 B=benchmarks/bench_pretrain.py
 step eager 900 "$PY" $B --suite graphs --skip manual_gc /graphs smooth-swiglu --rounds 2 --timeout 150 \
   --out "$AGOQ_RESULTS/pretrain_eager.json"
+step profile 600 profile_pair 1 step_profile --global-batch-size 8
 step graphs 1200 "$PY" $B --suite graphs --timeout 150 --out "$AGOQ_RESULTS/pretrain_graphs.json"
 mkdir -p "$AGOQ_RESULTS/graph_reports"
 step gpu_tier 900 env AGOQ_CUDA_GRAPHS_REPORT_DIR="$AGOQ_RESULTS/graph_reports" "$PY" -m pytest -q -p no:cacheprovider \

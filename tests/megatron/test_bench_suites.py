@@ -217,3 +217,29 @@ def test_rounds_alternate_the_variants_and_summarise_each_over_its_rounds():
     assert table["a"]["tokens_per_second_median_of_rounds"] == 100.0
     assert table["b"]["tokens_per_second_median_of_rounds"] == 55.0  # the failed round is not a number
     assert table["a"]["spread"] == pytest.approx(110 / 90 - 1)
+
+
+def test_step_profile_profiles_only_the_chosen_iterations_and_writes_each_ranks_report(tmp_path):
+    """benchmarks/bench_step_profile.py around the real script on the CPU: a report per rank, of the two chosen
+    iterations only (their wall time is a fraction of the run's), with host time on the main thread."""
+    import json
+    import subprocess
+
+    from agoq.testing.procs import child_env, torchrun_command
+
+    script = REPO_ROOT / "benchmarks" / "bench_step_profile.py"
+    out = tmp_path / "p.json"
+    args = ["--iterations", "2", "3", "--out", str(out), "--", "--config", "configs/model/tiny.yaml",
+            "--train-iters", "4", "--lr-warmup-iters", "1", "--global-batch-size", "4", "--micro-batch-size", "2",
+            "--seq-length", "64"]
+    proc = subprocess.run(torchrun_command(1, script, args), capture_output=True, text=True, timeout=300,
+                          env=child_env(), cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "p.rank0.json").read_text())
+    assert report["iterations"] == [2, 3] and report["rank"] == 0
+    assert 0 < report["wall_ms"] and max(report["host_ms_per_thread"].values()) > 0
+    assert report["top_ops"] and all(op["calls"] > 0 for op in report["top_ops"])
+    import torch
+
+    if not torch.cuda.is_available():  # no CUDA activity: nothing invented
+        assert report["gpu_busy_ms"] == 0 and report["kernels"] == 0
