@@ -21,8 +21,9 @@ rows, dequantize straight into the destination. Results are bit-identical to
 agoq.ref.collectives on every device and chunk size.
 
 8-bit storage (agoq.comm.grad_buffer) is reduced without any float copy: :func:`allreduce_blocks_`
-sends the stored codes as they are and all-gathers the reduced codes back into the same storage;
-:func:`reduce_blocks_to_owners` delivers the fp32 sum of a block range to each rank (the
+sends the stored codes as they are and all-gathers the reduced codes back into the same storage
+(:func:`allreduce_stored_` picks it or, at two ranks, :func:`allreduce_blocks_gather_`: the same result in one
+collective per chunk); :func:`reduce_blocks_to_owners` delivers the fp32 sum of a block range to each rank (the
 distributed-optimizer layout).
 
 Codes are never summed on the wire: the backend moves bytes only. Every rank ends with
@@ -56,6 +57,8 @@ __all__ = [
     "make_reduce_scatter",
     "allreduce_blocks_",
     "allreduce_blocks_gather_",
+    "allreduce_stored_",
+    "stored_allreduce_route",
     "reduce_blocks_to_owners",
     "quant_ops_for",
     "check_grad_format",
@@ -366,6 +369,26 @@ def allreduce_blocks_gather_(codes_u8: torch.Tensor, scales: torch.Tensor, fmt: 
         return []
 
     return pl.run_pipeline(codes_u8.device, num_chunks, send, reduce, None, async_op=async_op)
+
+
+# Largest group that reduces the 8-bit store through one all-gather per chunk (allreduce_blocks_gather_). At W = 2
+# it sends exactly the bytes of all-to-all + all-gather, in one collective; above, (W - 1) x the storage against
+# 2 (W - 1) / W x. Measured, NCCL over sockets between 2 H100s (benchmarks/results/grads_socket.json, 2026-11-27):
+# 8.25 / 19.1 / 26.3 ms against 9.58 / 22.6 / 33.0 ms at 64 / 160 / 256 MiB of fp32 gradient; at 4 H100s on NVLink
+# through NCCL (grads_4gpu.json) 4.25 against 2.26 ms at 160 MiB.
+GATHER_ROUTE_MAX_WORLD = 2
+
+
+def stored_allreduce_route(world: int) -> Callable:
+    """The all-reduce of 8-bit storage for a group of ``world`` ranks: :func:`allreduce_blocks_gather_` up to
+    :data:`GATHER_ROUTE_MAX_WORLD` ranks, :func:`allreduce_blocks_` above. Both leave bit-identical storage."""
+    return allreduce_blocks_gather_ if world <= GATHER_ROUTE_MAX_WORLD else allreduce_blocks_
+
+
+def allreduce_stored_(codes_u8: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat | str, group=None, **kwargs):
+    """All-reduce 8-bit storage in place by :func:`stored_allreduce_route`'s route for the group's size (the
+    keyword arguments are those of :func:`allreduce_blocks_`)."""
+    return stored_allreduce_route(dist.get_world_size(group))(codes_u8, scales, fmt, group, **kwargs)
 
 
 def reduce_blocks_to_owners(codes_u8: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat | str,

@@ -6,8 +6,9 @@ the order of the parameters' offsets in Megatron's bucket (``bucket.param_to_ind
 padded to a multiple of the data-parallel size W.
 
 Reduction (agoq.comm.reduce), started per bucket when Megatron would start its collective:
-  * all-reduce (no distributed optimizer): :func:`allreduce_blocks_` sends the stored codes,
-    sums in fp32 and all-gathers the requantized sum back into the same storage. The reduced
+  * all-reduce (no distributed optimizer): :func:`allreduce_stored_` sends the stored codes,
+    sums in fp32 and all-gathers the requantized sum back into the same storage (at two ranks in one
+    all-gather per chunk, every rank summing every block; agoq.comm.reduce.stored_allreduce_route). The reduced
     gradient stays 8-bit; temporaries are two chunk slots.
   * distributed optimizer: rank r needs the elements of Megatron's shard r (``shard_buffer``
     of the bucket's flat layout). :func:`reduce_blocks_to_owners` delivers the fp32 sum of the blocks
@@ -43,7 +44,7 @@ import torch
 
 from agoq.comm.grad_buffer import QuantizedGradBuffer
 from agoq.comm.pipeline import blocks_per_chunk, run_maybe_async
-from agoq.comm.reduce import allreduce_blocks_, reduce_blocks_to_owners
+from agoq.comm.reduce import allreduce_stored_, reduce_blocks_to_owners
 from agoq.comm.symm_store import SymmetricBlocks
 
 __all__ = ["BucketStore", "finalize_touched"]
@@ -97,7 +98,7 @@ class BucketStore:
             return run_maybe_async(self.qbuf.device, lambda: self.peer.allreduce_(average=average,
                                                                                  post_scale=post_scale),
                                    async_op=async_op)
-        return allreduce_blocks_(self.qbuf.codes_u8, self.qbuf.scales, self.qbuf.fmt, group, average=average,
+        return allreduce_stored_(self.qbuf.codes_u8, self.qbuf.scales, self.qbuf.fmt, group, average=average,
                                  post_scale=post_scale, async_op=async_op, chunk_bytes=self.chunk_bytes)
 
     def start_reduce_scatter(self, group, *, average: bool, post_scale: float, async_op: bool):

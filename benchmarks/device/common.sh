@@ -23,28 +23,15 @@ if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('megatron.c
   fi
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$AGOQ_SITE" "${wheels[@]}"
 fi
+export AGOQ_RESULTS
 export PYTHONPATH="$AGOQ_SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export AGOQ_CACHE=${AGOQ_CACHE:-/tmp/agoq_device/cache}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 
 # The ~1B LLaMA at seq 4096 and micro-batch 1 of the graphs suites (benchmarks/pretrain_suites.py), for the steps
-# that run scripts/pretrain_llama.py directly (step profiles)
-LLAMA_1B_MBS1="--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --num-query-groups 8 --ffn-hidden-size 8192
+# that run scripts/pretrain_llama.py directly (profile_pair.sh)
+export LLAMA_1B_MBS1="--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --num-query-groups 8 --ffn-hidden-size 8192
   --seq-length 4096 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 2 --log-interval 1 --train-iters 9 --micro-batch-size 1"
-
-# profile_pair NPROC NAME ARGS...: benchmarks/bench_step_profile.py over iterations 6-7 of the 1B run, baseline
-# (--agoq-disable) then agoq's default policy, into $AGOQ_RESULTS/NAME_{baseline,agoq}.rankN.json
-profile_pair() {
-  local nproc=$1 name=$2; shift 2
-  local side extra rc=0
-  for side in baseline agoq; do
-    extra=(); [ "$side" = baseline ] && extra=(--agoq-disable)
-    # shellcheck disable=SC2086
-    torchrun --standalone --nproc-per-node "$nproc" benchmarks/bench_step_profile.py --iterations 6 7 \
-      --out "$AGOQ_RESULTS/${name}_$side.json" -- $LLAMA_1B_MBS1 "$@" "${extra[@]}" || rc=1
-  done
-  return $rc
-}
 
 # The steps named on the plan's command line (all when none): STEPS=",a,b,"
 STEPS=",${*:-all},"

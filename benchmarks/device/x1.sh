@@ -15,7 +15,7 @@ header
 B=benchmarks/bench_pretrain.py
 step eager 900 "$PY" $B --suite graphs --skip manual_gc /graphs smooth-swiglu --rounds 2 --timeout 150 \
   --out "$AGOQ_RESULTS/pretrain_eager.json"
-step profile 600 profile_pair 1 step_profile --global-batch-size 8
+step profile 600 bash benchmarks/device/profile_pair.sh 1 step_profile --global-batch-size 8
 step graphs 1200 "$PY" $B --suite graphs --timeout 150 --out "$AGOQ_RESULTS/pretrain_graphs.json"
 mkdir -p "$AGOQ_RESULTS/graph_reports"
 step gpu_tier 900 env AGOQ_CUDA_GRAPHS_REPORT_DIR="$AGOQ_RESULTS/graph_reports" "$PY" -m pytest -q -p no:cacheprovider \

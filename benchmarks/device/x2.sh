@@ -17,7 +17,7 @@ step allreduce_socket 420 torchrun --standalone --nproc-per-node 2 benchmarks/be
   --sizes-mib 16 64 160 256 --chunk-mib 0 --warmup 2 --iters 5 --out "$AGOQ_RESULTS/grads_socket.json"
 step eager_pp2 600 "$PY" benchmarks/bench_pretrain.py --suite graphs_pp2 --skip manual_gc /graphs --rounds 3 \
   --timeout 150 --out "$AGOQ_RESULTS/pretrain_eager_pp2.json"
-step profile_pp2 600 profile_pair 2 step_profile_pp2 --global-batch-size 16 --pipeline-model-parallel-size 2
+step profile_pp2 600 bash benchmarks/device/profile_pair.sh 2 step_profile_pp2 --global-batch-size 16 --pipeline-model-parallel-size 2
 step graphs_pp2 600 "$PY" benchmarks/bench_pretrain.py --suite graphs_pp2 --timeout 150 \
   --out "$AGOQ_RESULTS/pretrain_graphs_pp2.json"
 mkdir -p "$AGOQ_RESULTS/graph_reports"

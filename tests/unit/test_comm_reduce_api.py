@@ -44,3 +44,19 @@ def test_single_rank_reference_is_a_quantization_round_trip():
     assert torch.equal(ref_reduce_scatter_8bit([x], "int8_b256")[0], once)  # no requantization
     twice = ref_dequantize(ref_quantize(once, "int8_b256"))
     assert torch.equal(ref_allreduce_8bit([x], "int8_b256")[0], twice)
+
+
+def test_the_stores_all_reduce_takes_the_gather_route_only_where_it_sends_no_more_bytes():
+    """At W = 2 one all-gather per chunk sends exactly the all-to-all + all-gather's bytes; above it sends W / 2
+    times more (agoq.comm.reduce.GATHER_ROUTE_MAX_WORLD's measurements). Both routes leave the same bits
+    (tests/dist/test_comm_reduce.py)."""
+    from agoq.comm.reduce import (
+        GATHER_ROUTE_MAX_WORLD,
+        allreduce_blocks_,
+        allreduce_blocks_gather_,
+        stored_allreduce_route,
+    )
+
+    assert GATHER_ROUTE_MAX_WORLD == 2
+    assert [stored_allreduce_route(w) for w in (1, 2, 3, 4, 8)] == [allreduce_blocks_gather_] * 2 + [
+        allreduce_blocks_] * 3
