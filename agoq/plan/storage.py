@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from agoq.formats import QuantFormat
-from agoq.policy import LAYER_ROLES, PolicySpec, ScheduleInfo, Site, resolve
+from agoq.policy import LAYER_ROLES, PolicySpec, ScheduleInfo, Site, resolve, resolve_name
 
 MEGATRON = "megatron"  # saved by Megatron as usual (bf16 / training dtype)
 QUANTIZED = "quantized"  # agoq stores a quantized copy
@@ -95,6 +95,79 @@ def layer_storage(policy: PolicySpec, site_of: Callable[[str], Site], schedule: 
     for role in ATTENTION_INTERNALS:
         put(role, NOT_APPLIED if requested[role].quantized else MEGATRON)
     return LayerStorage(site_of("norm.input").layer_idx, roles)
+
+
+# Why a layer role stores nothing of its own, for a rule that names it (check_requests_take_effect)
+_WHY_RECOMPUTED = {
+    "attn.qkv_input": ("norm.input", "the input pre-norm is recomputed in backward and QKV rebuilds its input from the "
+                       "norm's stored input"),
+    "mlp.fc1_input": ("norm.input", "the pre-MLP norm is recomputed in backward and fc1 rebuilds its input from the "
+                      "norm's stored input"),
+    "mlp.fc2_input": ("mlp.swiglu_input", "SwiGLU is recomputed in backward and fc2 rebuilds its input from SwiGLU's "
+                      "stored input"),
+}
+
+
+@dataclass(frozen=True)
+class IneffectiveRequest:
+    """A rule that names ``role`` and decides it somewhere, but where it decides, the role stores nothing of
+    what it asks (``how``: RECOMPUTED or NOT_APPLIED at every such site)."""
+
+    rule: int
+    role: str
+    requested: str
+    how: str
+
+    def message(self, source: str) -> str:
+        head = (f"{source}: rules[{self.rule}] sets activations: {self.requested} for {self.role}, which never "
+                "takes effect in this model and layout: ")
+        if self.how == NOT_APPLIED:
+            internals = ", ".join(ATTENTION_INTERNALS)
+            return head + (f"agoq does not quantize the attention kernel's saved tensors ({internals}); they are "
+                           "kept as the kernel saves them. Set them to bf16 or delete "
+                           f"{self.role} from rules[{self.rule}].when.role")
+        cause, why = _WHY_RECOMPUTED[self.role]
+        return head + (f"wherever it decides, {cause} is quantized, so {why} (nothing of {self.role} is stored, "
+                       f"whatever its format). Delete {self.role} from rules[{self.rule}].when.role, or keep "
+                       f"{cause} in bf16 for those layers (a rule for {cause} before it) if {self.role} should "
+                       "be saved as asked")
+
+
+def ineffective_requests(policy: PolicySpec, sites: list[Site],
+                         schedule: ScheduleInfo | None) -> list[IneffectiveRequest]:
+    """The (rule, role) pairs of rules that name a layer role in ``when.role`` and decide it at some site of
+    ``sites`` (pass every site of the model: ``agoq.policy.model_sites``), but at none of those sites does the role
+    store what the rule asks: it is recomputed from another role's stored tensor, or a quantized format is asked of an
+    attention internal. A rule without ``role`` (layers, stages) is left alone: it sets every role by design."""
+    by_layer: dict[int, dict[str, Site]] = {}
+    for site in sites:
+        if site.layer_idx is not None and site.role in LAYER_ROLES:
+            by_layer.setdefault(site.layer_idx, {})[site.role] = site
+    outcomes: dict[tuple[int, str], tuple[str, set[str]]] = {}
+    rules = {rule.index: rule for rule in policy.rules}
+    for roles in by_layer.values():
+        storage = layer_storage(policy, roles.__getitem__, schedule)
+        for role, site in roles.items():
+            source = resolve_name(policy, site, schedule)[1]
+            if not source.startswith("rules["):
+                continue
+            index = int(source[len("rules["):source.index("]")])
+            named = rules[index].when.roles
+            if named is None or role not in named:
+                continue
+            entry = outcomes.setdefault((index, role), (rules[index].activations, set()))
+            entry[1].add(storage.roles[role].how)
+    return [IneffectiveRequest(index, role, requested, next(iter(hows)) if len(hows) == 1 else RECOMPUTED)
+            for (index, role), (requested, hows) in sorted(outcomes.items())
+            if hows <= {RECOMPUTED, NOT_APPLIED}]
+
+
+def check_requests_take_effect(policy: PolicySpec, sites: list[Site], schedule: ScheduleInfo | None) -> None:
+    """Raise ValueError naming the policy file, the rule, the role and the fix when a rule's explicit request for a
+    role never takes effect (:func:`ineffective_requests`): a policy does nothing silently."""
+    bad = ineffective_requests(policy, sites, schedule)
+    if bad:
+        raise ValueError("\n".join(b.message(policy.source) for b in bad))
 
 
 @dataclass(frozen=True)

@@ -325,3 +325,17 @@ def check_policy_rules(args: argparse.Namespace, spec) -> None:
         return  # reported by the layout check
     schedule = ScheduleInfo(pp_size=args.pipeline_model_parallel_size, vp_size=args.vpp, num_microbatches=chunks)
     check_rules_used(spec, model_sites(args.num_layers, schedule))
+
+
+def check_policy_requests(args: argparse.Namespace, num_microbatches: int) -> None:
+    """Every role a rule of the run's policy names explicitly stores what the rule asks somewhere in this model and
+    layout (agoq.plan.storage.check_requests_take_effect: e.g. attn.qkv_input while norm.input is quantized is
+    recomputed whatever its format). Needs the micro-batches per step (the auto ladder's formats depend on them), so
+    it runs once the world size is known: the script's preflight and the trainer."""
+    if args.agoq_disable or args.num_layers % (args.pipeline_model_parallel_size * (args.vpp or 1)):
+        return
+    from agoq.plan.storage import check_requests_take_effect
+
+    schedule = ScheduleInfo(pp_size=args.pipeline_model_parallel_size, vp_size=args.vpp,
+                            num_microbatches=num_microbatches)
+    check_requests_take_effect(args.agoq_config.policy.spec, model_sites(args.num_layers, schedule), schedule)

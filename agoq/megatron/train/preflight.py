@@ -1,13 +1,14 @@
 """What ``scripts/pretrain_llama.py`` checks before torch and megatron load, once the world size is known: the
-parallel layout (:func:`check_layout`), the batch sizes (:func:`microbatch_count`, also called by the trainer) and,
-with --data-path, the tokenizer and every dataset (:func:`preflight`).
+parallel layout (:func:`check_layout`), the batch sizes (:func:`microbatch_count`, also called by the trainer), the
+policy's explicit requests against this layout (``check_policy_requests``) and, with --data-path, the tokenizer and
+every dataset (:func:`preflight`).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from agoq.megatron.train.checks import data_blend
+from agoq.megatron.train.checks import check_policy_requests, data_blend
 from agoq.megatron.train.optim_args import check_release_flags
 
 
@@ -54,8 +55,9 @@ def preflight(args: argparse.Namespace, world_size: int) -> None:
     --data-path the tokenizer and every dataset (headers, sizes, splits, token ids: agoq.data.indexed)."""
     check_layout(args, world_size)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    microbatch_count(args.global_batch_size, args.micro_batch_size, tp, pp, args.vpp, world_size)
+    microbatches = microbatch_count(args.global_batch_size, args.micro_batch_size, tp, pp, args.vpp, world_size)
     check_release_flags(args, data_parallel=world_size // (tp * pp))
+    check_policy_requests(args, microbatches)
     blend = data_blend(args.data_path)
     if blend:
         from agoq.data.indexed import check_split, check_token_ids, check_tokenizer_record, read_index

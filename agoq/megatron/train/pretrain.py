@@ -37,6 +37,7 @@ from agoq.megatron.model import ParallelLayout
 from agoq.megatron.optimizer import build_agoq_optimizer
 from agoq.megatron.resume import RECORD_KEY, run_record, schedule_line
 from agoq.megatron.train import environment, memory_report, training
+from agoq.megatron.train.checks import check_policy_requests
 from agoq.megatron.train.flops import tflops_per_gpu, training_flops_per_iteration
 from agoq.megatron.train.manual_gc import ManualGC
 from agoq.megatron.train.optim_args import check_release_flags
@@ -230,6 +231,7 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     check_layout(args, info.world_size)  # the script checked it before torch loaded; callers of pretrain() may not
     check_release_flags(args, data_parallel=info.world_size // (layout.tp * layout.pp))
     microbatches = num_microbatches(args, layout, info.world_size)
+    check_policy_requests(args, microbatches)  # the script's preflight did too; callers of pretrain() may not
     print_rank0(versions_line())
     print_rank0(f"device: {info.device} | world size {info.world_size} | tp {layout.tp} pp {layout.pp} "
                 f"vpp {layout.vpp or 1} dp {info.world_size // (layout.tp * layout.pp)} | "
