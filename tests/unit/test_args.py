@@ -316,3 +316,17 @@ def test_manual_gc_flags_as_megatron_lm_and_from_a_config_file(tmp_path, capsys)
     assert (args.manual_gc, args.manual_gc_eval) == (True, False)
     cfg.write_text("manual_gc_eval: 'no'\n")
     assert "manual_gc_eval (--no-manual-gc-eval) is a switch" in _error(capsys, ["--config", str(cfg)])
+
+
+def test_the_config_files_unused_settings_are_named_for_the_start_up_line():
+    """A model config's Adam betas under --agoq-optimizer lion / sgd, and its save interval without --save, stay in
+    the file for the runs that use them: not an error, but said (the trainer prints args.config_file_unused)."""
+    from agoq.testing.procs import REPO_ROOT
+
+    config = ["--config", str(REPO_ROOT / "configs" / "model" / "llama-125m.yaml")]
+    assert parse_args(config).config_file_unused == ["save_interval 1000 (checkpoints are saved only with --save DIR)"]
+    lion = parse_args([*config, "--agoq-optimizer", "lion", "--save", "/tmp/x"]).config_file_unused
+    assert lion == ["adam_beta1, adam_beta2, adam_eps (Adam's; --agoq-optimizer lion takes --agoq-lion-beta1 and "
+                    "--agoq-lion-beta2 (and no eps))"]
+    assert parse_args([*config, "--agoq-optimizer", "adamw", "--save-interval", "5", "--save", "/tmp/x"]
+                      ).config_file_unused == []  # given on the command line: the command line's checks apply

@@ -32,6 +32,7 @@ from agoq.megatron.train.checks import (
     check_unused_flags,
     data_blend,
     given_on_command_line,
+    unused_file_settings,
     validate,
 )
 from agoq.megatron.train.config_file import load_config_file
@@ -83,6 +84,7 @@ def parse_args(argv: list[str] | None = None, *, quiet: bool = False,
         check_fc2_amax_flag(args)
         command_line = given_on_command_line(argv)
         check_unused_flags(args, command_line | file_keys, command_line)
+        args.config_file_unused = unused_file_settings(args, file_keys, command_line)  # said at start-up
     except ValueError as exc:
         parser.error(str(exc))
     return args

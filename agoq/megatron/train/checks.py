@@ -254,6 +254,21 @@ def _check_adam_flags(args: argparse.Namespace, given: set[str], command_line: s
                          f"{OWN_FLAGS[args.agoq_optimizer]}; drop {flags} (or use --agoq-optimizer adamw)")
 
 
+def unused_file_settings(args: argparse.Namespace, file_keys: set[str], command_line: set[str]) -> list[str]:
+    """The --config file's settings this run does not use, each with why, for one start-up line: the shipped model
+    configs carry Adam's betas and a save interval for the runs that use them, so a run that does not (lion / sgd,
+    no --save) is not an error, but it is said (nothing is ignored silently). Settings the command line also gives
+    are the command line's to check (``check_unused_flags`` refuses those)."""
+    from_file = file_keys - command_line
+    notes = []
+    if args.agoq_optimizer in OWN_FLAGS and (adam := [k for k in ADAM_FLAGS if k in from_file]):
+        notes.append(f"{', '.join(adam)} (Adam's; --agoq-optimizer {args.agoq_optimizer} takes "
+                     f"{OWN_FLAGS[args.agoq_optimizer]})")
+    if "save_interval" in from_file and not args.save:
+        notes.append(f"save_interval {args.save_interval} (checkpoints are saved only with --save DIR)")
+    return notes
+
+
 def _check_float_grads_name(args: argparse.Namespace) -> None:
     """A float name for the gradients (FLOAT_GRADS: agoq's 8-bit gradients off) must be the gradient buffer this run
     keeps: fp32 (Megatron's default, and with --fp32), or bf16 with --grad-reduce-in-bf16. ``--agoq-grads bf16``

@@ -233,6 +233,8 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     microbatches = num_microbatches(args, layout, info.world_size)
     check_policy_requests(args, microbatches)  # the script's preflight did too; callers of pretrain() may not
     print_rank0(versions_line())
+    if unused := getattr(args, "config_file_unused", None):  # parse_args fills it (callers of pretrain() may not)
+        print_rank0(f"--config {args.config}: not used by this run: {'; '.join(unused)}")
     print_rank0(f"device: {info.device} | world size {info.world_size} | tp {layout.tp} pp {layout.pp} "
                 f"vpp {layout.vpp or 1} dp {info.world_size // (layout.tp * layout.pp)} | "
                 f"micro-batches per step {microbatches}")
