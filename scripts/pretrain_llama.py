@@ -97,9 +97,9 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
 
 
 def train_valid_test_datasets_provider(args):
-    """(tokenizer, factory(consumed_samples, consumed_valid_samples) -> (train, valid) micro-batch iterators).
+    """(tokenizer, factory(consumed_samples, consumed_valid_samples) -> (train, valid, test) micro-batch iterators).
 
-    Rank 0 builds caches first; ``valid`` is None without --eval-interval."""
+    Rank 0 builds caches first; ``valid`` and ``test`` are None without --eval-interval (or with --eval-iters 0)."""
     cache_dir = Path(args.data_cache_dir or os.environ.get("AGOQ_CACHE") or mdata.default_cache_dir())
     if args.data_path:  # checked with the tokenizer before torch loaded (agoq.megatron.train.preflight)
         blend, tokenizer_path = data_blend(args.data_path), Path(args.tokenizer_model)
@@ -117,7 +117,7 @@ def train_valid_test_datasets_provider(args):
     eval_iters = args.eval_iters if args.eval_interval else 0
 
     def factory(consumed_samples: int, consumed_valid_samples: int):
-        train_iter, valid_iter, _ = mdata.build_data_iterators(
+        train_iter, valid_iter, test_iter = mdata.build_data_iterators(
             blend, tokenizer,
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
             global_batch_size=args.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
@@ -126,7 +126,7 @@ def train_valid_test_datasets_provider(args):
             eval_iters=eval_iters, eval_interval=args.eval_interval, consumed_valid_samples=consumed_valid_samples,
             is_built_on_rank=lambda: True,
         )
-        return train_iter, valid_iter
+        return train_iter, valid_iter, test_iter
 
     return tokenizer, factory
 

@@ -92,16 +92,25 @@ def test_int8_grads_dp2_distopt_track_float_grads(env):
 
 def test_validation_loss_is_reported_and_resumes_on_the_same_batches(env, tmp_path):
     """--eval-interval: forward-only validation on the valid split; a resumed run evaluates the same
-    validation batches (the valid iterator restarts where the uninterrupted run would be)."""
+    validation batches (the valid iterator restarts where the uninterrupted run would be); the test split is
+    evaluated once, when training completes, and a resumed run that completes reports the same test loss."""
     import re
 
     def validation(stdout: str) -> dict[int, float]:
         return {int(m[1]): float(m[2]) for m in re.finditer(r"validation at iteration (\d+) \| lm loss: (\S+)", stdout)}
 
+    def test_split(stdout: str) -> list[tuple[int, float]]:
+        return [(int(m[1]), float(m[2])) for m in re.finditer(r"^test at iteration (\d+) \| lm loss: (\S+)", stdout,
+                                                              flags=re.M)]
+
     args = TINY + ["--pipeline-model-parallel-size", "2", "--train-iters", "4", "--lr-warmup-iters", "1",
                    "--eval-interval", "2", "--eval-iters", "1"]
-    full = validation(run_pretrain(2, args, env=env).stdout)
+    full_run = run_pretrain(2, args, env=env).stdout
+    full = validation(full_run)
     assert sorted(full) == [2, 4] and full[4] < full[2]  # it learns on held-out text
+    # the test split once, when training completes (Megatron-LM): other batches than the validation's
+    tested = test_split(full_run)
+    assert [it for it, _ in tested] == [4] and tested[0][1] != full[4] and tested[0][1] < full[2] + 1.0
     ckpt = tmp_path / "ckpt"
     # first run of a job that always passes --load: the directory does not exist yet (Megatron-LM's behaviour)
     first = run_pretrain(2, args + ["--save", str(ckpt), "--load", str(ckpt), "--exit-interval", "2"], env=env)
@@ -110,6 +119,7 @@ def test_validation_loss_is_reported_and_resumes_on_the_same_batches(env, tmp_pa
     again = run_pretrain(2, args + ["--load", str(ckpt), "--manual-gc", "--manual-gc-interval", "1"], env=env)
     resumed = validation(again.stdout)
     assert resumed == {4: full[4]}
+    assert test_split(first.stdout) == [] and test_split(again.stdout) == tested  # stopped early: no test yet
     assert "manual garbage collection (--manual-gc): automatic collector off while training; full collection " \
            "every 1 steps; before and after each evaluation" in again.stdout
     # a save (its writer process re-imports the script) and a load print no megatron/torch warnings either;

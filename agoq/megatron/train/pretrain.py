@@ -285,9 +285,11 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
                       if args.eval_interval else 0)
     progress("building the datasets (train / valid / test splits and their sample indices, cached next to the "
              "data)")
-    pairs = [data_factory(start_state.consumed_samples, consumed_valid) for _ in range(layout.vpp or 1)]
-    iterators = [train for train, _ in pairs]
-    components_valid = [valid for _, valid in pairs] if args.eval_interval else None
+    splits = [data_factory(start_state.consumed_samples, consumed_valid) for _ in range(layout.vpp or 1)]
+    iterators = [train for train, _, _ in splits]
+    # valid: every --eval-interval iterations and at the end; test: once, when training completes (Megatron-LM)
+    components_valid = [valid for _, valid, _ in splits] if args.eval_interval else None
+    components_test = [test for _, _, test in splits] if args.eval_interval else None
     components = Components(model, optimizer, scheduler, layout,
                             flops_per_iteration=training_flops_per_iteration(shape, args.global_batch_size),
                             policy_report=report, run_record=record)
@@ -301,7 +303,8 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
         print_rank0(gc_line)
     try:
         with manual_gc.training():  # --manual-gc: Python's automatic collector off while training
-            _train_loop(args, info, components, (iterators, components_valid), microbatches, start_state,
+            _train_loop(args, info, components, (iterators, components_valid, components_test), microbatches,
+                        start_state,
                         tensorboard, stop, manual_gc)
     finally:
         tensorboard.close()
@@ -352,7 +355,7 @@ def _log_iteration(args, info, parts: Components, result, iteration, consumed, s
 def _train_loop(args, info, parts: Components, data, microbatches: int, progress, tensorboard, stop,
                 manual_gc: ManualGC) -> None:
     """The training iterations; ``manual_gc``: --manual-gc's collections (the collector is off around this call)."""
-    iterators, valid_iterators = data
+    iterators, valid_iterators, test_iterators = data
     runner = training.StepRunner(
         model_chunks=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler, device=info.device,
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
@@ -380,15 +383,9 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
                            tensorboard, eta_s)
         manual_gc.after_step(iteration)
         if valid_iterators and (iteration % args.eval_interval == 0 or iteration == args.train_iters):
-            with manual_gc.evaluation():
-                loss = runner.evaluate(valid_iterators, args.eval_iters)
-            if training.is_logging_rank():
-                print(f"validation at iteration {iteration} | lm loss: {loss:.6f} | lm loss PPL: "
-                      f"{math.exp(min(loss, 50)):.3f}", flush=True)
-                tensorboard.log_iteration({"iteration": iteration, "validation_lm_loss": loss})
-                if args.log_json:
-                    with open(args.log_json, "a") as out:
-                        out.write(json.dumps({"iteration": iteration, "validation_lm_loss": loss}) + "\n")
+            _evaluate(args, runner, valid_iterators, iteration, "validation", manual_gc, tensorboard)
+        if test_iterators and iteration == args.train_iters:  # Megatron-LM: the test split once, at the end
+            _evaluate(args, runner, test_iterators, iteration, "test", manual_gc, tensorboard)
         if iteration == progress.iteration + 1 and args.cuda_graph_impl != "none":
             _report_graphs(args, parts.model)
         if iteration in (progress.iteration + 1, args.train_iters):
@@ -413,6 +410,21 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
             break
     runner.param_gather.pause()  # the weights in memory are the updated ones when training ends (Megatron-LM)
     print_rank0(done_line(progress.iteration, iteration, args.train_iters, time.perf_counter() - start))
+
+
+def _evaluate(args, runner: training.StepRunner, iterators: list, iteration: int, split: str, manual_gc: ManualGC,
+              tensorboard) -> None:
+    """--eval-iters global batches of ``split`` ("validation" or "test"): the loss line, tensorboard and
+    --log-json (key ``<split>_lm_loss``)."""
+    with manual_gc.evaluation():
+        loss = runner.evaluate(iterators, args.eval_iters)
+    if training.is_logging_rank():
+        print(f"{split} at iteration {iteration} | lm loss: {loss:.6f} | lm loss PPL: {math.exp(min(loss, 50)):.3f}",
+              flush=True)
+        tensorboard.log_iteration({"iteration": iteration, f"{split}_lm_loss": loss})
+        if args.log_json:
+            with open(args.log_json, "a") as out:
+                out.write(json.dumps({"iteration": iteration, f"{split}_lm_loss": loss}) + "\n")
 
 
 def _report_graphs(args, model: list) -> None:
