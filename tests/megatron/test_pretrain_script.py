@@ -130,6 +130,15 @@ def test_validation_loss_is_reported_and_resumes_on_the_same_batches(env, tmp_pa
     assert "done: 2 iterations in " in again.stdout and "(resumed at iteration 2; now at 4 of 4)" in again.stdout
 
 
+def test_a_test_split_of_weight_zero_is_said_and_skipped(env):
+    """--split with no test weight: the end-of-training test evaluation has no batches; the run says so at start-up
+    and completes with its validation (it crashed in the schedule before)."""
+    proc = run_pretrain(1, TINY + ["--train-iters", "2", "--lr-warmup-iters", "1", "--eval-interval", "2",
+                                   "--eval-iters", "1", "--split", "99,1,0"], env=env)
+    assert "test split: weight 0 in --split 99,1,0: no test evaluation when training completes" in proc.stdout
+    assert "validation at iteration 2 | lm loss: " in proc.stdout and "test at iteration" not in proc.stdout
+
+
 def test_nonfinite_step_is_skipped_counted_and_training_continues(env):
     """A NaN loss at iteration 3 (fault injection) under PP=2: every rank skips that update (no
     optimizer or LR step), the skip is counted and logged, and training goes on with finite losses."""

@@ -330,3 +330,10 @@ def test_the_config_files_unused_settings_are_named_for_the_start_up_line():
                     "--agoq-lion-beta2 (and no eps))"]
     assert parse_args([*config, "--agoq-optimizer", "adamw", "--save-interval", "5", "--save", "/tmp/x"]
                       ).config_file_unused == []  # given on the command line: the command line's checks apply
+
+
+def test_eval_interval_with_an_empty_validation_split_is_refused(capsys):
+    """--split giving the valid split weight 0 left evaluation with no batches (a TypeError deep in the schedule)."""
+    err = _error(capsys, ["--eval-interval", "2", "--split", "100,0,0"])
+    assert "--eval-interval 2 evaluates the validation split, which --split 100,0,0 gives weight 0" in err, err
+    assert parse_args(["--eval-interval", "2", "--split", "99,1,0"])  # an empty test split only skips the test

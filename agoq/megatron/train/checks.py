@@ -101,7 +101,10 @@ def validate(args: argparse.Namespace) -> None:
             f"(--pipeline-model-parallel-size {args.pipeline_model_parallel_size}); pick a layer count or layout "
             "that divides evenly"
         )
-    split_weights(args.split)
+    if split_weights(args.split)[1] == 0 and args.eval_interval:
+        raise ValueError(f"--eval-interval {args.eval_interval} evaluates the validation split, which --split "
+                         f"{args.split} gives weight 0 (no validation documents); give it a weight (e.g. --split "
+                         "969,30,1), or drop --eval-interval")
     data_blend(args.data_path)
     check_release_flags(args)  # the flags alone: preflight and pretrain check the batch against the real DP size
 

@@ -290,6 +290,9 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     # valid: every --eval-interval iterations and at the end; test: once, when training completes (Megatron-LM)
     components_valid = [valid for _, valid, _ in splits] if args.eval_interval else None
     components_test = [test for _, _, test in splits] if args.eval_interval else None
+    if components_test and None in components_test:  # --split gives the test split weight 0 (every rank alike)
+        print_rank0(f"test split: weight 0 in --split {args.split}: no test evaluation when training completes")
+        components_test = None
     components = Components(model, optimizer, scheduler, layout,
                             flops_per_iteration=training_flops_per_iteration(shape, args.global_batch_size),
                             policy_report=report, run_record=record)
