@@ -267,7 +267,7 @@ def unused_file_settings(args: argparse.Namespace, file_keys: set[str], command_
     if args.agoq_optimizer in OWN_FLAGS and (adam := [k for k in ADAM_FLAGS if k in from_file]):
         notes.append(f"{', '.join(adam)} (Adam's; --agoq-optimizer {args.agoq_optimizer} takes "
                      f"{OWN_FLAGS[args.agoq_optimizer]})")
-    if "save_interval" in from_file and not args.save:
+    if "save_interval" in from_file and args.save_interval and not args.save:
         notes.append(f"save_interval {args.save_interval} (checkpoints are saved only with --save DIR)")
     return notes
 

@@ -204,7 +204,11 @@ def versions_line() -> str:
 
 def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy_report: Callable,
              storage_report: Callable) -> None:
-    """Run the whole job described by ``args`` (see agoq.megatron.train.args; ``args.agoq_config``: agoq's part)."""
+    """Run the whole job described by ``args`` (see agoq.megatron.train.args; ``args.agoq_config``: agoq's part).
+
+    ``datasets_provider(args)`` returns ``(tokenizer, factory)``; ``factory(consumed_samples, consumed_valid_samples)``
+    returns the ``(train, valid, test)`` micro-batch iterators (scripts/pretrain_llama.py's), or ``(train, valid)``
+    for a provider without a test split (no test evaluation then)."""
     config: AgoqConfig = args.agoq_config
     launch = environment.launch_from_environment()
     environment.apply_kernel_switches()
@@ -285,7 +289,8 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
                       if args.eval_interval else 0)
     progress("building the datasets (train / valid / test splits and their sample indices, cached next to the "
              "data)")
-    splits = [data_factory(start_state.consumed_samples, consumed_valid) for _ in range(layout.vpp or 1)]
+    splits = [(*made, None)[:3] for made in (data_factory(start_state.consumed_samples, consumed_valid)
+                                              for _ in range(layout.vpp or 1))]  # (train, valid[, test])
     iterators = [train for train, _, _ in splits]
     # valid: every --eval-interval iterations and at the end; test: once, when training completes (Megatron-LM)
     components_valid = [valid for _, valid, _ in splits] if args.eval_interval else None
@@ -387,8 +392,6 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
         manual_gc.after_step(iteration)
         if valid_iterators and (iteration % args.eval_interval == 0 or iteration == args.train_iters):
             _evaluate(args, runner, valid_iterators, iteration, "validation", manual_gc, tensorboard)
-        if test_iterators and iteration == args.train_iters:  # Megatron-LM: the test split once, at the end
-            _evaluate(args, runner, test_iterators, iteration, "test", manual_gc, tensorboard)
         if iteration == progress.iteration + 1 and args.cuda_graph_impl != "none":
             _report_graphs(args, parts.model)
         if iteration in (progress.iteration + 1, args.train_iters):
@@ -411,6 +414,11 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
             print_rank0(f"stopping at iteration {iteration}"
                         + (f" on the {signal_name(stop.received)}" if stop.received else " (--exit-interval)"))
             break
+    if iteration == args.train_iters:  # training complete (not stopped early): Megatron-LM's end-of-training evals
+        if valid_iterators and iteration == progress.iteration:  # resumed at the end: no step ran, none evaluated
+            _evaluate(args, runner, valid_iterators, iteration, "validation", manual_gc, tensorboard)
+        if test_iterators:  # the test split once
+            _evaluate(args, runner, test_iterators, iteration, "test", manual_gc, tensorboard)
     runner.param_gather.pause()  # the weights in memory are the updated ones when training ends (Megatron-LM)
     print_rank0(done_line(progress.iteration, iteration, args.train_iters, time.perf_counter() - start))
 
