@@ -301,6 +301,8 @@ def select_variants(suite: str, smoke: bool, only: list[str] | None, skip: list[
         if unmatched:  # as --only: a misspelt filter must not pass unnoticed
             raise SystemExit(f"--skip {unmatched}: no variant of suite {suite!r} matches")
         variants = [v for v in variants if not any(t in v["name"] for t in skip)]
+        if not variants:  # nothing to run would write no JSON and exit 0
+            raise SystemExit(f"--skip {skip}: leaves no variant of suite {suite!r} to run")
     if only:
         unmatched = [t for t in only if not any(t in v["name"] for v in variants)]
         if unmatched:  # a misspelt filter beside a good one would otherwise drop its variants silently
@@ -323,15 +325,19 @@ def round_robin(variants: list[dict], rounds: int) -> list[dict]:
 
 def rounds_summary(summaries: list[dict]) -> list[dict]:
     """Per variant (its name without the round suffix): the tokens/s medians of its rounds in run order, their
-    median, and the spread (max / min - 1) that says how far one round alone could be trusted."""
+    median, the spread (max / min - 1) that says how far one round alone could be trusted, and how many of its
+    rounds failed (a variant whose every round failed is listed with no median)."""
     by_name: dict[str, list[float]] = {}
+    failed: dict[str, int] = {}
     for s in summaries:
         base = s["name"].split(ROUND_SUFFIX)[0]
+        by_name.setdefault(base, [])
+        failed[base] = failed.get(base, 0) + bool(s.get("failed"))
         if not s.get("failed"):
-            by_name.setdefault(base, []).append(s["tokens_per_second_median"])
+            by_name[base].append(s["tokens_per_second_median"])
     return [{"name": name, "tokens_per_second_rounds": values,
-             "tokens_per_second_median_of_rounds": statistics.median(values),
-             "spread": max(values) / min(values) - 1}
+             "tokens_per_second_median_of_rounds": statistics.median(values) if values else None,
+             "spread": max(values) / min(values) - 1 if values else None, "failed_rounds": failed[name]}
             for name, values in by_name.items()]
 
 
@@ -354,6 +360,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1")
+    if args.rounds > 1 and args.suite in EQUAL_MEMORY_BUDGETS_GIB:  # its table takes single runs, not rounds
+        parser.error(f"--rounds {args.rounds}: the {args.suite} suite's equal-memory table compares single runs; "
+                     "run it without --rounds")
     if args.list:
         for variant in round_robin(select_variants(args.suite, args.smoke, args.only, args.skip), args.rounds):
             print(f"{variant['name']}\n  {variant_command(variant, Path(args.out + '.' + 'log.jsonl'))[1]}")

@@ -4,11 +4,13 @@ Issue 24: in eager mode at micro-batch 1 agoq's steps are slower than the baseli
 less (under CUDA graphs agoq is the faster one). This runs the real script (under torchrun, any layout) and
 profiles a few chosen training iterations with ``torch.profiler`` (CPU + CUDA activity), then writes per rank:
 
-- ``host_ms_per_thread``: CPU time of the profiled ops per thread (the main thread enqueues the forward, the
-  autograd engine's device thread the backward);
+- ``host_ms_per_thread``: CPU time of the profiled top-level ops per thread, keyed by the profiler's own thread
+  numbers (in these runs one holds the forward's ops: the main thread; another the backward's: the autograd
+  engine's device thread);
 - ``gpu_busy_ms`` (the union of the kernel intervals) against ``wall_ms``: a host-bound step leaves the GPU idle;
 - ``sync_calls``: counts and CPU time of the CUDA runtime calls that block the host (stream / event / device
-  synchronisations, blocking copies, cudaMalloc / cudaFree), which stop the host from running ahead;
+  synchronisations, synchronous copies, cudaMalloc / cudaFree), which stop the host from running ahead
+  (asynchronous copies and stream waits are not among them);
 - ``sync_sites``: with ``torch.cuda.set_sync_debug_mode("warn")`` during the profiled iterations, the Python
   lines that made a synchronising call, counted;
 - ``top_ops``: the ops with the most self CPU time.
@@ -16,8 +18,10 @@ profiles a few chosen training iterations with ``torch.profiler`` (CPU + CUDA ac
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_step_profile.py --iterations 6 7 \\
         --out step_profile.json -- --num-layers 16 ... --pipeline-model-parallel-size 2
 
-``--iterations`` counts the script's training iterations from 1. Everything after ``--`` is the script's own
-command line. On the CPU (no CUDA activity) it still writes the host times (a smoke check).
+``--iterations`` are consecutive training iterations of the run (the trainer's own numbering, so a resumed run
+profiles the iterations named). The report is written as soon as the last of them ends; a run that never reaches
+them exits with status 3. Everything after ``--`` is the script's own command line. On the CPU (no CUDA activity)
+it still writes the host times (a smoke check).
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import json
 import os
 import runpy
 import sys
-import threading
 import warnings
 from pathlib import Path
 
@@ -41,8 +44,15 @@ from agoq.testing.procs import PRETRAIN_SCRIPT  # noqa: E402
 
 # CUDA runtime / driver calls after which the host cannot have run ahead of the GPU (blocking)
 BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-                  "cudaMalloc", "cudaFree", "cuMemAlloc", "cuMemFree", "cudaHostAlloc", "cudaStreamWaitEvent")
+                  "cudaMalloc", "cudaFree", "cuMemAlloc", "cuMemFree", "cudaHostAlloc")
+_VERSIONED = "_v"  # driver entry points carry a version suffix (cuMemAlloc_v2)
+
+
+def _blocking(name: str) -> bool:
+    """Exact names: a prefix match would count cudaMemcpyAsync (asynchronous) as cudaMemcpy."""
+    return any(name == call or name.startswith(call + _VERSIONED) for call in BLOCKING_CALLS)
 TOP_OPS = 40
+NOT_REACHED_EXIT = 3  # the run ended before the last chosen iteration
 
 
 def _intervals_union_us(spans: list[tuple[float, float]]) -> float:
@@ -59,7 +69,6 @@ def summarise(prof, wall_s: float, sync_sites: collections.Counter) -> dict:
     events = prof.events()
     per_thread: dict[int, float] = collections.defaultdict(float)
     kernels, syncs = [], collections.defaultdict(lambda: [0, 0.0])
-    main = threading.main_thread().native_id
     for e in events:
         device_type = str(getattr(e, "device_type", ""))
         if device_type.endswith("CUDA"):
@@ -67,14 +76,13 @@ def summarise(prof, wall_s: float, sync_sites: collections.Counter) -> dict:
             continue
         if e.cpu_parent is None:  # top-level ops only: their CPU time includes their children's
             per_thread[e.thread] += e.cpu_time_total / 1e3
-        for name in BLOCKING_CALLS:
-            if e.name.startswith(name):
-                syncs[e.name][0] += 1
-                syncs[e.name][1] += e.cpu_time_total / 1e3
+        if _blocking(e.name):
+            syncs[e.name][0] += 1
+            syncs[e.name][1] += e.cpu_time_total / 1e3
     table = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:TOP_OPS]
     return {
         "wall_ms": wall_s * 1e3,
-        "host_ms_per_thread": {("main" if t == main else str(t)): round(ms, 3) for t, ms in per_thread.items()},
+        "host_ms_per_thread": {str(t): round(ms, 3) for t, ms in per_thread.items()},
         "gpu_busy_ms": _intervals_union_us(kernels) / 1e3,
         "kernels": len(kernels),
         "sync_calls": {k: {"calls": n, "cpu_ms": round(ms, 3)} for k, (n, ms) in sorted(syncs.items())},
@@ -84,24 +92,23 @@ def summarise(prof, wall_s: float, sync_sites: collections.Counter) -> dict:
     }
 
 
-def install(iterations: set[int], out: Path) -> None:
-    """Wrap StepRunner.run so that the chosen iterations run under the profiler; write the report at exit."""
-    import atexit
+def install(iterations: set[int], out: Path) -> dict:
+    """Wrap StepRunner.run so that the chosen iterations run under the profiler; the report is written when the last
+    one ends. Returns the state (its ``written`` key holds the report's path then)."""
     import time
 
     from agoq.megatron.train import training
 
-    original, state = training.StepRunner.run, {"calls": 0, "wall": 0.0, "sites": collections.Counter()}
+    original, state = training.StepRunner.run, {"wall": 0.0, "sites": collections.Counter()}
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     prof = torch.profiler.profile(activities=activities)
 
     def run(self, data_iterators):
-        state["calls"] += 1
-        if state["calls"] not in iterations:
+        if self.iteration not in iterations:  # the trainer sets the iteration each run() performs
             return original(self, data_iterators)
-        first, last = state["calls"] == min(iterations), state["calls"] == max(iterations)
+        first, last = self.iteration == min(iterations), self.iteration == max(iterations)
         if first:
             prof.start()
         cuda = torch.cuda.is_available()
@@ -121,22 +128,19 @@ def install(iterations: set[int], out: Path) -> None:
                 state["sites"][f"{Path(w.filename).name}:{w.lineno}"] += 1
         if last:
             prof.stop()
-            report = {"iterations": sorted(iterations), "rank": int(os.environ.get("RANK", "0")),
-                      **summarise(prof, state["wall"], state["sites"])}
-            state["report"] = report
-        return result
-
-    def write():
-        if "report" in state:
-            path = out.with_name(f"{out.stem}.rank{state['report']['rank']}{out.suffix}")
-            path.write_text(json.dumps(state["report"], indent=1) + "\n")
-            r = state["report"]
+            r = {"iterations": sorted(iterations), "rank": int(os.environ.get("RANK", "0")),
+                 **summarise(prof, state["wall"], state["sites"])}
+            path = out.with_name(f"{out.stem}.rank{r['rank']}{out.suffix}")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(r, indent=1) + "\n")  # now: a run killed later keeps it
+            state["written"] = path
             print(f"step_profile rank {r['rank']}: wall {r['wall_ms']:.1f} ms, gpu busy {r['gpu_busy_ms']:.1f} ms, "
                   f"host {r['host_ms_per_thread']}, syncs {r['sync_calls']}, sites {r['sync_sites']} -> {path}",
                   file=sys.stderr)
+        return result
 
     training.StepRunner.run = run
-    atexit.register(write)
+    return state
 
 
 def main(argv: list[str]) -> None:
@@ -147,10 +151,22 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--iterations", type=int, nargs="+", required=True)
     parser.add_argument("--out", type=Path, required=True, help="JSON path; one file per rank (.rankN)")
     args = parser.parse_args(argv[:cut])
-    install(set(args.iterations), args.out)
+    chosen = sorted(set(args.iterations))
+    if chosen[0] < 1 or chosen != list(range(chosen[0], chosen[-1] + 1)):
+        parser.error(f"--iterations {args.iterations}: consecutive training iterations from 1 (the wall time and the "
+                     "profile must cover the same steps)")
+    state = install(set(chosen), args.out)
     sys.argv = [str(PRETRAIN_SCRIPT), *argv[cut + 1:]]
     sys.path[0] = str(PRETRAIN_SCRIPT.parent)
-    runpy.run_path(str(PRETRAIN_SCRIPT), run_name="__main__")
+    try:
+        runpy.run_path(str(PRETRAIN_SCRIPT), run_name="__main__")
+    except SystemExit as done:
+        if done.code not in (None, 0):
+            raise
+    if "written" not in state:
+        print(f"bench_step_profile: the run ended before iteration {chosen[-1]}: nothing profiled (raise "
+              "--train-iters, or profile earlier iterations)", file=sys.stderr)
+        sys.exit(NOT_REACHED_EXIT)
 
 
 if __name__ == "__main__":

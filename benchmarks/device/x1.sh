@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU (nvidia-h100-x1 / nvidia-h200): the open one-GPU checks and suites, most urgent first.
-#   bash benchmarks/device/x1.sh [step ...]      (no step: all, in this order; ~33 minutes on one H100)
+#   bash benchmarks/device/x1.sh [step ...]      (no step: all, in this order; ~43 minutes on one H100)
 # Steps and what they settle:
 #   eager           issue 24 item 3 eager alone: baseline, agoq, bf16 and FP8 linears, 2 rounds A B A B       ~6 min
 #   profile         issue 24: where eager steps spend host time and whether they wait on the GPU, baseline / agoq  ~3 min

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Two GPUs of one host (nvidia-h100-x2 / nvidia-h200-x2): the open 2-GPU checks and suites, most urgent first.
-#   bash benchmarks/device/x2.sh [step ...]      (no step: all, in this order; ~17 minutes on two H100)
+#   bash benchmarks/device/x2.sh [step ...]      (no step: all, in this order; ~25 minutes on two H100)
 # Steps and what they settle:
 #   allreduce    issue 19 item 2: the 8-bit reductions vs NCCL on NVLink (reduce-to-owners in one launch)   ~1 min
 #   allreduce_socket  issue 19 item 3: the same over NCCL sockets (inter-node stand-in), with the all-gather floor  ~4 min

@@ -202,6 +202,8 @@ def test_skip_drops_matching_variants_and_refuses_a_filter_that_matches_nothing(
     assert [v["name"].rsplit("/", 1)[1] for v in eager] == ["eager", "eager"]
     with pytest.raises(SystemExit, match=r"--skip \['manual-gc'\]"):
         BENCH.select_variants("graphs_pp2", False, None, ["manual-gc"])
+    with pytest.raises(SystemExit, match="leaves no variant of suite 'graphs_pp2' to run"):
+        BENCH.select_variants("graphs_pp2", False, None, ["1b/"])
 
 
 def test_rounds_alternate_the_variants_and_summarise_each_over_its_rounds():
@@ -211,8 +213,11 @@ def test_rounds_alternate_the_variants_and_summarise_each_over_its_rounds():
     assert BENCH.round_robin(runs[:1], 1) == runs[:1]  # one round: the names stay as the suite gives them
     speeds = {"a": [100.0, 90.0, 110.0], "b": [50.0, 60.0, 55.0]}
     summaries = [{"name": r["name"], "tokens_per_second_median": speeds[r["name"][0]][int(r["name"][-1]) - 1]}
-                 for r in runs] + [{"name": "b #round 4", "failed": True}]
+                 for r in runs] + [{"name": "b #round 4", "failed": True}, {"name": "c #round 1", "failed": True}]
     table = {row["name"]: row for row in BENCH.rounds_summary(summaries)}
+    assert (table["b"]["failed_rounds"], table["a"]["failed_rounds"]) == (1, 0)
+    assert table["c"] == {"name": "c", "tokens_per_second_rounds": [], "tokens_per_second_median_of_rounds": None,
+                          "spread": None, "failed_rounds": 1}  # every round failed: listed, no number
     assert table["a"]["tokens_per_second_rounds"] == [100.0, 90.0, 110.0]
     assert table["a"]["tokens_per_second_median_of_rounds"] == 100.0
     assert table["b"]["tokens_per_second_median_of_rounds"] == 55.0  # the failed round is not a number
@@ -243,3 +248,6 @@ def test_step_profile_profiles_only_the_chosen_iterations_and_writes_each_ranks_
 
     if not torch.cuda.is_available():  # no CUDA activity: nothing invented
         assert report["gpu_busy_ms"] == 0 and report["kernels"] == 0
+    gap = subprocess.run([sys.executable, str(script), "--iterations", "2", "4", "--out", str(out), "--"],
+                         capture_output=True, text=True, timeout=60, env=child_env(), cwd=REPO_ROOT)
+    assert gap.returncode == 2 and "consecutive training iterations" in gap.stderr  # wall and profile: same steps

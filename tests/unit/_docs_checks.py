@@ -154,25 +154,28 @@ def _bench_pretrain_suites():
 
 
 def check_bench_only(cmd: Command, args: list[str]) -> list[str]:
-    """benchmarks/bench_pretrain.py: every ``--only`` filter matches a variant of the suite (a filter that matches
-    nothing is silently dropped by the bench as long as another one matches)."""
+    """benchmarks/bench_pretrain.py: every ``--only`` / ``--skip`` filter matches a variant of the suite (the bench
+    refuses one that matches nothing; a page should not show such a command)."""
     suite, smoke, only, i = "attention", "--smoke" in args, [], 0
+    flag_of: dict[str, str] = {}
     while i < len(args):
         word = args[i]
         if word.startswith("--suite="):
             suite = word.split("=", 1)[1]
         elif word == "--suite" and i + 1 < len(args):
             suite = args[i + 1]
-        elif word == "--only":
+        elif word in ("--only", "--skip"):
             while i + 1 < len(args) and not args[i + 1].startswith("-"):
                 only.append(args[i + 1])
+                flag_of[args[i + 1]] = word
                 i += 1
         i += 1
     suites = _bench_pretrain_suites()
     if not only or suite not in suites:  # an unknown suite is the parser's error
         return []
     names = [v["name"] for v in suites[suite](smoke)]
-    return [f"{cmd.where}: `{cmd.text}`: --only {text!r} matches no variant of suite {suite!r} (--list prints them)"
+    return [f"{cmd.where}: `{cmd.text}`: {flag_of[text]} {text!r} matches no variant of suite {suite!r} (--list prints "
+            "them)"
             for text in only if not _is_placeholder(text) and not any(text in name for name in names)]
 
 
