@@ -133,6 +133,8 @@ def build_gpt_model(config: AgoqConfig, options: GPTModelOptions, transformer_co
                       tokens_per_microbatch=options.tokens_per_microbatch)
     schedule = ScheduleInfo(pp_size=tc.pipeline_model_parallel_size, vp_size=tc.virtual_pipeline_model_parallel_size,
                             num_microbatches=num_microbatches)
+    if config.enabled:
+        _check_policy(config.policy.spec, tc.num_layers, schedule)
     spec = mmodel.agoq_layer_spec(options.attention, policy=config.policy.spec if config.enabled else None,
                                   schedule=schedule, compute=compute)
     return GPTModel(
@@ -143,6 +145,20 @@ def build_gpt_model(config: AgoqConfig, options: GPTModelOptions, transformer_co
         position_embedding_type=options.position_embedding_type, rotary_percent=options.rotary_percent,
         rotary_base=options.rotary_base, rope_scaling=options.rope_scaling, vp_stage=vp_stage,
     )
+
+
+def _check_policy(spec, num_layers: int, schedule) -> None:
+    """The policy checks scripts/pretrain_llama.py makes before training (agoq.policy.check_rules_used, a rule that
+    decides no site; agoq.plan.storage.check_requests_take_effect, a role request that never takes effect), on
+    Megatron-LM's layout; uneven layer splits are left to Megatron's own layout checks."""
+    from agoq.plan.storage import check_requests_take_effect
+    from agoq.policy import check_rules_used, model_sites
+
+    if num_layers % (schedule.pp_size * (schedule.vp_size or 1)):
+        return
+    sites = model_sites(num_layers, schedule)
+    check_rules_used(spec, sites)
+    check_requests_take_effect(spec, sites, schedule)
 
 
 # -- runtime patches --------------------------------------------------------------------------------

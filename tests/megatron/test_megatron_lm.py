@@ -195,6 +195,24 @@ def training_module():
     assert (mtt.DDP, mtt.get_megatron_optimizer, dataset_utils.compile_helpers) == originals, "a test left a patch"
 
 
+def test_the_model_provider_refuses_the_policies_the_trainer_refuses():
+    """Megatron-LM's door checks the policy as scripts/pretrain_llama.py does: a rule deciding no site, and a rule
+    naming a role it cannot change (agoq.megatron.megatron_lm._check_policy, called by the model provider)."""
+    from agoq.megatron.megatron_lm import _check_policy
+    from agoq.policy import ScheduleInfo, policy_from_dict
+
+    def spec(when: dict, fmt: str):
+        return policy_from_dict({"version": 1, "default": {"activations": "int8_b128"},
+                                 "rules": [{"when": when, "set": {"activations": fmt}}]}, source="p.yaml")
+
+    schedule = ScheduleInfo(pp_size=2, vp_size=None, num_microbatches=4)
+    with pytest.raises(ValueError, match=r"p.yaml: rules\[0\] sets activations: bf16 for mlp.fc1_input"):
+        _check_policy(spec({"role": "mlp.fc1_input"}, "bf16"), 4, schedule)
+    with pytest.raises(ValueError, match=r"p.yaml: rules\[0\] decide no site of this model"):
+        _check_policy(spec({"layers": 9}, "bf16"), 4, schedule)
+    _check_policy(spec({"role": "attn.proj_input"}, "bf16"), 4, schedule)  # takes effect: fine
+
+
 @pytest.mark.parametrize("variant", ["baseline", "agoq_default", "agoq_full"])
 def test_install_patches_what_the_config_needs_and_undo_restores_megatron(monkeypatch, training_module, variant):
     from megatron.core.distributed import DistributedDataParallel
