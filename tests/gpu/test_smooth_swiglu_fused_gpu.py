@@ -43,9 +43,13 @@ GEMM_SQNR_DB = 40.0  # module docstring
 MODEL_GRAD_FLOOR_DB = 15.0  # module docstring
 DH_ATOL = 2.0**-6  # the unfused bf16 autograd vs one fp32 rounding (tests/unit/test_smooth_swiglu_fp8.py)
 # CUDA caching allocator: sizes round up to 512 B (a few held tensors), and a cached block reused for a smaller
-# request is not split when at most 1 MiB would remain (kSmallSize), so it may count up to 1 MiB more. Either is
-# far below what the check guards (a kept silu output or bf16 z: 2 B x T x F = 11.5 MB here).
-ALLOC_SLACK = 2**20 + 4 * 512
+# request is not split when at most 1 MiB would remain (kSmallSize), so a block may count up to 1 MiB more. Two
+# large blocks enter each measurement: the held z copy (counted) and the output y (subtracted at its exact bytes,
+# while its block may be 1 MiB larger): up to 2 MiB in all. The 2026-11-27 H100 run of the per-token case measured
+# exactly that, 2,097,152 bytes over (tests/README.md). Far below what the checks guard (a kept silu output or bf16
+# z: 2 B x T x F = 11.5 MB here).
+UNSPLIT_BLOCK_SLACK = 2**20  # kSmallSize, PyTorch's CUDACachingAllocator
+ALLOC_SLACK = 2 * UNSPLIT_BLOCK_SLACK + 4 * 512
 
 
 @pytest.fixture(scope="module")
