@@ -207,10 +207,8 @@ def check_run_flags(values: dict, layout: Layout) -> None:
                          f"in {kept} (bf16 needs --grad-reduce-in-bf16; fp16 is never kept); write {kept}")
     if not values.get("agoq_gradient_release"):
         return
-    conflicts = [(optimizer == "torch", "--agoq-optimizer torch (release steps agoq's optimizer)"),
-                 (layout.distributed_optimizer, "the distributed optimizer"),
-                 (grads is not None and grads not in FLOAT_GRADS, f"--agoq-grads {grads}"),
-                 (bf16_buffer, "--grad-reduce-in-bf16"), (layout.tp > 1, f"TP={layout.tp}"),
+    # with --agoq-optimizer torch, --agoq-grads or --grad-reduce-in-bf16 AgoqConfig already refused it (config_of)
+    conflicts = [(layout.distributed_optimizer, "the distributed optimizer"), (layout.tp > 1, f"TP={layout.tp}"),
                  (layout.pp > 1, f"PP={layout.pp}"), (layout.dp > 1, f"DP={layout.dp}")]
     found = [what for hit, what in conflicts if hit]
     if found:

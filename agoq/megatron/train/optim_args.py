@@ -75,15 +75,11 @@ def check_release_flags(args: argparse.Namespace, data_parallel: int | None = No
         return
     from agoq.optim.release import check_release_compatible
 
+    # --agoq-optimizer torch, --agoq-grads and --grad-reduce-in-bf16 with release: refused by AgoqConfig itself
+    # (agoq.config: OptimizerOptions / AgoqConfig), which the trainer and python -m agoq.plan both build
     flags = [
-        (args.agoq_optimizer == "torch", "--agoq-optimizer torch (release steps agoq's optimizer inside backward: "
-                                         "use --agoq-optimizer adamw, lion or sgd)"),
         (args.use_distributed_optimizer, "--use-distributed-optimizer (it shards a gradient buffer that release "
                                          "does not have)"),
-        (getattr(args, "agoq_grads", None) is not None, f"--agoq-grads {getattr(args, 'agoq_grads', None)} (8-bit "
-                                                        "gradients live in a gradient buffer; release keeps none)"),
-        (getattr(args, "grad_reduce_in_bf16", False), "--grad-reduce-in-bf16 (there is no gradient buffer to keep "
-                                                      "in bf16; release's gradients are the params' dtype already)"),
         (args.tensor_model_parallel_size > 1, f"--tensor-model-parallel-size {args.tensor_model_parallel_size} "
                                               "(needs 1)"),
         (getattr(args, "overlap_grad_reduce", False), "--overlap-grad-reduce (there is no gradient reduction to "
