@@ -151,14 +151,13 @@ def _check_policy(spec, num_layers: int, schedule) -> None:
     """The policy checks scripts/pretrain_llama.py makes before training (agoq.policy.check_rules_used, a rule that
     decides no site; agoq.plan.storage.check_requests_take_effect, a role request that never takes effect), on
     Megatron-LM's layout; uneven layer splits are left to Megatron's own layout checks."""
-    from agoq.plan.storage import check_requests_take_effect
+    from agoq.plan.storage import check_requests_on_model
     from agoq.policy import check_rules_used, model_sites
 
     if num_layers % (schedule.pp_size * (schedule.vp_size or 1)):
         return
-    sites = model_sites(num_layers, schedule)
-    check_rules_used(spec, sites)
-    check_requests_take_effect(spec, sites, schedule)
+    check_rules_used(spec, model_sites(num_layers, schedule))
+    check_requests_on_model(spec, num_layers, schedule)
 
 
 # -- runtime patches --------------------------------------------------------------------------------

@@ -48,8 +48,8 @@ from agoq.plan.memory import Layout, ModelShape
 from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report, grad_bytes_per_param
 from agoq.plan.recipe import recipe_of
 from agoq.plan.request import AGOQ_FLAGS, PLANNER_FP8_RECIPES, PlanRequest, flag_name
-from agoq.plan.storage import check_requests_take_effect
-from agoq.policy import SMOOTH_SWIGLU_MODES, ScheduleInfo, load_policy, model_sites
+from agoq.plan.storage import check_requests_on_model
+from agoq.policy import SMOOTH_SWIGLU_MODES, ScheduleInfo, load_policy
 
 POLICY_DIR = Path(__file__).resolve().parents[2] / "configs" / "policy"
 DEFAULT_CANDIDATES = ("bf16", "int8", "agoq", "int4", "aggressive")
@@ -322,9 +322,8 @@ def run_plan(request: PlanRequest) -> int:
     try:
         candidates = [(p.stem, load_policy(p)) for p in paths]  # PolicyError names the file and the fix
         schedule = ScheduleInfo(layout.pp, layout.vpp, layout.num_microbatches)
-        if values["num_layers"] % (layout.pp * (layout.vpp or 1)) == 0:  # uneven splits: the layout check's
-            for _, policy in candidates:  # as the trainer refuses them: a rule naming a role it cannot change
-                check_requests_take_effect(policy, model_sites(values["num_layers"], schedule), schedule)
+        for _, policy in candidates:  # as the trainer refuses them: a rule naming a role it cannot change
+            check_requests_on_model(policy, values["num_layers"], schedule)
         budget = request.memory_budget_bytes
         # a candidate's own fp8 / default grads sections change its run as the trainer would apply them (they were
         # planned as the flags' run: float gradients for a policy that stores them in 8 bits)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from agoq.formats import QuantFormat
-from agoq.policy import LAYER_ROLES, PolicySpec, ScheduleInfo, Site, resolve, resolve_name
+from agoq.policy import LAYER_ROLES, PolicySpec, ScheduleInfo, Site, model_sites, resolve, resolve_name
 
 MEGATRON = "megatron"  # saved by Megatron as usual (bf16 / training dtype)
 QUANTIZED = "quantized"  # agoq stores a quantized copy
@@ -160,6 +160,15 @@ def ineffective_requests(policy: PolicySpec, sites: list[Site],
     return [IneffectiveRequest(index, role, requested, next(iter(hows)) if len(hows) == 1 else RECOMPUTED)
             for (index, role), (requested, hows) in sorted(outcomes.items())
             if hows <= {RECOMPUTED, NOT_APPLIED}]
+
+
+def check_requests_on_model(policy: PolicySpec, num_layers: int, schedule: ScheduleInfo) -> None:
+    """:func:`check_requests_take_effect` on every site of a uniformly split model (``agoq.policy.model_sites``);
+    an uneven split is left to the layout checks, which refuse it first. The trainer's preflight, the trainer,
+    Megatron-LM's model provider and ``python -m agoq.plan`` call this one."""
+    if num_layers % (schedule.pp_size * (schedule.vp_size or 1)):
+        return
+    check_requests_take_effect(policy, model_sites(num_layers, schedule), schedule)
 
 
 def check_requests_take_effect(policy: PolicySpec, sites: list[Site], schedule: ScheduleInfo | None) -> None:

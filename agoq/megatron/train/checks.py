@@ -350,10 +350,10 @@ def check_policy_requests(args: argparse.Namespace, num_microbatches: int) -> No
     layout (agoq.plan.storage.check_requests_take_effect: e.g. attn.qkv_input while norm.input is quantized is
     recomputed whatever its format). Needs the micro-batches per step (the auto ladder's formats depend on them), so
     it runs once the world size is known: the script's preflight and the trainer."""
-    if args.agoq_disable or args.num_layers % (args.pipeline_model_parallel_size * (args.vpp or 1)):
+    if args.agoq_disable:
         return
-    from agoq.plan.storage import check_requests_take_effect
+    from agoq.plan.storage import check_requests_on_model
 
     schedule = ScheduleInfo(pp_size=args.pipeline_model_parallel_size, vp_size=args.vpp,
                             num_microbatches=num_microbatches)
-    check_requests_take_effect(args.agoq_config.policy.spec, model_sites(args.num_layers, schedule), schedule)
+    check_requests_on_model(args.agoq_config.policy.spec, args.num_layers, schedule)

@@ -119,7 +119,8 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
                         "tokenizer.json (required with --data-path)")
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights")
     g.add_argument("--eval-interval", type=int, default=None,
-                   help="validation loss every N iterations and at the end (default: no evaluation)")
+                   help="validation loss every N iterations and at the end, and the test split's once when training "
+                        "completes (Megatron-LM's; default: no evaluation)")
     g.add_argument("--eval-iters", type=int, default=2, help="global batches per evaluation")
     g.add_argument("--data-cache-dir", default=None,
                    help="where the built-in corpus and the dataset indices are cached; default: $AGOQ_CACHE, "
