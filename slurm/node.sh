@@ -23,10 +23,15 @@ torchrun_args=(
     --max-restarts 0
 )
 
-wait_for() {  # wait for PID $1 although trapped signals interrupt `wait`; return its exit status
-    while kill -0 "$1" 2>/dev/null; do wait "$1" || true; done
-    wait "$1"   # bash keeps the status of its finished children, so this returns the real one
+wait_for() {  # wait for PID $1 although trapped signals arrive meanwhile; return its exit status
+    # Poll, and call `wait` only once the process has ended: a trapped signal that interrupts `wait` just as the
+    # child exits can make bash lose the child's status (bash 5.2: `wait` then returned -1, exit 255, or the
+    # interruption's 138; the dry run's CI flake of 2026-11-27). A trap runs after the poll's sleep, within
+    # WAIT_POLL_S.
+    while kill -0 "$1" 2>/dev/null; do sleep "$WAIT_POLL_S" || true; done
+    wait "$1"   # the child has ended: bash returns the status it kept
 }
+WAIT_POLL_S=0.5
 relay() {  # $1 = signal name
     echo "agoq node ${SLURM_NODEID} (${SLURMD_NODENAME:-$(hostname)}): relaying SIG$1 to the training processes"
     if command -v pkill >/dev/null; then
