@@ -39,6 +39,13 @@ median is reported):
   agoq_peer_store_reduce_to_owners_via_fp32  the same through an fp32 chunk and a separate quantize (the path
                                        before the in-place reduction; still taken for shared/touched blocks)
 
+Two timings per case (--timing both, the default on GPUs). ``ms``: one call from an idle GPU, so the host's enqueue
+time (Python, launches) is part of it, as when a reduction is issued with nothing queued ahead of it. ``device_ms``:
+the same call with a GPU sleep enqueued before the start event, long enough for the host to finish enqueuing
+first (checked per run, ``device_clean``): the GPU's own time, which is what a training step pays when Megatron
+issues a bucket's reduction during backward with the GPU still busy. ``host_enqueue_ms`` is the host's side.
+Both are reported; the targets are judged on each.
+
 Correctness, on every size: all ranks hold bit-identical agoq all-reduce results, and the relative L2
 error vs the fp32 NCCL all-reduce is below MAX_REL_ERR. At sizes <= --exact-check-mib every rank also
 rebuilds all ranks' inputs (seeded) and checks the fused GPU path bit for bit against the plain-PyTorch
@@ -96,6 +103,13 @@ LINK_GBPS = [25, 50, 100, 200, 400]  # inter-node (IB/RoCE 200-400 Gb/s = 25-50 
 # int8_b256 all-reduce of N(0,1) gradients: ~1 % relative L2 error (docs/grads.md, W = 2..8); 2 % flags
 # a broken path (a lost scale or a wrong shard gives O(100 %)) without flaking on a correct one.
 MAX_REL_ERR = 0.02
+# Device time (--timing both): torch.cuda._sleep keeps the GPU busy while the host enqueues a case. The sleep is
+# the case's host enqueue time (measured by the latency runs) times DEVICE_SLEEP_FACTOR plus DEVICE_SLEEP_MARGIN_MS,
+# so that the host finishes first (checked per run: a run where it did not is reported as not clean).
+CALIBRATION_CYCLES = 10_000_000  # ~5 ms at H100 clocks: long enough that launch jitter is < 1 % of the calibration
+DEVICE_SLEEP_FACTOR = 2.0
+DEVICE_SLEEP_MARGIN_MS = 0.3
+WARMUP_SLEEP_MS = 20.0  # the warm-up runs' sleep: above any case's host enqueue time seen (NCCL-transport routes ~2 ms)
 
 
 def _timer(device: torch.device):
@@ -113,6 +127,55 @@ def _timer(device: torch.device):
             fn()
             return (time.perf_counter() - t0) * 1e3
     return run
+
+
+def _sleep_cycles_per_ms(device: torch.device) -> float:
+    """GPU clock cycles per millisecond of torch.cuda._sleep on this device (calibrated once per run)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(CALIBRATION_CYCLES)  # first call: warm the launch
+    start.record()
+    torch.cuda._sleep(CALIBRATION_CYCLES)
+    end.record()
+    torch.cuda.synchronize()
+    return CALIBRATION_CYCLES / start.elapsed_time(end)
+
+
+def _device_run(fn, sleep_cycles: int) -> tuple[float, float, bool]:
+    """(device ms, host enqueue ms, clean) of one run with the host's enqueue hidden behind a GPU sleep: the events
+    around ``fn`` time only the GPU's work when the host finished enqueuing before the sleep ended (``clean``;
+    a case that waits on the host inside, e.g. a host synchronisation, shows as not clean)."""
+    slept, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    t0 = time.perf_counter()
+    slept.record()
+    torch.cuda._sleep(sleep_cycles)
+    start.record()
+    t1 = time.perf_counter()
+    fn()
+    host_done = time.perf_counter()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end), (host_done - t1) * 1e3, (host_done - t0) * 1e3 < slept.elapsed_time(start)
+
+
+def _median_device_ms(fn, warmup: int, iters: int, cycles_per_ms: float) -> tuple[float, float, bool]:
+    """Device-time median (the slowest rank's), host enqueue median (the slowest rank's), every run clean on
+    every rank. The warm-up runs sleep WARMUP_SLEEP_MS and measure the host's enqueue time, which sizes the sleep
+    of the timed runs (the same on every rank: the slowest host's)."""
+    host = []
+    for _ in range(max(1, warmup)):
+        dist.barrier()
+        host.append(_device_run(fn, int(WARMUP_SLEEP_MS * cycles_per_ms))[1])
+    t = torch.tensor([max(host)], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    sleep_cycles = int((DEVICE_SLEEP_FACTOR * float(t) + DEVICE_SLEEP_MARGIN_MS) * cycles_per_ms)
+    runs = []
+    for _ in range(iters):
+        dist.barrier()
+        runs.append(_device_run(fn, sleep_cycles))
+    t = torch.tensor([statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
+                      float(not all(r[2] for r in runs))], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0]), float(t[1]), not bool(t[2])
 
 
 def _median_ms(fn, device, warmup: int, iters: int) -> float:
@@ -229,13 +292,20 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
         name = "agoq_allreduce_fp32" + (f"_c{mib}" if mib else "")
         chunk = mib << 20 if mib else None
         cases[name] = (lambda c: lambda: allreduce_8bit(work["fp32"], fmt=fmt, chunk_bytes=c))(chunk)
-    ms = {}
+    ms, device_ms, host_ms, clean = {}, {}, {}, {}
     for name, fn in cases.items():
         work.update(fp32=x32.clone(), bf16=x16.clone())
         if name.startswith("agoq_peer_store"):  # the stored gradient (values grow in place; timing is value-blind)
             peer_store.codes_u8.copy_(codes)
             peer_store.scales.copy_(scales)
         ms[name] = _median_ms(fn, device, args.warmup, args.iters)
+        if args.cycles_per_ms:
+            work.update(fp32=x32.clone(), bf16=x16.clone())
+            if name.startswith("agoq_peer_store"):
+                peer_store.codes_u8.copy_(codes)
+                peer_store.scales.copy_(scales)
+            device_ms[name], host_ms[name], clean[name] = _median_device_ms(fn, args.warmup, args.iters,
+                                                                           args.cycles_per_ms)
     work.clear()
     agoq_names = [n for n in ms if n.startswith("agoq_allreduce_fp32")]
     best = min(agoq_names, key=lambda n: ms[n])
@@ -261,6 +331,9 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
         "link_model": link_model(numel, world, fmt, local_ms=ms["local_quant_roundtrip"]),
         "check": check_size(numel, fmt, device, exact=size_mib <= args.exact_check_mib),
     }
+    if device_ms:
+        row.update(device_ms=device_ms, host_enqueue_ms=host_ms, device_clean=clean,
+                   device_speedups=device_speedups(device_ms))
     if args.peer:
         row.update({
             "peer_speedup_vs_allreduce_fp32": ms["nccl_allreduce_fp32"] / ms["agoq_peer_allreduce_fp32"],
@@ -286,6 +359,26 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
         del peer_store
         row["check"]["ok"] = row["check"]["ok"] and row["check"]["peer_ok"]
     return row
+
+
+# (name, agoq case, NCCL case): the ratios reported on device time (NCCL time / agoq time)
+DEVICE_RATIOS = [
+    ("store_ar_vs_allreduce_fp32", "agoq_peer_store_allreduce", "nccl_allreduce_fp32"),
+    ("store_ar_vs_allreduce_bf16", "agoq_peer_store_allreduce", "nccl_allreduce_bf16"),
+    ("store_owners_vs_reduce_scatter_fp32", "agoq_peer_store_reduce_to_owners", "nccl_reduce_scatter_fp32"),
+    ("store_owners_vs_reduce_scatter_bf16", "agoq_peer_store_reduce_to_owners", "nccl_reduce_scatter_bf16"),
+    ("fp32_input_ar_vs_allreduce_fp32", "agoq_peer_allreduce_fp32", "nccl_allreduce_fp32"),
+    ("fp32_input_ar_vs_allreduce_bf16", "agoq_peer_allreduce_fp32", "nccl_allreduce_bf16"),
+    ("peer_rs_vs_reduce_scatter_fp32", "agoq_peer_reduce_scatter_fp32", "nccl_reduce_scatter_fp32"),
+    ("peer_rs_vs_reduce_scatter_bf16", "agoq_peer_reduce_scatter_fp32", "nccl_reduce_scatter_bf16"),
+    ("store_gather_vs_allreduce_bf16", "agoq_store_allreduce_gather", "nccl_allreduce_bf16"),
+]
+
+
+def device_speedups(device_ms: dict) -> dict:
+    """NCCL device time / agoq device time for each of DEVICE_RATIOS whose two cases ran."""
+    return {name: device_ms[ref] / device_ms[case] for name, case, ref in DEVICE_RATIOS
+            if case in device_ms and ref in device_ms}
 
 
 def _peer_store_equal(peer_store, codes: torch.Tensor, scales: torch.Tensor, fmt: str) -> bool:
@@ -356,6 +449,7 @@ def run(rank: int, world: int, args) -> list[dict]:
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    args.cycles_per_ms = _sleep_cycles_per_ms(device) if device.type == "cuda" and args.timing == "both" else 0.0
     return [bench_size(s, args.format, device, args) for s in args.sizes_mib]
 
 
@@ -395,8 +489,17 @@ def summarize(rows: list[dict], check_targets: bool) -> tuple[list[str], bool]:
                 f"to owners {ms['agoq_peer_store_reduce_to_owners']:7.3f} ms "
                 f"({r['peer_store_owners_speedup_vs_reduce_scatter_fp32']:.2f}x fp32, "
                 f"{r['peer_store_owners_speedup_vs_reduce_scatter_bf16']:.2f}x bf16 RS)")
+        if "device_ms" in r:
+            dev, sp = r["device_ms"], r["device_speedups"]
+            unclean = sorted(n for n, ok in r["device_clean"].items() if not ok)
+            lines.append("      device time: " + ", ".join(f"{n} {v:.2f}x" for n, v in sp.items())
+                         + f" | store AR {dev.get('agoq_peer_store_allreduce', float('nan')):7.3f} ms, to owners "
+                         f"{dev.get('agoq_peer_store_reduce_to_owners', float('nan')):7.3f} ms"
+                         + (f" | NOT CLEAN (host still enqueuing): {unclean}" if unclean else ""))
     if check_targets:
         lines.append(target_line(rows))
+        if any("device_speedups" in r for r in rows):
+            lines.append(device_target_line(rows))
     lines.append("correctness checks passed" if ok else "CORRECTNESS CHECK FAILED")
     return lines, ok
 
@@ -414,6 +517,23 @@ def target_line(rows: list[dict]) -> str:
         if fp32 < tgt[0] or bf16 < tgt[1]:
             missed.append(r["size_mib"])
     return "targets met" if judged and not missed else f"targets missed at sizes (MiB): {missed}"
+
+
+def device_target_line(rows: list[dict]) -> str:
+    """Issue 19's NVLink targets on device time, for the store's all-reduce (vs NCCL all-reduce) and its
+    reduce-to-owners (vs NCCL reduce-scatter): the sizes missed by each, or that all are met."""
+    missed = {"store all-reduce": [], "store to owners": []}
+    for r in rows:
+        tgt = next(((f, b) for lo, f, b in TARGETS if r["size_mib"] >= lo), None)
+        sp = r.get("device_speedups", {})
+        if tgt is None or "store_ar_vs_allreduce_fp32" not in sp:
+            continue
+        for label, key in (("store all-reduce", "store_ar_vs_"), ("store to owners", "store_owners_vs_")):
+            suffix = "allreduce" if label == "store all-reduce" else "reduce_scatter"
+            if sp[f"{key}{suffix}_fp32"] < tgt[0] or sp[f"{key}{suffix}_bf16"] < tgt[1]:
+                missed[label].append(r["size_mib"])
+    return "device time: " + "; ".join(f"{k} " + (f"missed at sizes (MiB) {v}" if v else "targets met")
+                                       for k, v in missed.items())
 
 
 def _add_bus_bandwidth(rows: list[dict], world: int) -> None:
@@ -439,6 +559,10 @@ def main() -> None:
                    help="socket: NCCL over TCP sockets between the local GPUs, a stand-in for an inter-node link "
                         f"(sets {' '.join(f'{k}={v}' for k, v in SOCKET_LINK_ENV.items())})")
     p.add_argument("--no-peer", action="store_true", help="skip the NVLink peer-memory transport")
+    p.add_argument("--timing", choices=("both", "latency"), default="both",
+                   help="both (default on GPUs): each case is timed as a single call from an idle GPU (ms: host "
+                        "enqueue included) and again with the enqueue hidden behind a GPU sleep (device_ms); "
+                        "latency: the first only")
     args = p.parse_args()
     if args.link == "socket":
         os.environ.update(SOCKET_LINK_ENV)  # read by NCCL when the communicator is created
