@@ -55,7 +55,7 @@ def test_every_suite_test_path_and_script_a_plan_names_exists(plan):
 def test_lanes_name_only_steps_their_sub_plans_have():
     text = _plan_text(LANES)
     calls = re.findall(r'sub_plan (\S+) (?:"[^"]*" )?(x\d\.sh) ([\w "$]+?)(?:;|$)', text, flags=re.M)
-    assert {plan for _, plan, _ in calls} == {"x2.sh", "x4.sh"}
+    assert {plan for _, plan, _ in calls} == {"x1.sh", "x2.sh", "x4.sh"}
     for _, plan, names in calls:
         names = set(names.replace('"$suite"', "").split())
         assert names <= set(_own_steps(_plan_text(plan))), (plan, names)
@@ -86,24 +86,27 @@ def _lanes_calls(tmp_path: Path, steps: list[str]) -> tuple[list[str], list[str]
 def test_lanes_run_each_asked_step_on_its_own_gpus_in_its_phase(tmp_path):
     """The alone-phase timings run one after another before the lanes, each lane's steps see only their own GPUs,
     the 4-GPU steps see every GPU and come last, and steps nobody asked for do not run."""
-    calls, rows = _lanes_calls(tmp_path, ["allreduce", "allreduce4", "eager_pp2", "allreduce_socket", "e2e", "e2e4",
-                                          "capacity_4gpu"])
+    calls, rows = _lanes_calls(tmp_path, ["allreduce", "allreduce4", "eager_pp2", "profile_pp2", "allreduce_socket",
+                                          "gpu_tier", "e2e", "e2e4", "capacity_4gpu"])
 
     def what(line: str) -> str:  # the bench suite, the reduction's link, or the first test path
         words = line.split()
         if "--suite" in words:
             return words[words.index("--suite") + 1]
+        if "benchmarks/bench_step_profile.py" in words:
+            return "profile " + words[words.index("--nproc-per-node") + 1]
         if "benchmarks/bench_allreduce.py" in words:
             return "socket" if "socket" in words else f"nvlink x{words[words.index('--nproc-per-node') + 1]}"
         return next(w for w in words if w.startswith("tests/"))
     gpus = {what(line): line.split()[0] for line in calls}
-    assert gpus == {"nvlink x2": "0,1", "nvlink x4": "0,1,2,3", "graphs_pp2": "0,1", "socket": "0,1",
-                    "tests/e2e/test_peer_store_multigpu.py": "2,3",
+    assert gpus == {"nvlink x2": "0,1", "nvlink x4": "0,1,2,3", "graphs_pp2": "0,1", "profile 2": "0,1",
+                    "socket": "0,1", "tests/gpu": "0", "tests/e2e/test_peer_store_multigpu.py": "2,3",
                     "tests/e2e/test_layouts_multigpu.py::test_four_gpu_layouts_train_like_pp1": "all",
                     "capacity_4gpu": "0,1,2,3"}, calls
-    assert rows[:3] == ["allreduce", "allreduce4", "eager_pp2"]  # alone, in this order
-    assert sorted(rows[3:5]) == ["allreduce_socket", "e2e"]  # the lanes
-    assert rows[5:] == ["e2e4", "capacity_4gpu"]  # the 4-GPU steps wait for the lanes
+    assert rows[:4] == ["allreduce", "allreduce4", "eager_pp2", "profile_pp2"]  # alone, in this order
+    assert sorted(rows[4:7]) == ["allreduce_socket", "e2e", "gpu_tier"]  # the lanes
+    assert rows.index("allreduce_socket") < rows.index("gpu_tier")  # lane A: one after the other
+    assert rows[7:] == ["e2e4", "capacity_4gpu"]  # the 4-GPU steps wait for the lanes
 
 
 def test_lanes_run_the_4gpu_suites_only_when_named(tmp_path):
