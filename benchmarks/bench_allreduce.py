@@ -41,9 +41,10 @@ median is reported):
 
 Two timings per case (--timing both, the default on GPUs). ``ms``: one call from an idle GPU, so the host's enqueue
 time (Python, launches) is part of it, as when a reduction is issued with nothing queued ahead of it. ``device_ms``:
-the same call with a GPU sleep enqueued before the start event, long enough for the host to finish enqueuing
-first (checked per run, ``device_clean``): the GPU's own time, which is what a training step pays when Megatron
-issues a bucket's reduction during backward with the GPU still busy. ``host_enqueue_ms`` is the host's side.
+the same call with a GPU sleep and a one-element all-reduce (which lines the ranks' GPUs up) enqueued before the
+start event, the sleep long enough for the host to finish enqueuing first (checked per run, ``device_clean``): the
+GPU's own time, which is what a training step pays when Megatron issues a bucket's reduction during backward with
+the GPU still busy. ``host_enqueue_ms`` is the host's side.
 Both are reported; the targets are judged on each.
 
 Correctness, on every size: all ranks hold bit-identical agoq all-reduce results, and the relative L2
@@ -140,14 +141,18 @@ def _sleep_cycles_per_ms(device: torch.device) -> float:
     return CALIBRATION_CYCLES / start.elapsed_time(end)
 
 
-def _device_run(fn, sleep_cycles: int) -> tuple[float, float, bool]:
+def _device_run(fn, sleep_cycles: int, align: torch.Tensor) -> tuple[float, float, bool]:
     """(device ms, host enqueue ms, clean) of one run with the host's enqueue hidden behind a GPU sleep: the events
     around ``fn`` time only the GPU's work when the host finished enqueuing before the sleep ended (``clean``;
-    a case that waits on the host inside, e.g. a host synchronisation, shows as not clean)."""
+    a case that waits on the host inside, e.g. a host synchronisation, shows as not clean). A one-element NCCL
+    all-reduce after the sleep lines the ranks' GPUs up, so that the time does not include how much later one
+    rank's GPU started than another's (the first run at 2 x H100, without it, read 0.081-0.090 ms for the store's
+    reduce-to-owners at 16, 64 and 160 MiB alike, which a skew between the ranks' starts would explain)."""
     slept, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     t0 = time.perf_counter()
     slept.record()
     torch.cuda._sleep(sleep_cycles)
+    dist.all_reduce(align)
     start.record()
     t1 = time.perf_counter()
     fn()
@@ -161,17 +166,17 @@ def _median_device_ms(fn, warmup: int, iters: int, cycles_per_ms: float) -> tupl
     """Device-time median (the slowest rank's), host enqueue median (the slowest rank's), every run clean on
     every rank. The warm-up runs sleep WARMUP_SLEEP_MS and measure the host's enqueue time, which sizes the sleep
     of the timed runs (the same on every rank: the slowest host's)."""
-    host = []
+    host, align = [], torch.zeros(1, device="cuda")
     for _ in range(max(1, warmup)):
         dist.barrier()
-        host.append(_device_run(fn, int(WARMUP_SLEEP_MS * cycles_per_ms))[1])
+        host.append(_device_run(fn, int(WARMUP_SLEEP_MS * cycles_per_ms), align)[1])
     t = torch.tensor([max(host)], dtype=torch.float64, device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     sleep_cycles = int((DEVICE_SLEEP_FACTOR * float(t) + DEVICE_SLEEP_MARGIN_MS) * cycles_per_ms)
     runs = []
     for _ in range(iters):
         dist.barrier()
-        runs.append(_device_run(fn, sleep_cycles))
+        runs.append(_device_run(fn, sleep_cycles, align))
     t = torch.tensor([statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
                       float(not all(r[2] for r in runs))], dtype=torch.float64, device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

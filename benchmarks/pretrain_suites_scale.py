@@ -2,8 +2,8 @@
 and the SUITES table).
 
 Data and pipeline parallelism: ``dp2`` (issues 5/9: DP=2, distributed optimizer vs agoq's 8-bit reduction);
-``dp2_link`` and ``dp2_transport`` (issue 19: DP=2 as users run it, NVLink and a socket stand-in for an inter-node
-link; NCCL vs peer transport); ``pp2_interleaved`` and ``pp4_interleaved`` (issue 18: 1F1B vs VPP=2);
+``dp2_link``, ``dp2_socket_allreduce`` and ``dp2_transport`` (issue 19: DP=2 as users run it, NVLink and a socket
+stand-in for an inter-node link, with and without the distributed optimizer; NCCL vs peer transport); ``pp2_interleaved`` and ``pp4_interleaved`` (issue 18: 1F1B vs VPP=2);
 ``pp4_distopt`` and ``dp2_pp2`` (issue 19: PP=4 and DP=2 x PP=2 with the distributed optimizer); ``dp2_pp4_8b``
 and ``dp8`` (issue 26, 8 GPUs).
 
@@ -73,6 +73,27 @@ def dp2_link_suite(smoke: bool) -> list[dict]:
     return [{"name": f"{shape}/dp2/{link}/{name}", "nproc": 2, "args": common + batch + users + extra, "env": env}
             for link, env in links.items()
             for name, extra in {**variants, **(peer if link == "nvlink" and not smoke else {})}.items()]  # fmt: skip
+
+
+def dp2_socket_allreduce_suite(smoke: bool) -> list[dict]:
+    """Issue 19 item 3 without the distributed optimizer: the dp2_link steps on the socket stand-in only, every
+    gradient all-reduced (Megatron fp32, Megatron bf16, agoq full, whose 8-bit store is all-reduced at two ranks
+    through one all-gather of the codes, agoq.comm.reduce.stored_allreduce_route), --overlap-grad-reduce on."""
+    shape, common = "1b", SHAPES["1b"] + COMMON + ["--train-iters", "6"]
+    batch = ["--micro-batch-size", "4", "--global-batch-size", "16"]
+    env = SOCKET_LINK_ENV
+    if smoke:
+        shape, common = "tiny", SHAPES["tiny"] + COMMON[2:] + ["--seq-length", "64", "--train-iters", "4"]
+        batch, env = ["--micro-batch-size", "2", "--global-batch-size", "8"], {}
+    variants = {
+        "Megatron, fp32 reduction": ["--agoq-disable"],
+        "Megatron, bf16 reduction": ["--agoq-disable", "--grad-reduce-in-bf16"],
+        "agoq full (8-bit grads + lean optimizer), NCCL transport":
+            ["--agoq-grads", "int8_b256", "--agoq-optimizer", "adamw", "--agoq-grad-transport", "nccl"],
+    }
+    return [{"name": f"{shape}/dp2/socket link/no distributed optimizer/{name}", "nproc": 2,
+             "args": common + batch + ["--overlap-grad-reduce"] + extra, "env": env}
+            for name, extra in variants.items()]
 
 
 def dp2_transport_suite(smoke: bool) -> list[dict]:
