@@ -66,6 +66,18 @@ def _symm_mem():
     return symm_mem
 
 
+def enable_group(symm_mem, group_name: str) -> None:
+    """Register the group with symmetric memory where this torch still needs it: torch 2.11 marks
+    ``enable_symm_mem_for_group`` deprecated ("no need to call this function anymore", a FutureWarning on every
+    call) and its rendezvous registers the group itself; torch versions without that mark need the call."""
+    enable = symm_mem.enable_symm_mem_for_group
+    if getattr(enable, "__deprecated__", None) is not None:
+        return
+    enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", None)
+    if enabled is None or not enabled(group_name):
+        enable(group_name)
+
+
 class _Geometry:
     """Views and row address tables of one row layout (nb blocks per row) in both workspaces."""
 
@@ -128,9 +140,7 @@ class PeerReducer:
     def _allocate(self, ws_bytes: int) -> None:
         symm_mem = _symm_mem()
         name = self.group.group_name
-        enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", None)
-        if enabled is not None and not enabled(name):
-            symm_mem.enable_symm_mem_for_group(name)
+        enable_group(symm_mem, name)
         total = NUM_WORKSPACES * ws_bytes
         self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
         try:

@@ -64,7 +64,7 @@ import torch.distributed as dist
 
 from agoq.comm import pipeline as pl
 from agoq.comm.reduce import ROW_ALIGN_BYTES, check_grad_format
-from agoq.comm.symm import _check_device, _symm_mem
+from agoq.comm.symm import _check_device, _symm_mem, enable_group
 from agoq.formats import QuantFormat
 
 __all__ = ["SymmetricBlocks", "split_segments", "symmetric_bytes"]
@@ -103,9 +103,7 @@ class SymmetricBlocks:
         self.nbytes = _aligned(num_blocks * self.cb) + _aligned(num_blocks * pl.scale_dtype(self.fmt).itemsize)
         symm_mem = _symm_mem()
         name = self.group.group_name
-        enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", None)
-        if enabled is not None and not enabled(name):
-            symm_mem.enable_symm_mem_for_group(name)
+        enable_group(symm_mem, name)
         self.buffer = symm_mem.empty(max(self.nbytes, ROW_ALIGN_BYTES), dtype=torch.uint8, device=device)
         try:
             self.handle = symm_mem.rendezvous(self.buffer, name)

@@ -84,3 +84,28 @@ def test_split_segments_cuts_a_range_at_its_float_spans():
         split_segments(0, 10, [(5, 6), (2, 3)])
     with pytest.raises(ValueError, match="sorted, disjoint"):
         split_segments(0, 10, [(6, 5)])
+
+
+class _FakeSymmMem:
+    """The two torch.distributed._symmetric_memory functions enable_group looks at, recording the calls."""
+
+    def __init__(self, deprecated: bool, enabled: set[str]):
+        self.calls, self.enabled = [], set(enabled)
+
+        def enable_symm_mem_for_group(name):
+            self.calls.append(name)
+            self.enabled.add(name)
+
+        if deprecated:  # what typing_extensions.deprecated (torch 2.11's decorator) leaves on the function
+            enable_symm_mem_for_group.__deprecated__ = "no need to call this function anymore"
+        self.enable_symm_mem_for_group = enable_symm_mem_for_group
+        self.is_symm_mem_enabled_for_group = lambda name: name in self.enabled
+
+
+@pytest.mark.parametrize("deprecated, enabled, expected", [(False, set(), ["g"]), (False, {"g"}, []),
+                                                           (True, set(), [])])
+def test_enable_group_registers_a_group_only_where_torch_still_needs_it(deprecated, enabled, expected):
+    fake = _FakeSymmMem(deprecated, enabled)
+    symm.enable_group(fake, "g")
+    symm.enable_group(fake, "g")  # the second store of a group: never twice
+    assert fake.calls == expected
