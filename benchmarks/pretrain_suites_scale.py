@@ -3,9 +3,9 @@ and the SUITES table).
 
 Data and pipeline parallelism: ``dp2`` (issues 5/9: DP=2, distributed optimizer vs agoq's 8-bit reduction);
 ``dp2_link``, ``dp2_socket_allreduce`` and ``dp2_transport`` (issue 19: DP=2 as users run it, NVLink and a socket
-stand-in for an inter-node link, with and without the distributed optimizer; NCCL vs peer transport); ``pp2_interleaved`` and ``pp4_interleaved`` (issue 18: 1F1B vs VPP=2);
-``pp4_distopt`` and ``dp2_pp2`` (issue 19: PP=4 and DP=2 x PP=2 with the distributed optimizer); ``dp2_pp4_8b``
-and ``dp8`` (issue 26, 8 GPUs).
+stand-in for an inter-node link, with and without the distributed optimizer; NCCL vs peer transport);
+``pp2_interleaved`` and ``pp4_interleaved`` (issue 18: 1F1B vs VPP=2); ``pp4_distopt`` and ``dp2_pp2`` (issue 19:
+PP=4 and DP=2 x PP=2 with the distributed optimizer); ``dp2_pp4_8b`` and ``dp8`` (issue 26, 8 GPUs).
 
 Issue 23 (capacity and speed at equal memory; every variant records tokens/s, MFU, loss first/last and the
 planner's per-stage prediction next to the measured per-stage peaks):

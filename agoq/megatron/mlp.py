@@ -96,7 +96,22 @@ class AgoqMLP(MLP):
             problems.append("glu_linear_offset=0")
         if self.config.bias_activation_fusion:
             problems.append("bias_activation_fusion=False (--no-bias-swiglu-fusion)")
+        fc2_request = self._fc2_request_problem()
+        if fc2_request:
+            problems.append(fc2_request)
         return problems
+
+    def _fc2_request_problem(self) -> str | None:
+        """Why the fused SwiGLU -> FP8 fc2 op would not store what the policy asks (None: it would). With the SwiGLU
+        input in bf16 the op keeps fc2's input as its own E4M3 copy, which is Megatron's save of an FP8 linear,
+        so mlp.fc2_input must be bf16 there; a quantized request runs the unfused SwiGLU and the FP8 fc2, which
+        stores fc2's input in the asked format (a quantized SwiGLU input leaves fc2 nothing to store: the op keeps
+        the quantized fc1 output only)."""
+        fc2_save = getattr(self.linear_fc2, "agoq_save", _NO_SAVE)
+        if self.agoq_save.fmt is not None or fc2_save.fmt is None:
+            return None
+        return (f"mlp.fc2_input bf16 where mlp.swiglu_input is bf16 (the policy asks {fc2_save.fmt.name} for layer "
+                f"{fc2_save.key[0]}'s fc2 input; the fused op would keep its own E4M3 copy instead)")
 
     def _swiglu_problems(self) -> list[str]:
         cfg = self.config
@@ -154,9 +169,11 @@ class AgoqMLP(MLP):
 
     def _fused_smooth(self, h_SBF2) -> bool:
         """Whether the Smooth-SwiGLU MLP runs as one op with its FP8 fc2: fc2 in FP8 with per-tensor delayed
-        scaling (agoq.ops.smooth_swiglu_fp8.fused_smooth_supported), ``SavePaths.fuse_smooth_fp8`` (the default)
-        and eager mode (under torch.compile the unfused ops, the same math, are traced)."""
+        scaling (agoq.ops.smooth_swiglu_fp8.fused_smooth_supported), ``SavePaths.fuse_smooth_fp8`` (the default),
+        eager mode (under torch.compile the unfused ops, the same math, are traced) and a policy whose fc2 input
+        request the op keeps (:meth:`_fc2_request_problem`)."""
         return (self.agoq_save.paths.fuse_smooth_fp8 and not torch.compiler.is_compiling()
+                and self._fc2_request_problem() is None
                 and fused_smooth_supported(getattr(self.linear_fc2, "agoq_fp8", None), h_SBF2))
 
     def _smooth_forward(self, h_SBF2):

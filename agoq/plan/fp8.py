@@ -42,10 +42,11 @@ which models bf16 linears and Megatron's SwiGLU):
   layouts, released after its backward): +2 x 1 B x h x f.
 - fused plain SwiGLU on an FP8 layer under delayed scaling (agoq.ops.smooth_swiglu_fp8.swiglu_fp8_fc2, the code
   since commit e9f6759, 2026-11-26 19:34 UTC; ``plain_fusion``, ``Recipe.fuse_plain_swiglu_fp8``: False for the
-  code before it and for AGOQ_FP8_SWIGLU_FUSION=0): with mlp.swiglu_input bf16 the op keeps h and fc2's FP8 input
-  copy where Megatron's SwiGLU kept the silu output and its ``x_linear + 0`` tensor besides: -2 x 2 B x f per
-  token. With mlp.swiglu_input quantized both paths keep the same quantized h: no change. Its fc2 weight entry is
-  the op's own cache (the same 2 B per parameter, no row-wise scale): no persistent change.
+  code before it and for AGOQ_FP8_SWIGLU_FUSION=0; neither fused op runs where mlp.swiglu_input is bf16 and
+  mlp.fc2_input quantized: the unfused ops store the asked copy): with mlp.swiglu_input bf16 the op keeps h and
+  fc2's FP8 input copy where Megatron's SwiGLU kept the silu output and its ``x_linear + 0`` tensor besides:
+  -2 x 2 B x f per token. With mlp.swiglu_input quantized both paths keep the same quantized h: no change. Its fc2
+  weight entry is the op's own cache (the same 2 B per parameter, no row-wise scale): no persistent change.
 
 Transients (why none is added): the forward casts of a layer (x in FP8, two layouts) run before the
 later layers' saves exist, and in backward the casts of fc1's incoming gradient (E5M2, two layouts,
@@ -60,7 +61,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from agoq.plan.storage import BF16_BYTES, FP32_BYTES, MEGATRON, LayerDims, LayerStorage
+from agoq.plan.storage import BF16_BYTES, FP32_BYTES, MEGATRON, QUANTIZED, LayerDims, LayerStorage
 from agoq.policy import FP8Spec
 
 if TYPE_CHECKING:  # agoq.plan.memory imports this module
@@ -106,6 +107,18 @@ def fused_smooth(spec: FP8Spec) -> bool:
     """Smooth-SwiGLU runs fused with an FP8 fc2 (agoq.ops.smooth_swiglu_fp8.fused_smooth_supported: per-tensor
     delayed scaling; SavePaths.fuse_smooth_fp8 at its default)."""
     return spec.smooth_swiglu != "off" and spec.recipe == "delayed"
+
+
+def _fused_runs(storage: LayerStorage) -> bool:
+    """The fused SwiGLU -> FP8 fc2 op runs on this layer (given the recipe): not where the SwiGLU input is bf16 and
+    mlp.fc2_input asks a quantized format (agoq.megatron.mlp.AgoqMLP._fc2_request_problem: the unfused ops store
+    what the policy asks)."""
+    return not (storage.roles["mlp.swiglu_input"].how == MEGATRON and storage.roles["mlp.fc2_input"].how == QUANTIZED)
+
+
+def _fused_keeps_fc2_input(storage: LayerStorage) -> bool:
+    """The fused op runs and keeps fc2's input as its E4M3 copy (the SwiGLU input bf16, mlp.fc2_input bf16)."""
+    return storage.roles["mlp.swiglu_input"].how == MEGATRON and storage.roles["mlp.fc2_input"].how == MEGATRON
 
 
 def fp8_layers(spec: FP8Spec, layers, num_layers: int) -> list[int]:
@@ -155,7 +168,7 @@ def saved_delta_bytes(spec: FP8Spec | None, storage: LayerStorage, dims: LayerDi
                 continue  # x_saver: agoq's quantized copy or recompute handle, as without FP8
             was = 0 if role in VIEW_SAVED_ROLES else BF16_BYTES
             delta += (FP8_BYTES - was) * dims.numel(role)
-        if fused_plain(spec, plain_fusion) and storage.roles["mlp.swiglu_input"].how == MEGATRON:
+        if fused_plain(spec, plain_fusion) and _fused_keeps_fc2_input(storage):
             delta -= 2 * BF16_BYTES * dims.numel("mlp.fc2_input")  # no silu output, no x_linear + 0 tensor
     if spec.smooth_swiglu != "off":
         f_local = dims.numel("mlp.fc2_input") // dims.tokens
@@ -164,9 +177,9 @@ def saved_delta_bytes(spec: FP8Spec | None, storage: LayerStorage, dims: LayerDi
         delta += FP32_BYTES * (dims.tokens if spec.smooth_swiglu == "per-token" else f_local)  # s
         if spec.smooth_swiglu == "per-channel" and not fp8_layer:
             delta += BF16_BYTES * dims.hidden * f_local  # W * s saved by Megatron's fc2
-        if fp8_layer and fused_smooth(spec):
-            if storage.roles["mlp.swiglu_input"].how == MEGATRON:
-                delta -= BF16_BYTES * dims.numel("mlp.fc2_input")  # no silu output kept
+        if fp8_layer and fused_smooth(spec) and _fused_keeps_fc2_input(storage):
+            delta -= BF16_BYTES * dims.numel("mlp.fc2_input")  # no silu output kept
+        if fp8_layer and fused_smooth(spec) and _fused_runs(storage):
             if spec.smooth_swiglu == "per-channel":
                 delta += WEIGHT_CACHE_LAYOUTS * FP8_BYTES * dims.hidden * f_local  # this micro-batch's W * s
     return delta

@@ -106,6 +106,44 @@ def test_fused_plain_swiglu_fp8_held_bytes():
                                                                          plain_swiglu_fusion=False)
 
 
+FC2_QUANTIZED_POLICY = """version: 1
+default: {activations: bf16}
+rules:
+  - when: {role: [mlp.fc2_input]}
+    set: {activations: nf4_b64}
+"""
+
+
+@pytest.mark.parametrize("smooth", ["off", "per-token"])
+def test_a_quantized_fc2_request_keeps_the_unfused_path_and_its_bytes(tmp_path, smooth):
+    """SwiGLU input bf16 and mlp.fc2_input nf4 on FP8 layers under delayed scaling: the fused SwiGLU -> FP8 fc2 op
+    would keep fc2's input as E4M3 (1 B) where the policy asks NF4, so it does not run (agoq.megatron.mlp) and the
+    planner counts the NF4 copy: the fusion switch changes nothing, and the request saves bytes against a bf16 fc2
+    input by exactly the NF4 codes + scales vs the FP8 linear's 1 B copy (per FP8 layer)."""
+    from agoq.formats import parse_format
+
+    path = tmp_path / "fc2_nf4.yaml"
+    path.write_text(FC2_QUANTIZED_POLICY)
+    policy = load_policy(path)
+    shape = ModelShape(6, 256, 4, 2, 512, 1000)
+    layout = Layout(mbs=2, gbs=2, seq=64)
+    spec = FP8Spec(recipe="delayed", smooth_swiglu=smooth)
+    (fused,) = plan_stages(shape, layout, policy, fp8=spec)
+    (unfused,) = plan_stages(shape, layout, policy, fp8=spec, plain_swiglu_fusion=False)
+    assert fused.activations == unfused.activations
+    tokens, f = 128, 512
+    nf4 = parse_format("nf4_b64")
+    nf4_bytes = nf4.code_bytes(tokens * f) + nf4.num_blocks(tokens * f) * 4  # codes + fp32 block scales
+    (bf16_fc2,) = plan_stages(shape, layout, BF16, fp8=spec, plain_swiglu_fusion=False)
+    fp8_layers = sum(spec.uses_fp8(i, shape.num_layers) for i in range(shape.num_layers))
+    bf16_layers = shape.num_layers - fp8_layers
+    # FP8 layers: NF4 copy instead of the FP8 linear's 1 B copy; bf16 layers: NF4 copy instead of the bf16 input
+    expected = fp8_layers * (1 * tokens * f - nf4_bytes) + bf16_layers * (2 * tokens * f - nf4_bytes)
+    if smooth != "off":  # the bf16 request's fused Smooth-SwiGLU op also keeps no silu output (-2 B T f per FP8 layer)
+        expected -= fp8_layers * 2 * tokens * f
+    assert bf16_fc2.activations - unfused.activations == expected
+
+
 def test_committed_plain_fp8_rows_predate_the_fused_path():
     """The committed plain FP8 runs (fp8_step.json, fp8_scale_*.json) ran Megatron's SwiGLU before the FP8 fc2: the
     validation predicts them with the code of their date (Recipe.fuse_plain_swiglu_fp8 False, within 0.5 %). The

@@ -69,7 +69,9 @@ def _build(mode, policy, fused, reference=None, tp=1, recipe="delayed", bf16_lay
     if config_overrides:
         config = dataclasses.replace(config, **config_overrides)
     compute = FP8Spec(recipe=recipe, smooth_swiglu=mode, bf16_first_layers=bf16_layers, bf16_last_layers=0)
-    spec = agoq_layer_spec("sdpa", policy=None if policy is None else POLICIES / f"{policy}.yaml",
+    if isinstance(policy, str):
+        policy = POLICIES / f"{policy}.yaml"
+    spec = agoq_layer_spec("sdpa", policy=policy,
                            schedule=ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1), compute=compute,
                            save_paths=SavePaths(fuse_smooth_fp8=fused))
     (model,) = build_model_chunks(shape, config, spec, None)
@@ -200,6 +202,25 @@ def test_plain_fusion_rule_keeps_megatrons_mlp(mcore_world1, fp8_on_cpu):
     mlps = [m for m in first_bf16.modules() if type(m).__name__ == "AgoqMLP"]
     assert [m.agoq_plain_fp8 for m in mlps] == [False, True]
     assert any("delayed scaling" in p for p in mlps[0].plain_fusion_problems())
+
+
+@pytest.mark.parametrize("mode", ["off", "per-token"])
+def test_a_quantized_fc2_request_runs_unfused_and_is_stored_as_asked(mcore_world1, fp8_on_cpu, tmp_path, mode):
+    """SwiGLU input bf16 and mlp.fc2_input int8 under FP8 delayed scaling: the fused SwiGLU -> FP8 fc2 op, which
+    would keep fc2's input as its own E4M3 copy, does not run; the rule says why, and fc2 stores its input in the
+    asked format (the byte counter sees an mlp.fc2_input copy on every layer; before, nothing, silently)."""
+    path = tmp_path / "fc2_int8.yaml"
+    path.write_text("version: 1\ndefault: {activations: bf16}\nrules:\n"
+                    "  - when: {role: [mlp.fc2_input]}\n    set: {activations: int8_b128}\n")
+    model = _build(mode, path, fused=True)
+    mlps = [m for m in model.modules() if type(m).__name__ == "AgoqMLP"]
+    assert len(mlps) == 2 and not any(m.agoq_plain_fp8 for m in mlps)
+    assert all(any("mlp.fc2_input bf16" in p and "int8_b128" in p for p in m.plain_fusion_problems()) for m in mlps)
+    counter = mlps[0].linear_fc2.agoq_save.counter
+    _step(model, 0)
+    assert not _fused_fc2s(model)
+    assert {role for _, role in counter.packed} == {"mlp.fc2_input"}
+    assert sorted(layer for layer, _ in counter.packed) == [0, 1]
 
 
 def _tp_rank(rank: int, world_size: int) -> list:
