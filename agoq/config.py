@@ -57,6 +57,36 @@ FP8_FLAGS = {  # FP8Spec field -> flag
 }
 
 
+def torch_optimizer_state_refusal(flag: str, value) -> str:
+    """Why a state-format flag (--agoq-moments / --agoq-master) cannot run with --agoq-optimizer torch, and the fix:
+    the one message of the trainer's flags (agoq.megatron.train.args) and ``python -m agoq.plan``."""
+    return (f"{flag} {value} sets a state format of agoq's optimizer, but --agoq-optimizer is torch (Megatron's Adam, "
+            f"fp32 states); add --agoq-optimizer adamw (or lion / sgd), or drop {flag}")
+
+
+def float_grads_mismatch(fmt: str | None, *, bf16_buffer: bool, fp32_params: bool = False) -> str | None:
+    """A float gradient name (FLOAT_GRADS: agoq's 8-bit gradients off) must be the buffer the run keeps: fp32
+    (Megatron's default, and with --fp32 parameters), or bf16 with --grad-reduce-in-bf16. None when ``fmt`` is not a
+    float name or is the kept one; else the refusal after its source ("names Megatron's float gradients in ...,
+    but this run keeps them in ...: fix"), for the trainer's checks and ``python -m agoq.plan`` alike."""
+    if fmt not in FLOAT_GRADS:
+        return None
+    kept = "bf16" if bf16_buffer else "fp32"
+    if fmt == kept:
+        return None
+    if fmt == "fp16":
+        fix = ("this trainer keeps fp32 gradients, or bf16 ones with --grad-reduce-in-bf16 (it builds no fp16 "
+               "parameters); write fp32, or bf16 with --grad-reduce-in-bf16")
+    elif fmt == "bf16" and fp32_params:
+        fix = "--fp32 parameters keep fp32 gradients; write fp32, or drop --fp32 and add --grad-reduce-in-bf16"
+    elif fmt == "bf16":
+        fix = ("Megatron keeps fp32 gradients unless --grad-reduce-in-bf16 is given; add --grad-reduce-in-bf16 for a "
+               "bf16 gradient buffer, or write fp32")
+    else:
+        fix = "--grad-reduce-in-bf16 keeps them in bf16; write bf16, or drop --grad-reduce-in-bf16"
+    return f"names Megatron's float gradients in {fmt}, but this run keeps them in {kept}: {fix}"
+
+
 def parse_moments(text: str) -> tuple[str, str]:
     """A preset name or "<m format>,<v format>" (agoq.formats names, round-to-nearest: agoq's optimizer rounds its
     states to nearest; a typo used to pass the command line and stop the run once torch and the model had loaded)."""

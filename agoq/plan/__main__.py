@@ -42,7 +42,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from agoq.config import FLOAT_GRADS, MASTER_CHOICES, OPTIMIZERS, RECOMPUTE_GRANULARITIES, AgoqConfig
+from agoq.config import (
+    MASTER_CHOICES,
+    OPTIMIZERS,
+    RECOMPUTE_GRANULARITIES,
+    AgoqConfig,
+    float_grads_mismatch,
+    torch_optimizer_state_refusal,
+)
 from agoq.plan import capacity
 from agoq.plan.memory import Layout, ModelShape
 from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report, grad_bytes_per_param
@@ -197,14 +204,12 @@ def check_run_flags(values: dict, layout: Layout) -> None:
     optimizer = values.get("agoq_optimizer") or "torch"
     for key in ("agoq_moments", "agoq_master"):
         if values.get(key) is not None and optimizer == "torch":
-            raise ValueError(f"{flag_name(key)} {values[key]} sets a state format of agoq's optimizer, but "
-                             "--agoq-optimizer is torch (Megatron's Adam, fp32 states); add --agoq-optimizer adamw "
-                             f"(or lion / sgd), or drop {flag_name(key)}")
-    grads, bf16_buffer = values.get("agoq_grads"), bool(values.get("grad_reduce_in_bf16"))
-    kept = "bf16" if bf16_buffer else "fp32"
-    if grads in FLOAT_GRADS and grads != kept:
-        raise ValueError(f"--agoq-grads {grads} names Megatron's float gradients in {grads}, but this run keeps them "
-                         f"in {kept} (bf16 needs --grad-reduce-in-bf16; fp16 is never kept); write {kept}")
+            raise ValueError(torch_optimizer_state_refusal(flag_name(key), values[key]))
+    grads = values.get("agoq_grads")
+    mismatch = float_grads_mismatch(grads, bf16_buffer=bool(values.get("grad_reduce_in_bf16")),
+                                    fp32_params=bool(values.get("fp32")))
+    if mismatch:
+        raise ValueError(f"--agoq-grads {grads} {mismatch}")
     if not values.get("agoq_gradient_release"):
         return
     # with --agoq-optimizer torch, --agoq-grads or --grad-reduce-in-bf16 AgoqConfig already refused it (config_of)

@@ -25,7 +25,7 @@ import sys
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
-from agoq.config import FLOAT_GRADS, GRAD_MODES, AgoqConfig, GradsFormatError
+from agoq.config import FLOAT_GRADS, GRAD_MODES, AgoqConfig, GradsFormatError, torch_optimizer_state_refusal
 from agoq.megatron.train.checks import (
     check_fc2_amax_flag,
     check_policy_rules,
@@ -107,11 +107,7 @@ def _check_optimizer_state_flags(args: argparse.Namespace) -> None:
     if args.agoq_optimizer == "torch":
         for flag in ("agoq_moments", "agoq_master"):
             if getattr(args, flag) is not None:
-                raise ValueError(
-                    f"--{flag.replace('_', '-')} {getattr(args, flag)} sets a state format of agoq's optimizer, but "
-                    "--agoq-optimizer is torch (Megatron's Adam, fp32 states); add --agoq-optimizer adamw (or "
-                    f"lion / sgd), or drop --{flag.replace('_', '-')}"
-                )
+                raise ValueError(torch_optimizer_state_refusal(f"--{flag.replace('_', '-')}", getattr(args, flag)))
     if args.agoq_moments is None:
         args.agoq_moments = DEFAULT_MOMENTS
     if args.agoq_master is None:

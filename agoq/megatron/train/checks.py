@@ -12,7 +12,7 @@ from pathlib import Path
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
-from agoq.config import FLOAT_GRADS
+from agoq.config import float_grads_mismatch
 from agoq.data.indexed import split_weights
 from agoq.megatron.train.flags import build_parser, policy_path
 from agoq.megatron.train.graph_args import check_graph_flags
@@ -277,23 +277,10 @@ def _check_float_grads_name(args: argparse.Namespace) -> None:
     keeps: fp32 (Megatron's default, and with --fp32), or bf16 with --grad-reduce-in-bf16. ``--agoq-grads bf16``
     alone used to run an fp32 buffer without a word."""
     fmt = args.agoq_config.grads.format
-    if fmt not in FLOAT_GRADS:
-        return
-    kept = "bf16" if args.grad_reduce_in_bf16 else "fp32"
-    if fmt == kept:
-        return
-    source = f"--agoq-grads {fmt}" if args.agoq_grads else f"{policy_path(args)}: default.grads {fmt}"
-    if fmt == "fp16":
-        fix = ("this trainer keeps fp32 gradients, or bf16 ones with --grad-reduce-in-bf16 (it builds no fp16 "
-               "parameters); write fp32, or bf16 with --grad-reduce-in-bf16")
-    elif fmt == "bf16" and args.fp32:
-        fix = "--fp32 parameters keep fp32 gradients; write fp32, or drop --fp32 and add --grad-reduce-in-bf16"
-    elif fmt == "bf16":
-        fix = ("Megatron keeps fp32 gradients unless --grad-reduce-in-bf16 is given; add --grad-reduce-in-bf16 for a "
-               "bf16 gradient buffer, or write fp32")
-    else:
-        fix = "--grad-reduce-in-bf16 keeps them in bf16; write bf16, or drop --grad-reduce-in-bf16"
-    raise ValueError(f"{source} names Megatron's float gradients in {fmt}, but this run keeps them in {kept}: {fix}")
+    mismatch = float_grads_mismatch(fmt, bf16_buffer=args.grad_reduce_in_bf16, fp32_params=args.fp32)
+    if mismatch:
+        source = f"--agoq-grads {fmt}" if args.agoq_grads else f"{policy_path(args)}: default.grads {fmt}"
+        raise ValueError(f"{source} {mismatch}")
 
 
 def check_fc2_amax_flag(args: argparse.Namespace) -> None:
