@@ -77,15 +77,22 @@ def spawn_ranks(world_size: int, fn: Callable[..., Any], backend: str = "gloo", 
             procs[r].join()
         if hung:
             raise RankError(f"ranks {hung} did not finish within {timeout_s:.0f} s (deadlock in a collective?)")
-        return [_collect(workdir, r, procs[r].exitcode) for r in range(world_size)]
+        outcomes = [_collect(workdir, r, procs[r].exitcode) for r in range(world_size)]
+    failures = [report for ok, report in outcomes if not ok]
+    if failures:  # every failed rank's report: the first rank's is often only the peer's disconnection
+        raise RankError("\n\n".join(failures))
+    return [value for _, value in outcomes]
 
 
-def _collect(workdir: str, rank: int, exitcode: int | None) -> Any:
+def _collect(workdir: str, rank: int, exitcode: int | None) -> tuple[bool, Any]:
+    """(True, the rank's result) or (False, why it has none)."""
     path = os.path.join(workdir, f"rank{rank}.pkl")
     if not os.path.exists(path):
-        raise RankError(f"rank {rank} exited with code {exitcode} before reporting a result")
+        how = f"was killed by signal {-exitcode}" if exitcode is not None and exitcode < 0 else \
+            f"exited with code {exitcode}"
+        return False, f"rank {rank} {how} before reporting a result"
     with open(path, "rb") as f:
         status, value = pickle.load(f)
     if status == "error":
-        raise RankError(f"rank {rank} failed:\n{value}")
-    return value
+        return False, f"rank {rank} failed:\n{value}"
+    return True, value

@@ -1,0 +1,33 @@
+"""agoq.testing.dist.spawn_ranks reports every failed rank, not only rank 0's: when one rank dies, its peers'
+collectives fail with a disconnection, and rank 0's report alone hid the cause (CI, 2026-11-27: "Connection reset
+by peer" on rank 0 of tests/megatron/test_layouts.py, rank 1's own error not shown)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from agoq.testing.dist import RankError, spawn_ranks
+
+pytestmark = [pytest.mark.dist]
+
+
+def _rank_fails(rank: int, world_size: int, how: dict) -> int:
+    what = how.get(rank)
+    if what == "raise":
+        raise ValueError(f"the cause, on rank {rank}")
+    if what == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rank * 10
+
+
+def test_every_failed_rank_is_reported_with_its_own_cause():
+    # one launch (process start-up dominates on 2 cores): rank 1 raises, rank 2 is killed, rank 0 succeeds
+    with pytest.raises(RankError) as err:
+        spawn_ranks(3, _rank_fails, args=({1: "raise", 2: "kill"},), timeout_s=120)
+    text = str(err.value)
+    assert "rank 1 failed" in text and "the cause, on rank 1" in text
+    assert f"rank 2 was killed by signal {int(signal.SIGKILL)} before reporting a result" in text
+    assert "rank 0" not in text  # a rank that reported its result is not listed
