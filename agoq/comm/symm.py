@@ -69,10 +69,11 @@ def _symm_mem():
 def enable_group(symm_mem, group_name: str) -> None:
     """Register the group with symmetric memory where this torch still needs it: torch 2.11 marks
     ``enable_symm_mem_for_group`` deprecated ("no need to call this function anymore", a FutureWarning on every
-    call) and its rendezvous registers the group itself; torch versions without that mark need the call."""
-    enable = symm_mem.enable_symm_mem_for_group
-    if getattr(enable, "__deprecated__", None) is not None:
-        return
+    call) and its rendezvous registers the group itself (a torch without the function: likewise); torch versions
+    without that mark need the call."""
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is None or getattr(enable, "__deprecated__", None) is not None:
+        return  # removed, or deprecated: the rendezvous registers the group
     enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", None)
     if enabled is None or not enabled(group_name):
         enable(group_name)

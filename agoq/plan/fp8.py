@@ -10,10 +10,12 @@ Persistent (``fp8_persistent_bytes``, held for the whole run like the weights):
   keeps the weight in FP8 twice, row-major for the forward GEMM and transposed for dgrad, 1 byte per
   element each: 2 B per parameter of every cached linear. The entry lives until the next forward after
   a weight change rebuilds it, so it is alive in the optimizer step too. fc2 with per-channel
-  Smooth-SwiGLU keeps no persistent entry: unfused (current / row-wise scaling) it passes ``w_col_scale``
+  Smooth-SwiGLU keeps no persistent entry: unfused (current / row-wise scaling, or a quantized mlp.fc2_input
+  request where the SwiGLU input is bf16) it passes ``w_col_scale``
   (agoq.ops.fp8_linear.FP8LinearFunction, no cache); fused (delayed scaling,
   agoq.ops.smooth_swiglu_fp8) its W * s entry is per micro-batch (below). Per-token fused, fc2's entry
-  (the fused op's own cache) also holds the row-wise ``scale_b`` [1, h] (fp32).
+  (the fused op's own cache) also holds the row-wise ``scale_b`` [1, h] (fp32); counted on every FP8 layer, also
+  one where a quantized mlp.fc2_input request keeps the op from running (4 B x h, not told apart).
 - row-wise scaling: the cache entry's scale vectors (``_cast`` with granularity "row": fwd scale_inv
   [N], dgrad scale_t_inv [K], scale_src scale_t [K], fp32).
 - delayed scaling: one FP8ScalingState per FP8 linear (agoq.ops.fp8_scaling): per slot (x, w, g) a meta

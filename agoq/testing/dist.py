@@ -75,11 +75,14 @@ def spawn_ranks(world_size: int, fn: Callable[..., Any], backend: str = "gloo", 
         for r in hung:
             procs[r].kill()
             procs[r].join()
-        if hung:
-            raise RankError(f"ranks {hung} did not finish within {timeout_s:.0f} s (deadlock in a collective?)")
-        outcomes = [_collect(workdir, r, procs[r].exitcode) for r in range(world_size)]
-    failures = [report for ok, report in outcomes if not ok]
-    if failures:  # every failed rank's report: the first rank's is often only the peer's disconnection
+        outcomes = [(False, None) if r in hung else _collect(workdir, r, procs[r].exitcode)
+                    for r in range(world_size)]
+    # every failed rank's report: the first rank's is often only the peer's disconnection, and a rank that hangs
+    # usually waits for one that failed
+    failures = [report for ok, report in outcomes if not ok and report is not None]
+    if hung:
+        failures.insert(0, f"ranks {hung} did not finish within {timeout_s:.0f} s (deadlock in a collective?)")
+    if failures:
         raise RankError("\n\n".join(failures))
     return [value for _, value in outcomes]
 

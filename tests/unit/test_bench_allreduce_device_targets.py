@@ -37,3 +37,11 @@ def test_device_target_line_names_each_reduction_and_the_sizes_it_misses():
                     "store to owners missed at sizes (MiB) [64]")
     met = bench.device_target_line([_row(64, 0.2, 0.1), _row(1024, 0.2, 0.1)])
     assert met == "device time: store all-reduce targets met; store to owners targets met"
+
+
+def test_device_target_line_says_when_no_size_was_judged():
+    # the socket link / --no-peer (no store cases on device time) or only sizes below 64 MiB: nothing to judge,
+    # which must not read as "targets met"
+    no_store = {"size_mib": 256, "device_ms": dict(NCCL_MS), "device_speedups": bench.device_speedups(dict(NCCL_MS))}
+    for rows in ([no_store], [_row(16, 0.01, 0.01)]):
+        assert bench.device_target_line(rows).startswith("device time: no size judged")
