@@ -50,10 +50,10 @@ class AgoqMLP(MLP):
             self.check_recompute_supported()
         if agoq_smooth is not None:
             self.check_smooth_supported()
+        # the policy's fc2 input request lets the fused op run (fixed per module: decided once, not per forward)
+        self.agoq_fc2_request = self._fc2_request_problem()
         # plain SwiGLU fused with the FP8 fc2 (forward checks the switch, eager mode and the fc1 output's dtype)
         self.agoq_plain_fp8 = agoq_smooth is None and not self.plain_fusion_problems()
-        # the policy's fc2 input request lets the fused op run (fixed per module: decided once, not per forward)
-        self.agoq_fc2_request_fuses = self._fc2_request_problem() is None
 
     @classmethod
     def as_mlp_submodule(cls, submodules, config, pg_collection, is_mtp_layer, is_expert: bool = False,
@@ -98,9 +98,8 @@ class AgoqMLP(MLP):
             problems.append("glu_linear_offset=0")
         if self.config.bias_activation_fusion:
             problems.append("bias_activation_fusion=False (--no-bias-swiglu-fusion)")
-        fc2_request = self._fc2_request_problem()
-        if fc2_request:
-            problems.append(fc2_request)
+        if self.agoq_fc2_request:
+            problems.append(self.agoq_fc2_request)
         return problems
 
     def _fc2_request_problem(self) -> str | None:
@@ -175,7 +174,7 @@ class AgoqMLP(MLP):
         eager mode (under torch.compile the unfused ops, the same math, are traced) and a policy whose fc2 input
         request the op keeps (:meth:`_fc2_request_problem`)."""
         return (self.agoq_save.paths.fuse_smooth_fp8 and not torch.compiler.is_compiling()
-                and self.agoq_fc2_request_fuses
+                and self.agoq_fc2_request is None
                 and fused_smooth_supported(getattr(self.linear_fc2, "agoq_fp8", None), h_SBF2))
 
     def _smooth_forward(self, h_SBF2):

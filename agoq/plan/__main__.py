@@ -206,8 +206,7 @@ def check_run_flags(values: dict, layout: Layout) -> None:
         if values.get(key) is not None and optimizer == "torch":
             raise ValueError(torch_optimizer_state_refusal(flag_name(key), values[key]))
     grads = values.get("agoq_grads")
-    mismatch = float_grads_mismatch(grads, bf16_buffer=bool(values.get("grad_reduce_in_bf16")),
-                                    fp32_params=bool(values.get("fp32")))
+    mismatch = float_grads_mismatch(grads, bf16_buffer=bool(values.get("grad_reduce_in_bf16")))
     if mismatch:
         raise ValueError(f"--agoq-grads {grads} {mismatch}")
     if not values.get("agoq_gradient_release"):
