@@ -115,6 +115,12 @@ def path_steps(dev: torch.device, fmt, paths=None) -> dict:
         y, stash = rmsnorm_saving_input(x, w, 1e-5, fmt, (0, "norm.input"), **norm_kw)
         _linear_saving(y, w_lin, stash).sum().backward()
 
+    def norm_linear_node():  # the default for QKV / fc1: norm and linear as one node (agoq.ops.norm_linear)
+        from agoq.ops.norm_linear import NormFeed, rmsnorm_linear, rmsnorm_no_graph
+
+        y = rmsnorm_no_graph(x, w, 1e-5)
+        rmsnorm_linear(NormFeed(x, w, 1e-5, y, fmt, (0, "norm.input"), None), w_lin).sum().backward()
+
     def plain_norm_linear():
         F.linear(F.rms_norm(x, (HIDDEN,), w, 1e-5), w_lin).sum().backward()
 
@@ -134,6 +140,7 @@ def path_steps(dev: torch.device, fmt, paths=None) -> dict:
 
     return {"rmsnorm_saving_input_fwd_bwd": norm, "plain_rms_norm_fwd_bwd": plain_norm,
             "rmsnorm_saving_then_linear_fwd_bwd": norm_linear, "plain_rms_norm_then_linear_fwd_bwd": plain_norm_linear,
+            "rmsnorm_linear_node_fwd_bwd": norm_linear_node,
             "swiglu_saving_input_fwd_bwd": swiglu, "plain_swiglu_fwd_bwd": plain_swiglu,
             "swiglu_saving_then_linear_fwd_bwd": swiglu_linear, "plain_swiglu_then_linear_fwd_bwd": plain_swiglu_linear}
 
@@ -229,6 +236,7 @@ def anatomy_steps(dev: torch.device, fmt) -> dict:
 
 PAIRS = {"rmsnorm": ("rmsnorm_saving_input_fwd_bwd", "plain_rms_norm_fwd_bwd"),
          "rmsnorm_linear": ("rmsnorm_saving_then_linear_fwd_bwd", "plain_rms_norm_then_linear_fwd_bwd"),
+         "rmsnorm_linear_node": ("rmsnorm_linear_node_fwd_bwd", "plain_rms_norm_then_linear_fwd_bwd"),
          "swiglu": ("swiglu_saving_input_fwd_bwd", "plain_swiglu_fwd_bwd"),
          "swiglu_linear": ("swiglu_saving_then_linear_fwd_bwd", "plain_swiglu_then_linear_fwd_bwd")}
 

@@ -175,7 +175,8 @@ def _variant_choices() -> dict:
     host path (options passed into the layer spec, no product switch flipped)."""
     return {"legacy": ({"norm_via_aten_node": False, "fuse_swiglu": False}, True),  # benchmarks/bench_launch.py
             "atennorm": ({"norm_via_aten_node": True}, False),  # RMSNorm on ATen's node (private hooks)
-            "nodehooks": ({"linear_via_node_hooks": True}, False)}  # linears: hooks on Megatron's node
+            "nodehooks": ({"linear_via_node_hooks": True}, False),  # linears: hooks on Megatron's node
+            "twonode": ({"fuse_norm_linear": False}, False)}  # norm function + stash + Megatron's linear
 
 
 def _variant(spec: str):

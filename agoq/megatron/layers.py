@@ -62,6 +62,7 @@ from agoq.ops import saved_norm, saved_swiglu
 from agoq.ops.fp8_linear import fp8_linear
 from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState
 from agoq.ops.fp8_weight_cache import FP8WeightCache
+from agoq.ops.norm_linear import NormFeed, rmsnorm_linear, rmsnorm_no_graph
 from agoq.ops.saved_act import (
     Key,
     RecomputeStash,
@@ -131,15 +132,18 @@ class Handoff:
     stash itself also checks that it feeds the tensor the producer returned).
     """
 
-    __slots__ = ("name", "_stash", "_col_scale", "_smooth")
+    __slots__ = ("name", "accepts_feed", "_stash", "_col_scale", "_smooth")
 
     def __init__(self, name: str):
         self.name = name  # "producer -> consumer", for error messages
-        self._stash: RecomputeStash | None = None
+        # set by a consumer linear at construction when it can run the norm with itself as one autograd node
+        # (agoq.ops.norm_linear): the norm then puts a NormFeed instead of a stash
+        self.accepts_feed = False
+        self._stash: RecomputeStash | NormFeed | None = None
         self._col_scale: torch.Tensor | None = None
         self._smooth: SmoothFc2Input | None = None
 
-    def put(self, stash: RecomputeStash | None, col_scale: torch.Tensor | None = None,
+    def put(self, stash: RecomputeStash | NormFeed | None, col_scale: torch.Tensor | None = None,
             smooth: SmoothFc2Input | None = None) -> None:
         if self.pending:
             raise RuntimeError(
@@ -147,7 +151,7 @@ class Handoff:
                 "stash; the layer's forward order changed (report it) or use a bf16 policy")
         self._stash, self._col_scale, self._smooth = stash, col_scale, smooth
 
-    def take(self) -> tuple[RecomputeStash | None, torch.Tensor | None, SmoothFc2Input | None]:
+    def take(self) -> tuple[RecomputeStash | NormFeed | None, torch.Tensor | None, SmoothFc2Input | None]:
         """(stash, col_scale, smooth) left by the producer (Nones when none), and empty the slot."""
         out = self._stash, self._col_scale, self._smooth
         self._stash = self._col_scale = self._smooth = None
@@ -190,6 +194,13 @@ class AgoqRMSNorm(torch.nn.RMSNorm):
         save = self.agoq_save
         if save.fmt is None:
             return super().forward(x_SBH)
+        handoff = self.agoq_handoff
+        if handoff.accepts_feed and torch.is_grad_enabled() and (x_SBH.requires_grad or self.weight.requires_grad) \
+                and not torch.compiler.is_compiling():
+            # no autograd node here: the linear this feeds makes one node of norm and linear (agoq.ops.norm_linear)
+            y_SBH = rmsnorm_no_graph(x_SBH, self.weight, self.eps)
+            handoff.put(NormFeed(x_SBH, self.weight, self.eps, y_SBH, save.fmt, save.key, save.counter))
+            return y_SBH
         y_SBH, stash = rmsnorm_saving_input(x_SBH, self.weight, self.eps, save.fmt, save.key, save.counter,
                                             check_identity=not self.agoq_node_checked,
                                             via_aten_node=save.paths.norm_via_aten_node)
@@ -214,12 +225,27 @@ class _AgoqLinearMixin:
         self.agoq_handoff = agoq_handoff
         self.agoq_fp8 = agoq_fp8  # FP8Recipe for this linear, or None: Megatron's bf16 GEMMs
         self.agoq_save_checked = False  # replace_saved_input verified which saved tensor is the input (first call)
+        if agoq_handoff is not None and self._takes_norm_feed():
+            agoq_handoff.accepts_feed = True
+
+    def _takes_norm_feed(self) -> bool:
+        """Whether this linear runs with the norm before it as one autograd node (agoq.ops.norm_linear): a
+        column-parallel linear recomputing its input, bf16 GEMMs, none of the Megatron options that node does not
+        implement (they keep Megatron's linear with the norm's stash)."""
+        config = self.config
+        return (isinstance(self, ColumnParallelLinear) and self.agoq_save.recomputed and self.agoq_fp8 is None
+                and self.agoq_save.paths.fuse_norm_linear and not config.gradient_accumulation_fusion
+                and not config.sequence_parallel and not config.defer_embedding_wgrad_compute
+                and getattr(self, "gtp_remat_size", 1) == 1 and not getattr(self, "explicit_expert_comm", False)
+                and not getattr(self, "disable_grad_reduce", False))
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if torch.compiler.is_compiling() and (self.agoq_handoff is not None or self.agoq_fp8 is not None
                                               or self.agoq_save.fmt is not None):
             return _eager_linear_forward_impl(self, input, weight, *args, **kwargs)
         stash, col_scale, smooth = (None, None, None) if self.agoq_handoff is None else self.agoq_handoff.take()
+        if type(stash) is NormFeed:
+            return self._norm_linear_forward_impl(input, weight, stash, args, kwargs)
         if smooth is not None:
             return self._smooth_fp8_forward_impl(input, weight, smooth, args, kwargs)
         if self.agoq_fp8 is not None:
@@ -248,6 +274,17 @@ class _AgoqLinearMixin:
                             check_identity=not self.agoq_save_checked, **kw)
         self.agoq_save_checked = True
         return out
+
+    def _norm_linear_forward_impl(self, input, weight, feed: NormFeed, args, kw):
+        """QKV / fc1 fed by the norm's output: norm and linear as one node from the norm's input
+        (agoq.ops.norm_linear), storing only the norm's quantized input; Megatron's dgrad all-reduce inside it."""
+        feed.check_feeds(input)
+        self._check_unfused_kwargs(args, kw, "agoq's norm + linear node",
+                                   "build the layers with SavePaths(fuse_norm_linear=False)")
+        group = kw.get("tp_group") if kw.get("allreduce_dgrad") else None
+        if kw.get("allreduce_dgrad") and group is None:
+            raise NotImplementedError(f"agoq's norm + linear node needs the linear's tp_group ({self.agoq_save.key})")
+        return rmsnorm_linear(feed, weight, kw.get("bias"), group)
 
     def _require_stash(self, stash):
         if stash is None:
@@ -278,6 +315,10 @@ class _AgoqLinearMixin:
         return y if kw.get("bias") is None else y + kw["bias"]
 
     def _check_fp8_kwargs(self, args, kw) -> None:
+        self._check_unfused_kwargs(args, kw, "agoq's FP8 linear", "run this layer in bf16 (--agoq-fp8 off)")
+
+    def _check_unfused_kwargs(self, args, kw, what: str, fix: str) -> None:
+        """Raise when Megatron passes an option that agoq's own linear nodes do not implement."""
         save = self.agoq_save
         unsupported = [name for name in ("gradient_accumulation_fusion", "sequence_parallel") if kw.get(name)]
         if kw.get("grad_output_buffer") is not None:
@@ -286,8 +327,8 @@ class _AgoqLinearMixin:
             unsupported.append("gtp_weight_remat_size > 1")
         if args or unsupported:
             raise NotImplementedError(
-                f"agoq's FP8 linear does not support {unsupported or 'positional arguments'} (layer/role "
-                f"{save.key}); turn them off or run this layer in bf16 (--agoq-fp8 off)")
+                f"{what} does not support {unsupported or 'positional arguments'} (layer/role "
+                f"{save.key}); turn them off or {fix}")
 
     def _fp8_forward_impl(self, input, weight, stash, col_scale, args, kw):
         """Megatron's local linear (``linear_with_grad_accumulation_and_async_allreduce``) with FP8

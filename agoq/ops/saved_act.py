@@ -75,6 +75,11 @@ class SavePaths:
     linear_via_node_hooks: bool = False
     """Linears: True: replace Megatron's saved input through hooks on its node's saved tensor (private
     ``_raw_saved_tensors``); False (default): a ``saved_tensors_hooks`` scope around Megatron's linear."""
+    fuse_norm_linear: bool = True
+    """A norm whose output is recomputed for the column-parallel linear it feeds (QKV, fc1; bf16 GEMMs, no
+    sequence parallelism, gradient-accumulation fusion or wgrad deferral): True (default): one autograd node
+    for norm and linear (agoq.ops.norm_linear: no norm function, hook scope or stash per pair); False: the
+    norm's autograd function hands a recompute stash to Megatron's linear (same bytes and gradients)."""
 
 
 # ------------------------------------------------------------------------ torch.compile ----

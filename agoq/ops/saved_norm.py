@@ -30,7 +30,7 @@ from agoq.ops.saved_act import (
     quantize_saved,
 )
 
-__all__ = ["rmsnorm_saving_input"]
+__all__ = ["rmsnorm_saving_input", "rmsnorm_backward"]
 
 # ATen's fused RMSNorm, called without the Python dispatch of torch.ops where torch exposes a binding
 _fused_rms_norm = getattr(torch, "_fused_rms_norm", None) or torch.ops.aten._fused_rms_norm
@@ -57,25 +57,32 @@ class _RMSNormSavingInput(torch.autograd.Function):
         stash, ctx.stash = ctx.stash, None
         rstd_T1 = stash.aux.pop("rstd", None)  # kept when the next linear recomputed the output
         x_hat = stash.consume()
-        if x_hat.is_cuda:
-            # ATen's fused RMSNorm backward straight from x_hat (what autograd of F.rms_norm runs on
-            # CUDA, so the gradients are the same bits), without a re-entrant autograd.grad (host cost).
-            width = [x_hat.shape[-1]]
-            if rstd_T1 is None:
-                _, rstd_T1 = _fused_rms_norm(x_hat, width, weight_H, ctx.eps)
-            grad_x, grad_w = _fused_rms_norm_backward(
-                grad_y_TH.contiguous(), x_hat, width, rstd_T1, weight_H, list(ctx.needs_input_grad[:2])
-            )
-            return grad_x, grad_w, None, None, None, None, None
-        with torch.enable_grad():
-            x = x_hat.detach().requires_grad_(ctx.needs_input_grad[0])
-            w = weight_H.detach().requires_grad_(ctx.needs_input_grad[1])
-            y = F.rms_norm(x, (x.shape[-1],), w, ctx.eps)
-            inputs = [t for t in (x, w) if t.requires_grad]
-            grads = iter(torch.autograd.grad(y, inputs, grad_y_TH)) if inputs else iter(())
-        grad_x = next(grads) if ctx.needs_input_grad[0] else None
-        grad_w = next(grads) if ctx.needs_input_grad[1] else None
+        grad_x, grad_w = rmsnorm_backward(grad_y_TH, x_hat, rstd_T1, weight_H, ctx.eps, ctx.needs_input_grad[:2])
         return grad_x, grad_w, None, None, None, None, None
+
+
+def rmsnorm_backward(grad_y_TH: torch.Tensor, x_hat_TH: torch.Tensor, rstd_T1: torch.Tensor | None,
+                     weight_H: torch.Tensor, eps: float, needs_input_grad) -> tuple:
+    """(grad_x, grad_weight) of ``y = rms_norm(x) * weight`` at ``x_hat`` (None where ``needs_input_grad`` is
+    False). CUDA: ATen's fused RMSNorm backward straight from x_hat (what autograd of F.rms_norm runs on CUDA, so
+    the gradients are the same bits), with ``rstd_T1`` when a recompute computed it (else recomputed), without a
+    re-entrant autograd.grad (host cost); elsewhere: autograd of F.rms_norm at x_hat."""
+    if x_hat_TH.is_cuda:
+        width = [x_hat_TH.shape[-1]]
+        if rstd_T1 is None:
+            _, rstd_T1 = _fused_rms_norm(x_hat_TH, width, weight_H, eps)
+        grad_x, grad_w = _fused_rms_norm_backward(grad_y_TH.contiguous(), x_hat_TH, width, rstd_T1, weight_H,
+                                                  list(needs_input_grad))
+        return grad_x, grad_w
+    with torch.enable_grad():
+        x = x_hat_TH.detach().requires_grad_(needs_input_grad[0])
+        w = weight_H.detach().requires_grad_(needs_input_grad[1])
+        y = F.rms_norm(x, (x.shape[-1],), w, eps)
+        inputs = [t for t in (x, w) if t.requires_grad]
+        grads = iter(torch.autograd.grad(y, inputs, grad_y_TH)) if inputs else iter(())
+    grad_x = next(grads) if needs_input_grad[0] else None
+    grad_w = next(grads) if needs_input_grad[1] else None
+    return grad_x, grad_w
 
 
 def _norm_recompute(weight_H: torch.Tensor, eps: float) -> Callable:

@@ -14,6 +14,7 @@ cases return losses only).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,9 @@ class Case:
     policy: str | None = None  # None: --agoq-disable (Megatron's modules); else configs/policy/<name>.yaml
     flags: tuple[str, ...] = field(default=())
     num_layers: int | None = None  # None: tiny.yaml's 4
+    # True: the pre-norms hand a recompute stash to Megatron's linear (agoq.ops.saved_act.SavePaths
+    # fuse_norm_linear=False, which the CLI does not expose) instead of running as one node with it
+    two_node_norm: bool = False
 
     def argv(self) -> list[str]:
         argv = ["--config", str(TINY), "--fp32", "--seq-length", str(SEQ), "--micro-batch-size", str(MICRO_BATCH),
@@ -125,6 +129,15 @@ def run_case(case: Case, reference_state: dict | None, device: torch.device, wor
     from agoq.megatron.train.args import parse_args
     from agoq.megatron.train.training import StepRunner
 
+    if case.two_node_norm:
+        from agoq.megatron.layers import _AgoqLinearMixin
+
+        takes_feed = _AgoqLinearMixin._takes_norm_feed
+        _AgoqLinearMixin._takes_norm_feed = lambda self: False
+        try:
+            return run_case(dataclasses.replace(case, two_node_norm=False), reference_state, device, world_size)
+        finally:
+            _AgoqLinearMixin._takes_norm_feed = takes_feed
     args = parse_args(case.argv())
     layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, vpp=args.vpp)
     runtime.init_model_parallel(layout, seed=args.seed, device=device)

@@ -324,3 +324,41 @@ def test_handoff_order_is_checked(mcore_world1):
         handoff.take()
     layer.mlp.linear_fc1(layer.pre_mlp_layernorm(x_SBH))  # in order: fine
     assert not any(h.pending for h in layer.agoq_handoffs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_linear_node_equals_the_two_node_path(mcore_world1, dtype):
+    """The default path runs each pre-norm and the linear it feeds (QKV, fc1) as one autograd node
+    (agoq.ops.norm_linear); ``SavePaths(fuse_norm_linear=False)`` runs the norm's autograd function handing a
+    recompute stash to Megatron's linear. Same forward, same gradient bits, same bytes counted under the same
+    keys, the same live bytes after backward; the one-node path really ran (the QKV output's node is agoq's,
+    no stash changed hands) and only where it applies (not for fc2, not under the bf16 policy)."""
+    from agoq.ops.saved_act import SavePaths
+
+    two_node, st_two = _build("agoq", dtype, save_paths=SavePaths(fuse_norm_linear=False))
+    one_node, st_one = _build("agoq", dtype, reference=two_node)
+    for layer_two, layer_one in zip(_layers(two_node), _layers(one_node), strict=True):
+        assert [h.accepts_feed for h in layer_one.agoq_handoffs] == [True, True]
+        assert [h.accepts_feed for h in layer_two.agoq_handoffs] == [False, False]
+        assert not layer_one.mlp.agoq_fc2_handoff.accepts_feed  # SwiGLU -> fc2 keeps its stash
+    nodes = []
+    qkv = _layers(one_node)[0].self_attention.linear_qkv
+    hook = qkv.register_forward_hook(lambda mod, inp, out: nodes.append(out[0].grad_fn.name()))
+    losses_two, grads_two = _train(two_node)
+    losses_one, grads_one = _train(one_node)
+    hook.remove()
+    assert nodes and all(name == "_RMSNormLinearBackward" for name in nodes), nodes
+    for step in range(STEPS):
+        assert torch.equal(losses_two[step], losses_one[step]), step
+        for name, grad in grads_two[step].items():
+            assert torch.equal(grad, grads_one[step][name]), f"step {step}: {name}"
+    assert st_one.counter.packed == st_two.counter.packed and st_one.counter.total() > 0
+    assert st_one.counter.tensors == st_two.counter.tensors
+    assert st_one.counter.peak == st_two.counter.peak and st_one.counter.live == st_two.counter.live == 0
+    plain, _ = _build("bf16", dtype)
+    assert not any(h.accepts_feed for layer in _layers(plain) for h in layer.agoq_handoffs)
+
+
+def _layers(model):
+    """The decoder layers of a model built by _build (a bf16 model is wrapped in Float16Module)."""
+    return getattr(model, "module", model).decoder.layers

@@ -59,6 +59,8 @@ LAYOUT_CASES = [
     Case("vpp_param_gather", **VPP, flags=PARAM_GATHER),  # DP=1: the aligned gathers of the interleaved schedule
     Case("dp2_agoq", policy="agoq", flags=DISTOPT),
     Case("tp2", tp=2),
+    Case("tp2_agoq", tp=2, policy="agoq"),  # the norm + linear node's dgrad all-reduce (agoq.ops.norm_linear)
+    Case("tp2_agoq_two_node", tp=2, policy="agoq", two_node_norm=True),
     Case("pp2_selective", pp=2, flags=SELECTIVE),
     Case("dp2_agoq_selective", policy="agoq", flags=DISTOPT + SELECTIVE),
 ]
@@ -117,6 +119,20 @@ def test_quantized_policy_stays_in_band_in_every_layout(runs):
     # ... and so does it under Megatron's selective recompute of core attention (agoq's SDPA recomputed)
     assert layouts["dp2_agoq_selective"]["losses"] == pytest.approx(reference["pp1_agoq"]["losses"],
                                                                     rel=QUANTIZER_REL)
+
+
+def test_norm_linear_node_equals_the_two_node_path_at_tp2(runs):
+    """At TP=2 the pre-norms run as one autograd node with the column-parallel linear they feed
+    (agoq.ops.norm_linear), which all-reduces the norm output's gradient over the TP group, as Megatron's linear
+    does in the two-node path (the norm's function handing a stash to Megatron's linear): the same losses and
+    gradients bit for bit. Without the all-reduce each rank's norm would see half the gradient."""
+    _, layouts = runs
+    one, two = layouts["tp2_agoq"], layouts["tp2_agoq_two_node"]
+    assert one["losses"] == two["losses"]
+    assert one["grads"].keys() == two["grads"].keys() and one["grads"]
+    for name, shards in one["grads"].items():
+        for (got, _, _), (ref, _, _) in zip(shards, two["grads"][name], strict=True):
+            assert torch.equal(got, ref), name
 
 
 def test_overlapped_param_gather_trains_like_the_gather_after_the_step(runs):

@@ -1,0 +1,122 @@
+"""RMSNorm -> linear as one autograd node that stores only the norm's quantized input (AGoQ's norm recompute,
+../shared/spec/algorithms.md §3.2), for the host cost of small micro-batches (docs/activations.md, "Host cost").
+
+The two-node path (:func:`agoq.ops.saved_norm.rmsnorm_saving_input` handing a :class:`RecomputeStash` to a
+linear whose saved input is replaced inside a ``saved_tensors_hooks`` scope) stores the same bytes, but per
+norm -> linear pair it runs a Python autograd function for the norm, a hook scope, two pack and two unpack
+calls (one of them for the weight) and the stash's bookkeeping, on the host, for every micro-batch. Here the
+norm's forward runs without a graph (:func:`rmsnorm_no_graph`, the values its autograd function computes),
+and the linear that consumes it is one :class:`_RMSNormLinear` node from the norm's input and weight to the
+linear's output: forward ``y = rms_norm(x) * g`` (already computed), ``out = y @ W^T (+ b)``, storing the
+quantized ``x`` only; backward dequantizes ``x``, recomputes ``y`` and ``rstd`` once, and runs the linear's
+and then the norm's backward with the same ops and operand layouts as the two-node path (Megatron's
+``LinearWithGradAccumulationAndAsyncCommunication`` for the linear, ATen's fused RMSNorm backward on CUDA), so
+the gradients are the same bits (tests/megatron/test_norm_linear.py, tests/gpu/test_saved_act_gpu.py).
+
+A column-parallel linear's input-gradient all-reduce over the tensor-parallel group (Megatron's
+``allreduce_dgrad``) is started after the input-gradient GEMM and waited for after the weight-gradient GEMM, as
+Megatron's function does, and precedes the norm's backward. Sequence parallelism, gradient-accumulation fusion
+and wgrad deferral are not implemented here: the Megatron layer does not route such a linear through this node
+(agoq.megatron.layers).
+
+Shape legend: T = tokens (any leading dims), H = hidden (the norm's width), O = the linear's output features.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from agoq.formats import QuantFormat
+from agoq.ops.saved_act import Key, SavedBytesCounter, _dequantize, quantize_saved
+from agoq.ops.saved_norm import _fused_rms_norm, rmsnorm_backward
+
+__all__ = ["NormFeed", "rmsnorm_no_graph", "rmsnorm_linear"]
+
+
+class NormFeed:
+    """What a norm that skipped its own autograd node hands to the linear it feeds: its input, weight, eps,
+    output (``y``, made without a graph) and how to store its input (format, counter key, counter)."""
+
+    __slots__ = ("x", "weight", "eps", "y", "fmt", "key", "counter")
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, eps: float, y: torch.Tensor, fmt: QuantFormat,
+                 key: Key, counter: SavedBytesCounter | None):
+        self.x, self.weight, self.eps, self.y = x, weight, eps, y
+        self.fmt, self.key, self.counter = fmt, key, counter
+
+    def check_feeds(self, target: torch.Tensor) -> None:
+        """Raise unless ``target`` (the linear's input) is this norm's output ``y`` (same memory and shape)."""
+        y = self.y
+        if target is not y and (target.data_ptr() != y.data_ptr() or target.shape != y.shape):
+            raise RuntimeError(
+                f"agoq: this linear's input is not the output of the recomputable op before it (the norm {self.key}); "
+                "the layer's forward order changed. Use a bf16 policy for this role or report it.")
+
+
+def rmsnorm_no_graph(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float) -> torch.Tensor:
+    """``torch.nn.RMSNorm``'s forward values without an autograd node (the values agoq's norm function
+    computes in its forward, which runs without grad too); the node comes with the linear (:func:`rmsnorm_linear`)."""
+    with torch.no_grad():
+        return F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps)
+
+
+class _RMSNormLinear(torch.autograd.Function):
+    """out = rms_norm(x) * g @ W^T (+ b) from y = rms_norm(x) * g computed before; stores quantized x."""
+
+    @staticmethod
+    def forward(ctx, x_TH, norm_weight_H, weight_OH, bias_O, feed: NormFeed, dgrad_group):
+        out_TO = torch.matmul(feed.y, weight_OH.t())
+        if bias_O is not None:
+            out_TO = out_TO + bias_O
+        ctx.q = quantize_saved(x_TH, feed.fmt, feed.key, feed.counter)
+        ctx.eps, ctx.use_bias, ctx.dgrad_group = feed.eps, bias_O is not None, dgrad_group
+        ctx.save_for_backward(norm_weight_H, weight_OH)  # parameters: no activation memory
+        return out_TO
+
+    @staticmethod
+    def backward(ctx, grad_out_TO):
+        norm_weight_H, weight_OH = ctx.saved_tensors
+        q, ctx.q = ctx.q, None
+        x_hat_TH = _dequantize(q)
+        del q  # the codes go as soon as they are read (the two-node path lets them go at the norm's backward)
+        width = [x_hat_TH.shape[-1]]
+        rstd_T1 = None
+        with torch.no_grad():
+            if x_hat_TH.is_cuda:
+                y_hat_TH, rstd_T1 = _fused_rms_norm(x_hat_TH, width, norm_weight_H, ctx.eps)
+            else:
+                y_hat_TH = F.rms_norm(x_hat_TH, width, norm_weight_H, ctx.eps)
+        # the linear's backward: Megatron's operand layouts (grad_input from the [T, O] gradient as given; the
+        # weight gradient from both flattened to 2-D), so the bits match its function's
+        grad_y_TH = grad_out_TO.matmul(weight_OH)
+        handle = None
+        if ctx.dgrad_group is not None:
+            handle = dist.all_reduce(grad_y_TH, group=ctx.dgrad_group, async_op=True)
+        grad_out_2d, y_hat_2d = _flatten_2d(grad_out_TO), _flatten_2d(y_hat_TH)
+        needs = ctx.needs_input_grad
+        grad_weight = grad_out_2d.t().matmul(y_hat_2d) if needs[2] else None
+        grad_bias = grad_out_2d.sum(dim=0) if ctx.use_bias and needs[3] else None
+        del y_hat_TH, y_hat_2d
+        if handle is not None:
+            handle.wait()
+        grad_x, grad_norm_weight = rmsnorm_backward(grad_y_TH, x_hat_TH, rstd_T1, norm_weight_H, ctx.eps,
+                                                    needs[:2])
+        return grad_x, grad_norm_weight, grad_weight, grad_bias, None, None
+
+
+def _flatten_2d(t: torch.Tensor) -> torch.Tensor:
+    """[..., C] as [N, C] (Megatron's prepare_input_tensors_for_wgrad_compute: a view when contiguous)."""
+    if t.dim() == 2:
+        return t
+    t = t.contiguous() if not t.is_contiguous() else t
+    return t.view(-1, t.shape[-1])
+
+
+def rmsnorm_linear(feed: NormFeed, weight_OH: torch.Tensor, bias_O: torch.Tensor | None = None,
+                   dgrad_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The linear fed by the norm of ``feed`` as one node from the norm's input: ``feed.y @ W^T (+ b)``, storing
+    only the norm's quantized input. ``dgrad_group``: all-reduce the gradient of ``y`` over this group (a
+    column-parallel linear's tensor-parallel group, Megatron's ``allreduce_dgrad``; None: no all-reduce)."""
+    return _RMSNormLinear.apply(feed.x, feed.weight, weight_OH, bias_O, feed, dgrad_group)
