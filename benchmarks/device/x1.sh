@@ -2,6 +2,8 @@
 # One GPU (nvidia-h100-x1 / nvidia-h200): the open one-GPU checks and suites, most urgent first.
 #   bash benchmarks/device/x1.sh [step ...]      (no step: all, in this order; ~43 minutes on one H100)
 # Steps and what they settle:
+#   hostcost        issue 24: the norm + linear node on CUDA (GPU test, graphs tests), host us per path, and the
+#                   ~1B harness bf16 / agoq / agoq@twonode in interleaved rounds                              ~6 min
 #   eager           issue 24 item 3 eager alone: baseline, agoq, bf16 and FP8 linears, 2 rounds A B A B       ~6 min
 #   profile         issue 24: where eager steps spend host time and whether they wait on the GPU, baseline / agoq  ~3 min
 #   graphs          issue 24 item 3 (eager, eager --manual-gc, graphs), on its own GPU and cores          ~9 min
@@ -13,6 +15,12 @@
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 header
 B=benchmarks/bench_pretrain.py
+step hostcost 720 bash -c '"$0" -m pytest -q -p no:cacheprovider -m gpu -rA tests/gpu/test_norm_linear_gpu.py \
+  tests/gpu/test_saved_act_gpu.py tests/gpu/test_cuda_graphs_gpu.py; rc=$?
+  "$0" benchmarks/bench_launch.py --json "$1/activations_launch.json" || rc=1
+  "$0" benchmarks/bench_memory.py --policies bf16 agoq agoq@twonode --mbs 1 --steps 8 --rounds 4 \
+    --json "$1/activations_norm_node.json" || rc=1
+  exit $rc' "$PY" "$AGOQ_RESULTS"
 step eager 900 "$PY" $B --suite graphs --skip manual_gc /graphs smooth-swiglu --rounds 2 --timeout 150 \
   --out "$AGOQ_RESULTS/pretrain_eager.json"
 step profile 600 bash benchmarks/device/profile_pair.sh 1 step_profile --global-batch-size 8
