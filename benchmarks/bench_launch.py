@@ -306,8 +306,8 @@ def main(argv=None) -> int:
         import cProfile
         import pstats
 
-        for name in ("rmsnorm_linear_node_fwd_bwd", "plain_rms_norm_then_linear_fwd_bwd", "rmsnorm_saving_then_linear_fwd_bwd",
-                     "swiglu_saving_then_linear_fwd_bwd"):
+        for name in ("rmsnorm_linear_node_fwd_bwd", "plain_rms_norm_then_linear_fwd_bwd",
+                     "rmsnorm_saving_then_linear_fwd_bwd", "swiglu_saving_then_linear_fwd_bwd"):
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(200):
