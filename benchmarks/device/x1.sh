@@ -4,6 +4,8 @@
 # Steps and what they settle:
 #   hostcost        issue 24: the norm + linear node on CUDA (GPU test, graphs tests), host us per path, and the
 #                   ~1B harness bf16 / agoq / agoq@twonode in interleaved rounds                              ~6 min
+#   hostprof        issue 24: host time per function and layer inside steps (bf16 / agoq), launch anatomy and
+#                   cProfile of the norm -> linear paths                                                      ~3 min
 #   eager           issue 24 item 3 eager alone: baseline, agoq, bf16 and FP8 linears, 2 rounds A B A B       ~6 min
 #   profile         issue 24: where eager steps spend host time and whether they wait on the GPU, baseline / agoq  ~3 min
 #   graphs          issue 24 item 3 (eager, eager --manual-gc, graphs), on its own GPU and cores          ~9 min
@@ -20,6 +22,10 @@ step hostcost 720 bash -c '"$0" -m pytest -q -p no:cacheprovider -m gpu -rA test
   "$0" benchmarks/bench_launch.py --json "$1/activations_launch.json" || rc=1
   "$0" benchmarks/bench_memory.py --policies bf16 agoq agoq@twonode --mbs 1 --steps 8 --rounds 4 \
     --json "$1/activations_norm_node.json" || rc=1
+  exit $rc' "$PY" "$AGOQ_RESULTS"
+step hostprof 600 bash -c '"$0" benchmarks/bench_host_profile.py --policies bf16 agoq --steps 10 \
+  --json "$1/activations_host_profile.json"; rc=$?
+  "$0" benchmarks/bench_launch.py --calls 1000 --anatomy --cprofile 30 || rc=1
   exit $rc' "$PY" "$AGOQ_RESULTS"
 step eager 900 "$PY" $B --suite graphs --skip manual_gc /graphs smooth-swiglu --rounds 2 --timeout 150 \
   --out "$AGOQ_RESULTS/pretrain_eager.json"
