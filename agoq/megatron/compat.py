@@ -204,6 +204,15 @@ CONTRACT: tuple[Symbol, ...] = (
            "fused Smooth-SwiGLU + FP8 fc2 (agoq.ops.smooth_swiglu_fp8): AgoqMLP calls linear_fc2 with the fc1 output "
            "[.., 2F]; forward hands its input (input_is_parallel) to _forward_impl without a width check, then "
            "all-reduces over TP and adds the bias (megatron-core 0.19.2)", params=("input_",)),
+    # the norm + linear node (agoq.ops.norm_linear): QKV / fc1 decide at construction whether they take it
+    Symbol("megatron.core.transformer.transformer_config:TransformerConfig",
+           "the norm + linear node is built only where Megatron's linear runs none of what it does not implement "
+           "(_AgoqLinearMixin._takes_norm_feed)",
+           fields=("gradient_accumulation_fusion", "sequence_parallel", "defer_embedding_wgrad_compute")),
+    Symbol("megatron.core.tensor_parallel.layers:ColumnParallelLinear.forward",
+           "the norm + linear node takes QKV / fc1's _forward_impl call (allreduce_dgrad: the dgrad all-reduce it "
+           "runs itself, over tp_group); instance attributes set in __init__ and read at construction, absent ones "
+           "taken as off: gtp_remat_size, explicit_expert_comm, disable_grad_reduce", params=("input_", "weight")),
     Symbol("megatron.core.tensor_parallel.mappings:copy_to_tensor_model_parallel_region",
            "FP8 column-parallel linear: identity forward, TP all-reduce of dgrad", params=("input_", "group")),
     Symbol("megatron.core.transformer.mlp:MLP.__init__",
