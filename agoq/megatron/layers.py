@@ -17,7 +17,13 @@ Touches: spec substitution (the layer itself: ``agoq.megatron.transformer_layer`
   of the node it returns, checked per call by ``Node.name()`` and input identity; its keyword arguments are the
   parameters of
   ``linear_with_grad_accumulation_and_async_allreduce``, which the FP8 path reads);
-  ``copy_to_tensor_model_parallel_region`` (the FP8 path's dgrad all-reduce); ``RowParallelLinear.forward``
+  ``copy_to_tensor_model_parallel_region`` (the FP8 path's dgrad all-reduce); for QKV / fc1 fed by a recomputed
+  pre-norm, ``_forward_impl`` does not call Megatron's linear at all: the norm + linear node (agoq.ops.norm_linear)
+  takes its keyword arguments (``bias``, ``allreduce_dgrad`` over ``tp_group``), and the linear reads
+  ``TransformerConfig.gradient_accumulation_fusion`` / ``sequence_parallel`` / ``defer_embedding_wgrad_compute`` and
+  its own ``gtp_remat_size`` / ``explicit_expert_comm`` / ``disable_grad_reduce`` at construction to decide whether
+  it takes the node (``_takes_norm_feed``; otherwise the norm's stash and Megatron's linear, as before);
+  ``RowParallelLinear.forward``
   (fused (Smooth-)SwiGLU with an FP8 fc2 calls fc2 with the fc1 output, which it hands to ``_forward_impl``
   unchecked; fc2 then runs agoq.ops.smooth_swiglu_fp8 and Megatron's all-reduce and bias follow); ``MLP.forward``
   (re-implemented for the recompute, Smooth-SwiGLU and fused plain-FP8 paths only; the last computes Megatron's
@@ -41,7 +47,8 @@ When disabled: a module built with the default ``SavedInputConfig()`` (every bf1
   and no Smooth-SwiGLU mode calls Megatron's code unchanged, so the bf16 policy is bit-identical to the
   plain local spec.
 Guarded by: ``tests/megatron/test_activations.py`` (bit-identity, gradient SQNR, bytes, constructor
-  wiring and hand-off errors),
+  wiring and hand-off errors, the norm + linear node against the two-node path), ``tests/megatron/test_layouts.py``
+  (the node at TP=2), ``tests/gpu/test_norm_linear_gpu.py``,
   ``tests/megatron/test_fp8_smooth.py`` (Smooth-SwiGLU vs plain, TP=2, FP8 errors on CPU),
   ``tests/megatron/test_smooth_fp8_fused.py`` (the fused (Smooth-)SwiGLU FP8 paths vs the unfused ones),
   ``tests/gpu/test_fp8_megatron_gpu.py`` and ``tests/megatron/test_contract.py`` (the CONTRACT rows).

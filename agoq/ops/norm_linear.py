@@ -11,7 +11,8 @@ linear's output: forward ``y = rms_norm(x) * g`` (already computed), ``out = y @
 quantized ``x`` only; backward dequantizes ``x``, recomputes ``y`` and ``rstd`` once, and runs the linear's
 and then the norm's backward with the same ops and operand layouts as the two-node path (Megatron's
 ``LinearWithGradAccumulationAndAsyncCommunication`` for the linear, ATen's fused RMSNorm backward on CUDA), so
-the gradients are the same bits (tests/megatron/test_norm_linear.py, tests/gpu/test_saved_act_gpu.py).
+the gradients are the same bits (tests/megatron/test_activations.py, tests/megatron/test_layouts.py at TP=2,
+tests/gpu/test_norm_linear_gpu.py).
 
 A column-parallel linear's input-gradient all-reduce over the tensor-parallel group (Megatron's
 ``allreduce_dgrad``) is started after the input-gradient GEMM and waited for after the weight-gradient GEMM, as
