@@ -20,6 +20,8 @@ import math
 import pytest
 import torch
 
+from tests.gpu._world import gpu_megatron_world, gpu_model
+
 pytestmark = [pytest.mark.gpu]
 
 GRAD_FLOOR_DB = 8.5  # module docstring
@@ -33,48 +35,16 @@ SHAPE_KW = dict(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_
 
 @pytest.fixture(scope="module")
 def gpu_world():
-    pytest.importorskip("megatron.core", reason="needs megatron-core (the carried wheel on the GPU machine)")
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
         pytest.skip("needs an FP8-capable GPU (sm_89+)")
-    from agoq.config import AgoqConfig
-    from agoq.megatron import runtime
-    from agoq.megatron.install import install
-    from agoq.megatron.model import ParallelLayout
-
-    handle = install(AgoqConfig(device="cuda"))
-    device = runtime.choose_device("cuda", 0)
-    runtime.init_distributed(device, runtime.SINGLE_PROCESS)
-    runtime.init_model_parallel(ParallelLayout(), seed=1234, device=device)
-    yield device
-    runtime.shutdown()
-    handle.uninstall()
+    yield from gpu_megatron_world()
 
 
 def _build(device, recipe="off", smooth="off", policy=None, reference=None):
-    from pathlib import Path
+    from agoq.policy import FP8Spec
 
-    from megatron.core.transformer.module import Float16Module
-
-    from agoq.megatron.model import (
-        LlamaShape,
-        ParallelLayout,
-        agoq_layer_spec,
-        build_model_chunks,
-        llama_transformer_config,
-    )
-    from agoq.policy import FP8Spec, ScheduleInfo
-
-    shape = LlamaShape(**SHAPE_KW)
-    config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.bfloat16,
-                                      use_cpu_initialization=False)
     compute = FP8Spec(recipe=recipe, smooth_swiglu=smooth, bf16_first_layers=0, bf16_last_layers=0)
-    policies = Path(__file__).resolve().parents[2] / "configs" / "policy"
-    spec = agoq_layer_spec("sdpa", policy=None if policy is None else policies / f"{policy}.yaml",
-                           schedule=ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1), compute=compute)
-    (model,) = build_model_chunks(shape, config, spec, None)
-    model = Float16Module(config, model.to(device))
-    if reference is not None:
-        model.load_state_dict(reference.state_dict())
+    model, _ = gpu_model(device, SHAPE_KW, policy=policy, compute=compute, reference=reference)
     return model
 
 

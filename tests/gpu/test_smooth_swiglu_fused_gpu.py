@@ -31,10 +31,11 @@ policies): the same bounds as above.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.gpu._world import gpu_megatron_world, gpu_model, gpu_model_step
 
 pytestmark = [pytest.mark.gpu]
 
@@ -168,58 +169,24 @@ MODEL_KW = dict(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_
 
 @pytest.fixture(scope="module")
 def gpu_world(cuda):
-    pytest.importorskip("megatron.core", reason="needs megatron-core (the carried wheel on the GPU machine)")
-    from agoq.config import AgoqConfig
-    from agoq.megatron import runtime
-    from agoq.megatron.install import install
-    from agoq.megatron.model import ParallelLayout
-
-    handle = install(AgoqConfig(device="cuda"))
-    device = runtime.choose_device("cuda", 0)
-    runtime.init_distributed(device, runtime.SINGLE_PROCESS)
-    runtime.init_model_parallel(ParallelLayout(), seed=1234, device=device)
-    yield device
-    runtime.shutdown()
-    handle.uninstall()
+    yield from gpu_megatron_world()
 
 
 def _model(device, smooth, fused, reference=None, policy="bf16"):
     """The 2-layer model in FP8 (delayed) with Smooth-SwiGLU ``smooth`` ("off": plain), its fused op on or off
     (SavePaths.fuse_smooth_fp8; plain FP8 follows agoq.ops.smooth_swiglu_fp8's process-wide switch instead)."""
-    from megatron.core.transformer.module import Float16Module
-
-    from agoq.megatron.model import (
-        LlamaShape,
-        ParallelLayout,
-        agoq_layer_spec,
-        build_model_chunks,
-        llama_transformer_config,
-    )
     from agoq.ops.saved_act import SavePaths
-    from agoq.policy import FP8Spec, ScheduleInfo
+    from agoq.policy import FP8Spec
 
-    shape = LlamaShape(**MODEL_KW)
-    config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.bfloat16,
-                                      use_cpu_initialization=False)
     compute = FP8Spec(recipe="delayed", smooth_swiglu=smooth, bf16_first_layers=0, bf16_last_layers=0)
-    path = Path(__file__).resolve().parents[2] / "configs" / "policy" / f"{policy}.yaml"
-    spec = agoq_layer_spec("sdpa", policy=path, schedule=ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1),
-                           compute=compute, save_paths=SavePaths(fuse_smooth_fp8=fused))
-    (model,) = build_model_chunks(shape, config, spec, None)
-    model = Float16Module(config, model.to(device))
-    if reference is not None:
-        model.load_state_dict(reference.state_dict())
+    model, _ = gpu_model(device, MODEL_KW, policy=policy, compute=compute, save_paths=SavePaths(fuse_smooth_fp8=fused),
+                         reference=reference)
     return model
 
 
 def _model_step(model, device, seed):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, MODEL_KW["vocab_size"], (2, MODEL_KW["seq_length"] + 1), generator=g).to(device)
-    pos = torch.arange(MODEL_KW["seq_length"], device=device).expand(2, -1)
-    model.zero_grad(set_to_none=True)
-    loss = model(tokens[:, :-1], pos, None, labels=tokens[:, 1:]).float().mean()
-    loss.backward()
-    return loss.item(), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
+    loss, grads = gpu_model_step(model, device, seed, MODEL_KW)
+    return loss.item(), {n: g.float() for n, g in grads.items()}
 
 
 @pytest.mark.parametrize("smooth", ["per-token", "per-channel"])
