@@ -204,6 +204,10 @@ CONTRACT: tuple[Symbol, ...] = (
            "fused Smooth-SwiGLU + FP8 fc2 (agoq.ops.smooth_swiglu_fp8): AgoqMLP calls linear_fc2 with the fc1 output "
            "[.., 2F]; forward hands its input (input_is_parallel) to _forward_impl without a width check, then "
            "all-reduces over TP and adds the bias (megatron-core 0.19.2)", params=("input_",)),
+    Symbol("megatron.core.transformer.transformer_config:TransformerConfig",
+           "AgoqTransformerLayer refuses Megatron's norm recompute and MLP chunking under a recomputing policy "
+           "(agoq.megatron.transformer_layer.check_megatron_recompute)",
+           fields=("recompute_granularity", "recompute_modules", "mlp_chunks_for_training")),
     # the norm + linear node (agoq.ops.norm_linear): QKV / fc1 decide at construction whether they take it
     Symbol("megatron.core.transformer.transformer_config:TransformerConfig",
            "the norm + linear node is built only where Megatron's linear runs none of what it does not implement "

@@ -64,7 +64,7 @@ from agoq.ops.fp8_scaling import FP8Recipe
 from agoq.ops.saved_act import SavedBytesCounter, SavePaths
 from agoq.plan.storage import LayerStorage
 
-__all__ = ["AgoqTransformerLayer", "LayerOptions", "wire_submodules"]
+__all__ = ["AgoqTransformerLayer", "LayerOptions", "check_megatron_recompute", "wire_submodules"]
 
 _NO_SAVE = SavedInputConfig()
 
@@ -148,6 +148,29 @@ def wire_submodules(submodules, options: LayerOptions, attn_handoff: Handoff, ml
     )
 
 
+def check_megatron_recompute(config, storage: LayerStorage | None) -> None:
+    """Refuse, by name and with the fix, Megatron options that feed agoq's recomputing linears something else than
+    the producer's output: its selective recompute of the norms (``recompute_modules`` "layernorm": the norm runs
+    without a graph inside a checkpoint, so agoq's norm stores nothing and hands no stash) and its MLP chunking in
+    training (``mlp_chunks_for_training`` > 1: fc1 and fc2 see chunks of the norm / SwiGLU output). Without this the
+    first forward stops with an error that does not name the option (measured on megatron-core 0.19.2, CPU: the
+    hand-off's "input is not the output of the recomputable op" for the chunks, a NameError inside Megatron's norm
+    checkpoint without Transformer Engine for "layernorm")."""
+    if storage is None:
+        return
+    problems = []
+    modules = (config.recompute_modules or ()) if config.recompute_granularity == "selective" else ()
+    if storage.norm_recompute and "layernorm" in modules:
+        problems.append("recompute_modules with 'layernorm' (Megatron's norm recompute; agoq recomputes the norms "
+                        "itself from their quantized input): drop 'layernorm' from --recompute-modules")
+    if (storage.norm_recompute or storage.swiglu_recompute) and config.mlp_chunks_for_training > 1:
+        problems.append(f"mlp_chunks_for_training={config.mlp_chunks_for_training}: leave it at 1")
+    if problems:
+        raise NotImplementedError(
+            f"agoq's activation policy recomputes the norms / SwiGLU for the linears they feed, which does not combine "
+            f"with {'; '.join(problems)}; or use a policy that keeps those roles bf16 (configs/policy/bf16.yaml)")
+
+
 class AgoqTransformerLayer(TransformerLayer):
     """TransformerLayer whose agoq modules get the activation policy's formats and the FP8 settings for
     this layer through their constructors.
@@ -179,6 +202,7 @@ class AgoqTransformerLayer(TransformerLayer):
             )
             # before Megatron builds the layer's graph manager: a feature graphs cannot hold is refused by name
             check_cuda_graphs(config, layer_features(options))
+            check_megatron_recompute(config, options.storage)
             handoffs = (Handoff(f"layer {position.layer_idx} input_layernorm -> linear_qkv"),
                         Handoff(f"layer {position.layer_idx} pre_mlp_layernorm -> linear_fc1"))
             submodules = wire_submodules(submodules, options, *handoffs, layer_number=global_number)

@@ -362,3 +362,30 @@ def test_norm_linear_node_equals_the_two_node_path(mcore_world1, dtype):
 def _layers(model):
     """The decoder layers of a model built by _build (a bf16 model is wrapped in Float16Module)."""
     return getattr(model, "module", model).decoder.layers
+
+
+def test_megatron_options_that_feed_recomputing_linears_otherwise_are_refused(mcore_world1):
+    """Megatron's norm recompute (recompute_modules "layernorm") runs agoq's norm without a graph and its MLP
+    chunking feeds fc1 / fc2 chunks: with a policy that recomputes the norms / SwiGLU, building the layer raises with
+    the option and the fix; the bf16 policy (nothing recomputed) builds, and so does core-attention recompute."""
+    from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
+    from agoq.policy import ScheduleInfo
+
+    def build(policy, **overrides):
+        shape = tiny_shape()
+        config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.float32,
+                                          use_cpu_initialization=True)
+        for name, value in overrides.items():
+            setattr(config, name, value)
+        spec = agoq_layer_spec("sdpa", policy=POLICIES / f"{policy}.yaml",
+                               schedule=ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1))
+        return build_model_chunks(shape, config, spec, None)
+
+    layernorm = dict(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm"])
+    with pytest.raises(NotImplementedError, match="'layernorm'.*drop 'layernorm' from --recompute-modules"):
+        build("agoq", **layernorm)
+    with pytest.raises(NotImplementedError, match="mlp_chunks_for_training=2: leave it at 1"):
+        build("agoq", mlp_chunks_for_training=2)
+    build("bf16", **layernorm)
+    build("bf16", mlp_chunks_for_training=2)
+    build("agoq", recompute_granularity="selective", recompute_modules=["core_attn"])
