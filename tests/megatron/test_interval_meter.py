@@ -40,3 +40,20 @@ def test_one_iteration_interval_is_the_iteration_itself_and_other_stages_have_no
     for _ in range(2):
         meter.add(_step(float("nan"), 0.2, ok=False))
     assert math.isnan(meter.take(_step(float("nan"), 0.2, ok=False)).loss)  # every update skipped
+
+
+def test_interval_line_averages_the_host_steal_and_unknown_stays_unknown():
+    """--log-json host_steal_cpu_seconds (agoq.megatron.train.hoststats): the interval's mean per step; one
+    iteration whose steal could not be read makes the interval's unknown (None), never a partial mean."""
+    meter = IntervalMeter()
+    steps = [StepResult(loss=1.0, grad_norm=1.0, update_successful=True, seconds=0.2, steal_seconds=s)
+             for s in (0.1, 0.3)]
+    for step in steps:
+        meter.add(step)
+    assert meter.take(steps[-1]).steal_seconds == pytest.approx(0.2)
+    meter.add(steps[0])
+    meter.add(_step(1.0, 0.2))  # steal unknown
+    assert meter.take(steps[0]).steal_seconds is None
+    meter.add(steps[1])
+    meter.add(steps[1])
+    assert meter.take(steps[1]).steal_seconds == pytest.approx(0.3)  # a fresh interval after an unknown one

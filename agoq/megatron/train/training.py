@@ -35,6 +35,7 @@ from megatron.core.utils import get_model_config
 
 from agoq.megatron import graphs
 from agoq.megatron.release import ReleaseDataParallel, TrainingStopped, finalize_release_grads
+from agoq.megatron.train import hoststats
 from agoq.ops.fp8_weight_cache import fp8_weights_changed
 from agoq.ops.nonfinite import nonfinite_in
 
@@ -134,6 +135,7 @@ class StepResult:
     grad_norm: float | None
     update_successful: bool
     seconds: float
+    steal_seconds: float | None = None  # CPU-seconds the hypervisor took from the host (hoststats); None: unknown
 
 
 @dataclass
@@ -179,6 +181,12 @@ class StepRunner:
         return total / num_batches if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else None
 
     def run(self, data_iterators: list[Iterator]) -> StepResult:
+        steal_before = hoststats.cpu_steal_seconds()
+        result = self._run(data_iterators)
+        result.steal_seconds = hoststats.steal_since(steal_before)
+        return result
+
+    def _run(self, data_iterators: list[Iterator]) -> StepResult:
         start = time.perf_counter()
         fp8_weights_changed()  # FP8 weight caches: cast each weight once per step (the last step moved them)
         for chunk in self.model_chunks:
@@ -269,26 +277,31 @@ class IntervalMeter:
     losses: int = 0
     seconds_sum: float = 0.0
     iterations: int = 0
+    steal_sum: float | None = 0.0  # None once an iteration's steal was unknown
 
     def add(self, result: StepResult) -> None:
         self.iterations += 1
         self.seconds_sum += result.seconds
+        self.steal_sum = None if self.steal_sum is None or result.steal_seconds is None \
+            else self.steal_sum + result.steal_seconds
         if result.update_successful and result.loss is not None:
             self.loss_sum += result.loss
             self.losses += 1
 
     def take(self, last: StepResult) -> StepResult:
         """The interval's line values (``last``: the interval's last iteration), and a fresh interval."""
+        steal = self.steal_sum
         if self.iterations <= 1:  # --log-interval 1: the iteration itself (a skipped one shows its own loss)
-            self.loss_sum, self.losses, self.seconds_sum, self.iterations = 0.0, 0, 0.0, 0
+            self.loss_sum, self.losses, self.seconds_sum, self.iterations, self.steal_sum = 0.0, 0, 0.0, 0, 0.0
             return last
         if last.loss is None:  # not the last pipeline stage: no loss here
             loss = None
         else:
             loss = self.loss_sum / self.losses if self.losses else float("nan")
         averaged = StepResult(loss=loss, grad_norm=last.grad_norm, update_successful=last.update_successful,
-                              seconds=self.seconds_sum / max(1, self.iterations))
-        self.loss_sum, self.losses, self.seconds_sum, self.iterations = 0.0, 0, 0.0, 0
+                              seconds=self.seconds_sum / max(1, self.iterations),
+                              steal_seconds=None if steal is None else steal / max(1, self.iterations))
+        self.loss_sum, self.losses, self.seconds_sum, self.iterations, self.steal_sum = 0.0, 0, 0.0, 0, 0.0
         return averaged
 
 
