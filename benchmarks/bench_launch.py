@@ -62,7 +62,7 @@ def legacy_save_paths():
     (passed in as ``agoq.ops.saved_act.SavePaths``)."""
     from agoq.ops.saved_act import SavePaths
 
-    return SavePaths(norm_via_aten_node=False, fuse_swiglu=False)
+    return SavePaths(norm_via_aten_node=False, fuse_swiglu=False, fuse_norm_linear=False)
 
 
 @contextlib.contextmanager

@@ -8,12 +8,14 @@ GPU (the issue's benchmark, ~1B LLaMA, seq 4096)::
 
 ``<policy>@<variant>[+<variant>]`` switches parts of the saved-activation host path for an A/B in one
 process: ``atennorm`` (the CUDA RMSNorm on ATen's own node with hooks on its saved tensors, not agoq's autograd
-function), ``nodehooks`` (linears replace their saved input through that saved tensor's hooks, not a hook
-scope; both opt into private autograd attributes, agoq.ops.saved_act.SavePaths; before issue 24 they were the
-defaults, and the variants ``fnnorm`` / ``scope`` of older result files are today's defaults), and ``legacy``,
-which runs the policy with agoq's direct Triton launches, launch sites and fused SwiGLU kernels switched off
-(benchmarks/bench_launch.py's ``legacy_launch`` and ``legacy_save_paths``): the code before
-the host-cost work (its glue trimming stays), timed in the same process, so the comparison does not
+function; it also turns the norm + linear node off, which would take the norm's node away), ``twonode`` (the
+norm's autograd function handing a stash to Megatron's linear instead of the norm + linear node), ``nodehooks``
+(linears replace their saved input through that saved tensor's hooks, not a hook scope; ``atennorm`` and
+``nodehooks`` opt into private autograd attributes, agoq.ops.saved_act.SavePaths; before issue 24 they were the
+defaults, and the variants ``fnnorm`` / ``scope`` of older result files are today's two-node defaults), and
+``legacy``, which runs the policy with agoq's direct Triton launches, launch sites, fused SwiGLU kernels and the
+norm + linear node switched off (benchmarks/bench_launch.py's ``legacy_launch`` and ``legacy_save_paths``): the code
+before the host-cost work (its glue trimming stays), timed in the same process, so the comparison does not
 depend on the leased host's speed. Step times: ``--rounds`` interleaved rounds per micro-batch size (the
 ratios the docs quote, ``step_time_ratio_interleaved``). Peaks: ``peak_bytes`` is absolute and includes
 every model kept resident for the rounds; ``peak_above_resident_bytes`` is what the step adds.
@@ -173,8 +175,10 @@ def _sync(device) -> None:
 def _variant_choices() -> dict:
     """Variant name -> (SavePaths overrides, uses the legacy launch path): the A/B of the saved-activation
     host path (options passed into the layer spec, no product switch flipped)."""
-    return {"legacy": ({"norm_via_aten_node": False, "fuse_swiglu": False}, True),  # benchmarks/bench_launch.py
-            "atennorm": ({"norm_via_aten_node": True}, False),  # RMSNorm on ATen's node (private hooks)
+    return {"legacy": ({"norm_via_aten_node": False, "fuse_swiglu": False, "fuse_norm_linear": False},
+                       True),  # benchmarks/bench_launch.py
+            # RMSNorm on ATen's node (private hooks): only where the norm keeps a node of its own (no norm+linear node)
+            "atennorm": ({"norm_via_aten_node": True, "fuse_norm_linear": False}, False),
             "nodehooks": ({"linear_via_node_hooks": True}, False),  # linears: hooks on Megatron's node
             "twonode": ({"fuse_norm_linear": False}, False)}  # norm function + stash + Megatron's linear
 

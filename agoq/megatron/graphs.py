@@ -102,7 +102,9 @@ VALIDATED: frozenset[str] = frozenset({"activations", "fp8_current", "fp8_delaye
 test_cuda_graphs_multigpu.py) and run under ``cuda_graph_impl="local"``; add a name only with the run's evidence in
 docs/activations.md ("CUDA graphs"). All six: every case bit-identical to eager over 10 iterations on one
 H100, and (activations, FP8 delayed, per-token Smooth-SwiGLU) over 8 at PP=2 on two H100s, 2026-11-27 (agoq code
-of deae7fe; PP=2 with the rotary fix of 93150a8)."""
+of deae7fe; PP=2 with the rotary fix of 93150a8). "activations" again with the norm + linear node
+(agoq.ops.norm_linear, the default since): both files passed on H100s on 2026-11-27 11:08 and 11:38 UTC (agoq
+10f4182 and a later commit with the same layer code)."""
 
 _ALLOWED: ContextVar[frozenset[str]] = ContextVar("agoq_unvalidated_cuda_graphs", default=frozenset())
 

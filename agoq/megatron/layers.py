@@ -286,6 +286,14 @@ class _AgoqLinearMixin:
         """QKV / fc1 fed by the norm's output: norm and linear as one node from the norm's input
         (agoq.ops.norm_linear), storing only the norm's quantized input; Megatron's dgrad all-reduce inside it."""
         feed.check_feeds(input)
+        if not torch.is_grad_enabled():
+            # the norm ran with grad and handed its output without a graph: something between them (a checkpoint
+            # such as Megatron's recompute of the MLP) turned grad off, and the node would not be recorded
+            raise RuntimeError(
+                f"agoq: {self.agoq_save.key} runs without grad on a norm output made with grad (a checkpoint between "
+                "the norm and its linear, e.g. Megatron's recompute_modules 'mlp' or 'layernorm'); its gradients "
+                "would be lost. Leave those modules out of --recompute-modules or use a policy that keeps the norm "
+                "roles bf16")
         self._check_unfused_kwargs(args, kw, "agoq's norm + linear node",
                                    "build the layers with SavePaths(fuse_norm_linear=False)")
         group = kw.get("tp_group") if kw.get("allreduce_dgrad") else None

@@ -151,7 +151,9 @@ def wire_submodules(submodules, options: LayerOptions, attn_handoff: Handoff, ml
 def check_megatron_recompute(config, storage: LayerStorage | None) -> None:
     """Refuse, by name and with the fix, Megatron options that feed agoq's recomputing linears something else than
     the producer's output: its selective recompute of the norms (``recompute_modules`` "layernorm": the norm runs
-    without a graph inside a checkpoint, so agoq's norm stores nothing and hands no stash) and its MLP chunking in
+    without a graph inside a checkpoint, so agoq's norm stores nothing and hands no stash) or of the MLP ("mlp": fc1
+    runs without grad inside the checkpoint on a norm output handed without a graph, whose gradients the norm +
+    linear node would otherwise lose), and its MLP chunking in
     training (``mlp_chunks_for_training`` > 1: fc1 and fc2 see chunks of the norm / SwiGLU output). Without this the
     first forward stops with an error that does not name the option (measured on megatron-core 0.19.2, CPU: the
     hand-off's "input is not the output of the recomputable op" for the chunks, a NameError inside Megatron's norm
@@ -163,6 +165,9 @@ def check_megatron_recompute(config, storage: LayerStorage | None) -> None:
     if storage.norm_recompute and "layernorm" in modules:
         problems.append("recompute_modules with 'layernorm' (Megatron's norm recompute; agoq recomputes the norms "
                         "itself from their quantized input): drop 'layernorm' from --recompute-modules")
+    if storage.norm_recompute and "mlp" in modules:
+        problems.append("recompute_modules with 'mlp' (Megatron checkpoints the MLP, whose fc1 then runs without "
+                        "grad on the pre-MLP norm's output): drop 'mlp' from --recompute-modules")
     if (storage.norm_recompute or storage.swiglu_recompute) and config.mlp_chunks_for_training > 1:
         problems.append(f"mlp_chunks_for_training={config.mlp_chunks_for_training}: leave it at 1")
     if problems:

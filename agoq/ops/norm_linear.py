@@ -16,9 +16,11 @@ tests/gpu/test_norm_linear_gpu.py).
 
 A column-parallel linear's input-gradient all-reduce over the tensor-parallel group (Megatron's
 ``allreduce_dgrad``) is started after the input-gradient GEMM and waited for after the weight-gradient GEMM, as
-Megatron's function does, and precedes the norm's backward. Sequence parallelism, gradient-accumulation fusion
-and wgrad deferral are not implemented here: the Megatron layer does not route such a linear through this node
-(agoq.megatron.layers).
+Megatron's function does, and precedes the norm's backward. A frozen linear weight (``requires_grad`` False) gets
+the backward of Megatron's ``LinearWithFrozenWeight``, which its ``_forward_impl`` runs then: the input gradient
+through a 2-D view, a synchronous all-reduce, no weight or bias gradient.
+Sequence parallelism, gradient-accumulation fusion and wgrad deferral are not implemented here: the Megatron layer
+does not route such a linear through this node (agoq.megatron.layers).
 
 Shape legend: T = tokens (any leading dims), H = hidden (the norm's width), O = the linear's output features.
 """
@@ -82,37 +84,57 @@ class _RMSNormLinear(torch.autograd.Function):
         q, ctx.q = ctx.q, None
         x_hat_TH = _dequantize(q)
         del q  # the codes go as soon as they are read (the two-node path lets them go at the norm's backward)
-        width = [x_hat_TH.shape[-1]]
         rstd_T1 = None
-        with torch.no_grad():
-            if x_hat_TH.is_cuda:
-                y_hat_TH, rstd_T1 = _fused_rms_norm(x_hat_TH, width, norm_weight_H, ctx.eps)
-            else:
-                y_hat_TH = F.rms_norm(x_hat_TH, width, norm_weight_H, ctx.eps)
-        # the linear's backward: Megatron's operand layouts (grad_input from the [T, O] gradient as given; the
-        # weight gradient from both flattened to 2-D), so the bits match its function's
-        grad_y_TH = grad_out_TO.matmul(weight_OH)
-        handle = None
-        if ctx.dgrad_group is not None:
-            handle = dist.all_reduce(grad_y_TH, group=ctx.dgrad_group, async_op=True)
-        grad_out_2d, y_hat_2d = _flatten_2d(grad_out_TO), _flatten_2d(y_hat_TH)
-        needs = ctx.needs_input_grad
-        grad_weight = grad_out_2d.t().matmul(y_hat_2d) if needs[2] else None
-        grad_bias = grad_out_2d.sum(dim=0) if ctx.use_bias and needs[3] else None
-        del y_hat_TH, y_hat_2d
-        if handle is not None:
-            handle.wait()
+        if ctx.needs_input_grad[2]:
+            width = [x_hat_TH.shape[-1]]
+            with torch.no_grad():  # the linear's input rebuilt once; on CUDA its rstd serves the norm's backward
+                if x_hat_TH.is_cuda:
+                    y_hat_TH, rstd_T1 = _fused_rms_norm(x_hat_TH, width, norm_weight_H, ctx.eps)
+                else:
+                    y_hat_TH = F.rms_norm(x_hat_TH, width, norm_weight_H, ctx.eps)
+            grad_y_TH, grad_weight, grad_bias = _linear_backward(ctx, grad_out_TO, y_hat_TH, weight_OH)
+            del y_hat_TH
+        else:  # a frozen weight needs no recomputed input
+            grad_y_TH, grad_weight, grad_bias = _frozen_linear_backward(ctx, grad_out_TO, weight_OH), None, None
         grad_x, grad_norm_weight = rmsnorm_backward(grad_y_TH, x_hat_TH, rstd_T1, norm_weight_H, ctx.eps,
-                                                    needs[:2])
+                                                    ctx.needs_input_grad[:2])
         return grad_x, grad_norm_weight, grad_weight, grad_bias, None, None
 
 
+def _linear_backward(ctx, grad_out_TO, y_hat_TH, weight_OH):
+    """(grad_y, grad_weight, grad_bias) as Megatron's LinearWithGradAccumulationAndAsyncCommunication computes them
+    (no gradient-accumulation fusion, no sequence parallelism): grad_input from the gradient as given, the TP
+    all-reduce started after it and waited for after the weight gradient, which takes both flattened to 2-D."""
+    grad_y_TH = grad_out_TO.matmul(weight_OH)
+    handle = None
+    if ctx.dgrad_group is not None:
+        handle = dist.all_reduce(grad_y_TH, group=ctx.dgrad_group, async_op=True)
+    grad_out_2d, y_hat_2d = _flatten_2d(grad_out_TO), _flatten_2d(y_hat_TH)
+    grad_weight = grad_out_2d.t().matmul(y_hat_2d)
+    grad_bias = grad_out_2d.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[3] else None
+    if handle is not None:
+        handle.wait()
+    return grad_y_TH, grad_weight, grad_bias
+
+
+def _frozen_linear_backward(ctx, grad_out_TO, weight_OH):
+    """grad_y of a frozen weight as Megatron's LinearWithFrozenWeight computes it (what its _forward_impl runs when
+    ``weight.requires_grad`` is False): the product through a 2-D view, a synchronous TP all-reduce, and no weight
+    or bias gradient (Megatron's function returns none for the bias either)."""
+    if grad_out_TO.dim() > 2:
+        grad_y_TH = grad_out_TO.reshape(-1, grad_out_TO.size(-1)).matmul(weight_OH)
+        grad_y_TH = grad_y_TH.reshape(*grad_out_TO.shape[:-1], weight_OH.size(1))
+    else:
+        grad_y_TH = grad_out_TO.matmul(weight_OH)
+    if ctx.dgrad_group is not None:
+        dist.all_reduce(grad_y_TH, group=ctx.dgrad_group)
+    return grad_y_TH
+
+
 def _flatten_2d(t: torch.Tensor) -> torch.Tensor:
-    """[..., C] as [N, C] (Megatron's prepare_input_tensors_for_wgrad_compute: a view when contiguous)."""
-    if t.dim() == 2:
-        return t
-    t = t.contiguous() if not t.is_contiguous() else t
-    return t.view(-1, t.shape[-1])
+    """[..., C] as a contiguous [N, C] (Megatron's prepare_input_tensors_for_wgrad_compute)."""
+    t = t.contiguous()
+    return t if t.dim() == 2 else t.view(-1, t.shape[-1])
 
 
 def rmsnorm_linear(feed: NormFeed, weight_OH: torch.Tensor, bias_O: torch.Tensor | None = None,

@@ -64,8 +64,9 @@ class SavePaths:
     benchmarks/bench_launch.py legacy paths). Passed to ``agoq.megatron.model.agoq_layer_spec(..., save_paths=...)``."""
 
     norm_via_aten_node: bool = False
-    """CUDA RMSNorm: True: ATen's fused node with hooks on its saved tensors (private ``_raw_saved_input`` /
-    ``_raw_saved_rstd``); False (default): agoq's autograd function."""
+    """CUDA RMSNorm that keeps a node of its own (not the norm + linear node of ``fuse_norm_linear``): True: ATen's
+    fused node with hooks on its saved tensors (private ``_raw_saved_input`` / ``_raw_saved_rstd``); False
+    (default): agoq's autograd function."""
     fuse_swiglu: bool = True
     """CUDA SwiGLU: one fused quantize kernel (False: quantize + ATen SwiGLU, unfused)."""
     fuse_smooth_fp8: bool = True

@@ -170,7 +170,10 @@ def run_case(case: Case, reference_state: dict | None, device: torch.device, wor
             if iteration == 0 and not args.use_distributed_optimizer and not args.agoq_grads:
                 grads = {n: (p.main_grad.detach().float().cpu().clone(), _partition_dim(p), tp_rank)
                          for n, p in params.items()}
-        return {"losses": losses, "grad_norms": norms, "grads": grads, "initial": initial}
+        # whether the pre-norms ran as one node with QKV / fc1 (agoq.ops.norm_linear) anywhere on this rank
+        norm_node = any(h.accepts_feed for chunk in model for layer in _unwrap(chunk).decoder.layers
+                        for h in getattr(layer, "agoq_handoffs", ()))
+        return {"losses": losses, "grad_norms": norms, "grads": grads, "initial": initial, "norm_node": norm_node}
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -198,7 +201,7 @@ def merge_ranks(name: str, per_rank: list[dict]) -> dict:
     for r in per_rank:
         for key, grad in r[name]["grads"].items():
             grads.setdefault(key, []).append(grad)
-    return {"losses": losses, "grads": grads}
+    return {"losses": losses, "grads": grads, "norm_node": [r[name]["norm_node"] for r in per_rank]}
 
 
 def assert_grads_close(grads: dict, reference: dict, tp_size: int, rel: float) -> None:

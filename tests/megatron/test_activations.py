@@ -20,7 +20,7 @@ SEQ, MICRO_BATCH, VOCAB = TINY_SEQ, 2, TINY_VOCAB
 STEPS, LR = 2, 1e-2
 
 
-def _build(policy, dtype=torch.float32, recompute=False, reference=None, save_paths=None):
+def _build(policy, dtype=torch.float32, recompute=False, reference=None, save_paths=None, bias=False):
     """(model, storage) with agoq's spec; ``policy``: a configs/policy name, a YAML path, or None
     (the plain local spec, agoq disabled).
     Weights are copied from ``reference`` when given (so every variant starts from the same point)."""
@@ -32,6 +32,7 @@ def _build(policy, dtype=torch.float32, recompute=False, reference=None, save_pa
 
     shape = tiny_shape()
     config = llama_transformer_config(shape, ParallelLayout(), params_dtype=dtype, use_cpu_initialization=True)
+    config.add_bias_linear = bias  # LLaMA has none; tests of the linears' bias path turn it on
     if recompute:  # Megatron's --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
     if isinstance(policy, str):
@@ -359,15 +360,49 @@ def test_norm_linear_node_equals_the_two_node_path(mcore_world1, dtype):
     assert not any(h.accepts_feed for layer in _layers(plain) for h in layer.agoq_handoffs)
 
 
+@pytest.mark.parametrize("variant", ["bias", "frozen_linears", "frozen_norms"])
+def test_norm_linear_node_bias_and_frozen_weights_equal_the_two_node_path(mcore_world1, variant, monkeypatch):
+    """The node against the two-node path where the tiny LLaMA has nothing to show: linears with a bias (its
+    gradient), frozen QKV / fc1 weights (Megatron's LinearWithFrozenWeight backward: dgrad through a 2-D view, no
+    weight or bias gradient) and frozen norm weights. One forward + backward, fp32: the same loss and gradients bit for
+    bit, and the same parameters without a gradient."""
+    from agoq.ops.saved_act import SavePaths
+
+    bias = variant == "bias"
+    two_node, _ = _build("agoq", save_paths=SavePaths(fuse_norm_linear=False), bias=bias)
+    one_node, _ = _build("agoq", reference=two_node, bias=bias)
+    frozen = {"frozen_linears": ("linear_qkv.weight", "linear_fc1.weight"),
+              "frozen_norms": ("input_layernorm.weight", "pre_mlp_layernorm.weight")}.get(variant, ())
+    results = []
+    for model in (two_node, one_node):
+        for name, param in model.named_parameters():
+            param.requires_grad_(not name.endswith(frozen))
+        tokens, labels, pos = _batch(0)
+        loss = model(tokens, pos, None, labels=labels).float().mean()
+        loss.backward()
+        results.append((loss.detach(), {n: None if p.grad is None else p.grad.clone()
+                                        for n, p in model.named_parameters()}))
+    (loss_two, grads_two), (loss_one, grads_one) = results
+    assert torch.equal(loss_two, loss_one)
+    assert {n for n, g in grads_two.items() if g is None} == {n for n, g in grads_one.items() if g is None}
+    assert sum(g is None for g in grads_one.values()) == (2 * len(frozen) if frozen else 0)  # 2 layers
+    if bias:
+        assert any(n.endswith("linear_qkv.bias") for n in grads_one)
+    for name, grad in grads_two.items():
+        assert grad is None or torch.equal(grad, grads_one[name]), name
+
+
 def _layers(model):
     """The decoder layers of a model built by _build (a bf16 model is wrapped in Float16Module)."""
     return getattr(model, "module", model).decoder.layers
 
 
-def test_megatron_options_that_feed_recomputing_linears_otherwise_are_refused(mcore_world1):
-    """Megatron's norm recompute (recompute_modules "layernorm") runs agoq's norm without a graph and its MLP
-    chunking feeds fc1 / fc2 chunks: with a policy that recomputes the norms / SwiGLU, building the layer raises with
-    the option and the fix; the bf16 policy (nothing recomputed) builds, and so does core-attention recompute."""
+def test_megatron_options_that_feed_recomputing_linears_otherwise_are_refused(mcore_world1, monkeypatch):
+    """Megatron's norm recompute (recompute_modules "layernorm") runs agoq's norm without a graph, its MLP recompute
+    ("mlp") runs fc1 without grad on the norm's output (the norm + linear node would not be recorded: the gradients
+    of the pre-MLP norm, fc1 and fc2 were lost without an error) and its MLP chunking feeds fc1 / fc2 chunks: with a
+    policy that recomputes the norms / SwiGLU, building the layer raises with the option and the fix; the bf16 policy
+    (nothing recomputed) builds, and so does core-attention recompute."""
     from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
     from agoq.policy import ScheduleInfo
 
@@ -384,8 +419,19 @@ def test_megatron_options_that_feed_recomputing_linears_otherwise_are_refused(mc
     layernorm = dict(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm"])
     with pytest.raises(NotImplementedError, match="'layernorm'.*drop 'layernorm' from --recompute-modules"):
         build("agoq", **layernorm)
+    with pytest.raises(NotImplementedError, match="'mlp'.*drop 'mlp' from --recompute-modules"):
+        build("agoq", recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
     with pytest.raises(NotImplementedError, match="mlp_chunks_for_training=2: leave it at 1"):
         build("agoq", mlp_chunks_for_training=2)
     build("bf16", **layernorm)
     build("bf16", mlp_chunks_for_training=2)
     build("agoq", recompute_granularity="selective", recompute_modules=["core_attn"])
+    # past the construction check (a spec built another way), the node itself refuses to run without grad on a norm
+    # output made with grad, instead of losing the pre-MLP norm's, fc1's and fc2's gradients
+    from agoq.megatron import transformer_layer
+
+    monkeypatch.setattr(transformer_layer, "check_megatron_recompute", lambda config, storage: None)
+    (model,) = build("agoq", recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+    tokens, labels, pos = _batch(0)
+    with pytest.raises(RuntimeError, match="runs without grad on a norm output made with grad"):
+        model(tokens, pos, None, labels=labels)

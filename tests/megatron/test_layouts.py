@@ -128,6 +128,7 @@ def test_norm_linear_node_equals_the_two_node_path_at_tp2(runs):
     gradients bit for bit. Without the all-reduce each rank's norm would see half the gradient."""
     _, layouts = runs
     one, two = layouts["tp2_agoq"], layouts["tp2_agoq_two_node"]
+    assert one["norm_node"] == [True, True] and two["norm_node"] == [False, False]  # each path really ran
     assert one["losses"] == two["losses"]
     assert one["grads"].keys() == two["grads"].keys() and one["grads"]
     for name, shards in one["grads"].items():
