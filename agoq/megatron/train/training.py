@@ -292,7 +292,7 @@ class IntervalMeter:
         """The interval's line values (``last``: the interval's last iteration), and a fresh interval."""
         steal = self.steal_sum
         if self.iterations <= 1:  # --log-interval 1: the iteration itself (a skipped one shows its own loss)
-            self.loss_sum, self.losses, self.seconds_sum, self.iterations, self.steal_sum = 0.0, 0, 0.0, 0, 0.0
+            self._reset()
             return last
         if last.loss is None:  # not the last pipeline stage: no loss here
             loss = None
@@ -301,8 +301,11 @@ class IntervalMeter:
         averaged = StepResult(loss=loss, grad_norm=last.grad_norm, update_successful=last.update_successful,
                               seconds=self.seconds_sum / max(1, self.iterations),
                               steal_seconds=None if steal is None else steal / max(1, self.iterations))
-        self.loss_sum, self.losses, self.seconds_sum, self.iterations, self.steal_sum = 0.0, 0, 0.0, 0, 0.0
+        self._reset()
         return averaged
+
+    def _reset(self) -> None:
+        self.loss_sum, self.losses, self.seconds_sum, self.iterations, self.steal_sum = 0.0, 0, 0.0, 0, 0.0
 
 
 def format_iteration_line(
