@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from agoq.formats import QuantFormat
 from agoq.ops.saved_act import Key, SavedBytesCounter, _dequantize, quantize_saved
-from agoq.ops.saved_norm import _fused_rms_norm, rmsnorm_backward
+from agoq.ops.saved_norm import rmsnorm_backward, rmsnorm_recompute
 
 __all__ = ["NormFeed", "rmsnorm_no_graph", "rmsnorm_linear"]
 
@@ -86,12 +86,8 @@ class _RMSNormLinear(torch.autograd.Function):
         del q  # the codes go as soon as they are read (the two-node path lets them go at the norm's backward)
         rstd_T1 = None
         if ctx.needs_input_grad[2]:
-            width = [x_hat_TH.shape[-1]]
             with torch.no_grad():  # the linear's input rebuilt once; on CUDA its rstd serves the norm's backward
-                if x_hat_TH.is_cuda:
-                    y_hat_TH, rstd_T1 = _fused_rms_norm(x_hat_TH, width, norm_weight_H, ctx.eps)
-                else:
-                    y_hat_TH = F.rms_norm(x_hat_TH, width, norm_weight_H, ctx.eps)
+                y_hat_TH, rstd_T1 = rmsnorm_recompute(x_hat_TH, norm_weight_H, ctx.eps)
             grad_y_TH, grad_weight, grad_bias = _linear_backward(ctx, grad_out_TO, y_hat_TH, weight_OH)
             del y_hat_TH
         else:  # a frozen weight needs no recomputed input

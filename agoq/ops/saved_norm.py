@@ -30,7 +30,7 @@ from agoq.ops.saved_act import (
     quantize_saved,
 )
 
-__all__ = ["rmsnorm_saving_input", "rmsnorm_backward"]
+__all__ = ["rmsnorm_saving_input", "rmsnorm_backward", "rmsnorm_recompute"]
 
 # ATen's fused RMSNorm, called without the Python dispatch of torch.ops where torch exposes a binding
 _fused_rms_norm = getattr(torch, "_fused_rms_norm", None) or torch.ops.aten._fused_rms_norm
@@ -90,13 +90,21 @@ def _norm_recompute(weight_H: torch.Tensor, eps: float) -> Callable:
     stash's ``aux`` for the norm's own backward (one recompute serves the linear and the norm)."""
 
     def forward_fn(x_hat_TH: torch.Tensor, aux: dict) -> torch.Tensor:
-        if x_hat_TH.is_cuda:
-            y_TH, aux["rstd"] = _fused_rms_norm(x_hat_TH, [x_hat_TH.shape[-1]], weight_H, eps)
-            return y_TH
-        return F.rms_norm(x_hat_TH, (x_hat_TH.shape[-1],), weight_H, eps)
+        y_TH, rstd_T1 = rmsnorm_recompute(x_hat_TH, weight_H, eps)
+        if rstd_T1 is not None:
+            aux["rstd"] = rstd_T1
+        return y_TH
 
     forward_fn.takes_aux = True
     return forward_fn
+
+
+def rmsnorm_recompute(x_hat_TH: torch.Tensor, weight_H: torch.Tensor, eps: float) -> tuple:
+    """(y, rstd) of the norm at x_hat, for a backward: on CUDA ATen's fused op, whose rstd serves the norm's own
+    backward (one recompute for the linear and the norm); elsewhere ``F.rms_norm`` and rstd None."""
+    if x_hat_TH.is_cuda:
+        return _fused_rms_norm(x_hat_TH, [x_hat_TH.shape[-1]], weight_H, eps)
+    return F.rms_norm(x_hat_TH, (x_hat_TH.shape[-1],), weight_H, eps), None
 
 
 def rmsnorm_saving_input(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float, fmt: QuantFormat, key: Key,
