@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import torch.distributed
 
 from agoq.testing.dist import RankError, spawn_ranks
 
@@ -19,6 +20,9 @@ HANG_S = 600
 
 
 def _rank_fails(rank: int, world_size: int, how: dict) -> int:
+    # every rank past spawn_ranks' process-group set-up first: a rank killed while another was still connecting
+    # made that one fail inside gloo's connectFullMesh instead of with its own cause (CI, 2026-11-27 13:15)
+    torch.distributed.barrier()
     what = how.get(rank)
     if what == "raise":
         raise ValueError(f"the cause, on rank {rank}")
