@@ -91,14 +91,16 @@ def install_timers(timers: Timers) -> None:
     timers.patch(alayers, "replace_saved_input", "replace_saved_input")  # opt-in path (SavePaths.linear_via_node_hooks)
     timers.patch(saved_act.quantized_saves, "__enter__", "linear_save_scope.enter")  # the linears' default path
     timers.patch(torch, "empty", "torch.empty")
-    # the node that makes norm and linear one (the default for QKV / fc1) and the layer's own entry points
+    # the one-node linears (the defaults for QKV / fc1, fc2, the out-projection) and the layer's own entry points
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from agoq.megatron import mlp as amlp
-    from agoq.ops import norm_linear
+    from agoq.ops import norm_linear, quant_linear, swiglu_linear
 
     for name in ("forward", "backward"):
         timers.patch(norm_linear._RMSNormLinear, name, f"norm_linear_node.{name}", static=True)
+        timers.patch(swiglu_linear._SwiGLULinear, name, f"swiglu_linear_node.{name}", static=True)
+        timers.patch(quant_linear._QuantizedInputLinear, name, f"quantized_linear_node.{name}", static=True)
     timers.patch(alayers.AgoqRMSNorm, "forward", "AgoqRMSNorm.forward")
     timers.patch(alayers._AgoqLinearMixin, "_forward_impl", "agoq_linear._forward_impl")
     timers.patch(amlp.AgoqMLP, "forward", "AgoqMLP.forward")

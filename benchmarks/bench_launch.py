@@ -15,7 +15,9 @@ Rows (microseconds of host time per call):
 - whole autograd paths, forward + backward, each against the plain bf16 path that Megatron runs when
   the role is bf16 (``plain_*``; SwiGLU: Megatron's unfused GLU): the norm alone, norm -> linear (the
   linear recomputes its input from the norm's stash, as QKV / fc1 do), SwiGLU alone, SwiGLU -> linear
-  (fc2). ``*_legacy`` rows run the same agoq path with direct launches and the fused SwiGLU kernels
+  (fc2), each also as agoq's one node (``*_node``: agoq.ops.norm_linear / swiglu_linear, the defaults), and a
+  linear storing its own input quantized (the out-projection) in a hook scope and as one node (agoq.ops.quant_linear,
+  the default). ``*_legacy`` rows run the same agoq path with direct launches and the fused SwiGLU kernels
   switched off (the launch path and SwiGLU of the code before this change; its Python glue trimming
   stays on), in the same process, so the A/B does not depend on the host's speed.
 - ``ratio_*``: saving path / plain path per pair (the issue's goal: within ~1.5x).
@@ -62,7 +64,8 @@ def legacy_save_paths():
     (passed in as ``agoq.ops.saved_act.SavePaths``)."""
     from agoq.ops.saved_act import SavePaths
 
-    return SavePaths(norm_via_aten_node=False, fuse_swiglu=False, fuse_norm_linear=False)
+    return SavePaths(norm_via_aten_node=False, fuse_swiglu=False, fuse_norm_linear=False, fuse_swiglu_linear=False,
+                     quantized_linear_node=False)
 
 
 @contextlib.contextmanager
@@ -103,6 +106,7 @@ def path_steps(dev: torch.device, fmt, paths=None) -> dict:
     w = torch.ones(HIDDEN, device=dev, dtype=torch.bfloat16, requires_grad=True)
     w_lin = torch.randn(HIDDEN, HIDDEN, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
     w_fc2 = torch.randn(HIDDEN, FFN, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    x_lin = torch.randn(TOKENS, HIDDEN, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
 
     def norm():
         y, _ = rmsnorm_saving_input(x, w, 1e-5, fmt, (0, "norm.input"), **norm_kw)
@@ -135,14 +139,37 @@ def path_steps(dev: torch.device, fmt, paths=None) -> dict:
         z, stash = swiglu_saving_input(h, fmt, (0, "mlp.swiglu_input"), **glu_kw)
         _linear_saving(z, w_fc2, stash).sum().backward()
 
+    def swiglu_linear_node():  # the default for fc2: SwiGLU and fc2 as one node (agoq.ops.swiglu_linear)
+        from agoq.ops.swiglu_linear import swiglu_linear, swiglu_no_graph
+
+        feed = swiglu_no_graph(h, fmt, (0, "mlp.swiglu_input"), None, **glu_kw)
+        swiglu_linear(feed, w_fc2).sum().backward()
+
     def plain_swiglu_linear():
         F.linear(swiglu_reference(h), w_fc2).sum().backward()
+
+    def linear_quantized_scope():  # a linear storing its input quantized, in agoq's hook scope (the old path)
+        from agoq.ops.saved_act import quantized_saves
+
+        with quantized_saves(x_lin, fmt=fmt, key=(0, "attn.proj_input"), counter=None):
+            F.linear(x_lin, w_lin).sum().backward()
+
+    def linear_quantized_node():  # the default for the out-projection: one node (agoq.ops.quant_linear)
+        from agoq.ops.quant_linear import quantized_input_linear
+
+        quantized_input_linear(x_lin, w_lin, None, fmt, (0, "attn.proj_input")).sum().backward()
+
+    def plain_linear():
+        F.linear(x_lin, w_lin).sum().backward()
 
     return {"rmsnorm_saving_input_fwd_bwd": norm, "plain_rms_norm_fwd_bwd": plain_norm,
             "rmsnorm_saving_then_linear_fwd_bwd": norm_linear, "plain_rms_norm_then_linear_fwd_bwd": plain_norm_linear,
             "rmsnorm_linear_node_fwd_bwd": norm_linear_node,
             "swiglu_saving_input_fwd_bwd": swiglu, "plain_swiglu_fwd_bwd": plain_swiglu,
-            "swiglu_saving_then_linear_fwd_bwd": swiglu_linear, "plain_swiglu_then_linear_fwd_bwd": plain_swiglu_linear}
+            "swiglu_saving_then_linear_fwd_bwd": swiglu_linear, "plain_swiglu_then_linear_fwd_bwd": plain_swiglu_linear,
+            "swiglu_linear_node_fwd_bwd": swiglu_linear_node,
+            "linear_quantized_scope_fwd_bwd": linear_quantized_scope,
+            "linear_quantized_node_fwd_bwd": linear_quantized_node, "plain_linear_fwd_bwd": plain_linear}
 
 
 def anatomy_steps(dev: torch.device, fmt) -> dict:
@@ -238,7 +265,10 @@ PAIRS = {"rmsnorm": ("rmsnorm_saving_input_fwd_bwd", "plain_rms_norm_fwd_bwd"),
          "rmsnorm_linear": ("rmsnorm_saving_then_linear_fwd_bwd", "plain_rms_norm_then_linear_fwd_bwd"),
          "rmsnorm_linear_node": ("rmsnorm_linear_node_fwd_bwd", "plain_rms_norm_then_linear_fwd_bwd"),
          "swiglu": ("swiglu_saving_input_fwd_bwd", "plain_swiglu_fwd_bwd"),
-         "swiglu_linear": ("swiglu_saving_then_linear_fwd_bwd", "plain_swiglu_then_linear_fwd_bwd")}
+         "swiglu_linear": ("swiglu_saving_then_linear_fwd_bwd", "plain_swiglu_then_linear_fwd_bwd"),
+         "swiglu_linear_node": ("swiglu_linear_node_fwd_bwd", "plain_swiglu_then_linear_fwd_bwd"),
+         "linear_quantized_scope": ("linear_quantized_scope_fwd_bwd", "plain_linear_fwd_bwd"),
+         "linear_quantized_node": ("linear_quantized_node_fwd_bwd", "plain_linear_fwd_bwd")}
 
 
 def kernel_rows(dev, formats, calls) -> dict:

@@ -9,12 +9,15 @@ GPU (the issue's benchmark, ~1B LLaMA, seq 4096)::
 ``<policy>@<variant>[+<variant>]`` switches parts of the saved-activation host path for an A/B in one
 process: ``atennorm`` (the CUDA RMSNorm on ATen's own node with hooks on its saved tensors, not agoq's autograd
 function; it also turns the norm + linear node off, which would take the norm's node away), ``twonode`` (the
-norm's autograd function handing a stash to Megatron's linear instead of the norm + linear node), ``nodehooks``
-(linears replace their saved input through that saved tensor's hooks, not a hook scope; ``atennorm`` and
+norm's and SwiGLU's autograd functions handing a stash to Megatron's linear, and the linears that store their own
+input quantized inside a hook scope, instead of agoq's one-node linears: agoq.ops.norm_linear, swiglu_linear,
+quant_linear), ``noswiglunode`` / ``noquantnode`` (only the SwiGLU + fc2 node / the quantized-input linear node
+off), ``nodehooks`` (Megatron's linears, which replace their saved input through that saved tensor's hooks, not a
+hook scope; ``atennorm`` and
 ``nodehooks`` opt into private autograd attributes, agoq.ops.saved_act.SavePaths; before issue 24 they were the
 defaults, and the variants ``fnnorm`` / ``scope`` of older result files are today's two-node defaults), and
 ``legacy``, which runs the policy with agoq's direct Triton launches, launch sites, fused SwiGLU kernels and the
-norm + linear node switched off (benchmarks/bench_launch.py's ``legacy_launch`` and ``legacy_save_paths``): the code
+one-node linears switched off (benchmarks/bench_launch.py's ``legacy_launch`` and ``legacy_save_paths``): the code
 before the host-cost work (its glue trimming stays), timed in the same process, so the comparison does not
 depend on the leased host's speed. Step times: ``--rounds`` interleaved rounds per micro-batch size (the
 ratios the docs quote, ``step_time_ratio_interleaved``). Peaks: ``peak_bytes`` is absolute and includes
@@ -175,12 +178,17 @@ def _sync(device) -> None:
 def _variant_choices() -> dict:
     """Variant name -> (SavePaths overrides, uses the legacy launch path): the A/B of the saved-activation
     host path (options passed into the layer spec, no product switch flipped)."""
-    return {"legacy": ({"norm_via_aten_node": False, "fuse_swiglu": False, "fuse_norm_linear": False},
+    no_nodes = {"fuse_norm_linear": False, "fuse_swiglu_linear": False, "quantized_linear_node": False}
+    return {"legacy": ({"norm_via_aten_node": False, "fuse_swiglu": False, **no_nodes},
                        True),  # benchmarks/bench_launch.py
             # RMSNorm on ATen's node (private hooks): only where the norm keeps a node of its own (no norm+linear node)
             "atennorm": ({"norm_via_aten_node": True, "fuse_norm_linear": False}, False),
-            "nodehooks": ({"linear_via_node_hooks": True}, False),  # linears: hooks on Megatron's node
-            "twonode": ({"fuse_norm_linear": False}, False)}  # norm function + stash + Megatron's linear
+            # Megatron's linears with hooks on their node's saved input (no one-node linears)
+            "nodehooks": ({"linear_via_node_hooks": True, **no_nodes}, False),
+            # norm / SwiGLU functions + stash + Megatron's linear; the quantized-input linears in a hook scope
+            "twonode": (no_nodes, False),
+            "noquantnode": ({"quantized_linear_node": False}, False),  # only the out-projection's node off
+            "noswiglunode": ({"fuse_swiglu_linear": False}, False)}  # only SwiGLU -> fc2's node off
 
 
 def _variant(spec: str):

@@ -217,6 +217,23 @@ CONTRACT: tuple[Symbol, ...] = (
            "the norm + linear node takes QKV / fc1's _forward_impl call (allreduce_dgrad: the dgrad all-reduce it "
            "runs itself, over tp_group); instance attributes set in __init__ and read at construction, absent ones "
            "taken as off: gtp_remat_size, explicit_expert_comm, disable_grad_reduce", params=("input_", "weight")),
+    # the SwiGLU + fc2 node (agoq.ops.swiglu_linear) and the quantized-input linear node (agoq.ops.quant_linear)
+    Symbol("megatron.core.tensor_parallel.layers:RowParallelLinear.forward",
+           "the SwiGLU + linear node and the quantized-input node take fc2's / the out-projection's _forward_impl "
+           "call (bias=None, allreduce_dgrad=False, sequence_parallel=False); forward then all-reduces the output over "
+           "TP (reduce-scatters under sequence parallelism) and adds the bias", params=("input_",)),
+    Symbol("megatron.core.transformer.transformer_config:TransformerConfig",
+           "the SwiGLU + linear node and the quantized-input node are built only where Megatron's linear runs none of "
+           "what they do not implement (_AgoqLinearMixin._takes_swiglu_feed / _quantized_input_node)",
+           fields=("gradient_accumulation_fusion", "sequence_parallel", "defer_embedding_wgrad_compute")),
+    Symbol("megatron.core.tensor_parallel.layers:LinearWithGradAccumulationAndAsyncCommunication",
+           "agoq.ops.linear_backward reproduces its backward (no gradient-accumulation fusion, no sequence "
+           "parallelism): grad_input = grad_output @ W, the async dgrad all-reduce waited for after the wgrad GEMM on "
+           "2-D contiguous operands, the bias gradient as a sum over tokens; bit-identity tested on CPU, TP=2, CUDA",
+           attrs=("forward", "backward")),
+    Symbol("megatron.core.tensor_parallel.layers:LinearWithFrozenWeight",
+           "agoq.ops.linear_backward.frozen_linear_backward reproduces its backward (dgrad through a 2-D view, a "
+           "synchronous all-reduce, no weight or bias gradient)", attrs=("forward", "backward")),
     Symbol("megatron.core.tensor_parallel.mappings:copy_to_tensor_model_parallel_region",
            "FP8 column-parallel linear: identity forward, TP all-reduce of dgrad", params=("input_", "group")),
     Symbol("megatron.core.transformer.mlp:MLP.__init__",

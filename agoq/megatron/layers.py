@@ -70,6 +70,7 @@ from agoq.ops.fp8_linear import fp8_linear
 from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState
 from agoq.ops.fp8_weight_cache import FP8WeightCache
 from agoq.ops.norm_linear import NormFeed, rmsnorm_linear, rmsnorm_no_graph
+from agoq.ops.quant_linear import quantized_input_linear
 from agoq.ops.saved_act import (
     Key,
     RecomputeStash,
@@ -87,6 +88,7 @@ from agoq.ops.smooth_swiglu_fp8 import (
     smooth_swiglu_fp8_fc2,
     swiglu_fp8_fc2,
 )
+from agoq.ops.swiglu_linear import SwiGLUFeed, swiglu_linear
 
 # The linears replace Megatron's saved input through a hook scope around the call (the default, public) or,
 # opt-in, that saved tensor's own hooks (SavePaths.linear_via_node_hooks=True: benchmarks/bench_memory.py's A/B;
@@ -143,14 +145,14 @@ class Handoff:
 
     def __init__(self, name: str):
         self.name = name  # "producer -> consumer", for error messages
-        # set by a consumer linear at construction when it can run the norm with itself as one autograd node
-        # (agoq.ops.norm_linear): the norm then puts a NormFeed instead of a stash
+        # set by a consumer linear at construction when it can run its producer with itself as one autograd node
+        # (agoq.ops.norm_linear, agoq.ops.swiglu_linear): the producer then puts a NormFeed / SwiGLUFeed, not a stash
         self.accepts_feed = False
-        self._stash: RecomputeStash | NormFeed | None = None
+        self._stash: RecomputeStash | NormFeed | SwiGLUFeed | None = None
         self._col_scale: torch.Tensor | None = None
         self._smooth: SmoothFc2Input | None = None
 
-    def put(self, stash: RecomputeStash | NormFeed | None, col_scale: torch.Tensor | None = None,
+    def put(self, stash: RecomputeStash | NormFeed | SwiGLUFeed | None, col_scale: torch.Tensor | None = None,
             smooth: SmoothFc2Input | None = None) -> None:
         if self.pending:
             raise RuntimeError(
@@ -158,7 +160,7 @@ class Handoff:
                 "stash; the layer's forward order changed (report it) or use a bf16 policy")
         self._stash, self._col_scale, self._smooth = stash, col_scale, smooth
 
-    def take(self) -> tuple[RecomputeStash | NormFeed | None, torch.Tensor | None, SmoothFc2Input | None]:
+    def take(self) -> tuple[RecomputeStash | NormFeed | SwiGLUFeed | None, torch.Tensor | None, SmoothFc2Input | None]:
         """(stash, col_scale, smooth) left by the producer (Nones when none), and empty the slot."""
         out = self._stash, self._col_scale, self._smooth
         self._stash = self._col_scale = self._smooth = None
@@ -232,8 +234,9 @@ class _AgoqLinearMixin:
         self.agoq_handoff = agoq_handoff
         self.agoq_fp8 = agoq_fp8  # FP8Recipe for this linear, or None: Megatron's bf16 GEMMs
         self.agoq_save_checked = False  # replace_saved_input verified which saved tensor is the input (first call)
-        if agoq_handoff is not None and self._takes_norm_feed():
+        if agoq_handoff is not None and (self._takes_norm_feed() or self._takes_swiglu_feed()):
             agoq_handoff.accepts_feed = True
+        self.agoq_quantized_node = self._quantized_input_node()  # decided once: agoq.ops.quant_linear
 
     def _takes_norm_feed(self) -> bool:
         """Whether this linear runs with the norm before it as one autograd node (agoq.ops.norm_linear): a
@@ -246,6 +249,29 @@ class _AgoqLinearMixin:
                 and getattr(self, "gtp_remat_size", 1) == 1 and not getattr(self, "explicit_expert_comm", False)
                 and not getattr(self, "disable_grad_reduce", False))
 
+    def _takes_swiglu_feed(self) -> bool:
+        """Whether this linear runs with the SwiGLU before it as one autograd node (agoq.ops.swiglu_linear): a
+        row-parallel linear (fc2) recomputing its input, bf16 GEMMs, none of the Megatron options that node does not
+        implement (they keep Megatron's linear with SwiGLU's stash). Plain SwiGLU only: the MLP hands a feed only
+        without Smooth-SwiGLU and without the fused FP8 fc2 (agoq.megatron.mlp)."""
+        config = self.config
+        return (isinstance(self, RowParallelLinear) and self.agoq_save.recomputed and self.agoq_fp8 is None
+                and self.agoq_save.paths.fuse_swiglu_linear and not config.gradient_accumulation_fusion
+                and not config.sequence_parallel and getattr(self, "gtp_remat_size", 1) == 1
+                and not getattr(self, "explicit_expert_comm", False))
+
+    def _quantized_input_node(self) -> bool:
+        """Whether this linear, storing its own input quantized (not recomputed), runs as one autograd node
+        (agoq.ops.quant_linear) instead of Megatron's linear inside a hook scope: bf16 GEMMs and none of the Megatron
+        options that node does not implement."""
+        config, paths = self.config, self.agoq_save.paths
+        return (self.agoq_save.fmt is not None and not self.agoq_save.recomputed and self.agoq_fp8 is None
+                and paths.quantized_linear_node and not paths.linear_via_node_hooks
+                and not config.gradient_accumulation_fusion and not config.sequence_parallel
+                and not config.defer_embedding_wgrad_compute and getattr(self, "gtp_remat_size", 1) == 1
+                and not getattr(self, "explicit_expert_comm", False)
+                and not getattr(self, "disable_grad_reduce", False))
+
     def _forward_impl(self, input, weight, *args, **kwargs):
         if torch.compiler.is_compiling() and (self.agoq_handoff is not None or self.agoq_fp8 is not None
                                               or self.agoq_save.fmt is not None):
@@ -253,6 +279,8 @@ class _AgoqLinearMixin:
         stash, col_scale, smooth = (None, None, None) if self.agoq_handoff is None else self.agoq_handoff.take()
         if type(stash) is NormFeed:
             return self._norm_linear_forward_impl(input, weight, stash, args, kwargs)
+        if type(stash) is SwiGLUFeed:
+            return self._swiglu_linear_forward_impl(input, weight, stash, args, kwargs)
         if smooth is not None:
             return self._smooth_fp8_forward_impl(input, weight, smooth, args, kwargs)
         if self.agoq_fp8 is not None:
@@ -263,6 +291,8 @@ class _AgoqLinearMixin:
         if not saves_input:  # no graph, or frozen weight: Megatron saves no input for wgrad
             return super()._forward_impl(input, weight, *args, **kwargs)
         save = self.agoq_save
+        if self.agoq_quantized_node and col_scale is None and stash is None and not default_saved_hooks_active():
+            return self._quantized_node_forward_impl(input, weight, args, kwargs)
         if save.recomputed:
             kw = {"stash": self._require_stash(stash), "key": save.key}
         elif save.fmt is not None:
@@ -300,6 +330,32 @@ class _AgoqLinearMixin:
         if kw.get("allreduce_dgrad") and group is None:
             raise NotImplementedError(f"agoq's norm + linear node needs the linear's tp_group ({self.agoq_save.key})")
         return rmsnorm_linear(feed, weight, kw.get("bias"), group)
+
+    def _quantized_node_forward_impl(self, input, weight, args, kw):
+        """A linear storing its own input quantized as one node (agoq.ops.quant_linear); outside any other saved-
+        tensor hooks (under them the hook scope runs, innermost, as before)."""
+        save = self.agoq_save
+        self._check_unfused_kwargs(args, kw, "agoq's quantized-input linear node",
+                                   "build the layers with SavePaths(quantized_linear_node=False)")
+        group = kw.get("tp_group") if kw.get("allreduce_dgrad") else None
+        if kw.get("allreduce_dgrad") and group is None:
+            raise NotImplementedError(f"agoq's quantized-input linear node needs the linear's tp_group ({save.key})")
+        return quantized_input_linear(input, weight, kw.get("bias"), save.fmt, save.key, save.counter, group)
+
+    def _swiglu_linear_forward_impl(self, input, weight, feed: SwiGLUFeed, args, kw):
+        """fc2 fed by the SwiGLU's output: SwiGLU and fc2 as one node from the fc1 output (agoq.ops.swiglu_linear),
+        storing only the quantized fc1 output; Megatron's output all-reduce and bias follow in its forward."""
+        feed.check_feeds(input)
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                f"agoq: {self.agoq_save.key} runs without grad on a SwiGLU output made with grad (a checkpoint "
+                "between SwiGLU and fc2); its gradients would be lost. Use a policy that keeps mlp.swiglu_input bf16")
+        self._check_unfused_kwargs(args, kw, "agoq's SwiGLU + linear node",
+                                   "build the layers with SavePaths(fuse_swiglu_linear=False)")
+        if kw.get("allreduce_dgrad"):
+            raise NotImplementedError(f"agoq's SwiGLU + linear node is row-parallel: no dgrad all-reduce "
+                                      f"({self.agoq_save.key})")
+        return swiglu_linear(feed, weight, kw.get("bias"))
 
     def _require_stash(self, stash):
         if stash is None:

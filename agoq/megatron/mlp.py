@@ -14,6 +14,7 @@ from agoq.megatron.layers import _NO_SAVE, Handoff, SavedInputConfig, SmoothFc2I
 from agoq.ops.saved_swiglu import smooth_swiglu_saving_input, swiglu_reference, swiglu_saving_input
 from agoq.ops.smooth_swiglu import glu_smooth_scale, unsmooth_fc2_output
 from agoq.ops.smooth_swiglu_fp8 import fused_smooth_supported, plain_swiglu_fusion
+from agoq.ops.swiglu_linear import swiglu_no_graph
 
 
 class AgoqMLP(MLP):
@@ -142,6 +143,14 @@ class AgoqMLP(MLP):
             return self._fused_fc2(h_SBF2, "none", None)
         if save.fmt is None:  # an fc1 output the fused op does not take (not the input's dtype): Megatron's glu
             return self.linear_fc2(self._megatron_glu(h_SBF2))
+        handoff = self.agoq_fc2_handoff
+        if handoff.accepts_feed and torch.is_grad_enabled() and h_SBF2.requires_grad \
+                and not torch.compiler.is_compiling():
+            # no autograd node here: fc2 makes one node of SwiGLU and itself (agoq.ops.swiglu_linear)
+            feed = swiglu_no_graph(h_SBF2, save.fmt, save.key, save.counter, offset=self.config.glu_linear_offset,
+                                   fuse=save.paths.fuse_swiglu)
+            handoff.put(feed)
+            return self.linear_fc2(feed.z)
         z_SBF, stash = swiglu_saving_input(h_SBF2, save.fmt, save.key, save.counter,
                                            offset=self.config.glu_linear_offset, fuse=save.paths.fuse_swiglu)
         self.agoq_fc2_handoff.put(stash)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from agoq.formats import QuantFormat
+from agoq.ops.linear_backward import frozen_linear_backward, linear_backward
 from agoq.ops.saved_act import Key, SavedBytesCounter, _dequantize, quantize_saved
 from agoq.ops.saved_norm import rmsnorm_backward, rmsnorm_recompute
 
@@ -88,49 +89,15 @@ class _RMSNormLinear(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             with torch.no_grad():  # the linear's input rebuilt once; on CUDA its rstd serves the norm's backward
                 y_hat_TH, rstd_T1 = rmsnorm_recompute(x_hat_TH, norm_weight_H, ctx.eps)
-            grad_y_TH, grad_weight, grad_bias = _linear_backward(ctx, grad_out_TO, y_hat_TH, weight_OH)
+            grad_y_TH, grad_weight, grad_bias = linear_backward(grad_out_TO, y_hat_TH, weight_OH, ctx.dgrad_group,
+                                                                ctx.use_bias and ctx.needs_input_grad[3])
             del y_hat_TH
         else:  # a frozen weight needs no recomputed input
-            grad_y_TH, grad_weight, grad_bias = _frozen_linear_backward(ctx, grad_out_TO, weight_OH), None, None
+            grad_y_TH = frozen_linear_backward(grad_out_TO, weight_OH, ctx.dgrad_group)
+            grad_weight = grad_bias = None
         grad_x, grad_norm_weight = rmsnorm_backward(grad_y_TH, x_hat_TH, rstd_T1, norm_weight_H, ctx.eps,
                                                     ctx.needs_input_grad[:2])
         return grad_x, grad_norm_weight, grad_weight, grad_bias, None, None
-
-
-def _linear_backward(ctx, grad_out_TO, y_hat_TH, weight_OH):
-    """(grad_y, grad_weight, grad_bias) as Megatron's LinearWithGradAccumulationAndAsyncCommunication computes them
-    (no gradient-accumulation fusion, no sequence parallelism): grad_input from the gradient as given, the TP
-    all-reduce started after it and waited for after the weight gradient, which takes both flattened to 2-D."""
-    grad_y_TH = grad_out_TO.matmul(weight_OH)
-    handle = None
-    if ctx.dgrad_group is not None:
-        handle = dist.all_reduce(grad_y_TH, group=ctx.dgrad_group, async_op=True)
-    grad_out_2d, y_hat_2d = _flatten_2d(grad_out_TO), _flatten_2d(y_hat_TH)
-    grad_weight = grad_out_2d.t().matmul(y_hat_2d)
-    grad_bias = grad_out_2d.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[3] else None
-    if handle is not None:
-        handle.wait()
-    return grad_y_TH, grad_weight, grad_bias
-
-
-def _frozen_linear_backward(ctx, grad_out_TO, weight_OH):
-    """grad_y of a frozen weight as Megatron's LinearWithFrozenWeight computes it (what its _forward_impl runs when
-    ``weight.requires_grad`` is False): the product through a 2-D view, a synchronous TP all-reduce, and no weight
-    or bias gradient (Megatron's function returns none for the bias either)."""
-    if grad_out_TO.dim() > 2:
-        grad_y_TH = grad_out_TO.reshape(-1, grad_out_TO.size(-1)).matmul(weight_OH)
-        grad_y_TH = grad_y_TH.reshape(*grad_out_TO.shape[:-1], weight_OH.size(1))
-    else:
-        grad_y_TH = grad_out_TO.matmul(weight_OH)
-    if ctx.dgrad_group is not None:
-        dist.all_reduce(grad_y_TH, group=ctx.dgrad_group)
-    return grad_y_TH
-
-
-def _flatten_2d(t: torch.Tensor) -> torch.Tensor:
-    """[..., C] as a contiguous [N, C] (Megatron's prepare_input_tensors_for_wgrad_compute)."""
-    t = t.contiguous()
-    return t if t.dim() == 2 else t.view(-1, t.shape[-1])
 
 
 def rmsnorm_linear(feed: NormFeed, weight_OH: torch.Tensor, bias_O: torch.Tensor | None = None,

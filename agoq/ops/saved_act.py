@@ -81,6 +81,16 @@ class SavePaths:
     sequence parallelism, gradient-accumulation fusion or wgrad deferral): True (default): one autograd node
     for norm and linear (agoq.ops.norm_linear: no norm function, hook scope or stash per pair); False: the
     norm's autograd function hands a recompute stash to Megatron's linear (same bytes and gradients)."""
+    fuse_swiglu_linear: bool = True
+    """SwiGLU whose output is recomputed for fc2 (plain SwiGLU; bf16 fc2 GEMMs, no gradient-accumulation fusion or
+    sequence parallelism): True (default): one autograd node for SwiGLU and fc2 (agoq.ops.swiglu_linear: no SwiGLU
+    function, hook scope or stash per MLP); False: SwiGLU's autograd function hands a recompute stash to Megatron's
+    linear (same bytes and gradients)."""
+    quantized_linear_node: bool = True
+    """A linear storing its own input quantized (the out-projection under the default policy; bf16 GEMMs, no sequence
+    parallelism, gradient-accumulation fusion or wgrad deferral): True (default): one autograd node
+    (agoq.ops.quant_linear: no hook scope, pack or unpack calls); False: Megatron's linear inside a
+    ``saved_tensors_hooks`` scope (same bytes and gradients)."""
 
 
 # ------------------------------------------------------------------------ torch.compile ----

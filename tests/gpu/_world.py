@@ -25,10 +25,10 @@ def gpu_megatron_world():
         handle.uninstall()
 
 
-def gpu_model(device, model_kw: dict, *, policy: str | None, compute=None, save_paths=None, reference=None):
+def gpu_model(device, model_kw: dict, *, policy, compute=None, save_paths=None, reference=None):
     """(bf16 model on ``device`` in Float16Module, its layer spec): agoq's SDPA spec with configs/policy/<policy>.yaml
-    (None: no activation policy), ``compute`` (an FP8Spec or None) and ``save_paths``, one micro-batch, PP=1;
-    weights copied from ``reference`` when given."""
+    (a Path: that YAML; None: no activation policy), ``compute`` (an FP8Spec or None) and ``save_paths``, one
+    micro-batch, PP=1; weights copied from ``reference`` when given."""
     from pathlib import Path
 
     import torch
@@ -46,7 +46,8 @@ def gpu_model(device, model_kw: dict, *, policy: str | None, compute=None, save_
     shape = LlamaShape(**model_kw)
     config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.bfloat16,
                                       use_cpu_initialization=False)
-    path = None if policy is None else Path(__file__).resolve().parents[2] / "configs" / "policy" / f"{policy}.yaml"
+    path = policy if isinstance(policy, Path) or policy is None else \
+        Path(__file__).resolve().parents[2] / "configs" / "policy" / f"{policy}.yaml"
     spec = agoq_layer_spec("sdpa", policy=path, schedule=ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1),
                            compute=compute, save_paths=save_paths)
     (model,) = build_model_chunks(shape, config, spec, None)

@@ -1,10 +1,16 @@
-"""GPU: agoq's norm + linear autograd node (agoq.ops.norm_linear, the default for QKV and fc1 fed by a
-recomputed pre-norm) against the two-node path it replaces (the norm's autograd function handing a recompute
-stash to Megatron's linear: ``SavePaths(fuse_norm_linear=False)``), in the model on CUDA (Triton quantize /
-dequantize, ATen's fused RMSNorm forward and backward, cuBLAS GEMMs). Both run the same kernels on the same
-operands in the same order, so losses and gradients must be equal bit for bit, and the byte counter equal.
-Run: ``pytest tests/gpu/test_norm_linear_gpu.py -m gpu``. The CPU twin is in tests/megatron/test_activations.py,
-TP=2 in tests/megatron/test_layouts.py.
+"""GPU: agoq's one-node linears against the paths they replace, in the model on CUDA (Triton quantize /
+dequantize, the fused SwiGLU-quantize kernels, ATen's fused RMSNorm forward and backward, cuBLAS GEMMs):
+- the norm + linear node (agoq.ops.norm_linear; QKV and fc1 fed by a recomputed pre-norm) against the norm's
+  autograd function handing a recompute stash to Megatron's linear;
+- the SwiGLU + linear node (agoq.ops.swiglu_linear; fc2 fed by a recomputed SwiGLU, codes from the fused kernel)
+  against SwiGLU's autograd function handing its stash to Megatron's linear;
+- the quantized-input linear node (agoq.ops.quant_linear; a linear storing its own input: the out-projection under
+  the default policy, all four linears under a policy that keeps the norms and SwiGLU in bf16) against Megatron's
+  linear inside agoq's saved-tensor hook scope.
+``SavePaths(fuse_norm_linear=False, fuse_swiglu_linear=False, quantized_linear_node=False)`` runs the old paths. Both
+run the same kernels on the same operands in the same order, so losses and gradients must be equal bit for bit, and
+the byte counter equal. Run: ``pytest tests/gpu/test_norm_linear_gpu.py -m gpu``. The CPU twins are in
+tests/megatron/test_activations.py, TP=2 in tests/megatron/test_layouts.py.
 """
 
 from __future__ import annotations
@@ -18,6 +24,13 @@ pytestmark = [pytest.mark.gpu]
 
 MODEL_KW = dict(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=512,
                 seq_length=128, vocab_size=256)
+_OLD_PATHS = {"fuse_norm_linear": False, "fuse_swiglu_linear": False, "quantized_linear_node": False}
+_LINEARS_INT8 = """version: 1
+default: {activations: int8_b128}
+rules:
+  - when: {role: [norm.input, mlp.swiglu_input]}
+    set: {activations: bf16}
+"""
 
 
 @pytest.fixture(scope="module")
@@ -27,30 +40,40 @@ def gpu_world():
     yield from gpu_megatron_world()
 
 
-def _model(device, fused: bool, reference=None):
+def _model(device, policy, nodes: bool, reference=None):
     from agoq.megatron.activations import storage_of
     from agoq.ops.saved_act import SavePaths
 
-    model, spec = gpu_model(device, MODEL_KW, policy="agoq", save_paths=SavePaths(fuse_norm_linear=fused),
-                            reference=reference)
+    paths = SavePaths() if nodes else SavePaths(**_OLD_PATHS)
+    model, spec = gpu_model(device, MODEL_KW, policy=policy, save_paths=paths, reference=reference)
     return model, storage_of(spec)
 
 
-def test_norm_linear_node_equals_the_two_node_path_on_cuda(gpu_world):
+@pytest.mark.parametrize("policy", ["agoq", "linears_int8"])
+def test_one_node_linears_equal_the_old_paths_on_cuda(gpu_world, policy, tmp_path):
     from agoq.kernels._fastlaunch import set_check_sites
 
-    two_node, st_two = _model(gpu_world, fused=False)
-    one_node, st_one = _model(gpu_world, fused=True, reference=two_node)
-    assert all(h.accepts_feed for layer in one_node.module.decoder.layers for h in layer.agoq_handoffs)
+    if policy == "linears_int8":
+        policy = tmp_path / "linears_int8.yaml"
+        policy.write_text(_LINEARS_INT8)
+    old, st_old = _model(gpu_world, policy, nodes=False)
+    new, st_new = _model(gpu_world, policy, nodes=True, reference=old)
+    layers = new.module.decoder.layers
+    if policy == "agoq":
+        assert all(h.accepts_feed for layer in layers for h in (*layer.agoq_handoffs, layer.mlp.agoq_fc2_handoff))
+        assert all(layer.self_attention.linear_proj.agoq_quantized_node for layer in layers)
+    else:
+        assert all(layer.mlp.linear_fc1.agoq_quantized_node and layer.mlp.linear_fc2.agoq_quantized_node
+                   and layer.self_attention.linear_qkv.agoq_quantized_node for layer in layers)
     previous = set_check_sites(True)
     try:
         for seed in range(3):
-            loss_two, grads_two = gpu_model_step(two_node, gpu_world, seed, MODEL_KW)
-            loss_one, grads_one = gpu_model_step(one_node, gpu_world, seed, MODEL_KW)
-            assert torch.equal(loss_one, loss_two), seed
-            for name, grad in grads_two.items():
-                assert torch.equal(grad, grads_one[name]), (seed, name)
+            loss_old, grads_old = gpu_model_step(old, gpu_world, seed, MODEL_KW)
+            loss_new, grads_new = gpu_model_step(new, gpu_world, seed, MODEL_KW)
+            assert torch.equal(loss_new, loss_old), seed
+            for name, grad in grads_old.items():
+                assert torch.equal(grad, grads_new[name]), (seed, name)
     finally:
         set_check_sites(previous)
-    assert st_one.counter.packed == st_two.counter.packed and st_one.counter.total() > 0
-    assert st_one.counter.peak == st_two.counter.peak
+    assert st_new.counter.packed == st_old.counter.packed and st_new.counter.total() > 0
+    assert st_new.counter.peak == st_old.counter.peak

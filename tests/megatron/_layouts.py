@@ -36,9 +36,10 @@ class Case:
     policy: str | None = None  # None: --agoq-disable (Megatron's modules); else configs/policy/<name>.yaml
     flags: tuple[str, ...] = field(default=())
     num_layers: int | None = None  # None: tiny.yaml's 4
-    # True: the pre-norms hand a recompute stash to Megatron's linear (agoq.ops.saved_act.SavePaths
-    # fuse_norm_linear=False, which the CLI does not expose) instead of running as one node with it
-    two_node_norm: bool = False
+    # True: the pre-norms and SwiGLU hand a recompute stash to Megatron's linear (agoq.ops.saved_act.SavePaths
+    # fuse_norm_linear=False, fuse_swiglu_linear=False, which the CLI does not expose) instead of running as one node
+    # with QKV / fc1 / fc2
+    two_node: bool = False
 
     def argv(self) -> list[str]:
         argv = ["--config", str(TINY), "--fp32", "--seq-length", str(SEQ), "--micro-batch-size", str(MICRO_BATCH),
@@ -129,15 +130,15 @@ def run_case(case: Case, reference_state: dict | None, device: torch.device, wor
     from agoq.megatron.train.args import parse_args
     from agoq.megatron.train.training import StepRunner
 
-    if case.two_node_norm:
+    if case.two_node:
         from agoq.megatron.layers import _AgoqLinearMixin
 
-        takes_feed = _AgoqLinearMixin._takes_norm_feed
-        _AgoqLinearMixin._takes_norm_feed = lambda self: False
+        takes = _AgoqLinearMixin._takes_norm_feed, _AgoqLinearMixin._takes_swiglu_feed
+        _AgoqLinearMixin._takes_norm_feed = _AgoqLinearMixin._takes_swiglu_feed = lambda self: False
         try:
-            return run_case(dataclasses.replace(case, two_node_norm=False), reference_state, device, world_size)
+            return run_case(dataclasses.replace(case, two_node=False), reference_state, device, world_size)
         finally:
-            _AgoqLinearMixin._takes_norm_feed = takes_feed
+            _AgoqLinearMixin._takes_norm_feed, _AgoqLinearMixin._takes_swiglu_feed = takes
     args = parse_args(case.argv())
     layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, vpp=args.vpp)
     runtime.init_model_parallel(layout, seed=args.seed, device=device)
@@ -170,10 +171,14 @@ def run_case(case: Case, reference_state: dict | None, device: torch.device, wor
             if iteration == 0 and not args.use_distributed_optimizer and not args.agoq_grads:
                 grads = {n: (p.main_grad.detach().float().cpu().clone(), _partition_dim(p), tp_rank)
                          for n, p in params.items()}
-        # whether the pre-norms ran as one node with QKV / fc1 (agoq.ops.norm_linear) anywhere on this rank
-        norm_node = any(h.accepts_feed for chunk in model for layer in _unwrap(chunk).decoder.layers
-                        for h in getattr(layer, "agoq_handoffs", ()))
-        return {"losses": losses, "grad_norms": norms, "grads": grads, "initial": initial, "norm_node": norm_node}
+        # whether the pre-norms ran as one node with QKV / fc1 (agoq.ops.norm_linear) and SwiGLU with fc2
+        # (agoq.ops.swiglu_linear) anywhere on this rank
+        layers = [layer for chunk in model for layer in _unwrap(chunk).decoder.layers]
+        norm_node = any(h.accepts_feed for layer in layers for h in getattr(layer, "agoq_handoffs", ()))
+        swiglu_node = any(getattr(getattr(layer.mlp, "agoq_fc2_handoff", None), "accepts_feed", False)
+                          for layer in layers)
+        return {"losses": losses, "grad_norms": norms, "grads": grads, "initial": initial, "norm_node": norm_node,
+                "swiglu_node": swiglu_node}
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -201,7 +206,8 @@ def merge_ranks(name: str, per_rank: list[dict]) -> dict:
     for r in per_rank:
         for key, grad in r[name]["grads"].items():
             grads.setdefault(key, []).append(grad)
-    return {"losses": losses, "grads": grads, "norm_node": [r[name]["norm_node"] for r in per_rank]}
+    return {"losses": losses, "grads": grads, "norm_node": [r[name]["norm_node"] for r in per_rank],
+            "swiglu_node": [r[name]["swiglu_node"] for r in per_rank]}
 
 
 def assert_grads_close(grads: dict, reference: dict, tp_size: int, rel: float) -> None:

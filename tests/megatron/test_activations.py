@@ -69,6 +69,10 @@ def _train(model, steps=STEPS):
     return losses, grads
 
 
+# SavePaths that run the hook / stash paths instead of agoq's one-node linears (same bytes and gradient bits)
+_TWO_NODE = {"fuse_norm_linear": False, "fuse_swiglu_linear": False, "quantized_linear_node": False}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bf16_policy_is_bit_identical_to_plain_spec(mcore_world1, dtype):
     plain, _ = _build(None, dtype)
@@ -235,8 +239,8 @@ def test_inside_an_outer_saved_tensors_scope_the_same_storage_and_gradients(mcor
 def test_save_paths_option_reaches_every_agoq_module(mcore_world1, monkeypatch):
     """agoq_layer_spec(save_paths=...) is how a caller (a benchmark's A/B) picks the host path of the
     saved-activation code (no module constant to flip): every agoq module of the model gets it, the
-    linears then hook Megatron's node instead of the default hook scope, and bytes and gradients stay those
-    of the default path."""
+    linears then hook Megatron's node instead of the hook scope, and bytes and gradients stay those of the scope
+    path."""
     from agoq.megatron import layers
     from agoq.megatron.activations import agoq_modules
     from agoq.ops.saved_act import SavePaths
@@ -249,8 +253,9 @@ def test_save_paths_option_reaches_every_agoq_module(mcore_world1, monkeypatch):
         return real_scope(*args, **kwargs)
 
     monkeypatch.setattr(layers, "quantized_saves", counting_scope)
-    paths = SavePaths(linear_via_node_hooks=True)
-    ref, ref_storage = _build("agoq")
+    # the linears' hook paths (the default one-node paths for norm / SwiGLU -> linear and quantized inputs off)
+    paths = SavePaths(linear_via_node_hooks=True, fuse_norm_linear=False, fuse_swiglu_linear=False)
+    ref, ref_storage = _build("agoq", save_paths=SavePaths(**_TWO_NODE))
     model, storage = _build("agoq", reference=ref, save_paths=paths)
     for layer in model.decoder.layers:
         assert all(m.agoq_save.paths is paths for m in agoq_modules(layer).values())
@@ -327,28 +332,43 @@ def test_handoff_order_is_checked(mcore_world1):
     assert not any(h.pending for h in layer.agoq_handoffs)
 
 
+def _node_names(out_tensor, depth: int = 3) -> set[str]:
+    """Names of the autograd nodes within ``depth`` steps of ``out_tensor``'s grad_fn (Megatron's TP=1 identity
+    functions may sit above agoq's node)."""
+    names, frontier = set(), [out_tensor.grad_fn]
+    for _ in range(depth):
+        frontier = [fn for fn in frontier if fn is not None]
+        names |= {fn.name() for fn in frontier}
+        frontier = [nxt for fn in frontier for nxt, _ in fn.next_functions]
+    return names
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_linear_node_equals_the_two_node_path(mcore_world1, dtype):
+def test_norm_linear_and_swiglu_linear_nodes_equal_the_two_node_path(mcore_world1, dtype):
     """The default path runs each pre-norm and the linear it feeds (QKV, fc1) as one autograd node
-    (agoq.ops.norm_linear); ``SavePaths(fuse_norm_linear=False)`` runs the norm's autograd function handing a
-    recompute stash to Megatron's linear. Same forward, same gradient bits, same bytes counted under the same
-    keys, the same live bytes after backward; the one-node path really ran (the QKV output's node is agoq's,
-    no stash changed hands) and only where it applies (not for fc2, not under the bf16 policy)."""
+    (agoq.ops.norm_linear) and SwiGLU with fc2 as one node (agoq.ops.swiglu_linear); ``SavePaths(fuse_norm_linear=
+    False, fuse_swiglu_linear=False)`` runs the norm's / SwiGLU's autograd function handing a recompute stash to
+    Megatron's linear. Same forward, same gradient bits, same bytes counted under the same keys, the same live bytes
+    after backward; the one-node paths really ran (QKV's and fc2's outputs come from agoq's nodes) and only where
+    they apply (not under the bf16 policy)."""
     from agoq.ops.saved_act import SavePaths
 
-    two_node, st_two = _build("agoq", dtype, save_paths=SavePaths(fuse_norm_linear=False))
+    two_node, st_two = _build("agoq", dtype, save_paths=SavePaths(**_TWO_NODE))
     one_node, st_one = _build("agoq", dtype, reference=two_node)
     for layer_two, layer_one in zip(_layers(two_node), _layers(one_node), strict=True):
         assert [h.accepts_feed for h in layer_one.agoq_handoffs] == [True, True]
         assert [h.accepts_feed for h in layer_two.agoq_handoffs] == [False, False]
-        assert not layer_one.mlp.agoq_fc2_handoff.accepts_feed  # SwiGLU -> fc2 keeps its stash
-    nodes = []
-    qkv = _layers(one_node)[0].self_attention.linear_qkv
-    hook = qkv.register_forward_hook(lambda mod, inp, out: nodes.append(out[0].grad_fn.name()))
+        assert layer_one.mlp.agoq_fc2_handoff.accepts_feed and not layer_two.mlp.agoq_fc2_handoff.accepts_feed
+    nodes = {"qkv": [], "fc2": []}
+    first = _layers(one_node)[0]
+    hooks = [mod.register_forward_hook(lambda m, i, out, key=key: nodes[key].append(_node_names(out[0])))
+             for key, mod in (("qkv", first.self_attention.linear_qkv), ("fc2", first.mlp.linear_fc2))]
     losses_two, grads_two = _train(two_node)
     losses_one, grads_one = _train(one_node)
-    hook.remove()
-    assert nodes and all(name == "_RMSNormLinearBackward" for name in nodes), nodes
+    for hook in hooks:
+        hook.remove()
+    assert nodes["qkv"] and all("_RMSNormLinearBackward" in names for names in nodes["qkv"]), nodes
+    assert nodes["fc2"] and all("_SwiGLULinearBackward" in names for names in nodes["fc2"]), nodes
     for step in range(STEPS):
         assert torch.equal(losses_two[step], losses_one[step]), step
         for name, grad in grads_two[step].items():
@@ -357,7 +377,55 @@ def test_norm_linear_node_equals_the_two_node_path(mcore_world1, dtype):
     assert st_one.counter.tensors == st_two.counter.tensors
     assert st_one.counter.peak == st_two.counter.peak and st_one.counter.live == st_two.counter.live == 0
     plain, _ = _build("bf16", dtype)
-    assert not any(h.accepts_feed for layer in _layers(plain) for h in layer.agoq_handoffs)
+    assert not any(h.accepts_feed for layer in _layers(plain) for h in (*layer.agoq_handoffs,
+                                                                         layer.mlp.agoq_fc2_handoff))
+
+
+_NORMS_AND_SWIGLU_BF16 = """version: 1
+default: {activations: int8_b128}
+rules:
+  - when: {role: [norm.input, mlp.swiglu_input]}
+    set: {activations: bf16}
+"""
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_quantized_input_linear_node_equals_the_hook_path(mcore_world1, tmp_path, bias):
+    """A linear that stores its own input quantized runs as one autograd node (agoq.ops.quant_linear) by default;
+    ``SavePaths(quantized_linear_node=False)`` runs Megatron's linear inside agoq's saved-tensor hook scope. With the
+    norms and SwiGLU kept in bf16 every linear stores its input (QKV and fc1 column-parallel, out-projection and fc2
+    row-parallel), so each kind takes the node: the same losses and gradient bits over the training steps (biases
+    included), the same bytes per key, nothing left live; the node really ran on QKV and fc2."""
+    from agoq.ops.saved_act import SavePaths
+
+    policy = tmp_path / "linears_int8.yaml"
+    policy.write_text(_NORMS_AND_SWIGLU_BF16)
+    hooks_model, st_hooks = _build(policy, save_paths=SavePaths(quantized_linear_node=False), bias=bias)
+    node_model, st_node = _build(policy, reference=hooks_model, bias=bias)
+    first = _layers(node_model)[0]
+    assert all(mod.agoq_quantized_node for mod in (first.self_attention.linear_qkv, first.self_attention.linear_proj,
+                                                   first.mlp.linear_fc1, first.mlp.linear_fc2))
+    assert not _layers(hooks_model)[0].self_attention.linear_proj.agoq_quantized_node
+    nodes = []
+    hooks = [mod.register_forward_hook(lambda m, i, out: nodes.append(_node_names(out[0])))
+             for mod in (first.self_attention.linear_qkv, first.mlp.linear_fc2)]
+    losses_hooks, grads_hooks = _train(hooks_model)
+    losses_node, grads_node = _train(node_model)
+    for hook in hooks:
+        hook.remove()
+    assert nodes and all("_QuantizedInputLinearBackward" in names for names in nodes), nodes
+    for step in range(STEPS):
+        assert torch.equal(losses_hooks[step], losses_node[step]), step
+        assert grads_hooks[step].keys() == grads_node[step].keys()
+        for name, grad in grads_hooks[step].items():
+            assert torch.equal(grad, grads_node[step][name]), f"step {step}: {name}"
+    if bias:
+        assert any(name.endswith("linear_qkv.bias") for name in grads_node[0])
+    assert st_node.counter.packed == st_hooks.counter.packed and st_node.counter.total() > 0
+    assert {key[1] for key in st_node.counter.packed} >= {"attn.qkv_input", "attn.proj_input", "mlp.fc1_input",
+                                                          "mlp.fc2_input"}
+    assert st_node.counter.tensors == st_hooks.counter.tensors
+    assert st_node.counter.peak == st_hooks.counter.peak and st_node.counter.live == st_hooks.counter.live == 0
 
 
 @pytest.mark.parametrize("variant", ["bias", "frozen_linears", "frozen_norms"])
@@ -369,9 +437,9 @@ def test_norm_linear_node_bias_and_frozen_weights_equal_the_two_node_path(mcore_
     from agoq.ops.saved_act import SavePaths
 
     bias = variant == "bias"
-    two_node, _ = _build("agoq", save_paths=SavePaths(fuse_norm_linear=False), bias=bias)
+    two_node, _ = _build("agoq", save_paths=SavePaths(**_TWO_NODE), bias=bias)
     one_node, _ = _build("agoq", reference=two_node, bias=bias)
-    frozen = {"frozen_linears": ("linear_qkv.weight", "linear_fc1.weight"),
+    frozen = {"frozen_linears": ("linear_qkv.weight", "linear_fc1.weight", "linear_fc2.weight"),
               "frozen_norms": ("input_layernorm.weight", "pre_mlp_layernorm.weight")}.get(variant, ())
     results = []
     for model in (two_node, one_node):

@@ -43,7 +43,8 @@ def test_bench_launch_smoke(tmp_path):
                           timeout=300, env=child_env(), cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["host_us_per_call"]
-    for pair in ("rmsnorm", "rmsnorm_linear", "rmsnorm_linear_node", "swiglu", "swiglu_linear"):
+    for pair in ("rmsnorm", "rmsnorm_linear", "rmsnorm_linear_node", "swiglu", "swiglu_linear", "swiglu_linear_node",
+                 "linear_quantized_scope", "linear_quantized_node"):
         assert rows[f"ratio_{pair}"] > 0 and rows[f"ratio_{pair}_legacy"] > 0
     assert rows["rmsnorm_saving_then_linear_fwd_bwd_legacy"] > 0 and rows["torch_add"] > 0
 
@@ -60,9 +61,13 @@ def test_bench_host_profile_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {r["policy"]: {f["function"] for f in r["functions"]} for r in json.loads(out.read_text())["results"]}
     assert {"megatron_linear.forward", "megatron_linear.backward"} <= results["bf16"]
-    agoq_sites = ("rmsnorm", "swiglu", "replace_saved", "linear_save_scope", "norm_linear_node")
+    agoq_sites = ("rmsnorm", "swiglu", "replace_saved", "linear_save_scope", "norm_linear_node", "quantized_linear")
     assert not any(name.startswith(agoq_sites) for name in results["bf16"])
-    # the default path: each pre-norm and its QKV / fc1 as one node (agoq.ops.norm_linear), no norm function
-    assert {"norm_linear_node.forward", "norm_linear_node.backward", "swiglu_function.forward",
-            "linear_save_scope.enter", "stash.recomputed_output", "counter.add"} <= results["agoq"]
-    assert not any(name.startswith("rmsnorm_function") for name in results["agoq"])
+    # the default path: each pre-norm and its QKV / fc1 as one node (agoq.ops.norm_linear), SwiGLU and fc2 as one
+    # (agoq.ops.swiglu_linear), the out-projection storing its input as one (agoq.ops.quant_linear): no norm or
+    # SwiGLU function, no hook scope, no stash
+    assert {"norm_linear_node.forward", "norm_linear_node.backward", "swiglu_linear_node.forward",
+            "swiglu_linear_node.backward", "quantized_linear_node.forward", "quantized_linear_node.backward",
+            "counter.add"} <= results["agoq"]
+    assert not any(name.startswith(("rmsnorm_function", "swiglu_function", "linear_save_scope", "stash."))
+                   for name in results["agoq"])

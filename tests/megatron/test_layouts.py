@@ -60,7 +60,7 @@ LAYOUT_CASES = [
     Case("dp2_agoq", policy="agoq", flags=DISTOPT),
     Case("tp2", tp=2),
     Case("tp2_agoq", tp=2, policy="agoq"),  # the norm + linear node's dgrad all-reduce (agoq.ops.norm_linear)
-    Case("tp2_agoq_two_node", tp=2, policy="agoq", two_node_norm=True),
+    Case("tp2_agoq_two_node", tp=2, policy="agoq", two_node=True),
     Case("pp2_selective", pp=2, flags=SELECTIVE),
     Case("dp2_agoq_selective", policy="agoq", flags=DISTOPT + SELECTIVE),
 ]
@@ -121,14 +121,16 @@ def test_quantized_policy_stays_in_band_in_every_layout(runs):
                                                                     rel=QUANTIZER_REL)
 
 
-def test_norm_linear_node_equals_the_two_node_path_at_tp2(runs):
+def test_norm_linear_and_swiglu_linear_nodes_equal_the_two_node_path_at_tp2(runs):
     """At TP=2 the pre-norms run as one autograd node with the column-parallel linear they feed
     (agoq.ops.norm_linear), which all-reduces the norm output's gradient over the TP group, as Megatron's linear
-    does in the two-node path (the norm's function handing a stash to Megatron's linear): the same losses and
+    does in the two-node path (the norm's function handing a stash to Megatron's linear), and SwiGLU runs as one node
+    with the row-parallel fc2 (agoq.ops.swiglu_linear; Megatron's output all-reduce after it): the same losses and
     gradients bit for bit. Without the all-reduce each rank's norm would see half the gradient."""
     _, layouts = runs
     one, two = layouts["tp2_agoq"], layouts["tp2_agoq_two_node"]
     assert one["norm_node"] == [True, True] and two["norm_node"] == [False, False]  # each path really ran
+    assert one["swiglu_node"] == [True, True] and two["swiglu_node"] == [False, False]
     assert one["losses"] == two["losses"]
     assert one["grads"].keys() == two["grads"].keys() and one["grads"]
     for name, shards in one["grads"].items():

@@ -1,0 +1,55 @@
+"""The backward of a linear ``out = x @ W^T (+ b)`` as Megatron computes it, for agoq's nodes that own a linear
+(agoq.ops.norm_linear: pre-norm -> QKV / fc1; agoq.ops.swiglu_linear: SwiGLU -> fc2). The same ops with the same
+operand layouts as megatron-core 0.19.2's ``LinearWithGradAccumulationAndAsyncCommunication`` (no
+gradient-accumulation fusion, no sequence parallelism, no wgrad deferral) and ``LinearWithFrozenWeight``, so a node
+gives the same gradient bits as Megatron's linear (tests/megatron/test_activations.py, tests/megatron/test_layouts.py).
+Plain PyTorch: no Megatron import (house rule 1); the Megatron layer decides which linears may use it.
+
+Shape legend: T = tokens (any leading dims), I = the linear's input features, O = its output features.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["frozen_linear_backward", "linear_backward"]
+
+
+def linear_backward(grad_out_TO: torch.Tensor, x_TI: torch.Tensor, weight_OI: torch.Tensor,
+                    dgrad_group: dist.ProcessGroup | None, bias_grad: bool) -> tuple:
+    """(grad_x, grad_weight, grad_bias) of Megatron's linear: grad_x from the gradient as given, the TP all-reduce
+    over ``dgrad_group`` (Megatron's ``allreduce_dgrad``; None: none) started after it and waited for after the
+    weight gradient, which takes both operands flattened to 2-D (``prepare_input_tensors_for_wgrad_compute``);
+    ``bias_grad``: the bias gradient, the sum over tokens (else None)."""
+    grad_x_TI = grad_out_TO.matmul(weight_OI)
+    handle = None
+    if dgrad_group is not None:
+        handle = dist.all_reduce(grad_x_TI, group=dgrad_group, async_op=True)
+    grad_out_2d, x_2d = _flatten_2d(grad_out_TO), _flatten_2d(x_TI)
+    grad_weight = grad_out_2d.t().matmul(x_2d)
+    grad_bias = grad_out_2d.sum(dim=0) if bias_grad else None
+    if handle is not None:
+        handle.wait()
+    return grad_x_TI, grad_weight, grad_bias
+
+
+def frozen_linear_backward(grad_out_TO: torch.Tensor, weight_OI: torch.Tensor,
+                           dgrad_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """grad_x of a frozen weight as Megatron's LinearWithFrozenWeight computes it (what its linear runs when
+    ``weight.requires_grad`` is False): the product through a 2-D view, a synchronous TP all-reduce, and no weight
+    or bias gradient (Megatron's function returns none for the bias either)."""
+    if grad_out_TO.dim() > 2:
+        grad_x_TI = grad_out_TO.reshape(-1, grad_out_TO.size(-1)).matmul(weight_OI)
+        grad_x_TI = grad_x_TI.reshape(*grad_out_TO.shape[:-1], weight_OI.size(1))
+    else:
+        grad_x_TI = grad_out_TO.matmul(weight_OI)
+    if dgrad_group is not None:
+        dist.all_reduce(grad_x_TI, group=dgrad_group)
+    return grad_x_TI
+
+
+def _flatten_2d(t: torch.Tensor) -> torch.Tensor:
+    """[..., C] as a contiguous [N, C] (Megatron's prepare_input_tensors_for_wgrad_compute)."""
+    t = t.contiguous()
+    return t if t.dim() == 2 else t.view(-1, t.shape[-1])

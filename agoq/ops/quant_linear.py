@@ -1,0 +1,59 @@
+"""A linear that stores its input quantized, as one autograd node (AGoQ's low-bit saved activations,
+../shared/spec/algorithms.md §3.2; the out-projection's input under the default policy), for the host cost of
+small micro-batches (docs/activations.md, "Host cost").
+
+The hook path (a ``saved_tensors_hooks`` scope around Megatron's linear function, agoq.ops.saved_act
+``quantized_saves``) stores the same bytes, but per linear and micro-batch it enters and leaves a hook scope, runs
+two pack and two unpack calls (one for the weight) and Megatron's Python linear function. Here the linear is one
+:class:`_QuantizedInputLinear` node: forward ``out = x @ W^T (+ b)`` and the quantized ``x``; backward dequantizes
+``x`` once and runs Megatron's linear backward math (agoq.ops.linear_backward), the ops of the hook path, so the
+gradients are the same bits (tests/megatron/test_activations.py, tests/megatron/test_layouts.py at TP=2).
+
+Shape legend: T = tokens (any leading dims), I = input features, O = output features.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from agoq.formats import QuantFormat
+from agoq.ops.linear_backward import linear_backward
+from agoq.ops.saved_act import Key, SavedBytesCounter, _dequantize, quantize_saved
+
+__all__ = ["quantized_input_linear"]
+
+
+class _QuantizedInputLinear(torch.autograd.Function):
+    """out = x @ W^T (+ b); stores quantized x (and the weight, a parameter). For a trainable weight and an input
+    that needs a gradient only: Megatron's linear saves no input otherwise, and the layer calls it then."""
+
+    @staticmethod
+    def forward(ctx, x_TI, weight_OI, bias_O, fmt: QuantFormat, key: Key, counter: SavedBytesCounter | None,
+                dgrad_group):
+        out_TO = torch.matmul(x_TI, weight_OI.t())
+        if bias_O is not None:
+            out_TO = out_TO + bias_O
+        ctx.q = quantize_saved(x_TI, fmt, key, counter)
+        ctx.use_bias, ctx.dgrad_group = bias_O is not None, dgrad_group
+        ctx.save_for_backward(weight_OI)  # a parameter: no activation memory
+        return out_TO
+
+    @staticmethod
+    def backward(ctx, grad_out_TO):
+        (weight_OI,) = ctx.saved_tensors
+        q, ctx.q = ctx.q, None
+        x_hat_TI = _dequantize(q)
+        del q
+        grad_x_TI, grad_weight, grad_bias = linear_backward(grad_out_TO, x_hat_TI, weight_OI, ctx.dgrad_group,
+                                                            ctx.use_bias and ctx.needs_input_grad[2])
+        return grad_x_TI, grad_weight, grad_bias, None, None, None, None
+
+
+def quantized_input_linear(x_TI: torch.Tensor, weight_OI: torch.Tensor, bias_O: torch.Tensor | None, fmt: QuantFormat,
+                           key: Key, counter: SavedBytesCounter | None = None,
+                           dgrad_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``x @ W^T (+ b)`` as one node storing ``fmt``-quantized ``x`` (counted under ``key``). ``dgrad_group``:
+    all-reduce the input gradient over this group (a column-parallel linear's tensor-parallel group, Megatron's
+    ``allreduce_dgrad``; None: no all-reduce)."""
+    return _QuantizedInputLinear.apply(x_TI, weight_OI, bias_O, fmt, key, counter, dgrad_group)
