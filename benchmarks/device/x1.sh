@@ -2,8 +2,9 @@
 # One GPU (nvidia-h100-x1 / nvidia-h200): the open one-GPU checks and suites, most urgent first.
 #   bash benchmarks/device/x1.sh [step ...]      (no step: all, in this order; ~43 minutes on one H100)
 # Steps and what they settle:
-#   hostcost        issue 24: the norm + linear node on CUDA (GPU test, graphs tests), host us per path, and the
-#                   ~1B harness bf16 / agoq / agoq@twonode in interleaved rounds                              ~6 min
+#   hostcost        issue 24: the one-node linears (norm + QKV / fc1, SwiGLU + fc2, quantized-input out-projection)
+#                   on CUDA (GPU test, graphs tests), host us per path, and the ~1B harness bf16 / agoq /
+#                   agoq@twonode (all three off) in interleaved rounds                                        ~6 min
 #   hostprof        issue 24: host time per function and layer inside steps (bf16 / agoq), launch anatomy and
 #                   cProfile of the norm -> linear paths                                                      ~3 min
 #   eager           issue 24 item 3 eager alone: baseline, agoq, bf16 and FP8 linears, 2 rounds A B A B       ~6 min
