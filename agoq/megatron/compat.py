@@ -214,7 +214,8 @@ CONTRACT: tuple[Symbol, ...] = (
            "(_AgoqLinearMixin._takes_norm_feed)",
            fields=("gradient_accumulation_fusion", "sequence_parallel", "defer_embedding_wgrad_compute")),
     Symbol("megatron.core.tensor_parallel.layers:ColumnParallelLinear.forward",
-           "the norm + linear node takes QKV / fc1's _forward_impl call (allreduce_dgrad: the dgrad all-reduce it "
+           "the norm + linear node (and, for a QKV / fc1 storing its own input, the quantized-input node) takes QKV / "
+           "fc1's _forward_impl call (allreduce_dgrad: the dgrad all-reduce it "
            "runs itself, over tp_group); instance attributes set in __init__ and read at construction, absent ones "
            "taken as off: gtp_remat_size, explicit_expert_comm, disable_grad_reduce", params=("input_", "weight")),
     # the SwiGLU + fc2 node (agoq.ops.swiglu_linear) and the quantized-input linear node (agoq.ops.quant_linear)

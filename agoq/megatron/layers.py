@@ -22,7 +22,10 @@ Touches: spec substitution (the layer itself: ``agoq.megatron.transformer_layer`
   takes its keyword arguments (``bias``, ``allreduce_dgrad`` over ``tp_group``), and the linear reads
   ``TransformerConfig.gradient_accumulation_fusion`` / ``sequence_parallel`` / ``defer_embedding_wgrad_compute`` and
   its own ``gtp_remat_size`` / ``explicit_expert_comm`` / ``disable_grad_reduce`` at construction to decide whether
-  it takes the node (``_takes_norm_feed``; otherwise the norm's stash and Megatron's linear, as before);
+  it takes the node (``_takes_norm_feed``; otherwise the norm's stash and Megatron's linear, as before); likewise fc2
+  fed by a recomputed SwiGLU runs as one node with it (agoq.ops.swiglu_linear, ``_takes_swiglu_feed``) and a linear
+  storing its own input quantized as one node of its own (agoq.ops.quant_linear, ``_quantized_input_node``), both
+  with Megatron's linear backward math (agoq.ops.linear_backward), outside other saved-tensor hook scopes only;
   ``RowParallelLinear.forward``
   (fused (Smooth-)SwiGLU with an FP8 fc2 calls fc2 with the fc1 output, which it hands to ``_forward_impl``
   unchecked; fc2 then runs agoq.ops.smooth_swiglu_fp8 and Megatron's all-reduce and bias follow); ``MLP.forward``
@@ -33,7 +36,9 @@ Touches: spec substitution (the layer itself: ``agoq.megatron.transformer_layer`
 Why: AGoQ stores the pre-norm input (norm recomputed), the fc1 output (SwiGLU recomputed) and the
   out-projection input in low-bit (../shared/spec/algorithms.md §3.2). The spec is the first-choice seam; the
   ``_forward_impl`` override keeps Megatron's own linear autograd (TP all-reduce, sequence
-  parallel, gradient-accumulation fusion, wgrad deferral) and only swaps the saved input.
+  parallel, gradient-accumulation fusion, wgrad deferral) and only swaps the saved input, except where agoq's
+  one-node linears reproduce its math for the common case (bf16 GEMMs, no sequence parallelism, accumulation fusion
+  or wgrad deferral) to save host time per layer (issue 24, docs/activations.md "Host cost").
 Verified on: megatron-core 0.19.2.
   FP8 linears and Smooth-SwiGLU (FP8 paper, ../shared/spec/algorithms.md §2) need the same two seams: the GEMM
   inside ``_forward_impl`` and the activation inside ``MLP.forward``.
@@ -205,8 +210,10 @@ class AgoqRMSNorm(torch.nn.RMSNorm):
             return super().forward(x_SBH)
         handoff = self.agoq_handoff
         if handoff.accepts_feed and torch.is_grad_enabled() and (x_SBH.requires_grad or self.weight.requires_grad) \
-                and not torch.compiler.is_compiling():
-            # no autograd node here: the linear this feeds makes one node of norm and linear (agoq.ops.norm_linear)
+                and not torch.compiler.is_compiling() and not default_saved_hooks_active():
+            # no autograd node here: the linear this feeds makes one node of norm and linear (agoq.ops.norm_linear);
+            # under another saved-tensor hook scope (activation offloading, a meter) the stash path keeps agoq's
+            # hooks innermost, as for every one-node linear
             y_SBH = rmsnorm_no_graph(x_SBH, self.weight, self.eps)
             handoff.put(NormFeed(x_SBH, self.weight, self.eps, y_SBH, save.fmt, save.key, save.counter))
             return y_SBH

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
 from agoq.megatron.layers import _NO_SAVE, Handoff, SavedInputConfig, SmoothFc2Input, with_params
+from agoq.ops.saved_act import default_saved_hooks_active
 from agoq.ops.saved_swiglu import smooth_swiglu_saving_input, swiglu_reference, swiglu_saving_input
 from agoq.ops.smooth_swiglu import glu_smooth_scale, unsmooth_fc2_output
 from agoq.ops.smooth_swiglu_fp8 import fused_smooth_supported, plain_swiglu_fusion
@@ -145,8 +146,9 @@ class AgoqMLP(MLP):
             return self.linear_fc2(self._megatron_glu(h_SBF2))
         handoff = self.agoq_fc2_handoff
         if handoff.accepts_feed and torch.is_grad_enabled() and h_SBF2.requires_grad \
-                and not torch.compiler.is_compiling():
-            # no autograd node here: fc2 makes one node of SwiGLU and itself (agoq.ops.swiglu_linear)
+                and not torch.compiler.is_compiling() and not default_saved_hooks_active():
+            # no autograd node here: fc2 makes one node of SwiGLU and itself (agoq.ops.swiglu_linear); under another
+            # saved-tensor hook scope the stash path keeps agoq's hooks innermost
             feed = swiglu_no_graph(h_SBF2, save.fmt, save.key, save.counter, offset=self.config.glu_linear_offset,
                                    fuse=save.paths.fuse_swiglu)
             handoff.put(feed)

@@ -13,7 +13,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["frozen_linear_backward", "linear_backward"]
+__all__ = ["frozen_linear_backward", "linear_backward", "take_codes"]
+
+
+def take_codes(ctx, node: str):
+    """The quantized input an agoq one-node linear kept on ``ctx`` (agoq.ops.norm_linear / swiglu_linear /
+    quant_linear), released from ``ctx`` as it is read so the codes go as soon as the backward is done with them.
+    A second backward through the same graph (``retain_graph=True``) finds none and raises instead of failing on
+    a None: Megatron's schedules never retain the graph; the hook paths do keep their saved copy."""
+    q = ctx.q
+    if q is None:
+        raise RuntimeError(
+            f"agoq's {node}: its backward already ran and released the quantized input; a second backward through the "
+            "same graph (retain_graph=True) needs the hook paths: agoq_layer_spec(..., save_paths=SavePaths("
+            "fuse_norm_linear=False, fuse_swiglu_linear=False, quantized_linear_node=False))")
+    ctx.q = None
+    return q
 
 
 def linear_backward(grad_out_TO: torch.Tensor, x_TI: torch.Tensor, weight_OI: torch.Tensor,

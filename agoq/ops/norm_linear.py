@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from agoq.formats import QuantFormat
-from agoq.ops.linear_backward import frozen_linear_backward, linear_backward
+from agoq.ops.linear_backward import frozen_linear_backward, linear_backward, take_codes
 from agoq.ops.saved_act import Key, SavedBytesCounter, _dequantize, quantize_saved
 from agoq.ops.saved_norm import rmsnorm_backward, rmsnorm_recompute
 
@@ -82,7 +82,7 @@ class _RMSNormLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out_TO):
         norm_weight_H, weight_OH = ctx.saved_tensors
-        q, ctx.q = ctx.q, None
+        q = take_codes(ctx, "norm + linear node")
         x_hat_TH = _dequantize(q)
         del q  # the codes go as soon as they are read (the two-node path lets them go at the norm's backward)
         rstd_T1 = None

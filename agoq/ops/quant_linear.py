@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from agoq.formats import QuantFormat
-from agoq.ops.linear_backward import linear_backward
+from agoq.ops.linear_backward import linear_backward, take_codes
 from agoq.ops.saved_act import Key, SavedBytesCounter, _dequantize, quantize_saved
 
 __all__ = ["quantized_input_linear"]
@@ -42,7 +42,7 @@ class _QuantizedInputLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out_TO):
         (weight_OI,) = ctx.saved_tensors
-        q, ctx.q = ctx.q, None
+        q = take_codes(ctx, "quantized-input linear node")
         x_hat_TI = _dequantize(q)
         del q
         grad_x_TI, grad_weight, grad_bias = linear_backward(grad_out_TO, x_hat_TI, weight_OI, ctx.dgrad_group,

@@ -90,7 +90,9 @@ class SavePaths:
     """A linear storing its own input quantized (the out-projection under the default policy; bf16 GEMMs, no sequence
     parallelism, gradient-accumulation fusion or wgrad deferral): True (default): one autograd node
     (agoq.ops.quant_linear: no hook scope, pack or unpack calls); False: Megatron's linear inside a
-    ``saved_tensors_hooks`` scope (same bytes and gradients)."""
+    ``saved_tensors_hooks`` scope (same bytes and gradients). ``linear_via_node_hooks=True`` also turns it off.
+    All three one-node linears run only outside other saved-tensor hook scopes (:func:`default_saved_hooks_active`)
+    and support one backward per graph (no ``retain_graph``)."""
 
 
 # ------------------------------------------------------------------------ torch.compile ----
@@ -345,9 +347,11 @@ def _unpack_saved(obj):
 
 def default_saved_hooks_active() -> bool:
     """Whether a ``saved_tensors_hooks`` scope (activation offloading, torch.utils.checkpoint, ...) is active:
-    a tensor saved inside it already has hooks, so :func:`replace_saved_input` cannot add agoq's. Only the
-    opt-in node-hook paths ask (SavePaths); torch has no public query of the active default hooks, hence the
-    private ``_top_saved_tensors_default_hooks``."""
+    a tensor saved inside it already has hooks, so :func:`replace_saved_input` cannot add agoq's, and agoq's
+    one-node linears (agoq.ops.norm_linear, swiglu_linear, quant_linear), which keep their codes on the autograd
+    context, would bypass it: the layers take the hook / stash paths there instead, whose scope is innermost. torch
+    has no public query of the active default hooks, hence the private ``_top_saved_tensors_default_hooks`` (one C
+    call per norm, MLP and quantized linear)."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 

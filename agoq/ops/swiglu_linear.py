@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from agoq.formats import QuantFormat
-from agoq.ops.linear_backward import frozen_linear_backward, linear_backward
+from agoq.ops.linear_backward import frozen_linear_backward, linear_backward, take_codes
 from agoq.ops.saved_act import Key, SavedBytesCounter, _dequantize, quantize_saved
 from agoq.ops.saved_swiglu import _swiglu_fused, swiglu_reference
 from agoq.ref.quant import QuantizedTensor
@@ -90,7 +90,7 @@ class _SwiGLULinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out_TO):
         (weight_OF,) = ctx.saved_tensors
-        q, ctx.q = ctx.q, None
+        q = take_codes(ctx, "SwiGLU + linear node")
         h_hat_TF2 = None if ctx.fused else _dequantize(q)
         if ctx.needs_input_grad[1]:
             z_hat_TF = _recompute(q, h_hat_TF2, ctx.offset)

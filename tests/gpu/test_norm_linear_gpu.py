@@ -15,6 +15,8 @@ tests/megatron/test_activations.py, TP=2 in tests/megatron/test_layouts.py.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -25,12 +27,8 @@ pytestmark = [pytest.mark.gpu]
 MODEL_KW = dict(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=512,
                 seq_length=128, vocab_size=256)
 _OLD_PATHS = {"fuse_norm_linear": False, "fuse_swiglu_linear": False, "quantized_linear_node": False}
-_LINEARS_INT8 = """version: 1
-default: {activations: int8_b128}
-rules:
-  - when: {role: [norm.input, mlp.swiglu_input]}
-    set: {activations: bf16}
-"""
+# every linear stores its own input (the norms and SwiGLU in bf16)
+_LINEARS_INT8 = Path(__file__).resolve().parents[1] / "megatron" / "policies" / "linears_int8.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +48,11 @@ def _model(device, policy, nodes: bool, reference=None):
 
 
 @pytest.mark.parametrize("policy", ["agoq", "linears_int8"])
-def test_one_node_linears_equal_the_old_paths_on_cuda(gpu_world, policy, tmp_path):
+def test_one_node_linears_equal_the_old_paths_on_cuda(gpu_world, policy):
     from agoq.kernels._fastlaunch import set_check_sites
 
     if policy == "linears_int8":
-        policy = tmp_path / "linears_int8.yaml"
-        policy.write_text(_LINEARS_INT8)
+        policy = _LINEARS_INT8
     old, st_old = _model(gpu_world, policy, nodes=False)
     new, st_new = _model(gpu_world, policy, nodes=True, reference=old)
     layers = new.module.decoder.layers

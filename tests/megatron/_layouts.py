@@ -33,12 +33,14 @@ class Case:
     tp: int = 1
     pp: int = 1
     layers_per_virtual_stage: int | None = None
-    policy: str | None = None  # None: --agoq-disable (Megatron's modules); else configs/policy/<name>.yaml
+    policy: str | Path | None = None  # None: --agoq-disable (Megatron's modules); a Path: that YAML; else
+    # configs/policy/<name>.yaml
     flags: tuple[str, ...] = field(default=())
     num_layers: int | None = None  # None: tiny.yaml's 4
-    # True: the pre-norms and SwiGLU hand a recompute stash to Megatron's linear (agoq.ops.saved_act.SavePaths
-    # fuse_norm_linear=False, fuse_swiglu_linear=False, which the CLI does not expose) instead of running as one node
-    # with QKV / fc1 / fc2
+    # True: the pre-norms and SwiGLU hand a recompute stash to Megatron's linear and the linears storing their own
+    # input run Megatron's linear in a hook scope (agoq.ops.saved_act.SavePaths fuse_norm_linear=False,
+    # fuse_swiglu_linear=False, quantized_linear_node=False, which the CLI does not expose) instead of agoq's one-node
+    # linears
     two_node: bool = False
 
     def argv(self) -> list[str]:
@@ -51,7 +53,11 @@ class Case:
             argv += ["--num-layers", str(self.num_layers)]
         if self.layers_per_virtual_stage:
             argv += ["--num-layers-per-virtual-pipeline-stage", str(self.layers_per_virtual_stage)]
-        argv += ["--agoq-disable"] if self.policy is None else ["--agoq-policy", str(POLICIES / f"{self.policy}.yaml")]
+        if self.policy is None:
+            argv += ["--agoq-disable"]
+        else:
+            path = self.policy if isinstance(self.policy, Path) else POLICIES / f"{self.policy}.yaml"
+            argv += ["--agoq-policy", str(path)]
         return argv
 
 
@@ -133,12 +139,15 @@ def run_case(case: Case, reference_state: dict | None, device: torch.device, wor
     if case.two_node:
         from agoq.megatron.layers import _AgoqLinearMixin
 
-        takes = _AgoqLinearMixin._takes_norm_feed, _AgoqLinearMixin._takes_swiglu_feed
-        _AgoqLinearMixin._takes_norm_feed = _AgoqLinearMixin._takes_swiglu_feed = lambda self: False
+        names = ("_takes_norm_feed", "_takes_swiglu_feed", "_quantized_input_node")
+        saved = [getattr(_AgoqLinearMixin, name) for name in names]
+        for name in names:
+            setattr(_AgoqLinearMixin, name, lambda self: False)
         try:
             return run_case(dataclasses.replace(case, two_node=False), reference_state, device, world_size)
         finally:
-            _AgoqLinearMixin._takes_norm_feed, _AgoqLinearMixin._takes_swiglu_feed = takes
+            for name, method in zip(names, saved, strict=True):
+                setattr(_AgoqLinearMixin, name, method)
     args = parse_args(case.argv())
     layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, vpp=args.vpp)
     runtime.init_model_parallel(layout, seed=args.seed, device=device)
@@ -177,8 +186,11 @@ def run_case(case: Case, reference_state: dict | None, device: torch.device, wor
         norm_node = any(h.accepts_feed for layer in layers for h in getattr(layer, "agoq_handoffs", ()))
         swiglu_node = any(getattr(getattr(layer.mlp, "agoq_fc2_handoff", None), "accepts_feed", False)
                           for layer in layers)
+        # the linears that run as agoq's quantized-input node (agoq.ops.quant_linear), by name
+        quant_nodes = sorted({name.rsplit(".", 1)[-1] for layer in layers for name, mod in layer.named_modules()
+                              if getattr(mod, "agoq_quantized_node", False)})
         return {"losses": losses, "grad_norms": norms, "grads": grads, "initial": initial, "norm_node": norm_node,
-                "swiglu_node": swiglu_node}
+                "swiglu_node": swiglu_node, "quant_nodes": quant_nodes}
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -207,7 +219,8 @@ def merge_ranks(name: str, per_rank: list[dict]) -> dict:
         for key, grad in r[name]["grads"].items():
             grads.setdefault(key, []).append(grad)
     return {"losses": losses, "grads": grads, "norm_node": [r[name]["norm_node"] for r in per_rank],
-            "swiglu_node": [r[name]["swiglu_node"] for r in per_rank]}
+            "swiglu_node": [r[name]["swiglu_node"] for r in per_rank],
+            "quant_nodes": [r[name]["quant_nodes"] for r in per_rank]}
 
 
 def assert_grads_close(grads: dict, reference: dict, tp_size: int, rel: float) -> None:

@@ -6,6 +6,7 @@ formula, Megatron's full activation recompute.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ SEQ, MICRO_BATCH, VOCAB = TINY_SEQ, 2, TINY_VOCAB
 STEPS, LR = 2, 1e-2
 
 
-def _build(policy, dtype=torch.float32, recompute=False, reference=None, save_paths=None, bias=False):
+def _build(policy, dtype=torch.float32, recompute=False, reference=None, save_paths=None, bias=False, glu_offset=0.0):
     """(model, storage) with agoq's spec; ``policy``: a configs/policy name, a YAML path, or None
     (the plain local spec, agoq disabled).
     Weights are copied from ``reference`` when given (so every variant starts from the same point)."""
@@ -33,6 +34,7 @@ def _build(policy, dtype=torch.float32, recompute=False, reference=None, save_pa
     shape = tiny_shape()
     config = llama_transformer_config(shape, ParallelLayout(), params_dtype=dtype, use_cpu_initialization=True)
     config.add_bias_linear = bias  # LLaMA has none; tests of the linears' bias path turn it on
+    config.glu_linear_offset = glu_offset  # LLaMA: 0; the SwiGLU paths' offset branch
     if recompute:  # Megatron's --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
     if isinstance(policy, str):
@@ -330,6 +332,58 @@ def test_handoff_order_is_checked(mcore_world1):
         handoff.take()
     layer.mlp.linear_fc1(layer.pre_mlp_layernorm(x_SBH))  # in order: fine
     assert not any(h.pending for h in layer.agoq_handoffs)
+    # SwiGLU -> fc2 as one node (agoq.ops.swiglu_linear): fc2 fed another tensor than SwiGLU's output, a feed used twice
+    from agoq.ops.swiglu_linear import swiglu_linear, swiglu_no_graph
+
+    mlp = layer.mlp
+    h_SBF2 = torch.randn(SEQ, MICRO_BATCH, 256, requires_grad=True)
+    feed = swiglu_no_graph(h_SBF2, mlp.agoq_save.fmt, mlp.agoq_save.key, None)
+    mlp.agoq_fc2_handoff.put(feed)
+    with pytest.raises(RuntimeError, match=r"not the output of the recomputable op before it \(the SwiGLU"):
+        mlp.linear_fc2(feed.z.clone())
+    swiglu_linear(feed, mlp.linear_fc2.weight)
+    with pytest.raises(RuntimeError, match="used by a linear already"):
+        swiglu_linear(feed, mlp.linear_fc2.weight)
+
+
+def test_one_node_linears_refuse_a_second_backward_and_stay_out_of_other_hook_scopes(mcore_world1):
+    """The one-node linears release their codes in backward: a second backward through the same graph raises and
+    names the fix instead of failing on a None. Inside another saved-tensor hook scope (activation offloading, a
+    meter) the layers take the hook / stash paths, whose scope is innermost: no agoq node in the graph, the same
+    gradients."""
+    from agoq.formats import parse_format
+    from agoq.ops.norm_linear import NormFeed, rmsnorm_linear, rmsnorm_no_graph
+    from agoq.ops.quant_linear import quantized_input_linear
+    from agoq.ops.swiglu_linear import swiglu_linear, swiglu_no_graph
+
+    fmt, key = parse_format("int8_b128"), (0, "test")
+    x = torch.randn(8, 128, requires_grad=True)
+    w, g = torch.randn(64, 128, requires_grad=True), torch.ones(128, requires_grad=True)
+    nodes = {"quantized-input linear node": lambda: quantized_input_linear(x, w, None, fmt, key),
+             "SwiGLU + linear node": lambda: swiglu_linear(swiglu_no_graph(x, fmt, key, None), w[:, :64]),
+             "norm + linear node": lambda: rmsnorm_linear(NormFeed(x, g, 1e-5, rmsnorm_no_graph(x, g, 1e-5), fmt, key,
+                                                                   None), w)}
+    for node, run in nodes.items():
+        out = run().sum()
+        out.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match=re.escape(node) + r": its backward already ran.*retain_graph=True"):
+            out.backward()
+    model, _ = _build("agoq")
+    tokens, labels, pos = _batch(0)
+    model(tokens, pos, None, labels=labels).float().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    fc2 = _layers(model)[0].mlp.linear_fc2
+    seen = []
+    hook = fc2.register_forward_hook(lambda m, i, out: seen.append(_node_names(out[0])))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        loss = model(tokens, pos, None, labels=labels).float().mean()
+    hook.remove()
+    assert seen and not any(name.startswith(("_SwiGLULinear", "_QuantizedInputLinear", "_RMSNormLinear"))
+                            for name in seen[0]), seen
+    loss.backward()
+    for name, param in model.named_parameters():
+        assert torch.equal(param.grad, grads[name]), name
 
 
 def _node_names(out_tensor, depth: int = 3) -> set[str]:
@@ -381,16 +435,11 @@ def test_norm_linear_and_swiglu_linear_nodes_equal_the_two_node_path(mcore_world
                                                                          layer.mlp.agoq_fc2_handoff))
 
 
-_NORMS_AND_SWIGLU_BF16 = """version: 1
-default: {activations: int8_b128}
-rules:
-  - when: {role: [norm.input, mlp.swiglu_input]}
-    set: {activations: bf16}
-"""
+LINEARS_INT8 = Path(__file__).resolve().parent / "policies" / "linears_int8.yaml"  # every linear stores its input
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_quantized_input_linear_node_equals_the_hook_path(mcore_world1, tmp_path, bias):
+def test_quantized_input_linear_node_equals_the_hook_path(mcore_world1, bias):
     """A linear that stores its own input quantized runs as one autograd node (agoq.ops.quant_linear) by default;
     ``SavePaths(quantized_linear_node=False)`` runs Megatron's linear inside agoq's saved-tensor hook scope. With the
     norms and SwiGLU kept in bf16 every linear stores its input (QKV and fc1 column-parallel, out-projection and fc2
@@ -398,8 +447,7 @@ def test_quantized_input_linear_node_equals_the_hook_path(mcore_world1, tmp_path
     included), the same bytes per key, nothing left live; the node really ran on QKV and fc2."""
     from agoq.ops.saved_act import SavePaths
 
-    policy = tmp_path / "linears_int8.yaml"
-    policy.write_text(_NORMS_AND_SWIGLU_BF16)
+    policy = LINEARS_INT8
     hooks_model, st_hooks = _build(policy, save_paths=SavePaths(quantized_linear_node=False), bias=bias)
     node_model, st_node = _build(policy, reference=hooks_model, bias=bias)
     first = _layers(node_model)[0]
@@ -428,17 +476,19 @@ def test_quantized_input_linear_node_equals_the_hook_path(mcore_world1, tmp_path
     assert st_node.counter.peak == st_hooks.counter.peak and st_node.counter.live == st_hooks.counter.live == 0
 
 
-@pytest.mark.parametrize("variant", ["bias", "frozen_linears", "frozen_norms"])
+@pytest.mark.parametrize("variant", ["bias", "frozen_linears", "frozen_norms", "glu_offset"])
 def test_norm_linear_node_bias_and_frozen_weights_equal_the_two_node_path(mcore_world1, variant, monkeypatch):
-    """The node against the two-node path where the tiny LLaMA has nothing to show: linears with a bias (its
-    gradient), frozen QKV / fc1 weights (Megatron's LinearWithFrozenWeight backward: dgrad through a 2-D view, no
-    weight or bias gradient) and frozen norm weights. One forward + backward, fp32: the same loss and gradients bit for
-    bit, and the same parameters without a gradient."""
+    """The one-node linears against the two-node paths where the tiny LLaMA has nothing to show: linears with a bias
+    (its gradient), frozen QKV / fc1 / fc2 weights (Megatron's LinearWithFrozenWeight backward: dgrad through a 2-D
+    view, no weight or bias gradient), frozen norm weights, and a GLU offset (SwiGLU's ``up + offset`` in forward,
+    recompute and backward). One forward + backward, fp32: the same loss and gradients bit for bit, and the same
+    parameters without a gradient."""
     from agoq.ops.saved_act import SavePaths
 
-    bias = variant == "bias"
-    two_node, _ = _build("agoq", save_paths=SavePaths(**_TWO_NODE), bias=bias)
-    one_node, _ = _build("agoq", reference=two_node, bias=bias)
+    bias, offset = variant == "bias", 0.5 if variant == "glu_offset" else 0.0
+    two_node, _ = _build("agoq", save_paths=SavePaths(**_TWO_NODE), bias=bias, glu_offset=offset)
+    one_node, _ = _build("agoq", reference=two_node, bias=bias, glu_offset=offset)
+    assert _layers(one_node)[0].mlp.agoq_fc2_handoff.accepts_feed
     frozen = {"frozen_linears": ("linear_qkv.weight", "linear_fc1.weight", "linear_fc2.weight"),
               "frozen_norms": ("input_layernorm.weight", "pre_mlp_layernorm.weight")}.get(variant, ())
     results = []

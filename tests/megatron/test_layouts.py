@@ -25,6 +25,8 @@ Tolerances, fp32 on CPU:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -43,6 +45,7 @@ OVERLAP = ("--overlap-grad-reduce", "--ddp-bucket-size", "3000")  # several buck
 INT8_GRADS = ("--agoq-grads", "int8_b256")
 PARAM_GATHER = DISTOPT + OVERLAP + ("--overlap-param-gather",)  # the updated params gathered in the next forward
 SELECTIVE = ("--recompute-granularity", "selective")  # Megatron's core-attention recompute (issue 23)
+LINEARS_INT8 = Path(__file__).resolve().parent / "policies" / "linears_int8.yaml"  # every linear stores its input
 
 REFERENCE_CASES = [Case("pp1"), Case("pp1_agoq", policy="agoq"), Case("pp1_adamw", policy="bf16", flags=ADAMW)]
 LAYOUT_CASES = [
@@ -61,6 +64,9 @@ LAYOUT_CASES = [
     Case("tp2", tp=2),
     Case("tp2_agoq", tp=2, policy="agoq"),  # the norm + linear node's dgrad all-reduce (agoq.ops.norm_linear)
     Case("tp2_agoq_two_node", tp=2, policy="agoq", two_node=True),
+    # every linear stores its own input: the quantized-input node on column- (dgrad all-reduce) and row-parallel linears
+    Case("tp2_linears_int8", tp=2, policy=LINEARS_INT8),
+    Case("tp2_linears_int8_hooks", tp=2, policy=LINEARS_INT8, two_node=True),
     Case("pp2_selective", pp=2, flags=SELECTIVE),
     Case("dp2_agoq_selective", policy="agoq", flags=DISTOPT + SELECTIVE),
 ]
@@ -135,6 +141,23 @@ def test_norm_linear_and_swiglu_linear_nodes_equal_the_two_node_path_at_tp2(runs
     assert one["grads"].keys() == two["grads"].keys() and one["grads"]
     for name, shards in one["grads"].items():
         for (got, _, _), (ref, _, _) in zip(shards, two["grads"][name], strict=True):
+            assert torch.equal(got, ref), name
+
+
+def test_quantized_input_linear_node_equals_the_hook_path_at_tp2(runs):
+    """At TP=2 with a policy under which every linear stores its own input (nothing recomputed), QKV / fc1
+    (column-parallel: the node all-reduces its input gradient over the TP group, as Megatron's linear does) and the
+    out-projection / fc2 (row-parallel) run as agoq's quantized-input node (agoq.ops.quant_linear): the same losses
+    and gradients bit for bit as Megatron's linear inside agoq's hook scope. Without the all-reduce each rank's
+    residual stream would see half of the QKV / fc1 input gradient."""
+    _, layouts = runs
+    node, hooks = layouts["tp2_linears_int8"], layouts["tp2_linears_int8_hooks"]
+    assert node["quant_nodes"] == [["linear_fc1", "linear_fc2", "linear_proj", "linear_qkv"]] * 2
+    assert hooks["quant_nodes"] == [[], []]
+    assert node["losses"] == hooks["losses"]
+    assert node["grads"].keys() == hooks["grads"].keys() and node["grads"]
+    for name, shards in node["grads"].items():
+        for (got, _, _), (ref, _, _) in zip(shards, hooks["grads"][name], strict=True):
             assert torch.equal(got, ref), name
 
 
