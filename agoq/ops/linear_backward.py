@@ -10,10 +10,17 @@ Shape legend: T = tokens (any leading dims), I = the linear's input features, O 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["frozen_linear_backward", "linear_backward", "take_codes"]
+__all__ = ["amp_bwd", "amp_fwd", "frozen_linear_backward", "linear_backward", "take_codes"]
+
+# The decorators Megatron's linear functions carry (megatron-core 0.19.2 tensor_parallel/layers.py): under CUDA
+# autocast the backward runs in the forward's autocast state, so the nodes compute as Megatron's linear does there.
+amp_fwd = partial(torch.amp.custom_fwd, device_type="cuda")
+amp_bwd = partial(torch.amp.custom_bwd, device_type="cuda")
 
 
 def take_codes(ctx, node: str):

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from agoq.formats import QuantFormat
-from agoq.ops.linear_backward import frozen_linear_backward, linear_backward, take_codes
+from agoq.ops.linear_backward import amp_bwd, amp_fwd, frozen_linear_backward, linear_backward, take_codes
 from agoq.ops.saved_act import Key, SavedBytesCounter, _dequantize, quantize_saved
 from agoq.ops.saved_norm import rmsnorm_backward, rmsnorm_recompute
 
@@ -70,6 +70,7 @@ class _RMSNormLinear(torch.autograd.Function):
     """out = rms_norm(x) * g @ W^T (+ b) from y = rms_norm(x) * g computed before; stores quantized x."""
 
     @staticmethod
+    @amp_fwd
     def forward(ctx, x_TH, norm_weight_H, weight_OH, bias_O, feed: NormFeed, dgrad_group):
         out_TO = torch.matmul(feed.y, weight_OH.t())
         if bias_O is not None:
@@ -80,6 +81,7 @@ class _RMSNormLinear(torch.autograd.Function):
         return out_TO
 
     @staticmethod
+    @amp_bwd
     def backward(ctx, grad_out_TO):
         norm_weight_H, weight_OH = ctx.saved_tensors
         q = take_codes(ctx, "norm + linear node")

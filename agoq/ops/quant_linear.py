@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from agoq.formats import QuantFormat
-from agoq.ops.linear_backward import linear_backward, take_codes
+from agoq.ops.linear_backward import amp_bwd, amp_fwd, linear_backward, take_codes
 from agoq.ops.saved_act import Key, SavedBytesCounter, _dequantize, quantize_saved
 
 __all__ = ["quantized_input_linear"]
@@ -29,6 +29,7 @@ class _QuantizedInputLinear(torch.autograd.Function):
     that needs a gradient only: Megatron's linear saves no input otherwise, and the layer calls it then."""
 
     @staticmethod
+    @amp_fwd
     def forward(ctx, x_TI, weight_OI, bias_O, fmt: QuantFormat, key: Key, counter: SavedBytesCounter | None,
                 dgrad_group):
         out_TO = torch.matmul(x_TI, weight_OI.t())
@@ -40,6 +41,7 @@ class _QuantizedInputLinear(torch.autograd.Function):
         return out_TO
 
     @staticmethod
+    @amp_bwd
     def backward(ctx, grad_out_TO):
         (weight_OI,) = ctx.saved_tensors
         q = take_codes(ctx, "quantized-input linear node")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from agoq.formats import QuantFormat
-from agoq.ops.linear_backward import frozen_linear_backward, linear_backward, take_codes
+from agoq.ops.linear_backward import amp_bwd, amp_fwd, frozen_linear_backward, linear_backward, take_codes
 from agoq.ops.saved_act import Key, SavedBytesCounter, _dequantize, quantize_saved
 from agoq.ops.saved_swiglu import _swiglu_fused, swiglu_reference
 from agoq.ref.quant import QuantizedTensor
@@ -78,6 +78,7 @@ class _SwiGLULinear(torch.autograd.Function):
     """out = swiglu(h) @ W^T (+ b) from z = swiglu(h) computed before; stores quantized h."""
 
     @staticmethod
+    @amp_fwd
     def forward(ctx, h_TF2, weight_OF, bias_O, feed: SwiGLUFeed):
         out_TO = torch.matmul(feed.z, weight_OF.t())
         if bias_O is not None:
@@ -88,6 +89,7 @@ class _SwiGLULinear(torch.autograd.Function):
         return out_TO
 
     @staticmethod
+    @amp_bwd
     def backward(ctx, grad_out_TO):
         (weight_OF,) = ctx.saved_tensors
         q = take_codes(ctx, "SwiGLU + linear node")
