@@ -38,23 +38,25 @@ def gpu_world():
     yield from gpu_megatron_world()
 
 
-def _model(device, policy, nodes: bool, reference=None):
+def _model(device, policy, nodes: bool, reference=None, fuse_swiglu: bool = True):
     from agoq.megatron.activations import storage_of
     from agoq.ops.saved_act import SavePaths
 
-    paths = SavePaths() if nodes else SavePaths(**_OLD_PATHS)
+    paths = SavePaths(fuse_swiglu=fuse_swiglu, **({} if nodes else _OLD_PATHS))
     model, spec = gpu_model(device, MODEL_KW, policy=policy, save_paths=paths, reference=reference)
     return model, storage_of(spec)
 
 
-@pytest.mark.parametrize("policy", ["agoq", "linears_int8"])
+@pytest.mark.parametrize("policy", ["agoq", "agoq_unfused_swiglu", "linears_int8"])
 def test_one_node_linears_equal_the_old_paths_on_cuda(gpu_world, policy):
+    """``agoq_unfused_swiglu``: SwiGLU's recompute and backward from the dequantized fc1 output (agoq.kernels.swiglu)
+    instead of the fused kernels that read the codes (``SavePaths(fuse_swiglu=False)`` on both sides)."""
     from agoq.kernels._fastlaunch import set_check_sites
 
-    if policy == "linears_int8":
-        policy = _LINEARS_INT8
-    old, st_old = _model(gpu_world, policy, nodes=False)
-    new, st_new = _model(gpu_world, policy, nodes=True, reference=old)
+    fuse_swiglu = policy != "agoq_unfused_swiglu"
+    policy = _LINEARS_INT8 if policy == "linears_int8" else "agoq"
+    old, st_old = _model(gpu_world, policy, nodes=False, fuse_swiglu=fuse_swiglu)
+    new, st_new = _model(gpu_world, policy, nodes=True, reference=old, fuse_swiglu=fuse_swiglu)
     layers = new.module.decoder.layers
     if policy == "agoq":
         assert all(h.accepts_feed for layer in layers for h in (*layer.agoq_handoffs, layer.mlp.agoq_fc2_handoff))
