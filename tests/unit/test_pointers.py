@@ -69,7 +69,7 @@ def test_every_benchmark_result_is_cited():
              for p in (REPO / root).rglob("*") if p.suffix in (".md", ".py") and p.is_file()}
     texts[REPO / "README.md"] = (REPO / "README.md").read_text()
     pages = {p: t for p, t in texts.items() if p.suffix == ".md" and (p.parent == REPO or REPO / "docs" in p.parents)}
-    links = {(p, m) for p, t in pages.items() for m in re.findall(r"\]\(([\w./-]+\.(?:json|md|png|log))\)", t)}
+    links = {(p, m) for p, t in pages.items() for m in re.findall(r"\]\(([\w./-]+\.(?:json|md|png|log|csv))\)", t)}
     assert not [f"{p.name}: {m}" for p, m in sorted(links) if not (p.parent / m).resolve().exists()], \
         "broken links in the docs"
     linked = {(p.parent / m).resolve() for p, m in links}
