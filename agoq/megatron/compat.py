@@ -228,12 +228,12 @@ CONTRACT: tuple[Symbol, ...] = (
            "what they do not implement (_AgoqLinearMixin._takes_swiglu_feed / _quantized_input_node)",
            fields=("gradient_accumulation_fusion", "sequence_parallel", "defer_embedding_wgrad_compute")),
     Symbol("megatron.core.tensor_parallel.layers:LinearWithGradAccumulationAndAsyncCommunication",
-           "agoq.ops.linear_backward reproduces its backward (no gradient-accumulation fusion, no sequence "
+           "agoq.ops.linear_math reproduces its backward (no gradient-accumulation fusion, no sequence "
            "parallelism): grad_input = grad_output @ W, the async dgrad all-reduce waited for after the wgrad GEMM on "
            "2-D contiguous operands, the bias gradient as a sum over tokens; bit-identity tested on CPU, TP=2, CUDA",
            attrs=("forward", "backward")),
     Symbol("megatron.core.tensor_parallel.layers:LinearWithFrozenWeight",
-           "agoq.ops.linear_backward.frozen_linear_backward reproduces its backward (dgrad through a 2-D view, a "
+           "agoq.ops.linear_math.frozen_linear_backward reproduces its backward (dgrad through a 2-D view, a "
            "synchronous all-reduce, no weight or bias gradient)", attrs=("forward", "backward")),
     Symbol("megatron.core.tensor_parallel.mappings:copy_to_tensor_model_parallel_region",
            "FP8 column-parallel linear: identity forward, TP all-reduce of dgrad", params=("input_", "group")),

@@ -25,7 +25,7 @@ Touches: spec substitution (the layer itself: ``agoq.megatron.transformer_layer`
   it takes the node (``_takes_norm_feed``; otherwise the norm's stash and Megatron's linear, as before); likewise fc2
   fed by a recomputed SwiGLU runs as one node with it (agoq.ops.swiglu_linear, ``_takes_swiglu_feed``) and a linear
   storing its own input quantized as one node of its own (agoq.ops.quant_linear, ``_quantized_input_node``), both
-  with Megatron's linear backward math (agoq.ops.linear_backward), outside other saved-tensor hook scopes only;
+  with Megatron's linear backward math (agoq.ops.linear_math), outside other saved-tensor hook scopes only;
   ``RowParallelLinear.forward``
   (fused (Smooth-)SwiGLU with an FP8 fc2 calls fc2 with the fc1 output, which it hands to ``_forward_impl``
   unchecked; fc2 then runs agoq.ops.smooth_swiglu_fp8 and Megatron's all-reduce and bias follow); ``MLP.forward``

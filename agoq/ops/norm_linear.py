@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from agoq.formats import QuantFormat
-from agoq.ops.linear_backward import amp_bwd, amp_fwd, frozen_linear_backward, linear_backward, take_codes
+from agoq.ops.linear_math import amp_bwd, amp_fwd, frozen_linear_backward, linear_backward, linear_forward, take_codes
 from agoq.ops.saved_act import Key, SavedBytesCounter, _dequantize, quantize_saved
 from agoq.ops.saved_norm import rmsnorm_backward, rmsnorm_recompute
 
@@ -72,9 +72,7 @@ class _RMSNormLinear(torch.autograd.Function):
     @staticmethod
     @amp_fwd
     def forward(ctx, x_TH, norm_weight_H, weight_OH, bias_O, feed: NormFeed, dgrad_group):
-        out_TO = torch.matmul(feed.y, weight_OH.t())
-        if bias_O is not None:
-            out_TO = out_TO + bias_O
+        out_TO = linear_forward(feed.y, weight_OH, bias_O)
         ctx.q = quantize_saved(x_TH, feed.fmt, feed.key, feed.counter)
         ctx.eps, ctx.use_bias, ctx.dgrad_group = feed.eps, bias_O is not None, dgrad_group
         ctx.save_for_backward(norm_weight_H, weight_OH)  # parameters: no activation memory

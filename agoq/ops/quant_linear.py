@@ -6,7 +6,7 @@ The hook path (a ``saved_tensors_hooks`` scope around Megatron's linear function
 ``quantized_saves``) stores the same bytes, but per linear and micro-batch it enters and leaves a hook scope, runs
 two pack and two unpack calls (one for the weight) and Megatron's Python linear function. Here the linear is one
 :class:`_QuantizedInputLinear` node: forward ``out = x @ W^T (+ b)`` and the quantized ``x``; backward dequantizes
-``x`` once and runs Megatron's linear backward math (agoq.ops.linear_backward), the ops of the hook path, so the
+``x`` once and runs Megatron's linear backward math (agoq.ops.linear_math), the ops of the hook path, so the
 gradients are the same bits (tests/megatron/test_activations.py, tests/megatron/test_layouts.py at TP=2).
 
 Shape legend: T = tokens (any leading dims), I = input features, O = output features.
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from agoq.formats import QuantFormat
-from agoq.ops.linear_backward import amp_bwd, amp_fwd, linear_backward, take_codes
+from agoq.ops.linear_math import amp_bwd, amp_fwd, linear_backward, linear_forward, take_codes
 from agoq.ops.saved_act import Key, SavedBytesCounter, _dequantize, quantize_saved
 
 __all__ = ["quantized_input_linear"]
@@ -32,9 +32,7 @@ class _QuantizedInputLinear(torch.autograd.Function):
     @amp_fwd
     def forward(ctx, x_TI, weight_OI, bias_O, fmt: QuantFormat, key: Key, counter: SavedBytesCounter | None,
                 dgrad_group):
-        out_TO = torch.matmul(x_TI, weight_OI.t())
-        if bias_O is not None:
-            out_TO = out_TO + bias_O
+        out_TO = linear_forward(x_TI, weight_OI, bias_O)
         ctx.q = quantize_saved(x_TI, fmt, key, counter)
         ctx.use_bias, ctx.dgrad_group = bias_O is not None, dgrad_group
         ctx.save_for_backward(weight_OI)  # a parameter: no activation memory

@@ -10,7 +10,7 @@ Python linear function. Here the MLP computes SwiGLU without a graph (:func:`swi
 kernel that writes the output and the codes, ``swiglu_quantize``) and fc2 is one :class:`_SwiGLULinear` node from
 the fc1 output and fc2's weight to fc2's output: forward ``out = z @ W^T (+ b)`` with ``z`` already computed;
 backward rebuilds ``z`` once from the codes (``dequant_swiglu_fwd``; elsewhere SwiGLU at the dequantized fc1
-output), runs Megatron's linear backward math (agoq.ops.linear_backward) and then SwiGLU's backward from the same
+output), runs Megatron's linear backward math (agoq.ops.linear_math) and then SwiGLU's backward from the same
 codes (``dequant_swiglu_bwd``), the ops of the two-node path in its order, so the gradients are the same bits
 (tests/megatron/test_activations.py, tests/megatron/test_layouts.py at TP=2, tests/gpu/test_norm_linear_gpu.py).
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from agoq.formats import QuantFormat
-from agoq.ops.linear_backward import amp_bwd, amp_fwd, frozen_linear_backward, linear_backward, take_codes
+from agoq.ops.linear_math import amp_bwd, amp_fwd, frozen_linear_backward, linear_backward, linear_forward, take_codes
 from agoq.ops.saved_act import Key, SavedBytesCounter, _dequantize, quantize_saved
 from agoq.ops.saved_swiglu import _swiglu_fused, swiglu_reference
 from agoq.ref.quant import QuantizedTensor
@@ -80,9 +80,7 @@ class _SwiGLULinear(torch.autograd.Function):
     @staticmethod
     @amp_fwd
     def forward(ctx, h_TF2, weight_OF, bias_O, feed: SwiGLUFeed):
-        out_TO = torch.matmul(feed.z, weight_OF.t())
-        if bias_O is not None:
-            out_TO = out_TO + bias_O
+        out_TO = linear_forward(feed.z, weight_OF, bias_O)
         ctx.q, ctx.offset, ctx.fused, ctx.use_bias = feed.q, feed.offset, feed.fused, bias_O is not None
         feed.q = None  # the node holds the codes from here on
         ctx.save_for_backward(weight_OF)  # a parameter: no activation memory

@@ -1,9 +1,10 @@
-"""The backward of a linear ``out = x @ W^T (+ b)`` as Megatron computes it, for agoq's nodes that own a linear
-(agoq.ops.norm_linear: pre-norm -> QKV / fc1; agoq.ops.swiglu_linear: SwiGLU -> fc2). The same ops with the same
-operand layouts as megatron-core 0.19.2's ``LinearWithGradAccumulationAndAsyncCommunication`` (no
-gradient-accumulation fusion, no sequence parallelism, no wgrad deferral) and ``LinearWithFrozenWeight``, so a node
-gives the same gradient bits as Megatron's linear (tests/megatron/test_activations.py, tests/megatron/test_layouts.py).
-Plain PyTorch: no Megatron import (house rule 1); the Megatron layer decides which linears may use it.
+"""The forward and backward of a linear ``out = x @ W^T (+ b)`` as Megatron computes them, for agoq's nodes that own
+a linear (agoq.ops.norm_linear: pre-norm -> QKV / fc1; agoq.ops.swiglu_linear: SwiGLU -> fc2; agoq.ops.quant_linear:
+a linear storing its own input). The same ops with the same operand layouts as megatron-core 0.19.2's
+``LinearWithGradAccumulationAndAsyncCommunication`` (no gradient-accumulation fusion, no sequence parallelism, no
+wgrad deferral) and ``LinearWithFrozenWeight``, so a node gives the same gradient bits as Megatron's linear
+(tests/megatron/test_activations.py, tests/megatron/test_layouts.py). Plain PyTorch: no Megatron import (house rule 1);
+the Megatron layer decides which linears may use it.
 
 Shape legend: T = tokens (any leading dims), I = the linear's input features, O = its output features.
 """
@@ -15,12 +16,18 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-__all__ = ["amp_bwd", "amp_fwd", "frozen_linear_backward", "linear_backward", "take_codes"]
+__all__ = ["amp_bwd", "amp_fwd", "frozen_linear_backward", "linear_backward", "linear_forward", "take_codes"]
 
 # The decorators Megatron's linear functions carry (megatron-core 0.19.2 tensor_parallel/layers.py): under CUDA
 # autocast the backward runs in the forward's autocast state, so the nodes compute as Megatron's linear does there.
 amp_fwd = partial(torch.amp.custom_fwd, device_type="cuda")
 amp_bwd = partial(torch.amp.custom_bwd, device_type="cuda")
+
+
+def linear_forward(x_TI: torch.Tensor, weight_OI: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T (+ b)`` with Megatron's ops: ``torch.matmul`` with the transposed weight, then the bias added."""
+    out_TO = torch.matmul(x_TI, weight_OI.t())
+    return out_TO if bias_O is None else out_TO + bias_O
 
 
 def take_codes(ctx, node: str):
