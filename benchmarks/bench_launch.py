@@ -152,7 +152,8 @@ def path_steps(dev: torch.device, fmt, paths=None) -> dict:
         from agoq.ops.saved_act import quantized_saves
 
         with quantized_saves(x_lin, fmt=fmt, key=(0, "attn.proj_input"), counter=None):
-            F.linear(x_lin, w_lin).sum().backward()
+            out = F.linear(x_lin, w_lin)
+        out.sum().backward()  # outside the scope, as in the model
 
     def linear_quantized_node():  # the default for the out-projection: one node (agoq.ops.quant_linear)
         from agoq.ops.quant_linear import quantized_input_linear
