@@ -249,35 +249,33 @@ class _AgoqLinearMixin:
         """Whether this linear runs with the norm before it as one autograd node (agoq.ops.norm_linear): a
         column-parallel linear recomputing its input, bf16 GEMMs, none of the Megatron options that node does not
         implement (they keep Megatron's linear with the norm's stash)."""
+        return (isinstance(self, ColumnParallelLinear) and self.agoq_save.recomputed
+                and self.agoq_save.paths.fuse_norm_linear and self._plain_megatron_linear()
+                and not self.config.defer_embedding_wgrad_compute and not getattr(self, "disable_grad_reduce", False))
+
+    def _plain_megatron_linear(self) -> bool:
+        """What every one-node linear needs of Megatron's linear (agoq.ops.linear_math reproduces only this case):
+        bf16 GEMMs, no gradient-accumulation fusion, no sequence parallelism, no GTP weight remat, no expert comm."""
         config = self.config
-        return (isinstance(self, ColumnParallelLinear) and self.agoq_save.recomputed and self.agoq_fp8 is None
-                and self.agoq_save.paths.fuse_norm_linear and not config.gradient_accumulation_fusion
-                and not config.sequence_parallel and not config.defer_embedding_wgrad_compute
-                and getattr(self, "gtp_remat_size", 1) == 1 and not getattr(self, "explicit_expert_comm", False)
-                and not getattr(self, "disable_grad_reduce", False))
+        return (self.agoq_fp8 is None and not config.gradient_accumulation_fusion and not config.sequence_parallel
+                and getattr(self, "gtp_remat_size", 1) == 1 and not getattr(self, "explicit_expert_comm", False))
 
     def _takes_swiglu_feed(self) -> bool:
         """Whether this linear runs with the SwiGLU before it as one autograd node (agoq.ops.swiglu_linear): a
         row-parallel linear (fc2) recomputing its input, bf16 GEMMs, none of the Megatron options that node does not
         implement (they keep Megatron's linear with SwiGLU's stash). Plain SwiGLU only: the MLP hands a feed only
         without Smooth-SwiGLU and without the fused FP8 fc2 (agoq.megatron.mlp)."""
-        config = self.config
-        return (isinstance(self, RowParallelLinear) and self.agoq_save.recomputed and self.agoq_fp8 is None
-                and self.agoq_save.paths.fuse_swiglu_linear and not config.gradient_accumulation_fusion
-                and not config.sequence_parallel and getattr(self, "gtp_remat_size", 1) == 1
-                and not getattr(self, "explicit_expert_comm", False))
+        return (isinstance(self, RowParallelLinear) and self.agoq_save.recomputed
+                and self.agoq_save.paths.fuse_swiglu_linear and self._plain_megatron_linear())
 
     def _quantized_input_node(self) -> bool:
         """Whether this linear, storing its own input quantized (not recomputed), runs as one autograd node
         (agoq.ops.quant_linear) instead of Megatron's linear inside a hook scope: bf16 GEMMs and none of the Megatron
         options that node does not implement."""
-        config, paths = self.config, self.agoq_save.paths
-        return (self.agoq_save.fmt is not None and not self.agoq_save.recomputed and self.agoq_fp8 is None
-                and paths.quantized_linear_node and not paths.linear_via_node_hooks
-                and not config.gradient_accumulation_fusion and not config.sequence_parallel
-                and not config.defer_embedding_wgrad_compute and getattr(self, "gtp_remat_size", 1) == 1
-                and not getattr(self, "explicit_expert_comm", False)
-                and not getattr(self, "disable_grad_reduce", False))
+        paths = self.agoq_save.paths
+        return (self.agoq_save.fmt is not None and not self.agoq_save.recomputed
+                and paths.quantized_linear_node and not paths.linear_via_node_hooks and self._plain_megatron_linear()
+                and not self.config.defer_embedding_wgrad_compute and not getattr(self, "disable_grad_reduce", False))
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if torch.compiler.is_compiling() and (self.agoq_handoff is not None or self.agoq_fp8 is not None
@@ -333,10 +331,7 @@ class _AgoqLinearMixin:
                 "roles bf16")
         self._check_unfused_kwargs(args, kw, "agoq's norm + linear node",
                                    "build the layers with SavePaths(fuse_norm_linear=False)")
-        group = kw.get("tp_group") if kw.get("allreduce_dgrad") else None
-        if kw.get("allreduce_dgrad") and group is None:
-            raise NotImplementedError(f"agoq's norm + linear node needs the linear's tp_group ({self.agoq_save.key})")
-        return rmsnorm_linear(feed, weight, kw.get("bias"), group)
+        return rmsnorm_linear(feed, weight, kw.get("bias"), self._dgrad_group(kw, "agoq's norm + linear node"))
 
     def _quantized_node_forward_impl(self, input, weight, args, kw):
         """A linear storing its own input quantized as one node (agoq.ops.quant_linear); outside any other saved-
@@ -344,10 +339,18 @@ class _AgoqLinearMixin:
         save = self.agoq_save
         self._check_unfused_kwargs(args, kw, "agoq's quantized-input linear node",
                                    "build the layers with SavePaths(quantized_linear_node=False)")
-        group = kw.get("tp_group") if kw.get("allreduce_dgrad") else None
-        if kw.get("allreduce_dgrad") and group is None:
-            raise NotImplementedError(f"agoq's quantized-input linear node needs the linear's tp_group ({save.key})")
+        group = self._dgrad_group(kw, "agoq's quantized-input linear node")
         return quantized_input_linear(input, weight, kw.get("bias"), save.fmt, save.key, save.counter, group)
+
+    def _dgrad_group(self, kw, what: str):
+        """The group a one-node linear all-reduces its input gradient over: Megatron's ``tp_group`` where it passes
+        ``allreduce_dgrad`` (a column-parallel linear at TP > 1), else None."""
+        if not kw.get("allreduce_dgrad"):
+            return None
+        group = kw.get("tp_group")
+        if group is None:
+            raise NotImplementedError(f"{what} needs the linear's tp_group ({self.agoq_save.key})")
+        return group
 
     def _swiglu_linear_forward_impl(self, input, weight, feed: SwiGLUFeed, args, kw):
         """fc2 fed by the SwiGLU's output: SwiGLU and fc2 as one node from the fc1 output (agoq.ops.swiglu_linear),
