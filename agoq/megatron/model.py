@@ -102,7 +102,7 @@ class ParallelLayout:
 def llama_transformer_config(
     shape: LlamaShape, layout: ParallelLayout, *, params_dtype: torch.dtype, use_cpu_initialization: bool,
     recompute_num_layers: int | None = None, selective_recompute: bool = False, cuda_graph_impl: str = "none",
-    cuda_graph_warmup_steps: int = 3,
+    cuda_graph_warmup_steps: int = 3, rope_fusion: bool = False,
 ) -> TransformerConfig:
     """``recompute_num_layers``: Megatron's full activation recompute (granularity "full", method
     "uniform": every group of this many layers saves only its input and reruns its forward in
@@ -111,7 +111,9 @@ def llama_transformer_config(
     ["core_attn"]``; what it saves with SDPA: agoq.plan.storage.megatron_bytes). One of the two at most.
     ``cuda_graph_impl``: Megatron's CUDA graphs ("none", or "local": whole-layer graphs, ``cuda_graph_modules``
     empty, ``cuda_graph_warmup_steps`` eager passes before each capture; agoq.megatron.graphs); with "none" no
-    graph field is passed (Megatron's defaults)."""
+    graph field is passed (Megatron's defaults). ``rope_fusion``: Megatron's ``apply_rope_fusion``, its fused-RoPE
+    slot filled with agoq's kernel where Transformer Engine does not fill it (agoq.megatron.rope: the same values
+    and gradients as the unfused RoPE, 2 launches per query / key instead of ~21)."""
     if recompute_num_layers and selective_recompute:
         raise ValueError("--recompute-granularity is full or selective, not both")
     bf16 = params_dtype == torch.bfloat16
@@ -121,6 +123,10 @@ def llama_transformer_config(
                          recompute_num_layers=recompute_num_layers)  # fmt: skip
     if selective_recompute:
         recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    if rope_fusion:
+        from agoq.megatron.rope import provide_rope_fusion
+
+        provide_rope_fusion()
     graphs = {}
     if cuda_graph_impl != "none":
         graphs = dict(cuda_graph_impl=cuda_graph_impl, cuda_graph_modules=[],
@@ -149,6 +155,7 @@ def llama_transformer_config(
         virtual_pipeline_model_parallel_size=layout.vpp,
         use_cpu_initialization=use_cpu_initialization,
         gradient_accumulation_fusion=False,  # needs APEX/TE fused wgrad kernels
+        apply_rope_fusion=rope_fusion,
         # CPU runs: p2p has no CUDA stream to synchronize; harmless on GPU (NCCL orders the ops).
         batch_p2p_sync=False,
         **pipeline_p2p_options(layout),

@@ -5,6 +5,7 @@ tensor's device type (CUDA: Triton; every other device: the reference, identical
 - :func:`swiglu_ops`: SwiGLU fused with the quantize / dequantize of its saved input and the scaled SwiGLU
   forward / backward (:mod:`agoq.kernels.swiglu_quant`, :mod:`agoq.kernels.swiglu` / :mod:`agoq.ref.swiglu_quant`,
   :mod:`agoq.ref.swiglu`);
+- :func:`rope_ops`: rotary position embedding forward / backward (:mod:`agoq.kernels.rope` / :mod:`agoq.ref.rope`);
 - the FP8 casts: :func:`agoq.ops.fp8_linear.fp8_cast_ops` (kept there, beside its unchecked reference wrappers).
 
 The eager saved-activation code (:mod:`agoq.ops.saved_act`) and the ``torch.library`` custom ops
@@ -22,13 +23,14 @@ from types import SimpleNamespace
 
 import torch
 
-__all__ = ["quant_ops", "swiglu_ops"]
+__all__ = ["quant_ops", "rope_ops", "swiglu_ops"]
 
 log = logging.getLogger("agoq.ops.dispatch")
 _LOGGED_PATHS: set[tuple[str, str]] = set()
 _LOG_LOCK = threading.Lock()
 _OPS_BY_KIND: dict[str, tuple[Callable, Callable]] = {}  # host-side fast path: one lookup per call
 _SWIGLU_BY_KIND: dict[str, SimpleNamespace] = {}
+_ROPE_BY_KIND: dict[str, tuple[Callable, Callable]] = {}
 
 
 def _kind(device) -> str:
@@ -93,3 +95,20 @@ def _resolve_swiglu_ops(kind: str) -> SimpleNamespace:
     return SimpleNamespace(swiglu_quantize=fused.ref_swiglu_quantize, dequant_swiglu_fwd=fused.ref_dequant_swiglu_fwd,
                            dequant_swiglu_bwd=fused.ref_dequant_swiglu_bwd, swiglu_fwd=plain.ref_swiglu_scaled,
                            swiglu_bwd=plain.ref_swiglu_bwd_scaled)
+
+
+def rope_ops(device: torch.device) -> tuple[Callable, Callable]:
+    """(rope_fwd, rope_bwd) for tensors on ``device``: Triton on CUDA, the reference elsewhere (same bits)."""
+    kind = _kind(device)
+    ops = _ROPE_BY_KIND.get(kind)
+    if ops is None:
+        if kind == "cuda":
+            from agoq.kernels.rope import rope_bwd, rope_fwd  # lazily: needs Triton
+            path = "agoq.kernels.rope (Triton)"
+        else:
+            from agoq.ref.rope import ref_rope_bwd as rope_bwd
+            from agoq.ref.rope import ref_rope_fwd as rope_fwd
+            path = "agoq.ref.rope (reference)"
+        _log_once("RoPE", kind, path)
+        ops = _ROPE_BY_KIND[kind] = (rope_fwd, rope_bwd)
+    return ops

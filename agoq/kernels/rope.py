@@ -1,0 +1,122 @@
+"""Fused rotary position embedding (RoPE), Triton: one launch for the forward and one for the backward of each
+tensor, instead of the ~11 elementwise ops (and ~10 in backward) of Megatron's unfused RoPE without Transformer
+Engine (docs/activations.md, "Host cost": launches are what a small micro-batch's step waits on).
+
+Twins of :mod:`agoq.ref.rope` (same signatures, the same roundings in the same order, so the same bits):
+
+  rope_fwd(t [S, B, N, D], cos [S, R], sin [S, R]) -> out [S, B, N, D]   (ref_rope_fwd)
+  rope_bwd(grad [S, B, N, D], cos [S, R], sin [S, R]) -> grad_t [S, B, N, D]   (ref_rope_bwd)
+
+``t`` may be strided over S, B and N (Megatron's query / key are views of the fused QKV output); its last
+dimension must be contiguous (else it is copied). One program per (s, b) row loads the row's cos / sin once and
+walks its heads in blocks. Every product is rounded to the output dtype before the sum, and fp contraction is
+off, so no FMA merges a product into the sum (tests/kernels/test_rope_kernels.py compares the bits).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from agoq.kernels._fastlaunch import FastKernel
+from agoq.ref.rope import check_rope_args
+
+__all__ = ["rope_fwd", "rope_bwd"]
+
+NUM_WARPS = 4
+MAX_TILE_ELEMS = 4096  # heads x head-dim elements a program holds per step (fp32: 16 KiB of registers per block)
+
+
+@triton.jit
+def _rounded(x, dt: tl.constexpr):
+    """fp32 ``x`` rounded to ``dt`` (nearest, ties to even: ATen's cast) and back to fp32. bf16 by integer
+    arithmetic on the fp32 bits: Triton's CPU interpreter truncates fp32 -> bf16 casts, and this spells the
+    rounding the GPU does, so the tests compare bits under the interpreter too. NaN stays NaN."""
+    if dt == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    else:
+        return x.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _rope_kernel(
+    t_ptr,  # [S, B, N, D], strides (s, b, n, 1): the input (forward) or the output gradient (backward)
+    cos_ptr,  # [S, R] contiguous, t's dtype
+    sin_ptr,  # [S, R] contiguous, t's dtype
+    out_ptr,  # [S, B, N, D] contiguous, t's dtype
+    B,  # int: batch
+    N,  # int: heads
+    stride_s,  # int: elements between sequence positions of t
+    stride_b,  # int: elements between batch entries of t
+    stride_n,  # int: elements between heads of t
+    D: tl.constexpr,  # head dim
+    R: tl.constexpr,  # rotary dim (even, <= D)
+    BLOCK_N: tl.constexpr,  # heads per step
+    BLOCK_D: tl.constexpr,  # next power of two >= D
+    BACKWARD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # = s * B + b
+    s = row // B
+    b = row - s * B
+    half: tl.constexpr = R // 2
+    cols = tl.arange(0, BLOCK_D)
+    in_rot = cols < R
+    partner = tl.where(cols < half, cols + half, cols - half)  # the other half's column (rotary columns only)
+    dt = out_ptr.dtype.element_ty
+    c = tl.load(cos_ptr + s * R + cols, mask=in_rot, other=0.0).to(tl.float32)
+    if BACKWARD:
+        sn = tl.load(sin_ptr + s * R + partner, mask=in_rot, other=0.0).to(tl.float32)
+    else:
+        sn = tl.load(sin_ptr + s * R + cols, mask=in_rot, other=0.0).to(tl.float32)
+    first_half = (cols < half)[None, :]
+    heads = tl.arange(0, BLOCK_N)
+    for n0 in range(0, N, BLOCK_N):
+        n = n0 + heads
+        ok = (n < N)[:, None] & (cols < D)[None, :]
+        base = t_ptr + s * stride_s + b * stride_b + n[:, None].to(tl.int64) * stride_n
+        x = tl.load(base + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        xp = tl.load(base + partner[None, :], mask=ok & in_rot[None, :], other=0.0).to(tl.float32)
+        direct = _rounded(x * c[None, :], dt)
+        if BACKWARD:  # g_j cos_j +/- (g_partner sin_partner), the rotation's gradient rounded first
+            rotated = _rounded(xp * sn[None, :], dt)
+            rotated = tl.where(first_half, rotated, -rotated)
+        else:  # t_j cos_j + rotate_half(t)_j sin_j, rotate_half(t)_j = -t_partner (first half), t_partner
+            rotated = _rounded(tl.where(first_half, -xp, xp) * sn[None, :], dt)
+        y = tl.where(in_rot[None, :], direct + rotated, x)
+        if BACKWARD:
+            y = y + 0.0  # -0.0 -> +0.0, as autograd's sum with the unread slice's zero gradient
+        dst = out_ptr + (row * N + n[:, None].to(tl.int64)) * D + cols[None, :]
+        tl.store(dst, _rounded(y, dt).to(dt), mask=ok)  # exact: already representable
+
+
+# direct launcher (agoq.kernels._fastlaunch); fp contraction off: no product may merge into the sum
+_ROPE = FastKernel(_rope_kernel, num_warps=NUM_WARPS, enable_fp_fusion=False)
+
+
+def _launch(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+    what = "grad" if backward else "t"
+    rot = check_rope_args(t, cos, sin, what=what)
+    s, b, n, d = t.shape
+    out = torch.empty((s, b, n, d), dtype=t.dtype, device=t.device)
+    if out.numel() == 0:
+        return out
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    block_d = triton.next_power_of_2(d)
+    block_n = max(1, min(triton.next_power_of_2(n), MAX_TILE_ELEMS // block_d))
+    _ROPE((s * b,), t, cos.contiguous(), sin.contiguous(), out, b, n, t.stride(0), t.stride(1), t.stride(2),
+          d, rot, block_n, block_d, backward)
+    return out
+
+
+def rope_fwd(t_SBND: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor) -> torch.Tensor:
+    """Triton twin of agoq.ref.rope.ref_rope_fwd."""
+    return _launch(t_SBND, cos_SR, sin_SR, backward=False)
+
+
+def rope_bwd(grad_SBND: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor) -> torch.Tensor:
+    """Triton twin of agoq.ref.rope.ref_rope_bwd."""
+    return _launch(grad_SBND, cos_SR, sin_SR, backward=True)

@@ -1,0 +1,77 @@
+"""Megatron's fused-RoPE slot filled with agoq's Triton RoPE when Transformer Engine does not fill it.
+
+Seam card
+---------
+Touches: ``megatron.core.models.common.embeddings.rope_utils.fused_apply_rotary_pos_emb`` (a module global that
+  megatron-core fills from Transformer Engine at import, None without it) and ``TransformerConfig.apply_rope_fusion``
+  (a constructor argument: ``apply_rotary_pos_emb`` then calls the slot for bshd inputs with mscale 1, and
+  ``TransformerConfig.__post_init__`` refuses the flag while the slot is empty).
+Why: without TE, Megatron's RoPE is ~11 elementwise launches per query / key in the forward and ~10 in the
+  backward (``_apply_rotary_pos_emb_bshd``: cos, sin, casts, two products, chunk / neg / cat, a sum, the cat with
+  the pass-through part), ~40 launches per layer and micro-batch: host time that a small micro-batch's step waits
+  on (docs/activations.md, "Host cost"). agoq's op (agoq.ops.rope) is one launch each way with the same values
+  and gradients, bit for bit.
+Kind: a runtime patch of one module global (no constructor argument or hook reaches it), recorded with
+  ``agoq.megatron.install.set_module_attr``: ``Handle.undo()`` / ``undo_runtime_changes()`` put None back.
+  A slot that TE filled is left alone (TE's kernel runs).
+Verified on: megatron-core 0.19.2.
+When disabled: ``--rope-fusion off`` (trainer), ``llama_transformer_config(rope_fusion=False)``: Megatron's unfused
+  RoPE, the slot untouched.
+Guarded by: ``tests/megatron/test_rope.py`` (same values and gradients as Megatron's unfused RoPE, in a model too),
+  ``tests/kernels/test_rope_kernels.py`` (kernel = reference, bits), the contract table (agoq.megatron.compat).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from agoq.ops.rope import apply_rope
+
+__all__ = ["SEAM_ROPE", "agoq_fused_apply_rotary_pos_emb", "provide_rope_fusion", "rope_fusion_provider"]
+
+log = logging.getLogger("agoq.megatron.rope")
+SEAM_ROPE = "rope_fusion"
+
+
+def agoq_fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
+                                    interleaved: bool = False, start_positions=None) -> torch.Tensor:
+    """Megatron's ``fused_apply_rotary_pos_emb`` (the TE wrapper's signature) by agoq.ops.rope.apply_rope:
+    bshd ``t`` [s, b, n, d], ``freqs`` [s, 1, 1, r]. Refuses what it does not implement, naming the fix."""
+    if interleaved:
+        raise ValueError("agoq's fused RoPE implements the rotate-half form only; --rotary-interleaved needs "
+                         "--rope-fusion off (Megatron's unfused RoPE) or Transformer Engine")
+    if transpose_output_memory or start_positions is not None:
+        raise ValueError("agoq's fused RoPE: transpose_output_memory / start_positions (inference paths) are not "
+                         "implemented; use --rope-fusion off")
+    return apply_rope(t, freqs)
+
+
+def rope_fusion_provider() -> str:
+    """Who fills Megatron's fused-RoPE slot now: "agoq", "transformer_engine" (or another) or "none"."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    slot = rope_utils.fused_apply_rotary_pos_emb
+    if slot is None:
+        return "none"
+    if slot is agoq_fused_apply_rotary_pos_emb:
+        return "agoq"
+    return getattr(slot, "__module__", "other").split(".")[0] or "other"
+
+
+def provide_rope_fusion() -> str:
+    """Make ``TransformerConfig(apply_rope_fusion=True)`` usable: fill the empty slot with agoq's RoPE (recorded
+    for undo) or keep what fills it; returns the provider (:func:`rope_fusion_provider`)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from agoq.megatron.install import set_module_attr
+
+    provider = rope_fusion_provider()
+    if provider == "none":
+        set_module_attr(rope_utils, "fused_apply_rotary_pos_emb", agoq_fused_apply_rotary_pos_emb, seam=SEAM_ROPE)
+        log.info("RoPE: agoq's fused kernel fills Megatron's fused_apply_rotary_pos_emb (no Transformer Engine)")
+        return "agoq"
+    if provider != "agoq":
+        log.info("RoPE: Megatron's fused_apply_rotary_pos_emb comes from %s; agoq leaves it", provider)
+    return provider

@@ -1,0 +1,99 @@
+"""Rotary position embedding as one autograd node with one kernel each way (agoq.kernels.rope on CUDA, the
+reference agoq.ref.rope elsewhere): the values and gradients of Megatron's unfused RoPE (mscale 1,
+non-interleaved, bshd) bit for bit, in 2 launches per tensor and step instead of ~21
+(docs/activations.md, "Host cost").
+
+``cos`` / ``sin`` of the frequencies are computed as Megatron computes them (``torch.cos(freqs).to(t.dtype)``)
+once per frequency tensor and kept while that tensor lives unchanged (Megatron's ``RotaryEmbedding`` returns the
+same cached tensor for every layer and step): :class:`_TrigCache`. The node keeps them as context attributes,
+not saved tensors: they are constants shared by every layer, not activations, so no saved-tensor hook (agoq's
+quantized saves, a meter, an offload) sees them. Inside a CUDA-graph capture nothing is added to the cache (the
+graph's private pool would own it); under torch.compile the reference's plain ops run (the compiler fuses them).
+
+Shape legend: S = sequence, B = batch, N = heads, D = head dim, R = rotary dim (even, <= D).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from agoq.ops.dispatch import rope_ops
+from agoq.ref.rope import ref_rope_fwd
+
+__all__ = ["apply_rope", "rope_trig", "clear_trig_cache"]
+
+_MAX_TRIG_ENTRIES = 8  # distinct live frequency tensors (one per sequence length / offset in use)
+
+
+class _TrigCache:
+    """(cos, sin) [S, R] in a dtype per live frequency tensor, valid while it is the same object at the same
+    version (an in-place change bumps ``_version``)."""
+
+    def __init__(self):
+        self._entries: dict = {}  # (id(freqs), dtype) -> (weakref(freqs), version, cos, sin)
+
+    def get(self, freqs_S11R: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (id(freqs_S11R), dtype)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is freqs_S11R and entry[1] == freqs_S11R._version:
+            return entry[2], entry[3]
+        flat = freqs_S11R.reshape(freqs_S11R.shape[0], freqs_S11R.shape[-1])
+        with torch.no_grad():
+            cos, sin = torch.cos(flat).to(dtype), torch.sin(flat).to(dtype)
+        if not (flat.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._entries = {k: e for k, e in self._entries.items() if e[0]() is not None}
+            if len(self._entries) >= _MAX_TRIG_ENTRIES:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = (weakref.ref(freqs_S11R), freqs_S11R._version, cos, sin)
+        return cos, sin
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+_TRIG = _TrigCache()
+
+
+def rope_trig(freqs_S11R: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of ``freqs`` [S, 1, 1, R] as [S, R] in ``dtype``, cached per live frequency tensor."""
+    return _TRIG.get(freqs_S11R, dtype)
+
+
+def clear_trig_cache() -> None:
+    _TRIG.clear()
+
+
+class _RoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t_SBND, cos_SR, sin_SR):
+        fwd, _ = rope_ops(t_SBND.device)
+        ctx.cos, ctx.sin = cos_SR, sin_SR  # shared constants, not saved activations (module docstring)
+        return fwd(t_SBND, cos_SR, sin_SR)
+
+    @staticmethod
+    def backward(ctx, grad_SBND):
+        _, bwd = rope_ops(grad_SBND.device)
+        return bwd(grad_SBND, ctx.cos, ctx.sin), None, None
+
+
+def _check_freqs(t_SBND: torch.Tensor, freqs: torch.Tensor) -> None:
+    if freqs.dim() != 4 or freqs.shape[1:3] != (1, 1) or freqs.shape[0] != t_SBND.shape[0]:
+        raise ValueError(f"agoq RoPE: frequencies must be [seq={t_SBND.shape[0]}, 1, 1, rotary_dim] (Megatron's "
+                         f"RotaryEmbedding for bshd), got {tuple(freqs.shape)}; per-batch frequencies (mRoPE) "
+                         "need Megatron's unfused RoPE (--rope-fusion off)")
+    if freqs.requires_grad:
+        raise ValueError("agoq RoPE: the frequencies require grad; agoq's fused RoPE treats them as constants "
+                         "(--rope-fusion off for trainable frequencies)")
+
+
+def apply_rope(t_SBND: torch.Tensor, freqs_S11R: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``t`` [S, B, N, D] with frequencies [S, 1, 1, R] (fp32): Megatron's unfused values and gradients
+    (module docstring), as one autograd node."""
+    _check_freqs(t_SBND, freqs_S11R)
+    if torch.compiler.is_compiling():
+        flat = freqs_S11R.reshape(freqs_S11R.shape[0], freqs_S11R.shape[-1])
+        return ref_rope_fwd(t_SBND, torch.cos(flat).to(t_SBND.dtype), torch.sin(flat).to(t_SBND.dtype))
+    cos_SR, sin_SR = rope_trig(freqs_S11R, t_SBND.dtype)
+    return _RoPE.apply(t_SBND, cos_SR, sin_SR)

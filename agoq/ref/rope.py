@@ -1,0 +1,71 @@
+"""Reference rotary position embedding (RoPE, non-interleaved "rotate half" form), plain PyTorch: the executable
+spec of agoq's fused RoPE (:mod:`agoq.kernels.rope`, :mod:`agoq.ops.rope`).
+
+Layout as Megatron's training path (``megatron.core.models.common.embeddings.rope_utils``, bshd): ``t`` is
+[S, B, N, D] (sequence, batch, heads, head dim), ``cos`` / ``sin`` are [S, R] in ``t``'s dtype (R = the rotary
+dim, even, R <= D: the frequencies' cos / sin, cast once), and
+
+  out[..., :R] = t[..., :R] * cos + rotate_half(t[..., :R]) * sin,   rotate_half([x1 | x2]) = [-x2 | x1]
+  out[..., R:] = t[..., R:]
+
+with every product and the sum rounded to ``t``'s dtype, in that order: the values of Megatron's unfused
+``_apply_rotary_pos_emb_bshd`` (mscale 1), bit for bit (tests/megatron/test_rope.py compares it).
+
+The backward is what autograd computes through Megatron's unfused ops, written out (the same roundings):
+
+  grad_t[..., j]  = (g_j * cos_j) + (g_{j+R/2} * sin_{j+R/2})        for j < R/2
+  grad_t[..., j]  = (g_j * cos_j) - (g_{j-R/2} * sin_{j-R/2})        for R/2 <= j < R
+  grad_t[..., R:] = g[..., R:]
+
+each product rounded, then the sum; autograd then adds the zero gradient of the slice the op did not read (so a
+-0.0 comes out as +0.0), which :func:`ref_rope_bwd` reproduces with ``+ 0.0``. Non-finite values propagate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ref_rope_fwd", "ref_rope_bwd", "check_rope_args"]
+
+
+def check_rope_args(t_SBND: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor, what: str = "t") -> int:
+    """Raise unless the shapes and dtypes fit (see the module docstring); returns R."""
+    if t_SBND.dim() != 4:
+        raise ValueError(f"agoq RoPE: {what} must be [seq, batch, heads, head_dim] (Megatron's bshd layout), "
+                         f"got shape {tuple(t_SBND.shape)}")
+    s, _, _, d = t_SBND.shape
+    rot = cos_SR.shape[-1] if cos_SR.dim() == 2 else -1
+    if cos_SR.shape != (s, rot) or sin_SR.shape != (s, rot) or rot % 2 or not 0 < rot <= d:
+        raise ValueError(f"agoq RoPE: cos / sin must be [seq={s}, rotary_dim] with an even rotary_dim <= head_dim "
+                         f"{d}; got {tuple(cos_SR.shape)} and {tuple(sin_SR.shape)}")
+    if cos_SR.dtype != t_SBND.dtype or sin_SR.dtype != t_SBND.dtype:
+        raise ValueError(f"agoq RoPE: cos / sin must be in {what}'s dtype {t_SBND.dtype} (Megatron casts them), got "
+                         f"{cos_SR.dtype} / {sin_SR.dtype}")
+    return rot
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def ref_rope_fwd(t_SBND: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``t`` (a new contiguous tensor; see the module docstring)."""
+    rot = check_rope_args(t_SBND, cos_SR, sin_SR)
+    cos, sin = cos_SR[:, None, None, :], sin_SR[:, None, None, :]
+    t_rot, t_pass = t_SBND[..., :rot], t_SBND[..., rot:]
+    out = (t_rot * cos) + (_rotate_half(t_rot) * sin)
+    return torch.cat((out, t_pass), dim=-1).contiguous()
+
+
+def ref_rope_bwd(grad_SBND: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`ref_rope_fwd` with respect to ``t`` for the output gradient ``grad`` (cos / sin are
+    constants: no gradient)."""
+    rot = check_rope_args(grad_SBND, cos_SR, sin_SR, what="grad")
+    half = rot // 2
+    cos, sin = cos_SR[:, None, None, :], sin_SR[:, None, None, :]
+    g_rot = grad_SBND[..., :rot]
+    g_sin = g_rot * sin  # rounded once, as autograd's MulBackward
+    from_rotation = torch.cat((g_sin[..., half:], -g_sin[..., :half]), dim=-1)
+    grad_rot = (g_rot * cos) + from_rotation
+    return torch.cat((grad_rot, grad_SBND[..., rot:]), dim=-1).contiguous() + 0.0

@@ -1,0 +1,124 @@
+"""agoq's fused RoPE in Megatron's fused-RoPE slot (agoq.megatron.rope): the values and gradients of Megatron's
+unfused RoPE bit for bit, alone (agoq.ops.rope: the reference on CPU, the Triton kernel on CUDA) and inside a GPT
+model (losses and every parameter gradient equal); the slot is recorded for undo; unsupported calls are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.megatron._tiny import tiny_shape
+
+pytestmark = pytest.mark.megatron
+
+
+def _freqs(seq: int, dim: int, percent: float = 1.0) -> torch.Tensor:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(kv_channels=dim, rotary_percent=percent, rotary_base=10000, use_cpu_initialization=True)
+    return rope(seq)  # [s, 1, 1, rotary dim], fp32, as GPTModel computes it
+
+
+def _bits(x):
+    return x.view({torch.float32: torch.int32}.get(x.dtype, torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("s", "b", "n", "d", "percent"), [(9, 2, 3, 16, 1.0), (5, 1, 4, 24, 0.5)])
+def test_apply_rope_matches_megatron_unfused_bits(mcore_world1, dtype, s, b, n, d, percent):
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from agoq.ops.rope import apply_rope
+
+    device = mcore_world1
+    gen = torch.Generator().manual_seed(s * d)
+    qkv = (torch.randn(s, b, n + 2, d, generator=gen) * 3).to(dtype).to(device)
+    qkv.view(-1)[::7] = -0.0  # signed zeros reach the gradient's sign rule
+    grad = (torch.randn(s, b, n, d, generator=gen) * 2).to(dtype).to(device)
+    grad.view(-1)[::5] = -0.0
+    freqs = _freqs(s, d, percent).to(device)
+    outs = {}
+    for name, fn in (("megatron", _apply_rotary_pos_emb_bshd), ("agoq", apply_rope)):
+        leaf = qkv.clone().requires_grad_(True)
+        t = leaf[:, :, 1 : n + 1]  # a strided view, as the query inside the fused QKV output
+        out = fn(t, freqs)
+        out.backward(grad)
+        outs[name] = (out.detach(), leaf.grad[:, :, 1 : n + 1])
+    for ours, theirs in zip(outs["agoq"], outs["megatron"], strict=True):
+        assert ours.shape == theirs.shape and torch.equal(_bits(ours.contiguous()), _bits(theirs.contiguous()))
+
+
+def _model(rope_fusion: bool, dtype, policy, reference=None):
+    from megatron.core.transformer.module import Float16Module
+
+    from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
+    from agoq.policy import ScheduleInfo
+
+    shape = tiny_shape()
+    config = llama_transformer_config(shape, ParallelLayout(), params_dtype=dtype, use_cpu_initialization=True,
+                                      rope_fusion=rope_fusion)
+    assert config.apply_rope_fusion is rope_fusion
+    spec = agoq_layer_spec("sdpa", policy=policy, schedule=ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1))
+    (model,) = build_model_chunks(shape, config, spec, None)
+    if dtype == torch.bfloat16:
+        model = Float16Module(config, model)
+    if reference is not None:
+        model.load_state_dict(reference.state_dict())
+    return model
+
+
+def _loss_and_grads(model, device):
+    shape = tiny_shape()
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, shape.vocab_size, (2, shape.seq_length + 1), generator=gen).to(device)
+    pos = torch.arange(shape.seq_length, device=device).expand(2, -1)
+    loss = model(tokens[:, :-1], pos, None, labels=tokens[:, 1:]).float().mean()
+    loss.backward()
+    return loss.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_model_with_agoq_rope_trains_bit_identically_and_undoes(mcore_world1, dtype, monkeypatch):
+    """GPTModel with apply_rope_fusion through agoq's slot = the unfused model (loss, every gradient), under agoq's
+    default activation policy; the slot is a recorded runtime change and undo empties it."""
+    from pathlib import Path
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from agoq.megatron import install
+    from agoq.megatron.rope import agoq_fused_apply_rotary_pos_emb, rope_fusion_provider
+
+    assert rope_fusion_provider() == "none"  # no Transformer Engine here
+    calls = []
+    monkeypatch.setattr("agoq.megatron.rope.apply_rope",
+                        lambda *a, _f=__import__("agoq.ops.rope", fromlist=["x"]).apply_rope: calls.append(1) or _f(*a))
+    policy = Path(__file__).resolve().parents[2] / "configs" / "policy" / "agoq.yaml"
+    plain = _model(False, dtype, policy)
+    fused = _model(True, dtype, policy, reference=plain)
+    assert rope_utils.fused_apply_rotary_pos_emb is agoq_fused_apply_rotary_pos_emb
+    loss_p, grads_p = _loss_and_grads(plain, mcore_world1)
+    assert not calls
+    loss_f, grads_f = _loss_and_grads(fused, mcore_world1)
+    assert len(calls) == 2 * tiny_shape().num_layers  # query and key of every layer
+    assert torch.equal(loss_f, loss_p)
+    assert grads_f.keys() == grads_p.keys()
+    for name, g in grads_p.items():
+        assert torch.equal(grads_f[name], g), name
+    assert any(c.target.endswith("rope_utils.fused_apply_rotary_pos_emb") for c in install.runtime_changes())
+    install.undo_runtime_changes()
+    assert rope_fusion_provider() == "none"
+
+
+def test_agoq_rope_refuses_what_it_does_not_implement(mcore_world1):
+    from agoq.megatron.rope import agoq_fused_apply_rotary_pos_emb
+
+    t = torch.zeros(4, 1, 2, 8)
+    freqs = _freqs(4, 8)
+    with pytest.raises(ValueError, match="rotate-half.*--rope-fusion off"):
+        agoq_fused_apply_rotary_pos_emb(t, freqs, interleaved=True)
+    with pytest.raises(ValueError, match="inference paths"):
+        agoq_fused_apply_rotary_pos_emb(t, freqs, transpose_output_memory=True)
+    with pytest.raises(ValueError, match="mRoPE"):
+        agoq_fused_apply_rotary_pos_emb(t, freqs.expand(4, 2, 1, 8))
+    with pytest.raises(ValueError, match="require grad"):
+        agoq_fused_apply_rotary_pos_emb(t, freqs.clone().requires_grad_(True))
