@@ -89,9 +89,10 @@ def test_model_with_agoq_rope_trains_bit_identically_and_undoes(mcore_world1, dt
     from agoq.megatron.rope import agoq_fused_apply_rotary_pos_emb, rope_fusion_provider
 
     assert rope_fusion_provider() == "none"  # no Transformer Engine here
+    from agoq.ops.rope import apply_rope
+
     calls = []
-    monkeypatch.setattr("agoq.megatron.rope.apply_rope",
-                        lambda *a, _f=__import__("agoq.ops.rope", fromlist=["x"]).apply_rope: calls.append(1) or _f(*a))
+    monkeypatch.setattr("agoq.megatron.rope.apply_rope", lambda *a: calls.append(1) or apply_rope(*a))
     policy = Path(__file__).resolve().parents[2] / "configs" / "policy" / "agoq.yaml"
     plain = _model(False, dtype, policy)
     fused = _model(True, dtype, policy, reference=plain)
