@@ -29,6 +29,7 @@ from agoq.formats import parse_format
 from agoq.policy import FP8Spec, PolicySpec
 
 DEVICES = ("auto", "cpu", "cuda")
+ROPE_FUSIONS = ("auto", "agoq", "off")  # --rope-fusion (AgoqConfig.rope_fusion)
 OPTIMIZERS = ("torch", "adamw", "lion", "sgd")
 # agoq.optim.base.MASTER_CHOICES, spelled out: this module imports no torch (tests/unit/test_args.py checks)
 MASTER_CHOICES = ("none", "fp32", "split24", "split32")
@@ -269,6 +270,12 @@ class AgoqConfig:
     triton_interpret: bool = False
     """Triton's CPU interpreter is on (TRITON_INTERPRET=1, read by the trainer): fused kernels run on the CPU."""
 
+    rope_fusion: str = "auto"
+    """RoPE (--rope-fusion): auto: agoq's fused RoPE (agoq.megatron.rope: Megatron's values and gradients bit for
+    bit, 2 launches per query / key instead of ~21) where agoq is enabled and the run is on CUDA; agoq: always (with
+    --agoq-disable too: Megatron plus agoq's RoPE only, the host-cost benchmarks' reference; on CPU the reference
+    op); off: Megatron's unfused RoPE. A Transformer Engine RoPE, when installed, is kept (agoq.megatron.rope)."""
+
     policy: PolicyConfig = PolicyConfig()
     activations: ActivationsConfig = ActivationsConfig()
     grads: GradsConfig = GradsConfig()
@@ -277,6 +284,7 @@ class AgoqConfig:
 
     def __post_init__(self):
         _choose("AgoqConfig.device", self.device, DEVICES)
+        _choose("AgoqConfig.rope_fusion (--rope-fusion)", self.rope_fusion, ROPE_FUSIONS)
         if self.optimizer.gradient_release and self.grads.format is not None:
             raise ValueError(f"--agoq-gradient-release conflicts with --agoq-grads {self.grads.format} (8-bit "
                              "gradients live in a gradient buffer; release keeps none); drop one of the two")
@@ -284,6 +292,12 @@ class AgoqConfig:
             raise ValueError("--agoq-gradient-release conflicts with --grad-reduce-in-bf16 (there is no gradient "
                              "buffer to keep in bf16; release's gradients are the params' dtype already); drop one "
                              "of the two")
+
+    def rope_fused(self, on_cuda: bool) -> bool:
+        """Whether the run uses agoq's fused RoPE (``rope_fusion`` resolved for the run's device)."""
+        if self.rope_fusion == "auto":
+            return self.enabled and on_cuda
+        return self.rope_fusion == "agoq"
 
     # -- one way to build it: flag values (config file + command line) -----------------------------
 
@@ -312,6 +326,7 @@ class AgoqConfig:
                 grads = policy.default_name("grads")
         return cls(
             enabled=enabled, device=get("agoq_device") or "auto", triton_interpret=triton_interpret,
+            rope_fusion=get("rope_fusion") or "auto",
             policy=PolicyConfig(path=get("agoq_policy"), spec=policy if enabled else None),
             activations=ActivationsConfig(recompute=get("recompute_granularity") == "full",
                                           recompute_num_layers=_given(get("recompute_num_layers"), 1),
@@ -337,7 +352,7 @@ class AgoqConfig:
     def as_dict(self) -> dict:
         """Plain JSON values, section by section (the policy as its path; its resolved table is saved apart)."""
         out = {"enabled": self.enabled, "device": self.device, "triton_interpret": self.triton_interpret,
-               "policy": {"path": self.policy.path}}
+               "rope_fusion": self.rope_fusion, "policy": {"path": self.policy.path}}
         for name in SECTIONS:
             out[name] = dataclasses.asdict(getattr(self, name))
         return out
@@ -346,6 +361,7 @@ class AgoqConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> AgoqConfig:
         """The config ``as_dict`` wrote (the policy spec is not restored: load it from ``policy.path``)."""
         return cls(enabled=data["enabled"], device=data["device"], triton_interpret=data["triton_interpret"],
+                   rope_fusion=data.get("rope_fusion", "auto"),  # records before 2026-11-27 lack it
                    policy=PolicyConfig(path=data["policy"]["path"]),
                    **{name: _SECTION_TYPES[name](**data[name]) for name in SECTIONS})
 

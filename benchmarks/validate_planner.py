@@ -75,6 +75,10 @@ PLAIN_FUSION_ENV = "AGOQ_FP8_SWIGLU_FUSION"  # agoq.megatron.train.environment.P
 # agoq.ops.fp8_weight_cache came in with commit 9a9e60e (2026-11-24T01:46:04 UTC); the planner models
 # the cache, so an FP8 run measured before it is refused rather than mispredicted.
 FP8_WEIGHT_CACHE_SINCE = "2026-11-24T01:46:04"
+# agoq's fused RoPE (agoq.megatron.rope; Recipe.rope_fused: no per-layer cos / sin saves) is the trainer's default
+# where agoq is on, on CUDA, since this time (the commit that made --rope-fusion auto); every run before it ran
+# Megatron's unfused RoPE
+ROPE_FUSION_SINCE = "2026-11-27T17:05:00"
 
 
 def _v_view(report: dict) -> bool:
@@ -102,7 +106,8 @@ def _dated(recipe: Recipe, report: dict, variant: str | None = None) -> Recipe:
                                float_grad_buffer_at_construction=date < DEFERRED_GRAD_BUFFER_SINCE,
                                state_init=_state_init(date),
                                fuse_plain_swiglu_fp8=recipe.fuse_plain_swiglu_fp8
-                               and date >= PLAIN_SWIGLU_FP8_FUSION_SINCE)
+                               and date >= PLAIN_SWIGLU_FP8_FUSION_SINCE,
+                               rope_fused=recipe.rope_fused and date >= ROPE_FUSION_SINCE)
 
 
 @dataclass(frozen=True)
@@ -168,10 +173,17 @@ def from_pretrain_argv(argv: list[str], vocab: int = BUILTIN_VOCAB, world_size: 
                     moments=parse_moments(_flag(argv, "--agoq-moments", DEFAULT_MOMENTS)),
                     fp8=fp8_spec_of(argv, policy),
                     # the trainer's environment switch, recorded ahead of the command (bench_pretrain's A/B rows)
-                    fuse_plain_swiglu_fp8=f"{PLAIN_FUSION_ENV}=0" not in argv)
+                    fuse_plain_swiglu_fp8=f"{PLAIN_FUSION_ENV}=0" not in argv,
+                    rope_fused=_rope_fused(argv))
     if release:  # no gradient buffer (agoq.megatron.train.memory_report.plan_layout)
         layout = dataclasses.replace(layout, grad_bytes=0)
     return shape, layout, policy, recipe
+
+
+def _rope_fused(argv: list[str]) -> bool:
+    """The trainer's --rope-fusion resolved for a GPU run (AgoqConfig.rope_fused)."""
+    given = _flag(argv, "--rope-fusion", "auto")
+    return given == "agoq" or (given == "auto" and "--agoq-disable" not in argv)
 
 
 def _policy_path(path) -> Path:

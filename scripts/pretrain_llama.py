@@ -71,6 +71,7 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
         selective_recompute=args.recompute_granularity == "selective",
         cuda_graph_impl=args.cuda_graph_impl, cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
+        rope_fusion=agoq.rope_fused(on_cuda=not info.is_cpu),
     )
     schedule = ScheduleInfo(pp_size=layout.pp, vp_size=layout.vpp, num_microbatches=num_microbatches)
     compute = agoq.fp8 if agoq.enabled else None

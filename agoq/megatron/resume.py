@@ -141,7 +141,7 @@ CONFIG_MAY_CHANGE = {
     "fp8.amax_history_len": "--agoq-fp8-amax-history-len",
 }
 # ... or silently: how the run executes, not what it computes
-CONFIG_RUNTIME = ("device", "triton_interpret", "optimizer.unfused")
+CONFIG_RUNTIME = ("device", "triton_interpret", "rope_fusion", "optimizer.unfused")
 # ... and those the contract derives its fields from (checked there)
 CONFIG_IN_CONTRACT = ("optimizer.kind", "optimizer.moments", "optimizer.master", "optimizer.small_numel",
                       "optimizer.gradient_release", "grads.format")

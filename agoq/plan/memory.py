@@ -106,12 +106,13 @@ def stage_layers(shape: ModelShape, layout: Layout) -> list[list[tuple[int, int 
 
 def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec, *, v_view: bool = False,
                 fp8: FP8Spec | None = None, core_attn_recompute: bool = False,
-                plain_swiglu_fusion: bool = True) -> list[StageMemory]:
+                plain_swiglu_fusion: bool = True, rope_fused: bool = False) -> list[StageMemory]:
     """``v_view``: model attention's v as saved before 2026-11-25 (``agoq.plan.storage.megatron_bytes``);
     ``fp8``: the run's FP8 / Smooth-SwiGLU settings (saved-activation changes: ``agoq.plan.fp8``);
     ``plain_swiglu_fusion``: plain SwiGLU fused with the FP8 fc2 (``agoq.plan.fp8.fused_plain``; False: the code
     before it, or AGOQ_FP8_SWIGLU_FUSION=0);
-    ``core_attn_recompute``: Megatron's selective recompute of core attention (``megatron_bytes``)."""
+    ``core_attn_recompute``: Megatron's selective recompute of core attention (``megatron_bytes``);
+    ``rope_fused``: agoq's fused RoPE (no per-layer cos / sin saves: ``megatron_bytes``)."""
     schedule = ScheduleInfo(layout.pp, layout.vpp, layout.num_microbatches)
     dims = LayerDims(seq=layout.seq, micro_batch=layout.mbs, hidden=shape.hidden_size, ffn=shape.ffn_hidden_size,
                      heads=shape.num_attention_heads, groups=shape.num_query_groups, tp=layout.tp)
@@ -126,7 +127,8 @@ def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec, *, v_view
             fp8_layer = fp8 is not None and fp8.uses_fp8(idx, shape.num_layers)
             per_layer.append(sum(agoq_bytes(storage, dims).values())
                              + sum(megatron_bytes(storage, dims, v_view=v_view,
-                                                    core_attn_recompute=core_attn_recompute).values())
+                                                    core_attn_recompute=core_attn_recompute,
+                                                    rope_fused=rope_fused).values())
                              + saved_delta_bytes(fp8, storage, dims, fp8_layer, plain_swiglu_fusion))
         params = len(layers) * shape.layer_params() // layout.tp
         extra = 0

@@ -150,6 +150,9 @@ class Recipe:
     # e9f6759 (2026-11-26 19:34 UTC); False before it (benchmarks/validate_planner.py) and with the trainer's
     # AGOQ_FP8_SWIGLU_FUSION=0 (agoq.megatron.train.memory_report)
     fuse_plain_swiglu_fp8: bool = True
+    # agoq's fused RoPE in Megatron's slot (--rope-fusion; agoq.megatron.rope): no per-layer cos / sin saves
+    # (agoq.plan.storage.megatron_bytes); False: Megatron's unfused RoPE (every run before 2026-11-27 17:05 UTC)
+    rope_fused: bool = False
 
 
 @dataclass(frozen=True)
@@ -343,7 +346,7 @@ def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe:
     """One StagePeak per pipeline rank."""
     dims = _stage_dims(shape, layout)
     stages = plan_stages(shape, layout, policy, v_view=recipe.sdpa_v_view, fp8=recipe.fp8,
-                         core_attn_recompute=recipe.selective_recompute,
+                         core_attn_recompute=recipe.selective_recompute, rope_fused=recipe.rope_fused,
                          plain_swiglu_fusion=recipe.fuse_plain_swiglu_fp8)
     out = []
     for st in stages:

@@ -8,8 +8,9 @@ from agoq.plan.peak import Recipe
 from agoq.policy import FP8Spec
 
 
-def recipe_of(config: AgoqConfig) -> Recipe:
-    """Optimizer / gradient / recompute / FP8 settings of ``config`` as agoq.plan.peak models them."""
+def recipe_of(config: AgoqConfig, *, on_cuda: bool = True) -> Recipe:
+    """Optimizer / gradient / recompute / FP8 / RoPE settings of ``config`` as agoq.plan.peak models them, for a run
+    on CUDA (the planner's case) or not (``on_cuda``: the trainer's memory report on a CPU run)."""
     opt, grads = config.optimizer, config.grads
     store = grads.quantized and grads.mode == "store"
     return Recipe(optimizer="agoq" if opt.agoq else "torch", grads=grads.format if store else None,
@@ -17,4 +18,4 @@ def recipe_of(config: AgoqConfig) -> Recipe:
                   moments=opt.state_formats or parse_moments(opt.moments), master=opt.master,
                   recompute=config.activations.recompute,
                   selective_recompute=config.activations.selective_recompute, gradient_release=opt.gradient_release,
-                  fp8=config.fp8 if config.enabled else FP8Spec())
+                  fp8=config.fp8 if config.enabled else FP8Spec(), rope_fused=config.rope_fused(on_cuda))

@@ -222,7 +222,7 @@ def agoq_bytes(storage: LayerStorage, dims: LayerDims) -> dict[str, int]:
 
 
 def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, v_view: bool = False,
-                   core_attn_recompute: bool = False) -> dict[str, int]:
+                   core_attn_recompute: bool = False, rope_fused: bool = False) -> dict[str, int]:
     """Modelled bytes Megatron itself keeps per role (bf16 training dtype) for one micro-batch.
 
     Model (CUDA, megatron-core 0.19.2 local spec + agoq's SDPA attention):
@@ -235,6 +235,8 @@ def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, v_view: bool = Fal
       ``v_view=True`` models the code before 2026-11-25, which saved v as a view of the fused QKV
       output and so kept the whole [T, (n + 2g) d] buffer alive (every GPU measurement committed
       before that date); RoPE keeps its cos and sin ([s, 1, 1, d], cast to bf16 per layer) for q and for k;
+      ``rope_fused`` (agoq's fused RoPE, agoq.ops.rope): none per layer (one cached [s, d] cos / sin pair per run,
+      ~1 MiB at seq 4096, shared by every layer, not modelled);
     - linear_proj's bf16 input is ``out.permute(2, 0, 1, 3).reshape(s, b, -1)``, a view of SDPA's
       output (allocated in the query's [s, b, n, d] memory order), so it adds no storage.
     ``core_attn_recompute`` (--recompute-granularity selective, Megatron's ``recompute_modules=["core_attn"]``):
@@ -267,7 +269,7 @@ def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, v_view: bool = Fal
         elif role == "attn.v" and v_view:
             out[role] = BF16_BYTES * t * (n + 2 * g) * d
         elif role in ("attn.q", "attn.k"):
-            out[role] = BF16_BYTES * (dims.numel(role) + 2 * dims.seq * d)
+            out[role] = BF16_BYTES * (dims.numel(role) + (0 if rope_fused else 2 * dims.seq * d))
         elif role == "attn.out":
             out[role] = BF16_BYTES * dims.numel(role) + FP32_BYTES * t * n
         else:

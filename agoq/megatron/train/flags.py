@@ -15,7 +15,7 @@ from pathlib import Path
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
-from agoq.config import GRAD_MODES, GRAD_TRANSPORTS, RECOMPUTE_GRANULARITIES
+from agoq.config import GRAD_MODES, GRAD_TRANSPORTS, RECOMPUTE_GRANULARITIES, ROPE_FUSIONS
 from agoq.megatron.train.flag_hints import unknown_flag_hints
 from agoq.megatron.train.graph_args import add_graph_flags
 from agoq.megatron.train.optim_args import add_optim_flags
@@ -43,6 +43,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=("sdpa", "megatron"), default="sdpa",
                    help="sdpa: torch scaled_dot_product_attention (flash/cuDNN on GPU); "
                         "megatron: Megatron's unfused DotProductAttention (saves [b,h,s,s] probabilities)")
+    g.add_argument("--rope-fusion", choices=ROPE_FUSIONS, default=None,
+                   help="RoPE: auto (default): agoq's fused Triton RoPE where agoq is on and the run is on CUDA "
+                        "(Megatron's values and gradients bit for bit, 2 launches per query / key instead of ~21); "
+                        "agoq: always, --agoq-disable too; off: Megatron's unfused RoPE. A Transformer Engine "
+                        "RoPE, when installed, is kept")
     g.add_argument("--fp32", action="store_true", help="fp32 parameters and compute (default: bf16)")
     g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
                    help="Megatron's activation recompute: full (each group of --recompute-num-layers layers keeps "

@@ -50,7 +50,8 @@ def recipe_from_config(config: AgoqConfig) -> Recipe:
     """The planner's Recipe of a run's config (agoq.plan.recipe.recipe_of: the same for the planner's CLI), with
     the process-wide plain SwiGLU + FP8 fc2 fusion switch the trainer set from AGOQ_FP8_SWIGLU_FUSION
     (agoq.megatron.train.environment), which changes what plain FP8 layers hold (agoq.plan.fp8)."""
-    return dataclasses.replace(recipe_of(config), fuse_plain_swiglu_fp8=plain_swiglu_fusion())
+    on_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    return dataclasses.replace(recipe_of(config, on_cuda=on_cuda), fuse_plain_swiglu_fp8=plain_swiglu_fusion())
 
 
 def predicted_peaks(config: AgoqConfig, shape, plan: Layout, policy) -> list[StagePeak]:
@@ -102,7 +103,9 @@ def predicted_report(config: AgoqConfig, shape, plan: Layout, policy, cuda_graph
     (rank 0 prints it); ``cuda_graphs``: Megatron's CUDA graphs are on (a note: their pool is not modelled)."""
     recipe = recipe_from_config(config)
     model, policy = _plan_inputs(shape, policy)
-    stages = plan_stages(model, plan, policy, fp8=recipe.fp8, plain_swiglu_fusion=recipe.fuse_plain_swiglu_fp8)
+    stages = plan_stages(model, plan, policy, fp8=recipe.fp8, plain_swiglu_fusion=recipe.fuse_plain_swiglu_fp8,
+                         core_attn_recompute=recipe.selective_recompute,
+                         rope_fused=recipe.rope_fused)
     peaks = predict_peaks(model, plan, policy, recipe)
     lines = [f"predicted memory per GPU (agoq.plan; held bytes with "
              f"{optimizer_name(config, recipe, plan.dp, plan.distributed_optimizer)} "
