@@ -46,7 +46,7 @@ _TC_FIELDS = (
     "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size",
     "tensor_model_parallel_size", "sequence_parallel", "context_parallel_size", "softmax_type",
     "window_size", "apply_query_key_layer_scaling", "recompute_granularity", "recompute_method",
-    "recompute_num_layers", "recompute_modules",
+    "recompute_num_layers", "recompute_modules", "apply_rope_fusion", "rotary_interleaved",
 )
 
 CONTRACT: tuple[Symbol, ...] = (
@@ -76,6 +76,13 @@ CONTRACT: tuple[Symbol, ...] = (
            params=("seed", "inference_rng_tracker", "use_cudagraphable_rng", "force_reset_rng")),
     Symbol("megatron.core.transformer.transformer_config:TransformerConfig", "LLaMA config",
            fields=_TC_FIELDS),
+    # agoq's fused RoPE (agoq/megatron/rope.py, its seam card): the slot TE fills, and the dispatch that calls it
+    # as (t, freqs, interleaved=config.rotary_interleaved) for bshd inputs when config.apply_rope_fusion
+    Symbol("megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb",
+           "the fused-RoPE slot (None without Transformer Engine) agoq.megatron.rope fills"),
+    Symbol("megatron.core.models.common.embeddings.rope_utils:apply_rotary_pos_emb",
+           "RoPE dispatch: the fused slot under apply_rope_fusion, mscale 1, no cu_seqlens",
+           params=("t", "freqs", "config", "cu_seqlens", "mscale")),
     Symbol("megatron.core.models.gpt.gpt_layer_specs:get_gpt_layer_local_spec",
            "base layer spec agoq substitutes into", params=("normalization",)),
     Symbol("megatron.core.transformer.attention:SelfAttentionSubmodules",

@@ -64,6 +64,9 @@ def _model(rope_fusion: bool, dtype, policy, reference=None):
         model = Float16Module(config, model)
     if reference is not None:
         model.load_state_dict(reference.state_dict())
+    from agoq.megatron.activations import storage_of
+
+    model.agoq_storage = storage_of(spec)  # what each layer stores (the planner's LayerStorage per layer)
     return model
 
 
@@ -105,6 +108,8 @@ def test_model_with_agoq_rope_trains_bit_identically_and_undoes(mcore_world1, dt
     assert grads_f.keys() == grads_p.keys()
     for name, g in grads_p.items():
         assert torch.equal(grads_f[name], g), name
+    if dtype == torch.bfloat16:  # the planner models bf16 training (BF16_BYTES per saved element)
+        _check_saved_bytes_as_planned(plain, fused, mcore_world1)
     assert any(c.target.endswith("rope_utils.fused_apply_rotary_pos_emb") for c in install.runtime_changes())
     install.undo_runtime_changes()
     assert rope_fusion_provider() == "none"
@@ -123,3 +128,26 @@ def test_agoq_rope_refuses_what_it_does_not_implement(mcore_world1):
         agoq_fused_apply_rotary_pos_emb(t, freqs.expand(4, 2, 1, 8))
     with pytest.raises(ValueError, match="require grad"):
         agoq_fused_apply_rotary_pos_emb(t, freqs.clone().requires_grad_(True))
+
+
+def _check_saved_bytes_as_planned(plain, fused, device):
+    """Megatron's saves per layer (metered) drop by what the planner models for the fused RoPE: the bf16 cos and
+    sin that the unfused RoPE keeps for q and for k (agoq.plan.storage.megatron_bytes, rope_fused)."""
+    from agoq.megatron.activations import SavedTensorMeter
+    from agoq.plan.storage import LayerDims, megatron_bytes
+
+    metered = []
+    for model in (plain, fused):
+        with SavedTensorMeter([model]) as meter:
+            _loss_and_grads(model, device)
+        metered.append({k: v for k, v in meter.bytes_by_layer.items() if k is not None})
+    shape = tiny_shape()
+    dims = LayerDims(seq=shape.seq_length, micro_batch=2, hidden=shape.hidden_size, ffn=shape.ffn_hidden_size,
+                     heads=shape.num_attention_heads, groups=shape.num_query_groups, tp=1)
+    assert metered[0].keys() == metered[1].keys() == fused.agoq_storage.layers.keys()
+    for layer, unfused_bytes in metered[0].items():
+        storage = fused.agoq_storage.layers[layer]
+        modelled = (sum(megatron_bytes(storage, dims).values())
+                    - sum(megatron_bytes(storage, dims, rope_fused=True).values()))
+        assert modelled > 0
+        assert unfused_bytes - metered[1][layer] == modelled, (layer, unfused_bytes, metered[1][layer], modelled)

@@ -337,3 +337,23 @@ def test_eval_interval_with_an_empty_validation_split_is_refused(capsys):
     err = _error(capsys, ["--eval-interval", "2", "--split", "100,0,0"])
     assert "--eval-interval 2 evaluates the validation split, which --split 100,0,0 gives weight 0" in err, err
     assert parse_args(["--eval-interval", "2", "--split", "99,1,0"])  # an empty test split only skips the test
+
+
+def test_rope_fusion_flag_resolves_per_device_and_reaches_the_planner(capsys):
+    """--rope-fusion: auto = agoq's fused RoPE where agoq is on and the run is on CUDA; agoq = always; off = never.
+    The planner's recipe follows it (no per-layer cos / sin saves); a wrong value names the allowed ones."""
+    from agoq.plan.recipe import recipe_of
+
+    auto = parse_args(["--config", str(TINY_CONFIG)]).agoq_config
+    assert auto.rope_fusion == "auto" and auto.rope_fused(on_cuda=True) and not auto.rope_fused(on_cuda=False)
+    baseline = parse_args(["--config", str(TINY_CONFIG), "--agoq-disable"]).agoq_config
+    assert not baseline.rope_fused(on_cuda=True)
+    forced = parse_args(["--config", str(TINY_CONFIG), "--agoq-disable", "--rope-fusion", "agoq"]).agoq_config
+    assert forced.rope_fused(on_cuda=True) and forced.rope_fused(on_cuda=False)
+    off = parse_args(["--config", str(TINY_CONFIG), "--rope-fusion", "off"]).agoq_config
+    assert not off.rope_fused(on_cuda=True)
+    assert recipe_of(auto).rope_fused and not recipe_of(auto, on_cuda=False).rope_fused
+    assert not recipe_of(off).rope_fused
+    assert type(auto).from_dict(forced.as_dict()).rope_fusion == "agoq"
+    err = _error(capsys, ["--config", str(TINY_CONFIG), "--rope-fusion", "te"])
+    assert "--rope-fusion" in err and "auto" in err and "off" in err
