@@ -85,6 +85,13 @@ def install_timers(timers: Timers) -> None:
         timers.patch(saved_norm._RMSNormSavingInput, name, f"rmsnorm_function.{name}", static=True)
         timers.patch(saved_swiglu._SwiGLUSavingInput, name, f"swiglu_function.{name}", static=True)
     timers.patch(saved_norm, "_hook_fused_norm_node", "rmsnorm_node_hooks")
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from agoq.ops import rope
+
+    timers.patch(rope_utils, "_apply_rotary_pos_emb_bshd", "megatron_unfused_rope")  # the forward's ops
+    for name in ("forward", "backward"):
+        timers.patch(rope._RoPE, name, f"agoq_rope_node.{name}", static=True)
     timers.patch(saved_act, "_unpack_saved", "unpack_saved")
     timers.patch(saved_act.RecomputeStash, "recomputed_output", "stash.recomputed_output")
     timers.patch(saved_act.SavedBytesCounter, "add", "counter.add")
@@ -114,7 +121,10 @@ def install_timers(timers: Timers) -> None:
 def profile_policy(timers: Timers, shape_kw: dict, policy: str, mbs: int, steps: int, device, reference):
     import bench_memory
 
-    model, _ = bench_memory._model(shape_kw, policy, device, reference)
+    name, _, variant = policy.partition("@")  # bench_memory's variants (rope, twonode, ...)
+    save_paths, _ = bench_memory._variant(variant)
+    model, _ = bench_memory._model(shape_kw, name, device, reference, save_paths,
+                                   rope_fusion=bench_memory.uses_rope(variant))
     tokens, labels, pos = bench_memory._batch(shape_kw, mbs, device)
 
     forward_s = []

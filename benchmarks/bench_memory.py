@@ -12,8 +12,9 @@ function; it also turns the norm + linear node off, which would take the norm's 
 norm's and SwiGLU's autograd functions handing a stash to Megatron's linear, and the linears that store their own
 input quantized inside a hook scope, instead of agoq's one-node linears: agoq.ops.norm_linear, swiglu_linear,
 quant_linear), ``noswiglunode`` / ``noquantnode`` (only the SwiGLU + fc2 node / the quantized-input linear node
-off), ``nodehooks`` (Megatron's linears, which replace their saved input through that saved tensor's hooks, not a
-hook scope; ``atennorm`` and
+off), ``rope`` (agoq's fused RoPE in Megatron's slot, agoq.megatron.rope: the trainer's default where agoq is on, on
+CUDA; without it the rows run Megatron's unfused RoPE, as the bf16 baseline does), ``nodehooks`` (Megatron's
+linears, which replace their saved input through that saved tensor's hooks, not a hook scope; ``atennorm`` and
 ``nodehooks`` opt into private autograd attributes, agoq.ops.saved_act.SavePaths; before issue 24 they were the
 defaults, and the variants ``fnnorm`` / ``scope`` of older result files are today's two-node defaults), and
 ``legacy``, which runs the policy with agoq's direct Triton launches, launch sites, fused SwiGLU kernels and the
@@ -55,7 +56,7 @@ TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_group
             seq_length=32, vocab_size=128)
 
 
-def _model(shape_kw, policy, device, reference=None, save_paths=None):
+def _model(shape_kw, policy, device, reference=None, save_paths=None, rope_fusion=False):
     from megatron.core.transformer.module import Float16Module
 
     from agoq.megatron.activations import storage_of
@@ -70,7 +71,7 @@ def _model(shape_kw, policy, device, reference=None, save_paths=None):
 
     shape = LlamaShape(**shape_kw)
     config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.bfloat16,
-                                      use_cpu_initialization=device.type == "cpu")
+                                      use_cpu_initialization=device.type == "cpu", rope_fusion=rope_fusion)
     spec = agoq_layer_spec("sdpa", policy=REPO / "configs" / "policy" / f"{policy}.yaml",
                            schedule=ScheduleInfo(1, None, 1), save_paths=save_paths)
     (model,) = build_model_chunks(shape, config, spec, None)
@@ -98,7 +99,8 @@ def _measure(shape_kw, policy, variant, save_paths, mbs, steps, device, referenc
     from agoq.megatron.activations import SavedTensorMeter
     from agoq.plan.storage import LayerDims, agoq_bytes, megatron_bytes
 
-    model, storage = _model(shape_kw, policy, device, reference, save_paths)
+    rope = uses_rope(variant)
+    model, storage = _model(shape_kw, policy, device, reference, save_paths, rope_fusion=rope)
     name = f"{policy}@{variant}" if variant else policy
     tokens, labels, pos = _batch(shape_kw, mbs, device)
     with SavedTensorMeter([model]) as meter:
@@ -108,7 +110,7 @@ def _measure(shape_kw, policy, variant, save_paths, mbs, steps, device, referenc
     dims = LayerDims(seq=shape_kw["seq_length"], micro_batch=mbs, hidden=shape_kw["hidden_size"],
                      ffn=shape_kw["ffn_hidden_size"], heads=shape_kw["num_attention_heads"],
                      groups=shape_kw["num_query_groups"])
-    predicted = sum(sum(agoq_bytes(s, dims).values()) + sum(megatron_bytes(s, dims).values())
+    predicted = sum(sum(agoq_bytes(s, dims).values()) + sum(megatron_bytes(s, dims, rope_fused=rope).values())
                     for s in storage.layers.values())
     times, host_times = [], []
     resident = None
@@ -188,7 +190,13 @@ def _variant_choices() -> dict:
             # norm / SwiGLU functions + stash + Megatron's linear; the quantized-input linears in a hook scope
             "twonode": (no_nodes, False),
             "noquantnode": ({"quantized_linear_node": False}, False),  # only the out-projection's node off
-            "noswiglunode": ({"fuse_swiglu_linear": False}, False)}  # only SwiGLU -> fc2's node off
+            "noswiglunode": ({"fuse_swiglu_linear": False}, False),  # only SwiGLU -> fc2's node off
+            "rope": ({}, False)}  # agoq's fused RoPE (a model config option: uses_rope)
+
+
+def uses_rope(spec: str) -> bool:
+    """Whether the variant ``a+b+...`` turns agoq's fused RoPE on (llama_transformer_config(rope_fusion=True))."""
+    return "rope" in spec.split("+")
 
 
 def _variant(spec: str):

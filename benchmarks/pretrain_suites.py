@@ -246,7 +246,8 @@ def graphs_suite(smoke: bool) -> list[dict]:
     """Issue 24 item 3, the host-bound corner with and without Megatron's CUDA graphs (--cuda-graph-impl local): the
     ~1B shape at seq 4096, micro-batch 1, 8 micro-batches per step, 9 iterations (iteration 1 records and captures:
     left out by --warmup), one GPU. Pairs (eager, graphs) of: the Megatron baseline; agoq's default activation policy
-    (target: >= 1.00x the baseline in the same mode); bf16 linears and FP8 delayed linears under the bf16 policy
+    (target: >= 1.00x the baseline in the same mode), and apart the part of it that is agoq's fused RoPE (Megatron
+    with only that, agoq without it); bf16 linears and FP8 delayed linears under the bf16 policy
     (target: FP8 >= 1.05x bf16), and FP8 delayed + per-token Smooth-SwiGLU; eager also with Megatron-LM's
     --manual-gc (no collector pause inside a step). Every variant runs the same driver (it changes nothing when the
     refusal does not apply). About 10 minutes on one H100. ``--smoke``: the eager half on the
@@ -257,6 +258,9 @@ def graphs_suite(smoke: bool) -> list[dict]:
     bf16 = ["--agoq-policy", str(REPO_ROOT / "configs" / "policy" / "bf16.yaml")]
     fp8 = [] if smoke else ["--agoq-fp8", "delayed"]  # FP8 needs a GPU: the smoke suite checks the plumbing
     pairs = {"baseline (Megatron)": ["--agoq-disable"], "agoq activations (default policy)": [],
+             # agoq's fused RoPE (the default where agoq is on) apart: Megatron with it, agoq without it
+             "Megatron + agoq RoPE only": ["--agoq-disable", "--rope-fusion", "agoq"],
+             "agoq, unfused RoPE": ["--rope-fusion", "off"],
              "bf16 linears (bf16 policy)": bf16, "fp8 delayed (bf16 policy)": bf16 + fp8,
              "fp8 delayed + smooth-swiglu per-token (bf16 policy)": bf16 + fp8 + ["--agoq-smooth-swiglu", "per-token"]}
     modes = {"eager": [], "eager_manual_gc": ["--manual-gc"]}

@@ -73,6 +73,11 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
         cuda_graph_impl=args.cuda_graph_impl, cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
         rope_fusion=agoq.rope_fused(on_cuda=not info.is_cpu),
     )
+    if config.apply_rope_fusion:
+        from agoq.megatron.rope import rope_fusion_provider
+
+        print_rank0(f"RoPE: fused, by {rope_fusion_provider()} (--rope-fusion {agoq.rope_fusion}; off: Megatron's "
+                    "unfused RoPE)")
     schedule = ScheduleInfo(pp_size=layout.pp, vp_size=layout.vpp, num_microbatches=num_microbatches)
     compute = agoq.fp8 if agoq.enabled else None
     if compute is not None:

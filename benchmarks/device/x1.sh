@@ -2,6 +2,10 @@
 # One GPU (nvidia-h100-x1 / nvidia-h200): the open one-GPU checks and suites, most urgent first.
 #   bash benchmarks/device/x1.sh [step ...]      (no step: all, in this order; ~43 minutes on one H100)
 # Steps and what they settle:
+#   rope            issue 24: agoq's fused RoPE (agoq.megatron.rope) on CUDA: kernel = reference and model = Megatron's
+#                   unfused RoPE bit for bit (tests), the ~1B harness bf16 / bf16@rope / agoq / agoq@rope in rounds,
+#                   host time per function, and eager whole steps in 2 rounds: baseline, agoq (fused RoPE),
+#                   Megatron + agoq RoPE only, agoq with Megatron's RoPE, bf16 / FP8 linears                  ~13 min
 #   hostcost        issue 24: the one-node linears (norm + QKV / fc1, SwiGLU + fc2, quantized-input out-projection)
 #                   on CUDA (GPU test, graphs tests), host us per path, and the ~1B harness bf16 / agoq /
 #                   agoq@twonode (all three off) in interleaved rounds                                        ~6 min
@@ -21,6 +25,15 @@
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 header
 B=benchmarks/bench_pretrain.py
+step rope 900 bash -c '"$0" -m pytest -q -p no:cacheprovider -rA tests/kernels/test_rope_kernels.py \
+  tests/megatron/test_rope.py; rc=$?
+  "$0" benchmarks/bench_memory.py --policies bf16 bf16@rope agoq agoq@rope --mbs 1 --steps 8 --rounds 4 \
+    --json "$1/activations_rope.json" || rc=1
+  "$0" benchmarks/bench_host_profile.py --policies bf16 agoq agoq@rope --steps 10 \
+    --json "$1/activations_host_profile.json" || rc=1
+  "$0" benchmarks/bench_pretrain.py --suite graphs --skip manual_gc /graphs smooth-swiglu --rounds 2 --timeout 150 \
+    --out "$1/pretrain_eager.json" || rc=1
+  exit $rc' "$PY" "$AGOQ_RESULTS"
 step hostcost 720 bash -c '"$0" -m pytest -q -p no:cacheprovider -m gpu -rA tests/gpu/test_norm_linear_gpu.py \
   tests/gpu/test_saved_act_gpu.py tests/gpu/test_cuda_graphs_gpu.py; rc=$?
   "$0" benchmarks/bench_launch.py --json "$1/activations_launch.json" || rc=1

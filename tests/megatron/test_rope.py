@@ -48,7 +48,7 @@ def test_apply_rope_matches_megatron_unfused_bits(mcore_world1, dtype, s, b, n, 
         assert ours.shape == theirs.shape and torch.equal(_bits(ours.contiguous()), _bits(theirs.contiguous()))
 
 
-def _model(rope_fusion: bool, dtype, policy, reference=None):
+def _model(rope_fusion: bool, dtype, policy, device, reference=None):
     from megatron.core.transformer.module import Float16Module
 
     from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
@@ -60,6 +60,7 @@ def _model(rope_fusion: bool, dtype, policy, reference=None):
     assert config.apply_rope_fusion is rope_fusion
     spec = agoq_layer_spec("sdpa", policy=policy, schedule=ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1))
     (model,) = build_model_chunks(shape, config, spec, None)
+    model = model.to(device)
     if dtype == torch.bfloat16:
         model = Float16Module(config, model)
     if reference is not None:
@@ -97,8 +98,8 @@ def test_model_with_agoq_rope_trains_bit_identically_and_undoes(mcore_world1, dt
     calls = []
     monkeypatch.setattr("agoq.megatron.rope.apply_rope", lambda *a: calls.append(1) or apply_rope(*a))
     policy = Path(__file__).resolve().parents[2] / "configs" / "policy" / "agoq.yaml"
-    plain = _model(False, dtype, policy)
-    fused = _model(True, dtype, policy, reference=plain)
+    plain = _model(False, dtype, policy, mcore_world1)
+    fused = _model(True, dtype, policy, mcore_world1, reference=plain)
     assert rope_utils.fused_apply_rotary_pos_emb is agoq_fused_apply_rotary_pos_emb
     loss_p, grads_p = _loss_and_grads(plain, mcore_world1)
     assert not calls
