@@ -280,7 +280,8 @@ def graphs_pp2_suite(smoke: bool) -> list[dict]:
     shape, seq, iters = ("tiny", "64", "4") if smoke else ("1b", "4096", "9")
     common = SHAPES[shape] + COMMON + ["--seq-length", seq, "--train-iters", iters, "--micro-batch-size", "1",
                                        "--global-batch-size", "16", "--pipeline-model-parallel-size", "2"]
-    pairs = {"baseline (Megatron)": ["--agoq-disable"], "agoq activations (default policy)": []}
+    pairs = {"baseline (Megatron)": ["--agoq-disable"], "agoq activations (default policy)": [],
+             "Megatron + agoq RoPE only": ["--agoq-disable", "--rope-fusion", "agoq"]}  # agoq's RoPE part apart
     modes = {"eager": [], "eager_manual_gc": ["--manual-gc"]}
     if not smoke:
         modes["graphs"] = ["--cuda-graph-impl", "local"]

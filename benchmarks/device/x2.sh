@@ -5,7 +5,7 @@
 #   allreduce    issue 19 item 2: the 8-bit reductions vs NCCL on NVLink (reduce-to-owners in one launch)   ~1 min
 #   allreduce_socket  issue 19 item 3: the same over NCCL sockets (inter-node stand-in), with the all-gather floor  ~4 min
 #   dp2_socket   issue 19 item 3: DP=2 ~1B steps on the socket link without the distributed optimizer        ~4 min
-#   eager_pp2    issue 24 item 3 eager at PP=2 alone: baseline and agoq, 3 rounds A B A B A B               ~5 min
+#   eager_pp2    issue 24 item 3 eager at PP=2 alone: baseline, agoq, Megatron + agoq RoPE, 2 rounds        ~5 min
 #   profile_pp2  issue 24: the eager PP=2 steps profiled (host per thread, GPU idle, blocking calls), baseline / agoq  ~3 min
 #   graphs_pp2   issue 24 item 3 at PP=2, nothing beside it; eager also with --manual-gc                     ~7 min
 #   e2e          issue 19 / 24: peer store, 8-bit gradients and PP=2 CUDA graphs, each against its reference  ~5 min
@@ -18,7 +18,7 @@ step allreduce_socket 420 torchrun --standalone --nproc-per-node 2 benchmarks/be
   --sizes-mib 16 64 160 256 --chunk-mib 0 --warmup 2 --iters 5 --out "$AGOQ_RESULTS/grads_socket.json"
 step dp2_socket 600 "$PY" benchmarks/bench_pretrain.py --suite dp2_socket_allreduce --timeout 150 \
   --out "$AGOQ_RESULTS/dp2_socket_allreduce.json"
-step eager_pp2 600 "$PY" benchmarks/bench_pretrain.py --suite graphs_pp2 --skip manual_gc /graphs --rounds 3 \
+step eager_pp2 600 "$PY" benchmarks/bench_pretrain.py --suite graphs_pp2 --skip manual_gc /graphs --rounds 2 \
   --timeout 150 --out "$AGOQ_RESULTS/pretrain_eager_pp2.json"
 step profile_pp2 600 bash benchmarks/device/profile_pair.sh 2 step_profile_pp2 --global-batch-size 16 --pipeline-model-parallel-size 2
 step graphs_pp2 600 "$PY" benchmarks/bench_pretrain.py --suite graphs_pp2 --timeout 150 \
