@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from agoq.kernels._fastlaunch import FastKernel
+from agoq.kernels._fastlaunch import FastKernel, LaunchSite
+from agoq.kernels._launch import remember_site
 from agoq.ref.rope import check_rope_args
 
 __all__ = ["rope_fwd", "rope_bwd"]
@@ -94,21 +95,32 @@ def _rope_kernel(
 
 # direct launcher (agoq.kernels._fastlaunch); fp contraction off: no product may merge into the sum
 _ROPE = FastKernel(_rope_kernel, num_warps=NUM_WARPS, enable_fp_fusion=False)
+# (shape, strides, dtype, rotary dim, backward, CUDA index) -> LaunchSite: a layer's query / key keep their shapes,
+# so every launch after the first skips Triton's binding and the key work (agoq.kernels._fastlaunch.LaunchSite)
+_SITES: dict = {}
+
+
+def _site(t: torch.Tensor, rot: int, backward: bool) -> tuple[LaunchSite, tuple]:
+    key = (t.shape, t.stride(), t.dtype, rot, backward, t.device.index)
+    entry = _SITES.get(key)
+    if entry is None:
+        s, b, n, d = t.shape
+        block_d = triton.next_power_of_2(d)
+        block_n = max(1, min(triton.next_power_of_2(n), MAX_TILE_ELEMS // block_d))
+        tail = (b, n, t.stride(0), t.stride(1), t.stride(2), d, rot, block_n, block_d, backward)
+        entry = remember_site(_SITES, key, (LaunchSite(_ROPE, (s * b,)), tail))
+    return entry
 
 
 def _launch(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
-    what = "grad" if backward else "t"
-    rot = check_rope_args(t, cos, sin, what=what)
-    s, b, n, d = t.shape
-    out = torch.empty((s, b, n, d), dtype=t.dtype, device=t.device)
+    rot = check_rope_args(t, cos, sin, what="grad" if backward else "t")
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     if out.numel() == 0:
         return out
     if t.stride(-1) != 1:
         t = t.contiguous()
-    block_d = triton.next_power_of_2(d)
-    block_n = max(1, min(triton.next_power_of_2(n), MAX_TILE_ELEMS // block_d))
-    _ROPE((s * b,), t, cos.contiguous(), sin.contiguous(), out, b, n, t.stride(0), t.stride(1), t.stride(2),
-          d, rot, block_n, block_d, backward)
+    site, tail = _site(t, rot, backward)
+    site(t, cos.contiguous(), sin.contiguous(), out, *tail)
     return out
 
 

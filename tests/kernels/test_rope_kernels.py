@@ -97,4 +97,15 @@ def test_rope_kernel_copies_a_strided_last_dim_and_refuses_bad_shapes():
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels at a model's size need a GPU")
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_rope_kernels_match_reference_bits_gpu_sizes(shape):
-    test_rope_kernels_match_reference_bits(shape, torch.bfloat16, special=True)
+    """At a model's sizes, with every launch site checking its contract (the full launch key recomputed per call):
+    the second and later calls of a shape launch directly, with the same bits."""
+    from agoq.kernels import rope
+    from agoq.kernels._fastlaunch import set_check_sites
+
+    previous = set_check_sites(True)
+    try:
+        for _ in range(3):
+            test_rope_kernels_match_reference_bits(shape, torch.bfloat16, special=True)
+    finally:
+        set_check_sites(previous)
+    assert sum(site.direct_calls for site, _ in rope._SITES.values()) > 0
