@@ -78,7 +78,7 @@ FP8_WEIGHT_CACHE_SINCE = "2026-11-24T01:46:04"
 # agoq's fused RoPE (agoq.megatron.rope; Recipe.rope_fused: no per-layer cos / sin saves) is the trainer's default
 # where agoq is on, on CUDA, since this time (the commit that made --rope-fusion auto); every run before it ran
 # Megatron's unfused RoPE
-ROPE_FUSION_SINCE = "2026-11-27T17:05:00"
+ROPE_FUSION_SINCE = "2026-11-27T16:59:21"
 
 
 def _v_view(report: dict) -> bool:

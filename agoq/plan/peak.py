@@ -151,7 +151,7 @@ class Recipe:
     # AGOQ_FP8_SWIGLU_FUSION=0 (agoq.megatron.train.memory_report)
     fuse_plain_swiglu_fp8: bool = True
     # agoq's fused RoPE in Megatron's slot (--rope-fusion; agoq.megatron.rope): no per-layer cos / sin saves
-    # (agoq.plan.storage.megatron_bytes); False: Megatron's unfused RoPE (every run before 2026-11-27 17:05 UTC)
+    # (agoq.plan.storage.megatron_bytes); False: Megatron's unfused RoPE (every run before 2026-11-27 16:59 UTC)
     rope_fused: bool = False
 
 
