@@ -7,8 +7,10 @@ non-interleaved, bshd) bit for bit, in 2 launches per tensor and step instead of
 once per frequency tensor and kept while that tensor lives unchanged (Megatron's ``RotaryEmbedding`` returns the
 same cached tensor for every layer and step): :class:`_TrigCache`. The node keeps them as context attributes,
 not saved tensors: they are constants shared by every layer, not activations, so no saved-tensor hook (agoq's
-quantized saves, a meter, an offload) sees them. Inside a CUDA-graph capture nothing is added to the cache (the
-graph's private pool would own it); under torch.compile the reference's plain ops run (the compiler fuses them).
+quantized saves, a meter, an offload) sees them. Inside a CUDA-graph capture the cache is neither read nor filled:
+the graph computes cos / sin from its own frequency input (a replay then follows that input's values, and the
+graph's private pool owns what it allocates); under torch.compile the reference's plain ops run (the compiler fuses
+them).
 
 Shape legend: S = sequence, B = batch, N = heads, D = head dim, R = rotary dim (even, <= D).
 """
@@ -27,6 +29,13 @@ __all__ = ["apply_rope", "rope_trig", "clear_trig_cache"]
 _MAX_TRIG_ENTRIES = 8  # distinct live frequency tensors (one per sequence length / offset in use)
 
 
+def _trig(freqs_S11R: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin [S, R] as Megatron's unfused RoPE computes them (``(torch.cos(freqs) * mscale).to(dtype)`` with
+    mscale 1: the product is exact, so it is left out)."""
+    flat = freqs_S11R.reshape(freqs_S11R.shape[0], freqs_S11R.shape[-1])
+    return torch.cos(flat).to(dtype), torch.sin(flat).to(dtype)
+
+
 class _TrigCache:
     """(cos, sin) [S, R] in a dtype per live frequency tensor, valid while it is the same object at the same
     version (an in-place change bumps ``_version``)."""
@@ -35,14 +44,14 @@ class _TrigCache:
         self._entries: dict = {}  # (id(freqs), dtype) -> (weakref(freqs), version, cos, sin)
 
     def get(self, freqs_S11R: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        capturing = freqs_S11R.is_cuda and torch.cuda.is_current_stream_capturing()
         key = (id(freqs_S11R), dtype)
-        entry = self._entries.get(key)
+        entry = None if capturing else self._entries.get(key)
         if entry is not None and entry[0]() is freqs_S11R and entry[1] == freqs_S11R._version:
             return entry[2], entry[3]
-        flat = freqs_S11R.reshape(freqs_S11R.shape[0], freqs_S11R.shape[-1])
         with torch.no_grad():
-            cos, sin = torch.cos(flat).to(dtype), torch.sin(flat).to(dtype)
-        if not (flat.is_cuda and torch.cuda.is_current_stream_capturing()):
+            cos, sin = _trig(freqs_S11R, dtype)
+        if not capturing:
             self._entries = {k: e for k, e in self._entries.items() if e[0]() is not None}
             if len(self._entries) >= _MAX_TRIG_ENTRIES:
                 self._entries.pop(next(iter(self._entries)))
@@ -93,7 +102,6 @@ def apply_rope(t_SBND: torch.Tensor, freqs_S11R: torch.Tensor) -> torch.Tensor:
     (module docstring), as one autograd node."""
     _check_freqs(t_SBND, freqs_S11R)
     if torch.compiler.is_compiling():
-        flat = freqs_S11R.reshape(freqs_S11R.shape[0], freqs_S11R.shape[-1])
-        return ref_rope_fwd(t_SBND, torch.cos(flat).to(t_SBND.dtype), torch.sin(flat).to(t_SBND.dtype))
+        return ref_rope_fwd(t_SBND, *_trig(freqs_S11R, t_SBND.dtype))
     cos_SR, sin_SR = rope_trig(freqs_S11R, t_SBND.dtype)
     return _RoPE.apply(t_SBND, cos_SR, sin_SR)

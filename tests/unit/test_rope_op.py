@@ -1,0 +1,44 @@
+"""agoq.ops.rope on CPU (the reference inside one autograd node): forward and gradient equal the reference's, cos /
+sin are computed once per live frequency tensor and again after an in-place change, and nothing is saved for
+backward through saved-tensor hooks (the node keeps the shared constants as attributes)."""
+
+import torch
+
+from agoq.ops.rope import apply_rope, clear_trig_cache, rope_trig
+from agoq.ref.rope import ref_rope_bwd, ref_rope_fwd
+
+
+def _freqs(s=6, rot=8):
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+    ang = torch.outer(torch.arange(s, dtype=torch.float32), inv)
+    return torch.cat((ang, ang), dim=-1)[:, None, None, :]
+
+
+def test_trig_cache_hits_per_tensor_and_follows_in_place_changes():
+    clear_trig_cache()
+    freqs = _freqs()
+    cos, sin = rope_trig(freqs, torch.bfloat16)
+    assert rope_trig(freqs, torch.bfloat16)[0] is cos  # cached
+    assert rope_trig(freqs.clone(), torch.bfloat16)[0] is not cos  # another tensor: computed again
+    assert torch.equal(cos, torch.cos(freqs[:, 0, 0]).to(torch.bfloat16))
+    assert torch.equal(sin, torch.sin(freqs[:, 0, 0]).to(torch.bfloat16))
+    freqs.mul_(2.0)  # an in-place change bumps the version: the cached pair is stale
+    cos2, _ = rope_trig(freqs, torch.bfloat16)
+    assert torch.equal(cos2, torch.cos(freqs[:, 0, 0]).to(torch.bfloat16)) and not torch.equal(cos2, cos)
+    assert rope_trig(freqs, torch.float32)[0].dtype == torch.float32  # one entry per dtype
+
+
+def test_apply_rope_equals_the_reference_and_saves_nothing_through_hooks():
+    clear_trig_cache()
+    freqs = _freqs()
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(6, 2, 3, 8, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    grad = torch.randn(6, 2, 3, 8, generator=gen).to(torch.bfloat16)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: packed.append(x) or x, lambda x: x):
+        out = apply_rope(t, freqs)
+    assert packed == []
+    out.backward(grad)
+    cos, sin = rope_trig(freqs, torch.bfloat16)
+    assert torch.equal(out, ref_rope_fwd(t.detach(), cos, sin))
+    assert torch.equal(t.grad, ref_rope_bwd(grad, cos, sin))
