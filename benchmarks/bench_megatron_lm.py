@@ -45,6 +45,10 @@ MEGATRON_EQUIVALENCE_FLAGS = [
     "--log-interval", "1",
 ]
 
+# pretrain_llama.py's flags for what MEGATRON_EQUIVALENCE_FLAGS turn off there: Megatron's unfused RoPE
+# (--no-rope-fusion; the trainer's default runs agoq's fused RoPE on CUDA, the same values)
+TRAINER_EQUIVALENCE_FLAGS = ["--rope-fusion", "off"]
+
 VARIANTS = {  # name -> agoq flags given to both trainers
     "baseline": ["--agoq-disable"],
     "agoq_default": [],
@@ -76,7 +80,7 @@ def agoq_command(size: str, iters: int, agoq_flags: list[str], data: dict, log: 
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
             "--master-addr", "127.0.0.1", "--master-port", str(port), str(AGOQ_SCRIPT),
             *common_flags(size, iters), "--data-path", data["prefix"], "--tokenizer-model", data["tokenizer"],
-            "--log-json", str(log), *agoq_flags]
+            "--log-json", str(log), *TRAINER_EQUIVALENCE_FLAGS, *agoq_flags]
 
 
 def default_data(env: dict) -> dict:

@@ -86,7 +86,8 @@ def test_config_equals_the_trainers_for_the_same_flags(monkeypatch, variant):
     from agoq.megatron.train.megatron_lm import agoq_config_from_megatron_args
 
     ours = agoq_config_from_megatron_args(_megatron_args(monkeypatch, _bench_megatron_argv(variant)))
-    trainer = trainer_parse_args([*BENCH.common_flags("tiny", 20), *BENCH.VARIANTS[variant]]).agoq_config
+    trainer = trainer_parse_args([*BENCH.common_flags("tiny", 20), *BENCH.TRAINER_EQUIVALENCE_FLAGS,
+                                  *BENCH.VARIANTS[variant]]).agoq_config
     assert ours.device == "cuda"
     assert dataclasses.replace(ours, device=trainer.device) == trainer
 
