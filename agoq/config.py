@@ -274,7 +274,8 @@ class AgoqConfig:
     """RoPE (--rope-fusion): auto: agoq's fused RoPE (agoq.megatron.rope: Megatron's values and gradients bit for
     bit, 2 launches per query / key instead of ~21) where agoq is enabled and the run is on CUDA; agoq: always (with
     --agoq-disable too: Megatron plus agoq's RoPE only, the host-cost benchmarks' reference; on CPU the reference
-    op); off: Megatron's unfused RoPE. A Transformer Engine RoPE, when installed, is kept (agoq.megatron.rope)."""
+    op); off: Megatron's unfused RoPE. A Transformer Engine RoPE, when installed, is kept (agoq.megatron.rope; its
+    values are TE's, not bit for bit Megatron's unfused ones)."""
 
     policy: PolicyConfig = PolicyConfig()
     activations: ActivationsConfig = ActivationsConfig()

@@ -80,6 +80,8 @@ CONTRACT: tuple[Symbol, ...] = (
     # as (t, freqs, interleaved=config.rotary_interleaved) for bshd inputs when config.apply_rope_fusion
     Symbol("megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb",
            "the fused-RoPE slot (None without Transformer Engine) agoq.megatron.rope fills"),
+    Symbol("megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb_thd",
+           "the packed-sequence slot: agoq.megatron.rope puts a refusal naming the fix there (no thd kernel)"),
     Symbol("megatron.core.models.common.embeddings.rope_utils:apply_rotary_pos_emb",
            "RoPE dispatch: the fused slot under apply_rope_fusion, mscale 1, no cu_seqlens",
            params=("t", "freqs", "config", "cu_seqlens", "mscale")),

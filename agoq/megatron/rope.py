@@ -29,7 +29,8 @@ import torch
 
 from agoq.ops.rope import apply_rope
 
-__all__ = ["SEAM_ROPE", "agoq_fused_apply_rotary_pos_emb", "provide_rope_fusion", "rope_fusion_provider"]
+__all__ = ["SEAM_ROPE", "agoq_fused_apply_rotary_pos_emb", "provide_rope_fusion", "refuse_packed_sequences",
+           "rope_fusion_provider"]
 
 log = logging.getLogger("agoq.megatron.rope")
 SEAM_ROPE = "rope_fusion"
@@ -48,6 +49,12 @@ def agoq_fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transp
     return apply_rope(t, freqs)
 
 
+def refuse_packed_sequences(*args, **kwargs):
+    """Megatron's packed-sequence (thd) fused-RoPE slot while agoq fills the bshd one: agoq has no thd kernel."""
+    raise ValueError("agoq's fused RoPE implements Megatron's bshd layout only; packed sequences (thd, cu_seqlens) "
+                     "need --rope-fusion off (Megatron's unfused RoPE) or Transformer Engine")
+
+
 def rope_fusion_provider() -> str:
     """Who fills Megatron's fused-RoPE slot now: "agoq", "transformer_engine" (or another) or "none"."""
     from megatron.core.models.common.embeddings import rope_utils
@@ -57,7 +64,8 @@ def rope_fusion_provider() -> str:
         return "none"
     if slot is agoq_fused_apply_rotary_pos_emb:
         return "agoq"
-    return getattr(slot, "__module__", "other").split(".")[0] or "other"
+    module = getattr(slot, "__module__", "") or ""
+    return "transformer_engine" if "transformer_engine" in module else (module.split(".")[0] or "other")
 
 
 def provide_rope_fusion() -> str:
@@ -70,6 +78,8 @@ def provide_rope_fusion() -> str:
     provider = rope_fusion_provider()
     if provider == "none":
         set_module_attr(rope_utils, "fused_apply_rotary_pos_emb", agoq_fused_apply_rotary_pos_emb, seam=SEAM_ROPE)
+        if rope_utils.fused_apply_rotary_pos_emb_thd is None:  # packed sequences: a refusal naming the fix
+            set_module_attr(rope_utils, "fused_apply_rotary_pos_emb_thd", refuse_packed_sequences, seam=SEAM_ROPE)
         log.info("RoPE: agoq's fused kernel fills Megatron's fused_apply_rotary_pos_emb (no Transformer Engine)")
         return "agoq"
     if provider != "agoq":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from agoq.ops.dispatch import rope_ops
 from agoq.ref.rope import ref_rope_fwd
@@ -44,14 +45,15 @@ class _TrigCache:
         self._entries: dict = {}  # (id(freqs), dtype) -> (weakref(freqs), version, cos, sin)
 
     def get(self, freqs_S11R: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        capturing = freqs_S11R.is_cuda and torch.cuda.is_current_stream_capturing()
+        # a graph capture computes cos / sin itself; an inference tensor has no version counter to validate against
+        uncached = torch.is_inference(freqs_S11R) or (freqs_S11R.is_cuda and torch.cuda.is_current_stream_capturing())
         key = (id(freqs_S11R), dtype)
-        entry = None if capturing else self._entries.get(key)
+        entry = None if uncached else self._entries.get(key)
         if entry is not None and entry[0]() is freqs_S11R and entry[1] == freqs_S11R._version:
             return entry[2], entry[3]
         with torch.no_grad():
             cos, sin = _trig(freqs_S11R, dtype)
-        if not capturing:
+        if not uncached:
             self._entries = {k: e for k, e in self._entries.items() if e[0]() is not None}
             if len(self._entries) >= _MAX_TRIG_ENTRIES:
                 self._entries.pop(next(iter(self._entries)))
@@ -82,6 +84,7 @@ class _RoPE(torch.autograd.Function):
         return fwd(t_SBND, cos_SR, sin_SR)
 
     @staticmethod
+    @once_differentiable  # the kernel's gradient has no graph of its own: a double backward raises, not drops terms
     def backward(ctx, grad_SBND):
         _, bwd = rope_ops(grad_SBND.device)
         return bwd(grad_SBND, ctx.cos, ctx.sin), None, None

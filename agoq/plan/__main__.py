@@ -46,6 +46,7 @@ from agoq.config import (
     MASTER_CHOICES,
     OPTIMIZERS,
     RECOMPUTE_GRANULARITIES,
+    ROPE_FUSIONS,
     AgoqConfig,
     float_grads_mismatch,
     torch_optimizer_state_refusal,
@@ -108,6 +109,9 @@ def _add_agoq_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agoq-smooth-swiglu", choices=SMOOTH_SWIGLU_MODES, default=None)
     p.add_argument("--agoq-fp8-bf16-first-layers", type=int, default=None)
     p.add_argument("--agoq-fp8-bf16-last-layers", type=int, default=None)
+    p.add_argument("--rope-fusion", choices=ROPE_FUSIONS, default=None,
+                   help="the trainer's --rope-fusion (default auto: agoq's fused RoPE on a GPU with agoq on; off: "
+                        "Megatron's RoPE, which keeps cos / sin per layer)")
 
 
 def request_of(namespace: argparse.Namespace) -> PlanRequest:

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from agoq.config import MASTER_CHOICES, OPTIMIZERS, RECOMPUTE_GRANULARITIES
+from agoq.config import MASTER_CHOICES, OPTIMIZERS, RECOMPUTE_GRANULARITIES, ROPE_FUSIONS
 from agoq.plan.capacity import DEFAULT_MAX_GPUS, DEFAULT_MAX_MBS
 from agoq.plan.memory import parse_bytes
 from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES
@@ -20,10 +20,10 @@ PLANNER_FP8_RECIPES = tuple(r for r in FP8_RECIPES if r != "te")  # agoq's FP8 l
 # agoq's settings: the trainer's flags of the same names, read by AgoqConfig.from_flags
 AGOQ_FLAGS = ("agoq_optimizer", "agoq_moments", "agoq_master", "agoq_grads", "grad_reduce_in_bf16",
               "agoq_gradient_release", "recompute_granularity", "agoq_fp8", "agoq_smooth_swiglu",
-              "agoq_fp8_bf16_first_layers", "agoq_fp8_bf16_last_layers")
+              "agoq_fp8_bf16_first_layers", "agoq_fp8_bf16_last_layers", "rope_fusion")
 CHOICES = {"agoq_optimizer": OPTIMIZERS, "agoq_master": MASTER_CHOICES,
            "recompute_granularity": RECOMPUTE_GRANULARITIES, "agoq_fp8": PLANNER_FP8_RECIPES,
-           "agoq_smooth_swiglu": SMOOTH_SWIGLU_MODES}
+           "agoq_smooth_swiglu": SMOOTH_SWIGLU_MODES, "rope_fusion": ROPE_FUSIONS}
 
 
 def flag_name(field: str) -> str:
@@ -68,6 +68,7 @@ class PlanRequest:
     agoq_smooth_swiglu: str | None = None
     agoq_fp8_bf16_first_layers: int | None = None
     agoq_fp8_bf16_last_layers: int | None = None
+    rope_fusion: str | None = None  # --rope-fusion (off: Megatron's RoPE keeps cos / sin per layer)
     # what to do: the candidates (policy YAML paths, richest first), the output path, capacity mode's search
     policies: tuple[str, ...] | None = None
     out: str | None = None

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ref_rope_fwd", "ref_rope_bwd", "check_rope_args"]
+__all__ = ["ROPE_DTYPES", "ref_rope_fwd", "ref_rope_bwd", "check_rope_args"]
+
+ROPE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # training dtypes; the kernel's products are exact in fp32
 
 
 def check_rope_args(t_SBND: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor, what: str = "t") -> int:
@@ -38,6 +40,10 @@ def check_rope_args(t_SBND: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Te
     if cos_SR.shape != (s, rot) or sin_SR.shape != (s, rot) or rot % 2 or not 0 < rot <= d:
         raise ValueError(f"agoq RoPE: cos / sin must be [seq={s}, rotary_dim] with an even rotary_dim <= head_dim "
                          f"{d}; got {tuple(cos_SR.shape)} and {tuple(sin_SR.shape)}")
+    if t_SBND.dtype not in ROPE_DTYPES:
+        allowed = ", ".join(map(str, ROPE_DTYPES))
+        raise ValueError(f"agoq RoPE: {what} is {t_SBND.dtype}; the fused RoPE takes {allowed} (the kernel computes "
+                         "in fp32); use --rope-fusion off for other dtypes")
     if cos_SR.dtype != t_SBND.dtype or sin_SR.dtype != t_SBND.dtype:
         raise ValueError(f"agoq RoPE: cos / sin must be in {what}'s dtype {t_SBND.dtype} (Megatron casts them), got "
                          f"{cos_SR.dtype} / {sin_SR.dtype}")

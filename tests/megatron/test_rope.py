@@ -112,8 +112,10 @@ def test_model_with_agoq_rope_trains_bit_identically_and_undoes(mcore_world1, dt
     if dtype == torch.bfloat16:  # the planner models bf16 training (BF16_BYTES per saved element)
         _check_saved_bytes_as_planned(plain, fused, mcore_world1)
     assert any(c.target.endswith("rope_utils.fused_apply_rotary_pos_emb") for c in install.runtime_changes())
+    with pytest.raises(ValueError, match="packed sequences.*--rope-fusion off"):  # thd: refused by name
+        rope_utils.fused_apply_rotary_pos_emb_thd(torch.zeros(4, 2, 8), None, _freqs(4, 8))
     install.undo_runtime_changes()
-    assert rope_fusion_provider() == "none"
+    assert rope_fusion_provider() == "none" and rope_utils.fused_apply_rotary_pos_emb_thd is None
 
 
 def test_agoq_rope_refuses_what_it_does_not_implement(mcore_world1):

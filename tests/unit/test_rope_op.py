@@ -42,3 +42,21 @@ def test_apply_rope_equals_the_reference_and_saves_nothing_through_hooks():
     cos, sin = rope_trig(freqs, torch.bfloat16)
     assert torch.equal(out, ref_rope_fwd(t.detach(), cos, sin))
     assert torch.equal(t.grad, ref_rope_bwd(grad, cos, sin))
+
+
+def test_inference_tensors_double_backward_and_other_dtypes():
+    """Frequencies made under inference_mode (Megatron's generation) skip the cache; a second-order backward raises
+    instead of dropping terms; float64 is refused with the fix."""
+    import pytest
+
+    clear_trig_cache()
+    with torch.inference_mode():
+        freqs = _freqs()
+        out = apply_rope(torch.ones(6, 1, 2, 8), freqs)
+    assert torch.equal(out, ref_rope_fwd(torch.ones(6, 1, 2, 8), *rope_trig(freqs, torch.float32)))
+    t = torch.randn(6, 1, 2, 8, requires_grad=True)
+    (grad,) = torch.autograd.grad(apply_rope(t, _freqs()).square().sum(), t, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiate"):
+        grad.sum().backward()
+    with pytest.raises(ValueError, match="--rope-fusion off"):
+        apply_rope(torch.ones(6, 1, 2, 8, dtype=torch.float64), _freqs())
