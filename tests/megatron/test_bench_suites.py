@@ -199,7 +199,9 @@ def test_summary_carries_the_reserved_bytes_next_to_the_allocated_peak():
 
 def test_skip_drops_matching_variants_and_refuses_a_filter_that_matches_nothing():
     eager = BENCH.select_variants("graphs_pp2", False, None, ["manual_gc", "/graphs"])
-    assert [v["name"].rsplit("/", 1)[1] for v in eager] == ["eager", "eager"]
+    assert [v["name"].rsplit("/", 1)[1] for v in eager] == ["eager", "eager", "eager"]
+    rope_only = [v for v in eager if "Megatron + agoq RoPE only" in v["name"]]  # the RoPE kernel's part apart
+    assert len(rope_only) == 1 and rope_only[0]["args"][-3:] == ["--agoq-disable", "--rope-fusion", "agoq"]
     with pytest.raises(SystemExit, match=r"--skip \['manual-gc'\]"):
         BENCH.select_variants("graphs_pp2", False, None, ["manual-gc"])
     with pytest.raises(SystemExit, match="leaves no variant of suite 'graphs_pp2' to run"):
