@@ -97,18 +97,18 @@ def _rope_kernel(
 _ROPE = FastKernel(_rope_kernel, num_warps=NUM_WARPS, enable_fp_fusion=False)
 # (shape, strides, dtype, rotary dim, backward, CUDA index) -> LaunchSite: a layer's query / key keep their shapes,
 # so every launch after the first skips Triton's binding and the key work (agoq.kernels._fastlaunch.LaunchSite)
-_SITES: dict = {}
+_ROPE_SITES: dict = {}
 
 
 def _site(t: torch.Tensor, rot: int, backward: bool) -> tuple[LaunchSite, tuple]:
     key = (t.shape, t.stride(), t.dtype, rot, backward, t.device.index)
-    entry = _SITES.get(key)
+    entry = _ROPE_SITES.get(key)
     if entry is None:
         s, b, n, d = t.shape
         block_d = triton.next_power_of_2(d)
         block_n = max(1, min(triton.next_power_of_2(n), MAX_TILE_ELEMS // block_d))
         tail = (b, n, t.stride(0), t.stride(1), t.stride(2), d, rot, block_n, block_d, backward)
-        entry = remember_site(_SITES, key, (LaunchSite(_ROPE, (s * b,)), tail))
+        entry = remember_site(_ROPE_SITES, key, (LaunchSite(_ROPE, (s * b,)), tail))
     return entry
 
 

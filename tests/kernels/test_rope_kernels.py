@@ -110,4 +110,4 @@ def test_rope_kernels_match_reference_bits_gpu_sizes(shape):
             test_rope_kernels_match_reference_bits(shape, torch.bfloat16, special=True)
     finally:
         set_check_sites(previous)
-    assert sum(site.direct_calls for site, _ in rope._SITES.values()) > 0
+    assert sum(site.direct_calls for site, _ in rope._ROPE_SITES.values()) > 0
