@@ -16,7 +16,8 @@
 #                   every iteration's host steal time (--log-json host_steal_cpu_seconds) and the GPU's clocks,
 #                   power and utilisation sampled every 250 ms beside it (eager_diag_gpu.csv)               ~5 min
 #   profile         issue 24: where eager steps spend host time and whether they wait on the GPU, baseline / agoq  ~3 min
-#   graphs          issue 24 item 3 (eager, eager --manual-gc, graphs), on its own GPU and cores          ~9 min
+#   graphs          issue 24 item 3 (eager, eager --manual-gc, graphs), on its own GPU and cores; with the two
+#                   RoPE rows (Megatron + agoq RoPE only, agoq with Megatron's RoPE)                        ~14 min
 #   gpu_tier        the GPU tier on current code: every tests/gpu file (fused FP8, CUDA graphs, kernels)          ~8 min
 #   fp8_scale       issue 27's suite on current code (plain FP8 now fused): one current result            ~8 min
 #   equal_memory_1b  issue 23 item 2 at ~1B, with the agoq + FP8 Smooth-SwiGLU rows                         ~9 min
@@ -52,7 +53,7 @@ utilization.gpu --format=csv -lms 250 > "$1/eager_diag_gpu.csv" 2>&1 & smi=$!
     /graphs --rounds 3 --timeout 150 --out "$1/pretrain_eager_diag.json"; rc=$?
   kill $smi 2>/dev/null; exit $rc' "$PY" "$AGOQ_RESULTS"
 step profile 600 bash benchmarks/device/profile_pair.sh 1 step_profile --global-batch-size 8
-step graphs 1200 "$PY" $B --suite graphs --timeout 150 --out "$AGOQ_RESULTS/pretrain_graphs.json"
+step graphs 1500 "$PY" $B --suite graphs --timeout 150 --out "$AGOQ_RESULTS/pretrain_graphs.json"
 mkdir -p "$AGOQ_RESULTS/graph_reports"
 step gpu_tier 900 env AGOQ_CUDA_GRAPHS_REPORT_DIR="$AGOQ_RESULTS/graph_reports" "$PY" -m pytest -q -p no:cacheprovider \
   -m gpu -rA tests/gpu
