@@ -250,7 +250,7 @@ def graphs_suite(smoke: bool) -> list[dict]:
     with only that, agoq without it); bf16 linears and FP8 delayed linears under the bf16 policy
     (target: FP8 >= 1.05x bf16), and FP8 delayed + per-token Smooth-SwiGLU; eager also with Megatron-LM's
     --manual-gc (no collector pause inside a step). Every variant runs the same driver (it changes nothing when the
-    refusal does not apply). About 10 minutes on one H100. ``--smoke``: the eager half on the
+    refusal does not apply). About 14 minutes on one H100. ``--smoke``: the eager half on the
     CPU (graphs need a GPU)."""
     shape, seq, iters = ("tiny", "64", "4") if smoke else ("1b", "4096", "9")
     common = SHAPES[shape] + COMMON + ["--seq-length", seq, "--train-iters", iters, "--micro-batch-size", "1",
