@@ -78,6 +78,9 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
 
         print_rank0(f"RoPE: fused, by {rope_fusion_provider()} (--rope-fusion {agoq.rope_fusion}; off: Megatron's "
                     "unfused RoPE)")
+    else:
+        print_rank0(f"RoPE: Megatron's unfused RoPE (--rope-fusion {agoq.rope_fusion}; agoq's fused kernel: "
+                    "--rope-fusion agoq, the default with agoq on a GPU)")
     schedule = ScheduleInfo(pp_size=layout.pp, vp_size=layout.vpp, num_microbatches=num_microbatches)
     compute = agoq.fp8 if agoq.enabled else None
     if compute is not None:
