@@ -90,7 +90,7 @@ def _rope_kernel(
         if BACKWARD:
             y = y + 0.0  # -0.0 -> +0.0, as autograd's sum with the unread slice's zero gradient
         dst = out_ptr + (row * N + n[:, None].to(tl.int64)) * D + cols[None, :]
-        tl.store(dst, _rounded(y, dt).to(dt), mask=ok)  # exact: already representable
+        tl.store(dst, _rounded(y, dt).to(dt), mask=ok)  # the sum rounded once; the cast is then exact
 
 
 # direct launcher (agoq.kernels._fastlaunch); fp contraction off: no product may merge into the sum

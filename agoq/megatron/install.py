@@ -69,7 +69,8 @@ class Seam:
     undo: Callable[[], None]
 
 
-def _cpu_wanted(config: AgoqConfig) -> bool:
+def runs_on_cpu(config: AgoqConfig) -> bool:
+    """Whether ``config``'s run is on the CPU (megatron-core's CPU mode): ``device`` cpu, or auto without CUDA."""
     return config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
 
 
@@ -103,7 +104,7 @@ def _remove_fp8_hook() -> None:
 
 
 SEAMS: tuple[Seam, ...] = (
-    Seam("cpu_mode", "patch", _cpu_wanted, _enter_cpu, _exit_cpu),
+    Seam("cpu_mode", "patch", runs_on_cpu, _enter_cpu, _exit_cpu),
     # FP8 weight caches (agoq.ops.fp8_weight_cache) made before install() add the same hook themselves
     # (standalone use of agoq.ops); removing it here removes theirs too (the hook is one per process).
     Seam("fp8_weight_cache", "hook", _fp8_hook_wanted, _add_fp8_hook, _remove_fp8_hook),

@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 
 from agoq.config import AgoqConfig
 from agoq.megatron import runtime
+from agoq.megatron.install import runs_on_cpu
 from agoq.ops.smooth_swiglu_fp8 import plain_swiglu_fusion
 from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
 from agoq.plan.peak import Recipe, StagePeak, format_peaks, grad_bytes_per_param, predict_peaks
@@ -50,8 +51,8 @@ def recipe_from_config(config: AgoqConfig) -> Recipe:
     """The planner's Recipe of a run's config (agoq.plan.recipe.recipe_of: the same for the planner's CLI), with
     the process-wide plain SwiGLU + FP8 fc2 fusion switch the trainer set from AGOQ_FP8_SWIGLU_FUSION
     (agoq.megatron.train.environment), which changes what plain FP8 layers hold (agoq.plan.fp8)."""
-    on_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    return dataclasses.replace(recipe_of(config, on_cuda=on_cuda), fuse_plain_swiglu_fp8=plain_swiglu_fusion())
+    return dataclasses.replace(recipe_of(config, on_cuda=not runs_on_cpu(config)),
+                               fuse_plain_swiglu_fp8=plain_swiglu_fusion())
 
 
 def predicted_peaks(config: AgoqConfig, shape, plan: Layout, policy) -> list[StagePeak]:
