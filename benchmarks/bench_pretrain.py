@@ -193,12 +193,38 @@ def summarise(result: dict, warmup: int, device: str | None = None) -> dict:
         if key in result.get("memory_breakdown_last", {}):
             summary[key] = result["memory_breakdown_last"][key]
     summary.update(_mfu(steady, device))
+    summary.update(host_summary(steady))
     for key in ("side", "expect"):
         if key in result:
             summary[key] = result[key]
     if result.get("expect") == "oom":
         summary["outcome"] = "trained (expected out of memory)"
     return summary
+
+
+BACKWARD_THREAD = "pt_autograd_0"  # torch's autograd thread for device 0 (the backward's Python nodes run there)
+
+
+def host_summary(steady: list[dict]) -> dict:
+    """Medians over the steady iterations of where the host's time went (trainer's --log-json, hoststats): time until
+    the schedule returned (``host_enqueue_ms_median``), the training loop's and the backward thread's CPU time and
+    the main thread's wait for a CPU, and Python's collections per step; keys whose readings are missing are left
+    out."""
+    out = {}
+    enqueue = [r["host_enqueue_seconds"] for r in steady if r.get("host_enqueue_seconds") is not None]
+    if enqueue:
+        out["host_enqueue_ms_median"] = 1e3 * statistics.median(enqueue)
+    rows = [r["host_threads"] for r in steady if r.get("host_threads")]
+    for label, pick in (("main", lambda row: row["main"]), ("backward", lambda row: row["name"] == BACKWARD_THREAD)):
+        picked = [next((row for row in threads if pick(row)), None) for threads in rows]
+        picked = [row for row in picked if row is not None]
+        if picked:
+            out[f"{label}_thread_cpu_ms_median"] = 1e3 * statistics.median(row["cpu_seconds"] for row in picked)
+            out[f"{label}_thread_wait_ms_median"] = 1e3 * statistics.median(row["wait_seconds"] for row in picked)
+    collections = [r["gc_collections"] for r in steady if r.get("gc_collections") is not None]
+    if collections:
+        out["gc_collections_median"] = statistics.median(collections)
+    return out
 
 
 def peak_tflops(device: str | None) -> float | None:

@@ -12,9 +12,10 @@
 #   hostprof        issue 24: host time per function and layer inside steps (bf16 / agoq), launch anatomy and
 #                   cProfile of the norm -> linear paths                                                      ~3 min
 #   eager           issue 24 item 3 eager alone: baseline, agoq, bf16 and FP8 linears, 2 rounds A B A B       ~6 min
-#   eager_diag      issue 24: why agoq's eager steps are bimodal on some leases: baseline / agoq eager in 3 rounds with
-#                   every iteration's host steal time (--log-json host_steal_cpu_seconds) and the GPU's clocks,
-#                   power and utilisation sampled every 250 ms beside it (eager_diag_gpu.csv)               ~5 min
+#   eager_diag      issue 24: why agoq's eager steps are bimodal on some leases: baseline / agoq / FP8 eager in 3
+#                   rounds with every iteration's host readings (--log-json: steal time, enqueue time, per-thread
+#                   CPU and run-queue time, Python collections) and the GPU's clocks, power and utilisation
+#                   sampled every 250 ms beside it (eager_diag_gpu.csv)                                    ~8 min
 #   profile         issue 24: where eager steps spend host time and whether they wait on the GPU, baseline / agoq  ~3 min
 #   graphs          issue 24 item 3 (eager, eager --manual-gc, graphs), on its own GPU and cores; with the two
 #                   RoPE rows (Megatron + agoq RoPE only, agoq with Megatron's RoPE)                        ~14 min
@@ -49,8 +50,8 @@ step eager 900 "$PY" $B --suite graphs --skip manual_gc /graphs smooth-swiglu --
   --out "$AGOQ_RESULTS/pretrain_eager.json"
 step eager_diag 900 bash -c 'nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,\
 utilization.gpu --format=csv -lms 250 > "$1/eager_diag_gpu.csv" 2>&1 & smi=$!
-  "$0" benchmarks/bench_pretrain.py --suite graphs --only "baseline (Megatron)" "agoq activations" --skip manual_gc \
-    /graphs --rounds 3 --timeout 150 --out "$1/pretrain_eager_diag.json"; rc=$?
+  "$0" benchmarks/bench_pretrain.py --suite graphs --only "baseline (Megatron)" "agoq activations" \
+    "fp8 delayed (bf16 policy)" --skip manual_gc /graphs --rounds 3 --timeout 150 --out "$1/pretrain_eager_diag.json"; rc=$?
   kill $smi 2>/dev/null; exit $rc' "$PY" "$AGOQ_RESULTS"
 step profile 600 bash benchmarks/device/profile_pair.sh 1 step_profile --global-batch-size 8
 step graphs 1500 "$PY" $B --suite graphs --timeout 150 --out "$AGOQ_RESULTS/pretrain_graphs.json"

@@ -197,6 +197,25 @@ def test_summary_carries_the_reserved_bytes_next_to_the_allocated_peak():
     assert (summary["peak_gib"], summary["reserved_gib"], summary["weights_gib"]) == (21.0, 27.48, 1.8)
 
 
+def test_summary_gives_the_host_readings_medians_over_steady_iterations_only():
+    """The trainer's per-step host readings (hoststats) become medians over the iterations after --warmup: the
+    enqueue time, the main and backward threads' CPU and wait, the collections; absent readings add no key."""
+    def threads(main_cpu, bwd_cpu):
+        return [{"name": "python", "main": True, "cpu_seconds": main_cpu, "wait_seconds": 0.001},
+                {"name": BENCH.BACKWARD_THREAD, "main": False, "cpu_seconds": bwd_cpu, "wait_seconds": 0.0}]
+    records = [{"iteration": i, "tokens_per_second": 10.0, "step_seconds": 1.0, "lm_loss": 5.0,
+                "host_enqueue_seconds": e, "host_threads": threads(c, c / 2), "gc_collections": g}
+               for i, e, c, g in ((1, 9.0, 9.0, 50), (2, 0.5, 0.4, 1), (3, 0.7, 0.6, 3), (4, 0.6, 0.5, 2))]
+    summary = BENCH.summarise({"name": "x", "returncode": 0, "records": records}, warmup=1)
+    assert summary["host_enqueue_ms_median"] == pytest.approx(600.0)
+    assert summary["main_thread_cpu_ms_median"] == pytest.approx(500.0)
+    assert summary["backward_thread_cpu_ms_median"] == pytest.approx(250.0)
+    assert summary["main_thread_wait_ms_median"] == pytest.approx(1.0) and summary["gc_collections_median"] == 2
+    bare = [{k: v for k, v in r.items() if not k.startswith(("host_", "gc_"))} for r in records]
+    assert not any(k.startswith(("host_", "main_", "backward_", "gc_"))
+                   for k in BENCH.summarise({"name": "x", "returncode": 0, "records": bare}, warmup=1))
+
+
 def test_skip_drops_matching_variants_and_refuses_a_filter_that_matches_nothing():
     eager = BENCH.select_variants("graphs_pp2", False, None, ["manual_gc", "/graphs"])
     assert [v["name"].rsplit("/", 1)[1] for v in eager] == ["eager", "eager", "eager"]

@@ -57,3 +57,22 @@ def test_interval_line_averages_the_host_steal_and_unknown_stays_unknown():
     meter.add(steps[1])
     meter.add(steps[1])
     assert meter.take(steps[1]).steal_seconds == pytest.approx(0.3)  # a fresh interval after an unknown one
+
+
+def test_interval_line_means_enqueue_sums_collections_and_keeps_the_last_threads():
+    """--log-json host_enqueue_seconds: mean per step; gc_collections / gc_seconds: the interval's sums; host_threads:
+    the last iteration's list (as the grad norm); an unknown enqueue time makes the interval's unknown."""
+    meter = IntervalMeter()
+    rows = [{"name": "python", "main": True, "cpu_seconds": 0.1, "wait_seconds": 0.0}]
+    steps = [StepResult(loss=1.0, grad_norm=1.0, update_successful=True, seconds=0.2, steal_seconds=0.0,
+                        enqueue_seconds=e, gc_collections=c, gc_seconds=g, threads=t)
+             for e, c, g, t in ((0.1, 1, 0.01, None), (0.3, 2, 0.02, rows))]
+    for step in steps:
+        meter.add(step)
+    line = meter.take(steps[-1])
+    assert line.enqueue_seconds == pytest.approx(0.2) and line.gc_collections == 3
+    assert line.gc_seconds == pytest.approx(0.03) and line.threads is rows
+    meter.add(_step(1.0, 0.2))  # enqueue unknown
+    meter.add(steps[0])
+    line = meter.take(steps[0])
+    assert line.enqueue_seconds is None and line.gc_collections is None

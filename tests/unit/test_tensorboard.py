@@ -62,6 +62,19 @@ def test_none_values_are_skipped_and_non_numbers_rejected(tmp_path):
         logger.log_iteration({"lr": 1.0})
 
 
+def test_thread_rows_become_one_scalar_per_thread_and_value(tmp_path):
+    """--log-json host_threads (a list of rows) goes to TensorBoard as host_threads/<name>/cpu_seconds and
+    .../wait_seconds, the training loop's thread as ``main``; a null list writes nothing."""
+    logger = _logger(tmp_path)
+    rows = [{"name": "python", "main": True, "cpu_seconds": 0.5, "wait_seconds": 0.01},
+            {"name": "pt_autograd_0", "main": False, "cpu_seconds": 0.2, "wait_seconds": 0.0}]
+    logger.log_iteration({"iteration": 3, "host_threads": rows})
+    logger.log_iteration({"iteration": 4, "host_threads": None})
+    assert sorted(logger._writer.scalars) == [
+        ("host_threads/main/cpu_seconds", 0.5, 3), ("host_threads/main/wait_seconds", 0.01, 3),
+        ("host_threads/pt_autograd_0/cpu_seconds", 0.2, 3), ("host_threads/pt_autograd_0/wait_seconds", 0.0, 3)]
+
+
 def test_policy_table_is_written_as_preformatted_text(tmp_path):
     logger = _logger(tmp_path)
     table = "layer role  format\n0     norm  nf4_b64"

@@ -352,7 +352,9 @@ def _log_iteration(args, info, parts: Components, result, iteration, consumed, s
     record = {"iteration": iteration, "lm_loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
               "consumed_samples": consumed, "skipped_iterations": skipped, "step_seconds": result.seconds,
               "tokens_per_second": tokens_per_step / result.seconds, "tflops_per_gpu": tflops,
-              "host_steal_cpu_seconds": result.steal_seconds, **memory}
+              "host_steal_cpu_seconds": result.steal_seconds, "host_enqueue_seconds": result.enqueue_seconds,
+              "host_threads": result.threads, "gc_collections": result.gc_collections,
+              "gc_seconds": result.gc_seconds, **memory}
     if args.log_fc2_amax:  # issue 27's outlier proxy (this rank's FP8 layers: the last pipeline stage's)
         record.update(fc2_input_amax(parts.model))
     tensorboard.log_iteration(record)

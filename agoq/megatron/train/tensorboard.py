@@ -41,6 +41,7 @@ SCALAR_TAGS = {
 # Megatron also plots these against consumed samples ('<tag> vs samples').
 VS_SAMPLES = ("lm_loss", "lr", "grad_norm")
 NOT_SCALARS = ("iteration", "consumed_samples")
+THREADS_KEY = "host_threads"  # a list of per-thread rows (hoststats.threads_since): one scalar per thread and value
 POLICY_TAG = "agoq/policy"
 DEFAULT_MAX_QUEUE = 1000  # Megatron's --tensorboard-queue-size default
 
@@ -91,7 +92,7 @@ class TensorBoardLogger:
             raise ValueError(f"log_iteration: the record needs an 'iteration' key, got keys {sorted(record)}")
         step = int(record["iteration"])
         samples = record.get("consumed_samples")
-        for key, value in record.items():
+        for key, value in _scalars(record):
             if key in NOT_SCALARS or value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are Real
@@ -128,3 +129,16 @@ def open_tensorboard(log_dir: str | None, *, is_writer_rank: bool,
     if not is_writer_rank:
         return NullTensorBoard()
     return TensorBoardLogger(log_dir, max_queue=max_queue, writer_class=writer_class)
+
+
+def _scalars(record: Mapping):
+    """The record's (key, value) pairs, with the thread rows as ``host_threads/<name>/cpu_seconds`` and
+    ``.../wait_seconds`` (the main thread as ``main``)."""
+    for key, value in record.items():
+        if key != THREADS_KEY or value is None:
+            yield key, value
+            continue
+        for row in value:
+            name = "main" if row["main"] else row["name"]
+            yield f"{key}/{name}/cpu_seconds", row["cpu_seconds"]
+            yield f"{key}/{name}/wait_seconds", row["wait_seconds"]

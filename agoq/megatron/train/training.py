@@ -136,6 +136,10 @@ class StepResult:
     update_successful: bool
     seconds: float
     steal_seconds: float | None = None  # CPU-seconds the hypervisor took from the host (hoststats); None: unknown
+    enqueue_seconds: float | None = None  # until the forward/backward schedule returned, before the loss's sync
+    threads: list | None = None  # the busiest threads' CPU and run-queue seconds (hoststats.threads_since)
+    gc_collections: int | None = None  # Python's garbage collections inside the step, and their seconds
+    gc_seconds: float | None = None
 
 
 @dataclass
@@ -181,9 +185,16 @@ class StepRunner:
         return total / num_batches if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else None
 
     def run(self, data_iterators: list[Iterator]) -> StepResult:
-        steal_before = hoststats.cpu_steal_seconds()
-        result = self._run(data_iterators)
+        """One step, with where its host time went (hoststats: steal, per-thread CPU / run-queue time, GC)."""
+        steal_before, threads_before = hoststats.cpu_steal_seconds(), hoststats.thread_times()
+        meter = hoststats.GCMeter().install()
+        try:
+            result = self._run(data_iterators)
+        finally:
+            meter.remove()
         result.steal_seconds = hoststats.steal_since(steal_before)
+        result.threads = hoststats.threads_since(threads_before, hoststats.main_thread_id())
+        result.gc_collections, result.gc_seconds = meter.reading()
         return result
 
     def _run(self, data_iterators: list[Iterator]) -> StepResult:
@@ -205,6 +216,7 @@ class StepRunner:
             micro_batch_size=self.micro_batch_size,
             forward_only=False,
         )
+        enqueued = time.perf_counter() - start  # the host's pace when the step is host-bound (no sync before here)
         loss = _reduce_losses(losses, self.device)
         if _any_rank_nonfinite(self.model_chunks, loss, self.device):
             if release is not None:  # the parameters were stepped in backward: skipping is impossible
@@ -214,7 +226,7 @@ class StepRunner:
             # Skip the update (Megatron's fp16 loss-scaler behaviour, applied to bf16): no optimizer or
             # LR-schedule step; the caller counts and reports it.
             return StepResult(loss=loss, grad_norm=None, update_successful=False,
-                              seconds=time.perf_counter() - start)
+                              seconds=time.perf_counter() - start, enqueue_seconds=enqueued)
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=self.global_batch_size)
@@ -225,6 +237,7 @@ class StepRunner:
             grad_norm=None if grad_norm is None else float(grad_norm),
             update_successful=bool(update_successful),
             seconds=time.perf_counter() - start,
+            enqueue_seconds=enqueued,
         )
 
 
@@ -271,26 +284,33 @@ class IntervalMeter:
     loss averaged over the interval's updated iterations (a skipped one's loss is left out; NaN when every one was
     skipped), the mean step time; the grad norm is the last iteration's. With --log-interval 1 the line is that
     iteration's own numbers (a skipped iteration's loss included); with N > 1 it used to be the N-th iteration's
-    alone."""
+    alone. Host readings: steal and enqueue time are means per iteration, garbage collections the interval's sums,
+    the thread list the last iteration's (as the grad norm)."""
 
     loss_sum: float = 0.0
     losses: int = 0
     seconds_sum: float = 0.0
     iterations: int = 0
     steal_sum: float | None = 0.0  # None once an iteration's steal was unknown
+    enqueue_sum: float | None = 0.0  # likewise
+    gc_collections: int | None = 0
+    gc_seconds: float | None = 0.0
 
     def add(self, result: StepResult) -> None:
         self.iterations += 1
         self.seconds_sum += result.seconds
-        self.steal_sum = None if self.steal_sum is None or result.steal_seconds is None \
-            else self.steal_sum + result.steal_seconds
+        self.steal_sum = _sum_known(self.steal_sum, result.steal_seconds)
+        self.enqueue_sum = _sum_known(self.enqueue_sum, result.enqueue_seconds)
+        self.gc_collections = _sum_known(self.gc_collections, result.gc_collections)
+        self.gc_seconds = _sum_known(self.gc_seconds, result.gc_seconds)
         if result.update_successful and result.loss is not None:
             self.loss_sum += result.loss
             self.losses += 1
 
     def take(self, last: StepResult) -> StepResult:
         """The interval's line values (``last``: the interval's last iteration), and a fresh interval."""
-        steal = self.steal_sum
+        steal, enqueue, gc_collections, gc_seconds = self.steal_sum, self.enqueue_sum, self.gc_collections, \
+            self.gc_seconds
         if self.iterations <= 1:  # --log-interval 1: the iteration itself (a skipped one shows its own loss)
             self._reset()
             return last
@@ -300,12 +320,20 @@ class IntervalMeter:
             loss = self.loss_sum / self.losses if self.losses else float("nan")
         averaged = StepResult(loss=loss, grad_norm=last.grad_norm, update_successful=last.update_successful,
                               seconds=self.seconds_sum / max(1, self.iterations),
-                              steal_seconds=None if steal is None else steal / max(1, self.iterations))
+                              steal_seconds=None if steal is None else steal / self.iterations,
+                              enqueue_seconds=None if enqueue is None else enqueue / self.iterations,
+                              threads=last.threads, gc_collections=gc_collections, gc_seconds=gc_seconds)
         self._reset()
         return averaged
 
     def _reset(self) -> None:
         self.loss_sum, self.losses, self.seconds_sum, self.iterations, self.steal_sum = 0.0, 0, 0.0, 0, 0.0
+        self.enqueue_sum, self.gc_collections, self.gc_seconds = 0.0, 0, 0.0
+
+
+def _sum_known(total, value):
+    """``total + value``; None once either is unknown."""
+    return None if total is None or value is None else total + value
 
 
 def format_iteration_line(
