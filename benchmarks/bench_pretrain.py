@@ -202,7 +202,7 @@ def summarise(result: dict, warmup: int, device: str | None = None) -> dict:
     return summary
 
 
-BACKWARD_THREAD = "pt_autograd_0"  # torch's autograd thread for device 0 (the backward's Python nodes run there)
+BACKWARD_THREAD = "pt_autograd_"  # torch's autograd thread for device N is pt_autograd_N (backward's Python nodes)
 
 
 def host_summary(steady: list[dict]) -> dict:
@@ -215,7 +215,8 @@ def host_summary(steady: list[dict]) -> dict:
     if enqueue:
         out["host_enqueue_ms_median"] = 1e3 * statistics.median(enqueue)
     rows = [r["host_threads"] for r in steady if r.get("host_threads")]
-    for label, pick in (("main", lambda row: row["main"]), ("backward", lambda row: row["name"] == BACKWARD_THREAD)):
+    picks = (("main", lambda row: row["main"]), ("backward", lambda row: row["name"].startswith(BACKWARD_THREAD)))
+    for label, pick in picks:
         picked = [next((row for row in threads if pick(row)), None) for threads in rows]
         picked = [row for row in picked if row is not None]
         if picked:

@@ -202,7 +202,7 @@ def test_summary_gives_the_host_readings_medians_over_steady_iterations_only():
     enqueue time, the main and backward threads' CPU and wait, the collections; absent readings add no key."""
     def threads(main_cpu, bwd_cpu):
         return [{"name": "python", "main": True, "cpu_seconds": main_cpu, "wait_seconds": 0.001},
-                {"name": BENCH.BACKWARD_THREAD, "main": False, "cpu_seconds": bwd_cpu, "wait_seconds": 0.0}]
+                {"name": BENCH.BACKWARD_THREAD + "1", "main": False, "cpu_seconds": bwd_cpu, "wait_seconds": 0.0}]
     records = [{"iteration": i, "tokens_per_second": 10.0, "step_seconds": 1.0, "lm_loss": 5.0,
                 "host_enqueue_seconds": e, "host_threads": threads(c, c / 2), "gc_collections": g}
                for i, e, c, g in ((1, 9.0, 9.0, 50), (2, 0.5, 0.4, 1), (3, 0.7, 0.6, 3), (4, 0.6, 0.5, 2))]
