@@ -17,7 +17,8 @@ buffer vs ``--agoq-gradient-release``, ~1B, one GPU, one micro-batch per step, u
 FP8 variants need a GPU, so the fp8 smoke suite runs bf16 and Smooth-SwiGLU only.
 
 ``graphs`` (issue 24 item 3: the host-bound ~1B shape at seq 4096, micro-batch 1, eager and under Megatron's CUDA
-graphs, baseline / agoq / bf16 / FP8 pairs); ``graphs_pp2`` (the same shape at PP=2 on 2 GPUs, baseline and agoq).
+graphs, baseline / agoq / bf16 / FP8 pairs); ``graphs_pp2`` (the same shape at PP=2 on 2 GPUs, baseline and agoq);
+``graphs_pp2_fp8`` (the same at PP=2, bf16 vs FP8 delayed linears).
 
 pretrain_suites_scale.py: the data / pipeline parallel suites (dp2, dp2_link, dp2_transport, pp2_interleaved,
 pp4_interleaved, pp4_distopt, dp2_pp2, dp2_pp4_8b, dp8) and issue 23's capacity and equal-memory suites.
@@ -271,15 +272,20 @@ def graphs_suite(smoke: bool) -> list[dict]:
             for name, extra in pairs.items() for mode, graphs in modes.items()]
 
 
+def _graphs_pp2_common(smoke: bool) -> tuple[str, list[str]]:
+    """(shape name, flags) of the PP=2 host-bound corner: ~1B, seq 4096, mbs 1, 16 micro-batches, 9 iterations."""
+    shape, seq, iters = ("tiny", "64", "4") if smoke else ("1b", "4096", "9")
+    return shape, SHAPES[shape] + COMMON + ["--seq-length", seq, "--train-iters", iters, "--micro-batch-size", "1",
+                                            "--global-batch-size", "16", "--pipeline-model-parallel-size", "2"]
+
+
 def graphs_pp2_suite(smoke: bool) -> list[dict]:
     """Issue 24 item 3 at PP=2 on 2 GPUs: the graphs suite's ~1B shape at seq 4096 and micro-batch 1 split over two
     pipeline stages (1F1B, 16 micro-batches per step, 9 iterations), eager, eager with Megatron-LM's --manual-gc
     (the 2026-11-27 eager agoq run had slow steps in bursts: Python's collector pausing one stage stalls both) and
     under Megatron's CUDA graphs, for the Megatron baseline and agoq's default activation policy (target: agoq >=
     1.00x the baseline in the same mode). About 7 minutes on two H100s. ``--smoke``: the eager half on the CPU."""
-    shape, seq, iters = ("tiny", "64", "4") if smoke else ("1b", "4096", "9")
-    common = SHAPES[shape] + COMMON + ["--seq-length", seq, "--train-iters", iters, "--micro-batch-size", "1",
-                                       "--global-batch-size", "16", "--pipeline-model-parallel-size", "2"]
+    shape, common = _graphs_pp2_common(smoke)
     pairs = {"baseline (Megatron)": ["--agoq-disable"], "agoq activations (default policy)": [],
              "Megatron + agoq RoPE only": ["--agoq-disable", "--rope-fusion", "agoq"]}  # agoq's RoPE part apart
     modes = {"eager": [], "eager_manual_gc": ["--manual-gc"]}
@@ -290,7 +296,25 @@ def graphs_pp2_suite(smoke: bool) -> list[dict]:
             for name, extra in pairs.items() for mode, graphs in modes.items()]
 
 
+def graphs_pp2_fp8_suite(smoke: bool) -> list[dict]:
+    """Issue 24 item 3's FP8 target at PP=2 on 2 GPUs: the graphs_pp2 shape (~1B, seq 4096, micro-batch 1, 16
+    micro-batches, 1F1B, 9 iterations) with bf16 linears and FP8 delayed linears, both under the bf16 policy
+    (target: FP8 >= 1.05x the bf16 linears), eager and under Megatron's CUDA graphs. About 5 minutes on two H100s.
+    ``--smoke``: the bf16 eager run on the CPU (FP8 and graphs need a GPU)."""
+    shape, common = _graphs_pp2_common(smoke)
+    bf16 = ["--agoq-policy", str(REPO_ROOT / "configs" / "policy" / "bf16.yaml")]
+    pairs = {"bf16 linears (bf16 policy)": bf16}
+    modes = {"eager": []}
+    if not smoke:
+        pairs["fp8 delayed (bf16 policy)"] = bf16 + ["--agoq-fp8", "delayed"]
+        modes["graphs"] = ["--cuda-graph-impl", "local"]
+    return [{"name": f"{shape}/pp2/mbs1/{name}/{mode}", "nproc": 2, "args": common + extra + graphs,
+             "script": UNVALIDATED_GRAPHS_DRIVER}
+            for name, extra in pairs.items() for mode, graphs in modes.items()]
+
+
 SUITES = {"act_host": act_host_suite, "graphs": graphs_suite, "graphs_pp2": graphs_pp2_suite,
+          "graphs_pp2_fp8": graphs_pp2_fp8_suite,
           "pp2_interleaved": pp2_interleaved_suite, "attention": attention_suite,
           "fp8_scale": fp8_scale_suite, "lean": lean_suite, "memory": memory_suite, "fp8": fp8_suite,
           "grads": grads_suite, "dp2": dp2_suite, "dp2_link": dp2_link_suite,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Two GPUs of one host (nvidia-h100-x2 / nvidia-h200-x2): the open 2-GPU checks and suites, most urgent first.
-#   bash benchmarks/device/x2.sh [step ...]      (no step: all, in this order; ~25 minutes on two H100)
+#   bash benchmarks/device/x2.sh [step ...]      (no step: all, in this order; ~29 minutes on two H100)
 # Steps and what they settle:
 #   allreduce    issue 19 item 2: the 8-bit reductions vs NCCL on NVLink (reduce-to-owners in one launch)   ~1 min
 #   allreduce_socket  issue 19 item 3: the same over NCCL sockets (inter-node stand-in), with the all-gather floor  ~4 min
@@ -8,6 +8,7 @@
 #   eager_pp2    issue 24 item 3 eager at PP=2 alone: baseline, agoq, Megatron + agoq RoPE, 2 rounds        ~5 min
 #   profile_pp2  issue 24: the eager PP=2 steps profiled (host per thread, GPU idle, blocking calls), baseline / agoq  ~3 min
 #   graphs_pp2   issue 24 item 3 at PP=2, nothing beside it; eager also with --manual-gc                     ~7 min
+#   graphs_pp2_fp8  issue 24 item 3's FP8 target at PP=2: bf16 vs FP8 delayed linears, eager and graphs         ~4 min
 #   e2e          issue 19 / 24: peer store, 8-bit gradients and PP=2 CUDA graphs, each against its reference  ~5 min
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 header
@@ -23,6 +24,8 @@ step eager_pp2 600 "$PY" benchmarks/bench_pretrain.py --suite graphs_pp2 --skip 
 step profile_pp2 600 bash benchmarks/device/profile_pair.sh 2 step_profile_pp2 --global-batch-size 16 --pipeline-model-parallel-size 2
 step graphs_pp2 600 "$PY" benchmarks/bench_pretrain.py --suite graphs_pp2 --timeout 150 \
   --out "$AGOQ_RESULTS/pretrain_graphs_pp2.json"
+step graphs_pp2_fp8 600 "$PY" benchmarks/bench_pretrain.py --suite graphs_pp2_fp8 --timeout 150 \
+  --out "$AGOQ_RESULTS/pretrain_graphs_pp2_fp8.json"
 mkdir -p "$AGOQ_RESULTS/graph_reports"
 step e2e 600 env AGOQ_CUDA_GRAPHS_REPORT_DIR="$AGOQ_RESULTS/graph_reports" "$PY" -m pytest -q -p no:cacheprovider \
   -m multigpu -rA tests/e2e/test_peer_store_multigpu.py tests/e2e/test_grads_multigpu.py \

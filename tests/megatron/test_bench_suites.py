@@ -186,6 +186,19 @@ def test_only_refuses_a_filter_that_matches_nothing_even_beside_one_that_matches
         BENCH.select_variants("fp8_scale", False, ["1b/mbs4/bf16", "1b/mbs4/fp8 delayd"])
 
 
+def test_graphs_pp2_fp8_suite_compares_like_with_like():
+    """FP8 at PP=2 (issue 24's FP8 target): each FP8 run is its bf16-linears run plus the FP8 flag, in the same mode,
+    on graphs_pp2's shape and batch."""
+    variants = {v["name"]: v["args"] for v in BENCH.SUITES["graphs_pp2_fp8"](False)}
+    baseline = next(v["args"] for v in BENCH.SUITES["graphs_pp2"](False) if v["name"].endswith("(Megatron)/eager"))
+    for mode, tail in (("eager", []), ("graphs", ["--cuda-graph-impl", "local"])):
+        bf16, fp8 = (variants[f"1b/pp2/mbs1/{n} (bf16 policy)/{mode}"] for n in ("bf16 linears", "fp8 delayed"))
+        assert bf16[len(bf16) - len(tail):] == tail and fp8[len(fp8) - len(tail):] == tail
+        assert fp8[: len(bf16) - len(tail)] == bf16[: len(bf16) - len(tail)]
+        assert fp8[len(bf16) - len(tail): len(fp8) - len(tail)] == ["--agoq-fp8", "delayed"]
+        assert bf16[: len(baseline) - 1] == baseline[:-1]  # graphs_pp2's flags but --agoq-disable
+
+
 def test_summary_carries_the_reserved_bytes_next_to_the_allocated_peak():
     """Under CUDA graphs a replay allocates nothing, so the allocated peak misses the graph pool: the summary keeps
     the allocator's reserved bytes of the last step beside it (docs/benchmarks/activations.md)."""
