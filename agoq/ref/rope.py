@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ROPE_DTYPES", "ref_rope_fwd", "ref_rope_bwd", "check_rope_args"]
+__all__ = ["ROPE_DTYPES", "ref_rope_fwd", "ref_rope_bwd", "check_rope_args", "check_qkv_split", "ref_qkv_rope_fwd",
+           "ref_qkv_rope_bwd"]
 
 ROPE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # training dtypes; the kernel's products are exact in fp32
 
@@ -75,3 +76,40 @@ def ref_rope_bwd(grad_SBND: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Te
     from_rotation = torch.cat((g_sin[..., half:], -g_sin[..., :half]), dim=-1)
     grad_rot = (g_rot * cos) + from_rotation
     return torch.cat((grad_rot, grad_SBND[..., rot:]), dim=-1).contiguous() + 0.0
+
+
+# --------------------------------------------------------------------------- QKV split + RoPE ----
+# Megatron's self-attention without its split (TransformerConfig.fused_single_qkv_rope): the fused QKV output
+# mixed [S, B, G, (P + 2) D] (G query groups, P = query heads per group) becomes query [S, B, G P, D] and key /
+# value [S, B, G, D], RoPE applied to query and key, all three compact. The values are those of Megatron's split
+# path (torch.split along the last dim, query reshaped to heads, RoPE per tensor) followed by agoq's SDPA, which
+# makes value compact (agoq.megatron.attention); the gradient of mixed is the concatenation of the three
+# gradients, as autograd's split backward computes it, each through its own op's backward (RoPE's for query and
+# key, the identity of the split / reshape / copy for value).
+
+def check_qkv_split(mixed_SBGW: torch.Tensor, split_sizes: list) -> tuple[int, int]:
+    """(P, D): query heads per group and head dim of Megatron's ``qkv_split_arg_list`` [P D, D, D] for ``mixed``
+    [S, B, G, (P + 2) D]; raise unless they fit."""
+    if len(split_sizes) != 3 or split_sizes[1] != split_sizes[2] or split_sizes[1] <= 0 \
+            or split_sizes[0] % split_sizes[1] or mixed_SBGW.dim() != 4 or mixed_SBGW.shape[-1] != sum(split_sizes):
+        raise ValueError(f"agoq QKV RoPE: expected Megatron's split sizes [P*D, D, D] of a [seq, batch, groups, "
+                         f"(P + 2) * D] QKV output, got {list(split_sizes)} for shape {tuple(mixed_SBGW.shape)}")
+    return split_sizes[0] // split_sizes[1], split_sizes[1]
+
+
+def ref_qkv_rope_fwd(mixed_SBGW: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor,
+                     split_sizes: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query [S, B, G P, D] with RoPE, key [S, B, G, D] with RoPE, value [S, B, G, D]), all compact."""
+    p, d = check_qkv_split(mixed_SBGW, split_sizes)
+    s, b, g, _ = mixed_SBGW.shape
+    query, key, value = torch.split(mixed_SBGW, list(split_sizes), dim=3)
+    query = query.reshape(s, b, g * p, d)  # Megatron's reshape(s, b, -1, d), spelt out for S * B = 0
+    return ref_rope_fwd(query, cos_SR, sin_SR), ref_rope_fwd(key, cos_SR, sin_SR), value.contiguous()
+
+
+def ref_qkv_rope_bwd(grad_q_SBND: torch.Tensor, grad_k_SBGD: torch.Tensor, grad_v_SBGD: torch.Tensor,
+                     cos_SR: torch.Tensor, sin_SR: torch.Tensor, split_sizes: list) -> torch.Tensor:
+    """Gradient of :func:`ref_qkv_rope_fwd` with respect to ``mixed`` [S, B, G, (P + 2) D] (compact)."""
+    s, b, g, _ = grad_k_SBGD.shape
+    grad_q = ref_rope_bwd(grad_q_SBND, cos_SR, sin_SR).reshape(s, b, g, split_sizes[0])
+    return torch.cat((grad_q, ref_rope_bwd(grad_k_SBGD, cos_SR, sin_SR), grad_v_SBGD), dim=3).contiguous()

@@ -111,3 +111,73 @@ def test_rope_kernels_match_reference_bits_gpu_sizes(shape):
     finally:
         set_check_sites(previous)
     assert sum(site.direct_calls for site, _ in rope._ROPE_SITES.values()) > 0
+
+
+# (S, B, G, P, D, R): Megatron's fused QKV output [S, B, G, (P + 2) D]: one group, GQA with odd groups, MHA (P = 1),
+# a partial rotary dim, head dim not a power of two
+QKV_SHAPES = [(1, 1, 1, 1, 2, 2), (5, 2, 3, 4, 8, 8), (7, 1, 2, 3, 24, 16), (3, 2, 5, 1, 64, 64), (0, 1, 2, 2, 8, 8)]
+QKV_GPU_SHAPES = [(4096, 1, 8, 4, 64, 64), (2048, 2, 4, 2, 128, 128)]
+
+
+def _permuted_grad(shape, dtype, gen, special):
+    """An [S, B, H, D] gradient laid out [B, H, S, D] in memory (SDPA's backward through agoq's permutes)."""
+    s, b, h, d = shape
+    return _strided((b, h, s, d), dtype, gen, special).contiguous().permute(2, 0, 1, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", QKV_SHAPES)
+@pytest.mark.parametrize("special", [False, True])
+def test_qkv_rope_kernels_match_reference_bits(shape, dtype, special):
+    """The QKV split + RoPE kernel = the reference (Megatron's split, reshape, RoPE per tensor, value copied) in
+    both directions, with the gradients strided as SDPA's backward hands them and signed zeros kept."""
+    from agoq.kernels.rope import qkv_rope_bwd, qkv_rope_fwd
+    from agoq.ref.rope import ref_qkv_rope_bwd, ref_qkv_rope_fwd
+
+    s, b, g, p, d, rot = shape
+    split = [p * d, d, d]
+    gen = torch.Generator().manual_seed(sum(shape) + 7)
+    mixed = _strided((s, b, g, (p + 2) * d), dtype, gen, special)  # groups strided inside a wider row
+    cos, sin = _trig(s, rot, dtype)
+    for out, ref in zip(qkv_rope_fwd(mixed, cos, sin, split), ref_qkv_rope_fwd(mixed, cos, sin, split), strict=True):
+        _same_bits(out, ref)
+    grads = [_permuted_grad((s, b, h, d), dtype, gen, special) for h in (g * p, g, g)]
+    _same_bits(qkv_rope_bwd(*grads, cos, sin, split), ref_qkv_rope_bwd(*grads, cos, sin, split))
+    contiguous = [t.contiguous() for t in grads]
+    _same_bits(qkv_rope_bwd(*contiguous, cos, sin, split), ref_qkv_rope_bwd(*grads, cos, sin, split))
+
+
+def test_qkv_rope_reference_is_split_then_rope_and_refuses_bad_splits():
+    """The reference's query / key are agoq's RoPE of Megatron's split views; value is the split view's values."""
+    from agoq.kernels.rope import qkv_rope_fwd
+    from agoq.ref.rope import ref_qkv_rope_fwd
+
+    s, b, g, p, d = 6, 2, 3, 2, 8
+    mixed = torch.randn(s, b, g, (p + 2) * d, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    cos, sin = _trig(s, d, torch.bfloat16)
+    q, k, v = ref_qkv_rope_fwd(mixed, cos.cpu(), sin.cpu(), [p * d, d, d])
+    query, key, value = torch.split(mixed, [p * d, d, d], dim=3)
+    assert torch.equal(q, ref_rope_fwd(query.reshape(s, b, g * p, d), cos.cpu(), sin.cpu()))
+    assert torch.equal(k, ref_rope_fwd(key, cos.cpu(), sin.cpu())) and torch.equal(v, value)
+    assert not torch.equal(q, query.reshape(s, b, g * p, d))  # the rotation did something
+    with pytest.raises(ValueError, match=r"split sizes \[P\*D, D, D\]"):
+        qkv_rope_fwd(mixed.to(DEVICE), cos, sin, [p * d, d, d + 1])
+    with pytest.raises(ValueError, match=r"split sizes \[P\*D, D, D\]"):
+        qkv_rope_fwd(mixed.to(DEVICE), cos, sin, [p * d + 1, d, d])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels at a model's size need a GPU")
+@pytest.mark.parametrize("shape", QKV_GPU_SHAPES)
+def test_qkv_rope_kernels_match_reference_bits_gpu_sizes(shape):
+    """At a ~1B / 8B layer's sizes, with every launch site checking its contract."""
+    from agoq.kernels import rope
+    from agoq.kernels._fastlaunch import set_check_sites
+
+    previous = set_check_sites(True)
+    try:
+        for _ in range(3):
+            test_qkv_rope_kernels_match_reference_bits(shape, torch.bfloat16, special=True)
+    finally:
+        set_check_sites(previous)
+    assert sum(site.direct_calls for site, _ in rope._QKV_ROPE_SITES.values()) > 0
