@@ -47,6 +47,7 @@ _TC_FIELDS = (
     "tensor_model_parallel_size", "sequence_parallel", "context_parallel_size", "softmax_type",
     "window_size", "apply_query_key_layer_scaling", "recompute_granularity", "recompute_method",
     "recompute_num_layers", "recompute_modules", "apply_rope_fusion", "rotary_interleaved",
+    "fused_single_qkv_rope",
 )
 
 CONTRACT: tuple[Symbol, ...] = (
@@ -82,6 +83,14 @@ CONTRACT: tuple[Symbol, ...] = (
            "the fused-RoPE slot (None without Transformer Engine) agoq.megatron.rope fills"),
     Symbol("megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb_thd",
            "the packed-sequence slot: agoq.megatron.rope puts a refusal naming the fix there (no thd kernel)"),
+    # the QKV split + RoPE slot (agoq.megatron.rope, second seam): a module global TE defines (undefined without it)
+    # and its flag; Attention.forward calls it as (mixed_qkv, q_freqs, k_freqs, qkv_split_arg_list) for
+    # self-attention under config.fused_single_qkv_rope, from get_query_key_value_tensors(split_qkv=False)
+    Symbol("megatron.core.transformer.attention:HAVE_FUSED_QKV_ROPE",
+           "the QKV split + RoPE slot's flag (False without Transformer Engine) agoq.megatron.rope sets"),
+    Symbol("megatron.core.transformer.attention:Attention.get_query_key_value_tensors",
+           "fused_single_qkv_rope: the unsplit QKV output and its split sizes [P D, D, D]",
+           params=("hidden_states", "key_value_states", "output_gate", "split_qkv")),
     Symbol("megatron.core.models.common.embeddings.rope_utils:apply_rotary_pos_emb",
            "RoPE dispatch: the fused slot under apply_rope_fusion, mscale 1, no cu_seqlens",
            params=("t", "freqs", "config", "cu_seqlens", "mscale")),

@@ -156,16 +156,23 @@ def swap_class(obj: Any, cls: type, *, seam: str) -> None:
                           alive=lambda: ref() is not None))
 
 
+_ABSENT = object()  # set_module_attr: the module had no such name before
+
+
 def set_module_attr(module: ModuleType, name: str, value: Any, *, seam: str,
                     cleanup: Callable[[], None] | None = None) -> None:
     """``module.name = value`` (a module global of Megatron or torch), recorded: undo puts the original
-    object back, then runs ``cleanup`` (e.g. stops a process the value needed)."""
-    original = getattr(module, name)
+    object back (or removes the name where the module had none: e.g. a slot an optional import leaves undefined),
+    then runs ``cleanup`` (e.g. stops a process the value needed)."""
+    original = getattr(module, name, _ABSENT)
     setattr(module, name, value)
 
     def undo() -> None:
-        if getattr(module, name) is value:
-            setattr(module, name, original)
+        if getattr(module, name, _ABSENT) is value:
+            if original is _ABSENT:
+                delattr(module, name)
+            else:
+                setattr(module, name, original)
         if cleanup is not None:
             cleanup()
 

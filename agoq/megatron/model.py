@@ -113,7 +113,8 @@ def llama_transformer_config(
     empty, ``cuda_graph_warmup_steps`` eager passes before each capture; agoq.megatron.graphs); with "none" no
     graph field is passed (Megatron's defaults). ``rope_fusion``: Megatron's ``apply_rope_fusion``, its fused-RoPE
     slot filled with agoq's kernel where Transformer Engine does not fill it (agoq.megatron.rope: the same values
-    and gradients as the unfused RoPE, 2 launches per query / key instead of ~21)."""
+    and gradients as the unfused RoPE, 2 launches per query / key instead of ~21), and ``fused_single_qkv_rope``,
+    self-attention's QKV split + RoPE as one op (the same values and gradients as the split path)."""
     if recompute_num_layers and selective_recompute:
         raise ValueError("--recompute-granularity is full or selective, not both")
     bf16 = params_dtype == torch.bfloat16
@@ -124,9 +125,10 @@ def llama_transformer_config(
     if selective_recompute:
         recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
     if rope_fusion:
-        from agoq.megatron.rope import provide_rope_fusion
+        from agoq.megatron.rope import provide_qkv_rope_fusion, provide_rope_fusion
 
         provide_rope_fusion()
+        provide_qkv_rope_fusion()
     graphs = {}
     if cuda_graph_impl != "none":
         graphs = dict(cuda_graph_impl=cuda_graph_impl, cuda_graph_modules=[],
@@ -156,6 +158,7 @@ def llama_transformer_config(
         use_cpu_initialization=use_cpu_initialization,
         gradient_accumulation_fusion=False,  # needs APEX/TE fused wgrad kernels
         apply_rope_fusion=rope_fusion,
+        fused_single_qkv_rope=rope_fusion,  # self-attention's QKV split + RoPE in the same slot's op (one launch)
         # CPU runs: p2p has no CUDA stream to synchronize; harmless on GPU (NCCL orders the ops).
         batch_p2p_sync=False,
         **pipeline_p2p_options(layout),

@@ -19,6 +19,17 @@ When disabled: ``--rope-fusion off`` (trainer), ``llama_transformer_config(rope_
   RoPE, the slot untouched.
 Guarded by: ``tests/megatron/test_rope.py`` (same values and gradients as Megatron's unfused RoPE, in a model too),
   ``tests/kernels/test_rope_kernels.py`` (kernel = reference, bits), the contract table (agoq.megatron.compat).
+
+Second seam (same card, same switch): Megatron's QKV split + RoPE slot
+``megatron.core.transformer.attention.apply_fused_qkv_rotary_pos_emb`` with its flag ``HAVE_FUSED_QKV_ROPE``
+(module globals defined from Transformer Engine at import; undefined / False without it) and
+``TransformerConfig.fused_single_qkv_rope`` (a constructor argument: self-attention then hands the unsplit QKV
+output and its split sizes to the slot instead of splitting it, reshaping the query and calling RoPE on query and
+key; ``Attention.forward`` asserts the slot is there). agoq.ops.rope.apply_qkv_rope does the split and both RoPEs
+in one launch each way, with the values and gradients of the split path (agoq's SDPA then finds a compact value:
+its copy is a no-op). Per layer and micro-batch that is 2 launches instead of ~8 (split, query reshape copy, two
+RoPEs, the value copy; in backward two RoPEs and the split's concatenation), and the fused QKV output is read once.
+Undo removes the slot again (it was undefined) and puts the flag back.
 """
 
 from __future__ import annotations
@@ -27,10 +38,10 @@ import logging
 
 import torch
 
-from agoq.ops.rope import apply_rope
+from agoq.ops.rope import apply_qkv_rope, apply_rope
 
-__all__ = ["SEAM_ROPE", "agoq_fused_apply_rotary_pos_emb", "provide_rope_fusion", "refuse_packed_sequences",
-           "rope_fusion_provider"]
+__all__ = ["SEAM_ROPE", "agoq_fused_apply_rotary_pos_emb", "agoq_fused_qkv_rotary_pos_emb", "provide_qkv_rope_fusion",
+           "provide_rope_fusion", "qkv_rope_fusion_provider", "refuse_packed_sequences", "rope_fusion_provider"]
 
 log = logging.getLogger("agoq.megatron.rope")
 SEAM_ROPE = "rope_fusion"
@@ -84,4 +95,46 @@ def provide_rope_fusion() -> str:
         return "agoq"
     if provider != "agoq":
         log.info("RoPE: Megatron's fused_apply_rotary_pos_emb comes from %s; agoq leaves it", provider)
+    return provider
+
+
+def agoq_fused_qkv_rotary_pos_emb(mixed_qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor,
+                                  qkv_split_arg_list: list, *args, **kwargs):
+    """Megatron's ``apply_fused_qkv_rotary_pos_emb`` (TE's signature, as ``Attention.forward`` calls it) by
+    agoq.ops.rope.apply_qkv_rope: ``mixed_qkv`` [s, b, g, (p + 2) d], frequencies [s, 1, 1, r] ->
+    (query [s, b, g p, d], key, value [s, b, g, d]). Options it does not implement are refused, naming the fix."""
+    if args or kwargs:
+        raise ValueError(f"agoq's fused QKV RoPE takes (mixed_qkv, q_freqs, k_freqs, split_sizes) only, got extra "
+                         f"arguments {args} {sorted(kwargs)}; use --rope-fusion off (Megatron's split path)")
+    return apply_qkv_rope(mixed_qkv, q_freqs, k_freqs, qkv_split_arg_list)
+
+
+def qkv_rope_fusion_provider() -> str:
+    """Who fills Megatron's QKV split + RoPE slot now: "agoq", "transformer_engine" (or another) or "none"."""
+    from megatron.core.transformer import attention
+
+    slot = getattr(attention, "apply_fused_qkv_rotary_pos_emb", None)
+    if not attention.HAVE_FUSED_QKV_ROPE or slot is None:
+        return "none"
+    if slot is agoq_fused_qkv_rotary_pos_emb:
+        return "agoq"
+    module = getattr(slot, "__module__", "") or ""
+    return "transformer_engine" if "transformer_engine" in module else (module.split(".")[0] or "other")
+
+
+def provide_qkv_rope_fusion() -> str:
+    """Make ``TransformerConfig(fused_single_qkv_rope=True)`` usable: fill the empty slot and its flag with agoq's
+    op (recorded for undo) or keep what fills them; returns the provider (:func:`qkv_rope_fusion_provider`)."""
+    from megatron.core.transformer import attention
+
+    from agoq.megatron.install import set_module_attr
+
+    provider = qkv_rope_fusion_provider()
+    if provider == "none":
+        set_module_attr(attention, "apply_fused_qkv_rotary_pos_emb", agoq_fused_qkv_rotary_pos_emb, seam=SEAM_ROPE)
+        set_module_attr(attention, "HAVE_FUSED_QKV_ROPE", True, seam=SEAM_ROPE)
+        log.info("RoPE: agoq's fused QKV split + RoPE fills Megatron's apply_fused_qkv_rotary_pos_emb")
+        return "agoq"
+    if provider != "agoq":
+        log.info("RoPE: Megatron's apply_fused_qkv_rotary_pos_emb comes from %s; agoq leaves it", provider)
     return provider

@@ -6,6 +6,7 @@ tensor's device type (CUDA: Triton; every other device: the reference, identical
   forward / backward (:mod:`agoq.kernels.swiglu_quant`, :mod:`agoq.kernels.swiglu` / :mod:`agoq.ref.swiglu_quant`,
   :mod:`agoq.ref.swiglu`);
 - :func:`rope_ops`: rotary position embedding forward / backward (:mod:`agoq.kernels.rope` / :mod:`agoq.ref.rope`);
+- :func:`qkv_rope_ops`: the QKV split + RoPE forward / backward (the same modules);
 - the FP8 casts: :func:`agoq.ops.fp8_linear.fp8_cast_ops` (kept there, beside its unchecked reference wrappers).
 
 The eager saved-activation code (:mod:`agoq.ops.saved_act`) and the ``torch.library`` custom ops
@@ -23,13 +24,14 @@ from types import SimpleNamespace
 
 import torch
 
-__all__ = ["quant_ops", "rope_ops", "swiglu_ops"]
+__all__ = ["qkv_rope_ops", "quant_ops", "rope_ops", "swiglu_ops"]
 
 log = logging.getLogger("agoq.ops.dispatch")
 _LOGGED_PATHS: set[tuple[str, str]] = set()
 _LOG_LOCK = threading.Lock()
 _OPS_BY_KIND: dict[str, tuple[Callable, Callable]] = {}  # host-side fast path: one lookup per call
 _SWIGLU_BY_KIND: dict[str, SimpleNamespace] = {}
+_QKV_ROPE_BY_KIND: dict[str, tuple[Callable, Callable]] = {}
 _ROPE_BY_KIND: dict[str, tuple[Callable, Callable]] = {}
 
 
@@ -111,4 +113,21 @@ def rope_ops(device: torch.device) -> tuple[Callable, Callable]:
             path = "agoq.ref.rope (reference)"
         _log_once("RoPE", kind, path)
         ops = _ROPE_BY_KIND[kind] = (rope_fwd, rope_bwd)
+    return ops
+
+
+def qkv_rope_ops(device: torch.device) -> tuple[Callable, Callable]:
+    """(qkv_rope_fwd, qkv_rope_bwd) for tensors on ``device``: Triton on CUDA, the reference elsewhere (same bits)."""
+    kind = _kind(device)
+    ops = _QKV_ROPE_BY_KIND.get(kind)
+    if ops is None:
+        if kind == "cuda":
+            from agoq.kernels.rope import qkv_rope_bwd, qkv_rope_fwd  # lazily: needs Triton
+            path = "agoq.kernels.rope (Triton)"
+        else:
+            from agoq.ref.rope import ref_qkv_rope_bwd as qkv_rope_bwd
+            from agoq.ref.rope import ref_qkv_rope_fwd as qkv_rope_fwd
+            path = "agoq.ref.rope (reference)"
+        _log_once("QKV split + RoPE", kind, path)
+        ops = _QKV_ROPE_BY_KIND[kind] = (qkv_rope_fwd, qkv_rope_bwd)
     return ops

@@ -12,7 +12,13 @@ the graph computes cos / sin from its own frequency input (a replay then follows
 graph's private pool owns what it allocates); under torch.compile the reference's plain ops run (the compiler fuses
 them).
 
-Shape legend: S = sequence, B = batch, N = heads, D = head dim, R = rotary dim (even, <= D).
+:func:`apply_qkv_rope` is the same RoPE with Megatron's QKV split in the same node (one launch each way for
+query, key and value together: ``TransformerConfig.fused_single_qkv_rope``, agoq.megatron.rope): the values of
+Megatron's split, query reshape, RoPE of query and key, and the compact value agoq's SDPA makes; the gradient of
+the fused QKV output as autograd assembles it through those ops (agoq.ref.rope, "QKV split + RoPE").
+
+Shape legend: S = sequence, B = batch, N = heads, G = query groups, P = query heads per group (N = G P),
+D = head dim, W = (P + 2) D, R = rotary dim (even, <= D).
 """
 
 from __future__ import annotations
@@ -22,10 +28,10 @@ import weakref
 import torch
 from torch.autograd.function import once_differentiable
 
-from agoq.ops.dispatch import rope_ops
-from agoq.ref.rope import ref_rope_fwd
+from agoq.ops.dispatch import qkv_rope_ops, rope_ops
+from agoq.ref.rope import check_qkv_split, ref_qkv_rope_fwd, ref_rope_fwd
 
-__all__ = ["apply_rope", "rope_trig", "clear_trig_cache"]
+__all__ = ["apply_qkv_rope", "apply_rope", "rope_trig", "clear_trig_cache"]
 
 _MAX_TRIG_ENTRIES = 8  # distinct live frequency tensors (one per sequence length / offset in use)
 
@@ -108,3 +114,34 @@ def apply_rope(t_SBND: torch.Tensor, freqs_S11R: torch.Tensor) -> torch.Tensor:
         return ref_rope_fwd(t_SBND, *_trig(freqs_S11R, t_SBND.dtype))
     cos_SR, sin_SR = rope_trig(freqs_S11R, t_SBND.dtype)
     return _RoPE.apply(t_SBND, cos_SR, sin_SR)
+
+
+class _QKVRoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, mixed_SBGW, cos_SR, sin_SR, split_sizes):
+        fwd, _ = qkv_rope_ops(mixed_SBGW.device)
+        ctx.cos, ctx.sin, ctx.split = cos_SR, sin_SR, split_sizes  # constants (module docstring)
+        return fwd(mixed_SBGW, cos_SR, sin_SR, split_sizes)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_q_SBND, grad_k_SBGD, grad_v_SBGD):
+        _, bwd = qkv_rope_ops(grad_k_SBGD.device)
+        return bwd(grad_q_SBND, grad_k_SBGD, grad_v_SBGD, ctx.cos, ctx.sin, ctx.split), None, None, None
+
+
+def apply_qkv_rope(mixed_SBGW: torch.Tensor, freqs_q: torch.Tensor, freqs_k: torch.Tensor,
+                   split_sizes: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query [S, B, N, D], key [S, B, G, D], value [S, B, G, D]) from Megatron's fused QKV output ``mixed`` [S, B, G,
+    W] and its ``qkv_split_arg_list`` [P D, D, D], RoPE on query and key with frequencies [S, 1, 1, R] (self-attention:
+    the same tensor for both), as one autograd node."""
+    check_qkv_split(mixed_SBGW, split_sizes)
+    _check_freqs(mixed_SBGW, freqs_q)
+    if freqs_k is not freqs_q:  # Megatron's self-attention passes one tensor twice; comparing values would sync
+        raise ValueError("agoq's fused QKV RoPE takes one frequency tensor for query and key (self-attention); "
+                         "separate ones need --rope-fusion off")
+    split = list(split_sizes)
+    if torch.compiler.is_compiling():
+        return ref_qkv_rope_fwd(mixed_SBGW, *_trig(freqs_q, mixed_SBGW.dtype), split)
+    cos_SR, sin_SR = rope_trig(freqs_q, mixed_SBGW.dtype)
+    return _QKVRoPE.apply(mixed_SBGW, cos_SR, sin_SR, split)

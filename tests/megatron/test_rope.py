@@ -88,23 +88,33 @@ def test_model_with_agoq_rope_trains_bit_identically_and_undoes(mcore_world1, dt
     from pathlib import Path
 
     from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
 
     from agoq.megatron import install
-    from agoq.megatron.rope import agoq_fused_apply_rotary_pos_emb, rope_fusion_provider
+    from agoq.megatron.rope import (
+        agoq_fused_apply_rotary_pos_emb,
+        agoq_fused_qkv_rotary_pos_emb,
+        qkv_rope_fusion_provider,
+        rope_fusion_provider,
+    )
 
-    assert rope_fusion_provider() == "none"  # no Transformer Engine here
-    from agoq.ops.rope import apply_rope
+    assert rope_fusion_provider() == "none" == qkv_rope_fusion_provider()  # no Transformer Engine here
+    assert not hasattr(attention, "apply_fused_qkv_rotary_pos_emb")
+    from agoq.ops.rope import apply_qkv_rope, apply_rope
 
-    calls = []
+    calls, qkv_calls = [], []
     monkeypatch.setattr("agoq.megatron.rope.apply_rope", lambda *a: calls.append(1) or apply_rope(*a))
+    monkeypatch.setattr("agoq.megatron.rope.apply_qkv_rope", lambda *a: qkv_calls.append(1) or apply_qkv_rope(*a))
     policy = Path(__file__).resolve().parents[2] / "configs" / "policy" / "agoq.yaml"
     plain = _model(False, dtype, policy, mcore_world1)
     fused = _model(True, dtype, policy, mcore_world1, reference=plain)
     assert rope_utils.fused_apply_rotary_pos_emb is agoq_fused_apply_rotary_pos_emb
+    assert attention.apply_fused_qkv_rotary_pos_emb is agoq_fused_qkv_rotary_pos_emb and attention.HAVE_FUSED_QKV_ROPE
     loss_p, grads_p = _loss_and_grads(plain, mcore_world1)
-    assert not calls
+    assert not calls and not qkv_calls
     loss_f, grads_f = _loss_and_grads(fused, mcore_world1)
-    assert len(calls) == 2 * tiny_shape().num_layers  # query and key of every layer
+    # self-attention hands its unsplit QKV output to the QKV slot, once per layer; the per-tensor slot is not used
+    assert len(qkv_calls) == tiny_shape().num_layers and not calls
     assert torch.equal(loss_f, loss_p)
     assert grads_f.keys() == grads_p.keys()
     for name, g in grads_p.items():
@@ -114,12 +124,44 @@ def test_model_with_agoq_rope_trains_bit_identically_and_undoes(mcore_world1, dt
     assert any(c.target.endswith("rope_utils.fused_apply_rotary_pos_emb") for c in install.runtime_changes())
     with pytest.raises(ValueError, match="packed sequences.*--rope-fusion off"):  # thd: refused by name
         rope_utils.fused_apply_rotary_pos_emb_thd(torch.zeros(4, 2, 8), None, _freqs(4, 8))
+    assert any(c.target.endswith("attention.apply_fused_qkv_rotary_pos_emb") for c in install.runtime_changes())
     install.undo_runtime_changes()
     assert rope_fusion_provider() == "none" and rope_utils.fused_apply_rotary_pos_emb_thd is None
+    assert qkv_rope_fusion_provider() == "none" and not attention.HAVE_FUSED_QKV_ROPE
+    assert not hasattr(attention, "apply_fused_qkv_rotary_pos_emb")  # undefined again, as without TE
+
+
+def test_per_tensor_rope_slot_alone_matches_the_unfused_model(mcore_world1):
+    """With only the per-tensor slot (the QKV slot off: Megatron's split path, fused_single_qkv_rope False) the model
+    equals the unfused one too (what a Transformer Engine install without its QKV RoPE runs)."""
+    import dataclasses
+    from pathlib import Path
+
+    from agoq.megatron import install
+
+    policy = Path(__file__).resolve().parents[2] / "configs" / "policy" / "agoq.yaml"
+    plain = _model(False, torch.bfloat16, policy, mcore_world1)
+    fused = _model(True, torch.bfloat16, policy, mcore_world1, reference=plain)
+    for module in fused.modules():
+        if getattr(module, "config", None) is not None and module.config.fused_single_qkv_rope:
+            module.config = dataclasses.replace(module.config, fused_single_qkv_rope=False)
+    assert not any(getattr(m, "config", None) is not None and m.config.fused_single_qkv_rope for m in fused.modules())
+    loss_p, grads_p = _loss_and_grads(plain, mcore_world1)
+    loss_f, grads_f = _loss_and_grads(fused, mcore_world1)
+    assert torch.equal(loss_f, loss_p)
+    for name, g in grads_p.items():
+        assert torch.equal(grads_f[name], g), name
+    install.undo_runtime_changes()
 
 
 def test_agoq_rope_refuses_what_it_does_not_implement(mcore_world1):
-    from agoq.megatron.rope import agoq_fused_apply_rotary_pos_emb
+    from agoq.megatron.rope import agoq_fused_apply_rotary_pos_emb, agoq_fused_qkv_rotary_pos_emb
+
+    freqs8 = _freqs(4, 8)
+    with pytest.raises(ValueError, match="extra arguments.*--rope-fusion off"):
+        agoq_fused_qkv_rotary_pos_emb(torch.zeros(4, 1, 2, 32), freqs8, freqs8, [16, 8, 8], interleaved=True)
+    with pytest.raises(ValueError, match="one frequency tensor"):
+        agoq_fused_qkv_rotary_pos_emb(torch.zeros(4, 1, 2, 32), freqs8, freqs8.clone(), [16, 8, 8])
 
     t = torch.zeros(4, 1, 2, 8)
     freqs = _freqs(4, 8)

@@ -68,9 +68,12 @@ def test_threads_since_lists_main_first_then_the_busiest_with_cpu_and_wait_secon
 @pytest.mark.skipif(not os.path.exists(hoststats.PROC_TASKS), reason="Linux only")
 def test_this_process_reads_its_main_thread_or_says_none():
     """Where schedstat is readable the calling thread is found by its OS id; some kernels lack it (None)."""
+    tid = hoststats.main_thread_id()
     times = hoststats.thread_times()
-    if times is not None:
-        assert hoststats.main_thread_id() in times
+    if os.path.exists(f"{hoststats.PROC_TASKS}/{tid}/schedstat"):
+        assert times is not None and tid in times and times[tid][1] > 0.0  # this thread has run
+    else:
+        assert times is None
 
 
 def test_gc_meter_counts_collections_only_while_installed():

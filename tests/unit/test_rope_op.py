@@ -4,7 +4,7 @@ backward through saved-tensor hooks (the node keeps the shared constants as attr
 
 import torch
 
-from agoq.ops.rope import apply_rope, clear_trig_cache, rope_trig
+from agoq.ops.rope import apply_qkv_rope, apply_rope, clear_trig_cache, rope_trig
 from agoq.ref.rope import ref_rope_bwd, ref_rope_fwd
 
 
@@ -60,3 +60,32 @@ def test_inference_tensors_double_backward_and_other_dtypes():
         grad.sum().backward()
     with pytest.raises(ValueError, match="--rope-fusion off"):
         apply_rope(torch.ones(6, 1, 2, 8, dtype=torch.float64), _freqs())
+
+
+def test_apply_qkv_rope_equals_split_then_rope_in_one_node_saving_nothing():
+    """The fused QKV node = Megatron's split path (split, query reshape, agoq's RoPE per tensor, value copied) in
+    values and in the gradient of the fused QKV output, bit for bit; it saves nothing through hooks and refuses
+    separate query / key frequencies."""
+    import pytest
+
+    clear_trig_cache()
+    s, b, g, p, d = 6, 2, 3, 2, 8
+    freqs, split = _freqs(s, d), [p * d, d, d]
+    gen = torch.Generator().manual_seed(1)
+    mixed = torch.randn(s, b, g, (p + 2) * d, generator=gen).to(torch.bfloat16)
+    grads = [torch.randn(s, b, h, d, generator=gen).to(torch.bfloat16) for h in (g * p, g, g)]
+    fused_in = mixed.clone().requires_grad_(True)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: packed.append(x) or x, lambda x: x):
+        fused = apply_qkv_rope(fused_in, freqs, freqs, split)
+    assert packed == [] and all(t.is_contiguous() for t in fused)
+    torch.autograd.backward(fused, grads)
+    split_in = mixed.clone().requires_grad_(True)
+    query, key, value = torch.split(split_in, split, dim=3)
+    unfused = (apply_rope(query.reshape(s, b, g * p, d), freqs), apply_rope(key, freqs), value.contiguous())
+    torch.autograd.backward(unfused, grads)
+    for a, c in zip(fused, unfused, strict=True):
+        assert torch.equal(a.view(torch.int16), c.view(torch.int16))
+    assert torch.equal(fused_in.grad.view(torch.int16), split_in.grad.view(torch.int16))
+    with pytest.raises(ValueError, match="one frequency tensor"):
+        apply_qkv_rope(mixed, freqs, freqs.clone(), split)

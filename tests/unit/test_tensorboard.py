@@ -67,12 +67,15 @@ def test_thread_rows_become_one_scalar_per_thread_and_value(tmp_path):
     .../wait_seconds, the training loop's thread as ``main``; a null list writes nothing."""
     logger = _logger(tmp_path)
     rows = [{"name": "python", "main": True, "cpu_seconds": 0.5, "wait_seconds": 0.01},
-            {"name": "pt_autograd_0", "main": False, "cpu_seconds": 0.2, "wait_seconds": 0.0}]
+            {"name": "pt_autograd_0", "main": False, "cpu_seconds": 0.2, "wait_seconds": 0.0},
+            {"name": "python", "main": False, "cpu_seconds": 0.25, "wait_seconds": 0.5},  # two unnamed Python threads
+            {"name": "python", "main": False, "cpu_seconds": 0.5, "wait_seconds": 0.25}]
     logger.log_iteration({"iteration": 3, "host_threads": rows})
     logger.log_iteration({"iteration": 4, "host_threads": None})
-    assert sorted(logger._writer.scalars) == [
+    assert sorted(logger._writer.scalars) == [  # one value per tag and step: same-named rows summed
         ("host_threads/main/cpu_seconds", 0.5, 3), ("host_threads/main/wait_seconds", 0.01, 3),
-        ("host_threads/pt_autograd_0/cpu_seconds", 0.2, 3), ("host_threads/pt_autograd_0/wait_seconds", 0.0, 3)]
+        ("host_threads/pt_autograd_0/cpu_seconds", 0.2, 3), ("host_threads/pt_autograd_0/wait_seconds", 0.0, 3),
+        ("host_threads/python/cpu_seconds", 0.75, 3), ("host_threads/python/wait_seconds", 0.75, 3)]
 
 
 def test_policy_table_is_written_as_preformatted_text(tmp_path):

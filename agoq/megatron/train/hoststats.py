@@ -72,9 +72,9 @@ def thread_times(root: str = PROC_TASKS) -> ThreadTimes | None:
                 on_cpu_ns, wait_ns = sched.read().split()[:2]
             with open(f"{root}/{tid}/comm", "rb") as comm:
                 name = comm.read().strip().decode(errors="replace")
+            out[int(tid)] = (name, int(on_cpu_ns) / _NS_PER_SECOND, int(wait_ns) / _NS_PER_SECOND)
         except (OSError, ValueError):
             continue  # the thread ended between listdir and open, or no schedstat
-        out[int(tid)] = (name, int(on_cpu_ns) / _NS_PER_SECOND, int(wait_ns) / _NS_PER_SECOND)
     return out or None
 
 
@@ -87,7 +87,9 @@ def threads_since(before: ThreadTimes | None, main_tid: int, root: str = PROC_TA
         return None
     rows = []
     for tid, (name, cpu_s, wait_s) in now.items():
-        _, cpu0, wait0 = before.get(tid, (name, 0.0, 0.0))  # a thread started inside the step counts from zero
+        name0, cpu0, wait0 = before.get(tid, (name, 0.0, 0.0))  # a thread started inside the step counts from zero
+        if cpu_s < cpu0 or name0 != name:  # the id was reused by a new thread inside the step
+            cpu0 = wait0 = 0.0
         rows.append({"name": name, "main": tid == main_tid, "cpu_seconds": round(cpu_s - cpu0, 4),
                      "wait_seconds": round(wait_s - wait0, 4)})
     rows.sort(key=lambda row: (not row["main"], -row["cpu_seconds"]))

@@ -133,12 +133,17 @@ def open_tensorboard(log_dir: str | None, *, is_writer_rank: bool,
 
 def _scalars(record: Mapping):
     """The record's (key, value) pairs, with the thread rows as ``host_threads/<name>/cpu_seconds`` and
-    ``.../wait_seconds`` (the main thread as ``main``)."""
+    ``.../wait_seconds`` (the main thread as ``main``; rows of one name, e.g. a process's unnamed Python threads,
+    summed into one tag, so that no tag gets two values per step)."""
     for key, value in record.items():
         if key != THREADS_KEY or value is None:
             yield key, value
             continue
+        by_name: dict[str, list[float]] = {}
         for row in value:
-            name = "main" if row["main"] else row["name"]
-            yield f"{key}/{name}/cpu_seconds", row["cpu_seconds"]
-            yield f"{key}/{name}/wait_seconds", row["wait_seconds"]
+            total = by_name.setdefault("main" if row["main"] else row["name"], [0.0, 0.0])
+            total[0] += row["cpu_seconds"]
+            total[1] += row["wait_seconds"]
+        for name, (cpu_seconds, wait_seconds) in by_name.items():
+            yield f"{key}/{name}/cpu_seconds", cpu_seconds
+            yield f"{key}/{name}/wait_seconds", wait_seconds
