@@ -124,7 +124,8 @@ def profile_policy(timers: Timers, shape_kw: dict, policy: str, mbs: int, steps:
     name, _, variant = policy.partition("@")  # bench_memory's variants (rope, twonode, ...)
     save_paths, _ = bench_memory._variant(variant)
     model, _ = bench_memory._model(shape_kw, name, device, reference, save_paths,
-                                   rope_fusion=bench_memory.uses_rope(variant))
+                                   rope_fusion=bench_memory.uses_rope(variant),
+                                   qkv_rope=not bench_memory.uses_split_rope(variant))
     tokens, labels, pos = bench_memory._batch(shape_kw, mbs, device)
 
     forward_s = []

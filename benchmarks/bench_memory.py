@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import sys
@@ -56,7 +57,7 @@ TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_group
             seq_length=32, vocab_size=128)
 
 
-def _model(shape_kw, policy, device, reference=None, save_paths=None, rope_fusion=False):
+def _model(shape_kw, policy, device, reference=None, save_paths=None, rope_fusion=False, qkv_rope=True):
     from megatron.core.transformer.module import Float16Module
 
     from agoq.megatron.activations import storage_of
@@ -72,6 +73,8 @@ def _model(shape_kw, policy, device, reference=None, save_paths=None, rope_fusio
     shape = LlamaShape(**shape_kw)
     config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.bfloat16,
                                       use_cpu_initialization=device.type == "cpu", rope_fusion=rope_fusion)
+    if rope_fusion and not qkv_rope:  # agoq's RoPE per tensor on Megatron's split path (variant "splitrope")
+        config = dataclasses.replace(config, fused_single_qkv_rope=False)
     spec = agoq_layer_spec("sdpa", policy=REPO / "configs" / "policy" / f"{policy}.yaml",
                            schedule=ScheduleInfo(1, None, 1), save_paths=save_paths)
     (model,) = build_model_chunks(shape, config, spec, None)
@@ -100,7 +103,8 @@ def _measure(shape_kw, policy, variant, save_paths, mbs, steps, device, referenc
     from agoq.plan.storage import LayerDims, agoq_bytes, megatron_bytes
 
     rope = uses_rope(variant)
-    model, storage = _model(shape_kw, policy, device, reference, save_paths, rope_fusion=rope)
+    model, storage = _model(shape_kw, policy, device, reference, save_paths, rope_fusion=rope,
+                            qkv_rope=not uses_split_rope(variant))
     name = f"{policy}@{variant}" if variant else policy
     tokens, labels, pos = _batch(shape_kw, mbs, device)
     with SavedTensorMeter([model]) as meter:
@@ -191,12 +195,20 @@ def _variant_choices() -> dict:
             "twonode": (no_nodes, False),
             "noquantnode": ({"quantized_linear_node": False}, False),  # only the out-projection's node off
             "noswiglunode": ({"fuse_swiglu_linear": False}, False),  # only SwiGLU -> fc2's node off
-            "rope": ({}, False)}  # agoq's fused RoPE (a model config option: uses_rope)
+            "rope": ({}, False),  # agoq's fused RoPE with the QKV split (the default; a model config option: uses_rope)
+            "splitrope": ({}, False)}  # agoq's RoPE per query / key on Megatron's split path (uses_split_rope)
+
+
+def uses_split_rope(spec: str) -> bool:
+    """Whether the variant ``a+b+...`` runs agoq's RoPE per tensor after Megatron's QKV split (fused_single_qkv_rope
+    off), the path before the fused QKV split + RoPE."""
+    return "splitrope" in spec.split("+")
 
 
 def uses_rope(spec: str) -> bool:
-    """Whether the variant ``a+b+...`` turns agoq's fused RoPE on (llama_transformer_config(rope_fusion=True))."""
-    return "rope" in spec.split("+")
+    """Whether the variant ``a+b+...`` turns agoq's fused RoPE on (llama_transformer_config(rope_fusion=True));
+    ``splitrope`` does too."""
+    return uses_split_rope(spec) or "rope" in spec.split("+")
 
 
 def _variant(spec: str):

@@ -12,6 +12,8 @@
 #   hostprof        issue 24: host time per function and layer inside steps (bf16 / agoq), launch anatomy and
 #                   cProfile of the norm -> linear paths                                                      ~3 min
 #   eager           issue 24 item 3 eager alone: baseline, agoq, bf16 and FP8 linears, 2 rounds A B A B       ~6 min
+#   qkvrope         issue 24: the fused QKV split + RoPE on CUDA (kernel at model sizes, model vs Megatron's split path,
+#                   CUDA graphs) and the harness A/B against agoq's per-tensor RoPE on the split path     ~6 min
 #   eager_diag      issue 24: why agoq's eager steps are bimodal on some leases: baseline / agoq / FP8 eager in 3
 #                   rounds with every iteration's host readings (--log-json: steal time, enqueue time, per-thread
 #                   CPU and run-queue time, Python collections) and the GPU's clocks, power and utilisation
@@ -35,6 +37,11 @@ step rope 900 bash -c '"$0" -m pytest -q -p no:cacheprovider -rA tests/kernels/t
     --json "$1/activations_host_profile.json" || rc=1
   "$0" benchmarks/bench_pretrain.py --suite graphs --skip manual_gc /graphs smooth-swiglu --rounds 2 --timeout 150 \
     --out "$1/pretrain_eager.json" || rc=1
+  exit $rc' "$PY" "$AGOQ_RESULTS"
+step qkvrope 900 bash -c '"$0" -m pytest -q -p no:cacheprovider -rA tests/kernels/test_rope_kernels.py \
+  tests/megatron/test_rope.py tests/unit/test_rope_op.py tests/gpu/test_cuda_graphs_gpu.py; rc=$?
+  "$0" benchmarks/bench_memory.py --policies bf16 bf16@rope agoq@splitrope agoq@rope --mbs 1 --steps 8 --rounds 4 \
+    --json "$1/activations_qkv_rope.json" || rc=1
   exit $rc' "$PY" "$AGOQ_RESULTS"
 step hostcost 720 bash -c '"$0" -m pytest -q -p no:cacheprovider -m gpu -rA tests/gpu/test_norm_linear_gpu.py \
   tests/gpu/test_saved_act_gpu.py tests/gpu/test_cuda_graphs_gpu.py; rc=$?
