@@ -74,10 +74,10 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
         rope_fusion=agoq.rope_fused(on_cuda=not info.is_cpu),
     )
     if config.apply_rope_fusion:
-        from agoq.megatron.rope import rope_fusion_provider
+        from agoq.megatron.rope import qkv_rope_fusion_provider, rope_fusion_provider
 
-        print_rank0(f"RoPE: fused, by {rope_fusion_provider()} (--rope-fusion {agoq.rope_fusion}; off: Megatron's "
-                    "unfused RoPE)")
+        print_rank0(f"RoPE: fused, by {rope_fusion_provider()}, with the QKV split by {qkv_rope_fusion_provider()} "
+                    f"(--rope-fusion {agoq.rope_fusion}; off: Megatron's split and unfused RoPE)")
     else:
         print_rank0(f"RoPE: Megatron's unfused RoPE (--rope-fusion {agoq.rope_fusion}; agoq's fused kernel: "
                     "--rope-fusion agoq, the default with agoq on a GPU)")

@@ -44,10 +44,10 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="sdpa: torch scaled_dot_product_attention (flash/cuDNN on GPU); "
                         "megatron: Megatron's unfused DotProductAttention (saves [b,h,s,s] probabilities)")
     g.add_argument("--rope-fusion", choices=ROPE_FUSIONS, default=None,
-                   help="RoPE: auto (default): agoq's fused Triton RoPE where agoq is on and the run is on CUDA "
-                        "(Megatron's values and gradients bit for bit, 2 launches per query / key instead of ~21); "
-                        "agoq: always, --agoq-disable too; off: Megatron's unfused RoPE. A Transformer Engine "
-                        "RoPE, when installed, is kept")
+                   help="RoPE: auto (default): agoq's fused Triton RoPE where agoq is on and the run is on "
+                        "CUDA, with Megatron's QKV split in the same op (Megatron's values and gradients bit for "
+                        "bit, one launch each way per layer instead of ~45); agoq: always, --agoq-disable too; "
+                        "off: Megatron's split and unfused RoPE. A Transformer Engine RoPE, when installed, is kept")
     g.add_argument("--fp32", action="store_true", help="fp32 parameters and compute (default: bf16)")
     g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
                    help="Megatron's activation recompute: full (each group of --recompute-num-layers layers keeps "
