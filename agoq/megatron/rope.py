@@ -70,13 +70,7 @@ def rope_fusion_provider() -> str:
     """Who fills Megatron's fused-RoPE slot now: "agoq", "transformer_engine" (or another) or "none"."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    slot = rope_utils.fused_apply_rotary_pos_emb
-    if slot is None:
-        return "none"
-    if slot is agoq_fused_apply_rotary_pos_emb:
-        return "agoq"
-    module = getattr(slot, "__module__", "") or ""
-    return "transformer_engine" if "transformer_engine" in module else (module.split(".")[0] or "other")
+    return _provider_of(rope_utils.fused_apply_rotary_pos_emb, agoq_fused_apply_rotary_pos_emb)
 
 
 def provide_rope_fusion() -> str:
@@ -114,12 +108,7 @@ def qkv_rope_fusion_provider() -> str:
     from megatron.core.transformer import attention
 
     slot = getattr(attention, "apply_fused_qkv_rotary_pos_emb", None)
-    if not attention.HAVE_FUSED_QKV_ROPE or slot is None:
-        return "none"
-    if slot is agoq_fused_qkv_rotary_pos_emb:
-        return "agoq"
-    module = getattr(slot, "__module__", "") or ""
-    return "transformer_engine" if "transformer_engine" in module else (module.split(".")[0] or "other")
+    return _provider_of(slot if attention.HAVE_FUSED_QKV_ROPE else None, agoq_fused_qkv_rotary_pos_emb)
 
 
 def provide_qkv_rope_fusion() -> str:
@@ -138,3 +127,13 @@ def provide_qkv_rope_fusion() -> str:
     if provider != "agoq":
         log.info("RoPE: Megatron's apply_fused_qkv_rotary_pos_emb comes from %s; agoq leaves it", provider)
     return provider
+
+
+def _provider_of(slot, ours) -> str:
+    """"none" (an empty slot), "agoq" (``ours``), "transformer_engine", or the top package of what fills it."""
+    if slot is None:
+        return "none"
+    if slot is ours:
+        return "agoq"
+    module = getattr(slot, "__module__", "") or ""
+    return "transformer_engine" if "transformer_engine" in module else (module.split(".")[0] or "other")

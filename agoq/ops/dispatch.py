@@ -104,15 +104,7 @@ def rope_ops(device: torch.device) -> tuple[Callable, Callable]:
     kind = _kind(device)
     ops = _ROPE_BY_KIND.get(kind)
     if ops is None:
-        if kind == "cuda":
-            from agoq.kernels.rope import rope_bwd, rope_fwd  # lazily: needs Triton
-            path = "agoq.kernels.rope (Triton)"
-        else:
-            from agoq.ref.rope import ref_rope_bwd as rope_bwd
-            from agoq.ref.rope import ref_rope_fwd as rope_fwd
-            path = "agoq.ref.rope (reference)"
-        _log_once("RoPE", kind, path)
-        ops = _ROPE_BY_KIND[kind] = (rope_fwd, rope_bwd)
+        ops = _ROPE_BY_KIND[kind] = _rope_pair(kind, "RoPE", ("rope_fwd", "rope_bwd"))
     return ops
 
 
@@ -121,13 +113,21 @@ def qkv_rope_ops(device: torch.device) -> tuple[Callable, Callable]:
     kind = _kind(device)
     ops = _QKV_ROPE_BY_KIND.get(kind)
     if ops is None:
-        if kind == "cuda":
-            from agoq.kernels.rope import qkv_rope_bwd, qkv_rope_fwd  # lazily: needs Triton
-            path = "agoq.kernels.rope (Triton)"
-        else:
-            from agoq.ref.rope import ref_qkv_rope_bwd as qkv_rope_bwd
-            from agoq.ref.rope import ref_qkv_rope_fwd as qkv_rope_fwd
-            path = "agoq.ref.rope (reference)"
-        _log_once("QKV split + RoPE", kind, path)
-        ops = _QKV_ROPE_BY_KIND[kind] = (qkv_rope_fwd, qkv_rope_bwd)
+        ops = _QKV_ROPE_BY_KIND[kind] = _rope_pair(kind, "QKV split + RoPE", ("qkv_rope_fwd", "qkv_rope_bwd"))
     return ops
+
+
+def _rope_pair(kind: str, family: str, names: tuple[str, str]) -> tuple[Callable, Callable]:
+    """The forward / backward ``names`` from agoq.kernels.rope on CUDA (imported lazily: needs Triton), else their
+    ``ref_`` twins from agoq.ref.rope."""
+    if kind == "cuda":
+        from agoq.kernels import rope as impl
+
+        path, prefix = "agoq.kernels.rope (Triton)", ""
+    else:
+        from agoq.ref import rope as impl
+
+        path, prefix = "agoq.ref.rope (reference)", "ref_"
+    _log_once(family, kind, path)
+    fwd, bwd = (getattr(impl, prefix + name) for name in names)
+    return fwd, bwd
