@@ -243,7 +243,9 @@ def patches_needed(config: AgoqConfig) -> tuple[str, ...]:
 
 
 def install_for_megatron_training(config: AgoqConfig):
-    """``agoq.megatron.install.install(config)`` (contract check, FP8 weight-cache hook) plus the patches of
+    """``agoq.megatron.install.install(config)`` (contract check, FP8 weight-cache hook), agoq's RoPE in Megatron's
+    empty fused-RoPE slot when Megatron-LM's rope fusion is on (agoq.megatron.rope; a Transformer Engine RoPE is
+    kept) with agoq on, plus the patches of
     ``megatron.training`` the config needs (:func:`patches_needed`); returns the install ``Handle``:
     ``handle.undo()`` puts Megatron's ``DDP`` and ``get_megatron_optimizer`` back (identical objects)."""
     import megatron.core.datasets.utils as dataset_utils
@@ -256,6 +258,10 @@ def install_for_megatron_training(config: AgoqConfig):
         raise ValueError(f"AgoqConfig.device={config.device!r}: megatron.training runs on CUDA only; build the "
                          "config with agoq_config_from_megatron_args")
     handle = install(config)
+    if config.enabled and config.rope_fusion == "agoq":  # Megatron-LM's --rope-fusion (its default) without TE
+        from agoq.megatron.rope import provide_rope_fusion
+
+        provide_rope_fusion()  # agoq's kernel where TE's is absent (else TransformerConfig refuses the flag)
     patched = []
     for seam in patches_needed(config):
         if seam == SEAM_HELPERS:

@@ -240,6 +240,35 @@ def test_install_patches_what_the_config_needs_and_undo_restores_megatron(monkey
     assert mtt.DDP is ddp and mtt.get_megatron_optimizer is factory and dataset_utils.compile_helpers is compile_helpers
 
 
+@pytest.mark.parametrize("agoq_on", [True, False])
+def test_install_fills_the_rope_slot_for_megatron_lms_rope_fusion_with_agoq_on(monkeypatch, training_module, agoq_on):
+    """Megatron-LM's --rope-fusion is on by default and needs a fused RoPE (TransformerConfig refuses it with an empty
+    slot): with agoq on the door fills the slot with agoq's RoPE, undone with the handle; --agoq-disable leaves
+    Megatron as it is; --no-rope-fusion leaves the slot empty."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from agoq.megatron.megatron_lm import install_for_megatron_training
+    from agoq.megatron.rope import agoq_fused_apply_rotary_pos_emb, rope_fusion_provider
+    from agoq.megatron.train.megatron_lm import agoq_config_from_megatron_args
+
+    argv = [w for w in _bench_megatron_argv("agoq_default" if agoq_on else "baseline") if w != "--no-rope-fusion"]
+    config = agoq_config_from_megatron_args(_megatron_args(monkeypatch, argv))
+    assert config.rope_fusion == "agoq" and rope_fusion_provider() == "none"
+    handle = install_for_megatron_training(config)
+    try:
+        expected = agoq_fused_apply_rotary_pos_emb if agoq_on else None
+        assert rope_utils.fused_apply_rotary_pos_emb is expected
+    finally:
+        handle.undo()
+    assert rope_fusion_provider() == "none"
+    plain = agoq_config_from_megatron_args(_megatron_args(monkeypatch, _bench_megatron_argv("agoq_default")))
+    handle = install_for_megatron_training(plain)  # --no-rope-fusion: nothing to serve
+    try:
+        assert plain.rope_fusion == "off" and rope_fusion_provider() == "none"
+    finally:
+        handle.undo()
+
+
 def test_compile_helpers_runs_no_make_when_the_wheels_module_imports(monkeypatch, training_module):
     """The 0.19.2 wheel has helpers_cpp but no Makefile: Megatron's compile_helpers runs make, which fails, and
     exits the process. agoq's replacement skips make when the compiled module imports."""
@@ -302,21 +331,27 @@ def _run(command: list[str], port: int | None, tmp_path, log_name: str) -> list[
     return [r["lm_loss"] for r in records if "lm_loss" in r and "iteration" in r]
 
 
-# case -> (flags for megatron.training, flags for pretrain_llama.py); Megatron's full recompute names its method
+# case -> (flags for megatron.training, flags for pretrain_llama.py[, equivalence flags left out of the first]);
+# Megatron's full recompute names its method; "agoq_rope": Megatron-LM's default rope fusion, which the door serves
+# with agoq's RoPE (the reference on the CPU) as pretrain_llama.py --rope-fusion agoq does
 CPU_CASES = {
     "baseline": (BENCH.VARIANTS["baseline"], BENCH.VARIANTS["baseline"]),
     "agoq_default": (BENCH.VARIANTS["agoq_default"], BENCH.VARIANTS["agoq_default"]),
     "agoq_full_distopt": (BENCH.VARIANTS["agoq_full_distopt"], BENCH.VARIANTS["agoq_full_distopt"]),
     "agoq_recompute_full": (["--recompute-granularity", "full", "--recompute-method", "uniform",
                              "--recompute-num-layers", "1"], ["--recompute-granularity", "full"]),
+    "agoq_rope": (BENCH.VARIANTS["agoq_default"], [*BENCH.VARIANTS["agoq_default"], "--rope-fusion", "agoq"],
+                  ("--no-rope-fusion",)),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CPU_CASES))
 def test_megatron_training_on_cpu_trains_as_pretrain_llama(default_data, tmp_path, case):
-    megatron_flags, own_flags = CPU_CASES[case]
+    megatron_flags, own_flags, *dropped = CPU_CASES[case]
     iters = ["--train-iters", str(CPU_ITERS)]
     megatron = _megatron_cpu_command(default_data, tmp_path, "m.jsonl", [*megatron_flags, *iters])
+    megatron = [word for word in megatron if word not in (dropped[0] if dropped else ())]
+    assert ("--no-rope-fusion" in megatron) != (case == "agoq_rope")
     own = [sys.executable, str(REPO_ROOT / "scripts" / "pretrain_llama.py"), *CPU_FLAGS, "--data-path",
            default_data["prefix"], "--tokenizer-model", default_data["tokenizer"], "--data-cache-dir",
            str(tmp_path / "acache"), "--log-json", str(tmp_path / "a.jsonl"), *own_flags, *iters]

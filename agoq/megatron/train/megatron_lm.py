@@ -174,8 +174,8 @@ def agoq_config_from_megatron_args(args: argparse.Namespace) -> AgoqConfig:
     check_megatron_args(args)
     values = dict(vars(args))
     values["agoq_device"] = "cuda"  # megatron.training is CUDA-only (initialize_megatron asserts it)
-    # RoPE is Megatron-LM's own flag here (--no-rope-fusion; its fused RoPE needs Transformer Engine): this door does
-    # not fill Megatron's fused-RoPE slot, so the config (the planner's per-layer cos / sin saves) follows that flag
+    # RoPE is Megatron-LM's own flag here (--no-rope-fusion; on by default): with agoq on, the door fills Megatron's
+    # empty fused-RoPE slot with agoq's kernel (install_for_megatron_training), so the config follows that flag
     values["rope_fusion"] = "agoq" if getattr(args, "apply_rope_fusion", False) else "off"
     policy = None if args.agoq_disable else load_policy(Path(args.agoq_policy) if args.agoq_policy
                                                          else DEFAULT_POLICY)
