@@ -158,11 +158,20 @@ def llama_transformer_config(
         use_cpu_initialization=use_cpu_initialization,
         gradient_accumulation_fusion=False,  # needs APEX/TE fused wgrad kernels
         apply_rope_fusion=rope_fusion,
-        fused_single_qkv_rope=rope_fusion,  # self-attention's QKV split + RoPE in the same slot's op (one launch)
+        fused_single_qkv_rope=qkv_rope_fusable(rope_fusion, shape, layout),
         # CPU runs: p2p has no CUDA stream to synchronize; harmless on GPU (NCCL orders the ops).
         batch_p2p_sync=False,
         **pipeline_p2p_options(layout),
     )
+
+
+def qkv_rope_fusable(rope_fusion: bool, shape: LlamaShape, layout: ParallelLayout) -> bool:
+    """Whether self-attention's QKV split + RoPE runs as one op (``fused_single_qkv_rope``): with the fused RoPE, where
+    every tensor-parallel rank holds whole query groups. With fewer groups than ranks Megatron all-gathers a group
+    and picks this rank's query heads only on its split path (megatron-core 0.19.2 ``get_query_key_value_tensors``),
+    so the unsplit output would carry the other ranks' query heads too: there the split path runs, with agoq's RoPE
+    per tensor."""
+    return rope_fusion and shape.num_query_groups >= layout.tp
 
 
 def pipeline_p2p_options(layout: ParallelLayout) -> dict[str, bool]:

@@ -196,3 +196,19 @@ def _check_saved_bytes_as_planned(plain, fused, device):
                     - sum(megatron_bytes(storage, dims, rope_fused=True).values()))
         assert modelled > 0
         assert unfused_bytes - metered[1][layer] == modelled, (layer, unfused_bytes, metered[1][layer], modelled)
+
+
+def test_qkv_split_stays_megatrons_where_a_rank_holds_part_of_a_query_group():
+    """fused_single_qkv_rope only where every tensor-parallel rank holds whole query groups: with fewer groups than
+    ranks Megatron picks the rank's query heads on its split path only (agoq.megatron.model.qkv_rope_fusable)."""
+    import dataclasses
+
+    from agoq.megatron.model import ParallelLayout, qkv_rope_fusable
+
+    shape = tiny_shape()
+    assert qkv_rope_fusable(True, shape, ParallelLayout())
+    assert not qkv_rope_fusable(False, shape, ParallelLayout())
+    few = dataclasses.replace(shape, num_query_groups=1, num_attention_heads=4)
+    assert qkv_rope_fusable(True, few, ParallelLayout(tp=1))
+    assert not qkv_rope_fusable(True, few, ParallelLayout(tp=2))
+    assert qkv_rope_fusable(True, dataclasses.replace(few, num_query_groups=2), ParallelLayout(tp=2))
