@@ -236,14 +236,17 @@ def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, v_view: bool = Fal
       output and so kept the whole [T, (n + 2g) d] buffer alive (every GPU measurement committed
       before that date); RoPE keeps its cos and sin ([s, 1, 1, d], cast to bf16 per layer) for q and for k;
       ``rope_fused`` (agoq's fused RoPE, agoq.ops.rope): none per layer (one cached [s, d] cos / sin pair per run,
-      ~1 MiB at seq 4096, shared by every layer, not modelled);
+      ~1 MiB at seq 4096, shared by every layer, not modelled), and where each tensor-parallel rank holds whole
+      query groups the QKV split runs in the same op, so v reaches attention compact
+      (agoq.megatron.model.qkv_rope_fusable);
     - linear_proj's bf16 input is ``out.permute(2, 0, 1, 3).reshape(s, b, -1)``, a view of SDPA's
       output (allocated in the query's [s, b, n, d] memory order), so it adds no storage.
     ``core_attn_recompute`` (--recompute-granularity selective, Megatron's ``recompute_modules=["core_attn"]``):
     ``Attention._checkpointed_attention_forward`` runs the core attention under Megatron's CheckpointFunction,
     which saves its inputs instead of SDPA's saves. q and k are RoPE's outputs (as before); v is the strided
     view of the fused QKV output (agoq's compact copy is made inside the checkpointed core attention), so the
-    whole [T, (n + 2g) d] buffer stays alive; SDPA's out and log-sum-exp are not saved, and linear_proj keeps
+    whole [T, (n + 2g) d] buffer stays alive, except with the fused QKV split + RoPE, which hands attention a
+    compact v ([T, g d]); SDPA's out and log-sum-exp are not saved, and linear_proj keeps
     its input, now a tensor of its own ([T, n d] bf16; nothing when agoq stores attn.proj_input quantized).
     With SDPA (flash) attention this saves *more* than no recompute (2 (n + g) d - 4 n bytes per token and
     layer): the recompute pays off only with Megatron's unfused attention, whose [b, n, s, s] probabilities
@@ -258,7 +261,8 @@ def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, v_view: bool = Fal
         if rs.how not in (MEGATRON, NOT_APPLIED):
             continue
         if core_attn_recompute and role in ("attn.v", "attn.out"):
-            out[role] = _checkpointed_attention_bytes(role, storage, dims)
+            out[role] = _checkpointed_attention_bytes(role, storage, dims,
+                                                      compact_v=rope_fused and dims.groups >= dims.tp)
             continue
         if role == "norm.input":
             out[role] = 2 * (BF16_BYTES * dims.numel(role) + FP32_BYTES * t)
@@ -277,11 +281,12 @@ def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, v_view: bool = Fal
     return out
 
 
-def _checkpointed_attention_bytes(role: str, storage: LayerStorage, dims: LayerDims) -> int:
-    """attn.v / attn.out under Megatron's core-attention recompute (``megatron_bytes``)."""
+def _checkpointed_attention_bytes(role: str, storage: LayerStorage, dims: LayerDims, compact_v: bool = False) -> int:
+    """attn.v / attn.out under Megatron's core-attention recompute (``megatron_bytes``); ``compact_v``: the value
+    comes out of the fused QKV split + RoPE as a tensor of its own."""
     n, g, d = dims.heads // dims.tp, dims.groups // dims.tp, dims.head_dim
-    if role == "attn.v":  # the checkpoint's saved value: a view of the fused QKV output
-        return BF16_BYTES * dims.tokens * (n + 2 * g) * d
+    if role == "attn.v":  # the checkpoint's saved value: compact, or a view of the whole fused QKV output
+        return BF16_BYTES * dims.tokens * (g if compact_v else n + 2 * g) * d
     proj_saved_by_megatron = storage.roles["attn.proj_input"].how in (MEGATRON, NOT_APPLIED)
     return BF16_BYTES * dims.numel("attn.out") if proj_saved_by_megatron else 0  # linear_proj's input
 

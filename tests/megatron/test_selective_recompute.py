@@ -15,7 +15,7 @@ SEQ, MICRO_BATCH, VOCAB = 32, 2, 128
 HIDDEN, FFN, HEADS, GROUPS = 64, 128, 4, 2
 
 
-def _build(selective: bool, policy: str = "bf16", reference=None):
+def _build(selective: bool, policy: str = "bf16", reference=None, rope_fusion: bool = False):
     from megatron.core.transformer.module import Float16Module
 
     from agoq.megatron.activations import storage_of
@@ -32,7 +32,8 @@ def _build(selective: bool, policy: str = "bf16", reference=None):
     shape = LlamaShape(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
                        ffn_hidden_size=FFN, seq_length=SEQ, vocab_size=VOCAB)
     config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.bfloat16,
-                                      use_cpu_initialization=True, selective_recompute=selective)
+                                      use_cpu_initialization=True, selective_recompute=selective,
+                                      rope_fusion=rope_fusion)
     assert (config.recompute_granularity, config.recompute_modules) == (("selective", ["core_attn"]) if selective
                                                                          else (None, ["core_attn"]))
     spec = agoq_layer_spec("sdpa", policy=POLICY_DIR / f"{policy}.yaml",
@@ -71,11 +72,11 @@ def test_selective_recompute_gives_the_same_gradients(mcore_world1):
         assert torch.equal(grad, out[model][1][name]), name
 
 
-def _held(selective: bool, policy: str) -> tuple[dict[int, int], object]:
+def _held(selective: bool, policy: str, rope_fusion: bool = False) -> tuple[dict[int, int], object]:
     """Per layer: Megatron's saves (metered) + agoq's quantized copies (counter), one forward."""
     from agoq.megatron.activations import SavedTensorMeter
 
-    model, storage = _build(selective, policy)
+    model, storage = _build(selective, policy, rope_fusion=rope_fusion)
     model.train()
     tokens, labels, pos = _batch()
     with SavedTensorMeter([model]) as meter:
@@ -116,3 +117,35 @@ def test_selective_recompute_changes_held_bytes_as_modelled(mcore_world1):
     assert modelled == t * (2 * (HEADS + GROUPS) * d - 4 * HEADS) > 0
     for idx in plain:
         assert 0 <= selective[idx] - plain[idx] - modelled <= 4, (idx, selective[idx] - plain[idx], modelled)
+
+
+@pytest.mark.parametrize("policy", ["int8", "agoq"])
+def test_fused_qkv_rope_hands_the_checkpoint_a_compact_value(mcore_world1, policy):
+    """With agoq's RoPE and the QKV split in one op (--rope-fusion), the checkpointed core attention saves a compact
+    v, not a view of the fused QKV output: the planner's rope_fused model, within 5 % per layer (the view's
+    model misses by more); the gradients equal the plain model's."""
+    from agoq.megatron import install
+    from agoq.plan.storage import agoq_bytes, megatron_bytes
+
+    try:
+        held, storage = _held(True, policy, rope_fusion=True)
+        t, d = SEQ * MICRO_BATCH, HIDDEN // HEADS
+        for idx, layer in storage.layers.items():
+            ours = megatron_bytes(layer, _dims(), core_attn_recompute=True, rope_fused=True)
+            assert ours["attn.v"] == 2 * t * GROUPS * d
+            predicted = sum(agoq_bytes(layer, _dims()).values()) + sum(ours.values())
+            assert abs(held[idx] - predicted) <= 0.05 * predicted, (idx, held[idx], predicted)
+            view_v = predicted - ours["attn.v"] + 2 * t * (HEADS + 2 * GROUPS) * d
+            assert abs(held[idx] - view_v) > 0.05 * predicted, (idx, held[idx], view_v)
+        ref, _ = _build(False, policy)
+        fused, _ = _build(True, policy, reference=ref, rope_fusion=True)
+        grads = []
+        for m in (ref, fused):
+            m.train()
+            tokens, labels, pos = _batch()
+            m(tokens, pos, None, labels=labels).float().mean().backward()
+            grads.append({n: p.grad for n, p in m.named_parameters()})
+        for name, grad in grads[0].items():
+            assert torch.equal(grad, grads[1][name]), name
+    finally:
+        install.undo_runtime_changes()
