@@ -76,8 +76,10 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
     if config.apply_rope_fusion:
         from agoq.megatron.rope import qkv_rope_fusion_provider, rope_fusion_provider
 
-        print_rank0(f"RoPE: fused, by {rope_fusion_provider()}, with the QKV split by {qkv_rope_fusion_provider()} "
-                    f"(--rope-fusion {agoq.rope_fusion}; off: Megatron's split and unfused RoPE)")
+        qkv = (f", with the QKV split by {qkv_rope_fusion_provider()}" if config.fused_single_qkv_rope
+               else " (Megatron's QKV split: a tensor-parallel rank holds part of a query group)")
+        print_rank0(f"RoPE: fused, by {rope_fusion_provider()}{qkv} (--rope-fusion {agoq.rope_fusion}; off: "
+                    "Megatron's split and unfused RoPE)")
     else:
         print_rank0(f"RoPE: Megatron's unfused RoPE (--rope-fusion {agoq.rope_fusion}; agoq's fused kernel: "
                     "--rope-fusion agoq, the default with agoq on a GPU)")

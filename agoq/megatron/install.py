@@ -160,11 +160,15 @@ _ABSENT = object()  # set_module_attr: the module had no such name before
 
 
 def set_module_attr(module: ModuleType, name: str, value: Any, *, seam: str,
-                    cleanup: Callable[[], None] | None = None) -> None:
+                    cleanup: Callable[[], None] | None = None, allow_absent: bool = False) -> None:
     """``module.name = value`` (a module global of Megatron or torch), recorded: undo puts the original
-    object back (or removes the name where the module had none: e.g. a slot an optional import leaves undefined),
-    then runs ``cleanup`` (e.g. stops a process the value needed)."""
+    object back, then runs ``cleanup`` (e.g. stops a process the value needed). ``allow_absent``: the module may
+    lack the name (a slot an optional import leaves undefined); undo then removes it. Otherwise a missing name
+    raises (a renamed global must not be added silently)."""
     original = getattr(module, name, _ABSENT)
+    if original is _ABSENT and not allow_absent:
+        raise AttributeError(f"agoq: {module.__name__} has no {name!r} to replace (seam {seam}); megatron-core "
+                             "changed: see the contract table (agoq.megatron.compat)")
     setattr(module, name, value)
 
     def undo() -> None:

@@ -120,7 +120,8 @@ def provide_qkv_rope_fusion() -> str:
 
     provider = qkv_rope_fusion_provider()
     if provider == "none":
-        set_module_attr(attention, "apply_fused_qkv_rotary_pos_emb", agoq_fused_qkv_rotary_pos_emb, seam=SEAM_ROPE)
+        set_module_attr(attention, "apply_fused_qkv_rotary_pos_emb", agoq_fused_qkv_rotary_pos_emb, seam=SEAM_ROPE,
+                        allow_absent=True)  # undefined without Transformer Engine
         set_module_attr(attention, "HAVE_FUSED_QKV_ROPE", True, seam=SEAM_ROPE)
         log.info("RoPE: agoq's fused QKV split + RoPE fills Megatron's apply_fused_qkv_rotary_pos_emb")
         return "agoq"

@@ -90,7 +90,7 @@ def ref_rope_bwd(grad_SBND: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Te
 def check_qkv_split(mixed_SBGW: torch.Tensor, split_sizes: list) -> tuple[int, int]:
     """(P, D): query heads per group and head dim of Megatron's ``qkv_split_arg_list`` [P D, D, D] for ``mixed``
     [S, B, G, (P + 2) D]; raise unless they fit."""
-    if len(split_sizes) != 3 or split_sizes[1] != split_sizes[2] or split_sizes[1] <= 0 \
+    if len(split_sizes) != 3 or split_sizes[1] != split_sizes[2] or min(split_sizes) <= 0 \
             or split_sizes[0] % split_sizes[1] or mixed_SBGW.dim() != 4 or mixed_SBGW.shape[-1] != sum(split_sizes):
         raise ValueError(f"agoq QKV RoPE: expected Megatron's split sizes [P*D, D, D] of a [seq, batch, groups, "
                          f"(P + 2) * D] QKV output, got {list(split_sizes)} for shape {tuple(mixed_SBGW.shape)}")

@@ -164,6 +164,8 @@ def test_qkv_rope_reference_is_split_then_rope_and_refuses_bad_splits():
         qkv_rope_fwd(mixed.to(DEVICE), cos, sin, [p * d, d, d + 1])
     with pytest.raises(ValueError, match=r"split sizes \[P\*D, D, D\]"):
         qkv_rope_fwd(mixed.to(DEVICE), cos, sin, [p * d + 1, d, d])
+    with pytest.raises(ValueError, match=r"split sizes \[P\*D, D, D\]"):  # no query heads: k / v would be unwritten
+        qkv_rope_fwd(mixed[..., p * d:].to(DEVICE), cos, sin, [0, d, d])
 
 
 @pytest.mark.gpu

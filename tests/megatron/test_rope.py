@@ -92,8 +92,6 @@ def test_model_with_agoq_rope_trains_bit_identically_and_undoes(mcore_world1, dt
 
     from agoq.megatron import install
     from agoq.megatron.rope import (
-        agoq_fused_apply_rotary_pos_emb,
-        agoq_fused_qkv_rotary_pos_emb,
         qkv_rope_fusion_provider,
         rope_fusion_provider,
     )
@@ -106,13 +104,29 @@ def test_model_with_agoq_rope_trains_bit_identically_and_undoes(mcore_world1, dt
     monkeypatch.setattr("agoq.megatron.rope.apply_rope", lambda *a: calls.append(1) or apply_rope(*a))
     monkeypatch.setattr("agoq.megatron.rope.apply_qkv_rope", lambda *a: qkv_calls.append(1) or apply_qkv_rope(*a))
     policy = Path(__file__).resolve().parents[2] / "configs" / "policy" / "agoq.yaml"
-    plain = _model(False, dtype, policy, mcore_world1)
-    fused = _model(True, dtype, policy, mcore_world1, reference=plain)
+    try:
+        _check_model_with_agoq_rope(policy, dtype, mcore_world1, calls, qkv_calls)
+    finally:
+        install.undo_runtime_changes()  # the slots stay empty for the tests after this one, pass or fail
+    assert rope_fusion_provider() == "none" and rope_utils.fused_apply_rotary_pos_emb_thd is None
+    assert qkv_rope_fusion_provider() == "none" and not attention.HAVE_FUSED_QKV_ROPE
+    assert not hasattr(attention, "apply_fused_qkv_rotary_pos_emb")  # undefined again, as without TE
+
+
+def _check_model_with_agoq_rope(policy, dtype, device, calls, qkv_calls):
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+
+    from agoq.megatron import install
+    from agoq.megatron.rope import agoq_fused_apply_rotary_pos_emb, agoq_fused_qkv_rotary_pos_emb
+
+    plain = _model(False, dtype, policy, device)
+    fused = _model(True, dtype, policy, device, reference=plain)
     assert rope_utils.fused_apply_rotary_pos_emb is agoq_fused_apply_rotary_pos_emb
     assert attention.apply_fused_qkv_rotary_pos_emb is agoq_fused_qkv_rotary_pos_emb and attention.HAVE_FUSED_QKV_ROPE
-    loss_p, grads_p = _loss_and_grads(plain, mcore_world1)
+    loss_p, grads_p = _loss_and_grads(plain, device)
     assert not calls and not qkv_calls
-    loss_f, grads_f = _loss_and_grads(fused, mcore_world1)
+    loss_f, grads_f = _loss_and_grads(fused, device)
     # self-attention hands its unsplit QKV output to the QKV slot, once per layer; the per-tensor slot is not used
     assert len(qkv_calls) == tiny_shape().num_layers and not calls
     assert torch.equal(loss_f, loss_p)
@@ -120,38 +134,56 @@ def test_model_with_agoq_rope_trains_bit_identically_and_undoes(mcore_world1, dt
     for name, g in grads_p.items():
         assert torch.equal(grads_f[name], g), name
     if dtype == torch.bfloat16:  # the planner models bf16 training (BF16_BYTES per saved element)
-        _check_saved_bytes_as_planned(plain, fused, mcore_world1)
+        _check_saved_bytes_as_planned(plain, fused, device)
     assert any(c.target.endswith("rope_utils.fused_apply_rotary_pos_emb") for c in install.runtime_changes())
     with pytest.raises(ValueError, match="packed sequences.*--rope-fusion off"):  # thd: refused by name
         rope_utils.fused_apply_rotary_pos_emb_thd(torch.zeros(4, 2, 8), None, _freqs(4, 8))
     assert any(c.target.endswith("attention.apply_fused_qkv_rotary_pos_emb") for c in install.runtime_changes())
-    install.undo_runtime_changes()
-    assert rope_fusion_provider() == "none" and rope_utils.fused_apply_rotary_pos_emb_thd is None
-    assert qkv_rope_fusion_provider() == "none" and not attention.HAVE_FUSED_QKV_ROPE
-    assert not hasattr(attention, "apply_fused_qkv_rotary_pos_emb")  # undefined again, as without TE
 
 
-def test_per_tensor_rope_slot_alone_matches_the_unfused_model(mcore_world1):
+def test_per_tensor_rope_slot_alone_matches_the_unfused_model(mcore_world1, monkeypatch):
     """With only the per-tensor slot (the QKV slot off: Megatron's split path, fused_single_qkv_rope False) the model
     equals the unfused one too (what a Transformer Engine install without its QKV RoPE runs)."""
     import dataclasses
     from pathlib import Path
 
     from agoq.megatron import install
+    from agoq.ops.rope import apply_rope
 
+    calls = []
+    monkeypatch.setattr("agoq.megatron.rope.apply_rope", lambda *a: calls.append(1) or apply_rope(*a))
     policy = Path(__file__).resolve().parents[2] / "configs" / "policy" / "agoq.yaml"
-    plain = _model(False, torch.bfloat16, policy, mcore_world1)
-    fused = _model(True, torch.bfloat16, policy, mcore_world1, reference=plain)
-    for module in fused.modules():
-        if getattr(module, "config", None) is not None and module.config.fused_single_qkv_rope:
-            module.config = dataclasses.replace(module.config, fused_single_qkv_rope=False)
-    assert not any(getattr(m, "config", None) is not None and m.config.fused_single_qkv_rope for m in fused.modules())
-    loss_p, grads_p = _loss_and_grads(plain, mcore_world1)
-    loss_f, grads_f = _loss_and_grads(fused, mcore_world1)
-    assert torch.equal(loss_f, loss_p)
-    for name, g in grads_p.items():
-        assert torch.equal(grads_f[name], g), name
+    try:
+        plain = _model(False, torch.bfloat16, policy, mcore_world1)
+        fused = _model(True, torch.bfloat16, policy, mcore_world1, reference=plain)
+        for module in fused.modules():
+            if getattr(module, "config", None) is not None and module.config.fused_single_qkv_rope:
+                module.config = dataclasses.replace(module.config, fused_single_qkv_rope=False)
+        loss_p, grads_p = _loss_and_grads(plain, mcore_world1)
+        assert not calls
+        loss_f, grads_f = _loss_and_grads(fused, mcore_world1)
+        assert len(calls) == 2 * tiny_shape().num_layers  # the per-tensor slot ran, for query and key
+        assert torch.equal(loss_f, loss_p)
+        for name, g in grads_p.items():
+            assert torch.equal(grads_f[name], g), name
+    finally:
+        install.undo_runtime_changes()
+
+
+def test_set_module_attr_adds_an_absent_global_only_when_asked_and_undo_removes_it():
+    """The QKV slot is undefined without Transformer Engine: set_module_attr(allow_absent=True) adds it and undo
+    removes it again; without allow_absent a missing name (a renamed Megatron global) raises."""
+    import types
+
+    from agoq.megatron import install
+
+    module = types.ModuleType("fake_megatron_module")
+    with pytest.raises(AttributeError, match="no 'slot' to replace"):
+        install.set_module_attr(module, "slot", 1, seam="test")
+    install.set_module_attr(module, "slot", 1, seam="test", allow_absent=True)
+    assert module.slot == 1
     install.undo_runtime_changes()
+    assert not hasattr(module, "slot")
 
 
 def test_agoq_rope_refuses_what_it_does_not_implement(mcore_world1):

@@ -73,7 +73,10 @@ def test_apply_qkv_rope_equals_split_then_rope_in_one_node_saving_nothing():
     freqs, split = _freqs(s, d), [p * d, d, d]
     gen = torch.Generator().manual_seed(1)
     mixed = torch.randn(s, b, g, (p + 2) * d, generator=gen).to(torch.bfloat16)
+    mixed.view(-1)[::7] = -0.0  # signed zeros: RoPE's gradient turns -0.0 to +0.0 for query / key, not for value
     grads = [torch.randn(s, b, h, d, generator=gen).to(torch.bfloat16) for h in (g * p, g, g)]
+    for grad in grads:
+        grad.view(-1)[::5] = -0.0
     fused_in = mixed.clone().requires_grad_(True)
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda x: packed.append(x) or x, lambda x: x):
@@ -87,5 +90,6 @@ def test_apply_qkv_rope_equals_split_then_rope_in_one_node_saving_nothing():
     for a, c in zip(fused, unfused, strict=True):
         assert torch.equal(a.view(torch.int16), c.view(torch.int16))
     assert torch.equal(fused_in.grad.view(torch.int16), split_in.grad.view(torch.int16))
+    assert bool((fused_in.grad.view(torch.int16) == -32768).any())  # a -0.0 (value's) survives, as in the split path
     with pytest.raises(ValueError, match="one frequency tensor"):
         apply_qkv_rope(mixed, freqs, freqs.clone(), split)
