@@ -6,14 +6,14 @@
 #                   unfused RoPE bit for bit (tests), the ~1B harness bf16 / bf16@rope / agoq / agoq@rope in rounds,
 #                   host time per function, and eager whole steps in 2 rounds: baseline, agoq (fused RoPE),
 #                   Megatron + agoq RoPE only, agoq with Megatron's RoPE, bf16 / FP8 linears                  ~13 min
+#   qkvrope         issue 24: the fused QKV split + RoPE on CUDA (kernel at model sizes, model vs Megatron's split path,
+#                   CUDA graphs) and the harness A/B against agoq's per-tensor RoPE on the split path     ~6 min
 #   hostcost        issue 24: the one-node linears (norm + QKV / fc1, SwiGLU + fc2, quantized-input out-projection)
 #                   on CUDA (GPU test, graphs tests), host us per path, and the ~1B harness bf16 / agoq /
 #                   agoq@twonode (all three off) in interleaved rounds                                        ~6 min
 #   hostprof        issue 24: host time per function and layer inside steps (bf16 / agoq), launch anatomy and
 #                   cProfile of the norm -> linear paths                                                      ~3 min
 #   eager           issue 24 item 3 eager alone: baseline, agoq, bf16 and FP8 linears, 2 rounds A B A B       ~6 min
-#   qkvrope         issue 24: the fused QKV split + RoPE on CUDA (kernel at model sizes, model vs Megatron's split path,
-#                   CUDA graphs) and the harness A/B against agoq's per-tensor RoPE on the split path     ~6 min
 #   eager_diag      issue 24: why agoq's eager steps are bimodal on some leases: baseline / agoq / FP8 eager in 3
 #                   rounds with every iteration's host readings (--log-json: steal time, enqueue time, per-thread
 #                   CPU and run-queue time, Python collections) and the GPU's clocks, power and utilisation

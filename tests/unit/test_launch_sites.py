@@ -45,5 +45,6 @@ def test_site_caches_insert_only_through_remember_site():
     not_caches = ("_CHECK_SITES", "MAX_LAUNCH_SITES")
     names = {n.id for p in KERNELS.glob("*.py") for n in ast.walk(ast.parse(p.read_text()))
              if isinstance(n, ast.Name) and n.id.endswith("_SITES") and n.id not in not_caches}
-    covered = {"_QUANT_SITES", "_DEQUANT_SITES", "_FWD_SITES", "_DQ_SITES", "_ROPE_SITES"}  # caches this test covers
+    covered = {"_QUANT_SITES", "_DEQUANT_SITES", "_FWD_SITES", "_DQ_SITES", "_ROPE_SITES",
+               "_QKV_ROPE_SITES"}  # caches this test covers
     assert names == covered
