@@ -29,7 +29,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from agoq.ops.dispatch import qkv_rope_ops, rope_ops
-from agoq.ref.rope import check_qkv_split, ref_qkv_rope_fwd, ref_rope_fwd
+from agoq.ref.rope import ref_qkv_rope_fwd, ref_rope_fwd
 
 __all__ = ["apply_qkv_rope", "apply_rope", "rope_trig", "clear_trig_cache"]
 
@@ -135,8 +135,7 @@ def apply_qkv_rope(mixed_SBGW: torch.Tensor, freqs_q: torch.Tensor, freqs_k: tor
     """(query [S, B, N, D], key [S, B, G, D], value [S, B, G, D]) from Megatron's fused QKV output ``mixed`` [S, B, G,
     W] and its ``qkv_split_arg_list`` [P D, D, D], RoPE on query and key with frequencies [S, 1, 1, R] (self-attention:
     the same tensor for both), as one autograd node."""
-    check_qkv_split(mixed_SBGW, split_sizes)
-    _check_freqs(mixed_SBGW, freqs_q)
+    _check_freqs(mixed_SBGW, freqs_q)  # the split sizes are checked by the kernel / reference it calls
     if freqs_k is not freqs_q:  # Megatron's self-attention passes one tensor twice; comparing values would sync
         raise ValueError("agoq's fused QKV RoPE takes one frequency tensor for query and key (self-attention); "
                          "separate ones need --rope-fusion off")
