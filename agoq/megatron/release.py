@@ -41,6 +41,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from agoq.megatron.optimizer import AgoqMegatronOptimizer, keep_autograd_grad_dtype
+from agoq.ops.fp8_weight_cache import fp8_weights_changed
 from agoq.ops.nonfinite import nonfinite_in
 from agoq.optim.release import GradientRelease
 
@@ -160,4 +161,5 @@ class AgoqReleaseOptimizer(AgoqMegatronOptimizer):
                 f"--agoq-gradient-release: {stepped} of {self.num_params} parameters were stepped in backward"
                 + (f"; gradients left unreleased: {names}" if left else "")
                 + " (unused parameters, or a backward outside Megatron's schedule, are not supported with release)")
+        fp8_weights_changed()  # the hooks moved the weights outside torch's Optimizer.step (its post-hook)
         return True, None, None
