@@ -29,6 +29,8 @@ TRAINER_PACKAGE = "agoq/megatron/train/"
 # The tools' entry points: they parse command lines (a Namespace) and build the config.
 ENTRY_POINTS = {
     "agoq/plan/__main__.py": "python -m agoq.plan: the planner's command line",
+    "agoq/cli/optim_args.py": "the trainer's flags (agoq.cli): checks of the parsed optimizer flags",
+    "agoq/cli/graph_args.py": "the trainer's flags (agoq.cli): checks of the parsed CUDA-graph flags",
     "agoq/testing/xcompile.py": "python -m agoq.testing.xcompile: a tool's command line",
     "agoq/convert/__main__.py": "python -m agoq.convert: a tool's command line",
 }

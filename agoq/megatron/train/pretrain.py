@@ -28,6 +28,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from agoq.cli.optim_args import check_release_flags
 from agoq.config import AgoqConfig
 from agoq.megatron import checkpoint, grad_reader, runtime
 from agoq.megatron.activations import policy_of
@@ -40,7 +41,6 @@ from agoq.megatron.train import environment, memory_report, training
 from agoq.megatron.train.checks import check_policy_requests
 from agoq.megatron.train.flops import tflops_per_gpu, training_flops_per_iteration
 from agoq.megatron.train.manual_gc import ManualGC
-from agoq.megatron.train.optim_args import check_release_flags
 from agoq.megatron.train.preflight import check_layout, microbatch_count
 from agoq.megatron.train.tensorboard import open_tensorboard
 
