@@ -41,7 +41,7 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from agoq.cli.config_file import load_config_file
@@ -154,7 +154,7 @@ def _gradient_line(recipe: Recipe, layout: Layout) -> str:
     return f"gradients per parameter per rank: {held:.3f} B held{extra} ({recipe.grads or 'float'}; {optimizer})"
 
 
-PLANNER_ONLY = ("memory_budget", "config", "dp", "policies", "out", "capacity", "max_gpus", "max_mbs", "gpus")
+PLANNER_ONLY = ("memory_budget", "config", "policies", "out", "capacity", "max_gpus", "max_mbs", "gpus")
 
 
 def read_model_file(path: str | None) -> dict:
@@ -262,16 +262,22 @@ def check_run_flags(values: dict, layout: Layout) -> None:
                          "refuses; drop --agoq-gradient-release or those settings")
 
 
-def shape_of(values: dict, config: str | None, vocab: int) -> ModelShape:
-    """The model shape, or a ValueError naming the keys neither the flags nor the --config file give."""
-    missing = [k for k in SHAPE_KEYS if values.get(k) is None and k != "num_query_groups"]
+def shape_of(values: dict, config: str | None) -> ModelShape:
+    """The model shape with its vocabulary before padding (raw_vocab), or a ValueError naming the keys neither the
+    flags nor the --config file give. The query groups and the FFN width default as the trainer derives them."""
+    missing = [k for k in SHAPE_KEYS if values.get(k) is None and k not in DERIVED]
     if missing:
         flags = ", ".join(flag_name(m) for m in missing)
         raise ValueError(f"--config {config} lacks the model shape's {', '.join(missing)}: add them to the file, or "
                          f"give {flags}" if config else f"give {flags} (or a --config YAML)")
-    groups = values.get("num_query_groups") or values["num_attention_heads"]  # the trainer's default: MHA
-    return ModelShape(values["num_layers"], values["hidden_size"], values["num_attention_heads"], groups,
-                      values["ffn_hidden_size"], vocab)
+    dims = {k: values.get(k) if values.get(k) is not None else DERIVED[k](values) for k in SHAPE_KEYS}
+    return ModelShape(**dims, vocab_size=raw_vocab(values))
+
+
+# the trainer's derived defaults (agoq.megatron.train.args._fill_derived): MHA, and LLaMA's 8/3 x hidden rounded up
+# to a multiple of 64
+DERIVED = {"num_query_groups": lambda v: v["num_attention_heads"],
+           "ffn_hidden_size": lambda v: 64 * -(-int(8 * v["hidden_size"] / 3) // 64)}
 
 
 def _error(err) -> int:
@@ -309,8 +315,8 @@ def run_capacity(request: PlanRequest, cfg: dict) -> int:
     """--capacity: one answer per preset (agoq.plan.capacity), printed and written to --out as JSON."""
     _check_capacity_request(request)
     values = values_of(request, cfg)
-    vocab = raw_vocab(values)
-    shape = shape_of(values, request.config, vocab)
+    shape = shape_of(values, request.config)
+    vocab = shape.vocab_size
     policies = {n: load_policy(POLICY_DIR / f"{n}.yaml") for n in DEFAULT_CANDIDATES}
     budget = budget_of(request)
     kw = _capacity_search(request, values, vocab)
@@ -339,9 +345,8 @@ def run_plan(request: PlanRequest, cfg: dict) -> int:
     values = values_of(request, cfg)
     config = config_of(values)
     layout = layout_of(values, config)
-    shape = shape_of(values, request.config, 1)
-    shape = ModelShape(*[getattr(shape, k) for k in SHAPE_KEYS],
-                       capacity.padded_vocab(raw_vocab(values), layout.tp, divisible_by(values)))
+    shape = shape_of(values, request.config)
+    shape = replace(shape, vocab_size=capacity.padded_vocab(shape.vocab_size, layout.tp, divisible_by(values)))
     check_run_flags(values, layout)
     recipe = recipe_of(config)
     paths = [Path(p) for p in request.policies or [POLICY_DIR / f"{n}.yaml" for n in DEFAULT_CANDIDATES]]
@@ -375,7 +380,7 @@ def run_gpus(request: PlanRequest, cfg: dict) -> int:
     """--gpus N: the fastest predicted layout that fits (agoq.plan.launch) and its torchrun command."""
     values = values_of(request, cfg)
     check_run_flags(values, Layout())
-    shape = shape_of(values, request.config, raw_vocab(values))
+    shape = shape_of(values, request.config)
     budget = budget_of(request)
     paths = [Path(p) for p in request.policies or [POLICY_DIR / f"{n}.yaml" for n in DEFAULT_CANDIDATES]]
     policies = {p.stem: load_policy(p) for p in paths}
@@ -408,6 +413,7 @@ def run_gpus(request: PlanRequest, cfg: dict) -> int:
 def main(argv=None) -> int:
     try:
         request = parse(argv)
+        request.memory_budget_bytes  # noqa: B018 - a bad --memory-budget is the first error, before any file is read
         cfg = read_model_file(request.config)
         if request.capacity:
             return run_capacity(request, cfg)
