@@ -395,8 +395,9 @@ def run_gpus(request: PlanRequest, cfg: dict) -> int:
         per_chunk=request.num_layers_per_virtual_pipeline_stage)
     presets = launch.presets_for(values)
     best, tried = launch.fastest(shape, presets, policies, budget, search)
-    print(f"model {request.config or '(flags)'}: {shape}; seq {search.seq}, {request.gpus} GPUs; "
-          f"{tried} layouts predicted")
+    print(f"model {request.config or '(flags)'}: {shape.num_layers} layers, hidden {shape.hidden_size}, "
+          f"{shape.num_attention_heads} heads / {shape.num_query_groups} query groups, FFN {shape.ffn_hidden_size}, "
+          f"vocabulary {shape.vocab_size}; seq {search.seq}, {request.gpus} GPUs; {tried} layouts predicted")
     if best is None:
         print(f"nothing fits {budget / GIB:.2f} GiB per GPU on {request.gpus} GPUs: more GPUs (python -m agoq.plan "
               "--capacity), a shorter --seq-length, or a larger --memory-budget")
