@@ -164,6 +164,13 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                    help="fault injection for testing: make the loss NaN at these iterations (the step is skipped)")
     g.add_argument("--tensorboard-dir", default=None,
                    help="write TensorBoard scalars and the resolved policy table here (needs `tensorboard`)")
+    g.add_argument("--wandb-project", default=None,
+                   help="Megatron-LM's flag: log the iteration scalars to this Weights & Biases project too (needs "
+                        "`wandb` and --wandb-exp-name; WANDB_MODE=offline writes the run files only)")
+    g.add_argument("--wandb-exp-name", default=None, help="Megatron-LM's flag: the Weights & Biases run name")
+    g.add_argument("--wandb-save-dir", default=None,
+                   help="Megatron-LM's flag: where wandb writes its files (default: <--save>/wandb, without --save "
+                        "./wandb)")
     g.add_argument("--log-json", default=None,
                    help="also append each logged iteration as one JSON object per line to this file")
     g.add_argument("--log-fc2-amax", action="store_true",

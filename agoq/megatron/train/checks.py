@@ -18,6 +18,7 @@ from agoq.cli.optim_args import check_release_flags
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
 from agoq.config import float_grads_mismatch
 from agoq.data.indexed import split_weights
+from agoq.megatron.train.wandb_log import check_wandb_flags
 from agoq.policy import ScheduleInfo, check_rules_used, model_sites
 
 
@@ -33,6 +34,7 @@ def validate(args: argparse.Namespace) -> None:
     for name in positive:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    check_wandb_flags(args)
     if args.vocab_size is not None and args.vocab_size <= 0:
         raise ValueError(f"--vocab-size must be positive, got {args.vocab_size}")
     if not 0.0 <= args.min_lr <= args.lr:  # Megatron's scheduler asserts max_lr >= min_lr deep in set-up

@@ -43,6 +43,7 @@ from agoq.megatron.train.flops import tflops_per_gpu, training_flops_per_iterati
 from agoq.megatron.train.manual_gc import ManualGC
 from agoq.megatron.train.preflight import check_layout, microbatch_count
 from agoq.megatron.train.tensorboard import open_tensorboard
+from agoq.megatron.train.wandb_log import Loggers, open_wandb
 
 log = logging.getLogger("agoq.pretrain")
 
@@ -301,7 +302,8 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     components = Components(model, optimizer, scheduler, layout,
                             flops_per_iteration=training_flops_per_iteration(shape, args.global_batch_size),
                             policy_report=report, run_record=record)
-    tensorboard = open_tensorboard(args.tensorboard_dir, is_writer_rank=training.is_logging_rank())
+    tensorboard = Loggers(open_tensorboard(args.tensorboard_dir, is_writer_rank=training.is_logging_rank()),
+                          open_wandb(args, is_writer_rank=training.is_logging_rank()))
     tensorboard.log_policy_table(report)
     if start_state.iteration < args.train_iters:
         progress(f"setup done; iteration {start_state.iteration + 1} runs next (the first one also warms up: "
