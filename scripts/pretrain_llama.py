@@ -38,7 +38,8 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from agoq.data.tokenizer import Tokenizer, padded_vocab_size  # noqa: E402
+from agoq.cli.optim_args import check_release_flags  # noqa: E402
+from agoq.data.tokenizer import Tokenizer, model_vocab_size, padded_vocab_size  # noqa: E402
 from agoq.megatron import model as mmodel  # noqa: E402
 from agoq.megatron.activations import storage_of, storage_table  # noqa: E402
 from agoq.megatron.compute import check_compute, compute_report  # noqa: E402
@@ -46,7 +47,6 @@ from agoq.megatron.ddp import grad_config, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.optimizer import shard_alignment_for  # noqa: E402
 from agoq.megatron.release import TrainingStopped, wrap_release  # noqa: E402
 from agoq.megatron.train import data as mdata  # noqa: E402
-from agoq.megatron.train.optim_args import check_release_flags  # noqa: E402
 from agoq.megatron.train.pretrain import ddp_config, pretrain, print_rank0  # noqa: E402
 from agoq.megatron.train.training import configure_grad_hooks  # noqa: E402
 from agoq.ops.smooth_swiglu_fp8 import plain_swiglu_fusion  # noqa: E402
@@ -62,8 +62,12 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
         num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
         seq_length=args.seq_length, rotary_base=args.rotary_base, norm_epsilon=args.norm_epsilon,
         init_method_std=args.init_method_std,
-        vocab_size=padded_vocab_size(tokenizer.vocab_size, layout.tp, args.make_vocab_size_divisible_by),
+        vocab_size=padded_vocab_size(model_vocab_size(tokenizer.vocab_size, args.vocab_size), layout.tp,
+                                     args.make_vocab_size_divisible_by),
     )
+    if args.vocab_size and args.vocab_size != tokenizer.vocab_size:
+        print_rank0(f"vocabulary: {args.vocab_size} rows from --vocab-size (the tokenizer has {tokenizer.vocab_size}; "
+                    f"the data's ids stay below it), padded to {shape.vocab_size}")
     layout.check(shape, info.world_size)
     params_dtype = torch.float32 if args.fp32 else torch.bfloat16
     config = mmodel.llama_transformer_config(

@@ -330,6 +330,17 @@ class HFTokenizer(Tokenizer):
         return self._tok.id_to_token(int(token_id))
 
 
+def model_vocab_size(tokenizer_vocab: int, vocab_size: int | None, tokenizer: str = "the tokenizer") -> int:
+    """The model's vocabulary before padding: ``vocab_size`` (the trainer's --vocab-size) where given, else the
+    tokenizer's; a --vocab-size below the tokenizer's is refused (its ids would index past the embedding)."""
+    if vocab_size is None:
+        return tokenizer_vocab
+    if vocab_size < tokenizer_vocab:
+        raise ValueError(f"--vocab-size {vocab_size} is smaller than {tokenizer}'s {tokenizer_vocab} entries: its ids "
+                         f"would index past the embedding; use --vocab-size {tokenizer_vocab} or more, or drop it")
+    return vocab_size
+
+
 def padded_vocab_size(
     vocab_size: int, tp_size: int = 1, divisible_by: int = MEGATRON_VOCAB_DIVISIBLE_BY
 ) -> int:

@@ -21,7 +21,7 @@ Touches (megatron-core 0.19.2):
     exactly as without release.
 Why: Megatron has no per-parameter step; its DDP would allocate the full buffer and add every gradient
   into it. Valid only where every gradient is final after one backward (agoq.optim.release), enforced
-  by the trainer (``agoq.megatron.train.optim_args.check_release_flags``) before anything is built.
+  by the trainer (``agoq.cli.optim_args.check_release_flags``) before anything is built.
 Non-finite gradients: checked per parameter in the hook before its step (agoq.ops.nonfinite; one host
   sync per parameter). Other parameters may already be stepped, so the iteration cannot be skipped as
   without release: a ``RuntimeError`` naming the iteration and the parameter stops the job (like

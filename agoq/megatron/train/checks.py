@@ -9,14 +9,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from agoq.cli.flags import build_parser, policy_path
+from agoq.cli.graph_args import check_graph_flags
+from agoq.cli.optim_args import check_release_flags
+
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
 from agoq.config import float_grads_mismatch
 from agoq.data.indexed import split_weights
-from agoq.megatron.train.flags import build_parser, policy_path
-from agoq.megatron.train.graph_args import check_graph_flags
-from agoq.megatron.train.optim_args import check_release_flags
+from agoq.megatron.train.wandb_log import check_wandb_flags
 from agoq.policy import ScheduleInfo, check_rules_used, model_sites
 
 
@@ -32,6 +34,9 @@ def validate(args: argparse.Namespace) -> None:
     for name in positive:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    check_wandb_flags(args)
+    if args.vocab_size is not None and args.vocab_size <= 0:
+        raise ValueError(f"--vocab-size must be positive, got {args.vocab_size}")
     if not 0.0 <= args.min_lr <= args.lr:  # Megatron's scheduler asserts max_lr >= min_lr deep in set-up
         raise ValueError(f"--lr {args.lr} must be at least --min-lr {args.min_lr} (default 3e-4) and --min-lr "
                          f"non-negative; pass --min-lr explicitly, e.g. --min-lr {args.lr / 10:g}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from agoq.cli.flags import DEFAULT_POLICY, add_compute_flags
 from agoq.config import (
     DEFAULT_MASTER,
     DEFAULT_MOMENTS,
@@ -28,7 +29,6 @@ from agoq.config import (
     OPTIMIZERS,
     AgoqConfig,
 )
-from agoq.megatron.train.flags import DEFAULT_POLICY, add_compute_flags
 from agoq.policy import load_policy
 
 ATTENTION_CHOICES = ("sdpa", "megatron")

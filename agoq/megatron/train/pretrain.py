@@ -28,6 +28,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from agoq.cli.optim_args import check_release_flags
 from agoq.config import AgoqConfig
 from agoq.megatron import checkpoint, grad_reader, runtime
 from agoq.megatron.activations import policy_of
@@ -40,9 +41,9 @@ from agoq.megatron.train import environment, memory_report, training
 from agoq.megatron.train.checks import check_policy_requests
 from agoq.megatron.train.flops import tflops_per_gpu, training_flops_per_iteration
 from agoq.megatron.train.manual_gc import ManualGC
-from agoq.megatron.train.optim_args import check_release_flags
 from agoq.megatron.train.preflight import check_layout, microbatch_count
 from agoq.megatron.train.tensorboard import open_tensorboard
+from agoq.megatron.train.wandb_log import Loggers, open_wandb
 
 log = logging.getLogger("agoq.pretrain")
 
@@ -301,7 +302,8 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     components = Components(model, optimizer, scheduler, layout,
                             flops_per_iteration=training_flops_per_iteration(shape, args.global_batch_size),
                             policy_report=report, run_record=record)
-    tensorboard = open_tensorboard(args.tensorboard_dir, is_writer_rank=training.is_logging_rank())
+    tensorboard = Loggers(open_tensorboard(args.tensorboard_dir, is_writer_rank=training.is_logging_rank()),
+                          open_wandb(args, is_writer_rank=training.is_logging_rank()))
     tensorboard.log_policy_table(report)
     if start_state.iteration < args.train_iters:
         progress(f"setup done; iteration {start_state.iteration + 1} runs next (the first one also warms up: "

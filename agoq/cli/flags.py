@@ -1,9 +1,10 @@
-"""The parser of ``scripts/pretrain_llama.py`` (part of its command line: :mod:`agoq.megatron.train.args`):
+"""The parser of ``scripts/pretrain_llama.py`` (its checks and config build: :mod:`agoq.megatron.train.args`; also
+``python -m agoq.plan``'s trainer flags):
 Megatron-compatible flags, ``--agoq-*`` flags, the help text, and errors in one line.
 
 Unknown or abbreviated flags are errors (``allow_abbrev=False``), so a typo never silently falls back to a default;
 the error names the closest real flag, or what a Megatron-LM-only flag means here
-(:mod:`agoq.megatron.train.flag_hints`).
+(:mod:`agoq.cli.flag_hints`).
 """
 
 from __future__ import annotations
@@ -12,17 +13,18 @@ import argparse
 import time
 from pathlib import Path
 
+from agoq.cli.flag_hints import unknown_flag_hints
+from agoq.cli.graph_args import add_graph_flags
+from agoq.cli.optim_args import add_optim_flags
+
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
 from agoq.config import GRAD_MODES, GRAD_TRANSPORTS, RECOMPUTE_GRANULARITIES, ROPE_FUSIONS
-from agoq.megatron.train.flag_hints import unknown_flag_hints
-from agoq.megatron.train.graph_args import add_graph_flags
-from agoq.megatron.train.optim_args import add_optim_flags
 from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-DEFAULT_POLICY = Path(__file__).resolve().parents[3] / "configs" / "policy" / "agoq.yaml"
+DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "configs" / "policy" / "agoq.yaml"
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
@@ -38,6 +40,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="RMSNorm epsilon")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="standard deviation of the normal weight initialisation")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="the model's vocabulary before padding (Megatron-LM's flag); default: the tokenizer's. Larger "
+                        "than the tokenizer's: the embedding and output layer get this many rows (the data's ids stay "
+                        "below the tokenizer's; e.g. LLaMA-3's 128256 with the built-in corpus), said at start-up; "
+                        "smaller: refused. python -m agoq.plan reads it as the model's vocabulary")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the tokenizer's vocabulary to a multiple of this x --tensor-model-parallel-size")
     g.add_argument("--attention-backend", choices=("sdpa", "megatron"), default="sdpa",
@@ -157,6 +164,13 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                    help="fault injection for testing: make the loss NaN at these iterations (the step is skipped)")
     g.add_argument("--tensorboard-dir", default=None,
                    help="write TensorBoard scalars and the resolved policy table here (needs `tensorboard`)")
+    g.add_argument("--wandb-project", default=None,
+                   help="Megatron-LM's flag: log the iteration scalars to this Weights & Biases project too (needs "
+                        "`wandb` and --wandb-exp-name; WANDB_MODE=offline writes the run files only)")
+    g.add_argument("--wandb-exp-name", default=None, help="Megatron-LM's flag: the Weights & Biases run name")
+    g.add_argument("--wandb-save-dir", default=None,
+                   help="Megatron-LM's flag: where wandb writes its files (default: <--save>/wandb, without --save "
+                        "./wandb)")
     g.add_argument("--log-json", default=None,
                    help="also append each logged iteration as one JSON object per line to this file")
     g.add_argument("--log-fc2-amax", action="store_true",
