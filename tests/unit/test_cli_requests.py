@@ -17,8 +17,10 @@ from agoq.plan.request import PlanRequest
 from agoq.testing.procs import REPO_ROOT
 
 EVERY_PLAN_FLAG = ["--config", "m.yaml", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                   "--num-query-groups", "2", "--ffn-hidden-size", "128", "--vocab-size", "1000", "--tensor-model-parallel-size", "1",
-                   "--pipeline-model-parallel-size", "2", "--dp", "3", "--micro-batch-size", "1", "--global-batch-size", "6", "--seq-length", "128", "--num-layers-per-virtual-pipeline-stage", "1",
+                   "--num-query-groups", "2", "--ffn-hidden-size", "128", "--vocab-size", "1000",
+                   "--tensor-model-parallel-size", "1",
+                   "--pipeline-model-parallel-size", "2", "--dp", "3", "--micro-batch-size", "1",
+                   "--global-batch-size", "6", "--seq-length", "128", "--num-layers-per-virtual-pipeline-stage", "1",
                    "--use-distributed-optimizer", "--agoq-optimizer", "adamw", "--agoq-moments", "fp8",
                    "--agoq-master", "split24", "--agoq-grads", "int8_b256", "--grad-reduce-in-bf16",
                    "--agoq-gradient-release", "--recompute-granularity", "selective", "--agoq-fp8", "current",
