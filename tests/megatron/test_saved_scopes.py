@@ -118,7 +118,8 @@ def test_bf16_policy_adds_no_scope(mcore_world1):
 
 def test_default_threshold_keeps_small_tensors_and_says_why(mcore_world1, tmp_path):
     model = _plain_model()
-    stats, _ = _apply(model, _policy_file(tmp_path, "int8_b128"), min_numel=1 << 16)  # the tiny model's activations are all below it
+    # the default threshold: the tiny model's activations are all below it
+    stats, _ = _apply(model, _policy_file(tmp_path, "int8_b128"), min_numel=1 << 16)
     _loss_and_grads(model)
     assert stats.counter.total() == 0
     assert stats.kept_bytes.get("small (statistics, buffers)", 0) > 0
