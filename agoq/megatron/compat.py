@@ -354,6 +354,22 @@ CONTRACT: tuple[Symbol, ...] = (
            params=("optimizer", "config", "init_state_fn"),
            attrs=("step", "zero_grad", "prepare_grads", "step_with_ready_grads", "sharded_state_dict",
                   "load_state_dict", "param_groups")),
+    # agoq on modules it did not build (agoq/megatron/saved_scopes.py, agoq/megatron/te.py): TE's or the local spec
+    Symbol("megatron.core.models.gpt.gpt_layer_specs:get_gpt_layer_with_transformer_engine_spec",
+           "the TE layer spec Megatron-LM builds for --transformer-impl transformer_engine (agoq.megatron.te)",
+           params=("num_experts", "moe_grouped_gemm", "qk_layernorm")),
+    Symbol("megatron.core.transformer.transformer_layer:TransformerLayer",
+           "saved-tensor scopes find a layer's modules by these submodule names and its global index by layer_number "
+           "(agoq.megatron.saved_scopes)", params=("layer_number", "vp_stage")),
+    Symbol("megatron.core.transformer.transformer_layer:TransformerLayerSubmodules",
+           "the submodule names the saved-tensor scopes look up (agoq.megatron.saved_scopes._SCOPES)",
+           fields=("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp")),
+    Symbol("megatron.core.transformer.attention:SelfAttentionSubmodules",
+           "linear_qkv / linear_proj: the attention's saved-tensor scopes (agoq.megatron.saved_scopes)",
+           fields=("linear_qkv", "core_attention", "linear_proj")),
+    Symbol("megatron.core.transformer.mlp:MLPSubmodules",
+           "linear_fc1 / linear_fc2: the MLP's saved-tensor scopes (agoq.megatron.saved_scopes)",
+           fields=("linear_fc1", "linear_fc2")),
 )
 
 
