@@ -32,5 +32,6 @@ def test_non_composing_settings_are_refused(flags, fusion, match):
 
 def test_composing_settings_pass():
     te.check_te_composition(_config(agoq_grads="int8_b256", agoq_optimizer="adamw"), gradient_accumulation_fusion=False)
-    te.check_te_composition(_config(agoq_grads="int8_b256", agoq_grads_mode="reduce"), gradient_accumulation_fusion=True)
+    reduce_mode = _config(agoq_grads="int8_b256", agoq_grads_mode="reduce")
+    te.check_te_composition(reduce_mode, gradient_accumulation_fusion=True)
     te.check_te_composition(_config(agoq_disable=True, agoq_fp8="delayed"), gradient_accumulation_fusion=True)
