@@ -6,7 +6,9 @@ model, mock data, batch and schedule:
 * ``te/...`` rows: Megatron-core with Transformer Engine built the way Megatron-LM 0.19 builds it
   (``benchmarks/megatron_gpt_upstream.py``: the model config container, Megatron's TE spec, fused attention, FP8
   recipes, the precision-aware optimizer, recompute, activation offloading) — nothing of agoq imported;
-* ``agoq/...`` rows: agoq through its Megatron-LM door (``scripts/pretrain_gpt_agoq.py``) on Megatron's local spec.
+* ``agoq/...`` rows: agoq through its Megatron-LM door (``scripts/pretrain_gpt_agoq.py``) on Megatron's local spec;
+* ``agoq_te/...`` rows: agoq through the same door on Megatron's TE spec (TE's modules, agoq's saved-activation
+  scopes, 8-bit gradients and optimizer).
 
 Per row: tokens/s and TFLOP/s/GPU (medians of Megatron's own per-iteration log from iteration ``--skip`` on), the
 CUDA allocator's peak (allocated and reserved), and each iteration's loss. Megatron + TE runs without
@@ -76,6 +78,13 @@ ROWS: dict[str, tuple[Path, int, list[str], dict]] = {
     "local/bf16": (DOOR, 2, DOOR_LOCAL + ["--agoq-disable"], {}),
     "agoq/full": (DOOR, 2, DOOR_LOCAL + AGOQ_FULL, {}),
     "agoq/full_fp8": (DOOR, 2, DOOR_LOCAL + AGOQ_FULL + AGOQ_FP8, {}),
+    # agoq composed with TE (agoq/megatron/te.py): TE's layers, agoq's saved-activation scopes, 8-bit gradients and
+    # optimizer, through the door with Megatron-LM's default --transformer-impl transformer_engine
+    "agoq_te/bf16_policy": (DOOR, 2, ["--agoq-policy", "configs/policy/bf16.yaml"], {}),
+    "agoq_te/full": (DOOR, 2, AGOQ_FULL, {}),
+    "agoq_te/full_fp8": (DOOR, 2, AGOQ_FULL + TE_FP8, {}),
+    "agoq_te/full_fp8_mbs4": (DOOR, 4, AGOQ_FULL + TE_FP8, {}),
+    "agoq_te/lean_fp8": (DOOR, 2, AGOQ_FULL + TE_FP8 + ["--agoq-policy", "configs/policy/bf16.yaml"], {}),
     # the FP8 learning-speed finding: which of agoq full's parts slows FP8's first iterations
     "agoq/fp8_bf16policy_megatron_adam": (DOOR, 2, DOOR_LOCAL + AGOQ_FP8 + ["--agoq-policy",
                                                                            "configs/policy/bf16.yaml"], {}),
