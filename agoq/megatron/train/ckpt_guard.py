@@ -25,6 +25,7 @@ Every check runs on rank 0; all ranks raise the same error (:func:`agreed`), so 
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from dataclasses import dataclass
@@ -160,7 +161,7 @@ def check_save_folder(save: str) -> None:
 
 def _errno_text(exc: OSError) -> str:
     name = os.strerror(exc.errno) if exc.errno else str(exc)
-    code = {v: k for k, v in __import__("errno").errorcode.items()}.get(exc.errno)
+    code = errno.errorcode.get(exc.errno) if exc.errno else None
     where = f" on {exc.filename}" if exc.filename else ""
     return f"{code or 'errno'} {exc.errno}: {name}{where}"
 
