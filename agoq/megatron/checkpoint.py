@@ -21,6 +21,7 @@ Guarded by: ``tests/megatron/test_resume.py`` (resume matrix, fallback, schedule
 
 from __future__ import annotations
 
+import errno as errno_module
 import json
 import os
 import random
@@ -205,9 +206,13 @@ def _save_step(save_dir, target: Path, step) -> None:
         step()
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported on every rank below
         error = _save_error_text(exc, target)
-    problem = _gather_errors(error)
-    if problem is None:
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    if not any(errors):
         return
+    # torch DCP's coordinator (rank 0) holds every rank's write error; the others raise it without the details
+    named = {k: v for rank, e in enumerate(errors) if e for k, v in (e if isinstance(e, dict) else {rank: e}).items()}
+    problem = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(named.items()) if text) or "no reason given"
     tracker = latest_iteration_or_none(save_dir)
     kept = (f"{Path(save_dir) / TRACKER_FILE} still names iteration {tracker}, the last complete checkpoint"
             if tracker is not None else "no earlier checkpoint was completed in this folder")
@@ -216,7 +221,48 @@ def _save_step(save_dir, target: Path, step) -> None:
         f"and a later save replaces it. Free space or fix the folder, then resume with --load {save_dir}")
 
 
+# OSError subclasses by name: megatron's checkpoint writer keeps only the class of a write error
+_ERRNO_OF_CLASS = {"IsADirectoryError": errno_module.EISDIR, "PermissionError": errno_module.EACCES,
+                   "FileNotFoundError": errno_module.ENOENT, "NotADirectoryError": errno_module.ENOTDIR,
+                   "FileExistsError": errno_module.EEXIST}
+
+
+def _errno_text(code: int, where) -> str:
+    return f"{errno_module.errorcode.get(code, 'errno')} (errno {code}: {os.strerror(code)}) writing {where}"
+
+
+def _save_error_text(exc: BaseException, target: Path) -> str | dict[int, str]:
+    """This rank's save error in one line; for torch DCP's CheckpointException, {rank: line} of the ranks it
+    names ({} on a rank that only learned that another one failed)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and failures is not None:
+        return {rank: _one_save_error(failure[0] if isinstance(failure, tuple) else failure, target)
+                for rank, failure in failures.items()}
+    return _one_save_error(exc, target)
+
+
+def _one_save_error(exc: BaseException, target: Path) -> str:
+    import re
+    import shutil
+
+    found = _errno_of(exc)
+    if found is not None:
+        return _errno_text(found.errno, found.filename or target)
+    named = re.search(r"<class '(\w+)'>", str(exc))
+    if named and named.group(1) in _ERRNO_OF_CLASS:
+        return _errno_text(_ERRNO_OF_CLASS[named.group(1)], target)
+    try:
+        free = shutil.disk_usage(target if target.exists() else target.parent).free
+    except OSError:
+        free = None
+    if free is not None and free < _FULL_BELOW_BYTES:
+        return (f"{_errno_text(errno_module.ENOSPC, target)}: {free} bytes free on its filesystem (the writer said: "
+                f"{_first_line(exc)})")
+    return f"{type(exc).__name__} writing {target}: {_first_line(exc)}"
+
+
 def _errno_of(exc: BaseException) -> OSError | None:
+    """The first OSError with an errno in ``exc``'s cause / context chain."""
     seen: set[int] = set()
     stack = [exc]
     while stack:
@@ -227,28 +273,7 @@ def _errno_of(exc: BaseException) -> OSError | None:
         if isinstance(item, OSError) and item.errno:
             return item
         stack += [item.__cause__, item.__context__]
-        for failure in getattr(item, "failures", {}).values():  # torch DCP's CheckpointException: rank -> (exc, tb)
-            stack.append(failure[0] if isinstance(failure, tuple) else failure)
     return None
-
-
-def _save_error_text(exc: BaseException, target: Path) -> str:
-    import errno as errno_module
-    import shutil
-
-    found = _errno_of(exc)
-    if found is not None:
-        code = errno_module.errorcode.get(found.errno, "errno")
-        where = found.filename or target
-        return f"{code} (errno {found.errno}: {os.strerror(found.errno)}) writing {where}"
-    try:
-        free = shutil.disk_usage(target if target.exists() else target.parent).free
-    except OSError:
-        free = None
-    if free is not None and free < _FULL_BELOW_BYTES:
-        return (f"ENOSPC (errno {errno_module.ENOSPC}: {os.strerror(errno_module.ENOSPC)}) writing {target}: "
-                f"{free} bytes free on its filesystem; the writer said: {_first_line(exc)}")
-    return f"{type(exc).__name__} writing {target}: {_first_line(exc)}"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -190,7 +190,7 @@ def test_free_space_must_hold_the_predicted_checkpoint(tmp_path, monkeypatch):
 
     torch_adam = ckpt_guard.optimizer_state_bytes_per_param(AgoqConfig.from_flags({}), fp32_params=False)
     flash = ckpt_guard.optimizer_state_bytes_per_param(AgoqConfig.from_flags({"agoq_optimizer": "adamw"}), False)
-    assert torch_adam == 12.0 and flash == pytest.approx(3.125)  # the planner's formats (tests/megatron/test_ckpt_bytes)
+    assert torch_adam == 12.0 and flash == pytest.approx(3.125)  # tests/megatron/test_ckpt_bytes.py
     needed = ckpt_guard.predicted_checkpoint_bytes(10**9, weight_bytes=2, optimizer_bytes_per_param=12.0)
     assert 14 * 10**9 < needed < 15 * 10**9
     usage = type("Usage", (), {"free": needed - 1, "total": 10 * needed, "used": 0})
