@@ -42,6 +42,7 @@ from agoq.cli.optim_args import check_release_flags  # noqa: E402
 from agoq.data.tokenizer import Tokenizer, model_vocab_size, padded_vocab_size  # noqa: E402
 from agoq.megatron import model as mmodel  # noqa: E402
 from agoq.megatron.activations import storage_of, storage_table  # noqa: E402
+from agoq.megatron.checkpoint import CheckpointSaveError  # noqa: E402
 from agoq.megatron.compute import check_compute, compute_report  # noqa: E402
 from agoq.megatron.ddp import grad_config, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.optimizer import shard_alignment_for  # noqa: E402
@@ -185,6 +186,10 @@ def main(argv=None, args=None) -> int:
         return 2
     except TrainingStopped as exc:  # a documented stop (gradient release met a non-finite gradient)
         print(f"pretrain_llama.py: stopped: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except CheckpointSaveError as exc:  # every rank raises it, with every rank's reason: rank 0 says it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_llama.py: stopped: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0
 

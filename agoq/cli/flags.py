@@ -143,8 +143,15 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpoints and logging")
     g.add_argument("--save", default=None, help="checkpoint directory (megatron.core.dist_checkpointing)")
     g.add_argument("--load", default=None,
-                   help="resume from the latest checkpoint in this directory (a directory without one yet: "
-                        "start from scratch, as Megatron-LM)")
+                   help="resume from the latest checkpoint in this directory (its tracker file), or from exactly "
+                        "iteration N with DIR/iter_000000N (Megatron-LM's --ckpt-step); a directory without a "
+                        "checkpoint yet starts from scratch when --save holds none either (docs/user-guide.md 8)")
+    g.add_argument("--allow-fresh-start", action="store_true",
+                   help="start from scratch although --load holds checkpoints (they are not read); checkpoints in "
+                        "--save are never written over")
+    g.add_argument("--force-unlock", action="store_true",
+                   help="take the --save folder's lock (agoq_save.lock) even if its holder looks alive; only when "
+                        "that job is known to be gone")
     g.add_argument("--save-interval", type=int, default=None,
                    help="save every N iterations (default, or 0: only at the end, on a signal and at --exit-interval)")
     g.add_argument("--log-interval", type=int, default=1,

@@ -26,6 +26,7 @@ def validate(args: argparse.Namespace) -> None:
     """Checks that need no process group; layout checks against the world size run at start-up. Then
     :func:`agoq.megatron.train.args.parse_args` builds the config (whose sections validate agoq's own values) and
     checks the policy's rules against this model (:func:`check_policy_rules`)."""
+    _check_finite(args)
     if args.eval_interval is not None and (args.eval_interval <= 0 or args.eval_iters <= 0):
         raise ValueError("--eval-interval and --eval-iters must be positive")
     positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
@@ -114,6 +115,25 @@ def validate(args: argparse.Namespace) -> None:
     check_release_flags(args)  # the flags alone: preflight and pretrain check the batch against the real DP size
 
 
+def _check_finite(args: argparse.Namespace) -> None:
+    """Every float flag is a finite number: ``--lr nan`` failed the --min-lr check below, whose advice was
+    "--min-lr nan" (NaN compares false with everything)."""
+    import math
+
+    for action in build_parser()._actions:
+        if action.type is not float:
+            continue
+        values = getattr(args, action.dest, None)
+        for value in values if isinstance(values, list | tuple) else [values]:
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{action.option_strings[0]} {value}: must be a finite number (not nan or inf); "
+                                 f"leave it out for the default{_default_text(action)}")
+
+
+def _default_text(action: argparse.Action) -> str:
+    return f" ({action.default})" if action.default is not None else ""
+
+
 def _check_manual_gc_flags(args) -> None:
     """Megatron-LM's --manual-gc family: the interval is a step count; its companions do nothing without it."""
     if args.manual_gc_interval < 0:
@@ -189,6 +209,10 @@ def _companions(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
          "which are off; add --cuda-graph-impl local"),
         ("override_opt_param_scheduler", bool(args.load), "replaces the learning-rate schedule a checkpoint carries, "
          "and no --load DIR is given (a fresh run uses the command line's schedule anyway); add --load DIR"),
+        ("allow_fresh_start", bool(args.load), "lets a run start from scratch although --load holds checkpoints, "
+         "and no --load DIR is given (a run without --load starts from scratch anyway); add --load DIR"),
+        ("force_unlock", bool(args.save), "takes the lock of the --save folder, and no --save DIR is given; add "
+         "--save DIR"),
         ("agoq_unfused", args.agoq_optimizer != "torch", "runs agoq's optimizer step in plain PyTorch, but "
          "--agoq-optimizer is torch (Megatron's Adam); add --agoq-optimizer adamw (or lion / sgd)"),
         ("agoq_small_numel", args.agoq_optimizer != "torch", "tunes agoq's fused optimizer step, but "
