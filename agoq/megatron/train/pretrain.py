@@ -330,6 +330,9 @@ def _resume(args, record: dict, policy: str, parts: tuple) -> checkpoint.Progres
         print_rank0(f"--load {args.load}: no checkpoint yet, starting from scratch")
         return checkpoint.Progress(iteration=0, consumed_samples=0)
     progress = loaded[0]
+    from agoq.megatron.hf_checkpoint import carry_hf_identity
+
+    carry_hf_identity(loaded[1], record)  # a converted checkpoint's HF token ids / generation config, for the export
     print_rank0(f"resumed from {args.load} at iteration {progress.iteration} "
                 f"({progress.consumed_samples} samples consumed)")
     print_rank0(schedule_line(scheduler.state_dict(), requested, override=args.override_opt_param_scheduler,
