@@ -16,8 +16,11 @@ Guarded by: ``tests/megatron/test_hf_convert.py`` (logits against transformers a
 
 A converted checkpoint is ``<dir>/iter_0000000/`` + ``latest_checkpointed_iteration.txt`` with the model's
 tensors only; its common state says so (``agoq.weights_only``) and carries the model-shape part of the
-resume record, so ``--load`` checks the shape, loads the weights and starts the optimizer, LR schedule and
-data position fresh (``agoq.megatron.checkpoint``).
+resume record (:data:`SHAPE_FIELDS`: widths, padded and real vocabulary, RoPE base and scaling, norm epsilon,
+tying), so ``--load`` checks the shape, loads the weights and starts the optimizer, LR schedule and
+data position fresh (``agoq.megatron.checkpoint``). It also keeps the HF model's identity (``hf_dims``: token ids,
+an eos list as a list, context; ``hf_generation_config``), which the trainer carries into its own checkpoints'
+run record (:func:`carry_hf_identity`) so that ``agoq-to-hf`` writes them back.
 """
 
 from __future__ import annotations

@@ -136,6 +136,8 @@ def build_gpt_model(config: AgoqConfig, options: GPTModelOptions, transformer_co
                             num_microbatches=num_microbatches)
     if config.enabled:
         _check_policy(config.policy.spec, tc.num_layers, schedule)
+    if options.rope_scaling:  # --use-rope-scaling: megatron-core's fixed LLaMA-3 bands, as agoq documents them
+        mmodel.check_rope_scaling_bands()
     spec = mmodel.agoq_layer_spec(options.attention, policy=config.policy.spec if config.enabled else None,
                                   schedule=schedule, compute=compute)
     return GPTModel(
