@@ -48,3 +48,15 @@ def test_mistakes_are_errors(tmp_path, capsys):
                                                   "--untie-embeddings-and-output-weights"], capsys)
     yaml.write_text("untie_embeddings_and_output_weights: 'no'\n")
     assert "is a switch: write untie_embeddings_and_output_weights: true or" in _error(["--config", str(yaml)], capsys)
+
+
+def test_the_planner_refuses_a_tied_model_file_it_would_plan_as_untied(tmp_path):
+    from agoq.plan.__main__ import read_model_file
+
+    model = tmp_path / "model.yaml"
+    model.write_text("use_rope_scaling: true\nrope_scaling_factor: 32.0\n")
+    assert read_model_file(str(model))["use_rope_scaling"]  # RoPE scaling changes no memory
+    model.write_text("untie_embeddings_and_output_weights: false\n")
+    with pytest.raises(ValueError, match="untie_embeddings_and_output_weights: False is not something the planner "
+                                         "models .tied embeddings"):
+        read_model_file(str(model))
