@@ -324,3 +324,21 @@ def test_rope_scaling_bands_are_checked_against_megatrons(monkeypatch):
     monkeypatch.setattr(RotaryEmbedding, "_apply_scaling", other)
     with pytest.raises(RuntimeError, match="'high_freq_factor': 2.*agoq expects.*'high_freq_factor': 4.0"):
         check_rope_scaling_bands()
+
+
+def test_megatron_lm_door_passes_the_rope_scaling_factor(mcore_world1):
+    """The model provider of the Megatron-LM door (--use-rope-scaling --rope-scaling-factor 32): the factor reaches
+    RotaryEmbedding (it used to be dropped: Megatron's default 8 always)."""
+    from agoq.config import AgoqConfig
+    from agoq.megatron.megatron_lm import GPTModelOptions, build_gpt_model
+    from agoq.megatron.model import ParallelLayout, llama_transformer_config
+    from agoq.ref.rope import LLAMA3_ROPE_FIXED, ref_inv_freq, ref_llama3_inv_freq
+
+    shape = tiny_shape(rotary_base=500000)
+    config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.float32, use_cpu_initialization=True)
+    options = GPTModelOptions(vocab_size=shape.vocab_size, max_sequence_length=shape.seq_length, rotary_base=500000,
+                              rope_scaling=True, rope_scaling_factor=32.0)
+    model = build_gpt_model(AgoqConfig(enabled=False, device="cpu"), options, config, pre_process=True,
+                            post_process=True)
+    want = ref_llama3_inv_freq(ref_inv_freq(16, 500000), 32.0, **LLAMA3_ROPE_FIXED)
+    assert torch.equal(model.rotary_pos_emb.inv_freq, want)
