@@ -58,7 +58,7 @@ def ref_llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: 
     ``high_freq_factor`` (fast) keeps f; w > L / ``low_freq_factor`` (slow) becomes f / ``factor``; in between f
     blends the two, ``(1 - a) f / factor + a f`` with a = (L / w - low) / (high - low). Rounded as megatron-core's
     and transformers' implementations round it (each operation in fp32, in this order), so the bits agree
-    (tests/unit/test_rope_scaling.py compares all three)."""
+    (tests/megatron/test_rope.py compares all three)."""
     if not factor > 0 or not high_freq_factor > low_freq_factor > 0 or original_max_position_embeddings <= 0:
         raise ValueError(f"llama3 RoPE scaling needs factor > 0, high_freq_factor > low_freq_factor > 0 and "
                          f"original_max_position_embeddings > 0; got factor {factor}, low_freq_factor "
