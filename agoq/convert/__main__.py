@@ -168,7 +168,7 @@ def agoq_to_hf(request: ExportRequest) -> list[str]:
     hf_checkpoint.init_single_process(launch_from_environment())
     source = hf_checkpoint.checkpoint_source(request.load_dir, request.iteration)
     extras = hf_checkpoint.saved_extras(source)
-    dims, padded = _export_dims(request, extras)
+    dims, padded, assumed = _export_dims(request, extras)
     dtype = _torch_dtype(request.dtype)
     # read in fp32 (exact for bf16 and fp32 checkpoints; Megatron keeps RMSNorm gains in fp32 in any case),
     # then round every tensor to the output dtype once
@@ -182,7 +182,10 @@ def agoq_to_hf(request: ExportRequest) -> list[str]:
     return [f"exported {source} -> {request.output}: {len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
             f"{_dtype_name(dtype)}, vocabulary {dims.vocab_size} (of {padded} rows)"
             + (f"; tokenizer files: {', '.join(p.name for p in copied)}" if copied else ""),
-            f"model: {_describe(dims)}; config.json + generation_config.json written"]
+            f"model: {_describe(dims)}; config.json + generation_config.json written"] + [
+            f"note: {source} does not record {field} (saved before agoq recorded it) and --config gives none: "
+            f"exported with the trainer's default {value!r}; pass the run's --config if it trained with another"
+            for field, value in assumed]
 
 
 def _generation_config(extras: dict, dims) -> dict:
@@ -212,9 +215,10 @@ _TRAINER_DEFAULTS = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 
 
 
 def _export_dims(request: ExportRequest, extras: dict):
-    """(LlamaDims, padded rows): the checkpoint's record (its whole model shape, and a converted model's HF
-    identity); a --config YAML fills only what an older checkpoint did not record, and a value of it that differs
-    from the record is an error naming both. Token ids: the converted model's, else the tokenizer's."""
+    """(LlamaDims, padded rows, [(field, value) taken from the trainer's defaults]): the checkpoint's record (its
+    whole model shape, and a converted model's HF identity); a --config YAML fills only what an older checkpoint
+    did not record, and a value of it that differs from the record is an error naming both; what neither gives is
+    the trainer's default, reported. Token ids: the converted model's, else the tokenizer's."""
     from agoq.convert import llama
     from agoq.megatron.hf_checkpoint import hf_identity, saved_shape
 
@@ -234,6 +238,8 @@ def _export_dims(request: ExportRequest, extras: dict):
         raise ValueError(f"{request.load_dir} does not record its whole model shape ({', '.join(missing)}: saved "
                          "before agoq recorded it): pass the run's --config YAML")  # fmt: skip
     shape = {**_TRAINER_DEFAULTS, **values, **recorded}
+    assumed = [(field, value) for field, value in _TRAINER_DEFAULTS.items() if field not in values and
+               field not in recorded and not (field == "rope_scaling_factor" and not shape["rope_scaling"])]
     shape.setdefault("num_query_groups", shape["num_attention_heads"])
     shape.setdefault("ffn_hidden_size", 64 * -(-int(8 * shape["hidden_size"] / 3) // 64))
     padded = recorded.get("vocab_size")
@@ -261,7 +267,7 @@ def _export_dims(request: ExportRequest, extras: dict):
         rope_scaling_factor=float(shape["rope_scaling_factor"]) if shape["rope_scaling"] else None,
         tie_word_embeddings=bool(shape["share_embeddings_and_output_weights"]),
     )  # fmt: skip
-    return dims, padded
+    return dims, padded, assumed
 
 
 def _yaml_values(path: Path, recorded: dict) -> dict:
