@@ -6,8 +6,8 @@
         --pipeline-model-parallel-size 4 --load ckpt/llama3-8b --save ckpt/run \\
         --data-path data/mydata --tokenizer-model /models/Meta-Llama-3-8B/tokenizer.json
 
-    # any agoq checkpoint (any TP / PP layout, with or without optimizer state) -> a HF directory
-    python -m agoq.convert agoq-to-hf ckpt/run --config ckpt/llama3-8b/model.yaml \\
+    # any agoq checkpoint (any TP / PP layout, with or without optimizer state; it records its model shape) -> HF
+    python -m agoq.convert agoq-to-hf ckpt/run \\
         --tokenizer-model /models/Meta-Llama-3-8B/tokenizer.json --output hf/llama3-8b-run --dtype bf16
 
 Runs in one CPU process (no torchrun): the whole model is held once in host memory, in the checkpoint's
