@@ -24,10 +24,6 @@ from pathlib import Path
 
 from agoq.convert.request import DEFAULT_MAX_SHARD_BYTES, EXPORT_DTYPES, IMPORT_DTYPES, ExportRequest, ImportRequest
 
-HF_DIMS_KEY = "hf_dims"  # a converted checkpoint's common state: the HF architecture (agoq.convert.llama.LlamaDims)
-PADDED_VOCAB_KEY = "padded_vocab_size"
-GENERATION_KEY = "hf_generation_config"  # ... and the HF directory's generation_config.json (None without one)
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m agoq.convert", description=__doc__.split("\n")[0],
@@ -117,8 +113,8 @@ def hf_to_agoq(request: ImportRequest) -> list[str]:
     model = hf_checkpoint.build_model(shape, dtype)[0]
     hf_checkpoint.load_model_state(model, state)
     del state
-    extra = {HF_DIMS_KEY: dims.as_dict(), PADDED_VOCAB_KEY: padded, GENERATION_KEY: generation,
-             "converted_from": str(request.hf_dir)}
+    extra = {hf_checkpoint.HF_DIMS_KEY: dims.as_dict(), hf_checkpoint.PADDED_VOCAB_KEY: padded,
+             hf_checkpoint.GENERATION_KEY: generation, "converted_from": str(request.hf_dir)}
     target = hf_checkpoint.save_weights_only(model, request.output, shape, extra)
     yaml_path = request.config_out or request.output / "model.yaml"
     yaml_path.parent.mkdir(parents=True, exist_ok=True)
@@ -208,10 +204,17 @@ _YAML_TO_RECORD = {
     "rope_scaling_factor": ("rope_scaling_factor", float),
     "untie_embeddings_and_output_weights": ("share_embeddings_and_output_weights", lambda v: not v),
 }
-# scripts/pretrain_llama.py's defaults (agoq.megatron.train.flags) for what neither the record nor a YAML gives
-_TRAINER_DEFAULTS = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "rotary_base": 10000,
-                     "norm_epsilon": 1e-5, "rope_scaling": False, "rope_scaling_factor": 8.0,
-                     "share_embeddings_and_output_weights": False}
+
+
+def _trainer_defaults() -> dict:
+    """scripts/pretrain_llama.py's defaults (its parser, agoq.megatron.train.flags) as record fields: what an export
+    uses where neither the checkpoint's record nor a --config gives a value."""
+    from agoq.megatron.train.flags import build_parser
+
+    parser = build_parser()
+    defaults = {field: read(parser.get_default(key)) for key, (field, read) in _YAML_TO_RECORD.items()
+                if parser.get_default(key) is not None}
+    return defaults  # num_query_groups / ffn_hidden_size: derived from the others (None in the parser)
 
 
 def _export_dims(request: ExportRequest, extras: dict):
@@ -220,7 +223,7 @@ def _export_dims(request: ExportRequest, extras: dict):
     did not record, and a value of it that differs from the record is an error naming both; what neither gives is
     the trainer's default, reported. Token ids: the converted model's, else the tokenizer's."""
     from agoq.convert import llama
-    from agoq.megatron.hf_checkpoint import hf_identity, saved_shape
+    from agoq.megatron.hf_checkpoint import PADDED_VOCAB_KEY, hf_identity, saved_shape
 
     recorded = dict(saved_shape(extras))
     hf_dims, _ = hf_identity(extras)
@@ -237,8 +240,9 @@ def _export_dims(request: ExportRequest, extras: dict):
     if missing and request.config is None:
         raise ValueError(f"{request.load_dir} does not record its whole model shape ({', '.join(missing)}: saved "
                          "before agoq recorded it): pass the run's --config YAML")  # fmt: skip
-    shape = {**_TRAINER_DEFAULTS, **values, **recorded}
-    assumed = [(field, value) for field, value in _TRAINER_DEFAULTS.items() if field not in values and
+    defaults = _trainer_defaults()
+    shape = {**defaults, **values, **recorded}
+    assumed = [(field, value) for field, value in defaults.items() if field not in values and
                field not in recorded and not (field == "rope_scaling_factor" and not shape["rope_scaling"])]
     shape.setdefault("num_query_groups", shape["num_attention_heads"])
     shape.setdefault("ffn_hidden_size", 64 * -(-int(8 * shape["hidden_size"] / 3) // 64))
