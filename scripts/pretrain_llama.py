@@ -65,10 +65,18 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
         init_method_std=args.init_method_std,
         vocab_size=padded_vocab_size(model_vocab_size(tokenizer.vocab_size, args.vocab_size), layout.tp,
                                      args.make_vocab_size_divisible_by),
+        rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        unpadded_vocab_size=model_vocab_size(tokenizer.vocab_size, args.vocab_size),
     )
     if args.vocab_size and args.vocab_size != tokenizer.vocab_size:
         print_rank0(f"vocabulary: {args.vocab_size} rows from --vocab-size (the tokenizer has {tokenizer.vocab_size}; "
                     f"the data's ids stay below it), padded to {shape.vocab_size}")
+    print_rank0(f"model: {shape.num_parameters() / 1e6:.2f}M parameters, embeddings "
+                + ("tied (--tie-embeddings-and-output-weights)" if shape.share_embeddings_and_output_weights else
+                   "untied (--untie-embeddings-and-output-weights, the default)")
+                + (f", RoPE base {shape.rotary_base} scaled by {shape.rope_scaling_factor:g} (--use-rope-scaling)"
+                   if shape.rope_scaling else f", RoPE base {shape.rotary_base}"))
     layout.check(shape, info.world_size)
     params_dtype = torch.float32 if args.fp32 else torch.bfloat16
     config = mmodel.llama_transformer_config(

@@ -28,7 +28,7 @@ DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "configs" / "policy" / "a
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model (LLaMA: RMSNorm, SwiGLU, RoPE, GQA, no biases, untied embeddings)")
+    g = p.add_argument_group("model (LLaMA: RMSNorm, SwiGLU, RoPE, GQA, no biases; untied embeddings by default)")
     g.add_argument("--num-layers", type=int, default=4, help="transformer layers (all pipeline stages together)")
     g.add_argument("--hidden-size", type=int, default=64, help="model width")
     g.add_argument("--num-attention-heads", type=int, default=4, help="query heads")
@@ -37,6 +37,22 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="MLP width; default: LLaMA's 8/3·hidden rounded up to a multiple of 64")
     g.add_argument("--seq-length", type=int, default=128, help="tokens per sample")
     g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (LLaMA-3: 500000)")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Megatron-LM's flag: LLaMA-3.1's scaled RoPE (rope_type llama3: frequencies with wavelengths "
+                        "beyond 8192 divided by --rope-scaling-factor, those below 2048 kept, a blend between; "
+                        "megatron-core fixes low_freq_factor 1, high_freq_factor 4, original context 8192)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="Megatron-LM's flag: the factor of --use-rope-scaling (LLaMA-3.1 / 3.3: 8, LLaMA-3.2: 32)")
+    tie = g.add_mutually_exclusive_group()
+    tie.add_argument("--untie-embeddings-and-output-weights", dest="untie_embeddings_and_output_weights",
+                     action="store_true", default=True,
+                     help="Megatron-LM's flag: the output layer has its own weight. The default here (agoq's LLaMA "
+                          "configs are untied; Megatron-LM ties unless it is given); tie with "
+                          "--tie-embeddings-and-output-weights or untie_embeddings_and_output_weights: false")
+    tie.add_argument("--tie-embeddings-and-output-weights", dest="untie_embeddings_and_output_weights",
+                     action="store_false",
+                     help="the output layer shares the embedding's weight (LLaMA-3.2-1B / 3B: tie_word_embeddings; "
+                          "Megatron's share_embeddings_and_output_weights, kept equal across pipeline stages)")
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="RMSNorm epsilon")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="standard deviation of the normal weight initialisation")

@@ -105,7 +105,12 @@ CONTRACT: tuple[Symbol, ...] = (
     Symbol("megatron.core.models.gpt:GPTModel", "one model chunk per (pp rank, vp stage)",
            params=("config", "transformer_layer_spec", "vocab_size", "max_sequence_length",
                    "pre_process", "post_process", "share_embeddings_and_output_weights",
-                   "position_embedding_type", "rotary_base", "vp_stage")),
+                   "position_embedding_type", "rotary_base", "rope_scaling", "rope_scaling_factor", "vp_stage")),
+    # LLaMA-3 scaled RoPE (--use-rope-scaling): GPTModel passes the factor; the bands are _apply_scaling's defaults
+    # (agoq.megatron.model.check_rope_scaling_bands compares them with agoq.ref.rope.LLAMA3_ROPE_FIXED)
+    Symbol("megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding._apply_scaling",
+           "LLaMA-3 frequency bands (defaults read by check_rope_scaling_bands)",
+           params=("freqs", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")),
     Symbol("megatron.core.distributed:DistributedDataParallel", "grad buffers and reduction",
            params=("config", "ddp_config", "module", "disable_bucketing")),
     Symbol("megatron.core.distributed:DistributedDataParallelConfig", "DDP options",

@@ -42,6 +42,10 @@ class ResumeMismatch(ValueError):
 
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                  "vocab_size", "seq_length")
+# the rest of the model's shape, recorded since LLaMA-3.x support (issue 42; None in older records: not compared),
+# so that agoq-to-hf exports what was trained without a --config
+_SHAPE_FIELDS_LATER = ("rotary_base", "norm_epsilon", "rope_scaling", "rope_scaling_factor",
+                       "share_embeddings_and_output_weights", "unpadded_vocab_size")
 
 
 def run_record(config: AgoqConfig, *, shape, tensor_parallel: int, pipeline_parallel: int,
@@ -51,7 +55,7 @@ def run_record(config: AgoqConfig, *, shape, tensor_parallel: int, pipeline_para
     the data order (:data:`DATA_FLAGS` keys; reported on resume by :func:`data_lines`). The data-parallel size
     is not part of it (a checkpoint loads at any)."""
     record = {"agoq": config.as_dict(),
-              "model": {name: getattr(shape, name) for name in _SHAPE_FIELDS},
+              "model": {name: getattr(shape, name) for name in _SHAPE_FIELDS + _SHAPE_FIELDS_LATER},
               "parallel": {"tensor": tensor_parallel, "pipeline": pipeline_parallel,
                            "virtual_pipeline": virtual_pipeline or 1, "distributed_optimizer": distributed_optimizer}}
     if data is not None:
@@ -81,6 +85,12 @@ class ResumeContract:
     distributed_optimizer: bool
     gradient_release: bool
     grads: str | None  # agoq 8-bit gradient format (None: Megatron's float main_grad)
+    rotary_base: int | None = None  # this and below: None = not recorded (_SHAPE_FIELDS_LATER)
+    norm_epsilon: float | None = None
+    rope_scaling: bool | None = None
+    rope_scaling_factor: float | None = None
+    share_embeddings_and_output_weights: bool | None = None
+    unpadded_vocab_size: int | None = None  # the tokenizer's vocabulary (recorded, never compared)
 
     @classmethod
     def from_record(cls, record: dict) -> ResumeContract:
@@ -115,10 +125,15 @@ _MUST_MATCH = {
     "master": "--agoq-master",
     "small_numel": "--agoq-small-numel",
     "distributed_optimizer": "--use-distributed-optimizer",
+    "share_embeddings_and_output_weights": "tied embeddings (--tie-embeddings-and-output-weights)",
 }
 _AGOQ_STATE_FIELDS = ("moments", "master", "small_numel")
 _MAY_CHANGE = {
     "seq_length": "--seq-length",
+    "rotary_base": "--rotary-base",
+    "norm_epsilon": "--norm-epsilon",
+    "rope_scaling": "--use-rope-scaling",
+    "rope_scaling_factor": "--rope-scaling-factor",
     "gradient_release": "--agoq-gradient-release",
     "grads": "--agoq-grads",
 }
@@ -179,7 +194,11 @@ def check_contract(source: str, saved_extra: dict | None, current: dict) -> list
     if saved is None:
         return [_LEGACY_NOTE.format(source=source)]
     now = ResumeContract.from_record(current).as_dict()
-    changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]}
+    changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]
+               and not (k in _SHAPE_FIELDS_LATER and saved[k] is None)}
+    changed.pop("unpadded_vocab_size", None)  # the padded size is what the tensors depend on (checked above)
+    if not (saved.get("rope_scaling") or now.get("rope_scaling")):
+        changed.pop("rope_scaling_factor", None)  # unused without scaling
     if "optimizer" in changed:  # the state formats of another optimizer kind follow from it
         changed = {k: v for k, v in changed.items() if k not in _AGOQ_STATE_FIELDS}
     hard = [k for k in changed if k in _MUST_MATCH]
@@ -218,6 +237,8 @@ def _resume_flag(field: str, saved: dict) -> str:
             return "without --num-layers-per-virtual-pipeline-stage"
         per_chunk = saved["num_layers"] // (saved["pipeline_parallel"] * value)
         return f"--num-layers-per-virtual-pipeline-stage {per_chunk}"
+    if field == "share_embeddings_and_output_weights":
+        return "--tie-embeddings-and-output-weights" if value else "--untie-embeddings-and-output-weights"
     if field == "vocab_size":
         return f"the tokenizer and --make-vocab-size-divisible-by that give a padded vocabulary of {value}"
     if field == "moments" and value is not None:

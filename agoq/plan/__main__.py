@@ -182,6 +182,8 @@ UNMODELLED_KEYS = {
     "recompute_num_layers": (1, "full recompute is modelled one layer per group"),
     "agoq_disable": (False, "plans are for agoq's candidate policies (the bf16 candidate is the closest; capacity "
                             "mode's megatron preset is the baseline)"),
+    "untie_embeddings_and_output_weights": (True, "tied embeddings (LLaMA-3.2-1B / 3B) keep one vocabulary table "
+                                                  "fewer; the planner models the untied output layer"),
     "agoq_policy": (None, "the candidates are --policies (default: the shipped ones); pass --policies FILE to plan "
                           "this one"),
     "cuda_graph_impl": ("none", "CUDA graphs keep their static buffers (2-8 GiB measured, docs/activations.md)"),

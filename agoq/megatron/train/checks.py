@@ -177,6 +177,9 @@ def check_unused_flags(args: argparse.Namespace, given: set[str], command_line: 
         raise ValueError(f"--recompute-num-layers {args.recompute_num_layers} sets the layers per group of "
                          "--recompute-granularity full, which is not given (nothing is recomputed); add "
                          "--recompute-granularity full, or drop --recompute-num-layers")
+    if "rope_scaling_factor" in given and not args.use_rope_scaling:
+        raise ValueError(f"--rope-scaling-factor {args.rope_scaling_factor} scales RoPE only with --use-rope-scaling, "
+                         "which is not given (plain RoPE); add --use-rope-scaling, or drop --rope-scaling-factor")
     config = args.agoq_config
     if not config.grads.quantized:
         why = ("--agoq-disable" if args.agoq_disable else

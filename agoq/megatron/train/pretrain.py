@@ -345,6 +345,9 @@ def _resume(args, record: dict, policy: str, parts: tuple, guard: CheckpointGuar
                                 "may be changing the folder")
     progress, extras = loaded
     guard.after_load(target.folder, progress.iteration)
+    from agoq.megatron.hf_checkpoint import carry_hf_identity
+
+    carry_hf_identity(extras, record)  # a converted checkpoint's HF token ids / generation config, for the export
     print_rank0(f"resumed from {target.folder} at iteration {progress.iteration} "
                 f"({progress.consumed_samples} samples consumed)")
     print_rank0(schedule_line(scheduler.state_dict(), requested, override=args.override_opt_param_scheduler,
