@@ -207,9 +207,9 @@ _YAML_TO_RECORD = {
 
 
 def _trainer_defaults() -> dict:
-    """scripts/pretrain_llama.py's defaults (its parser, agoq.megatron.train.flags) as record fields: what an export
+    """scripts/pretrain_llama.py's defaults (its parser, agoq.cli.flags) as record fields: what an export
     uses where neither the checkpoint's record nor a --config gives a value."""
-    from agoq.megatron.train.flags import build_parser
+    from agoq.cli.flags import build_parser
 
     parser = build_parser()
     defaults = {field: read(parser.get_default(key)) for key, (field, read) in _YAML_TO_RECORD.items()

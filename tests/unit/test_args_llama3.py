@@ -4,6 +4,8 @@ and their YAML keys as hf-to-agoq writes them."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from agoq.megatron.train.args import parse_args
@@ -50,13 +52,14 @@ def test_mistakes_are_errors(tmp_path, capsys):
     assert "is a switch: write untie_embeddings_and_output_weights: true or" in _error(["--config", str(yaml)], capsys)
 
 
-def test_the_planner_refuses_a_tied_model_file_it_would_plan_as_untied(tmp_path):
-    from agoq.plan.__main__ import read_model_file
+def test_the_planner_refuses_a_tied_model_file_it_would_plan_as_untied(tmp_path, capsys):
+    from agoq.plan.__main__ import main, read_model_file
 
     model = tmp_path / "model.yaml"
     model.write_text("use_rope_scaling: true\nrope_scaling_factor: 32.0\n")
     assert read_model_file(str(model))["use_rope_scaling"]  # RoPE scaling changes no memory
-    model.write_text("untie_embeddings_and_output_weights: false\n")
-    with pytest.raises(ValueError, match="untie_embeddings_and_output_weights: False is not something the planner "
-                                         "models .tied embeddings"):
-        read_model_file(str(model))
+    model.write_text("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nffn_hidden_size: 128\nseq_length: 32\n"
+                     "vocab_size: 128\nuntie_embeddings_and_output_weights: false\n")
+    assert main(["--config", str(model), "--memory-budget", "80GiB"]) == 2
+    assert re.search(r"untie_embeddings_and_output_weights: False is not something the planner models .tied "
+                     r"embeddings", capsys.readouterr().err)
