@@ -54,8 +54,9 @@ PLUGIN_FORBIDDEN_MODULES = ("argparse", "agoq.megatron.train")
 PLUGIN_FORBIDDEN_NAMES = ("get_forward_backward_func", "OptimizerParamScheduler", "ArgumentParser")
 # Modules outside agoq/megatron/train that may import it: command-line tools above the trainer (python -m agoq.convert
 # filters the trainer's known start-up warnings; python -m agoq.plan reads --model, a trainer config file, with the
-# trainer's own torch-free loader, agoq.megatron.train.config_file.load_config_file).
-TRAINER_IMPORTERS = ("agoq/convert/__main__.py", "agoq/plan/__main__.py")
+# trainer's own torch-free loader, agoq.megatron.train.config_file.load_config_file; python -m agoq.megatron_lm runs a
+# Megatron-LM script through agoq's door, agoq.megatron.train.megatron_lm_door).
+TRAINER_IMPORTERS = ("agoq/convert/__main__.py", "agoq/plan/__main__.py", "agoq/megatron_lm.py")
 # Plugin files that still hold command-line code, each with its reason and way out (a stale entry fails).
 PLUGIN_EXCEPTIONS: dict[str, str] = {}
 
