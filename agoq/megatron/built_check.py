@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from agoq.config import AgoqConfig
 from agoq.policy import ScheduleInfo
 
-__all__ = ["BuiltMismatch", "Expectation", "built_problems", "check_built"]
+__all__ = ["BuiltMismatch", "Expectation", "any_rank_failed", "built_problems", "check_built"]
 
 
 class BuiltMismatch(RuntimeError):
@@ -182,7 +182,13 @@ def _ddp_problems(config: AgoqConfig, chunks: list) -> list[str]:
     problems = []
     grads = config.grads
     for idx, chunk in enumerate(chunks):
-        if grads.quantized:
+        if config.optimizer.gradient_release:  # agoq's ReleaseDataParallel: the optimizer steps inside backward
+            from agoq.megatron.release import ReleaseDataParallel
+
+            if not isinstance(chunk, ReleaseDataParallel):
+                problems.append(f"model chunk {idx} is {_qualname(chunk)}, not agoq's ReleaseDataParallel that "
+                                "--agoq-gradient-release asks for")
+        elif grads.quantized:
             grad = getattr(chunk, "agoq_grad", None)
             if not isinstance(chunk, AgoqDistributedDataParallel) or grad is None:
                 problems.append(f"model chunk {idx} is wrapped by {_qualname(chunk)}, not agoq's 8-bit gradient DDP "
@@ -247,3 +253,17 @@ def check_built(config: AgoqConfig, model_chunks: list, optimizer, expect: Expec
     fix = f" {expect.how_to_fix}" if expect.how_to_fix else ""
     raise BuiltMismatch(f"agoq: the run asks for what was not built{where}, stopping before the first step: "
                         + " | ".join(problems) + "." + fix)
+
+
+def any_rank_failed(failed: bool) -> bool:
+    """``check_built``'s ``agree``: whether any rank of the world failed (a MAX all-reduce over the default group;
+    NCCL needs a CUDA tensor). Without an initialised process group: this rank's answer."""
+    import torch
+
+    if not torch.distributed.is_initialized():
+        return failed
+    backend = str(torch.distributed.get_backend())
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    flag = torch.tensor([int(failed)], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())

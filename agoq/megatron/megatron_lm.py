@@ -328,7 +328,7 @@ def _built_check(config: AgoqConfig, original):
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.training import get_args
 
-        from agoq.megatron.built_check import Expectation, check_built
+        from agoq.megatron.built_check import Expectation, any_rank_failed, check_built
         from agoq.policy import ScheduleInfo
 
         model, optimizer, scheduler = original(*args, **kwargs)
@@ -341,23 +341,10 @@ def _built_check(config: AgoqConfig, original):
             how_to_fix="Run the script through agoq's door, python -m agoq.megatron_lm path/to/pretrain_gpt.py "
                        "<flags> (it gives both construction paths of megatron.training agoq's layer spec, DDP and "
                        "optimizer; docs/megatron_lm.md)")
-        check_built(config, model, optimizer, expect, rank=torch.distributed.get_rank(), agree=_any_rank)
+        check_built(config, model, optimizer, expect, rank=torch.distributed.get_rank(), agree=any_rank_failed)
         return model, optimizer, scheduler
 
     return setup_model_and_optimizer
-
-
-def _any_rank(failed: bool) -> bool:
-    """Whether any rank of the world failed (MAX all-reduce; NCCL needs a CUDA tensor)."""
-    import torch
-
-    if not torch.distributed.is_initialized():
-        return failed
-    backend = str(torch.distributed.get_backend())
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-    flag = torch.tensor([int(failed)], device=device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 def patches_needed(config: AgoqConfig) -> tuple[str, ...]:
