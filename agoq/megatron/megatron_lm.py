@@ -42,6 +42,7 @@ Guarded by: ``tests/megatron/test_megatron_lm.py`` (CPU), ``tests/gpu/test_megat
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -323,6 +324,7 @@ def _built_check(config: AgoqConfig, original):
     """``setup_model_and_optimizer`` that, once Megatron has built the model, its DDP and the optimizer, checks on every
     rank that they are what ``config`` asks for (agoq.megatron.built_check; all ranks stop together on a mismatch)."""
 
+    @functools.wraps(original)  # Megatron's signature (the contract check reads it)
     def setup_model_and_optimizer(*args, **kwargs):
         import torch
         from megatron.core.num_microbatches_calculator import get_num_microbatches

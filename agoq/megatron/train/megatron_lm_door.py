@@ -32,6 +32,7 @@ it keeps the two start-up fixes that change no number (agoq.megatron.megatron_lm
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import runpy
@@ -247,6 +248,7 @@ class LossRecord:
 
         original = mtt.train_step
 
+        @functools.wraps(original)  # Megatron's signature (the contract check reads it)
         def train_step(*args, **kwargs):
             out = original(*args, **kwargs)
             self.after_step(kwargs.get("iteration"), out[0], out[1])
