@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from agoq.config import AgoqConfig
 from agoq.policy import ScheduleInfo
 
-__all__ = ["BuiltMismatch", "Expectation", "any_rank_failed", "built_problems", "check_built"]
+__all__ = ["BuiltMismatch", "Expectation", "any_rank_failed", "built_problems", "built_summary", "check_built"]
 
 
 class BuiltMismatch(RuntimeError):
@@ -267,3 +267,30 @@ def any_rank_failed(failed: bool) -> bool:
     flag = torch.tensor([int(failed)], device=device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def built_summary(model_chunks: list, optimizer) -> str:
+    """One line naming what this rank built: its transformer layers' and core attentions' classes, the DDP class (and
+    its parent agoq or Megatron class, its 8-bit gradient format) and the optimizer class."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    from agoq.megatron.ddp import AgoqDistributedDataParallel
+
+    layers: dict[str, int] = {}
+    attention: set[str] = set()
+    for chunk in model_chunks:
+        decoder = getattr(_unwrap(chunk), "decoder", None)
+        for layer in getattr(decoder, "layers", ()):
+            layers[type(layer).__name__] = layers.get(type(layer).__name__, 0) + 1
+            attention.add(type(layer.self_attention.core_attention).__name__)
+    ddp = []
+    for chunk in model_chunks:
+        base = AgoqDistributedDataParallel if isinstance(chunk, AgoqDistributedDataParallel) else \
+            DistributedDataParallel if isinstance(chunk, DistributedDataParallel) else None
+        grad = getattr(chunk, "agoq_grad", None)
+        ddp.append(type(chunk).__name__ + (f" ({base.__name__}" if base is not None and base is not type(chunk) else " (")
+                   + (f", 8-bit gradients {grad.fmt} {grad.mode} mode)" if grad is not None else ")"))
+    parts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    return (f"layers {', '.join(f'{n} x{c}' for n, c in layers.items()) or 'none'} (core attention "
+            f"{', '.join(sorted(attention)) or 'none'}) | DDP {', '.join(dict.fromkeys(ddp)).replace(' ()', '')} | "
+            f"optimizer {', '.join(type(p).__name__ for p in parts)}")

@@ -330,7 +330,7 @@ def _built_check(config: AgoqConfig, original):
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.training import get_args
 
-        from agoq.megatron.built_check import Expectation, any_rank_failed, check_built
+        from agoq.megatron.built_check import Expectation, any_rank_failed, built_summary, check_built
         from agoq.policy import ScheduleInfo
 
         model, optimizer, scheduler = original(*args, **kwargs)
@@ -344,6 +344,8 @@ def _built_check(config: AgoqConfig, original):
                        "<flags> (it gives both construction paths of megatron.training agoq's layer spec, DDP and "
                        "optimizer; docs/megatron_lm.md)")
         check_built(config, model, optimizer, expect, rank=torch.distributed.get_rank(), agree=any_rank_failed)
+        if torch.distributed.get_rank() == 0:
+            print(f"agoq: built as asked on every rank; rank 0: {built_summary(model, optimizer)}", flush=True)
         return model, optimizer, scheduler
 
     return setup_model_and_optimizer
