@@ -106,13 +106,14 @@ train_valid_test_datasets_provider.is_distributed = True  # every rank builds it
 def precheck(args) -> None:
     """What this script's model provider cannot build (the door's own checks refuse the rest)."""
     if args.agoq_disable and args.transformer_impl != "local":
-        raise RefusedFlags(f"--transformer-impl {args.transformer_impl}: scripts/pretrain_gpt_agoq.py builds Megatron's "
-                           "local spec; add --transformer-impl local, or run Megatron-LM's own pretrain_gpt.py through "
-                           "the door (python -m agoq.megatron_lm path/to/pretrain_gpt.py ... --agoq-disable)")
+        raise RefusedFlags(f"--transformer-impl {args.transformer_impl}: scripts/pretrain_gpt_agoq.py builds "
+                           "Megatron's local spec; add --transformer-impl local, or run Megatron-LM's own "
+                           "pretrain_gpt.py through the door (python -m agoq.megatron_lm path/to/pretrain_gpt.py ... "
+                           "--agoq-disable)")
     if args.agoq_disable and args.agoq_attention == "sdpa" and args.attention_dropout:
-        raise RefusedFlags(f"--agoq-attention sdpa (this script's default, --agoq-disable too) runs without attention "
-                           f"dropout, got --attention-dropout {args.attention_dropout} (Megatron's default is 0.1); add "
-                           "--attention-dropout 0, or --agoq-attention megatron")
+        raise RefusedFlags(f"--agoq-attention sdpa (this script's default, --agoq-disable too) runs without "
+                           f"attention dropout, got --attention-dropout {args.attention_dropout} (Megatron's default "
+                           "is 0.1); add --attention-dropout 0, or --agoq-attention megatron")
 
 
 def main() -> None:

@@ -113,7 +113,8 @@ class SDPACoreAttention(MegatronModule):
         default in Megatron-LM): boolean, True where a position is masked, ``[b or 1, 1, s, s]``, the causal mask
         without ``--reset-attention-mask``. SDPA runs ``is_causal=True``, which is that mask; the mask's values are
         compared with the causal mask once per layer (the first forward: one host sync), its shape every call."""
-        if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or tuple(mask.shape[-2:]) != (seq_q, seq_k):
+        shape_ok = mask.dim() == 4 and mask.shape[1] == 1 and tuple(mask.shape[-2:]) == (seq_q, seq_k)
+        if mask.dtype != torch.bool or not shape_ok:
             raise NotImplementedError(
                 f"agoq SDPA attention takes Megatron's causal mask from the data loader only (bool, [b, 1, {seq_q}, "
                 f"{seq_k}]); got {mask.dtype} {tuple(mask.shape)}. Use Megatron's DotProductAttention for other masks "

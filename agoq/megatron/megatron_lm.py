@@ -204,8 +204,8 @@ def offer_layer_spec(spec) -> list[str]:
     """Put ``spec`` (agoq's ``ModuleSpec``) where Megatron-LM's ``--spec MODULE NAME`` finds it and return that
     ``[MODULE, NAME]`` for ``args.spec``: both construction paths of megatron.training 0.19 read it
     (``argument_utils.gpt_config_from_args`` puts it in ``GPTModelConfig.transformer_layer_spec``, which
-    ``GPTModelBuilder.build_model`` uses; Megatron-LM's ``gpt_builder`` passes it to ``GPTModel``). Recorded as a runtime
-    change (patch ``megatron_training.layer_spec``): ``handle.undo()`` removes it."""
+    ``GPTModelBuilder.build_model`` uses; Megatron-LM's ``gpt_builder`` passes it to ``GPTModel``). Recorded as a
+    runtime change (patch ``megatron_training.layer_spec``): ``handle.undo()`` removes it."""
     import sys
 
     from agoq.megatron.install import set_module_attr

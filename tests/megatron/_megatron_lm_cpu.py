@@ -54,7 +54,6 @@ def main() -> None:
     import megatron.training.training as training
 
     from agoq.megatron import megatron_lm
-
     from agoq.megatron.train import megatron_lm_door
 
     install = megatron_lm.install_for_megatron_training

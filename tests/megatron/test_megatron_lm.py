@@ -241,13 +241,12 @@ def test_the_model_provider_refuses_the_policies_the_trainer_refuses():
 
 @pytest.mark.parametrize("variant", ["baseline", "agoq_default", "agoq_full"])
 def test_install_patches_what_the_config_needs_and_undo_restores_megatron(monkeypatch, training_module, variant):
+    import megatron.training.models.dist_utils as dist_utils
     from megatron.core.distributed import DistributedDataParallel
 
     from agoq.megatron.install import marked_seam
     from agoq.megatron.megatron_lm import install_for_megatron_training
     from agoq.megatron.train.megatron_lm import agoq_config_from_megatron_args
-
-    import megatron.training.models.dist_utils as dist_utils
 
     mtt, dataset_utils, originals = training_module
     ddp, factory, compile_helpers, builder_ddp, setup, datasets = originals

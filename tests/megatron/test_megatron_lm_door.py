@@ -161,8 +161,9 @@ def test_no_cuda_is_one_line_through_the_door_and_the_script(tmp_path):
 def test_the_baseline_takes_transformer_engine_and_the_door_changes_nothing(default_data, tmp_path):
     """--agoq-disable with Megatron-LM's default --transformer-impl transformer_engine: the door does not refuse it;
     Megatron builds its own model (here it stops on its own: this CPU has no Transformer Engine)."""
-    command = _without(megatron_cpu_command(default_data, tmp_path, None, ["--train-iters", "1", "--agoq-disable"],
-                                            script=SHAPES, door=True, equivalence=False), ["--transformer-impl", "local"])
+    command = megatron_cpu_command(default_data, tmp_path, None, ["--train-iters", "1", "--agoq-disable"],
+                                   script=SHAPES, door=True, equivalence=False)
+    command = _without(command, ["--transformer-impl", "local"])
     run = launch(command, tmp_path, None)
     assert "agoq: disabled (--agoq-disable)" in run.output, run.output[-3000:]
     assert "agoq: --transformer-impl" not in run.output and "--spec agoq" not in run.output

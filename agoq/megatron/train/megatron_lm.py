@@ -86,9 +86,9 @@ def add_agoq_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--agoq-lion-beta1", type=float, default=None, help="--agoq-optimizer lion: beta1 (0.9)")
     g.add_argument("--agoq-lion-beta2", type=float, default=None, help="--agoq-optimizer lion: beta2 (0.99)")
     g.add_argument("--agoq-log-json", default=None, metavar="FILE",
-                   help="append one JSON line per training iteration: its exact lm loss (Megatron's reduced loss of the "
-                        "iteration, repr of the float), the value Megatron's log line prints where it prints one, and "
-                        "the CUDA peak bytes so far")
+                   help="append one JSON line per training iteration: its exact lm loss (Megatron's reduced loss of "
+                        "the iteration, repr of the float), the value Megatron's log line prints where it prints one, "
+                        "and the CUDA peak bytes so far")
     add_compute_flags(parser)  # the FP8 / Smooth-SwiGLU flags as scripts/pretrain_llama.py has them
     return parser
 
@@ -138,8 +138,8 @@ def check_megatron_args(args: argparse.Namespace) -> None:
             raise RefusedFlags(f"--agoq-disable runs the plain Megatron baseline; drop {', '.join(extra)}")
         return
     if getattr(args, "transformer_impl", "local") != "local":
-        raise RefusedFlags(f"--transformer-impl {args.transformer_impl} (Megatron-LM's default): agoq's layers build on "
-                           "Megatron's local spec (Transformer Engine with agoq is not supported yet); add "
+        raise RefusedFlags(f"--transformer-impl {args.transformer_impl} (Megatron-LM's default): agoq's layers build "
+                           "on Megatron's local spec (Transformer Engine with agoq is not supported yet); add "
                            "--transformer-impl local, or --agoq-disable for the plain Megatron run")
     if args.agoq_gradient_release:
         raise UnavailableUnderMegatronTraining(
