@@ -189,3 +189,18 @@ def test_recipe_flags_are_megatron_lms_own(monkeypatch):
     assert args.create_attention_mask_in_dataloader and args.apply_rope_fusion and args.bias_swiglu_fusion
     assert not any(flag.startswith("--agoq") for flag in LLAMA_RECIPE_FLAGS)
     assert set(BENCH.MEGATRON_EQUIVALENCE_FLAGS) > {"--no-persist-layer-norm"}  # the bit-identity runs turn them off
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("AGOQ_MEGATRON_LM"),
+                    reason="set AGOQ_MEGATRON_LM to a Megatron-LM checkout at core_r0.19.x (its pretrain_gpt.py)")
+def test_megatron_lms_own_pretrain_gpt_through_the_door(runs, default_data, tmp_path):
+    """Megatron-LM's own pretrain_gpt.py (your checkout, unmodified; not part of this repository): through the door,
+    agoq's classes are built and the losses are pretrain_llama.py's (its 3-tuple per-token loss included)."""
+    import os
+    from pathlib import Path
+
+    script = Path(os.environ["AGOQ_MEGATRON_LM"]) / "pretrain_gpt.py"
+    run = ok(launch(megatron_cpu_command(default_data, tmp_path, "mlm.jsonl", [*FULL, "--train-iters", str(ITERS)],
+                                        script=script, door=True), tmp_path, "mlm.jsonl"))
+    assert all(word in run.output for word in BUILT)
+    assert run.losses == ok(runs["pretrain_llama"]).losses
