@@ -204,3 +204,37 @@ def test_megatron_lms_own_pretrain_gpt_through_the_door(runs, default_data, tmp_
                                         script=script, door=True), tmp_path, "mlm.jsonl"))
     assert all(word in run.output for word in BUILT)
     assert run.losses == ok(runs["pretrain_llama"]).losses
+
+
+def _documented_door_command() -> list[str]:
+    """The flags of docs/megatron_lm.md's zero-edit command (after the script path); its block is skipped by the
+    docs check (the script is your Megatron-LM checkout's), so this test checks it."""
+    import re
+    import shlex
+
+    text = (REPO_ROOT / "docs" / "megatron_lm.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()
+             if "-m agoq.megatron_lm" in line and not line.lstrip().startswith("#")]
+    assert len(lines) == 1, lines
+    tokens = shlex.split(lines[0])
+    return tokens[tokens.index("$MEGATRON_LM/pretrain_gpt.py") + 1:]
+
+
+def test_documented_zero_edit_command_passes_megatrons_and_agoqs_checks(monkeypatch):
+    import contextlib
+    import io
+
+    from megatron.training.arguments import parse_args, validate_args
+
+    from agoq.megatron.train.megatron_lm import add_agoq_args, agoq_config_from_megatron_args, take_over_recipe_flags
+
+    argv = _documented_door_command()
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+    args = parse_args(extra_args_provider=add_agoq_args)
+    with contextlib.redirect_stdout(io.StringIO()):
+        validate_args(args)
+    config = agoq_config_from_megatron_args(args)
+    assert config.enabled and config.grads.quantized and config.optimizer.agoq
+    assert len(take_over_recipe_flags(args)) == 2  # Megatron-LM's defaults, no agoq-specific flag beside --agoq-*
+    assert not [flag for flag in argv if flag.startswith("--no-")], argv
