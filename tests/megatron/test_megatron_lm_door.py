@@ -238,3 +238,12 @@ def test_documented_zero_edit_command_passes_megatrons_and_agoqs_checks(monkeypa
     assert config.enabled and config.grads.quantized and config.optimizer.agoq
     assert len(take_over_recipe_flags(args)) == 2  # Megatron-LM's defaults, no agoq-specific flag beside --agoq-*
     assert not [flag for flag in argv if flag.startswith("--no-")], argv
+
+
+def test_agoqs_spec_name_is_the_slot_the_door_fills():
+    """A checkpoint saved through the door records agoq's --spec in its args; loading those args back must not be
+    refused as a user's --spec (agoq.megatron.train.megatron_lm.AGOQ_SPEC)."""
+    from agoq.megatron import megatron_lm
+    from agoq.megatron.train.megatron_lm import AGOQ_SPEC
+
+    assert AGOQ_SPEC == [megatron_lm.__name__, megatron_lm.LAYER_SPEC_SLOT]

@@ -32,6 +32,9 @@ from agoq.megatron.train.flags import DEFAULT_POLICY, add_compute_flags
 from agoq.policy import load_policy
 
 ATTENTION_CHOICES = ("sdpa", "megatron")
+AGOQ_SPEC = ["agoq.megatron.megatron_lm", "MEGATRON_LM_LAYER_SPEC"]
+"""Megatron-LM's --spec naming agoq's layer spec (agoq.megatron.megatron_lm.offer_layer_spec puts it there); a
+checkpoint saved through the door records it in its args (--use-checkpoint-args loads it back)."""
 
 # Megatron flags that agoq's layers need with agoq on (dest, wanted value, the flag that gives it). agoq's
 # layer spec is the local spec of a LLaMA decoder (RMSNorm, SwiGLU, no biases); dropout-free attention.
@@ -155,7 +158,7 @@ def check_megatron_args(args: argparse.Namespace) -> None:
     if str(getattr(args, "attention_backend", "")).split(".")[-1] == "local":
         raise RefusedFlags("--attention-backend local: with agoq on, core attention is --agoq-attention (sdpa, or "
                            "megatron for Megatron's local DotProductAttention); drop --attention-backend local")
-    if getattr(args, "spec", None) is not None:
+    if getattr(args, "spec", None) is not None and list(args.spec) != AGOQ_SPEC:  # agoq's own (checkpoint args)
         raise RefusedFlags(f"--spec {' '.join(args.spec)}: agoq gives Megatron its own layer spec (through --spec); "
                            "drop --spec, or --agoq-disable for your spec without agoq")
     position = "rope" if getattr(args, "use_rotary_position_embeddings", False) else args.position_embedding_type

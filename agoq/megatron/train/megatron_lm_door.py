@@ -251,7 +251,8 @@ class LossRecord:
         @functools.wraps(original)  # Megatron's signature (the contract check reads it)
         def train_step(*args, **kwargs):
             out = original(*args, **kwargs)
-            self.after_step(kwargs.get("iteration"), out[0], out[1])
+            iteration = kwargs.get("iteration", args[7] if len(args) > 7 else None)  # train() passes it by name
+            self.after_step(iteration, out[0], out[1])
             return out
 
         set_module_attr(mtt, "train_step", mark(train_step, SEAM_LOG), seam=SEAM_LOG)
