@@ -1,43 +1,56 @@
 """agoq inside Megatron-LM's own trainer, ``megatron.training.pretrain`` (shipped in the megatron-core wheel).
 
-The plugin side of a ``pretrain_gpt.py``-shaped entry script (``scripts/pretrain_gpt_agoq.py`` is one); it takes
-agoq's typed config only. The flags and the bridge from Megatron's parsed args (``add_agoq_args``,
-``agoq_config_from_megatron_args``, ``gpt_model_options``) are the trainer side: agoq/megatron/train/megatron_lm.py.
+The plugin side of the door to Megatron-LM (``python -m agoq.megatron_lm SCRIPT``, agoq/megatron/train/
+megatron_lm_door.py, and ``scripts/pretrain_gpt_agoq.py`` through it); it takes agoq's typed config only. The flags and
+the bridge from Megatron's parsed args (``add_agoq_args``, ``agoq_config_from_megatron_args``, ``gpt_model_options``)
+are the trainer side: agoq/megatron/train/megatron_lm.py.
 
-* :func:`build_gpt_model` — the body of a model provider: Megatron's ``GPTModel`` over agoq's layer spec;
+* :func:`agoq_gpt_layer_spec` — agoq's layer spec for Megatron's ``GPTModel`` after the trainer's policy / FP8 checks;
+  :func:`offer_layer_spec` puts it where Megatron-LM's ``--spec`` finds it (both construction paths read ``--spec``);
+* :func:`build_gpt_model` — the body of a model provider (scripts/pretrain_gpt_agoq.py): ``GPTModel`` over that spec;
 * :func:`install_for_megatron_training` — ``agoq.megatron.install.install`` plus the runtime patches
   ``megatron.training`` needs (below), returned as one ``Handle`` whose ``undo()`` reverts them.
 
 Seam card
 ---------
 Touches (megatron-core 0.19.2, ``megatron/training/``):
-  * ``arguments.parse_and_validate_args(extra_args_provider=)`` — public hook (agoq/megatron/train/megatron_lm.py's
-  flags).
+  * ``--spec MODULE NAME`` (``args.spec``; Megatron-LM's flag, read by ``argument_utils.gpt_config_from_args`` into
+    ``GPTModelConfig.transformer_layer_spec``, which ``GPTModelBuilder.build_model`` uses as given, and by Megatron-LM's
+    ``gpt_builder``) — spec substitution: :func:`offer_layer_spec` (runtime change ``megatron_training.layer_spec``:
+    the module attribute the name points to).
   * ``training.pretrain(..., model_provider=)`` and ``get_model``'s provider call
-    ``(pre_process, post_process, vp_stage, config, pg_collection)`` — public: :func:`build_gpt_model`
-    (the model's ``TransformerConfig`` is Megatron's own, ``argument_utils.core_transformer_config_from_args``).
-  * ``training.DDP`` — the module global ``get_model`` wraps chunks with; replaced (patch
-    ``megatron_training.ddp``) only with ``--agoq-grads FORMAT`` (agoq's 8-bit gradient DDP,
-    agoq/megatron/ddp.py) or with agoq's optimizer under ``--use-distributed-optimizer`` (Megatron's DDP
-    with the quantization-group-aligned buffer layout, agoq/megatron/dist_optimizer.py).
-  * ``training.get_megatron_optimizer`` — the module global ``setup_model_and_optimizer`` calls; replaced
-    (patch ``megatron_training.optimizer``) with a function that builds agoq's optimizer
+    ``(pre_process, post_process, vp_stage, config, pg_collection)`` — public: :func:`build_gpt_model`.
+  * ``training.DDP`` (the module global ``get_model`` wraps chunks with) and
+    ``models.dist_utils.DistributedDataParallel`` (the one ``GPTModelBuilder.build_distributed_models`` wraps them with, through ``_ddp_wrap``) — replaced by one
+    class (patches ``megatron_training.ddp`` / ``megatron_training.builder_ddp``) only with ``--agoq-grads FORMAT``
+    (agoq's 8-bit gradient DDP, agoq/megatron/ddp.py) or agoq's optimizer (under ``--use-distributed-optimizer``:
+    Megatron's DDP with the quantization-group-aligned buffer layout, agoq/megatron/dist_optimizer.py).
+  * ``training.get_megatron_optimizer`` — the module global ``setup_model_and_optimizer`` calls on both paths;
+    replaced (patch ``megatron_training.optimizer``) with a function that builds agoq's optimizer
     (``--agoq-optimizer adamw|lion|sgd``, agoq/megatron/optimizer.py) or Megatron's and attaches agoq's
     8-bit gradient reader (agoq/megatron/grad_reader.py) when ``--agoq-grads`` is on.
+  * ``training.setup_model_and_optimizer`` — the module global ``pretrain`` calls; wrapped (patch
+    ``megatron_training.built_check``, agoq on) to check on every rank what was built (agoq/megatron/built_check.py).
   * ``megatron.core.datasets.utils.compile_helpers`` — replaced (patch ``megatron_training.dataset_helpers``,
     every run, the baseline too) by a function that runs Megatron's own only when the compiled
     ``helpers_cpp`` module does not import: ``initialize_megatron`` runs ``make`` in the package's
     datasets folder, but the 0.19.2 wheel ships the compiled module without its Makefile, so ``make``
     fails and Megatron exits (``sys.exit(1)``) before training (measured on CPU with the wheel).
-Why: ``megatron.training`` offers no config hook for the DDP class or the optimizer factory (its
-  ``get_model`` / ``setup_model_and_optimizer`` read module globals), so these two are runtime patches,
-  recorded with ``agoq.megatron.install.set_module_attr`` (marked, logged, undone by the handle). A
-  plain baseline (``--agoq-disable``) or agoq's activation storage alone patches nothing.
-Verified on: megatron-core 0.19.2 (CPU: flags, config, patches and undo; one H100: losses equal to
-  ``scripts/pretrain_llama.py``'s, benchmarks/results/megatron_lm.json).
-When disabled: ``--agoq-disable`` builds Megatron's local-spec GPT (with agoq's SDPA attention unless
-  ``--agoq-attention megatron``) and installs nothing but the contract check.
-Guarded by: ``tests/megatron/test_megatron_lm.py`` (CPU), ``tests/gpu/test_megatron_lm_gpu.py`` (GPU).
+  * ``training.build_train_valid_test_datasets`` — wrapped (patch ``megatron_training.empty_splits``, every run):
+    a split Megatron asks for no sample (``--eval-iters 0``) gets no dataset, so no loader (Megatron's sampler asserts
+    "no sample to consume: 0" on an empty dataset; measured on CPU with a provider that returns every split).
+Why: ``megatron.training`` offers no config hook for the DDP class, the optimizer factory or a step after the model
+  is built (its ``get_model`` / ``_ddp_wrap`` / ``setup_model_and_optimizer`` / ``pretrain`` read module globals), so
+  these are runtime patches, recorded with ``agoq.megatron.install.set_module_attr`` (marked, logged, undone by the
+  handle). The layer spec goes in through Megatron-LM's own ``--spec`` (no patch of a model builder).
+Verified on: megatron-core 0.19.2 (CPU: flags, config, patches and undo, both construction paths and Megatron-LM
+  core_r0.19.0's pretrain_gpt.py bit-identical to ``scripts/pretrain_llama.py``; one H100, before the door: the
+  reference script's losses equal to ``scripts/pretrain_llama.py``'s, benchmarks/results/megatron_lm.json).
+When disabled: ``--agoq-disable`` patches only the dataset helpers and the empty-split fix (no number changes);
+  ``scripts/pretrain_gpt_agoq.py`` builds Megatron's local-spec GPT (with agoq's SDPA attention unless
+  ``--agoq-attention megatron``), the zero-edit door leaves the script's model as it is.
+Guarded by: ``tests/megatron/test_megatron_lm.py``, ``tests/megatron/test_megatron_lm_door.py``,
+  ``tests/megatron/test_built_check.py`` (CPU), ``tests/gpu/test_megatron_lm_gpu.py`` (GPU).
 """
 
 from __future__ import annotations
