@@ -21,10 +21,11 @@ Touches (megatron-core 0.19.2, ``megatron/training/``):
   * ``training.pretrain(..., model_provider=)`` and ``get_model``'s provider call
     ``(pre_process, post_process, vp_stage, config, pg_collection)`` — public: :func:`build_gpt_model`.
   * ``training.DDP`` (the module global ``get_model`` wraps chunks with) and
-    ``models.dist_utils.DistributedDataParallel`` (the one ``GPTModelBuilder.build_distributed_models`` wraps them
-    with, through ``_ddp_wrap``) — replaced by one class (patches ``megatron_training.ddp`` / ``megatron_training.builder_ddp``) only with ``--agoq-grads FORMAT``
-    (agoq's 8-bit gradient DDP, agoq/megatron/ddp.py) or agoq's optimizer (under ``--use-distributed-optimizer``:
-    Megatron's DDP with the quantization-group-aligned buffer layout, agoq/megatron/dist_optimizer.py).
+    ``models.dist_utils.DistributedDataParallel`` (``GPTModelBuilder.build_distributed_models`` wraps them with it,
+    through ``_ddp_wrap``) — both replaced by one class (patches ``megatron_training.ddp`` and
+    ``megatron_training.builder_ddp``) only with ``--agoq-grads FORMAT`` (agoq's 8-bit gradient DDP,
+    agoq/megatron/ddp.py) or agoq's optimizer (under ``--use-distributed-optimizer``: Megatron's DDP with the
+    quantization-group-aligned buffer layout, agoq/megatron/dist_optimizer.py).
   * ``training.get_megatron_optimizer`` — the module global ``setup_model_and_optimizer`` calls on both paths;
     replaced (patch ``megatron_training.optimizer``) with a function that builds agoq's optimizer
     (``--agoq-optimizer adamw|lion|sgd``, agoq/megatron/optimizer.py) or Megatron's and attaches agoq's
