@@ -247,3 +247,10 @@ def test_agoqs_spec_name_is_the_slot_the_door_fills():
     from agoq.megatron.train.megatron_lm import AGOQ_SPEC
 
     assert AGOQ_SPEC == [megatron_lm.__name__, megatron_lm.LAYER_SPEC_SLOT]
+
+
+def test_a_script_the_door_never_got_into_is_not_silent(tmp_path):
+    script = tmp_path / "pretrain_other.py"
+    script.write_text("print('parsed nothing through megatron.training.arguments')\n")
+    line = _one_line(launch([sys.executable, "-m", "agoq.megatron_lm", str(script)], tmp_path, None))
+    assert "without calling megatron.training.arguments.parse_and_validate_args" in line, line

@@ -188,7 +188,12 @@ def run(entry: Callable[[], object], precheck: Callable | None = None) -> None:
     install_door(precheck)
     try:
         entry()
-        record = _RUN["run"].record if "run" in _RUN else None
+        if "run" not in _RUN:  # the script parsed Megatron's flags some other way: agoq never got in
+            raise UnavailableUnderMegatronTraining(
+                "the script returned without calling megatron.training.arguments.parse_and_validate_args, where "
+                "agoq's door gets in: whatever it ran, it ran without agoq; call parse_and_validate_args to parse "
+                "Megatron's flags (as Megatron-LM's pretrain_gpt.py does)")
+        record = _RUN["run"].record
         if record is not None:
             record.finish()
     except (MegatronLMRefusal, BuiltMismatch) as error:
