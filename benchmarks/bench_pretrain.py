@@ -280,8 +280,8 @@ def planner_capacity(model: str, budget: str, seq: int = 4096) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "capacity.json"
-        argv = ["--capacity", "--model", str(MODEL_DIR / f"{model}.yaml"), "--vocab-size", str(LLAMA3_VOCAB),
-                "--seq", str(seq), "--memory-budget", budget, "--max-gpus", "16", "--out", str(out)]
+        argv = ["--capacity", "--config", str(MODEL_DIR / f"{model}.yaml"), "--vocab-size", str(LLAMA3_VOCAB),
+                "--seq-length", str(seq), "--memory-budget", budget, "--max-gpus", "16", "--out", str(out)]
         if plan_main(argv) != 0:
             return {"error": f"python -m agoq.plan {' '.join(argv)} failed"}
         return {"command": "python -m agoq.plan " + " ".join(argv[:-2]), **json.loads(out.read_text())}

@@ -38,15 +38,16 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from agoq.data.tokenizer import Tokenizer, padded_vocab_size  # noqa: E402
+from agoq.cli.optim_args import check_release_flags  # noqa: E402
+from agoq.data.tokenizer import Tokenizer, model_vocab_size, padded_vocab_size  # noqa: E402
 from agoq.megatron import model as mmodel  # noqa: E402
 from agoq.megatron.activations import storage_of, storage_table  # noqa: E402
+from agoq.megatron.checkpoint import CheckpointSaveError  # noqa: E402
 from agoq.megatron.compute import check_compute, compute_report  # noqa: E402
 from agoq.megatron.ddp import grad_config, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.optimizer import shard_alignment_for  # noqa: E402
 from agoq.megatron.release import TrainingStopped, wrap_release  # noqa: E402
 from agoq.megatron.train import data as mdata  # noqa: E402
-from agoq.megatron.train.optim_args import check_release_flags  # noqa: E402
 from agoq.megatron.train.pretrain import ddp_config, pretrain, print_rank0  # noqa: E402
 from agoq.megatron.train.training import configure_grad_hooks  # noqa: E402
 from agoq.ops.smooth_swiglu_fp8 import plain_swiglu_fusion  # noqa: E402
@@ -62,8 +63,20 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
         num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
         seq_length=args.seq_length, rotary_base=args.rotary_base, norm_epsilon=args.norm_epsilon,
         init_method_std=args.init_method_std,
-        vocab_size=padded_vocab_size(tokenizer.vocab_size, layout.tp, args.make_vocab_size_divisible_by),
+        vocab_size=padded_vocab_size(model_vocab_size(tokenizer.vocab_size, args.vocab_size), layout.tp,
+                                     args.make_vocab_size_divisible_by),
+        rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        unpadded_vocab_size=model_vocab_size(tokenizer.vocab_size, args.vocab_size),
     )
+    if args.vocab_size and args.vocab_size != tokenizer.vocab_size:
+        print_rank0(f"vocabulary: {args.vocab_size} rows from --vocab-size (the tokenizer has {tokenizer.vocab_size}; "
+                    f"the data's ids stay below it), padded to {shape.vocab_size}")
+    print_rank0(f"model: {shape.num_parameters() / 1e6:.2f}M parameters, embeddings "
+                + ("tied (--tie-embeddings-and-output-weights)" if shape.share_embeddings_and_output_weights else
+                   "untied (--untie-embeddings-and-output-weights, the default)")
+                + (f", RoPE base {shape.rotary_base} scaled by {shape.rope_scaling_factor:g} (--use-rope-scaling)"
+                   if shape.rope_scaling else f", RoPE base {shape.rotary_base}"))
     layout.check(shape, info.world_size)
     params_dtype = torch.float32 if args.fp32 else torch.bfloat16
     config = mmodel.llama_transformer_config(
@@ -181,6 +194,10 @@ def main(argv=None, args=None) -> int:
         return 2
     except TrainingStopped as exc:  # a documented stop (gradient release met a non-finite gradient)
         print(f"pretrain_llama.py: stopped: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except CheckpointSaveError as exc:  # every rank raises it, with every rank's reason: rank 0 says it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_llama.py: stopped: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -6,8 +6,8 @@
         --pipeline-model-parallel-size 4 --load ckpt/llama3-8b --save ckpt/run \\
         --data-path data/mydata --tokenizer-model /models/Meta-Llama-3-8B/tokenizer.json
 
-    # any agoq checkpoint (any TP / PP layout, with or without optimizer state) -> a HF directory
-    python -m agoq.convert agoq-to-hf ckpt/run --config ckpt/llama3-8b/model.yaml \\
+    # any agoq checkpoint (any TP / PP layout, with or without optimizer state; it records its model shape) -> HF
+    python -m agoq.convert agoq-to-hf ckpt/run \\
         --tokenizer-model /models/Meta-Llama-3-8B/tokenizer.json --output hf/llama3-8b-run --dtype bf16
 
 Runs in one CPU process (no torchrun): the whole model is held once in host memory, in the checkpoint's
@@ -23,9 +23,6 @@ import time
 from pathlib import Path
 
 from agoq.convert.request import DEFAULT_MAX_SHARD_BYTES, EXPORT_DTYPES, IMPORT_DTYPES, ExportRequest, ImportRequest
-
-HF_DIMS_KEY = "hf_dims"  # a converted checkpoint's common state: the HF architecture (agoq.convert.llama.LlamaDims)
-PADDED_VOCAB_KEY = "padded_vocab_size"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--output", type=Path, required=True, help="HF model directory to write")
     exp.add_argument("--iteration", type=int, default=None, help="iter_N to export (default: the latest)")
     exp.add_argument("--config", type=Path, default=None,
-                     help="the run's model YAML (--config of pretrain_llama.py); needed unless the checkpoint is a "
-                          "converted one, which records its architecture")
+                     help="the run's model YAML (--config of pretrain_llama.py); needed only for checkpoints that do "
+                          "not record their whole shape (saved before agoq recorded it); a value that differs from "
+                          "the checkpoint's record is an error")
     exp.add_argument("--tokenizer-model", type=Path, default=None,
                      help="the run's tokenizer: gives the real vocabulary size and BOS/EOS ids and is copied next to "
                           "the weights")
@@ -99,6 +97,7 @@ def hf_to_agoq(request: ImportRequest) -> list[str]:
 
     config = hf_io.read_config(request.hf_dir)
     dims = llama.dims_from_hf_config(config)
+    generation = hf_io.read_generation_config(request.hf_dir)
     padded = llama.padded_rows(dims.vocab_size, request.make_vocab_size_divisible_by,
                                request.tensor_model_parallel_size)
     hf_state = hf_io.read_state_dict(request.hf_dir)
@@ -114,7 +113,8 @@ def hf_to_agoq(request: ImportRequest) -> list[str]:
     model = hf_checkpoint.build_model(shape, dtype)[0]
     hf_checkpoint.load_model_state(model, state)
     del state
-    extra = {HF_DIMS_KEY: dims.as_dict(), PADDED_VOCAB_KEY: padded, "converted_from": str(request.hf_dir)}
+    extra = {hf_checkpoint.HF_DIMS_KEY: dims.as_dict(), hf_checkpoint.PADDED_VOCAB_KEY: padded,
+             hf_checkpoint.GENERATION_KEY: generation, "converted_from": str(request.hf_dir)}
     target = hf_checkpoint.save_weights_only(model, request.output, shape, extra)
     yaml_path = request.config_out or request.output / "model.yaml"
     yaml_path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,6 +123,7 @@ def hf_to_agoq(request: ImportRequest) -> list[str]:
                                            padded_vocab=padded))  # fmt: skip
     return [f"checkpoint: {target} ({shape.num_parameters() / 1e6:.1f}M parameters, {_dtype_name(dtype)}, "
             f"vocabulary {dims.vocab_size} padded to {padded} rows)",
+            f"model: {_describe(dims)}",
             f"model config: {yaml_path}",
             f"train: scripts/pretrain_llama.py --config {yaml_path} --load {request.output} "
             f"--tokenizer-model {request.hf_dir / 'tokenizer.json'} ..."]
@@ -131,11 +132,22 @@ def hf_to_agoq(request: ImportRequest) -> list[str]:
 def _shape(dims, padded: int):
     from agoq.megatron.model import LlamaShape
 
+    scaled = dims.rope_scaling_factor is not None
     return LlamaShape(num_layers=dims.num_layers, hidden_size=dims.hidden_size,
                       num_attention_heads=dims.num_attention_heads, num_query_groups=dims.num_query_groups,
                       ffn_hidden_size=dims.ffn_hidden_size, seq_length=dims.max_position_embeddings,
                       vocab_size=padded, rotary_base=dims.rotary_base, norm_epsilon=dims.norm_epsilon,
-                      init_method_std=dims.init_method_std)  # fmt: skip
+                      init_method_std=dims.init_method_std, rope_scaling=scaled,
+                      rope_scaling_factor=dims.rope_scaling_factor if scaled else 8.0,
+                      share_embeddings_and_output_weights=dims.tie_word_embeddings,
+                      unpadded_vocab_size=dims.vocab_size)  # fmt: skip
+
+
+def _describe(dims) -> str:
+    rope = (f"RoPE base {dims.rotary_base}, llama3 scaling factor {dims.rope_scaling_factor:g}"
+            if dims.rope_scaling_factor is not None else f"RoPE base {dims.rotary_base}")
+    tying = "tied" if dims.tie_word_embeddings else "untied"
+    return f"{rope}; embeddings {tying}; RMSNorm eps {dims.norm_epsilon:g}; eos {dims.eos_token_id}"
 
 
 def _dtype_name(dtype) -> str:
@@ -152,7 +164,7 @@ def agoq_to_hf(request: ExportRequest) -> list[str]:
     hf_checkpoint.init_single_process(launch_from_environment())
     source = hf_checkpoint.checkpoint_source(request.load_dir, request.iteration)
     extras = hf_checkpoint.saved_extras(source)
-    dims, padded = _export_dims(request, extras)
+    dims, padded, assumed = _export_dims(request, extras)
     dtype = _torch_dtype(request.dtype)
     # read in fp32 (exact for bf16 and fp32 checkpoints; Megatron keeps RMSNorm gains in fp32 in any case),
     # then round every tensor to the output dtype once
@@ -161,63 +173,129 @@ def agoq_to_hf(request: ExportRequest) -> list[str]:
     state = {k: v.to(dtype) for k, v in llama.megatron_to_hf(hf_checkpoint.model_state(model), dims).items()}
     files = hf_io.write_model_dir(request.output, state, llama.hf_config(dims, dtype),
                                   max_shard_bytes=request.max_shard_bytes)
+    hf_io.write_generation_config(request.output, _generation_config(extras, dims))
     copied = hf_io.copy_tokenizer(request.tokenizer_model, request.output) if request.tokenizer_model else []
     return [f"exported {source} -> {request.output}: {len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
             f"{_dtype_name(dtype)}, vocabulary {dims.vocab_size} (of {padded} rows)"
-            + (f"; tokenizer files: {', '.join(p.name for p in copied)}" if copied else "")]
+            + (f"; tokenizer files: {', '.join(p.name for p in copied)}" if copied else ""),
+            f"model: {_describe(dims)}; config.json + generation_config.json written"] + [
+            f"note: {source} does not record {field} (saved before agoq recorded it) and --config gives none: "
+            f"exported with the trainer's default {value!r}; pass the run's --config if it trained with another"
+            for field, value in assumed]
+
+
+def _generation_config(extras: dict, dims) -> dict:
+    """The converted model's generation_config.json (carried by the checkpoint), else one with its token ids."""
+    from agoq.megatron.hf_checkpoint import hf_identity
+
+    recorded = hf_identity(extras)[1]
+    if recorded is not None:
+        return recorded
+    return {k: v for k, v in (("bos_token_id", dims.bos_token_id), ("eos_token_id", dims.eos_token_id))
+            if v is not None}
+
+
+# the model YAML's keys (trainer flags) -> the checkpoint record's fields, and how the YAML value reads as one
+_YAML_TO_RECORD = {
+    "num_layers": ("num_layers", int), "hidden_size": ("hidden_size", int),
+    "num_attention_heads": ("num_attention_heads", int), "num_query_groups": ("num_query_groups", int),
+    "ffn_hidden_size": ("ffn_hidden_size", int), "rotary_base": ("rotary_base", int),
+    "norm_epsilon": ("norm_epsilon", float), "use_rope_scaling": ("rope_scaling", bool),
+    "rope_scaling_factor": ("rope_scaling_factor", float),
+    "untie_embeddings_and_output_weights": ("share_embeddings_and_output_weights", lambda v: not v),
+}
+
+
+def _trainer_defaults() -> dict:
+    """scripts/pretrain_llama.py's defaults (its parser, agoq.megatron.train.flags) as record fields: what an export
+    uses where neither the checkpoint's record nor a --config gives a value."""
+    from agoq.megatron.train.flags import build_parser
+
+    parser = build_parser()
+    defaults = {field: read(parser.get_default(key)) for key, (field, read) in _YAML_TO_RECORD.items()
+                if parser.get_default(key) is not None}
+    return defaults  # num_query_groups / ffn_hidden_size: derived from the others (None in the parser)
 
 
 def _export_dims(request: ExportRequest, extras: dict):
-    """(LlamaDims, padded rows): a converted checkpoint's record, else --config + the resume record + tokenizer."""
+    """(LlamaDims, padded rows, [(field, value) taken from the trainer's defaults]): the checkpoint's record (its
+    whole model shape, and a converted model's HF identity); a --config YAML fills only what an older checkpoint
+    did not record, and a value of it that differs from the record is an error naming both; what neither gives is
+    the trainer's default, reported. Token ids: the converted model's, else the tokenizer's."""
     from agoq.convert import llama
-    from agoq.megatron.hf_checkpoint import saved_shape
+    from agoq.megatron.hf_checkpoint import PADDED_VOCAB_KEY, hf_identity, saved_shape
 
-    contract = saved_shape(extras)
-    if HF_DIMS_KEY in extras and request.config is None:
-        dims = llama.LlamaDims(**extras[HF_DIMS_KEY])
-        padded = extras[PADDED_VOCAB_KEY]
-    else:
-        if request.config is None:
-            raise ValueError(f"{request.load_dir} records no architecture (it was not written by hf-to-agoq): pass the "
-                             "run's --config YAML")  # fmt: skip
-        dims, padded = _dims_from_yaml(request.config, contract)
-    vocab, bos, eos = _vocab_from_tokenizer(request.tokenizer_model)
-    vocab = request.vocab_size or vocab or dims.vocab_size or padded
-    if vocab > padded:
-        raise ValueError(f"vocabulary {vocab} is larger than the checkpoint's {padded} embedding rows")
-    return llama.LlamaDims(**{**dims.as_dict(), "vocab_size": vocab,
-                              "bos_token_id": bos if bos is not None else dims.bos_token_id,
-                              "eos_token_id": eos if eos is not None else dims.eos_token_id}), padded  # fmt: skip
-
-
-def _dims_from_yaml(path: Path, contract: dict):
-    import yaml
-
-    from agoq.convert import llama
-
-    values = yaml.safe_load(path.read_text()) or {}
-    heads = values.get("num_attention_heads", contract.get("num_attention_heads"))
-    hidden = values.get("hidden_size", contract.get("hidden_size"))
-    # scripts/pretrain_llama.py's defaults (agoq.megatron.train.args) for keys a config file leaves out
-    shape = {
-        "num_layers": values.get("num_layers", 4), "hidden_size": hidden if hidden is not None else 64,
-        "num_attention_heads": heads if heads is not None else 4,
-        "num_query_groups": values.get("num_query_groups") or heads or 4,
-        "ffn_hidden_size": values.get("ffn_hidden_size") or 64 * -(-int(8 * (hidden or 64) / 3) // 64),
-    }
-    for key, value in shape.items():
-        if key in contract and contract[key] != value:
-            raise ValueError(f"{path}: {key} {value}, but the checkpoint was saved with {contract[key]}; pass the "
-                             "run's own --config")  # fmt: skip
-    padded = contract.get("vocab_size")
+    recorded = dict(saved_shape(extras))
+    hf_dims, _ = hf_identity(extras)
+    hf = llama.LlamaDims(**hf_dims) if hf_dims is not None else None
+    if hf is not None:  # a converted checkpoint (or a run from one): its HF config fills what older records lack
+        for field, value in (("rotary_base", hf.rotary_base), ("norm_epsilon", hf.norm_epsilon),
+                             ("rope_scaling", hf.rope_scaling_factor is not None),
+                             ("rope_scaling_factor", hf.rope_scaling_factor or 8.0),
+                             ("share_embeddings_and_output_weights", hf.tie_word_embeddings)):
+            recorded.setdefault(field, value)
+        recorded.setdefault("vocab_size", extras.get(PADDED_VOCAB_KEY))
+    values = _yaml_values(request.config, recorded) if request.config is not None else {}
+    missing = [f for f in ("rotary_base", "norm_epsilon", "num_layers") if f not in recorded and f not in values]
+    if missing and request.config is None:
+        raise ValueError(f"{request.load_dir} does not record its whole model shape ({', '.join(missing)}: saved "
+                         "before agoq recorded it): pass the run's --config YAML")  # fmt: skip
+    defaults = _trainer_defaults()
+    shape = {**defaults, **values, **recorded}
+    assumed = [(field, value) for field, value in defaults.items() if field not in values and
+               field not in recorded and not (field == "rope_scaling_factor" and not shape["rope_scaling"])]
+    shape.setdefault("num_query_groups", shape["num_attention_heads"])
+    shape.setdefault("ffn_hidden_size", 64 * -(-int(8 * shape["hidden_size"] / 3) // 64))
+    padded = recorded.get("vocab_size")
     if padded is None:
         raise ValueError("the checkpoint has no resume record (saved before agoq recorded one): its vocabulary is "
                          "unknown")  # fmt: skip
-    dims = llama.LlamaDims(**shape, vocab_size=0, rotary_base=int(values.get("rotary_base", 10000)),
-                           norm_epsilon=float(values.get("norm_epsilon", 1e-5)),
-                           max_position_embeddings=int(values.get("seq_length", contract.get("seq_length", 128))),
-                           init_method_std=float(values.get("init_method_std", 0.02)))  # fmt: skip
-    return dims, padded
+    vocab, bos, eos = _vocab_from_tokenizer(request.tokenizer_model)
+    known = recorded.get("unpadded_vocab_size") or (hf.vocab_size if hf is not None else None)
+    if vocab is not None and known is not None and vocab != known and request.vocab_size is None:
+        raise ValueError(f"--tokenizer-model {request.tokenizer_model} has {vocab} tokens, but the checkpoint was "
+                         f"trained with a vocabulary of {known}; pass the run's tokenizer (or --vocab-size)")
+    vocab = request.vocab_size or vocab or known or padded
+    if vocab > padded:
+        raise ValueError(f"vocabulary {vocab} is larger than the checkpoint's {padded} embedding rows")
+    context = hf.max_position_embeddings if hf is not None else int(values.get("seq_length",
+                                                                               recorded.get("seq_length", 128)))
+    dims = llama.LlamaDims(
+        num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
+        num_attention_heads=shape["num_attention_heads"], num_query_groups=shape["num_query_groups"],
+        ffn_hidden_size=shape["ffn_hidden_size"], vocab_size=vocab, rotary_base=int(shape["rotary_base"]),
+        norm_epsilon=float(shape["norm_epsilon"]), max_position_embeddings=context,
+        init_method_std=hf.init_method_std if hf is not None else float(values.get("init_method_std", 0.02)),
+        bos_token_id=hf.bos_token_id if hf is not None and hf.bos_token_id is not None else bos,
+        eos_token_id=hf.eos_token_id if hf is not None and hf.eos_token_id is not None else eos,
+        rope_scaling_factor=float(shape["rope_scaling_factor"]) if shape["rope_scaling"] else None,
+        tie_word_embeddings=bool(shape["share_embeddings_and_output_weights"]),
+    )  # fmt: skip
+    return dims, padded, assumed
+
+
+def _yaml_values(path: Path, recorded: dict) -> dict:
+    """The YAML's model values as record fields (plus seq_length, init_method_std); one that differs from the
+    checkpoint's record raises naming both."""
+    import yaml
+
+    raw = yaml.safe_load(path.read_text()) or {}
+    values = {}
+    for key, (field, read) in _YAML_TO_RECORD.items():
+        if key not in raw:
+            continue
+        value = read(raw[key])
+        if field == "rope_scaling_factor" and not raw.get("use_rope_scaling", recorded.get("rope_scaling")):
+            continue  # a factor without scaling is not part of the model
+        if field in recorded and recorded[field] != value:
+            raise ValueError(f"{path}: {key} {raw[key]!r}, but the checkpoint was saved with {field} "
+                             f"{recorded[field]!r}; drop the key (the checkpoint's value is used) or pass the run's "
+                             "own --config")  # fmt: skip
+        values[field] = value
+    for key in ("seq_length", "init_method_std"):
+        if key in raw:
+            values[key] = raw[key]
+    return values
 
 
 def _vocab_from_tokenizer(path: Path | None):

@@ -35,6 +35,21 @@ def read_config(model_dir: str | os.PathLike) -> dict:
     return json.loads(path.read_text())
 
 
+GENERATION_FILE = "generation_config.json"
+
+
+def read_generation_config(model_dir: str | os.PathLike) -> dict | None:
+    """The directory's ``generation_config.json`` (token ids and sampling defaults), None without one."""
+    path = Path(model_dir) / GENERATION_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_generation_config(out_dir: str | os.PathLike, config: dict) -> Path:
+    path = Path(out_dir) / GENERATION_FILE
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return path
+
+
 def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:
     """The weight files of a HF directory: the index's shards, else ``model.safetensors``."""
     model_dir = Path(model_dir)

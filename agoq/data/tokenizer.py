@@ -164,6 +164,7 @@ class Tokenizer:
         data = path.read_bytes()
         if is_hf_tokenizer_file(data):
             return HFTokenizer.load_file(path, data)
+        _refuse_broken_json(path, data)
         if not data:  # sentencepiece "loads" empty bytes as a model of 0 pieces
             raise ValueError(f"tokenizer model {path} is empty; pass the SentencePiece .model the data was "
                              "prepared with (or train one with scripts/train_tokenizer.py)")
@@ -222,6 +223,26 @@ class Tokenizer:
 
     def id_to_piece(self, token_id: int) -> str:
         return self._sp.id_to_piece(int(token_id))
+
+
+def _refuse_broken_json(path: Path, data: bytes) -> None:
+    """A file that is meant to be JSON (``*.json``, or text starting with ``{``) but is not a Hugging Face
+    tokenizers file: say what is wrong with it as JSON (SentencePiece models are binary protobuf, never JSON), not
+    "not a SentencePiece model"."""
+    if path.suffix != ".json" and data.lstrip()[:1] != b"{":
+        return
+    try:
+        obj = json.loads(data)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not a UTF-8 JSON file ({err}); a Hugging Face tokenizer.json is UTF-8 text") \
+            from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{err.lineno}:{err.colno}: invalid JSON ({err.msg}); the tokenizer.json is damaged "
+                         "or truncated: copy it again from the model's repository") from None
+    keys = "'model' (an object) and 'added_tokens'"
+    found = sorted(obj)[:8] if isinstance(obj, dict) else type(obj).__name__
+    raise ValueError(f"{path}: valid JSON, but not a Hugging Face tokenizers file (it needs {keys}; found {found}); "
+                     "pass the model's tokenizer.json or a SentencePiece .model")
 
 
 def is_hf_tokenizer_file(data: bytes) -> bool:
@@ -328,6 +349,17 @@ class HFTokenizer(Tokenizer):
 
     def id_to_piece(self, token_id: int) -> str:
         return self._tok.id_to_token(int(token_id))
+
+
+def model_vocab_size(tokenizer_vocab: int, vocab_size: int | None, tokenizer: str = "the tokenizer") -> int:
+    """The model's vocabulary before padding: ``vocab_size`` (the trainer's --vocab-size) where given, else the
+    tokenizer's; a --vocab-size below the tokenizer's is refused (its ids would index past the embedding)."""
+    if vocab_size is None:
+        return tokenizer_vocab
+    if vocab_size < tokenizer_vocab:
+        raise ValueError(f"--vocab-size {vocab_size} is smaller than {tokenizer}'s {tokenizer_vocab} entries: its ids "
+                         f"would index past the embedding; use --vocab-size {tokenizer_vocab} or more, or drop it")
+    return vocab_size
 
 
 def padded_vocab_size(

@@ -21,6 +21,7 @@ Guarded by: ``tests/megatron/test_resume.py`` (resume matrix, fallback, schedule
 
 from __future__ import annotations
 
+import errno as errno_module
 import json
 import os
 import random
@@ -34,6 +35,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
+from agoq.megatron.ckpt_files import PROGRESS_FILE, TRACKER_FILE, iteration_dir  # noqa: F401 (re-exported)
 from agoq.megatron.resume import (  # noqa: F401 (keys re-exported)
     CONTRACT_KEY,
     RECORD_KEY,
@@ -42,8 +44,6 @@ from agoq.megatron.resume import (  # noqa: F401 (keys re-exported)
     policy_note,
 )
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-PROGRESS_FILE = "agoq_progress.json"  # human-readable copy of the progress counters
 # Reloadable with another data-parallel size. Megatron's default, fully_sharded_model_space, fails in
 # 0.19.2 with "ShardedTensor.flattened_range is not supported" (measured).
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -62,10 +62,6 @@ class Progress:
     iteration: int
     consumed_samples: int
     skipped_iterations: int = 0
-
-
-def iteration_dir(save_dir: str | os.PathLike, iteration: int) -> Path:
-    return Path(save_dir) / f"iter_{iteration:07d}"
 
 
 def _model_sharded_state_dict(model_chunks: list) -> dict:
@@ -171,24 +167,125 @@ def _install_signal_safe_results_queue() -> None:
 _MANAGERS: list = []
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save failed on some rank (every rank raises it, with every failing rank's reason); the tracker still names
+    the last complete checkpoint."""
+
+
 def save_checkpoint(save_dir: str | os.PathLike, progress: Progress, model_chunks: list, optimizer,
                     scheduler, *, extra: dict | None = None) -> Path:
-    """Write ``iter_N`` on every rank, then publish it in the tracker (rank 0, atomic rename)."""
+    """Write ``iter_N`` on every rank, then publish it in the tracker (rank 0, atomic rename). A failure on any rank
+    (a full disk, a folder turned read-only) raises CheckpointSaveError on every rank, naming the path and errno;
+    the tracker is left on the last complete checkpoint."""
     target = iteration_dir(save_dir, progress.iteration)
     _install_signal_safe_results_queue()
-    if dist.get_rank() == 0:
-        target.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    _save_step(save_dir, target, lambda: target.mkdir(parents=True, exist_ok=True) if dist.get_rank() == 0 else None)
     extra = dict(extra or {}, torch_optimizer_step=_torch_optimizer_step(optimizer),
                  data_parallel_size=_data_parallel_size())
     state = _full_sharded_state_dict(model_chunks, optimizer, scheduler, progress, is_loading=False, extra=extra)
-    dist_checkpointing.save(state, str(target))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (target / PROGRESS_FILE).write_text(json.dumps(progress.__dict__, indent=1) + "\n")
-        _atomic_write(Path(save_dir) / TRACKER_FILE, f"{progress.iteration}\n")
-    dist.barrier()
+    _save_step(save_dir, target, lambda: dist_checkpointing.save(state, str(target)))
+
+    def publish():
+        if dist.get_rank() == 0:
+            (target / PROGRESS_FILE).write_text(json.dumps(progress.__dict__, indent=1) + "\n")
+            _atomic_write(Path(save_dir) / TRACKER_FILE, f"{progress.iteration}\n")
+
+    _save_step(save_dir, target, publish)
     return target
+
+
+# below this much free space after a failed write, the cause is taken to be a full filesystem: torch's writer
+# reports a short write as "unexpected pos 704 vs 598" and megatron's writer keeps only the exception's class
+_FULL_BELOW_BYTES = 16 << 20
+
+
+def _save_step(save_dir, target: Path, step) -> None:
+    """Run one step of a save on every rank; all ranks agree, and all raise CheckpointSaveError if any failed."""
+    error = None
+    try:
+        step()
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported on every rank below
+        error = _save_error_text(exc, target)
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    if not any(errors):
+        return
+    # torch DCP's coordinator (rank 0) holds every rank's write error; the others raise it without the details
+    named = {k: v for rank, e in enumerate(errors) if e for k, v in (e if isinstance(e, dict) else {rank: e}).items()}
+    problem = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(named.items()) if text) or "no reason given"
+    tracker = latest_iteration_or_none(save_dir)
+    kept = (f"{Path(save_dir) / TRACKER_FILE} still names iteration {tracker}, the last complete checkpoint"
+            if tracker is not None else "no earlier checkpoint was completed in this folder")
+    raise CheckpointSaveError(
+        f"saving checkpoint {target} failed ({problem}); {kept}. {target.name} is incomplete: a resume ignores it "
+        f"and a later save replaces it. Free space or fix the folder, then resume with --load {save_dir}")
+
+
+# OSError subclasses by name: megatron's checkpoint writer keeps only the class of a write error
+_ERRNO_OF_CLASS = {"IsADirectoryError": errno_module.EISDIR, "PermissionError": errno_module.EACCES,
+                   "FileNotFoundError": errno_module.ENOENT, "NotADirectoryError": errno_module.ENOTDIR,
+                   "FileExistsError": errno_module.EEXIST}
+
+
+def _errno_text(code: int, where) -> str:
+    return f"{errno_module.errorcode.get(code, 'errno')} (errno {code}: {os.strerror(code)}) writing {where}"
+
+
+def _save_error_text(exc: BaseException, target: Path) -> str | dict[int, str]:
+    """This rank's save error in one line; for torch DCP's CheckpointException, {rank: line} of the ranks it
+    names ({} on a rank that only learned that another one failed)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and failures is not None:
+        return {rank: _one_save_error(failure[0] if isinstance(failure, tuple) else failure, target)
+                for rank, failure in failures.items()}
+    return _one_save_error(exc, target)
+
+
+def _one_save_error(exc: BaseException, target: Path) -> str:
+    import re
+    import shutil
+
+    found = _errno_of(exc)
+    if found is not None:
+        return _errno_text(found.errno, found.filename or target)
+    named = re.search(r"<class '(\w+)'>", str(exc))
+    if named and named.group(1) in _ERRNO_OF_CLASS:
+        return _errno_text(_ERRNO_OF_CLASS[named.group(1)], target)
+    try:
+        free = shutil.disk_usage(target if target.exists() else target.parent).free
+    except OSError:
+        free = None
+    if free is not None and free < _FULL_BELOW_BYTES:
+        return (f"{_errno_text(errno_module.ENOSPC, target)}: {free} bytes free on its filesystem (the writer said: "
+                f"{_first_line(exc)})")
+    return f"{type(exc).__name__} writing {target}: {_first_line(exc)}"
+
+
+def _errno_of(exc: BaseException) -> OSError | None:
+    """The first OSError with an errno in ``exc``'s cause / context chain."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        item = stack.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, OSError) and item.errno:
+            return item
+        stack += [item.__cause__, item.__context__]
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def latest_iteration_or_none(load_dir) -> int | None:
+    try:
+        return latest_iteration(load_dir)
+    except (OSError, ValueError):
+        return None
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -262,6 +359,7 @@ def _init_torch_optimizer_steps(optimizer) -> None:
 def load_checkpoint(
     load_dir: str | os.PathLike, model_chunks: list, optimizer, scheduler, *,
     record: dict | None = None, policy_report: str | None = None, override_schedule: bool = False,
+    iteration: int | None = None,
 ) -> tuple[Progress, dict] | None:
     """Load the newest readable checkpoint into the model, optimizer and scheduler; None when there is none.
 
@@ -275,13 +373,18 @@ def load_checkpoint(
     A candidate failing 1 or 3 on any rank is reported with every failing rank's error and skipped.
     Only after all ranks read one does any rank apply it (model, optimizer, LR schedule, RNG): applying
     does not fall back, it raises. ``override_schedule``: the scheduler keeps its (command-line) values
-    instead of the checkpoint's (Megatron-LM's --override-opt_param-scheduler).
+    instead of the checkpoint's (Megatron-LM's --override-opt_param-scheduler). ``iteration``: exactly that
+    checkpoint, no tracker and no fallback (``--load DIR/iter_N``, Megatron-LM's --ckpt-step).
     """
-    latest = latest_iteration(load_dir)
-    if latest is None:
-        return None
-    for iteration in _candidate_iterations(load_dir, latest):
-        source = iteration_dir(load_dir, iteration)
+    if iteration is not None:
+        candidates = [iteration]
+    else:
+        latest = latest_iteration(load_dir)
+        if latest is None:
+            return None
+        candidates = _candidate_iterations(load_dir, latest)
+    for candidate in candidates:
+        source = iteration_dir(load_dir, candidate)
         problem, progress = _on_every_rank(_read_progress, source)
         if problem is None:
             problem, common = _on_every_rank(dist_checkpointing.load_common_state_dict, str(source))
@@ -304,6 +407,10 @@ def load_checkpoint(
         if problem is None:
             _apply_on_every_rank(source, state, model_chunks, optimizer, scheduler, override_schedule)
             return progress, state["agoq"]
+        if iteration is not None:
+            raise FileNotFoundError(f"{source}: cannot be loaded ({problem}); it was asked for by name, so there is "
+                                    f"no fallback: pass another iteration folder, or --load {load_dir} for the "
+                                    "tracker's")
         _print_rank0(f"agoq checkpoint: skipping {source}: {problem}")
     raise FileNotFoundError(
         f"{load_dir}: no readable checkpoint (every iter_* directory is incomplete or unreadable, reasons "
@@ -353,8 +460,45 @@ def _on_every_rank(read, *args):
         error = str(exc)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported, and the candidate skipped
         # torch DCP raises CheckpointException (a BaseException) for a rank's read error
-        error = f"{type(exc).__name__}: {exc}"
+        error = read_error_text(exc, args[0] if args and isinstance(args[0], Path | str) else None)
     return _gather_errors(error), result
+
+
+def read_error_text(exc: BaseException, source) -> str:
+    """One line for a rank's read error: the damaged file(s) of ``source`` when the sizes in its .metadata show
+    them, and the underlying error (torch DCP's CheckpointException wraps it in a traceback dump, and numbers the
+    ranks of its own process group, not the job's)."""
+    inner = [failure[0] if isinstance(failure, tuple) else failure
+             for failure in getattr(exc, "failures", {}).values()] or [exc]
+    reasons = "; ".join(dict.fromkeys(_first_line(e) if str(e).strip() else type(e).__name__ for e in inner))
+    if isinstance(exc, CheckpointException) or any(isinstance(e, EOFError | RuntimeError) for e in inner):
+        damaged = damaged_files(Path(source)) if source is not None else []
+        if damaged:
+            return f"{'; '.join(damaged)} ({reasons})"
+        if isinstance(exc, CheckpointException):
+            return f"reading its tensor files failed ({reasons}); their sizes match its .metadata"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def damaged_files(source: Path) -> list[str]:
+    """Files of a torch_dist checkpoint that are missing or shorter than its .metadata says ('' when unknown)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(source)).read_metadata().storage_data
+    except Exception:  # noqa: BLE001 - no readable .metadata: nothing to compare with
+        return []
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    out = []
+    for name, size in sorted(needed.items()):
+        path = source / name
+        if not path.is_file():
+            out.append(f"{path} is missing")
+        elif path.stat().st_size < size:
+            out.append(f"{path} is truncated ({path.stat().st_size} of the {size} bytes its .metadata lists)")
+    return out
 
 
 def _gather_errors(error: str | None) -> str | None:

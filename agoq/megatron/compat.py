@@ -105,7 +105,12 @@ CONTRACT: tuple[Symbol, ...] = (
     Symbol("megatron.core.models.gpt:GPTModel", "one model chunk per (pp rank, vp stage)",
            params=("config", "transformer_layer_spec", "vocab_size", "max_sequence_length",
                    "pre_process", "post_process", "share_embeddings_and_output_weights",
-                   "position_embedding_type", "rotary_base", "vp_stage")),
+                   "position_embedding_type", "rotary_base", "rope_scaling", "rope_scaling_factor", "vp_stage")),
+    # LLaMA-3 scaled RoPE (--use-rope-scaling): GPTModel passes the factor; the bands are _apply_scaling's defaults
+    # (agoq.megatron.model.check_rope_scaling_bands compares them with agoq.ref.rope.LLAMA3_ROPE_FIXED)
+    Symbol("megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding._apply_scaling",
+           "LLaMA-3 frequency bands (defaults read by check_rope_scaling_bands)",
+           params=("freqs", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")),
     Symbol("megatron.core.distributed:DistributedDataParallel", "grad buffers and reduction",
            params=("config", "ddp_config", "module", "disable_bucketing")),
     Symbol("megatron.core.distributed:DistributedDataParallelConfig", "DDP options",
@@ -354,6 +359,22 @@ CONTRACT: tuple[Symbol, ...] = (
            params=("optimizer", "config", "init_state_fn"),
            attrs=("step", "zero_grad", "prepare_grads", "step_with_ready_grads", "sharded_state_dict",
                   "load_state_dict", "param_groups")),
+    # agoq on modules it did not build (agoq/megatron/saved_scopes.py, agoq/megatron/te.py): TE's or the local spec
+    Symbol("megatron.core.models.gpt.gpt_layer_specs:get_gpt_layer_with_transformer_engine_spec",
+           "the TE layer spec Megatron-LM builds for --transformer-impl transformer_engine (agoq.megatron.te)",
+           params=("num_experts", "moe_grouped_gemm", "qk_layernorm")),
+    Symbol("megatron.core.transformer.transformer_layer:TransformerLayer",
+           "saved-tensor scopes find a layer's modules by these submodule names and its global index by layer_number "
+           "(agoq.megatron.saved_scopes)", params=("layer_number", "vp_stage")),
+    Symbol("megatron.core.transformer.transformer_layer:TransformerLayerSubmodules",
+           "the submodule names the saved-tensor scopes look up (agoq.megatron.saved_scopes._SCOPES)",
+           fields=("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp")),
+    Symbol("megatron.core.transformer.attention:SelfAttentionSubmodules",
+           "linear_qkv / linear_proj: the attention's saved-tensor scopes (agoq.megatron.saved_scopes)",
+           fields=("linear_qkv", "core_attention", "linear_proj")),
+    Symbol("megatron.core.transformer.mlp:MLPSubmodules",
+           "linear_fc1 / linear_fc2: the MLP's saved-tensor scopes (agoq.megatron.saved_scopes)",
+           fields=("linear_fc1", "linear_fc2")),
 )
 
 

@@ -50,6 +50,7 @@ from megatron.core.optimizer.optimizer import _get_param_grad_norm_group
 from megatron.core.transformer.module import param_is_not_shared
 
 from agoq.megatron.install import mark, swap_class
+from agoq.ops.fp8_weight_cache import fp8_weights_changed
 
 __all__ = ["QuantizedGradReader", "ShardGradReader", "ShardGradsDistributedOptimizer", "attach", "prepare_grads",
            "clip_grad_norm", "step_with_ready_grads"]
@@ -218,4 +219,6 @@ def step_with_ready_grads(optimizer) -> bool:
             if reader.clip_coeff != 1.0:
                 g = g * reader.clip_coeff
             inner.step_param(param, g, group)
+    # the weights moved without torch's Optimizer.step, whose post-hook invalidates agoq's FP8 weight casts
+    fp8_weights_changed()
     return True

@@ -16,8 +16,11 @@ Guarded by: ``tests/megatron/test_hf_convert.py`` (logits against transformers a
 
 A converted checkpoint is ``<dir>/iter_0000000/`` + ``latest_checkpointed_iteration.txt`` with the model's
 tensors only; its common state says so (``agoq.weights_only``) and carries the model-shape part of the
-resume record, so ``--load`` checks the shape, loads the weights and starts the optimizer, LR schedule and
-data position fresh (``agoq.megatron.checkpoint``).
+resume record (:data:`SHAPE_FIELDS`: widths, padded and real vocabulary, RoPE base and scaling, norm epsilon,
+tying), so ``--load`` checks the shape, loads the weights and starts the optimizer, LR schedule and
+data position fresh (``agoq.megatron.checkpoint``). It also keeps the HF model's identity (``hf_dims``: token ids,
+an eos list as a list, context; ``hf_generation_config``), which the trainer carries into its own checkpoints'
+run record (:func:`carry_hf_identity`) so that ``agoq-to-hf`` writes them back.
 """
 
 from __future__ import annotations
@@ -38,10 +41,17 @@ from agoq.megatron.model import (
     build_model_chunks,
     llama_transformer_config,
 )
-from agoq.megatron.resume import CONTRACT_KEY
+from agoq.megatron.resume import CONTRACT_KEY, RECORD_KEY
 
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "vocab_size")  # fmt: skip
+                "vocab_size", "rotary_base", "norm_epsilon", "rope_scaling", "rope_scaling_factor",
+                "share_embeddings_and_output_weights", "unpadded_vocab_size")  # fmt: skip
+# a converted checkpoint's common state: the HF architecture (agoq.convert.llama.LlamaDims as a dict), the padded
+# rows, the HF generation_config.json (dict or None); the trainer carries the first and last into its run record
+HF_DIMS_KEY = "hf_dims"
+PADDED_VOCAB_KEY = "padded_vocab_size"
+GENERATION_KEY = "hf_generation_config"
+HF_RECORD_KEY = "hf"  # in the run record: {"dims": ..., "generation_config": ...}
 
 
 def init_single_process(launch: runtime.LaunchInfo) -> None:
@@ -131,6 +141,23 @@ def saved_shape(extras: dict) -> dict:
     """The model shape a checkpoint recorded (``vocab_size`` padded): the flat resume record of converted and
     older checkpoints, or the run record's ``model`` section; {} when it has neither."""
     return extras.get(CONTRACT_KEY) or (extras.get("config") or {}).get("model") or {}
+
+
+def hf_identity(extras: dict) -> tuple[dict | None, dict | None]:
+    """(HF dims, generation config) a checkpoint carries: a converted one's own, or the run record's copy of the
+    converted checkpoint a training run started from; (None, None) for a model trained from scratch."""
+    if HF_DIMS_KEY in extras:
+        return extras[HF_DIMS_KEY], extras.get(GENERATION_KEY)
+    carried = (extras.get(RECORD_KEY) or {}).get(HF_RECORD_KEY) or {}
+    return carried.get("dims"), carried.get("generation_config")
+
+
+def carry_hf_identity(loaded_extras: dict, record: dict) -> None:
+    """The trainer, after --load: keep the HF identity of a converted checkpoint (token ids, generation config,
+    context) in the run record every later checkpoint saves, so agoq-to-hf exports them."""
+    dims, generation = hf_identity(loaded_extras)
+    if dims is not None:
+        record[HF_RECORD_KEY] = {"dims": dims, "generation_config": generation}
 
 
 def load_weights(chunks: list, source: Path) -> None:

@@ -137,7 +137,7 @@ MEGATRON_TRAINING_CONTRACT: tuple[compat.Symbol, ...] = (
            params=("config", "transformer_layer_spec", "vocab_size", "max_sequence_length", "pre_process",
                    "post_process", "fp16_lm_cross_entropy", "parallel_output",
                    "share_embeddings_and_output_weights", "position_embedding_type", "rotary_percent",
-                   "rotary_base", "rope_scaling", "vp_stage")),
+                   "rotary_base", "rope_scaling", "rope_scaling_factor", "vp_stage")),
 )
 
 
@@ -159,6 +159,7 @@ class GPTModelOptions:
     rotary_percent: float = 1.0
     rotary_base: int = 10000
     rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
     fp16_lm_cross_entropy: bool = False
     tokens_per_microbatch: int = 0
     """Sequence length x micro-batch size (the FP8 dimension checks)."""
@@ -189,6 +190,8 @@ def agoq_gpt_layer_spec(config: AgoqConfig, options: GPTModelOptions, transforme
                             num_microbatches=num_microbatches)
     if config.enabled:
         _check_policy(config.policy.spec, tc.num_layers, schedule)
+    if options.rope_scaling:  # --use-rope-scaling: megatron-core's fixed LLaMA-3 bands, as agoq documents them
+        mmodel.check_rope_scaling_bands()
     return mmodel.agoq_layer_spec(options.attention, policy=config.policy.spec if config.enabled else None,
                                   schedule=schedule, compute=compute)
 
@@ -206,7 +209,8 @@ def build_gpt_model(config: AgoqConfig, options: GPTModelOptions, transformer_co
         fp16_lm_cross_entropy=options.fp16_lm_cross_entropy, parallel_output=True,
         share_embeddings_and_output_weights=options.share_embeddings_and_output_weights,
         position_embedding_type=options.position_embedding_type, rotary_percent=options.rotary_percent,
-        rotary_base=options.rotary_base, rope_scaling=options.rope_scaling, vp_stage=vp_stage,
+        rotary_base=options.rotary_base, rope_scaling=options.rope_scaling,
+        rope_scaling_factor=options.rope_scaling_factor, vp_stage=vp_stage,
     )
 
 

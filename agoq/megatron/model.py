@@ -34,7 +34,15 @@ ATTENTION_BACKENDS = ("sdpa", "megatron")
 
 @dataclass(frozen=True)
 class LlamaShape:
-    """Architecture of a LLaMA-family decoder (RMSNorm, SwiGLU, RoPE, GQA, no biases, untied)."""
+    """Architecture of a LLaMA-family decoder (RMSNorm, SwiGLU, RoPE, GQA, no biases; untied unless
+    ``share_embeddings_and_output_weights``).
+
+    ``rope_scaling`` / ``rope_scaling_factor``: LLaMA-3.1's scaled RoPE (``rope_type: llama3``), as Megatron's
+    ``GPTModel`` takes it (``--use-rope-scaling`` / ``--rope-scaling-factor``); its frequency bands are fixed in
+    megatron-core (agoq.ref.rope.LLAMA3_ROPE_FIXED, checked by :func:`check_rope_scaling_bands`).
+    ``share_embeddings_and_output_weights``: the output layer uses the embedding's weight (LLaMA-3.2-1B / 3B;
+    under pipeline parallelism the last stage holds a copy that Megatron keeps equal). ``unpadded_vocab_size``:
+    the tokenizer's vocabulary before padding (recorded with checkpoints; None where unknown)."""
 
     num_layers: int
     hidden_size: int
@@ -46,8 +54,16 @@ class LlamaShape:
     rotary_base: int = 10000
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0  # Megatron's default; used with rope_scaling only
+    share_embeddings_and_output_weights: bool = False
+    unpadded_vocab_size: int | None = None
 
     def __post_init__(self):
+        if self.rope_scaling and not self.rope_scaling_factor > 0:
+            raise ValueError(f"--rope-scaling-factor {self.rope_scaling_factor} must be > 0")
+        if self.unpadded_vocab_size is not None and not 0 < self.unpadded_vocab_size <= self.vocab_size:
+            raise ValueError(f"vocabulary {self.unpadded_vocab_size} does not fit the {self.vocab_size} embedding rows")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"--hidden-size {self.hidden_size} must be divisible by --num-attention-heads "
@@ -60,13 +76,15 @@ class LlamaShape:
             )
 
     def num_parameters(self) -> int:
-        """Total parameters (embedding + layers + final norm + untied output layer)."""
+        """Total parameters (embedding + layers + final norm + the output layer unless it shares the embedding's
+        weight; a tied model's last-stage copy under pipeline parallelism is the same parameter, counted once)."""
         head_dim = self.hidden_size // self.num_attention_heads
         qkv = self.hidden_size * head_dim * (self.num_attention_heads + 2 * self.num_query_groups)
         attn = qkv + self.hidden_size * self.hidden_size
         mlp = 3 * self.hidden_size * self.ffn_hidden_size
         per_layer = attn + mlp + 2 * self.hidden_size
-        return self.num_layers * per_layer + 2 * self.vocab_size * self.hidden_size + self.hidden_size
+        tables = 1 if self.share_embeddings_and_output_weights else 2
+        return self.num_layers * per_layer + tables * self.vocab_size * self.hidden_size + self.hidden_size
 
 
 @dataclass(frozen=True)
@@ -231,6 +249,8 @@ def build_model_chunks(
     shape: LlamaShape, config: TransformerConfig, layer_spec: ModuleSpec, vpp: int | None
 ) -> list[GPTModel]:
     """One GPTModel per virtual stage of this pipeline rank (Megatron's ``get_model`` layout)."""
+    if shape.rope_scaling:
+        check_rope_scaling_bands()
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -241,13 +261,33 @@ def build_model_chunks(
             max_sequence_length=shape.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=False,
+            share_embeddings_and_output_weights=shape.share_embeddings_and_output_weights,
             position_embedding_type="rope",
             rotary_base=shape.rotary_base,
+            rope_scaling=shape.rope_scaling,
+            rope_scaling_factor=shape.rope_scaling_factor,
             vp_stage=stage,
         )
         chunks.append(chunk)
     return chunks
+
+
+def check_rope_scaling_bands() -> None:
+    """agoq's LLaMA-3 RoPE scaling is Megatron's ``RotaryEmbedding(rope_scaling=True)``, whose frequency bands are
+    the defaults of its ``_apply_scaling`` (GPTModel passes only the factor). Raise if they are not the ones agoq
+    documents and the converter maps (agoq.ref.rope.LLAMA3_ROPE_FIXED): a megatron-core upgrade changed them."""
+    import inspect
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from agoq.ref.rope import LLAMA3_ROPE_FIXED
+
+    params = inspect.signature(RotaryEmbedding._apply_scaling).parameters
+    found = {name: params[name].default if name in params else None for name in LLAMA3_ROPE_FIXED}
+    if any(found[name] is None or float(found[name]) != float(value) for name, value in LLAMA3_ROPE_FIXED.items()):
+        raise RuntimeError(f"megatron-core's RotaryEmbedding._apply_scaling defaults are {found}, agoq expects "
+                           f"{LLAMA3_ROPE_FIXED} (LLaMA-3.1's); --use-rope-scaling would scale other bands. Use "
+                           "megatron-core 0.19.2")
 
 
 def wrap_ddp(

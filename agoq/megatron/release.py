@@ -21,7 +21,7 @@ Touches (megatron-core 0.19.2):
     exactly as without release.
 Why: Megatron has no per-parameter step; its DDP would allocate the full buffer and add every gradient
   into it. Valid only where every gradient is final after one backward (agoq.optim.release), enforced
-  by the trainer (``agoq.megatron.train.optim_args.check_release_flags``) before anything is built.
+  by the trainer (``agoq.cli.optim_args.check_release_flags``) before anything is built.
 Non-finite gradients: checked per parameter in the hook before its step (agoq.ops.nonfinite; one host
   sync per parameter). Other parameters may already be stepped, so the iteration cannot be skipped as
   without release: a ``RuntimeError`` naming the iteration and the parameter stops the job (like
@@ -41,6 +41,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from agoq.megatron.optimizer import AgoqMegatronOptimizer, keep_autograd_grad_dtype
+from agoq.ops.fp8_weight_cache import fp8_weights_changed
 from agoq.ops.nonfinite import nonfinite_in
 from agoq.optim.release import GradientRelease
 
@@ -160,4 +161,5 @@ class AgoqReleaseOptimizer(AgoqMegatronOptimizer):
                 f"--agoq-gradient-release: {stepped} of {self.num_params} parameters were stepped in backward"
                 + (f"; gradients left unreleased: {names}" if left else "")
                 + " (unused parameters, or a backward outside Megatron's schedule, are not supported with release)")
+        fp8_weights_changed()  # the hooks moved the weights outside torch's Optimizer.step (its post-hook)
         return True, None, None

@@ -42,17 +42,25 @@ class ResumeMismatch(ValueError):
 
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                  "vocab_size", "seq_length")
+# the rest of the model's shape, recorded since LLaMA-3.x support (issue 42; None in older records: not compared),
+# so that agoq-to-hf exports what was trained without a --config
+_SHAPE_FIELDS_LATER = ("rotary_base", "norm_epsilon", "rope_scaling", "rope_scaling_factor",
+                       "share_embeddings_and_output_weights", "unpadded_vocab_size")
 
 
 def run_record(config: AgoqConfig, *, shape, tensor_parallel: int, pipeline_parallel: int,
-               virtual_pipeline: int | None, distributed_optimizer: bool) -> dict:
+               virtual_pipeline: int | None, distributed_optimizer: bool, data: dict | None = None) -> dict:
     """What every checkpoint saves about its run (plain JSON values): the agoq config, the model shape (an
-    agoq.megatron.model.LlamaShape; ``vocab_size`` padded) and the parallel layout. The data-parallel size is
-    not part of it (a checkpoint loads at any)."""
-    return {"agoq": config.as_dict(),
-            "model": {name: getattr(shape, name) for name in _SHAPE_FIELDS},
-            "parallel": {"tensor": tensor_parallel, "pipeline": pipeline_parallel,
-                         "virtual_pipeline": virtual_pipeline or 1, "distributed_optimizer": distributed_optimizer}}
+    agoq.megatron.model.LlamaShape; ``vocab_size`` padded), the parallel layout and ``data``: the settings of
+    the data order (:data:`DATA_FLAGS` keys; reported on resume by :func:`data_lines`). The data-parallel size
+    is not part of it (a checkpoint loads at any)."""
+    record = {"agoq": config.as_dict(),
+              "model": {name: getattr(shape, name) for name in _SHAPE_FIELDS + _SHAPE_FIELDS_LATER},
+              "parallel": {"tensor": tensor_parallel, "pipeline": pipeline_parallel,
+                           "virtual_pipeline": virtual_pipeline or 1, "distributed_optimizer": distributed_optimizer}}
+    if data is not None:
+        record["data"] = dict(data)
+    return record
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,12 @@ class ResumeContract:
     distributed_optimizer: bool
     gradient_release: bool
     grads: str | None  # agoq 8-bit gradient format (None: Megatron's float main_grad)
+    rotary_base: int | None = None  # this and below: None = not recorded (_SHAPE_FIELDS_LATER)
+    norm_epsilon: float | None = None
+    rope_scaling: bool | None = None
+    rope_scaling_factor: float | None = None
+    share_embeddings_and_output_weights: bool | None = None
+    unpadded_vocab_size: int | None = None  # the tokenizer's vocabulary (recorded, never compared)
 
     @classmethod
     def from_record(cls, record: dict) -> ResumeContract:
@@ -111,10 +125,15 @@ _MUST_MATCH = {
     "master": "--agoq-master",
     "small_numel": "--agoq-small-numel",
     "distributed_optimizer": "--use-distributed-optimizer",
+    "share_embeddings_and_output_weights": "tied embeddings (--tie-embeddings-and-output-weights)",
 }
 _AGOQ_STATE_FIELDS = ("moments", "master", "small_numel")
 _MAY_CHANGE = {
     "seq_length": "--seq-length",
+    "rotary_base": "--rotary-base",
+    "norm_epsilon": "--norm-epsilon",
+    "rope_scaling": "--use-rope-scaling",
+    "rope_scaling_factor": "--rope-scaling-factor",
     "gradient_release": "--agoq-gradient-release",
     "grads": "--agoq-grads",
 }
@@ -175,13 +194,19 @@ def check_contract(source: str, saved_extra: dict | None, current: dict) -> list
     if saved is None:
         return [_LEGACY_NOTE.format(source=source)]
     now = ResumeContract.from_record(current).as_dict()
-    changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]}
+    changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]
+               and not (k in _SHAPE_FIELDS_LATER and saved[k] is None)}
+    changed.pop("unpadded_vocab_size", None)  # the padded size is what the tensors depend on (checked above)
+    if not (saved.get("rope_scaling") or now.get("rope_scaling")):
+        changed.pop("rope_scaling_factor", None)  # unused without scaling
     if "optimizer" in changed:  # the state formats of another optimizer kind follow from it
         changed = {k: v for k, v in changed.items() if k not in _AGOQ_STATE_FIELDS}
     hard = [k for k in changed if k in _MUST_MATCH]
     if hard:
         raise ResumeMismatch(_mismatch_message(source, saved, {k: changed[k] for k in hard}))
-    notes = [(_MAY_CHANGE[k], old, new) for k, (old, new) in changed.items()]
+    # --seq-length with a record: data_lines names it with its consequence for the data order
+    notes = [(_MAY_CHANGE[k], old, new) for k, (old, new) in changed.items()
+             if not (k == "seq_length" and record is not None)]
     if record is not None:
         old_keys, new_keys = config_keys(record["agoq"]), config_keys(current["agoq"])
         notes += [(CONFIG_MAY_CHANGE[k], old_keys[k], new_keys[k]) for k in CONFIG_MAY_CHANGE
@@ -212,6 +237,8 @@ def _resume_flag(field: str, saved: dict) -> str:
             return "without --num-layers-per-virtual-pipeline-stage"
         per_chunk = saved["num_layers"] // (saved["pipeline_parallel"] * value)
         return f"--num-layers-per-virtual-pipeline-stage {per_chunk}"
+    if field == "share_embeddings_and_output_weights":
+        return "--tie-embeddings-and-output-weights" if value else "--untie-embeddings-and-output-weights"
     if field == "vocab_size":
         return f"the tokenizer and --make-vocab-size-divisible-by that give a padded vocabulary of {value}"
     if field == "moments" and value is not None:
@@ -253,3 +280,58 @@ def schedule_line(in_force: dict, requested: dict, *, override: bool, global_bat
     if train_iters * global_batch_size > in_force["lr_decay_steps"]:
         line += f"; iterations after {iters(in_force['lr_decay_steps'])} run at the minimum lr"
     return line + " (--override-opt-param-scheduler takes the command line's schedule)"
+
+
+# What decides the data order (run_record's ``data``, and the model's seq_length) -> the flag, and what a change does
+# to the resumed run. Megatron-LM accepts every one of them changed on resume without a word; agoq accepts them too
+# (a changed seed is the usual way to step past a bad stretch of data) and says so, one line each.
+DATA_FLAGS = {"seed": "--seed", "split": "--split", "data_path": "--data-path", "seq_length": "--seq-length",
+              "global_batch_size": "--global-batch-size"}
+_DATA_CONSEQUENCE = {
+    "seed": "the data order after iteration {it} changes (the sample shuffle is drawn from the seed; weights, "
+            "optimizer and RNG states are still the checkpoint's), so the losses leave the uninterrupted run's",
+    "split": "the documents are divided into train / valid / test anew: the samples after iteration {it} come in "
+             "another order, and documents may move between training and validation",
+    "data_path": "the samples after iteration {it} are drawn from the new blend, in another order",
+    "seq_length": "samples are cut at the new length: the samples after iteration {it} come in another order, and "
+                  "the consumed-samples count stands for other tokens",
+    "global_batch_size": "the data continues at the checkpoint's consumed samples in the same order, {gbs} per "
+                         "step; the LR schedule counts samples, so its warmup and decay end at other iteration "
+                         "numbers",
+}
+
+
+def _data_values(record: dict) -> dict:
+    values = dict(record.get("data") or {})
+    if "model" in record:
+        values["seq_length"] = record["model"]["seq_length"]
+    return values
+
+
+def _shown(key: str, value) -> str:
+    if key == "data_path":
+        return "the built-in corpus" if not value else " ".join(map(str, value))
+    return str(value)
+
+
+def data_lines(saved: dict | None, current: dict, iteration: int) -> list[str]:
+    """The resume report's data-order lines: the settings kept from the checkpoint in one line, then one line per
+    changed setting with its consequence (``saved``: the checkpoint's run record, ``current``: this run's)."""
+    now = _data_values(current)
+    old = _data_values(saved or {})
+    kept = [k for k in DATA_FLAGS if k in old and k in now and old[k] == now[k]]
+    changed = [k for k in DATA_FLAGS if k in old and k in now and old[k] != now[k]]
+    unknown = [k for k in DATA_FLAGS if k in now and k not in old]
+    lines = []
+    if kept:
+        lines.append("data order: the checkpoint's (" + ", ".join(f"{DATA_FLAGS[k]} {_shown(k, now[k])}"
+                                                                 for k in kept) + ")")
+    for key in changed:
+        consequence = _DATA_CONSEQUENCE[key].format(it=iteration, gbs=now.get("global_batch_size"))
+        lines.append(f"data order: {DATA_FLAGS[key]} changed since the checkpoint (saved {_shown(key, old[key])}, now "
+                     f"{_shown(key, now[key])}): {consequence}. Allowed, as in Megatron-LM; resume with "
+                     f"{DATA_FLAGS[key]} {_shown(key, old[key])} to keep the checkpoint's")
+    if unknown:
+        lines.append(f"data order: {', '.join(DATA_FLAGS[k] for k in unknown)} not recorded in the checkpoint (saved "
+                     "before agoq recorded them): not compared")
+    return lines

@@ -1,37 +1,37 @@
-"""``python -m agoq.plan``: predict each stage's peak GPU memory and write the richest policy that fits.
+"""``python -m agoq.plan``: predict each stage's peak GPU memory and write the richest policy that fits; with
+``--gpus N`` the fastest layout that fits on N GPUs and the ``torchrun`` command that launches it.
 
-Example (a ~1B LLaMA, PP=2, 80 GiB GPUs)::
+The planner takes ``scripts/pretrain_llama.py``'s own flags and ``--config`` files (agoq.cli: one definition of each
+flag), so the trainer's command line plans as it is::
 
-    python -m agoq.plan --model configs/model/tiny.yaml --num-layers 16 --hidden-size 2048 \
-        --ffn-hidden-size 5632 --num-attention-heads 32 --num-query-groups 8 --vocab-size 32000 \
-        --tp 1 --pp 2 --mbs 4 --gbs 64 --seq 4096 --memory-budget 80GiB --out chosen.yaml
+    python -m agoq.plan --config configs/model/llama3-8b.yaml --gpus 8
+    python -m agoq.plan --config configs/model/llama-1b.yaml --pipeline-model-parallel-size 2 --micro-batch-size 4 \
+        --global-batch-size 64 --memory-budget 80GiB --out chosen.yaml
 
-Candidates (richest first): configs/policy/{bf16,int8,agoq,int4,aggressive}.yaml, or --policies. A
+The model is what the trainer would build from the --config file's values with the flags given here over them (the
+shape, the layout, the batch and any agoq settings); the trainer's flags that do not change memory (``--lr``,
+``--data-path``, ...) are taken and passed on to the launch command. The vocabulary is the model's: ``--vocab-size``
+(the trainer's flag, also a --config key), else the ``--tokenizer-model`` file's, padded to
+``--make-vocab-size-divisible-by`` x TP as the trainer pads it; neither is an error naming both. ``--memory-budget``
+(per GPU: ``80GiB``, ``80GB`` or a byte count) defaults to the smallest GPU ``nvidia-smi`` lists, else 80 GiB, and the
+line that starts the report says which. ``--dp`` (the trainer takes it from the world size) is the planner's own.
+
+Default mode: candidates (richest first) configs/policy/{bf16,int8,agoq,int4,aggressive}.yaml, or --policies; a
 policy fits when the predicted peak (agoq.plan.peak: persistent state + activations + backward / loss /
-optimizer-step temporaries; accuracy in docs/benchmarks/planner.md) of every stage is within the
-budget. --agoq-optimizer / --agoq-grads / --grad-reduce-in-bf16 / --recompute-granularity / --agoq-fp8 /
---agoq-smooth-swiglu / --agoq-fp8-bf16-first-layers / --agoq-fp8-bf16-last-layers describe the run as
-scripts/pretrain_llama.py's flags of the same names do (FP8: the flags only, not a policy's fp8 section):
-the run's ``AgoqConfig`` is built by the trainer's function (``AgoqConfig.from_flags``, same defaults) from
-the --model file's values and these flags. The --model file (a trainer config, configs/model/*.yaml) gives
-the shape, the layout (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
-``num_layers_per_virtual_pipeline_stage``, ``use_distributed_optimizer``), the batch, the vocabulary
-(``tokenizer_model`` padded to ``make_vocab_size_divisible_by`` x TP as the trainer does; else 32000) and
-any ``agoq_*`` settings; flags given here override it. It is read by the trainer's own loader, so a misspelt key
-or a value of the wrong type stops with the file, the key and the flag, as ``--config`` does; ``vocab_size`` is
-the one key the planner adds.
-Exit code 0 when a policy fits (its YAML is copied to --out), 3 when none does.
+optimizer-step temporaries; accuracy in docs/benchmarks/planner.md) of every stage is within the budget. Exit code 0
+when a policy fits (its YAML is copied to --out), 3 when none does.
+
+``--gpus N`` (agoq.plan.launch): every layout on N GPUs (TP x PP x DP), micro-batch, recompute, the distributed
+optimizer and agoq preset (the flags' own agoq settings where given), each with the candidate policies; the fitting
+one with the shortest predicted step (agoq.plan.speed) is printed with its command. A layout or recompute flag given on
+the command line is kept; the --config file's layout is what the search replaces. Exit code 3 when nothing fits.
 
 Capacity mode (``--capacity``): the fewest GPUs, and the layout, on which the model trains at --memory-budget
 per GPU, for Megatron's baseline (bf16 weights, fp32 gradients, Megatron's AdamW; with and without the
-distributed optimizer) and each agoq preset (agoq.plan.capacity.PRESETS), searching TP / PP / DP, recompute
-(none, selective, full), the distributed optimizer and the candidate policies; a table, and with --out a
-JSON file. The model file gives the shape, the sequence and the global batch; its layout and agoq settings
-are what the search varies, so they are not read. --vocab-size (or the file's tokenizer) is the tokenizer's
-vocabulary, padded per TP as the trainer pads it. Example (LLaMA-3-8B with its 128,256-entry vocabulary)::
+distributed optimizer) and each agoq preset (agoq.plan.capacity.PRESETS); a table, and with --out a JSON file::
 
-    python -m agoq.plan --capacity --model configs/model/llama3-8b.yaml --vocab-size 128256 --seq 4096 \
-        --memory-budget 80GiB --max-gpus 8 --out capacity.json
+    python -m agoq.plan --capacity --config configs/model/llama3-8b.yaml --seq-length 4096 --memory-budget 80GiB \
+        --max-gpus 8 --out capacity.json
 """
 
 from __future__ import annotations
@@ -39,90 +39,110 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
+from dataclasses import fields, replace
 from pathlib import Path
 
-from agoq.config import (
-    MASTER_CHOICES,
-    OPTIMIZERS,
-    RECOMPUTE_GRANULARITIES,
-    ROPE_FUSIONS,
-    AgoqConfig,
-    float_grads_mismatch,
-    torch_optimizer_state_refusal,
-)
-from agoq.plan import capacity
-from agoq.plan.memory import Layout, ModelShape
+from agoq.cli.config_file import load_config_file
+from agoq.cli.flags import build_parser as trainer_parser
+from agoq.config import AgoqConfig, float_grads_mismatch, torch_optimizer_state_refusal
+from agoq.plan import capacity, launch
+from agoq.plan.memory import GIB, Layout, ModelShape
 from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report, grad_bytes_per_param
 from agoq.plan.recipe import recipe_of
-from agoq.plan.request import AGOQ_FLAGS, PLANNER_FP8_RECIPES, PlanRequest, flag_name
+from agoq.plan.request import AGOQ_FLAGS, PlanRequest, flag_name
 from agoq.plan.storage import check_requests_on_model
-from agoq.policy import SMOOTH_SWIGLU_MODES, ScheduleInfo, load_policy
+from agoq.policy import ScheduleInfo, load_policy
 
 POLICY_DIR = Path(__file__).resolve().parents[2] / "configs" / "policy"
 DEFAULT_CANDIDATES = ("bf16", "int8", "agoq", "int4", "aggressive")
-SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
-DEFAULT_VOCAB = 32000  # without --vocab-size or a model file's tokenizer_model
+SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
 MEGATRON_VOCAB_DIVISIBLE_BY = 128  # the trainer's --make-vocab-size-divisible-by default
-# planner flag -> the trainer's flag (config-file key) it stands for
-LAYOUT_KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "mbs": "micro_batch_size",
-               "gbs": "global_batch_size", "seq": "seq_length", "distributed_optimizer": "use_distributed_optimizer"}
-LAYOUT_DEFAULTS = {"tp": 1, "pp": 1, "dp": 1, "mbs": 1, "gbs": 1, "seq": 2048, "distributed_optimizer": False}
+DEFAULT_BUDGET_GIB = 80  # without --memory-budget and without a GPU nvidia-smi lists (an H100 80GB's size class)
+# the planner's layout defaults where neither the flags nor the --config file set a value (trainer flag names)
+LAYOUT_DEFAULTS = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "dp": 1, "micro_batch_size": 1,
+                   "global_batch_size": 1, "seq_length": 2048, "use_distributed_optimizer": False}
+# the planner's flags before it took the trainer's (2026-12, issue 42): each is named with its replacement
+RENAMED = {"--model": "--config", "--tp": "--tensor-model-parallel-size", "--pp": "--pipeline-model-parallel-size",
+           "--mbs": "--micro-batch-size", "--gbs": "--global-batch-size", "--seq": "--seq-length",
+           "--vpp": "--num-layers-per-virtual-pipeline-stage (layers per virtual stage, as the trainer counts)",
+           "--distributed-optimizer": "--use-distributed-optimizer"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m agoq.plan", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="model YAML (configs/model/*.yaml): shape, layout, batch, vocabulary; flags "
-                                   "below override it")
-    for key in SHAPE_KEYS:
-        p.add_argument("--" + key.replace("_", "-"), type=int)
-    for flag in ("--tp", "--pp", "--dp", "--mbs", "--gbs", "--seq"):
-        p.add_argument(flag, type=int, default=None)
-    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per rank")
-    p.add_argument("--distributed-optimizer", action="store_true", default=None)
-    _add_agoq_flags(p)
-    p.add_argument("--memory-budget", required=True, help="per GPU, e.g. 80GiB")
-    p.add_argument("--policies", nargs="+", help="candidate policy YAMLs, richest first")
-    p.add_argument("--out", help="write the chosen policy YAML here (with --capacity: the answers as JSON)")
-    p.add_argument("--capacity", action="store_true",
+    """The trainer's parser (agoq.cli.flags, every flag and its type and choices) with every default None (a flag
+    not given leaves the --config file's value, then the planner's default) and the planner's own flags."""
+    p = trainer_parser()
+    p.prog, p.description = "python -m agoq.plan", __doc__.splitlines()[0]
+    p.epilog = "The flags above the planner's group are scripts/pretrain_llama.py's (its --help has their defaults)."
+    p.set_defaults(**{a.dest: None for a in p._actions if a.dest != "help"})
+    g = p.add_argument_group("planner (python -m agoq.plan's own flags)")
+    g.add_argument("--memory-budget", default=None,
+                   help="per GPU: 80GiB, 80GB or a byte count (default: the smallest GPU nvidia-smi lists, else 80GiB)")
+    g.add_argument("--gpus", type=int, default=None,
+                   help="the fastest layout that fits on this many GPUs, and the torchrun command to launch it")
+    g.add_argument("--dp", type=int, default=None, help="data-parallel size (default 1; --gpus: GPUs / (TP x PP))")
+    g.add_argument("--policies", nargs="+", help="candidate policy YAMLs, richest first")
+    g.add_argument("--out", help="write the chosen policy YAML here (with --capacity: the answers as JSON)")
+    g.add_argument("--capacity", action="store_true", default=False,
                    help="report the smallest layout that fits --memory-budget for the baseline and each agoq preset")
-    p.add_argument("--max-gpus", type=int, default=capacity.DEFAULT_MAX_GPUS, help="--capacity: GPUs searched")
-    p.add_argument("--max-mbs", type=int, default=capacity.DEFAULT_MAX_MBS,
-                   help="--capacity: largest micro-batch tried at each answer's layout")
+    g.add_argument("--max-gpus", type=int, default=capacity.DEFAULT_MAX_GPUS, help="--capacity: GPUs searched")
+    g.add_argument("--max-mbs", type=int, default=capacity.DEFAULT_MAX_MBS,
+                   help="--capacity / --gpus: largest micro-batch tried")
     return p
 
 
-def _add_agoq_flags(p: argparse.ArgumentParser) -> None:
-    """agoq's settings: the trainer's flags, defaults from agoq.config (None: not given here)."""
-    p.add_argument("--agoq-optimizer", choices=OPTIMIZERS, default=None,
-                   help="torch (Megatron's AdamW, default) or an agoq optimizer (adamw, lion, sgd)")
-    p.add_argument("--agoq-moments", default=None, help="agoq optimizer's state formats (default flash)")
-    p.add_argument("--agoq-master", default=None, choices=MASTER_CHOICES)
-    p.add_argument("--agoq-grads", default=None, metavar="FORMAT", help="8-bit gradient store, e.g. int8_b256")
-    p.add_argument("--grad-reduce-in-bf16", action="store_true", default=None)
-    p.add_argument("--agoq-gradient-release", action="store_true", default=None,
-                   help="no gradient buffer; each parameter stepped inside backward (agoq optimizer, PP=DP=1)")
-    p.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
-                   help="Megatron's full recompute (one layer per group) or selective recompute of core attention")
-    p.add_argument("--agoq-fp8", choices=list(PLANNER_FP8_RECIPES), default=None,
-                   help="agoq's FP8 linears: weight caches, scaling state, FP8 saved inputs (agoq.plan.fp8)")
-    p.add_argument("--agoq-smooth-swiglu", choices=SMOOTH_SWIGLU_MODES, default=None)
-    p.add_argument("--agoq-fp8-bf16-first-layers", type=int, default=None)
-    p.add_argument("--agoq-fp8-bf16-last-layers", type=int, default=None)
-    p.add_argument("--rope-fusion", choices=ROPE_FUSIONS, default=None,
-                   help="the trainer's --rope-fusion (default auto: agoq's fused RoPE on a GPU with agoq on; off: "
-                        "Megatron's RoPE, which keeps cos / sin per layer)")
+OWN_FIELDS = frozenset(f.name for f in fields(PlanRequest)) - {"trainer"}
 
 
 def request_of(namespace: argparse.Namespace) -> PlanRequest:
-    """The one place the Namespace is read: every flag's value, typed and frozen (policies as a tuple)."""
-    values = vars(namespace)
-    policies = values["policies"]
-    return PlanRequest(**{**values, "policies": tuple(policies) if policies is not None else None})
+    """The one place the Namespace is read: the planner's fields typed and frozen, the trainer's other flags that were
+    given kept as (destination, value) pairs."""
+    values = dict(vars(namespace))
+    own = {k: values.pop(k) for k in list(values) if k in OWN_FIELDS}
+    trainer = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in values.items() if v is not None)
+    policies = own["policies"]
+    return PlanRequest(**{**own, "policies": tuple(policies) if policies is not None else None}, trainer=trainer)
 
 
 def parse(argv=None) -> PlanRequest:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    for word in argv:
+        name = word.split("=", 1)[0]
+        if name in RENAMED:
+            raise ValueError(f"{name} is now the trainer's {RENAMED[name]} (python -m agoq.plan takes "
+                             "scripts/pretrain_llama.py's flags)")
     return request_of(build_parser().parse_args(argv))
+
+
+def default_budget(probe=None) -> tuple[int, str]:
+    """(bytes, where from) without --memory-budget: the smallest GPU ``nvidia-smi`` lists, else DEFAULT_BUDGET_GIB.
+    ``probe``: a function returning nvidia-smi's MiB per GPU (tests); torch-free, so no CUDA context either."""
+    try:
+        mib = (probe or _nvidia_smi_mib)()
+    except (OSError, ValueError, subprocess.SubprocessError):
+        mib = []
+    if mib:
+        return min(mib) * 2**20, f"the smallest visible GPU's memory ({min(mib)} MiB, nvidia-smi)"
+    return DEFAULT_BUDGET_GIB * GIB, f"no GPU visible: the stated default {DEFAULT_BUDGET_GIB} GiB"
+
+
+def _nvidia_smi_mib() -> list[int]:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=20, check=True).stdout
+    return [int(line) for line in out.split() if line.strip()]
+
+
+def budget_of(request: PlanRequest, probe=None) -> int:
+    """--memory-budget in bytes, or the default; the budget and where it came from are printed."""
+    if request.memory_budget is not None:
+        budget, source = request.memory_budget_bytes, f"--memory-budget {request.memory_budget}"
+    else:
+        budget, source = default_budget(probe)
+        source += "; --memory-budget to change"
+    print(f"memory budget: {budget / GIB:.2f} GiB per GPU ({source})")
+    return budget
 
 
 def _gradient_line(recipe: Recipe, layout: Layout) -> str:
@@ -134,77 +154,96 @@ def _gradient_line(recipe: Recipe, layout: Layout) -> str:
     return f"gradients per parameter per rank: {held:.3f} B held{extra} ({recipe.grads or 'float'}; {optimizer})"
 
 
+PLANNER_ONLY = ("memory_budget", "config", "policies", "out", "capacity", "max_gpus", "max_mbs", "gpus")
+
+
 def read_model_file(path: str | None) -> dict:
-    """The model file's values (a trainer config: flag names in snake_case, read and checked by the trainer's own
-    loader, so a misspelt key or a value of the wrong type is an error naming the file, not skipped); the planner's
-    ``vocab_size`` key too; {} without one."""
+    """The --config file's values (the trainer's model YAML, read and checked by the trainer's own loader: a
+    misspelt key or a value of the wrong type is an error naming the file); {} without one."""
     if not path:
         return {}
-    # torch-free: the trainer's command line
-    from agoq.megatron.train.config_file import load_config_file
-    from agoq.megatron.train.flags import build_parser
+    return load_config_file(path, trainer_parser())
 
-    parser = build_parser()
-    parser.add_argument("--vocab-size", type=int, default=None, help="the planner's own key: the tokenizer's size")
-    values = load_config_file(path, parser, flag="--model")
-    _check_unmodelled(path, values)
+
+def values_of(request: PlanRequest, cfg: dict) -> dict:
+    """The run's flag values as the trainer would merge them, without its defaults: the --config file's, then the
+    command line's (the planner's trainer-named fields and the trainer's other flags)."""
+    given = request.given(f for f in OWN_FIELDS if f not in PLANNER_ONLY)
+    values = {**cfg, **dict(request.trainer), **given}
+    _check_unmodelled(values, request, cfg)
     return values
 
 
-# model-file keys that change a run's memory in ways the planner does not model: key -> (the value it models, why);
-# a file that sets another value is refused (its prediction would be for the modelled value without a word)
+# settings that change a run's memory in ways the planner does not model: key -> (the value it models, why); a run
+# that sets another value is refused (its prediction would be for the modelled value without a word)
 UNMODELLED_KEYS = {
     "attention_backend": ("sdpa", "Megatron's unfused attention keeps the [b, heads, s, s] softmax for backward"),
     "fp32": (False, "fp32 parameters change the weights', gradients' and master's bytes"),
     "recompute_num_layers": (1, "full recompute is modelled one layer per group"),
     "agoq_disable": (False, "plans are for agoq's candidate policies (the bf16 candidate is the closest; capacity "
                             "mode's megatron preset is the baseline)"),
+    "untie_embeddings_and_output_weights": (True, "tied embeddings (LLaMA-3.2-1B / 3B) keep one vocabulary table "
+                                                  "fewer; the planner models the untied output layer"),
     "agoq_policy": (None, "the candidates are --policies (default: the shipped ones); pass --policies FILE to plan "
                           "this one"),
+    "cuda_graph_impl": ("none", "CUDA graphs keep their static buffers (2-8 GiB measured, docs/activations.md)"),
 }
 
 
-def _check_unmodelled(path: str, values: dict) -> None:
+def _check_unmodelled(values: dict, request: PlanRequest, cfg: dict) -> None:
     for key, (modelled, why) in UNMODELLED_KEYS.items():
         value = values.get(key, modelled)
         if value != modelled:
-            raise ValueError(f"--model {path}: {key}: {value} is not something the planner models ({why}); its "
-                             f"prediction would be for {key}: {modelled}. Plan a copy of the file without the key")
+            where = (f"--config {request.config}: {key}" if key in cfg and key not in dict(request.trainer)
+                     else flag_name(key))
+            fix = "plan a copy of the file without the key" if where.startswith("--config") else "drop the flag"
+            raise ValueError(f"{where}: {value} is not something the planner models ({why}); its prediction would "
+                             f"be for {key}: {modelled}. {fix[0].upper()}{fix[1:]}")
 
 
-def _vocab_size(cfg: dict, tp: int) -> int:
-    """The trainer's padded vocabulary of the model file's tokenizer_model, else DEFAULT_VOCAB."""
-    if not cfg.get("tokenizer_model"):
-        return DEFAULT_VOCAB
-    from agoq.data.tokenizer import Tokenizer, padded_vocab_size
+def raw_vocab(values: dict) -> int:
+    """The model's vocabulary before padding: --vocab-size (flag or --config key), else the --tokenizer-model file's;
+    neither is an error naming both (no default: LLaMA-3 has 128,256 entries, LLaMA-2 32,000)."""
+    vocab, tokenizer = values.get("vocab_size"), values.get("tokenizer_model")
+    if tokenizer:
+        from agoq.data.tokenizer import Tokenizer, model_vocab_size
 
-    vocab = Tokenizer.load(cfg["tokenizer_model"]).vocab_size
-    return padded_vocab_size(vocab, tp, cfg.get("make_vocab_size_divisible_by", MEGATRON_VOCAB_DIVISIBLE_BY))
+        return model_vocab_size(Tokenizer.load(tokenizer).vocab_size, vocab, f"--tokenizer-model {tokenizer}")
+    if vocab:
+        return vocab
+    raise ValueError("the vocabulary is unknown: give --vocab-size N (the model's vocabulary, e.g. 128256 for "
+                     "LLaMA-3, 32000 for LLaMA-2) or --tokenizer-model FILE, on the command line or as vocab_size / "
+                     "tokenizer_model in the --config file (the trainer without either trains the built-in corpus's "
+                     "tokenizer: --vocab-size 4096 plans that)")
 
 
-def layout_of(request: PlanRequest, cfg: dict, config: AgoqConfig) -> Layout:
-    """The planner's Layout: flags over the model file's layout and batch keys over the defaults."""
-    values = {key: cfg.get(LAYOUT_KEYS.get(key, key), default) for key, default in LAYOUT_DEFAULTS.items()}
-    values.update(request.given(LAYOUT_DEFAULTS))
-    vpp = request.vpp
-    per_chunk = cfg.get("num_layers_per_virtual_pipeline_stage")
-    if vpp is None and per_chunk:
-        vpp = cfg["num_layers"] // values["pp"] // per_chunk
+def divisible_by(values: dict) -> int:
+    return values.get("make_vocab_size_divisible_by") or MEGATRON_VOCAB_DIVISIBLE_BY
+
+
+def layout_of(values: dict, config: AgoqConfig) -> Layout:
+    """The planner's Layout: the merged values' layout and batch keys over LAYOUT_DEFAULTS."""
+    v = {key: values.get(key) if values.get(key) is not None else default for key, default in LAYOUT_DEFAULTS.items()}
+    per_chunk = values.get("num_layers_per_virtual_pipeline_stage")
+    pp = v["pipeline_model_parallel_size"]
+    vpp = values["num_layers"] // pp // per_chunk if per_chunk and values.get("num_layers") else None
     grad_bytes = 0 if config.optimizer.gradient_release else 2 if config.grads.reduce_in_bf16 else 4
-    return Layout(vpp=vpp, grad_bytes=grad_bytes, **values)
+    return Layout(tp=v["tensor_model_parallel_size"], pp=pp, vpp=vpp, dp=v["dp"], mbs=v["micro_batch_size"],
+                  gbs=v["global_batch_size"], seq=v["seq_length"], distributed_optimizer=v["use_distributed_optimizer"],
+                  grad_bytes=grad_bytes)
 
 
-def config_of(request: PlanRequest, cfg: dict, policy=None) -> AgoqConfig:
-    """The run's AgoqConfig as the trainer builds it (AgoqConfig.from_flags): the model file's values, then
-    the flags given here; ``policy``: a candidate whose fp8 / default grads sections apply under the flags, as the
-    trainer applies its --agoq-policy's (None: no policy section)."""
-    return AgoqConfig.from_flags({**cfg, **request.given(AGOQ_FLAGS)}, policy=policy)
+def config_of(values: dict, policy=None) -> AgoqConfig:
+    """The run's AgoqConfig as the trainer builds it (AgoqConfig.from_flags) from the merged values; ``policy``: a
+    candidate whose fp8 / default grads sections apply under the flags, as the trainer applies its --agoq-policy's
+    (None: no policy section)."""
+    return AgoqConfig.from_flags({k: v for k, v in values.items() if k in AGOQ_FLAGS}, policy=policy)
 
 
 def check_run_flags(values: dict, layout: Layout) -> None:
     """The trainer's refusals of flags that would do nothing or cannot run (scripts/pretrain_llama.py stops on each),
-    on the model file's values with the flags given here over them: a plan for a run that cannot start, or for a
-    setting the run would not keep, is an error naming the flag (2026-11-27 review: each printed a plan)."""
+    on the merged values: a plan for a run that cannot start, or for a setting the run would not keep, is an error
+    naming the flag (2026-11-27 review: each printed a plan)."""
     optimizer = values.get("agoq_optimizer") or "torch"
     for key in ("agoq_moments", "agoq_master"):
         if values.get(key) is not None and optimizer == "torch":
@@ -220,26 +259,27 @@ def check_run_flags(values: dict, layout: Layout) -> None:
                  (layout.pp > 1, f"PP={layout.pp}"), (layout.dp > 1, f"DP={layout.dp}")]
     found = [what for hit, what in conflicts if hit]
     if found:
-        raise ValueError(f"--agoq-gradient-release conflicts with {', '.join(found)} (from the flags or the model "
+        raise ValueError(f"--agoq-gradient-release conflicts with {', '.join(found)} (from the flags or the --config "
                          "file): release keeps no gradient buffer and needs one GPU per model, as the trainer "
                          "refuses; drop --agoq-gradient-release or those settings")
 
 
-def _shape_values(request: PlanRequest, cfg: dict, keys: tuple[str, ...]) -> dict:
-    """The shape: each flag given here over the model file's value (None: neither)."""
-    return {**{k: cfg.get(k) for k in keys}, **request.given(keys)}
+def shape_of(values: dict, config: str | None) -> ModelShape:
+    """The model shape with its vocabulary before padding (raw_vocab), or a ValueError naming the keys neither the
+    flags nor the --config file give. The query groups and the FFN width default as the trainer derives them."""
+    missing = [k for k in SHAPE_KEYS if values.get(k) is None and k not in DERIVED]
+    if missing:
+        flags = ", ".join(flag_name(m) for m in missing)
+        raise ValueError(f"--config {config} lacks the model shape's {', '.join(missing)}: add them to the file, or "
+                         f"give {flags}" if config else f"give {flags} (or a --config YAML)")
+    dims = {k: values.get(k) if values.get(k) is not None else DERIVED[k](values) for k in SHAPE_KEYS}
+    return ModelShape(**dims, vocab_size=raw_vocab(values))
 
 
-def _missing_message(values: dict, model: str | None) -> str | None:
-    """The shape keys neither the flags nor the --model file give (None: all given), naming the file if one was."""
-    missing = [k for k, v in values.items() if v is None]
-    if not missing:
-        return None
-    flags = ", ".join(flag_name(m) for m in missing)
-    if model:
-        return (f"--model {model} lacks the model shape's {', '.join(missing)}: add them to the file, or give "
-                f"{flags}")
-    return f"give {flags} (or a --model YAML)"
+# the trainer's derived defaults (agoq.megatron.train.args._fill_derived): MHA, and LLaMA's 8/3 x hidden rounded up
+# to a multiple of 64
+DERIVED = {"num_query_groups": lambda v: v["num_attention_heads"],
+           "ffn_hidden_size": lambda v: 64 * -(-int(8 * v["hidden_size"] / 3) // 64)}
 
 
 def _error(err) -> int:
@@ -249,18 +289,7 @@ def _error(err) -> int:
 
 # flags capacity mode refuses: the presets and the search set them
 CAPACITY_REFUSED = ("agoq_optimizer", "agoq_moments", "agoq_master", "agoq_grads", "grad_reduce_in_bf16",
-                    "agoq_gradient_release", "recompute_granularity", "distributed_optimizer", "policies")
-
-
-def _raw_vocab(vocab_size: int | None, cfg: dict) -> int:
-    """The tokenizer's vocabulary (unpadded): --vocab-size, the model file's vocab_size or tokenizer_model."""
-    if vocab_size or cfg.get("vocab_size"):
-        return vocab_size or cfg["vocab_size"]
-    if not cfg.get("tokenizer_model"):
-        return DEFAULT_VOCAB
-    from agoq.data.tokenizer import Tokenizer
-
-    return Tokenizer.load(cfg["tokenizer_model"]).vocab_size
+                    "agoq_gradient_release", "recompute_granularity", "use_distributed_optimizer", "policies")
 
 
 def _check_capacity_request(request: PlanRequest) -> None:
@@ -272,35 +301,40 @@ def _check_capacity_request(request: PlanRequest) -> None:
         raise ValueError(f"--max-gpus {request.max_gpus}: need at least 1")
 
 
-def _capacity_search(request: PlanRequest, cfg: dict, vocab: int) -> dict:
-    """capacity.find_capacity's keywords: the sequence, the vocabulary, the batch and the flags' fixed sizes."""
-    return dict(seq=request.seq or cfg.get("seq_length") or LAYOUT_DEFAULTS["seq"], vocab=vocab,
-                divisible_by=cfg.get("make_vocab_size_divisible_by", MEGATRON_VOCAB_DIVISIBLE_BY), base_flags={},
-                gbs=request.gbs or cfg.get("global_batch_size"), mbs=request.mbs or 1, vpp=request.vpp,
-                fixed=request.given(("tp", "pp", "dp")))
+def _capacity_search(request: PlanRequest, values: dict, vocab: int) -> dict:
+    """capacity.find_capacity's keywords: the sequence, the vocabulary, the batch and the command line's sizes."""
+    per_chunk = request.num_layers_per_virtual_pipeline_stage
+    pp = request.pipeline_model_parallel_size
+    fixed = {"tp": request.tensor_model_parallel_size, "pp": pp, "dp": request.dp}
+    return dict(seq=values.get("seq_length") or LAYOUT_DEFAULTS["seq_length"], vocab=vocab,
+                divisible_by=divisible_by(values), base_flags={}, gbs=values.get("global_batch_size"),
+                mbs=request.micro_batch_size or 1,
+                vpp=values["num_layers"] // pp // per_chunk if per_chunk and pp else None,
+                fixed={k: v for k, v in fixed.items() if v is not None})
 
 
 def run_capacity(request: PlanRequest, cfg: dict) -> int:
     """--capacity: one answer per preset (agoq.plan.capacity), printed and written to --out as JSON."""
     _check_capacity_request(request)
-    values = _shape_values(request, cfg, SHAPE_KEYS[:-1])
-    missing = _missing_message(values, request.model)
-    if missing:
-        raise ValueError(missing)
-    vocab = _raw_vocab(request.vocab_size, cfg)
-    shape = ModelShape(**values, vocab_size=vocab)
+    values = values_of(request, cfg)
+    shape = shape_of(values, request.config)
+    vocab = shape.vocab_size
     policies = {n: load_policy(POLICY_DIR / f"{n}.yaml") for n in DEFAULT_CANDIDATES}
-    budget = request.memory_budget_bytes
-    kw = _capacity_search(request, cfg, vocab)
+    budget = budget_of(request)
+    kw = _capacity_search(request, values, vocab)
+    if kw["vpp"] is not None and not request.pipeline_model_parallel_size:
+        raise ValueError("--num-layers-per-virtual-pipeline-stage with --capacity needs "
+                         "--pipeline-model-parallel-size on the command line")
     answers = [capacity.find_capacity(shape, preset, policies, budget, max_gpus=request.max_gpus,
                                       max_mbs=request.max_mbs, **kw) for preset in capacity.PRESETS]
-    print(f"model {request.model or '(flags)'}: {values}, vocabulary {vocab} (padded per TP), seq {kw['seq']}, "
+    dims = {k: getattr(shape, k) for k in SHAPE_KEYS}
+    print(f"model {request.config or '(flags)'}: {dims}, vocabulary {vocab} (padded per TP), seq {kw['seq']}, "
           f"global batch {kw['gbs'] or '2 x PP micro-batches per DP rank'}; up to {request.max_gpus} GPUs"
-          + ("; the model file's layout and agoq_* settings are not read (searched)" if request.model else ""))
+          + ("; the --config file's layout and agoq_* settings are not read (searched)" if request.config else ""))
     print(capacity.format_table(answers, budget))
     if request.out:
-        report = {"model": request.model, "shape": values, "vocab": vocab, "seq_length": kw["seq"],
-                  "global_batch_size": kw["gbs"], "memory_budget_gib": round(budget / 2**30, 3),
+        report = {"model": request.config, "shape": dims, "vocab": vocab, "seq_length": kw["seq"],
+                  "global_batch_size": kw["gbs"], "memory_budget_gib": round(budget / GIB, 3),
                   "max_gpus": request.max_gpus,
                   "answers": [capacity.answer_dict(a, budget, "configs/policy") for a in answers]}
         Path(request.out).write_text(json.dumps(report, indent=1) + "\n")
@@ -308,37 +342,25 @@ def run_capacity(request: PlanRequest, cfg: dict) -> int:
     return 0
 
 
-def run_plan(request: PlanRequest) -> int:
+def run_plan(request: PlanRequest, cfg: dict) -> int:
     """The richest candidate policy whose predicted peak fits every stage; its YAML copied to --out."""
-    try:
-        cfg = read_model_file(request.model)
-        config = config_of(request, cfg)
-        layout = layout_of(request, cfg, config)
-        values = _shape_values(request, cfg, SHAPE_KEYS)
-        values["vocab_size"] = values["vocab_size"] or _vocab_size(cfg, layout.tp)  # the file's tokenizer_model
-    except ValueError as err:
-        return _error(err)
-    missing = _missing_message(values, request.model)
-    if missing:
-        return _error(missing)
-    try:
-        check_run_flags({**cfg, **request.given(AGOQ_FLAGS)}, layout)
-    except ValueError as err:
-        return _error(err)
+    values = values_of(request, cfg)
+    config = config_of(values)
+    layout = layout_of(values, config)
+    shape = shape_of(values, request.config)
+    shape = replace(shape, vocab_size=capacity.padded_vocab(shape.vocab_size, layout.tp, divisible_by(values)))
+    check_run_flags(values, layout)
     recipe = recipe_of(config)
     paths = [Path(p) for p in request.policies or [POLICY_DIR / f"{n}.yaml" for n in DEFAULT_CANDIDATES]]
-    try:
-        candidates = [(p.stem, load_policy(p)) for p in paths]  # PolicyError names the file and the fix
-        schedule = ScheduleInfo(layout.pp, layout.vpp, layout.num_microbatches)
-        for _, policy in candidates:  # as the trainer refuses them: a rule naming a role it cannot change
-            check_requests_on_model(policy, values["num_layers"], schedule)
-        budget = request.memory_budget_bytes
-        # a candidate's own fp8 / default grads sections change its run as the trainer would apply them (they were
-        # planned as the flags' run: float gradients for a policy that stores them in 8 bits)
-        recipes = {name: recipe_of(config_of(request, cfg, policy)) for name, policy in candidates}
-        chosen, report = choose_by_peak(ModelShape(**values), layout, candidates, budget, recipe, recipes=recipes)
-    except ValueError as err:
-        return _error(err)
+    candidates = [(p.stem, load_policy(p)) for p in paths]  # PolicyError names the file and the fix
+    schedule = ScheduleInfo(layout.pp, layout.vpp, layout.num_microbatches)
+    for _, policy in candidates:  # as the trainer refuses them: a rule naming a role it cannot change
+        check_requests_on_model(policy, shape.num_layers, schedule)
+    budget = budget_of(request)
+    # a candidate's own fp8 / default grads sections change its run as the trainer would apply them (they were
+    # planned as the flags' run: float gradients for a policy that stores them in 8 bits)
+    recipes = {name: recipe_of(config_of(values, policy)) for name, policy in candidates}
+    chosen, report = choose_by_peak(shape, layout, candidates, budget, recipe, recipes=recipes)
     print(_gradient_line(recipe, layout))
     for name, own in recipes.items():
         if (own.grads, own.fp8) != (recipe.grads, recipe.fp8):
@@ -346,7 +368,8 @@ def run_plan(request: PlanRequest) -> int:
                   f"FP8 {own.fp8.recipe})")
     print(format_peak_report(report, budget))
     if chosen is None:
-        print("no candidate policy fits: lower --mbs, raise --pp/--tp, or use the distributed optimizer")
+        print("no candidate policy fits: lower --micro-batch-size, raise --pipeline-model-parallel-size / "
+              "--tensor-model-parallel-size, or use --use-distributed-optimizer (or --gpus N: the layout search)")
         return 3
     print(f"chosen: {chosen}")
     if request.out:
@@ -355,16 +378,52 @@ def run_plan(request: PlanRequest) -> int:
     return 0
 
 
+def run_gpus(request: PlanRequest, cfg: dict) -> int:
+    """--gpus N: the fastest predicted layout that fits (agoq.plan.launch) and its torchrun command."""
+    values = values_of(request, cfg)
+    check_run_flags(values, Layout())
+    shape = shape_of(values, request.config)
+    budget = budget_of(request)
+    paths = [Path(p) for p in request.policies or [POLICY_DIR / f"{n}.yaml" for n in DEFAULT_CANDIDATES]]
+    policies = {p.stem: load_policy(p) for p in paths}
+    fixed = {"tp": request.tensor_model_parallel_size, "pp": request.pipeline_model_parallel_size,
+             "dp": request.dp}
+    search = launch.Search(
+        gpus=request.gpus, seq=values.get("seq_length") or LAYOUT_DEFAULTS["seq_length"],
+        divisible_by=divisible_by(values), gbs=values.get("global_batch_size"),
+        mbs=request.micro_batch_size, max_mbs=request.max_mbs, recompute=request.recompute_granularity,
+        distributed_optimizer=True if values.get("use_distributed_optimizer") else None,
+        fixed={k: v for k, v in fixed.items() if v is not None},
+        per_chunk=request.num_layers_per_virtual_pipeline_stage)
+    presets = launch.presets_for(values)
+    best, tried = launch.fastest(shape, presets, policies, budget, search)
+    print(f"model {request.config or '(flags)'}: {shape.num_layers} layers, hidden {shape.hidden_size}, "
+          f"{shape.num_attention_heads} heads / {shape.num_query_groups} query groups, FFN {shape.ffn_hidden_size}, "
+          f"vocabulary {shape.vocab_size}; seq {search.seq}, {request.gpus} GPUs; {tried} layouts predicted")
+    if best is None:
+        print(f"nothing fits {budget / GIB:.2f} GiB per GPU on {request.gpus} GPUs: more GPUs (python -m agoq.plan "
+              "--capacity), a shorter --seq-length, or a larger --memory-budget")
+        return 3
+    print(launch.describe(best, budget))
+    command = launch.command(best, request, paths, values)
+    print("launch it with:")
+    print("  " + command)
+    if values.get("tokenizer_model") and not values.get("data_path"):
+        print("  (the trainer reads --tokenizer-model only with --data-path: add the data written with it)")
+    return 0
+
+
 def main(argv=None) -> int:
     try:
         request = parse(argv)
-    except ValueError as err:  # a value argparse took that the request refuses (PlanRequest names the flag)
-        return _error(err)
-    if not request.capacity:
-        return run_plan(request)
-    try:
-        return run_capacity(request, read_model_file(request.model))
-    except ValueError as err:
+        request.memory_budget_bytes  # noqa: B018 - a bad --memory-budget is the first error, before any file is read
+        cfg = read_model_file(request.config)
+        if request.capacity:
+            return run_capacity(request, cfg)
+        if request.gpus is not None:
+            return run_gpus(request, cfg)
+        return run_plan(request, cfg)
+    except ValueError as err:  # a value the request, the config file, the vocabulary or a policy refuses
         return _error(err)
 
 

@@ -19,16 +19,58 @@ The backward is what autograd computes through Megatron's unfused ops, written o
 
 each product rounded, then the sum; autograd then adds the zero gradient of the slice the op did not read (so a
 -0.0 comes out as +0.0), which :func:`ref_rope_bwd` reproduces with ``+ 0.0``. Non-finite values propagate.
+
+Scaled RoPE (LLaMA-3.1 / 3.2 / 3.3, ``rope_type: llama3``) changes only the inverse frequencies the cos / sin
+come from, never the rotation: :func:`ref_llama3_inv_freq` is its executable spec. Megatron applies it in
+``RotaryEmbedding`` (``rope_scaling=True``) and hands the resulting frequencies to the fused kernel like any others.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["ROPE_DTYPES", "ref_rope_fwd", "ref_rope_bwd", "check_rope_args", "check_qkv_split", "ref_qkv_rope_fwd",
-           "ref_qkv_rope_bwd"]
+__all__ = ["LLAMA3_ROPE_FIXED", "ROPE_DTYPES", "ref_inv_freq", "ref_llama3_inv_freq", "ref_rope_fwd", "ref_rope_bwd",
+           "check_rope_args", "check_qkv_split", "ref_qkv_rope_fwd", "ref_qkv_rope_bwd"]
 
 ROPE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # training dtypes; the kernel's products are exact in fp32
+
+
+# LLaMA-3's frequency bands, as every released LLaMA-3.1 / 3.2 / 3.3 config.json has them and as megatron-core 0.19.2
+# hard-codes them (the defaults of RotaryEmbedding._apply_scaling, which GPTModel cannot set): only ``factor`` is a
+# model setting there (``rope_scaling_factor``). agoq.megatron.model checks Megatron's defaults against these.
+LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def ref_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    """Plain RoPE's fp32 inverse frequencies ``base ** (-2i / rotary_dim)``, i < rotary_dim / 2, rounded as Megatron's
+    RotaryEmbedding and transformers' default RoPE round them (``1 / base ** (2i / rotary_dim)``)."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
+    return 1.0 / (base ** exponents)
+
+
+def ref_llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                        original_max_position_embeddings: int) -> torch.Tensor:
+    """LLaMA-3's scaled inverse frequencies (``rope_type: llama3``) from plain ones (fp32 in, fp32 out).
+
+    With L = ``original_max_position_embeddings`` and wavelength w = 2 pi / f of each frequency f: w < L /
+    ``high_freq_factor`` (fast) keeps f; w > L / ``low_freq_factor`` (slow) becomes f / ``factor``; in between f
+    blends the two, ``(1 - a) f / factor + a f`` with a = (L / w - low) / (high - low). Rounded as megatron-core's
+    and transformers' implementations round it (each operation in fp32, in this order), so the bits agree
+    (tests/megatron/test_rope.py compares all three)."""
+    if not factor > 0 or not high_freq_factor > low_freq_factor > 0 or original_max_position_embeddings <= 0:
+        raise ValueError(f"llama3 RoPE scaling needs factor > 0, high_freq_factor > low_freq_factor > 0 and "
+                         f"original_max_position_embeddings > 0; got factor {factor}, low_freq_factor "
+                         f"{low_freq_factor}, high_freq_factor {high_freq_factor}, original_max_position_embeddings "
+                         f"{original_max_position_embeddings}")
+    wavelength = 2 * math.pi / inv_freq
+    slow = wavelength > original_max_position_embeddings / low_freq_factor
+    fast = wavelength < original_max_position_embeddings / high_freq_factor
+    base = torch.where(slow, inv_freq / factor, inv_freq)  # the slow band divided; the blend starts from this too
+    alpha = (original_max_position_embeddings / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - alpha) * base / factor + alpha * base
+    return torch.where(slow | fast, base, blended)
 
 
 def check_rope_args(t_SBND: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor, what: str = "t") -> int:

@@ -57,7 +57,7 @@ class _NoScheduler:
 
 
 def _agoq_args():
-    from agoq.megatron.train.optim_args import add_optim_flags
+    from agoq.cli.optim_args import add_optim_flags
 
     p = argparse.ArgumentParser()
     add_optim_flags(p)

@@ -206,8 +206,8 @@ def _skip_rank(rank: int, world_size: int, optimizer_kind: str) -> dict:
     training loop's check reads the 8-bit store through agoq_grads_nonfinite), then training goes on."""
     import argparse
 
+    from agoq.cli.optim_args import add_optim_flags
     from agoq.megatron.install import install
-    from agoq.megatron.train.optim_args import add_optim_flags
     from agoq.megatron.train.pretrain import build_optimizer
 
     handle = install(AgoqConfig(device="cpu"))

@@ -31,6 +31,7 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 
+from agoq.cli.optim_args import add_optim_flags  # noqa: E402
 from agoq.config import AgoqConfig  # noqa: E402
 from agoq.megatron import runtime  # noqa: E402
 from agoq.megatron.ddp import GradConfig, grad_memory_report, wrap_ddp_agoq  # noqa: E402
@@ -41,7 +42,6 @@ from agoq.megatron.model import (  # noqa: E402
     build_model_chunks,
     llama_transformer_config,
 )
-from agoq.megatron.train.optim_args import add_optim_flags  # noqa: E402
 from agoq.testing.dist import spawn_ranks  # noqa: E402
 from agoq.testing.memory import cpu_allocation_peak  # noqa: E402
 

@@ -350,3 +350,201 @@ def test_converted_checkpoint_trains_with_hf_tokenizer_and_exports(hf_model, con
     delta = (trained.lm_head.weight - original.lm_head.weight).abs().max().item()
     assert 0 < delta < 0.05, delta  # 3 Adam steps at lr <= 1e-3 moved the weights, a little
     assert (out / "tokenizer.json").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------
+# LLaMA-3.1 / 3.2 / 3.3 (issue 42): scaled RoPE (rope_type llama3), tied embeddings, eos lists, generation config.
+# Two random configs shaped like the released ones (head dim 16 at RoPE base 500000: the llama3 bands keep 4
+# frequencies, blend 1 and divide 3, so every branch of the scaling is in the logits):
+#   3.2-1B-like: tied embeddings, factor 32;  3.1-8B-like: untied, factor 8.
+# Both with an eos list and a generation_config.json that are not transformers' defaults.
+
+EOS_LIST = [1, 298, 299]
+LLAMA3_VARIANTS = {
+    "llama3.2-1b-like": dict(tie_word_embeddings=True, factor=32.0),
+    "llama3.1-8b-like": dict(tie_word_embeddings=False, factor=8.0),
+}
+
+
+def _llama3_hf_model(variant: str):
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from agoq.ref.rope import LLAMA3_ROPE_FIXED
+
+    settings = LLAMA3_VARIANTS[variant]
+    torch.manual_seed(1)
+    config = LlamaConfig(**{**HF_SETTINGS, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+                            "tie_word_embeddings": settings["tie_word_embeddings"]},
+                         vocab_size=TOKENIZER_VOCAB, bos_token_id=0, eos_token_id=EOS_LIST,
+                         rope_scaling={"rope_type": "llama3", "factor": settings["factor"], **LLAMA3_ROPE_FIXED})
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=EOS_LIST, do_sample=True,
+                                               temperature=0.6, top_p=0.9)
+    return model
+
+
+def _save_llama3(variant: str, root: Path, tokenizer: Path):
+    """(variant, HF directory with the tiny model's tokenizer, its fp32 logits, its parameter count)."""
+    import shutil
+
+    model = _llama3_hf_model(variant)
+    model.save_pretrained(root / "hf", max_shard_size="200KB")
+    shutil.copy(tokenizer, root / "hf" / "tokenizer.json")
+    with torch.no_grad():
+        logits = model(_tokens()).logits
+    return variant, root / "hf", logits, model.num_parameters()
+
+
+@pytest.fixture(scope="module", params=sorted(LLAMA3_VARIANTS))
+def llama3_model(request, tmp_path_factory, hf_model):
+    return _save_llama3(request.param, tmp_path_factory.mktemp(request.param), hf_model[0] / "tokenizer.json")
+
+
+def _llama3_worker(rank, world_size, hf_dir: str, out_dir: str):
+    """hf-to-agoq, the converted model's logits (agoq's fused QKV RoPE in Megatron's slot: the kernel's path), the
+    model's parameter count, then agoq-to-hf and the round trip's hf-to-agoq and logits again."""
+    from agoq.convert.__main__ import _shape, main
+    from agoq.convert.llama import LlamaDims
+    from agoq.megatron import hf_checkpoint, install, model, runtime
+
+    hf_checkpoint.init_single_process(runtime.SINGLE_PROCESS)
+    out = Path(out_dir)
+
+    def logits_of(ckpt: Path):
+        source = hf_checkpoint.checkpoint_source(ckpt)
+        extras = hf_checkpoint.saved_extras(source)
+        shape = _shape(LlamaDims(**extras["hf_dims"]), extras["padded_vocab_size"])
+        config = model.llama_transformer_config(shape, model.ParallelLayout(), params_dtype=torch.float32,
+                                                use_cpu_initialization=True, rope_fusion=True)
+        try:
+            chunks = model.build_model_chunks(shape, config, model.agoq_layer_spec("sdpa"), None)
+            hf_checkpoint.load_weights(chunks, source)
+            count = sum(p.numel() for p in chunks[0].parameters())
+            return _megatron_logits(chunks, _tokens()), count, shape, extras
+        finally:
+            install.undo_runtime_changes()
+
+    assert main(["hf-to-agoq", hf_dir, "--output", str(out / "ckpt")]) == 0
+    first = logits_of(out / "ckpt")
+    assert main(["agoq-to-hf", str(out / "ckpt"), "--output", str(out / "hf1"), "--dtype", "fp32"]) == 0
+    assert main(["hf-to-agoq", str(out / "hf1"), "--output", str(out / "ckpt2")]) == 0
+    second = logits_of(out / "ckpt2")
+    assert main(["agoq-to-hf", str(out / "ckpt2"), "--output", str(out / "hf2"), "--dtype", "fp32"]) == 0
+    return first, second
+
+
+def test_llama3_logits_match_transformers_before_and_after_a_round_trip(llama3_model, tmp_path):
+    """fp32 logits of the converted checkpoint (through agoq's fused RoPE) equal transformers' within LOGITS_REL
+    (module docstring; measured bit-identical), before and after HF -> agoq -> HF -> agoq; the parameter count is the
+    HF model's (tied: one table, plus the padded rows); tying, rope_scaling, the eos list and generation_config.json
+    survive the round trip, and the export's tensors are the original ones bit for bit."""
+    from transformers import AutoConfig
+
+    from agoq.convert import hf_io
+
+    variant, hf_dir, want, hf_count = llama3_model
+    tied = LLAMA3_VARIANTS[variant]["tie_word_embeddings"]
+    (logits, count, shape, extras), (logits2, count2, _, _) = spawn_ranks(
+        1, _llama3_worker, args=(str(hf_dir), str(tmp_path)))[0]
+    assert shape.rope_scaling and shape.rope_scaling_factor == LLAMA3_VARIANTS[variant]["factor"]
+    assert shape.share_embeddings_and_output_weights is tied and shape.rotary_base == 500000
+    assert extras["resume_contract"]["share_embeddings_and_output_weights"] is tied  # the trainer checks it
+    padding = (384 - TOKENIZER_VOCAB) * HF_SETTINGS["hidden_size"] * (1 if tied else 2)
+    assert count == count2 == hf_count + padding == shape.num_parameters()
+    assert_logits_close(logits, want, f"{variant}: agoq vs transformers")
+    assert torch.equal(logits2, logits)  # the round trip moved no value
+    # the scaling is in these logits: plain RoPE at the same base gives other logits, far outside the tolerance
+    plain_config = json.loads((hf_dir / "config.json").read_text())
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    plain_config.pop("rope_scaling", None)
+    plain_config["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    plain = LlamaForCausalLM.from_pretrained(hf_dir, config=LlamaConfig(**plain_config), dtype=torch.float32).eval()
+    with torch.no_grad():
+        off = (plain(_tokens()).logits - want).abs().max().item() / want.abs().max().item()
+    print(f"{variant}: plain RoPE instead of llama3 scaling changes the logits by {off:.2e} of their scale")
+    assert off > 50 * LOGITS_REL, off
+
+    for exported in (tmp_path / "hf1", tmp_path / "hf2"):
+        original, state = hf_io.read_state_dict(hf_dir), hf_io.read_state_dict(exported)
+        assert sorted(state) == sorted(original) and ("lm_head.weight" in state) is not tied
+        assert all(torch.equal(state[k], v) for k, v in original.items())
+        config = AutoConfig.from_pretrained(exported)
+        assert config.tie_word_embeddings is tied and config.eos_token_id == EOS_LIST
+        rope = getattr(config, "rope_parameters", None) or config.rope_scaling
+        assert (rope["rope_type"], rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                rope["original_max_position_embeddings"]) == ("llama3", LLAMA3_VARIANTS[variant]["factor"], 1.0, 4.0,
+                                                              8192)  # fmt: skip
+        assert json.loads((exported / "generation_config.json").read_text()) == \
+            json.loads((hf_dir / "generation_config.json").read_text())
+    assert torch.equal(hf_logits(tmp_path / "hf2"), want)  # transformers loads the export: the same model
+
+
+def test_converted_tied_scaled_checkpoint_trains_at_pp2_and_exports_from_its_record(hf_model, tmp_path):
+    """The LLaMA-3.2-1B-like checkpoint (tied, llama3 RoPE factor 32) trains under scripts/pretrain_llama.py at PP=2,
+    where the last stage holds Megatron's copy of the shared weight: its iteration-1 loss is the HF model's on the
+    same batch, and iterations 1-3 equal a PP=1 run's (the copies stay equal: Megatron's embedding-group all-reduce).
+    agoq-to-hf of the trained checkpoint needs no --config: the run record holds the whole shape (base, scaling,
+    epsilon, tying) and the converted model's eos list and generation config; a --config that disagrees with the
+    record is an error naming both values."""
+    _, hf_dir, _, _ = _save_llama3("llama3.2-1b-like", tmp_path, hf_model[0] / "tokenizer.json")
+    ckpt = tmp_path / "ckpt"
+    proc = _convert("hf-to-agoq", str(hf_dir), "--output", str(ckpt))
+    assert "model: RoPE base 500000, llama3 scaling factor 32; embeddings tied" in proc.stdout, proc.stdout
+    yaml_text = (ckpt / "model.yaml").read_text()
+    assert "use_rope_scaling: true\nrope_scaling_factor: 32.0\n" in yaml_text
+    assert "untie_embeddings_and_output_weights: false\n" in yaml_text
+    tokenizer = hf_dir / "tokenizer.json"
+    prefix = _prepare_data(tokenizer, tmp_path)
+    common = ["--config", str(ckpt / "model.yaml"), "--fp32", "--load", str(ckpt), "--data-path", str(prefix),
+              "--tokenizer-model", str(tokenizer), "--seq-length", str(TRAIN_SEQ), "--micro-batch-size",
+              str(TRAIN_MBS), "--global-batch-size", str(TRAIN_GBS), "--train-iters", str(TRAIN_ITERS), "--seed",
+              str(TRAIN_SEED), "--split", TRAIN_SPLIT, "--lr", "1e-3", "--lr-warmup-iters", "1",
+              # int8 activations at every site: the same storage at PP=1 and PP=2 (agoq.yaml's auto bits follow the
+              # stage, which would make the layouts differ by design)
+              "--agoq-policy", str(REPO_ROOT / "configs" / "policy" / "int8.yaml")]  # fmt: skip
+    env = child_env(AGOQ_CACHE=str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    pp2 = run_pretrain(2, [*common, "--pipeline-model-parallel-size", "2", "--save", str(run)], env=env)
+    assert "embeddings tied (--tie-embeddings-and-output-weights)" in pp2.stdout, pp2.stdout[-3000:]
+    assert "RoPE base 500000 scaled by 32 (--use-rope-scaling)" in pp2.stdout, pp2.stdout[-3000:]
+    pp1 = run_pretrain(1, common, env=env)
+    losses, losses_pp1 = ([r["loss"] for r in iteration_records(p.stdout)] for p in (pp2, pp1))
+    expected = _first_batch_loss(hf_dir, prefix, tmp_path, 384)
+    print(f"tied + scaled: losses PP=2 {losses}, PP=1 {losses_pp1}; the HF model's first-batch loss {expected:.6f}")
+    assert len(losses) == TRAIN_ITERS and abs(losses[0] - expected) < FIRST_LOSS_ABS, (losses, expected)
+    assert losses[2] != losses[0]  # it trains
+    # fp32, the same weights, batches and storage: PP=1 and PP=2 differ at most in summation order (measured: equal
+    # printed losses). Without the last stage's copy kept equal (Megatron's embedding-group all-reduce of the shared
+    # weight's gradient) the losses would differ from iteration 2 on.
+    assert all(abs(a - b) < 1e-5 * abs(b) for a, b in zip(losses, losses_pp1, strict=True)), (losses, losses_pp1)
+
+    out = tmp_path / "hf_trained"
+    _convert("agoq-to-hf", str(run), "--output", str(out), "--dtype", "fp32")  # no --config: the record
+    config = json.loads((out / "config.json").read_text())
+    assert (config["tie_word_embeddings"], config["rope_theta"], config["eos_token_id"]) == (True, 500000.0, EOS_LIST)
+    assert config["rope_scaling"]["factor"] == 32.0 and config["rms_norm_eps"] == HF_SETTINGS["rms_norm_eps"]
+    assert json.loads((out / "generation_config.json").read_text()) == \
+        json.loads((hf_dir / "generation_config.json").read_text())
+    from transformers import AutoModelForCausalLM
+
+    from agoq.convert import hf_io
+
+    assert "lm_head.weight" not in hf_io.read_state_dict(out)
+    trained = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    original = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    assert trained.num_parameters() == original.num_parameters()
+    delta = (trained.model.embed_tokens.weight - original.model.embed_tokens.weight).abs().max().item()
+    assert 0 < delta < 0.05, delta
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(yaml_text.replace("rotary_base: 500000", "rotary_base: 10000"))
+    proc = subprocess.run([sys.executable, "-m", "agoq.convert", "agoq-to-hf", str(run), "--config", str(wrong),
+                           "--output", str(tmp_path / "never")], capture_output=True, text=True, env=child_env(),
+                          cwd=REPO_ROOT, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"{wrong}: rotary_base 10000, but the checkpoint was saved with rotary_base 500000" in proc.stderr
+    assert not (tmp_path / "never").exists()

@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
-    from agoq.megatron.train.optim_args import add_optim_flags
+    from agoq.cli.optim_args import add_optim_flags
     from agoq.config import AgoqConfig
     from agoq.megatron.train.pretrain import build_optimizer
     p = argparse.ArgumentParser(); add_optim_flags(p)

@@ -46,7 +46,8 @@ def test_richer_policies_cost_more_and_the_choice_follows_the_budget():
 
 def test_cli_writes_the_chosen_policy_and_reports_no_fit(tmp_path, capsys):
     flags = ["--num-layers", "16", "--hidden-size", "2048", "--ffn-hidden-size", "5632", "--num-attention-heads",
-             "32", "--num-query-groups", "8", "--pp", "2", "--mbs", "4", "--gbs", "64", "--seq", "4096"]
+             "32", "--num-query-groups", "8", "--vocab-size", "32000", "--pipeline-model-parallel-size", "2",
+             "--micro-batch-size", "4", "--global-batch-size", "64", "--seq-length", "4096"]
     out = tmp_path / "chosen.yaml"
     assert main(flags + ["--memory-budget", "1000GiB", "--out", str(out)]) == 0
     assert out.read_text() == (POLICIES / "bf16.yaml").read_text()

@@ -200,7 +200,8 @@ def test_cli_takes_the_fp8_flags(capsys):
     from agoq.plan.__main__ import main
 
     argv = ["--num-layers", "6", "--hidden-size", "1024", "--num-attention-heads", "8", "--num-query-groups", "8",
-            "--ffn-hidden-size", "4096", "--vocab-size", "1000", "--mbs", "1", "--gbs", "1", "--seq", "16",
+            "--ffn-hidden-size", "4096", "--vocab-size", "1000", "--micro-batch-size", "1", "--global-batch-size",
+            "1", "--seq-length", "16",
             "--memory-budget", "80GiB", "--policies", str(validate.POLICIES / "bf16.yaml")]
     assert main(argv) == 0
     plain = capsys.readouterr().out

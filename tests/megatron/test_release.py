@@ -192,7 +192,7 @@ def test_the_batch_is_checked_against_the_real_data_parallel_size_before_torch_l
 
 
 def test_data_parallel_and_policy_grads_are_named(tmp_path, capsys):
-    from agoq.megatron.train.optim_args import check_release_flags
+    from agoq.cli.optim_args import check_release_flags
 
     args = _args(["--global-batch-size", str(2 * MBS)], release=False)  # DP=2 x MBS: one micro-batch each
     args.agoq_gradient_release = True

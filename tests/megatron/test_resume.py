@@ -133,7 +133,8 @@ def test_unreadable_newest_checkpoints_fall_back_and_a_new_lr_keeps_the_checkpoi
     proc, resumed = _resume(env, tmp_path, BASE + PP2 + ["--lr", "3e-3", "--min-lr", "1e-4"], ckpt)
     out = proc.stdout
     assert f"skipping {ckpt / 'iter_0000006'}: {progress}: not valid JSON (" in out
-    assert f"skipping {ckpt / 'iter_0000004'}: rank 1: CheckpointException" in out and "EOFError" in out
+    assert f"skipping {ckpt / 'iter_0000004'}: rank 1: {shard} is truncated (" in out and "(EOFError)" in out
+    assert "dict_keys" not in out and "Traceback" not in out  # issue 43: the file and the job's rank, one line
     assert f"resumed from {ckpt} at iteration 2" in out
     assert (f"LR schedule: the checkpoint's (lr {LR:.4g} -> min {MIN_LR:.4g}, cosine, warmup {WARMUP_ITERS} / "
             f"decay {ITERATIONS} iterations); not used from this command line: --lr, --min-lr") in out
@@ -216,8 +217,11 @@ def _record(**changes):
     from agoq.config import AgoqConfig
     from agoq.megatron.resume import run_record
 
-    shape = SimpleNamespace(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                            ffn_hidden_size=192, vocab_size=32768, seq_length=128)  # fmt: skip
+    model = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=192,
+                 vocab_size=32768, seq_length=128, rotary_base=10000, norm_epsilon=1e-5, rope_scaling=False,
+                 rope_scaling_factor=8.0, share_embeddings_and_output_weights=False, unpadded_vocab_size=32000)
+    model.update({k: changes.pop(k) for k in list(changes) if k in model})
+    shape = SimpleNamespace(**model)
     layout = dict(tensor_parallel=1, pipeline_parallel=2, virtual_pipeline=None, distributed_optimizer=False)
     layout.update({k: changes.pop(k) for k in list(changes) if k in layout})
     flags = {"agoq_optimizer": "adamw", "agoq_moments": "flash", **changes}
@@ -249,6 +253,25 @@ def test_resume_record_allows_what_the_checkpoint_serves_and_names_what_it_does_
     with pytest.raises(ResumeMismatch, match="--agoq-optimizer: saved 'adamw', requested 'torch'") as err:
         check_contract("ck", saved, _record(agoq_optimizer="torch"))
     assert "--agoq-moments" not in str(err.value)  # follows from the optimizer kind
+
+
+def test_the_whole_model_shape_is_recorded_and_checked():
+    """Issue 42: RoPE base / scaling, norm epsilon and tying are recorded; tying stops a load (other tensors), the
+    others are allowed and reported; records saved before these fields (None) are not compared."""
+    from agoq.megatron.resume import RECORD_KEY, ResumeMismatch, check_contract
+
+    saved = {RECORD_KEY: _record()}
+    assert saved[RECORD_KEY]["model"]["rotary_base"] == 10000
+    assert check_contract("ck", saved, _record(rotary_base=500000, rope_scaling=True)) == [
+        f"ck: {flag} changed since the checkpoint (saved {old}, now {new}); allowed, the checkpoint's tensors do not "
+        "depend on it" for flag, old, new in (("--rotary-base", 10000, 500000), ("--use-rope-scaling", False, True))]
+    assert check_contract("ck", saved, _record(rope_scaling_factor=32.0, unpadded_vocab_size=32001)) == []
+    with pytest.raises(ResumeMismatch, match=r"tied embeddings \(--tie-embeddings-and-output-weights\): saved False, "
+                                             r"requested True[\s\S]*Fix: resume with --untie-embeddings-and-output"):
+        check_contract("ck", saved, _record(share_embeddings_and_output_weights=True))
+    older = _record()
+    older["model"] = {k: v for k, v in older["model"].items() if k not in ("rotary_base", "rope_scaling")}
+    assert check_contract("ck", {RECORD_KEY: older}, _record(rotary_base=500000, rope_scaling=True)) == []
 
 
 def test_flat_contract_of_older_and_converted_checkpoints_is_checked_by_its_keys():

@@ -48,13 +48,13 @@ def test_apply_rope_matches_megatron_unfused_bits(mcore_world1, dtype, s, b, n, 
         assert ours.shape == theirs.shape and torch.equal(_bits(ours.contiguous()), _bits(theirs.contiguous()))
 
 
-def _model(rope_fusion: bool, dtype, policy, device, reference=None):
+def _model(rope_fusion: bool, dtype, policy, device, reference=None, shape=None):
     from megatron.core.transformer.module import Float16Module
 
     from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
     from agoq.policy import ScheduleInfo
 
-    shape = tiny_shape()
+    shape = shape or tiny_shape()
     config = llama_transformer_config(shape, ParallelLayout(), params_dtype=dtype, use_cpu_initialization=True,
                                       rope_fusion=rope_fusion)
     assert config.apply_rope_fusion is rope_fusion
@@ -71,8 +71,8 @@ def _model(rope_fusion: bool, dtype, policy, device, reference=None):
     return model
 
 
-def _loss_and_grads(model, device):
-    shape = tiny_shape()
+def _loss_and_grads(model, device, shape=None):
+    shape = shape or tiny_shape()
     gen = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, shape.vocab_size, (2, shape.seq_length + 1), generator=gen).to(device)
     pos = torch.arange(shape.seq_length, device=device).expand(2, -1)
@@ -244,3 +244,101 @@ def test_qkv_split_stays_megatrons_where_a_rank_holds_part_of_a_query_group():
     assert qkv_rope_fusable(True, few, ParallelLayout(tp=1))
     assert not qkv_rope_fusable(True, few, ParallelLayout(tp=2))
     assert qkv_rope_fusable(True, dataclasses.replace(few, num_query_groups=2), ParallelLayout(tp=2))
+
+
+# --------------------------------------------------------------------------- LLaMA-3 scaled RoPE ----
+# Scaling changes the inverse frequencies only (agoq.ref.rope.ref_llama3_inv_freq); Megatron's RotaryEmbedding
+# (rope_scaling=True) computes them and hands its frequency tensor to the fused slot like any other.
+
+@pytest.mark.parametrize(("dim", "base", "factor"), [(16, 500000, 32.0), (128, 500000, 8.0), (64, 10000, 8.0)])
+def test_llama3_scaled_frequencies_equal_megatrons_and_transformers_bits(dim, base, factor):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from agoq.ref.rope import LLAMA3_ROPE_FIXED, ref_inv_freq, ref_llama3_inv_freq
+
+    plain = ref_inv_freq(dim, base)
+    ours = ref_llama3_inv_freq(plain, factor, **LLAMA3_ROPE_FIXED)
+    megatron = RotaryEmbedding(kv_channels=dim, rotary_percent=1.0, rotary_base=base, rope_scaling=True,
+                               rope_scaling_factor=factor, use_cpu_initialization=True)
+    assert torch.equal(plain, RotaryEmbedding(kv_channels=dim, rotary_percent=1.0, rotary_base=base,
+                                              use_cpu_initialization=True).inv_freq)
+    assert torch.equal(_bits(ours), _bits(megatron.inv_freq))
+    # every band is exercised: kept (short wavelengths), divided by the factor (long), blended (between)
+    wavelength = 2 * torch.pi / plain
+    kept, divided = wavelength < 8192 / 4, wavelength > 8192
+    assert kept.any() and divided.any() and (~kept & ~divided).any()
+    assert torch.equal(ours[kept], plain[kept]) and torch.equal(ours[divided], plain[divided] / factor)
+    blended = ours[~kept & ~divided]
+    assert ((blended < plain[~kept & ~divided]) & (blended > plain[~kept & ~divided] / factor)).all()
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.LlamaConfig(hidden_size=4 * dim, num_attention_heads=4, max_position_embeddings=131072,
+                                      rope_theta=float(base),
+                                      rope_scaling={"rope_type": "llama3", "factor": factor, **LLAMA3_ROPE_FIXED})
+    assert torch.equal(_bits(ours), _bits(ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")[0]))
+
+
+def test_scaled_rope_reaches_the_fused_slot_and_trains_as_unfused(mcore_world1, monkeypatch):
+    """A GPTModel of a scaled-RoPE LlamaShape (--use-rope-scaling, factor 32, base 500000, head dim 16): its
+    RotaryEmbedding holds the scaled frequencies, the fused QKV slot (agoq's op) receives exactly those, and loss
+    and every gradient equal the unfused model's, bit for bit; tying shares one weight."""
+    from agoq.megatron import install
+    from agoq.ops.rope import apply_qkv_rope
+    from agoq.ref.rope import LLAMA3_ROPE_FIXED, ref_inv_freq, ref_llama3_inv_freq
+
+    shape = tiny_shape(rotary_base=500000, rope_scaling=True, rope_scaling_factor=32.0,
+                       share_embeddings_and_output_weights=True)
+    scaled = ref_llama3_inv_freq(ref_inv_freq(16, 500000), 32.0, **LLAMA3_ROPE_FIXED)
+    seen = []
+    monkeypatch.setattr("agoq.megatron.rope.apply_qkv_rope",
+                        lambda mixed, fq, fk, split: seen.append(fq) or apply_qkv_rope(mixed, fq, fk, split))
+    try:
+        plain = _model(False, torch.float32, None, mcore_world1, shape=shape)
+        fused = _model(True, torch.float32, None, mcore_world1, reference=plain, shape=shape)
+        assert torch.equal(plain.rotary_pos_emb.inv_freq, scaled) and torch.equal(fused.rotary_pos_emb.inv_freq, scaled)
+        assert plain.output_layer.weight is None and "output_layer.weight" not in plain.state_dict()
+        assert sum(p.numel() for p in plain.parameters()) == shape.num_parameters()
+        loss_p, grads_p = _loss_and_grads(plain, mcore_world1, shape)
+        loss_f, grads_f = _loss_and_grads(fused, mcore_world1, shape)
+    finally:
+        install.undo_runtime_changes()
+    assert len(seen) == shape.num_layers
+    positions = torch.arange(shape.seq_length, dtype=torch.float32)
+    want = torch.outer(positions, scaled)
+    assert torch.equal(seen[0].reshape(shape.seq_length, -1), torch.cat([want, want], dim=-1))
+    assert torch.equal(loss_f, loss_p) and grads_f.keys() == grads_p.keys()
+    assert all(torch.equal(grads_f[k], g) for k, g in grads_p.items())
+
+
+def test_rope_scaling_bands_are_checked_against_megatrons(monkeypatch):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from agoq.megatron.model import check_rope_scaling_bands
+
+    check_rope_scaling_bands()  # megatron-core 0.19.2: low 1, high 4, original 8192
+
+    def other(self, freqs, factor=8, low_freq_factor=1, high_freq_factor=2, original_max_position_embeddings=8192):
+        return freqs
+
+    monkeypatch.setattr(RotaryEmbedding, "_apply_scaling", other)
+    with pytest.raises(RuntimeError, match="'high_freq_factor': 2.*agoq expects.*'high_freq_factor': 4.0"):
+        check_rope_scaling_bands()
+
+
+def test_megatron_lm_door_passes_the_rope_scaling_factor(mcore_world1):
+    """The model provider of the Megatron-LM door (--use-rope-scaling --rope-scaling-factor 32): the factor reaches
+    RotaryEmbedding (it used to be dropped: Megatron's default 8 always)."""
+    from agoq.config import AgoqConfig
+    from agoq.megatron.megatron_lm import GPTModelOptions, build_gpt_model
+    from agoq.megatron.model import ParallelLayout, llama_transformer_config
+    from agoq.ref.rope import LLAMA3_ROPE_FIXED, ref_inv_freq, ref_llama3_inv_freq
+
+    shape = tiny_shape(rotary_base=500000)
+    config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.float32, use_cpu_initialization=True)
+    options = GPTModelOptions(vocab_size=shape.vocab_size, max_sequence_length=shape.seq_length, rotary_base=500000,
+                              rope_scaling=True, rope_scaling_factor=32.0)
+    model = build_gpt_model(AgoqConfig(enabled=False, device="cpu"), options, config, pre_process=True,
+                            post_process=True)
+    want = ref_llama3_inv_freq(ref_inv_freq(16, 500000), 32.0, **LLAMA3_ROPE_FIXED)
+    assert torch.equal(model.rotary_pos_emb.inv_freq, want)

@@ -128,9 +128,9 @@ def test_parsing_imports_neither_torch_nor_megatron():
 
 
 def test_light_copies_of_choices_agree_with_their_sources():
+    from agoq.cli import optim_args
     from agoq.megatron import ddp
     from agoq.megatron.train import args as margs
-    from agoq.megatron.train import optim_args
     from agoq.optim.base import MASTER_CHOICES
 
     assert optim_args.MASTER_CHOICES == MASTER_CHOICES and margs.GRAD_MODES == ddp.GRAD_MODES
@@ -150,8 +150,8 @@ def test_quiet_ranks_exit_after_the_printing_rank(monkeypatch, capsys):
     rank's error line is out first (both for parser errors and for preflight's)."""
     import time
 
+    from agoq.cli import flags
     from agoq.megatron.train import args as margs
-    from agoq.megatron.train import flags
 
     monkeypatch.setattr(flags, "QUIET_EXIT_DELAY_S", 0.2)
     monkeypatch.setenv("LOCAL_RANK", "1")

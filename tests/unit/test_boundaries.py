@@ -28,6 +28,9 @@ FORBIDDEN = {
     "agoq.data": ("megatron",),
     "agoq.testing": ("megatron",),
     "agoq.config": ("torch", "megatron"),
+    # the trainer's flags and config-file loader, shared with python -m agoq.plan: argparse and yaml only
+    "agoq.cli": ("torch", "megatron"),
+    "agoq.plan": ("torch", "megatron"),
     # the converter's package: megatron only through agoq.megatron.hf_checkpoint, imported when a command runs
     "agoq.convert": ("megatron", "transformers", "safetensors", "tokenizers"),
 }
@@ -53,10 +56,10 @@ TRAINER_DIR = ("megatron", "train")  # agoq/megatron/train, relative to agoq/
 PLUGIN_FORBIDDEN_MODULES = ("argparse", "agoq.megatron.train")
 PLUGIN_FORBIDDEN_NAMES = ("get_forward_backward_func", "OptimizerParamScheduler", "ArgumentParser")
 # Modules outside agoq/megatron/train that may import it: command-line tools above the trainer (python -m agoq.convert
-# filters the trainer's known start-up warnings; python -m agoq.plan reads --model, a trainer config file, with the
-# trainer's own torch-free loader, agoq.megatron.train.config_file.load_config_file; python -m agoq.megatron_lm runs a
-# Megatron-LM script through agoq's door, agoq.megatron.train.megatron_lm_door).
-TRAINER_IMPORTERS = ("agoq/convert/__main__.py", "agoq/plan/__main__.py", "agoq/megatron_lm.py")
+# filters the trainer's known start-up warnings; python -m agoq.megatron_lm runs a Megatron-LM script through agoq's
+# door, agoq.megatron.train.megatron_lm_door). python -m agoq.plan takes the trainer's flags and --config files from
+# agoq.cli, below the trainer, and must not reach up into it.
+TRAINER_IMPORTERS = ("agoq/convert/__main__.py", "agoq/megatron_lm.py")
 # Plugin files that still hold command-line code, each with its reason and way out (a stale entry fails).
 PLUGIN_EXCEPTIONS: dict[str, str] = {}
 

@@ -16,15 +16,19 @@ from agoq.plan.memory import GIB
 from agoq.plan.request import PlanRequest
 from agoq.testing.procs import REPO_ROOT
 
-EVERY_PLAN_FLAG = ["--model", "m.yaml", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                   "--num-query-groups", "2", "--ffn-hidden-size", "128", "--vocab-size", "1000", "--tp", "1",
-                   "--pp", "2", "--dp", "3", "--mbs", "1", "--gbs", "6", "--seq", "128", "--vpp", "1",
-                   "--distributed-optimizer", "--agoq-optimizer", "adamw", "--agoq-moments", "fp8",
+EVERY_PLAN_FLAG = ["--config", "m.yaml", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                   "--num-query-groups", "2", "--ffn-hidden-size", "128", "--vocab-size", "1000",
+                   "--tensor-model-parallel-size", "1",
+                   "--pipeline-model-parallel-size", "2", "--dp", "3", "--micro-batch-size", "1",
+                   "--global-batch-size", "6", "--seq-length", "128", "--num-layers-per-virtual-pipeline-stage", "1",
+                   "--use-distributed-optimizer", "--agoq-optimizer", "adamw", "--agoq-moments", "fp8",
                    "--agoq-master", "split24", "--agoq-grads", "int8_b256", "--grad-reduce-in-bf16",
                    "--agoq-gradient-release", "--recompute-granularity", "selective", "--agoq-fp8", "current",
                    "--agoq-smooth-swiglu", "per-token", "--agoq-fp8-bf16-first-layers", "1",
                    "--agoq-fp8-bf16-last-layers", "1", "--memory-budget", "80GiB", "--policies", "a.yaml", "b.yaml",
-                   "--out", "o.yaml", "--capacity", "--max-gpus", "4", "--max-mbs", "2"]
+                   "--out", "o.yaml", "--capacity", "--max-gpus", "4", "--max-mbs", "2",
+                   "--tokenizer-model", "t.model", "--make-vocab-size-divisible-by", "64",
+                   "--lr", "1e-4", "--data-path", "a", "b"]  # the trainer's flags that change no memory: passed on
 
 
 def test_plan_request_carries_every_flag_typed():
@@ -32,6 +36,9 @@ def test_plan_request_carries_every_flag_typed():
     assert isinstance(request, PlanRequest)
     assert request.policies == ("a.yaml", "b.yaml") and request.memory_budget_bytes == 80 * GIB
     assert (request.dp, request.agoq_fp8, request.grad_reduce_in_bf16, request.max_gpus) == (3, "current", True, 4)
+    assert (request.tensor_model_parallel_size, request.num_layers_per_virtual_pipeline_stage) == (1, 1)
+    assert (request.config, request.tokenizer_model, request.make_vocab_size_divisible_by) == ("m.yaml", "t.model", 64)
+    assert request.trainer == (("lr", 1e-4), ("data_path", ("a", "b")))  # typed by the trainer's own flags
     defaults = plan.parse(["--memory-budget", "1e9"])
     assert defaults == PlanRequest(memory_budget="1e9") and defaults.memory_budget_bytes == 10**9
 
@@ -39,7 +46,7 @@ def test_plan_request_carries_every_flag_typed():
 def test_plan_request_is_frozen():
     request = plan.parse(["--memory-budget", "80GiB"])
     with pytest.raises(dataclasses.FrozenInstanceError):
-        request.tp = 2
+        request.dp = 2
 
 
 @pytest.mark.parametrize("field, value, named", [

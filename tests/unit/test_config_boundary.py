@@ -29,6 +29,9 @@ TRAINER_PACKAGE = "agoq/megatron/train/"
 # The tools' entry points: they parse command lines (a Namespace) and build the config.
 ENTRY_POINTS = {
     "agoq/plan/__main__.py": "python -m agoq.plan: the planner's command line",
+    "agoq/cli/flags.py": "the trainer's flags (agoq.cli): policy_path of the parsed flags",
+    "agoq/cli/optim_args.py": "the trainer's flags (agoq.cli): checks of the parsed optimizer flags",
+    "agoq/cli/graph_args.py": "the trainer's flags (agoq.cli): checks of the parsed CUDA-graph flags",
     "agoq/testing/xcompile.py": "python -m agoq.testing.xcompile: a tool's command line",
     "agoq/convert/__main__.py": "python -m agoq.convert: a tool's command line",
 }
@@ -132,10 +135,10 @@ def test_config_round_trips_through_checkpoint_json():
 def test_one_builder_one_set_of_defaults():
     """The trainer's parse_args, the planner and the memory report build with AgoqConfig.from_flags."""
     from agoq.megatron.train.args import parse_args
-    from agoq.plan.__main__ import config_of, parse
+    from agoq.plan.__main__ import config_of
 
     trainer = parse_args([]).agoq_config
-    planner = config_of(parse(["--memory-budget", "80GiB"]), {})
+    planner = config_of({})
     assert trainer.optimizer == planner.optimizer == OptimizerOptions()
     assert trainer.optimizer.moments == DEFAULT_MOMENTS == "flash"
     assert trainer.grads == planner.grads == GradsConfig()

@@ -78,11 +78,24 @@ def test_round_trip_is_exact_and_pads_with_zero_rows():
     assert sorted(back) == sorted(hf) and all(torch.equal(back[k], v) for k, v in hf.items())
 
 
-def test_tied_embeddings_become_an_untied_copy():
-    hf = _hf_state(DIMS, tied=True)
-    mg = llama.hf_to_megatron(hf, DIMS, padded_vocab=10)
-    assert torch.equal(mg["output_layer.weight"], hf["model.embed_tokens.weight"])
-    assert torch.equal(llama.megatron_to_hf(mg, DIMS)["lm_head.weight"], hf["model.embed_tokens.weight"])
+def test_tied_embeddings_stay_one_table():
+    """tie_word_embeddings: Megatron's shared weight, no output_layer.weight (it used to be copied: the model grew by
+    vocab x hidden and the two drifted apart in training); the export has no lm_head, as transformers saves it."""
+    tied = llama.LlamaDims(**{**DIMS.as_dict(), "tie_word_embeddings": True})
+    hf = _hf_state(tied, tied=True)
+    mg = llama.hf_to_megatron(hf, tied, padded_vocab=16)
+    assert "output_layer.weight" not in mg
+    assert sum(t.numel() for t in mg.values()) == sum(t.numel() for t in hf.values()) + 6 * 16  # the 6 padded rows
+    back = llama.megatron_to_hf(mg, tied)
+    assert sorted(back) == sorted(hf) and all(torch.equal(back[k], v) for k, v in hf.items())
+    # a tied config whose files still hold lm_head: accepted when it is the embedding, refused when it differs
+    llama.hf_to_megatron({**hf, "lm_head.weight": hf["model.embed_tokens.weight"].clone()}, tied, 16)
+    with pytest.raises(ValueError, match="tie_word_embeddings is true, but the checkpoint's lm_head.weight differs"):
+        llama.hf_to_megatron({**hf, "lm_head.weight": torch.zeros(10, 16)}, tied, 16)
+    with pytest.raises(KeyError, match="lacks lm_head.weight .config.json: tie_word_embeddings is false"):
+        llama.hf_to_megatron(hf, DIMS, 16)  # untied config, no lm_head in the files
+    with pytest.raises(ValueError, match="output_layer.weight of its own"):
+        llama.megatron_to_hf({**mg, "output_layer.weight": mg["embedding.word_embeddings.weight"]}, tied)
 
 
 def test_unknown_and_missing_tensors_are_errors():
@@ -111,12 +124,53 @@ def test_config_mapping_and_yaml():
     assert llama.hf_config(dims, torch.bfloat16)["rope_theta"] == 500000.0
 
 
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+
+def test_llama3_rope_scaling_tying_and_eos_lists_map():
+    """LLaMA-3.1-style config.json (transformers 4: rope_scaling; 5: rope_parameters) -> factor, tying, eos list; and
+    back to config.json and the model YAML (Megatron-LM's flag names)."""
+    eos = [128001, 128008, 128009]
+    v4 = {**HF_CONFIG, "rope_scaling": LLAMA31_ROPE, "tie_word_embeddings": True, "eos_token_id": eos,
+          "bos_token_id": 128000}
+    dims = llama.dims_from_hf_config(v4)
+    assert (dims.rope_scaling_factor, dims.tie_word_embeddings, dims.eos_token_id) == (8.0, True, eos)
+    v5 = {**v4, "rope_parameters": {**LLAMA31_ROPE, "factor": 32.0, "rope_theta": 500000.0}}
+    del v5["rope_scaling"], v5["rope_theta"]
+    assert llama.dims_from_hf_config(v5).rope_scaling_factor == 32.0
+    config = llama.hf_config(dims, torch.float32)
+    assert config["rope_scaling"] == LLAMA31_ROPE and config["tie_word_embeddings"] is True
+    assert config["eos_token_id"] == [128001, 128008, 128009]
+    assert llama.dims_from_hf_config(config) == dims  # config.json -> dims -> config.json: nothing lost
+    values = yaml.safe_load(llama.config_yaml(dims, divisible_by=128, source="x", tp=1, padded_vocab=128))
+    assert (values["use_rope_scaling"], values["rope_scaling_factor"]) == (True, 8.0)
+    assert values["untie_embeddings_and_output_weights"] is False
+    plain = llama.dims_from_hf_config({**HF_CONFIG, "rope_scaling": {"rope_type": "default"}})
+    assert plain.rope_scaling_factor is None and llama.hf_config(plain, torch.float32)["rope_scaling"] is None
+    assert "use_rope_scaling" not in llama.config_yaml(plain, divisible_by=128, source="x", tp=1, padded_vocab=128)
+
+
+def test_mistral_without_sliding_window_converts_as_llama():
+    mistral = {**HF_CONFIG, "model_type": "mistral", "sliding_window": None}
+    assert llama.dims_from_hf_config(mistral) == llama.dims_from_hf_config(HF_CONFIG)
+    assert llama.dims_from_hf_config({k: v for k, v in mistral.items() if k != "sliding_window"}).num_layers == 2
+
+
 @pytest.mark.parametrize("change, message", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE type 'llama3'"),
+    ({"rope_scaling": {**LLAMA31_ROPE, "low_freq_factor": 2.0}},
+     r"rope_scaling .rope_type 'llama3'. has low_freq_factor 2.0; megatron-core's LLaMA-3 RoPE scaling "
+     r"\(--use-rope-scaling\) fixes low_freq_factor 1.0, high_freq_factor 4.0, original_max_position_embeddings 8192"),
+    ({"rope_scaling": {**LLAMA31_ROPE, "original_max_position_embeddings": 4096, "high_freq_factor": 8.0}},
+     "has high_freq_factor 8.0, original_max_position_embeddings 4096"),
+    ({"rope_scaling": {"rope_type": "llama3"}}, "has no 'factor'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters.rope_type 'linear'"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"head_dim": 8}, "head_dim"),
-    ({"model_type": "mistral"}, "only 'llama'"),
+    ({"model_type": "qwen2"}, "model_type 'qwen2'; 'llama' .LlamaForCausalLM. and 'mistral' without a sliding window"),
+    ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window = 4096 .model_type 'mistral'"),
 ])
 def test_unsupported_configs_are_refused(change, message):
     with pytest.raises(ValueError, match=message):

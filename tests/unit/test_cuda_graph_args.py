@@ -1,4 +1,4 @@
-"""Megatron-LM's CUDA-graph flags in scripts/pretrain_llama.py (agoq.megatron.train.graph_args; issue 24 item 1):
+"""Megatron-LM's CUDA-graph flags in scripts/pretrain_llama.py (agoq.cli.graph_args; issue 24 item 1):
 Megatron-LM's names and deprecations, and a refusal naming the reason and the fix for everything the trainer
 cannot run with graphs, before torch loads."""
 
@@ -8,8 +8,8 @@ import typing
 
 import pytest
 
+from agoq.cli.graph_args import CUDA_GRAPH_IMPLS
 from agoq.megatron.train.args import parse_args
-from agoq.megatron.train.graph_args import CUDA_GRAPH_IMPLS
 
 
 def _error(capsys, argv) -> str:

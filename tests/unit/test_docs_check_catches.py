@@ -41,7 +41,7 @@ def test_the_check_fails_on_a_wrong_doc(snippet, expected, stand_in):
 
 def test_inline_commands_name_existing_flags(stand_in):
     text = ("Run `python scripts/prepare_data.py --input ... --output-prefix ...` or\n"
-            "`python -m agoq.plan --model configs/model/x.yaml --no-such-plan-flag 3`, then\n"
+            "`python -m agoq.plan --config configs/model/x.yaml --no-such-plan-flag 3`, then\n"
             "`python scripts/pretrain_llama.py --agoq-typo`.\n")
     problems = [p for cmd in inline_commands(REPO_ROOT / "docs" / "example.md", text)
                 for p in check_inline(cmd, stand_in)]
@@ -58,7 +58,7 @@ def test_inline_commands_name_existing_flags(stand_in):
     ("benchmarks/bench_pretrain.py --only 1b/mbs4/fp8", "--only '1b/mbs4/fp8' matches no variant of suite 'attention'"),
     ("python benchmarks/bench_fp8.py --profile --out docs/benchmarks/fp8.json", "results are written to benchmarks"),
     ("python benchmarks/bench_fp8.py --profile --out benchmarks/no_such_dir/fp8.json", "folder benchmarks/no_such_dir"),
-    ("python -m agoq.plan --model configs/model/llama-1b.yaml --policies bf16 --out c.yaml", None),
+    ("python -m agoq.plan --config configs/model/llama-1b.yaml --policies bf16 --out c.yaml", None),
     ("python -m agoq.no_such_module --x 1", "no module agoq.no_such_module"),
     ("torchrun --nproc-per-node 1 scripts/pretrain_llama.py --agoq-fp8 delayd", "--agoq-fp8 'delayd' is not one"),
     ("python3 -m pip install -e .", None),

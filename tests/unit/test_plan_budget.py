@@ -30,6 +30,6 @@ def test_a_memory_budget_that_is_no_size_names_the_flag(text, expected):
 def test_a_bad_memory_budget_is_one_error_line_not_a_traceback(capsys, capacity):
     from agoq.plan import __main__ as plan
 
-    argv = [*capacity, "--model", "configs/model/tiny.yaml", "--memory-budget", "80"]
+    argv = [*capacity, "--config", "configs/model/tiny.yaml", "--memory-budget", "80"]
     assert plan.main(argv) == 2
     assert "agoq.plan: error: --memory-budget '80' is 80 bytes; give a unit" in capsys.readouterr().err

@@ -97,7 +97,8 @@ def test_cli_table_and_json(tmp_path, capsys):
     out = tmp_path / "cap.json"
     argv = ["--capacity", "--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
             "--num-query-groups", "8", "--ffn-hidden-size", "14336", "--vocab-size", str(LLAMA3_VOCAB),
-            "--seq", str(SEQ), "--gbs", str(GBS), "--memory-budget", "80GiB", "--max-gpus", "4", "--out", str(out)]
+            "--seq-length", str(SEQ), "--global-batch-size", str(GBS), "--memory-budget", "80GiB", "--max-gpus", "4",
+            "--out", str(out)]
     assert plan.main(argv) == 0
     table = capsys.readouterr().out
     report = json.loads(out.read_text())
@@ -110,7 +111,7 @@ def test_cli_table_and_json(tmp_path, capsys):
 
 def test_cli_refuses_the_flags_capacity_mode_searches(capsys):
     model = str(plan.POLICY_DIR.parent / "model" / "llama3-8b.yaml")
-    assert plan.main(["--capacity", "--model", model, "--memory-budget", "80GiB",
+    assert plan.main(["--capacity", "--config", model, "--memory-budget", "80GiB",
                       "--agoq-optimizer", "adamw", "--recompute-granularity", "full"]) == 2
     err = capsys.readouterr().err
     assert "--agoq-optimizer" in err and "--recompute-granularity" in err and "drop them" in err

@@ -47,21 +47,22 @@ def _stages(out: str) -> list[str]:
 
 
 def test_planner_honours_the_model_files_layout(model_file, capsys):
-    argv = ["--model", str(model_file), "--dp", "2", "--memory-budget", "1000GiB", "--policies",
+    argv = ["--config", str(model_file), "--dp", "2", "--memory-budget", "1000GiB", "--policies",
             str(plan.POLICY_DIR / "bf16.yaml")]
     assert plan.main(argv) == 0
     out = capsys.readouterr().out
     assert _stages(out) == ["0", "1"]  # pipeline_model_parallel_size 2
     assert "agoq's optimizer, distributed over 2 ranks" in out  # use_distributed_optimizer, agoq_optimizer
 
-    args = plan.parse(argv)
     cfg = plan.read_model_file(str(model_file))
-    config = plan.config_of(args, cfg)
-    layout = plan.layout_of(args, cfg, config)
+    values = plan.values_of(plan.parse(argv), cfg)
+    config = plan.config_of(values)
+    layout = plan.layout_of(values, config)
     assert layout == Layout(tp=2, pp=2, vpp=2, dp=2, mbs=2, gbs=16, seq=512, distributed_optimizer=True)
     assert config.optimizer.kind == "adamw"
     # vocabulary: the tokenizer's 4000 padded to a multiple of 128 x TP 2, as the trainer pads it
-    assert plan._vocab_size(cfg, layout.tp) == 4096
+    assert plan.raw_vocab(values) == 4000
+    assert plan.capacity.padded_vocab(4000, layout.tp, plan.divisible_by(values)) == 4096
     expected = predict_peaks(ModelShape(8, 256, 4, 2, 704, 4096), layout, load_policy(plan.POLICY_DIR / "bf16.yaml"),
                              recipe_of(config))
     peaks = [line.split("peak")[1].split()[0] for line in out.splitlines() if " stage " in line]
@@ -69,8 +70,9 @@ def test_planner_honours_the_model_files_layout(model_file, capsys):
 
 
 def test_flags_override_the_model_file(model_file, capsys):
-    argv = ["--model", str(model_file), "--pp", "4", "--tp", "1", "--vpp", "2", "--agoq-optimizer", "torch",
-            "--memory-budget", "1000GiB", "--policies", str(plan.POLICY_DIR / "bf16.yaml")]
+    argv = ["--config", str(model_file), "--pipeline-model-parallel-size", "4", "--tensor-model-parallel-size", "1",
+            "--num-layers-per-virtual-pipeline-stage", "1", "--agoq-optimizer", "torch", "--memory-budget", "1000GiB",
+            "--policies", str(plan.POLICY_DIR / "bf16.yaml")]
     assert plan.main(argv) == 0
     out = capsys.readouterr().out
     assert _stages(out) == ["0", "1", "2", "3"] and "Megatron's Adam, distributed over 1 rank)" in out
@@ -79,23 +81,23 @@ def test_flags_override_the_model_file(model_file, capsys):
 def test_model_file_values_are_validated_as_the_trainers(tmp_path, capsys):
     path = tmp_path / "m.yaml"
     path.write_text(MODEL.replace("tokenizer_model: fake.model\n", "") + "agoq_grads: uint8_b256\n")
-    assert plan.main(["--model", str(path), "--memory-budget", "80GiB"]) == 2
+    assert plan.main(["--config", str(path), "--memory-budget", "80GiB"]) == 2
     assert "--agoq-grads uint8_b256" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text, expected", [
-    (None, "--model {path}: file not found"),  # was a FileNotFoundError traceback
+    (None, "--config {path}: file not found"),  # was a FileNotFoundError traceback
     (MODEL.replace("num_layers:", "num_layer:"),  # was skipped: "give --num-layers ... (or a --model YAML)"
-     "--model {path}: unknown key 'num_layer' (did you mean 'num_layers'?)"),
+     "--config {path}: unknown key 'num_layer' (did you mean 'num_layers'?)"),
     (MODEL.replace("num_layers: 8", "num_layers: eight"),  # was read as a string
-     "--model {path}: num_layers (--num-layers) takes an integer; got 'eight'"),
+     "--config {path}: num_layers (--num-layers) takes an integer; got 'eight'"),
 ])  # fmt: skip
 @pytest.mark.parametrize("capacity", [[], ["--capacity"]])
 def test_model_file_is_read_by_the_trainers_loader(tmp_path, capsys, text, expected, capacity):
     path = tmp_path / "m.yaml"
     if text is not None:
         path.write_text(text)
-    assert plan.main([*capacity, "--model", str(path), "--memory-budget", "80GiB"]) == 2
+    assert plan.main([*capacity, "--config", str(path), "--memory-budget", "80GiB"]) == 2
     assert expected.format(path=path) in capsys.readouterr().err
 
 
@@ -111,9 +113,9 @@ def test_a_model_file_key_the_planner_does_not_model_is_refused(tmp_path, capsys
     """2026-11-27 review: each of these printed the same prediction as without the key."""
     path = tmp_path / "m.yaml"
     path.write_text(MODEL.replace("tokenizer_model: fake.model\n", "") + line)
-    assert plan.main([*capacity, "--model", str(path), "--memory-budget", "80GiB"]) == 2
+    assert plan.main([*capacity, "--config", str(path), "--memory-budget", "80GiB"]) == 2
     err = capsys.readouterr().err
-    assert f"--model {path}: " in err and expected in err, err
+    assert f"--config {path}: " in err and expected in err, err
 
 
 @pytest.mark.parametrize("flags, expected", [
@@ -125,7 +127,7 @@ def test_a_model_file_key_the_planner_does_not_model_is_refused(tmp_path, capsys
 ])  # fmt: skip
 def test_a_run_the_trainer_refuses_is_not_planned(model_file, capsys, flags, expected):
     """2026-11-27 review: each printed a plan for a run scripts/pretrain_llama.py refuses (or keeps otherwise)."""
-    assert plan.main(["--model", str(model_file), "--memory-budget", "80GiB", *flags]) == 2
+    assert plan.main(["--config", str(model_file), "--memory-budget", "80GiB", *flags]) == 2
     assert expected in capsys.readouterr().err
 
 
@@ -136,7 +138,7 @@ def test_a_candidates_own_grads_section_is_planned_as_the_trainer_runs_it(model_
     own = tmp_path / "own.yaml"
     own.write_text("version: 1\ndefault: {activations: bf16, grads: int8_b256}\nrules: []\n")
     bf16 = str(plan.POLICY_DIR / "bf16.yaml")
-    base = ["--model", str(model_file), "--memory-budget", "80GiB"]
+    base = ["--config", str(model_file), "--memory-budget", "80GiB"]
     assert plan.main([*base, "--policies", str(own)]) == 0
     planned = capsys.readouterr().out
     assert "own: its own sections apply to its rows (gradients int8_b256, FP8 off)" in planned
@@ -150,14 +152,15 @@ def test_a_candidates_own_grads_section_is_planned_as_the_trainer_runs_it(model_
     assert rows(capsys.readouterr().out) != rows(flagged)  # the float-gradient plan differs
 
 
-def test_model_file_may_give_the_planners_vocab_size(tmp_path):
+def test_model_file_may_give_the_vocab_size(tmp_path):
+    """vocab_size is the trainer's --vocab-size (Megatron-LM's), so the same file trains and plans."""
     path = tmp_path / "m.yaml"
     path.write_text(MODEL.replace("tokenizer_model: fake.model\n", "vocab_size: 32000\n"))
     assert plan.read_model_file(str(path))["vocab_size"] == 32000
 
 
 def test_a_missing_candidate_policy_is_one_error_line(model_file, capsys):
-    argv = ["--model", str(model_file), "--memory-budget", "80GiB", "--policies", str(model_file.parent / "no.yaml")]
+    argv = ["--config", str(model_file), "--memory-budget", "80GiB", "--policies", str(model_file.parent / "no.yaml")]
     assert plan.main(argv) == 2  # was a PolicyError traceback
     assert "no.yaml: cannot read policy file" in capsys.readouterr().err
 
@@ -167,10 +170,10 @@ def test_a_model_file_without_the_shape_names_the_file_and_the_missing_keys(tmp_
     """It said 'give --hidden-size, ... (or a --model YAML)', as if no file had been given."""
     path = tmp_path / "m.yaml"
     path.write_text("num_layers: 4\nhidden_size: 256\nseq_length: 512\n")
-    assert plan.main([*capacity, "--model", str(path), "--memory-budget", "80GiB", "--ffn-hidden-size", "704"]) == 2
+    assert plan.main([*capacity, "--config", str(path), "--memory-budget", "80GiB", "--ffn-hidden-size", "704"]) == 2
     err = capsys.readouterr().err
-    assert (f"--model {path} lacks the model shape's num_attention_heads, num_query_groups: add them to the file, "
-            "or give --num-attention-heads, --num-query-groups") in err, err
+    assert (f"--config {path} lacks the model shape's num_attention_heads: add them to the file, "
+            "or give --num-attention-heads") in err, err  # the query groups default to the heads, as in the trainer
     assert "(or a --model YAML)" not in err
     # without a file, the flags (or a file) are what to give, as before
     assert plan.main([*capacity, "--memory-budget", "80GiB"]) == 2

@@ -84,5 +84,6 @@ def test_preflight_and_the_planner_refuse_it(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"dead.yaml: rules\[0\] sets activations: bf16 for mlp.fc1_input"):
         preflight(parse_args(["--agoq-policy", str(path)]), world_size=1)
     model = Path(__file__).resolve().parents[2] / "configs" / "model" / "tiny.yaml"
-    assert plan_main(["--model", str(model), "--policies", str(path), "--memory-budget", "80GiB"]) != 0
+    assert plan_main(["--config", str(model), "--vocab-size", "4096", "--policies", str(path),
+                      "--memory-budget", "80GiB"]) != 0
     assert "dead.yaml: rules[0] sets activations: bf16 for mlp.fc1_input" in capsys.readouterr().err

@@ -8,12 +8,12 @@ A config file holds flag names in snake_case (``num_layers: 4``); an unknown key
 the file, the key and the allowed keys. Unknown or abbreviated flags are errors too
 (``allow_abbrev=False``), so a typo never silently falls back to a default.
 
-The command line's parts, by concern: the parser and its flags (:mod:`agoq.megatron.train.flags`, with
-``optim_args``, ``graph_args`` and ``flag_hints`` for unknown flags), config files
-(:mod:`agoq.megatron.train.config_file`), checks of the parsed values (:mod:`agoq.megatron.train.checks`) and the
-checks against the world size and data files (:mod:`agoq.megatron.train.preflight`). This module puts them
-together (:func:`parse_args`, :func:`build_config`, :func:`parse_and_check`) and re-exports the names the script,
-the trainer and the tests import from it.
+The command line's parts, by concern: the parser and its flags (:mod:`agoq.cli.flags`, with
+``optim_args``, ``graph_args`` and ``flag_hints`` for unknown flags; below the trainer, so python -m agoq.plan takes
+the same flags), config files (:mod:`agoq.cli.config_file`), checks of the parsed values
+(:mod:`agoq.megatron.train.checks`) and the checks against the world size and data files
+(:mod:`agoq.megatron.train.preflight`). This module puts them together (:func:`parse_args`, :func:`build_config`,
+:func:`parse_and_check`) and re-exports the names the script, the trainer and the tests import from it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+from agoq.cli.config_file import load_config_file
+from agoq.cli.flag_hints import MEGATRON_LM_ONLY
+from agoq.cli.flags import (
+    DEFAULT_POLICY,
+    add_compute_flags,
+    add_grad_flags,
+    build_parser,
+    exit_quietly_after_delay,
+    policy_path,
+)
+from agoq.cli.optim_args import DEFAULT_MASTER, DEFAULT_MOMENTS
 
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
@@ -35,17 +47,6 @@ from agoq.megatron.train.checks import (
     unused_file_settings,
     validate,
 )
-from agoq.megatron.train.config_file import load_config_file
-from agoq.megatron.train.flag_hints import MEGATRON_LM_ONLY
-from agoq.megatron.train.flags import (
-    DEFAULT_POLICY,
-    add_compute_flags,
-    add_grad_flags,
-    build_parser,
-    exit_quietly_after_delay,
-    policy_path,
-)
-from agoq.megatron.train.optim_args import DEFAULT_MASTER, DEFAULT_MOMENTS
 from agoq.megatron.train.preflight import check_layout, microbatch_count, preflight
 from agoq.policy import load_policy
 

@@ -9,14 +9,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from agoq.cli.flags import build_parser, policy_path
+from agoq.cli.graph_args import check_graph_flags
+from agoq.cli.optim_args import check_release_flags
+
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
 from agoq.config import float_grads_mismatch
 from agoq.data.indexed import split_weights
-from agoq.megatron.train.flags import build_parser, policy_path
-from agoq.megatron.train.graph_args import check_graph_flags
-from agoq.megatron.train.optim_args import check_release_flags
+from agoq.megatron.train.wandb_log import check_wandb_flags
 from agoq.policy import ScheduleInfo, check_rules_used, model_sites
 
 
@@ -24,6 +26,7 @@ def validate(args: argparse.Namespace) -> None:
     """Checks that need no process group; layout checks against the world size run at start-up. Then
     :func:`agoq.megatron.train.args.parse_args` builds the config (whose sections validate agoq's own values) and
     checks the policy's rules against this model (:func:`check_policy_rules`)."""
+    _check_finite(args)
     if args.eval_interval is not None and (args.eval_interval <= 0 or args.eval_iters <= 0):
         raise ValueError("--eval-interval and --eval-iters must be positive")
     positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
@@ -32,6 +35,9 @@ def validate(args: argparse.Namespace) -> None:
     for name in positive:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    check_wandb_flags(args)
+    if args.vocab_size is not None and args.vocab_size <= 0:
+        raise ValueError(f"--vocab-size must be positive, got {args.vocab_size}")
     if not 0.0 <= args.min_lr <= args.lr:  # Megatron's scheduler asserts max_lr >= min_lr deep in set-up
         raise ValueError(f"--lr {args.lr} must be at least --min-lr {args.min_lr} (default 3e-4) and --min-lr "
                          f"non-negative; pass --min-lr explicitly, e.g. --min-lr {args.lr / 10:g}")
@@ -109,6 +115,25 @@ def validate(args: argparse.Namespace) -> None:
     check_release_flags(args)  # the flags alone: preflight and pretrain check the batch against the real DP size
 
 
+def _check_finite(args: argparse.Namespace) -> None:
+    """Every float flag is a finite number: ``--lr nan`` failed the --min-lr check below, whose advice was
+    "--min-lr nan" (NaN compares false with everything)."""
+    import math
+
+    for action in build_parser()._actions:
+        if action.type is not float:
+            continue
+        values = getattr(args, action.dest, None)
+        for value in values if isinstance(values, list | tuple) else [values]:
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{action.option_strings[0]} {value}: must be a finite number (not nan or inf); "
+                                 f"leave it out for the default{_default_text(action)}")
+
+
+def _default_text(action: argparse.Action) -> str:
+    return f" ({action.default})" if action.default is not None else ""
+
+
 def _check_manual_gc_flags(args) -> None:
     """Megatron-LM's --manual-gc family: the interval is a step count; its companions do nothing without it."""
     if args.manual_gc_interval < 0:
@@ -152,6 +177,9 @@ def check_unused_flags(args: argparse.Namespace, given: set[str], command_line: 
         raise ValueError(f"--recompute-num-layers {args.recompute_num_layers} sets the layers per group of "
                          "--recompute-granularity full, which is not given (nothing is recomputed); add "
                          "--recompute-granularity full, or drop --recompute-num-layers")
+    if "rope_scaling_factor" in given and not args.use_rope_scaling:
+        raise ValueError(f"--rope-scaling-factor {args.rope_scaling_factor} scales RoPE only with --use-rope-scaling, "
+                         "which is not given (plain RoPE); add --use-rope-scaling, or drop --rope-scaling-factor")
     config = args.agoq_config
     if not config.grads.quantized:
         why = ("--agoq-disable" if args.agoq_disable else
@@ -184,6 +212,10 @@ def _companions(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
          "which are off; add --cuda-graph-impl local"),
         ("override_opt_param_scheduler", bool(args.load), "replaces the learning-rate schedule a checkpoint carries, "
          "and no --load DIR is given (a fresh run uses the command line's schedule anyway); add --load DIR"),
+        ("allow_fresh_start", bool(args.load), "lets a run start from scratch although --load holds checkpoints, "
+         "and no --load DIR is given (a run without --load starts from scratch anyway); add --load DIR"),
+        ("force_unlock", bool(args.save), "takes the lock of the --save folder, and no --save DIR is given; add "
+         "--save DIR"),
         ("agoq_unfused", args.agoq_optimizer != "torch", "runs agoq's optimizer step in plain PyTorch, but "
          "--agoq-optimizer is torch (Megatron's Adam); add --agoq-optimizer adamw (or lion / sgd)"),
         ("agoq_small_numel", args.agoq_optimizer != "torch", "tunes agoq's fused optimizer step, but "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from agoq.cli.flags import DEFAULT_POLICY, add_compute_flags
 from agoq.config import (
     DEFAULT_MASTER,
     DEFAULT_MOMENTS,
@@ -28,7 +29,6 @@ from agoq.config import (
     OPTIMIZERS,
     AgoqConfig,
 )
-from agoq.megatron.train.flags import DEFAULT_POLICY, add_compute_flags
 from agoq.policy import load_policy
 
 ATTENTION_CHOICES = ("sdpa", "megatron")
@@ -265,7 +265,7 @@ def gpt_model_options(args: argparse.Namespace):
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
+        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         tokens_per_microbatch=args.seq_length * args.micro_batch_size,
     )

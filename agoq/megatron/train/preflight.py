@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from agoq.cli.optim_args import check_release_flags
 from agoq.megatron.train.checks import check_policy_requests, data_blend
-from agoq.megatron.train.optim_args import check_release_flags
 
 
 def check_layout(args: argparse.Namespace, world_size: int) -> None:
@@ -61,9 +61,10 @@ def preflight(args: argparse.Namespace, world_size: int) -> None:
     blend = data_blend(args.data_path)
     if blend:
         from agoq.data.indexed import check_split, check_token_ids, check_tokenizer_record, read_index
-        from agoq.data.tokenizer import Tokenizer
+        from agoq.data.tokenizer import Tokenizer, model_vocab_size
 
         tokenizer = Tokenizer.load(args.tokenizer_model)
+        model_vocab_size(tokenizer.vocab_size, args.vocab_size, f"--tokenizer-model {args.tokenizer_model}")
         for prefix in (p if isinstance(p, str) else p[1] for p in blend):
             data = read_index(prefix)
             check_split(data, args.split)

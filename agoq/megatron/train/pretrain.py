@@ -28,6 +28,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from agoq.cli.optim_args import check_release_flags
 from agoq.config import AgoqConfig
 from agoq.megatron import checkpoint, grad_reader, runtime
 from agoq.megatron.activations import policy_of
@@ -36,14 +37,15 @@ from agoq.megatron.compute import fc2_input_amax
 from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
 from agoq.megatron.optimizer import build_agoq_optimizer
-from agoq.megatron.resume import RECORD_KEY, run_record, schedule_line
+from agoq.megatron.resume import RECORD_KEY, data_lines, run_record, schedule_line
 from agoq.megatron.train import environment, memory_report, training
 from agoq.megatron.train.checks import check_policy_requests
+from agoq.megatron.train.ckpt_startup import CheckpointGuard, predicted_checkpoint_bytes
 from agoq.megatron.train.flops import tflops_per_gpu, training_flops_per_iteration
 from agoq.megatron.train.manual_gc import ManualGC
-from agoq.megatron.train.optim_args import check_release_flags
 from agoq.megatron.train.preflight import check_layout, microbatch_count
 from agoq.megatron.train.tensorboard import open_tensorboard
+from agoq.megatron.train.wandb_log import Loggers, open_wandb
 from agoq.policy import ScheduleInfo
 
 log = logging.getLogger("agoq.pretrain")
@@ -219,11 +221,14 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
     progress = Progress()
     install(config)
     info = runtime.init_distributed(device, launch)
-    failed = True
+    failed, guard = True, None
     try:
-        _run(args, info, model_provider, datasets_provider, (policy_report, storage_report), (stop, progress))
+        guard = CheckpointGuard.start(args)  # --save folder and its lock, what --load means (docs/user-guide.md 8)
+        _run(args, info, model_provider, datasets_provider, (policy_report, storage_report), (stop, progress, guard))
         failed = False
     finally:
+        if guard is not None:
+            guard.release()
         runtime.shutdown(after_error=failed)  # no collective NCCL teardown on an exception (see shutdown)
         # slurm sends USR1 to the batch step and the launcher relays it: a second copy arriving during
         # interpreter shutdown would kill the process (exit -10) after the checkpoint was saved.
@@ -232,7 +237,7 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
 
 def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, reports, control) -> None:
     policy_report, storage_report = reports
-    stop, progress = control
+    stop, progress, guard = control
     layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, vpp=args.vpp)
     check_layout(args, info.world_size)  # the script checked it before torch loaded; callers of pretrain() may not
     check_release_flags(args, data_parallel=info.world_size // (layout.tp * layout.pp))
@@ -284,11 +289,14 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
                 ", one parameter at a time inside backward (gradient release: no gradient buffer)"
         print_rank0(f"optimizer: agoq {config.optimizer.kind} | moments {config.optimizer.moments} | master "
                     f"{config.optimizer.master} | step: {step}")
+    guard.check_space(predicted_checkpoint_bytes(config, shape, plan, fp32_params=args.fp32))
     record = run_record(config, shape=shape, tensor_parallel=layout.tp, pipeline_parallel=layout.pp,
-                        virtual_pipeline=layout.vpp, distributed_optimizer=args.use_distributed_optimizer)
-    if args.load:
-        progress(f"loading the latest checkpoint in {args.load}")
-    start_state = _resume(args, record, report, (model, optimizer, scheduler))
+                        virtual_pipeline=layout.vpp, distributed_optimizer=args.use_distributed_optimizer,
+                        data={"seed": args.seed, "split": args.split, "data_path": args.data_path,
+                              "global_batch_size": args.global_batch_size})
+    if guard.load.folder is not None:
+        progress(f"loading the checkpoint in {guard.load.folder}")
+    start_state = _resume(args, record, report, (model, optimizer, scheduler), guard)
     # Megatron's valid iterator continues across evaluations; on resume it restarts where it was.
     consumed_valid = (start_state.iteration // args.eval_interval * args.eval_iters * args.global_batch_size
                       if args.eval_interval else 0)
@@ -306,7 +314,8 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     components = Components(model, optimizer, scheduler, layout,
                             flops_per_iteration=training_flops_per_iteration(shape, args.global_batch_size),
                             policy_report=report, run_record=record)
-    tensorboard = open_tensorboard(args.tensorboard_dir, is_writer_rank=training.is_logging_rank())
+    tensorboard = Loggers(open_tensorboard(args.tensorboard_dir, is_writer_rank=training.is_logging_rank()),
+                          open_wandb(args, is_writer_rank=training.is_logging_rank()))
     tensorboard.log_policy_table(report)
     if start_state.iteration < args.train_iters:
         progress(f"setup done; iteration {start_state.iteration + 1} runs next (the first one also warms up: "
@@ -323,22 +332,34 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
         tensorboard.close()
 
 
-def _resume(args, record: dict, policy: str, parts: tuple) -> checkpoint.Progress:
-    """--load: the checkpoint's progress (iteration 0 without one), and one line on the LR schedule in force."""
+def _resume(args, record: dict, policy: str, parts: tuple, guard: CheckpointGuard) -> checkpoint.Progress:
+    """--load (as resolved by ``guard``): the checkpoint's progress (iteration 0 without one), one line on the LR
+    schedule in force and the data-order lines (resume.data_lines)."""
     model, optimizer, scheduler = parts
-    if not args.load:
+    target = guard.load
+    if target.note:
+        print_rank0(target.note)
+    if target.folder is None:
         return checkpoint.Progress(iteration=0, consumed_samples=0)
     requested = scheduler.state_dict()
-    loaded = checkpoint.load_checkpoint(args.load, model, optimizer, scheduler, record=record,
-                                        policy_report=policy, override_schedule=args.override_opt_param_scheduler)
-    if loaded is None:
-        print_rank0(f"--load {args.load}: no checkpoint yet, starting from scratch")
-        return checkpoint.Progress(iteration=0, consumed_samples=0)
-    progress = loaded[0]
-    print_rank0(f"resumed from {args.load} at iteration {progress.iteration} "
+    loaded = checkpoint.load_checkpoint(target.folder, model, optimizer, scheduler, record=record,
+                                        policy_report=policy, override_schedule=args.override_opt_param_scheduler,
+                                        iteration=target.iteration)
+    if loaded is None:  # the tracker was there at start-up
+        raise FileNotFoundError(f"--load {args.load}: its tracker file disappeared during start-up; another job "
+                                "may be changing the folder")
+    progress, extras = loaded
+    guard.after_load(target.folder, progress.iteration)
+    from agoq.megatron.hf_checkpoint import carry_hf_identity
+
+    carry_hf_identity(extras, record)  # a converted checkpoint's HF token ids / generation config, for the export
+    print_rank0(f"resumed from {target.folder} at iteration {progress.iteration} "
                 f"({progress.consumed_samples} samples consumed)")
     print_rank0(schedule_line(scheduler.state_dict(), requested, override=args.override_opt_param_scheduler,
                               global_batch_size=args.global_batch_size, train_iters=args.train_iters))
+    if not extras.get(checkpoint.WEIGHTS_ONLY_KEY):  # a converted checkpoint starts the data fresh
+        for line in data_lines(extras.get(RECORD_KEY), record, progress.iteration):
+            print_rank0(line)
     return progress
 
 

@@ -1,9 +1,10 @@
-"""The parser of ``scripts/pretrain_llama.py`` (part of its command line: :mod:`agoq.megatron.train.args`):
+"""The parser of ``scripts/pretrain_llama.py`` (its checks and config build: :mod:`agoq.megatron.train.args`; also
+``python -m agoq.plan``'s trainer flags):
 Megatron-compatible flags, ``--agoq-*`` flags, the help text, and errors in one line.
 
 Unknown or abbreviated flags are errors (``allow_abbrev=False``), so a typo never silently falls back to a default;
 the error names the closest real flag, or what a Megatron-LM-only flag means here
-(:mod:`agoq.megatron.train.flag_hints`).
+(:mod:`agoq.cli.flag_hints`).
 """
 
 from __future__ import annotations
@@ -12,21 +13,22 @@ import argparse
 import time
 from pathlib import Path
 
+from agoq.cli.flag_hints import unknown_flag_hints
+from agoq.cli.graph_args import add_graph_flags
+from agoq.cli.optim_args import add_optim_flags
+
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
 from agoq.config import GRAD_MODES, GRAD_TRANSPORTS, RECOMPUTE_GRANULARITIES, ROPE_FUSIONS
-from agoq.megatron.train.flag_hints import unknown_flag_hints
-from agoq.megatron.train.graph_args import add_graph_flags
-from agoq.megatron.train.optim_args import add_optim_flags
 from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-DEFAULT_POLICY = Path(__file__).resolve().parents[3] / "configs" / "policy" / "agoq.yaml"
+DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "configs" / "policy" / "agoq.yaml"
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model (LLaMA: RMSNorm, SwiGLU, RoPE, GQA, no biases, untied embeddings)")
+    g = p.add_argument_group("model (LLaMA: RMSNorm, SwiGLU, RoPE, GQA, no biases; untied embeddings by default)")
     g.add_argument("--num-layers", type=int, default=4, help="transformer layers (all pipeline stages together)")
     g.add_argument("--hidden-size", type=int, default=64, help="model width")
     g.add_argument("--num-attention-heads", type=int, default=4, help="query heads")
@@ -35,9 +37,30 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="MLP width; default: LLaMA's 8/3·hidden rounded up to a multiple of 64")
     g.add_argument("--seq-length", type=int, default=128, help="tokens per sample")
     g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (LLaMA-3: 500000)")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Megatron-LM's flag: LLaMA-3.1's scaled RoPE (rope_type llama3: frequencies with wavelengths "
+                        "beyond 8192 divided by --rope-scaling-factor, those below 2048 kept, a blend between; "
+                        "megatron-core fixes low_freq_factor 1, high_freq_factor 4, original context 8192)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="Megatron-LM's flag: the factor of --use-rope-scaling (LLaMA-3.1 / 3.3: 8, LLaMA-3.2: 32)")
+    tie = g.add_mutually_exclusive_group()
+    tie.add_argument("--untie-embeddings-and-output-weights", dest="untie_embeddings_and_output_weights",
+                     action="store_true", default=True,
+                     help="Megatron-LM's flag: the output layer has its own weight. The default here (agoq's LLaMA "
+                          "configs are untied; Megatron-LM ties unless it is given); tie with "
+                          "--tie-embeddings-and-output-weights or untie_embeddings_and_output_weights: false")
+    tie.add_argument("--tie-embeddings-and-output-weights", dest="untie_embeddings_and_output_weights",
+                     action="store_false",
+                     help="the output layer shares the embedding's weight (LLaMA-3.2-1B / 3B: tie_word_embeddings; "
+                          "Megatron's share_embeddings_and_output_weights, kept equal across pipeline stages)")
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="RMSNorm epsilon")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="standard deviation of the normal weight initialisation")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="the model's vocabulary before padding (Megatron-LM's flag); default: the tokenizer's. Larger "
+                        "than the tokenizer's: the embedding and output layer get this many rows (the data's ids stay "
+                        "below the tokenizer's; e.g. LLaMA-3's 128256 with the built-in corpus), said at start-up; "
+                        "smaller: refused. python -m agoq.plan reads it as the model's vocabulary")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the tokenizer's vocabulary to a multiple of this x --tensor-model-parallel-size")
     g.add_argument("--attention-backend", choices=("sdpa", "megatron"), default="sdpa",
@@ -136,8 +159,15 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpoints and logging")
     g.add_argument("--save", default=None, help="checkpoint directory (megatron.core.dist_checkpointing)")
     g.add_argument("--load", default=None,
-                   help="resume from the latest checkpoint in this directory (a directory without one yet: "
-                        "start from scratch, as Megatron-LM)")
+                   help="resume from the latest checkpoint in this directory (its tracker file), or from exactly "
+                        "iteration N with DIR/iter_000000N (Megatron-LM's --ckpt-step); a directory without a "
+                        "checkpoint yet starts from scratch when --save holds none either (docs/user-guide.md 8)")
+    g.add_argument("--allow-fresh-start", action="store_true",
+                   help="start from scratch although --load holds checkpoints (they are not read); checkpoints in "
+                        "--save are never written over")
+    g.add_argument("--force-unlock", action="store_true",
+                   help="take the --save folder's lock (agoq_save.lock) even if its holder looks alive; only when "
+                        "that job is known to be gone")
     g.add_argument("--save-interval", type=int, default=None,
                    help="save every N iterations (default, or 0: only at the end, on a signal and at --exit-interval)")
     g.add_argument("--log-interval", type=int, default=1,
@@ -157,6 +187,13 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                    help="fault injection for testing: make the loss NaN at these iterations (the step is skipped)")
     g.add_argument("--tensorboard-dir", default=None,
                    help="write TensorBoard scalars and the resolved policy table here (needs `tensorboard`)")
+    g.add_argument("--wandb-project", default=None,
+                   help="Megatron-LM's flag: log the iteration scalars to this Weights & Biases project too (needs "
+                        "`wandb` and --wandb-exp-name; WANDB_MODE=offline writes the run files only)")
+    g.add_argument("--wandb-exp-name", default=None, help="Megatron-LM's flag: the Weights & Biases run name")
+    g.add_argument("--wandb-save-dir", default=None,
+                   help="Megatron-LM's flag: where wandb writes its files (default: <--save>/wandb, without --save "
+                        "./wandb)")
     g.add_argument("--log-json", default=None,
                    help="also append each logged iteration as one JSON object per line to this file")
     g.add_argument("--log-fc2-amax", action="store_true",

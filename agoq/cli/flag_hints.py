@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import difflib
 
-_LLAMA_ALWAYS = "the model is always LLaMA on megatron-core's local layers (RMSNorm, SwiGLU, RoPE, no biases, untied)"
+_LLAMA_ALWAYS = "the model is always LLaMA on megatron-core's local layers (RMSNorm, SwiGLU, RoPE, no biases)"
 # Megatron-LM pretrain_gpt.py flags a Megatron user passes out of habit, which this LLaMA-only trainer does not take
 MEGATRON_LM_ONLY = {
     "--bf16": "bf16 is the default here (--fp32 for fp32)",
@@ -15,7 +15,7 @@ MEGATRON_LM_ONLY = {
     "--max-position-embeddings": "RoPE positions follow --seq-length",
     "--tokenizer-type": "the type follows the --tokenizer-model file (SentencePiece .model or tokenizer.json)",
     **{flag: _LLAMA_ALWAYS for flag in ("--swiglu", "--normalization", "--disable-bias-linear", "--use-mcore-models",
-                                        "--position-embedding-type", "--untie-embeddings-and-output-weights",
+                                        "--position-embedding-type",
                                         "--transformer-impl", "--use-rotary-position-embeddings")},
 }
 

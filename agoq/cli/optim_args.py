@@ -1,4 +1,4 @@
-"""--agoq-optimizer / --agoq-moments / --agoq-master ... flags (wired into agoq/megatron/train/flags.py).
+"""--agoq-optimizer / --agoq-moments / --agoq-master ... flags (wired into agoq/cli/flags.py).
 
 Part of the trainer's command line (with agoq.megatron.train.args): ``check_release_flags`` reads the parsed
 Namespace (Megatron's layout and batch flags next to agoq's); library code gets ``agoq.config.AgoqConfig``."""

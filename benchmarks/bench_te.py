@@ -1,0 +1,210 @@
+"""agoq against Megatron + Transformer Engine as Megatron-LM users run it: one GPU, ~1B LLaMA body, seq 4096.
+
+Every row is one ``torchrun`` process through ``megatron.training`` on the same GPU, one after another, with the same
+model, mock data, batch and schedule:
+
+* ``te/...`` rows: Megatron-core with Transformer Engine built the way Megatron-LM 0.19 builds it
+  (``benchmarks/megatron_gpt_upstream.py``: the model config container, Megatron's TE spec, fused attention, FP8
+  recipes, the precision-aware optimizer, recompute, activation offloading) — nothing of agoq imported;
+* ``agoq/...`` rows: agoq through its Megatron-LM door (``scripts/pretrain_gpt_agoq.py``) on Megatron's local spec;
+* ``agoq_te/...`` rows: agoq through the same door on Megatron's TE spec (TE's modules, agoq's saved-activation
+  scopes, 8-bit gradients and optimizer).
+
+Per row: tokens/s and TFLOP/s/GPU (medians of Megatron's own per-iteration log from iteration ``--skip`` on), the
+CUDA allocator's peak (allocated and reserved), and each iteration's loss. Megatron + TE runs without
+gradient-accumulation fusion: its output layer's fused weight-gradient kernel is apex's, which the GPU machines lack.
+
+    python benchmarks/bench_te.py --out benchmarks/results/te.json            # every row
+    python benchmarks/bench_te.py --rows te/bf16 agoq/full --iters 10         # some rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+UPSTREAM = REPO / "benchmarks" / "megatron_gpt_upstream.py"
+DOOR = REPO / "scripts" / "pretrain_gpt_agoq.py"
+
+SHAPES = {  # name -> Megatron model flags
+    "1b": ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "32", "--group-query-attention",
+           "--num-query-groups", "8", "--ffn-hidden-size", "8192", "--seq-length", "4096",
+           "--max-position-embeddings", "4096"],
+    "tiny": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--group-query-attention",
+             "--num-query-groups", "2", "--ffn-hidden-size", "352", "--seq-length", "128",
+             "--max-position-embeddings", "128"],
+}
+LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+         "--rotary-base", "500000", "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--bf16", "--no-gradient-accumulation-fusion"]
+DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--split", "969,30,1"]
+
+TE_FP8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "1024",
+          "--fp8-amax-compute-algo", "max"]
+PRECISION_AWARE_BF16 = ["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
+                        "--exp-avg-sq-dtype", "bf16"]
+OFFLOAD = ["--fine-grained-activation-offloading", "--offload-modules", "attn_norm", "qkv_linear", "core_attn",
+           "attn_proj", "mlp_norm"]
+# the door's local spec with Megatron-LM's LLaMA defaults that it does not take over yet
+DOOR_LOCAL = ["--transformer-impl", "local", "--no-persist-layer-norm", "--no-create-attention-mask-in-dataloader"]
+AGOQ_FULL = ["--agoq-optimizer", "adamw", "--agoq-grads", "int8_b256"]
+AGOQ_FP8 = ["--agoq-fp8", "delayed"]
+
+# name -> (driver, micro-batch, extra flags, extra environment)
+ROWS: dict[str, tuple[Path, int, list[str], dict]] = {
+    "te/bf16": (UPSTREAM, 2, [], {}),
+    "te/fp8_delayed": (UPSTREAM, 2, TE_FP8, {}),
+    "te/fp8_tensorwise": (UPSTREAM, 2, ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"], {}),
+    "te/fp8_delayed_mbs4": (UPSTREAM, 4, TE_FP8, {}),
+    "te/fp8_precision_aware_bf16": (UPSTREAM, 2, TE_FP8 + PRECISION_AWARE_BF16, {}),
+    "te/fp8_precision_aware_fp8": (UPSTREAM, 2, TE_FP8 + ["--use-distributed-optimizer",
+                                                         "--use-precision-aware-optimizer", "--exp-avg-dtype", "fp8",
+                                                         "--exp-avg-sq-dtype", "bf16"], {}),
+    "te/fp8_precision_aware_bf16_selective": (UPSTREAM, 2, TE_FP8 + PRECISION_AWARE_BF16 + [
+        "--recompute-granularity", "selective"], {}),
+    "te/fp8_precision_aware_bf16_full_recompute": (UPSTREAM, 2, TE_FP8 + PRECISION_AWARE_BF16 + [
+        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], {}),
+    "te/fp8_precision_aware_bf16_offload": (UPSTREAM, 2, TE_FP8 + PRECISION_AWARE_BF16 + OFFLOAD,
+                                            {"NVTE_CPU_OFFLOAD_V1": "1"}),
+    "local/bf16": (DOOR, 2, DOOR_LOCAL + ["--agoq-disable"], {}),
+    "agoq/full": (DOOR, 2, DOOR_LOCAL + AGOQ_FULL, {}),
+    "agoq/full_fp8": (DOOR, 2, DOOR_LOCAL + AGOQ_FULL + AGOQ_FP8, {}),
+    # agoq composed with TE (agoq/megatron/te.py): TE's layers, agoq's saved-activation scopes, 8-bit gradients and
+    # optimizer, through the door with Megatron-LM's default --transformer-impl transformer_engine
+    "agoq_te/bf16_policy": (DOOR, 2, ["--agoq-policy", "configs/policy/bf16.yaml"], {}),
+    "agoq_te/full": (DOOR, 2, AGOQ_FULL, {}),
+    "agoq_te/full_fp8": (DOOR, 2, AGOQ_FULL + TE_FP8, {}),
+    "agoq_te/full_fp8_mbs4": (DOOR, 4, AGOQ_FULL + TE_FP8, {}),
+    "agoq_te/lean_fp8": (DOOR, 2, AGOQ_FULL + TE_FP8 + ["--agoq-policy", "configs/policy/bf16.yaml"], {}),
+    # the FP8 learning-speed finding: which of agoq full's parts slows FP8's first iterations
+    "agoq/fp8_bf16policy_megatron_adam": (DOOR, 2, DOOR_LOCAL + AGOQ_FP8 + ["--agoq-policy",
+                                                                           "configs/policy/bf16.yaml"], {}),
+    "agoq/fp8_default_policy_megatron_adam": (DOOR, 2, DOOR_LOCAL + AGOQ_FP8, {}),
+    "agoq/fp8_bf16policy_agoq_adamw": (DOOR, 2, DOOR_LOCAL + AGOQ_FP8 + ["--agoq-policy", "configs/policy/bf16.yaml",
+                                                                       "--agoq-optimizer", "adamw"], {}),
+    "agoq/fp8_bf16policy_int8_grads": (DOOR, 2, DOOR_LOCAL + AGOQ_FP8 + ["--agoq-policy", "configs/policy/bf16.yaml",
+                                                                       "--agoq-grads", "int8_b256"], {}),
+}
+
+_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
+_TFLOPS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?throughput per GPU \(TFLOP/s/GPU\): ([\d.]+)")
+
+
+def schedule(micro_batch: int, iters: int, global_batch: int) -> list[str]:
+    return ["--micro-batch-size", str(micro_batch), "--global-batch-size", str(global_batch), "--train-iters",
+            str(iters), "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
+            "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0", "--seed", "1234",
+            "--eval-iters", "0", "--eval-interval", "100000", "--log-interval", "1", "--log-throughput"]
+
+
+def row_command(name: str, shape: str, iters: int, global_batch: int, record: Path, port: int) -> list[str]:
+    driver, micro_batch, extra, _ = ROWS[name]
+    record_flag = ["--bench-json", str(record)] if driver == UPSTREAM else ["--agoq-log-json", str(record)]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+            "--master-addr", "127.0.0.1", "--master-port", str(port), str(driver), *SHAPES[shape], *LLAMA,
+            *schedule(micro_batch, iters, global_batch), *DATA, *extra, *record_flag]
+
+
+def read_record(path: Path, driver: Path) -> tuple[list[float], int | None, int | None]:
+    """(loss per iteration, peak allocated bytes, peak reserved bytes) from the driver's record file."""
+    if not path.exists():
+        return [], None, None
+    if driver == UPSTREAM:
+        rec = json.loads(path.read_text())
+        return rec["iterations"], rec.get("peak_allocated_bytes"), rec.get("peak_reserved_bytes")
+    losses, peak = {}, None
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if "lm_loss" in rec:
+            losses[rec["iteration"]] = rec["lm_loss"]
+        if rec.get("final"):
+            peak = rec["peak_bytes"]
+    return [losses[i] for i in sorted(losses)], peak, None
+
+
+def timings(output: str, skip: int) -> dict:
+    """Median iteration time and TFLOP/s/GPU over Megatron's per-iteration log lines from iteration ``skip`` on."""
+    times = {int(i): float(ms) for i, ms in _ITER.findall(output)}
+    tflops = {int(i): float(v) for i, v in _TFLOPS.findall(output)}
+    kept = [times[i] for i in sorted(times) if i >= skip]
+    kept_tflops = [tflops[i] for i in sorted(tflops) if i >= skip]
+    return {"iteration_ms": [times[i] for i in sorted(times)],
+            "median_iteration_ms": statistics.median(kept) if kept else None,
+            "median_tflops_per_gpu": statistics.median(kept_tflops) if kept_tflops else None}
+
+
+def run_row(name: str, args, port: int, workdir: Path) -> dict:
+    driver, micro_batch, _, extra_env = ROWS[name]
+    record = workdir / (name.replace("/", "_") + ".json")
+    record.unlink(missing_ok=True)
+    command = row_command(name, args.shape, args.iters, args.global_batch, record, port)
+    env = {**os.environ, **extra_env}
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=args.row_timeout)
+        rc, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc = -9
+        output = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
+    losses, peak, reserved = read_record(record, driver)
+    timing = timings(output, args.skip)
+    seq = int(SHAPES[args.shape][SHAPES[args.shape].index("--seq-length") + 1])
+    ms = timing["median_iteration_ms"]
+    row = {"name": name, "micro_batch": micro_batch, "returncode": rc, "seconds": round(time.perf_counter() - start, 1),
+           "tokens_per_s": None if not ms else round(args.global_batch * seq / (ms / 1000.0), 1),
+           "peak_allocated_bytes": peak, "peak_reserved_bytes": reserved, "losses": losses, **timing,
+           "command": [c for c in command if c != sys.executable], "env": extra_env}
+    if rc != 0 or not losses:
+        row["output_tail"] = output[-5000:]
+    return row
+
+
+def versions() -> dict:
+    out = {}
+    for module in ("torch", "megatron.core", "transformer_engine"):
+        try:
+            from importlib.metadata import version
+
+            out[module] = version({"megatron.core": "megatron-core", "transformer_engine": "transformer-engine",
+                                   "torch": "torch"}[module])
+        except Exception as exc:  # noqa: BLE001 - recorded, not raised: a row says what it ran on
+            out[module] = f"unavailable ({type(exc).__name__})"
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "te.json")
+    parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--shape", choices=list(SHAPES), default="1b")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--skip", type=int, default=4, help="first iteration counted in the medians")
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--row-timeout", type=int, default=420)
+    args = parser.parse_args()
+    import torch
+
+    result = {"bench": "te", "shape": args.shape, "iters": args.iters, "skip": args.skip,
+              "global_batch": args.global_batch, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available()
+              else "cpu", "versions": versions(), "date": time.strftime("%Y-%m-%d"), "rows": []}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, name in enumerate(args.rows):
+            row = run_row(name, args, 29500 + k, Path(tmp))
+            result["rows"].append(row)
+            print(f"{name}: rc {row['returncode']} {row['tokens_per_s']} tok/s peak "
+                  f"{(row['peak_allocated_bytes'] or 0) / 2**30:.2f} GiB losses {row['losses'][:3]}...", flush=True)
+            args.out.write_text(json.dumps(result, indent=1))  # after every row: a killed run keeps what it had
+
+
+if __name__ == "__main__":
+    main()

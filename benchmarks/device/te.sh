@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One GPU with Transformer Engine installed by benchmarks/device/te_device.sh (in /tmp/te/site):
+#   bash benchmarks/device/te.sh [step ...]         (no step: all; detach.sh te.sh WAIT_S runs it past one call)
+# Steps and what they settle:
+#   te_bench   the Transformer Engine baseline and agoq side by side (benchmarks/bench_te.py, every row):
+#              Megatron + TE bf16 / FP8 delayed / tensorwise / mbs 4 / precision-aware optimizer (bf16 and FP8
+#              moments) / + selective, full recompute, activation offloading; Megatron local bf16; agoq full and
+#              agoq full + FP8 on the local spec; the FP8 learning-speed ablation rows                  ~15 min
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+[ -d /tmp/te/site/transformer_engine ] || { echo "te.sh: Transformer Engine is not installed (benchmarks/device/te_device.sh)" >&2; exit 2; }
+export PYTHONPATH="/tmp/te/site:$PYTHONPATH"
+header
+"$PY" -c "from importlib.metadata import version; print('transformer-engine', version('transformer-engine'))"
+step te_bench 1500 "$PY" benchmarks/bench_te.py --out "$AGOQ_RESULTS/te.json"
