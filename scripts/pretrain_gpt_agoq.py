@@ -20,11 +20,16 @@ Commands and the flag set that reproduces scripts/pretrain_llama.py: docs/megatr
 
 The Megatron baseline: the same command with ``--agoq-disable``. ``--agoq-log-json FILE`` appends each
 iteration's exact loss (``repr`` of the float) and the CUDA peak, for comparisons with pretrain_llama.py.
+
+A thin user of agoq's zero-edit door (agoq/megatron/train/megatron_lm_door.py, ``python -m agoq.megatron_lm`` for any
+``pretrain_gpt.py``): run directly, it enters the same door around :func:`main` (flags, refusals in one line, agoq's
+seams, the built check, ``--agoq-log-json``). What it adds: its model provider builds agoq's model from the run's
+config, so ``--agoq-attention`` applies to the ``--agoq-disable`` baseline too (SDPA by default, as
+``pretrain_llama.py --agoq-disable``).
 """
 
 from __future__ import annotations
 
-import json
 from functools import partial
 
 import torch
@@ -33,35 +38,25 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import get_num_microbatches
-from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
+from megatron.training import arguments, get_args, get_tokenizer, pretrain, print_rank_0
 from megatron.training.argument_utils import core_transformer_config_from_args, pretrain_cfg_container_from_args
-from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split
 
-from agoq.megatron.megatron_lm import build_gpt_model, describe, install_for_megatron_training
-from agoq.megatron.train.megatron_lm import add_agoq_args, agoq_config_from_megatron_args, gpt_model_options
-
-AGOQ = None  # the run's AgoqConfig, built once in main()
-MODEL_OPTIONS = None  # its GPTModelOptions (vocabulary, attention, RoPE) from Megatron's args
-LOSS_LOG = {"pending": [], "iteration": 0}  # --agoq-log-json: micro-batch losses of the running iteration
-
-
-def extra_args_provider(parser):
-    add_agoq_args(parser)
-    parser.add_argument("--agoq-log-json", default=None,
-                        help="append one JSON line per training iteration: exact lm loss and CUDA peak bytes")
-    return parser
+from agoq.megatron.megatron_lm import build_gpt_model
+from agoq.megatron.train import megatron_lm_door
+from agoq.megatron.train.megatron_lm import RefusedFlags
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    """One GPTModel chunk over agoq's layer spec (Megatron's model when --agoq-disable)."""
-    args = get_args()
-    transformer_config = config if config is not None else core_transformer_config_from_args(args)
-    return build_gpt_model(AGOQ, MODEL_OPTIONS, transformer_config, pre_process=pre_process,
+    """One GPTModel chunk over agoq's layer spec (Megatron's local spec with --agoq-attention's core attention when
+    --agoq-disable)."""
+    run = megatron_lm_door.current_run()
+    transformer_config = config if config is not None else core_transformer_config_from_args(get_args())
+    return build_gpt_model(run.config, run.options, transformer_config, pre_process=pre_process,
                            post_process=post_process, vp_stage=vp_stage, num_microbatches=get_num_microbatches())
 
 
-def loss_func(loss_mask, training, output_tensor):
+def loss_func(loss_mask, output_tensor):
     """Mean next-token loss of the micro-batch over its unmasked tokens (Megatron's 2-tuple contract: the
     schedule averages over micro-batches), reported averaged over the data-parallel group."""
     losses = output_tensor.float().reshape(-1)
@@ -71,31 +66,7 @@ def loss_func(loss_mask, training, output_tensor):
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     torch.distributed.all_reduce(reported, group=group)
     reported /= torch.distributed.get_world_size(group=group)
-    if training:
-        _log_loss(reported)
     return loss, {"lm loss": reported}
-
-
-def _log_loss(reported) -> None:
-    args = get_args()
-    if not args.agoq_log_json:
-        return
-    LOSS_LOG["pending"].append(reported)
-    if len(LOSS_LOG["pending"]) < get_num_microbatches():
-        return
-    loss = float(torch.stack(LOSS_LOG["pending"]).mean().item())  # as the train step's reduction
-    LOSS_LOG["pending"].clear()
-    LOSS_LOG["iteration"] += 1
-    _append_json(args.agoq_log_json, {"iteration": args.iteration + LOSS_LOG["iteration"], "lm_loss": loss,
-                                      "peak_bytes_so_far": torch.cuda.max_memory_allocated()})
-
-
-def _append_json(path: str, record: dict) -> None:
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and \
-            parallel_state.get_tensor_model_parallel_rank() == 0 and \
-            parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
-        with open(path, "a") as out:
-            out.write(json.dumps(record) + "\n")
 
 
 def forward_step(data_iterator, model):
@@ -105,13 +76,14 @@ def forward_step(data_iterator, model):
     tokens, labels = batch["tokens"].cuda(non_blocking=True), batch["labels"].cuda(non_blocking=True)
     loss_mask = batch["loss_mask"].cuda(non_blocking=True)
     position_ids = batch["position_ids"].cuda(non_blocking=True)
-    output_tensor = model(tokens, position_ids, None, labels=labels)
-    return output_tensor, partial(loss_func, loss_mask, model.training)
+    mask = batch.get("attention_mask")  # --create-attention-mask-in-dataloader (Megatron-LM's default): causal
+    output_tensor = model(tokens, position_ids, None if mask is None else mask.cuda(non_blocking=True), labels=labels)
+    return output_tensor, partial(loss_func, loss_mask)
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
-    """Megatron's GPTDataset blend from --data-path (or --mock-data) and Megatron's tokenizer; None for a split
-    that is asked for no samples."""
+    """Megatron's GPTDataset blend from --data-path (or --mock-data) and Megatron's tokenizer; every split Megatron asks
+    for (the door returns none for a split asked for no sample, --eval-iters 0)."""
     args = get_args()
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
@@ -125,28 +97,30 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     print_rank_0("> building train, validation, and test datasets for GPT (agoq) ...")
     datasets = BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples, lambda: True, config).build()
     print_rank_0("> finished creating GPT datasets ...")
-    # a split asked for no samples (--eval-iters 0) gets no loader: Megatron would assert on an empty split
-    return [None if wanted == 0 else ds for ds, wanted in zip(datasets, train_val_test_num_samples, strict=True)]
+    return datasets
 
 
 train_valid_test_datasets_provider.is_distributed = True  # every rank builds its loaders (no TP broadcast)
 
 
+def precheck(args) -> None:
+    """What this script's model provider cannot build (the door's own checks refuse the rest)."""
+    if args.agoq_disable and args.transformer_impl != "local":
+        raise RefusedFlags(f"--transformer-impl {args.transformer_impl}: scripts/pretrain_gpt_agoq.py builds "
+                           "Megatron's local spec; add --transformer-impl local, or run Megatron-LM's own "
+                           "pretrain_gpt.py through the door (python -m agoq.megatron_lm path/to/pretrain_gpt.py ... "
+                           "--agoq-disable)")
+    if args.agoq_disable and args.agoq_attention == "sdpa" and args.attention_dropout:
+        raise RefusedFlags(f"--agoq-attention sdpa (this script's default, --agoq-disable too) runs without "
+                           f"attention dropout, got --attention-dropout {args.attention_dropout} (Megatron's default "
+                           "is 0.1); add --attention-dropout 0, or --agoq-attention megatron")
+
+
 def main() -> None:
-    global AGOQ, MODEL_OPTIONS
-    args = parse_and_validate_args(extra_args_provider=extra_args_provider)
-    AGOQ = agoq_config_from_megatron_args(args)  # raises naming the flag for combinations agoq cannot run
-    MODEL_OPTIONS = gpt_model_options(args)
-    handle = install_for_megatron_training(AGOQ)
-    print_rank_0(describe(AGOQ))
-    try:
-        pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
-                 ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
-        if args.agoq_log_json:
-            _append_json(args.agoq_log_json, {"final": True, "peak_bytes": torch.cuda.max_memory_allocated()})
-    finally:
-        handle.undo()
+    args = arguments.parse_and_validate_args()  # the door's (megatron_lm_door.install_door)
+    pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
+             ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
 
 
 if __name__ == "__main__":
-    main()
+    megatron_lm_door.run(main, precheck=precheck)

@@ -11,7 +11,10 @@ Why: the local spec's ``DotProductAttention`` is unfused: it materialises and sa
   picks the flash / cuDNN / memory-efficient kernels on GPU and saves only q, k, v, out and the
   log-sum-exp. Both agoq and its BF16 baseline use it, so comparisons are like with like.
 Verified on: megatron-core 0.19.2.
-When disabled: ``--attention-backend megatron`` keeps Megatron's own ``DotProductAttention``.
+When disabled: ``--attention-backend megatron`` (scripts/pretrain_llama.py) / ``--agoq-attention megatron``
+  (Megatron-LM's trainer) keeps Megatron's own ``DotProductAttention``.
+Masks: Megatron-LM's data loader makes a causal attention mask by default (``--create-attention-mask-in-dataloader``);
+  it is accepted (compared with the causal mask at each layer's first forward; SDPA runs ``is_causal=True``).
 Guarded by: ``tests/megatron/test_attention.py`` (same output and gradients as DotProductAttention).
 
 Shape legend: s = sequence, b = micro-batch, n = heads per TP rank, g = query groups per TP rank,
@@ -62,8 +65,10 @@ class SDPACoreAttention(MegatronModule):
         if dropout_p:
             raise NotImplementedError(
                 f"agoq SDPA attention runs without attention dropout (LLaMA uses 0), got {dropout_p}; "
-                "set --attention-dropout 0 or use --attention-backend megatron."
+                "set --attention-dropout 0, or use Megatron's DotProductAttention (--agoq-attention megatron through "
+                "Megatron-LM's trainer, --attention-backend megatron in scripts/pretrain_llama.py)."
             )
+        self.agoq_mask_checked = False  # the first attention mask was checked to be the causal mask
 
     def forward(
         self,
@@ -75,11 +80,14 @@ class SDPACoreAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+        if attention_bias is not None or packed_seq_params is not None:
             raise NotImplementedError(
-                "agoq SDPA attention supports causal self-attention without an explicit mask, bias or "
-                "packed sequences; use --attention-backend megatron (or the TE spec) for those."
+                "agoq SDPA attention is causal self-attention without an attention bias or packed sequences; use "
+                "Megatron's DotProductAttention for those (--agoq-attention megatron through Megatron-LM's trainer, "
+                "--attention-backend megatron in scripts/pretrain_llama.py)."
             )
+        if attention_mask is not None:
+            self._check_causal_mask(attention_mask, query.shape[0], key.shape[0])
         q_BNSD = query.permute(1, 2, 0, 3)
         k_BGSD = key.permute(1, 2, 0, 3)
         # value arrives as a strided view of the fused [s, b, g, (n/g + 2) d] QKV output (q and k are
@@ -100,6 +108,31 @@ class SDPACoreAttention(MegatronModule):
         return out_BNSD.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
 
+    def _check_causal_mask(self, mask: torch.Tensor, seq_q: int, seq_k: int) -> None:
+        """Accept the attention mask Megatron's data loader makes (``--create-attention-mask-in-dataloader``, on by
+        default in Megatron-LM): boolean, True where a position is masked, ``[b or 1, 1, s, s]``, the causal mask
+        without ``--reset-attention-mask``. SDPA runs ``is_causal=True``, which is that mask; the mask's values are
+        compared with the causal mask once per layer (the first forward: one host sync), its shape every call."""
+        shape_ok = mask.dim() == 4 and mask.shape[1] == 1 and tuple(mask.shape[-2:]) == (seq_q, seq_k)
+        if mask.dtype != torch.bool or not shape_ok:
+            raise NotImplementedError(
+                f"agoq SDPA attention takes Megatron's causal mask from the data loader only (bool, [b, 1, {seq_q}, "
+                f"{seq_k}]); got {mask.dtype} {tuple(mask.shape)}. Use Megatron's DotProductAttention for other masks "
+                "(--agoq-attention megatron through Megatron-LM's trainer), or drop the mask "
+                "(--no-create-attention-mask-in-dataloader)."
+            )
+        if self.agoq_mask_checked:
+            return
+        causal = torch.ones(seq_q, seq_k, dtype=torch.bool, device=mask.device).triu(1)
+        if not bool((mask == causal).all()):
+            raise NotImplementedError(
+                "agoq SDPA attention is causal over the whole sequence, but the data loader's attention mask is not "
+                "the causal mask (--reset-attention-mask, or a custom mask); drop --reset-attention-mask, or use "
+                "Megatron's DotProductAttention (--agoq-attention megatron through Megatron-LM's trainer)."
+            )
+        self.agoq_mask_checked = True
+
+
 def _check_supported(config: TransformerConfig, attn_mask_type: AttnMaskType) -> None:
     problems = []
     if attn_mask_type != AttnMaskType.causal:
@@ -115,5 +148,6 @@ def _check_supported(config: TransformerConfig, attn_mask_type: AttnMaskType) ->
     if problems:
         raise NotImplementedError(
             "agoq SDPA attention does not support: " + "; ".join(problems)
-            + ". Use --attention-backend megatron for these settings."
+            + ". Use Megatron's DotProductAttention for these settings (--attention-backend megatron in "
+            "scripts/pretrain_llama.py, --agoq-attention megatron through Megatron-LM's trainer)."
         )

@@ -189,12 +189,17 @@ class AgoqRMSNorm(torch.nn.RMSNorm):
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, *, agoq_save: SavedInputConfig = _NO_SAVE,
                  agoq_handoff: Handoff | None = None, **_unused):
-        problems = [name for name in ("layernorm_zero_centered_gamma", "persist_layer_norm", "sequence_parallel",
-                                      "memory_efficient_layer_norm") if getattr(config, name)]
-        if config.normalization != "RMSNorm" or problems:
+        fixes = {"layernorm_zero_centered_gamma": "drop --apply-layernorm-1p",
+                 "persist_layer_norm": "add --no-persist-layer-norm (apex's LayerNorm kernel; RMSNorm has none)",
+                 "sequence_parallel": "drop --sequence-parallel",
+                 "memory_efficient_layer_norm": "drop --memory-efficient-layer-norm"}
+        problems = [f"{name}=True ({fix})" for name, fix in fixes.items() if getattr(config, name)]
+        if config.normalization != "RMSNorm":
+            problems.insert(0, f"normalization={config.normalization!r} (add --normalization RMSNorm)")
+        if problems:
             raise NotImplementedError(
-                f"agoq's local-spec norm supports normalization='RMSNorm' without {problems or 'extras'} "
-                f"(got normalization={config.normalization!r}); use --agoq-disable or the bf16 policy"
+                f"agoq's RMSNorm does not support {'; '.join(problems)} (TransformerConfig; Megatron-LM's flags in "
+                "brackets); or use --agoq-disable"
             )
         if agoq_save.fmt is not None and agoq_handoff is None:
             raise ValueError(f"agoq: the norm {agoq_save.key} stores its input quantized but has no hand-off to the "

@@ -1,47 +1,62 @@
 """agoq inside Megatron-LM's own trainer, ``megatron.training.pretrain`` (shipped in the megatron-core wheel).
 
-The plugin side of a ``pretrain_gpt.py``-shaped entry script (``scripts/pretrain_gpt_agoq.py`` is one); it takes
-agoq's typed config only. The flags and the bridge from Megatron's parsed args (``add_agoq_args``,
-``agoq_config_from_megatron_args``, ``gpt_model_options``) are the trainer side: agoq/megatron/train/megatron_lm.py.
+The plugin side of the door to Megatron-LM (``python -m agoq.megatron_lm SCRIPT``, agoq/megatron/train/
+megatron_lm_door.py, and ``scripts/pretrain_gpt_agoq.py`` through it); it takes agoq's typed config only. The flags and
+the bridge from Megatron's parsed args (``add_agoq_args``, ``agoq_config_from_megatron_args``, ``gpt_model_options``)
+are the trainer side: agoq/megatron/train/megatron_lm.py.
 
-* :func:`build_gpt_model` — the body of a model provider: Megatron's ``GPTModel`` over agoq's layer spec;
+* :func:`agoq_gpt_layer_spec` — agoq's layer spec for Megatron's ``GPTModel`` after the trainer's policy / FP8 checks;
+  :func:`offer_layer_spec` puts it where Megatron-LM's ``--spec`` finds it (both construction paths read ``--spec``);
+* :func:`build_gpt_model` — the body of a model provider (scripts/pretrain_gpt_agoq.py): ``GPTModel`` over that spec;
 * :func:`install_for_megatron_training` — ``agoq.megatron.install.install`` plus the runtime patches
   ``megatron.training`` needs (below), returned as one ``Handle`` whose ``undo()`` reverts them.
 
 Seam card
 ---------
 Touches (megatron-core 0.19.2, ``megatron/training/``):
-  * ``arguments.parse_and_validate_args(extra_args_provider=)`` — public hook (agoq/megatron/train/megatron_lm.py's
-  flags).
+  * ``--spec MODULE NAME`` (``args.spec``; Megatron-LM's flag, read by ``argument_utils.gpt_config_from_args`` into
+    ``GPTModelConfig.transformer_layer_spec``, which ``GPTModelBuilder.build_model`` uses as given, and by Megatron-LM's
+    ``gpt_builder``) — spec substitution: :func:`offer_layer_spec` (runtime change ``megatron_training.layer_spec``:
+    the module attribute the name points to).
   * ``training.pretrain(..., model_provider=)`` and ``get_model``'s provider call
-    ``(pre_process, post_process, vp_stage, config, pg_collection)`` — public: :func:`build_gpt_model`
-    (the model's ``TransformerConfig`` is Megatron's own, ``argument_utils.core_transformer_config_from_args``).
-  * ``training.DDP`` — the module global ``get_model`` wraps chunks with; replaced (patch
-    ``megatron_training.ddp``) only with ``--agoq-grads FORMAT`` (agoq's 8-bit gradient DDP,
-    agoq/megatron/ddp.py) or with agoq's optimizer under ``--use-distributed-optimizer`` (Megatron's DDP
-    with the quantization-group-aligned buffer layout, agoq/megatron/dist_optimizer.py).
-  * ``training.get_megatron_optimizer`` — the module global ``setup_model_and_optimizer`` calls; replaced
-    (patch ``megatron_training.optimizer``) with a function that builds agoq's optimizer
+    ``(pre_process, post_process, vp_stage, config, pg_collection)`` — public: :func:`build_gpt_model`.
+  * ``training.DDP`` (the module global ``get_model`` wraps chunks with) and
+    ``models.dist_utils.DistributedDataParallel`` (``GPTModelBuilder.build_distributed_models`` wraps them with it,
+    through ``_ddp_wrap``) — both replaced by one class (patches ``megatron_training.ddp`` and
+    ``megatron_training.builder_ddp``) only with ``--agoq-grads FORMAT`` (agoq's 8-bit gradient DDP,
+    agoq/megatron/ddp.py) or agoq's optimizer (under ``--use-distributed-optimizer``: Megatron's DDP with the
+    quantization-group-aligned buffer layout, agoq/megatron/dist_optimizer.py).
+  * ``training.get_megatron_optimizer`` — the module global ``setup_model_and_optimizer`` calls on both paths;
+    replaced (patch ``megatron_training.optimizer``) with a function that builds agoq's optimizer
     (``--agoq-optimizer adamw|lion|sgd``, agoq/megatron/optimizer.py) or Megatron's and attaches agoq's
     8-bit gradient reader (agoq/megatron/grad_reader.py) when ``--agoq-grads`` is on.
+  * ``training.setup_model_and_optimizer`` — the module global ``pretrain`` calls; wrapped (patch
+    ``megatron_training.built_check``, agoq on) to check on every rank what was built (agoq/megatron/built_check.py).
   * ``megatron.core.datasets.utils.compile_helpers`` — replaced (patch ``megatron_training.dataset_helpers``,
     every run, the baseline too) by a function that runs Megatron's own only when the compiled
     ``helpers_cpp`` module does not import: ``initialize_megatron`` runs ``make`` in the package's
     datasets folder, but the 0.19.2 wheel ships the compiled module without its Makefile, so ``make``
     fails and Megatron exits (``sys.exit(1)``) before training (measured on CPU with the wheel).
-Why: ``megatron.training`` offers no config hook for the DDP class or the optimizer factory (its
-  ``get_model`` / ``setup_model_and_optimizer`` read module globals), so these two are runtime patches,
-  recorded with ``agoq.megatron.install.set_module_attr`` (marked, logged, undone by the handle). A
-  plain baseline (``--agoq-disable``) or agoq's activation storage alone patches nothing.
-Verified on: megatron-core 0.19.2 (CPU: flags, config, patches and undo; one H100: losses equal to
-  ``scripts/pretrain_llama.py``'s, benchmarks/results/megatron_lm.json).
-When disabled: ``--agoq-disable`` builds Megatron's local-spec GPT (with agoq's SDPA attention unless
-  ``--agoq-attention megatron``) and installs nothing but the contract check.
-Guarded by: ``tests/megatron/test_megatron_lm.py`` (CPU), ``tests/gpu/test_megatron_lm_gpu.py`` (GPU).
+  * ``training.build_train_valid_test_datasets`` — wrapped (patch ``megatron_training.empty_splits``, every run):
+    a split Megatron asks for no sample (``--eval-iters 0``) gets no dataset, so no loader (Megatron's sampler asserts
+    "no sample to consume: 0" on an empty dataset; measured on CPU with a provider that returns every split).
+Why: ``megatron.training`` offers no config hook for the DDP class, the optimizer factory or a step after the model
+  is built (its ``get_model`` / ``_ddp_wrap`` / ``setup_model_and_optimizer`` / ``pretrain`` read module globals), so
+  these are runtime patches, recorded with ``agoq.megatron.install.set_module_attr`` (marked, logged, undone by the
+  handle). The layer spec goes in through Megatron-LM's own ``--spec`` (no patch of a model builder).
+Verified on: megatron-core 0.19.2 (CPU: flags, config, patches and undo, both construction paths and Megatron-LM
+  core_r0.19.0's pretrain_gpt.py bit-identical to ``scripts/pretrain_llama.py``; one H100, before the door: the
+  reference script's losses equal to ``scripts/pretrain_llama.py``'s, benchmarks/results/megatron_lm.json).
+When disabled: ``--agoq-disable`` patches only the dataset helpers and the empty-split fix (no number changes);
+  ``scripts/pretrain_gpt_agoq.py`` builds Megatron's local-spec GPT (with agoq's SDPA attention unless
+  ``--agoq-attention megatron``), the zero-edit door leaves the script's model as it is.
+Guarded by: ``tests/megatron/test_megatron_lm.py``, ``tests/megatron/test_megatron_lm_door.py``,
+  ``tests/megatron/test_built_check.py`` (CPU), ``tests/gpu/test_megatron_lm_gpu.py`` (GPU).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -51,8 +66,12 @@ from agoq.megatron import compat
 log = logging.getLogger("agoq.megatron_lm")
 
 SEAM_DDP = "megatron_training.ddp"
+SEAM_BUILDER_DDP = "megatron_training.builder_ddp"
 SEAM_OPTIMIZER = "megatron_training.optimizer"
 SEAM_HELPERS = "megatron_training.dataset_helpers"
+SEAM_EMPTY_SPLITS = "megatron_training.empty_splits"
+SEAM_BUILT_CHECK = "megatron_training.built_check"
+SEAM_LAYER_SPEC = "megatron_training.layer_spec"
 
 # The megatron.training symbols this module relies on (agoq.megatron.compat.CONTRACT's rows for megatron.core; this
 # table is checked by install_for_megatron_training only, so agoq's own trainer never imports megatron.training)
@@ -70,7 +89,41 @@ MEGATRON_TRAINING_CONTRACT: tuple[compat.Symbol, ...] = (
            "module global DDP (agoq's class: isinstance checks in train() / evaluate())",
            params=("model_chunks", "config", "ddp_config", "DP", "bucket_sizes", "disable_bucketing_per_chunk")),
     compat.Symbol("megatron.training.arguments:parse_and_validate_args", "Megatron's flags + extra_args_provider",
-           params=("extra_args_provider", "args_defaults")),
+           params=("extra_args_provider", "ignore_unknown_args", "args_defaults")),
+    compat.Symbol("megatron.training.arguments:parse_args",
+                  "the door's first parse (refusals before Megatron's argument dump)",
+                  params=("extra_args_provider", "ignore_unknown_args")),
+    compat.Symbol("megatron.training.training:setup_model_and_optimizer",
+                  "module global pretrain() calls; returns (model chunks, optimizer, scheduler): the built check",
+                  params=("model_type", "model_provider_func", "checkpointing_context", "cfg_container",
+                          "pg_collection")),
+    compat.Symbol("megatron.training.training:build_train_valid_test_datasets",
+                  "module global the loader builder calls with the provider and the samples per split",
+                  params=("build_train_valid_test_datasets_provider", "train_valid_test_num_samples")),
+    compat.Symbol("megatron.training.training:get_train_valid_test_num_samples", "samples per split"),
+    compat.Symbol("megatron.training.training:train_step",
+                  "module global train() calls once per iteration (--agoq-log-json reads its reduced losses)",
+                  params=("forward_step_func", "data_iterator", "model", "optimizer", "iteration")),
+    compat.Symbol("megatron.training.training:training_log",
+                  "its printed loss: the fp32 sum since the last print over the iterations it advanced; the first "
+                  "iteration is printed without a reset (--agoq-log-json's megatron_log_lm_loss mirrors it)",
+                  params=("loss_dict", "total_loss_dict", "iteration", "skipped_iter", "is_first_iteration")),
+    compat.Symbol("megatron.training.models.dist_utils:DistributedDataParallel",
+                  "module global the model builder's _ddp_wrap wraps chunks with (agoq's DDP seam, builder path)"),
+    compat.Symbol("megatron.training.models.dist_utils:_ddp_wrap",
+                  "calls DP(config=, ddp_config=, module=, disable_bucketing=, pg_collection=[, full_param_layout=]) "
+                  "with DP = the module global DistributedDataParallel",
+                  params=("model", "ddp_config", "pg_collection")),
+    compat.Symbol("megatron.training.argument_utils:gpt_config_from_args",
+                  "GPTModelConfig from args; --spec (args.spec) becomes its transformer_layer_spec",
+                  params=("args", "config", "model_config_cls")),
+    compat.Symbol("megatron.training.models.gpt:GPTModelConfig", "the builder path's model config",
+                  fields=("transformer", "transformer_layer_spec", "vocab_size", "seq_length")),
+    compat.Symbol("megatron.training.models.gpt:GPTModelBuilder.build_model",
+                  "uses a ModuleSpec transformer_layer_spec as given (agoq's, through --spec)",
+                  params=("pg_collection", "pre_process", "post_process", "vp_stage")),
+    compat.Symbol("megatron.core.transformer.spec_utils:import_module", "--spec MODULE NAME -> vars(MODULE)[NAME]",
+                  params=("module_path",)),
     compat.Symbol("megatron.training.argument_utils:core_transformer_config_from_args",
                   "the model's TransformerConfig"),
     compat.Symbol("megatron.training.argument_utils:pretrain_cfg_container_from_args", "pretrain's first argument",
@@ -112,13 +165,14 @@ class GPTModelOptions:
     """Sequence length x micro-batch size (the FP8 dimension checks)."""
 
 
-def build_gpt_model(config: AgoqConfig, options: GPTModelOptions, transformer_config, *, pre_process: bool,
-                    post_process: bool, vp_stage: int | None = None, num_microbatches: int = 1):
-    """One GPTModel chunk for ``megatron.training.get_model`` (the body of a model provider) over agoq's layer
-    spec; Megatron's local-spec model with agoq disabled. ``transformer_config``: Megatron's (agoq changes none
-    of its fields). ``num_microbatches`` feeds a policy's ``auto`` bits."""
+def agoq_gpt_layer_spec(config: AgoqConfig, options: GPTModelOptions, transformer_config, *,
+                        num_microbatches: int = 1):
+    """agoq's layer spec for Megatron's ``GPTModel`` (Megatron's local spec with agoq's modules, the policy's resolver
+    and the FP8 settings; Megatron's local spec with agoq's SDPA attention when agoq is disabled), after the checks
+    ``scripts/pretrain_llama.py`` makes before training (policy rules that decide no site or cannot take effect; FP8
+    dimensions). ``transformer_config``: Megatron's (agoq changes none of its fields); ``num_microbatches`` feeds a
+    policy's ``auto`` bits."""
     import torch
-    from megatron.core.models.gpt import GPTModel
 
     from agoq.megatron import model as mmodel
     from agoq.policy import ScheduleInfo
@@ -138,10 +192,19 @@ def build_gpt_model(config: AgoqConfig, options: GPTModelOptions, transformer_co
         _check_policy(config.policy.spec, tc.num_layers, schedule)
     if options.rope_scaling:  # --use-rope-scaling: megatron-core's fixed LLaMA-3 bands, as agoq documents them
         mmodel.check_rope_scaling_bands()
-    spec = mmodel.agoq_layer_spec(options.attention, policy=config.policy.spec if config.enabled else None,
+    return mmodel.agoq_layer_spec(options.attention, policy=config.policy.spec if config.enabled else None,
                                   schedule=schedule, compute=compute)
+
+
+def build_gpt_model(config: AgoqConfig, options: GPTModelOptions, transformer_config, *, pre_process: bool,
+                    post_process: bool, vp_stage: int | None = None, num_microbatches: int = 1):
+    """One GPTModel chunk for ``megatron.training.get_model`` (the body of a model provider) over
+    :func:`agoq_gpt_layer_spec`; Megatron's local-spec model with agoq disabled."""
+    from megatron.core.models.gpt import GPTModel
+
+    spec = agoq_gpt_layer_spec(config, options, transformer_config, num_microbatches=num_microbatches)
     return GPTModel(
-        config=tc, transformer_layer_spec=spec, vocab_size=options.vocab_size,
+        config=transformer_config, transformer_layer_spec=spec, vocab_size=options.vocab_size,
         max_sequence_length=options.max_sequence_length, pre_process=pre_process, post_process=post_process,
         fp16_lm_cross_entropy=options.fp16_lm_cross_entropy, parallel_output=True,
         share_embeddings_and_output_weights=options.share_embeddings_and_output_weights,
@@ -149,6 +212,24 @@ def build_gpt_model(config: AgoqConfig, options: GPTModelOptions, transformer_co
         rotary_base=options.rotary_base, rope_scaling=options.rope_scaling,
         rope_scaling_factor=options.rope_scaling_factor, vp_stage=vp_stage,
     )
+
+
+LAYER_SPEC_SLOT = "MEGATRON_LM_LAYER_SPEC"
+"""The name under which :func:`offer_layer_spec` puts agoq's spec in this module, for Megatron-LM's ``--spec``."""
+
+
+def offer_layer_spec(spec) -> list[str]:
+    """Put ``spec`` (agoq's ``ModuleSpec``) where Megatron-LM's ``--spec MODULE NAME`` finds it and return that
+    ``[MODULE, NAME]`` for ``args.spec``: both construction paths of megatron.training 0.19 read it
+    (``argument_utils.gpt_config_from_args`` puts it in ``GPTModelConfig.transformer_layer_spec``, which
+    ``GPTModelBuilder.build_model`` uses; Megatron-LM's ``gpt_builder`` passes it to ``GPTModel``). Recorded as a
+    runtime change (patch ``megatron_training.layer_spec``): ``handle.undo()`` removes it."""
+    import sys
+
+    from agoq.megatron.install import set_module_attr
+
+    set_module_attr(sys.modules[__name__], LAYER_SPEC_SLOT, spec, seam=SEAM_LAYER_SPEC, allow_absent=True)
+    return [__name__, LAYER_SPEC_SLOT]
 
 
 def _check_policy(spec, num_layers: int, schedule) -> None:
@@ -238,21 +319,75 @@ def _compile_helpers_if_missing(original):
     return compile_helpers
 
 
+def _drop_unasked_splits(original):
+    """``build_train_valid_test_datasets`` whose valid / test datasets are None when Megatron asks them for no sample
+    (``--eval-iters 0``): Megatron builds a loader for every dataset it gets, and its sampler asserts ("no sample to
+    consume: 0") on a dataset of 0 samples; with None it builds no loader and runs no evaluation, as ``--eval-iters 0``
+    asks. The train split and every split asked for samples are returned as built."""
+
+    def build_train_valid_test_datasets(build_train_valid_test_datasets_provider, train_valid_test_num_samples=None):
+        from megatron.training.training import get_train_valid_test_num_samples
+
+        wanted = train_valid_test_num_samples
+        if wanted is None:
+            wanted = get_train_valid_test_num_samples()
+        built = original(build_train_valid_test_datasets_provider, wanted)
+        return type(built)(None if index > 0 and count == 0 else ds
+                           for index, (ds, count) in enumerate(zip(built, wanted, strict=True)))
+
+    return build_train_valid_test_datasets
+
+
+def _built_check(config: AgoqConfig, original):
+    """``setup_model_and_optimizer`` that, once Megatron has built the model, its DDP and the optimizer, checks on every
+    rank that they are what ``config`` asks for (agoq.megatron.built_check; all ranks stop together on a mismatch)."""
+
+    @functools.wraps(original)  # Megatron's signature (the contract check reads it)
+    def setup_model_and_optimizer(*args, **kwargs):
+        import torch
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.training import get_args
+
+        from agoq.megatron.built_check import Expectation, any_rank_failed, built_summary, check_built
+        from agoq.policy import ScheduleInfo
+
+        model, optimizer, scheduler = original(*args, **kwargs)
+        margs = get_args()
+        expect = Expectation(
+            attention=getattr(margs, "agoq_attention", "sdpa"),
+            schedule=ScheduleInfo(pp_size=margs.pipeline_model_parallel_size,
+                                  vp_size=margs.virtual_pipeline_model_parallel_size,
+                                  num_microbatches=get_num_microbatches()),
+            how_to_fix="Run the script through agoq's door, python -m agoq.megatron_lm path/to/pretrain_gpt.py "
+                       "<flags> (it gives both construction paths of megatron.training agoq's layer spec, DDP and "
+                       "optimizer; docs/megatron_lm.md)")
+        check_built(config, model, optimizer, expect, rank=torch.distributed.get_rank(), agree=any_rank_failed)
+        if torch.distributed.get_rank() == 0:
+            print(f"agoq: built as asked on every rank; rank 0: {built_summary(model, optimizer)}", flush=True)
+        return model, optimizer, scheduler
+
+    return setup_model_and_optimizer
+
+
 def patches_needed(config: AgoqConfig) -> tuple[str, ...]:
-    """The runtime patches of megatron.training that ``config`` needs: the dataset-helper build fix always;
-    the DDP and optimizer seams for 8-bit gradients or agoq's optimizer."""
-    if config.enabled and (config.grads.quantized or config.optimizer.agoq):
-        return (SEAM_HELPERS, SEAM_DDP, SEAM_OPTIMIZER)
-    return (SEAM_HELPERS,)
+    """The runtime patches of megatron.training that ``config`` needs: the dataset-helper build fix and the empty-split
+    fix (``--eval-iters 0``) always, the baseline too (neither changes a number); with agoq on, the check of what was
+    built; the DDP (both construction paths) and optimizer seams for 8-bit gradients or agoq's optimizer."""
+    always = (SEAM_HELPERS, SEAM_EMPTY_SPLITS)
+    if not config.enabled:
+        return always
+    if config.grads.quantized or config.optimizer.agoq:
+        return (*always, SEAM_DDP, SEAM_BUILDER_DDP, SEAM_OPTIMIZER, SEAM_BUILT_CHECK)
+    return (*always, SEAM_BUILT_CHECK)
 
 
 def install_for_megatron_training(config: AgoqConfig):
     """``agoq.megatron.install.install(config)`` (contract check, FP8 weight-cache hook), agoq's RoPE in Megatron's
     empty fused-RoPE slot when Megatron-LM's rope fusion is on (agoq.megatron.rope; a Transformer Engine RoPE is
-    kept) with agoq on, plus the patches of
-    ``megatron.training`` the config needs (:func:`patches_needed`); returns the install ``Handle``:
-    ``handle.undo()`` puts Megatron's ``DDP`` and ``get_megatron_optimizer`` back (identical objects)."""
+    kept) with agoq on, plus the patches of ``megatron.training`` the config needs (:func:`patches_needed`); returns
+    the install ``Handle``: ``handle.undo()`` puts Megatron's objects back (identical objects)."""
     import megatron.core.datasets.utils as dataset_utils
+    import megatron.training.models.dist_utils as dist_utils
     import megatron.training.training as mtt
 
     from agoq.megatron.install import install, mark, set_module_attr
@@ -266,16 +401,25 @@ def install_for_megatron_training(config: AgoqConfig):
         from agoq.megatron.rope import provide_rope_fusion
 
         provide_rope_fusion()  # agoq's kernel where TE's is absent (else TransformerConfig refuses the flag)
+    ddp_class = None
     patched = []
     for seam in patches_needed(config):
         if seam == SEAM_HELPERS:
             module, name = dataset_utils, "compile_helpers"
             value = mark(_compile_helpers_if_missing(dataset_utils.compile_helpers), seam)
-        elif seam == SEAM_DDP:
-            module, name, value = mtt, "DDP", mark(_ddp_class(config), seam)
-        else:
+        elif seam == SEAM_EMPTY_SPLITS:
+            module, name = mtt, "build_train_valid_test_datasets"
+            value = mark(_drop_unasked_splits(mtt.build_train_valid_test_datasets), seam)
+        elif seam in (SEAM_DDP, SEAM_BUILDER_DDP):  # one class for both paths: get_model's and the model builder's
+            ddp_class = ddp_class or mark(_ddp_class(config), SEAM_DDP)
+            module, name, value = (mtt, "DDP", ddp_class) if seam == SEAM_DDP else \
+                (dist_utils, "DistributedDataParallel", ddp_class)
+        elif seam == SEAM_OPTIMIZER:
             module, name = mtt, "get_megatron_optimizer"
             value = mark(_OptimizerFactory(config, mtt.get_megatron_optimizer), seam)
+        else:
+            module, name = mtt, "setup_model_and_optimizer"
+            value = mark(_built_check(config, mtt.setup_model_and_optimizer), seam)
         if getattr(getattr(module, name), "__agoq_patch__", None):
             raise RuntimeError(f"{module.__name__}.{name} is already patched by agoq; call handle.undo() before "
                                "installing again")

@@ -66,3 +66,62 @@ def test_megatron_training_matches_agoq_trainer(bench_env, tmp_path, variant):
                         ffn_hidden_size=ffn, seq_length=seq, vocab_size=4096).num_parameters()
     assert mlm["peak_bytes"] - own["peak_bytes"] <= MEGATRON_LOOP_BYTES, peaks
     assert own["peak_bytes"] - mlm["peak_bytes"] <= MEGATRON_LOOP_BYTES + NONFINITE_BYTES_PER_ELEMENT * params, peaks
+
+
+SHAPES = "tests/megatron/_pretrain_gpt_shapes.py"  # a pretrain_gpt.py of megatron.training 0.19's shapes, no agoq
+
+
+def _door_command(bench, command: list[str], recipe: bool) -> list[str]:
+    """``bench.megatron_command`` with ``torchrun -m agoq.megatron_lm SHAPES`` in place of scripts/pretrain_gpt_agoq.py;
+    ``recipe``: Megatron-LM's LLaMA recipe flags (Megatron's defaults) in place of pretrain_llama.py's equivalents."""
+    at = command.index(str(bench.MEGATRON_SCRIPT))
+    command = [*command[:at], "-m", "agoq.megatron_lm", SHAPES, *command[at + 1:]]
+    if recipe:
+        from tests.megatron._megatron_lm_runs import LLAMA_RECIPE_FLAGS
+
+        start = command.index(bench.MEGATRON_EQUIVALENCE_FLAGS[0])
+        command = [*command[:start], *LLAMA_RECIPE_FLAGS, *command[start + len(bench.MEGATRON_EQUIVALENCE_FLAGS):]]
+    return command
+
+
+def _door_row(bench, name: str, command: list[str], log, env: dict) -> dict:
+    """``bench.run_row`` that keeps the output (the door's start-up report)."""
+    import subprocess
+
+    log.unlink(missing_ok=True)
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400,
+                          cwd=str(bench.MEGATRON_SCRIPT.parent.parent))
+    losses, peak = bench.read_losses(log)
+    return {"name": name, "returncode": proc.returncode, "losses": losses, "peak_bytes": peak,
+            "output_tail": (proc.stdout + proc.stderr)[-6000:], "stdout": proc.stdout}
+
+
+@pytest.mark.parametrize("shape", ["builder", "provider"])
+def test_zero_edit_door_on_one_gpu(bench_env, tmp_path, shape):
+    """``torchrun -m agoq.megatron_lm pretrain_gpt.py`` (the zero-edit door) on megatron.training's two construction
+    paths, agoq full (8-bit gradients, FlashAdamW): agoq's layers, DDP and optimizer are built (the door's report)
+    and the losses are pretrain_llama.py's, bit for bit; Megatron-LM's recipe flags (its fusions, the loader's mask,
+    --persist-layer-norm, --gradient-accumulation-fusion, --eval-iters 0) run too."""
+    bench, env, data = bench_env
+    flags = bench.VARIANTS["agoq_full"]
+    port = 29760 + (shape == "provider") * 4
+    run_env = dict(env, AGOQ_TEST_SHAPE=shape)
+    door = _door_command(bench, bench.megatron_command("tiny", ITERS, flags, data, tmp_path / "m.jsonl", port), False)
+    recipe = _door_command(bench, bench.megatron_command("tiny", ITERS, flags, data, tmp_path / "r.jsonl", port + 2),
+                           True)
+    own = bench.agoq_command("tiny", ITERS, flags, data, tmp_path / "a.jsonl", port + 1)
+    jobs = [(f"{shape}/door", door, tmp_path / "m.jsonl"), (f"{shape}/pretrain_llama", own, tmp_path / "a.jsonl"),
+            (f"{shape}/door_recipe", recipe, tmp_path / "r.jsonl")]
+    with ThreadPoolExecutor(3) as pool:
+        rows = list(pool.map(lambda j: _door_row(bench, *j, run_env), jobs))
+    for row in rows:
+        assert row["returncode"] == 0, f"{row['name']} failed:\n{row['output_tail']}"
+        assert len(row["losses"]) == ITERS, row["losses"]
+    comparison = bench.compare(rows[0], rows[1])
+    assert comparison["bit_identical"], (comparison, rows[0]["losses"], rows[1]["losses"])
+    for row in (rows[0], rows[2]):
+        built = next((line for line in row["stdout"].splitlines() if "built as asked" in line), "")
+        for name in ("AgoqTransformerLayer", "SDPACoreAttention", "AgoqDistributedDataParallel",
+                     "AgoqMegatronOptimizer"):
+            assert name in built, (row["name"], name, built)
+    assert "taken over" in rows[2]["stdout"]  # --gradient-accumulation-fusion, Megatron-LM's default

@@ -1,11 +1,14 @@
-"""Run scripts/pretrain_gpt_agoq.py (Megatron-LM's trainer, ``megatron.training.pretrain``) on the CPU, for tests.
+"""Run a ``megatron.training.pretrain`` script (Megatron-LM's trainer) on the CPU, for tests.
 
-``python tests/megatron/_megatron_lm_cpu.py scripts/pretrain_gpt_agoq.py <flags>`` with torchrun's RANK /
-WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set; add ``--distributed-backend gloo
---use-cpu-initialization --inference-rng-tracker`` to the flags. ``megatron.training`` is CUDA-only; on top of
-agoq's CPU mode (agoq/megatron/cpu_mode.py, entered after install_for_megatron_training's contract check, as
-agoq's own trainer does) this test driver stands in for what ``initialize_megatron`` and ``get_model`` ask of
-CUDA. Each stand-in is here and nowhere in the product:
+``python tests/megatron/_megatron_lm_cpu.py SCRIPT <flags>`` runs ``SCRIPT`` as ``__main__`` (e.g.
+scripts/pretrain_gpt_agoq.py); ``python tests/megatron/_megatron_lm_cpu.py -m agoq.megatron_lm SCRIPT <flags>`` runs
+agoq's zero-edit door on ``SCRIPT``, as ``python -m`` would. Set torchrun's RANK / WORLD_SIZE / LOCAL_RANK /
+MASTER_ADDR / MASTER_PORT; add ``--distributed-backend gloo --use-cpu-initialization --inference-rng-tracker`` to the
+flags. ``megatron.training`` is CUDA-only; on top of agoq's CPU mode (agoq/megatron/cpu_mode.py, entered after
+install_for_megatron_training's contract check, as agoq's own trainer does) this test driver stands in for what
+``initialize_megatron`` and ``get_model`` ask of CUDA. Each stand-in is here and nowhere in the product:
+
+* the door's ``require_cuda`` (agoq/megatron/train/megatron_lm_door.py) a no-op: it refuses a machine without CUDA.
 
 * ``initialize_megatron(allow_no_cuda=True)``: it asserts ``torch.cuda.is_available()`` otherwise.
 * ``torch.cuda.device_count() == 1``: with 0, ``_initialize_distributed`` skips ``initialize_model_parallel`` and
@@ -51,19 +54,25 @@ def main() -> None:
     import megatron.training.training as training
 
     from agoq.megatron import megatron_lm
+    from agoq.megatron.train import megatron_lm_door
 
     install = megatron_lm.install_for_megatron_training
 
-    def install_then_cpu(config):
-        handle = install(config)  # the contract check inspects symbols CPU mode replaces: check first
+    def install_then_cpu(*args, **kwargs):
+        handle = install(*args, **kwargs)  # the contract check inspects symbols CPU mode replaces: check first
         _enter_cpu_stand_ins()
         return handle
 
-    megatron_lm.install_for_megatron_training = install_then_cpu  # the script imports it by name below
+    megatron_lm.install_for_megatron_training = install_then_cpu  # looked up on the module at call time
+    megatron_lm_door.require_cuda = lambda: None
     training.set_jit_fusion_options = lambda *a, **k: None
     training.initialize_megatron = functools.partial(initialize.initialize_megatron, allow_no_cuda=True)
-    sys.argv = sys.argv[1:]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    if sys.argv[1] == "-m":
+        sys.argv = [sys.argv[2], *sys.argv[3:]]
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = sys.argv[1:]
+        runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 if __name__ == "__main__":

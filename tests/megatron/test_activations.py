@@ -553,3 +553,20 @@ def test_megatron_options_that_feed_recomputing_linears_otherwise_are_refused(mc
     tokens, labels, pos = _batch(0)
     with pytest.raises(RuntimeError, match="runs without grad on a norm output made with grad"):
         model(tokens, pos, None, labels=labels)
+
+
+def test_agoq_norm_names_megatron_lm_flags_for_what_it_cannot_run(mcore_world1):
+    """Issue 42 item 2: the norm said "supports normalization='RMSNorm' ... (got normalization='RMSNorm')"; it names
+    each setting and Megatron-LM's flag for it."""
+    from agoq.megatron.layers import AgoqRMSNorm
+    from agoq.megatron.model import ParallelLayout, llama_transformer_config
+
+    config = llama_transformer_config(tiny_shape(), ParallelLayout(), params_dtype=torch.float32,
+                                      use_cpu_initialization=True)
+    config.persist_layer_norm = True
+    with pytest.raises(NotImplementedError, match="persist_layer_norm=True \\(add --no-persist-layer-norm") as info:
+        AgoqRMSNorm(config, 64)
+    assert "got normalization" not in str(info.value)
+    config.persist_layer_norm, config.normalization = False, "LayerNorm"
+    with pytest.raises(NotImplementedError, match="add --normalization RMSNorm"):
+        AgoqRMSNorm(config, 64)

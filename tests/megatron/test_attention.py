@@ -52,3 +52,31 @@ def test_sdpa_refuses_unsupported_settings(mcore_world1):
     with pytest.raises(NotImplementedError, match="--attention-backend megatron"):
         SDPACoreAttention(config=_config(), layer_number=1, attn_mask_type=AttnMaskType.padding,
                           attention_type="self")
+
+
+def test_sdpa_takes_the_data_loaders_causal_mask_and_refuses_others(mcore_world1):
+    """Megatron-LM's loader makes a causal mask by default (--create-attention-mask-in-dataloader; True = masked,
+    [b, 1, s, s]): accepted, the same output as without it; a mask that is not causal (--reset-attention-mask's
+    document boundaries) or of another shape is refused naming Megatron-LM's flags, not agoq's trainer's."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from agoq.megatron.attention import SDPACoreAttention
+
+    ours = SDPACoreAttention(config=_config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
+                             attention_type="self")
+    gen = torch.Generator().manual_seed(1)
+    seq, batch = 9, 2
+    q = torch.randn(seq, batch, 4, 16, generator=gen)
+    k, v = torch.randn(seq, batch, 2, 16, generator=gen), torch.randn(seq, batch, 2, 16, generator=gen)
+    causal = torch.ones(seq, seq, dtype=torch.bool).triu(1).expand(batch, 1, seq, seq)
+    assert torch.equal(ours(q, k, v, causal), ours(q, k, v, None))
+    assert ours.agoq_mask_checked
+    fresh = SDPACoreAttention(config=_config(), layer_number=2, attn_mask_type=AttnMaskType.causal,
+                              attention_type="self")
+    documents = causal.clone()
+    documents[:, :, 5:, :5] = True  # a second document from position 5 on (--reset-attention-mask)
+    with pytest.raises(NotImplementedError, match="--reset-attention-mask") as info:
+        fresh(q, k, v, documents)
+    assert "--agoq-attention megatron" in str(info.value)
+    with pytest.raises(NotImplementedError, match="--no-create-attention-mask-in-dataloader"):
+        fresh(q, k, v, causal.float())

@@ -19,8 +19,6 @@ import argparse
 import contextlib
 import dataclasses
 import io
-import json
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -28,14 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from agoq.testing.procs import REPO_ROOT, child_env
-from tests.megatron._bench_scripts import load_bench_script
+from agoq.testing.procs import REPO_ROOT
+from tests.megatron._megatron_lm_runs import BENCH, launch, megatron_cpu_command, ok, pretrain_llama_command
 
-DRIVER = REPO_ROOT / "tests" / "megatron" / "_megatron_lm_cpu.py"
-SCRIPT = REPO_ROOT / "scripts" / "pretrain_gpt_agoq.py"
-
-
-BENCH = load_bench_script("bench_megatron_lm")
 DATA = {"prefix": "/data/text_document", "tokenizer": str(REPO_ROOT / "pyproject.toml")}  # parsing only
 
 
@@ -130,7 +123,10 @@ def test_documented_megatron_flags_give_the_trainers_transformer_config(monkeypa
 # -- errors -----------------------------------------------------------------------------------------
 
 REFUSED = [  # (flags added to the agoq_default command, error type, words the message must hold)
-    (["--transformer-impl", "transformer_engine"], ValueError, ["--transformer-impl", "--transformer-impl local"]),
+    (["--transformer-impl", "transformer_engine"], ValueError, ["--transformer-impl", "--transformer-impl local",
+                                                                "--agoq-disable"]),
+    (["--reset-attention-mask"], ValueError, ["--reset-attention-mask", "--agoq-attention megatron"]),
+    (["--spec", "local"], ValueError, ["--spec local", "drop --spec"]),
     (["--agoq-gradient-release"], NotImplementedError, ["--agoq-gradient-release", "scripts/pretrain_llama.py"]),
     (["--agoq-disable", "--agoq-grads", "int8_b256"], ValueError, ["--agoq-disable", "drop --agoq-grads"]),
     (["--agoq-disable", "--agoq-optimizer", "adamw"], ValueError, ["--agoq-disable", "--agoq-optimizer"]),
@@ -157,7 +153,7 @@ def _without(argv: list[str], flag: str, nargs: int) -> list[str]:
 
 @pytest.mark.parametrize(("extra", "error", "words"), REFUSED, ids=[" ".join(r[0]) for r in REFUSED])
 def test_unsupported_combinations_name_the_flag_and_the_fix(monkeypatch, extra, error, words):
-    from agoq.megatron.train.megatron_lm import agoq_config_from_megatron_args
+    from agoq.megatron.train.megatron_lm import MegatronLMRefusal, agoq_config_from_megatron_args
 
     argv = _bench_megatron_argv("agoq_default")
     if "--fp16" in extra:
@@ -167,8 +163,28 @@ def test_unsupported_combinations_name_the_flag_and_the_fix(monkeypatch, extra, 
     args = _megatron_args(monkeypatch, argv + extra)
     with pytest.raises(error) as info:
         agoq_config_from_megatron_args(args)
+    assert isinstance(info.value, MegatronLMRefusal)  # the door prints it as one line (no traceback)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+    assert "--attention-backend megatron" not in str(info.value)  # agoq's trainer's flag, not Megatron-LM's
+
+
+def test_the_baseline_takes_transformer_engine_and_recipe_flags_are_taken_over_with_a_line(monkeypatch):
+    """--agoq-disable runs Megatron as the flags say (Transformer Engine included; nothing taken over); with agoq on,
+    Megatron-LM's default --persist-layer-norm and --gradient-accumulation-fusion are turned off, one line each."""
+    from agoq.megatron.train.megatron_lm import agoq_config_from_megatron_args, take_over_recipe_flags
+
+    recipe = [w for w in _bench_megatron_argv("agoq_default")
+              if w not in ("--no-persist-layer-norm", "--no-gradient-accumulation-fusion")]
+    base = _megatron_args(monkeypatch, _without(recipe, "--transformer-impl", 1) + ["--agoq-disable"])
+    assert base.transformer_impl == "transformer_engine" and not agoq_config_from_megatron_args(base).enabled
+    assert take_over_recipe_flags(base) == [] and base.gradient_accumulation_fusion and not base.no_persist_layer_norm
+    args = _megatron_args(monkeypatch, recipe)
+    assert args.gradient_accumulation_fusion and not args.no_persist_layer_norm  # Megatron-LM's defaults
+    notes = take_over_recipe_flags(args)
+    assert len(notes) == 2 and "--persist-layer-norm" in notes[0] and "--gradient-accumulation-fusion" in notes[1]
+    assert not args.gradient_accumulation_fusion and args.no_persist_layer_norm
+    assert take_over_recipe_flags(args) == []  # nothing left to take over
 
 
 @pytest.mark.parametrize(("dest", "flag"), [("swiglu", "--swiglu"), ("normalization", "--normalization RMSNorm"),
@@ -186,14 +202,23 @@ def test_non_llama_model_flags_are_refused_with_agoq_on(monkeypatch, dest, flag)
 
 # -- patches ----------------------------------------------------------------------------------------
 
+def _patchable():
+    import megatron.core.datasets.utils as dataset_utils
+    import megatron.training.models.dist_utils as dist_utils
+    import megatron.training.training as mtt
+
+    return (mtt.DDP, mtt.get_megatron_optimizer, dataset_utils.compile_helpers, dist_utils.DistributedDataParallel,
+            mtt.setup_model_and_optimizer, mtt.build_train_valid_test_datasets)
+
+
 @pytest.fixture
 def training_module():
     import megatron.core.datasets.utils as dataset_utils
     import megatron.training.training as mtt
 
-    originals = (mtt.DDP, mtt.get_megatron_optimizer, dataset_utils.compile_helpers)
+    originals = _patchable()
     yield mtt, dataset_utils, originals
-    assert (mtt.DDP, mtt.get_megatron_optimizer, dataset_utils.compile_helpers) == originals, "a test left a patch"
+    assert _patchable() == originals, "a test left a patch"
 
 
 def test_the_model_provider_refuses_the_policies_the_trainer_refuses():
@@ -216,28 +241,36 @@ def test_the_model_provider_refuses_the_policies_the_trainer_refuses():
 
 @pytest.mark.parametrize("variant", ["baseline", "agoq_default", "agoq_full"])
 def test_install_patches_what_the_config_needs_and_undo_restores_megatron(monkeypatch, training_module, variant):
+    import megatron.training.models.dist_utils as dist_utils
     from megatron.core.distributed import DistributedDataParallel
 
     from agoq.megatron.install import marked_seam
     from agoq.megatron.megatron_lm import install_for_megatron_training
     from agoq.megatron.train.megatron_lm import agoq_config_from_megatron_args
 
-    mtt, dataset_utils, (ddp, factory, compile_helpers) = training_module
+    mtt, dataset_utils, originals = training_module
+    ddp, factory, compile_helpers, builder_ddp, setup, datasets = originals
     config = agoq_config_from_megatron_args(_megatron_args(monkeypatch, _bench_megatron_argv(variant)))
     handle = install_for_megatron_training(config)
     try:
         assert marked_seam(dataset_utils.compile_helpers) == "megatron_training.dataset_helpers"
+        assert marked_seam(mtt.build_train_valid_test_datasets) == "megatron_training.empty_splits"
         if variant == "agoq_full":
             assert marked_seam(mtt.DDP) == "megatron_training.ddp"
             assert issubclass(mtt.DDP, DistributedDataParallel)  # train() checks isinstance(chunk, DDP)
+            assert dist_utils.DistributedDataParallel is mtt.DDP  # the model builder's path: the same class
             assert marked_seam(mtt.get_megatron_optimizer) == "megatron_training.optimizer"
         else:
             assert mtt.DDP is ddp and mtt.get_megatron_optimizer is factory
+            assert dist_utils.DistributedDataParallel is builder_ddp
+        assert (marked_seam(mtt.setup_model_and_optimizer) == "megatron_training.built_check") == (
+            variant != "baseline")
         with pytest.raises(RuntimeError, match="already patched"):
             install_for_megatron_training(config)
     finally:
         handle.undo()
-    assert mtt.DDP is ddp and mtt.get_megatron_optimizer is factory and dataset_utils.compile_helpers is compile_helpers
+    assert (mtt.DDP, mtt.get_megatron_optimizer, dataset_utils.compile_helpers, dist_utils.DistributedDataParallel,
+            mtt.setup_model_and_optimizer, mtt.build_train_valid_test_datasets) == originals
 
 
 @pytest.mark.parametrize("agoq_on", [True, False])
@@ -296,10 +329,6 @@ def test_megatron_training_contract_holds():
 # -- end to end on the CPU --------------------------------------------------------------------------
 
 CPU_ITERS = 3
-CPU_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
-             "--ffn-hidden-size", "192", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
-             "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "1",
-             "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", "1234", "--split", "969,30,1"]
 
 
 @pytest.fixture(scope="module")
@@ -310,25 +339,8 @@ def default_data(agoq_cache):
     return {"prefix": str(paths.prefix), "tokenizer": str(paths.tokenizer_model)}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:  # xdist runs other modules' launches beside these: no fixed port
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-PORT_ATTEMPTS = 3  # a free port can be taken by a launch beside this one before the child binds it
-
-
-def _run(command: list[str], port: int | None, tmp_path, log_name: str) -> list[float]:
-    for _ in range(1 if port else PORT_ATTEMPTS):
-        env = child_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(port or _free_port()), AGOQ_CACHE=str(tmp_path / "cache"))
-        proc = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
-        if "EADDRINUSE" not in proc.stderr:
-            break
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    records = [json.loads(line) for line in (tmp_path / log_name).read_text().splitlines()]
-    return [r["lm_loss"] for r in records if "lm_loss" in r and "iteration" in r]
+def _run(command: list[str], tmp_path, log_name: str) -> list[float]:
+    return ok(launch(command, tmp_path, log_name)).losses
 
 
 # case -> (flags for megatron.training, flags for pretrain_llama.py[, equivalence flags left out of the first]);
@@ -347,27 +359,30 @@ CPU_CASES = {
 
 @pytest.mark.parametrize("case", sorted(CPU_CASES))
 def test_megatron_training_on_cpu_trains_as_pretrain_llama(default_data, tmp_path, case):
+    """scripts/pretrain_gpt_agoq.py (the door's reference script) trains as pretrain_llama.py, bit for bit; and its
+    --agoq-log-json agrees with Megatron's log line at every iteration (issue 42: the record of iteration 2 said
+    8.322104 and the log line 8.327531). Both were right about different things: Megatron's training_log prints the
+    first iteration without resetting its sum, so with --log-interval 1 the line of iteration 2 shows the mean of
+    iterations 1 and 2; the record keeps each iteration's own loss (lm_loss, equal to pretrain_llama.py's) and, where
+    Megatron prints a line, the value it prints (megatron_log_lm_loss)."""
     megatron_flags, own_flags, *dropped = CPU_CASES[case]
     iters = ["--train-iters", str(CPU_ITERS)]
-    megatron = _megatron_cpu_command(default_data, tmp_path, "m.jsonl", [*megatron_flags, *iters])
+    megatron = megatron_cpu_command(default_data, tmp_path, "m.jsonl", [*megatron_flags, *iters])
     megatron = [word for word in megatron if word not in (dropped[0] if dropped else ())]
     assert ("--no-rope-fusion" in megatron) != (case == "agoq_rope")
-    own = [sys.executable, str(REPO_ROOT / "scripts" / "pretrain_llama.py"), *CPU_FLAGS, "--data-path",
-           default_data["prefix"], "--tokenizer-model", default_data["tokenizer"], "--data-cache-dir",
-           str(tmp_path / "acache"), "--log-json", str(tmp_path / "a.jsonl"), *own_flags, *iters]
+    own = pretrain_llama_command(default_data, tmp_path, "a.jsonl", [*own_flags, *iters])
     with ThreadPoolExecutor(2) as pool:
-        ours, theirs = pool.map(lambda job: _run(job[0], None, tmp_path, job[1]),
-                                [(megatron, "m.jsonl"), (own, "a.jsonl")])
-    assert len(ours) == CPU_ITERS and ours == theirs, (ours, theirs)  # the same bits, every iteration
-
-
-def _megatron_cpu_command(default_data, tmp_path, log_name: str, extra: list[str]) -> list[str]:
-    return [sys.executable, str(DRIVER), str(SCRIPT), *CPU_FLAGS, "--group-query-attention",
-            "--max-position-embeddings", "64", *BENCH.MEGATRON_EQUIVALENCE_FLAGS, "--data-path",
-            default_data["prefix"], "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
-            default_data["tokenizer"], "--distributed-backend", "gloo", "--use-cpu-initialization",
-            "--inference-rng-tracker", "--data-cache-path", str(tmp_path / "mcache"),
-            "--agoq-log-json", str(tmp_path / log_name), *extra]
+        ours, theirs = pool.map(lambda job: ok(launch(job[0], tmp_path, job[1])), [(megatron, "m.jsonl"),
+                                                                                      (own, "a.jsonl")])
+    assert len(ours.losses) == CPU_ITERS and ours.losses == theirs.losses, (ours.losses, theirs.losses)
+    printed = ours.megatron_log_lines()
+    recorded = {r["iteration"]: r for r in ours.records if "iteration" in r}
+    assert sorted(printed) == sorted(recorded) == list(range(1, CPU_ITERS + 1)), (printed, recorded)
+    for iteration, text in printed.items():  # --log-interval 1: a line every iteration
+        assert f"{recorded[iteration]['megatron_log_lm_loss']:.6E}" == text, (iteration, text, recorded[iteration])
+    first, second = ours.losses[:2]
+    assert recorded[2]["megatron_log_lm_loss"] == pytest.approx((first + second) / 2, rel=1e-6)
+    assert recorded[1]["megatron_log_lm_loss"] == first and recorded[3]["megatron_log_lm_loss"] == ours.losses[2]
 
 
 OVERLAP_FLAGS = {"agoq_full_distopt": ("--overlap-grad-reduce", "--overlap-param-gather")}
@@ -383,12 +398,12 @@ def test_megatron_save_and_load_resume_bit_identically(default_data, tmp_path, v
     and the saves and asserts they exist; one rank, so the gathers move nothing)."""
     flags = [*BENCH.VARIANTS[variant], *OVERLAP_FLAGS.get(variant, ()), "--train-iters", "4"]
     ckpt = str(tmp_path / "ckpt")
-    straight = _run(_megatron_cpu_command(default_data, tmp_path, "a.jsonl", flags), None, tmp_path, "a.jsonl")
-    first = _run(_megatron_cpu_command(default_data, tmp_path, "b.jsonl", [*flags, "--save", ckpt, "--save-interval",
-                                                                            "2", "--exit-interval", "2"]),
-                 None, tmp_path, "b.jsonl")
-    resumed = _run(_megatron_cpu_command(default_data, tmp_path, "c.jsonl", [*flags, "--load", ckpt, "--no-load-rng"]),
-                   None, tmp_path, "c.jsonl")
+    straight = _run(megatron_cpu_command(default_data, tmp_path, "a.jsonl", flags), tmp_path, "a.jsonl")
+    first = _run(megatron_cpu_command(default_data, tmp_path, "b.jsonl", [*flags, "--save", ckpt, "--save-interval",
+                                                                           "2", "--exit-interval", "2"]),
+                 tmp_path, "b.jsonl")
+    resumed = _run(megatron_cpu_command(default_data, tmp_path, "c.jsonl", [*flags, "--load", ckpt, "--no-load-rng"]),
+                   tmp_path, "c.jsonl")
     assert len(straight) == 4 and first == straight[:2] and resumed == straight[2:], (straight, first, resumed)
 
 

@@ -56,9 +56,10 @@ TRAINER_DIR = ("megatron", "train")  # agoq/megatron/train, relative to agoq/
 PLUGIN_FORBIDDEN_MODULES = ("argparse", "agoq.megatron.train")
 PLUGIN_FORBIDDEN_NAMES = ("get_forward_backward_func", "OptimizerParamScheduler", "ArgumentParser")
 # Modules outside agoq/megatron/train that may import it: command-line tools above the trainer (python -m agoq.convert
-# filters the trainer's known start-up warnings). python -m agoq.plan takes the trainer's flags and --config files
-# from agoq.cli, below the trainer, and must not reach up into it.
-TRAINER_IMPORTERS = ("agoq/convert/__main__.py",)
+# filters the trainer's known start-up warnings; python -m agoq.megatron_lm runs a Megatron-LM script through agoq's
+# door, agoq.megatron.train.megatron_lm_door). python -m agoq.plan takes the trainer's flags and --config files from
+# agoq.cli, below the trainer, and must not reach up into it.
+TRAINER_IMPORTERS = ("agoq/convert/__main__.py", "agoq/megatron_lm.py")
 # Plugin files that still hold command-line code, each with its reason and way out (a stale entry fails).
 PLUGIN_EXCEPTIONS: dict[str, str] = {}
 

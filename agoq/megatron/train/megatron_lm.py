@@ -32,6 +32,9 @@ from agoq.config import (
 from agoq.policy import load_policy
 
 ATTENTION_CHOICES = ("sdpa", "megatron")
+AGOQ_SPEC = ["agoq.megatron.megatron_lm", "MEGATRON_LM_LAYER_SPEC"]
+"""Megatron-LM's --spec naming agoq's layer spec (agoq.megatron.megatron_lm.offer_layer_spec puts it there); a
+checkpoint saved through the door records it in its args (--use-checkpoint-args loads it back)."""
 
 # Megatron flags that agoq's layers need with agoq on (dest, wanted value, the flag that gives it). agoq's
 # layer spec is the local spec of a LLaMA decoder (RMSNorm, SwiGLU, no biases); dropout-free attention.
@@ -85,6 +88,10 @@ def add_agoq_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--agoq-sgd-nesterov", action="store_true", help="--agoq-optimizer sgd: Nesterov momentum")
     g.add_argument("--agoq-lion-beta1", type=float, default=None, help="--agoq-optimizer lion: beta1 (0.9)")
     g.add_argument("--agoq-lion-beta2", type=float, default=None, help="--agoq-optimizer lion: beta2 (0.99)")
+    g.add_argument("--agoq-log-json", default=None, metavar="FILE",
+                   help="append one JSON line per training iteration: its exact lm loss (Megatron's reduced loss of "
+                        "the iteration, repr of the float), the value Megatron's log line prints where it prints one, "
+                        "and the CUDA peak bytes so far")
     add_compute_flags(parser)  # the FP8 / Smooth-SwiGLU flags as scripts/pretrain_llama.py has them
     return parser
 
@@ -106,54 +113,116 @@ def _given(args, dest: str) -> bool:
     return value not in (None, False) and not (dest == "agoq_optimizer" and value == "torch")
 
 
+class MegatronLMRefusal(Exception):
+    """A combination agoq cannot run under ``megatron.training``, found before anything is built. The message names
+    the flag (in Megatron-LM's spelling, or agoq's ``--agoq-*``) and the fix; the door (``python -m agoq.megatron_lm``,
+    agoq/megatron/train/megatron_lm_door.py) prints it as one line and exits, without a traceback."""
+
+
+class RefusedFlags(MegatronLMRefusal, ValueError):
+    """Flags that do not combine with agoq (or with each other under agoq)."""
+
+
+class UnavailableUnderMegatronTraining(MegatronLMRefusal, NotImplementedError):
+    """An agoq feature ``megatron.training``'s loop cannot host."""
+
+
 def check_megatron_args(args: argparse.Namespace) -> None:
-    """Raise ValueError / NotImplementedError naming the flag and the fix for combinations agoq cannot run
-    under ``megatron.training`` (Megatron's own validation has run: ``parse_and_validate_args``)."""
+    """Raise :class:`RefusedFlags` / :class:`UnavailableUnderMegatronTraining` naming the flag and the fix for
+    combinations agoq cannot run under ``megatron.training``. Runs on Megatron's parsed args before its validation
+    (the door refuses before Megatron's argument dump) and again after it; with ``--agoq-disable`` only the agoq
+    switches given beside it are refused (the plain Megatron run takes any of Megatron's flags, Transformer Engine
+    included)."""
     if args.agoq_disable:
         extra = [_flag(d) for d in AGOQ_SWITCHES if _given(args, d)]
         if args.agoq_optimizer != "torch":
             extra.append("--agoq-optimizer")
         if extra:
-            raise ValueError(f"--agoq-disable runs the plain Megatron baseline; drop {', '.join(extra)}")
-    if getattr(args, "transformer_impl", "local") != "local":
-        raise ValueError(f"--transformer-impl {args.transformer_impl}: agoq builds on Megatron's local spec; add "
-                         "--transformer-impl local (for Megatron's Transformer Engine baseline run Megatron-LM's "
-                         "pretrain_gpt.py)")
-    if args.agoq_gradient_release:
-        raise NotImplementedError("--agoq-gradient-release steps the optimizer inside backward, which "
-                                  "megatron.training's train_step cannot host; run it with scripts/pretrain_llama.py "
-                                  "or drop the flag")
-    if args.agoq_attention == "sdpa" and args.attention_dropout:
-        raise ValueError(f"--agoq-attention sdpa runs without attention dropout, got --attention-dropout "
-                         f"{args.attention_dropout}; add --attention-dropout 0 or use --agoq-attention megatron")
-    if args.agoq_disable:
+            raise RefusedFlags(f"--agoq-disable runs the plain Megatron baseline; drop {', '.join(extra)}")
         return
+    if getattr(args, "transformer_impl", "local") != "local":
+        raise RefusedFlags(f"--transformer-impl {args.transformer_impl} (Megatron-LM's default): agoq's layers build "
+                           "on Megatron's local spec (Transformer Engine with agoq is not supported yet); add "
+                           "--transformer-impl local, or --agoq-disable for the plain Megatron run")
+    if args.agoq_gradient_release:
+        raise UnavailableUnderMegatronTraining(
+            "--agoq-gradient-release steps the optimizer inside backward, which megatron.training's train_step "
+            "cannot host; run it with scripts/pretrain_llama.py or drop the flag")
+    if args.agoq_attention == "sdpa" and args.attention_dropout:
+        raise RefusedFlags(f"--agoq-attention sdpa (agoq's default) runs without attention dropout, got "
+                           f"--attention-dropout {args.attention_dropout} (Megatron's default is 0.1); add "
+                           "--attention-dropout 0, or --agoq-attention megatron for Megatron's DotProductAttention")
+    if args.agoq_attention == "sdpa" and getattr(args, "reset_attention_mask", False):
+        raise RefusedFlags("--reset-attention-mask: agoq's SDPA attention is causal over the whole sequence (no "
+                           "document-boundary masks); drop --reset-attention-mask, or add --agoq-attention megatron")
+    if str(getattr(args, "attention_backend", "")).split(".")[-1] == "local":
+        raise RefusedFlags("--attention-backend local: with agoq on, core attention is --agoq-attention (sdpa, or "
+                           "megatron for Megatron's local DotProductAttention); drop --attention-backend local")
+    if getattr(args, "spec", None) is not None and list(args.spec) != AGOQ_SPEC:  # agoq's own (checkpoint args)
+        raise RefusedFlags(f"--spec {' '.join(args.spec)}: agoq gives Megatron its own layer spec (through --spec); "
+                           "drop --spec, or --agoq-disable for your spec without agoq")
+    position = "rope" if getattr(args, "use_rotary_position_embeddings", False) else args.position_embedding_type
     for dest, wanted, fix in LLAMA_FLAGS:
-        if getattr(args, dest, None) != wanted:
-            raise ValueError(f"agoq's layers are LLaMA's ({fix[2:].split()[0]}: {getattr(args, dest, None)!r}); add "
-                             f"{fix}, or --agoq-disable for the plain Megatron model")
+        value = position if dest == "position_embedding_type" else getattr(args, dest, None)
+        if value != wanted:
+            raise RefusedFlags(f"agoq's layers are LLaMA's ({fix[2:].split()[0]}: {value!r}); add {fix}, or "
+                               "--agoq-disable for the plain Megatron model")
     if args.fp16:
-        raise ValueError("--fp16: agoq runs bf16 (--bf16) or fp32 parameters; use --bf16, or --agoq-disable")
+        raise RefusedFlags("--fp16: agoq runs bf16 (--bf16) or fp32 parameters; use --bf16, or --agoq-disable")
     modules = list(getattr(args, "recompute_modules", None) or ["core_attn"])
     if args.recompute_granularity == "selective" and modules != ["core_attn"]:
-        raise ValueError(f"--recompute-modules {' '.join(modules)}: with agoq's layers, selective recompute covers "
-                         "core attention only (its linears, norms and SwiGLU store per the policy); use "
-                         "--recompute-modules core_attn, or --recompute-granularity full")
+        raise RefusedFlags(f"--recompute-modules {' '.join(modules)}: with agoq's layers, selective recompute covers "
+                           "core attention only (its linears, norms and SwiGLU store per the policy); use "
+                           "--recompute-modules core_attn, or --recompute-granularity full")
     if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
-        raise ValueError("--use-torch-fsdp2 / --use-megatron-fsdp: agoq's gradients and optimizer hook Megatron's "
-                         "DistributedDataParallel; drop the FSDP flag (--use-distributed-optimizer shards states)")
+        raise RefusedFlags("--use-torch-fsdp2 / --use-megatron-fsdp: agoq's gradients and optimizer hook Megatron's "
+                           "DistributedDataParallel; drop the FSDP flag (--use-distributed-optimizer shards states)")
     _check_optimizer_flags(args)
+
+
+def take_over_recipe_flags(args: argparse.Namespace) -> list[str]:
+    """Megatron-LM flags of a LLaMA recipe (on by default in Megatron-LM) that agoq's layers serve otherwise: each one
+    is turned off in ``args`` (before Megatron builds its ``TransformerConfig``) and named in one start-up line
+    returned here. With ``--agoq-disable`` nothing is changed (empty list).
+
+    * ``--persist-layer-norm`` (Megatron-LM's default; off with ``--no-persist-layer-norm``): apex's persistent
+      LayerNorm kernel, which RMSNorm never uses; Megatron's torch RMSNorm (the final norm without Transformer
+      Engine or apex) refuses the setting, so it is turned off: the model is the same.
+    * ``--gradient-accumulation-fusion`` (default; ``--no-gradient-accumulation-fusion``): APEX's fused wgrad GEMM
+      accumulating into ``main_grad``. agoq's linears compute their weight gradients themselves and Megatron's DDP
+      adds them to ``main_grad`` (a bf16 weight gradient added to the fp32 ``main_grad``, as Megatron's linears
+      without the fusion), so it is turned off.
+    """
+    if args.agoq_disable:
+        return []
+    notes = []
+    if not args.no_persist_layer_norm:
+        args.no_persist_layer_norm = True
+        notes.append("--persist-layer-norm (Megatron-LM's default) selects apex's persistent LayerNorm kernel, which "
+                     "RMSNorm does not use: turned off (--no-persist-layer-norm), the model is the same")
+    if args.gradient_accumulation_fusion:
+        args.gradient_accumulation_fusion = False
+        notes.append("--gradient-accumulation-fusion (Megatron-LM's default) taken over: agoq's linears compute their "
+                     "weight gradients and Megatron's DDP adds them to main_grad (APEX's fused wgrad GEMM is not used; "
+                     "add --no-gradient-accumulation-fusion to drop this line)")
+    backend = str(getattr(args, "attention_backend", "auto")).split(".")[-1]
+    if backend not in ("auto", "local"):
+        notes.append(f"--attention-backend {backend} selects a Transformer Engine attention; agoq's core attention is "
+                     f"--agoq-attention {args.agoq_attention}"
+                     + (" (torch SDPA: flash / cuDNN / memory-efficient kernels)" if args.agoq_attention == "sdpa"
+                        else " (Megatron's DotProductAttention)"))
+    return notes
 
 
 def _check_optimizer_flags(args: argparse.Namespace) -> None:
     if args.agoq_optimizer == "torch":
         for dest in ("agoq_moments", "agoq_master", "agoq_small_numel", "agoq_unfused"):
             if _given(args, dest):
-                raise ValueError(f"{_flag(dest)} sets agoq's optimizer, but --agoq-optimizer is torch (Megatron's "
+                raise RefusedFlags(f"{_flag(dest)} sets agoq's optimizer, but --agoq-optimizer is torch (Megatron's "
                                  f"optimizer); add --agoq-optimizer adamw (or lion / sgd), or drop {_flag(dest)}")
         return
     if args.optimizer != "adam":
-        raise ValueError(f"--optimizer {args.optimizer} with --agoq-optimizer {args.agoq_optimizer}: agoq's "
+        raise RefusedFlags(f"--optimizer {args.optimizer} with --agoq-optimizer {args.agoq_optimizer}: agoq's "
                          "optimizer replaces Megatron's; drop --optimizer (or --agoq-optimizer)")
     for dest, why in (("use_precision_aware_optimizer", "agoq keeps its own state formats"),
                       ("optimizer_cpu_offload", "agoq's states live on the GPU"),
@@ -162,7 +231,7 @@ def _check_optimizer_flags(args: argparse.Namespace) -> None:
                       ("apply_wd_to_qk_layernorm", "agoq's param groups exempt every 1-D parameter from weight "
                                                    "decay (Megatron's standard rule)")):
         if getattr(args, dest, None) not in (None, False):
-            raise ValueError(f"{_flag(dest)} with --agoq-optimizer {args.agoq_optimizer}: {why}; drop one of the two")
+            raise RefusedFlags(f"{_flag(dest)} with --agoq-optimizer {args.agoq_optimizer}: {why}; drop one of the two")
 
 
 def agoq_config_from_megatron_args(args: argparse.Namespace) -> AgoqConfig:
@@ -177,9 +246,12 @@ def agoq_config_from_megatron_args(args: argparse.Namespace) -> AgoqConfig:
     # RoPE is Megatron-LM's own flag here (--no-rope-fusion; on by default): with agoq on, the door fills Megatron's
     # empty fused-RoPE slot with agoq's kernel (install_for_megatron_training), so the config follows that flag
     values["rope_fusion"] = "agoq" if getattr(args, "apply_rope_fusion", False) else "off"
-    policy = None if args.agoq_disable else load_policy(Path(args.agoq_policy) if args.agoq_policy
-                                                         else DEFAULT_POLICY)
-    return AgoqConfig.from_flags(values, policy=policy)
+    try:
+        policy = None if args.agoq_disable else load_policy(Path(args.agoq_policy) if args.agoq_policy
+                                                             else DEFAULT_POLICY)
+        return AgoqConfig.from_flags(values, policy=policy)
+    except ValueError as error:  # a flag value agoq's config refuses (its message names the flag and the fix)
+        raise RefusedFlags(str(error)) from error
 
 
 

@@ -32,6 +32,7 @@ from agoq.cli.optim_args import check_release_flags
 from agoq.config import AgoqConfig
 from agoq.megatron import checkpoint, grad_reader, runtime
 from agoq.megatron.activations import policy_of
+from agoq.megatron.built_check import Expectation, any_rank_failed, check_built
 from agoq.megatron.compute import fc2_input_amax
 from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
@@ -45,6 +46,7 @@ from agoq.megatron.train.manual_gc import ManualGC
 from agoq.megatron.train.preflight import check_layout, microbatch_count
 from agoq.megatron.train.tensorboard import open_tensorboard
 from agoq.megatron.train.wandb_log import Loggers, open_wandb
+from agoq.policy import ScheduleInfo
 
 log = logging.getLogger("agoq.pretrain")
 
@@ -271,6 +273,9 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     params_dtype = torch.float32 if args.fp32 else torch.bfloat16
     progress("building the optimizer")
     optimizer, scheduler = build_optimizer(args, model, params_dtype)
+    # never silent: what the flags ask of agoq is what was built, on every rank, before the first step
+    check_built(config, model, optimizer, Expectation(args.attention_backend, ScheduleInfo(
+        pp_size=layout.pp, vp_size=layout.vpp, num_microbatches=microbatches)), rank=info.rank, agree=any_rank_failed)
     if config.grads.reduce_in_bf16:
         print_rank0("gradients: bf16 main_grad, accumulated and reduced in bf16 (--grad-reduce-in-bf16)")
     if not config.optimizer.agoq:

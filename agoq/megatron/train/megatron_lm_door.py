@@ -1,0 +1,303 @@
+"""agoq's door to Megatron-LM's own ``pretrain_gpt.py``, unmodified: ``python -m agoq.megatron_lm SCRIPT <flags>``.
+
+``torchrun --nproc-per-node 8 -m agoq.megatron_lm path/to/Megatron-LM/pretrain_gpt.py <Megatron-LM flags> --agoq-...``
+installs the door below, then runs ``SCRIPT`` as ``__main__`` (as ``python SCRIPT`` would: its folder first on
+``sys.path``, ``sys.argv`` = ``[SCRIPT, <flags>]``). Nothing in the script changes; the door works through the calls
+every ``pretrain_gpt.py`` of megatron.training 0.19.x makes:
+
+1. ``megatron.training.arguments.parse_and_validate_args`` (patch ``megatron_lm_door.parse_and_validate_args``, the
+   one patch made before the script runs): adds the ``--agoq-*`` flags to Megatron's parser (beside the script's own
+   ``extra_args_provider``); parses once more before Megatron's validation to refuse, in one line each and before
+   Megatron's argument dump, what agoq cannot run (``check_megatron_args``, the CUDA requirement); after Megatron's
+   validation builds the run's ``AgoqConfig``, takes over the recipe flags agoq's layers serve otherwise
+   (``take_over_recipe_flags``: one start-up line each), installs agoq's seams in megatron.training
+   (agoq.megatron.megatron_lm.install_for_megatron_training: the DDP class of both construction paths, the
+   optimizer factory, the built check, agoq's RoPE in Megatron's fused-RoPE slot) and, with agoq on, gives Megatron
+   agoq's layer spec through Megatron-LM's own ``--spec`` (``args.spec``), which both construction paths read: the
+   config container's model config (``gpt_config_from_args`` → ``GPTModelBuilder``) and a model provider built on
+   Megatron-LM's ``gpt_builder``.
+2. After Megatron has built the model, its DDP and the optimizer, every rank checks they are what the flags ask for
+   (agoq.megatron.built_check, the same check agoq's own trainer makes); a mismatch stops before the first step.
+3. ``--agoq-log-json FILE``: the loss of every iteration (patch ``megatron_lm_door.log_json`` of
+   ``megatron.training.training.train_step``; see :class:`LossRecord`).
+
+Refusals (:class:`agoq.megatron.train.megatron_lm.MegatronLMRefusal`, :class:`agoq.megatron.built_check.BuiltMismatch`)
+print one line (``agoq: ...``) and exit with status 2, without a traceback. Every change is undone when the script
+returns (the install handle).
+
+With ``--agoq-disable`` the door changes nothing of the model, DDP, optimizer or flags (Transformer Engine included);
+it keeps the two start-up fixes that change no number (agoq.megatron.megatron_lm: the wheel's dataset helpers,
+``--eval-iters 0``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import runpy
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agoq.megatron import megatron_lm
+from agoq.megatron.built_check import BuiltMismatch
+from agoq.megatron.train.megatron_lm import (
+    MegatronLMRefusal,
+    UnavailableUnderMegatronTraining,
+    add_agoq_args,
+    agoq_config_from_megatron_args,
+    check_megatron_args,
+    gpt_model_options,
+    take_over_recipe_flags,
+)
+
+SEAM_PARSE = "megatron_lm_door.parse_and_validate_args"
+SEAM_LOG = "megatron_lm_door.log_json"
+
+USAGE = ("usage: [torchrun ...] python -m agoq.megatron_lm path/to/pretrain_gpt.py <Megatron-LM flags> [--agoq-...]\n"
+         "Runs your Megatron-LM pretrain_gpt.py (megatron.training 0.19.x) unmodified, with agoq. docs/megatron_lm.md")
+
+
+@dataclass
+class DoorRun:
+    """What the door built for this run (after Megatron parsed and validated the flags)."""
+
+    args: object
+    config: object  # AgoqConfig
+    options: object  # agoq.megatron.megatron_lm.GPTModelOptions
+    handle: object  # agoq.megatron.install.Handle
+    lines: list[str] = field(default_factory=list)  # the start-up lines printed
+    record: LossRecord | None = None
+
+
+_RUN: dict[str, DoorRun] = {}
+
+
+def current_run() -> DoorRun:
+    """The run the door set up (after the script's ``parse_and_validate_args``)."""
+    if "run" not in _RUN:
+        raise RuntimeError("agoq's door has not seen Megatron's parse_and_validate_args yet")
+    return _RUN["run"]
+
+
+def require_cuda() -> None:
+    """megatron.training is CUDA-only (``initialize_megatron`` asserts "Megatron requires CUDA."): say so first."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UnavailableUnderMegatronTraining(
+            "megatron.training (Megatron-LM's trainer) needs a CUDA GPU and torch sees none (Megatron would stop with "
+            "'Megatron requires CUDA.'); run on a GPU machine, or use agoq's own trainer, scripts/pretrain_llama.py, "
+            "which also runs on the CPU")
+
+
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _say(lines: list[str]) -> None:
+    if _rank0():
+        for line in lines:
+            print(f"agoq: {line.removeprefix('agoq: ')}", flush=True)
+
+
+def _with_agoq_args(extra_args_provider):
+    def provider(parser):
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+        return add_agoq_args(parser)
+
+    return provider
+
+
+def _after_validation(args, precheck) -> None:
+    """Everything the door does once Megatron has validated the flags (module docstring, step 1)."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    config = agoq_config_from_megatron_args(args)  # checks again on the validated args
+    if precheck is not None:
+        precheck(args)
+    notes = take_over_recipe_flags(args)
+    options = gpt_model_options(args)
+    handle = megatron_lm.install_for_megatron_training(config)
+    run = DoorRun(args=args, config=config, options=options, handle=handle)
+    _RUN["run"] = run
+    run.lines = [megatron_lm.describe(config), *notes]
+    if config.enabled:
+        spec = megatron_lm.agoq_gpt_layer_spec(config, options, core_transformer_config_from_args(args),
+                                               num_microbatches=get_num_microbatches())
+        args.spec = megatron_lm.offer_layer_spec(spec)
+        run.lines.append(f"agoq's layer spec goes to Megatron through Megatron-LM's --spec {' '.join(args.spec)} "
+                         "(read by the model config's builder and by Megatron-LM's gpt_builder)")
+    if args.agoq_log_json:
+        run.record = LossRecord(args.agoq_log_json, args.log_interval)
+        run.record.install()
+    _say(run.lines)
+
+
+def install_door(precheck: Callable | None = None) -> None:
+    """Put the door's ``parse_and_validate_args`` in ``megatron.training.arguments`` (recorded, undone by
+    :func:`undo_door`). ``precheck(args)``: an entry script's own refusals, run with agoq's on the first parse and
+    again on the validated args (scripts/pretrain_gpt_agoq.py)."""
+    import megatron.training.arguments as arguments
+
+    from agoq.megatron.install import mark, set_module_attr
+
+    original = arguments.parse_and_validate_args
+    if getattr(original, "__agoq_patch__", None):
+        raise RuntimeError("agoq's door is already installed (megatron.training.arguments.parse_and_validate_args)")
+
+    def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False, args_defaults={}):  # noqa: B006
+        provider = _with_agoq_args(extra_args_provider)
+        first = arguments.parse_args(provider, ignore_unknown_args)  # refusals before Megatron's argument dump
+        require_cuda()
+        check_megatron_args(first)
+        if precheck is not None:
+            precheck(first)
+        args = original(provider, ignore_unknown_args, args_defaults)
+        _after_validation(args, precheck)
+        return args
+
+    set_module_attr(arguments, "parse_and_validate_args", mark(parse_and_validate_args, SEAM_PARSE), seam=SEAM_PARSE)
+
+
+def undo_door() -> None:
+    """Undo every change the door and its install made (newest first)."""
+    from agoq.megatron.install import undo_runtime_changes
+
+    run = _RUN.pop("run", None)
+    if run is not None:
+        run.handle.undo()
+    undo_runtime_changes()
+
+
+def _refusal_line(error: BaseException) -> str | None:
+    """The one line printed for a refusal on this rank (None: printed by another rank)."""
+    text = str(error).removeprefix("agoq: ")
+    if isinstance(error, BuiltMismatch):
+        return text if (getattr(error, "local", True) or _rank0()) else None
+    return text if _rank0() else None
+
+
+def run(entry: Callable[[], object], precheck: Callable | None = None) -> None:
+    """Install the door, call ``entry`` (a script's main), write ``--agoq-log-json``'s final record, undo. A refusal
+    prints one line and exits with status 2."""
+    install_door(precheck)
+    try:
+        entry()
+        if "run" not in _RUN:  # the script parsed Megatron's flags some other way: agoq never got in
+            raise UnavailableUnderMegatronTraining(
+                "the script returned without calling megatron.training.arguments.parse_and_validate_args, where "
+                "agoq's door gets in: whatever it ran, it ran without agoq; call parse_and_validate_args to parse "
+                "Megatron's flags (as Megatron-LM's pretrain_gpt.py does)")
+        record = _RUN["run"].record
+        if record is not None:
+            record.finish()
+    except (MegatronLMRefusal, BuiltMismatch) as error:
+        line = _refusal_line(error)
+        if line is not None:
+            print(f"agoq: {line}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    finally:
+        undo_door()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m agoq.megatron_lm SCRIPT <flags>``: run ``SCRIPT`` as ``__main__`` through the door."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        raise SystemExit(0 if argv else 2)
+    script = Path(argv[0])
+    if not script.is_file():
+        print(f"agoq: {script}: no such script (the first argument is your pretrain_gpt.py)\n{USAGE}", file=sys.stderr)
+        raise SystemExit(2)
+    sys.argv = [str(script), *argv[1:]]
+    sys.path.insert(0, str(script.resolve().parent))  # as `python SCRIPT`: the script's own imports (gpt_builders, ...)
+    run(lambda: runpy.run_path(str(script), run_name="__main__"))
+
+
+# -- --agoq-log-json ---------------------------------------------------------------------------------
+
+class LossRecord:
+    """``--agoq-log-json FILE``: one JSON line per training iteration, from ``train_step``'s return (Megatron's
+    reduced losses of the iteration: the mean over micro-batches of a 2-tuple loss function's report, or the token
+    sum / token count of a 3-tuple one), written by the last pipeline stage's first tensor- and data-parallel rank:
+
+    * ``lm_loss``: the iteration's loss, exact (``repr`` of the float);
+    * ``megatron_log_lm_loss``: on the iterations where Megatron prints a log line, the value that line prints:
+      Megatron's ``training_log`` sums the losses (fp32) of the iterations since its last print and divides by their
+      number; it prints the first iteration of a run without resetting that sum, so with ``--log-interval 1`` the line
+      of the second iteration shows the mean of the first two (``lm_loss`` is each iteration's own);
+    * ``peak_bytes_so_far``: ``torch.cuda.max_memory_allocated()`` after the step;
+
+    and ``{"final": true, "peak_bytes": ...}`` when the script returns."""
+
+    KEY = "lm loss"
+
+    def __init__(self, path: str, log_interval: int):
+        self.path = path
+        self.log_interval = log_interval
+        self.logging_rank: bool | None = None
+        self.first = True
+        self.total = None  # fp32 tensor, as Megatron's total_loss_dict
+        self.advanced = 0
+
+    def install(self) -> None:
+        import megatron.training.training as mtt
+
+        from agoq.megatron.install import mark, set_module_attr
+
+        original = mtt.train_step
+
+        @functools.wraps(original)  # Megatron's signature (the contract check reads it)
+        def train_step(*args, **kwargs):
+            out = original(*args, **kwargs)
+            iteration = kwargs.get("iteration", args[7] if len(args) > 7 else None)  # train() passes it by name
+            self.after_step(iteration, out[0], out[1])
+            return out
+
+        set_module_attr(mtt, "train_step", mark(train_step, SEAM_LOG), seam=SEAM_LOG)
+
+    def _is_logging_rank(self) -> bool:
+        if self.logging_rank is None:
+            from megatron.core import parallel_state as ps
+
+            self.logging_rank = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank()
+                                 == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
+        return self.logging_rank
+
+    def after_step(self, iteration: int | None, loss_dict: dict, skipped: int) -> None:
+        import torch
+
+        if iteration is None or not loss_dict or self.KEY not in loss_dict:
+            return
+        iteration += 1  # train() counts the step after train_step returns; its log line shows this number
+        loss = loss_dict[self.KEY]
+        if not skipped:  # Megatron's training_log: skipped iterations add nothing to the printed mean
+            start = torch.tensor([0.0], dtype=torch.float, device=loss.device) if self.total is None else self.total
+            self.total = start + loss
+            self.advanced += 1
+        record = {"iteration": iteration, "lm_loss": float(loss.item()), "skipped": bool(skipped)}
+        if iteration % self.log_interval == 0 or self.first:
+            record["megatron_log_lm_loss"] = (0.0 if self.total is None else self.total.item()) / float(
+                max(1, self.advanced))
+            if not self.first:
+                self.total, self.advanced = None, 0
+        self.first = False
+        record["peak_bytes_so_far"] = torch.cuda.max_memory_allocated()
+        if self._is_logging_rank():
+            self._append(record)
+
+    def finish(self) -> None:
+        import torch
+
+        if self.logging_rank:
+            self._append({"final": True, "peak_bytes": torch.cuda.max_memory_allocated()})
+
+    def _append(self, record: dict) -> None:
+        with open(self.path, "a") as out:
+            out.write(json.dumps(record) + "\n")
