@@ -105,11 +105,11 @@ train_valid_test_datasets_provider.is_distributed = True  # every rank builds it
 
 def precheck(args) -> None:
     """What this script's model provider cannot build (the door's own checks refuse the rest)."""
-    if args.agoq_disable and args.transformer_impl != "local":
+    if args.transformer_impl != "local":
         raise RefusedFlags(f"--transformer-impl {args.transformer_impl}: scripts/pretrain_gpt_agoq.py builds "
                            "Megatron's local spec; add --transformer-impl local, or run Megatron-LM's own "
-                           "pretrain_gpt.py through the door (python -m agoq.megatron_lm path/to/pretrain_gpt.py ... "
-                           "--agoq-disable)")
+                           "pretrain_gpt.py through the door (python -m agoq.megatron_lm path/to/pretrain_gpt.py ...), "
+                           "which takes Transformer Engine with agoq on or --agoq-disable")
     if args.agoq_disable and args.agoq_attention == "sdpa" and args.attention_dropout:
         raise RefusedFlags(f"--agoq-attention sdpa (this script's default, --agoq-disable too) runs without "
                            f"attention dropout, got --attention-dropout {args.attention_dropout} (Megatron's default "

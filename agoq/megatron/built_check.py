@@ -58,6 +58,9 @@ class Expectation:
 
     attention: str
     schedule: ScheduleInfo
+    transformer_engine: bool = False
+    """Megatron's TE spec (``--transformer-impl transformer_engine``): TE's modules with agoq's saved-activation scopes
+    (agoq.megatron.saved_scopes) instead of agoq's layers."""
     how_to_fix: str = ""
     """Appended to the message: how to build agoq's model on this entry (the door names itself)."""
 
@@ -91,7 +94,32 @@ def _qualname(obj) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _te_layer_problems(config: AgoqConfig, expect: Expectation, chunks: list) -> list[str]:
+    """With Transformer Engine: every layer is built from TE's modules and carries the policy's scopes."""
+    from agoq.megatron.saved_scopes import layer_positions, scope_problems
+
+    problems, not_te = [], []
+    layers = layer_positions(chunks)
+    for layer, pos in layers:
+        number = pos.layer_idx + 1
+        qkv = getattr(getattr(layer, "self_attention", None), "linear_qkv", None)
+        if "transformer_engine" not in type(qkv).__module__:
+            not_te.append(number)
+            continue
+        wrong = scope_problems(layer, pos, config.policy.spec, expect.schedule)
+        if wrong:
+            problems.append(f"layer {number}: {'; '.join(wrong)}")
+    if not layers and chunks:
+        problems.append("no transformer layer in this rank's model chunks")
+    if not_te:
+        problems.append(f"layers {_spans(not_te)} are not built from Transformer Engine's modules although "
+                        "--transformer-impl transformer_engine was asked for")
+    return problems
+
+
 def _layer_problems(config: AgoqConfig, expect: Expectation, chunks: list) -> list[str]:
+    if expect.transformer_engine:
+        return _te_layer_problems(config, expect, chunks)
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from agoq.megatron.activations import agoq_modules

@@ -353,11 +353,18 @@ def _built_check(config: AgoqConfig, original):
 
         model, optimizer, scheduler = original(*args, **kwargs)
         margs = get_args()
+        schedule = ScheduleInfo(pp_size=margs.pipeline_model_parallel_size,
+                                vp_size=margs.virtual_pipeline_model_parallel_size,
+                                num_microbatches=get_num_microbatches())
+        te = config.enabled and margs.transformer_impl == "transformer_engine"
+        if te:  # TE's layers: the policy through saved-tensor scopes (agoq.megatron.te, agoq.megatron.saved_scopes)
+            from agoq.megatron.saved_scopes import apply_saved_scopes
+
+            stats, _ = apply_saved_scopes(model, config.policy.spec, schedule)
+            if torch.distributed.get_rank() == 0:
+                print(f"agoq: {stats.scopes} saved-tensor scopes on Transformer Engine's modules (rank 0)", flush=True)
         expect = Expectation(
-            attention=getattr(margs, "agoq_attention", "sdpa"),
-            schedule=ScheduleInfo(pp_size=margs.pipeline_model_parallel_size,
-                                  vp_size=margs.virtual_pipeline_model_parallel_size,
-                                  num_microbatches=get_num_microbatches()),
+            attention=getattr(margs, "agoq_attention", "sdpa"), schedule=schedule, transformer_engine=te,
             how_to_fix="Run the script through agoq's door, python -m agoq.megatron_lm path/to/pretrain_gpt.py "
                        "<flags> (it gives both construction paths of megatron.training agoq's layer spec, DDP and "
                        "optimizer; docs/megatron_lm.md)")

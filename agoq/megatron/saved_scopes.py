@@ -187,15 +187,36 @@ def apply_saved_scopes(model_chunks, spec: PolicySpec, schedule: ScheduleInfo, *
     check_policy_for_scopes(spec, [pos for _, pos in layers], schedule, fused)
     stats, handles = ScopeStats(counter=SavedBytesCounter(), kept_bytes={}), []
     for layer, pos in layers:
-        for path, role in _SCOPES:
+        for path, fmt in wanted_scopes(layer, pos, spec, schedule).items():
             module = _submodule(layer, path)
-            if module is None:
-                continue
-            fmt = resolve(spec, pos.site(role), schedule)
-            if not fmt.quantized:
-                continue
-            scope = _Scope(fmt, (pos.layer_idx, role), stats, min_numel)
+            scope = _Scope(fmt, (pos.layer_idx, dict(_SCOPES)[path]), stats, min_numel)
             handles.append(module.register_forward_pre_hook(scope.enter))
             handles.append(module.register_forward_hook(scope.leave, always_call=True))
+            module._agoq_saved_scope = scope  # what agoq.megatron.built_check reads
             stats.scopes += 1
     return stats, handles
+
+
+def wanted_scopes(layer: torch.nn.Module, pos: LayerPosition, spec: PolicySpec,
+                  schedule: ScheduleInfo) -> dict[str, QuantFormat]:
+    """Submodule path -> the format its scope stores, for every module of ``layer`` whose role the policy quantizes
+    at the layer's site (bf16 roles get no scope)."""
+    out = {}
+    for path, role in _SCOPES:
+        if _submodule(layer, path) is None:
+            continue
+        fmt = resolve(spec, pos.site(role), schedule)
+        if fmt.quantized:
+            out[path] = fmt
+    return out
+
+
+def scope_problems(layer: torch.nn.Module, pos: LayerPosition, spec: PolicySpec, schedule: ScheduleInfo) -> list[str]:
+    """What differs between the scopes ``layer``'s modules carry and the policy's at the layer's site."""
+    problems = []
+    for path, fmt in wanted_scopes(layer, pos, spec, schedule).items():
+        scope = getattr(_submodule(layer, path), "_agoq_saved_scope", None)
+        if scope is None or scope.fmt != fmt:
+            built = "no scope" if scope is None else scope.fmt.name
+            problems.append(f"{path} ({dict(_SCOPES)[path]}: built {built}; policy {fmt.name})")
+    return problems

@@ -36,11 +36,14 @@ def te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+def te_missing_message(flag: str = "--transformer-impl transformer_engine") -> str:
+    return f"{flag}: Transformer Engine is not installed; {TE_INSTALL_HINT}, or use --transformer-impl local"
+
+
 def require_te(flag: str = "--transformer-impl transformer_engine") -> None:
     """One line naming the fix when Transformer Engine is asked for and not installed."""
     if not te_available():
-        raise RuntimeError(f"{flag}: Transformer Engine is not installed; {TE_INSTALL_HINT}, or use "
-                           "--transformer-impl local")
+        raise RuntimeError(te_missing_message(flag))
 
 
 def check_te_composition(config: AgoqConfig, gradient_accumulation_fusion: bool) -> None:

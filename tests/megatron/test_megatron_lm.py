@@ -123,8 +123,10 @@ def test_documented_megatron_flags_give_the_trainers_transformer_config(monkeypa
 # -- errors -----------------------------------------------------------------------------------------
 
 REFUSED = [  # (flags added to the agoq_default command, error type, words the message must hold)
-    (["--transformer-impl", "transformer_engine"], ValueError, ["--transformer-impl", "--transformer-impl local",
-                                                                "--agoq-disable"]),
+    (["--transformer-impl", "transformer_engine", "--agoq-fp8", "delayed"], ValueError,
+     ["--agoq-fp8", "--fp8-format hybrid --fp8-recipe delayed", "--transformer-impl local"]),
+    (["--transformer-impl", "inference_optimized"], ValueError, ["--transformer-impl inference_optimized",
+                                                                 "local or transformer_engine"]),
     (["--reset-attention-mask"], ValueError, ["--reset-attention-mask", "--agoq-attention megatron"]),
     (["--spec", "local"], ValueError, ["--spec local", "drop --spec"]),
     (["--agoq-gradient-release"], NotImplementedError, ["--agoq-gradient-release", "scripts/pretrain_llama.py"]),
@@ -144,6 +146,17 @@ REFUSED = [  # (flags added to the agoq_default command, error type, words the m
     (["--fp16"], ValueError, ["--fp16", "--bf16"]),
     (["--agoq-grads", "uint8_b256"], ValueError, ["--agoq-grads uint8_b256", "signed"]),
 ]
+
+
+def test_transformer_engine_with_agoq_on_is_taken(monkeypatch):
+    """Megatron-LM's default --transformer-impl transformer_engine with agoq on: TE's layers with agoq's scopes,
+    gradients and optimizer (agoq.megatron.te); the local spec's attention checks do not apply."""
+    from agoq.megatron.train.megatron_lm import agoq_config_from_megatron_args, uses_transformer_engine
+
+    argv = _without(_bench_megatron_argv("agoq_full"), "--transformer-impl", 1)
+    args = _megatron_args(monkeypatch, argv + ["--transformer-impl", "transformer_engine", "--attention-dropout",
+                                               "0.1"])
+    assert uses_transformer_engine(args) and agoq_config_from_megatron_args(args).enabled
 
 
 def _without(argv: list[str], flag: str, nargs: int) -> list[str]:

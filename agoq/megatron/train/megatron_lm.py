@@ -132,7 +132,8 @@ def check_megatron_args(args: argparse.Namespace) -> None:
     combinations agoq cannot run under ``megatron.training``. Runs on Megatron's parsed args before its validation
     (the door refuses before Megatron's argument dump) and again after it; with ``--agoq-disable`` only the agoq
     switches given beside it are refused (the plain Megatron run takes any of Megatron's flags, Transformer Engine
-    included)."""
+    included). With agoq on, ``--transformer-impl local`` gives agoq's layers and ``transformer_engine`` (Megatron-LM's
+    default) TE's layers with agoq's saved-activation scopes, gradients and optimizer (agoq.megatron.te)."""
     if args.agoq_disable:
         extra = [_flag(d) for d in AGOQ_SWITCHES if _given(args, d)]
         if args.agoq_optimizer != "torch":
@@ -140,14 +141,58 @@ def check_megatron_args(args: argparse.Namespace) -> None:
         if extra:
             raise RefusedFlags(f"--agoq-disable runs the plain Megatron baseline; drop {', '.join(extra)}")
         return
-    if getattr(args, "transformer_impl", "local") != "local":
-        raise RefusedFlags(f"--transformer-impl {args.transformer_impl} (Megatron-LM's default): agoq's layers build "
-                           "on Megatron's local spec (Transformer Engine with agoq is not supported yet); add "
-                           "--transformer-impl local, or --agoq-disable for the plain Megatron run")
+    impl = getattr(args, "transformer_impl", "local")
+    if impl not in ("local", "transformer_engine"):
+        raise RefusedFlags(f"--transformer-impl {impl}: agoq composes with Megatron's local spec and Transformer "
+                           "Engine's (--transformer-impl local or transformer_engine), or add --agoq-disable")
+    te = impl == "transformer_engine"
+    if te:
+        from agoq.megatron.te import te_available, te_missing_message
+
+        if not te_available():
+            raise RefusedFlags(te_missing_message())
+        for dest, fix in (("agoq_fp8", "use Megatron-LM's --fp8-format hybrid --fp8-recipe delayed (TE's recipes)"),
+                          ("agoq_smooth_swiglu", "drop it (agoq's Smooth-SwiGLU runs in agoq's own MLP)")):
+            if _given(args, dest):
+                raise RefusedFlags(f"{_flag(dest)} with --transformer-impl transformer_engine: TE's modules run the "
+                                   f"GEMMs; {fix}, or --transformer-impl local for agoq's layers")
     if args.agoq_gradient_release:
         raise UnavailableUnderMegatronTraining(
             "--agoq-gradient-release steps the optimizer inside backward, which megatron.training's train_step "
             "cannot host; run it with scripts/pretrain_llama.py or drop the flag")
+    if not te:
+        _check_local_attention(args)
+    if getattr(args, "spec", None) is not None and list(args.spec) != AGOQ_SPEC:  # agoq's own (checkpoint args)
+        raise RefusedFlags(f"--spec {' '.join(args.spec)}: agoq gives Megatron its own layer spec (through --spec); "
+                           "drop --spec, or --agoq-disable for your spec without agoq")
+    position = "rope" if getattr(args, "use_rotary_position_embeddings", False) else args.position_embedding_type
+    for dest, wanted, fix in LLAMA_FLAGS:
+        if te and dest == "transformer_impl":
+            continue
+        value = position if dest == "position_embedding_type" else getattr(args, dest, None)
+        if value != wanted:
+            raise RefusedFlags(f"agoq's layers are LLaMA's ({fix[2:].split()[0]}: {value!r}); add {fix}, or "
+                               "--agoq-disable for the plain Megatron model")
+    if args.fp16:
+        raise RefusedFlags("--fp16: agoq runs bf16 (--bf16) or fp32 parameters; use --bf16, or --agoq-disable")
+    modules = list(getattr(args, "recompute_modules", None) or ["core_attn"])
+    if not te and args.recompute_granularity == "selective" and modules != ["core_attn"]:
+        raise RefusedFlags(f"--recompute-modules {' '.join(modules)}: with agoq's layers, selective recompute covers "
+                           "core attention only (its linears, norms and SwiGLU store per the policy); use "
+                           "--recompute-modules core_attn, or --recompute-granularity full")
+    if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
+        raise RefusedFlags("--use-torch-fsdp2 / --use-megatron-fsdp: agoq's gradients and optimizer hook Megatron's "
+                           "DistributedDataParallel; drop the FSDP flag (--use-distributed-optimizer shards states)")
+    _check_optimizer_flags(args)
+
+
+def uses_transformer_engine(args: argparse.Namespace) -> bool:
+    """--transformer-impl transformer_engine (Megatron-LM's default) with agoq on: TE's layers (agoq.megatron.te)."""
+    return not args.agoq_disable and getattr(args, "transformer_impl", "local") == "transformer_engine"
+
+
+def _check_local_attention(args: argparse.Namespace) -> None:
+    """agoq's core attention on the local spec (--agoq-attention): what it cannot run."""
     if args.agoq_attention == "sdpa" and args.attention_dropout:
         raise RefusedFlags(f"--agoq-attention sdpa (agoq's default) runs without attention dropout, got "
                            f"--attention-dropout {args.attention_dropout} (Megatron's default is 0.1); add "
@@ -158,29 +203,9 @@ def check_megatron_args(args: argparse.Namespace) -> None:
     if str(getattr(args, "attention_backend", "")).split(".")[-1] == "local":
         raise RefusedFlags("--attention-backend local: with agoq on, core attention is --agoq-attention (sdpa, or "
                            "megatron for Megatron's local DotProductAttention); drop --attention-backend local")
-    if getattr(args, "spec", None) is not None and list(args.spec) != AGOQ_SPEC:  # agoq's own (checkpoint args)
-        raise RefusedFlags(f"--spec {' '.join(args.spec)}: agoq gives Megatron its own layer spec (through --spec); "
-                           "drop --spec, or --agoq-disable for your spec without agoq")
-    position = "rope" if getattr(args, "use_rotary_position_embeddings", False) else args.position_embedding_type
-    for dest, wanted, fix in LLAMA_FLAGS:
-        value = position if dest == "position_embedding_type" else getattr(args, dest, None)
-        if value != wanted:
-            raise RefusedFlags(f"agoq's layers are LLaMA's ({fix[2:].split()[0]}: {value!r}); add {fix}, or "
-                               "--agoq-disable for the plain Megatron model")
-    if args.fp16:
-        raise RefusedFlags("--fp16: agoq runs bf16 (--bf16) or fp32 parameters; use --bf16, or --agoq-disable")
-    modules = list(getattr(args, "recompute_modules", None) or ["core_attn"])
-    if args.recompute_granularity == "selective" and modules != ["core_attn"]:
-        raise RefusedFlags(f"--recompute-modules {' '.join(modules)}: with agoq's layers, selective recompute covers "
-                           "core attention only (its linears, norms and SwiGLU store per the policy); use "
-                           "--recompute-modules core_attn, or --recompute-granularity full")
-    if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
-        raise RefusedFlags("--use-torch-fsdp2 / --use-megatron-fsdp: agoq's gradients and optimizer hook Megatron's "
-                           "DistributedDataParallel; drop the FSDP flag (--use-distributed-optimizer shards states)")
-    _check_optimizer_flags(args)
 
 
-def take_over_recipe_flags(args: argparse.Namespace) -> list[str]:
+def take_over_recipe_flags(args: argparse.Namespace, config: AgoqConfig | None = None) -> list[str]:
     """Megatron-LM flags of a LLaMA recipe (on by default in Megatron-LM) that agoq's layers serve otherwise: each one
     is turned off in ``args`` (before Megatron builds its ``TransformerConfig``) and named in one start-up line
     returned here. With ``--agoq-disable`` nothing is changed (empty list).
@@ -200,13 +225,21 @@ def take_over_recipe_flags(args: argparse.Namespace) -> list[str]:
         args.no_persist_layer_norm = True
         notes.append("--persist-layer-norm (Megatron-LM's default) selects apex's persistent LayerNorm kernel, which "
                      "RMSNorm does not use: turned off (--no-persist-layer-norm), the model is the same")
-    if args.gradient_accumulation_fusion:
+    te = uses_transformer_engine(args)
+    if args.gradient_accumulation_fusion and te:
+        grads = (config or agoq_config_from_megatron_args(args)).grads
+        if grads.quantized and grads.mode == "store":
+            args.gradient_accumulation_fusion = False
+            notes.append("--gradient-accumulation-fusion (Megatron-LM's default) turned off: TE would accumulate "
+                         "weight gradients into the float main_grad that agoq's 8-bit gradient store replaces (add "
+                         "--no-gradient-accumulation-fusion to drop this line, or --agoq-grads-mode reduce to keep it)")
+    elif args.gradient_accumulation_fusion:
         args.gradient_accumulation_fusion = False
         notes.append("--gradient-accumulation-fusion (Megatron-LM's default) taken over: agoq's linears compute their "
                      "weight gradients and Megatron's DDP adds them to main_grad (APEX's fused wgrad GEMM is not used; "
                      "add --no-gradient-accumulation-fusion to drop this line)")
     backend = str(getattr(args, "attention_backend", "auto")).split(".")[-1]
-    if backend not in ("auto", "local"):
+    if backend not in ("auto", "local") and not te:
         notes.append(f"--attention-backend {backend} selects a Transformer Engine attention; agoq's core attention is "
                      f"--agoq-attention {args.agoq_attention}"
                      + (" (torch SDPA: flash / cuDNN / memory-efficient kernels)" if args.agoq_attention == "sdpa"

@@ -45,12 +45,14 @@ from agoq.megatron import megatron_lm
 from agoq.megatron.built_check import BuiltMismatch
 from agoq.megatron.train.megatron_lm import (
     MegatronLMRefusal,
+    RefusedFlags,
     UnavailableUnderMegatronTraining,
     add_agoq_args,
     agoq_config_from_megatron_args,
     check_megatron_args,
     gpt_model_options,
     take_over_recipe_flags,
+    uses_transformer_engine,
 )
 
 SEAM_PARSE = "megatron_lm_door.parse_and_validate_args"
@@ -120,13 +122,26 @@ def _after_validation(args, precheck) -> None:
     config = agoq_config_from_megatron_args(args)  # checks again on the validated args
     if precheck is not None:
         precheck(args)
-    notes = take_over_recipe_flags(args)
+    notes = take_over_recipe_flags(args, config)
+    te = uses_transformer_engine(args)
+    if te:
+        from agoq.megatron import te as agoq_te
+
+        try:
+            agoq_te.require_te()
+            agoq_te.check_te_composition(config, args.gradient_accumulation_fusion)
+        except (RuntimeError, ValueError) as error:  # one line, as every refusal of the door
+            raise RefusedFlags(str(error)) from None
     options = gpt_model_options(args)
     handle = megatron_lm.install_for_megatron_training(config)
     run = DoorRun(args=args, config=config, options=options, handle=handle)
     _RUN["run"] = run
     run.lines = [megatron_lm.describe(config), *notes]
-    if config.enabled:
+    if te:
+        run.lines.append("agoq on Transformer Engine's layers (Megatron's TE spec, unchanged): the policy's formats "
+                         "for the activations TE saves in 16 bits, through saved-tensor scopes around its modules; "
+                         "TE's FP8 copies stay as they are")
+    elif config.enabled:
         spec = megatron_lm.agoq_gpt_layer_spec(config, options, core_transformer_config_from_args(args),
                                                num_microbatches=get_num_microbatches())
         args.spec = megatron_lm.offer_layer_spec(spec)
