@@ -7,8 +7,9 @@ model, mock data, batch and schedule:
   (``benchmarks/megatron_gpt_upstream.py``: the model config container, Megatron's TE spec, fused attention, FP8
   recipes, the precision-aware optimizer, recompute, activation offloading) — nothing of agoq imported;
 * ``agoq/...`` rows: agoq through its Megatron-LM door (``scripts/pretrain_gpt_agoq.py``) on Megatron's local spec;
-* ``agoq_te/...`` rows: agoq through the same door on Megatron's TE spec (TE's modules, agoq's saved-activation
-  scopes, 8-bit gradients and optimizer).
+* ``agoq_te/...`` rows: the same upstream driver through agoq's zero-edit door (``torchrun --module agoq.megatron_lm
+  benchmarks/megatron_gpt_upstream.py ... --agoq-...``), as a Megatron-LM user runs their own ``pretrain_gpt.py``:
+  Megatron's TE spec, with agoq's saved-activation scopes, 8-bit gradients and optimizer.
 
 Per row: tokens/s and TFLOP/s/GPU (medians of Megatron's own per-iteration log from iteration ``--skip`` on), the
 CUDA allocator's peak (allocated and reserved), and each iteration's loss. Megatron + TE runs without
@@ -34,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM = REPO / "benchmarks" / "megatron_gpt_upstream.py"
 DOOR = REPO / "scripts" / "pretrain_gpt_agoq.py"
+ZERO_EDIT = "zero-edit"  # the upstream driver through agoq's door: python -m agoq.megatron_lm UPSTREAM ...
 
 SHAPES = {  # name -> Megatron model flags
     "1b": ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "32", "--group-query-attention",
@@ -60,7 +62,7 @@ AGOQ_FULL = ["--agoq-optimizer", "adamw", "--agoq-grads", "int8_b256"]
 AGOQ_FP8 = ["--agoq-fp8", "delayed"]
 
 # name -> (driver, micro-batch, extra flags, extra environment)
-ROWS: dict[str, tuple[Path, int, list[str], dict]] = {
+ROWS: dict[str, tuple[Path | str, int, list[str], dict]] = {
     "te/bf16": (UPSTREAM, 2, [], {}),
     "te/fp8_delayed": (UPSTREAM, 2, TE_FP8, {}),
     "te/fp8_tensorwise": (UPSTREAM, 2, ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"], {}),
@@ -80,11 +82,11 @@ ROWS: dict[str, tuple[Path, int, list[str], dict]] = {
     "agoq/full_fp8": (DOOR, 2, DOOR_LOCAL + AGOQ_FULL + AGOQ_FP8, {}),
     # agoq composed with TE (agoq/megatron/te.py): TE's layers, agoq's saved-activation scopes, 8-bit gradients and
     # optimizer, through the door with Megatron-LM's default --transformer-impl transformer_engine
-    "agoq_te/bf16_policy": (DOOR, 2, ["--agoq-policy", "configs/policy/bf16.yaml"], {}),
-    "agoq_te/full": (DOOR, 2, AGOQ_FULL, {}),
-    "agoq_te/full_fp8": (DOOR, 2, AGOQ_FULL + TE_FP8, {}),
-    "agoq_te/full_fp8_mbs4": (DOOR, 4, AGOQ_FULL + TE_FP8, {}),
-    "agoq_te/lean_fp8": (DOOR, 2, AGOQ_FULL + TE_FP8 + ["--agoq-policy", "configs/policy/bf16.yaml"], {}),
+    "agoq_te/bf16_policy": (ZERO_EDIT, 2, ["--agoq-policy", "configs/policy/bf16.yaml"], {}),
+    "agoq_te/full": (ZERO_EDIT, 2, AGOQ_FULL, {}),
+    "agoq_te/full_fp8": (ZERO_EDIT, 2, AGOQ_FULL + TE_FP8, {}),
+    "agoq_te/full_fp8_mbs4": (ZERO_EDIT, 4, AGOQ_FULL + TE_FP8, {}),
+    "agoq_te/lean_fp8": (ZERO_EDIT, 2, AGOQ_FULL + TE_FP8 + ["--agoq-policy", "configs/policy/bf16.yaml"], {}),
     # the FP8 learning-speed finding: which of agoq full's parts slows FP8's first iterations
     "agoq/fp8_bf16policy_megatron_adam": (DOOR, 2, DOOR_LOCAL + AGOQ_FP8 + ["--agoq-policy",
                                                                            "configs/policy/bf16.yaml"], {}),
@@ -108,9 +110,10 @@ def schedule(micro_batch: int, iters: int, global_batch: int) -> list[str]:
 
 def row_command(name: str, shape: str, iters: int, global_batch: int, record: Path, port: int) -> list[str]:
     driver, micro_batch, extra, _ = ROWS[name]
-    record_flag = ["--bench-json", str(record)] if driver == UPSTREAM else ["--agoq-log-json", str(record)]
+    record_flag = ["--agoq-log-json", str(record)] if driver == DOOR else ["--bench-json", str(record)]
+    entry = ["--module", "agoq.megatron_lm", str(UPSTREAM)] if driver == ZERO_EDIT else [str(driver)]
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
-            "--master-addr", "127.0.0.1", "--master-port", str(port), str(driver), *SHAPES[shape], *LLAMA,
+            "--master-addr", "127.0.0.1", "--master-port", str(port), *entry, *SHAPES[shape], *LLAMA,
             *schedule(micro_batch, iters, global_batch), *DATA, *extra, *record_flag]
 
 
@@ -118,7 +121,7 @@ def read_record(path: Path, driver: Path) -> tuple[list[float], int | None, int 
     """(loss per iteration, peak allocated bytes, peak reserved bytes) from the driver's record file."""
     if not path.exists():
         return [], None, None
-    if driver == UPSTREAM:
+    if driver != DOOR:
         rec = json.loads(path.read_text())
         return rec["iterations"], rec.get("peak_allocated_bytes"), rec.get("peak_reserved_bytes")
     losses, peak = {}, None
