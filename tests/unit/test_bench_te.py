@@ -40,8 +40,10 @@ def test_rows_use_their_driver_and_the_same_model():
     for name in bench.ROWS:
         cmd = bench.row_command(name, "1b", 10, 16, Path("/tmp/r.json"), 29500)
         driver = bench.ROWS[name][0]
-        assert str(driver) in cmd
+        assert str(bench.UPSTREAM if driver == bench.ZERO_EDIT else driver) in cmd
+        assert (cmd[cmd.index(str(bench.UPSTREAM)) - 1] == "agoq.megatron_lm") == (driver == bench.ZERO_EDIT) \
+            if driver != bench.DOOR else True
         assert cmd[cmd.index("--num-layers") + 1] == "16" and "--mock-data" in cmd
         local = name.startswith(("agoq/", "local/"))
         assert ("--transformer-impl" in cmd and cmd[cmd.index("--transformer-impl") + 1] == "local") == local, name
-        assert ("--bench-json" in cmd) == name.startswith("te/"), name
+        assert ("--bench-json" in cmd) == (driver != bench.DOOR), name
