@@ -3,8 +3,9 @@
 #   bash benchmarks/device/te.sh [step ...]         (no step: all; detach.sh te.sh WAIT_S runs it past one call)
 # Steps and what they settle:
 #   te_tests   agoq on TE's layers (tests/gpu/test_te_agoq_gpu.py: bf16 policy bit-identical to plain TE, the
-#              default policy above nf4's floor in bf16 and TE FP8) and the zero-edit door through megatron.training
-#              on both construction paths (tests/gpu/test_megatron_lm_gpu.py -k zero_edit_door)          ~3 min
+#              default policy above nf4's floor in bf16 and TE FP8)                                       ~1 min
+#   door_gpu   the zero-edit door through megatron.training on both construction paths, local spec
+#              (tests/gpu/test_megatron_lm_gpu.py -k zero_edit_door)                                        ~3 min
 #   te_bench   the Transformer Engine baseline and agoq side by side (benchmarks/bench_te.py, every row):
 #              Megatron + TE bf16 / FP8 delayed / tensorwise / mbs 4 / precision-aware optimizer (bf16 and FP8
 #              moments) / + selective, full recompute, activation offloading; Megatron local bf16; agoq full and
@@ -15,7 +16,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 export PYTHONPATH="/tmp/te/site:$PYTHONPATH"
 header
 "$PY" -c "from importlib.metadata import version; print('transformer-engine', version('transformer-engine'))"
-step te_tests 600 "$PY" -m pytest -q -p no:cacheprovider -rA tests/gpu/test_te_agoq_gpu.py \
-  tests/gpu/test_megatron_lm_gpu.py -k "not test_megatron_training_matches_agoq_trainer"
+step te_tests 600 "$PY" -m pytest -q -p no:cacheprovider -rA tests/gpu/test_te_agoq_gpu.py
+step door_gpu 600 "$PY" -m pytest -q -p no:cacheprovider -rA tests/gpu/test_megatron_lm_gpu.py -k zero_edit_door
 # shellcheck disable=SC2086  # TE_ROWS is a list of row names
 step te_bench 1500 "$PY" benchmarks/bench_te.py --out "$AGOQ_RESULTS/te.json" ${TE_ROWS:+--rows $TE_ROWS}
