@@ -84,7 +84,7 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
         selective_recompute=args.recompute_granularity == "selective",
         cuda_graph_impl=args.cuda_graph_impl, cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
-        rope_fusion=agoq.rope_fused(on_cuda=not info.is_cpu),
+        rope_fusion=agoq.rope_fused(on_cuda=not info.is_cpu), sequence_parallel=args.sequence_parallel,
     )
     if config.apply_rope_fusion:
         from agoq.megatron.rope import qkv_rope_fusion_provider, rope_fusion_provider

@@ -16,6 +16,7 @@ from pathlib import Path
 from agoq.cli.flag_hints import unknown_flag_hints
 from agoq.cli.graph_args import add_graph_flags
 from agoq.cli.optim_args import add_optim_flags
+from agoq.cli.seqpar_args import add_sequence_parallel_flag
 
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
@@ -88,6 +89,7 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="PP: pipeline stages (layers split evenly); data-parallel size = world size / (TP x PP)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="enables the interleaved 1F1B schedule")
+    add_sequence_parallel_flag(g)
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer states (and with agoq's optimizer its master) over the data-parallel ranks")
     g.add_argument("--overlap-grad-reduce", action="store_true",

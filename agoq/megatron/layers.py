@@ -191,7 +191,6 @@ class AgoqRMSNorm(torch.nn.RMSNorm):
                  agoq_handoff: Handoff | None = None, **_unused):
         fixes = {"layernorm_zero_centered_gamma": "drop --apply-layernorm-1p",
                  "persist_layer_norm": "add --no-persist-layer-norm (apex's LayerNorm kernel; RMSNorm has none)",
-                 "sequence_parallel": "drop --sequence-parallel",
                  "memory_efficient_layer_norm": "drop --memory-efficient-layer-norm"}
         problems = [f"{name}=True ({fix})" for name, fix in fixes.items() if getattr(config, name)]
         if config.normalization != "RMSNorm":
@@ -205,6 +204,10 @@ class AgoqRMSNorm(torch.nn.RMSNorm):
             raise ValueError(f"agoq: the norm {agoq_save.key} stores its input quantized but has no hand-off to the "
                              "linear it feeds; build it through AgoqTransformerLayer (agoq_layer_spec)")
         super().__init__(normalized_shape=hidden_size, eps=eps)
+        if config.sequence_parallel:
+            # the norm sees this rank's sequence shard: finalize_model_grads all-reduces the gradient of a weight so
+            # marked over TP (Megatron's own norms set the same attribute; unset otherwise, as torch's RMSNorm)
+            self.weight.sequence_parallel = True
         self.agoq_save = agoq_save
         self.agoq_handoff = agoq_handoff
         self.agoq_node_checked = False  # the CUDA norm node's saved input was checked to be x (first call)
@@ -242,6 +245,10 @@ class _AgoqLinearMixin:
             raise ValueError(f"agoq: the linear {agoq_save.key} recomputes its input but has no hand-off from the "
                              "op that produces it; build it through AgoqTransformerLayer (agoq_layer_spec)")
         super().__init__(*args, **kwargs)
+        if agoq_fp8 is not None and self.config.sequence_parallel:
+            raise NotImplementedError(
+                f"agoq's FP8 linears do not all-gather a sequence-sharded input (layer/role {agoq_save.key}: "
+                "sequence_parallel=True); run these layers in bf16 (--agoq-fp8 off) or drop --sequence-parallel")
         self.agoq_save = agoq_save
         self.agoq_handoff = agoq_handoff
         self.agoq_fp8 = agoq_fp8  # FP8Recipe for this linear, or None: Megatron's bf16 GEMMs
@@ -260,9 +267,11 @@ class _AgoqLinearMixin:
 
     def _plain_megatron_linear(self) -> bool:
         """What every one-node linear needs of Megatron's linear (agoq.ops.linear_math reproduces only this case):
-        bf16 GEMMs, no gradient-accumulation fusion, no sequence parallelism, no GTP weight remat, no expert comm."""
+        bf16 GEMMs, no gradient-accumulation fusion, no GTP weight remat, no expert comm. Sequence parallelism is
+        reproduced (a column-parallel linear's gather / reduce-scatter; a row-parallel one's reduce-scatter of the
+        output follows in Megatron's forward)."""
         config = self.config
-        return (self.agoq_fp8 is None and not config.gradient_accumulation_fusion and not config.sequence_parallel
+        return (self.agoq_fp8 is None and not config.gradient_accumulation_fusion
                 and getattr(self, "gtp_remat_size", 1) == 1 and not getattr(self, "explicit_expert_comm", False))
 
     def _takes_swiglu_feed(self) -> bool:
@@ -334,18 +343,31 @@ class _AgoqLinearMixin:
                 "the norm and its linear, e.g. Megatron's recompute_modules 'mlp' or 'layernorm'); its gradients "
                 "would be lost. Leave those modules out of --recompute-modules or use a policy that keeps the norm "
                 "roles bf16")
-        self._check_unfused_kwargs(args, kw, "agoq's norm + linear node",
-                                   "build the layers with SavePaths(fuse_norm_linear=False)")
-        return rmsnorm_linear(feed, weight, kw.get("bias"), self._dgrad_group(kw, "agoq's norm + linear node"))
+        what = "agoq's norm + linear node"
+        self._check_unfused_kwargs(args, kw, what, "build the layers with SavePaths(fuse_norm_linear=False)",
+                                   sequence_parallel=True)
+        return rmsnorm_linear(feed, weight, kw.get("bias"), self._dgrad_group(kw, what), self._sp_group(kw, what))
 
     def _quantized_node_forward_impl(self, input, weight, args, kw):
         """A linear storing its own input quantized as one node (agoq.ops.quant_linear); outside any other saved-
         tensor hooks (under them the hook scope runs, innermost, as before)."""
         save = self.agoq_save
-        self._check_unfused_kwargs(args, kw, "agoq's quantized-input linear node",
-                                   "build the layers with SavePaths(quantized_linear_node=False)")
-        group = self._dgrad_group(kw, "agoq's quantized-input linear node")
-        return quantized_input_linear(input, weight, kw.get("bias"), save.fmt, save.key, save.counter, group)
+        what = "agoq's quantized-input linear node"
+        self._check_unfused_kwargs(args, kw, what, "build the layers with SavePaths(quantized_linear_node=False)",
+                                   sequence_parallel=True)
+        return quantized_input_linear(input, weight, kw.get("bias"), save.fmt, save.key, save.counter,
+                                      self._dgrad_group(kw, what), self._sp_group(kw, what))
+
+    def _sp_group(self, kw, what: str):
+        """The group a one-node column-parallel linear gathers its sequence-sharded input over and reduce-scatters
+        its input gradient over: Megatron's ``tp_group`` where it passes ``sequence_parallel``, else None."""
+        if not kw.get("sequence_parallel"):
+            return None
+        group = kw.get("tp_group")
+        if group is None:
+            raise NotImplementedError(f"{what} under sequence parallelism needs the linear's tp_group "
+                                      f"({self.agoq_save.key})")
+        return group
 
     def _dgrad_group(self, kw, what: str):
         """The group a one-node linear all-reduces its input gradient over: Megatron's ``tp_group`` where it passes
@@ -403,10 +425,12 @@ class _AgoqLinearMixin:
     def _check_fp8_kwargs(self, args, kw) -> None:
         self._check_unfused_kwargs(args, kw, "agoq's FP8 linear", "run this layer in bf16 (--agoq-fp8 off)")
 
-    def _check_unfused_kwargs(self, args, kw, what: str, fix: str) -> None:
-        """Raise when Megatron passes an option that agoq's own linear nodes do not implement."""
+    def _check_unfused_kwargs(self, args, kw, what: str, fix: str, *, sequence_parallel: bool = False) -> None:
+        """Raise when Megatron passes an option that agoq's own linear nodes do not implement
+        (``sequence_parallel``: this node implements Megatron's sequence parallelism)."""
         save = self.agoq_save
-        unsupported = [name for name in ("gradient_accumulation_fusion", "sequence_parallel") if kw.get(name)]
+        unsupported = [name for name in ("gradient_accumulation_fusion", "sequence_parallel")
+                       if kw.get(name) and not (name == "sequence_parallel" and sequence_parallel)]
         if kw.get("grad_output_buffer") is not None:
             unsupported.append("defer_embedding_wgrad_compute")
         if (kw.get("gtp_remat_size") or 1) > 1:

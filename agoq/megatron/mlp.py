@@ -13,7 +13,7 @@ from megatron.core.transformer.mlp import MLP
 from agoq.megatron.layers import _NO_SAVE, Handoff, SavedInputConfig, SmoothFc2Input, with_params
 from agoq.ops.saved_act import default_saved_hooks_active
 from agoq.ops.saved_swiglu import smooth_swiglu_saving_input, swiglu_reference, swiglu_saving_input
-from agoq.ops.smooth_swiglu import glu_smooth_scale, unsmooth_fc2_output
+from agoq.ops.smooth_swiglu import glu_smooth_scale, sequence_shard, unsmooth_fc2_output
 from agoq.ops.smooth_swiglu_fp8 import fused_smooth_supported, plain_swiglu_fusion
 from agoq.ops.swiglu_linear import swiglu_no_graph
 
@@ -29,7 +29,8 @@ class AgoqMLP(MLP):
     :class:`Handoff` (``agoq_fc2_handoff``, given to fc2 at construction).
     Smooth-SwiGLU divides the SwiGLU output by a power-of-two s (exact) and undoes it around fc2: per
     token, fc2's output (after the TP all-reduce; s is all-reduced MAX over TP first) is multiplied
-    by s; per channel, fc2 uses W * s (s folded into its input columns, handed to fc2 with the stash;
+    by s (under sequence parallelism fc2's output is reduce-scattered along the sequence, and each rank multiplies
+    by its own shard of s: fc1's output, and so s, covers the whole sequence); per channel, fc2 uses W * s (s folded into its input columns, handed to fc2 with the stash;
     each channel lives on one TP rank). In bf16 the smoothed MLP therefore equals the plain one bit for
     bit, barring underflow.
 
@@ -80,8 +81,6 @@ class AgoqMLP(MLP):
         problems = self._swiglu_problems()
         if self.config.glu_linear_offset:
             problems.append("glu_linear_offset=0")
-        if self.config.sequence_parallel:
-            problems.append("sequence_parallel=False (the per-token scale would need slicing)")
         if problems:
             raise NotImplementedError(f"Smooth-SwiGLU needs {', '.join(problems)}; use --agoq-smooth-swiglu off")
 
@@ -210,4 +209,6 @@ class AgoqMLP(MLP):
             return self.linear_fc2(z_SBF)
         self.agoq_fc2_handoff.put(stash)
         out_SBH, out_bias = self.linear_fc2(z_SBF)
+        if self.config.sequence_parallel:  # fc2's output was reduce-scattered along the sequence: this rank's s
+            s = sequence_shard(s, self.tp_group)
         return unsmooth_fc2_output(out_SBH, s), out_bias

@@ -120,7 +120,7 @@ class ParallelLayout:
 def llama_transformer_config(
     shape: LlamaShape, layout: ParallelLayout, *, params_dtype: torch.dtype, use_cpu_initialization: bool,
     recompute_num_layers: int | None = None, selective_recompute: bool = False, cuda_graph_impl: str = "none",
-    cuda_graph_warmup_steps: int = 3, rope_fusion: bool = False,
+    cuda_graph_warmup_steps: int = 3, rope_fusion: bool = False, sequence_parallel: bool = False,
 ) -> TransformerConfig:
     """``recompute_num_layers``: Megatron's full activation recompute (granularity "full", method
     "uniform": every group of this many layers saves only its input and reruns its forward in
@@ -132,7 +132,8 @@ def llama_transformer_config(
     graph field is passed (Megatron's defaults). ``rope_fusion``: Megatron's ``apply_rope_fusion``, its fused-RoPE
     slot filled with agoq's kernel where Transformer Engine does not fill it (agoq.megatron.rope: the same values
     and gradients as the unfused RoPE, 2 launches per query / key instead of ~21), and ``fused_single_qkv_rope``,
-    self-attention's QKV split + RoPE as one op (the same values and gradients as the split path)."""
+    self-attention's QKV split + RoPE as one op (the same values and gradients as the split path).
+    ``sequence_parallel``: Megatron's sequence parallelism (TP > 1; agoq's layers only: agoq.megatron.seqpar)."""
     if recompute_num_layers and selective_recompute:
         raise ValueError("--recompute-granularity is full or selective, not both")
     bf16 = params_dtype == torch.bfloat16
@@ -171,6 +172,7 @@ def llama_transformer_config(
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         tensor_model_parallel_size=layout.tp,
+        sequence_parallel=sequence_parallel,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         use_cpu_initialization=use_cpu_initialization,
@@ -249,6 +251,8 @@ def build_model_chunks(
     shape: LlamaShape, config: TransformerConfig, layer_spec: ModuleSpec, vpp: int | None
 ) -> list[GPTModel]:
     """One GPTModel per virtual stage of this pipeline rank (Megatron's ``get_model`` layout)."""
+    from agoq.megatron.seqpar import block_spec
+
     if shape.rope_scaling:
         check_rope_scaling_bands()
     chunks = []
@@ -256,7 +260,7 @@ def build_model_chunks(
         stage = vp_stage if vpp else None
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec,
+            transformer_layer_spec=block_spec(layer_spec, config, stage),
             vocab_size=shape.vocab_size,
             max_sequence_length=shape.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

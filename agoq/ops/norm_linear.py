@@ -19,8 +19,12 @@ A column-parallel linear's input-gradient all-reduce over the tensor-parallel gr
 Megatron's function does, and precedes the norm's backward. A frozen linear weight (``requires_grad`` False) gets
 the backward of Megatron's ``LinearWithFrozenWeight``, which its ``_forward_impl`` runs then: the input gradient
 through a 2-D view, a synchronous all-reduce, no weight or bias gradient.
-Sequence parallelism, gradient-accumulation fusion and wgrad deferral are not implemented here: the Megatron layer
-does not route such a linear through this node (agoq.megatron.layers).
+Under sequence parallelism (``sp_group``) the norm runs on this rank's sequence shard, the node stores that shard's
+quantized input (1/tp of the tokens), all-gathers the norm output along the sequence for the GEMM, and in backward
+re-gathers the recomputed shard for the weight gradient and reduce-scatters the input gradient before the norm's
+backward (agoq.ops.linear_math: Megatron's sequence-parallel linear, same ops). Gradient-accumulation fusion and
+wgrad deferral are not implemented here: the Megatron layer does not route such a linear through this node
+(agoq.megatron.layers).
 
 Shape legend: T = tokens (any leading dims), H = hidden (the norm's width), O = the linear's output features.
 """
@@ -32,7 +36,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from agoq.formats import QuantFormat
-from agoq.ops.linear_math import amp_bwd, amp_fwd, frozen_linear_backward, linear_backward, linear_forward, take_codes
+from agoq.ops.linear_math import (
+    amp_bwd,
+    amp_fwd,
+    frozen_linear_backward,
+    linear_backward,
+    linear_forward,
+    seq_gather,
+    take_codes,
+)
 from agoq.ops.saved_act import Key, SavedBytesCounter, _dequantize, quantize_saved
 from agoq.ops.saved_norm import rmsnorm_backward, rmsnorm_recompute
 
@@ -71,10 +83,12 @@ class _RMSNormLinear(torch.autograd.Function):
 
     @staticmethod
     @amp_fwd
-    def forward(ctx, x_TH, norm_weight_H, weight_OH, bias_O, feed: NormFeed, dgrad_group):
-        out_TO = linear_forward(feed.y, weight_OH, bias_O)
+    def forward(ctx, x_TH, norm_weight_H, weight_OH, bias_O, feed: NormFeed, dgrad_group, sp_group):
+        y_TH = feed.y if sp_group is None else seq_gather(feed.y, sp_group)
+        out_TO = linear_forward(y_TH, weight_OH, bias_O)
+        del y_TH
         ctx.q = quantize_saved(x_TH, feed.fmt, feed.key, feed.counter)
-        ctx.eps, ctx.use_bias, ctx.dgrad_group = feed.eps, bias_O is not None, dgrad_group
+        ctx.eps, ctx.use_bias, ctx.dgrad_group, ctx.sp_group = feed.eps, bias_O is not None, dgrad_group, sp_group
         ctx.save_for_backward(norm_weight_H, weight_OH)  # parameters: no activation memory
         return out_TO
 
@@ -89,20 +103,25 @@ class _RMSNormLinear(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             with torch.no_grad():  # the linear's input rebuilt once; on CUDA its rstd serves the norm's backward
                 y_hat_TH, rstd_T1 = rmsnorm_recompute(x_hat_TH, norm_weight_H, ctx.eps)
+            if ctx.sp_group is not None:  # the weight gradient takes the whole sequence (Megatron's re-gather)
+                y_hat_TH = seq_gather(y_hat_TH, ctx.sp_group)
             grad_y_TH, grad_weight, grad_bias = linear_backward(grad_out_TO, y_hat_TH, weight_OH, ctx.dgrad_group,
-                                                                ctx.use_bias and ctx.needs_input_grad[3])
+                                                                ctx.use_bias and ctx.needs_input_grad[3],
+                                                                sp_group=ctx.sp_group)
             del y_hat_TH
         else:  # a frozen weight needs no recomputed input
-            grad_y_TH = frozen_linear_backward(grad_out_TO, weight_OH, ctx.dgrad_group)
+            grad_y_TH = frozen_linear_backward(grad_out_TO, weight_OH, ctx.dgrad_group, sp_group=ctx.sp_group)
             grad_weight = grad_bias = None
         grad_x, grad_norm_weight = rmsnorm_backward(grad_y_TH, x_hat_TH, rstd_T1, norm_weight_H, ctx.eps,
                                                     ctx.needs_input_grad[:2])
-        return grad_x, grad_norm_weight, grad_weight, grad_bias, None, None
+        return grad_x, grad_norm_weight, grad_weight, grad_bias, None, None, None
 
 
 def rmsnorm_linear(feed: NormFeed, weight_OH: torch.Tensor, bias_O: torch.Tensor | None = None,
-                   dgrad_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                   dgrad_group: dist.ProcessGroup | None = None,
+                   sp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The linear fed by the norm of ``feed`` as one node from the norm's input: ``feed.y @ W^T (+ b)``, storing
     only the norm's quantized input. ``dgrad_group``: all-reduce the gradient of ``y`` over this group (a
-    column-parallel linear's tensor-parallel group, Megatron's ``allreduce_dgrad``; None: no all-reduce)."""
-    return _RMSNormLinear.apply(feed.x, feed.weight, weight_OH, bias_O, feed, dgrad_group)
+    column-parallel linear's tensor-parallel group, Megatron's ``allreduce_dgrad``; None: no all-reduce).
+    ``sp_group``: sequence parallelism over this group (module docstring; excludes ``dgrad_group``)."""
+    return _RMSNormLinear.apply(feed.x, feed.weight, weight_OH, bias_O, feed, dgrad_group, sp_group)

@@ -59,6 +59,7 @@ __all__ = [
     "smooth_swiglu",
     "smooth_swiglu_bwd",
     "unsmooth_fc2_output",
+    "sequence_shard",
     "fold_channel_scale",
     "glu_smooth_scale",
 ]
@@ -144,6 +145,19 @@ def unsmooth_fc2_output(fc2_out: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"per-token scale {tuple(s.shape)} does not broadcast over fc2 output {tuple(fc2_out.shape)} "
                          "(with sequence parallelism slice s to the local sequence shard first)")
     return (fc2_out.to(torch.float32) * s).to(fc2_out.dtype)
+
+
+def sequence_shard(s: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's part of a per-token scale ``s`` [s, b, 1] along the sequence (the first dimension), as Megatron's
+    reduce-scatter of a sequence-parallel row-parallel linear's output splits it: rank r of ``tp_group`` gets the
+    r-th of ``world`` equal chunks."""
+    world = 1 if tp_group is None else dist.get_world_size(tp_group)
+    if world == 1:
+        return s
+    if s.shape[0] % world:
+        raise ValueError(f"per-token scale of {s.shape[0]} positions does not split over {world} sequence-parallel "
+                         "ranks; the sequence length must be a multiple of the tensor-parallel size")
+    return s.chunk(world, dim=0)[dist.get_rank(tp_group)]
 
 
 def fold_channel_scale(fc2_weight: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

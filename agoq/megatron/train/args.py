@@ -33,6 +33,7 @@ from agoq.cli.flags import (
     policy_path,
 )
 from agoq.cli.optim_args import DEFAULT_MASTER, DEFAULT_MOMENTS
+from agoq.cli.seqpar_args import check_sequence_parallel_args
 
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
@@ -82,6 +83,7 @@ def parse_args(argv: list[str] | None = None, *, quiet: bool = False,
         validate(args)
         args.agoq_config = build_config(args, os.environ if environ is None else environ)
         check_policy_rules(args, args.agoq_config.policy.spec)
+        check_sequence_parallel_args(args, args.agoq_config.fp8)
         check_fc2_amax_flag(args)
         command_line = given_on_command_line(argv)
         check_unused_flags(args, command_line | file_keys, command_line)

@@ -1,0 +1,46 @@
+"""Megatron's sequence parallelism (``TransformerConfig.sequence_parallel``, ``--sequence-parallel``) on agoq's layer
+spec: the pieces outside the layers (the layers themselves: agoq.megatron.layers / mlp; the ops: agoq.ops.sp_comm).
+
+Under sequence parallelism the residual stream and the norms are split along the sequence over the tensor-parallel
+ranks ([s/tp, b, h]); a column-parallel linear all-gathers its input along the sequence before its GEMM, a
+row-parallel linear reduce-scatters its output instead of all-reducing it, and the norm weights carry
+``sequence_parallel=True`` so that ``finalize_model_grads`` all-reduces their gradients over TP. agoq's saves of the
+residual stream (the pre-norm inputs, ``norm.input``; a QKV / fc1 storing its own input) are then the sharded tensors,
+quantized as they are: 1/tp of the bytes per rank (agoq.plan.storage.LayerDims.numel).
+
+Seam card
+---------
+Touches: ``TransformerBlockSubmodules(layer_specs, layer_norm)`` and ``get_num_layers_to_build`` (GPTModel's
+  ``transformer_layer_spec`` may be a block's submodules; Megatron's own ``_get_block_submodules`` builds the same
+  from a layer spec, with its ``LayerNormImpl`` as the final norm).
+Why: without Transformer Engine or apex Megatron's final norm is ``WrappedTorchNorm``, which megatron-core 0.19.2
+  refuses under sequence parallelism (an assert); agoq's ``AgoqRMSNorm`` (``torch.nn.RMSNorm``, same parameter name
+  ``weight``, its weight marked ``sequence_parallel``) takes its place there, as it does for the layers' pre-norms.
+Verified on: megatron-core 0.19.2.
+When disabled: ``sequence_parallel=False`` leaves the layer spec as given (Megatron builds its final norm).
+Guarded by: ``tests/megatron/test_sequence_parallel.py`` (TP=2 with sequence parallelism trains as TP=2 without and
+  as TP=1; saved bytes per rank), ``tests/megatron/test_contract.py``.
+"""
+
+from __future__ import annotations
+
+from megatron.core import parallel_state
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+__all__ = ["block_spec"]
+
+
+def block_spec(layer_spec, config, vp_stage: int | None):
+    """What ``GPTModel(transformer_layer_spec=...)`` gets for one model chunk: ``layer_spec`` itself, or, under
+    sequence parallelism with agoq's layer, the block's submodules with agoq's RMSNorm as the final norm (module
+    docstring). Megatron's other layer specs are left to Megatron (Transformer Engine's norm takes sequence
+    parallelism; the plain local spec's torch norm is refused by Megatron, and by the trainer before it)."""
+    from agoq.megatron.layers import AgoqRMSNorm
+    from agoq.megatron.transformer_layer import AgoqTransformerLayer
+
+    module = getattr(layer_spec, "module", None)
+    if not config.sequence_parallel or not (isinstance(module, type) and issubclass(module, AgoqTransformerLayer)):
+        return layer_spec
+    count = get_num_layers_to_build(config, vp_stage=vp_stage,
+                                    pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * count, layer_norm=AgoqRMSNorm)
