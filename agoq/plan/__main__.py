@@ -46,13 +46,14 @@ from pathlib import Path
 
 from agoq.cli.config_file import load_config_file
 from agoq.cli.flags import build_parser as trainer_parser
+from agoq.cli.seqpar_args import sequence_parallel_problem
 from agoq.config import AgoqConfig, float_grads_mismatch, torch_optimizer_state_refusal
 from agoq.plan import capacity, launch
 from agoq.plan.memory import GIB, Layout, ModelShape
 from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report, grad_bytes_per_param
 from agoq.plan.recipe import recipe_of
 from agoq.plan.request import AGOQ_FLAGS, PlanRequest, flag_name
-from agoq.plan.storage import check_requests_on_model
+from agoq.plan.storage import check_requests_on_model, sequence_parallel_note
 from agoq.policy import ScheduleInfo, load_policy
 
 POLICY_DIR = Path(__file__).resolve().parents[2] / "configs" / "policy"
@@ -230,7 +231,7 @@ def layout_of(values: dict, config: AgoqConfig) -> Layout:
     grad_bytes = 0 if config.optimizer.gradient_release else 2 if config.grads.reduce_in_bf16 else 4
     return Layout(tp=v["tensor_model_parallel_size"], pp=pp, vpp=vpp, dp=v["dp"], mbs=v["micro_batch_size"],
                   gbs=v["global_batch_size"], seq=v["seq_length"], distributed_optimizer=v["use_distributed_optimizer"],
-                  grad_bytes=grad_bytes)
+                  grad_bytes=grad_bytes, sequence_parallel=bool(values.get("sequence_parallel")))
 
 
 def config_of(values: dict, policy=None) -> AgoqConfig:
@@ -252,6 +253,10 @@ def check_run_flags(values: dict, layout: Layout) -> None:
     mismatch = float_grads_mismatch(grads, bf16_buffer=bool(values.get("grad_reduce_in_bf16")))
     if mismatch:
         raise ValueError(f"--agoq-grads {grads} {mismatch}")
+    if values.get("sequence_parallel"):  # the trainer's refusals (agoq.cli.seqpar_args), on the merged values
+        problem = sequence_parallel_problem(tp=layout.tp, seq_length=layout.seq, fp8=config_of(values).fp8)
+        if problem:
+            raise ValueError(problem)
     if not values.get("agoq_gradient_release"):
         return
     # with --agoq-optimizer torch, --agoq-grads or --grad-reduce-in-bf16 AgoqConfig already refused it (config_of)
@@ -317,6 +322,7 @@ def run_capacity(request: PlanRequest, cfg: dict) -> int:
     """--capacity: one answer per preset (agoq.plan.capacity), printed and written to --out as JSON."""
     _check_capacity_request(request)
     values = values_of(request, cfg)
+    _refuse_sequence_parallel_search(values, "--capacity")
     shape = shape_of(values, request.config)
     vocab = shape.vocab_size
     policies = {n: load_policy(POLICY_DIR / f"{n}.yaml") for n in DEFAULT_CANDIDATES}
@@ -362,6 +368,8 @@ def run_plan(request: PlanRequest, cfg: dict) -> int:
     recipes = {name: recipe_of(config_of(values, policy)) for name, policy in candidates}
     chosen, report = choose_by_peak(shape, layout, candidates, budget, recipe, recipes=recipes)
     print(_gradient_line(recipe, layout))
+    if layout.sequence_parallel:
+        print(sequence_parallel_note(layout.tp))
     for name, own in recipes.items():
         if (own.grads, own.fp8) != (recipe.grads, recipe.fp8):
             print(f"{name}: its own sections apply to its rows (gradients {own.grads or 'float'}, "
@@ -378,9 +386,17 @@ def run_plan(request: PlanRequest, cfg: dict) -> int:
     return 0
 
 
+def _refuse_sequence_parallel_search(values: dict, mode: str) -> None:
+    if values.get("sequence_parallel"):
+        raise ValueError(f"{mode} searches layouts without sequence parallelism (TP=1 layouts cannot take it); plan "
+                         "a fixed layout instead: drop " + mode.split()[0] + " and give --tensor-model-parallel-size N "
+                         "--sequence-parallel (or drop --sequence-parallel)")
+
+
 def run_gpus(request: PlanRequest, cfg: dict) -> int:
     """--gpus N: the fastest predicted layout that fits (agoq.plan.launch) and its torchrun command."""
     values = values_of(request, cfg)
+    _refuse_sequence_parallel_search(values, "--gpus N")
     check_run_flags(values, Layout())
     shape = shape_of(values, request.config)
     budget = budget_of(request)

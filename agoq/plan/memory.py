@@ -63,6 +63,7 @@ class Layout:
     seq: int = 2048
     distributed_optimizer: bool = False
     grad_bytes: int = GRAD_BYTES  # 2 with --grad-reduce-in-bf16
+    sequence_parallel: bool = False  # --sequence-parallel: the residual stream's saves 1/tp (agoq.plan.storage)
 
     @property
     def num_microbatches(self) -> int:
@@ -115,7 +116,8 @@ def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec, *, v_view
     ``rope_fused``: agoq's fused RoPE (no per-layer cos / sin saves: ``megatron_bytes``)."""
     schedule = ScheduleInfo(layout.pp, layout.vpp, layout.num_microbatches)
     dims = LayerDims(seq=layout.seq, micro_batch=layout.mbs, hidden=shape.hidden_size, ffn=shape.ffn_hidden_size,
-                     heads=shape.num_attention_heads, groups=shape.num_query_groups, tp=layout.tp)
+                     heads=shape.num_attention_heads, groups=shape.num_query_groups, tp=layout.tp,
+                     sequence_parallel=layout.sequence_parallel)
     chunks = layout.vpp or 1
     result = []
     for rank, layers in enumerate(stage_layers(shape, layout)):

@@ -339,7 +339,8 @@ def _fwd_bwd_transient(dims: LayerDims, storage, st, last: bool, vocab: int, lar
 
 def _stage_dims(shape: ModelShape, layout: Layout) -> LayerDims:
     return LayerDims(seq=layout.seq, micro_batch=layout.mbs, hidden=shape.hidden_size, ffn=shape.ffn_hidden_size,
-                     heads=shape.num_attention_heads, groups=shape.num_query_groups, tp=layout.tp)
+                     heads=shape.num_attention_heads, groups=shape.num_query_groups, tp=layout.tp,
+                     sequence_parallel=layout.sequence_parallel)
 
 
 def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe: Recipe = Recipe()) -> list[StagePeak]:

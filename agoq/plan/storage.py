@@ -17,6 +17,12 @@ The rule (docs/activations.md), per layer:
   supported yet); a policy asking for a quantized format there is reported as "not applied".
 - bf16 anywhere means "exactly what Megatron saves" (numerics-neutral).
 
+Sequence parallelism (``LayerDims.sequence_parallel``, Megatron's ``--sequence-parallel``): the residual stream is
+split along the sequence over the t tensor-parallel ranks, so what is saved of it (``norm.input``, and a QKV / fc1
+input when the norm is not recomputed: ``attn.qkv_input`` / ``mlp.fc1_input``, the norms' fp32 rstd, the LM head's
+final-norm and output-layer inputs) holds T / t tokens per rank (``SEQUENCE_SHARDED_ROLES``); the attention and MLP
+internals between the column-parallel gather and the row-parallel reduce-scatter hold the whole sequence, as without.
+
 Shape legend: T = tokens per micro-batch (seq x micro-batch), h = hidden, f = FFN hidden,
 n / g = attention heads / query groups, d = head dim, t = tensor-parallel size.
 """
@@ -35,6 +41,8 @@ RECOMPUTED = "recomputed"  # nothing stored: rebuilt from another role's quantiz
 NOT_APPLIED = "not applied"  # the policy asks for a format agoq cannot apply here yet
 
 ATTENTION_INTERNALS = ("attn.q", "attn.k", "attn.v", "attn.out")
+# the roles saved from the residual stream: split along the sequence over TP under sequence parallelism
+SEQUENCE_SHARDED_ROLES = ("norm.input", "attn.qkv_input", "mlp.fc1_input")
 BF16_BYTES = 2
 FP32_BYTES = 4
 
@@ -179,6 +187,15 @@ def check_requests_take_effect(policy: PolicySpec, sites: list[Site], schedule: 
         raise ValueError("\n".join(b.message(policy.source) for b in bad))
 
 
+def sequence_parallel_note(tp: int) -> str:
+    """What the planner's numbers assume under sequence parallelism (printed by ``python -m agoq.plan`` and the
+    trainer's memory report)."""
+    return (f"sequence parallelism over TP={tp}: the residual stream's saves ({', '.join(SEQUENCE_SHARDED_ROLES)}, the "
+            f"norms' rstd, the LM head's final-norm and output-layer inputs) are sequence-sharded: 1/{tp} of their "
+            "bytes per rank; attention and MLP internals hold the whole sequence; the backward's sequence all-gathers "
+            "are modelled as without sequence parallelism (agoq.plan.storage)")
+
+
 @dataclass(frozen=True)
 class LayerDims:
     """Per-rank sizes of one layer's activations for one micro-batch."""
@@ -190,21 +207,28 @@ class LayerDims:
     heads: int
     groups: int
     tp: int = 1
+    sequence_parallel: bool = False  # Megatron's sequence parallelism (module docstring)
 
     @property
     def tokens(self) -> int:
         return self.seq * self.micro_batch
 
     @property
+    def residual_tokens(self) -> int:
+        """Tokens of the residual stream on one rank: T, or T / t under sequence parallelism."""
+        return self.tokens // self.tp if self.sequence_parallel else self.tokens
+
+    @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
     def numel(self, role: str) -> int:
-        """Elements of the tensor behind ``role`` on one tensor-parallel rank (no sequence parallel)."""
-        t, h, tp = self.tokens, self.hidden, self.tp
+        """Elements of the tensor behind ``role`` on one tensor-parallel rank (the residual stream's roles
+        sequence-sharded under sequence parallelism)."""
+        t, h, tp, r = self.tokens, self.hidden, self.tp, self.residual_tokens
         d, n, g = self.head_dim, self.heads // tp, self.groups // tp
         return {
-            "norm.input": t * h, "attn.qkv_input": t * h, "mlp.fc1_input": t * h,
+            "norm.input": r * h, "attn.qkv_input": r * h, "mlp.fc1_input": r * h,
             "attn.proj_input": t * n * d, "attn.q": t * n * d, "attn.k": t * g * d, "attn.v": t * g * d,
             "attn.out": t * n * d, "mlp.swiglu_input": t * 2 * self.ffn // tp, "mlp.fc2_input": t * self.ffn // tp,
         }[role]
@@ -265,7 +289,7 @@ def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, v_view: bool = Fal
                                                       compact_v=rope_fused and dims.groups >= dims.tp)
             continue
         if role == "norm.input":
-            out[role] = 2 * (BF16_BYTES * dims.numel(role) + FP32_BYTES * t)
+            out[role] = 2 * (BF16_BYTES * dims.numel(role) + FP32_BYTES * dims.residual_tokens)
         elif role == "mlp.swiglu_input":
             out[role] = BF16_BYTES * (dims.numel(role) + 2 * dims.numel("mlp.fc2_input"))
         elif role == "attn.proj_input":
@@ -300,6 +324,9 @@ def head_saved_bytes(dims: LayerDims, vocab: int) -> int:
     Megatron's vocab_parallel_cross_entropy turns the fp32 copy of the logits (``logits.float()``) into
     exp(logits - max) in place and keeps it (4 B x T x V); the output layer keeps its input and the
     final RMSNorm its input (2 x bf16 [T, h]); targets, mask and rstd 21 B per token. Matches
-    SavedTensorMeter's head bytes in docs/benchmarks/activations*.json (CUDA) to 8 bytes."""
-    t = dims.tokens
-    return FP32_BYTES * t * (vocab // dims.tp) + 2 * BF16_BYTES * t * dims.hidden + LOSS_BYTES_PER_TOKEN * t
+    SavedTensorMeter's head bytes in docs/benchmarks/activations*.json (CUDA) to 8 bytes. Under sequence
+    parallelism the two inputs and the final norm's rstd are sequence-sharded (T / t tokens; the output layer
+    all-gathers its input, the logits cover the whole sequence)."""
+    t, r = dims.tokens, dims.residual_tokens
+    return (FP32_BYTES * t * (vocab // dims.tp) + 2 * BF16_BYTES * r * dims.hidden + FP32_BYTES * r
+            + (LOSS_BYTES_PER_TOKEN - FP32_BYTES) * t)

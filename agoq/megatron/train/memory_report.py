@@ -24,17 +24,18 @@ from agoq.ops.smooth_swiglu_fp8 import plain_swiglu_fusion
 from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
 from agoq.plan.peak import Recipe, StagePeak, format_peaks, grad_bytes_per_param, predict_peaks
 from agoq.plan.recipe import recipe_of
+from agoq.plan.storage import sequence_parallel_note
 
 
 def plan_layout(config: AgoqConfig, layout, *, data_parallel: int, micro_batch_size: int, global_batch_size: int,
-                seq_length: int, distributed_optimizer: bool) -> Layout:
+                seq_length: int, distributed_optimizer: bool, sequence_parallel: bool = False) -> Layout:
     """The planner's Layout of a run: ``layout`` (an agoq.megatron.model.ParallelLayout) and Megatron's batch
     settings from the trainer; the gradient buffer's bytes per parameter from ``config.grads`` / ``optimizer``:
     fp32 main_grad, bf16 with --grad-reduce-in-bf16, none with --agoq-gradient-release (agoq.megatron.release)."""
     grad_bytes = 0 if config.optimizer.gradient_release else 2 if config.grads.reduce_in_bf16 else 4
     return Layout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, dp=data_parallel, mbs=micro_batch_size,
                   gbs=global_batch_size, seq=seq_length, distributed_optimizer=distributed_optimizer,
-                  grad_bytes=grad_bytes)
+                  grad_bytes=grad_bytes, sequence_parallel=sequence_parallel)
 
 
 def _plan_inputs(shape, policy):
@@ -125,6 +126,8 @@ def predicted_report(config: AgoqConfig, shape, plan: Layout, policy, cuda_graph
         lines.append("  note: the peak model assumes --recompute-num-layers 1")
     if cuda_graphs:
         lines.append(GRAPHS_NOTE)
+    if plan.sequence_parallel:
+        lines.append("  note: " + sequence_parallel_note(plan.tp))
     return "\n".join(lines)
 
 

@@ -261,7 +261,8 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     plan = memory_report.plan_layout(config, layout, data_parallel=info.world_size // (layout.tp * layout.pp),
                                      micro_batch_size=args.micro_batch_size,
                                      global_batch_size=args.global_batch_size, seq_length=args.seq_length,
-                                     distributed_optimizer=args.use_distributed_optimizer)  # fmt: skip
+                                     distributed_optimizer=args.use_distributed_optimizer,
+                                     sequence_parallel=args.sequence_parallel)  # fmt: skip
     print_rank0(memory_report.predicted_report(config, shape, plan, policy_of(spec),
                                                cuda_graphs=args.cuda_graph_impl != "none"))
     if args.log_json and training.is_logging_rank():  # benchmarks/bench_pretrain.py puts it next to the measured peak
