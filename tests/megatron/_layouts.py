@@ -131,6 +131,7 @@ def run_case(case: Case, reference_state: dict | None, device: torch.device, wor
     from megatron.core import parallel_state
 
     from agoq.megatron import runtime
+    from agoq.megatron.activations import storage_of
     from agoq.megatron.model import ParallelLayout
     from agoq.megatron.train import pretrain
     from agoq.megatron.train.args import parse_args
@@ -154,7 +155,7 @@ def run_case(case: Case, reference_state: dict | None, device: torch.device, wor
     try:
         info = runtime.RankInfo(rank=torch.distributed.get_rank(), world_size=world_size, local_rank=0, device=device)
         count = pretrain.num_microbatches(args, layout, world_size)
-        model, _, _ = _script().model_provider(args, layout, _Vocab(), info, count)
+        model, _, spec = _script().model_provider(args, layout, _Vocab(), info, count)
         params = {n: p for chunk in model for n, p in global_names(_unwrap(chunk)).items()}
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         initial = {n: p.detach().cpu().clone() for n, p in params.items()}
@@ -189,8 +190,12 @@ def run_case(case: Case, reference_state: dict | None, device: torch.device, wor
         # the linears that run as agoq's quantized-input node (agoq.ops.quant_linear), by name
         quant_nodes = sorted({name.rsplit(".", 1)[-1] for layer in layers for name, mod in layer.named_modules()
                               if getattr(mod, "agoq_quantized_node", False)})
+        # agoq's saved bytes over the whole run, per (layer, role), and what each layer stores (agoq.plan.storage)
+        storage = storage_of(spec)
+        saved = {} if storage is None else dict(storage.counter.packed)
         return {"losses": losses, "grad_norms": norms, "grads": grads, "initial": initial, "norm_node": norm_node,
-                "swiglu_node": swiglu_node, "quant_nodes": quant_nodes}
+                "swiglu_node": swiglu_node, "quant_nodes": quant_nodes, "saved_bytes": saved,
+                "layer_storage": {} if storage is None else dict(storage.layers), "forwards": ITERATIONS * count}
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -220,7 +225,10 @@ def merge_ranks(name: str, per_rank: list[dict]) -> dict:
             grads.setdefault(key, []).append(grad)
     return {"losses": losses, "grads": grads, "norm_node": [r[name]["norm_node"] for r in per_rank],
             "swiglu_node": [r[name]["swiglu_node"] for r in per_rank],
-            "quant_nodes": [r[name]["quant_nodes"] for r in per_rank]}
+            "quant_nodes": [r[name]["quant_nodes"] for r in per_rank],
+            "saved_bytes": [r[name]["saved_bytes"] for r in per_rank],
+            "layer_storage": [r[name]["layer_storage"] for r in per_rank],
+            "forwards": [r[name]["forwards"] for r in per_rank]}
 
 
 def assert_grads_close(grads: dict, reference: dict, tp_size: int, rel: float) -> None:

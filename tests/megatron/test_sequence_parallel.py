@@ -1,0 +1,164 @@
+"""Sequence parallelism (``--sequence-parallel``) with agoq on, on agoq's local spec (issue 45 item 4).
+
+From the same weights, 10 real training steps (tests/megatron/_layouts.py: the script's model_provider, Megatron's
+schedules, DDP, optimizer and LR schedule) at TP=2 with sequence parallelism, against TP=2 without it and TP=1.
+
+Tolerances, fp32 on CPU (the bands of tests/megatron/test_layouts.py, for the same reasons):
+* Not bit-identical, by construction: each TP rank's norms see half of the sequence, so a norm weight's gradient is
+  the sum of two half-sequence sums (finalize_model_grads all-reduces it over TP) instead of one sum over the
+  sequence; and the final norm and the loss see the shards in another order. Same math, another summation order:
+  with the bf16 policy (nothing quantized) losses within ROUNDING_REL = 2e-6 relative and iteration-1 gradients
+  within 2e-6 of each parameter's largest entry (measured: 5e-8 relative, the 5th loss; TP=2 vs TP=1 in
+  test_layouts.py is held to the same band).
+* With the default policy (nf4 / int6 saved activations) a rounding-level difference upstream can move one code by
+  one step and the step grows with training: losses within QUANTIZER_REL = 1e-4 relative (measured: 5.4e-6 over 10
+  steps), the iteration-1 loss exactly (the forward is untouched by what is stored).
+* Where the same sequence-parallel run takes agoq's one-node linears (agoq.ops.norm_linear / quant_linear: the
+  gather and reduce-scatter inside the node) or the hook / stash paths around Megatron's own sequence-parallel
+  linear, the same ops run in the same order: losses and gradients bit for bit.
+
+Saved bytes per rank (agoq's SavedBytesCounter, exact): the residual stream's roles (norm.input, and a QKV / fc1
+storing its own input) are sequence-sharded, so exactly half of the bytes without sequence parallelism; every other
+role is unchanged; and every count equals the planner's formula (agoq.plan.storage.agoq_bytes with
+``LayerDims.sequence_parallel``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from agoq.testing.dist import spawn_ranks
+from tests.megatron._layouts import (
+    ITERATIONS,
+    MICRO_BATCH,
+    SEQ,
+    Case,
+    assert_grads_close,
+    merge_ranks,
+    run_layouts,
+)
+
+pytestmark = [pytest.mark.megatron, pytest.mark.dist]
+
+ROUNDING_REL = 2e-6
+QUANTIZER_REL = 1e-4
+SP = ("--sequence-parallel",)
+SMOOTH = ("--agoq-smooth-swiglu", "per-token")
+LINEARS_INT8 = Path(__file__).resolve().parent / "policies" / "linears_int8.yaml"  # every linear stores its input
+SHARDED_ROLES = {"norm.input", "attn.qkv_input", "mlp.fc1_input"}
+
+REFERENCE_CASES = [Case("pp1_bf16", policy="bf16"), Case("pp1_agoq", policy="agoq")]
+SP_CASES = [
+    Case("tp2_bf16", tp=2, policy="bf16"),
+    Case("tp2_bf16_sp", tp=2, policy="bf16", flags=SP),
+    Case("tp2_agoq", tp=2, policy="agoq"),
+    Case("tp2_agoq_sp", tp=2, policy="agoq", flags=SP),
+    # the pre-norms hand a stash to Megatron's own sequence-parallel linear (no one-node linears)
+    Case("tp2_agoq_sp_two_node", tp=2, policy="agoq", flags=SP, two_node=True),
+    # QKV / fc1 store their own (sequence-sharded) input: agoq's quantized-input node with the gather inside it
+    Case("tp2_linears_sp", tp=2, policy=LINEARS_INT8, flags=SP),
+    Case("tp2_linears_sp_hooks", tp=2, policy=LINEARS_INT8, flags=SP, two_node=True),
+    # per-token Smooth-SwiGLU: fc2's output is reduce-scattered, each rank multiplies by its shard of the scale
+    Case("tp2_smooth_sp", tp=2, policy="bf16", flags=SP + SMOOTH),
+]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    [reference] = spawn_ranks(1, run_layouts, args=(None, REFERENCE_CASES), timeout_s=600)
+    per_rank = spawn_ranks(2, run_layouts, args=(reference["pp1_bf16"]["initial"], SP_CASES), timeout_s=900)
+    return reference, {case.name: merge_ranks(case.name, per_rank) for case in SP_CASES}
+
+
+def _grads_equal(a: dict, b: dict) -> None:
+    assert a["grads"].keys() == b["grads"].keys() and a["grads"]
+    for name, shards in a["grads"].items():
+        for (got, _, _), (ref, _, _) in zip(shards, b["grads"][name], strict=True):
+            assert torch.equal(got, ref), name
+
+
+def test_bf16_policy_trains_like_tp2_without_sequence_parallelism_and_like_tp1(runs):
+    reference, layouts = runs
+    sp, plain, tp1 = layouts["tp2_bf16_sp"], layouts["tp2_bf16"], reference["pp1_bf16"]
+    assert len(sp["losses"]) == ITERATIONS
+    assert tp1["losses"][-1] < tp1["losses"][0] - 1.0, tp1["losses"]  # the model learns: the test can bite
+    assert sp["losses"] == pytest.approx(plain["losses"], rel=ROUNDING_REL)
+    assert sp["losses"] == pytest.approx(tp1["losses"], rel=ROUNDING_REL)
+    assert sp["losses"] != plain["losses"]  # the norms' gradients really are summed over two sequence halves
+    assert_grads_close(sp["grads"], {n: [g] for n, g in tp1["grads"].items()}, tp_size=2, rel=ROUNDING_REL)
+    # a norm weight's gradient is all-reduced over TP (marked sequence_parallel): without it each rank's copy would
+    # hold half the sequence's gradient, 50 % off, not 2e-6
+    norms = [n for n in sp["grads"] if n.endswith("layernorm.weight")]
+    assert len(norms) == 9  # two per layer of tiny.yaml's 4, and the final norm (agoq's, agoq.megatron.seqpar)
+    for name in norms:
+        (a, _, _), (b, _, _) = sp["grads"][name]
+        assert torch.equal(a, b), name  # the same reduced gradient on both TP ranks
+
+
+def test_default_policy_trains_like_tp2_without_sequence_parallelism_and_like_tp1(runs):
+    reference, layouts = runs
+    sp = layouts["tp2_agoq_sp"]
+    for other in (layouts["tp2_agoq"], reference["pp1_agoq"]):
+        assert sp["losses"][0] == other["losses"][0]
+        assert sp["losses"] == pytest.approx(other["losses"], rel=QUANTIZER_REL)
+    # the policy is applied: it is not the bf16 run
+    assert max(abs(a - b) for a, b in zip(sp["losses"], layouts["tp2_bf16_sp"]["losses"], strict=True)) > 1e-4
+    assert sp["norm_node"] == [True, True] and sp["swiglu_node"] == [True, True]  # agoq's one-node linears ran
+
+
+def test_one_node_linears_equal_megatrons_sequence_parallel_linear_bit_for_bit(runs):
+    """Under sequence parallelism agoq's norm + linear node and quantized-input node gather the sequence-sharded
+    input and reduce-scatter its gradient themselves; Megatron's linear does the same around agoq's stash / hook
+    scope. Same ops, same order: the same losses and gradients bit for bit."""
+    _, layouts = runs
+    node, two = layouts["tp2_agoq_sp"], layouts["tp2_agoq_sp_two_node"]
+    assert two["norm_node"] == [False, False]
+    assert node["losses"] == two["losses"]
+    _grads_equal(node, two)
+    quant, hooks = layouts["tp2_linears_sp"], layouts["tp2_linears_sp_hooks"]
+    assert quant["quant_nodes"] == [["linear_fc1", "linear_fc2", "linear_proj", "linear_qkv"]] * 2
+    assert hooks["quant_nodes"] == [[], []]
+    assert quant["losses"] == hooks["losses"]
+    _grads_equal(quant, hooks)
+
+
+def test_per_token_smooth_swiglu_under_sequence_parallelism(runs):
+    """The per-token scale covers the whole sequence (fc1's input is all-gathered), fc2's output only this rank's
+    half (reduce-scattered): each rank multiplies by its shard of s. Dividing by a power of two and multiplying back
+    is exact, so the smoothed model trains as the plain one bit for bit; a wrong shard of s (the other rank's
+    half) scales every token by another rank's power of two."""
+    _, layouts = runs
+    assert layouts["tp2_smooth_sp"]["losses"] == layouts["tp2_bf16_sp"]["losses"]
+    _grads_equal(layouts["tp2_smooth_sp"], layouts["tp2_bf16_sp"])
+
+
+def _predicted(layer_storage: dict, forwards: int, sequence_parallel: bool) -> dict:
+    from agoq.plan.storage import LayerDims, agoq_bytes
+
+    dims = LayerDims(seq=SEQ, micro_batch=MICRO_BATCH, hidden=64, ffn=128, heads=4, groups=2, tp=2,
+                     sequence_parallel=sequence_parallel)
+    return {(idx, role): forwards * n for idx, layer in layer_storage.items()
+            for role, n in agoq_bytes(layer, dims).items()}
+
+
+def test_saved_bytes_per_rank_halve_for_the_sharded_roles_and_equal_the_planner(runs):
+    _, layouts = runs
+    sp, plain = layouts["tp2_agoq_sp"], layouts["tp2_agoq"]
+    for rank in range(2):
+        with_sp, without = sp["saved_bytes"][rank], plain["saved_bytes"][rank]
+        assert with_sp.keys() == without.keys() and {role for _, role in with_sp} == {"norm.input", "attn.proj_input",
+                                                                                      "mlp.swiglu_input"}
+        for key, nbytes in without.items():
+            expected = nbytes // 2 if key[1] in SHARDED_ROLES else nbytes
+            assert nbytes % 2 == 0 and with_sp[key] == expected, (rank, key, with_sp[key], nbytes)
+        assert with_sp == _predicted(sp["layer_storage"][rank], sp["forwards"][rank], True)
+        assert without == _predicted(plain["layer_storage"][rank], plain["forwards"][rank], False)
+    # QKV / fc1 storing their own input: sharded too (the out-projection and fc2 inputs hold the whole sequence)
+    linears = layouts["tp2_linears_sp"]
+    for rank in range(2):
+        saved = linears["saved_bytes"][rank]
+        assert {role for _, role in saved} == {"attn.qkv_input", "mlp.fc1_input", "attn.proj_input", "mlp.fc2_input"}
+        assert saved == _predicted(linears["layer_storage"][rank], linears["forwards"][rank], True)
