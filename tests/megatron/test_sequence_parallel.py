@@ -2,6 +2,10 @@
 
 From the same weights, 10 real training steps (tests/megatron/_layouts.py: the script's model_provider, Megatron's
 schedules, DDP, optimizer and LR schedule) at TP=2 with sequence parallelism, against TP=2 without it and TP=1.
+The model is tiny.yaml with 2 layers, hidden 128 and FFN 256: every row a quantizer blocks (64 values, nf4_b64) holds
+whole rows at TP=1 and TP=2 alike (at hidden 64 the out-projection's input rows are 32 values per TP rank, and a block
+then spans two tokens at TP=2 but not at TP=1: the quantized policy differs by the TP split itself, 1.7 % at
+iteration 5, sequence parallelism or not).
 
 Tolerances, fp32 on CPU (the bands of tests/megatron/test_layouts.py, for the same reasons):
 * Not bit-identical, by construction: each TP rank's norms see half of the sequence, so a norm weight's gradient is
@@ -10,9 +14,9 @@ Tolerances, fp32 on CPU (the bands of tests/megatron/test_layouts.py, for the sa
   with the bf16 policy (nothing quantized) losses within ROUNDING_REL = 2e-6 relative and iteration-1 gradients
   within 2e-6 of each parameter's largest entry (measured: 5e-8 relative, the 5th loss; TP=2 vs TP=1 in
   test_layouts.py is held to the same band).
-* With the default policy (nf4 / int6 saved activations) a rounding-level difference upstream can move one code by
-  one step and the step grows with training: losses within QUANTIZER_REL = 1e-4 relative (measured: 5.4e-6 over 10
-  steps), the iteration-1 loss exactly (the forward is untouched by what is stored).
+* With the default policy (nf4 saved activations at PP=1) a rounding-level difference upstream can move one code by
+  one step and the step grows with training: losses within QUANTIZER_REL = 1e-4 relative (measured: 6e-5 against
+  TP=1, 5e-5 against TP=2 without sequence parallelism, over 10 steps), the iteration-1 loss to fp32 rounding.
 * Where the same sequence-parallel run takes agoq's one-node linears (agoq.ops.norm_linear / quant_linear: the
   gather and reduce-scatter inside the node) or the hook / stash paths around Megatron's own sequence-parallel
   linear, the same ops run in the same order: losses and gradients bit for bit.
@@ -49,20 +53,27 @@ SP = ("--sequence-parallel",)
 SMOOTH = ("--agoq-smooth-swiglu", "per-token")
 LINEARS_INT8 = Path(__file__).resolve().parent / "policies" / "linears_int8.yaml"  # every linear stores its input
 SHARDED_ROLES = {"norm.input", "attn.qkv_input", "mlp.fc1_input"}
+LAYERS, HIDDEN, FFN, HEADS, GROUPS = 2, 128, 256, 4, 2  # heads / groups: tiny.yaml's
+SHAPE = ("--hidden-size", str(HIDDEN), "--ffn-hidden-size", str(FFN))
 
-REFERENCE_CASES = [Case("pp1_bf16", policy="bf16"), Case("pp1_agoq", policy="agoq")]
+
+def _case(name: str, tp: int = 1, policy: str | Path = "bf16", flags: tuple = (), two_node: bool = False) -> Case:
+    return Case(name, tp=tp, policy=policy, flags=SHAPE + flags, num_layers=LAYERS, two_node=two_node)
+
+
+REFERENCE_CASES = [_case("pp1_bf16"), _case("pp1_agoq", policy="agoq")]
 SP_CASES = [
-    Case("tp2_bf16", tp=2, policy="bf16"),
-    Case("tp2_bf16_sp", tp=2, policy="bf16", flags=SP),
-    Case("tp2_agoq", tp=2, policy="agoq"),
-    Case("tp2_agoq_sp", tp=2, policy="agoq", flags=SP),
+    _case("tp2_bf16", tp=2),
+    _case("tp2_bf16_sp", tp=2, flags=SP),
+    _case("tp2_agoq", tp=2, policy="agoq"),
+    _case("tp2_agoq_sp", tp=2, policy="agoq", flags=SP),
     # the pre-norms hand a stash to Megatron's own sequence-parallel linear (no one-node linears)
-    Case("tp2_agoq_sp_two_node", tp=2, policy="agoq", flags=SP, two_node=True),
+    _case("tp2_agoq_sp_two_node", tp=2, policy="agoq", flags=SP, two_node=True),
     # QKV / fc1 store their own (sequence-sharded) input: agoq's quantized-input node with the gather inside it
-    Case("tp2_linears_sp", tp=2, policy=LINEARS_INT8, flags=SP),
-    Case("tp2_linears_sp_hooks", tp=2, policy=LINEARS_INT8, flags=SP, two_node=True),
+    _case("tp2_linears_sp", tp=2, policy=LINEARS_INT8, flags=SP),
+    _case("tp2_linears_sp_hooks", tp=2, policy=LINEARS_INT8, flags=SP, two_node=True),
     # per-token Smooth-SwiGLU: fc2's output is reduce-scattered, each rank multiplies by its shard of the scale
-    Case("tp2_smooth_sp", tp=2, policy="bf16", flags=SP + SMOOTH),
+    _case("tp2_smooth_sp", tp=2, flags=SP + SMOOTH),
 ]
 
 
@@ -84,7 +95,7 @@ def test_bf16_policy_trains_like_tp2_without_sequence_parallelism_and_like_tp1(r
     reference, layouts = runs
     sp, plain, tp1 = layouts["tp2_bf16_sp"], layouts["tp2_bf16"], reference["pp1_bf16"]
     assert len(sp["losses"]) == ITERATIONS
-    assert tp1["losses"][-1] < tp1["losses"][0] - 1.0, tp1["losses"]  # the model learns: the test can bite
+    assert tp1["losses"][-1] < tp1["losses"][0] - 0.5, tp1["losses"]  # the model learns: the test can bite
     assert sp["losses"] == pytest.approx(plain["losses"], rel=ROUNDING_REL)
     assert sp["losses"] == pytest.approx(tp1["losses"], rel=ROUNDING_REL)
     assert sp["losses"] != plain["losses"]  # the norms' gradients really are summed over two sequence halves
@@ -92,7 +103,7 @@ def test_bf16_policy_trains_like_tp2_without_sequence_parallelism_and_like_tp1(r
     # a norm weight's gradient is all-reduced over TP (marked sequence_parallel): without it each rank's copy would
     # hold half the sequence's gradient, 50 % off, not 2e-6
     norms = [n for n in sp["grads"] if n.endswith("layernorm.weight")]
-    assert len(norms) == 9  # two per layer of tiny.yaml's 4, and the final norm (agoq's, agoq.megatron.seqpar)
+    assert len(norms) == 2 * LAYERS + 1  # two per layer and the final norm (agoq's, agoq.megatron.seqpar)
     for name in norms:
         (a, _, _), (b, _, _) = sp["grads"][name]
         assert torch.equal(a, b), name  # the same reduced gradient on both TP ranks
@@ -102,7 +113,7 @@ def test_default_policy_trains_like_tp2_without_sequence_parallelism_and_like_tp
     reference, layouts = runs
     sp = layouts["tp2_agoq_sp"]
     for other in (layouts["tp2_agoq"], reference["pp1_agoq"]):
-        assert sp["losses"][0] == other["losses"][0]
+        assert sp["losses"][0] == pytest.approx(other["losses"][0], rel=ROUNDING_REL)
         assert sp["losses"] == pytest.approx(other["losses"], rel=QUANTIZER_REL)
     # the policy is applied: it is not the bf16 run
     assert max(abs(a - b) for a, b in zip(sp["losses"], layouts["tp2_bf16_sp"]["losses"], strict=True)) > 1e-4
@@ -138,7 +149,7 @@ def test_per_token_smooth_swiglu_under_sequence_parallelism(runs):
 def _predicted(layer_storage: dict, forwards: int, sequence_parallel: bool) -> dict:
     from agoq.plan.storage import LayerDims, agoq_bytes
 
-    dims = LayerDims(seq=SEQ, micro_batch=MICRO_BATCH, hidden=64, ffn=128, heads=4, groups=2, tp=2,
+    dims = LayerDims(seq=SEQ, micro_batch=MICRO_BATCH, hidden=HIDDEN, ffn=FFN, heads=HEADS, groups=GROUPS, tp=2,
                      sequence_parallel=sequence_parallel)
     return {(idx, role): forwards * n for idx, layer in layer_storage.items()
             for role, n in agoq_bytes(layer, dims).items()}
