@@ -173,3 +173,19 @@ def test_saved_bytes_per_rank_halve_for_the_sharded_roles_and_equal_the_planner(
         saved = linears["saved_bytes"][rank]
         assert {role for _, role in saved} == {"attn.qkv_input", "mlp.fc1_input", "attn.proj_input", "mlp.fc2_input"}
         assert saved == _predicted(linears["layer_storage"][rank], linears["forwards"][rank], True)
+
+
+def test_fp8_linears_refuse_sequence_parallelism_at_construction(mcore_world1):
+    """Built directly through the API (no trainer check), an FP8 linear under sequence parallelism stops at
+    construction with the fix, not at the first forward on a sharded input."""
+    from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
+    from agoq.policy import FP8Spec
+    from tests.megatron._tiny import tiny_shape
+
+    shape = tiny_shape(num_layers=3)
+    config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.float32,
+                                      use_cpu_initialization=True)
+    config.sequence_parallel = True  # TransformerConfig refuses it at TP=1; the layers read the field as built
+    spec = agoq_layer_spec("sdpa", compute=FP8Spec(recipe="delayed"))
+    with pytest.raises(NotImplementedError, match=r"--agoq-fp8 off\) or drop --sequence-parallel"):
+        build_model_chunks(shape, config, spec, None)
