@@ -251,13 +251,27 @@ CONTRACT: tuple[Symbol, ...] = (
            "what they do not implement (_AgoqLinearMixin._takes_swiglu_feed / _quantized_input_node)",
            fields=("gradient_accumulation_fusion", "sequence_parallel", "defer_embedding_wgrad_compute")),
     Symbol("megatron.core.tensor_parallel.layers:LinearWithGradAccumulationAndAsyncCommunication",
-           "agoq.ops.linear_math reproduces its backward (no gradient-accumulation fusion, no sequence "
-           "parallelism): grad_input = grad_output @ W, the async dgrad all-reduce waited for after the wgrad GEMM on "
-           "2-D contiguous operands, the bias gradient as a sum over tokens; bit-identity tested on CPU, TP=2, CUDA",
+           "agoq.ops.linear_math reproduces its backward (no gradient-accumulation fusion): grad_input = grad_output "
+           "@ W, the async dgrad all-reduce (or, under sequence parallelism, the re-gather of the saved sharded input "
+           "and the reduce-scatter of grad_input) waited for after the wgrad GEMM on 2-D contiguous operands, the "
+           "bias gradient as a sum over tokens; bit-identity tested on CPU, TP=2 (with sequence parallelism too), CUDA",
            attrs=("forward", "backward")),
     Symbol("megatron.core.tensor_parallel.layers:LinearWithFrozenWeight",
            "agoq.ops.linear_math.frozen_linear_backward reproduces its backward (dgrad through a 2-D view, a "
            "synchronous all-reduce, no weight or bias gradient)", attrs=("forward", "backward")),
+    # sequence parallelism on agoq's spec (agoq/megatron/seqpar.py, its seam card)
+    Symbol("megatron.core.transformer.transformer_block:TransformerBlockSubmodules",
+           "under sequence parallelism GPTModel gets the block's submodules with agoq's RMSNorm as the final norm "
+           "(Megatron's WrappedTorchNorm refuses sequence parallelism)", fields=("layer_specs", "layer_norm")),
+    Symbol("megatron.core.transformer.transformer_block:get_num_layers_to_build",
+           "the layer count of that block's submodules (as Megatron's _get_block_submodules counts it)",
+           params=("config", "vp_stage", "pp_rank")),
+    Symbol("megatron.core.distributed.finalize_model_grads:_allreduce_non_tensor_model_parallel_grads",
+           "all-reduces over TP the gradients of parameters with sequence_parallel=True under sequence parallelism "
+           "(AgoqRMSNorm marks its weight so)", params=("model", "config")),
+    Symbol("megatron.core.tensor_parallel.layers:RowParallelLinear.forward",
+           "under sequence parallelism the output is reduce-scattered along the sequence after _forward_impl "
+           "(per-token Smooth-SwiGLU then multiplies by this rank's shard of its scale: AgoqMLP)", params=("input_",)),
     Symbol("megatron.core.tensor_parallel.mappings:copy_to_tensor_model_parallel_region",
            "FP8 column-parallel linear: identity forward, TP all-reduce of dgrad", params=("input_", "group")),
     Symbol("megatron.core.transformer.mlp:MLP.__init__",

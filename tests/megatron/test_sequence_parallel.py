@@ -189,3 +189,24 @@ def test_fp8_linears_refuse_sequence_parallelism_at_construction(mcore_world1):
     spec = agoq_layer_spec("sdpa", compute=FP8Spec(recipe="delayed"))
     with pytest.raises(NotImplementedError, match=r"--agoq-fp8 off\) or drop --sequence-parallel"):
         build_model_chunks(shape, config, spec, None)
+
+
+@pytest.fixture(scope="session")
+def env(agoq_cache):
+    from agoq.testing.procs import child_env
+
+    return child_env(AGOQ_CACHE=str(agoq_cache))
+
+
+def test_the_script_trains_with_sequence_parallelism_and_reports_it(env):
+    """scripts/pretrain_llama.py under torchrun at TP=2 with --sequence-parallel and the default policy: the loss
+    falls, and the memory report says what sequence parallelism does to the saved bytes."""
+    from agoq.testing.procs import TINY_CONFIG, iteration_records, run_pretrain
+
+    args = ["--config", str(TINY_CONFIG), "--tensor-model-parallel-size", "2", "--sequence-parallel",
+            "--train-iters", "12", "--lr", "1e-2"]
+    proc = run_pretrain(2, args, env=env)
+    losses = [r["loss"] for r in iteration_records(proc.stdout)]
+    assert len(losses) == 12, proc.stdout[-3000:]
+    assert losses[-1] < losses[0] - 1.0, losses
+    assert "note: sequence parallelism over TP=2: the residual stream's saves" in proc.stdout
