@@ -19,8 +19,10 @@ Touches: spec substitution (the layer itself: ``agoq.megatron.transformer_layer`
   ``linear_with_grad_accumulation_and_async_allreduce``, which the FP8 path reads);
   ``copy_to_tensor_model_parallel_region`` (the FP8 path's dgrad all-reduce); for QKV / fc1 fed by a recomputed
   pre-norm, ``_forward_impl`` does not call Megatron's linear at all: the norm + linear node (agoq.ops.norm_linear)
-  takes its keyword arguments (``bias``, ``allreduce_dgrad`` over ``tp_group``), and the linear reads
-  ``TransformerConfig.gradient_accumulation_fusion`` / ``sequence_parallel`` / ``defer_embedding_wgrad_compute`` and
+  takes its keyword arguments (``bias``, ``allreduce_dgrad`` over ``tp_group``, ``sequence_parallel``: the gather of
+  the sequence-sharded input and the reduce-scatter of its gradient over ``tp_group`` inside the node), and the linear
+  reads ``TransformerConfig.gradient_accumulation_fusion`` / ``sequence_parallel`` (FP8 refused under it) /
+  ``defer_embedding_wgrad_compute`` and
   its own ``gtp_remat_size`` / ``explicit_expert_comm`` / ``disable_grad_reduce`` at construction to decide whether
   it takes the node (``_takes_norm_feed``; otherwise the norm's stash and Megatron's linear, as before); likewise fc2
   fed by a recomputed SwiGLU runs as one node with it (agoq.ops.swiglu_linear, ``_takes_swiglu_feed``) and a linear
@@ -37,8 +39,10 @@ Why: AGoQ stores the pre-norm input (norm recomputed), the fc1 output (SwiGLU re
   out-projection input in low-bit (../shared/spec/algorithms.md §3.2). The spec is the first-choice seam; the
   ``_forward_impl`` override keeps Megatron's own linear autograd (TP all-reduce, sequence
   parallel, gradient-accumulation fusion, wgrad deferral) and only swaps the saved input, except where agoq's
-  one-node linears reproduce its math for the common case (bf16 GEMMs, no sequence parallelism, accumulation fusion
-  or wgrad deferral) to save host time per layer (issue 24, docs/activations.md "Host cost").
+  one-node linears reproduce its math for the common case (bf16 GEMMs, sequence parallelism or not, no accumulation
+  fusion or wgrad deferral) to save host time per layer (issue 24, docs/activations.md "Host cost"). Under sequence
+  parallelism ``AgoqRMSNorm`` marks its weight ``sequence_parallel`` (finalize_model_grads all-reduces its gradient
+  over TP, as for Megatron's own norms) and the final norm is agoq's too (agoq.megatron.seqpar).
 Verified on: megatron-core 0.19.2.
   FP8 linears and Smooth-SwiGLU (FP8 paper, ../shared/spec/algorithms.md §2) need the same two seams: the GEMM
   inside ``_forward_impl`` and the activation inside ``MLP.forward``.
