@@ -32,9 +32,10 @@ def sequence_parallel_problem(*, tp: int, seq_length: int, agoq_disable: bool = 
         return (f"--sequence-parallel needs --seq-length {seq_length} divisible by --tensor-model-parallel-size {tp}; "
                 f"pick a sequence length that is a multiple of {tp}")
     if agoq_disable:
-        return ("--sequence-parallel with --agoq-disable: Megatron's local spec builds torch norms (WrappedTorchNorm), "
-                "which megatron-core 0.19.2 refuses under sequence parallelism; drop --agoq-disable (agoq's layers with "
-                "--agoq-policy configs/policy/bf16.yaml train as Megatron's do) or drop --sequence-parallel")
+        return ("--sequence-parallel with --agoq-disable: Megatron's local spec builds torch norms "
+                "(WrappedTorchNorm), which megatron-core 0.19.2 refuses under sequence parallelism; drop "
+                "--agoq-disable (agoq's layers with --agoq-policy configs/policy/bf16.yaml train as Megatron's do) or "
+                "drop --sequence-parallel")
     if fp8 is not None and fp8.fp8_enabled:
         return (f"--sequence-parallel with FP8 linears (recipe {fp8.recipe!r}, from --agoq-fp8 or the policy's fp8 "
                 "section): agoq's FP8 linears do not all-gather a sequence-sharded input yet; pass --agoq-fp8 off or "

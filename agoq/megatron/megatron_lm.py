@@ -202,9 +202,12 @@ def build_gpt_model(config: AgoqConfig, options: GPTModelOptions, transformer_co
     :func:`agoq_gpt_layer_spec`; Megatron's local-spec model with agoq disabled."""
     from megatron.core.models.gpt import GPTModel
 
+    from agoq.megatron.seqpar import block_spec  # under --sequence-parallel: agoq's final norm (its seam card)
+
     spec = agoq_gpt_layer_spec(config, options, transformer_config, num_microbatches=num_microbatches)
     return GPTModel(
-        config=transformer_config, transformer_layer_spec=spec, vocab_size=options.vocab_size,
+        config=transformer_config, transformer_layer_spec=block_spec(spec, transformer_config, vp_stage),
+        vocab_size=options.vocab_size,
         max_sequence_length=options.max_sequence_length, pre_process=pre_process, post_process=post_process,
         fp16_lm_cross_entropy=options.fp16_lm_cross_entropy, parallel_output=True,
         share_embeddings_and_output_weights=options.share_embeddings_and_output_weights,

@@ -30,9 +30,9 @@ class AgoqMLP(MLP):
     Smooth-SwiGLU divides the SwiGLU output by a power-of-two s (exact) and undoes it around fc2: per
     token, fc2's output (after the TP all-reduce; s is all-reduced MAX over TP first) is multiplied
     by s (under sequence parallelism fc2's output is reduce-scattered along the sequence, and each rank multiplies
-    by its own shard of s: fc1's output, and so s, covers the whole sequence); per channel, fc2 uses W * s (s folded into its input columns, handed to fc2 with the stash;
-    each channel lives on one TP rank). In bf16 the smoothed MLP therefore equals the plain one bit for
-    bit, barring underflow.
+    by its own shard of s: fc1's output, and so s, covers the whole sequence); per channel, fc2 uses W * s (s
+    folded into its input columns, handed to fc2 with the stash; each channel lives on one TP rank). In bf16 the
+    smoothed MLP therefore equals the plain one bit for bit, barring underflow.
 
     Plain SwiGLU with an FP8 fc2 under per-tensor delayed scaling (``agoq_plain_fp8``, decided at construction;
     the rule is :meth:`plain_fusion_problems`) hands fc2 the fc1 output and fc2 runs SwiGLU, its E4M3 cast and

@@ -78,18 +78,18 @@ class SavePaths:
     ``_raw_saved_tensors``); False (default): a ``saved_tensors_hooks`` scope around Megatron's linear."""
     fuse_norm_linear: bool = True
     """A norm whose output is recomputed for the column-parallel linear it feeds (QKV, fc1; bf16 GEMMs, no
-    gradient-accumulation fusion or wgrad deferral; sequence parallelism inside the node): True (default): one autograd node
-    for norm and linear (agoq.ops.norm_linear: no norm function, hook scope or stash per pair); False: the
-    norm's autograd function hands a recompute stash to Megatron's linear (same bytes and gradients)."""
+    gradient-accumulation fusion or wgrad deferral; sequence parallelism inside the node): True (default): one
+    autograd node for norm and linear (agoq.ops.norm_linear: no norm function, hook scope or stash per pair); False:
+    the norm's autograd function hands a recompute stash to Megatron's linear (same bytes and gradients)."""
     fuse_swiglu_linear: bool = True
     """SwiGLU whose output is recomputed for fc2 (plain SwiGLU; bf16 fc2 GEMMs, no gradient-accumulation fusion;
-    sequence parallelism reduce-scatters fc2's output after the node, in Megatron's forward): True (default): one autograd node for SwiGLU and fc2 (agoq.ops.swiglu_linear: no SwiGLU
-    function, hook scope or stash per MLP); False: SwiGLU's autograd function hands a recompute stash to Megatron's
-    linear (same bytes and gradients)."""
+    sequence parallelism reduce-scatters fc2's output after the node, in Megatron's forward): True (default): one
+    autograd node for SwiGLU and fc2 (agoq.ops.swiglu_linear: no SwiGLU function, hook scope or stash per MLP); False:
+    SwiGLU's autograd function hands a recompute stash to Megatron's linear (same bytes and gradients)."""
     quantized_linear_node: bool = True
     """A linear storing its own input quantized (the out-projection under the default policy; bf16 GEMMs, no
-    gradient-accumulation fusion or wgrad deferral; sequence parallelism inside the node): True (default): one autograd node
-    (agoq.ops.quant_linear: no hook scope, pack or unpack calls); False: Megatron's linear inside a
+    gradient-accumulation fusion or wgrad deferral; sequence parallelism inside the node): True (default): one
+    autograd node (agoq.ops.quant_linear: no hook scope, pack or unpack calls); False: Megatron's linear inside a
     ``saved_tensors_hooks`` scope (same bytes and gradients). ``linear_via_node_hooks=True`` also turns it off.
     All three one-node linears run only outside other saved-tensor hook scopes (:func:`default_saved_hooks_active`)
     and support one backward per graph (no ``retain_graph``)."""

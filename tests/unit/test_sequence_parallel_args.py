@@ -55,7 +55,8 @@ def test_megatron_norm_bytes_shard_with_the_rstd():
     bf16 = load_policy(TINY.parents[1] / "policy" / "bf16.yaml")
     storage = layer_storage(bf16, lambda role: Site(0, 0, 1, None, None, role), None)
     kw = dict(seq=1024, micro_batch=1, hidden=512, ffn=1024, heads=8, groups=2, tp=2)
-    plain, sp = megatron_bytes(storage, LayerDims(**kw)), megatron_bytes(storage, LayerDims(**kw, sequence_parallel=True))
+    plain = megatron_bytes(storage, LayerDims(**kw))
+    sp = megatron_bytes(storage, LayerDims(**kw, sequence_parallel=True))
     for role, nbytes in plain.items():
         assert sp[role] * (2 if role in SEQUENCE_SHARDED_ROLES else 1) == nbytes, role
 
