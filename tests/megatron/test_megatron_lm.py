@@ -151,8 +151,10 @@ REFUSED = [  # (flags added to the agoq_default command, error type, words the m
 def test_transformer_engine_with_agoq_on_is_taken(monkeypatch):
     """Megatron-LM's default --transformer-impl transformer_engine with agoq on: TE's layers with agoq's scopes,
     gradients and optimizer (agoq.megatron.te); the local spec's attention checks do not apply."""
+    from agoq.megatron import te
     from agoq.megatron.train.megatron_lm import agoq_config_from_megatron_args, uses_transformer_engine
 
+    monkeypatch.setattr(te, "te_available", lambda: True)  # the checks of the flags, as on a machine with TE
     argv = _without(_bench_megatron_argv("agoq_full"), "--transformer-impl", 1)
     args = _megatron_args(monkeypatch, argv + ["--transformer-impl", "transformer_engine", "--attention-dropout",
                                                "0.1"])

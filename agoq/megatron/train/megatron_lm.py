@@ -147,15 +147,15 @@ def check_megatron_args(args: argparse.Namespace) -> None:
                            "Engine's (--transformer-impl local or transformer_engine), or add --agoq-disable")
     te = impl == "transformer_engine"
     if te:
-        from agoq.megatron.te import te_available, te_missing_message
-
-        if not te_available():
-            raise RefusedFlags(te_missing_message())
         for dest, fix in (("agoq_fp8", "use Megatron-LM's --fp8-format hybrid --fp8-recipe delayed (TE's recipes)"),
                           ("agoq_smooth_swiglu", "drop it (agoq's Smooth-SwiGLU runs in agoq's own MLP)")):
             if _given(args, dest):
                 raise RefusedFlags(f"{_flag(dest)} with --transformer-impl transformer_engine: TE's modules run the "
                                    f"GEMMs; {fix}, or --transformer-impl local for agoq's layers")
+        from agoq.megatron import te as agoq_te
+
+        if not agoq_te.te_available():
+            raise RefusedFlags(agoq_te.te_missing_message())
     if args.agoq_gradient_release:
         raise UnavailableUnderMegatronTraining(
             "--agoq-gradient-release steps the optimizer inside backward, which megatron.training's train_step "
