@@ -87,3 +87,14 @@ def names(iterations) -> str:
     items = sorted(iterations)
     shown = [f"iter_{i:07d}" for i in items[-6:]]
     return (f"{len(items) - 6} older, " if len(items) > 6 else "") + ", ".join(shown)
+
+
+def written_by_megatron_training(folder: str | os.PathLike) -> int | None:
+    """The iteration of a checkpoint folder that ``megatron.training`` wrote (agoq's Megatron-LM door, or Megatron-LM's
+    own ``pretrain_gpt.py``): its tracker names an existing ``iter_*`` folder and no ``iter_*`` folder holds agoq's
+    progress record, which agoq's trainer (scripts/pretrain_llama.py) writes with every complete save. None otherwise.
+    The two trainers' checkpoints are not interchangeable (their state layouts differ): each refuses the other's."""
+    tracker = read_tracker(folder)
+    if tracker.iteration is None or not iteration_dir(folder, tracker.iteration).is_dir():
+        return None
+    return None if any(saved_iterations(folder).values()) else tracker.iteration

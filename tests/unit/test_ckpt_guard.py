@@ -76,6 +76,26 @@ def test_a_fresh_start_only_where_neither_load_nor_save_holds_a_checkpoint(tmp_p
         resolve_load(str(ck), str(ck), allow_fresh_start=True)
 
 
+def test_each_trainer_refuses_the_others_checkpoints_by_name(tmp_path):
+    """Checkpoint interop: megatron.training (the door) and scripts/pretrain_llama.py write different layouts; each
+    refuses the other's folder, naming the trainer that wrote it, before anything is read."""
+    from agoq.megatron.train.megatron_lm import RefusedFlags, refuse_agoq_trainer_checkpoint
+
+    megatron = _checkpoints(tmp_path / "megatron", complete=(), incomplete=(2, 4))  # a tracker, no progress records
+    with pytest.raises(CheckpointRefusal, match=r"iter_0000004 was written by megatron\.training .*python -m "
+                                                r"agoq\.megatron_lm"):
+        resolve_load(str(megatron), None)
+    agoq = _checkpoints(tmp_path / "agoq")
+    for load in (agoq, agoq / "iter_0000004"):
+        with pytest.raises(RefusedFlags, match=r"written by agoq's own trainer .*scripts/pretrain_llama\.py --load"):
+            refuse_agoq_trainer_checkpoint(str(load))
+    refuse_agoq_trainer_checkpoint(str(megatron))  # megatron.training's own folder passes
+    refuse_agoq_trainer_checkpoint(None)
+    # an agoq folder whose newest save was interrupted is still agoq's: resolved as before, not called foreign
+    mixed = _checkpoints(tmp_path / "mixed", complete=(2,), incomplete=(4,), tracker="4")
+    assert resolve_load(str(mixed), str(mixed)).folder == mixed
+
+
 def test_newer_checkpoints_than_the_loaded_one_are_never_written_over(tmp_path):
     ck = _checkpoints(tmp_path / "ck", complete=(2, 4, 6), tracker="6")
     ckpt_guard.check_overwrite(str(ck), ck, 6)

@@ -39,6 +39,7 @@ from agoq.megatron.ckpt_files import (
     names,
     read_tracker,
     saved_iterations,
+    written_by_megatron_training,
 )
 from agoq.megatron.train.save_lock import SaveLock
 
@@ -84,6 +85,13 @@ def _load_source(load: Path) -> LoadTarget | None:
                           f"--load {load}: an iteration folder: loading iteration {pinned} of {load.parent} "
                           "(Megatron-LM's --ckpt-step semantics: exactly this iteration, the tracker is not used)")
     tracker = read_tracker(load)
+    foreign = written_by_megatron_training(load)
+    if foreign is not None:
+        raise CheckpointRefusal(
+            f"--load {load}: {iteration_dir(load, foreign).name} was written by megatron.training (agoq's Megatron-LM "
+            "door or Megatron-LM's pretrain_gpt.py: no agoq_progress.json in any iter_* folder), whose checkpoint "
+            "layout scripts/pretrain_llama.py does not read; resume it with the trainer that wrote it "
+            "(python -m agoq.megatron_lm pretrain_gpt.py ... --load), or start this run with another --load")
     if tracker.iteration is not None:
         return LoadTarget(load, None, "")
     complete = complete_iterations(load)

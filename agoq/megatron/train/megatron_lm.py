@@ -134,6 +134,7 @@ def check_megatron_args(args: argparse.Namespace) -> None:
     switches given beside it are refused (the plain Megatron run takes any of Megatron's flags, Transformer Engine
     included). With agoq on, ``--transformer-impl local`` gives agoq's layers and ``transformer_engine`` (Megatron-LM's
     default) TE's layers with agoq's saved-activation scopes, gradients and optimizer (agoq.megatron.te)."""
+    refuse_agoq_trainer_checkpoint(getattr(args, "load", None))
     if args.agoq_disable:
         extra = [_flag(d) for d in AGOQ_SWITCHES if _given(args, d)]
         if args.agoq_optimizer != "torch":
@@ -184,6 +185,26 @@ def check_megatron_args(args: argparse.Namespace) -> None:
         raise RefusedFlags("--use-torch-fsdp2 / --use-megatron-fsdp: agoq's gradients and optimizer hook Megatron's "
                            "DistributedDataParallel; drop the FSDP flag (--use-distributed-optimizer shards states)")
     _check_optimizer_flags(args)
+
+
+def refuse_agoq_trainer_checkpoint(load: str | None) -> None:
+    """``--load`` of a checkpoint that agoq's own trainer wrote (scripts/pretrain_llama.py: agoq_progress.json in its
+    iter_* folders): megatron.training does not read that layout; refused by name before anything loads."""
+    if not load:
+        return
+    from pathlib import Path
+
+    from agoq.megatron.ckpt_files import complete_iterations, is_complete, names
+
+    folder = Path(load)
+    held = [folder.name] if is_complete(folder) else ([names(complete_iterations(folder))]
+                                                      if complete_iterations(folder) else [])
+    if held:
+        raise RefusedFlags(f"--load {load}: {held[0]} was written by agoq's own trainer (scripts/pretrain_llama.py: "
+                           "agoq_progress.json), whose checkpoint layout megatron.training does not read; resume it "
+                           f"with scripts/pretrain_llama.py --load {load} (same model flags), or give this run "
+                           "another --load")
+
 
 
 def uses_transformer_engine(args: argparse.Namespace) -> bool:
