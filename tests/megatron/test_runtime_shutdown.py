@@ -44,6 +44,9 @@ def test_the_trainer_tears_down_as_failed_when_the_job_raises(monkeypatch):
     monkeypatch.setattr(trainer.runtime, "init_distributed", lambda device, launch: None)
     monkeypatch.setattr(trainer.runtime, "choose_device", lambda device, local_rank: "cpu")
     monkeypatch.setattr(trainer, "install", lambda config: None)
+    # the --save / --load start-up checks are tests/unit/test_ckpt_guard.py's; here only the teardown flag matters
+    monkeypatch.setattr(trainer.CheckpointGuard, "start", classmethod(lambda cls, args: type("G", (), {
+        "release": lambda self: None})()))
 
     class Args:
         agoq_config = type("C", (), {"device": "cpu"})()

@@ -32,6 +32,7 @@ ENTRY_POINTS = {
     "agoq/cli/flags.py": "the trainer's flags (agoq.cli): policy_path of the parsed flags",
     "agoq/cli/optim_args.py": "the trainer's flags (agoq.cli): checks of the parsed optimizer flags",
     "agoq/cli/graph_args.py": "the trainer's flags (agoq.cli): checks of the parsed CUDA-graph flags",
+    "agoq/cli/seqpar_args.py": "the trainer's flags (agoq.cli): checks of the parsed sequence-parallel flags",
     "agoq/testing/xcompile.py": "python -m agoq.testing.xcompile: a tool's command line",
     "agoq/convert/__main__.py": "python -m agoq.convert: a tool's command line",
 }
