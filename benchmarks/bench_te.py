@@ -17,6 +17,7 @@ gradient-accumulation fusion: its output layer's fused weight-gradient kernel is
 
     python benchmarks/bench_te.py --out benchmarks/results/te.json            # every row
     python benchmarks/bench_te.py --rows te/bf16 agoq/full --iters 10         # some rows
+    python benchmarks/bench_te.py --shape 8b --global-batch 8 --micro-batch 1 --rows agoq_te/full_fp8  # LLaMA-3-8B
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ SHAPES = {  # name -> Megatron model flags
     "1b": ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "32", "--group-query-attention",
            "--num-query-groups", "8", "--ffn-hidden-size", "8192", "--seq-length", "4096",
            "--max-position-embeddings", "4096"],
+    # LLaMA-3-8B (configs/model/llama3-8b.yaml) with its 128,256-entry vocabulary, untied
+    "8b": ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--group-query-attention",
+           "--num-query-groups", "8", "--ffn-hidden-size", "14336", "--seq-length", "4096",
+           "--max-position-embeddings", "4096"],
     "tiny": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--group-query-attention",
              "--num-query-groups", "2", "--ffn-hidden-size", "352", "--seq-length", "128",
              "--max-position-embeddings", "128"],
@@ -48,7 +53,13 @@ SHAPES = {  # name -> Megatron model flags
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
          "--rotary-base", "500000", "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--bf16", "--no-gradient-accumulation-fusion"]
-DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--split", "969,30,1"]
+VOCAB = {"1b": 32000, "8b": 128256, "tiny": 32000}  # NullTokenizer's vocabulary per shape
+
+
+def data_flags(shape: str) -> list[str]:
+    return ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB[shape]),
+            "--split", "969,30,1"]
+
 
 TE_FP8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "1024",
           "--fp8-amax-compute-algo", "max"]
@@ -67,6 +78,7 @@ ROWS: dict[str, tuple[Path | str, int, list[str], dict]] = {
     "te/fp8_delayed": (UPSTREAM, 2, TE_FP8, {}),
     "te/fp8_tensorwise": (UPSTREAM, 2, ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"], {}),
     "te/fp8_delayed_mbs4": (UPSTREAM, 4, TE_FP8, {}),
+    "te/fp8_delayed_mbs8": (UPSTREAM, 8, TE_FP8, {}),
     "te/fp8_precision_aware_bf16": (UPSTREAM, 2, TE_FP8 + PRECISION_AWARE_BF16, {}),
     "te/fp8_precision_aware_fp8": (UPSTREAM, 2, TE_FP8 + ["--use-distributed-optimizer",
                                                          "--use-precision-aware-optimizer", "--exp-avg-dtype", "fp8",
@@ -86,6 +98,8 @@ ROWS: dict[str, tuple[Path | str, int, list[str], dict]] = {
     "agoq_te/full": (ZERO_EDIT, 2, AGOQ_FULL, {}),
     "agoq_te/full_fp8": (ZERO_EDIT, 2, AGOQ_FULL + TE_FP8, {}),
     "agoq_te/full_fp8_mbs4": (ZERO_EDIT, 4, AGOQ_FULL + TE_FP8, {}),
+    "agoq_te/full_fp8_mbs8": (ZERO_EDIT, 8, AGOQ_FULL + TE_FP8, {}),
+    "agoq_te/full_fp8_mbs16": (ZERO_EDIT, 16, AGOQ_FULL + TE_FP8, {}),
     "agoq_te/lean_fp8": (ZERO_EDIT, 2, AGOQ_FULL + TE_FP8 + ["--agoq-policy", "configs/policy/bf16.yaml"], {}),
     # the FP8 learning-speed finding: which of agoq full's parts slows FP8's first iterations
     "agoq/fp8_bf16policy_megatron_adam": (DOOR, 2, DOOR_LOCAL + AGOQ_FP8 + ["--agoq-policy",
@@ -108,13 +122,16 @@ def schedule(micro_batch: int, iters: int, global_batch: int) -> list[str]:
             "--eval-iters", "0", "--eval-interval", "100000", "--log-interval", "1", "--log-throughput"]
 
 
-def row_command(name: str, shape: str, iters: int, global_batch: int, record: Path, port: int) -> list[str]:
-    driver, micro_batch, extra, _ = ROWS[name]
+def row_command(name: str, shape: str, iters: int, global_batch: int, record: Path, port: int,
+                micro_batch: int | None = None) -> list[str]:
+    """``micro_batch``: overrides the row's own (the 8B shape runs every row at micro-batch 1)."""
+    driver, row_micro_batch, extra, _ = ROWS[name]
+    micro_batch = micro_batch or row_micro_batch
     record_flag = ["--agoq-log-json", str(record)] if driver == DOOR else ["--bench-json", str(record)]
     entry = ["--module", "agoq.megatron_lm", str(UPSTREAM)] if driver == ZERO_EDIT else [str(driver)]
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
             "--master-addr", "127.0.0.1", "--master-port", str(port), *entry, *SHAPES[shape], *LLAMA,
-            *schedule(micro_batch, iters, global_batch), *DATA, *extra, *record_flag]
+            *schedule(micro_batch, iters, global_batch), *data_flags(shape), *extra, *record_flag]
 
 
 def read_record(path: Path, driver: Path) -> tuple[list[float], int | None, int | None]:
@@ -146,10 +163,11 @@ def timings(output: str, skip: int) -> dict:
 
 
 def run_row(name: str, args, port: int, workdir: Path) -> dict:
-    driver, micro_batch, _, extra_env = ROWS[name]
+    driver, row_micro_batch, _, extra_env = ROWS[name]
+    micro_batch = args.micro_batch or row_micro_batch
     record = workdir / (name.replace("/", "_") + ".json")
     record.unlink(missing_ok=True)
-    command = row_command(name, args.shape, args.iters, args.global_batch, record, port)
+    command = row_command(name, args.shape, args.iters, args.global_batch, record, port, args.micro_batch)
     env = {**os.environ, **extra_env}
     start = time.perf_counter()
     try:
@@ -192,6 +210,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--skip", type=int, default=4, help="first iteration counted in the medians")
     parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=None, help="every row at this micro-batch (default: the "
+                        "row's own)")
     parser.add_argument("--row-timeout", type=int, default=420)
     args = parser.parse_args()
     import torch

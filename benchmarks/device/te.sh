@@ -10,7 +10,10 @@
 #              Megatron + TE bf16 / FP8 delayed / tensorwise / mbs 4 / precision-aware optimizer (bf16 and FP8
 #              moments) / + selective, full recompute, activation offloading; Megatron local bf16; agoq full and
 #              agoq full + FP8 on the local spec; the FP8 learning-speed ablation rows; agoq on TE through the
-#              zero-edit door (agoq_te/*). TE_ROWS="row row ..." runs only those rows (~45 s a row)      ~16 min
+#              zero-edit door (agoq_te/*). TE_ROWS="row row ..." runs only those rows, TE_ITERS iterations
+#              (default 10; ~45 s a row at 10)                                                             ~16 min
+#   te_bench_8b  the LLaMA-3-8B shape (128,256 vocabulary) at micro-batch 1, global batch 8: agoq + TE FP8
+#              against what Megatron + TE fits with its levers (TE_ROWS_8B, default below)            ~5 min
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 [ -d /tmp/te/site/transformer_engine ] || { echo "te.sh: Transformer Engine is not installed (benchmarks/device/te_device.sh)" >&2; exit 2; }
 export PYTHONPATH="/tmp/te/site:$PYTHONPATH"
@@ -19,4 +22,9 @@ header
 step te_tests 600 "$PY" -m pytest -q -p no:cacheprovider -rA tests/gpu/test_te_agoq_gpu.py
 step door_gpu 600 "$PY" -m pytest -q -p no:cacheprovider -rA tests/gpu/test_megatron_lm_gpu.py -k zero_edit_door
 # shellcheck disable=SC2086  # TE_ROWS is a list of row names
-step te_bench 1500 "$PY" benchmarks/bench_te.py --out "$AGOQ_RESULTS/te.json" ${TE_ROWS:+--rows $TE_ROWS}
+step te_bench 1500 "$PY" benchmarks/bench_te.py --out "$AGOQ_RESULTS/te.json" --iters "${TE_ITERS:-10}" \
+  ${TE_ROWS:+--rows $TE_ROWS}
+TE_ROWS_8B="${TE_ROWS_8B:-agoq_te/full_fp8 agoq/full_fp8 te/fp8_precision_aware_bf16_full_recompute}"
+# shellcheck disable=SC2086
+step te_bench_8b 1200 "$PY" benchmarks/bench_te.py --out "$AGOQ_RESULTS/te_8b.json" --shape 8b --global-batch 8 \
+  --micro-batch 1 --iters "${TE_ITERS_8B:-10}" --rows $TE_ROWS_8B

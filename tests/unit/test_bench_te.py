@@ -47,3 +47,12 @@ def test_rows_use_their_driver_and_the_same_model():
         local = name.startswith(("agoq/", "local/"))
         assert ("--transformer-impl" in cmd and cmd[cmd.index("--transformer-impl") + 1] == "local") == local, name
         assert ("--bench-json" in cmd) == (driver != bench.DOOR), name
+
+
+def test_8b_shape_carries_its_vocabulary_and_the_micro_batch_override():
+    bench = _bench()
+    cmd = bench.row_command("agoq_te/full_fp8", "8b", 10, 8, Path("/tmp/r.json"), 29500, micro_batch=1)
+    assert cmd[cmd.index("--vocab-size") + 1] == "128256" and cmd[cmd.index("--hidden-size") + 1] == "4096"
+    assert cmd[cmd.index("--micro-batch-size") + 1] == "1" and cmd[cmd.index("--global-batch-size") + 1] == "8"
+    one_b = bench.row_command("agoq_te/full_fp8", "1b", 10, 16, Path("/tmp/r.json"), 29500)
+    assert one_b[one_b.index("--vocab-size") + 1] == "32000" and one_b[one_b.index("--micro-batch-size") + 1] == "2"
