@@ -101,6 +101,12 @@ ROWS: dict[str, tuple[Path | str, int, list[str], dict]] = {
     "agoq_te/full_fp8_mbs8": (ZERO_EDIT, 8, AGOQ_FULL + TE_FP8, {}),
     "agoq_te/full_fp8_mbs16": (ZERO_EDIT, 16, AGOQ_FULL + TE_FP8, {}),
     "agoq_te/lean_fp8": (ZERO_EDIT, 2, AGOQ_FULL + TE_FP8 + ["--agoq-policy", "configs/policy/bf16.yaml"], {}),
+    # where agoq + TE FP8 loses speed against TE FP8: each of agoq full's three parts alone on TE FP8
+    "agoq_te/fp8_policy_only": (ZERO_EDIT, 2, TE_FP8, {}),
+    "agoq_te/fp8_adamw_only": (ZERO_EDIT, 2, TE_FP8 + ["--agoq-policy", "configs/policy/bf16.yaml",
+                                                       "--agoq-optimizer", "adamw"], {}),
+    "agoq_te/fp8_int8_grads_only": (ZERO_EDIT, 2, TE_FP8 + ["--agoq-policy", "configs/policy/bf16.yaml",
+                                                            "--agoq-grads", "int8_b256"], {}),
     # the FP8 learning-speed finding: which of agoq full's parts slows FP8's first iterations
     "agoq/fp8_bf16policy_megatron_adam": (DOOR, 2, DOOR_LOCAL + AGOQ_FP8 + ["--agoq-policy",
                                                                            "configs/policy/bf16.yaml"], {}),
