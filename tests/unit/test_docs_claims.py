@@ -7,7 +7,9 @@ Rules (the extraction is in tests/unit/_docs_claims.py):
 2. Every link to ``results.md#ID`` on README.md, docs/**/*.md and benchmarks/README.md names an existing row, and
    every number of the link's text, with its unit (``0.47×``, ``54.55 GiB``), is in that row's value: a page
    cannot quote a claim with a number that differs from the table (or from another page quoting it).
-3. README.md is under 8,000 characters, and every number of its prose (code, comments and link targets aside) is
+3. Every ``page.md#anchor`` link between these pages names a heading (or ``<a id>``) of the page (pages were
+   merged; an anchor that moved must be re-pointed).
+4. README.md is under 8,000 characters, and every number of its prose (code, comments and link targets aside) is
    in the results table, with the same unit.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 from agoq.testing.procs import REPO_ROOT
 from tests.unit._docs_claims import (
     RESULTS,
+    anchor_problems,
     link_problems,
     readme_problems,
     results_rows,
@@ -42,6 +45,13 @@ def test_every_cited_claim_quotes_the_tables_value():
         cited += text.count("results.md#")
     assert problems == [], "\n".join(problems)
     assert cited >= 5, cited  # README's TL;DR and feature matrix cite rows
+
+
+def test_links_to_headings_resolve():
+    pages = {str(p.relative_to(REPO_ROOT)): p.read_text() for p in DOC_FILES}
+    assert anchor_problems(pages) == []
+    broken = dict(pages, **{"docs/x.md": "[a](user-guide.md#no-such-heading) [b](benchmarks/results.md#fp8-step)"})
+    assert anchor_problems(broken) == ["docs/x.md:1: docs/user-guide.md#no-such-heading: no such heading"]
 
 
 def test_readme_is_short_and_its_numbers_are_in_the_results_table():
