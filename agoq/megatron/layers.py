@@ -40,7 +40,7 @@ Why: AGoQ stores the pre-norm input (norm recomputed), the fc1 output (SwiGLU re
   ``_forward_impl`` override keeps Megatron's own linear autograd (TP all-reduce, sequence
   parallel, gradient-accumulation fusion, wgrad deferral) and only swaps the saved input, except where agoq's
   one-node linears reproduce its math for the common case (bf16 GEMMs, sequence parallelism or not, no accumulation
-  fusion or wgrad deferral) to save host time per layer (issue 24, docs/numerics.md "Host cost"). Under sequence
+  fusion or wgrad deferral) to save host time per layer (issue 24, docs/benchmarks/log.md "Host cost"). Under sequence
   parallelism ``AgoqRMSNorm`` marks its weight ``sequence_parallel`` (finalize_model_grads all-reduces its gradient
   over TP, as for Megatron's own norms) and the final norm is agoq's too (agoq.megatron.seqpar).
 Verified on: megatron-core 0.19.2.
