@@ -39,7 +39,7 @@ DEFAULT_MASTER = "split24"
 MOMENT_PRESETS = {
     "flash": ("cint8_b32", "cuint8_b32"),  # FlashOptim companded int8 / uint8, fp16 scales per 32
     "fp8": ("fp8e4m3_b128", "fp8e5m2_b128"),  # Fishman et al. 2025: m E4M3, v E5M2 (block-scaled)
-    "4bit": ("nf4_b32", "cuint8_b32"),  # NF4 m, companded uint8 v (4-bit v diverges, docs/optim.md)
+    "4bit": ("nf4_b32", "cuint8_b32"),  # NF4 m, companded uint8 v (4-bit v diverges, docs/numerics.md)
     "bf16": ("bf16", "bf16"),
     "fp32": ("fp32", "fp32"),
 }

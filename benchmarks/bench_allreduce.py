@@ -56,7 +56,7 @@ in the JSON and makes the script exit non-zero (after writing it).
 
 Targets (issues 5, 19), for the faster agoq transport: >= 2.5x vs NCCL's fp32 all-reduce and >= 1.3x vs its bf16
 one at >= 256 MiB; >= 2x and >= 1.1x at 64-256 MiB (Megatron's 40M-element bucket is 160 MiB). A link
-model (docs/grads.md) predicts the speed-up on slower links: t(agoq) ~ 2 t_roundtrip + wire_bytes / B.
+model (docs/numerics.md) predicts the speed-up on slower links: t(agoq) ~ 2 t_roundtrip + wire_bytes / B.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_allreduce.py --out $OUT/grads.json
     python benchmarks/bench_allreduce.py --smoke            # CPU, 2 gloo ranks, tiny sizes, no targets
@@ -102,7 +102,7 @@ SOCKET_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DI
 # (smallest size MiB, x NCCL fp32 all-reduce, x NCCL bf16 all-reduce): issue 19's targets on NVLink
 TARGETS = [(256, 2.5, 1.3), (64, 2.0, 1.1)]
 LINK_GBPS = [25, 50, 100, 200, 400]  # inter-node (IB/RoCE 200-400 Gb/s = 25-50 GB/s) up to NVLink-class
-# int8_b256 all-reduce of N(0,1) gradients: ~1 % relative L2 error (docs/grads.md, W = 2..8); 2 % flags
+# int8_b256 all-reduce of N(0,1) gradients: ~1 % relative L2 error (docs/numerics.md, W = 2..8); 2 % flags
 # a broken path (a lost scale or a wrong shard gives O(100 %)) without flaking on a correct one.
 MAX_REL_ERR = 0.02
 # Device time (--timing both): torch.cuda._sleep keeps the GPU busy while the host enqueues a case. The sleep is

@@ -298,7 +298,7 @@ def equal_memory_1b_suite(smoke: bool) -> list[dict]:
     suite), seq 4096, 32 sequences per step, 8 iterations. The baseline's options: micro-batch 1 / 2 / 4 / 8
     without recompute, 1 and 4 with selective recompute of core attention, 8 and 16 with full recompute; agoq
     full at micro-batch 4 / 8 / 16 without recompute, and agoq full with FP8 delayed linears and per-token
-    Smooth-SwiGLU (the stable FP8 recipe, docs/fp8.md) at micro-batch 4 / 8: agoq spending its memory on FP8's
+    Smooth-SwiGLU (the stable FP8 recipe, docs/numerics.md) at micro-batch 4 / 8: agoq spending its memory on FP8's
     tensor-core rate (the baseline stays bf16: megatron-core's FP8 needs Transformer Engine). The report's
     equal_memory table compares, per budget (EQUAL_MEMORY_BUDGETS_GIB), the fastest run of each side whose measured
     peak fits. About 8 minutes on one H100 (~120k tokens/s at micro-batch 1)."""

@@ -69,7 +69,7 @@ ZERO_STATE_INIT_SINCE = "2026-11-26T15:57:51"  # commit 98c84d5
 # agoq.megatron.mlp.AgoqMLP, Recipe.fuse_plain_swiglu_fp8): the commit time of e9f6759. Every plain FP8 row
 # committed so far (fp8_step.json 2026-11-25, fp8_scale_*.json 2026-11-26 18:30) ran Megatron's SwiGLU then the
 # FP8 linear and is predicted as such; the fused path's term (-4 B x f per token per FP8 layer with a bf16
-# fc1 output) is not measured yet (docs/fp8.md, "SwiGLU fused with a plain FP8 fc2").
+# fc1 output) is not measured yet (docs/numerics.md, "SwiGLU fused with a plain FP8 fc2").
 PLAIN_SWIGLU_FP8_FUSION_SINCE = "2026-11-26T19:34:03"
 PLAIN_FUSION_ENV = "AGOQ_FP8_SWIGLU_FUSION"  # agoq.megatron.train.environment.PLAIN_FUSION_ENV (equal by test)
 # agoq.ops.fp8_weight_cache came in with commit 9a9e60e (2026-11-24T01:46:04 UTC); the planner models
@@ -299,7 +299,7 @@ FP8_RUNS = ("fp8_step.json", "fp8_scale_1b.json", "fp8_scale_7b.json")
 # bench_pretrain.py --suite act_host: baseline vs agoq.yaml at micro-batch 1 / 2 (docs/benchmarks/activations.md)
 ACTIVATION_STEP_RUNS = ("activations_whole_steps.json",)
 # bench_pretrain.py --suite release: agoq's AdamW with an fp32 / bf16 gradient buffer and with gradient release
-# (1B, H100, 2026-11-25; docs/optim.md)
+# (1B, H100, 2026-11-25; docs/numerics.md)
 RELEASE_RUNS = ("pretrain_release.json",)
 # bench_pretrain.py --suite dp2_pp2 (4 H100, DP=2 x PP=2, distributed optimizer; docs/benchmarks/grads.md), and
 # issue 23's one-GPU suites: capacity_1gpu (LLaMA-3-8B shape, 128,256-row vocabulary; docs/benchmarks/capacity.md)

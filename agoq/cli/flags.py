@@ -232,7 +232,7 @@ def add_grad_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_compute_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("agoq FP8 compute and Smooth-SwiGLU (docs/fp8.md); default: the policy's fp8 "
+    g = parser.add_argument_group("agoq FP8 compute and Smooth-SwiGLU (docs/numerics.md); default: the policy's fp8 "
                                   "section, else off")
     g.add_argument("--agoq-fp8", choices=FP8_RECIPES, default=None,
                    help="FP8 linears (E4M3 forward, E5M2 backward; needs an sm_89+ GPU): current / delayed "

@@ -23,7 +23,7 @@ CUDA_GRAPH_WHOLE_LAYER = ("full",)  # Megatron-LM's deprecated spelling of an em
 
 
 def add_graph_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("CUDA graphs (Megatron-LM's flags; agoq's features under graphs: docs/activations.md, "
+    g = p.add_argument_group("CUDA graphs (Megatron-LM's flags; agoq's features under graphs: docs/numerics.md, "
                              "'CUDA graphs')")
     g.add_argument("--cuda-graph-impl", choices=CUDA_GRAPH_IMPLS, default="none",
                    help="none: eager; local: megatron-core's per-layer CUDA graphs (the first iteration records, then "

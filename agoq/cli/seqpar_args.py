@@ -1,6 +1,6 @@
 """Megatron-LM's ``--sequence-parallel`` in ``scripts/pretrain_llama.py`` and ``python -m agoq.plan``: the flag and what
 it needs, refused by name with the fix before torch loads (the trainer: agoq.megatron.train.checks; the planner:
-agoq.plan.__main__). What the layers do under it: agoq.megatron.seqpar, docs/activations.md "Sequence parallelism".
+agoq.plan.__main__). What the layers do under it: agoq.megatron.seqpar, docs/numerics.md "Sequence parallelism".
 Light imports only (argparse).
 """
 
@@ -19,7 +19,7 @@ def add_sequence_parallel_flag(g) -> None:
                         "along the sequence over the TP ranks (column-parallel linears all-gather their input, "
                         "row-parallel ones reduce-scatter their output), so agoq's saved norm inputs take 1/TP per "
                         "rank; agoq's layers only (not with --agoq-disable, whose torch norms Megatron refuses under "
-                        "it) and not with FP8 linears (docs/activations.md, 'Sequence parallelism')")
+                        "it) and not with FP8 linears (docs/numerics.md, 'Sequence parallelism')")
 
 
 def sequence_parallel_problem(*, tp: int, seq_length: int, agoq_disable: bool = False, fp8=None) -> str | None:

@@ -42,7 +42,7 @@ __all__ = ["comm_ops_for", "run_pipeline", "Slots", "all_to_all", "all_gather", 
 # shows), while every chunk costs ~5 launches and a few Python views on the host, which must stay
 # ahead of the GPU; the clamps keep NCCL messages large and the slots (2 x ~3.5 x chunk) bounded.
 # These are design choices, not measured optima: benchmarks/bench_allreduce.py --chunk-mib sweeps them
-# (docs/grads.md).
+# (docs/numerics.md).
 TARGET_CHUNKS = 4
 MIN_CHUNK_BYTES = 16 << 20
 MAX_CHUNK_BYTES = 64 << 20

@@ -34,7 +34,7 @@ every rank that receives it and Megatron's NaN check / the grad-norm check fire.
 Wire bytes per rank and element (int8_b256, fp32 scales): (W-1)/W * (1 + 4/256) for the
 all-to-all, the same again for the all-gather: about 2.03 bytes vs 8 (fp32 ring all-reduce) and
 4 (bf16). Caveats: two quantizations (before the all-to-all and, all-reduce only, before the
-all-gather) add error bounded in docs/grads.md; the padding to W x block elements costs at most
+all-gather) add error bounded in docs/numerics.md; the padding to W x block elements costs at most
 W x block - 1 extra elements per call.
 """
 

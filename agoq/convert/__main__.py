@@ -11,7 +11,7 @@
         --tokenizer-model /models/Meta-Llama-3-8B/tokenizer.json --output hf/llama3-8b-run --dtype bf16
 
 Runs in one CPU process (no torchrun): the whole model is held once in host memory, in the checkpoint's
-dtype (an 8B model: ~16 GB in bf16). Needs the optional extra: ``pip install 'agoq[hf]'``. See docs/hf.md.
+dtype (an 8B model: ~16 GB in bf16). Needs the optional extra: ``pip install 'agoq[hf]'``. See docs/user-guide.md.
 """
 
 from __future__ import annotations

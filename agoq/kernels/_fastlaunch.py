@@ -168,7 +168,7 @@ class LaunchSite:
     the 16-byte alignment of each tensor argument and the current device, then makes the final launch
     call itself, with the tensors' data pointers in their place. That is the FastKernel key's dict work
     (a key tuple of every argument per launch: ~15 of the ~50 host us a launch cost on an H100 host,
-    docs/activations.md "Host cost") done once per site.
+    docs/benchmarks/log.md "Host cost") done once per site.
     Anything else (an unaligned tensor, another device, a launch hook, direct launches off) takes the
     FastKernel's own path for that call. ``set_check_sites(True)`` (tests) recomputes the full key on
     every call and raises if a caller broke the contract."""

@@ -1,6 +1,6 @@
 """Fused rotary position embedding (RoPE), Triton: one launch for the forward and one for the backward of each
 tensor, instead of the ~11 elementwise ops (and ~10 in backward) of Megatron's unfused RoPE without Transformer
-Engine (docs/activations.md, "Host cost": launches are what a small micro-batch's step waits on).
+Engine (docs/benchmarks/log.md, "Host cost": launches are what a small micro-batch's step waits on).
 
 Twins of :mod:`agoq.ref.rope` (same signatures, the same roundings in the same order, so the same bits):
 

@@ -8,7 +8,7 @@ width per TP rank; h = fc1 output [T.., 2F] = [gate | up], bf16 / fp16)::
                              rowmajor=True, transposed=False, t_colmajor=False, new_meta=None)
       -> (out [T, F] fp8 | None, out_t | None, new_meta, s, scale_a [T, 1] | None)
 
-``amax=None`` (with ``per_token=False``) is plain SwiGLU feeding a plain FP8 fc2 (s = 1; docs/fp8.md): no smoothing
+``amax=None`` (with ``per_token=False``) is plain SwiGLU feeding a plain FP8 fc2 (s = 1; docs/numerics.md): no smoothing
 amax launch, no division, z = glu cast as is; s and scale_a are None (the SMOOTH=False specialisation of the
 same cast kernel).
 

@@ -10,7 +10,7 @@ Why: on the saved-activation path the SwiGLU forward was silu + mul (two ATen la
 quantize launch, and its backward a dequantize, the recompute for fc2 and the SwiGLU backward (three
 launches and a dequantized [T, 2F] tensor held between them). Here the forward is one launch and the
 backward two, reading the packed codes directly; the host pays one launch where it paid two or three
-(docs/activations.md, "Host cost").
+(docs/benchmarks/log.md, "Host cost").
 
 Numerics (tests/kernels/test_swiglu_quant_kernels.py, tests/gpu/test_saved_act_gpu.py):
 - codes and scales of ``swiglu_quantize`` are the reference's bit for bit (agoq.ref.quant step for

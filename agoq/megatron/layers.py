@@ -40,7 +40,7 @@ Why: AGoQ stores the pre-norm input (norm recomputed), the fc1 output (SwiGLU re
   ``_forward_impl`` override keeps Megatron's own linear autograd (TP all-reduce, sequence
   parallel, gradient-accumulation fusion, wgrad deferral) and only swaps the saved input, except where agoq's
   one-node linears reproduce its math for the common case (bf16 GEMMs, sequence parallelism or not, no accumulation
-  fusion or wgrad deferral) to save host time per layer (issue 24, docs/activations.md "Host cost"). Under sequence
+  fusion or wgrad deferral) to save host time per layer (issue 24, docs/benchmarks/log.md "Host cost"). Under sequence
   parallelism ``AgoqRMSNorm`` marks its weight ``sequence_parallel`` (finalize_model_grads all-reduces its gradient
   over TP, as for Megatron's own norms) and the final norm is agoq's too (agoq.megatron.seqpar).
 Verified on: megatron-core 0.19.2.
@@ -486,7 +486,7 @@ class _AgoqLinearMixin:
 
 # Under torch.compile the saving (or FP8) linear runs eagerly, between graphs: it takes the recompute stash from
 # the hand-off, checks it feeds this very input tensor (data pointers), and hooks the saved input of Megatron's
-# autograd node (out.grad_fn), none of which a traced graph has (docs/activations.md, "Custom ops and
+# autograd node (out.grad_fn), none of which a traced graph has (docs/numerics.md, "Custom ops and
 # torch.compile"). Megatron's own linear breaks the graph here as well (a warnings.warn in
 # get_tensor_model_parallel_group_if_none, megatron-core 0.19.2).
 _eager_linear_forward_impl = eager_under_compile(

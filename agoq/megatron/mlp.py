@@ -89,7 +89,7 @@ class AgoqMLP(MLP):
         scaling (agoq.ops.smooth_swiglu_fp8.fused_smooth_supported's recipe rule), and Megatron's MLP must be
         computing the unfused ``glu`` the fused kernel reproduces: plain SwiGLU, no clamp, no offset, no
         ``bias_activation_fusion`` (Megatron's compiled bias_swiglu rounds once in fp32, not after silu and after
-        the product). Anything else keeps Megatron's MLP (docs/fp8.md, "SwiGLU fused with a plain FP8 fc2")."""
+        the product). Anything else keeps Megatron's MLP (docs/numerics.md, "SwiGLU fused with a plain FP8 fc2")."""
         recipe = getattr(self.linear_fc2, "agoq_fp8", None)
         problems = []
         if recipe is None or recipe.granularity != "tensor" or recipe.scaling != "delayed":

@@ -9,7 +9,7 @@ Touches: ``megatron.core.models.common.embeddings.rope_utils.fused_apply_rotary_
 Why: without TE, Megatron's RoPE is ~11 elementwise launches per query / key in the forward and ~10 in the
   backward (``_apply_rotary_pos_emb_bshd``: cos, sin, casts, two products, chunk / neg / cat, a sum, the cat with
   the pass-through part), ~40 launches per layer and micro-batch: host time that a small micro-batch's step waits
-  on (docs/activations.md, "Host cost"). agoq's op (agoq.ops.rope) is one launch each way with the same values
+  on (docs/benchmarks/log.md, "Host cost"). agoq's op (agoq.ops.rope) is one launch each way with the same values
   and gradients, bit for bit.
 Kind: a runtime patch of one module global (no constructor argument or hook reaches it), recorded with
   ``agoq.megatron.install.set_module_attr``: ``Handle.undo()`` / ``undo_runtime_changes()`` put None back.

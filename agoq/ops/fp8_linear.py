@@ -197,7 +197,7 @@ class FP8LinearFunction(torch.autograd.Function):
     of x is kept); ``weight_cache`` (an :class:`FP8WeightCache`) reuses the weight's FP8 copies (both
     layouts) until the weight changes, so neither the forward nor the backward casts the weight.
 
-    Host path (docs/fp8.md, "Host cost"): x and grad_y are read in place whatever their leading dims
+    Host path (docs/benchmarks/log.md, "Host cost"): x and grad_y are read in place whatever their leading dims
     (no reshape, so no view nodes in the graph), the output is written into its final shape
     (``_scaled_mm(out=...)``), and the GEMM operands come out of the casts in the layouts
     torch._scaled_mm takes (no per-call transposes). Operand layouts are by construction (row-major

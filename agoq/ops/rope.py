@@ -1,7 +1,7 @@
 """Rotary position embedding as one autograd node with one kernel each way (agoq.kernels.rope on CUDA, the
 reference agoq.ref.rope elsewhere): the values and gradients of Megatron's unfused RoPE (mscale 1,
 non-interleaved, bshd) bit for bit, in 2 launches per tensor and step instead of ~21
-(docs/activations.md, "Host cost").
+(docs/benchmarks/log.md, "Host cost").
 
 ``cos`` / ``sin`` of the frequencies are computed as Megatron computes them (``torch.cos(freqs).to(t.dtype)``)
 once per frequency tensor and kept while that tensor lives unchanged (Megatron's ``RotaryEmbedding`` returns the

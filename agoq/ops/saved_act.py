@@ -100,7 +100,7 @@ class eager_under_compile:  # noqa: N801 - used like the function it wraps
     """``fn`` as torch.compile must run it: eagerly, between graphs (``torch.compiler.disable``), because it
     keeps Python state across autograd nodes that a graph cannot carry (``reason``: the byte counter's weak
     references, the recompute stash handed from one node's forward to another's backward, hooks on an
-    autograd node's saved tensor); docs/activations.md, "Custom ops and torch.compile". Callers test
+    autograd node's saved tensor); docs/numerics.md, "Custom ops and torch.compile". Callers test
     ``torch.compiler.is_compiling()`` first, so eager calls pay nothing for this.
 
     The disabled wrapper is built by :meth:`prepare` (it imports ``torch._dynamo``, ~1.5 s, which agoq.ops
@@ -295,7 +295,7 @@ class quantized_saves:  # noqa: N801 - used as a function-style context manager:
     Raises RuntimeError after the scope if ``target`` was saved zero or several times while grad
     was enabled (the wrapped op no longer saves what agoq expects: a Megatron change).
     A class rather than a generator context manager: it runs around every linear of every layer, and
-    the generator machinery is host time (docs/activations.md, "Host cost").
+    the generator machinery is host time (docs/benchmarks/log.md, "Host cost").
     """
 
     __slots__ = ("target", "fmt", "stash", "key", "counter", "hits", "_hooks")
@@ -388,7 +388,7 @@ def replace_saved_input(out: torch.Tensor, target: torch.Tensor, *, node_name: s
     The same storage as :class:`quantized_saves` around the op, through the saved tensor's own hooks
     (``SavedTensor.register_hooks``: the pack hook runs at once and the full tensor is let go): no hook
     scope to enter and leave, and the op's other saved tensors (the weight) never pass through Python
-    (docs/activations.md, "Host cost"). Raises RuntimeError when ``out`` was not made by ``node_name`` or
+    (docs/benchmarks/log.md, "Host cost"). Raises RuntimeError when ``out`` was not made by ``node_name`` or
     that node's saved tensor ``index`` is not ``target`` (the wrapped op changed; ``check_identity=False``
     skips the identity half, which unpacks every saved tensor of the node: for callers that checked it
     on their first call, as agoq's linears do, since which tensor a given op saves where is fixed by its

@@ -5,7 +5,7 @@ Two implementations with the same stored bytes and the same gradient bits (tests
 agoq's autograd function :class:`_RMSNormSavingInput` (public mechanisms only: ``ctx.save_for_backward`` and a
 stash on ``ctx``; the default, and the only one off CUDA), and, opt-in on CUDA (``via_aten_node=True``),
 ``F.rms_norm``'s own ATen node (``FusedRmsNormBackward0``) with hooks on its two saved activations (no Python
-autograd function per norm, docs/activations.md "Host cost"; it reaches the node's private ``_raw_saved_input`` /
+autograd function per norm, docs/benchmarks/log.md "Host cost"; it reaches the node's private ``_raw_saved_input`` /
 ``_raw_saved_rstd``, for which torch has no public equivalent).
 
 Shape legend: T = tokens (any leading dims), H = hidden.
@@ -138,7 +138,7 @@ _rmsnorm_saving_input_eager = eager_under_compile(
 # CUDA: F.rms_norm's own autograd node (ATen's fused RMSNorm, C++ backward) with hooks on the two saved
 # activations, instead of the Python autograd function above: the same stored bytes and the same gradient
 # bits (ATen's backward at x_hat with rstd(x_hat), as the function computes), without a Python
-# Function's forward / backward per norm (docs/activations.md, "Host cost"). Opt-in: rmsnorm_saving_input's
+# Function's forward / backward per norm (docs/benchmarks/log.md, "Host cost"). Opt-in: rmsnorm_saving_input's
 # ``via_aten_node=True`` (the layers' ``SavePaths.norm_via_aten_node``); the default is the function.
 _FUSED_NORM_NODE = "FusedRmsNormBackward0"
 _NORM_RSTD_ATTRS = ("_raw_saved_rstd", "_raw_saved_result1")  # the name of its second output, by torch version

@@ -15,12 +15,12 @@ agoq.ops.fp8_linear FP8 linear, in fewer passes:
   history (agoq.kernels.smooth_swiglu_fp8). z in the model dtype is never materialised.
 * plain (``swiglu_fp8_fc2``, the plain FP8 MLP's fc2): the same cast kernel without smoothing (``amax=None``):
   no amax launch, no division, fc2's tensor-wise GEMM as agoq.ops.fp8_linear runs it; codes, scales and
-  histories are those of Megatron's unfused SwiGLU followed by the FP8 linear (docs/fp8.md). TP needs nothing:
+  histories are those of Megatron's unfused SwiGLU followed by the FP8 linear (docs/numerics.md). TP needs nothing:
   per-tensor delayed scaling keeps one history per rank, as the unfused FP8 linear does.
 * per token, the un-smoothing is fc2's GEMM itself: row-wise ``torch._scaled_mm`` with ``scale_a = s *
   scale_inv_z`` [T, 1] (written by the cast kernel) and ``scale_b`` = the weight's inverse scale as [1, N]
   (kept with the weight cache entry). s is a power of two, so this is the unfused ``fc2(z) * s`` up to
-  the GEMM's fp32 epilogue rounding order (docs/fp8.md, "Smooth-SwiGLU"). The row-wise GEMM returns bf16
+  the GEMM's fp32 epilogue rounding order (docs/numerics.md, "Smooth-SwiGLU"). The row-wise GEMM returns bf16
   only, so fp16 models (and ``set_unsmooth_mode("epilogue")``) use the tensor-wise GEMM and ``y *= s``.
 * per channel, s goes into fc2's FP8 weight: one cast of W * s (both layouts, the multiply inside the
   cast kernel) per (weight version, scale tensor), through an FP8WeightCache keyed on both, shared by the

@@ -4,7 +4,7 @@ Pure Python (no torch, no Megatron): the Megatron layers (agoq.megatron.activati
 planner (agoq.plan) apply the *same* rule, so the planner's agoq bytes equal the bytes counted at
 run time (tests/megatron/test_activations.py checks equality).
 
-The rule (docs/activations.md), per layer:
+The rule (docs/numerics.md), per layer:
 - ``norm.input`` quantized -> both pre-norms store their quantized input and recompute the norm in
   backward; the QKV / fc1 linears store nothing (their input is rebuilt from the same tensor), so
   ``attn.qkv_input`` / ``mlp.fc1_input`` are "recomputed". ``norm.input`` bf16 -> Megatron's norm

@@ -50,7 +50,7 @@ DEFAULT_KEYS: tuple[str, ...] = ("activations", "grads")
 #: Keys a policy once documented that agoq never reads: the loader names where the setting lives.
 RETIRED_DEFAULT_KEYS: dict[str, str] = {
     "optim_states": "optimizer state formats are not read from a policy; set them with --agoq-moments / "
-                    "--agoq-master (docs/optim.md) and remove the key",
+                    "--agoq-master (docs/numerics.md) and remove the key",
 }
 
 #: Rounding rules of the auto ladder (see stages.pick_rung and docs/policy.md "The auto rule").
@@ -59,7 +59,7 @@ AUTO_ROUNDINGS: tuple[str, ...] = ("nearest", "up", "down")
 PpStage = int | Literal["first", "last"]
 
 # ---------------------------------------------------------------------------------------------
-# The `fp8:` section: FP8 linears and Smooth-SwiGLU (FP8 paper, ../shared/spec/algorithms.md §2; docs/fp8.md).
+# The `fp8:` section: FP8 linears and Smooth-SwiGLU (FP8 paper, ../shared/spec/algorithms.md §2; docs/numerics.md).
 # ---------------------------------------------------------------------------------------------
 #: off: bf16 linears; current / delayed: per-tensor scaling from this tensor's amax / from the amax
 #: history; rowwise: per-row scales (current); te: Transformer Engine's recipe (needs TE installed).

@@ -17,7 +17,7 @@ of two is exact, so the only roundings are: the fp32 subtraction theta - theta' 
 rho's rounding to an integer (of the exact product e * N, not of its fp32 rounding), rho / N, and the
 final fp32 add.
 
-Bound (docs/optim.md): |theta - theta_hat| <= ULP(theta') / (4 N) + ulp32(theta) / 2.
+Bound (docs/numerics.md): |theta - theta_hat| <= ULP(theta') / (4 N) + ulp32(theta) / 2.
 Non-finite theta or theta' (overflow to Inf): theta' keeps the NaN/Inf, rho = 0.
 The Triton kernels (agoq.kernels.optim) reproduce these values bit for bit.
 """

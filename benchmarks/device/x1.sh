@@ -25,7 +25,7 @@
 #   fp8_scale       issue 27's suite on current code (plain FP8 now fused): one current result            ~8 min
 #   equal_memory_1b  issue 23 item 2 at ~1B, with the agoq + FP8 Smooth-SwiGLU rows                         ~9 min
 # Done on 2026-11-27 and left out: issue 25's convergence matrix (docs/benchmarks/convergence.md; rerun one run with
-# benchmarks/bench_convergence.py --preset) and the CUDA-graph validation (docs/activations.md).
+# benchmarks/bench_convergence.py --preset) and the CUDA-graph validation (docs/numerics.md).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 header
 B=benchmarks/bench_pretrain.py

@@ -5,7 +5,7 @@ Each world size runs one spawn_ranks call that executes every case (process star
   * bit-identical to the single-process reference (agoq.ref.collectives) on every rank;
   * all-reduce: every rank holds the same tensor;
   * |result - exact fp64 sum| <= error_bound_8bit (derived in agoq/ref/collectives.py and
-    docs/grads.md), elementwise, for integer formats; bf16 outputs add half a bf16 ulp (2**-9 relative,
+    docs/numerics.md), elementwise, for integer formats; bf16 outputs add half a bf16 ulp (2**-9 relative,
     bound 2**-8 to cover the double rounding of the fp32 sum);
   * adversarial inputs: 1e4x outlier in one block, one rank all zeros, tiny values, Inf / NaN on
     one rank (the affected block is NaN on the owner, everything else finite and in bound).

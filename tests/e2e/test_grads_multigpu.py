@@ -6,7 +6,7 @@ windows, per-parameter reads by agoq's optimizer.
 Needs 2 GPUs and megatron-core (the carried wheel). Run: ``pytest tests/e2e/test_grads_multigpu.py -m multigpu``.
 
 Bands: the fp32-grad and 8-bit runs start from the same weights and batches (bf16 params). The 8-bit
-reduction and accumulation perturb each gradient by ~1 % (docs/grads.md); Adam normalises per element,
+reduction and accumulation perturb each gradient by ~1 % (docs/numerics.md); Adam normalises per element,
 so the loss moves by much less (0.03 % on the CPU tiny model, tests/megatron/test_ddp_agoq.py). 2 % per
 step leaves room for bf16 while a broken path (a lost scale, a wrong shard, summed codes) is off by far
 more or diverges. Memory: the model is sized so parameters dominate (~15M, activations a few MB); the

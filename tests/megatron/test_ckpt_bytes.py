@@ -1,7 +1,7 @@
 """Optimizer checkpoint bytes per parameter on disk (agoq.testing.ckpt_bytes), tiny model, CPU, DP = 2:
 Megatron's Adam (distributed optimizer: fp32 main params + m + v) vs agoq's FlashAdamW with and
 without the distributed optimizer. An accounting of bytes written by torch_dist, not a GPU timing.
-The measured numbers are in docs/optim.md (the test prints them: pytest -s)."""
+The measured numbers are in docs/numerics.md (the test prints them: pytest -s)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ gradient bytes per parameter, and non-finite gradients reaching Megatron's NaN c
 
 Gradient check (step 1, same weights and data): the reduced main_grad's relative L2 error vs the
 fp32 run is <= GRAD_REL_BOUND. Reason: the all-reduce bound of agoq.ref.collectives is 2.9 % of the
-norm for W=2 Gaussian blocks (docs/grads.md; measured 0.98 %), the two-micro-batch accumulation
+norm for W=2 Gaussian blocks (docs/numerics.md; measured 0.98 %), the two-micro-batch accumulation
 adds <= 1.1 % (measured, tests/unit/test_comm_grad_buffer.py), so 5 % holds with margin while a
 wrong shard, summed codes or a lost scale give O(100 %).
 Loss band: LOSS_BAND_REL per step. Adam normalises per element, so a ~1 % gradient perturbation

@@ -2,7 +2,7 @@
 gradient bytes per parameter per rank that scripts/pretrain_llama.py measures from the live tensors
 (``--log-json`` ``memory_breakdown``, agoq/megatron/train/memory_report.py) at their real cost, d = 2 ranks.
 
-Bounds (issue 19; docs/grads.md "Distributed optimizer"): the 8-bit store is 1 + 4/256 B/param plus
+Bounds (issue 19; docs/numerics.md "Distributed optimizer"): the 8-bit store is 1 + 4/256 B/param plus
 per-parameter padding to whole 256-element blocks (< 0.1 here). agoq's optimizer reads its shard from the
 store one parameter at a time: <= 1.1 + 1.1/d. Megatron's fp32 optimizer needs every shard gradient in
 fp32 at once: <= 1.1 + 4/d. Before the fix the reduced shard lived in an fp32 window over every parameter

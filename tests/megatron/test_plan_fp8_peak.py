@@ -148,7 +148,7 @@ def test_committed_plain_fp8_rows_predate_the_fused_path():
     """The committed plain FP8 runs (fp8_step.json, fp8_scale_*.json) ran Megatron's SwiGLU before the FP8 fc2: the
     validation predicts them with the code of their date (Recipe.fuse_plain_swiglu_fp8 False, within 0.5 %). The
     current code predicts the 1b/mbs4 row (forward/backward peak) 14 FP8 layers x 4 B x T f = 3.5 GiB lower, a gap
-    to the committed measurement until the fused path is measured (docs/fp8.md gives the command); the other plain
+    to the committed measurement until the fused path is measured (docs/numerics.md gives the command); the other plain
     rows peak in the optimizer step and do not move."""
     report = json.loads((validate.BENCH / "fp8_scale_1b.json").read_text())
     assert report["date"] < validate.PLAIN_SWIGLU_FP8_FUSION_SINCE

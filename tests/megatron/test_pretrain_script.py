@@ -77,7 +77,7 @@ def test_layout_that_does_not_divide_stops_before_training(env):
 def test_int8_grads_dp2_distopt_track_float_grads(env):
     """--agoq-grads int8_b256 (8-bit main_grad + 8-bit reduction) vs Megatron's fp32 grads, DP=2.
 
-    Band: the 8-bit reduction's relative error is ~1% per element (docs/grads.md), which moves the
+    Band: the 8-bit reduction's relative error is ~1% per element (docs/numerics.md), which moves the
     Adam update direction only slightly; over 6 steps the loss must stay within 1% of the float run.
     """
     args = TINY + ["--use-distributed-optimizer", "--train-iters", "6", "--lr", "1e-2"]

@@ -18,7 +18,7 @@ SLURM_FILES = sorted((REPO_ROOT / "slurm").iterdir())
 # Commands of docs/benchmarks kept as they were run (the page says what the flag is called now): command -> why.
 RECORDS = {
     "python3 benchmarks/bench_quant.py --sweep --out sweep.json":
-        "docs/benchmarks/quant.md run B's command as run; the page says --sweep is now --variants",
+        "docs/benchmarks/log.md (quant suite, run B): the command as run; the page says --sweep is now --variants",
 }
 SKIP_MARK = re.compile(r"<!--\s*docs-check:\s*skip\s*\((?P<reason>.+)\)\s*-->")
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)

@@ -1,5 +1,5 @@
 """agoq.optim.AdamW / Lion / SGD as drop-in torch.optim optimizers on a Hugging Face ``transformers``
-LlamaForCausalLM (small, random, bf16, CPU; the README's plain loop): the state bytes per parameter are the formats'
+LlamaForCausalLM (small, random, bf16, CPU; the user guide's loop): the state bytes per parameter are the formats'
 (FlashOptim's 5.125 B/param for AdamW's matrices: bf16 param 2 + int8 master remainder 1 + two 8-bit moments with an
 fp16 scale per 32 elements 2 x 1.0625), and a run resumed through ``state_dict`` / ``load_state_dict`` (via
 torch.save) continues bit-identically to the uninterrupted run."""
@@ -40,7 +40,7 @@ def _batches(n: int, seed: int = 1) -> list[torch.Tensor]:
 
 def _train(model, opt, batches) -> list[float]:
     losses = []
-    for ids in batches:  # the README's plain loop
+    for ids in batches:  # the user guide's plain loop, docs/user-guide.md
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -63,7 +63,7 @@ def test_state_bytes_per_parameter_are_the_formats(cls):
     expected = sum(p.numel() for p in large) * LARGE_BYTES[cls] + sum(p.numel() for p in small) * SMALL_BYTES[cls]
     assert total == expected, (held, expected)
     n_large = sum(p.numel() for p in large)
-    assert LARGE_BYTES[AdamW] == 5.125  # FlashAdamW's bytes per parameter (docs/optim.md), asserted above exactly
+    assert LARGE_BYTES[AdamW] == 5.125  # FlashAdamW's bytes per parameter (docs/numerics.md), asserted above exactly
     assert held["master"] == n_large * 1 + sum(p.numel() for p in small) * 2
 
 

@@ -117,7 +117,7 @@ def _noisy_quadratic(make_states, step_fn, steps=100, seed=7, numel=4096):
 def test_adamw_quantized_drift_within_bound(m_fmt, v_fmt, floor, converge):
     # (linear int8 v *without* companding drifts ~7x the distance moved on this problem: FlashOptim's
     # "companding prevents divergence"; see test_linear_int8_variance_drifts_far_more)
-    """Drift bound (docs/optim.md): over 100 noisy-quadratic steps, the quantized-state trajectory
+    """Drift bound (docs/numerics.md): over 100 noisy-quadratic steps, the quantized-state trajectory
     stays within `floor` of the full-precision one, relative to the total distance moved. Reason: a
     group-32 8-bit companded state has <= 1/127 (m) and <= 2/255 (sqrt v) relative step error per
     element, so each normalised update errs by ~1-2 %; errors are unbiased and average out over
