@@ -44,7 +44,7 @@ from agoq.megatron import model as mmodel  # noqa: E402
 from agoq.megatron.activations import storage_of, storage_table  # noqa: E402
 from agoq.megatron.checkpoint import CheckpointSaveError  # noqa: E402
 from agoq.megatron.compute import check_compute, compute_report  # noqa: E402
-from agoq.megatron.ddp import grad_config, wrap_ddp_agoq  # noqa: E402
+from agoq.megatron.ddp import wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.optimizer import shard_alignment_for  # noqa: E402
 from agoq.megatron.release import TrainingStopped, wrap_release  # noqa: E402
 from agoq.megatron.train import data as mdata  # noqa: E402
@@ -105,17 +105,16 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
     spec = mmodel.agoq_layer_spec(args.attention_backend, policy=agoq.policy.spec, schedule=schedule,
                                   compute=compute)
     chunks = mmodel.build_model_chunks(shape, config, spec, layout.vpp)
-    grad = grad_config(agoq.grads)  # --agoq-grads, else the policy's default: {grads: ...} (agoq.config)
     if agoq.optimizer.gradient_release:
         check_release_flags(args, data_parallel=info.world_size // (layout.tp * layout.pp))
         model = wrap_release(chunks, config, info.device)
-    elif grad is None:
+    elif not agoq.grads.quantized:  # --agoq-grads, else the policy's default: {grads: ...} (agoq.config)
         model = mmodel.wrap_ddp(chunks, config, ddp_config(args, params_dtype), info.device,
                                 param_alignment=shard_alignment_for(agoq.optimizer, args.use_distributed_optimizer))
     else:
-        model = wrap_ddp_agoq(chunks, config, ddp_config(args, params_dtype), info.device, grad)
+        model = wrap_ddp_agoq(chunks, config, ddp_config(args, params_dtype), info.device, agoq.grads)
         for transport, why in dict.fromkeys(model[0].agoq_transport.values()):
-            print_rank0(f"agoq grads: {grad.fmt} reduced over the {transport} transport ({why})")
+            print_rank0(f"agoq grads: {agoq.grads.format} reduced over the {transport} transport ({why})")
     configure_grad_hooks(model, config)
     return model, shape, spec
 

@@ -53,6 +53,7 @@ def test_undo_restores_every_runtime_change():
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from torch.optim.optimizer import _global_optimizer_post_hooks
 
+    from agoq.config import GradsConfig
     from agoq.megatron import checkpoint, grad_reader, runtime
     from agoq.megatron import install as install_mod
     from agoq.megatron.ddp import AgoqBucketGroup, wrap_ddp_agoq
@@ -80,7 +81,7 @@ def test_undo_restores_every_runtime_change():
         config = llama_transformer_config(shape, layout, params_dtype=torch.float32, use_cpu_initialization=True)
         chunks = build_model_chunks(shape, config, agoq_layer_spec("sdpa"), None)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
-        model = wrap_ddp_agoq(chunks, config, ddp_cfg, device, "int8_b256")
+        model = wrap_ddp_agoq(chunks, config, ddp_cfg, device, GradsConfig(format="int8_b256", transport="nccl"))
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=False,
                                                            params_dtype=torch.float32,
                                                            use_distributed_optimizer=True), model)
