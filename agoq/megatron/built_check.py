@@ -315,10 +315,10 @@ def built_summary(model_chunks: list, optimizer) -> str:
     for chunk in model_chunks:
         base = AgoqDistributedDataParallel if isinstance(chunk, AgoqDistributedDataParallel) else \
             DistributedDataParallel if isinstance(chunk, DistributedDataParallel) else None
-        grad = getattr(chunk, "agoq_grad", None)
+        grad = getattr(chunk, "agoq_grads", None)
         parent = f" ({base.__name__}" if base is not None and base is not type(chunk) else " ("
         ddp.append(type(chunk).__name__ + parent
-                   + (f", 8-bit gradients {grad.fmt} {grad.mode} mode)" if grad is not None else ")"))
+                   + (f", 8-bit gradients {grad.format} {grad.mode} mode)" if grad is not None else ")"))
     parts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     return (f"layers {', '.join(f'{n} x{c}' for n, c in layers.items()) or 'none'} (core attention "
             f"{', '.join(sorted(attention)) or 'none'}) | DDP {', '.join(dict.fromkeys(ddp)).replace(' ()', '')} | "
