@@ -13,6 +13,8 @@ Sections (torchtitan's per-component config, torchao's frozen ``Float8LinearConf
 * ``grads``       gradient format, mode, error feedback, bf16 buffer
 * ``optimizer``   optimizer kind, state formats, master weights and their hyperparameters
 * ``fp8``         FP8 linears and Smooth-SwiGLU (``agoq.policy.FP8Spec``: flags over the policy's ``fp8:``)
+* ``kernels``     how agoq's kernels run on the host (direct Triton launches, the plain SwiGLU + FP8 fc2 fusion):
+                  speed and memory, never values; not saved with checkpoints
 * top level       ``enabled`` (False: plain Megatron), ``device``, ``triton_interpret`` (runtime options)
 
 ``as_dict()`` is what every checkpoint saves (``agoq.megatron.resume``); ``from_dict`` reads it back.
@@ -305,6 +307,23 @@ class OptimizerOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
+class KernelsConfig:
+    """How agoq's kernels run on the host: choices that change speed (and what a plain FP8 MLP holds), never the
+    values; not part of ``as_dict`` (a checkpoint resumes under either). scripts/pretrain_llama.py's trainer fills it
+    from its environment (agoq.megatron.train.environment: AGOQ_TRITON_FAST_LAUNCH, AGOQ_FP8_SWIGLU_FUSION);
+    library code reads it from here, never from the environment."""
+
+    fast_launch: bool = True
+    """agoq's direct launches of compiled Triton kernels (agoq.kernels._fastlaunch); False: Triton's own launch path
+    (the escape hatch; the same kernels). Applied by ``agoq.megatron.install.install`` (undone by its handle)."""
+
+    fuse_swiglu_fp8: bool = True
+    """Plain SwiGLU fused with a plain FP8 fc2 under per-tensor delayed scaling (agoq.ops.smooth_swiglu_fp8.
+    swiglu_fp8_fc2, in agoq.megatron.mlp.AgoqMLP; the layers get it as ``SavePaths.fuse_swiglu_fp8``); False:
+    Megatron's SwiGLU then the FP8 fc2 (same values, 4 B more per token and FFN channel)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class AgoqConfig:
     enabled: bool = True
     """False runs plain Megatron (the baseline, --agoq-disable): no agoq seam is installed."""
@@ -327,6 +346,7 @@ class AgoqConfig:
     grads: GradsConfig = GradsConfig()
     optimizer: OptimizerOptions = OptimizerOptions()
     fp8: FP8Spec = FP8Spec()
+    kernels: KernelsConfig = KernelsConfig()
 
     def __post_init__(self):
         _choose("AgoqConfig.device", self.device, DEVICES)
@@ -349,11 +369,12 @@ class AgoqConfig:
 
     @classmethod
     def from_flags(cls, values: Mapping[str, Any], *, policy: PolicySpec | None = None,
-                   triton_interpret: bool = False) -> AgoqConfig:
+                   triton_interpret: bool = False, kernels: KernelsConfig | None = None) -> AgoqConfig:
         """The config of the flag ``values`` (flag destinations, e.g. ``{"agoq_optimizer": "adamw"}``; a missing
         key takes this module's default, the same for the trainer, the planner and the memory report). ``policy``: the
         loaded policy of ``agoq_policy`` (its ``fp8:`` section and ``default: {grads: ...}`` apply under the
-        flags); None: no policy section applies (the planner compares several)."""
+        flags); None: no policy section applies (the planner compares several). ``kernels``: the trainer's
+        KernelsConfig (None: the defaults)."""
         get = values.get
         enabled = not get("agoq_disable", False)
         if get("recompute_granularity") not in (None, *RECOMPUTE_GRANULARITIES):
@@ -390,7 +411,7 @@ class AgoqConfig:
                 sgd_nesterov=bool(get("agoq_sgd_nesterov", False)),
                 lion_beta1=_given(get("agoq_lion_beta1"), OptimizerOptions.lion_beta1),
                 lion_beta2=_given(get("agoq_lion_beta2"), OptimizerOptions.lion_beta2)),
-            fp8=fp8,
+            fp8=fp8, kernels=kernels or KernelsConfig(),
         )  # fmt: skip
 
     # -- saved with every checkpoint ---------------------------------------------------------------

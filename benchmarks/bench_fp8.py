@@ -198,12 +198,8 @@ def _fused_mlp_step(mode: str, x, w1, w2, g):
     unsmooth = "epilogue" if mode.endswith("_epilogue") else "gemm"
 
     def step():
-        previous = op.set_unsmooth_mode(unsmooth)
-        try:
-            h = fp8_linear(x, w1, s1, r1, weight_cache=c1)
-            op.smooth_swiglu_fp8_fc2(h, w2, s2, r2, per_token=per_token, weight_cache=cache).backward(g)
-        finally:
-            op.set_unsmooth_mode(previous)
+        h = fp8_linear(x, w1, s1, r1, weight_cache=c1)
+        op.smooth_swiglu_fp8_fc2(h, w2, s2, r2, per_token=per_token, weight_cache=cache, unsmooth=unsmooth).backward(g)
     return step
 
 

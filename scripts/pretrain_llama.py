@@ -50,7 +50,7 @@ from agoq.megatron.release import TrainingStopped, wrap_release  # noqa: E402
 from agoq.megatron.train import data as mdata  # noqa: E402
 from agoq.megatron.train.pretrain import ddp_config, pretrain, print_rank0  # noqa: E402
 from agoq.megatron.train.training import configure_grad_hooks  # noqa: E402
-from agoq.ops.smooth_swiglu_fp8 import plain_swiglu_fusion  # noqa: E402
+from agoq.ops.saved_act import SavePaths  # noqa: E402
 from agoq.policy import ScheduleInfo, format_table, model_sites, policy_table  # noqa: E402
 
 
@@ -103,7 +103,7 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
                       ffn=shape.ffn_hidden_size, heads=shape.num_attention_heads, groups=shape.num_query_groups,
                       tp=layout.tp, tokens_per_microbatch=args.seq_length * args.micro_batch_size)
     spec = mmodel.agoq_layer_spec(args.attention_backend, policy=agoq.policy.spec, schedule=schedule,
-                                  compute=compute)
+                                  compute=compute, save_paths=SavePaths(fuse_swiglu_fp8=agoq.kernels.fuse_swiglu_fp8))
     chunks = mmodel.build_model_chunks(shape, config, spec, layout.vpp)
     if agoq.optimizer.gradient_release:
         check_release_flags(args, data_parallel=info.world_size // (layout.tp * layout.pp))
@@ -167,7 +167,7 @@ def policy_report(args, shape, layout, num_microbatches) -> str:
         f"agoq policy {path}, resolved per layer and role (all stages):\n{table}\n"
         f"gradients: {_gradients_line(agoq)}"
         + (f" ({agoq.grads.mode} mode)" if agoq.grads.format else "")
-        + f"\n{compute_report(agoq.fp8, shape.num_layers, plain_swiglu_fusion=plain_swiglu_fusion())}"
+        + f"\n{compute_report(agoq.fp8, shape.num_layers, plain_swiglu_fusion=agoq.kernels.fuse_swiglu_fp8)}"
     )
 
 

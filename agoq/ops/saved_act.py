@@ -69,6 +69,10 @@ class SavePaths:
     (default): agoq's autograd function."""
     fuse_swiglu: bool = True
     """CUDA SwiGLU: one fused quantize kernel (False: quantize + ATen SwiGLU, unfused)."""
+    fuse_swiglu_fp8: bool = True
+    """Plain SwiGLU feeding a plain FP8 fc2 under per-tensor delayed scaling: one op (agoq.ops.smooth_swiglu_fp8.
+    swiglu_fp8_fc2); False: Megatron's SwiGLU then the FP8 linear (same values; ``AgoqConfig.kernels.fuse_swiglu_fp8``,
+    the trainer's AGOQ_FP8_SWIGLU_FUSION=0: benchmarks/pretrain_suites.py's A/B)."""
     fuse_smooth_fp8: bool = True
     """Smooth-SwiGLU feeding an FP8 fc2 under per-tensor delayed scaling: one op (agoq.ops.smooth_swiglu_fp8:
     fused smoothing + FP8 cast, un-smoothing in fc2's GEMM); False: the unfused SwiGLU, scale and FP8 linear
