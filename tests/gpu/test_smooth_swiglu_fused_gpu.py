@@ -179,7 +179,8 @@ def _model(device, smooth, fused, reference=None, policy="bf16"):
     from agoq.policy import FP8Spec
 
     compute = FP8Spec(recipe="delayed", smooth_swiglu=smooth, bf16_first_layers=0, bf16_last_layers=0)
-    model, _ = gpu_model(device, MODEL_KW, policy=policy, compute=compute, save_paths=SavePaths(fuse_smooth_fp8=fused, fuse_swiglu_fp8=fused),
+    paths = SavePaths(fuse_smooth_fp8=fused, fuse_swiglu_fp8=fused)
+    model, _ = gpu_model(device, MODEL_KW, policy=policy, compute=compute, save_paths=paths,
                          reference=reference)
     return model
 
