@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from agoq.config import KernelsConfig
-from agoq.megatron.runtime import LaunchInfo
+
+if TYPE_CHECKING:  # the flags' parse (agoq.megatron.train.args) reads the kernel switches before torch loads
+    from agoq.megatron.runtime import LaunchInfo
 
 FAST_LAUNCH_ENV = "AGOQ_TRITON_FAST_LAUNCH"
 PLAIN_FUSION_ENV = "AGOQ_FP8_SWIGLU_FUSION"
@@ -33,6 +36,8 @@ _SWITCH_VALUES = {"1": True, "0": False}
 def launch_from_environment(environ: Mapping[str, str] = os.environ) -> LaunchInfo:
     """torchrun's launch variables (a single process when they are absent), as torch.distributed's env:// reads
     them."""
+    from agoq.megatron.runtime import LaunchInfo
+
     return LaunchInfo(rank=int(environ.get("RANK", "0")), world_size=int(environ.get("WORLD_SIZE", "1")),
                       local_rank=int(environ.get("LOCAL_RANK", "0")),
                       rendezvous_from_environment="MASTER_ADDR" in environ)
