@@ -82,7 +82,7 @@ from agoq.megatron.install import mark, swap_class
 from agoq.ops.nonfinite import nonfinite_in
 
 __all__ = ["GRAD_MODES", "GRAD_TRANSPORTS", "GroupGrads", "AgoqBucketGroup", "AgoqDistributedDataParallel",
-           "attach_bucket_group", "wrap_ddp_agoq", "grad_bytes_per_param", "grad_memory_report"]
+           "attach_bucket_group", "wrap_ddp_agoq", "grad_memory_report"]
 
 
 @dataclass(kw_only=True)
@@ -428,24 +428,7 @@ def wrap_ddp_agoq(chunks: list, config: TransformerConfig, ddp_config: Distribut
     return wrapped
 
 
-# -- planner, memory report --------------------------------------------------------------------------------------
-
-def grad_bytes_per_param(grads: GradsConfig | None, *, grad_reduce_in_fp32: bool,
-                         params_dtype: torch.dtype) -> float:
-    """Planner: bytes per parameter of the gradient held during forward/backward (padding ignored).
-
-    Megatron: 4 (fp32 main_grad) or the param dtype's size. agoq store: codes + scales (+ bf16
-    residual with error feedback). After the reduction and until the next zero_grad_buffer add: nothing
-    with agoq's optimizer (per-parameter reads, with or without the distributed optimizer), 4/W with
-    Megatron's optimizer over the distributed optimizer (its fp32 shard .grad tensors), 4 with Megatron's
-    optimizer without it (every .grad at once). agoq reduce: Megatron's number. The planner's version:
-    agoq.plan.peak.grad_bytes_per_param.
-    """
-    float_bytes = 4.0 if grad_reduce_in_fp32 else float(torch.finfo(params_dtype).bits // 8)
-    if grads is None or not grads.quantized or grads.mode == "reduce":
-        return float_bytes
-    return grads.format.bytes_per_element() + (2.0 if grads.error_feedback else 0.0)
-
+# -- memory report --------------------------------------------------------------------------------------
 
 def grad_memory_report(model_chunks: list) -> dict:
     """Measured gradient bytes of DDP-wrapped chunks: float buffers allocated now, 8-bit storage, numel."""
