@@ -56,7 +56,7 @@ def test_undo_restores_every_runtime_change():
     from agoq.config import GradsConfig
     from agoq.megatron import checkpoint, grad_reader, runtime
     from agoq.megatron import install as install_mod
-    from agoq.megatron.ddp import AgoqBucketGroup, wrap_ddp_agoq
+    from agoq.megatron.ddp import AgoqBucketGroup, GroupGrads, wrap_ddp_agoq
     from agoq.megatron.model import (
         LlamaShape,
         ParallelLayout,
@@ -90,6 +90,9 @@ def test_undo_restores_every_runtime_change():
         groups = [bg for chunk in model for bg in chunk.bucket_groups]
         dist_opts = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])]
         assert groups and all(type(bg) is AgoqBucketGroup for bg in groups)
+        # one call attached each group: one typed attribute, no loose agoq_* ones
+        assert all(isinstance(bg.agoq, GroupGrads) and bg.agoq.grads is model[0].agoq_grads for bg in groups)
+        assert not [k for bg in groups for k in vars(bg) if k.startswith("agoq_")]
         assert install_mod.marked_seam(AgoqBucketGroup) == "ddp.bucket_group"
         assert all(install_mod.marked_seam(type(o)) == "grad_reader.distributed_optimizer" for o in dist_opts)
         assert filesystem_async._results_queue is not queue_before
