@@ -174,7 +174,7 @@ def policy_report(args, shape, layout, num_microbatches) -> str:
 def _gradients_line(agoq) -> str:
     if agoq.optimizer.gradient_release:
         return "no buffer (--agoq-gradient-release: each parameter is stepped and its gradient freed in backward)"
-    return agoq.grads.format or "Megatron float main_grad"
+    return agoq.grads.format_name or "Megatron float main_grad"
 
 
 def storage_report(spec) -> str | None:
