@@ -48,8 +48,8 @@ MOMENT_PRESETS = {
 }
 # --recompute-granularity: Megatron's TransformerConfig.recompute_granularity values (megatron-core 0.19.2)
 RECOMPUTE_GRANULARITIES = ("full", "selective")
-GRAD_MODES = ("reduce", "store")  # agoq.megatron.ddp.GRAD_MODES (tests/unit/test_args.py checks they agree)
-# How the 8-bit reduction moves bytes (agoq.megatron.ddp.GRAD_TRANSPORTS): NCCL collectives (any link), NVLink
+GRAD_MODES = ("reduce", "store")  # the 8-bit gradient modes (agoq.megatron.ddp imports them)
+# How the 8-bit reduction moves bytes (agoq.megatron.grad_transport): NCCL collectives (any link), NVLink
 # peer memory (CUDA symmetric memory, the ranks of one host), or auto (peer where it applies, else nccl; the
 # choice and its reason are printed at start-up).
 GRAD_TRANSPORTS = ("auto", "nccl", "peer")
