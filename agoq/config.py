@@ -13,6 +13,8 @@ Sections (torchtitan's per-component config, torchao's frozen ``Float8LinearConf
 * ``grads``       gradient format, mode, error feedback, bf16 buffer
 * ``optimizer``   optimizer kind, state formats, master weights and their hyperparameters
 * ``fp8``         FP8 linears and Smooth-SwiGLU (``agoq.policy.FP8Spec``: flags over the policy's ``fp8:``)
+* ``kernels``     how agoq's kernels run on the host (direct Triton launches, the plain SwiGLU + FP8 fc2 fusion):
+                  speed and memory, never values; not saved with checkpoints
 * top level       ``enabled`` (False: plain Megatron), ``device``, ``triton_interpret`` (runtime options)
 
 ``as_dict()`` is what every checkpoint saves (``agoq.megatron.resume``); ``from_dict`` reads it back.
@@ -23,9 +25,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
-from agoq.formats import parse_format
+from agoq.formats import QuantFormat, parse_format
 from agoq.policy import FP8Spec, PolicySpec
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -45,8 +48,8 @@ MOMENT_PRESETS = {
 }
 # --recompute-granularity: Megatron's TransformerConfig.recompute_granularity values (megatron-core 0.19.2)
 RECOMPUTE_GRANULARITIES = ("full", "selective")
-GRAD_MODES = ("reduce", "store")  # agoq.megatron.ddp.GRAD_MODES (tests/unit/test_args.py checks they agree)
-# How the 8-bit reduction moves bytes (agoq.megatron.ddp.GRAD_TRANSPORTS): NCCL collectives (any link), NVLink
+GRAD_MODES = ("reduce", "store")  # the 8-bit gradient modes (agoq.megatron.ddp imports them)
+# How the 8-bit reduction moves bytes (agoq.megatron.grad_transport): NCCL collectives (any link), NVLink
 # peer memory (CUDA symmetric memory, the ranks of one host), or auto (peer where it applies, else nccl; the
 # choice and its reason are printed at start-up).
 GRAD_TRANSPORTS = ("auto", "nccl", "peer")
@@ -163,13 +166,34 @@ class GradsFormatError(ValueError):
         return f"{self.head}{self.QUANTIZED}, or {floats}"
 
 
+def parse_grads_format(value: str | QuantFormat) -> QuantFormat:
+    """The gradient format of ``--agoq-grads`` (or a policy's ``default.grads``), parsed and checked once: a float
+    name (FLOAT_GRADS: Megatron's float gradients) or a signed round-to-nearest quantized format."""
+    if isinstance(value, str) and value in FLOAT_GRADS:
+        return parse_format(value)
+    try:
+        fmt = parse_format(value)
+    except ValueError as exc:
+        raise GradsFormatError(f"--agoq-grads {value}: {exc}. Allowed: ") from None
+    if not fmt.quantized:
+        if fmt.name in FLOAT_GRADS:
+            return fmt
+        raise GradsFormatError(f"--agoq-grads {fmt}: unquantized; allowed: ")
+    if not fmt.signed or fmt.rounding == "stochastic":
+        raise GradsFormatError(f"--agoq-grads {fmt}: "
+                               f"{'unsigned' if not fmt.signed else 'stochastic rounding'}; allowed: ")
+    return fmt
+
+
 @dataclass(frozen=True, kw_only=True)
 class GradsConfig:
-    """Gradients in DDP: Megatron's float buffer (fp32, or bf16) or agoq's 8-bit store / reduction."""
+    """Gradients in DDP: Megatron's float buffer (fp32, or bf16) or agoq's 8-bit store / reduction. The one gradient
+    config: the trainer, the Megatron-LM door and the DDP wrapper (agoq.megatron.ddp.wrap_ddp_agoq) all take it."""
 
-    format: str | None = None
-    """--agoq-grads (or the policy's ``default: {grads: ...}``): a signed round-to-nearest quantized format,
-    a float name (fp32/bf16/fp16: Megatron's gradients) or None (Megatron's gradients)."""
+    format: QuantFormat | None = None
+    """--agoq-grads (or the policy's ``default: {grads: ...}``), parsed once (a name given here is parsed by
+    :func:`parse_grads_format`): a signed round-to-nearest quantized format, a float format (fp32/bf16/fp16:
+    Megatron's gradients) or None (Megatron's gradients). ``as_dict`` writes its name."""
 
     mode: str = "store"
     """--agoq-grads-mode: reduce (8-bit communication, float main_grad) or store (also 8-bit accumulation)."""
@@ -186,19 +210,18 @@ class GradsConfig:
     @property
     def quantized(self) -> bool:
         """True when agoq's 8-bit gradient path is on (a quantized --agoq-grads format)."""
-        return self.format is not None and self.format not in FLOAT_GRADS
+        return self.format is not None and self.format.quantized
+
+    @property
+    def format_name(self) -> str | None:
+        """The format's canonical name (None: no --agoq-grads), as checkpoints and reports write it."""
+        return None if self.format is None else self.format.name
 
     def __post_init__(self):
         _choose("--agoq-grads-mode", self.mode, GRAD_MODES)
         _choose("--agoq-grad-transport", self.transport, GRAD_TRANSPORTS)
-        if self.format is not None and self.format not in FLOAT_GRADS:
-            try:
-                fmt = parse_format(self.format)
-            except ValueError as exc:
-                raise GradsFormatError(f"--agoq-grads {self.format}: {exc}. Allowed: ") from None
-            if not fmt.signed or fmt.rounding == "stochastic":
-                raise GradsFormatError(f"--agoq-grads {self.format}: "
-                                       f"{'unsigned' if not fmt.signed else 'stochastic rounding'}; allowed: ")
+        if self.format is not None:
+            object.__setattr__(self, "format", parse_grads_format(self.format))
         if self.error_feedback and not self.quantized:
             raise ValueError("--agoq-grads-error-feedback needs --agoq-grads FORMAT (a quantized format)")
         if self.error_feedback and self.mode != "store":
@@ -208,6 +231,25 @@ class GradsConfig:
             raise ValueError(
                 f"--grad-reduce-in-bf16 with --agoq-grads {self.format}: the 8-bit gradient path is validated with "
                 "Megatron's fp32 float buffer only; use one of the two (8-bit grads already store 1 byte/param)")
+
+
+@dataclass(frozen=True)
+class StateFormats:
+    """The optimizer's state formats, parsed once (``OptimizerOptions.states``): the first moment ``m``, the second
+    ``v`` (AdamW only; None for Lion / SGD) and the master weights (MASTER_CHOICES)."""
+
+    m: QuantFormat
+    v: QuantFormat | None
+    master: str
+
+    @property
+    def moments(self) -> tuple[QuantFormat, ...]:
+        return (self.m,) if self.v is None else (self.m, self.v)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The moments' canonical names (what the optimizer's param groups and checkpoints carry)."""
+        return tuple(f.name for f in self.moments)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,13 +292,35 @@ class OptimizerOptions:
     def agoq(self) -> bool:
         return self.kind != "torch"
 
-    @property
-    def state_formats(self) -> tuple[str, ...] | None:
-        """The moment formats this optimizer keeps: (m, v) for AdamW, (m,) for Lion / SGD, None for Megatron's."""
+    @cached_property
+    def states(self) -> StateFormats | None:
+        """The state formats this optimizer keeps, parsed once (None: Megatron's optimizer, fp32 states)."""
         if not self.agoq:
             return None
         m_fmt, v_fmt = parse_moments(self.moments)
-        return (m_fmt, v_fmt) if self.kind == "adamw" else (m_fmt,)
+        return StateFormats(parse_format(m_fmt), parse_format(v_fmt) if self.kind == "adamw" else None, self.master)
+
+    @property
+    def state_formats(self) -> tuple[str, ...] | None:
+        """The moment formats' names: (m, v) for AdamW, (m,) for Lion / SGD, None for Megatron's."""
+        return None if self.states is None else self.states.names
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelsConfig:
+    """How agoq's kernels run on the host: choices that change speed (and what a plain FP8 MLP holds), never the
+    values; not part of ``as_dict`` (a checkpoint resumes under either). scripts/pretrain_llama.py's trainer fills it
+    from its environment (agoq.megatron.train.environment: AGOQ_TRITON_FAST_LAUNCH, AGOQ_FP8_SWIGLU_FUSION);
+    library code reads it from here, never from the environment."""
+
+    fast_launch: bool = True
+    """agoq's direct launches of compiled Triton kernels (agoq.kernels._fastlaunch); False: Triton's own launch path
+    (the escape hatch; the same kernels). Applied by ``agoq.megatron.install.install`` (undone by its handle)."""
+
+    fuse_swiglu_fp8: bool = True
+    """Plain SwiGLU fused with a plain FP8 fc2 under per-tensor delayed scaling (agoq.ops.smooth_swiglu_fp8.
+    swiglu_fp8_fc2, in agoq.megatron.mlp.AgoqMLP; the layers get it as ``SavePaths.fuse_swiglu_fp8``); False:
+    Megatron's SwiGLU then the FP8 fc2 (same values, 4 B more per token and FFN channel)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,6 +346,7 @@ class AgoqConfig:
     grads: GradsConfig = GradsConfig()
     optimizer: OptimizerOptions = OptimizerOptions()
     fp8: FP8Spec = FP8Spec()
+    kernels: KernelsConfig = KernelsConfig()
 
     def __post_init__(self):
         _choose("AgoqConfig.device", self.device, DEVICES)
@@ -304,11 +369,12 @@ class AgoqConfig:
 
     @classmethod
     def from_flags(cls, values: Mapping[str, Any], *, policy: PolicySpec | None = None,
-                   triton_interpret: bool = False) -> AgoqConfig:
+                   triton_interpret: bool = False, kernels: KernelsConfig | None = None) -> AgoqConfig:
         """The config of the flag ``values`` (flag destinations, e.g. ``{"agoq_optimizer": "adamw"}``; a missing
         key takes this module's default, the same for the trainer, the planner and the memory report). ``policy``: the
         loaded policy of ``agoq_policy`` (its ``fp8:`` section and ``default: {grads: ...}`` apply under the
-        flags); None: no policy section applies (the planner compares several)."""
+        flags); None: no policy section applies (the planner compares several). ``kernels``: the trainer's
+        KernelsConfig (None: the defaults)."""
         get = values.get
         enabled = not get("agoq_disable", False)
         if get("recompute_granularity") not in (None, *RECOMPUTE_GRANULARITIES):
@@ -345,7 +411,7 @@ class AgoqConfig:
                 sgd_nesterov=bool(get("agoq_sgd_nesterov", False)),
                 lion_beta1=_given(get("agoq_lion_beta1"), OptimizerOptions.lion_beta1),
                 lion_beta2=_given(get("agoq_lion_beta2"), OptimizerOptions.lion_beta2)),
-            fp8=fp8,
+            fp8=fp8, kernels=kernels or KernelsConfig(),
         )  # fmt: skip
 
     # -- saved with every checkpoint ---------------------------------------------------------------
@@ -355,7 +421,8 @@ class AgoqConfig:
         out = {"enabled": self.enabled, "device": self.device, "triton_interpret": self.triton_interpret,
                "rope_fusion": self.rope_fusion, "policy": {"path": self.policy.path}}
         for name in SECTIONS:
-            out[name] = dataclasses.asdict(getattr(self, name))
+            out[name] = {f.name: _plain(getattr(getattr(self, name), f.name))
+                         for f in dataclasses.fields(getattr(self, name))}
         return out
 
     @classmethod
@@ -370,6 +437,11 @@ class AgoqConfig:
 SECTIONS = ("activations", "grads", "optimizer", "fp8")  # the sections as_dict writes field by field
 _SECTION_TYPES = {"activations": ActivationsConfig, "grads": GradsConfig, "optimizer": OptimizerOptions,
                   "fp8": FP8Spec}
+
+
+def _plain(value):
+    """A config value as JSON: a parsed format as its canonical name (``GradsConfig.format``)."""
+    return value.name if isinstance(value, QuantFormat) else value
 
 
 def _given(value, default):

@@ -17,7 +17,7 @@ One command runs all parts and writes one JSON (< 4 min on an H100):
     - the MLP block fc1 -> SwiGLU -> fc2 in bf16, FP8 (delayed), FP8 + Smooth-SwiGLU per token and
       per channel unfused (the ops agoq's Megatron MLP ran before issue 27; SavePaths(fuse_smooth_fp8=False))
       and ``..._fused`` (agoq.ops.smooth_swiglu_fp8, what it runs now; ``..._fused_epilogue``: the per-token
-      un-smoothing after a tensor-wise GEMM, AGOQ_SMOOTH_UNSMOOTH=epilogue);
+      un-smoothing after a tensor-wise GEMM, the op's unsmooth="epilogue");
     - one layer's linear time = qkv + proj + MLP block, per variant, with the speed-up over bf16
       (issue 7 target: >= 1.2x on the linear layers' time);
     - the casts alone (GB/s and the ratio to a bf16 copy of the same tensor), to judge the kernels.
@@ -198,12 +198,8 @@ def _fused_mlp_step(mode: str, x, w1, w2, g):
     unsmooth = "epilogue" if mode.endswith("_epilogue") else "gemm"
 
     def step():
-        previous = op.set_unsmooth_mode(unsmooth)
-        try:
-            h = fp8_linear(x, w1, s1, r1, weight_cache=c1)
-            op.smooth_swiglu_fp8_fc2(h, w2, s2, r2, per_token=per_token, weight_cache=cache).backward(g)
-        finally:
-            op.set_unsmooth_mode(previous)
+        h = fp8_linear(x, w1, s1, r1, weight_cache=c1)
+        op.smooth_swiglu_fp8_fc2(h, w2, s2, r2, per_token=per_token, weight_cache=cache, unsmooth=unsmooth).backward(g)
     return step
 
 

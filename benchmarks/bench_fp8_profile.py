@@ -6,9 +6,9 @@ Per linear shape and mode (GPU only):
   gpu_ms    the sum of the CUDA kernel times of one forward + backward (torch.profiler);
   wall_ms   one forward + backward back to back (the timing rows' ``ms``): max(host, gpu) when the two
             overlap; ``bound`` says which side is longer;
-  phases    per ``agoq.fp8.<phase>`` range (agoq.ops.fp8_linear.set_phase_ranges: cast_x, cast_w,
-            gemm_fwd, cast_g, recast_w, recast_x, gemm_dgrad, gemm_wgrad): host and GPU microseconds and
-            calls per iteration (cast_w is ~0 with the weight cache except on a refresh; the
+  phases    per ``agoq.fp8.<phase>`` range (agoq.ops.fp8_linear.phase_range, a range per phase for the
+            profile: cast_x, cast_w, gemm_fwd, cast_g, recast_w, recast_x, gemm_dgrad, gemm_wgrad): host and GPU
+            microseconds and calls per iteration (cast_w is ~0 with the weight cache except on a refresh; the
             ``weight_refresh`` row times one refresh: the cast of both weight layouts);
   kernels   the top CUDA kernels (calls and microseconds per iteration);
   cpu_ops   the top CPU operators by self time per iteration.
@@ -95,16 +95,17 @@ def summarize_profile(prof, iters: int) -> dict:
 def profile_step(fn, warmup: int, iters: int, cuda: bool = True) -> dict:
     """host_ms, gpu_ms, phases, kernels and cpu_ops of one callable (see the module docstring; on the
     CPU, --smoke, only the host side)."""
-    from agoq.ops.fp8_linear import set_phase_ranges
+    import unittest.mock
+
+    from agoq.ops import fp8_linear
 
     for _ in range(warmup):
         fn()
     host = _host_ms(fn, iters, cuda)
-    set_phase_ranges(True)
-    try:
+    ranges = unittest.mock.patch.object(fp8_linear, "phase_range",
+                                        lambda name: torch.profiler.record_function("agoq.fp8." + name))
+    with ranges:  # this run only: the linear's phases as profiler ranges
         prof = _profile(fn, iters, cuda)
-    finally:
-        set_phase_ranges(False)
     out = summarize_profile(prof, iters)
     out["host_ms"] = host
     out["bound"] = "host" if host > out["gpu_ms"] else "gpu"

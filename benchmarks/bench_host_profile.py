@@ -84,7 +84,6 @@ def install_timers(timers: Timers) -> None:
     for name in ("forward", "backward"):
         timers.patch(saved_norm._RMSNormSavingInput, name, f"rmsnorm_function.{name}", static=True)
         timers.patch(saved_swiglu._SwiGLUSavingInput, name, f"swiglu_function.{name}", static=True)
-    timers.patch(saved_norm, "_hook_fused_norm_node", "rmsnorm_node_hooks")
     from megatron.core.models.common.embeddings import rope_utils
 
     from agoq.ops import rope
@@ -95,7 +94,6 @@ def install_timers(timers: Timers) -> None:
     timers.patch(saved_act, "_unpack_saved", "unpack_saved")
     timers.patch(saved_act.RecomputeStash, "recomputed_output", "stash.recomputed_output")
     timers.patch(saved_act.SavedBytesCounter, "add", "counter.add")
-    timers.patch(alayers, "replace_saved_input", "replace_saved_input")  # opt-in path (SavePaths.linear_via_node_hooks)
     timers.patch(saved_act.quantized_saves, "__enter__", "linear_save_scope.enter")  # the linears' default path
     timers.patch(torch, "empty", "torch.empty")
     # the one-node linears (the defaults for QKV / fc1, fc2, the out-projection) and the layer's own entry points

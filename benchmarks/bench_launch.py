@@ -64,8 +64,7 @@ def legacy_save_paths():
     (passed in as ``agoq.ops.saved_act.SavePaths``)."""
     from agoq.ops.saved_act import SavePaths
 
-    return SavePaths(norm_via_aten_node=False, fuse_swiglu=False, fuse_norm_linear=False, fuse_swiglu_linear=False,
-                     quantized_linear_node=False)
+    return SavePaths(fuse_swiglu=False, fuse_norm_linear=False, fuse_swiglu_linear=False, quantized_linear_node=False)
 
 
 @contextlib.contextmanager
@@ -98,7 +97,7 @@ def path_steps(dev: torch.device, fmt, paths=None) -> dict:
     from agoq.ops.saved_swiglu import swiglu_reference, swiglu_saving_input
 
     paths = paths or SavePaths()
-    norm_kw, glu_kw = {"via_aten_node": paths.norm_via_aten_node}, {"fuse": paths.fuse_swiglu}
+    norm_kw, glu_kw = {}, {"fuse": paths.fuse_swiglu}
 
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(TOKENS, HIDDEN, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)

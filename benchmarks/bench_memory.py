@@ -7,22 +7,20 @@ GPU (the issue's benchmark, ~1B LLaMA, seq 4096)::
     python benchmarks/bench_memory.py --policies bf16 agoq agoq@legacy --mbs 1 2 4 --steps 8 --json out.json
 
 ``<policy>@<variant>[+<variant>]`` switches parts of the saved-activation host path for an A/B in one
-process: ``atennorm`` (the CUDA RMSNorm on ATen's own node with hooks on its saved tensors, not agoq's autograd
-function; it also turns the norm + linear node off, which would take the norm's node away), ``twonode`` (the
+process: ``twonode`` (the
 norm's and SwiGLU's autograd functions handing a stash to Megatron's linear, and the linears that store their own
 input quantized inside a hook scope, instead of agoq's one-node linears: agoq.ops.norm_linear, swiglu_linear,
 quant_linear), ``noswiglunode`` / ``noquantnode`` (only the SwiGLU + fc2 node / the quantized-input linear node
 off), ``rope`` (agoq's fused RoPE in Megatron's slot, agoq.megatron.rope: the trainer's default where agoq is on, on
-CUDA; without it the rows run Megatron's unfused RoPE, as the bf16 baseline does), ``nodehooks`` (Megatron's
-linears, which replace their saved input through that saved tensor's hooks, not a hook scope; ``atennorm`` and
-``nodehooks`` opt into private autograd attributes, agoq.ops.saved_act.SavePaths; before issue 24 they were the
-defaults, and the variants ``fnnorm`` / ``scope`` of older result files are today's two-node defaults), and
+CUDA; without it the rows run Megatron's unfused RoPE, as the bf16 baseline does), and
 ``legacy``, which runs the policy with agoq's direct Triton launches, launch sites, fused SwiGLU kernels and the
-one-node linears switched off (benchmarks/bench_launch.py's ``legacy_launch`` and ``legacy_save_paths``): the code
-before the host-cost work (its glue trimming stays), timed in the same process, so the comparison does not
-depend on the leased host's speed. Step times: ``--rounds`` interleaved rounds per micro-batch size (the
-ratios the docs quote, ``step_time_ratio_interleaved``). Peaks: ``peak_bytes`` is absolute and includes
-every model kept resident for the rounds; ``peak_above_resident_bytes`` is what the step adds.
+one-node linears switched off (benchmarks/bench_launch.py's ``legacy_launch`` and ``legacy_save_paths``): close to
+the code before the host-cost work (its glue trimming stays, and the norm / linears hooking private autograd
+attributes, ``atennorm`` / ``nodehooks`` of older result files, measured within noise and were deleted), timed in
+the same process, so the comparison does not depend on the leased host's speed. Step times: ``--rounds``
+interleaved rounds per micro-batch size (the ratios the docs quote, ``step_time_ratio_interleaved``). Peaks:
+``peak_bytes`` is absolute and includes every model kept resident for the rounds; ``peak_above_resident_bytes`` is
+what the step adds.
 
 CPU smoke (tiny model; byte counts are exact, times and peaks are not meaningful)::
 
@@ -185,12 +183,7 @@ def _variant_choices() -> dict:
     """Variant name -> (SavePaths overrides, uses the legacy launch path): the A/B of the saved-activation
     host path (options passed into the layer spec, no product switch flipped)."""
     no_nodes = {"fuse_norm_linear": False, "fuse_swiglu_linear": False, "quantized_linear_node": False}
-    return {"legacy": ({"norm_via_aten_node": False, "fuse_swiglu": False, **no_nodes},
-                       True),  # benchmarks/bench_launch.py
-            # RMSNorm on ATen's node (private hooks): only where the norm keeps a node of its own (no norm+linear node)
-            "atennorm": ({"norm_via_aten_node": True, "fuse_norm_linear": False}, False),
-            # Megatron's linears with hooks on their node's saved input (no one-node linears)
-            "nodehooks": ({"linear_via_node_hooks": True, **no_nodes}, False),
+    return {"legacy": ({"fuse_swiglu": False, **no_nodes}, True),  # benchmarks/bench_launch.py
             # norm / SwiGLU functions + stash + Megatron's linear; the quantized-input linears in a hook scope
             "twonode": (no_nodes, False),
             "noquantnode": ({"quantized_linear_node": False}, False),  # only the out-projection's node off

@@ -44,13 +44,13 @@ from agoq.megatron import model as mmodel  # noqa: E402
 from agoq.megatron.activations import storage_of, storage_table  # noqa: E402
 from agoq.megatron.checkpoint import CheckpointSaveError  # noqa: E402
 from agoq.megatron.compute import check_compute, compute_report  # noqa: E402
-from agoq.megatron.ddp import grad_config, wrap_ddp_agoq  # noqa: E402
+from agoq.megatron.ddp import wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.optimizer import shard_alignment_for  # noqa: E402
 from agoq.megatron.release import TrainingStopped, wrap_release  # noqa: E402
 from agoq.megatron.train import data as mdata  # noqa: E402
 from agoq.megatron.train.pretrain import ddp_config, pretrain, print_rank0  # noqa: E402
 from agoq.megatron.train.training import configure_grad_hooks  # noqa: E402
-from agoq.ops.smooth_swiglu_fp8 import plain_swiglu_fusion  # noqa: E402
+from agoq.ops.saved_act import SavePaths  # noqa: E402
 from agoq.policy import ScheduleInfo, format_table, model_sites, policy_table  # noqa: E402
 
 
@@ -103,19 +103,18 @@ def model_provider(args, layout, tokenizer, info, num_microbatches):
                       ffn=shape.ffn_hidden_size, heads=shape.num_attention_heads, groups=shape.num_query_groups,
                       tp=layout.tp, tokens_per_microbatch=args.seq_length * args.micro_batch_size)
     spec = mmodel.agoq_layer_spec(args.attention_backend, policy=agoq.policy.spec, schedule=schedule,
-                                  compute=compute)
+                                  compute=compute, save_paths=SavePaths(fuse_swiglu_fp8=agoq.kernels.fuse_swiglu_fp8))
     chunks = mmodel.build_model_chunks(shape, config, spec, layout.vpp)
-    grad = grad_config(agoq.grads)  # --agoq-grads, else the policy's default: {grads: ...} (agoq.config)
     if agoq.optimizer.gradient_release:
         check_release_flags(args, data_parallel=info.world_size // (layout.tp * layout.pp))
         model = wrap_release(chunks, config, info.device)
-    elif grad is None:
+    elif not agoq.grads.quantized:  # --agoq-grads, else the policy's default: {grads: ...} (agoq.config)
         model = mmodel.wrap_ddp(chunks, config, ddp_config(args, params_dtype), info.device,
                                 param_alignment=shard_alignment_for(agoq.optimizer, args.use_distributed_optimizer))
     else:
-        model = wrap_ddp_agoq(chunks, config, ddp_config(args, params_dtype), info.device, grad)
+        model = wrap_ddp_agoq(chunks, config, ddp_config(args, params_dtype), info.device, agoq.grads)
         for transport, why in dict.fromkeys(model[0].agoq_transport.values()):
-            print_rank0(f"agoq grads: {grad.fmt} reduced over the {transport} transport ({why})")
+            print_rank0(f"agoq grads: {agoq.grads.format} reduced over the {transport} transport ({why})")
     configure_grad_hooks(model, config)
     return model, shape, spec
 
@@ -168,14 +167,14 @@ def policy_report(args, shape, layout, num_microbatches) -> str:
         f"agoq policy {path}, resolved per layer and role (all stages):\n{table}\n"
         f"gradients: {_gradients_line(agoq)}"
         + (f" ({agoq.grads.mode} mode)" if agoq.grads.format else "")
-        + f"\n{compute_report(agoq.fp8, shape.num_layers, plain_swiglu_fusion=plain_swiglu_fusion())}"
+        + f"\n{compute_report(agoq.fp8, shape.num_layers, plain_swiglu_fusion=agoq.kernels.fuse_swiglu_fp8)}"
     )
 
 
 def _gradients_line(agoq) -> str:
     if agoq.optimizer.gradient_release:
         return "no buffer (--agoq-gradient-release: each parameter is stepped and its gradient freed in backward)"
-    return agoq.grads.format or "Megatron float main_grad"
+    return agoq.grads.format_name or "Megatron float main_grad"
 
 
 def storage_report(spec) -> str | None:

@@ -18,14 +18,14 @@ the caller's stream wait for it. On CPU (gloo) a reduction runs to completion wh
 
 Op dispatch (:func:`comm_ops_for`): CUDA tensors in a one-byte format (int8 round-to-nearest,
 fp8) use the fused Triton kernels of :mod:`agoq.kernels.comm`; every other case uses
-:mod:`agoq.ref.comm` (plain PyTorch, any device), which the kernels reproduce bit for bit. The
-reference on a CUDA tensor is slow and is announced once per format (warnings.warn).
+:mod:`agoq.ref.comm` (plain PyTorch, any device), which the kernels reproduce bit for bit. A CUDA tensor in a
+format without a fused kernel is refused (:func:`check_reduction_kernel`: no quiet fallback to the slow reference
+on the GPU); the DDP wrapper runs that check once, at construction.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from agoq.formats import QuantFormat
 
-__all__ = ["comm_ops_for", "run_pipeline", "Slots", "all_to_all", "all_gather", "Done", "scale_dtype",
-           "DEFAULT_CHUNK_BYTES", "blocks_per_chunk", "chunk_bytes_for", "run_maybe_async"]
+__all__ = ["comm_ops_for", "check_reduction_kernel", "run_pipeline", "Slots", "all_to_all", "all_gather", "Done",
+           "scale_dtype", "DEFAULT_CHUNK_BYTES", "blocks_per_chunk", "chunk_bytes_for", "run_maybe_async"]
 
 # Chunk size (codes moved per chunk, all W rows together) when the caller gives none: about
 # TARGET_CHUNKS chunks, clamped to [MIN_CHUNK_BYTES, MAX_CHUNK_BYTES]. Why: pipelining needs a few
@@ -73,22 +73,27 @@ def blocks_per_chunk(fmt: QuantFormat, world: int, chunk_bytes: int | None, tota
     return max(1, chunk // (world * block_bytes))
 
 
-@functools.cache
-def _warn_reference_on_cuda(fmt_name: str) -> None:
-    warnings.warn(f"agoq 8-bit reduction: format {fmt_name} has no fused CUDA kernel (one-byte formats "
-                  "only); using the plain-PyTorch reference ops on the GPU (correct, slow)", stacklevel=3)
+def check_reduction_kernel(device: torch.device, fmt: QuantFormat) -> None:
+    """Raise unless tensors on ``device`` in ``fmt`` have reduction ops: any format on the CPU (the reference), a
+    one-byte format (int8 round-to-nearest, fp8) on CUDA (the fused Triton kernels)."""
+    if torch.device(device).type != "cuda":
+        return
+    from agoq.kernels import _launch  # imported lazily: needs Triton
+
+    if not _launch.uses_bytes_kernel(fmt):
+        raise ValueError(f"agoq 8-bit reduction on CUDA: gradient format {fmt.name} has no fused reduction kernel "
+                         "(one-byte formats only); use --agoq-grads int8_b256 (or another int8 / fp8e4m3 / fp8e5m2 "
+                         "format)")
 
 
 def comm_ops_for(device: torch.device, fmt: QuantFormat) -> tuple[Callable, Callable, Callable]:
-    """(quantize_rows, reduce_rows, dequantize_rows) for tensors on ``device`` in ``fmt``."""
+    """(quantize_rows, reduce_rows, dequantize_rows) for tensors on ``device`` in ``fmt`` (the fused kernels on
+    CUDA, the reference elsewhere; :func:`check_reduction_kernel` refuses the rest)."""
+    check_reduction_kernel(device, fmt)
     if torch.device(device).type == "cuda":
-        from agoq.kernels import _launch  # imported lazily: needs Triton
+        from agoq.kernels.comm import dequantize_rows, quantize_rows, reduce_rows
 
-        if _launch.uses_bytes_kernel(fmt):
-            from agoq.kernels.comm import dequantize_rows, quantize_rows, reduce_rows
-
-            return quantize_rows, reduce_rows, dequantize_rows
-        _warn_reference_on_cuda(fmt.name)
+        return quantize_rows, reduce_rows, dequantize_rows
     from agoq.ref.comm import ref_dequantize_rows, ref_quantize_rows, ref_reduce_rows
 
     return ref_quantize_rows, ref_reduce_rows, ref_dequantize_rows

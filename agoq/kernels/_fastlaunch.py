@@ -21,8 +21,9 @@ Rules: every kernel parameter is passed positionally, in signature order, conste
 own path is used (every call, not silently: it is the same kernel) under ``TRITON_INTERPRET=1``
 (no compiled kernel), when the first argument is not a CUDA tensor (CPU launch recorders such as
 benchmarks/xc_quant.py), when a launch hook is installed (profilers: they need launch metadata), and when
-switched off with :func:`set_fast_launch` (the escape hatch; the trainer calls it once at start-up for
-``AGOQ_TRITON_FAST_LAUNCH=0``, agoq.megatron.train.environment: this module reads no environment).
+switched off with :func:`set_fast_launch` (the escape hatch: ``AgoqConfig.kernels.fast_launch``, applied by
+``agoq.megatron.install.install`` and undone by its handle; benchmarks' A/B call it directly. This module reads no
+environment and no config).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 
 __all__ = ["FastKernel", "LaunchSite", "arg_key", "fast_launch_enabled", "set_fast_launch", "set_check_sites"]
 
-_ENABLED = True  # direct launches on; set_fast_launch switches them (agoq.megatron.train.environment, benchmarks' A/B)
+_ENABLED = True  # direct launches on; set_fast_launch switches them (agoq.megatron.install, benchmarks' A/B)
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _ALIGN = 16  # bytes / divisor Triton specializes pointers and ints on ("D" attribute)
 
@@ -41,8 +42,8 @@ def fast_launch_enabled() -> bool:
 
 
 def set_fast_launch(enabled: bool) -> bool:
-    """Switch direct launches on / off process-wide (the trainer's AGOQ_TRITON_FAST_LAUNCH, benchmarks' A/B);
-    returns the previous setting."""
+    """Switch direct launches on / off process-wide (``AgoqConfig.kernels.fast_launch`` through
+    agoq.megatron.install, benchmarks' A/B); returns the previous setting."""
     global _ENABLED
     previous, _ENABLED = _ENABLED, bool(enabled)
     return previous

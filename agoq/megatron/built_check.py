@@ -217,13 +217,13 @@ def _ddp_problems(config: AgoqConfig, chunks: list) -> list[str]:
                 problems.append(f"model chunk {idx} is {_qualname(chunk)}, not agoq's ReleaseDataParallel that "
                                 "--agoq-gradient-release asks for")
         elif grads.quantized:
-            grad = getattr(chunk, "agoq_grad", None)
+            grad = getattr(chunk, "agoq_grads", None)
             if not isinstance(chunk, AgoqDistributedDataParallel) or grad is None:
                 problems.append(f"model chunk {idx} is wrapped by {_qualname(chunk)}, not agoq's 8-bit gradient DDP "
                                 f"(agoq.megatron.ddp.AgoqDistributedDataParallel) that --agoq-grads {grads.format} "
                                 "asks for: the DDP class this construction path uses was not agoq's")
-            elif (grad.fmt, grad.mode) != (grads.format, grads.mode):
-                problems.append(f"model chunk {idx}: 8-bit gradients {grad.fmt} ({grad.mode} mode), asked "
+            elif (grad.format, grad.mode) != (grads.format, grads.mode):
+                problems.append(f"model chunk {idx}: 8-bit gradients {grad.format} ({grad.mode} mode), asked "
                                 f"{grads.format} ({grads.mode} mode)")
         elif isinstance(chunk, AgoqDistributedDataParallel):
             problems.append(f"model chunk {idx} is agoq's 8-bit gradient DDP, but no --agoq-grads format was asked")
@@ -315,10 +315,10 @@ def built_summary(model_chunks: list, optimizer) -> str:
     for chunk in model_chunks:
         base = AgoqDistributedDataParallel if isinstance(chunk, AgoqDistributedDataParallel) else \
             DistributedDataParallel if isinstance(chunk, DistributedDataParallel) else None
-        grad = getattr(chunk, "agoq_grad", None)
+        grad = getattr(chunk, "agoq_grads", None)
         parent = f" ({base.__name__}" if base is not None and base is not type(chunk) else " ("
         ddp.append(type(chunk).__name__ + parent
-                   + (f", 8-bit gradients {grad.fmt} {grad.mode} mode)" if grad is not None else ")"))
+                   + (f", 8-bit gradients {grad.format} {grad.mode} mode)" if grad is not None else ")"))
     parts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     return (f"layers {', '.join(f'{n} x{c}' for n, c in layers.items()) or 'none'} (core attention "
             f"{', '.join(sorted(attention)) or 'none'}) | DDP {', '.join(dict.fromkeys(ddp)).replace(' ()', '')} | "

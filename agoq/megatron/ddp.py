@@ -6,9 +6,10 @@ Touches (megatron-core 0.19.2, ``megatron/core/distributed/``):
   * ``DistributedDataParallel`` — subclassed (``AgoqDistributedDataParallel``); overrides
     ``_make_backward_post_hook`` (private) and ``zero_grad_buffer`` / ``scale_gradients`` (public).
   * ``param_and_grad_buffer._ParamAndGradBucketGroup`` — private; after ``super().__init__`` every
-    object in ``self.bucket_groups`` / ``self.expert_parallel_bucket_groups`` gets
-    ``bg.__class__ = AgoqBucketGroup`` (through ``agoq.megatron.install.swap_class``: marked, undone
-    by the install handle; ../shared/spec/megatron.md §1.3), which overrides
+    object in ``self.bucket_groups`` / ``self.expert_parallel_bucket_groups`` is attached by one call,
+    :func:`attach_bucket_group`: ``bg.__class__ = AgoqBucketGroup`` (through
+    ``agoq.megatron.install.swap_class``: marked, undone by the install handle; ../shared/spec/megatron.md §1.3)
+    and one typed attribute ``bg.agoq`` (:class:`GroupGrads`: format, transport, stores, lazy flag), which overrides
     ``start_grad_sync``, ``check_grads`` and ``finish_grad_sync`` (Megatron's, then agoq's
     post-reduction step; Megatron's only needs a handle with ``wait()``).
   * ``_ParamAndGradBuffer.__init__``'s gradient-buffer allocation (store mode): Megatron's constructor runs
@@ -50,13 +51,15 @@ Not supported (raise): ``num_distributed_optimizer_instances > 1``; ``store`` wi
   ``gradient_accumulation_fusion`` (wgrad kernels write into main_grad directly), with Megatron's
   promoted fp32 main_grads next to a bf16 buffer, or with ``reuse_grad_buf_for_mxfp8_param_ag``.
 Verified on: megatron-core 0.19.2 (CPU/gloo).
-When disabled: ``wrap_ddp_agoq(..., grad_format=None)`` builds Megatron's own DDP.
+When disabled: ``wrap_ddp_agoq(..., grads=None)`` (or a GradsConfig without a quantized format) builds Megatron's
+own DDP.
 Guarded by: tests/megatron/test_ddp_agoq.py, tests/megatron/test_deferred_grad_buffer.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -67,10 +70,10 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from agoq.comm.grad_buffer import QuantizedGradBuffer
-from agoq.comm.pipeline import run_maybe_async
-from agoq.comm.reduce import allreduce_8bit, check_grad_format, reduce_scatter_8bit
+from agoq.comm.pipeline import check_reduction_kernel, run_maybe_async
+from agoq.comm.reduce import allreduce_8bit, reduce_scatter_8bit
 from agoq.comm.symm import allreduce_8bit_peer, reduce_scatter_8bit_peer
-from agoq.config import GradsConfig
+from agoq.config import GRAD_MODES, GRAD_TRANSPORTS, GradsConfig
 from agoq.megatron.deferred_grad_buffer import DeferredGradBuffer, GradBufferOnMeta, check_deferred
 from agoq.megatron.grad_store import BucketStore, finalize_touched
 from agoq.megatron.grad_transport import resolve_transport
@@ -78,32 +81,29 @@ from agoq.megatron.graphs import check_cuda_graphs
 from agoq.megatron.install import mark, swap_class
 from agoq.ops.nonfinite import nonfinite_in
 
-GRAD_MODES = ("reduce", "store")
-GRAD_TRANSPORTS = ("auto", "nccl", "peer")  # agoq.config.GRAD_TRANSPORTS
+__all__ = ["GRAD_MODES", "GRAD_TRANSPORTS", "GroupGrads", "AgoqBucketGroup", "AgoqDistributedDataParallel",
+           "attach_bucket_group", "wrap_ddp_agoq", "grad_memory_report"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class GradConfig:
-    fmt: str
-    """Gradient format (agoq.formats name), e.g. int8_b256."""
-    mode: str = "store"
-    """reduce: 8-bit communication only; store: also 8-bit main_grad accumulation."""
-    error_feedback: bool = False
-    """store mode: keep the requantization error in a bf16 residual (2 more bytes per parameter)."""
+@dataclass(kw_only=True)
+class GroupGrads:
+    """What agoq keeps on one of Megatron's bucket groups (``bg.agoq``, set by :func:`attach_bucket_group`): the run's
+    gradient config, this group's resolved transport, its 8-bit stores and the reduction's state."""
+
+    grads: GradsConfig
+    """The run's gradient config (a quantized format)."""
+    transport: str
+    """This group's resolved transport: nccl or peer (agoq.megatron.grad_transport.resolve_transport)."""
+    stores: list | None
+    """Store mode: one BucketStore per bucket; reduce mode: None."""
+    on_reduced: Callable | None = None
+    """Store mode: called with the group after an all-reduce (the DDP allocates the float buffer)."""
     chunk_bytes: int | None = None
-    """Codes per pipeline chunk of the reduction (None: agoq.comm.pipeline.DEFAULT_CHUNK_BYTES)."""
-    transport: str = "nccl"
-    """nccl: NCCL collectives; peer: NVLink peer memory (agoq.comm.symm / symm_store; CUDA, one host);
-    auto: peer where it applies, else nccl (agoq.megatron.grad_transport.resolve_transport)."""
-
-    def __post_init__(self):
-        check_grad_format(self.fmt)
-        if self.mode not in GRAD_MODES:
-            raise ValueError(f"GradConfig.mode={self.mode!r}: choose one of {GRAD_MODES}")
-        if self.transport not in GRAD_TRANSPORTS:
-            raise ValueError(f"GradConfig.transport={self.transport!r}: choose one of {GRAD_TRANSPORTS}")
-        if self.error_feedback and self.mode != "store":
-            raise ValueError("GradConfig.error_feedback needs mode='store' (it corrects 8-bit accumulation)")
+    """Codes per pipeline chunk of the reduction (None: agoq.comm.pipeline's automatic size)."""
+    lazy: bool = False
+    """Store mode, all-reduce: leave the reduced gradient 8-bit (a reader dequantizes it)."""
+    reduced_pending: bool = field(default=False, repr=False)
+    """A reduction was started and its post-reduction step has not run yet."""
 
 
 class _Handles:
@@ -119,20 +119,16 @@ class _Handles:
 
 
 class AgoqBucketGroup(_ParamAndGradBucketGroup):
-    """Bucket group whose grad reduction goes through agoq.comm.reduce (installed by class swap)."""
+    """Bucket group whose grad reduction goes through agoq.comm (installed by :func:`attach_bucket_group`)."""
 
-    agoq_grad: GradConfig
-    agoq_stores: list | None  # store mode: one BucketStore per bucket
-    agoq_lazy: bool  # store mode, all-reduce: leave the reduced gradient 8-bit (a reader dequantizes it)
-    agoq_on_reduced = None  # store mode: callback after the reduction (the DDP allocates the float buffer)
-    agoq_transport: str = "nccl"  # resolved transport of this group's reductions: nccl or peer
+    agoq: GroupGrads
 
     def start_grad_sync(self, force_all_reduce: bool | None = False):
         if self.is_first_batch and self.grad_reduce_handle is not None:
             return  # Megatron: no-op when already dispatched in the first batch
         assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
         cfg = self.ddp_config
-        if self.agoq_stores is None:
+        if self.agoq.stores is None:
             for bucket in self.buckets:
                 for param in bucket.params_with_extra_main_grads:
                     if getattr(param, "main_grad_copy_in_grad_buffer", None) is not None:
@@ -143,7 +139,7 @@ class AgoqBucketGroup(_ParamAndGradBucketGroup):
         async_op = cfg.overlap_grad_reduce
         handles = [self._reduce_bucket(idx, bucket, average, async_op, force_all_reduce)
                    for idx, bucket in enumerate(self.buckets)]
-        self.agoq_reduced_pending = True
+        self.agoq.reduced_pending = True
         self.grad_reduce_handle = _Handles(handles) if async_op else None
 
     def _uses_reduce_scatter(self, force_all_reduce: bool) -> bool:
@@ -154,17 +150,19 @@ class AgoqBucketGroup(_ParamAndGradBucketGroup):
                 else self.data_parallel_group)
 
     def _reduce_bucket(self, idx, bucket, average: bool, async_op: bool, force_all_reduce: bool):
+        """The one dispatcher of a bucket's reduction: 8-bit store or float buffer x reduce-scatter (distributed
+        optimizer) or all-reduce x this group's transport (peer: NVLink peer memory; nccl: agoq.comm.reduce)."""
+        state, group = self.agoq, self._group()
         scale = float(bucket.gradient_scaling_factor)  # Megatron scales before the sum; agoq after it
-        if self.agoq_stores is not None:
-            store = self.agoq_stores[idx]
-            if self._uses_reduce_scatter(force_all_reduce):
-                return store.start_reduce_scatter(self._group(), average=average, post_scale=scale,
-                                                  async_op=async_op)
-            return store.start_allreduce(self._group(), average=average, post_scale=scale, async_op=async_op)
-        fmt, chunk = self.agoq_grad.fmt, self.agoq_grad.chunk_bytes
+        scatter = self._uses_reduce_scatter(force_all_reduce)
+        if state.stores is not None:  # the store knows its storage (peer memory or not)
+            store = state.stores[idx]
+            start = store.start_reduce_scatter if scatter else store.start_allreduce
+            return start(group, average=average, post_scale=scale, async_op=async_op)
+        fmt, chunk = state.grads.format, state.chunk_bytes
         op = torch.distributed.ReduceOp.AVG if average else torch.distributed.ReduceOp.SUM
-        peer = self.agoq_transport == "peer"
-        if self._uses_reduce_scatter(force_all_reduce):
+        peer = state.transport == "peer"
+        if scatter:
             if self.cached_grad_buffer_shard_list[idx] is None:
                 self.cached_grad_buffer_shard_list[idx] = shard_buffer(
                     bucket.grad_data, self.intra_distributed_optimizer_instance_size
@@ -172,37 +170,38 @@ class AgoqBucketGroup(_ParamAndGradBucketGroup):
             shard = self.cached_grad_buffer_shard_list[idx][self.intra_distributed_optimizer_instance_rank]
             if peer:
                 return run_maybe_async(bucket.grad_data.device, lambda: reduce_scatter_8bit_peer(
-                    shard, bucket.grad_data, op, self._group(), fmt=fmt, post_scale=scale), async_op=async_op)
-            return reduce_scatter_8bit(shard, bucket.grad_data, op, self._group(), async_op, fmt=fmt,
+                    shard, bucket.grad_data, op, group, fmt=fmt, post_scale=scale), async_op=async_op)
+            return reduce_scatter_8bit(shard, bucket.grad_data, op, group, async_op, fmt=fmt,
                                        post_scale=scale, chunk_bytes=chunk)
         if peer:
             return run_maybe_async(bucket.grad_data.device, lambda: allreduce_8bit_peer(
-                bucket.grad_data, op, self._group(), fmt=fmt, post_scale=scale), async_op=async_op)
-        return allreduce_8bit(bucket.grad_data, op, self._group(), async_op, fmt=fmt, post_scale=scale,
+                bucket.grad_data, op, group, fmt=fmt, post_scale=scale), async_op=async_op)
+        return allreduce_8bit(bucket.grad_data, op, group, async_op, fmt=fmt, post_scale=scale,
                               chunk_bytes=chunk)
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False):
         super().finish_grad_sync(force_all_reduce=force_all_reduce)
-        if self.agoq_stores is not None and getattr(self, "agoq_reduced_pending", False):
-            self.agoq_reduced_pending = False
+        state = self.agoq
+        if state.stores is not None and state.reduced_pending:
+            state.reduced_pending = False
             if self._uses_reduce_scatter(force_all_reduce):
-                for store in self.agoq_stores:
+                for store in state.stores:
                     store.finish_reduce_scatter()
             else:
-                if self.agoq_lazy:
-                    for store in self.agoq_stores:
+                if state.lazy:
+                    for store in state.stores:
                         store.install_touched()
                 else:
-                    self.agoq_on_reduced(self)
-                    for store in self.agoq_stores:
+                    state.on_reduced(self)
+                    for store in state.stores:
                         store.materialize()
 
     def check_grads(self, check_for_nan_or_inf, check_for_large):
         """Megatron's pre-communication check; in store mode the norm is taken from the 8-bit buffer."""
-        if self.agoq_stores is None:
+        if self.agoq.stores is None:
             return super().check_grads(check_for_nan_or_inf, check_for_large)
         rerun_state_machine = get_rerun_state_machine()
-        for i, store in enumerate(self.agoq_stores):
+        for i, store in enumerate(self.agoq.stores):
             grad_norm = store.qbuf.sq_norm().sqrt()
             where = f"bucket #{i} in backward pass before data-parallel communication collective"
             if check_for_nan_or_inf:
@@ -222,14 +221,25 @@ class AgoqBucketGroup(_ParamAndGradBucketGroup):
 mark(AgoqBucketGroup, "ddp.bucket_group")
 
 
+def attach_bucket_group(bucket_group: _ParamAndGradBucketGroup, state: GroupGrads) -> None:
+    """The one call that puts agoq's 8-bit gradient path on one of Megatron's bucket groups: the class swap
+    (``swap_class``: marked, undone by the install handle) and its typed state ``bucket_group.agoq``."""
+    swap_class(bucket_group, AgoqBucketGroup, seam="ddp.bucket_group")
+    bucket_group.agoq = state
+
+
 class AgoqDistributedDataParallel(DistributedDataParallel):
     """Megatron's DDP with 8-bit gradient reduction (and, in ``store`` mode, 8-bit main_grad)."""
 
     def __init__(self, config: TransformerConfig, ddp_config: DistributedDataParallelConfig,
                  module: torch.nn.Module, disable_bucketing: bool = False, pg_collection=None, *,
-                 grad: GradConfig):
-        _check_supported(config, ddp_config, grad)
-        if grad.mode == "store":  # Megatron's float grad buffer: meta placeholders (deferred_grad_buffer.py)
+                 grads: GradsConfig, chunk_bytes: int | None = None):
+        if not grads.quantized:
+            raise ValueError(f"AgoqDistributedDataParallel needs a quantized gradient format, got --agoq-grads "
+                             f"{grads.format}; build Megatron's DDP (agoq.megatron.ddp.wrap_ddp_agoq does)")
+        _check_supported(config, ddp_config, grads)
+        check_reduction_kernel(next(iter(module.parameters())).device, grads.format)
+        if grads.mode == "store":  # Megatron's float grad buffer: meta placeholders (deferred_grad_buffer.py)
             with GradBufferOnMeta(distributed_optimizer=ddp_config.use_distributed_optimizer) as on_meta:
                 super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing,
                                  pg_collection=pg_collection)
@@ -240,19 +250,18 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
             super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing,
                              pg_collection=pg_collection)
             self._agoq_float_buffers = {}
-        self.agoq_grad = grad
+        self.agoq_grads = grads
+        self.agoq_chunk_bytes = chunk_bytes
         self._agoq_store_of: dict = {}  # param -> BucketStore
         touched = {p for name, p in self.module.named_parameters() if finalize_touched(p, name)}
         self.agoq_transport = {}  # process-group name -> (transport, reason), for the start-up report
         for bg in self.bucket_groups + self.expert_parallel_bucket_groups:
-            swap_class(bg, AgoqBucketGroup, seam="ddp.bucket_group")  # undone by the install handle
-            bg.agoq_grad = grad
-            bg.agoq_lazy = False
-            bg.agoq_transport = self._transport_of(self._reduction_group(bg))
-            bg.agoq_stores = self._build_stores(bg, touched) if grad.mode == "store" else None
-            bg.agoq_on_reduced = self._allocate_float_buffer_of
+            transport = self._transport_of(self._reduction_group(bg))
+            stores = self._build_stores(bg, touched, transport) if grads.mode == "store" else None
+            attach_bucket_group(bg, GroupGrads(grads=grads, transport=transport, stores=stores,
+                                               on_reduced=self._allocate_float_buffer_of, chunk_bytes=chunk_bytes))
 
-    def _build_stores(self, bucket_group, touched: set) -> list[BucketStore]:
+    def _build_stores(self, bucket_group, touched: set, transport: str) -> list[BucketStore]:
         if any(b.params_with_extra_main_grads for b in bucket_group.buckets):
             raise NotImplementedError(
                 "--agoq-grads-mode store: some parameters keep a separate fp32 main_grad next to a bf16 grad "
@@ -260,13 +269,13 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
             )
         group = self._reduction_group(bucket_group)
         world, rank = group.size(), group.rank()
-        peer_group = group if bucket_group.agoq_transport == "peer" else None
+        peer_group = group if transport == "peer" else None
         stores = []
         for bucket in bucket_group.buckets:
             device = self._agoq_float_buffers[id(self._buffer_of(bucket))].device  # grad_data is meta here
-            store = BucketStore(bucket, self.agoq_grad.fmt, device,
-                                error_feedback=self.agoq_grad.error_feedback, world=world, rank=rank,
-                                touched=touched, chunk_bytes=self.agoq_grad.chunk_bytes, peer_group=peer_group)
+            store = BucketStore(bucket, self.agoq_grads.format, device,
+                                error_feedback=self.agoq_grads.error_feedback, world=world, rank=rank,
+                                touched=touched, chunk_bytes=self.agoq_chunk_bytes, peer_group=peer_group)
             stores.append(store)
             for param in store.params:
                 self._agoq_store_of[param] = store
@@ -281,12 +290,12 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
         name = getattr(group, "group_name", str(id(group)))
         if name not in self.agoq_transport:
             device = next(iter(self.module.parameters())).device
-            self.agoq_transport[name] = resolve_transport(self.agoq_grad.transport, group, device,
-                                                          self.agoq_grad.fmt)
+            self.agoq_transport[name] = resolve_transport(self.agoq_grads.transport, group, device,
+                                                          self.agoq_grads.format)
         return self.agoq_transport[name][0]
 
     def stores(self) -> list[BucketStore]:
-        return [s for bg in self.bucket_groups + self.expert_parallel_bucket_groups for s in (bg.agoq_stores or [])]
+        return [s for bg in self.bucket_groups + self.expert_parallel_bucket_groups for s in (bg.agoq.stores or [])]
 
     def quantized_grad_buffers(self) -> list[QuantizedGradBuffer]:
         return [s.qbuf for s in self.stores()]
@@ -295,7 +304,7 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
         """Store mode, all-reduce: keep the reduced gradient 8-bit after finish_grad_sync (a reader
         dequantizes it per parameter) instead of materialising Megatron's float grad buffer."""
         for bg in self.bucket_groups + self.expert_parallel_bucket_groups:
-            bg.agoq_lazy = lazy
+            bg.agoq.lazy = lazy
 
     def agoq_grad_of(self, param) -> torch.Tensor | None:
         """Reduced fp32 gradient of ``param`` (store mode; None for parameters without a DDP gradient)."""
@@ -316,7 +325,7 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
     def agoq_grads_nonfinite(self) -> bool:
         """True when this rank's gradients hold NaN/Inf (store mode: 8-bit scales and float windows;
         otherwise Megatron's float grad buffers)."""
-        if self.agoq_grad.mode == "store":
+        if self.agoq_grads.mode == "store":
             return any(store.nonfinite() for store in self.stores())
         found = None
         for b in self.buffers + self.expert_parallel_buffers:
@@ -339,7 +348,7 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
 
     def agoq_float_grad_bytes(self) -> int:
         """Bytes of Megatron's float grad buffers allocated now (store mode: 0 unless materialised)."""
-        if self.agoq_grad.mode == "store":
+        if self.agoq_grads.mode == "store":
             return sum(d.nbytes for d in self._agoq_float_buffers.values())
         return sum(b.grad_data.untyped_storage().nbytes() for b in self.buffers + self.expert_parallel_buffers)
 
@@ -347,8 +356,8 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
         default_hook = super()._make_backward_post_hook(param)
 
         def hook(*unused):
-            grad_cfg = getattr(self, "agoq_grad", None)
-            if grad_cfg is None or grad_cfg.mode != "store" or param not in self.param_to_bucket_group:
+            grads = getattr(self, "agoq_grads", None)
+            if grads is None or grads.mode != "store" or param not in self.param_to_bucket_group:
                 return default_hook(*unused)
             if self.ddp_config.overlap_grad_reduce and param.grad is None:
                 raise RuntimeError("param.grad is None under overlap_grad_reduce (Megatron's invariant)")
@@ -361,7 +370,7 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
         return hook
 
     def zero_grad_buffer(self):
-        if getattr(self, "agoq_grad", None) is None or self.agoq_grad.mode != "store":
+        if getattr(self, "agoq_grads", None) is None or self.agoq_grads.mode != "store":
             return super().zero_grad_buffer()
         for param in self.params_with_grad:
             param.grad_added_to_main_grad = False
@@ -372,7 +381,7 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
             bucket_group.reset()
 
     def scale_gradients(self, scaling_factor):
-        if self.agoq_grad.mode != "store":
+        if self.agoq_grads.mode != "store":
             return super().scale_gradients(scaling_factor)
         if any(d.allocated for d in self._agoq_float_buffers.values()):
             super().scale_gradients(scaling_factor)  # materialised: scale the float values as Megatron
@@ -380,7 +389,8 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
             store.scale_(scaling_factor)
 
 
-def _check_supported(config: TransformerConfig, ddp_config: DistributedDataParallelConfig, grad: GradConfig) -> None:
+def _check_supported(config: TransformerConfig, ddp_config: DistributedDataParallelConfig,
+                     grad: GradsConfig) -> None:
     check_cuda_graphs(config, ["grads_store" if grad.mode == "store" else "grads_reduce"])
     if ddp_config.num_distributed_optimizer_instances > 1:
         raise NotImplementedError(
@@ -400,52 +410,25 @@ def _check_supported(config: TransformerConfig, ddp_config: DistributedDataParal
 
 
 def wrap_ddp_agoq(chunks: list, config: TransformerConfig, ddp_config: DistributedDataParallelConfig,
-                  device: torch.device, grad_format: str | GradConfig | None) -> list:
-    """agoq/megatron/model.py:wrap_ddp with 8-bit gradients (``grad_format=None``: Megatron's DDP).
-
-    ``grad_format`` is a format name (mode ``store``, no error feedback) or a full GradConfig.
-    """
-    if grad_format is None:
+                  device: torch.device, grads: GradsConfig | None, *, chunk_bytes: int | None = None) -> list:
+    """agoq/megatron/model.py:wrap_ddp with 8-bit gradients: the run's ``AgoqConfig.grads`` (None, or no quantized
+    format: Megatron's DDP). ``chunk_bytes``: codes per pipeline chunk of the reduction (None: automatic; tests and
+    benchmarks set it)."""
+    if grads is None or not grads.quantized:
         from agoq.megatron.model import wrap_ddp
 
         return wrap_ddp(chunks, config, ddp_config, device)
-    grad = grad_format if isinstance(grad_format, GradConfig) else GradConfig(fmt=grad_format)
     wrapped = []
     for idx, chunk in enumerate(chunks):
         chunk.to(device)
         if config.bf16 or config.fp16:
             chunk = Float16Module(config, chunk)  # as Megatron's get_model (see model.wrap_ddp)
-        wrapped.append(AgoqDistributedDataParallel(config, ddp_config, chunk, disable_bucketing=idx > 0, grad=grad))
+        wrapped.append(AgoqDistributedDataParallel(config, ddp_config, chunk, disable_bucketing=idx > 0, grads=grads,
+                                                   chunk_bytes=chunk_bytes))
     return wrapped
 
 
-# -- command line, planner, memory report ----------------------------------------------------------
-
-def grad_config(grads: GradsConfig) -> GradConfig | None:
-    """The DDP wrapper's GradConfig of the run's ``AgoqConfig.grads`` (None: Megatron's float gradients)."""
-    if not grads.quantized:
-        return None
-    return GradConfig(fmt=grads.format, mode=grads.mode, error_feedback=grads.error_feedback,
-                      transport=grads.transport)
-
-
-def grad_bytes_per_param(grad: GradConfig | None, *, grad_reduce_in_fp32: bool,
-                         params_dtype: torch.dtype) -> float:
-    """Planner: bytes per parameter of the gradient held during forward/backward (padding ignored).
-
-    Megatron: 4 (fp32 main_grad) or the param dtype's size. agoq store: codes + scales (+ bf16
-    residual with error feedback). After the reduction and until the next zero_grad_buffer add: nothing
-    with agoq's optimizer (per-parameter reads, with or without the distributed optimizer), 4/W with
-    Megatron's optimizer over the distributed optimizer (its fp32 shard .grad tensors), 4 with Megatron's
-    optimizer without it (every .grad at once). agoq reduce: Megatron's number. The planner's version:
-    agoq.plan.peak.grad_bytes_per_param.
-    """
-    float_bytes = 4.0 if grad_reduce_in_fp32 else float(torch.finfo(params_dtype).bits // 8)
-    if grad is None or grad.mode == "reduce":
-        return float_bytes
-    fmt = check_grad_format(grad.fmt)
-    return fmt.bytes_per_element() + (2.0 if grad.error_feedback else 0.0)
-
+# -- memory report --------------------------------------------------------------------------------------
 
 def grad_memory_report(model_chunks: list) -> dict:
     """Measured gradient bytes of DDP-wrapped chunks: float buffers allocated now, 8-bit storage, numel."""

@@ -154,7 +154,7 @@ def attach(optimizer, model_chunks: list):
     stores 8-bit gradients). Without the distributed optimizer: agoq's optimizer (AgoqMegatronOptimizer)
     reads per parameter and the chunks stay lazy; other optimizers keep Megatron's materialised buffer
     (None). With it: see the module docstring (a list of readers, one per distributed optimizer)."""
-    chunks = [c for c in model_chunks if getattr(getattr(c, "agoq_grad", None), "mode", None) == "store"]
+    chunks = [c for c in model_chunks if getattr(getattr(c, "agoq_grads", None), "mode", None) == "store"]
     if not chunks:
         return None
     if len(chunks) != len(model_chunks):

@@ -20,7 +20,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from agoq.comm.reduce import check_grad_format
+from agoq.formats import QuantFormat
 
 __all__ = ["resolve_transport", "peer_problems"]
 
@@ -33,13 +33,13 @@ def _symmetric_memory_available() -> bool:
     return True
 
 
-def _one_byte_kernel(fmt: str) -> bool:
+def _one_byte_kernel(fmt: QuantFormat) -> bool:
     from agoq.kernels import _launch  # Triton: imported only for CUDA gradients
 
-    return _launch.uses_bytes_kernel(check_grad_format(fmt))
+    return _launch.uses_bytes_kernel(fmt)
 
 
-def peer_problems(group, device: torch.device, fmt: str) -> list[str]:
+def peer_problems(group, device: torch.device, fmt: QuantFormat) -> list[str]:
     """Why the peer transport cannot serve ``group`` (empty: it can). Collective over ``group`` when the
     local checks pass (the ranks' host names are gathered); every rank reaches the same answer."""
     problems = []
@@ -66,7 +66,7 @@ def peer_problems(group, device: torch.device, fmt: str) -> list[str]:
     return problems
 
 
-def resolve_transport(requested: str, group, device: torch.device, fmt: str) -> tuple[str, str]:
+def resolve_transport(requested: str, group, device: torch.device, fmt: QuantFormat) -> tuple[str, str]:
     """(transport, reason) for ``requested`` in auto / nccl / peer (module docstring)."""
     if requested == "nccl":
         return "nccl", "--agoq-grad-transport nccl"

@@ -7,7 +7,9 @@ Touches: whatever the registered seams and runtime changes touch; each is named 
   * :data:`SEAMS`, applied by :func:`install` when the config asks for them: ``cpu_mode`` (runtime
     patches of torch, only without a GPU; agoq/megatron/cpu_mode.py) and ``fp8_weight_cache`` (torch's
     process-wide optimizer step post-hook that invalidates the FP8 weight caches,
-    agoq/ops/fp8_weight_cache.py).
+    agoq/ops/fp8_weight_cache.py), and agoq's own kernel setting ``triton_launch`` (``AgoqConfig.kernels.
+    fast_launch`` False: agoq.kernels._fastlaunch's direct launches off, Triton's own launch path; undone by the
+    handle).
   * Runtime changes made later, when agoq builds the objects they concern, recorded here through
     :func:`swap_class` / :func:`set_module_attr`: ``ddp.bucket_group`` (every bucket group of agoq's
     DDP becomes ``AgoqBucketGroup``, agoq/megatron/ddp.py), ``grad_reader.distributed_optimizer``
@@ -63,7 +65,7 @@ def marked_seam(obj: Any) -> str | None:
 @dataclass(frozen=True)
 class Seam:
     name: str
-    kind: str  # "spec" | "hook" | "subclass" | "patch"
+    kind: str  # "spec" | "hook" | "subclass" | "patch" | "setting" (agoq's own process state, from the config)
     wanted: Callable[[AgoqConfig], bool]
     apply: Callable[[], None]
     undo: Callable[[], None]
@@ -103,11 +105,29 @@ def _remove_fp8_hook() -> None:
     fp8_weight_cache.remove_optimizer_hook()
 
 
+_LAUNCH_BEFORE: list[bool] = []  # the direct-launch setting triton_launch replaced (restored by its undo)
+
+
+def _triton_own_launch() -> None:
+    from agoq.kernels import _fastlaunch
+
+    _LAUNCH_BEFORE.append(_fastlaunch.set_fast_launch(False))
+
+
+def _restore_launch() -> None:
+    from agoq.kernels import _fastlaunch
+
+    _fastlaunch.set_fast_launch(_LAUNCH_BEFORE.pop() if _LAUNCH_BEFORE else True)
+
+
 SEAMS: tuple[Seam, ...] = (
     Seam("cpu_mode", "patch", runs_on_cpu, _enter_cpu, _exit_cpu),
     # FP8 weight caches (agoq.ops.fp8_weight_cache) made before install() add the same hook themselves
     # (standalone use of agoq.ops); removing it here removes theirs too (the hook is one per process).
     Seam("fp8_weight_cache", "hook", _fp8_hook_wanted, _add_fp8_hook, _remove_fp8_hook),
+    # AgoqConfig.kernels.fast_launch False (AGOQ_TRITON_FAST_LAUNCH=0 in the trainer): Triton's own launch path
+    Seam("triton_launch", "setting", lambda config: not config.kernels.fast_launch, _triton_own_launch,
+         _restore_launch),
 )
 
 
@@ -214,13 +234,14 @@ _INSTALLED: dict[str, Handle] = {}
 
 
 def _install_key(config: AgoqConfig) -> tuple:
-    return config.enabled, config.device, config.policy.path
+    return config.enabled, config.device, config.policy.path, config.kernels.fast_launch
 
 
 def install(config: AgoqConfig) -> Handle:
     """Check the contract, then apply the seams ``config`` asks for. Installing again is a no-op
-    for the same install settings and an error for different ones (undo first): ``enabled``, ``device``
-    and the policy file (the rest of the config shapes models and optimizers, not process state)."""
+    for the same install settings and an error for different ones (undo first): ``enabled``, ``device``,
+    the policy file and ``kernels.fast_launch`` (the rest of the config shapes models and optimizers, not process
+    state)."""
     current = _INSTALLED.get("handle")
     if current is not None:
         if _install_key(current.config) != _install_key(config):

@@ -13,9 +13,7 @@ Touches: spec substitution (the layer itself: ``agoq.megatron.transformer_layer`
   ``ColumnParallelLinear/RowParallelLinear._forward_impl(input, weight, *args, **kwargs)``, which
   calls ``LinearWithGradAccumulationAndAsyncCommunication`` (its ``ctx.save_for_backward(input,
   weight)`` is what agoq intercepts: a ``saved_tensors_hooks`` scope around the call that matches the input
-  by identity (public; the default), or, opt-in (``SavePaths.linear_via_node_hooks``), hooks on saved tensor 0
-  of the node it returns, checked per call by ``Node.name()`` and input identity; its keyword arguments are the
-  parameters of
+  by identity (public); its keyword arguments are the parameters of
   ``linear_with_grad_accumulation_and_async_allreduce``, which the FP8 path reads);
   ``copy_to_tensor_model_parallel_region`` (the FP8 path's dgrad all-reduce); for QKV / fc1 fed by a recomputed
   pre-norm, ``_forward_impl`` does not call Megatron's linear at all: the norm + linear node (agoq.ops.norm_linear)
@@ -88,7 +86,6 @@ from agoq.ops.saved_act import (
     default_saved_hooks_active,
     eager_under_compile,
     quantized_saves,
-    replace_saved_input,
     saved_input_handle,
 )
 from agoq.ops.saved_norm import rmsnorm_saving_input
@@ -99,11 +96,7 @@ from agoq.ops.smooth_swiglu_fp8 import (
 )
 from agoq.ops.swiglu_linear import SwiGLUFeed, swiglu_linear
 
-# The linears replace Megatron's saved input through a hook scope around the call (the default, public) or,
-# opt-in, that saved tensor's own hooks (SavePaths.linear_via_node_hooks=True: benchmarks/bench_memory.py's A/B;
-# the scope still runs inside another active scope).
-# the autograd node of LinearWithGradAccumulationAndAsyncCommunication (it saves (input, weight))
-_MEGATRON_LINEAR_NODE = "LinearWithGradAccumulationAndAsyncCommunicationBackward"
+# The linears replace Megatron's saved input through a hook scope around the call (public mechanisms only).
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,7 +207,6 @@ class AgoqRMSNorm(torch.nn.RMSNorm):
             self.weight.sequence_parallel = True
         self.agoq_save = agoq_save
         self.agoq_handoff = agoq_handoff
-        self.agoq_node_checked = False  # the CUDA norm node's saved input was checked to be x (first call)
 
     def forward(self, x_SBH: torch.Tensor) -> torch.Tensor:
         save = self.agoq_save
@@ -229,10 +221,7 @@ class AgoqRMSNorm(torch.nn.RMSNorm):
             y_SBH = rmsnorm_no_graph(x_SBH, self.weight, self.eps)
             handoff.put(NormFeed(x_SBH, self.weight, self.eps, y_SBH, save.fmt, save.key, save.counter))
             return y_SBH
-        y_SBH, stash = rmsnorm_saving_input(x_SBH, self.weight, self.eps, save.fmt, save.key, save.counter,
-                                            check_identity=not self.agoq_node_checked,
-                                            via_aten_node=save.paths.norm_via_aten_node)
-        self.agoq_node_checked = self.agoq_node_checked or stash is not None
+        y_SBH, stash = rmsnorm_saving_input(x_SBH, self.weight, self.eps, save.fmt, save.key, save.counter)
         self.agoq_handoff.put(stash)
         return y_SBH
 
@@ -256,7 +245,6 @@ class _AgoqLinearMixin:
         self.agoq_save = agoq_save
         self.agoq_handoff = agoq_handoff
         self.agoq_fp8 = agoq_fp8  # FP8Recipe for this linear, or None: Megatron's bf16 GEMMs
-        self.agoq_save_checked = False  # replace_saved_input verified which saved tensor is the input (first call)
         if agoq_handoff is not None and (self._takes_norm_feed() or self._takes_swiglu_feed()):
             agoq_handoff.accepts_feed = True
         self.agoq_quantized_node = self._quantized_input_node()  # decided once: agoq.ops.quant_linear
@@ -292,7 +280,7 @@ class _AgoqLinearMixin:
         options that node does not implement."""
         paths = self.agoq_save.paths
         return (self.agoq_save.fmt is not None and not self.agoq_save.recomputed
-                and paths.quantized_linear_node and not paths.linear_via_node_hooks and self._plain_megatron_linear()
+                and paths.quantized_linear_node and self._plain_megatron_linear()
                 and not self.config.defer_embedding_wgrad_compute and not getattr(self, "disable_grad_reduce", False))
 
     def _forward_impl(self, input, weight, *args, **kwargs):
@@ -322,18 +310,8 @@ class _AgoqLinearMixin:
             kw = {"fmt": save.fmt, "key": save.key, "counter": save.counter}
         else:
             return super()._forward_impl(input, weight, *args, **kwargs)
-        # agoq's scope must be innermost
-        if not save.paths.linear_via_node_hooks or default_saved_hooks_active():
-            with quantized_saves(input, **kw):
-                return super()._forward_impl(input, weight, *args, **kwargs)
-        out = super()._forward_impl(input, weight, *args, **kwargs)
-        # Opt-in: Megatron's ctx.save_for_backward(input, weight): replace saved tensor 0 (cheaper per call on
-        # the host than a hook scope, which also sends the weight through Python in forward and backward)
-        # (identity of the saved input checked on this module's first call; node and count on every call)
-        replace_saved_input(out, input, node_name=_MEGATRON_LINEAR_NODE, index=0,
-                            check_identity=not self.agoq_save_checked, **kw)
-        self.agoq_save_checked = True
-        return out
+        with quantized_saves(input, **kw):  # agoq's scope, innermost
+            return super()._forward_impl(input, weight, *args, **kwargs)
 
     def _norm_linear_forward_impl(self, input, weight, feed: NormFeed, args, kw):
         """QKV / fc1 fed by the norm's output: norm and linear as one node from the norm's input

@@ -260,19 +260,19 @@ def _ddp_class(config: AgoqConfig) -> type:
     the one ``wrap_model_chunks_with_ddp`` computed (agoq/megatron/dist_optimizer.py)."""
     from megatron.core.distributed import DistributedDataParallel
 
-    from agoq.megatron.ddp import AgoqDistributedDataParallel, grad_config
+    from agoq.megatron.ddp import AgoqDistributedDataParallel
     from agoq.megatron.optimizer import shard_alignment_for
 
-    grad = grad_config(config.grads)
+    grads = config.grads if config.grads.quantized else None
     options = config.optimizer
 
-    class AgoqMegatronTrainingDDP(AgoqDistributedDataParallel if grad is not None else DistributedDataParallel):
+    class AgoqMegatronTrainingDDP(AgoqDistributedDataParallel if grads is not None else DistributedDataParallel):
         def __init__(self, config, ddp_config, module, disable_bucketing=False, **kwargs):
-            if grad is not None:
+            if grads is not None:
                 # AgoqDistributedDataParallel computes Megatron's default layout itself (the one get_model
                 # computed), as in scripts/pretrain_llama.py
                 kwargs.pop("full_param_layout", None)
-                kwargs["grad"] = grad
+                kwargs["grads"] = grads
             else:
                 align = shard_alignment_for(options, ddp_config.use_distributed_optimizer)
                 if align:

@@ -14,7 +14,7 @@ from agoq.megatron.layers import _NO_SAVE, Handoff, SavedInputConfig, SmoothFc2I
 from agoq.ops.saved_act import default_saved_hooks_active
 from agoq.ops.saved_swiglu import smooth_swiglu_saving_input, swiglu_reference, swiglu_saving_input
 from agoq.ops.smooth_swiglu import glu_smooth_scale, sequence_shard, unsmooth_fc2_output
-from agoq.ops.smooth_swiglu_fp8 import fused_smooth_supported, plain_swiglu_fusion
+from agoq.ops.smooth_swiglu_fp8 import fused_smooth_supported
 from agoq.ops.swiglu_linear import swiglu_no_graph
 
 
@@ -37,7 +37,8 @@ class AgoqMLP(MLP):
     Plain SwiGLU with an FP8 fc2 under per-tensor delayed scaling (``agoq_plain_fp8``, decided at construction;
     the rule is :meth:`plain_fusion_problems`) hands fc2 the fc1 output and fc2 runs SwiGLU, its E4M3 cast and
     its GEMMs as one op (agoq.ops.smooth_swiglu_fp8.swiglu_fp8_fc2: Megatron's values, no silu output kept),
-    unless switched off process-wide (``set_plain_swiglu_fusion(False)``: Megatron's MLP, benchmarks' A/B).
+    unless switched off by the config (``SavePaths.fuse_swiglu_fp8`` False, from ``AgoqConfig.kernels``: Megatron's
+    MLP, benchmarks' A/B).
     """
 
     def __init__(self, config, submodules, *args, agoq_save: SavedInputConfig = _NO_SAVE,
@@ -161,7 +162,7 @@ class AgoqMLP(MLP):
         """Whether plain SwiGLU runs fused with the FP8 fc2 (class docstring): the construction-time rule, the
         process-wide switch, eager mode (under torch.compile Megatron's ops are traced) and an input dtype the
         fused kernels take (the fc1 output has the input's dtype; checked again on it)."""
-        return (self.agoq_plain_fp8 and plain_swiglu_fusion() and not torch.compiler.is_compiling()
+        return (self.agoq_plain_fp8 and self.agoq_save.paths.fuse_swiglu_fp8 and not torch.compiler.is_compiling()
                 and hidden_states.dtype in (torch.bfloat16, torch.float16))
 
     def _megatron_glu(self, h_SBF2):

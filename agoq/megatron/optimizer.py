@@ -47,7 +47,8 @@ def param_groups(model_chunks: list) -> list[dict]:
 
 def make_agoq_optimizer(config: AgoqConfig, megatron_config: OptimizerConfig, groups: list[dict]):
     opt, mc = config.optimizer, megatron_config
-    m_fmt, v_fmt = parse_moments(opt.moments)
+    states = opt.states  # parsed once by the config; the param groups carry the names (saved in checkpoints)
+    m_fmt = states.m.name
     # The fused Triton step needs a GPU (or Triton's CPU interpreter, TRITON_INTERPRET=1, as the kernel
     # tests use: config.triton_interpret); otherwise (CI, CPU mode) the plain-PyTorch reference step runs,
     # which computes the same values (tests/kernels/test_optim_kernels.py). The choice is printed at start.
@@ -55,7 +56,7 @@ def make_agoq_optimizer(config: AgoqConfig, megatron_config: OptimizerConfig, gr
     common = dict(master=opt.master, fused=fused, small_numel=opt.small_numel)
     if opt.kind == "adamw":
         return AdamW(groups, lr=mc.lr, betas=(mc.adam_beta1, mc.adam_beta2), eps=mc.adam_eps,
-                     weight_decay=mc.weight_decay, state_formats={"exp_avg": m_fmt, "exp_avg_sq": v_fmt},
+                     weight_decay=mc.weight_decay, state_formats={"exp_avg": m_fmt, "exp_avg_sq": states.v.name},
                      **common)  # fmt: skip
     if opt.kind == "lion":
         return Lion(groups, lr=mc.lr, betas=(opt.lion_beta1, opt.lion_beta2),

@@ -99,10 +99,10 @@ class ResumeContract:
         return cls(
             **record["model"], tensor_parallel=parallel["tensor"], pipeline_parallel=parallel["pipeline"],
             virtual_pipeline=parallel["virtual_pipeline"], optimizer=opt.kind,
-            moments=",".join(opt.state_formats) if opt.agoq else None, master=opt.master if opt.agoq else None,
+            moments=",".join(opt.states.names) if opt.agoq else None, master=opt.master if opt.agoq else None,
             small_numel=opt.small_numel if opt.agoq else None,
             distributed_optimizer=parallel["distributed_optimizer"], gradient_release=opt.gradient_release,
-            grads=config.grads.format,
+            grads=config.grads.format_name,
         )  # fmt: skip
 
     def as_dict(self) -> dict:

@@ -48,26 +48,22 @@ from agoq.ops.fp8_scaling import SLOT_VARIANTS, FP8Recipe, FP8ScalingState
 from agoq.ops.fp8_weight_cache import FP8WeightCache
 
 __all__ = ["fp8_linear", "FP8LinearFunction", "MIN_FP8_CAPABILITY", "GEMM_DIM_MULTIPLE", "fp8_cast_ops",
-           "set_phase_ranges"]
+           "phase_range"]
 
 MIN_FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89) and Hopper (sm_90); torch._scaled_mm's check
 GEMM_DIM_MULTIPLE = 16  # torch._scaled_mm: a.size(1), b.size(0), b.size(1) multiples of 16 (cuBLASLt FP8)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DEFAULT_RECIPE = FP8Recipe()  # per-tensor current scaling (frozen: one shared instance)
 _NO_RANGE = contextlib.nullcontext()
-_phase_ranges = False  # profiler ranges per phase (set_phase_ranges); off: one no-op context per phase
 
 
-def set_phase_ranges(enabled: bool) -> None:
-    """Wrap every phase of the FP8 linear (``agoq.fp8.cast_x``, ``cast_w``, ``gemm_fwd``, ``cast_g``,
-    ``recast_w``, ``recast_x``, ``gemm_dgrad``, ``gemm_wgrad``) in a ``torch.profiler.record_function``
-    range, so a profile attributes kernels and host time to phases (benchmarks/bench_fp8.py --profile)."""
-    global _phase_ranges
-    _phase_ranges = bool(enabled)
-
-
-def _phase(name: str):
-    return torch.profiler.record_function("agoq.fp8." + name) if _phase_ranges else _NO_RANGE
+def phase_range(name: str):
+    """The context every phase of the FP8 linear runs in (``agoq.fp8.cast_x``, ``cast_w``, ``gemm_fwd``, ``cast_g``,
+    ``recast_w``, ``recast_x``, ``gemm_dgrad``, ``gemm_wgrad``): a no-op. A profiling benchmark
+    (benchmarks/bench_fp8_profile.py) replaces this module attribute for its run with a
+    ``torch.profiler.record_function`` range, so a profile attributes kernels and host time to phases."""
+    del name
+    return _NO_RANGE
 
 
 def fp8_cast_ops(device: torch.device) -> SimpleNamespace:
@@ -215,15 +211,15 @@ class FP8LinearFunction(torch.autograd.Function):
         row = recipe.granularity == "row"
         needs_wgrad = grad_enabled and ctx.needs_input_grad[1]
         keep_x_fp8 = needs_wgrad and x_saver is None
-        with _phase("cast_x"):
+        with phase_range("cast_x"):
             xc = _cast(x, "x", recipe, state, ops, True, keep_x_fp8, True)
-        with _phase("cast_w"):
+        with phase_range("cast_w"):
             if weight_cache is not None and w_col_scale is None:
                 wc = weight_cache.get(weight, recipe, lambda w: _weight_fp8(w, recipe, state, ops, True))
             else:
                 wc = _weight_fp8(_effective_weight(weight, w_col_scale), recipe, state, ops, False)
         x_shape, out_dtype = x.shape, (torch.bfloat16 if row else x.dtype)
-        with _phase("gemm_fwd"):
+        with phase_range("gemm_fwd"):
             y = _gemm(xc.data, wc.fwd_b, xc.scale_inv, wc.fwd_scale_inv, out_dtype, recipe.fast_accum_forward,
                       (*x_shape[:-1], wc.fwd_b.shape[1]))
         ctx.x_handle = x_saver(x.reshape(-1, x_shape[-1])) if needs_wgrad and x_saver is not None else None
@@ -242,15 +238,15 @@ class FP8LinearFunction(torch.autograd.Function):
         row = recipe.granularity == "row"
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g = grad_y if grad_y.is_contiguous() else grad_y.contiguous()
-        with _phase("cast_g"):
+        with phase_range("cast_g"):
             gc = _cast(g, "g", recipe, state, ops, need_dx, need_dw, False)
         dx = dw = None
         if need_dx:
             w_b, sw_inv, w_src = ctx.w_dgrad
             if w_b is None:  # no weight cache: re-cast with the forward's scales (the forward's codes)
-                with _phase("recast_w"):
+                with phase_range("recast_w"):
                     w_b = _recast_t(_effective_weight(weight, w_col_scale), "w", recipe, ops, w_src).t()
-            with _phase("gemm_dgrad"):
+            with phase_range("gemm_dgrad"):
                 dx = _gemm(gc.data, w_b, gc.scale_inv, sw_inv, torch.bfloat16 if row else g.dtype, False, None)
             if dx.dtype != ctx.x_dtype:
                 dx = dx.to(ctx.x_dtype)
@@ -260,12 +256,12 @@ class FP8LinearFunction(torch.autograd.Function):
         if need_dw:
             sx_inv, x_src = ctx.x_scales
             if x_cm is None:  # activation storage kept x (quantized or as a recompute handle)
-                with _phase("recast_x"):
+                with phase_range("recast_x"):
                     x_hat = ctx.x_handle.materialize().reshape(-1, ctx.x_shape[-1]).to(ctx.x_dtype).contiguous()
                     ctx.x_handle = None
                     x_cm = _recast_t(x_hat, "x", recipe, ops, x_src).t()
             out_dtype = torch.bfloat16 if row else _wgrad_dtype(weight)
-            with _phase("gemm_wgrad"):
+            with phase_range("gemm_wgrad"):
                 dw = _gemm(gc.data_t, x_cm, gc.scale_t_inv.reshape(-1, 1) if row else gc.scale_t_inv, sx_inv,
                            out_dtype, False, None)
             if w_col_scale is not None:  # d(W * s)/dW = s per input column

@@ -3,10 +3,9 @@
 The forward pass is never changed: every op computes with the full-precision tensor; only the copy
 kept for backward is quantized (agoq formats, :mod:`agoq.formats`). Three pieces:
 
-- :func:`replace_saved_input` (after *one* autograd op, Megatron's linear: hooks on the one saved
-  tensor that is its input) and :func:`quantized_saves` (a ``saved_tensors_hooks`` scope around the
-  op, matching that tensor by identity): the input is stored as a quantized copy or a recompute
-  handle; every other saved tensor (the weight) is left alone.
+- :func:`quantized_saves` (a ``saved_tensors_hooks`` scope around *one* autograd op, Megatron's linear, matching
+  its input by identity): the input is stored as a quantized copy or a recompute handle; every other saved tensor
+  (the weight) is left alone.
 - :class:`RecomputeStash`, for the ops that store only their *input*, quantized, and recompute in backward
   (AGoQ, ../shared/spec/algorithms.md §3.2): ``rmsnorm_saving_input`` (:mod:`agoq.ops.saved_norm`) and
   ``swiglu_saving_input`` / ``smooth_swiglu_saving_input`` (:mod:`agoq.ops.saved_swiglu`). Their output can be
@@ -42,7 +41,6 @@ __all__ = [
     "quant_ops",
     "quantize_saved",
     "quantized_saves",
-    "replace_saved_input",
     "default_saved_hooks_active",
     "saved_input_handle",
     "eager_under_compile",
@@ -53,29 +51,26 @@ Key = tuple[int | None, str]  # (global 0-based layer index or None, role)
 
 @dataclass(frozen=True, kw_only=True)
 class SavePaths:
-    """How agoq's layers run the saved-activation code on the host. Every choice stores the same bytes and
-    gives the same gradients (tests/gpu/test_saved_act_gpu.py, tests/megatron/test_activations.py). The defaults
-    use public autograd mechanisms only (a custom ``autograd.Function`` with ``ctx.save_for_backward``, a
-    ``torch.autograd.graph.saved_tensors_hooks`` scope); the two ``*_via_*`` options opt into hooks on the
-    saved tensors of an autograd node torch built (``_raw_saved_*`` attributes, matched by ``Node.name()``),
-    which spare some host time per call but measured within noise of the defaults in whole steps
-    (docs/benchmarks/activations.md, variants ``fnnorm`` / ``scope`` of that run). ``fuse_swiglu=False`` is the
-    slower unfused path. Non-defaults are kept for benchmarks' A/B (benchmarks/bench_memory.py variants,
-    benchmarks/bench_launch.py legacy paths). Passed to ``agoq.megatron.model.agoq_layer_spec(..., save_paths=...)``."""
+    """How agoq's layers run the saved-activation code on the host: which fused / one-node paths they take where they
+    apply. Every choice stores the same bytes and gives the same gradients (tests/gpu/test_saved_act_gpu.py,
+    tests/megatron/test_activations.py); the defaults are the fast paths. The non-defaults are the paths the layers
+    take anyway where a fused path does not apply (FP8, another active saved-tensor hook scope, ...), forced for
+    tests' and benchmarks' A/B (benchmarks/bench_memory.py variants, benchmarks/bench_launch.py's legacy paths);
+    ``fuse_swiglu_fp8`` is ``AgoqConfig.kernels.fuse_swiglu_fp8`` in the trainer. Passed to
+    ``agoq.megatron.model.agoq_layer_spec(..., save_paths=...)``. (Two variants that reached torch's private
+    ``_raw_saved_*`` attributes of autograd nodes, for the norm and the linears, measured within noise of these paths
+    in whole steps, docs/benchmarks/activations.md, and were deleted.)"""
 
-    norm_via_aten_node: bool = False
-    """CUDA RMSNorm that keeps a node of its own (not the norm + linear node of ``fuse_norm_linear``): True: ATen's
-    fused node with hooks on its saved tensors (private ``_raw_saved_input`` / ``_raw_saved_rstd``); False
-    (default): agoq's autograd function."""
     fuse_swiglu: bool = True
     """CUDA SwiGLU: one fused quantize kernel (False: quantize + ATen SwiGLU, unfused)."""
+    fuse_swiglu_fp8: bool = True
+    """Plain SwiGLU feeding a plain FP8 fc2 under per-tensor delayed scaling: one op (agoq.ops.smooth_swiglu_fp8.
+    swiglu_fp8_fc2); False: Megatron's SwiGLU then the FP8 linear (same values; ``AgoqConfig.kernels.fuse_swiglu_fp8``,
+    the trainer's AGOQ_FP8_SWIGLU_FUSION=0: benchmarks/pretrain_suites.py's A/B)."""
     fuse_smooth_fp8: bool = True
     """Smooth-SwiGLU feeding an FP8 fc2 under per-tensor delayed scaling: one op (agoq.ops.smooth_swiglu_fp8:
     fused smoothing + FP8 cast, un-smoothing in fc2's GEMM); False: the unfused SwiGLU, scale and FP8 linear
     (same math; benchmarks' A/B)."""
-    linear_via_node_hooks: bool = False
-    """Linears: True: replace Megatron's saved input through hooks on its node's saved tensor (private
-    ``_raw_saved_tensors``); False (default): a ``saved_tensors_hooks`` scope around Megatron's linear."""
     fuse_norm_linear: bool = True
     """A norm whose output is recomputed for the column-parallel linear it feeds (QKV, fc1; bf16 GEMMs, no
     gradient-accumulation fusion or wgrad deferral; sequence parallelism inside the node): True (default): one
@@ -90,9 +85,9 @@ class SavePaths:
     """A linear storing its own input quantized (the out-projection under the default policy; bf16 GEMMs, no
     gradient-accumulation fusion or wgrad deferral; sequence parallelism inside the node): True (default): one
     autograd node (agoq.ops.quant_linear: no hook scope, pack or unpack calls); False: Megatron's linear inside a
-    ``saved_tensors_hooks`` scope (same bytes and gradients). ``linear_via_node_hooks=True`` also turns it off.
-    All three one-node linears run only outside other saved-tensor hook scopes (:func:`default_saved_hooks_active`)
-    and support one backward per graph (no ``retain_graph``)."""
+    ``saved_tensors_hooks`` scope (same bytes and gradients). All three one-node linears run only outside other
+    saved-tensor hook scopes (:func:`default_saved_hooks_active`) and support one backward per graph (no
+    ``retain_graph``)."""
 
 
 # ------------------------------------------------------------------------ torch.compile ----
@@ -295,7 +290,7 @@ class quantized_saves:  # noqa: N801 - used as a function-style context manager:
     Raises RuntimeError after the scope if ``target`` was saved zero or several times while grad
     was enabled (the wrapped op no longer saves what agoq expects: a Megatron change).
     A class rather than a generator context manager: it runs around every linear of every layer, and
-    the generator machinery is host time (docs/benchmarks/log.md, "Host cost").
+    the generator machinery is host time (docs/numerics.md, "Host cost").
     """
 
     __slots__ = ("target", "fmt", "stash", "key", "counter", "hits", "_hooks")
@@ -347,74 +342,8 @@ def _unpack_saved(obj):
 
 def default_saved_hooks_active() -> bool:
     """Whether a ``saved_tensors_hooks`` scope (activation offloading, torch.utils.checkpoint, ...) is active:
-    a tensor saved inside it already has hooks, so :func:`replace_saved_input` cannot add agoq's, and agoq's
-    one-node linears (agoq.ops.norm_linear, swiglu_linear, quant_linear), which keep their codes on the autograd
+    agoq's one-node linears (agoq.ops.norm_linear, swiglu_linear, quant_linear), which keep their codes on the autograd
     context, would bypass it: the layers take the hook / stash paths there instead, whose scope is innermost. torch
     has no public query of the active default hooks, hence the private ``_top_saved_tensors_default_hooks`` (one C
     call per norm, MLP and quantized linear)."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-
-
-class _PackQuantized:
-    """Pack hook of :func:`replace_saved_input` (fmt): quantize the saved copy. Holds no tensor."""
-
-    __slots__ = ("fmt", "key", "counter")
-
-    def __init__(self, fmt: QuantFormat, key: Key, counter: SavedBytesCounter | None):
-        self.fmt, self.key, self.counter = fmt, key, counter
-
-    def __call__(self, t: torch.Tensor) -> _Saved:
-        return _QuantizedSave(quantize_saved(t, self.fmt, self.key, self.counter))
-
-
-class _PackRecompute:
-    """Pack hook of :func:`replace_saved_input` (stash): store a recompute handle instead of the tensor."""
-
-    __slots__ = ("handle",)
-
-    def __init__(self, stash: RecomputeStash):
-        self.handle = _RecomputeSave(stash)
-
-    def __call__(self, t: torch.Tensor) -> _Saved:
-        return self.handle
-
-
-def replace_saved_input(out: torch.Tensor, target: torch.Tensor, *, node_name: str, index: int = 0,
-                        fmt: QuantFormat | None = None, stash: RecomputeStash | None = None, key: Key = (None, ""),
-                        counter: SavedBytesCounter | None = None, check_identity: bool = True) -> None:
-    """After the autograd op that made ``out`` ran: its saved tensor number ``index``, which must be
-    ``target``, is stored as a quantized copy (``fmt``) or a recompute handle (``stash``) from now on.
-
-    The same storage as :class:`quantized_saves` around the op, through the saved tensor's own hooks
-    (``SavedTensor.register_hooks``: the pack hook runs at once and the full tensor is let go): no hook
-    scope to enter and leave, and the op's other saved tensors (the weight) never pass through Python
-    (docs/benchmarks/log.md, "Host cost"). Raises RuntimeError when ``out`` was not made by ``node_name`` or
-    that node's saved tensor ``index`` is not ``target`` (the wrapped op changed; ``check_identity=False``
-    skips the identity half, which unpacks every saved tensor of the node: for callers that checked it
-    on their first call, as agoq's linears do, since which tensor a given op saves where is fixed by its
-    code). Inside an active
-    ``saved_tensors_hooks`` scope the saved tensor has hooks already: use :class:`quantized_saves` there
-    (:func:`default_saved_hooks_active`)."""
-    if (fmt is None) == (stash is None):
-        raise ValueError("replace_saved_input needs exactly one of fmt= or stash=")
-    if stash is not None:
-        _check_stash_feeds(stash, target)
-    node = out.grad_fn
-    # _raw_saved_tensors: the SavedTensor objects of a Python autograd.Function's node, documented with their
-    # register_hooks in torch's autograd notes ("Hooks for saved tensors") but underscored; no public way
-    # reaches one saved tensor of a node already built (the public scope, quantized_saves, is the default path)
-    raw = node._raw_saved_tensors if node is not None and node.name() == node_name else ()
-    if len(raw) <= index:
-        saved = None
-    elif check_identity:
-        saved = node.saved_tensors[index]
-    else:
-        saved = target
-    if saved is None or not (saved is target or (saved.data_ptr() == target.data_ptr()
-                                                 and saved.shape == target.shape and saved.dtype == target.dtype)):
-        raise RuntimeError(
-            f"agoq: expected {node_name} to have saved its input as saved tensor {index} (layer/role {key}), got "
-            f"node {node.name() if node is not None else None} with {len(raw)} saved tensors; the wrapped "
-            "op changed (a megatron-core change): use a bf16 policy for this role or report it")
-    raw[index].register_hooks(_PackQuantized(fmt, key, counter) if stash is None else _PackRecompute(stash),
-                              _unpack_saved)

@@ -1,12 +1,9 @@
 """RMSNorm that stores only its quantized input for backward (AGoQ: the norm is recomputed, ../shared/spec/algorithms.md
 §3.2) and hands the next linear a :class:`~agoq.ops.saved_act.RecomputeStash`, so that linear stores nothing.
 
-Two implementations with the same stored bytes and the same gradient bits (tests/gpu/test_saved_act_gpu.py):
-agoq's autograd function :class:`_RMSNormSavingInput` (public mechanisms only: ``ctx.save_for_backward`` and a
-stash on ``ctx``; the default, and the only one off CUDA), and, opt-in on CUDA (``via_aten_node=True``),
-``F.rms_norm``'s own ATen node (``FusedRmsNormBackward0``) with hooks on its two saved activations (no Python
-autograd function per norm, docs/benchmarks/log.md "Host cost"; it reaches the node's private ``_raw_saved_input`` /
-``_raw_saved_rstd``, for which torch has no public equivalent).
+One implementation, agoq's autograd function :class:`_RMSNormSavingInput` (public mechanisms only:
+``ctx.save_for_backward`` and a stash on ``ctx``). A variant hooking ``F.rms_norm``'s own ATen node through its private
+``_raw_saved_*`` attributes measured within noise of it in whole steps and was deleted.
 
 Shape legend: T = tokens (any leading dims), H = hidden.
 """
@@ -23,9 +20,6 @@ from agoq.ops.saved_act import (
     Key,
     RecomputeStash,
     SavedBytesCounter,
-    _Saved,
-    _unpack_saved,
-    default_saved_hooks_active,
     eager_under_compile,
     quantize_saved,
 )
@@ -108,24 +102,17 @@ def rmsnorm_recompute(x_hat_TH: torch.Tensor, weight_H: torch.Tensor, eps: float
 
 
 def rmsnorm_saving_input(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float, fmt: QuantFormat, key: Key,
-                         counter: SavedBytesCounter | None = None, check_identity: bool = True, *,
-                         via_aten_node: bool = False) -> tuple[torch.Tensor, RecomputeStash | None]:
+                         counter: SavedBytesCounter | None = None) -> tuple[torch.Tensor, RecomputeStash | None]:
     """RMSNorm with the same forward values as ``torch.nn.RMSNorm``; keeps ``fmt``-quantized x only.
 
     Returns (y, stash); stash is None when nothing needs saving (no grad). Pass the stash to the
     next linear's :func:`quantized_saves` so it stores nothing either (its input is recomputed from
-    the same quantized x). ``check_identity=False`` skips checking that the CUDA norm node saved ``x_TH``
-    itself (its node type is checked on every call): for callers that checked on their first call.
-    ``via_aten_node=True`` hooks ATen's fused node on CUDA instead of agoq's function (``_hook_fused_norm_node``).
+    the same quantized x).
     """
     if not (torch.is_grad_enabled() and (x_TH.requires_grad or weight_H.requires_grad)):
         return F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps), None  # nothing is saved
     if torch.compiler.is_compiling():
-        return _rmsnorm_saving_input_eager(x_TH, weight_H, eps, fmt, key, counter, check_identity,
-                                           via_aten_node=via_aten_node)
-    if via_aten_node and x_TH.is_cuda and not default_saved_hooks_active():
-        y_TH = F.rms_norm(x_TH, (x_TH.shape[-1],), weight_H, eps)
-        return y_TH, _hook_fused_norm_node(y_TH, x_TH, weight_H, eps, fmt, key, counter, check_identity)
+        return _rmsnorm_saving_input_eager(x_TH, weight_H, eps, fmt, key, counter)
     out: list = []
     y_TH = _RMSNormSavingInput.apply(x_TH, weight_H, eps, fmt, key, counter, out)
     return y_TH, out[0]
@@ -133,85 +120,3 @@ def rmsnorm_saving_input(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float,
 
 _rmsnorm_saving_input_eager = eager_under_compile(
     rmsnorm_saving_input, "RMSNorm saving its quantized input (byte counter, recompute stash for the next linear)")
-
-
-# CUDA: F.rms_norm's own autograd node (ATen's fused RMSNorm, C++ backward) with hooks on the two saved
-# activations, instead of the Python autograd function above: the same stored bytes and the same gradient
-# bits (ATen's backward at x_hat with rstd(x_hat), as the function computes), without a Python
-# Function's forward / backward per norm (docs/benchmarks/log.md, "Host cost"). Opt-in: rmsnorm_saving_input's
-# ``via_aten_node=True`` (the layers' ``SavePaths.norm_via_aten_node``); the default is the function.
-_FUSED_NORM_NODE = "FusedRmsNormBackward0"
-_NORM_RSTD_ATTRS = ("_raw_saved_rstd", "_raw_saved_result1")  # the name of its second output, by torch version
-
-
-def _hook_fused_norm_node(y_TH, x_TH, weight_H, eps, fmt, key, counter, check_identity=True) -> RecomputeStash:
-    """Make the node that computed ``y_TH`` store quantized x (for itself and the next linear) and take
-    rstd from the linear's recompute in backward (or recompute it), not the forward's rstd(x)."""
-    node = y_TH.grad_fn
-    raw_x = getattr(node, "_raw_saved_input", None)
-    raw_rstd = getattr(node, _NORM_RSTD_ATTRS[0], None) or getattr(node, _NORM_RSTD_ATTRS[1], None)
-    if node is None or node.name() != _FUSED_NORM_NODE or raw_x is None or raw_rstd is None \
-            or (check_identity and node._saved_input.data_ptr() != x_TH.data_ptr()):
-        raise RuntimeError(
-            f"agoq: F.rms_norm on CUDA made a {node.name() if node is not None else None} node, "
-            "not ATen's fused RMSNorm "
-            f"({_FUSED_NORM_NODE} saving input and rstd) that agoq hooks (torch {torch.__version__}); pass "
-            "via_aten_node=False to rmsnorm_saving_input (agoq's layers: "
-            "agoq_layer_spec(..., save_paths=SavePaths(norm_via_aten_node=False))) to use agoq's autograd "
-            "function, and report it")
-    stash = RecomputeStash(None, _norm_recompute(weight_H, eps))
-    stash.output_ptr = y_TH.data_ptr()
-    raw_x.register_hooks(_PackNormInput(stash, fmt, key, counter), _unpack_saved)  # packs (quantizes) now
-    raw_rstd.register_hooks(_PackNormRstd(stash, weight_H, eps), _unpack_saved)
-    return stash
-
-
-class _PackNormInput:
-    __slots__ = ("stash", "fmt", "key", "counter")
-
-    def __init__(self, stash, fmt, key, counter):
-        self.stash, self.fmt, self.key, self.counter = stash, fmt, key, counter
-
-    def __call__(self, x_TH: torch.Tensor) -> _Saved:
-        self.stash.q = quantize_saved(x_TH, self.fmt, self.key, self.counter)
-        return _NormInputSave(self.stash)
-
-
-class _NormInputSave(_Saved):
-    """x for the norm's backward: the stash's x_hat (dequantized once, shared with the linear's
-    recompute; freed with the node's saved tensors after its backward)."""
-
-    __slots__ = ("stash",)
-
-    def __init__(self, stash: RecomputeStash):
-        self.stash = stash
-
-    def materialize(self) -> torch.Tensor:
-        return self.stash.dequantized()
-
-
-class _PackNormRstd:
-    __slots__ = ("stash", "weight", "eps")
-
-    def __init__(self, stash, weight, eps):
-        self.stash, self.weight, self.eps = stash, weight, eps
-
-    def __call__(self, rstd: torch.Tensor) -> _Saved:  # the forward's rstd(x) is let go (T floats)
-        return _NormRstdSave(self)
-
-
-class _NormRstdSave(_Saved):
-    """rstd for the norm's backward: rstd(x_hat) from the linear's recompute, else recomputed."""
-
-    __slots__ = ("pack",)
-
-    def __init__(self, pack: _PackNormRstd):
-        self.pack = pack
-
-    def materialize(self) -> torch.Tensor:
-        stash = self.pack.stash
-        rstd_T1 = stash.aux.pop("rstd", None)
-        if rstd_T1 is None:
-            x_hat = stash.dequantized()
-            _, rstd_T1 = _fused_rms_norm(x_hat, [x_hat.shape[-1]], self.pack.weight, self.pack.eps)
-        return rstd_T1

@@ -21,7 +21,7 @@ agoq.ops.fp8_linear FP8 linear, in fewer passes:
   scale_inv_z`` [T, 1] (written by the cast kernel) and ``scale_b`` = the weight's inverse scale as [1, N]
   (kept with the weight cache entry). s is a power of two, so this is the unfused ``fc2(z) * s`` up to
   the GEMM's fp32 epilogue rounding order (docs/numerics.md, "Smooth-SwiGLU"). The row-wise GEMM returns bf16
-  only, so fp16 models (and ``set_unsmooth_mode("epilogue")``) use the tensor-wise GEMM and ``y *= s``.
+  only, so fp16 models (and ``unsmooth="epilogue"``) use the tensor-wise GEMM and ``y *= s``.
 * per channel, s goes into fc2's FP8 weight: one cast of W * s (both layouts, the multiply inside the
   cast kernel) per (weight version, scale tensor), through an FP8WeightCache keyed on both, shared by the
   micro-batch's forward and backward and released after that backward. No W * s bf16 temporaries.
@@ -58,53 +58,17 @@ from agoq.ops.fp8_weight_cache import FP8WeightCache
 from agoq.ops.saved_act import Key, SavedBytesCounter, _dequantize, quantize_saved
 
 __all__ = ["smooth_swiglu_fp8_fc2", "swiglu_fp8_fc2", "fused_smooth_supported", "SmoothSwiGLUFP8Fc2", "SMOOTHING",
-           "UNSMOOTH_MODES", "set_unsmooth_mode", "unsmooth_mode", "set_plain_swiglu_fusion", "plain_swiglu_fusion"]
+           "UNSMOOTH_MODES"]
 
 # The op's modes: Smooth-SwiGLU per token / per channel, or plain SwiGLU (s = 1) for a plain FP8 fc2.
 SMOOTHING = ("per_token", "per_channel", "none")
 
-# Where the per-token un-smoothing y = (z @ W.T) * s happens: "gemm" (the default): fc2's forward GEMM is the
-# row-wise torch._scaled_mm with scale_a = s * scale_inv (CUTLASS on sm_90, no extra pass); "epilogue": the
-# tensor-wise GEMM (cuBLAS, as plain FP8) then y *= s in place (one pass over fc2's output). Both exact for a
-# power-of-two s up to the GEMM's rounding order (fp16 models always take "epilogue": the row-wise GEMM returns
-# bf16 only). A process-wide switch for benchmarks' A/B (the trainer's
-# AGOQ_SMOOTH_UNSMOOTH, agoq.megatron.train.environment), as agoq.kernels._fastlaunch.set_fast_launch.
+# Where the per-token un-smoothing y = (z @ W.T) * s happens (``smooth_swiglu_fp8_fc2(..., unsmooth=)``): "gemm" (the
+# default, what agoq's MLP runs): fc2's forward GEMM is the row-wise torch._scaled_mm with scale_a = s * scale_inv
+# (CUTLASS on sm_90, no extra pass); "epilogue": the tensor-wise GEMM (cuBLAS, as plain FP8) then y *= s in place (one
+# pass over fc2's output; benchmarks/bench_fp8.py's A/B). Both exact for a power-of-two s up to the GEMM's rounding
+# order; fp16 models always take "epilogue" (the row-wise GEMM returns bf16 only).
 UNSMOOTH_MODES = ("gemm", "epilogue")
-_unsmooth = "gemm"
-
-
-def set_unsmooth_mode(mode: str) -> str:
-    """Set where the per-token un-smoothing runs (:data:`UNSMOOTH_MODES`); returns the previous mode."""
-    global _unsmooth
-    if mode not in UNSMOOTH_MODES:
-        raise ValueError(f"un-smoothing mode {mode!r}: use one of {UNSMOOTH_MODES}")
-    previous, _unsmooth = _unsmooth, mode
-    return previous
-
-
-def unsmooth_mode() -> str:
-    return _unsmooth
-
-
-# Whether agoq's Megatron MLP runs plain SwiGLU + its FP8 fc2 (per-tensor delayed scaling) as this op
-# (agoq.megatron.mlp.AgoqMLP); False: Megatron's SwiGLU then the FP8 linear (same values; benchmarks' A/B).
-# A process-wide switch like the un-smoothing mode above (the trainer's AGOQ_FP8_SWIGLU_FUSION=0,
-# agoq.megatron.train.environment); the op itself never reads it.
-_plain_fusion = True
-
-
-def set_plain_swiglu_fusion(enabled: bool) -> bool:
-    """Fuse plain SwiGLU with a plain FP8 fc2 in agoq's MLP (True, the default) or not; returns the previous
-    setting."""
-    global _plain_fusion
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_plain_swiglu_fusion takes a bool, got {enabled!r}")
-    previous, _plain_fusion = _plain_fusion, enabled
-    return previous
-
-
-def plain_swiglu_fusion() -> bool:
-    return _plain_fusion
 
 
 def fused_smooth_supported(recipe: FP8Recipe | None, h: torch.Tensor) -> bool:
@@ -197,10 +161,11 @@ def _make_entry(weight, recipe, state, base, per_token: bool, s: torch.Tensor | 
 
 class SmoothSwiGLUFP8Fc2(torch.autograd.Function):
     """The op of :func:`smooth_swiglu_fp8_fc2` and :func:`swiglu_fp8_fc2` (module docstring); ``apply(h, weight,
-    state, recipe, mode, tp_group, store, weight_cache, grad_enabled)``, ``mode`` one of :data:`SMOOTHING`."""
+    state, recipe, mode, tp_group, store, weight_cache, grad_enabled, unsmooth)``, ``mode`` one of :data:`SMOOTHING`,
+    ``unsmooth`` one of :data:`UNSMOOTH_MODES`."""
 
     @staticmethod
-    def forward(ctx, h, weight, state, recipe, mode, tp_group, store, weight_cache, grad_enabled):
+    def forward(ctx, h, weight, state, recipe, mode, tp_group, store, weight_cache, grad_enabled, unsmooth="gemm"):
         h = h if h.is_contiguous() else h.contiguous()
         impl, base = _impl(h.device.type), fp8_cast_ops(h.device)
         per_token = mode == "per_token"
@@ -217,7 +182,7 @@ class SmoothSwiGLUFP8Fc2(torch.autograd.Function):
         out_shape = (*h.shape[:-1], weight.shape[0])
         # y = (z @ W.T) * s through the row-wise scale_a = s * scale_inv_z; it returns bf16 only, so an fp16 model
         # un-smooths after the tensor-wise GEMM (fp16 out, as the unfused path)
-        if per_token and _unsmooth == "gemm" and h.dtype == torch.bfloat16:
+        if per_token and unsmooth == "gemm" and h.dtype == torch.bfloat16:
             y = _gemm(z8, entry.w.fwd_b, smooth.scale_a, entry.row_scale_b, torch.bfloat16,
                       recipe.fast_accum_forward, out_shape)
         else:  # the tensor-wise GEMM (per token then y *= s: a power of two, exact in the model dtype)
@@ -264,7 +229,7 @@ class SmoothSwiGLUFP8Fc2(torch.autograd.Function):
             dw = _wgrad(g8_t, z_cm, sg_inv, sx_inv, s if mode == "per_channel" else None, weight)
         if mode == "per_channel":
             ctx.cache.release(entry)  # this micro-batch's W * s: no later use
-        return dh, dw, None, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None, None
 
 
 def _stored_swiglu(q, kind: str, impl):
@@ -299,14 +264,16 @@ def _wgrad(g8_t, z_cm, sg_inv, sx_inv, col_scale, weight):
 
 def smooth_swiglu_fp8_fc2(h: torch.Tensor, weight: torch.Tensor, state: FP8ScalingState, recipe: FP8Recipe, *,
                           per_token: bool, weight_cache: FP8WeightCache, tp_group: dist.ProcessGroup | None = None,
-                          store: tuple[QuantFormat, Key, SavedBytesCounter | None] | None = None) -> torch.Tensor:
+                          store: tuple[QuantFormat, Key, SavedBytesCounter | None] | None = None,
+                          unsmooth: str = "gemm") -> torch.Tensor:
     """fc2's output (before its TP all-reduce) of Smooth-SwiGLU on the fc1 output ``h`` [T.., 2F] (module
     docstring). ``state``: fc2's delayed-scaling state (slots x = z, w, g); ``weight_cache``: an
     FP8WeightCache for this op only (its entries carry the row-wise scale / the folded per-channel s);
     ``tp_group``: the per-token amax is all-reduced over it; ``store``: keep only h quantized to
-    ``fmt`` (activation storage) instead of h itself."""
+    ``fmt`` (activation storage) instead of h itself; ``unsmooth``: where the per-token un-smoothing runs
+    (:data:`UNSMOOTH_MODES`; agoq's MLP runs the default)."""
     mode = "per_token" if per_token else "per_channel"
-    return _apply(h, weight, state, recipe, mode, weight_cache, tp_group, store)
+    return _apply(h, weight, state, recipe, mode, weight_cache, tp_group, store, unsmooth)
 
 
 def swiglu_fp8_fc2(h: torch.Tensor, weight: torch.Tensor, state: FP8ScalingState, recipe: FP8Recipe, *,
@@ -319,7 +286,9 @@ def swiglu_fp8_fc2(h: torch.Tensor, weight: torch.Tensor, state: FP8ScalingState
     return _apply(h, weight, state, recipe, "none", weight_cache, None, store)
 
 
-def _apply(h, weight, state, recipe, mode, weight_cache, tp_group, store) -> torch.Tensor:
+def _apply(h, weight, state, recipe, mode, weight_cache, tp_group, store, unsmooth: str = "gemm") -> torch.Tensor:
+    if unsmooth not in UNSMOOTH_MODES:
+        raise ValueError(f"un-smoothing mode {unsmooth!r}: use one of {UNSMOOTH_MODES}")
     if not fused_smooth_supported(recipe, h):
         unfused = "agoq.ops.smooth_swiglu" if mode != "none" else "Megatron's SwiGLU"
         raise ValueError(f"the fused SwiGLU + FP8 fc2 op ({mode}) needs per-tensor delayed scaling and a bf16/fp16 "
@@ -332,4 +301,5 @@ def _apply(h, weight, state, recipe, mode, weight_cache, tp_group, store) -> tor
     if SLOT_VARIANTS["x"] != "e4m3":
         raise AssertionError("fc2's input slot must be E4M3 (the row-wise GEMM's operand b)")
     grad_enabled = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return SmoothSwiGLUFP8Fc2.apply(h, weight, state, recipe, mode, tp_group, store, weight_cache, grad_enabled)
+    return SmoothSwiGLUFP8Fc2.apply(h, weight, state, recipe, mode, tp_group, store, weight_cache, grad_enabled,
+                                    unsmooth)

@@ -147,26 +147,26 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("megatron.core", reason="needs megatron-core (the carried wheel on the GPU machine)")
-    from agoq.megatron.ddp import GradConfig
+    from agoq.config import GradsConfig
     from agoq.testing.dist import spawn_ranks
 
     fmt = "int8_b256"
     variants = [
         ("fp32", None, False, False, "torch"),
-        ("store_torch", GradConfig(fmt=fmt), False, False, "torch"),
-        ("store_torch_overlap", GradConfig(fmt=fmt), False, True, "torch"),
-        ("reduce_torch", GradConfig(fmt=fmt, mode="reduce"), False, False, "torch"),
-        ("store_distopt_overlap", GradConfig(fmt=fmt), True, True, "torch"),
-        ("reduce_agoq", GradConfig(fmt=fmt, mode="reduce"), False, False, "agoq"),
-        ("store_agoq", GradConfig(fmt=fmt), False, False, "agoq"),
-        ("store_agoq_overlap_ef", GradConfig(fmt=fmt, error_feedback=True), False, True, "agoq"),
+        ("store_torch", GradsConfig(format=fmt, transport="nccl"), False, False, "torch"),
+        ("store_torch_overlap", GradsConfig(format=fmt, transport="nccl"), False, True, "torch"),
+        ("reduce_torch", GradsConfig(format=fmt, mode="reduce", transport="nccl"), False, False, "torch"),
+        ("store_distopt_overlap", GradsConfig(format=fmt, transport="nccl"), True, True, "torch"),
+        ("reduce_agoq", GradsConfig(format=fmt, mode="reduce", transport="nccl"), False, False, "agoq"),
+        ("store_agoq", GradsConfig(format=fmt, transport="nccl"), False, False, "agoq"),
+        ("store_agoq_overlap_ef", GradsConfig(format=fmt, error_feedback=True, transport="nccl"), False, True, "agoq"),
         # the NVLink peer transport (agoq.comm.symm_store / symm): same store-mode arithmetic as the NCCL
         # transport, so the same losses bit for bit; reduce mode's one-shot peer all-reduce sums in fp32
         # without the second quantization (different, within the band)
-        ("store_torch_overlap_peer", GradConfig(fmt=fmt, transport="peer"), False, True, "torch"),
-        ("store_distopt_overlap_peer", GradConfig(fmt=fmt, transport="peer"), True, True, "torch"),
-        ("store_agoq_peer", GradConfig(fmt=fmt, transport="peer"), False, False, "agoq"),
-        ("reduce_torch_peer", GradConfig(fmt=fmt, mode="reduce", transport="peer"), False, False, "torch"),
+        ("store_torch_overlap_peer", GradsConfig(format=fmt, transport="peer"), False, True, "torch"),
+        ("store_distopt_overlap_peer", GradsConfig(format=fmt, transport="peer"), True, True, "torch"),
+        ("store_agoq_peer", GradsConfig(format=fmt, transport="peer"), False, False, "agoq"),
+        ("reduce_torch_peer", GradsConfig(format=fmt, mode="reduce", transport="peer"), False, False, "torch"),
     ]
     return spawn_ranks(2, _train, backend="nccl", args=(variants,))
 

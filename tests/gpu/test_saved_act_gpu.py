@@ -155,28 +155,6 @@ def test_launch_sites_equal_tritons_launch(name):
     assert site.launch.direct_calls >= 2
 
 
-@pytest.mark.parametrize("recompute_first", [False, True], ids=["norm-only", "linear-recomputes-first"])
-def test_rmsnorm_on_atens_node_equals_the_autograd_function(recompute_first):
-    """via_aten_node: F.rms_norm's own node with hooks on its saved input / rstd stores the same bytes
-    and gives the same gradient bits as agoq's autograd function (the A/B switch), and keeps no full x."""
-    from agoq.ops.saved_act import SavedBytesCounter
-
-    x, w, g = _inputs((2, 129, 2048), seed=3)
-    results = []
-    for via_node in (True, False):
-        counter = SavedBytesCounter()
-        y, stash = rmsnorm_saving_input(x, w, 1e-5, FMT, (0, "norm_in"), counter, via_aten_node=via_node)
-        assert (type(y.grad_fn).__name__ == "FusedRmsNormBackward0") == via_node
-        y_re = stash.recomputed_output() if recompute_first else None
-        grads = torch.autograd.grad(y, (x, w), g)
-        results.append((dict(counter.packed), y_re, grads))
-    (packed_a, y_a, grads_a), (packed_b, y_b, grads_b) = results
-    assert packed_a == packed_b == {(0, "norm_in"): FMT.storage_bytes(x.numel())}
-    if recompute_first:
-        assert torch.equal(y_a, y_b)
-    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
-
-
 def test_launch_site_caches_stay_within_their_bound(monkeypatch):
     """Every size brings a new launch site; the per-size caches keep at most _launch.MAX_LAUNCH_SITES
     (lowered to 4 here) and the newest site still launches directly."""

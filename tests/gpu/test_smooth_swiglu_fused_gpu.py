@@ -174,12 +174,13 @@ def gpu_world(cuda):
 
 def _model(device, smooth, fused, reference=None, policy="bf16"):
     """The 2-layer model in FP8 (delayed) with Smooth-SwiGLU ``smooth`` ("off": plain), its fused op on or off
-    (SavePaths.fuse_smooth_fp8; plain FP8 follows agoq.ops.smooth_swiglu_fp8's process-wide switch instead)."""
+    (SavePaths.fuse_smooth_fp8, and SavePaths.fuse_swiglu_fp8 for plain FP8)."""
     from agoq.ops.saved_act import SavePaths
     from agoq.policy import FP8Spec
 
     compute = FP8Spec(recipe="delayed", smooth_swiglu=smooth, bf16_first_layers=0, bf16_last_layers=0)
-    model, _ = gpu_model(device, MODEL_KW, policy=policy, compute=compute, save_paths=SavePaths(fuse_smooth_fp8=fused),
+    paths = SavePaths(fuse_smooth_fp8=fused, fuse_swiglu_fp8=fused)
+    model, _ = gpu_model(device, MODEL_KW, policy=policy, compute=compute, save_paths=paths,
                          reference=reference)
     return model
 
@@ -296,16 +297,10 @@ def test_plain_fused_op_holds_only_z_codes(cuda):
 
 @pytest.mark.parametrize("policy", ["bf16", "agoq"])
 def test_plain_fused_vs_megatrons_mlp_in_the_model(gpu_world, policy):
-    from agoq.ops.smooth_swiglu_fp8 import set_plain_swiglu_fusion
-
-    unfused = _model(gpu_world, "off", fused=True, policy=policy)
+    unfused = _model(gpu_world, "off", fused=False, policy=policy)
     fused = _model(gpu_world, "off", fused=True, reference=unfused, policy=policy)
     for step in range(3):
-        previous = set_plain_swiglu_fusion(False)
-        try:
-            loss_u, grads_u = _model_step(unfused, gpu_world, step)
-        finally:
-            set_plain_swiglu_fusion(previous)
+        loss_u, grads_u = _model_step(unfused, gpu_world, step)
         loss_f, grads_f = _model_step(fused, gpu_world, step)
         assert abs(loss_f - loss_u) <= 1e-3 * abs(loss_u), (step, loss_f, loss_u)
         worst = min(grads_u, key=lambda n: _sqnr_db(grads_u[n], grads_f[n]))

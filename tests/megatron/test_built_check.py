@@ -25,6 +25,7 @@ def _build(args, *, attention: str, policy, grads: str | None, agoq_optimizer: b
     """(model chunks, optimizer) of the tiny model: ``policy`` None builds Megatron's local spec (no agoq layers)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
+    from agoq.config import GradsConfig
     from agoq.megatron.ddp import wrap_ddp_agoq
     from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
     from agoq.megatron.optimizer import build_agoq_optimizer
@@ -36,7 +37,7 @@ def _build(args, *, attention: str, policy, grads: str | None, agoq_optimizer: b
     spec = agoq_layer_spec(attention, policy=None if policy is None else load_policy(policy),
                            schedule=ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1))
     model = wrap_ddp_agoq(build_model_chunks(shape, config, spec, None), config, ddp_config(args, torch.float32),
-                          device, grads)
+                          device, None if grads is None else GradsConfig(format=grads, transport="nccl"))
     opt_config = megatron_optimizer_config(args, torch.float32)
     optimizer = build_agoq_optimizer(args.agoq_config, opt_config, model) if agoq_optimizer else \
         get_megatron_optimizer(opt_config, model)

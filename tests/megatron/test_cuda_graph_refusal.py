@@ -28,8 +28,9 @@ def _rank(rank: int, world: int) -> dict:
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    from agoq.config import GradsConfig
     from agoq.megatron import runtime
-    from agoq.megatron.ddp import GradConfig, wrap_ddp_agoq
+    from agoq.megatron.ddp import wrap_ddp_agoq
     from agoq.megatron.graphs import allow_unvalidated
     from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
     from agoq.megatron.train.args import DEFAULT_POLICY
@@ -66,11 +67,11 @@ def _rank(rank: int, world: int) -> dict:
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, check_for_nan_in_grad=False)
     for mode in ("store", "reduce"):
         chunks = build_model_chunks(shape, plain, agoq_layer_spec("sdpa"), None)
-        grad = GradConfig(fmt="int8_b256", mode=mode)
+        grad = GradsConfig(format="int8_b256", mode=mode, transport="nccl")
         out[f"grads_{mode}"] = _try(lambda c=chunks, g=grad: wrap_ddp_agoq(c, graphed, ddp_cfg, torch.device("cpu"), g))
     with allow_unvalidated():  # (reduce mode, allowed, goes on into Megatron's DDP, which needs CUDA with graphs on)
         out["grads_store_allowed"] = _try(lambda: wrap_ddp_agoq(chunks, graphed, ddp_cfg, torch.device("cpu"),
-                                                                GradConfig(fmt="int8_b256")))
+                                                                GradsConfig(format="int8_b256", transport="nccl")))
     return out
 
 

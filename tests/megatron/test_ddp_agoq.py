@@ -25,9 +25,9 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 
-from agoq.config import AgoqConfig  # noqa: E402
+from agoq.config import AgoqConfig, GradsConfig  # noqa: E402
 from agoq.megatron import grad_reader, runtime  # noqa: E402
-from agoq.megatron.ddp import GradConfig, grad_memory_report, wrap_ddp_agoq  # noqa: E402
+from agoq.megatron.ddp import grad_memory_report, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.model import (  # noqa: E402
     ParallelLayout,
     agoq_layer_spec,
@@ -48,6 +48,8 @@ SHAPE = tiny_shape()
 class _NoScheduler:
     def step(self, increment):
         return None
+
+NCCL_INT8 = GradsConfig(format="int8_b256", transport="nccl")  # store mode over agoq.comm.reduce
 
 
 def _batches(dp_rank: int):
@@ -131,9 +133,9 @@ def _last_stage_results(per_rank: list[dict]) -> dict:
 def test_dp2_allreduce_store_and_reduce_modes_track_fp32():
     variants = [
         ("fp32", False, False, None),
-        ("store", False, False, GradConfig(fmt="int8_b256")),
-        ("store_overlap", False, True, GradConfig(fmt="int8_b256")),
-        ("reduce", False, False, GradConfig(fmt="int8_b256", mode="reduce")),
+        ("store", False, False, GradsConfig(format="int8_b256", transport="nccl")),
+        ("store_overlap", False, True, GradsConfig(format="int8_b256", transport="nccl")),
+        ("reduce", False, False, GradsConfig(format="int8_b256", mode="reduce", transport="nccl")),
     ]
     per_rank = spawn_ranks(2, _train, args=(1, variants))
     results = per_rank[0]
@@ -152,15 +154,15 @@ def test_dp2_allreduce_store_and_reduce_modes_track_fp32():
 def test_dp2_distributed_optimizer_tracks_fp32():
     variants = [
         ("fp32", True, False, None),
-        ("store", True, False, GradConfig(fmt="int8_b256")),
-        ("store_ef_overlap", True, True, GradConfig(fmt="int8_b256", error_feedback=True)),
+        ("store", True, False, GradsConfig(format="int8_b256", transport="nccl")),
+        ("store_ef_overlap", True, True, GradsConfig(format="int8_b256", error_feedback=True, transport="nccl")),
     ]
     results = spawn_ranks(2, _train, args=(1, variants))[0]
     _check_band(results, "fp32", ["store", "store_ef_overlap"])
 
 
 def test_pp2_dp2_tracks_fp32():
-    variants = [("fp32", False, False, None), ("store", True, False, GradConfig(fmt="int8_b256"))]
+    variants = [("fp32", False, False, None), ("store", True, False, GradsConfig(format="int8_b256", transport="nccl"))]
     per_rank = spawn_ranks(4, _train, args=(2, variants))
     _check_band(_last_stage_results(per_rank), "fp32", ["store"])
 
@@ -175,7 +177,7 @@ def _nan_rank(rank: int, world_size: int, nan_ranks: tuple, check: bool) -> str:
         config = llama_transformer_config(SHAPE, layout, params_dtype=torch.float32, use_cpu_initialization=True)
         chunks = build_model_chunks(SHAPE, config, agoq_layer_spec("sdpa"), None)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, check_for_nan_in_grad=check)
-        (model,) = wrap_ddp_agoq(chunks, config, ddp_cfg, torch.device("cpu"), "int8_b256")
+        (model,) = wrap_ddp_agoq(chunks, config, ddp_cfg, torch.device("cpu"), NCCL_INT8)
         model.zero_grad_buffer()
         batch = next(_batches(rank))
         loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).float().mean()
@@ -217,7 +219,7 @@ def _skip_rank(rank: int, world_size: int, optimizer_kind: str) -> dict:
         config = llama_transformer_config(SHAPE, layout, params_dtype=torch.float32, use_cpu_initialization=True)
         chunks = build_model_chunks(SHAPE, config, agoq_layer_spec("sdpa"), None)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
-        model = wrap_ddp_agoq(chunks, config, ddp_cfg, torch.device("cpu"), "int8_b256")
+        model = wrap_ddp_agoq(chunks, config, ddp_cfg, torch.device("cpu"), NCCL_INT8)
         training.configure_grad_hooks(model, config)
         if optimizer_kind == "agoq":
             p = argparse.ArgumentParser()

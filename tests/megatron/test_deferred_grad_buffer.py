@@ -27,9 +27,9 @@ pytestmark = [pytest.mark.megatron, pytest.mark.dist]
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
 
-from agoq.config import AgoqConfig  # noqa: E402
+from agoq.config import AgoqConfig, GradsConfig  # noqa: E402
 from agoq.megatron import runtime  # noqa: E402
-from agoq.megatron.ddp import GradConfig, grad_memory_report, wrap_ddp_agoq  # noqa: E402
+from agoq.megatron.ddp import grad_memory_report, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.deferred_grad_buffer import GradBufferOnMeta, check_deferred  # noqa: E402
 from agoq.megatron.model import (  # noqa: E402
     ParallelLayout,
@@ -112,8 +112,8 @@ def _rank(rank: int, world_size: int) -> dict:
         res = {}
         for name, distopt, dtype, grad in [
             ("megatron_distopt_bf16", True, torch.bfloat16, None),
-            ("store_distopt_bf16", True, torch.bfloat16, GradConfig(fmt="int8_b256")),
-            ("store_fp32", False, torch.float32, GradConfig(fmt="int8_b256")),
+            ("store_distopt_bf16", True, torch.bfloat16, GradsConfig(format="int8_b256", transport="nccl")),
+            ("store_fp32", False, torch.float32, GradsConfig(format="int8_b256", transport="nccl")),
         ]:
             model, res[name] = _build(distopt, dtype, grad)
             if name == "store_fp32":

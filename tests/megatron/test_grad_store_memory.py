@@ -32,9 +32,9 @@ from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E40
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 
 from agoq.cli.optim_args import add_optim_flags  # noqa: E402
-from agoq.config import AgoqConfig  # noqa: E402
+from agoq.config import AgoqConfig, GradsConfig  # noqa: E402
 from agoq.megatron import runtime  # noqa: E402
-from agoq.megatron.ddp import GradConfig, grad_memory_report, wrap_ddp_agoq  # noqa: E402
+from agoq.megatron.ddp import grad_memory_report, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.model import (  # noqa: E402
     LlamaShape,
     ParallelLayout,
@@ -81,7 +81,7 @@ def _batch(rank: int, step: int, mb: int):
     return seq[:, :-1], pos[:-1].expand(MICRO_BATCH, -1), seq[:, 1:]
 
 
-def _run_variant(rank: int, grad: GradConfig, optimizer_kind: str) -> dict:
+def _run_variant(rank: int, grad: GradsConfig, optimizer_kind: str, chunk_bytes: int | None = None) -> dict:
     from agoq.megatron.train.pretrain import build_optimizer
 
     runtime.init_model_parallel(ParallelLayout(tp=1, pp=1), seed=1234, device=torch.device("cpu"))
@@ -91,7 +91,7 @@ def _run_variant(rank: int, grad: GradConfig, optimizer_kind: str) -> dict:
     # the NaN check's norm (one segment at a time) is covered by test_ddp_agoq; off here to keep its
     # transient out of the reduction's numbers
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, check_for_nan_in_grad=False)
-    (model,) = wrap_ddp_agoq(chunks, config, ddp_cfg, torch.device("cpu"), grad)
+    (model,) = wrap_ddp_agoq(chunks, config, ddp_cfg, torch.device("cpu"), grad, chunk_bytes=chunk_bytes)
     if optimizer_kind == "torch":
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0, bf16=False,
                                                      params_dtype=torch.float32), [model])
@@ -129,13 +129,14 @@ def _rank(rank: int, world_size: int) -> dict:
 
     handle = install(AgoqConfig(device="cpu"))
     try:
-        fmt, chunked = "int8_b256", GradConfig(fmt="int8_b256", chunk_bytes=SMALL_CHUNK)
+        fmt = "int8_b256"
+        store = GradsConfig(format=fmt, transport="nccl")
         return {
-            "reduce": _run_variant(rank, GradConfig(fmt=fmt, mode="reduce"), "agoq"),
-            "store": _run_variant(rank, GradConfig(fmt=fmt), "agoq"),
-            "store_chunked": _run_variant(rank, chunked, "agoq"),
-            "store_materialized": _run_variant(rank, chunked, "agoq_materialized"),
-            "store_torch": _run_variant(rank, chunked, "torch"),
+            "reduce": _run_variant(rank, GradsConfig(format=fmt, mode="reduce", transport="nccl"), "agoq"),
+            "store": _run_variant(rank, store, "agoq"),
+            "store_chunked": _run_variant(rank, store, "agoq", SMALL_CHUNK),
+            "store_materialized": _run_variant(rank, store, "agoq_materialized", SMALL_CHUNK),
+            "store_torch": _run_variant(rank, store, "torch", SMALL_CHUNK),
         }
     finally:
         handle.uninstall()

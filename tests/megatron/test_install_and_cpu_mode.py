@@ -53,9 +53,10 @@ def test_undo_restores_every_runtime_change():
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from torch.optim.optimizer import _global_optimizer_post_hooks
 
+    from agoq.config import GradsConfig
     from agoq.megatron import checkpoint, grad_reader, runtime
     from agoq.megatron import install as install_mod
-    from agoq.megatron.ddp import AgoqBucketGroup, wrap_ddp_agoq
+    from agoq.megatron.ddp import AgoqBucketGroup, GroupGrads, wrap_ddp_agoq
     from agoq.megatron.model import (
         LlamaShape,
         ParallelLayout,
@@ -80,7 +81,7 @@ def test_undo_restores_every_runtime_change():
         config = llama_transformer_config(shape, layout, params_dtype=torch.float32, use_cpu_initialization=True)
         chunks = build_model_chunks(shape, config, agoq_layer_spec("sdpa"), None)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
-        model = wrap_ddp_agoq(chunks, config, ddp_cfg, device, "int8_b256")
+        model = wrap_ddp_agoq(chunks, config, ddp_cfg, device, GradsConfig(format="int8_b256", transport="nccl"))
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=False,
                                                            params_dtype=torch.float32,
                                                            use_distributed_optimizer=True), model)
@@ -89,6 +90,9 @@ def test_undo_restores_every_runtime_change():
         groups = [bg for chunk in model for bg in chunk.bucket_groups]
         dist_opts = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])]
         assert groups and all(type(bg) is AgoqBucketGroup for bg in groups)
+        # one call attached each group: one typed attribute, no loose agoq_* ones
+        assert all(isinstance(bg.agoq, GroupGrads) and bg.agoq.grads is model[0].agoq_grads for bg in groups)
+        assert not [k for bg in groups for k in vars(bg) if k.startswith("agoq_")]
         assert install_mod.marked_seam(AgoqBucketGroup) == "ddp.bucket_group"
         assert all(install_mod.marked_seam(type(o)) == "grad_reader.distributed_optimizer" for o in dist_opts)
         assert filesystem_async._results_queue is not queue_before

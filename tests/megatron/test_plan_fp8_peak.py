@@ -238,17 +238,12 @@ def test_pretrain_llama_start_up_prediction_carries_the_fp8_spec():
 
 def test_start_up_prediction_follows_the_plain_fusion_switch():
     """The trainer's start-up prediction (memory_report.recipe_from_config) models what the run will do: the fused
-    path by default, Megatron's SwiGLU under AGOQ_FP8_SWIGLU_FUSION=0 (agoq.ops.smooth_swiglu_fp8's switch)."""
+    path by default, Megatron's SwiGLU under AGOQ_FP8_SWIGLU_FUSION=0 (AgoqConfig.kernels.fuse_swiglu_fp8)."""
+    from agoq.config import KernelsConfig
     from agoq.megatron.train.memory_report import recipe_from_config
-    from agoq.ops.smooth_swiglu_fp8 import set_plain_swiglu_fusion
 
-    config = AgoqConfig()
-    assert recipe_from_config(config).fuse_plain_swiglu_fp8
-    previous = set_plain_swiglu_fusion(False)
-    try:
-        assert not recipe_from_config(config).fuse_plain_swiglu_fp8
-    finally:
-        set_plain_swiglu_fusion(previous)
+    assert recipe_from_config(AgoqConfig()).fuse_plain_swiglu_fp8
+    assert not recipe_from_config(AgoqConfig(kernels=KernelsConfig(fuse_swiglu_fp8=False))).fuse_plain_swiglu_fp8
 
 
 def test_validate_reads_the_plain_fusion_switch_off_a_recorded_command():

@@ -17,14 +17,14 @@ chain of this 2-layer model: ~24 dB (measured 22.5-23.5 dB). Floor: 15 dB; a wir
 a missing un-smoothing, the TP / bias path) is ~0 dB.
 
 Plain FP8 (no Smooth-SwiGLU): the fused path (swiglu_fp8_fc2, the default) against Megatron's own MLP (its
-unfused ``glu``, then the FP8 fc2; ``set_plain_swiglu_fusion(False)``), with the same equalities and floor, also
+unfused ``glu``, then the FP8 fc2; ``SavePaths(fuse_swiglu_fp8=False)``, AgoqConfig.kernels.fuse_swiglu_fp8), with
+the same equalities and floor, also
 at TP=2 (gloo: Megatron's row-parallel all-reduce after the op; per-rank delayed-scaling histories on both paths),
 and the rule that keeps Megatron's MLP (bias_activation_fusion, current scaling, the bf16 first / last layers).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 
@@ -73,7 +73,7 @@ def _build(mode, policy, fused, reference=None, tp=1, recipe="delayed", bf16_lay
         policy = POLICIES / f"{policy}.yaml"
     spec = agoq_layer_spec("sdpa", policy=policy,
                            schedule=ScheduleInfo(pp_size=1, vp_size=None, num_microbatches=1), compute=compute,
-                           save_paths=SavePaths(fuse_smooth_fp8=fused))
+                           save_paths=SavePaths(fuse_smooth_fp8=fused, fuse_swiglu_fp8=fused))
     (model,) = build_model_chunks(shape, config, spec, None)
     model = Float16Module(config, model)
     if reference is not None:
@@ -145,17 +145,6 @@ def _build_bf16():
     return model
 
 
-@contextlib.contextmanager
-def _plain_fusion(enabled):
-    from agoq.ops.smooth_swiglu_fp8 import set_plain_swiglu_fusion
-
-    previous = set_plain_swiglu_fusion(enabled)
-    try:
-        yield
-    finally:
-        set_plain_swiglu_fusion(previous)
-
-
 def _fused_fc2s(model):
     return [m for m in model.modules() if "_agoq_fp8_smooth_wcache" in m.__dict__]
 
@@ -164,8 +153,7 @@ def _compare_plain(unfused, fused, policy, steps=2):
     """(loss equal, last fc2 weight gradient equal, worst gradient SQNR) per step: Megatron's MLP vs the fused op."""
     out = []
     for step in range(steps):  # step 0 bootstraps the delayed histories, step 1 uses them
-        with _plain_fusion(False):
-            loss_u, grads_u = _step(unfused, step)
+        loss_u, grads_u = _step(unfused, step)
         loss_f, grads_f = _step(fused, step)
         last_fc2 = [n for n in grads_u if "layers.1.mlp.linear_fc2.weight" in n]
         fc2_equal = bool(last_fc2) and all(torch.equal(grads_f[n], grads_u[n]) for n in last_fc2)
@@ -179,7 +167,7 @@ def test_fused_plain_fp8_mlp_equals_megatrons(mcore_world1, fp8_on_cpu, policy):
     """Plain FP8 (delayed): the fused SwiGLU + fc2 op against Megatron's MLP (bf16 policy) or agoq's SwiGLU storing
     the quantized fc1 output (agoq policy): the loss bit for bit, the last fc2's weight gradient bit for bit with the
     fc1 output kept in bf16, every gradient >= GRAD_FLOOR_DB (module docstring)."""
-    unfused = _build("off", policy, fused=True)
+    unfused = _build("off", policy, fused=False)
     fused = _build("off", policy, fused=True, reference=unfused)
     for step, (loss_equal, fc2_equal, worst) in enumerate(_compare_plain(unfused, fused, policy)):
         assert loss_equal and fc2_equal, step
@@ -236,7 +224,7 @@ def _tp_rank(rank: int, world_size: int) -> list:
     handle = install(AgoqConfig(device="cpu"))
     try:
         runtime.init_model_parallel(ParallelLayout(tp=2), seed=1234, device=torch.device("cpu"))
-        unfused = _build("off", "bf16", fused=True, tp=2)
+        unfused = _build("off", "bf16", fused=False, tp=2)
         fused = _build("off", "bf16", fused=True, tp=2, reference=unfused)
         out = _compare_plain(unfused, fused, "bf16")
         parallel_state.destroy_model_parallel()

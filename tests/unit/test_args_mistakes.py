@@ -206,9 +206,9 @@ def test_a_float_gradient_name_must_be_the_buffer_the_run_keeps(capsys, argv, ex
 
 
 def test_float_gradient_names_that_match_the_buffer_are_accepted(tmp_path, capsys):
-    assert parse_args(["--agoq-grads", "fp32"]).agoq_config.grads.format == "fp32"
+    assert parse_args(["--agoq-grads", "fp32"]).agoq_config.grads.format_name == "fp32"
     grads = parse_args(["--agoq-grads", "bf16", "--grad-reduce-in-bf16"]).agoq_config.grads
-    assert (grads.format, grads.reduce_in_bf16, grads.quantized) == ("bf16", True, False)
+    assert (grads.format_name, grads.reduce_in_bf16, grads.quantized) == ("bf16", True, False)
     policy = tmp_path / "p.yaml"
     policy.write_text("version: 1\ndefault: {activations: int8_b128, grads: bf16}\n")
     assert f"{policy}: default.grads bf16 names Megatron's float gradients in bf16" in _error(

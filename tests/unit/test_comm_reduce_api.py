@@ -25,6 +25,20 @@ def test_rejects_formats_that_cannot_carry_gradients(name, err):
         check_grad_format(name)
 
 
+def test_cuda_reduction_refuses_a_format_without_a_fused_kernel():
+    """No quiet fallback: on CUDA a gradient format without the fused one-byte kernels is refused with the flag and a
+    format that works (checked once, when the DDP is built); the CPU runs the reference for any format."""
+    from agoq.comm.pipeline import check_reduction_kernel, comm_ops_for
+    from agoq.formats import parse_format
+
+    int4 = parse_format("int4_b128")
+    check_reduction_kernel(torch.device("cpu"), int4)
+    assert comm_ops_for(torch.device("cpu"), int4)[0].__name__ == "ref_quantize_rows"
+    check_reduction_kernel(torch.device("cuda"), parse_format("int8_b256"))  # the fused kernels take it
+    with pytest.raises(ValueError, match="int4_b128 has no fused reduction kernel.*--agoq-grads int8_b256"):
+        comm_ops_for(torch.device("cuda"), int4)
+
+
 def test_wire_bytes_int8_b256():
     numel, world = 1 << 20, 4
     row = numel // world  # a multiple of 256: no padding

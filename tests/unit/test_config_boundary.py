@@ -153,8 +153,8 @@ def test_policy_grads_and_fp8_resolve_under_the_flags(tmp_path):
     policy.write_text("version: 1\ndefault: {activations: bf16, grads: int8_b256}\n"
                       "fp8: {smooth_swiglu: per-token}\n")
     spec = load_policy(policy)
-    assert AgoqConfig.from_flags({}, policy=spec).grads.format == "int8_b256"
-    assert AgoqConfig.from_flags({"agoq_grads": "int4_b128"}, policy=spec).grads.format == "int4_b128"
+    assert AgoqConfig.from_flags({}, policy=spec).grads.format_name == "int8_b256"
+    assert AgoqConfig.from_flags({"agoq_grads": "int4_b128"}, policy=spec).grads.format_name == "int4_b128"
     assert AgoqConfig.from_flags({}, policy=spec).fp8.smooth_swiglu == "per-token"
     assert AgoqConfig.from_flags({"agoq_disable": True}, policy=spec).grads.format is None
 

@@ -117,21 +117,17 @@ def test_fused_with_activation_storage(mode):
 
 
 def test_epilogue_unsmoothing_equals_the_gemm_one():
-    """AGOQ_SMOOTH_UNSMOOTH=epilogue (benchmarks' A/B): tensor-wise GEMM then y *= s gives the unfused values too."""
-    from agoq.ops import smooth_swiglu_fp8 as op
-
+    """unsmooth="epilogue" (benchmarks/bench_fp8.py's A/B): tensor-wise GEMM then y *= s gives the unfused values
+    too; an unknown mode is refused with the allowed ones."""
     h, w0, gy = _inputs()
     y_gemm, dh_gemm, dw_gemm = _fused(h, _param(w0), gy, FP8ScalingState(RECIPE), FP8WeightCache(), "per_token")
-    previous = op.set_unsmooth_mode("epilogue")
-    try:
-        y_epi, dh_epi, dw_epi = _fused(h, _param(w0), gy, FP8ScalingState(RECIPE), FP8WeightCache(), "per_token")
-    finally:
-        op.set_unsmooth_mode(previous)
+    y_epi, dh_epi, dw_epi = _fused(h, _param(w0), gy, FP8ScalingState(RECIPE), FP8WeightCache(), "per_token",
+                                   unsmooth="epilogue")
     y_u, _, _, _, _ = _unfused(h, _param(w0), gy, FP8ScalingState(RECIPE), "per_token", cache=FP8WeightCache())
     assert torch.equal(y_epi, y_u) and torch.equal(y_epi, y_gemm)
     assert torch.equal(dh_epi, dh_gemm) and torch.equal(dw_epi, dw_gemm)
-    with pytest.raises(ValueError, match="un-smoothing mode"):
-        op.set_unsmooth_mode("after")
+    with pytest.raises(ValueError, match="un-smoothing mode 'after'"):
+        _fused(h, _param(w0), gy, FP8ScalingState(RECIPE), FP8WeightCache(), "per_token", unsmooth="after")
 
 
 @pytest.mark.parametrize("mode", MODES)

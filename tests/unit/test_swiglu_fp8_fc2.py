@@ -24,7 +24,7 @@ from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState
 from agoq.ops.fp8_weight_cache import FP8WeightCache
 from agoq.ops.saved_act import SavedBytesCounter, saved_input_handle
 from agoq.ops.saved_swiglu import swiglu_saving_input
-from agoq.ops.smooth_swiglu_fp8 import plain_swiglu_fusion, set_plain_swiglu_fusion, swiglu_fp8_fc2
+from agoq.ops.smooth_swiglu_fp8 import swiglu_fp8_fc2
 from agoq.ref.swiglu import ref_swiglu_bwd_scaled
 from agoq.testing.numerics import sqnr_db
 from tests.unit.test_smooth_swiglu_fp8 import (
@@ -163,18 +163,6 @@ def test_plain_rejects_what_it_cannot_fuse(recipe):
         swiglu_fp8_fc2(h, w, None, recipe, weight_cache=FP8WeightCache())
     with pytest.raises(ValueError, match="Megatron's SwiGLU"):
         swiglu_fp8_fc2(h.float(), w.float(), FP8ScalingState(RECIPE), RECIPE, weight_cache=FP8WeightCache())
-
-
-def test_plain_fusion_switch():
-    """The process-wide A/B switch agoq's MLP reads (the trainer's AGOQ_FP8_SWIGLU_FUSION); bools only."""
-    assert plain_swiglu_fusion() is True
-    previous = set_plain_swiglu_fusion(False)
-    try:
-        assert previous is True and plain_swiglu_fusion() is False
-    finally:
-        set_plain_swiglu_fusion(previous)
-    with pytest.raises(TypeError, match="bool"):
-        set_plain_swiglu_fusion("0")
 
 
 def _tp_rank(rank, world_size):

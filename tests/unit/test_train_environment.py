@@ -22,61 +22,46 @@ def test_launch_from_torchrun_variables_and_without_them():
                                                                  rendezvous_from_environment=True)
 
 
-@pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False)])
-def test_fast_launch_switch_is_applied_by_the_trainer(value, enabled):
+@pytest.mark.parametrize("fast, fused", [(None, None), ("1", "1"), ("0", "0"), ("0", None), (None, "0")])
+def test_kernel_switches_become_the_config_kernels_section(fast, fused):
+    """AGOQ_TRITON_FAST_LAUNCH / AGOQ_FP8_SWIGLU_FUSION (1, the default, or 0) become AgoqConfig.kernels; a typo
+    stops the run with the variable's name ("false" used to leave the fast launch on without a word)."""
+    from agoq.config import KernelsConfig
+    from agoq.megatron.train.environment import FAST_LAUNCH_ENV, PLAIN_FUSION_ENV, kernels_from_environment
+
+    environ = {k: v for k, v in ((FAST_LAUNCH_ENV, fast), (PLAIN_FUSION_ENV, fused)) if v is not None}
+    assert kernels_from_environment(environ) == KernelsConfig(fast_launch=fast != "0", fuse_swiglu_fp8=fused != "0")
+    for name, typo in ((FAST_LAUNCH_ENV, "false"), (PLAIN_FUSION_ENV, "off")):
+        with pytest.raises(ValueError, match=name):
+            kernels_from_environment({**environ, name: typo})
+
+
+def test_install_applies_the_fast_launch_setting_and_undo_restores_it():
+    """kernels.fast_launch False (AGOQ_TRITON_FAST_LAUNCH=0) switches agoq's direct launches off through
+    agoq.megatron.install's ``triton_launch`` seam; the handle's undo turns them back on."""
+    from agoq.config import AgoqConfig, KernelsConfig
     from agoq.kernels import _fastlaunch
-    from agoq.megatron.train.environment import FAST_LAUNCH_ENV, apply_kernel_switches
+    from agoq.megatron.install import install
 
-    previous = _fastlaunch.fast_launch_enabled()
+    assert _fastlaunch.fast_launch_enabled()
+    handle = install(AgoqConfig(device="cpu", kernels=KernelsConfig(fast_launch=False)))
     try:
-        apply_kernel_switches({} if value is None else {FAST_LAUNCH_ENV: value})
-        assert _fastlaunch.fast_launch_enabled() is enabled
-        with pytest.raises(ValueError, match=FAST_LAUNCH_ENV):  # "false" used to leave it on without a word
-            apply_kernel_switches({FAST_LAUNCH_ENV: "false"})
+        assert not _fastlaunch.fast_launch_enabled()
+        assert "triton_launch" in [s.name for s in handle.applied]
     finally:
-        _fastlaunch.set_fast_launch(previous)
-
-
-@pytest.mark.parametrize("value, mode", [(None, "gemm"), ("gemm", "gemm"), ("epilogue", "epilogue")])
-def test_unsmooth_switch_is_applied_by_the_trainer(value, mode):
-    from agoq.megatron.train.environment import UNSMOOTH_ENV, apply_kernel_switches
-    from agoq.ops import smooth_swiglu_fp8
-
-    previous = smooth_swiglu_fp8.unsmooth_mode()
-    try:
-        apply_kernel_switches({} if value is None else {UNSMOOTH_ENV: value})
-        assert smooth_swiglu_fp8.unsmooth_mode() == mode
-        with pytest.raises(ValueError, match="un-smoothing mode"):  # a typo stops the run, never ignored
-            apply_kernel_switches({UNSMOOTH_ENV: "gem"})
-    finally:
-        smooth_swiglu_fp8.set_unsmooth_mode(previous)
-
-
-@pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False)])
-def test_plain_swiglu_fusion_switch_is_applied_by_the_trainer(value, enabled):
-    from agoq.megatron.train.environment import PLAIN_FUSION_ENV, apply_kernel_switches
-    from agoq.ops import smooth_swiglu_fp8
-
-    previous = smooth_swiglu_fp8.plain_swiglu_fusion()
-    try:
-        apply_kernel_switches({} if value is None else {PLAIN_FUSION_ENV: value})
-        assert smooth_swiglu_fp8.plain_swiglu_fusion() is enabled
-        with pytest.raises(ValueError, match=PLAIN_FUSION_ENV):  # a typo stops the run, never ignored
-            apply_kernel_switches({PLAIN_FUSION_ENV: "off"})
-    finally:
-        smooth_swiglu_fp8.set_plain_swiglu_fusion(previous)
+        handle.undo()
+    assert _fastlaunch.fast_launch_enabled()
 
 
 def test_library_modules_ignore_the_environment_at_import():
     """With every variable set, importing the kernels' launcher and the plugin's runtime changes nothing: only
-    the trainer's calls above carry them in."""
+    the trainer's config (kernels_from_environment above) carries them in."""
     code = ("from agoq.kernels import _fastlaunch\n"
             "from agoq.megatron import runtime\n"
-            "from agoq.ops import smooth_swiglu_fp8\n"
+            "from agoq.config import AgoqConfig\n"
             "assert _fastlaunch.fast_launch_enabled()\n"
-            "assert smooth_swiglu_fp8.plain_swiglu_fusion() and smooth_swiglu_fp8.unsmooth_mode() == 'gemm'\n"
+            "assert AgoqConfig().kernels.fast_launch and AgoqConfig().kernels.fuse_swiglu_fp8\n"
             "assert runtime.SINGLE_PROCESS.world_size == 1\n")
-    env = child_env(AGOQ_TRITON_FAST_LAUNCH="0", AGOQ_FP8_SWIGLU_FUSION="0", AGOQ_SMOOTH_UNSMOOTH="epilogue",
-                    **TORCHRUN_RANK1)
+    env = child_env(AGOQ_TRITON_FAST_LAUNCH="0", AGOQ_FP8_SWIGLU_FUSION="0", **TORCHRUN_RANK1)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -95,12 +95,16 @@ def parse_args(argv: list[str] | None = None, *, quiet: bool = False,
 
 def build_config(args: argparse.Namespace, environ) -> AgoqConfig:
     """The run's AgoqConfig from the parsed flags (config file < command line), the policy file loaded once,
-    and the one environment variable agoq's library would otherwise read (TRITON_INTERPRET). The planner
+    and the environment variables agoq's library would otherwise read (TRITON_INTERPRET; the kernels section's,
+    agoq.megatron.train.environment.kernels_from_environment). The planner
     and the memory report build theirs with the same ``AgoqConfig.from_flags``."""
+    from agoq.megatron.train.environment import kernels_from_environment
+
     policy = None if args.agoq_disable else load_policy(policy_path(args))
     try:
         return AgoqConfig.from_flags(vars(args), policy=policy,
-                                     triton_interpret=environ.get("TRITON_INTERPRET") == "1")
+                                     triton_interpret=environ.get("TRITON_INTERPRET") == "1",
+                                     kernels=kernels_from_environment(environ))
     except GradsFormatError as exc:  # the float names this trainer takes (_check_float_grads_name)
         floats = "fp32, or bf16 with --grad-reduce-in-bf16 (Megatron's float gradients)"
         raise ValueError(exc.allowing(floats)) from None

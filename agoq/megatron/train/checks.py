@@ -308,7 +308,7 @@ def _check_float_grads_name(args: argparse.Namespace) -> None:
     """A float name for the gradients (FLOAT_GRADS: agoq's 8-bit gradients off) must be the gradient buffer this run
     keeps: fp32 (Megatron's default, and with --fp32), or bf16 with --grad-reduce-in-bf16. ``--agoq-grads bf16``
     alone used to run an fp32 buffer without a word."""
-    fmt = args.agoq_config.grads.format
+    fmt = args.agoq_config.grads.format_name
     mismatch = float_grads_mismatch(fmt, bf16_buffer=args.grad_reduce_in_bf16, fp32_params=args.fp32)
     if mismatch:
         source = f"--agoq-grads {fmt}" if args.agoq_grads else f"{policy_path(args)}: default.grads {fmt}"

@@ -211,13 +211,12 @@ def predicted_checkpoint_bytes(params: int, *, weight_bytes: int, optimizer_byte
 def optimizer_state_bytes_per_param(config, fp32_params: bool) -> float:
     """What an optimizer state takes on disk per parameter: Megatron's Adam keeps fp32 m and v (and an fp32 main
     copy of bf16 parameters); agoq's optimizers their state formats and master (agoq.plan.peak.MASTER_BYTES)."""
-    from agoq.formats import parse_format
     from agoq.plan.peak import MASTER_BYTES
 
     opt = config.optimizer
     if not opt.agoq:
         return 8.0 if fp32_params else 12.0
-    return sum(parse_format(m).bytes_per_element() for m in opt.state_formats) + MASTER_BYTES[opt.master]
+    return sum(m.bytes_per_element() for m in opt.states.moments) + MASTER_BYTES[opt.master]
 
 
 def interrupted_saves(folder: str) -> list[int]:

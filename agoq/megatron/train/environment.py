@@ -6,14 +6,11 @@ the trainer reads it here and passes what it found in:
 * torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_ADDR`` -> :class:`agoq.megatron.runtime.LaunchInfo`
   (:func:`launch_from_environment`), given to ``runtime.init_distributed`` and ``runtime.choose_device``;
 * ``AGOQ_TRITON_FAST_LAUNCH=0`` (Triton's own launch path instead of agoq's direct launches, the escape hatch of
-  agoq.kernels._fastlaunch) -> ``set_fast_launch`` (:func:`apply_kernel_switches`);
-* ``AGOQ_SMOOTH_UNSMOOTH=epilogue`` (per-token Smooth-SwiGLU fused with an FP8 fc2: un-smooth after a tensor-wise
-  GEMM instead of inside a row-wise one; benchmarks' A/B) -> ``agoq.ops.smooth_swiglu_fp8.set_unsmooth_mode``
-  (:func:`apply_kernel_switches`);
+  agoq.kernels._fastlaunch) -> ``AgoqConfig.kernels.fast_launch`` (:func:`kernels_from_environment`; applied by
+  ``agoq.megatron.install.install``);
 * ``AGOQ_FP8_SWIGLU_FUSION=0`` (plain FP8 MLPs run Megatron's SwiGLU then the FP8 fc2 instead of the fused SwiGLU +
-  FP8 fc2 op; benchmarks' A/B; ``1``, the default, fuses) -> ``agoq.ops.smooth_swiglu_fp8.set_plain_swiglu_fusion``
-  (:func:`apply_kernel_switches`; the start-up memory prediction follows it,
-  agoq.megatron.train.memory_report.recipe_from_config);
+  FP8 fc2 op; benchmarks' A/B; ``1``, the default, fuses) -> ``AgoqConfig.kernels.fuse_swiglu_fp8``
+  (:func:`kernels_from_environment`; the layers and the start-up memory prediction read it from the config);
 * ``TRITON_INTERPRET=1`` -> ``AgoqConfig.triton_interpret`` (agoq.megatron.train.args builds the config).
 
 Other readers outside the library: ``scripts/pretrain_llama.py`` (``AGOQ_CACHE``, ``AGOQ_SHOW_KNOWN_WARNINGS``,
@@ -24,13 +21,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from agoq.kernels._fastlaunch import set_fast_launch
-from agoq.megatron.runtime import LaunchInfo
-from agoq.ops.smooth_swiglu_fp8 import set_plain_swiglu_fusion, set_unsmooth_mode
+from agoq.config import KernelsConfig
+
+if TYPE_CHECKING:  # the flags' parse (agoq.megatron.train.args) reads the kernel switches before torch loads
+    from agoq.megatron.runtime import LaunchInfo
 
 FAST_LAUNCH_ENV = "AGOQ_TRITON_FAST_LAUNCH"
-UNSMOOTH_ENV = "AGOQ_SMOOTH_UNSMOOTH"
 PLAIN_FUSION_ENV = "AGOQ_FP8_SWIGLU_FUSION"
 _SWITCH_VALUES = {"1": True, "0": False}
 
@@ -38,6 +36,8 @@ _SWITCH_VALUES = {"1": True, "0": False}
 def launch_from_environment(environ: Mapping[str, str] = os.environ) -> LaunchInfo:
     """torchrun's launch variables (a single process when they are absent), as torch.distributed's env:// reads
     them."""
+    from agoq.megatron.runtime import LaunchInfo
+
     return LaunchInfo(rank=int(environ.get("RANK", "0")), world_size=int(environ.get("WORLD_SIZE", "1")),
                       local_rank=int(environ.get("LOCAL_RANK", "0")),
                       rendezvous_from_environment="MASTER_ADDR" in environ)
@@ -61,8 +61,7 @@ def plain_fusion_from_environment(environ: Mapping[str, str] = os.environ) -> bo
     return _SWITCH_VALUES[value]
 
 
-def apply_kernel_switches(environ: Mapping[str, str] = os.environ) -> None:
-    """Set the process-wide kernel switches the environment asks for (called once, before any kernel runs)."""
-    set_fast_launch(fast_launch_from_environment(environ))
-    set_unsmooth_mode(environ.get(UNSMOOTH_ENV, "gemm"))
-    set_plain_swiglu_fusion(plain_fusion_from_environment(environ))
+def kernels_from_environment(environ: Mapping[str, str] = os.environ) -> KernelsConfig:
+    """The run's ``AgoqConfig.kernels`` from the environment (read once, by agoq.megatron.train.args.build_config)."""
+    return KernelsConfig(fast_launch=fast_launch_from_environment(environ),
+                         fuse_swiglu_fp8=plain_fusion_from_environment(environ))

@@ -20,7 +20,6 @@ from megatron.core import parallel_state
 from agoq.config import AgoqConfig
 from agoq.megatron import runtime
 from agoq.megatron.install import runs_on_cpu
-from agoq.ops.smooth_swiglu_fp8 import plain_swiglu_fusion
 from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
 from agoq.plan.peak import Recipe, StagePeak, format_peaks, grad_bytes_per_param, predict_peaks
 from agoq.plan.recipe import recipe_of
@@ -50,10 +49,10 @@ def _plan_inputs(shape, policy):
 
 def recipe_from_config(config: AgoqConfig) -> Recipe:
     """The planner's Recipe of a run's config (agoq.plan.recipe.recipe_of: the same for the planner's CLI), with
-    the process-wide plain SwiGLU + FP8 fc2 fusion switch the trainer set from AGOQ_FP8_SWIGLU_FUSION
-    (agoq.megatron.train.environment), which changes what plain FP8 layers hold (agoq.plan.fp8)."""
+    the plain SwiGLU + FP8 fc2 fusion of ``config.kernels`` (the trainer's AGOQ_FP8_SWIGLU_FUSION,
+    agoq.megatron.train.environment), which changes what plain FP8 layers hold (agoq.plan.fp8)."""
     return dataclasses.replace(recipe_of(config, on_cuda=not runs_on_cpu(config)),
-                               fuse_plain_swiglu_fp8=plain_swiglu_fusion())
+                               fuse_plain_swiglu_fp8=config.kernels.fuse_swiglu_fp8)
 
 
 def predicted_peaks(config: AgoqConfig, shape, plan: Layout, policy) -> list[StagePeak]:

@@ -215,7 +215,6 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
     for a provider without a test split (no test evaluation then)."""
     config: AgoqConfig = args.agoq_config
     launch = environment.launch_from_environment()
-    environment.apply_kernel_switches()
     device = runtime.choose_device(config.device, launch.local_rank)
     stop = StopSignal()  # from the start: a signal during start-up stops the job after its first iteration
     progress = Progress()
