@@ -57,9 +57,19 @@ from dataclasses import dataclass, replace
 
 from agoq.formats import QuantFormat, parse_format
 from agoq.plan.memory import Layout, ModelShape
-from agoq.plan.peak import (CUDA_RUNTIME_BYTES, MASTER_BYTES, Recipe, StagePeak, agoq_step_bytes,
-                            ddp_construction_bytes, grad_buffer_numel, layer_backward_transient, logits_transient,
-                            nonfinite_check_bytes, param_tensors)
+from agoq.plan.peak import (
+    CUDA_RUNTIME_BYTES,
+    MASTER_BYTES,
+    Recipe,
+    StagePeak,
+    agoq_step_bytes,
+    ddp_construction_bytes,
+    grad_buffer_numel,
+    layer_backward_transient,
+    logits_transient,
+    nonfinite_check_bytes,
+    param_tensors,
+)
 from agoq.plan.storage import BF16_BYTES, FP32_BYTES, LayerDims, head_saved_bytes
 from agoq.policy import LAYER_ROLES, PolicySpec, ScheduleInfo, Site, resolve
 
@@ -192,8 +202,9 @@ def settings_of(values: dict, layout: Layout) -> TESettings:
     fusion = values.get("gradient_accumulation_fusion")
     fusion = True if fusion is None else fusion
     if agoq and fusion and values.get("agoq_grads") and (values.get("agoq_grads_mode") or "store") == "store":
-        raise ValueError("--agoq-grads (store mode) with gradient-accumulation fusion: TE writes the float main_grad "
-                         "the 8-bit store replaces (agoq.megatron.te refuses it); add --no-gradient-accumulation-fusion")
+        raise ValueError("--agoq-grads (store mode) with gradient-accumulation fusion: TE writes the float "
+                         "main_grad the 8-bit store replaces (agoq.megatron.te refuses it); add "
+                         "--no-gradient-accumulation-fusion")
     mask = values.get("create_attention_mask_in_dataloader")
     return TESettings(fp8=fmt is not None, amax_history_len=values.get("fp8_amax_history_len") or 1024,
                       precision_aware=aware, exp_avg=dtypes["exp_avg_dtype"], exp_avg_sq=dtypes["exp_avg_sq_dtype"],
