@@ -132,6 +132,8 @@ def add_arguments(parser) -> None:
     g.add_argument("--use-precision-aware-optimizer", action="store_true", default=None)
     g.add_argument("--exp-avg-dtype", choices=MOMENT_DTYPES, default=None)
     g.add_argument("--exp-avg-sq-dtype", choices=MOMENT_DTYPES, default=None)
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="with --recompute-granularity full; modelled: uniform")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
                    default=None)
     g.add_argument("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader",
@@ -140,7 +142,7 @@ def add_arguments(parser) -> None:
 
 TE_ONLY_KEYS = ("fp8_format", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo",
                 "use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype", "gradient_accumulation_fusion",
-                "create_attention_mask_in_dataloader")
+                "create_attention_mask_in_dataloader", "recompute_method")
 
 
 def is_te(values: dict) -> bool:
@@ -192,6 +194,9 @@ def settings_of(values: dict, layout: Layout) -> TESettings:
     agoq = not values.get("agoq_disable")
     if aware and agoq and values.get("agoq_optimizer") not in (None, "torch"):
         raise ValueError("--use-precision-aware-optimizer with --agoq-optimizer: two optimizers; drop one")
+    if values.get("recompute_method") not in (None, "uniform"):
+        raise ValueError(f"--recompute-method {values['recompute_method']}: not modelled by the planner's TE path "
+                         "(modelled: uniform, one layer per group)")
     if values.get("recompute_granularity") == "selective":
         raise ValueError("--recompute-granularity selective with --transformer-impl transformer_engine: not modelled "
                          "(TE's attention recompute); use full or none")
