@@ -30,8 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from agoq.plan import capacity, te  # noqa: E402
 from agoq.plan import __main__ as plan_cli  # noqa: E402
+from agoq.plan import capacity, te  # noqa: E402
 from agoq.plan.memory import GIB  # noqa: E402
 from agoq.plan.peak import StagePeak  # noqa: E402
 from agoq.plan.recipe import recipe_of  # noqa: E402
