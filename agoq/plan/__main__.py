@@ -397,9 +397,10 @@ def run_plan(request: PlanRequest, cfg: dict) -> int:
 
 
 def _refuse_te(values: dict, mode: str) -> None:
-    if te.is_te(values):
-        raise ValueError(f"{mode} with --transformer-impl transformer_engine: not modelled (the TE path plans one "
-                         f"GPU's fixed layout: drop {mode.split()[0]})")
+    impl = values.get("transformer_impl")
+    if impl is not None:  # the search launches scripts/pretrain_llama.py, which builds agoq's local spec
+        raise ValueError(f"{mode} with --transformer-impl {impl}: not modelled (the search plans agoq's local spec; "
+                         f"the TE path plans one GPU's fixed layout): drop {mode.split()[0]} or --transformer-impl")
 
 
 def _refuse_sequence_parallel_search(values: dict, mode: str) -> None:
