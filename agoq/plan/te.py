@@ -184,6 +184,9 @@ def settings_of(values: dict, layout: Layout) -> TESettings:
     if not aware and any(v != "fp32" for v in dtypes.values()):
         raise ValueError("--exp-avg-dtype / --exp-avg-sq-dtype other than fp32 need --use-precision-aware-optimizer "
                          "(Megatron-LM refuses them without it)")
+    if aware and values.get("grad_reduce_in_bf16"):
+        raise ValueError("--grad-reduce-in-bf16 with --use-precision-aware-optimizer: not modelled by the planner's "
+                         "TE path (the optimizer's gradient dtype then is --main-grads-dtype's); drop one")
     if aware and not layout.distributed_optimizer:
         raise ValueError("--use-precision-aware-optimizer needs --use-distributed-optimizer (Megatron-LM requires it)")
     for key, dtype in dtypes.items():
@@ -322,6 +325,8 @@ def predict_te_peak(shape: ModelShape, layout: Layout, policy: PolicySpec | None
             step_extra += FP32_BYTES * buffer // share  # the float buffer the reduced gradients are dequantized into
     else:
         grads = layout.grad_bytes * buffer
+        if recipe.optimizer == "torch" and layout.grad_bytes != FP32_BYTES:
+            step_extra += FP32_BYTES * buffer // share  # Megatron's main_grad.float() copies for the fp32 step
     if recipe.optimizer == "torch":  # Megatron's optimizer on TE's FusedAdam: no step temporaries
         optimizer = megatron_optimizer_bytes(params, buffer, settings, share)
     else:
