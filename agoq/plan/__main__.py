@@ -26,6 +26,10 @@ optimizer and agoq preset (the flags' own agoq settings where given), each with 
 one with the shortest predicted step (agoq.plan.speed) is printed with its command. A layout or recompute flag given on
 the command line is kept; the --config file's layout is what the search replaces. Exit code 3 when nothing fits.
 
+``--transformer-impl transformer_engine`` (agoq.plan.te, agoq.plan.te_cli): one GPU on Megatron's TE spec, with
+Megatron-LM's ``--fp8-format hybrid --fp8-recipe delayed`` or bf16, agoq on or ``--agoq-disable`` (Megatron + TE
+alone); it prints which terms TE changes and refuses, in one line, what it does not model.
+
 Capacity mode (``--capacity``): the fewest GPUs, and the layout, on which the model trains at --memory-budget
 per GPU, for Megatron's baseline (bf16 weights, fp32 gradients, Megatron's AdamW; with and without the
 distributed optimizer) and each agoq preset (agoq.plan.capacity.PRESETS); a table, and with --out a JSON file::
