@@ -26,6 +26,10 @@ optimizer and agoq preset (the flags' own agoq settings where given), each with 
 one with the shortest predicted step (agoq.plan.speed) is printed with its command. A layout or recompute flag given on
 the command line is kept; the --config file's layout is what the search replaces. Exit code 3 when nothing fits.
 
+``--transformer-impl transformer_engine`` (agoq.plan.te, agoq.plan.te_cli): one GPU on Megatron's TE spec, with
+Megatron-LM's ``--fp8-format hybrid --fp8-recipe delayed`` or bf16, agoq on or ``--agoq-disable`` (Megatron + TE
+alone); it prints which terms TE changes and refuses, in one line, what it does not model.
+
 Capacity mode (``--capacity``): the fewest GPUs, and the layout, on which the model trains at --memory-budget
 per GPU, for Megatron's baseline (bf16 weights, fp32 gradients, Megatron's AdamW; with and without the
 distributed optimizer) and each agoq preset (agoq.plan.capacity.PRESETS); a table, and with --out a JSON file::
@@ -48,7 +52,7 @@ from agoq.cli.config_file import load_config_file
 from agoq.cli.flags import build_parser as trainer_parser
 from agoq.cli.seqpar_args import sequence_parallel_problem
 from agoq.config import AgoqConfig, float_grads_mismatch, torch_optimizer_state_refusal
-from agoq.plan import capacity, launch
+from agoq.plan import capacity, launch, te, te_cli
 from agoq.plan.memory import GIB, Layout, ModelShape
 from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report, grad_bytes_per_param
 from agoq.plan.recipe import recipe_of
@@ -91,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-gpus", type=int, default=capacity.DEFAULT_MAX_GPUS, help="--capacity: GPUs searched")
     g.add_argument("--max-mbs", type=int, default=capacity.DEFAULT_MAX_MBS,
                    help="--capacity / --gpus: largest micro-batch tried")
+    te.add_arguments(p)
     return p
 
 
@@ -192,7 +197,12 @@ UNMODELLED_KEYS = {
 
 
 def _check_unmodelled(values: dict, request: PlanRequest, cfg: dict) -> None:
+    problem = te.local_problem(values)
+    if problem:
+        raise ValueError(problem)
     for key, (modelled, why) in UNMODELLED_KEYS.items():
+        if key == "agoq_disable" and te.is_te(values):
+            continue  # the TE path plans Megatron + TE alone (agoq.plan.te_cli)
         value = values.get(key, modelled)
         if value != modelled:
             where = (f"--config {request.config}: {key}" if key in cfg and key not in dict(request.trainer)
@@ -322,6 +332,7 @@ def run_capacity(request: PlanRequest, cfg: dict) -> int:
     """--capacity: one answer per preset (agoq.plan.capacity), printed and written to --out as JSON."""
     _check_capacity_request(request)
     values = values_of(request, cfg)
+    _refuse_te(values, "--capacity")
     _refuse_sequence_parallel_search(values, "--capacity")
     shape = shape_of(values, request.config)
     vocab = shape.vocab_size
@@ -358,6 +369,9 @@ def run_plan(request: PlanRequest, cfg: dict) -> int:
     check_run_flags(values, layout)
     recipe = recipe_of(config)
     paths = [Path(p) for p in request.policies or [POLICY_DIR / f"{n}.yaml" for n in DEFAULT_CANDIDATES]]
+    if te.is_te(values):
+        return te_cli.run_te(request, values, shape, layout, lambda pol: recipe_of(config_of(values, pol)), paths,
+                             lambda: budget_of(request))
     candidates = [(p.stem, load_policy(p)) for p in paths]  # PolicyError names the file and the fix
     schedule = ScheduleInfo(layout.pp, layout.vpp, layout.num_microbatches)
     for _, policy in candidates:  # as the trainer refuses them: a rule naming a role it cannot change
@@ -386,6 +400,13 @@ def run_plan(request: PlanRequest, cfg: dict) -> int:
     return 0
 
 
+def _refuse_te(values: dict, mode: str) -> None:
+    impl = values.get("transformer_impl")
+    if impl is not None:  # the search launches scripts/pretrain_llama.py, which builds agoq's local spec
+        raise ValueError(f"{mode} with --transformer-impl {impl}: not modelled (the search plans agoq's local spec; "
+                         f"the TE path plans one GPU's fixed layout): drop {mode.split()[0]} or --transformer-impl")
+
+
 def _refuse_sequence_parallel_search(values: dict, mode: str) -> None:
     if values.get("sequence_parallel"):
         raise ValueError(f"{mode} searches layouts without sequence parallelism (TP=1 layouts cannot take it); plan "
@@ -397,6 +418,7 @@ def run_gpus(request: PlanRequest, cfg: dict) -> int:
     """--gpus N: the fastest predicted layout that fits (agoq.plan.launch) and its torchrun command."""
     values = values_of(request, cfg)
     _refuse_sequence_parallel_search(values, "--gpus N")
+    _refuse_te(values, "--gpus N")
     check_run_flags(values, Layout())
     shape = shape_of(values, request.config)
     budget = budget_of(request)
