@@ -4,7 +4,8 @@ against the peaks measured on one H100 (benchmarks/results/te.json, te_8b.json),
 The bound: the planner's target is 5 % of the measured peak (docs/benchmarks/planner.md, validate.TARGET). Every
 term here is physical (read off what TE / Megatron / agoq allocate) and none is fitted to a row; the Megatron + TE
 rows land within 0.05 % and the rows with a quantized policy 0.1-0.5 % under (one bf16 [T, h] tensor per micro-batch
-the model does not hold, not identified: docs/benchmarks/planner.md). So the rows are held to ``BOUND`` = 1 %: twice the largest residual, and a
+the model does not hold, not identified: docs/benchmarks/planner.md). So the rows are held to ``BOUND`` = 1 %:
+twice the largest residual, and a
 5x tighter guard than the target, so a term that breaks (the attention mask, 0.2-0.5 % of a row, excepted: its own
 test) fails here. The rows are predicted from their own command lines (benchmarks/validate_planner_te.py).
 """
