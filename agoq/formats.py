@@ -229,6 +229,12 @@ def _check_numel(numel: int) -> None:
         raise ValueError(f"numel must be a non-negative int, got {numel!r}")
 
 
+def uses_bytes_kernel(fmt: QuantFormat) -> bool:
+    """One whole byte per code, rounded to nearest (fp8, int8 nearest): the formats agoq's byte-code kernels
+    take (the quantize / reduce fast path of agoq.kernels.quant and agoq.kernels.comm, the peer transports)."""
+    return fmt.kind == "fp8" or (fmt.kind == "int" and fmt.bits == 8 and fmt.rounding == "nearest")
+
+
 def parse_format(name: str | QuantFormat) -> QuantFormat:
     """Parse a short name (see module docstring); a QuantFormat is returned unchanged."""
     if isinstance(name, QuantFormat):

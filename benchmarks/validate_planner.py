@@ -42,8 +42,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout without installing agoq, as the bench_* scripts
 
 from agoq.config import DEFAULT_MOMENTS, parse_moments  # noqa: E402
-from agoq.plan.memory import GIB, Layout, ModelShape  # noqa: E402
+from agoq.plan.memory import GIB, Layout  # noqa: E402
 from agoq.plan.peak import CUDA_RUNTIME_BYTES, Recipe, StagePeak, predict_peaks  # noqa: E402
+from agoq.plan.shape import ModelShape  # noqa: E402
 from agoq.policy import FP8Spec, load_policy  # noqa: E402
 
 BENCH = REPO / "benchmarks" / "results"

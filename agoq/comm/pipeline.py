@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from agoq.formats import QuantFormat
+from agoq.formats import QuantFormat, uses_bytes_kernel
 
 __all__ = ["comm_ops_for", "run_pipeline", "Slots", "all_to_all", "all_gather", "Done", "scale_dtype",
            "DEFAULT_CHUNK_BYTES", "blocks_per_chunk", "chunk_bytes_for", "run_maybe_async"]
@@ -82,9 +82,7 @@ def _warn_reference_on_cuda(fmt_name: str) -> None:
 def comm_ops_for(device: torch.device, fmt: QuantFormat) -> tuple[Callable, Callable, Callable]:
     """(quantize_rows, reduce_rows, dequantize_rows) for tensors on ``device`` in ``fmt``."""
     if torch.device(device).type == "cuda":
-        from agoq.kernels import _launch  # imported lazily: needs Triton
-
-        if _launch.uses_bytes_kernel(fmt):
+        if uses_bytes_kernel(fmt):
             from agoq.kernels.comm import dequantize_rows, quantize_rows, reduce_rows
 
             return quantize_rows, reduce_rows, dequantize_rows

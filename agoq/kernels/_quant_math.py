@@ -10,7 +10,7 @@ import triton.language as tl
 # Inline PTX on GPU; Triton's CPU interpreter cannot run it, so there the functions below take their
 # tl.* twins. Whether Triton interprets is Triton's setting (TRITON_INTERPRET, which Triton reads): ask Triton
 # (triton.knobs.runtime.interpret, what its @triton.jit consults when it decorates the kernels below, at import
-# as here); agoq reads no environment. agoq/kernels/_fastlaunch.py needs triton.knobs too.
+# as here); agoq reads no environment. agoq/kernels/fastlaunch.py needs triton.knobs too.
 if not hasattr(triton, "knobs"):
     raise ImportError(f"agoq.kernels needs a Triton with triton.knobs (Triton 3.6 and 3.8 are tested); found "
                       f"triton {triton.__version__}")

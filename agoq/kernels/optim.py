@@ -27,7 +27,7 @@ from agoq.kernels._pack import pack_plane as _pack_plane
 from agoq.kernels._quant_math import USE_PTX, _round_half_away_i32
 from agoq.kernels.quant import _encode_scale, _pow2_value, decode_block_values, saturate
 from agoq.ref.master import MASTER_NS
-from agoq.ref.optim import _check_pair, adamw_scalars, lion_scalars, sgd_scalars
+from agoq.ref.optim import adamw_scalars, check_pair, lion_scalars, sgd_scalars
 from agoq.ref.quant import QuantizedTensor
 
 __all__ = [
@@ -403,7 +403,7 @@ def _check_state(q: QuantizedTensor | None, numel: int) -> None:
 
 
 def _launch_step(opt, param, grad, master, s1, s2, scalars, *, has_wd=False, nesterov=False) -> None:
-    _check_pair(param, grad, master)
+    check_pair(param, grad, master)
     numel = param.numel()
     for q in (s1, s2):
         _check_state(q, numel)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from agoq.comm.reduce import check_grad_format
+from agoq.formats import uses_bytes_kernel
 
 __all__ = ["resolve_transport", "peer_problems"]
 
@@ -34,9 +35,7 @@ def _symmetric_memory_available() -> bool:
 
 
 def _one_byte_kernel(fmt: str) -> bool:
-    from agoq.kernels import _launch  # Triton: imported only for CUDA gradients
-
-    return _launch.uses_bytes_kernel(check_grad_format(fmt))
+    return uses_bytes_kernel(check_grad_format(fmt))
 
 
 def peer_problems(group, device: torch.device, fmt: str) -> list[str]:

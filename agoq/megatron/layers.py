@@ -74,7 +74,7 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from agoq.formats import QuantFormat
-from agoq.ops import saved_norm, saved_swiglu
+from agoq.ops import saved_norm, saved_swiglu  # noqa: F401 - their compile boundaries exist before prepare_all
 from agoq.ops.fp8_linear import fp8_linear
 from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState
 from agoq.ops.fp8_weight_cache import FP8WeightCache
@@ -492,9 +492,7 @@ class _AgoqLinearMixin:
 _eager_linear_forward_impl = eager_under_compile(
     _AgoqLinearMixin._forward_impl, "linear storing its input quantized or recomputed (autograd-node hooks, "
     "recompute hand-off) or running FP8 GEMMs")
-for _boundary in (_eager_linear_forward_impl, saved_norm._rmsnorm_saving_input_eager,
-                  saved_swiglu._swiglu_saving_input_eager, saved_swiglu._smooth_swiglu_saving_input_eager):
-    _boundary.prepare()  # built before any compilation: no extra graph break (eager_under_compile)
+eager_under_compile.prepare_all()  # built before any compilation: no extra graph break (the norm's, SwiGLU's too)
 
 
 class AgoqColumnParallelLinear(_AgoqLinearMixin, ColumnParallelLinear):

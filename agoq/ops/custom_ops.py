@@ -35,7 +35,7 @@ from torch import Tensor
 
 from agoq.formats import parse_format
 from agoq.ops.dispatch import quant_ops, swiglu_ops
-from agoq.ref.quant import _SCALE_DTYPES, QuantizedTensor
+from agoq.ref.quant import SCALE_DTYPES, QuantizedTensor
 
 __all__ = ["quantize", "dequantize", "swiglu_quantize", "dequant_swiglu", "dequant_swiglu_bwd", "swiglu",
            "swiglu_bwd", "fp8_cast_current", "fp8_cast_delayed"]
@@ -63,7 +63,7 @@ def _quant_sizes(fmt: str, numel):
     if not f.quantized:
         return numel * f.bits // 8, 0, torch.float32
     blocks = (numel + f.block - 1) // f.block
-    return blocks * f.block * f.bits // 8, blocks, _SCALE_DTYPES[f.scale]
+    return blocks * f.block * f.bits // 8, blocks, SCALE_DTYPES[f.scale]
 
 
 # ------------------------------------------------------------------------------- quantize ----

@@ -104,15 +104,23 @@ class eager_under_compile:  # noqa: N801 - used like the function it wraps
     ``torch.compiler.is_compiling()`` first, so eager calls pay nothing for this.
 
     The disabled wrapper is built by :meth:`prepare` (it imports ``torch._dynamo``, ~1.5 s, which agoq.ops
-    does not pay at import); ``agoq.megatron.layers`` prepares its boundaries at import (Megatron imports
-    dynamo anyway). One that was not prepared is built on its first call inside a compiled region, which
-    costs that first compilation one more graph break ("torch.compiler.disable() called inside a compiled
-    region"), never a wrong result."""
+    does not pay at import); ``agoq.megatron.layers`` prepares every boundary made so far at import
+    (:meth:`prepare_all`; Megatron imports dynamo anyway). One that was not prepared is built on its first
+    call inside a compiled region, which costs that first compilation one more graph break
+    ("torch.compiler.disable() called inside a compiled region"), never a wrong result."""
 
     __slots__ = ("fn", "reason", "_disabled")
+    made: list[eager_under_compile] = []  # every boundary, in the order the modules made them
 
     def __init__(self, fn: Callable, reason: str):
         self.fn, self.reason, self._disabled = fn, reason, None
+        eager_under_compile.made.append(self)
+
+    @classmethod
+    def prepare_all(cls) -> None:
+        """:meth:`prepare` every boundary made so far (those of the modules imported before the call)."""
+        for boundary in cls.made:
+            boundary.prepare()
 
     def prepare(self) -> Callable:
         if self._disabled is None:
@@ -251,7 +259,7 @@ class _Saved:
         raise NotImplementedError
 
 
-class _QuantizedSave(_Saved):
+class QuantizedSave(_Saved):
     def __init__(self, q: QuantizedTensor):
         self.q = q
 
@@ -284,7 +292,7 @@ def saved_input_handle(target: torch.Tensor, *, fmt: QuantFormat | None = None, 
     if stash is not None:
         _check_stash_feeds(stash, target)
         return _RecomputeSave(stash)
-    return _QuantizedSave(quantize_saved(target, fmt, key, counter))
+    return QuantizedSave(quantize_saved(target, fmt, key, counter))
 
 
 class quantized_saves:  # noqa: N801 - used as a function-style context manager: `with quantized_saves(...)`
@@ -316,11 +324,11 @@ class quantized_saves:  # noqa: N801 - used as a function-style context manager:
             self.hits += 1
             if self.stash is not None:
                 return _RecomputeSave(self.stash)
-            return _QuantizedSave(quantize_saved(t, self.fmt, self.key, self.counter))
+            return QuantizedSave(quantize_saved(t, self.fmt, self.key, self.counter))
         return t
 
     def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_saved)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_saved)
         self._hooks.__enter__()
         return self
 
@@ -341,7 +349,7 @@ class quantized_saves:  # noqa: N801 - used as a function-style context manager:
         return False
 
 
-def _unpack_saved(obj):
+def unpack_saved(obj):
     return obj.materialize() if isinstance(obj, _Saved) else obj
 
 
@@ -364,7 +372,7 @@ class _PackQuantized:
         self.fmt, self.key, self.counter = fmt, key, counter
 
     def __call__(self, t: torch.Tensor) -> _Saved:
-        return _QuantizedSave(quantize_saved(t, self.fmt, self.key, self.counter))
+        return QuantizedSave(quantize_saved(t, self.fmt, self.key, self.counter))
 
 
 class _PackRecompute:
@@ -417,4 +425,4 @@ def replace_saved_input(out: torch.Tensor, target: torch.Tensor, *, node_name: s
             f"node {node.name() if node is not None else None} with {len(raw)} saved tensors; the wrapped "
             "op changed (a megatron-core change): use a bf16 policy for this role or report it")
     raw[index].register_hooks(_PackQuantized(fmt, key, counter) if stash is None else _PackRecompute(stash),
-                              _unpack_saved)
+                              unpack_saved)

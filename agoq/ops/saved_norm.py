@@ -24,10 +24,10 @@ from agoq.ops.saved_act import (
     RecomputeStash,
     SavedBytesCounter,
     _Saved,
-    _unpack_saved,
     default_saved_hooks_active,
     eager_under_compile,
     quantize_saved,
+    unpack_saved,
 )
 
 __all__ = ["rmsnorm_saving_input", "rmsnorm_backward", "rmsnorm_recompute"]
@@ -161,8 +161,8 @@ def _hook_fused_norm_node(y_TH, x_TH, weight_H, eps, fmt, key, counter, check_id
             "function, and report it")
     stash = RecomputeStash(None, _norm_recompute(weight_H, eps))
     stash.output_ptr = y_TH.data_ptr()
-    raw_x.register_hooks(_PackNormInput(stash, fmt, key, counter), _unpack_saved)  # packs (quantizes) now
-    raw_rstd.register_hooks(_PackNormRstd(stash, weight_H, eps), _unpack_saved)
+    raw_x.register_hooks(_PackNormInput(stash, fmt, key, counter), unpack_saved)  # packs (quantizes) now
+    raw_rstd.register_hooks(_PackNormRstd(stash, weight_H, eps), unpack_saved)
     return stash
 
 

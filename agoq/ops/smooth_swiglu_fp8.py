@@ -68,7 +68,7 @@ SMOOTHING = ("per_token", "per_channel", "none")
 # tensor-wise GEMM (cuBLAS, as plain FP8) then y *= s in place (one pass over fc2's output). Both exact for a
 # power-of-two s up to the GEMM's rounding order (fp16 models always take "epilogue": the row-wise GEMM returns
 # bf16 only). A process-wide switch for benchmarks' A/B (the trainer's
-# AGOQ_SMOOTH_UNSMOOTH, agoq.megatron.train.environment), as agoq.kernels._fastlaunch.set_fast_launch.
+# AGOQ_SMOOTH_UNSMOOTH, agoq.megatron.train.environment), as agoq.kernels.fastlaunch.set_fast_launch.
 UNSMOOTH_MODES = ("gemm", "epilogue")
 _unsmooth = "gemm"
 

@@ -165,7 +165,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         return {
             name: QuantizedTensor(state[f"{name}.codes"], state[f"{name}.scales"], fmt, p.shape, torch.float32)
-            for name, fmt in _parse_formats(state["formats"])
+            for name, fmt in parse_formats(state["formats"])
         }
 
     def fp32_master(self, p: torch.Tensor) -> torch.Tensor:
@@ -284,7 +284,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
 
 
 @functools.lru_cache(maxsize=64)
-def _parse_formats(formats: str) -> tuple[tuple[str, QuantFormat], ...]:
+def parse_formats(formats: str) -> tuple[tuple[str, QuantFormat], ...]:
     """state["formats"] ("exp_avg=cint8_b32;...;master=split24") -> the (name, format) of each state."""
     items = (item.split("=") for item in formats.split(";"))
     return tuple((name, parse_format(fmt)) for name, fmt in items if name != "master")

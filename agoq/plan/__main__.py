@@ -49,10 +49,11 @@ from agoq.cli.flags import build_parser as trainer_parser
 from agoq.cli.seqpar_args import sequence_parallel_problem
 from agoq.config import AgoqConfig, float_grads_mismatch, torch_optimizer_state_refusal
 from agoq.plan import capacity, launch
-from agoq.plan.memory import GIB, Layout, ModelShape
+from agoq.plan.memory import GIB, Layout
 from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report, grad_bytes_per_param
 from agoq.plan.recipe import recipe_of
 from agoq.plan.request import AGOQ_FLAGS, PlanRequest, flag_name
+from agoq.plan.shape import ModelShape
 from agoq.plan.storage import check_requests_on_model, sequence_parallel_note
 from agoq.policy import ScheduleInfo, load_policy
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agoq.plan.fp8 import saved_delta_bytes
+from agoq.plan.shape import ModelShape
 from agoq.plan.storage import (
     BF16_BYTES,
     FP32_BYTES,
@@ -35,21 +36,6 @@ WEIGHT_BYTES = BF16_BYTES
 GRAD_BYTES = FP32_BYTES  # Megatron main_grad with grad_reduce_in_fp32 (bf16 default)
 OPTIM_BYTES = 3 * FP32_BYTES  # fp32 master weight + Adam exp_avg + exp_avg_sq
 GIB = 2**30
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
-    vocab_size: int
-
-    def layer_params(self) -> int:
-        h, d = self.hidden_size, self.hidden_size // self.num_attention_heads
-        qkv = h * d * (self.num_attention_heads + 2 * self.num_query_groups)
-        return qkv + h * h + 3 * h * self.ffn_hidden_size + 2 * h
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,8 @@ from dataclasses import dataclass, replace
 
 from agoq.formats import parse_format
 from agoq.plan.fp8 import fp8_persistent_bytes
-from agoq.plan.memory import GIB, Layout, ModelShape, layer_storage_of, plan_stages, stage_layers
+from agoq.plan.memory import GIB, Layout, layer_storage_of, plan_stages, stage_layers
+from agoq.plan.shape import ModelShape
 from agoq.plan.storage import BF16_BYTES, FP32_BYTES, QUANTIZED, RECOMPUTED, LayerDims
 from agoq.policy import FP8Spec, PolicySpec
 

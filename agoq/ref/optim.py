@@ -112,7 +112,7 @@ def sgd_scalars(*, lr, momentum, weight_decay) -> SGDScalars:
     return SGDScalars(momentum=f32(momentum), weight_decay=f32(weight_decay), lr=f32(lr))
 
 
-def _check_pair(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor | None) -> None:
+def check_pair(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor | None) -> None:
     if not param.is_contiguous() or grad.numel() != param.numel():
         raise ValueError(
             f"param must be contiguous with grad of the same numel (param {tuple(param.shape)}, "
@@ -175,7 +175,7 @@ def ref_adamw_step(
     step: int,
 ) -> None:
     """One AdamW step (decoupled weight decay) of one tensor, in place."""
-    _check_pair(param, grad, master)
+    check_pair(param, grad, master)
     s = adamw_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
     g = grad.reshape(-1).to(torch.float32)
     theta = load_master(param, master)
@@ -200,7 +200,7 @@ def ref_lion_step(
     weight_decay: float,
 ) -> None:
     """One Lion step (Chen et al. 2023, arXiv 2302.06675; decoupled decay) of one tensor, in place."""
-    _check_pair(param, grad, master)
+    check_pair(param, grad, master)
     s = lion_scalars(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
     g = grad.reshape(-1).to(torch.float32)
     theta = load_master(param, master)
@@ -224,7 +224,7 @@ def ref_sgd_step(
     nesterov: bool,
 ) -> None:
     """One SGD step (torch.optim.SGD semantics, dampening 0; buffer None iff momentum == 0)."""
-    _check_pair(param, grad, master)
+    check_pair(param, grad, master)
     if (momentum_buffer is None) != (momentum == 0.0):
         raise ValueError("pass a momentum_buffer exactly when momentum != 0")
     s = sgd_scalars(lr=lr, momentum=momentum, weight_decay=weight_decay)

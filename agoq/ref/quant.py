@@ -42,7 +42,7 @@ __all__ = [
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "pow2": torch.uint8}
+SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "pow2": torch.uint8}
 _PLAIN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 POW2_NAN_BYTE = 255  # biased exponent byte that encodes a NaN scale (exponents use 1..254)
 POW2_MIN_EXP, POW2_MAX_EXP = -126, 127  # normal fp32 powers of two: the kernel builds them from bits
@@ -247,7 +247,7 @@ def ref_quantize(x: torch.Tensor, fmt: QuantFormat | str, *, seed: int | None = 
     if fmt.scale == "pow2":
         stored = torch.where(bad, POW2_NAN_BYTE, stored.to(torch.int32)).to(torch.uint8)
     else:
-        stored = torch.where(bad, float("nan"), stored.to(torch.float32)).to(_SCALE_DTYPES[fmt.scale])
+        stored = torch.where(bad, float("nan"), stored.to(torch.float32)).to(SCALE_DTYPES[fmt.scale])
     return QuantizedTensor(codes, stored, fmt, x.shape, x.dtype)
 
 

@@ -13,8 +13,9 @@ import pytest
 from agoq.config import FP8_FLAGS, AgoqConfig
 from agoq.megatron.train.args import add_compute_flags
 from agoq.plan import memory, peak
-from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
+from agoq.plan.memory import GIB, Layout, plan_stages
 from agoq.plan.peak import Recipe, predict_peaks
+from agoq.plan.shape import ModelShape
 from agoq.policy import FP8Spec, load_policy
 from tests.megatron._bench_scripts import load_bench_script
 

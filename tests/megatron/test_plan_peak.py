@@ -16,8 +16,9 @@ import pytest
 
 from agoq.formats import parse_format
 from agoq.plan import peak
-from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
+from agoq.plan.memory import GIB, Layout, plan_stages
 from agoq.plan.peak import Recipe, predict_peaks
+from agoq.plan.shape import ModelShape
 from agoq.plan.storage import LayerDims, head_saved_bytes
 from agoq.policy import load_policy
 from tests.megatron._bench_scripts import load_bench_script

@@ -24,17 +24,17 @@ def test_launch_from_torchrun_variables_and_without_them():
 
 @pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False)])
 def test_fast_launch_switch_is_applied_by_the_trainer(value, enabled):
-    from agoq.kernels import _fastlaunch
+    from agoq.kernels import fastlaunch
     from agoq.megatron.train.environment import FAST_LAUNCH_ENV, apply_kernel_switches
 
-    previous = _fastlaunch.fast_launch_enabled()
+    previous = fastlaunch.fast_launch_enabled()
     try:
         apply_kernel_switches({} if value is None else {FAST_LAUNCH_ENV: value})
-        assert _fastlaunch.fast_launch_enabled() is enabled
+        assert fastlaunch.fast_launch_enabled() is enabled
         with pytest.raises(ValueError, match=FAST_LAUNCH_ENV):  # "false" used to leave it on without a word
             apply_kernel_switches({FAST_LAUNCH_ENV: "false"})
     finally:
-        _fastlaunch.set_fast_launch(previous)
+        fastlaunch.set_fast_launch(previous)
 
 
 @pytest.mark.parametrize("value, mode", [(None, "gemm"), ("gemm", "gemm"), ("epilogue", "epilogue")])
@@ -70,10 +70,10 @@ def test_plain_swiglu_fusion_switch_is_applied_by_the_trainer(value, enabled):
 def test_library_modules_ignore_the_environment_at_import():
     """With every variable set, importing the kernels' launcher and the plugin's runtime changes nothing: only
     the trainer's calls above carry them in."""
-    code = ("from agoq.kernels import _fastlaunch\n"
+    code = ("from agoq.kernels import fastlaunch\n"
             "from agoq.megatron import runtime\n"
             "from agoq.ops import smooth_swiglu_fp8\n"
-            "assert _fastlaunch.fast_launch_enabled()\n"
+            "assert fastlaunch.fast_launch_enabled()\n"
             "assert smooth_swiglu_fp8.plain_swiglu_fusion() and smooth_swiglu_fp8.unsmooth_mode() == 'gemm'\n"
             "assert runtime.SINGLE_PROCESS.world_size == 1\n")
     env = child_env(AGOQ_TRITON_FAST_LAUNCH="0", AGOQ_FP8_SWIGLU_FUSION="0", AGOQ_SMOOTH_UNSMOOTH="epilogue",

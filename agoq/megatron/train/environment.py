@@ -6,7 +6,7 @@ the trainer reads it here and passes what it found in:
 * torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_ADDR`` -> :class:`agoq.megatron.runtime.LaunchInfo`
   (:func:`launch_from_environment`), given to ``runtime.init_distributed`` and ``runtime.choose_device``;
 * ``AGOQ_TRITON_FAST_LAUNCH=0`` (Triton's own launch path instead of agoq's direct launches, the escape hatch of
-  agoq.kernels._fastlaunch) -> ``set_fast_launch`` (:func:`apply_kernel_switches`);
+  agoq.kernels.fastlaunch) -> ``set_fast_launch`` (:func:`apply_kernel_switches`);
 * ``AGOQ_SMOOTH_UNSMOOTH=epilogue`` (per-token Smooth-SwiGLU fused with an FP8 fc2: un-smooth after a tensor-wise
   GEMM instead of inside a row-wise one; benchmarks' A/B) -> ``agoq.ops.smooth_swiglu_fp8.set_unsmooth_mode``
   (:func:`apply_kernel_switches`);
@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from agoq.kernels._fastlaunch import set_fast_launch
+from agoq.kernels.fastlaunch import set_fast_launch
 from agoq.megatron.runtime import LaunchInfo
 from agoq.ops.smooth_swiglu_fp8 import set_plain_swiglu_fusion, set_unsmooth_mode
 

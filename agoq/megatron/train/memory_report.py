@@ -21,9 +21,10 @@ from agoq.config import AgoqConfig
 from agoq.megatron import runtime
 from agoq.megatron.install import runs_on_cpu
 from agoq.ops.smooth_swiglu_fp8 import plain_swiglu_fusion
-from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
+from agoq.plan.memory import GIB, Layout, plan_stages
 from agoq.plan.peak import Recipe, StagePeak, format_peaks, grad_bytes_per_param, predict_peaks
 from agoq.plan.recipe import recipe_of
+from agoq.plan.shape import ModelShape
 from agoq.plan.storage import sequence_parallel_note
 
 
