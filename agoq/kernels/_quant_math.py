@@ -125,7 +125,7 @@ def _nf4_code(p, nf4_lut_ptr):
     p is clamped to [-1, 1] first (every midpoint lies inside, so the code is unchanged): an fp16
     scale can round below absmax (subnormal scales lose up to a third, |p| < 1.5), and an unclamped
     p < -1.0625 made 16 p + 16 negative, which the unsigned clamp sent to the top bucket, i.e. code
-    15 (+1) for the most negative element (issue 21). NaN p (non-finite blocks, whose codes are
+    15 (+1) for the most negative element. NaN p (non-finite blocks, whose codes are
     replaced) clamps to a finite value, as fmax / fmin return the non-NaN operand.
     """
     pc = tl.minimum(tl.maximum(p, -1.0), 1.0)

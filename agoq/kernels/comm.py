@@ -250,7 +250,7 @@ _KERNELS = {w: (FastKernel(_quantize_rows_kernel, num_warps=w, enable_fp_fusion=
 # the peer transport's reduce and dequantize launchers by name (agoq.testing.xcompile compiles their variants)
 _PEER_REDUCE, _PEER_DEQUANTIZE = _KERNELS[PEER_NUM_WARPS][1], _KERNELS[PEER_NUM_WARPS][2]
 # FastKernel: direct launches of the compiled kernels (agoq.kernels.fastlaunch; every parameter positional, in
-# signature order). A reduction issues 3-5 of these per chunk and the peer transport has no NCCL call to hide
+# signature order). A reduction launches 3-5 of these per chunk and the peer transport has no NCCL call to hide
 # host time behind: Triton's own dispatch (~40 us a launch) set the floor at small sizes.
 
 

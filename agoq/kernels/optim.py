@@ -97,7 +97,7 @@ def _half_ulp_exp(narrow_f32, MANT: tl.constexpr, E_MIN: tl.constexpr):
 def _rho_exact(e, N: tl.constexpr):
     """round_half_away(e * N) of the exact product (agoq.ref.master.remainder_of), |e| <= 1, N = 2**K - 1.
 
-    fl(e * N) can round onto a .5 tie the exact product lies below (issue 21). N = 2**K - 1, so
+    fl(e * N) can round onto a .5 tie the exact product lies below. N = 2**K - 1, so
     e * N = a - e with a = e * 2**K exact; y = fl(a - e) is the same rounded value, and Fast2Sum
     (|a| >= |e|) gives its exact error t = (a - y) - e, so e * N = y + t exactly. y's rounding to an integer
     is wrong only on a tie (|y| - |r| == -0.5, exact) whose true value is nearer zero (t of the other

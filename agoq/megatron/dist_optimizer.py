@@ -7,8 +7,8 @@ Touches: ``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer`` (sub
   gradients (``--agoq-grads`` store mode) ``_copy_model_grads_to_main_grads`` / ``clip_grad_norm``: the
   shards are read from the 8-bit store one parameter at a time, agoq/megatron/grad_reader.py), its
   precision-aware mode (``OptimizerConfig.use_precision_aware_optimizer`` and
-  ``use_precision_aware_optimizer_no_fp8_or_ds_fp8`` set after the config is built, as measured in
-  shared/spec/megatron.md §1.4), ``ProcessGroupCollection.setup_process_groups_for_optimizer``, and
+  ``use_precision_aware_optimizer_no_fp8_or_ds_fp8`` set after the config is built, measured on
+  megatron-core 0.19.2), ``ProcessGroupCollection.setup_process_groups_for_optimizer``, and
   the optimizer-driven buffer layout (``DistributedDataParallel(full_param_layout=...)``,
   ``param_layout.FullParamLayout`` / ``PerBufferParamLayout``, ``group_params_for_buffers``).
 Why: Megatron already reduce-scatters gradients into per-rank shards of its flat buffers and
@@ -17,8 +17,7 @@ Why: Megatron already reduce-scatters gradients into per-rank shards of its flat
   ``.decoupled_grad`` and keeps no fp32 main copy, so agoq's states (split-master remainder,
   companded moments) exist for this rank's shard only and nothing else is duplicated:
   per rank, 2 (bf16 params) + grads + (1 + 1.0625 + 1.0625) / d bytes per parameter for FlashAdamW.
-  Megatron's own checkpoint formats require every state to have the shard's numel (megatron.md
-  §1.4), which codes + scales do not; so the two checkpoint methods are replaced (below).
+  Megatron's own checkpoint formats require every state to have the shard's numel, which codes + scales do not; so the two checkpoint methods are replaced (below).
 Shard alignment (quantization groups never straddle a shard boundary): :func:`aligned_full_param_layout`
   pads each param's start to ``align`` elements and each bucket's end to a multiple of
   ``dp * align``, so every rank's shard of every param starts at a multiple of ``align`` inside the

@@ -1,6 +1,6 @@
 """Gradient release in agoq's Megatron path (``--agoq-gradient-release``): each parameter is stepped by
 agoq's optimizer inside its post-accumulate-grad hook and its gradient freed, so no gradient buffer
-exists and at most about one parameter's gradient is alive (../shared/spec/algorithms.md §1.5).
+exists and at most about one parameter's gradient is alive (FlashOptim, arXiv 2602.23349).
 
 Seam card
 ---------

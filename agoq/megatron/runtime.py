@@ -6,7 +6,7 @@ Touches: ``parallel_state.initialize_model_parallel`` / ``destroy_model_parallel
   ``tensor_parallel.model_parallel_cuda_manual_seed`` (public functions; its ``use_cudagraphable_rng`` with CUDA
   graphs).
 Why: ``megatron.training.initialize_megatron`` asserts CUDA and skips model-parallel set-up without a
-  GPU (../shared/spec/megatron.md 1.5), so agoq initialises megatron-core itself: NCCL on GPU, gloo on CPU.
+  GPU (megatron-core 0.19.2), so agoq initialises megatron-core itself: NCCL on GPU, gloo on CPU.
 Verified on: megatron-core 0.19.2.
 Guarded by: every multi-process test in ``tests/megatron``.
 
@@ -111,7 +111,7 @@ def init_model_parallel(layout: ParallelLayout, seed: int, device: torch.device,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
     )
-    # CPU: the default tracker snapshots CUDA RNG state; the inference tracker does not (../shared/spec/megatron.md 2).
+    # CPU: the default tracker snapshots CUDA RNG state; the inference tracker does not.
     # force_reset_rng: a tracker some earlier call made with the defaults would otherwise stay (not graph-safe)
     graph_safe = {"use_cudagraphable_rng": True, "force_reset_rng": True} if cuda_graphs else {}
     rank_seed = stage_seed(seed, parallel_state.get_pipeline_model_parallel_rank())

@@ -19,7 +19,7 @@ calls. Formats travel as their canonical names (``QuantFormat.name``; ``parse_fo
 
 ``swiglu_quantize`` is the saved-activation SwiGLU as one differentiable op: it keeps only the codes for
 backward, whose gradient is ``dequant_swiglu_bwd`` at the dequantized fc1 output (agoq's storage semantics,
-../shared/spec/algorithms.md §3.2), not at the exact one. In the FP8 casts an output that was not asked for
+arXiv 2605.00539), not at the exact one. In the FP8 casts an output that was not asked for
 (``rowmajor`` / ``transposed`` False) is an empty fp8 tensor (a custom op returns tensors); :func:`fp8_cast_current`
 and :func:`fp8_cast_delayed` give it back as None, as the eager casts do. ``workspace`` (the kernel's amax
 accumulator, zero on entry and exit) is declared mutated.

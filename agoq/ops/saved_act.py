@@ -8,7 +8,7 @@ kept for backward is quantized (agoq formats, :mod:`agoq.formats`). Three pieces
   op, matching that tensor by identity): the input is stored as a quantized copy or a recompute
   handle; every other saved tensor (the weight) is left alone.
 - :class:`RecomputeStash`, for the ops that store only their *input*, quantized, and recompute in backward
-  (AGoQ, ../shared/spec/algorithms.md §3.2): ``rmsnorm_saving_input`` (:mod:`agoq.ops.saved_norm`) and
+  (AGoQ, arXiv 2605.00539): ``rmsnorm_saving_input`` (:mod:`agoq.ops.saved_norm`) and
   ``swiglu_saving_input`` / ``smooth_swiglu_saving_input`` (:mod:`agoq.ops.saved_swiglu`). Their output can be
   handed to the next linear as a stash, so that linear stores nothing: its input is rebuilt from the same
   quantized tensor (norm -> QKV / fc1, SwiGLU -> fc2).

@@ -65,7 +65,7 @@ DEFAULT_BUDGET_GIB = 80  # without --memory-budget and without a GPU nvidia-smi 
 # the planner's layout defaults where neither the flags nor the --config file set a value (trainer flag names)
 LAYOUT_DEFAULTS = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "dp": 1, "micro_batch_size": 1,
                    "global_batch_size": 1, "seq_length": 2048, "use_distributed_optimizer": False}
-# the planner's flags before it took the trainer's (2026-12, issue 42): each is named with its replacement
+# the planner's flags before it took the trainer's (2026-12): each is named with its replacement
 RENAMED = {"--model": "--config", "--tp": "--tensor-model-parallel-size", "--pp": "--pipeline-model-parallel-size",
            "--mbs": "--micro-batch-size", "--gbs": "--global-batch-size", "--seq": "--seq-length",
            "--vpp": "--num-layers-per-virtual-pipeline-stage (layers per virtual stage, as the trainer counts)",

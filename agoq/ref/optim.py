@@ -11,7 +11,7 @@ updates one tensor in place:
     states   agoq.ref.quant.QuantizedTensor of any agoq format (fp32 / bf16 / cint8_b32 /
              cuint8_b32 / fp8e4m3_b128 / int4_b32 ...), updated in place (codes and scales)
 
-Update math (../shared/spec/algorithms.md §1.4; FlashOptim Alg. 4 / App. A; torch.optim.AdamW / SGD): every
+Update math (FlashOptim, arXiv 2602.23349, Alg. 4 / App. A; torch.optim.AdamW / SGD): every
 line is one IEEE fp32 operation per element (no fused multiply-add), in exactly this order, so the
 Triton kernel can reproduce it. Scalars are rounded to fp32 once, in :func:`adamw_scalars` etc.
 

@@ -207,7 +207,7 @@ def static_breakdown_gib(model_chunks, optimizer) -> dict[str, float]:
     numel = max(sum(p.numel() for p in {id(p): p for p in params}.values()), 1)
     return {"weights_gib": weights / GIB, "grads_gib": grads / GIB, "optimizer_gib": optim / GIB,
             # per parameter of this rank's model chunks (padding of Megatron's buffers included): with
-            # the distributed optimizer the optimizer term is this rank's shard only (../shared/spec/anchors.md §3.1)
+            # the distributed optimizer the optimizer term is this rank's shard only
             "weights_bytes_per_param": weights / numel, "grads_bytes_per_param": grads / numel,
             "optimizer_bytes_per_param": optim / numel}  # fmt: skip
 

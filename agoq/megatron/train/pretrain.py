@@ -73,7 +73,7 @@ def _print_stage_first(text: str | None) -> None:
 
 
 class Progress:
-    """Rank 0's start-up progress lines (issue 21: setup was silent for minutes): ``setup [  12.3 s]: what``,
+    """Rank 0's start-up progress lines (without them setup was silent for minutes): ``setup [  12.3 s]: what``,
     seconds since pretrain() began, printed before each slow phase."""
 
     def __init__(self):
@@ -382,7 +382,7 @@ def _log_iteration(args, info, parts: Components, result, iteration, consumed, s
               "host_steal_cpu_seconds": result.steal_seconds, "host_enqueue_seconds": result.enqueue_seconds,
               "host_threads": result.threads, "gc_collections": result.gc_collections,
               "gc_seconds": result.gc_seconds, **memory}
-    if args.log_fc2_amax:  # issue 27's outlier proxy (this rank's FP8 layers: the last pipeline stage's)
+    if args.log_fc2_amax:  # the FP8 fc2-input outlier proxy (this rank's FP8 layers: the last pipeline stage's)
         record.update(fc2_input_amax(parts.model))
     tensorboard.log_iteration(record)
     if args.log_json:

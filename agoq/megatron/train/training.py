@@ -8,7 +8,7 @@ Touches: ``get_forward_backward_func`` (schedule choice), ``finalize_model_grads
   ``--overlap-param-gather`` DDP's ``start_param_sync`` (the interleaved schedule's ``param_sync_func``) and
   ``disable_forward_pre_hook(param_sync=True)`` / ``enable_forward_pre_hook`` (:class:`ParamGather`).
 Why: the shape of Megatron's ``pretrain_gpt.py`` / ``training.train_step``, rebuilt on megatron.core
-  because ``megatron.training.pretrain`` is GPU-only in 0.19.2 (../shared/spec/megatron.md 1.5).
+  because ``megatron.training.pretrain`` is GPU-only in 0.19.2 (it asserts CUDA).
 Verified on: megatron-core 0.19.2.
 Guarded by: ``tests/megatron/test_pretrain_script.py`` (loss falls), ``tests/megatron/test_layouts.py``
   (PP=2 1F1B and interleaved; DDP with and without the distributed optimizer, ``--overlap-param-gather``) and
