@@ -17,7 +17,8 @@ Why: Megatron already reduce-scatters gradients into per-rank shards of its flat
   ``.decoupled_grad`` and keeps no fp32 main copy, so agoq's states (split-master remainder,
   companded moments) exist for this rank's shard only and nothing else is duplicated:
   per rank, 2 (bf16 params) + grads + (1 + 1.0625 + 1.0625) / d bytes per parameter for FlashAdamW.
-  Megatron's own checkpoint formats require every state to have the shard's numel, which codes + scales do not; so the two checkpoint methods are replaced (below).
+  Megatron's own checkpoint formats require every state to have the shard's numel, which codes + scales
+  do not; so the two checkpoint methods are replaced (below).
 Shard alignment (quantization groups never straddle a shard boundary): :func:`aligned_full_param_layout`
   pads each param's start to ``align`` elements and each bucket's end to a multiple of
   ``dp * align``, so every rank's shard of every param starts at a multiple of ``align`` inside the

@@ -5,8 +5,8 @@ What this module adds:
 
 * :class:`SmoothSwiGLUFunction` ``(fc1_out, s) -> z``: saves ``fc1_out`` and **the scale used in
   forward**; backward uses that same s (never recomputed from a possibly re-materialised or
-  dequantized fc1_out: the forward's scale is the one its gradient needs). s is a constant for autograd (the authors' 7B script
-  detaches it, ``DETACH_SCALED_SWIGLU=true``; the composition does not depend on s, so its exact
+  dequantized fc1_out: the forward's scale is the one its gradient needs). s is a constant for autograd (the
+  authors' 7B script detaches it, ``DETACH_SCALED_SWIGLU=true``; the composition does not depend on s, so its exact
   gradient is zero anyway).
 * :func:`smooth_scale` with a ``tp_group``: the per-token max is taken over the *local* FFN shard, so
   with TP > 1 it is all-reduced (MAX) across the TP ranks before use; then every rank's z uses the
