@@ -20,7 +20,7 @@ import copy
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from agoq.config import AgoqConfig, parse_moments
 from agoq.megatron import grad_reader
@@ -114,6 +114,14 @@ def build_agoq_optimizer(agoq_config: AgoqConfig, config: OptimizerConfig, model
             # backward like every later one (see keep_autograd_grad_dtype)
             keep_autograd_grad_dtype([p for g in inner.param_groups for p in g["params"]
                                       if getattr(p, "main_grad", None) is not None and p.main_grad.dtype != p.dtype])
+    return optimizer
+
+
+def build_megatron_optimizer(config: OptimizerConfig, model_chunks: list):
+    """Megatron's own optimizer (``--agoq-optimizer torch``: Megatron's Adam) over ``model_chunks``, with the reader of
+    agoq's 8-bit gradient store attached where the distributed optimizer needs it (agoq.megatron.grad_reader)."""
+    optimizer = get_megatron_optimizer(config, model_chunks)
+    grad_reader.attach(optimizer, model_chunks)  # 8-bit gradient store + distributed optimizer: shard reads
     return optimizer
 
 

@@ -15,7 +15,6 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from agoq.config import AgoqConfig
 from agoq.megatron import runtime
@@ -214,10 +213,9 @@ def static_breakdown_gib(model_chunks, optimizer) -> dict[str, float]:
 
 def measured_report(device, iteration: int, breakdown: dict[str, float] | None = None) -> str | None:
     """Gather every stage's reading (+ its static breakdown) to global rank 0; the text there, None elsewhere."""
-    first = (parallel_state.get_tensor_model_parallel_rank() == 0
-             and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)
+    first = runtime.speaks_for_stage()
     reading = dict(runtime.memory_reading(device), **(breakdown or {}))
-    mine = (parallel_state.get_pipeline_model_parallel_rank(), reading) if first else None
+    mine = (runtime.pipeline_rank(), reading) if first else None
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() != 0:
