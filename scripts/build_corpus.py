@@ -1,10 +1,10 @@
-"""Build the Debian-docs English corpus (agoq.data.debdocs) as JSONL, ready for prepare_data.py.
+"""Build the Debian-docs English corpus (scripts/debdocs.py) as JSONL, ready for prepare_data.py.
 
     python scripts/build_corpus.py --out data/debdocs.jsonl            # downloads ~73 MB once (cached)
     python scripts/prepare_data.py --input data/debdocs.jsonl --vocab-size 32000 \
         --output-prefix data/debdocs --workers 2
 
-Packages are pinned by sha256 (see agoq/data/debdocs.py); the JSONL is byte-identical across rebuilds.
+Packages are pinned by sha256 (see scripts/debdocs.py); the JSONL is byte-identical across rebuilds.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from agoq.data.debdocs import PACKAGES, iter_documents
+from debdocs import PACKAGES, iter_documents  # beside this script (corpus building is no part of the agoq package)
+
 from agoq.megatron.train.data import default_cache_dir
 
 

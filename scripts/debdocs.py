@@ -1,4 +1,4 @@
-"""A ~100 MB English corpus for convergence runs, rebuilt from pinned Debian packages.
+"""A ~100 MB English corpus for convergence runs, rebuilt from pinned Debian packages (scripts/build_corpus.py).
 
 Why this corpus: the convergence benchmark needs >= 20M tokens of real, mostly natural
 English, and the build machines reach only the Python package index and the Debian/Ubuntu archives
