@@ -6,7 +6,7 @@ parameter at a time (``QuantizedOptimizer.step_param``), so with 8-bit gradients
 that: the reader dequantizes one parameter's reduced gradient, the clip factor is applied to it, the
 parameter is stepped and the fp32 copy is dropped. Transient float memory: the largest parameter.
 
-Hook (agoq/megatron/optimizer.py): ``AgoqMegatronOptimizer.grad_reader``; when set, its
+Hook (agoq/megatron/megatron_optimizer.py): ``AgoqMegatronOptimizer.grad_reader``; when set, its
 ``prepare_grads`` / ``clip_grad_norm`` / ``step_with_ready_grads`` call :func:`prepare_grads`,
 :func:`clip_grad_norm` and :func:`step_with_ready_grads` here. :func:`attach` sets it.
 
