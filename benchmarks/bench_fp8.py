@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_fp8_host, fp8_shapes (also when run in-process)
 
 from bench_fp8_host import print_host  # noqa: E402
 from bench_fp8_host import run as run_host_section  # noqa: E402

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # fp8_shapes (also when run in-process)
 
 from fp8_shapes import FFNS, LLAMA_1B, linear_shapes  # noqa: E402
 
@@ -279,5 +280,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())

@@ -12,13 +12,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-from debdocs import PACKAGES, iter_documents  # beside this script (corpus building is no part of the agoq package)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # debdocs beside it (also when run in-process)
 
-from agoq.megatron.train.data import default_cache_dir
+from debdocs import PACKAGES, iter_documents  # noqa: E402 - corpus building is no part of the agoq package
+
+from agoq.megatron.train.data import default_cache_dir  # noqa: E402
 
 
 def main(argv=None) -> int:
