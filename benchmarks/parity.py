@@ -51,7 +51,16 @@ _TIMING_KEYS = {"step_seconds", "tokens_per_second", "tflops_per_gpu", "host_ste
                 "host_enqueue_seconds", "host_threads", "gc_collections", "gc_seconds", "rss_gib"}
 # printed lines that carry times, paths, free disk or host memory
 _VOLATILE = re.compile(r"^(W\d{4}|iteration\s|measured memory|setup \[|done:|data:|--save |saved checkpoint|"
-                       r"loaded checkpoint|versions:|\s*$)|elapsed|GiB free|rss")
+                       r"loaded checkpoint|versions:|\s*$)|elapsed|GiB free|rss|"
+                       # printed on resume when the policy file's path differs from the one saved (another checkout);
+                       # the policy table itself is compared in the first half's output
+                       r"the resolved policy table differs from the checkpoint's")
+
+
+def _canon(line: str) -> str:
+    """A printed line with this checkout's and this interpreter's paths replaced (compare may run elsewhere)."""
+    line = line.replace(sys.prefix, "<VENV>").replace("<REPO>/.venv", "<VENV>")
+    return line.replace(str(REPO), "<REPO>")
 
 
 def _clean_json(line: str) -> dict:
@@ -69,7 +78,7 @@ def _stable_stdout(text: str, paths: list[str]) -> list[str]:
             continue
         for path in paths:
             line = line.replace(path, "<DIR>")
-        lines.append(line.replace(str(REPO), "<REPO>"))
+        lines.append(_canon(line))
     return lines
 
 
@@ -125,6 +134,9 @@ def record(root: Path, names: list[str]) -> None:
 
 
 def _diff(name: str, key: str, old, new) -> list[str]:
+    if key.endswith("stdout"):
+        old = [_canon(x) for x in old if not _VOLATILE.search(x)]
+        new = [_canon(x) for x in new]
     if old == new:
         return []
     to_lines = (lambda v: v) if isinstance(old, list) and all(isinstance(x, str) for x in old) else \
@@ -134,7 +146,7 @@ def _diff(name: str, key: str, old, new) -> list[str]:
 
 def compare(root: Path, names: list[str]) -> int:
     problems: list[str] = []
-    work = root / "compare"
+    work = root / f"compare-{os.getpid()}"  # several checkouts may compare against one record at once
     for name in names:
         old = json.loads((root / f"{name}.json").read_text())
         new = run_setting(name, work, root / "ckpt" / name, fresh=False)
