@@ -314,7 +314,7 @@ class KernelsConfig:
     library code reads it from here, never from the environment."""
 
     fast_launch: bool = True
-    """agoq's direct launches of compiled Triton kernels (agoq.kernels._fastlaunch); False: Triton's own launch path
+    """agoq's direct launches of compiled Triton kernels (agoq.kernels.fastlaunch); False: Triton's own launch path
     (the escape hatch; the same kernels). Applied by ``agoq.megatron.install.install`` (undone by its handle)."""
 
     fuse_swiglu_fp8: bool = True

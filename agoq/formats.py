@@ -46,7 +46,7 @@ UNQUANTIZED_VARIANTS = {"bf16": 16, "fp16": 16, "fp32": 32}
 SCALE_BYTES = {"fp32": 4, "fp16": 2, "pow2": 1}
 
 # Largest finite magnitudes of the OCP FP8 formats as implemented by torch.float8_e4m3fn /
-# torch.float8_e5m2 and H100 (Gaudi2's IEEE-style E4M3 stops at 240; ../shared/spec/algorithms.md §2.1).
+# torch.float8_e5m2 and H100 (Gaudi2's IEEE-style E4M3 stops at 240; arXiv 2409.12517).
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 
 # NF4 codebook, QLoRA (Dettmers et al., arXiv 2305.14314, Appendix E / bitsandbytes): normalised
@@ -227,6 +227,12 @@ class QuantFormat:
 def _check_numel(numel: int) -> None:
     if not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+
+
+def uses_bytes_kernel(fmt: QuantFormat) -> bool:
+    """One whole byte per code, rounded to nearest (fp8, int8 nearest): the formats agoq's byte-code kernels
+    take (the quantize / reduce fast path of agoq.kernels.quant and agoq.kernels.comm, the peer transports)."""
+    return fmt.kind == "fp8" or (fmt.kind == "int" and fmt.bits == 8 and fmt.rounding == "nearest")
 
 
 def parse_format(name: str | QuantFormat) -> QuantFormat:

@@ -53,6 +53,11 @@ import torch.nn.functional as F
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_fp8_host, fp8_shapes (also when run in-process)
+
+from bench_fp8_host import print_host  # noqa: E402
+from bench_fp8_host import run as run_host_section  # noqa: E402
+from fp8_shapes import FFNS, LLAMA_1B, linear_shapes  # noqa: E402
 
 from agoq.ops.fp8_linear import fp8_linear  # noqa: E402
 from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState  # noqa: E402
@@ -60,8 +65,6 @@ from agoq.ops.fp8_weight_cache import FP8WeightCache  # noqa: E402
 from agoq.ops.saved_swiglu import swiglu_reference  # noqa: E402
 from agoq.ops.smooth_swiglu import glu_smooth_scale, unsmooth_fc2_output  # noqa: E402
 
-LLAMA_1B = dict(hidden=2048, heads=32, kv_heads=8, head_dim=64)  # Llama-3.2-1B attention
-FFNS = (5632, 8192)  # LLaMA's 8/3 ratio (5632 = 2.75 x 2048) and Llama-3.2-1B's 8192
 LINEAR_MODES = ("bf16", "fp8_delayed", "fp8_current", "fp8_rowwise", "fp8_delayed_uncached", "gemm_fp8")
 PROFILE_MODES = ("bf16", "fp8_delayed", "fp8_current", "fp8_rowwise", "fp8_delayed_uncached")
 MLP_MODES = ("bf16", "fp8_delayed", "fp8_delayed_smooth_per_token", "fp8_delayed_smooth_per_channel",
@@ -71,12 +74,6 @@ SMOKE_SHAPE = dict(tokens=64, hidden=64, heads=4, kv_heads=2, head_dim=16, ffns=
 TARGET_SPEEDUP = 1.2  # issue 7: >= 1.2x over bf16 on the linear layers' time
 RECIPES = {"fp8_delayed": FP8Recipe(scaling="delayed"), "fp8_current": FP8Recipe(scaling="current"),
            "fp8_rowwise": FP8Recipe(granularity="row"), "fp8_delayed_uncached": FP8Recipe(scaling="delayed")}
-
-
-def linear_shapes(hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, tuple[int, int]]:
-    """name -> (out_features, in_features) of one layer's linears."""
-    return {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "proj": (hidden, heads * head_dim),
-            "fc1": (2 * ffn, hidden), "fc2": (hidden, ffn)}
 
 
 def _timer(device: str, reps: int):
@@ -312,12 +309,10 @@ def run_profile(args, device: str, linear_rows: list[dict]) -> dict:
 
 def run_host(args) -> dict:
     """(d): benchmarks/bench_fp8_host.py on this run's shape (the last --ffn) and iteration counts."""
-    import bench_fp8_host
-
     host_args = argparse.Namespace(**{k: getattr(args, k) for k in ("tokens", "hidden", "heads", "kv_heads",
                                                                       "head_dim", "warmup", "iters", "reps", "smoke")},
                                    ffn=args.ffn[-1])
-    return bench_fp8_host.run(host_args)
+    return run_host_section(host_args)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -424,8 +419,6 @@ def main() -> int:
     report["whole_step"] = run_whole_step(args) if run_step else None
     report["seconds"] = time.perf_counter() - started
     if report["host"]:
-        from bench_fp8_host import print_host
-
         print_host(report["host"])
     if report["profile"]:
         from bench_fp8_profile import print_profile

@@ -34,6 +34,9 @@ import torch.nn.functional as F
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # fp8_shapes (also when run in-process)
+
+from fp8_shapes import FFNS, LLAMA_1B, linear_shapes  # noqa: E402
 
 from agoq.ops.fp8_linear import fp8_linear  # noqa: E402
 from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState  # noqa: E402
@@ -109,7 +112,7 @@ def _with_dispatch(mode: str, fn):
     """Run ``fn`` with Triton's own dispatch for the *_triton_dispatch mode, agoq's direct launches else."""
     if not mode.endswith("_triton_dispatch"):
         return fn
-    from agoq.kernels._fastlaunch import set_fast_launch
+    from agoq.kernels.fastlaunch import set_fast_launch
 
     def wrapped():
         previous = set_fast_launch(False)
@@ -140,8 +143,6 @@ def count_ops(fn) -> dict:
 
 
 def run_linears(args, cuda: bool) -> dict:
-    from bench_fp8 import linear_shapes
-
     shape = SMOKE_SHAPE if args.smoke else dict(tokens=args.tokens, hidden=args.hidden, heads=args.heads,
                                                 kv_heads=args.kv_heads, head_dim=args.head_dim, ffn=args.ffn)
     modes = ("bf16",) if not cuda else HOST_MODES
@@ -205,7 +206,7 @@ def run_primitives(args, cuda: bool) -> dict:
              "autograd.Function fwd+bwd (identity)": lambda: _Identity.apply(leaf).backward(a)}
     # (leaf.grad accumulates: one add per call, as a parameter gradient would)
     if cuda:
-        from agoq.kernels._fastlaunch import set_fast_launch
+        from agoq.kernels.fastlaunch import set_fast_launch
         from agoq.kernels.fp8_fused import cast_delayed_unchecked
 
         a8, one = a.to(torch.float8_e4m3fn), torch.ones((), device=device)
@@ -256,8 +257,6 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
 
 
 def main() -> int:
-    from bench_fp8 import FFNS, LLAMA_1B
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--ffn", type=int, default=FFNS[-1])
@@ -281,5 +280,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())

@@ -68,15 +68,15 @@ def install_timers(timers: Timers) -> None:
     """Wrap the host path's functions (module attributes are looked up per call, so this reaches them)."""
     from megatron.core.tensor_parallel import layers as mlayers
 
-    from agoq.kernels import _fastlaunch, quant, swiglu_quant
+    from agoq.kernels import fastlaunch, quant, swiglu_quant
     from agoq.megatron import layers as alayers
     from agoq.ops import saved_act, saved_norm, saved_swiglu
 
     linear = mlayers.LinearWithGradAccumulationAndAsyncCommunication
     timers.patch(linear, "forward", "megatron_linear.forward", static=True)
     timers.patch(linear, "backward", "megatron_linear.backward", static=True)
-    timers.patch(_fastlaunch.FastKernel, "__call__", "FastKernel.__call__")
-    timers.patch(_fastlaunch.LaunchSite, "__call__", "LaunchSite.__call__")
+    timers.patch(fastlaunch.FastKernel, "__call__", "FastKernel.__call__")
+    timers.patch(fastlaunch.LaunchSite, "__call__", "LaunchSite.__call__")
     timers.patch(quant, "quantize", "quantize")
     timers.patch(quant, "dequantize", "dequantize")
     for name in ("swiglu_quantize", "dequant_swiglu_fwd", "dequant_swiglu_bwd"):
@@ -91,7 +91,7 @@ def install_timers(timers: Timers) -> None:
     timers.patch(rope_utils, "_apply_rotary_pos_emb_bshd", "megatron_unfused_rope")  # the forward's ops
     for name in ("forward", "backward"):
         timers.patch(rope._RoPE, name, f"agoq_rope_node.{name}", static=True)
-    timers.patch(saved_act, "_unpack_saved", "unpack_saved")
+    timers.patch(saved_act, "unpack_saved", "unpack_saved")
     timers.patch(saved_act.RecomputeStash, "recomputed_output", "stash.recomputed_output")
     timers.patch(saved_act.SavedBytesCounter, "add", "counter.add")
     timers.patch(saved_act.quantized_saves, "__enter__", "linear_save_scope.enter")  # the linears' default path

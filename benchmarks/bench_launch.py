@@ -10,7 +10,7 @@ time. This times N back-to-back calls on tiny tensors (kernel time negligible) w
 Rows (microseconds of host time per call):
 - ``torch_add``: the floor of one ATen launch;
 - per format: ``quantize_<fmt>`` / ``dequantize_<fmt>`` with agoq's direct launch
-  (agoq.kernels._fastlaunch) and ``..._triton_run`` through Triton's own ``kernel[grid]`` path;
+  (agoq.kernels.fastlaunch) and ``..._triton_run`` through Triton's own ``kernel[grid]`` path;
 - the SwiGLU kernels: ``swiglu_bwd``, ``swiglu_quantize``, ``dequant_swiglu_fwd`` / ``_bwd``;
 - whole autograd paths, forward + backward, each against the plain bf16 path that Megatron runs when
   the role is bf16 (``plain_*``; SwiGLU: Megatron's unfused GLU): the norm alone, norm -> linear (the
@@ -72,13 +72,13 @@ def legacy_launch():
     """The launch path of the code before the host-cost work: Triton's own launch path for every kernel (no
     direct launches, no launch sites). With :func:`legacy_save_paths` the old code path; the glue trimming
     (counter weakrefs, per-tensor hooks on the linears' saved input) is not undone."""
-    from agoq.kernels import _fastlaunch
+    from agoq.kernels import fastlaunch
 
-    previous = _fastlaunch.set_fast_launch(False)
+    previous = fastlaunch.set_fast_launch(False)
     try:
         yield
     finally:
-        _fastlaunch.set_fast_launch(previous)
+        fastlaunch.set_fast_launch(previous)
 
 
 def _linear_saving(x, w, stash):
@@ -273,7 +273,7 @@ PAIRS = {"rmsnorm": ("rmsnorm_saving_input_fwd_bwd", "plain_rms_norm_fwd_bwd"),
 
 def kernel_rows(dev, formats, calls) -> dict:
     from agoq.formats import parse_format
-    from agoq.kernels import _fastlaunch
+    from agoq.kernels import fastlaunch
     from agoq.kernels.quant import dequantize, quantize
     from agoq.kernels.swiglu import swiglu_bwd
     from agoq.kernels.swiglu_quant import dequant_swiglu_bwd, dequant_swiglu_fwd, swiglu_quantize
@@ -286,11 +286,11 @@ def kernel_rows(dev, formats, calls) -> dict:
         fmt = parse_format(name)
         q = quantize(x, fmt)
         for fast in (True, False):
-            previous = _fastlaunch.set_fast_launch(fast)
+            previous = fastlaunch.set_fast_launch(fast)
             suffix = "" if fast else "_triton_run"
             rows[f"quantize_{name}{suffix}"] = _host_us(lambda: quantize(x, fmt), calls, dev)  # noqa: B023
             rows[f"dequantize_{name}{suffix}"] = _host_us(lambda: dequantize(q), calls, dev)  # noqa: B023
-            _fastlaunch.set_fast_launch(previous)
+            fastlaunch.set_fast_launch(previous)
     fmt = parse_format(formats[0])
     qh = quantize(h, fmt)
     rows["swiglu_bwd"] = _host_us(lambda: swiglu_bwd(h, gz), calls, dev)

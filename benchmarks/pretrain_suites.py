@@ -147,7 +147,7 @@ def fp8_suite(smoke: bool) -> list[dict]:
     variants = {"bf16": [], "fp8 delayed": ["--agoq-fp8", "delayed"],
                 "fp8 delayed + smooth-swiglu per-token": ["--agoq-fp8", "delayed", "--agoq-smooth-swiglu", "per-token"]}
     # the FP8 linear's Triton casts through Triton's own dispatch instead of agoq's direct launches
-    # (agoq.kernels._fastlaunch): what the direct path saves in a whole step
+    # (agoq.kernels.fastlaunch): what the direct path saves in a whole step
     envs = {"fp8 delayed, Triton dispatch": {"AGOQ_TRITON_FAST_LAUNCH": "0"}}
     variants["fp8 delayed, Triton dispatch"] = ["--agoq-fp8", "delayed"]
     if smoke:

@@ -20,10 +20,11 @@ Sources (GPU measurements, never edited here; the reports that cite them are in 
   several bench invocations (``merged_from``: rows and date of each); every finished variant's peak.
 
 Each file is predicted on the code of its date (``_dated``; a merged file's row on its own invocation's date,
-``run_date``): the current files of the bench_memory suites (2026-11-24) and of the fp8 suite (2026-11-25 07:12)
-predate changes the planner models, every agoq-optimizer run before 98c84d5 (2026-11-26 15:57) initialised its
-states through full-size temporaries (``Recipe.state_init``: dp2_pp2's last stage peaks there), and every plain
-FP8 run before e9f6759 (2026-11-26 19:34) ran Megatron's SwiGLU before the FP8 fc2 (``Recipe.fuse_plain_swiglu_fp8``).
+``run_date``; the older code's terms: benchmarks/planner_history.py): the current files of the bench_memory suites
+(2026-11-24) and of the fp8 suite (2026-11-25 07:12) predate changes the planner models, every agoq-optimizer run
+before 98c84d5 (2026-11-26 15:57) initialised its states through full-size temporaries (``PastCode.state_init``:
+dp2_pp2's last stage peaks there), and every plain FP8 run before e9f6759 (2026-11-26 19:34) ran Megatron's SwiGLU
+before the FP8 fc2 (``Recipe.fuse_plain_swiglu_fp8``).
 
 ``python benchmarks/validate_planner.py`` prints the table of docs/benchmarks/planner.md (exit status 1 when a
 case leaves the target without a known gap); tests/megatron/test_plan_peak.py runs the same checks.
@@ -40,10 +41,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout without installing agoq, as the bench_* scripts
+sys.path.insert(0, str(REPO / "benchmarks"))  # planner_history beside it, also when a test loads this file
+
+import planner_history  # noqa: E402
+from planner_history import PastCode  # noqa: E402
 
 from agoq.config import DEFAULT_MOMENTS, parse_moments  # noqa: E402
-from agoq.plan.memory import GIB, Layout, ModelShape  # noqa: E402
-from agoq.plan.peak import CUDA_RUNTIME_BYTES, Recipe, StagePeak, predict_peaks  # noqa: E402
+from agoq.plan.memory import GIB, Layout  # noqa: E402
+from agoq.plan.peak import CUDA_RUNTIME_BYTES, Recipe, StagePeak  # noqa: E402
+from agoq.plan.shape import ModelShape  # noqa: E402
 from agoq.policy import FP8Spec, load_policy  # noqa: E402
 
 BENCH = REPO / "benchmarks" / "results"
@@ -52,16 +58,16 @@ BUILTIN_VOCAB = 4096  # scripts/pretrain_llama.py's built-in tokenizer (docs/ben
 MEGATRON_VOCAB_DIVISIBLE_BY = 128  # the trainer's --make-vocab-size-divisible-by default
 TARGET = 0.05  # issue 9 item 4: predicted peak within 5 % of the measured peak
 # When the code changes the planner models came in (UTC, compared with each report's "date"; files
-# without a date predate all of them): agoq's SDPA saves a compact v (Recipe.sdpa_v_view before it), the
-# non-finite check runs in slices (Recipe.full_isfinite_check), the pack hook lets go of the replaced
-# linear inputs (Recipe.pack_hook_held_inputs).
+# without a date predate all of them): agoq's SDPA saves a compact v (PastCode.v_view before it), the
+# non-finite check runs in slices (PastCode.full_isfinite_check), the pack hook lets go of the replaced
+# linear inputs (PastCode.pack_hook_held_inputs).
 COMPACT_V_SINCE = "2026-11-25"
 SLICED_CHECK_SINCE = "2026-11-25T07:22:37"  # the fix's commit time; run 3 07:15 before, run 4 07:25 after
 PACK_HOOK_FIX_SINCE = "2026-11-25T07:34:39"  # the fix's commit time; run 4 07:25 before, run 5 07:35 after
 # the 8-bit store's float gradient buffer stays a meta placeholder at DDP construction
-# (agoq/megatron/deferred_grad_buffer.py; Recipe.float_grad_buffer_at_construction before it): the commit time
+# (agoq/megatron/deferred_grad_buffer.py; PastCode.float_grad_buffer_at_construction before it): the commit time
 DEFERRED_GRAD_BUFFER_SINCE = "2026-11-26T13:57:35"  # commit 1bd195f
-# agoq's optimizer's state initialisation at the first step (Recipe.state_init): its reference master split
+# agoq's optimizer's state initialisation at the first step (PastCode.state_init): its reference master split
 # rounds in float64 since fb51259, and the states are written at their final size since 98c84d5 (commit times)
 FP64_MASTER_SPLIT_SINCE = "2026-11-26T10:12:12"  # commit fb51259
 ZERO_STATE_INIT_SINCE = "2026-11-26T15:57:51"  # commit 98c84d5
@@ -98,16 +104,21 @@ def _state_init(date: str) -> str:
     return "zeros" if date >= ZERO_STATE_INIT_SINCE else "split_fp64" if date >= FP64_MASTER_SPLIT_SINCE else "split"
 
 
-def _dated(recipe: Recipe, report: dict, variant: str | None = None) -> Recipe:
+def _dated(recipe: Recipe, report: dict, variant: str | None = None) -> tuple[Recipe, PastCode]:
+    """(the run's recipe as the code of its date ran it, the planner-modelled changes that code predates)."""
     date = run_date(report, variant)
-    return dataclasses.replace(recipe, sdpa_v_view=date < COMPACT_V_SINCE,
-                               full_isfinite_check=date < SLICED_CHECK_SINCE,
-                               pack_hook_held_inputs=date < PACK_HOOK_FIX_SINCE,
-                               float_grad_buffer_at_construction=date < DEFERRED_GRAD_BUFFER_SINCE,
-                               state_init=_state_init(date),
-                               fuse_plain_swiglu_fp8=recipe.fuse_plain_swiglu_fp8
-                               and date >= PLAIN_SWIGLU_FP8_FUSION_SINCE,
-                               rope_fused=recipe.rope_fused and date >= ROPE_FUSION_SINCE)
+    recipe = dataclasses.replace(recipe, fuse_plain_swiglu_fp8=recipe.fuse_plain_swiglu_fp8
+                                 and date >= PLAIN_SWIGLU_FP8_FUSION_SINCE,
+                                 rope_fused=recipe.rope_fused and date >= ROPE_FUSION_SINCE)
+    past = PastCode(v_view=date < COMPACT_V_SINCE, full_isfinite_check=date < SLICED_CHECK_SINCE,
+                    pack_hook_held_inputs=date < PACK_HOOK_FIX_SINCE,
+                    float_grad_buffer_at_construction=date < DEFERRED_GRAD_BUFFER_SINCE, state_init=_state_init(date))
+    return recipe, past
+
+
+def predict_dated(shape: ModelShape, layout: Layout, policy, dated: tuple[Recipe, PastCode]) -> list[StagePeak]:
+    """The planner's peaks for a run on the code of its date (``_dated``)."""
+    return planner_history.predict_past_peaks(shape, layout, policy, *dated)
 
 
 @dataclass(frozen=True)
@@ -214,8 +225,7 @@ def pretrain_cases(path: Path = BENCH / "pretrain_memory.json") -> list[Case]:
         if recipe.fp8.fp8_enabled and report.get("date", "") < FP8_WEIGHT_CACHE_SINCE:
             raise ValueError(f"{path.name} {variant['name']}: an FP8 run from before the FP8 weight cache "
                              f"({FP8_WEIGHT_CACHE_SINCE}); the planner models only the code since")
-        recipe = _dated(recipe, report, variant["name"])
-        peaks = predict_peaks(shape, layout, load_policy(_policy_path(policy)), recipe)
+        peaks = predict_dated(shape, layout, load_policy(_policy_path(policy)), _dated(recipe, report, variant["name"]))
         measured = max(r["peak_gib"] for r in variant["records"])  # the logging rank: last stage
         p = peaks[-1]
         cases.append(_case(path.name, variant["name"], p.pp_rank, measured, p))
@@ -238,7 +248,7 @@ def bench_memory_cases(paths=("activations.json", "activations_mbs2.json", "acti
         mbs = _mbs_of(name)  # the --mbs of each file's command (activations.md)
         layout = Layout(mbs=mbs, gbs=mbs, seq=kw["seq_length"])
         for i, row in enumerate(data["rows"]):
-            p = predict_peaks(shape, layout, load_policy(POLICIES / f"{row['policy']}.yaml"),
+            p = predict_dated(shape, layout, load_policy(POLICIES / f"{row['policy']}.yaml"),
                               _dated(Recipe(), data))[0]
             model_and_grads = 2 * p.weights  # bf16 weights + bf16 .grad of one other model
             resident = model_and_grads * (0 if i == 0 else 1 if i == 1 else 2)
@@ -264,8 +274,7 @@ def pp2_cases(path: Path = BENCH / "activations_pp2.json") -> list[Case]:
     for variant in data["variants"]:
         argv = data["command"].split() + variant["args"].split()
         shape, layout, policy, recipe = from_pretrain_argv(argv, world_size=data["world_size"])
-        recipe = _dated(recipe, data)
-        peaks = predict_peaks(shape, layout, load_policy(_policy_path(policy)), recipe)
+        peaks = predict_dated(shape, layout, load_policy(_policy_path(policy)), _dated(recipe, data))
         for stage, measured in enumerate(variant["peak_gib"]):
             cases.append(_case(path.name, variant["name"], stage, measured, peaks[stage]))
     return cases
@@ -281,7 +290,7 @@ def stage_peak_cases(name: str) -> list[Case]:
         if variant.get("returncode") != 0 or not variant.get("stage_peaks_gib"):
             continue
         shape, layout, policy, recipe = from_pretrain_argv(variant["command"].split())
-        peaks = predict_peaks(shape, layout, load_policy(_policy_path(policy)), _dated(recipe, report, variant["name"]))
+        peaks = predict_dated(shape, layout, load_policy(_policy_path(policy)), _dated(recipe, report, variant["name"]))
         for stage, measured in enumerate(variant["stage_peaks_gib"]):
             cases.append(_case(name, variant["name"], stage, measured, peaks[stage]))
     return cases

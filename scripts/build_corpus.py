@@ -1,10 +1,10 @@
-"""Build the Debian-docs English corpus (agoq.data.debdocs) as JSONL, ready for prepare_data.py.
+"""Build the Debian-docs English corpus (scripts/debdocs.py) as JSONL, ready for prepare_data.py.
 
     python scripts/build_corpus.py --out data/debdocs.jsonl            # downloads ~73 MB once (cached)
     python scripts/prepare_data.py --input data/debdocs.jsonl --vocab-size 32000 \
         --output-prefix data/debdocs --workers 2
 
-Packages are pinned by sha256 (see agoq/data/debdocs.py); the JSONL is byte-identical across rebuilds.
+Packages are pinned by sha256 (see scripts/debdocs.py); the JSONL is byte-identical across rebuilds.
 """
 
 from __future__ import annotations
@@ -12,12 +12,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-from agoq.data.debdocs import PACKAGES, iter_documents
-from agoq.megatron.train.data import default_cache_dir
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # debdocs beside it (also when run in-process)
+
+from debdocs import PACKAGES, iter_documents  # noqa: E402 - corpus building is no part of the agoq package
+
+from agoq.megatron.train.data import default_cache_dir  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""Megatron-LM's CUDA-graph flags in ``scripts/pretrain_llama.py`` (issue 24 item 1): ``--cuda-graph-impl``,
+"""Megatron-LM's CUDA-graph flags in ``scripts/pretrain_llama.py``: ``--cuda-graph-impl``,
 ``--enable-cuda-graph``, ``--cuda-graph-modules`` (hidden ``--cuda-graph-scope``), ``--cuda-graph-warmup-steps`` and
 ``--te-rng-tracker``, with Megatron-LM's names, choices and deprecations (megatron/training/arguments.py, 0.19.2).
 

@@ -3,7 +3,7 @@
 Layout: a list of segments (one per parameter), each quantized on its own block grid (the tail
 block of a segment is zero-padded), stored back to back in one flat ``codes_u8`` tensor and one
 flat ``scales`` tensor. Segments never share a block, so accumulating one parameter never
-re-rounds another (AGoQ keeps one block grid per parameter, algorithms.md §3.3).
+re-rounds another (AGoQ keeps one block grid per parameter).
 
 Accumulation (per micro-batch, per segment): dequantize -> add the new gradient in fp32 ->
 requantize with a fresh block absmax (AGoQ's dequant-add-requant); on CUDA with a one-byte format

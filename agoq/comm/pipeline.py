@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from agoq.formats import QuantFormat
+from agoq.formats import QuantFormat, uses_bytes_kernel
 
 __all__ = ["comm_ops_for", "check_reduction_kernel", "run_pipeline", "Slots", "all_to_all", "all_gather", "Done",
            "scale_dtype", "DEFAULT_CHUNK_BYTES", "blocks_per_chunk", "chunk_bytes_for", "run_maybe_async"]
@@ -78,9 +78,7 @@ def check_reduction_kernel(device: torch.device, fmt: QuantFormat) -> None:
     one-byte format (int8 round-to-nearest, fp8) on CUDA (the fused Triton kernels)."""
     if torch.device(device).type != "cuda":
         return
-    from agoq.kernels import _launch  # imported lazily: needs Triton
-
-    if not _launch.uses_bytes_kernel(fmt):
+    if not uses_bytes_kernel(fmt):
         raise ValueError(f"agoq 8-bit reduction on CUDA: gradient format {fmt.name} has no fused reduction kernel "
                          "(one-byte formats only); use --agoq-grads int8_b256 (or another int8 / fp8e4m3 / fp8e5m2 "
                          "format)")

@@ -1,6 +1,6 @@
 """Precision-preserving 8-bit gradient reduction on plain ``torch.distributed`` process groups.
 
-Algorithm (AGoQ, shared/spec/algorithms.md §3.3; the data movement of ZeRO++ qgZ)::
+Algorithm (AGoQ, arXiv 2605.00539; the data movement of ZeRO++ qgZ)::
 
     x (float, N elements, every rank)
       -> W rows of S elements (row r = x[r*S : (r+1)*S]); all-reduce: S = ceil(N/W) rounded up to
@@ -67,8 +67,8 @@ __all__ = [
     "wire_bytes",
 ]
 
-# AGoQ's gradient storage: 8-bit codes, one fp32 absmax scale per 256 elements (arXiv 2605.00539,
-# algorithms.md §3.3). agoq uses the signed integer code instead of the paper's dynamic-tree map.
+# AGoQ's gradient storage: 8-bit codes, one fp32 absmax scale per 256 elements (arXiv 2605.00539).
+# agoq uses the signed integer code instead of the paper's dynamic-tree map.
 DEFAULT_GRAD_FORMAT = "int8_b256"
 _SUPPORTED_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 
@@ -461,4 +461,4 @@ def make_reduce_scatter(fmt: QuantFormat | str) -> Callable:
 
 
 reduce_scatter_int8 = make_reduce_scatter(DEFAULT_GRAD_FORMAT)
-"""The architecture's name (spec §8.4 item 3): reduce_scatter_tensor's signature, int8_b256 codes."""
+"""The int8_b256 reduce-scatter under the name the architecture gives it (reduce_scatter_tensor's signature)."""

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from agoq.comm.reduce import _check_op, _packed, _row_bytes, allreduce_row_numel, check_grad_format
-from agoq.formats import QuantFormat
+from agoq.formats import QuantFormat, uses_bytes_kernel
 
 __all__ = ["PeerReducer", "peer_reducer", "allreduce_8bit_peer", "reduce_scatter_8bit_peer"]
 
@@ -110,9 +110,7 @@ class PeerReducer:
 
     def __init__(self, group, fmt: QuantFormat | str, device: torch.device):
         self.fmt = check_grad_format(fmt)
-        from agoq.kernels import _launch
-
-        if not _launch.uses_bytes_kernel(self.fmt):
+        if not uses_bytes_kernel(self.fmt):
             raise ValueError(f"agoq peer reduction: format {self.fmt.name} has no fused kernel (one-byte formats "
                              "only: int8 round-to-nearest, fp8); use the NCCL transport")
         device = torch.device(device)

@@ -65,7 +65,7 @@ import torch.distributed as dist
 from agoq.comm import pipeline as pl
 from agoq.comm.reduce import ROW_ALIGN_BYTES, check_grad_format
 from agoq.comm.symm import _check_device, _symm_mem, enable_group
-from agoq.formats import QuantFormat
+from agoq.formats import QuantFormat, uses_bytes_kernel
 
 __all__ = ["SymmetricBlocks", "split_segments", "symmetric_bytes"]
 
@@ -88,9 +88,7 @@ class SymmetricBlocks:
 
     def __init__(self, group, fmt: QuantFormat | str, num_blocks: int, device: torch.device):
         self.fmt = check_grad_format(fmt)
-        from agoq.kernels import _launch
-
-        if not _launch.uses_bytes_kernel(self.fmt):
+        if not uses_bytes_kernel(self.fmt):
             raise ValueError(f"agoq peer transport: format {self.fmt.name} has no fused kernel (one-byte formats "
                              "only: int8 round-to-nearest, fp8); use --agoq-grad-transport nccl")
         _check_device(device)

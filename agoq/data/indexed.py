@@ -5,7 +5,7 @@ The ``.idx`` layout (megatron-core 0.19.2 ``indexed_dataset._IndexWriter``, litt
 sequence lengths i32[S] | sequence byte offsets into the .bin i64[S] | document indices i64[D]
 (``D`` = documents + 1: the indices start at 0 and end at S). The ``.bin`` holds the token ids,
 ``sum(lengths) * itemsize`` bytes. Megatron asserts on a bad header and reads past a short file; these
-checks name the file and the fix instead (issue 21).
+checks name the file and the fix instead.
 
 The split rule is Megatron's (``parse_and_normalize_split``, ``convert_split_vector_to_split_matrix``,
 ``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``): document ``[round(lo * N), round(hi * N))``

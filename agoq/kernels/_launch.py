@@ -83,10 +83,6 @@ QUANT_CONFIGS: dict[tuple[str, int, bool], QuantConfig] = {
 # quant.md run C).
 
 
-def uses_bytes_kernel(fmt: QuantFormat) -> bool:
-    return fmt.kind == "fp8" or (fmt.kind == "int" and fmt.bits == 8 and fmt.rounding == "nearest")
-
-
 # Consecutive elements per thread in the quantize kernel: 8 bf16 = one 16-byte load, and 8 codes of
 # a 4/2/1-bit plane make one 32/16/8-bit word.
 SUB_ELEMS = 8

@@ -10,7 +10,7 @@ import triton.language as tl
 # Inline PTX on GPU; Triton's CPU interpreter cannot run it, so there the functions below take their
 # tl.* twins. Whether Triton interprets is Triton's setting (TRITON_INTERPRET, which Triton reads): ask Triton
 # (triton.knobs.runtime.interpret, what its @triton.jit consults when it decorates the kernels below, at import
-# as here); agoq reads no environment. agoq/kernels/_fastlaunch.py needs triton.knobs too.
+# as here); agoq reads no environment. agoq/kernels/fastlaunch.py needs triton.knobs too.
 if not hasattr(triton, "knobs"):
     raise ImportError(f"agoq.kernels needs a Triton with triton.knobs (Triton 3.6 and 3.8 are tested); found "
                       f"triton {triton.__version__}")
@@ -125,7 +125,7 @@ def _nf4_code(p, nf4_lut_ptr):
     p is clamped to [-1, 1] first (every midpoint lies inside, so the code is unchanged): an fp16
     scale can round below absmax (subnormal scales lose up to a third, |p| < 1.5), and an unclamped
     p < -1.0625 made 16 p + 16 negative, which the unsigned clamp sent to the top bucket, i.e. code
-    15 (+1) for the most negative element (issue 21). NaN p (non-finite blocks, whose codes are
+    15 (+1) for the most negative element. NaN p (non-finite blocks, whose codes are
     replaced) clamps to a finite value, as fmax / fmin return the non-NaN operand.
     """
     pc = tl.minimum(tl.maximum(p, -1.0), 1.0)

@@ -33,10 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from agoq.formats import QuantFormat
+from agoq.formats import QuantFormat, uses_bytes_kernel
 from agoq.kernels import _launch
-from agoq.kernels._fastlaunch import FastKernel
 from agoq.kernels._quant_math import saturate
+from agoq.kernels.fastlaunch import FastKernel
 from agoq.kernels.quant import _pow2_value, decode_tile_bytes, load_scale_f32, quantize_tile_bytes
 
 __all__ = ["quantize_rows", "reduce_rows", "dequantize_rows", "reduce_peer_rows", "dequantize_peer_rows",
@@ -49,7 +49,7 @@ NUM_WARPS = 4
 
 # Alignment in bytes the PEERS kernels assume of every codes row address when launched with ALIGNED (set only by
 # peer_tables after checking each row): 16 B = one ld.global.v4.b32, the widest load, and the divisor Triton's own
-# pointer-argument specialisation uses (agoq.kernels._fastlaunch._ALIGN). The PEERS rows come from int64 address
+# pointer-argument specialisation uses (agoq.kernels.fastlaunch._ALIGN). The PEERS rows come from int64 address
 # tables, which the compiler cannot see through: unhinted, it loads the codes one byte at a time (int8_b256, W=2,
 # sm_90, Triton 3.6 PTX: 32 ld.global.b8 per thread and row instead of 2 ld.global.v4.b32; 840 -> 792 SASS
 # instructions; 2026-11-26, not yet timed on a GPU). The offsets added to the row base (block * BLOCK + lane) are
@@ -219,7 +219,7 @@ def _accumulate_kernel(
 
 
 def _check(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> tuple[int, int, dict]:
-    if not _launch.uses_bytes_kernel(fmt):
+    if not uses_bytes_kernel(fmt):
         raise ValueError(f"agoq.kernels.comm handles one-byte formats (int8 round-to-nearest, fp8), not {fmt.name}; "
                          "use agoq.ref.comm")
     if codes.dim() != 2 or scales.dim() != 2 or codes.stride(1) != 1 or scales.stride(1) != 1:
@@ -249,8 +249,8 @@ _KERNELS = {w: (FastKernel(_quantize_rows_kernel, num_warps=w, enable_fp_fusion=
             for w in (NUM_WARPS, PEER_NUM_WARPS)}
 # the peer transport's reduce and dequantize launchers by name (agoq.testing.xcompile compiles their variants)
 _PEER_REDUCE, _PEER_DEQUANTIZE = _KERNELS[PEER_NUM_WARPS][1], _KERNELS[PEER_NUM_WARPS][2]
-# FastKernel: direct launches of the compiled kernels (agoq.kernels._fastlaunch; every parameter positional, in
-# signature order). A reduction issues 3-5 of these per chunk and the peer transport has no NCCL call to hide
+# FastKernel: direct launches of the compiled kernels (agoq.kernels.fastlaunch; every parameter positional, in
+# signature order). A reduction launches 3-5 of these per chunk and the peer transport has no NCCL call to hide
 # host time behind: Triton's own dispatch (~40 us a launch) set the floor at small sizes.
 
 
@@ -362,7 +362,7 @@ def _check_peer_rows(code_rows: list[torch.Tensor], scale_rows: list[torch.Tenso
 
 
 def _constexprs_checked(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> dict:
-    if not _launch.uses_bytes_kernel(fmt):
+    if not uses_bytes_kernel(fmt):
         raise ValueError(f"agoq.kernels.comm handles one-byte formats (int8 round-to-nearest, fp8), not {fmt.name}; "
                          "use agoq.ref.comm")
     return _constexprs(fmt)

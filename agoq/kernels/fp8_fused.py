@@ -9,7 +9,7 @@ two per current-scaling cast (amax, then cast). Twins in :mod:`agoq.ref.fp8` (sa
 The FP8 linear's hot path calls ``cast_delayed_unchecked`` / ``cast_current_unchecked`` (the same
 launches without the argument checks: x [..., n] read in place, the transposed copy optionally as an
 [m, n] column-major tensor, the next meta optionally into a caller's buffer); the CPU twins are the
-reference adapters in agoq.ops.fp8_linear. Launches go through agoq.kernels._fastlaunch (direct calls of the
+reference adapters in agoq.ops.fp8_linear. Launches go through agoq.kernels.fastlaunch (direct calls of the
 compiled kernels).
 
 ``meta`` is one fp32 vector per tensor slot: ``[scale_inv, scale, 0, 0, amax_history (L, newest
@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from agoq.formats import FP8_MAX
-from agoq.kernels._fastlaunch import FastKernel
+from agoq.kernels.fastlaunch import FastKernel
 from agoq.kernels.fp8 import (
     _TL_FP8,
     _TORCH_FP8,
@@ -151,7 +151,7 @@ def _cast_tensor_kernel(
             tl.store(new_meta_ptr + 1 + one, s1)
 
 
-# Launched through agoq.kernels._fastlaunch: after the first call of a specialization the compiled
+# Launched through agoq.kernels.fastlaunch: after the first call of a specialization the compiled
 # kernel is called directly (Triton's per-call dispatch is most of a launch's host time).
 _CAST_LAUNCH = FastKernel(_cast_tensor_kernel, num_warps=FUSED_CAST_TILE[3], enable_fp_fusion=False)
 _AMAX_LAUNCH = FastKernel(_amax_flat_kernel, num_warps=4)

@@ -27,7 +27,7 @@ from agoq.kernels._pack import pack_plane as _pack_plane
 from agoq.kernels._quant_math import USE_PTX, _round_half_away_i32
 from agoq.kernels.quant import _encode_scale, _pow2_value, decode_block_values, saturate
 from agoq.ref.master import MASTER_NS
-from agoq.ref.optim import _check_pair, adamw_scalars, lion_scalars, sgd_scalars
+from agoq.ref.optim import adamw_scalars, check_pair, lion_scalars, sgd_scalars
 from agoq.ref.quant import QuantizedTensor
 
 __all__ = [
@@ -97,7 +97,7 @@ def _half_ulp_exp(narrow_f32, MANT: tl.constexpr, E_MIN: tl.constexpr):
 def _rho_exact(e, N: tl.constexpr):
     """round_half_away(e * N) of the exact product (agoq.ref.master.remainder_of), |e| <= 1, N = 2**K - 1.
 
-    fl(e * N) can round onto a .5 tie the exact product lies below (issue 21). N = 2**K - 1, so
+    fl(e * N) can round onto a .5 tie the exact product lies below. N = 2**K - 1, so
     e * N = a - e with a = e * 2**K exact; y = fl(a - e) is the same rounded value, and Fast2Sum
     (|a| >= |e|) gives its exact error t = (a - y) - e, so e * N = y + t exactly. y's rounding to an integer
     is wrong only on a tie (|y| - |r| == -0.5, exact) whose true value is nearer zero (t of the other
@@ -403,7 +403,7 @@ def _check_state(q: QuantizedTensor | None, numel: int) -> None:
 
 
 def _launch_step(opt, param, grad, master, s1, s2, scalars, *, has_wd=False, nesterov=False) -> None:
-    _check_pair(param, grad, master)
+    check_pair(param, grad, master)
     numel = param.numel()
     for q in (s1, s2):
         _check_state(q, numel)

@@ -171,7 +171,7 @@ class MultiTensorLaunch:
         if any(t.device != device for t in params):
             raise OperandError("params on more than one device")
         for p, g, mst, q1, q2 in zip(params, grads, masters, s1s, s2s, strict=True):
-            k._check_pair(p, g, mst)
+            k.check_pair(p, g, mst)
             k._check_state(q1, p.numel())
             k._check_state(q2, p.numel())
             if not g.is_contiguous():

@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from agoq.formats import QuantFormat, parse_format
+from agoq.formats import QuantFormat, parse_format, uses_bytes_kernel
 from agoq.kernels import _launch
-from agoq.kernels._fastlaunch import FastKernel, LaunchSite
 from agoq.kernels._quant_math import _encode_scale, _pow2_value, gather_nc, saturate  # noqa: F401 (optim imports the first two)
 from agoq.kernels._quant_tile import _quantize_fwd_kernel
+from agoq.kernels.fastlaunch import FastKernel, LaunchSite
 from agoq.ref.quant import QuantizedTensor, check_input, ref_dequantize, ref_quantize
 
 __all__ = ["quantize", "dequantize", "quantize_with_config"]
@@ -235,7 +235,7 @@ class _QuantSite:
         self.num_blocks = fmt.num_blocks(numel)
         self.code_bytes = fmt.code_bytes(numel)
         self.launch = LaunchSite(launch, (triton.cdiv(self.num_blocks, consts[0]),))
-        if _launch.uses_bytes_kernel(fmt):
+        if uses_bytes_kernel(fmt):
             self.tail = (numel, self.num_blocks, *consts[1:])
         else:  # the NF4 table is a tensor argument ahead of the sizes
             self.tail = (_launch.nf4_lut(str(device)), numel, self.num_blocks, _launch.seed_mix(seed), *consts[1:])
@@ -254,7 +254,7 @@ def _quantize_plan(fmt: QuantFormat, config: _launch.QuantConfig) -> tuple:
     launch config: built once, so a launch costs no per-call dict or format work."""
     rows = _launch.rows_for(fmt, config.elems_per_program)
     ce = _launch.constexprs(fmt)
-    if _launch.uses_bytes_kernel(fmt):
+    if uses_bytes_kernel(fmt):
         launch = _fast(_quantize_bytes_kernel, config.num_warps)
         consts = (rows, ce["KIND"], fmt.block, rows, ce["SCALE"], ce["QMAX"], ce["FP8_DTYPE"])
     else:

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from agoq.kernels._fastlaunch import FastKernel, LaunchSite
 from agoq.kernels._launch import remember_site
+from agoq.kernels.fastlaunch import FastKernel, LaunchSite
 from agoq.ref.rope import check_qkv_split, check_rope_args
 
 __all__ = ["rope_fwd", "rope_bwd", "qkv_rope_fwd", "qkv_rope_bwd"]
@@ -95,10 +95,10 @@ def _rope_kernel(
         tl.store(dst, _rounded(y, dt).to(dt), mask=ok)  # the sum rounded once; the cast is then exact
 
 
-# direct launcher (agoq.kernels._fastlaunch); fp contraction off: no product may merge into the sum
+# direct launcher (agoq.kernels.fastlaunch); fp contraction off: no product may merge into the sum
 _ROPE = FastKernel(_rope_kernel, num_warps=NUM_WARPS, enable_fp_fusion=False)
 # (shape, strides, dtype, rotary dim, backward, CUDA index) -> LaunchSite: a layer's query / key keep their shapes,
-# so every launch after the first skips Triton's binding and the key work (agoq.kernels._fastlaunch.LaunchSite)
+# so every launch after the first skips Triton's binding and the key work (agoq.kernels.fastlaunch.LaunchSite)
 _ROPE_SITES: dict = {}
 
 

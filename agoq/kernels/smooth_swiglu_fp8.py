@@ -43,8 +43,8 @@ import triton
 import triton.language as tl
 
 from agoq.formats import FP8_MAX
-from agoq.kernels._fastlaunch import FastKernel
 from agoq.kernels._quant_math import USE_PTX
+from agoq.kernels.fastlaunch import FastKernel
 from agoq.kernels.fp8 import _TL_FP8, _TORCH_FP8, EXP_MASK, _abs_bits, _fmax_div, _sat_cast, _variant
 from agoq.kernels.fp8_fused import FUSED_CAST_TILE, META_HEADER, _history_push, fp8_outputs
 from agoq.kernels.swiglu_quant import _silu_megatron

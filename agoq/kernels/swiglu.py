@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agoq.kernels._fastlaunch import FastKernel
+from agoq.kernels.fastlaunch import FastKernel
 
 __all__ = ["swiglu_fwd", "swiglu_bwd"]
 
@@ -90,7 +90,7 @@ def _swiglu_fwd_kernel(
     tl.store(out_ptr + row * F + cols, z.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-# direct launchers (agoq.kernels._fastlaunch): every parameter positionally, in signature order
+# direct launchers (agoq.kernels.fastlaunch): every parameter positionally, in signature order
 _BWD = FastKernel(_swiglu_bwd_kernel, num_warps=NUM_WARPS)
 _FWD = FastKernel(_swiglu_fwd_kernel, num_warps=NUM_WARPS)
 

@@ -43,9 +43,9 @@ from triton.language.extra import libdevice
 
 from agoq.formats import QuantFormat
 from agoq.kernels import _launch
-from agoq.kernels._fastlaunch import FastKernel, LaunchSite
 from agoq.kernels._quant_math import USE_PTX, _encode_scale, _max_nan, saturate
 from agoq.kernels._quant_tile import _load_part, _part_codes, _store_words
+from agoq.kernels.fastlaunch import FastKernel, LaunchSite
 from agoq.kernels.quant import decode_block_values, load_scale_f32
 from agoq.kernels.swiglu import NUM_WARPS, SCALE_NONE, _scale_mode
 from agoq.ref.quant import QuantizedTensor
@@ -235,7 +235,7 @@ def swiglu_quantize(fc1_out: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tens
     return site.run(fc1_out)
 
 
-# Launch sites (agoq.kernels._fastlaunch.LaunchSite): everything but the tensors, once per key; at most
+# Launch sites (agoq.kernels.fastlaunch.LaunchSite): everything but the tensors, once per key; at most
 # _launch.MAX_LAUNCH_SITES per dict (the oldest dropped first).
 _FWD_SITES: dict = {}  # (fmt, fc1_out shape, dtype, CUDA index, USE_PTX) -> _FwdSite
 _DQ_SITES: dict = {}  # (fmt, fc1_out shape, dtype, BWD, SCALE_MODE, CUDA index) -> _DequantSwigluSite

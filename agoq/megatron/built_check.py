@@ -235,7 +235,7 @@ def _ddp_problems(config: AgoqConfig, chunks: list) -> list[str]:
 
 def _optimizer_problems(config: AgoqConfig, optimizer) -> list[str]:
     from agoq.megatron.dist_optimizer import AgoqDistributedOptimizer
-    from agoq.megatron.optimizer import AgoqMegatronOptimizer
+    from agoq.megatron.megatron_optimizer import AgoqMegatronOptimizer
 
     if optimizer is None:
         return []

@@ -478,7 +478,7 @@ def _load_model_chunks(state: dict, model_chunks) -> None:
 def _apply_loaded_state(state: dict, model_chunks, optimizer, scheduler, override: bool) -> None:
     _load_model_chunks(state, model_chunks)
     _rebase_saved_group_lrs(state["optimizer"], state["opt_param_scheduler"], optimizer)
-    with torch.no_grad():  # fp32-param distopt loads in place into leaves (../shared/spec/megatron.md 1.4)
+    with torch.no_grad():  # fp32-param distopt loads in place into leaves
         optimizer.load_state_dict(state["optimizer"])
     _set_torch_optimizer_step(optimizer, state["agoq"]["torch_optimizer_step"])
     # Megatron-LM's two modes: the checkpoint's schedule (--use-checkpoint-opt_param-scheduler), or

@@ -286,7 +286,7 @@ CONTRACT: tuple[Symbol, ...] = (
            "Smooth-SwiGLU / FP8 support checks, first/last bf16 layers",
            fields=("num_layers", "glu_linear_offset", "sequence_parallel", "gated_linear_unit",
                    "gradient_accumulation_fusion", "use_te_activation_func")),
-    # CUDA graphs (agoq/megatron/graphs.py, issue 24): the trainer's flags, the per-feature refusals, the FP8 graph mode
+    # CUDA graphs (agoq/megatron/graphs.py): the trainer's flags, the per-feature refusals, the FP8 graph mode
     Symbol("megatron.core.transformer.transformer_config:TransformerConfig",
            "CUDA graphs: --cuda-graph-impl local, whole-layer graphs, warm-up passes (agoq.megatron.model); agoq's "
            "features refused or allowed per graph implementation (agoq.megatron.graphs)",

@@ -55,7 +55,7 @@ def _check_te(spec: FP8Spec) -> None:
             "importable here (install transformer-engine[pytorch] for your CUDA and torch), or use agoq's own FP8 "
             "linears: --agoq-fp8 delayed (or current, rowwise)")
     raise NotImplementedError(
-        "--agoq-fp8 te: Transformer Engine is importable, but agoq's TE path is not built yet (issue 7); use "
+        "--agoq-fp8 te: Transformer Engine is importable, but agoq's TE path is not built yet; use "
         "--agoq-fp8 delayed (agoq's FP8 linears; Smooth-SwiGLU applies to both)")
 
 
@@ -132,7 +132,7 @@ def compute_report(spec: FP8Spec, num_layers: int, *, plain_swiglu_fusion: bool 
 
 
 def fc2_input_amax(model_chunks) -> dict[str, float]:
-    """The long-horizon outlier proxy of issue 27 (FP8 paper §2.2: SwiGLU weight alignment grows fc2's input
+    """The long-horizon outlier proxy (FP8 paper: SwiGLU weight alignment grows fc2's input
     outliers until FP8 overflows): the newest amax of every FP8 fc2's input on this rank, read from its
     delayed-scaling history (the x slot, newest first: what the last micro-batch's E4M3 cast saw; with
     Smooth-SwiGLU the smoothed z, which stays bounded where the plain SwiGLU output grows), keyed

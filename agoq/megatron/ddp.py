@@ -8,7 +8,7 @@ Touches (megatron-core 0.19.2, ``megatron/core/distributed/``):
   * ``param_and_grad_buffer._ParamAndGradBucketGroup`` — private; after ``super().__init__`` every
     object in ``self.bucket_groups`` / ``self.expert_parallel_bucket_groups`` is attached by one call,
     :func:`attach_bucket_group`: ``bg.__class__ = AgoqBucketGroup`` (through
-    ``agoq.megatron.install.swap_class``: marked, undone by the install handle; ../shared/spec/megatron.md §1.3)
+    ``agoq.megatron.install.swap_class``: marked, undone by the install handle)
     and one typed attribute ``bg.agoq`` (:class:`GroupGrads`: format, transport, stores, lazy flag), which overrides
     ``start_grad_sync``, ``check_grads`` and ``finish_grad_sync`` (Megatron's, then agoq's
     post-reduction step; Megatron's only needs a handle with ``wait()``).

@@ -20,7 +20,7 @@ Touches (megatron-core 0.19.2, ``megatron/core/distributed/param_and_grad_buffer
     placeholders, and :meth:`DeferredGradBuffer.allocate` rebuilds each of them with the same size,
     stride and offset on a real buffer (``as_strided``); :meth:`DeferredGradBuffer.release` puts the
     placeholders back.
-Why (the options weighed, issue 19 item 1: "no full-size float buffer, no transient larger than one bucket"):
+Why (the options weighed against the goal "no full-size float buffer, no transient larger than one bucket"):
   * No config field or hook of megatron-core 0.19.2 skips or defers the allocation: ``nccl_ub`` only swaps
     the allocator (NCCL memory pool, CUDA), ``offload_grad_buffers`` frees the storage after it was
     allocated (what agoq did until now: Megatron's buffer existed at full size during construction,

@@ -7,8 +7,8 @@ Touches: ``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer`` (sub
   gradients (``--agoq-grads`` store mode) ``_copy_model_grads_to_main_grads`` / ``clip_grad_norm``: the
   shards are read from the 8-bit store one parameter at a time, agoq/megatron/grad_reader.py), its
   precision-aware mode (``OptimizerConfig.use_precision_aware_optimizer`` and
-  ``use_precision_aware_optimizer_no_fp8_or_ds_fp8`` set after the config is built, as measured in
-  shared/spec/megatron.md §1.4), ``ProcessGroupCollection.setup_process_groups_for_optimizer``, and
+  ``use_precision_aware_optimizer_no_fp8_or_ds_fp8`` set after the config is built, measured on
+  megatron-core 0.19.2), ``ProcessGroupCollection.setup_process_groups_for_optimizer``, and
   the optimizer-driven buffer layout (``DistributedDataParallel(full_param_layout=...)``,
   ``param_layout.FullParamLayout`` / ``PerBufferParamLayout``, ``group_params_for_buffers``).
 Why: Megatron already reduce-scatters gradients into per-rank shards of its flat buffers and
@@ -17,8 +17,8 @@ Why: Megatron already reduce-scatters gradients into per-rank shards of its flat
   ``.decoupled_grad`` and keeps no fp32 main copy, so agoq's states (split-master remainder,
   companded moments) exist for this rank's shard only and nothing else is duplicated:
   per rank, 2 (bf16 params) + grads + (1 + 1.0625 + 1.0625) / d bytes per parameter for FlashAdamW.
-  Megatron's own checkpoint formats require every state to have the shard's numel (megatron.md
-  §1.4), which codes + scales do not; so the two checkpoint methods are replaced (below).
+  Megatron's own checkpoint formats require every state to have the shard's numel, which codes + scales
+  do not; so the two checkpoint methods are replaced (below).
 Shard alignment (quantization groups never straddle a shard boundary): :func:`aligned_full_param_layout`
   pads each param's start to ``align`` elements and each bucket's end to a multiple of
   ``dp * align``, so every rank's shard of every param starts at a multiple of ``align`` inside the
@@ -56,10 +56,10 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from agoq.formats import parse_format
 from agoq.megatron import grad_reader
-from agoq.optim.base import LOGICAL_SHAPE_ATTR, _parse_formats
+from agoq.megatron.megatron_optimizer import STATE_PREFIX, init_all_states
+from agoq.optim.base import LOGICAL_SHAPE_ATTR, parse_formats
 
 MEGATRON_PARAM_ALIGN = 64  # megatron.core.optimizer.param_layout.pad_param_start (elements)
-STATE_PREFIX = "optimizer.agoq_state"  # same tensor keys as agoq.megatron.optimizer (non-distributed)
 
 
 def shard_alignment(format_names) -> int:
@@ -122,13 +122,7 @@ def aligned_full_param_layout(params, bucket_size, dp_size: int, ddp_config, ali
     return FullParamLayout(layouts=layouts)
 
 
-def _init_all_states(optimizer, _config=None) -> None:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            optimizer.init_state(p, group)
-
-
-class AgoqDistributedOptimizer(DistributedOptimizer):
+class AgoqDistributedOptimizer(grad_reader.ReadsShardGrads, DistributedOptimizer):
     """Megatron's DistributedOptimizer (precision-aware mode) over an agoq.optim optimizer."""
 
     grad_reader = None  # agoq.megatron.grad_reader.attach: 8-bit reduced shards, read one param at a time
@@ -155,7 +149,7 @@ class AgoqDistributedOptimizer(DistributedOptimizer):
         config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
         groups = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model_chunks, False)
         super().__init__(
-            inner, config, None, _init_all_states, model_chunks=model_chunks,
+            inner, config, None, init_all_states, model_chunks=model_chunks,
             per_model_buffers={i: chunk.buffers for i, chunk in enumerate(model_chunks)},
             data_parallel_group=groups["intra_dp_cp_group"], data_parallel_group_gloo=None,
             data_parallel_group_idx=parallel_state.get_model_parallel_group().rank(),
@@ -213,7 +207,7 @@ class AgoqDistributedOptimizer(DistributedOptimizer):
                 state = self.optimizer.state[shard]
                 model_param, start, _ = self.shard_info[id(shard)]
                 name = self.param_names[id(model_param)]
-                fmts = dict(_parse_formats(state["formats"]))
+                fmts = dict(parse_formats(state["formats"]))
                 total = model_param.numel()
                 for key, value in state.items():
                     if not isinstance(value, torch.Tensor) or key == "step" or value.numel() == 0:
@@ -239,7 +233,7 @@ class AgoqDistributedOptimizer(DistributedOptimizer):
                              axis_fragmentations=None, replica_id=replica)  # fmt: skip
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
-        _init_all_states(self.optimizer)  # states exist (zeros) even before the first step
+        init_all_states(self.optimizer)  # states exist (zeros) even before the first step
         steps = {float(s["step"]) for s in self.optimizer.state.values() if "step" in s}
         if len(steps) > 1:
             raise RuntimeError(f"agoq optimizer states disagree on the step count: {sorted(steps)}")

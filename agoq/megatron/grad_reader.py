@@ -6,7 +6,7 @@ parameter at a time (``QuantizedOptimizer.step_param``), so with 8-bit gradients
 that: the reader dequantizes one parameter's reduced gradient, the clip factor is applied to it, the
 parameter is stepped and the fp32 copy is dropped. Transient float memory: the largest parameter.
 
-Hook (agoq/megatron/optimizer.py): ``AgoqMegatronOptimizer.grad_reader``; when set, its
+Hook (agoq/megatron/megatron_optimizer.py): ``AgoqMegatronOptimizer.grad_reader``; when set, its
 ``prepare_grads`` / ``clip_grad_norm`` / ``step_with_ready_grads`` call :func:`prepare_grads`,
 :func:`clip_grad_norm` and :func:`step_with_ready_grads` here. :func:`attach` sets it.
 
@@ -18,7 +18,8 @@ Not supported (raise): separate grad-norm groups (MTP), ``log_num_zeros_in_grad`
 Distributed optimizer (``--use-distributed-optimizer``): the DDP requantizes this rank's reduced shard
 into its 8-bit store (agoq/megatron/grad_store.py) and Megatron's ``main_grad`` holds nothing, so the
 optimizer must read the shard from the store (the reduction raises when no reader is attached):
-  * agoq's optimizer (agoq.megatron.dist_optimizer.AgoqDistributedOptimizer): a
+  * agoq's optimizer (agoq.megatron.dist_optimizer.AgoqDistributedOptimizer, a :class:`ReadsShardGrads`:
+    this module names no optimizer class of agoq's, the optimizer imports it): a
     :class:`ShardGradReader` over its shards; norm, clip and step as above, one shard at a time (the
     inner optimizer's ``grad_source``); no ``.decoupled_grad`` is assigned. Extra bytes: one shard.
   * Megatron's DistributedOptimizer (``--agoq-optimizer torch``): the instance's class is swapped to
@@ -52,8 +53,8 @@ from megatron.core.transformer.module import param_is_not_shared
 from agoq.megatron.install import mark, swap_class
 from agoq.ops.fp8_weight_cache import fp8_weights_changed
 
-__all__ = ["QuantizedGradReader", "ShardGradReader", "ShardGradsDistributedOptimizer", "attach", "prepare_grads",
-           "clip_grad_norm", "step_with_ready_grads"]
+__all__ = ["QuantizedGradReader", "ReadsShardGrads", "ShardGradReader", "ShardGradsDistributedOptimizer", "attach",
+           "prepare_grads", "clip_grad_norm", "step_with_ready_grads"]
 
 CLIP_EPS = 1.0e-6  # megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32
 
@@ -94,6 +95,15 @@ class ShardGradReader(QuantizedGradReader):
         return g * self.clip_coeff if g is not None and self.clip_coeff != 1.0 else g
 
 
+class ReadsShardGrads:
+    """Base of a distributed optimizer that steps from its 8-bit shards itself (agoq.megatron.dist_optimizer
+    .AgoqDistributedOptimizer): ``shard_info`` maps id(shard) -> (model param, start, end); :func:`attach`
+    sets ``grad_reader`` (a :class:`ShardGradReader`) and the inner optimizer's ``grad_source``."""
+
+    grad_reader: ShardGradReader | None = None
+    shard_info: dict
+
+
 class ShardGradsDistributedOptimizer(DistributedOptimizer):
     """Megatron's DistributedOptimizer whose shard gradients come from agoq's 8-bit store (class swap)."""
 
@@ -122,11 +132,9 @@ def _megatron_shards(opt: DistributedOptimizer) -> dict:
 
 
 def _attach_distributed(optimizer, chunks: list) -> list:
-    from agoq.megatron.dist_optimizer import AgoqDistributedOptimizer
-
     readers = []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(opt, AgoqDistributedOptimizer):
+        if isinstance(opt, ReadsShardGrads):  # agoq's (AgoqDistributedOptimizer)
             if getattr(opt.config, "log_num_zeros_in_grad", False) or opt.grad_scaler is not None:
                 raise NotImplementedError("--log-num-zeros-in-grad or an fp16 loss scaler with --agoq-grads store, "
                                           "agoq's optimizer and the distributed optimizer is not implemented")

@@ -20,7 +20,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from agoq.formats import QuantFormat
+from agoq.formats import QuantFormat, uses_bytes_kernel
 
 __all__ = ["resolve_transport", "peer_problems"]
 
@@ -34,9 +34,7 @@ def _symmetric_memory_available() -> bool:
 
 
 def _one_byte_kernel(fmt: QuantFormat) -> bool:
-    from agoq.kernels import _launch  # Triton: imported only for CUDA gradients
-
-    return _launch.uses_bytes_kernel(fmt)
+    return uses_bytes_kernel(fmt)
 
 
 def peer_problems(group, device: torch.device, fmt: QuantFormat) -> list[str]:

@@ -1,4 +1,4 @@
-"""agoq under Megatron's CUDA graphs (issue 24 item 1): what may combine, what is refused, and why.
+"""agoq under Megatron's CUDA graphs: what may combine, what is refused, and why.
 
 Megatron's per-layer graphs (``TransformerConfig.cuda_graph_impl="local"``: ``CudaGraphManager``,
 megatron/core/transformer/cuda_graphs.py) run the first training iteration eagerly while recording each layer's

@@ -8,7 +8,7 @@ Touches: whatever the registered seams and runtime changes touch; each is named 
     patches of torch, only without a GPU; agoq/megatron/cpu_mode.py) and ``fp8_weight_cache`` (torch's
     process-wide optimizer step post-hook that invalidates the FP8 weight caches,
     agoq/ops/fp8_weight_cache.py), and agoq's own kernel setting ``triton_launch`` (``AgoqConfig.kernels.
-    fast_launch`` False: agoq.kernels._fastlaunch's direct launches off, Triton's own launch path; undone by the
+    fast_launch`` False: agoq.kernels.fastlaunch's direct launches off, Triton's own launch path; undone by the
     handle).
   * Runtime changes made later, when agoq builds the objects they concern, recorded here through
     :func:`swap_class` / :func:`set_module_attr`: ``ddp.bucket_group`` (every bucket group of agoq's
@@ -109,15 +109,15 @@ _LAUNCH_BEFORE: list[bool] = []  # the direct-launch setting triton_launch repla
 
 
 def _triton_own_launch() -> None:
-    from agoq.kernels import _fastlaunch
+    from agoq.kernels import fastlaunch
 
-    _LAUNCH_BEFORE.append(_fastlaunch.set_fast_launch(False))
+    _LAUNCH_BEFORE.append(fastlaunch.set_fast_launch(False))
 
 
 def _restore_launch() -> None:
-    from agoq.kernels import _fastlaunch
+    from agoq.kernels import fastlaunch
 
-    _fastlaunch.set_fast_launch(_LAUNCH_BEFORE.pop() if _LAUNCH_BEFORE else True)
+    fastlaunch.set_fast_launch(_LAUNCH_BEFORE.pop() if _LAUNCH_BEFORE else True)
 
 
 SEAMS: tuple[Seam, ...] = (

@@ -34,15 +34,15 @@ Touches: spec substitution (the layer itself: ``agoq.megatron.transformer_layer`
   ``bias_activation_fusion``); ``MLP.tp_group``;
   ``ModuleSpec(module, params)`` / ``build_module`` (constructor arguments: ``with_params``).
 Why: AGoQ stores the pre-norm input (norm recomputed), the fc1 output (SwiGLU recomputed) and the
-  out-projection input in low-bit (../shared/spec/algorithms.md §3.2). The spec is the first-choice seam; the
+  out-projection input in low-bit (arXiv 2605.00539). The spec is the first-choice seam; the
   ``_forward_impl`` override keeps Megatron's own linear autograd (TP all-reduce, sequence
   parallel, gradient-accumulation fusion, wgrad deferral) and only swaps the saved input, except where agoq's
   one-node linears reproduce its math for the common case (bf16 GEMMs, sequence parallelism or not, no accumulation
-  fusion or wgrad deferral) to save host time per layer (issue 24, docs/benchmarks/log.md "Host cost"). Under sequence
+  fusion or wgrad deferral) to save host time per layer (docs/benchmarks/log.md "Host cost"). Under sequence
   parallelism ``AgoqRMSNorm`` marks its weight ``sequence_parallel`` (finalize_model_grads all-reduces its gradient
   over TP, as for Megatron's own norms) and the final norm is agoq's too (agoq.megatron.seqpar).
 Verified on: megatron-core 0.19.2.
-  FP8 linears and Smooth-SwiGLU (FP8 paper, ../shared/spec/algorithms.md §2) need the same two seams: the GEMM
+  FP8 linears and Smooth-SwiGLU (FP8 paper, arXiv 2409.12517) need the same two seams: the GEMM
   inside ``_forward_impl`` and the activation inside ``MLP.forward``.
 Wiring: every option reaches a module through its constructor (``agoq_save``: a
   :class:`SavedInputConfig`; ``agoq_fp8``; ``agoq_smooth``; ``agoq_handoff``), as ``ModuleSpec.params``
@@ -72,7 +72,7 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from agoq.formats import QuantFormat
-from agoq.ops import saved_norm, saved_swiglu
+from agoq.ops import saved_norm, saved_swiglu  # noqa: F401 - their compile boundaries exist before prepare_all
 from agoq.ops.fp8_linear import fp8_linear
 from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState
 from agoq.ops.fp8_weight_cache import FP8WeightCache
@@ -470,9 +470,7 @@ class _AgoqLinearMixin:
 _eager_linear_forward_impl = eager_under_compile(
     _AgoqLinearMixin._forward_impl, "linear storing its input quantized or recomputed (autograd-node hooks, "
     "recompute hand-off) or running FP8 GEMMs")
-for _boundary in (_eager_linear_forward_impl, saved_norm._rmsnorm_saving_input_eager,
-                  saved_swiglu._swiglu_saving_input_eager, saved_swiglu._smooth_swiglu_saving_input_eager):
-    _boundary.prepare()  # built before any compilation: no extra graph break (eager_under_compile)
+eager_under_compile.prepare_all()  # built before any compilation: no extra graph break (the norm's, SwiGLU's too)
 
 
 class AgoqColumnParallelLinear(_AgoqLinearMixin, ColumnParallelLinear):

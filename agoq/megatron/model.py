@@ -124,7 +124,7 @@ def llama_transformer_config(
 ) -> TransformerConfig:
     """``recompute_num_layers``: Megatron's full activation recompute (granularity "full", method
     "uniform": every group of this many layers saves only its input and reruns its forward in
-    backward); None = off. The baseline for equal-memory comparisons (issue 9). ``selective_recompute``:
+    backward); None = off. The baseline for equal-memory comparisons. ``selective_recompute``:
     Megatron's selective recompute of core attention (granularity "selective", ``recompute_modules
     ["core_attn"]``; what it saves with SDPA: agoq.plan.storage.megatron_bytes). One of the two at most.
     ``cuda_graph_impl``: Megatron's CUDA graphs ("none", or "local": whole-layer graphs, ``cuda_graph_modules``
@@ -202,7 +202,7 @@ def pipeline_p2p_options(layout: ParallelLayout) -> dict[str, bool]:
     interleaved steady state posts send-prev, recv-prev, send-next, recv-next in one tagless
     ``batch_isend_irecv``. The peer matches them first-in first-out, so activations arrive as
     gradients and gradients as activations (same shape, no error): training diverges silently
-    (issue 18; Megatron-LM issues 750, 1450). Separate forward and backward exchanges
+    (seen in Megatron-LM's own issue tracker too). Separate forward and backward exchanges
     (overlap mode) keep the pairing right at every PP size; tests/megatron/test_layouts.py compares
     per-parameter gradients of PP=2 x VPP=2 against PP=1.
     """

@@ -1,6 +1,6 @@
 """Gradient release in agoq's Megatron path (``--agoq-gradient-release``): each parameter is stepped by
 agoq's optimizer inside its post-accumulate-grad hook and its gradient freed, so no gradient buffer
-exists and at most about one parameter's gradient is alive (../shared/spec/algorithms.md §1.5).
+exists and at most about one parameter's gradient is alive (FlashOptim, arXiv 2602.23349).
 
 Seam card
 ---------
@@ -14,7 +14,7 @@ Touches (megatron-core 0.19.2):
   * ``TransformerConfig.finalize_model_grads_func`` — set to ``finalize_release_grads`` (no reduction is
     needed with one data-parallel, tensor-parallel and pipeline rank; per-token loss scaling would
     need gradients that are already applied, so it raises).
-  * ``optimizer.optimizer.FP32Optimizer`` through ``agoq.megatron.optimizer.AgoqMegatronOptimizer``
+  * ``optimizer.optimizer.FP32Optimizer`` through ``agoq.megatron.megatron_optimizer.AgoqMegatronOptimizer``
     — ``AgoqReleaseOptimizer.step()`` steps nothing (the hooks did) and returns Megatron's
     ``(update_successful, grad_norm, num_zeros)`` = ``(True, None, None)``, as FP32Optimizer does with
     ``--clip-grad 0``; the caller's LR-schedule step and the checkpoint's per-param ``step`` advance
@@ -40,7 +40,7 @@ from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from agoq.megatron.optimizer import AgoqMegatronOptimizer, keep_autograd_grad_dtype
+from agoq.megatron.megatron_optimizer import AgoqMegatronOptimizer, keep_autograd_grad_dtype
 from agoq.ops.fp8_weight_cache import fp8_weights_changed
 from agoq.ops.nonfinite import nonfinite_in
 from agoq.optim.release import GradientRelease

@@ -42,7 +42,7 @@ class ResumeMismatch(ValueError):
 
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                  "vocab_size", "seq_length")
-# the rest of the model's shape, recorded since LLaMA-3.x support (issue 42; None in older records: not compared),
+# the rest of the model's shape, recorded since LLaMA-3.x support (None in older records: not compared),
 # so that agoq-to-hf exports what was trained without a --config
 _SHAPE_FIELDS_LATER = ("rotary_base", "norm_epsilon", "rope_scaling", "rope_scaling_factor",
                        "share_embeddings_and_output_weights", "unpadded_vocab_size")

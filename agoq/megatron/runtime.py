@@ -1,12 +1,13 @@
-"""Process-level set-up for a megatron-core run: device, process groups, seeds, memory readings.
+"""Process-level set-up for a megatron-core run: device, process groups, seeds, memory readings; and where this rank
+sits once set up (pipeline stage, the rank that reports for its stage, the data-parallel group).
 
 Seam card
 ---------
 Touches: ``parallel_state.initialize_model_parallel`` / ``destroy_model_parallel`` and
   ``tensor_parallel.model_parallel_cuda_manual_seed`` (public functions; its ``use_cudagraphable_rng`` with CUDA
-  graphs).
+  graphs); ``parallel_state``'s rank and group queries.
 Why: ``megatron.training.initialize_megatron`` asserts CUDA and skips model-parallel set-up without a
-  GPU (../shared/spec/megatron.md 1.5), so agoq initialises megatron-core itself: NCCL on GPU, gloo on CPU.
+  GPU (megatron-core 0.19.2), so agoq initialises megatron-core itself: NCCL on GPU, gloo on CPU.
 Verified on: megatron-core 0.19.2.
 Guarded by: every multi-process test in ``tests/megatron``.
 
@@ -111,7 +112,7 @@ def init_model_parallel(layout: ParallelLayout, seed: int, device: torch.device,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
     )
-    # CPU: the default tracker snapshots CUDA RNG state; the inference tracker does not (../shared/spec/megatron.md 2).
+    # CPU: the default tracker snapshots CUDA RNG state; the inference tracker does not.
     # force_reset_rng: a tracker some earlier call made with the defaults would otherwise stay (not graph-safe)
     graph_safe = {"use_cudagraphable_rng": True, "force_reset_rng": True} if cuda_graphs else {}
     rank_seed = stage_seed(seed, parallel_state.get_pipeline_model_parallel_rank())
@@ -133,6 +134,32 @@ def shutdown(*, after_error: bool = False) -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ where this rank sits
+def pipeline_rank() -> int:
+    return parallel_state.get_pipeline_model_parallel_rank()
+
+
+def pipeline_size() -> int:
+    return parallel_state.get_pipeline_model_parallel_world_size()
+
+
+def is_last_stage() -> bool:
+    """On the last pipeline stage (of any virtual chunk): the stage that computes the loss."""
+    return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def speaks_for_stage() -> bool:
+    """The first tensor- and data-parallel rank (with context parallelism) of its pipeline stage: the rank that
+    prints or reports what the stage's ranks share."""
+    return (parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)
+
+
+def data_parallel_group():
+    """The data-parallel group with context parallelism (the group a loss is averaged over)."""
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
 def memory_reading(device: torch.device) -> dict[str, float]:

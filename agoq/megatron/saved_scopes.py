@@ -49,7 +49,7 @@ import torch
 
 from agoq.formats import QuantFormat
 from agoq.megatron.sites import LayerPosition
-from agoq.ops.saved_act import SavedBytesCounter, _QuantizedSave, _unpack_saved, quantize_saved
+from agoq.ops.saved_act import QuantizedSave, SavedBytesCounter, quantize_saved, unpack_saved
 from agoq.policy import PolicySpec, ScheduleInfo, resolve
 
 MIN_NUMEL = 1 << 16
@@ -94,10 +94,10 @@ class _Scope:
             kept = self.stats.kept_bytes
             kept[reason] = kept.get(reason, 0) + t.numel() * t.element_size()
             return t
-        return _QuantizedSave(quantize_saved(t, self.fmt, self.key, self.stats.counter))
+        return QuantizedSave(quantize_saved(t, self.fmt, self.key, self.stats.counter))
 
     def enter(self, _module, _args) -> None:
-        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack_saved)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack_saved)
         hooks.__enter__()
         self._hooks.append(hooks)
 

@@ -19,7 +19,7 @@ calls. Formats travel as their canonical names (``QuantFormat.name``; ``parse_fo
 
 ``swiglu_quantize`` is the saved-activation SwiGLU as one differentiable op: it keeps only the codes for
 backward, whose gradient is ``dequant_swiglu_bwd`` at the dequantized fc1 output (agoq's storage semantics,
-../shared/spec/algorithms.md §3.2), not at the exact one. In the FP8 casts an output that was not asked for
+arXiv 2605.00539), not at the exact one. In the FP8 casts an output that was not asked for
 (``rowmajor`` / ``transposed`` False) is an empty fp8 tensor (a custom op returns tensors); :func:`fp8_cast_current`
 and :func:`fp8_cast_delayed` give it back as None, as the eager casts do. ``workspace`` (the kernel's amax
 accumulator, zero on entry and exit) is declared mutated.
@@ -35,7 +35,7 @@ from torch import Tensor
 
 from agoq.formats import parse_format
 from agoq.ops.dispatch import quant_ops, swiglu_ops
-from agoq.ref.quant import _SCALE_DTYPES, QuantizedTensor
+from agoq.ref.quant import SCALE_DTYPES, QuantizedTensor
 
 __all__ = ["quantize", "dequantize", "swiglu_quantize", "dequant_swiglu", "dequant_swiglu_bwd", "swiglu",
            "swiglu_bwd", "fp8_cast_current", "fp8_cast_delayed"]
@@ -63,7 +63,7 @@ def _quant_sizes(fmt: str, numel):
     if not f.quantized:
         return numel * f.bits // 8, 0, torch.float32
     blocks = (numel + f.block - 1) // f.block
-    return blocks * f.block * f.bits // 8, blocks, _SCALE_DTYPES[f.scale]
+    return blocks * f.block * f.bits // 8, blocks, SCALE_DTYPES[f.scale]
 
 
 # ------------------------------------------------------------------------------- quantize ----

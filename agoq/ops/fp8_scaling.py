@@ -1,7 +1,7 @@
 """FP8 recipe (what to scale how) and the delayed-scaling state (amax history) of one FP8 linear.
 
 Current scaling: every cast uses the amax of the tensor being cast (one extra reduction).
-Delayed scaling (Transformer Engine's ``DelayedScaling``; the FP8 paper's code, ../shared/spec/algorithms.md §2.1):
+Delayed scaling (Transformer Engine's ``DelayedScaling``; the FP8 paper's code, arXiv 2409.12517):
 each cast uses a scale computed from the *history* of previous amaxes, ``scale = FP8_MAX / max(history)
 / 2**margin``, and the current amax is appended afterwards. Values that grew since saturate (the cast
 clamps). The first call of a slot has no history and uses its current amax (bootstrap) instead of
@@ -54,7 +54,7 @@ __all__ = ["FP8Recipe", "FP8ScalingState", "SCALINGS", "SLOT_VARIANTS", "current
 SCALINGS = ("current", "delayed")
 SLOT_VARIANTS = {"x": FORWARD_VARIANT, "w": FORWARD_VARIANT, "g": BACKWARD_VARIANT}
 # Transformer Engine's DelayedScaling keeps 1024 amaxes by default; the FP8 paper's code 1024 / DP per
-# rank (../shared/spec/algorithms.md §2.1). 16 reacts faster to shrinking tensors in short runs; configurable.
+# rank (arXiv 2409.12517). 16 reacts faster to shrinking tensors in short runs; configurable.
 DEFAULT_AMAX_HISTORY_LEN = 16
 # Delayed scaling writes each cast's next meta into a fresh row of a pool of this many rows (one
 # allocation and two unbinds per 64 casts of a slot instead of an allocation and a view per cast; a

@@ -1,5 +1,5 @@
 """RMSNorm -> linear as one autograd node that stores only the norm's quantized input (AGoQ's norm recompute,
-../shared/spec/algorithms.md §3.2), for the host cost of small micro-batches (docs/benchmarks/log.md, "Host cost").
+arXiv 2605.00539), for the host cost of small micro-batches (docs/benchmarks/log.md, "Host cost").
 
 The two-node path (:func:`agoq.ops.saved_norm.rmsnorm_saving_input` handing a :class:`RecomputeStash` to a
 linear whose saved input is replaced inside a ``saved_tensors_hooks`` scope) stores the same bytes, but per

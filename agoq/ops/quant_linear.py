@@ -1,5 +1,5 @@
 """A linear that stores its input quantized, as one autograd node (AGoQ's low-bit saved activations,
-../shared/spec/algorithms.md §3.2; the out-projection's input under the default policy), for the host cost of
+arXiv 2605.00539; the out-projection's input under the default policy), for the host cost of
 small micro-batches (docs/benchmarks/log.md, "Host cost").
 
 The hook path (a ``saved_tensors_hooks`` scope around Megatron's linear function, agoq.ops.saved_act

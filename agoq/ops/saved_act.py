@@ -7,7 +7,7 @@ kept for backward is quantized (agoq formats, :mod:`agoq.formats`). Three pieces
   its input by identity): the input is stored as a quantized copy or a recompute handle; every other saved tensor
   (the weight) is left alone.
 - :class:`RecomputeStash`, for the ops that store only their *input*, quantized, and recompute in backward
-  (AGoQ, ../shared/spec/algorithms.md §3.2): ``rmsnorm_saving_input`` (:mod:`agoq.ops.saved_norm`) and
+  (AGoQ, arXiv 2605.00539): ``rmsnorm_saving_input`` (:mod:`agoq.ops.saved_norm`) and
   ``swiglu_saving_input`` / ``smooth_swiglu_saving_input`` (:mod:`agoq.ops.saved_swiglu`). Their output can be
   handed to the next linear as a stash, so that linear stores nothing: its input is rebuilt from the same
   quantized tensor (norm -> QKV / fc1, SwiGLU -> fc2).
@@ -99,15 +99,23 @@ class eager_under_compile:  # noqa: N801 - used like the function it wraps
     ``torch.compiler.is_compiling()`` first, so eager calls pay nothing for this.
 
     The disabled wrapper is built by :meth:`prepare` (it imports ``torch._dynamo``, ~1.5 s, which agoq.ops
-    does not pay at import); ``agoq.megatron.layers`` prepares its boundaries at import (Megatron imports
-    dynamo anyway). One that was not prepared is built on its first call inside a compiled region, which
-    costs that first compilation one more graph break ("torch.compiler.disable() called inside a compiled
-    region"), never a wrong result."""
+    does not pay at import); ``agoq.megatron.layers`` prepares every boundary made so far at import
+    (:meth:`prepare_all`; Megatron imports dynamo anyway). One that was not prepared is built on its first
+    call inside a compiled region, which costs that first compilation one more graph break
+    ("torch.compiler.disable() called inside a compiled region"), never a wrong result."""
 
     __slots__ = ("fn", "reason", "_disabled")
+    made: list[eager_under_compile] = []  # every boundary, in the order the modules made them
 
     def __init__(self, fn: Callable, reason: str):
         self.fn, self.reason, self._disabled = fn, reason, None
+        eager_under_compile.made.append(self)
+
+    @classmethod
+    def prepare_all(cls) -> None:
+        """:meth:`prepare` every boundary made so far (those of the modules imported before the call)."""
+        for boundary in cls.made:
+            boundary.prepare()
 
     def prepare(self) -> Callable:
         if self._disabled is None:
@@ -246,7 +254,7 @@ class _Saved:
         raise NotImplementedError
 
 
-class _QuantizedSave(_Saved):
+class QuantizedSave(_Saved):
     def __init__(self, q: QuantizedTensor):
         self.q = q
 
@@ -279,7 +287,7 @@ def saved_input_handle(target: torch.Tensor, *, fmt: QuantFormat | None = None, 
     if stash is not None:
         _check_stash_feeds(stash, target)
         return _RecomputeSave(stash)
-    return _QuantizedSave(quantize_saved(target, fmt, key, counter))
+    return QuantizedSave(quantize_saved(target, fmt, key, counter))
 
 
 class quantized_saves:  # noqa: N801 - used as a function-style context manager: `with quantized_saves(...)`
@@ -311,11 +319,11 @@ class quantized_saves:  # noqa: N801 - used as a function-style context manager:
             self.hits += 1
             if self.stash is not None:
                 return _RecomputeSave(self.stash)
-            return _QuantizedSave(quantize_saved(t, self.fmt, self.key, self.counter))
+            return QuantizedSave(quantize_saved(t, self.fmt, self.key, self.counter))
         return t
 
     def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_saved)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_saved)
         self._hooks.__enter__()
         return self
 
@@ -336,7 +344,7 @@ class quantized_saves:  # noqa: N801 - used as a function-style context manager:
         return False
 
 
-def _unpack_saved(obj):
+def unpack_saved(obj):
     return obj.materialize() if isinstance(obj, _Saved) else obj
 
 

@@ -1,5 +1,5 @@
-"""RMSNorm that stores only its quantized input for backward (AGoQ: the norm is recomputed, ../shared/spec/algorithms.md
-§3.2) and hands the next linear a :class:`~agoq.ops.saved_act.RecomputeStash`, so that linear stores nothing.
+"""RMSNorm that stores only its quantized input for backward (AGoQ, arXiv 2605.00539: the norm is recomputed)
+and hands the next linear a :class:`~agoq.ops.saved_act.RecomputeStash`, so that linear stores nothing.
 
 One implementation, agoq's autograd function :class:`_RMSNormSavingInput` (public mechanisms only:
 ``ctx.save_for_backward`` and a stash on ``ctx``). A variant hooking ``F.rms_norm``'s own ATen node through its private

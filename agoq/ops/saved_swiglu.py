@@ -1,5 +1,5 @@
 """SwiGLU that stores only its quantized input (the fc1 output) and recomputes in backward (AGoQ,
-../shared/spec/algorithms.md §3.2), with the Smooth-SwiGLU variant (../shared/spec/algorithms.md §4).
+arXiv 2605.00539), with the Smooth-SwiGLU variant (FP8 paper, arXiv 2409.12517).
 
 Its output can be handed to fc2 as a :class:`~agoq.ops.saved_act.RecomputeStash`, so fc2 stores nothing: its
 input is rebuilt from the same quantized tensor. The norm half of the same idea is :mod:`agoq.ops.saved_norm`;
@@ -49,7 +49,7 @@ class _SwiGLUSavingInput(torch.autograd.Function):
 
     With Smooth-SwiGLU, ``scale_fn(h, swiglu(h)) -> s`` (no grad) is called once in forward; that s
     divides the output, is kept, and is the one used by the recompute and by backward (never
-    recomputed from the dequantized h, ../shared/spec/algorithms.md §4).
+    recomputed from the dequantized h: the scale the forward applied is the one its gradient needs).
 
     Fused path (CUDA, :func:`_swiglu_fused`): the forward is one kernel that writes z (Megatron's
     values) and the codes of h (``swiglu_quantize``; with Smooth-SwiGLU the quantize is the plain one,

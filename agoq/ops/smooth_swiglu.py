@@ -5,8 +5,8 @@ What this module adds:
 
 * :class:`SmoothSwiGLUFunction` ``(fc1_out, s) -> z``: saves ``fc1_out`` and **the scale used in
   forward**; backward uses that same s (never recomputed from a possibly re-materialised or
-  dequantized fc1_out, ../shared/spec/algorithms.md §4). s is a constant for autograd (the authors' 7B script
-  detaches it, ``DETACH_SCALED_SWIGLU=true``; the composition does not depend on s, so its exact
+  dequantized fc1_out: the forward's scale is the one its gradient needs). s is a constant for autograd (the
+  authors' 7B script detaches it, ``DETACH_SCALED_SWIGLU=true``; the composition does not depend on s, so its exact
   gradient is zero anyway).
 * :func:`smooth_scale` with a ``tp_group``: the per-token max is taken over the *local* FFN shard, so
   with TP > 1 it is all-reduced (MAX) across the TP ranks before use; then every rank's z uses the
@@ -36,7 +36,7 @@ channel (per_channel) of extra saved state; per_channel materialises W * s (one 
 temporary per call).
 
 With an FP8 fc2 under per-tensor delayed scaling, agoq's MLP does not compose these pieces: it runs
-:mod:`agoq.ops.smooth_swiglu_fp8`, the same math fused with fc2's FP8 cast and GEMMs (issue 27).
+:mod:`agoq.ops.smooth_swiglu_fp8`, the same math fused with fc2's FP8 cast and GEMMs.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def glu_smooth_scale(fc1_out: torch.Tensor, glu: torch.Tensor, mode: str, *,
     """The scale of an MLP that has already computed its SwiGLU output ``glu`` (Megatron's values, in
     the model dtype): per_token from |up| of ``fc1_out`` as :func:`smooth_scale` (TP-global with
     ``tp_group``); per_channel from max over tokens of |glu| itself (no fp32 SwiGLU recomputation; a
-    valid scale either way, the rule is a choice: ../shared/spec/algorithms.md §2.3). fp32, no grad."""
+    valid scale either way, the rule is a choice: arXiv 2409.12517). fp32, no grad."""
     _check_mode(mode)
     if mode == "per_token":
         return smooth_scale(fc1_out, mode, tp_group=tp_group, pow2=pow2)

@@ -1,4 +1,4 @@
-"""(Smooth-)SwiGLU + FP8 fc2 as one autograd op, under per-tensor delayed scaling (issue 27).
+"""(Smooth-)SwiGLU + FP8 fc2 as one autograd op, under per-tensor delayed scaling.
 
 ``smooth_swiglu_fp8_fc2(h, weight, state, recipe, per_token=..., ...)`` computes fc2's (TP-partial) output
 from the fc1 output h [T.., 2F] = [gate | up] directly::

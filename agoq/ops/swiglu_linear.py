@@ -1,5 +1,5 @@
 """SwiGLU -> fc2 as one autograd node that stores only SwiGLU's quantized input, the fc1 output (AGoQ's SwiGLU
-recompute, ../shared/spec/algorithms.md §3.2), for the host cost of small micro-batches (docs/numerics.md,
+recompute, arXiv 2605.00539), for the host cost of small micro-batches (docs/numerics.md,
 "Host cost"). The MLP's half of what :mod:`agoq.ops.norm_linear` does for the pre-norms.
 
 The two-node path (:func:`agoq.ops.saved_swiglu.swiglu_saving_input`, a Python autograd function, handing a

@@ -41,7 +41,7 @@ MASTER_CHOICES = ("none", "fp32", "split24", "split32")
 MASTER_DTYPES = {"split24": torch.int8, "split32": torch.int16, "fp32": torch.float32}
 # Small tensors (RMSNorm gains, biases) are < 0.1 % of a LLaMA's parameters, so full-precision states
 # cost nothing measurable; gains sit near 1.0 where split24's smallest step (2**-16) exceeds late
-# cosine-decayed AdamW steps (lr 3e-5 * ~1) and would stall (FlashOptim caveat, ../shared/spec/algorithms.md §1.2).
+# cosine-decayed AdamW steps (lr 3e-5 * ~1) and would stall (FlashOptim caveat, arXiv 2602.23349).
 SMALL_TENSOR_RULE = "ndim < 2 or numel < small_numel -> fp32 states, split32 master (if bf16/fp16)"
 DEFAULT_SMALL_NUMEL = 4096
 LOGICAL_SHAPE_ATTR = "agoq_logical_shape"  # set on flat param shards by agoq.megatron.dist_optimizer
@@ -165,7 +165,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         return {
             name: QuantizedTensor(state[f"{name}.codes"], state[f"{name}.scales"], fmt, p.shape, torch.float32)
-            for name, fmt in _parse_formats(state["formats"])
+            for name, fmt in parse_formats(state["formats"])
         }
 
     def fp32_master(self, p: torch.Tensor) -> torch.Tensor:
@@ -284,7 +284,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
 
 
 @functools.lru_cache(maxsize=64)
-def _parse_formats(formats: str) -> tuple[tuple[str, QuantFormat], ...]:
+def parse_formats(formats: str) -> tuple[tuple[str, QuantFormat], ...]:
     """state["formats"] ("exp_avg=cint8_b32;...;master=split24") -> the (name, format) of each state."""
     items = (item.split("=") for item in formats.split(";"))
     return tuple((name, parse_format(fmt)) for name, fmt in items if name != "master")

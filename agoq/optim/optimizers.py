@@ -5,7 +5,7 @@ from __future__ import annotations
 from agoq.optim.base import QuantizedOptimizer
 from agoq.ref import optim as ref_optim
 
-# FlashOptim defaults (../shared/spec/algorithms.md §1.3): companded int8 m, sqrt-companded uint8 v, groups of 32
+# FlashOptim defaults (arXiv 2602.23349): companded int8 m, sqrt-companded uint8 v, groups of 32
 FLASH_M = "cint8_b32"
 FLASH_V = "cuint8_b32"
 

@@ -1,4 +1,4 @@
-"""Gradient release (FlashOptim §1.5): step each parameter inside its post-accumulate-grad hook and
+"""Gradient release (FlashOptim, arXiv 2602.23349): step each parameter inside its post-accumulate-grad hook and
 free the gradient at once, so at most one parameter's gradient is alive (saves 2 B/param for bf16).
 
 Valid only when every gradient is final after one backward: one pipeline stage, no gradient

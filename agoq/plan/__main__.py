@@ -53,10 +53,11 @@ from agoq.cli.flags import build_parser as trainer_parser
 from agoq.cli.seqpar_args import sequence_parallel_problem
 from agoq.config import AgoqConfig, float_grads_mismatch, torch_optimizer_state_refusal
 from agoq.plan import capacity, launch, te, te_cli
-from agoq.plan.memory import GIB, Layout, ModelShape
+from agoq.plan.memory import GIB, Layout
 from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report, grad_bytes_per_param
 from agoq.plan.recipe import recipe_of
 from agoq.plan.request import AGOQ_FLAGS, PlanRequest, flag_name
+from agoq.plan.shape import ModelShape
 from agoq.plan.storage import check_requests_on_model, sequence_parallel_note
 from agoq.policy import ScheduleInfo, load_policy
 
@@ -68,7 +69,7 @@ DEFAULT_BUDGET_GIB = 80  # without --memory-budget and without a GPU nvidia-smi 
 # the planner's layout defaults where neither the flags nor the --config file set a value (trainer flag names)
 LAYOUT_DEFAULTS = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "dp": 1, "micro_batch_size": 1,
                    "global_batch_size": 1, "seq_length": 2048, "use_distributed_optimizer": False}
-# the planner's flags before it took the trainer's (2026-12, issue 42): each is named with its replacement
+# the planner's flags before it took the trainer's (2026-12): each is named with its replacement
 RENAMED = {"--model": "--config", "--tp": "--tensor-model-parallel-size", "--pp": "--pipeline-model-parallel-size",
            "--mbs": "--micro-batch-size", "--gbs": "--global-batch-size", "--seq": "--seq-length",
            "--vpp": "--num-layers-per-virtual-pipeline-stage (layers per virtual stage, as the trainer counts)",

@@ -32,9 +32,10 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 
 from agoq.config import AgoqConfig
-from agoq.plan.memory import GIB, Layout, ModelShape
+from agoq.plan.memory import GIB, Layout
 from agoq.plan.peak import MASTER_BYTES, Recipe, StagePeak, predict_peaks
 from agoq.plan.recipe import recipe_of
+from agoq.plan.shape import ModelShape
 from agoq.policy import PolicySpec
 
 RECOMPUTE_LEVELS = (None, "selective", "full")  # preference order: the least recomputation first

@@ -61,13 +61,9 @@ vectors of row-wise scaling (4 B x K per linear).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from agoq.plan.shape import ModelShape
 from agoq.plan.storage import BF16_BYTES, FP32_BYTES, MEGATRON, QUANTIZED, LayerDims, LayerStorage
 from agoq.policy import FP8Spec
-
-if TYPE_CHECKING:  # agoq.plan.memory imports this module
-    from agoq.plan.memory import ModelShape
 
 FP8_BYTES = 1  # E4M3 / E5M2 element
 WEIGHT_CACHE_LAYOUTS = 2  # agoq.ops.fp8_linear._weight_fp8(both_layouts=True): row-major + transposed

@@ -18,9 +18,10 @@ from pathlib import Path
 
 from agoq.plan import capacity, speed
 from agoq.plan.capacity import Candidate, Preset
-from agoq.plan.memory import GIB, ModelShape
+from agoq.plan.memory import GIB
 from agoq.plan.peak import predict_peaks
 from agoq.plan.request import AGOQ_FLAGS, PlanRequest
+from agoq.plan.shape import ModelShape
 from agoq.policy import PolicySpec
 
 RECIPE_KEYS = ("agoq_optimizer", "agoq_moments", "agoq_master", "agoq_grads", "grad_reduce_in_bf16",

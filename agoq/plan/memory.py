@@ -16,9 +16,11 @@ here: transients (see agoq.plan.peak), NCCL buffers, allocator fragmentation (re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from agoq.plan.fp8 import saved_delta_bytes
+from agoq.plan.shape import ModelShape
 from agoq.plan.storage import (
     BF16_BYTES,
     FP32_BYTES,
@@ -35,21 +37,7 @@ WEIGHT_BYTES = BF16_BYTES
 GRAD_BYTES = FP32_BYTES  # Megatron main_grad with grad_reduce_in_fp32 (bf16 default)
 OPTIM_BYTES = 3 * FP32_BYTES  # fp32 master weight + Adam exp_avg + exp_avg_sq
 GIB = 2**30
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
-    vocab_size: int
-
-    def layer_params(self) -> int:
-        h, d = self.hidden_size, self.hidden_size // self.num_attention_heads
-        qkv = h * d * (self.num_attention_heads + 2 * self.num_query_groups)
-        return qkv + h * h + 3 * h * self.ffn_hidden_size + 2 * h
+ExtraLayerBytes = Callable[[LayerStorage, LayerDims], int]
 
 
 @dataclass(frozen=True)
@@ -105,15 +93,16 @@ def stage_layers(shape: ModelShape, layout: Layout) -> list[list[tuple[int, int 
     return out
 
 
-def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec, *, v_view: bool = False,
-                fp8: FP8Spec | None = None, core_attn_recompute: bool = False,
-                plain_swiglu_fusion: bool = True, rope_fused: bool = False) -> list[StageMemory]:
-    """``v_view``: model attention's v as saved before 2026-11-25 (``agoq.plan.storage.megatron_bytes``);
-    ``fp8``: the run's FP8 / Smooth-SwiGLU settings (saved-activation changes: ``agoq.plan.fp8``);
-    ``plain_swiglu_fusion``: plain SwiGLU fused with the FP8 fc2 (``agoq.plan.fp8.fused_plain``; False: the code
-    before it, or AGOQ_FP8_SWIGLU_FUSION=0);
+def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec, *, fp8: FP8Spec | None = None,
+                core_attn_recompute: bool = False, plain_swiglu_fusion: bool = True, rope_fused: bool = False,
+                extra_layer_bytes: ExtraLayerBytes | None = None) -> list[StageMemory]:
+    """``fp8``: the run's FP8 / Smooth-SwiGLU settings (saved-activation changes: ``agoq.plan.fp8``);
+    ``plain_swiglu_fusion``: plain SwiGLU fused with the FP8 fc2 (``agoq.plan.fp8.fused_plain``; False: Megatron's
+    SwiGLU before the FP8 fc2, as with AGOQ_FP8_SWIGLU_FUSION=0);
     ``core_attn_recompute``: Megatron's selective recompute of core attention (``megatron_bytes``);
-    ``rope_fused``: agoq's fused RoPE (no per-layer cos / sin saves: ``megatron_bytes``)."""
+    ``rope_fused``: agoq's fused RoPE (no per-layer cos / sin saves: ``megatron_bytes``);
+    ``extra_layer_bytes(storage, dims)``: bytes a layer keeps per micro-batch besides the modelled ones (another
+    version of the code than the current one: benchmarks/planner_history.py)."""
     schedule = ScheduleInfo(layout.pp, layout.vpp, layout.num_microbatches)
     dims = LayerDims(seq=layout.seq, micro_batch=layout.mbs, hidden=shape.hidden_size, ffn=shape.ffn_hidden_size,
                      heads=shape.num_attention_heads, groups=shape.num_query_groups, tp=layout.tp,
@@ -128,10 +117,10 @@ def plan_stages(shape: ModelShape, layout: Layout, policy: PolicySpec, *, v_view
             )
             fp8_layer = fp8 is not None and fp8.uses_fp8(idx, shape.num_layers)
             per_layer.append(sum(agoq_bytes(storage, dims).values())
-                             + sum(megatron_bytes(storage, dims, v_view=v_view,
-                                                    core_attn_recompute=core_attn_recompute,
+                             + sum(megatron_bytes(storage, dims, core_attn_recompute=core_attn_recompute,
                                                     rope_fused=rope_fused).values())
-                             + saved_delta_bytes(fp8, storage, dims, fp8_layer, plain_swiglu_fusion))
+                             + saved_delta_bytes(fp8, storage, dims, fp8_layer, plain_swiglu_fusion)
+                             + (extra_layer_bytes(storage, dims) if extra_layer_bytes is not None else 0))
         params = len(layers) * shape.layer_params() // layout.tp
         extra = 0
         if rank == 0:

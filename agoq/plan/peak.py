@@ -10,11 +10,7 @@ parameter buffer while the model's original parameters are still alive (copied i
 float gradient buffer (grad dtype x buffer elements). With agoq's 8-bit store the gradient buffer is a
 meta placeholder (agoq/megatron/deferred_grad_buffer.py): construction holds parameters + parameter
 buffer, and the 8-bit store is built after the parameters were copied (<= the parameters' bytes, in the
-persistent term). Before that change (``Recipe.float_grad_buffer_at_construction``) the store mode
-allocated the float buffer too and freed it right after construction, which made construction the run's
-peak where activations are small: DP=2 x PP=2, 3B shape, agoq full, 10.594 GiB = 2.649 (parameters) +
-2.649 (parameter buffer) + 5.297 (fp32 gradient buffer) on both stages, read off 4 H100s with
-benchmarks/mem_trace.py (docs/benchmarks/grads.md). Gradient release builds no DDP.
+persistent term). Gradient release builds no DDP.
 
 Persistent (held for the whole run after the first step):
 - weights: bf16 parameters (2 B each) of the stage's layers, embedding (first stage), final norm and
@@ -42,8 +38,8 @@ store and Megatron's AdamW the reduced gradient is dequantized into a float buff
 agoq.megatron.grad_store; with the distributed optimizer only the rank's fp32 shard gradients, 4/dp; with
 agoq's optimizer nothing: it reads the 8-bit shard one parameter at a time). agoq's optimizer steps one
 parameter (or shard) at a time with the fused Triton step, which allocates nothing; what it does allocate is
-``agoq_step_bytes``: the 8-bit store's fp32 read of the largest parameter and its clipped copy, and, at the
-first step of the code before 98c84d5, the states' initialisation temporaries (``Recipe.state_init``).
+``agoq_step_bytes``: the 8-bit store's fp32 read of the largest parameter and its clipped copy (the states are
+created at their final size, without temporaries).
 
 Gradient release (``Recipe.gradient_release``, --agoq-gradient-release): 0 gradient bytes and no step
 phase; the per-parameter step and non-finite check run inside backward (``release_step_bytes``), the
@@ -58,12 +54,13 @@ add no transient at either peak).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from agoq.formats import parse_format
 from agoq.plan.fp8 import fp8_persistent_bytes
-from agoq.plan.memory import GIB, Layout, ModelShape, layer_storage_of, plan_stages, stage_layers
-from agoq.plan.storage import BF16_BYTES, FP32_BYTES, QUANTIZED, RECOMPUTED, LayerDims
+from agoq.plan.memory import GIB, ExtraLayerBytes, Layout, layer_storage_of, plan_stages, stage_layers
+from agoq.plan.shape import ModelShape
+from agoq.plan.storage import BF16_BYTES, FP32_BYTES, LayerDims
 from agoq.policy import FP8Spec, PolicySpec
 
 # Empirical: allocated bytes that are neither parameters, gradients nor optimizer states, read as
@@ -84,37 +81,12 @@ TORCH_ADAM_STEP_BYTES = FP32_BYTES  # torch._foreach_sqrt(exp_avg_sq): one fp32 
 # states the output layer (stepped last) creates in its own step + 2 x 4 B x its 525,336,576 elements.
 # With Megatron's float buffer the step reads main_grad in place (FP32Optimizer clips in place): 0.
 STORE_GRAD_READ_FP32_COPIES = 2
-# agoq's optimizer creates a parameter's states inside its first step_param (agoq.optim.base.init_state), with
-# that parameter's gradient alive. Since 98c84d5 (2026-11-26 15:57 UTC) it writes them at their final size
-# (zero_quantized, a zero split remainder): "zeros", no temporaries. Before, it quantized fp32 zeros and split
-# p.float() through agoq.ref (ref_quantize, ref_master_split), whose temporaries peaked at these bytes per
-# element of the parameter above the states it keeps (bf16 parameter, cint8_b32 / cuint8_b32 moments, split24;
-# CPU allocator events, agoq.testing.memory.cpu_allocation_peak, torch 2.11; tests/unit/test_plan_state_init.py
-# measures "split_fp64" on the reference as it still is): "split_fp64" since fb51259 (2026-11-26 10:12 UTC: the
-# remainder rounds in float64), "split" before (the reference of ``git show fb51259^:agoq/ref/master.py``).
-STATE_INIT_BYTES_PER_ELEMENT = {"zeros": 0, "split_fp64": 70, "split": 46}
 MASTER_BYTES = {"none": 0, "split24": 1, "split32": 2, "fp32": 4}
-# Linear inputs agoq replaces inside quantized_saves (a quantized copy or a recompute handle). Until
-# 2026-11-25 07:34 UTC the pack hook kept a reference to the replaced bf16 tensor, and torch keeps a pack
-# hook alive with its SavedVariable until backward, so those tensors stayed allocated per layer and
-# in-flight micro-batch (Recipe.pack_hook_held_inputs): 2 x (2h + 2h + 2F) B per token, 12 B x h at
-# ffn = 4h and 9.5 B x h at ffn = 2.75h, which is what an earlier version of this planner had fitted
-# as an unexplained constant (11.5 and ~9.6). Found with benchmarks/mem_trace.py (docs/benchmarks/planner.md).
-# attn.proj_input is a view of SDPA's output, which SDPA keeps anyway: no extra bytes.
-PACK_HOOK_HELD_ROLES = ("attn.qkv_input", "mlp.fc1_input", "mlp.fc2_input")
 # The non-finite gradient check before the step (agoq.megatron.train.training / ddp, agoq.ops.nonfinite):
-# torch.isfinite of a float slice allocates |x| (grad dtype) plus three bool temporaries. Since
-# 2026-11-25 07:22 UTC it runs over slices of NONFINITE_CHECK_SLICE elements (agoq.ops.nonfinite, equal by test);
-# before, over the whole buffer (Recipe.full_isfinite_check: 7 B/param for fp32 grads, 6.45 GiB for the
-# 1B model, read off the H100 with benchmarks/mem_trace.py).
+# torch.isfinite of a float slice allocates |x| (grad dtype) plus three bool temporaries. It runs over slices of
+# NONFINITE_CHECK_SLICE elements (agoq.ops.nonfinite, equal by test).
 NONFINITE_CHECK_SLICE = 2**24
 ISFINITE_BOOL_TEMPORARIES = 3
-
-
-def pack_hook_held_bytes(storage, dims: LayerDims) -> int:
-    """Bytes per layer and micro-batch the old pack hook kept alive (Recipe.pack_hook_held_inputs)."""
-    return sum(BF16_BYTES * dims.numel(role) for role in PACK_HOOK_HELD_ROLES
-               if storage.roles[role].how in (QUANTIZED, RECOMPUTED))
 
 
 @dataclass(frozen=True)
@@ -131,27 +103,15 @@ class Recipe:
     # attention saves (agoq.plan.storage.megatron_bytes); the recomputed attention's own temporaries in
     # backward ([T, n d] out + fp32 log-sum-exp) are below the MLP's and are not added
     selective_recompute: bool = False
-    # attention's v saved as a view of the fused QKV output: the code before 2026-11-25, i.e. every GPU
-    # measurement committed before then (benchmarks/validate_planner.py); the current code saves a compact v
-    sdpa_v_view: bool = False
-    full_isfinite_check: bool = False  # the whole-buffer non-finite check (code before 2026-11-25 07:22 UTC)
-    pack_hook_held_inputs: bool = False  # replaced linear inputs kept alive (code before 2026-11-25 07:34 UTC)
     gradient_release: bool = False  # --agoq-gradient-release: no gradient buffer, each param stepped in backward
-    # 8-bit store: Megatron's float gradient buffer allocated at DDP construction, then freed (the code before
-    # agoq/megatron/deferred_grad_buffer.py; benchmarks/validate_planner.py DEFERRED_GRAD_BUFFER_SINCE)
-    float_grad_buffer_at_construction: bool = False
-    # agoq's optimizer's state initialisation at the first step (STATE_INIT_BYTES_PER_ELEMENT): "zeros" for the
-    # code since 98c84d5; "split_fp64" / "split" for runs before it (benchmarks/validate_planner.py)
-    state_init: str = "zeros"
     # --agoq-fp8 / --agoq-smooth-swiglu / --agoq-fp8-bf16-*-layers over the policy's fp8 section
     # (agoq.megatron.compute.compute_spec): weight caches, scaling state, saved inputs (agoq.plan.fp8)
     fp8: FP8Spec = FP8Spec()
-    # plain SwiGLU fused with the FP8 fc2 under delayed scaling (agoq.plan.fp8.fused_plain): the code since commit
-    # e9f6759 (2026-11-26 19:34 UTC); False before it (benchmarks/validate_planner.py) and with the trainer's
-    # AGOQ_FP8_SWIGLU_FUSION=0 (agoq.megatron.train.memory_report)
+    # plain SwiGLU fused with the FP8 fc2 under delayed scaling (agoq.plan.fp8.fused_plain); False: Megatron's SwiGLU
+    # before the FP8 fc2, as with the trainer's AGOQ_FP8_SWIGLU_FUSION=0 (agoq.megatron.train.memory_report)
     fuse_plain_swiglu_fp8: bool = True
     # agoq's fused RoPE in Megatron's slot (--rope-fusion; agoq.megatron.rope): no per-layer cos / sin saves
-    # (agoq.plan.storage.megatron_bytes); False: Megatron's unfused RoPE (every run before 2026-11-27 16:59 UTC)
+    # (agoq.plan.storage.megatron_bytes); False: Megatron's unfused RoPE
     rope_fused: bool = False
 
 
@@ -242,27 +202,19 @@ def logits_transient(dims: LayerDims, vocab: int) -> int:
     return BF16_BYTES * dims.tokens * (vocab // dims.tp)
 
 
-def nonfinite_check_bytes(numel: int, elem_bytes: int, recipe: Recipe) -> int:
+def nonfinite_check_bytes(numel: int, elem_bytes: int) -> int:
     """Temporaries of the non-finite check over a float gradient buffer of ``numel`` elements; it runs
     after the backward (activations released) and before the optimizer step, so it is a step-phase term."""
-    checked = numel if recipe.full_isfinite_check else min(numel, NONFINITE_CHECK_SLICE)
-    return checked * (elem_bytes + ISFINITE_BOOL_TEMPORARIES)
-
-
-def state_init_bytes(largest_numel: int, recipe: Recipe) -> int:
-    """Temporaries of agoq's optimizer creating the largest parameter's states (first step; 0 since 98c84d5)."""
-    if recipe.state_init not in STATE_INIT_BYTES_PER_ELEMENT:
-        raise ValueError(f"Recipe.state_init {recipe.state_init!r}: one of {sorted(STATE_INIT_BYTES_PER_ELEMENT)}")
-    return STATE_INIT_BYTES_PER_ELEMENT[recipe.state_init] * largest_numel
+    return min(numel, NONFINITE_CHECK_SLICE) * (elem_bytes + ISFINITE_BOOL_TEMPORARIES)
 
 
 def agoq_step_bytes(largest_numel: int, recipe: Recipe) -> int:
     """Temporaries of agoq's optimizer step, bounded by its largest parameter (or shard; the one stepped last
     finds every other state allocated). With the 8-bit store: the fp32 read and its clipped copy
-    (``STORE_GRAD_READ_FP32_COPIES``), then the clipped gradient alone while ``step_param`` initialises the
-    states (first step); with Megatron's float buffer only the initialisation (``state_init_bytes``)."""
+    (``STORE_GRAD_READ_FP32_COPIES``); with Megatron's float buffer none (the states are created at their final
+    size, with no temporaries)."""
     read = FP32_BYTES * largest_numel if recipe.grads is not None else 0
-    return max(STORE_GRAD_READ_FP32_COPIES * read, read + state_init_bytes(largest_numel, recipe))
+    return STORE_GRAD_READ_FP32_COPIES * read
 
 
 def release_step_bytes(largest_numel: int) -> int:
@@ -275,14 +227,6 @@ def release_step_bytes(largest_numel: int) -> int:
     step its states, 1.5 GiB, are created after the check, whose 80 MiB fit in the room they take later)."""
     check = min(largest_numel, NONFINITE_CHECK_SLICE) * (BF16_BYTES + ISFINITE_BOOL_TEMPORARIES)
     return BF16_BYTES * largest_numel + check
-
-
-def first_release_step_bytes(largest_numel: int, optimizer_bytes: int, recipe: Recipe) -> int:
-    """Gradient release's first step: the hook of the largest parameter also creates its states
-    (``state_init_bytes``), and the optimizer's states do not exist yet (each is created in its parameter's
-    hook), so the term is relative to the persistent state without them (``optimizer_bytes``); the states of
-    the parameters stepped before it in that backward (the output layer's first) are left out."""
-    return BF16_BYTES * largest_numel + state_init_bytes(largest_numel, recipe) - optimizer_bytes
 
 
 def grad_bytes_per_param(recipe: Recipe, layout: Layout) -> tuple[float, float]:
@@ -309,18 +253,17 @@ def grad_bytes_per_param(recipe: Recipe, layout: Layout) -> tuple[float, float]:
 def ddp_construction_bytes(weights: int, buffer_numel: int, layout: Layout, recipe: Recipe) -> int:
     """Allocated while Megatron's DDP builds its buffers (module docstring): the model's parameters, with the
     distributed optimizer the bf16 parameter buffer, and the float gradient buffer, except with agoq's 8-bit
-    store (a meta placeholder, agoq/megatron/deferred_grad_buffer.py; allocated before
-    ``Recipe.float_grad_buffer_at_construction``). 0 with gradient release (agoq.megatron.release wraps the
-    model without Megatron's DDP)."""
+    store (a meta placeholder, agoq/megatron/deferred_grad_buffer.py). 0 with gradient release
+    (agoq.megatron.release wraps the model without Megatron's DDP)."""
     if recipe.gradient_release:
         return 0
     param_buffer = BF16_BYTES * buffer_numel if layout.distributed_optimizer else 0
-    deferred = recipe.grads is not None and not recipe.float_grad_buffer_at_construction
+    deferred = recipe.grads is not None
     float_grads = 0 if deferred else layout.grad_bytes * buffer_numel
     return weights + param_buffer + float_grads
 
 
-def _fwd_bwd_transient(dims: LayerDims, storage, st, last: bool, vocab: int, largest_and_optimizer: tuple[int, int],
+def _fwd_bwd_transient(dims: LayerDims, storage, st, last: bool, vocab: int, largest: int,
                        recipe: Recipe) -> tuple[int, str]:
     """(bytes, source) of the largest forward/backward temporary on top of the held bytes. The loss's backward
     and the output layer's run before the last layer's: by then the head's saves are released, so the layer
@@ -329,24 +272,22 @@ def _fwd_bwd_transient(dims: LayerDims, storage, st, last: bool, vocab: int, lar
     candidates = [(logits_transient(dims, vocab) if last else 0, "LM-head logits"),
                   (backward - st.head_activations, "layer backward")]
     if recipe.gradient_release:
-        largest, optimizer = largest_and_optimizer
         candidates.append((release_step_bytes(largest) - st.head_activations, "release step"))
-        if recipe.state_init != "zeros":
-            first = first_release_step_bytes(largest, optimizer, recipe) - st.head_activations
-            candidates.append((first, "first release step: state init"))
     return max(candidates)
 
 
-def _stage_dims(shape: ModelShape, layout: Layout) -> LayerDims:
+def stage_dims(shape: ModelShape, layout: Layout) -> LayerDims:
     return LayerDims(seq=layout.seq, micro_batch=layout.mbs, hidden=shape.hidden_size, ffn=shape.ffn_hidden_size,
                      heads=shape.num_attention_heads, groups=shape.num_query_groups, tp=layout.tp,
                      sequence_parallel=layout.sequence_parallel)
 
 
-def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe: Recipe = Recipe()) -> list[StagePeak]:
-    """One StagePeak per pipeline rank."""
-    dims = _stage_dims(shape, layout)
-    stages = plan_stages(shape, layout, policy, v_view=recipe.sdpa_v_view, fp8=recipe.fp8,
+def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe: Recipe = Recipe(), *,
+                  extra_layer_bytes: ExtraLayerBytes | None = None) -> list[StagePeak]:
+    """One StagePeak per pipeline rank. ``extra_layer_bytes``: bytes a layer keeps per micro-batch besides the
+    modelled ones (``agoq.plan.memory.plan_stages``)."""
+    dims = stage_dims(shape, layout)
+    stages = plan_stages(shape, layout, policy, fp8=recipe.fp8, extra_layer_bytes=extra_layer_bytes,
                          core_attn_recompute=recipe.selective_recompute, rope_fused=recipe.rope_fused,
                          plain_swiglu_fusion=recipe.fuse_plain_swiglu_fp8)
     out = []
@@ -374,8 +315,6 @@ def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe:
             per_param = sum(parse_format(m).bytes_per_element() for m in recipe.moments) + MASTER_BYTES[recipe.master]
             optimizer = int(per_param * params / share)
             step_extra += agoq_step_bytes(max(tensors), recipe)
-            if step_extra > agoq_step_bytes(max(tensors), replace(recipe, state_init="zeros")):
-                step_source = "first step's state init"
         storage = layer_storage_of(shape, layout, policy, rank)
         layer_held = st.activations - st.head_activations  # every in-flight micro-batch's layers
         if recipe.recompute:
@@ -384,12 +323,9 @@ def predict_peaks(shape: ModelShape, layout: Layout, policy: PolicySpec, recipe:
             per_layer = layer_held // max(st.inflight * len(st.layers), 1)
             layer_held = st.inflight * len(st.layers) * BF16_BYTES * dims.tokens * dims.hidden // dims.tp + per_layer
         transient, source = _fwd_bwd_transient(dims, storage, st, rank == layout.pp - 1, shape.vocab_size,
-                                               (max(tensors), optimizer), recipe)
-        if recipe.pack_hook_held_inputs:
-            copies = 1 if recipe.recompute else st.inflight * len(st.layers)
-            layer_held += pack_hook_held_bytes(storage, dims) * copies
+                                               max(tensors), recipe)
         if recipe.grads is None:  # Megatron's float buffers are checked (8-bit grads: their own check)
-            step_extra = max(step_extra, nonfinite_check_bytes(buffer, layout.grad_bytes, recipe))
+            step_extra = max(step_extra, nonfinite_check_bytes(buffer, layout.grad_bytes))
         if recipe.gradient_release:  # no buffer; the per-parameter step and check moved into backward (above)
             grads, step_extra = 0, 0
         fp8 = fp8_persistent_bytes(recipe.fp8, shape, layout.tp, st.layers)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agoq.plan.memory import ModelShape
+from agoq.plan.shape import ModelShape
 
 PEAK_BF16_FLOPS = 989e12  # H100 SXM dense bf16 tensor-core peak (NVIDIA H100 datasheet)
 ACHIEVED_FRACTION = 0.5  # the 8B shape's measured MFU on one H100 (docs/benchmarks/capacity.md)

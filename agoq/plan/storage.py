@@ -245,8 +245,8 @@ def agoq_bytes(storage: LayerStorage, dims: LayerDims) -> dict[str, int]:
     return out
 
 
-def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, v_view: bool = False,
-                   core_attn_recompute: bool = False, rope_fused: bool = False) -> dict[str, int]:
+def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, core_attn_recompute: bool = False,
+                   rope_fused: bool = False) -> dict[str, int]:
     """Modelled bytes Megatron itself keeps per role (bf16 training dtype) for one micro-batch.
 
     Model (CUDA, megatron-core 0.19.2 local spec + agoq's SDPA attention):
@@ -255,10 +255,8 @@ def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, v_view: bool = Fal
       ``silu(x_glu) * (x_linear + glu_linear_offset)``) keeps its input (2f: silu saves the x_glu
       view of the fc1 output), silu(x_glu) (f) and the new tensor ``x_linear + offset`` (f);
     - SDPA keeps q, k (after RoPE: own storage), out and the fp32 log-sum-exp per (token, head);
-      agoq's SDPA keeps a compact copy of v ([T, g d]; the fused QKV output it was a view of is freed).
-      ``v_view=True`` models the code before 2026-11-25, which saved v as a view of the fused QKV
-      output and so kept the whole [T, (n + 2g) d] buffer alive (every GPU measurement committed
-      before that date); RoPE keeps its cos and sin ([s, 1, 1, d], cast to bf16 per layer) for q and for k;
+      agoq's SDPA keeps a compact copy of v ([T, g d]; the fused QKV output it was a view of is freed);
+      RoPE keeps its cos and sin ([s, 1, 1, d], cast to bf16 per layer) for q and for k;
       ``rope_fused`` (agoq's fused RoPE, agoq.ops.rope): none per layer (one cached [s, d] cos / sin pair per run,
       ~1 MiB at seq 4096, shared by every layer, not modelled), and where each tensor-parallel rank holds whole
       query groups the QKV split runs in the same op, so v reaches attention compact
@@ -280,7 +278,7 @@ def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, v_view: bool = Fal
     """
     out = {}
     t = dims.tokens
-    n, g, d = dims.heads // dims.tp, dims.groups // dims.tp, dims.head_dim
+    n, d = dims.heads // dims.tp, dims.head_dim
     for role, rs in storage.roles.items():
         if rs.how not in (MEGATRON, NOT_APPLIED):
             continue
@@ -294,8 +292,6 @@ def megatron_bytes(storage: LayerStorage, dims: LayerDims, *, v_view: bool = Fal
             out[role] = BF16_BYTES * (dims.numel(role) + 2 * dims.numel("mlp.fc2_input"))
         elif role == "attn.proj_input":
             out[role] = 0  # a view of attn.out (counted there)
-        elif role == "attn.v" and v_view:
-            out[role] = BF16_BYTES * t * (n + 2 * g) * d
         elif role in ("attn.q", "attn.k"):
             out[role] = BF16_BYTES * (dims.numel(role) + (0 if rope_fused else 2 * dims.seq * d))
         elif role == "attn.out":

@@ -53,7 +53,7 @@ tokens / labels / positions, fp32 loss mask) is alive through the forward, the L
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from agoq.formats import QuantFormat, parse_format
 from agoq.plan.memory import Layout, ModelShape
@@ -333,10 +333,8 @@ def predict_te_peak(shape: ModelShape, layout: Layout, policy: PolicySpec | None
         per_param = sum(parse_format(m).bytes_per_element() for m in recipe.moments) + MASTER_BYTES[recipe.master]
         optimizer = int(per_param * params / share)
         step_extra += agoq_step_bytes(max(tensors), recipe)
-        if step_extra > agoq_step_bytes(max(tensors), replace(recipe, state_init="zeros")):
-            step_source = "first step's state init"
     if settings.agoq and recipe.grads is None:  # agoq's non-finite check of the float buffer
-        step_extra = max(step_extra, nonfinite_check_bytes(buffer, layout.grad_bytes, recipe))
+        step_extra = max(step_extra, nonfinite_check_bytes(buffer, layout.grad_bytes))
     layers, largest = held_layers_bytes(shape, layout, policy, settings.fp8)
     if recipe.recompute:  # Megatron's full recompute, one layer per group (agoq.plan.peak.predict_peaks)
         layers = shape.num_layers * BF16_BYTES * dims.tokens * dims.hidden + largest

@@ -18,7 +18,7 @@ from agoq.formats import QuantFormat
 
 # ---------------------------------------------------------------------------------------------
 # Roles: every tensor a LLaMA layer (and the embedding / head around it) saves for backward.
-# Provenance: ../shared/spec/algorithms.md §3.2 (AGoQ's code keeps the pre-norm input and recomputes the norm;
+# Provenance: arXiv 2605.00539 (AGoQ's code keeps the pre-norm input and recomputes the norm;
 # keeps the fc1 output and recomputes SwiGLU; FlashAttention's q/k/v/out are not compressed).
 # One place, one line each; docs/policy.md renders the same table.
 # ---------------------------------------------------------------------------------------------
@@ -59,7 +59,7 @@ AUTO_ROUNDINGS: tuple[str, ...] = ("nearest", "up", "down")
 PpStage = int | Literal["first", "last"]
 
 # ---------------------------------------------------------------------------------------------
-# The `fp8:` section: FP8 linears and Smooth-SwiGLU (FP8 paper, ../shared/spec/algorithms.md §2; docs/numerics.md).
+# The `fp8:` section: FP8 linears and Smooth-SwiGLU (FP8 paper, arXiv 2409.12517; docs/numerics.md).
 # ---------------------------------------------------------------------------------------------
 #: off: bf16 linears; current / delayed: per-tensor scaling from this tensor's amax / from the amax
 #: history; rowwise: per-row scales (current); te: Transformer Engine's recipe (needs TE installed).

@@ -12,7 +12,7 @@ In-flight counts mirror megatron-core 0.19.2 ``pipeline_parallel/schedules.py:ge
   is in warm-up, else the 1F1B steady state adds one: in flight = ``min(warmup + 1, M * V)``.
   One chunk-micro-batch holds 1/V of the rank's layers, so counts compare across ranks as-is.
 
-The auto rule (../shared/spec/algorithms.md §3.2, [recon] of AGoQ's DBCA-PP): a rank's activation memory is
+The auto rule (arXiv 2605.00539, [recon] of AGoQ's DBCA-PP): a rank's activation memory is
 proportional to in-flight count x bits, so rank r targets ``b_r = b_base * M_max / M_r`` bits to
 match the busiest rank's peak at the base format.
 """

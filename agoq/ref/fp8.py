@@ -5,8 +5,8 @@ the GEMMs run on the dequantized values in fp32 instead of ``torch._scaled_mm``.
 
 Conventions (as Transformer Engine and torchao): a **scale** multiplies the high-precision tensor
 into the FP8 range, ``x_fp8 = sat(RNE(x * scale))``; its inverse ``1 / scale`` is what
-``torch._scaled_mm`` takes as ``scale_a`` / ``scale_b``. Recipe of the FP8 paper (../shared/spec/algorithms.md
-§2.1): E4M3 for the forward operands (input, weight), E5M2 for the output gradient.
+``torch._scaled_mm`` takes as ``scale_a`` / ``scale_b``. Recipe of the FP8 paper (arXiv
+2409.12517): E4M3 for the forward operands (input, weight), E5M2 for the output gradient.
 
 Granularity:
   tensor  one fp32 scale per tensor (0-dim).
@@ -44,8 +44,8 @@ __all__ = [
 ]
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-FORWARD_VARIANT = "e4m3"  # FP8 paper §2.1: E4M3 forward (weights and activations)
-BACKWARD_VARIANT = "e5m2"  # FP8 paper §2.1: E5M2 backward (gradients)
+FORWARD_VARIANT = "e4m3"  # the FP8 paper's recipe: E4M3 forward (weights and activations)
+BACKWARD_VARIANT = "e5m2"  # the FP8 paper's recipe: E5M2 backward (gradients)
 GRANULARITIES = ("tensor", "row")
 
 

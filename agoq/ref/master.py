@@ -1,7 +1,7 @@
 """Reference master-weight split/merge (FlashOptim ULP-normalised error correction), plain PyTorch.
 
 A fp32 master weight theta is stored as the model's 16-bit parameter theta' = RN(theta) plus a small
-signed integer rho that says where theta lies inside theta's rounding interval (../shared/spec/algorithms.md §1.2,
+signed integer rho that says where theta lies inside theta's rounding interval (FlashOptim, arXiv 2602.23349,
 FlashOptim arXiv 2602.23349 eqs. 1-2, Alg. 1):
 
     theta' = RNE(theta) to bf16 / fp16
@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 # rho's signed maximum per storage dtype: FlashOptim's algorithm box and code use 2**(b-1) - 1
-# (the prose's 2**b - 1 is a typo; ../shared/spec/algorithms.md §1.2).
+# (the prose's 2**b - 1 is a typo; FlashOptim, arXiv 2602.23349).
 MASTER_NS = {torch.int8: 127, torch.int16: 32767}
 # narrow param dtype -> (stored mantissa bits M, smallest normal unbiased exponent E_min)
 NARROW_DTYPES = {torch.bfloat16: (7, -126), torch.float16: (10, -14)}
@@ -98,7 +98,7 @@ def remainder_of(theta_f32: torch.Tensor, narrow: torch.Tensor, n: int) -> torch
     err_n = (err * pow2_f32(-b)) * pow2_f32(-a)  # exact power-of-two scalings
     # rho rounds the *exact* product e * N: fp64 holds it (24 + 15 bits <= 53). An fp32 product rounds
     # first, and can land on a .5 tie that the exact value is below (then rounded away from zero, |e N -
-    # rho| reached 0.5 + 2**-10 for split32: issue 21). The kernel gets the same rho from fp32 math with
+    # rho| reached 0.5 + 2**-10 for split32). The kernel gets the same rho from fp32 math with
     # an exact residual (agoq.kernels.optim).
     y = err_n.clamp(-1.0, 1.0).to(torch.float64) * float(n)
     mag = y.abs()

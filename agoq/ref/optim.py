@@ -11,7 +11,7 @@ updates one tensor in place:
     states   agoq.ref.quant.QuantizedTensor of any agoq format (fp32 / bf16 / cint8_b32 /
              cuint8_b32 / fp8e4m3_b128 / int4_b32 ...), updated in place (codes and scales)
 
-Update math (../shared/spec/algorithms.md §1.4; FlashOptim Alg. 4 / App. A; torch.optim.AdamW / SGD): every
+Update math (FlashOptim, arXiv 2602.23349, Alg. 4 / App. A; torch.optim.AdamW / SGD): every
 line is one IEEE fp32 operation per element (no fused multiply-add), in exactly this order, so the
 Triton kernel can reproduce it. Scalars are rounded to fp32 once, in :func:`adamw_scalars` etc.
 
@@ -112,7 +112,7 @@ def sgd_scalars(*, lr, momentum, weight_decay) -> SGDScalars:
     return SGDScalars(momentum=f32(momentum), weight_decay=f32(weight_decay), lr=f32(lr))
 
 
-def _check_pair(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor | None) -> None:
+def check_pair(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor | None) -> None:
     if not param.is_contiguous() or grad.numel() != param.numel():
         raise ValueError(
             f"param must be contiguous with grad of the same numel (param {tuple(param.shape)}, "
@@ -175,7 +175,7 @@ def ref_adamw_step(
     step: int,
 ) -> None:
     """One AdamW step (decoupled weight decay) of one tensor, in place."""
-    _check_pair(param, grad, master)
+    check_pair(param, grad, master)
     s = adamw_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
     g = grad.reshape(-1).to(torch.float32)
     theta = load_master(param, master)
@@ -200,7 +200,7 @@ def ref_lion_step(
     weight_decay: float,
 ) -> None:
     """One Lion step (Chen et al. 2023, arXiv 2302.06675; decoupled decay) of one tensor, in place."""
-    _check_pair(param, grad, master)
+    check_pair(param, grad, master)
     s = lion_scalars(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
     g = grad.reshape(-1).to(torch.float32)
     theta = load_master(param, master)
@@ -224,7 +224,7 @@ def ref_sgd_step(
     nesterov: bool,
 ) -> None:
     """One SGD step (torch.optim.SGD semantics, dampening 0; buffer None iff momentum == 0)."""
-    _check_pair(param, grad, master)
+    check_pair(param, grad, master)
     if (momentum_buffer is None) != (momentum == 0.0):
         raise ValueError("pass a momentum_buffer exactly when momentum != 0")
     s = sgd_scalars(lr=lr, momentum=momentum, weight_decay=weight_decay)

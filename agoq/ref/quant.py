@@ -42,7 +42,7 @@ __all__ = [
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "pow2": torch.uint8}
+SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "pow2": torch.uint8}
 _PLAIN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 POW2_NAN_BYTE = 255  # biased exponent byte that encodes a NaN scale (exponents use 1..254)
 POW2_MIN_EXP, POW2_MAX_EXP = -126, 127  # normal fp32 powers of two: the kernel builds them from bits
@@ -121,7 +121,7 @@ def _div(num_f32: torch.Tensor, divisor: float) -> torch.Tensor:
 def sqrt_rn(x_f32: torch.Tensor) -> torch.Tensor:
     """Correctly rounded fp32 sqrt (the kernels' ``sqrt_rn``). PyTorch's CPU fp32 sqrt is not: its
     vectorised path is 1 ulp off for a share of inputs that depends on the CPU (0.6 % to ~20 % measured,
-    torch 2.14, 2026), which moved cuint codes (issue 21). sqrt in fp64 then one rounding to fp32 is
+    torch 2.14, 2026), which moved cuint codes. sqrt in fp64 then one rounding to fp32 is
     correctly rounded (53 >= 2 * 24 + 2 bits: no double rounding); negative -> NaN, as torch.sqrt."""
     return torch.sqrt(x_f32.to(torch.float64)).to(torch.float32)
 
@@ -247,7 +247,7 @@ def ref_quantize(x: torch.Tensor, fmt: QuantFormat | str, *, seed: int | None = 
     if fmt.scale == "pow2":
         stored = torch.where(bad, POW2_NAN_BYTE, stored.to(torch.int32)).to(torch.uint8)
     else:
-        stored = torch.where(bad, float("nan"), stored.to(torch.float32)).to(_SCALE_DTYPES[fmt.scale])
+        stored = torch.where(bad, float("nan"), stored.to(torch.float32)).to(SCALE_DTYPES[fmt.scale])
     return QuantizedTensor(codes, stored, fmt, x.shape, x.dtype)
 
 
@@ -301,7 +301,7 @@ def saturate(y_f32: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     A finite block's code value times its scale can exceed the output dtype's range although every
     input was finite: the scale rounds up (fp16: 65504 / 127 -> 516, and 127 * 516 = 65532 rounds to
     fp16 inf; pow2: 3e38 / 7 -> 2**126, and code 4 * 2**126 = 2**128 overflows fp32). The codes'
-    values are those of the finite grid, so the nearest finite value is the right answer (issue 21);
+    values are those of the finite grid, so the nearest finite value is the right answer;
     a dequantized Inf would only ever mean "near the maximum". docs/numerics.md."""
     lim = torch.finfo(out_dtype).max
     return y_f32.clamp(-lim, lim)  # clamp keeps NaN

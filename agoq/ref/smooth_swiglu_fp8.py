@@ -1,5 +1,5 @@
 """Reference twins of :mod:`agoq.kernels.smooth_swiglu_fp8` (same signatures, plain PyTorch): Smooth-SwiGLU
-fused with fc2's FP8 input cast under delayed scaling (FP8 paper §4.4, ../shared/spec/algorithms.md §2.3).
+fused with fc2's FP8 input cast under delayed scaling (FP8 paper §4.4, arXiv 2409.12517).
 
   ref_smooth_swiglu_amax(h, per_token) -> amax fp32: [T] = max_f |up| (per token, the authors' code), [F] =
       max_t |glu| (per channel, the rule of agoq.ops.smooth_swiglu.glu_smooth_scale)

@@ -1,4 +1,4 @@
-"""Reference SwiGLU and Smooth-SwiGLU (FP8 paper, arXiv 2409.12517; ../shared/spec/algorithms.md §2.3), plain PyTorch.
+"""Reference SwiGLU and Smooth-SwiGLU (FP8 paper, arXiv 2409.12517), plain PyTorch.
 
 Layout as in Megatron's fused fc1: ``fc1_out = [gate | up]`` along the last dimension (2F wide);
 ``swiglu(fc1_out) = silu(gate) * up`` (F wide) is the input of fc2 (weight [H, F], y = z @ W.T).
@@ -14,7 +14,7 @@ so the function is unchanged (exactly, in fp32, when s is a power of two; defaul
                and column i of fc2's weight is multiplied by s_i (W' = W * s), the contraction
                dimension, so z @ W'.T = swiglu @ W.T.
 
-The paper leaves the exact per-channel rule open (../shared/spec/algorithms.md §2.3); we normalise the quantity
+The paper leaves the exact per-channel rule open (arXiv 2409.12517); we normalise the quantity
 that is cast (the SwiGLU output), so each channel's max maps to at most 1.
 """
 

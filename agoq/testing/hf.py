@@ -1,4 +1,4 @@
-"""Test helpers for the Hugging Face doors (issue 22): a small real-text corpus and a byte-level BPE
+"""Test helpers for the Hugging Face doors: a small real-text corpus and a byte-level BPE
 ``tokenizer.json`` trained on it by the ``tokenizers`` library (optional extra ``[hf]``, imported on use)."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from a measurement without a stated margin. See docs/numerics.md.
 Test distributions (``make_test_data``):
   gaussian      N(0, 1) i.i.d.
   heavy_tailed  N(0, 1) with a fraction HEAVY_TAIL_FRACTION of elements multiplied by
-                HEAVY_TAIL_FACTOR (the "1e3x outliers" of the issue).
+                HEAVY_TAIL_FACTOR ("1e3x outliers", as real gradients).
 cuint formats store non-negative second moments, so they are tested on |data|.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from agoq.formats import QuantFormat
 
-HEAVY_TAIL_FACTOR = 1e3  # issue 3: "heavy-tailed with 1e3x outliers"
+HEAVY_TAIL_FACTOR = 1e3  # "heavy-tailed with 1e3x outliers", as real gradients
 HEAVY_TAIL_FRACTION = 1e-3  # one outlier per 1000 elements: most 256-blocks hold none, some one
 FLOOR_MARGIN_DB = 1.0  # slack for sampling noise of a 2**16..2**18-element estimate (std << 0.5 dB)
 POW2_SCALE_PENALTY_DB = 20 * math.log10(2)  # pow2 scale <= 2x the ideal one: step 2x, noise 4x
@@ -150,7 +150,7 @@ def assert_sqnr_at_least(ref: torch.Tensor, approx: torch.Tensor, floor_db: floa
 def cuint_boundary_inputs(block: int = 32, ulps: int = 3, lead_one: bool = True) -> torch.Tensor:
     """fp32 second moments v whose sqrt lies within ``ulps / 2`` fp32 ulps of a cuint8 code boundary
     (k + 1/2) / 255 (k = 0..254): at scale 1 a 1-ulp error of sqrt moves their code, so they check that a
-    sqrt is correctly rounded (issue 21: PyTorch's CPU fp32 sqrt is not). v = the 2 * ulps + 1 fp32
+    sqrt is correctly rounded (PyTorch's CPU fp32 sqrt is not). v = the 2 * ulps + 1 fp32
     neighbours of ((k + 1/2) / 255)**2. With ``lead_one`` every block of ``block`` elements starts with
     1.0, so its scale is exactly 1 (fp32, fp16 and pow2 alike) and the codes see sqrt(v) unscaled;
     without it each block's scale is the (correctly rounded) sqrt of one of these v."""
@@ -168,7 +168,7 @@ def split_tie_inputs(narrow_dtype: torch.dtype, n: int, lo_exp: int, hi_exp: int
                      ulps: int = 2, seed: int = 0) -> torch.Tensor:  # fmt: skip
     """fp32 masters theta in +-[2**lo_exp, 2**hi_exp) whose scaled remainder e * N (agoq.ref.master: e =
     (theta - theta') / 2**l) lies within ``ulps`` fp32 ulps of a .5 tie, where an fp32 rounding of the
-    product decides rho (issue 21). From ``count`` random theta: the tie k + 1/2 below each one's e * N,
+    product decides rho. From ``count`` random theta: the tie k + 1/2 below each one's e * N,
     mapped back to theta' + (k + 1/2) / N * 2**l in fp64, and its 2 * ulps + 1 fp32 neighbours."""
     from agoq.ref.master import half_ulp_exponent  # agoq.testing may import the reference
 

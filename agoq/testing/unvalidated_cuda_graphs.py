@@ -1,5 +1,5 @@
-"""scripts/pretrain_llama.py with agoq's not-yet-validated CUDA-graph features allowed, for the GPU validation of issue
-24 item 1 only: tests/gpu/test_cuda_graphs_gpu.py, tests/e2e/test_cuda_graphs_multigpu.py and the ``graphs`` suite
+"""scripts/pretrain_llama.py with agoq's not-yet-validated CUDA-graph features allowed, for their GPU
+validation only: tests/gpu/test_cuda_graphs_gpu.py, tests/e2e/test_cuda_graphs_multigpu.py and the ``graphs`` suite
 of benchmarks/bench_pretrain.py run it in place of the script.
 
     torchrun --nproc-per-node 1 --standalone agoq/testing/unvalidated_cuda_graphs.py --cuda-graph-impl local ...

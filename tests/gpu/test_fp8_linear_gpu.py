@@ -257,19 +257,19 @@ def _delayed_steps(x, w, g, steps=4):
 
 @pytest.mark.parametrize("lead", [(1024,), (4, 256)])
 def test_direct_launch_is_bit_identical_to_tritons_dispatch(lead):
-    """agoq.kernels._fastlaunch calls the compiled cast kernels directly after their first launch:
+    """agoq.kernels.fastlaunch calls the compiled cast kernels directly after their first launch:
     outputs, gradients and the scaling metas equal those of Triton's own dispatch bit for bit (2-D
     and 3-D inputs, the latter read in place)."""
-    from agoq.kernels import _fastlaunch, fp8_fused
+    from agoq.kernels import fastlaunch, fp8_fused
 
     x, w, g = (t.cuda() for t in _data(1024, 512, 768))
     x, g = x.reshape(*lead, 512), g.reshape(*lead, 768)
-    previous = _fastlaunch.set_fast_launch(False)
+    previous = fastlaunch.set_fast_launch(False)
     try:
         dispatched = _delayed_steps(x, w, g)
     finally:
-        _fastlaunch.set_fast_launch(previous)
-    assert _fastlaunch.fast_launch_enabled()
+        fastlaunch.set_fast_launch(previous)
+    assert fastlaunch.fast_launch_enabled()
     before = fp8_fused._CAST_LAUNCH.direct_calls
     direct = _delayed_steps(x, w, g)
     assert fp8_fused._CAST_LAUNCH.direct_calls > before  # the direct path did run

@@ -98,7 +98,7 @@ def test_weight_cache_bytes_equal_the_planner(gpu_world, recipe, smooth, policy)
     agoq.plan.fp8.weight_cache_bytes per FP8 layer; per-tensor scale metas (a few floats each, one 512-byte
     allocator block at most) are not charged."""
     from agoq.plan import fp8 as plan_fp8
-    from agoq.plan.memory import ModelShape
+    from agoq.plan.shape import ModelShape
     from agoq.policy import FP8Spec
 
     model = _build(gpu_world, recipe=recipe, smooth=smooth, policy=policy)

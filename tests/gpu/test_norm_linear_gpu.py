@@ -51,7 +51,7 @@ def _model(device, policy, nodes: bool, reference=None, fuse_swiglu: bool = True
 def test_one_node_linears_equal_the_old_paths_on_cuda(gpu_world, policy):
     """``agoq_unfused_swiglu``: SwiGLU's recompute and backward from the dequantized fc1 output (agoq.kernels.swiglu)
     instead of the fused kernels that read the codes (``SavePaths(fuse_swiglu=False)`` on both sides)."""
-    from agoq.kernels._fastlaunch import set_check_sites
+    from agoq.kernels.fastlaunch import set_check_sites
 
     fuse_swiglu = policy != "agoq_unfused_swiglu"
     policy = _LINEARS_INT8 if policy == "linears_int8" else "agoq"

@@ -100,9 +100,9 @@ def test_swiglu_fused_backward_bitwise_equal_to_unfused_path():
 
 @pytest.mark.parametrize("name", ["nf4_b64", "int8_b128", "int4_b64", "fp8e4m3_b128", "cint8_b32"])
 def test_direct_launch_equals_triton_launch(name):
-    """agoq.kernels._fastlaunch: the cached direct launch gives what Triton's own launch gives, also for
+    """agoq.kernels.fastlaunch: the cached direct launch gives what Triton's own launch gives, also for
     an unaligned view and sizes whose specialization differs (not a multiple of 16, one block)."""
-    from agoq.kernels import _fastlaunch
+    from agoq.kernels import fastlaunch
     from agoq.kernels.quant import dequantize, quantize
 
     fmt = parse_format(name)
@@ -110,12 +110,12 @@ def test_direct_launch_equals_triton_launch(name):
     for x in (base[: 4 * 4096], base[1 : 1 + 4097], base[:fmt.block], base[:4096]):
         outs = []
         for fast in (True, True, False):  # the first fast call may compile; the second is direct
-            previous = _fastlaunch.set_fast_launch(fast)
+            previous = fastlaunch.set_fast_launch(fast)
             try:
                 q = quantize(x, fmt)
                 outs.append((q, dequantize(q)))
             finally:
-                _fastlaunch.set_fast_launch(previous)
+                fastlaunch.set_fast_launch(previous)
         for q, y in outs[1:]:
             assert torch.equal(q.codes, outs[0][0].codes)
             assert torch.equal(q.scales.view(torch.uint8), outs[0][0].scales.view(torch.uint8))
@@ -124,10 +124,10 @@ def test_direct_launch_equals_triton_launch(name):
 
 @pytest.mark.parametrize("name", ["nf4_b64", "int8_b128", "fp8e4m3_b128"])
 def test_launch_sites_equal_tritons_launch(name):
-    """agoq.kernels._fastlaunch.LaunchSite (quantize, dequantize and the fused SwiGLU kernels keep one per
+    """agoq.kernels.fastlaunch.LaunchSite (quantize, dequantize and the fused SwiGLU kernels keep one per
     format / shape / dtype / device): repeated calls launch directly, under the check mode that recomputes
     the full key per call, and give Triton's own launch's bits."""
-    from agoq.kernels import _fastlaunch, quant, swiglu_quant
+    from agoq.kernels import fastlaunch, quant, swiglu_quant
 
     fmt = parse_format(name)
     h = torch.randn(3, 2 * 512, device="cuda").to(torch.bfloat16)
@@ -140,17 +140,17 @@ def test_launch_sites_equal_tritons_launch(name):
                 qh.codes, swiglu_quant.dequant_swiglu_fwd(qh).view(torch.int16),
                 swiglu_quant.dequant_swiglu_bwd(qh, gz).view(torch.int16)]
 
-    previous = _fastlaunch.set_fast_launch(False)
+    previous = fastlaunch.set_fast_launch(False)
     try:
         expected = run_all()
     finally:
-        _fastlaunch.set_fast_launch(previous)
-    checking = _fastlaunch.set_check_sites(True)
+        fastlaunch.set_fast_launch(previous)
+    checking = fastlaunch.set_check_sites(True)
     try:
         for _ in range(3):
             assert all(torch.equal(a, b) for a, b in zip(run_all(), expected, strict=True))
     finally:
-        _fastlaunch.set_check_sites(checking)
+        fastlaunch.set_check_sites(checking)
     site = quant._QUANT_SITES[(fmt, h.numel(), h.dtype, h.device.index)]
     assert site.launch.direct_calls >= 2
 

@@ -1,4 +1,4 @@
-"""agoq.kernels._fastlaunch.arg_key: the key FastKernel caches compiled kernels under partitions runtime
+"""agoq.kernels.fastlaunch.arg_key: the key FastKernel caches compiled kernels under partitions runtime
 arguments at least as finely as Triton's own specialization, so a cached compiled kernel is the one
 Triton would pick (constexprs are keyed by value; the launcher's caching and fall-backs are tested in
 tests/unit/test_fastlaunch.py).
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agoq.kernels._fastlaunch import arg_key
+from agoq.kernels.fastlaunch import arg_key
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _INTS = [0, 1, 2, 15, 16, 17, 31, 32, 48, 1024, 1025, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 1, 2**31 + 16, 2**32,

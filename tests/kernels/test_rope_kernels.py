@@ -102,7 +102,7 @@ def test_rope_kernels_match_reference_bits_gpu_sizes(shape):
     """At a model's sizes, with every launch site checking its contract (the full launch key recomputed per call):
     the second and later calls of a shape launch directly, with the same bits."""
     from agoq.kernels import rope
-    from agoq.kernels._fastlaunch import set_check_sites
+    from agoq.kernels.fastlaunch import set_check_sites
 
     previous = set_check_sites(True)
     try:
@@ -174,7 +174,7 @@ def test_qkv_rope_reference_is_split_then_rope_and_refuses_bad_splits():
 def test_qkv_rope_kernels_match_reference_bits_gpu_sizes(shape):
     """At a ~1B / 8B layer's sizes, with every launch site checking its contract."""
     from agoq.kernels import rope
-    from agoq.kernels._fastlaunch import set_check_sites
+    from agoq.kernels.fastlaunch import set_check_sites
 
     previous = set_check_sites(True)
     try:

@@ -62,7 +62,8 @@ def _rank(rank: int, world_size: int, vpp, policies: tuple[str, ...]) -> dict:
 
 def _predicted_peaks(policy: str, vpp) -> list[int]:
     """Planner formula: per rank, in-flight (chunk-)micro-batches x agoq bytes of one chunk."""
-    from agoq.plan.memory import Layout, ModelShape, stage_layers
+    from agoq.plan.memory import Layout, stage_layers
+    from agoq.plan.shape import ModelShape
     from agoq.plan.storage import LayerDims, agoq_bytes, layer_storage
     from agoq.policy import ScheduleInfo, Site, inflight_microbatches, load_policy
 

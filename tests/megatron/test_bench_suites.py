@@ -47,9 +47,10 @@ def _predicted_peaks_gib(variant: dict) -> list[float]:
     """agoq.plan.peak's per-stage peaks of a variant, rebuilt from the trainer's own parse of its flags (the
     built-in tokenizer's rows padded as the trainer pads them)."""
     from agoq.data.tokenizer import DEFAULT_VOCAB_SIZE, padded_vocab_size
-    from agoq.plan.memory import GIB, Layout, ModelShape
+    from agoq.plan.memory import GIB, Layout
     from agoq.plan.peak import predict_peaks
     from agoq.plan.recipe import recipe_of
+    from agoq.plan.shape import ModelShape
     from agoq.policy import load_policy
 
     args = parse_args(variant["args"])

@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from agoq.plan.__main__ import main
-from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
+from agoq.plan.memory import GIB, Layout, plan_stages
 from agoq.plan.peak import choose_by_peak, predict_peaks
+from agoq.plan.shape import ModelShape
 from agoq.plan.storage import LayerDims, agoq_bytes, layer_storage, megatron_bytes
 from agoq.policy import ScheduleInfo, Site, load_policy
 

@@ -13,8 +13,9 @@ import pytest
 from agoq.config import FP8_FLAGS, AgoqConfig
 from agoq.megatron.train.args import add_compute_flags
 from agoq.plan import memory, peak
-from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
+from agoq.plan.memory import GIB, Layout, plan_stages
 from agoq.plan.peak import Recipe, predict_peaks
+from agoq.plan.shape import ModelShape
 from agoq.policy import FP8Spec, load_policy
 from tests.megatron._bench_scripts import load_bench_script
 
@@ -159,11 +160,11 @@ def test_committed_plain_fp8_rows_predate_the_fused_path():
             if "fp8 delayed" not in v["name"] or "smooth" in v["name"]:
                 continue
             shape, layout, policy, recipe = validate.from_pretrain_argv(v["command"].split())
-            dated = validate._dated(recipe, report, v["name"])
+            dated, past = validate._dated(recipe, report, v["name"])
             assert not dated.fuse_plain_swiglu_fp8
-            (old,) = predict_peaks(shape, layout, load_policy(validate._policy_path(policy)), dated)
-            (new,) = predict_peaks(shape, layout, load_policy(validate._policy_path(policy)),
-                                   dataclasses.replace(dated, fuse_plain_swiglu_fp8=True))
+            (old,) = validate.predict_dated(shape, layout, load_policy(validate._policy_path(policy)), (dated, past))
+            (new,) = validate.predict_dated(shape, layout, load_policy(validate._policy_path(policy)),
+                                            (dataclasses.replace(dated, fuse_plain_swiglu_fp8=True), past))
             moved[v["name"]] = old.peak - new.peak
     assert moved.pop("1b/mbs4/fp8 delayed") == 14 * 4 * (4 * 2048) * 8192 == 3.5 * GIB
     assert moved and all(d == 0 for d in moved.values()), moved

@@ -16,13 +16,15 @@ import pytest
 
 from agoq.formats import parse_format
 from agoq.plan import peak
-from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
+from agoq.plan.memory import GIB, Layout, plan_stages
 from agoq.plan.peak import Recipe, predict_peaks
+from agoq.plan.shape import ModelShape
 from agoq.plan.storage import LayerDims, head_saved_bytes
 from agoq.policy import load_policy
 from tests.megatron._bench_scripts import load_bench_script
 
 validate = load_bench_script("validate_planner")
+history = validate.planner_history  # the module validate_planner predicts with
 BENCH = validate.BENCH
 
 
@@ -54,26 +56,26 @@ def _dp2_pp2_agoq():
 
 def test_dp_pp_last_stage_peak_follows_the_state_init_of_its_code():
     """DP=2 x PP=2, agoq full. The current run (dp2_pp2.json, 2026-11-27, code after 98c84d5: each state created at
-    its final size, Recipe.state_init "zeros") peaks in forward/backward on both stages, predicted within 1 %. The run
+    its final size, PastCode.state_init "zeros") peaks in forward/backward on both stages, predicted within 1 %. The run
     before 98c84d5 (2026-11-26 15:33, ``git show 001c298:benchmarks/results/dp2_pp2.json``) peaked on the last stage
     in its first optimizer step, where agoq's optimizer created each parameter's states through the reference split's
     temporaries (70 B per element, "split_fp64") with the clipped fp32 gradient alive (4 B): Megatron builds no
     buckets on pipeline stages past the first, so a rank's shard holds whole parameters, fc1 (50.3 M elements) in
     one piece; without that term the stage was 7.4 % short. The dated recipe keeps modelling that code."""
     report, variant, shape, layout, spec, recipe = _dp2_pp2_agoq()
-    assert validate._dated(recipe, report, variant["name"]).state_init == "zeros"
+    assert validate._dated(recipe, report, variant["name"])[1].state_init == "zeros"
     before = validate._dated(recipe, {"date": "2026-11-26T15:33:00+00:00"}, variant["name"])
-    assert before.state_init == "split_fp64"
+    assert before[1].state_init == "split_fp64"
     cases = [c for c in validate.stage_peak_cases("dp2_pp2.json") if "agoq" in c.name]
     assert [c.phase for c in cases] == ["forward/backward"] * 4  # two transports x two stages
     assert all(abs(c.error) < 0.01 for c in cases)
-    old = predict_peaks(shape, layout, spec, before)[1]
+    old = validate.predict_dated(shape, layout, spec, before)[1]
     largest = max(peak.param_tensors(shape, layout, 1))
     assert largest == 2 * 3072 * 8192  # fc1
     assert old.step_extra == (4 + 70) * largest
     assert (old.phase, old.step_source) == ("optimizer step", "first step's state init")
     now = predict_peaks(shape, layout, spec, recipe)[1]
-    assert recipe.state_init == "zeros" and now.phase == "forward/backward"
+    assert now.phase == "forward/backward"
     assert now.step_extra == 2 * 4 * largest and now.peak < old.peak
 
 
@@ -99,15 +101,16 @@ def test_first_iteration_peaks_follow_the_step_terms():
 
 def test_store_mode_construction_holds_no_float_gradient_buffer():
     """agoq/megatron/deferred_grad_buffer.py: with the 8-bit store Megatron's float gradient buffer is a meta
-    placeholder at construction (Recipe.float_grad_buffer_at_construction before it, set by validate_planner from
+    placeholder at construction (PastCode.float_grad_buffer_at_construction before it, set by validate_planner from
     the report's date). The dp2_pp2 run before it peaked there (10.59 GiB on both stages, git history); the
     current one postdates it: construction = parameters + bf16 parameter buffer, below the training peak."""
     report, variant, shape, layout, spec, recipe = _dp2_pp2_agoq()
-    assert recipe.grads is not None and layout.distributed_optimizer and not recipe.float_grad_buffer_at_construction
-    assert not validate._dated(recipe, report, variant["name"]).float_grad_buffer_at_construction
-    assert validate._dated(recipe, {"date": "2026-11-26T09:00:00+00:00"}).float_grad_buffer_at_construction
+    assert recipe.grads is not None and layout.distributed_optimizer
+    assert not validate._dated(recipe, report, variant["name"])[1].float_grad_buffer_at_construction
+    assert validate._dated(recipe, {"date": "2026-11-26T09:00:00+00:00"})[1].float_grad_buffer_at_construction
     now = predict_peaks(shape, layout, spec, recipe)
-    before = predict_peaks(shape, layout, spec, dataclasses.replace(recipe, float_grad_buffer_at_construction=True))
+    before = history.predict_past_peaks(shape, layout, spec, recipe,
+                                        history.PastCode(float_grad_buffer_at_construction=True))
     for a, b in zip(now, before, strict=True):
         buffer = peak.grad_buffer_numel(peak.param_tensors(shape, layout, a.pp_rank), layout)
         assert a.construction == a.weights + 2 * buffer
@@ -123,7 +126,7 @@ def test_store_mode_construction_holds_no_float_gradient_buffer():
 def test_the_check_fails_when_the_model_is_wrong(monkeypatch):
     # Without the old pack hook's held inputs the agoq rows measured before the fix (bench_memory, 2026-11-24)
     # fall 10-26 % short; the bf16 rows hold no replaced inputs and stay within the target.
-    monkeypatch.setattr(peak, "PACK_HOOK_HELD_ROLES", ())
+    monkeypatch.setattr(history, "PACK_HOOK_HELD_ROLES", ())
     bad = validate.failures(validate.bench_memory_cases())
     assert any("agoq mbs 4" in b for b in bad) and not any("bf16" in b for b in bad)
     # ... and a 10 % error on a case that must be within the target is reported.
@@ -168,7 +171,8 @@ def test_held_bytes_equal_the_gpu_meter(name):
                      heads=kw["num_attention_heads"], groups=kw["num_query_groups"])
     for row in data["rows"]:
         policy = load_policy(validate.POLICIES / f"{row['policy']}.yaml")
-        (stage,) = plan_stages(shape, layout, policy, v_view=validate._v_view(data))  # measured before compact v
+        v_view = history.v_view_extra(selective_recompute=False) if validate._v_view(data) else None
+        (stage,) = plan_stages(shape, layout, policy, extra_layer_bytes=v_view)  # measured before compact v
         layers = stage.activations - stage.head_activations
         # cuDNN's SDPA also keeps two int64 philox scalars per layer (16 B) in the bf16 rows' meter
         assert abs(row["held_layer_bytes"] - layers) <= 16 * kw["num_layers"], row["policy"]
@@ -231,6 +235,7 @@ def test_gradient_release_counts_no_gradient_buffer():
     assert p.transient_source == "release step"
     assert p.transient == peak.release_step_bytes(2 * 1024 * 16384) - p.head_held
     # a run before 98c84d5 also initialised the states in that hook, before any state existed
-    (q,) = predict_peaks(wide, small, policy, Recipe(optimizer="agoq", gradient_release=True, state_init="split"))
+    (q,) = history.predict_past_peaks(wide, small, policy, Recipe(optimizer="agoq", gradient_release=True),
+                                      history.PastCode(state_init="split"))
     first = 2 * 2 * 1024 * 16384 + 46 * 2 * 1024 * 16384 - q.optimizer - q.head_held
     assert q.transient == max(p.transient, first)

@@ -38,7 +38,7 @@ ENTRY_POINTS = {
 }
 # Environment reads outside the trainer package, each argued; everything else (the plugin, kernels, ops, ...)
 # takes what the environment said as an argument: torchrun's variables as agoq.megatron.runtime.LaunchInfo,
-# AGOQ_TRITON_FAST_LAUNCH through _fastlaunch.set_fast_launch, TRITON_INTERPRET as AgoqConfig.triton_interpret
+# AGOQ_TRITON_FAST_LAUNCH through fastlaunch.set_fast_launch, TRITON_INTERPRET as AgoqConfig.triton_interpret
 # (agoq.megatron.train.environment reads them), and Triton's interpreter switch from Triton (triton.knobs).
 ENV_READERS = {
     "agoq/convert/__main__.py": "a command line's launch code, the counterpart of scripts/pretrain_llama.py: "

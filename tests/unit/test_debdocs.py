@@ -1,13 +1,20 @@
-"""agoq.data.debdocs: .deb parsing, selection rules, document grouping, pinning (no network: synthetic packages)."""
+"""scripts/debdocs.py: .deb parsing, selection rules, document grouping, pinning (no network: synthetic packages)."""
 
 import gzip
 import hashlib
+import importlib.util
 import io
+import sys
 import tarfile
 
 import pytest
 
-from agoq.data import debdocs
+from agoq.testing.procs import REPO_ROOT
+
+_spec = importlib.util.spec_from_file_location("debdocs", REPO_ROOT / "scripts" / "debdocs.py")
+debdocs = importlib.util.module_from_spec(_spec)
+sys.modules["debdocs"] = debdocs  # its dataclasses look their module up there
+_spec.loader.exec_module(debdocs)
 
 
 def _ar(members: list[tuple[str, bytes]]) -> bytes:

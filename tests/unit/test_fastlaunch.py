@@ -1,4 +1,4 @@
-"""agoq.kernels._fastlaunch.FastKernel with a stand-in for Triton's JITFunction / CompiledKernel (CPU).
+"""agoq.kernels.fastlaunch.FastKernel with a stand-in for Triton's JITFunction / CompiledKernel (CPU).
 
 What is checked: the first call per specialization key goes through ``fn[grid](...)`` with the fixed
 options; later calls with the same key make Triton's final launch call themselves, with the grid padded
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from agoq.kernels import _fastlaunch
-from agoq.kernels._fastlaunch import FastKernel
+from agoq.kernels import fastlaunch
+from agoq.kernels.fastlaunch import FastKernel
 
 
 class _Compiled:
@@ -52,7 +52,7 @@ def fake_triton(monkeypatch):
     hooks = SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]), launch_exit_hook=SimpleNamespace(calls=[]))
     monkeypatch.setattr(FastKernel, "_triton_mods", lambda self: (hooks, lambda: 0, lambda dev: 1234))
     monkeypatch.setattr(FastKernel, "_on_gpu", staticmethod(lambda args: True))
-    monkeypatch.setattr(_fastlaunch, "_ENABLED", True)
+    monkeypatch.setattr(fastlaunch, "_ENABLED", True)
     return hooks
 
 
@@ -109,14 +109,14 @@ def test_hooks_non_cuda_and_interpreter_take_tritons_path(fake_triton, monkeypat
     fi((1,), x, 3)
     fi((1,), x, 3)
     assert [e[0] for e in interp.log] == ["jit", "jit"]
-    previous = _fastlaunch.set_fast_launch(False)  # the run-time switch
+    previous = fastlaunch.set_fast_launch(False)  # the run-time switch
     try:
         fk2 = FastKernel(_Jit([False, True]), num_warps=4)
         fk2((1,), x, 3)
         fk2((1,), x, 3)
         assert [e[0] for e in fk2.fn.log] == ["jit", "jit"] and fk2.cache_size() == 0
     finally:
-        _fastlaunch.set_fast_launch(previous)
+        fastlaunch.set_fast_launch(previous)
 
 
 def test_wrong_argument_count_raises(fake_triton):
@@ -155,7 +155,7 @@ def test_key_is_a_superset_of_tritons_specialization():
 
 # ------------------------------------------------------------------------------------- LaunchSite ----
 def test_launch_site_compiles_once_then_launches_directly(fake_triton):
-    from agoq.kernels._fastlaunch import LaunchSite
+    from agoq.kernels.fastlaunch import LaunchSite
 
     jit = _Jit([False, False, False, True])
     site = LaunchSite(FastKernel(jit, num_warps=4), (3,))
@@ -170,7 +170,7 @@ def test_launch_site_compiles_once_then_launches_directly(fake_triton):
 
 
 def test_launch_site_unaligned_tensor_or_hook_takes_the_kernels_path(fake_triton):
-    from agoq.kernels._fastlaunch import LaunchSite
+    from agoq.kernels.fastlaunch import LaunchSite
 
     jit = _Jit([False, False, True])
     fk = FastKernel(jit, num_warps=4)
@@ -188,7 +188,7 @@ def test_launch_site_unaligned_tensor_or_hook_takes_the_kernels_path(fake_triton
 
 
 def test_launch_site_first_call_unaligned_never_adopts(fake_triton):
-    from agoq.kernels._fastlaunch import LaunchSite
+    from agoq.kernels.fastlaunch import LaunchSite
 
     jit = _Jit([False, True])
     site = LaunchSite(FastKernel(jit, num_warps=4), (1,))
@@ -199,18 +199,18 @@ def test_launch_site_first_call_unaligned_never_adopts(fake_triton):
 
 
 def test_launch_site_check_mode_catches_a_changed_scalar(fake_triton):
-    from agoq.kernels._fastlaunch import LaunchSite
+    from agoq.kernels.fastlaunch import LaunchSite
 
     jit = _Jit([False, False, True])
     site = LaunchSite(FastKernel(jit, num_warps=4), (1,))
     x = torch.zeros(8)
     site(x, 64, "K")
     site(x, 65, "K")  # unchecked: the contract is the caller's (65 is another specialization)
-    previous = _fastlaunch.set_check_sites(True)
+    previous = fastlaunch.set_check_sites(True)
     try:
         with pytest.raises(RuntimeError, match="non-tensor argument changed"):
             site(x, 65, "K")
         site(x, 64, "K")
     finally:
-        _fastlaunch.set_check_sites(previous)
+        fastlaunch.set_check_sites(previous)
     assert jit.log[-1][0] == "direct"

@@ -9,8 +9,9 @@ import pytest
 
 from agoq.plan import __main__ as plan
 from agoq.plan import capacity
-from agoq.plan.memory import GIB, Layout, ModelShape
+from agoq.plan.memory import GIB, Layout
 from agoq.plan.peak import Recipe, predict_peaks
+from agoq.plan.shape import ModelShape
 from agoq.policy import load_policy
 
 LLAMA3_VOCAB = 128256  # meta-llama/Meta-Llama-3-8B config.json vocab_size

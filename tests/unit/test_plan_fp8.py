@@ -13,7 +13,7 @@ from agoq.ops.fp8_linear import FP8LinearFunction
 from agoq.ops.fp8_scaling import FP8Recipe, FP8ScalingState
 from agoq.ops.fp8_weight_cache import FP8WeightCache, fp8_weights_changed
 from agoq.plan import fp8 as plan_fp8
-from agoq.plan.memory import ModelShape
+from agoq.plan.shape import ModelShape
 from agoq.policy import FP8Spec
 from agoq.ref import fp8 as ref_fp8
 

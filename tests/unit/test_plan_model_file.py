@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from agoq.plan import __main__ as plan
-from agoq.plan.memory import Layout, ModelShape
+from agoq.plan.memory import Layout
 from agoq.plan.peak import predict_peaks
 from agoq.plan.recipe import recipe_of
+from agoq.plan.shape import ModelShape
 from agoq.policy import load_policy
 
 MODEL = """num_layers: 8

@@ -8,9 +8,10 @@ import pytest
 
 from agoq.config import AgoqConfig
 from agoq.plan import __main__ as plan
-from agoq.plan.memory import Layout, ModelShape
+from agoq.plan.memory import Layout
 from agoq.plan.peak import predict_peaks
 from agoq.plan.recipe import recipe_of
+from agoq.plan.shape import ModelShape
 from agoq.plan.storage import LayerDims, layer_storage, megatron_bytes
 from agoq.policy import ScheduleInfo, Site, load_policy
 

@@ -1,5 +1,5 @@
-"""agoq.plan.peak.STATE_INIT_BYTES_PER_ELEMENT measured: the temporaries of agoq's optimizer creating one
-parameter's states (the first step), on the CPU allocator (agoq.testing.memory.cpu_allocation_peak).
+"""benchmarks/planner_history.py's STATE_INIT_BYTES_PER_ELEMENT measured: the temporaries of agoq's optimizer
+creating one parameter's states (the first step), on the CPU allocator (agoq.testing.memory.cpu_allocation_peak).
 
 "split_fp64" is the init_state of fb51259..98c84d5 (``git show 98c84d5^:agoq/optim/base.py``): the moments quantized
 from fp32 zeros, the split24 remainder through ``ref_master_split(p.float())``, both still the references in
@@ -13,10 +13,12 @@ import torch
 
 from agoq.formats import parse_format
 from agoq.optim import AdamW
-from agoq.plan.peak import STATE_INIT_BYTES_PER_ELEMENT
 from agoq.ref.master import ref_master_split
 from agoq.ref.quant import ref_quantize
 from agoq.testing.memory import cpu_allocation_peak
+from tests.megatron._bench_scripts import load_bench_script
+
+STATE_INIT_BYTES_PER_ELEMENT = load_bench_script("planner_history").STATE_INIT_BYTES_PER_ELEMENT
 
 SHAPE = (1024, 1024)  # a matrix (1-D params get fp32 states: SMALL_TENSOR_RULE); whole blocks of 32
 NUMEL = SHAPE[0] * SHAPE[1]

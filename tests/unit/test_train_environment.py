@@ -40,26 +40,26 @@ def test_install_applies_the_fast_launch_setting_and_undo_restores_it():
     """kernels.fast_launch False (AGOQ_TRITON_FAST_LAUNCH=0) switches agoq's direct launches off through
     agoq.megatron.install's ``triton_launch`` seam; the handle's undo turns them back on."""
     from agoq.config import AgoqConfig, KernelsConfig
-    from agoq.kernels import _fastlaunch
+    from agoq.kernels import fastlaunch
     from agoq.megatron.install import install
 
-    assert _fastlaunch.fast_launch_enabled()
+    assert fastlaunch.fast_launch_enabled()
     handle = install(AgoqConfig(device="cpu", kernels=KernelsConfig(fast_launch=False)))
     try:
-        assert not _fastlaunch.fast_launch_enabled()
+        assert not fastlaunch.fast_launch_enabled()
         assert "triton_launch" in [s.name for s in handle.applied]
     finally:
         handle.undo()
-    assert _fastlaunch.fast_launch_enabled()
+    assert fastlaunch.fast_launch_enabled()
 
 
 def test_library_modules_ignore_the_environment_at_import():
     """With every variable set, importing the kernels' launcher and the plugin's runtime changes nothing: only
     the trainer's config (kernels_from_environment above) carries them in."""
-    code = ("from agoq.kernels import _fastlaunch\n"
+    code = ("from agoq.kernels import fastlaunch\n"
             "from agoq.megatron import runtime\n"
             "from agoq.config import AgoqConfig\n"
-            "assert _fastlaunch.fast_launch_enabled()\n"
+            "assert fastlaunch.fast_launch_enabled()\n"
             "assert AgoqConfig().kernels.fast_launch and AgoqConfig().kernels.fuse_swiglu_fp8\n"
             "assert runtime.SINGLE_PROCESS.world_size == 1\n")
     env = child_env(AGOQ_TRITON_FAST_LAUNCH="0", AGOQ_FP8_SWIGLU_FUSION="0", **TORCHRUN_RANK1)

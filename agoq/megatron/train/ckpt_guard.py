@@ -1,4 +1,4 @@
-"""Start-up rules that keep a run from losing checkpoints (issue 43): what ``--load`` means, what ``--save`` may be
+"""Start-up rules that keep a run from losing checkpoints: what ``--load`` means, what ``--save`` may be
 written over, one job per ``--save`` folder, and room for the next checkpoint.
 
 ``--load PATH`` (:func:`resolve_load`):

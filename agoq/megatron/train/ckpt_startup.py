@@ -99,8 +99,8 @@ class CheckpointGuard:
 def predicted_checkpoint_bytes(config, shape, plan, *, fp32_params: bool) -> int:
     """One checkpoint of this run: the model's parameters over all tensor / pipeline ranks (agoq.plan.peak's
     per-rank tensors of ``shape`` under the planner Layout ``plan``) x (weight bytes + optimizer state bytes)."""
-    from agoq.plan.memory import ModelShape
     from agoq.plan.peak import param_tensors
+    from agoq.plan.shape import ModelShape
 
     model = ModelShape(shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.num_query_groups,
                        shape.ffn_hidden_size, shape.vocab_size)

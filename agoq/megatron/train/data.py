@@ -8,6 +8,8 @@
 * :func:`build_data_iterators` wraps ``GPTDataset`` (via ``BlendedMegatronDatasetBuilder``) in a
   deterministic, resumable sampler with Megatron's ``MegatronPretrainingSampler`` semantics.
 
+Megatron's dataset classes are reached through agoq.megatron.datasets.
+
 Batch dicts (per micro-batch, b = micro_batch_size, s = seq_length):
 ``tokens`` [b, s] int64, ``labels`` [b, s] int64, ``loss_mask`` [b, s] float32,
 ``position_ids`` [b, s] int64, ``attention_mask`` None (causal attention is implied).
@@ -23,17 +25,12 @@ import os
 import shutil
 import tempfile
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
-from megatron.core.tokenizers import MegatronTokenizerBase
 
 from agoq.data.corpus import DEFAULT_MAX_BYTES, collect_stdlib_corpus
 from agoq.data.indexed import (
@@ -46,6 +43,7 @@ from agoq.data.indexed import (
 )
 from agoq.data.sampler import PretrainingSampler, iterate_batches
 from agoq.data.tokenizer import Tokenizer, TokenizerTrainConfig, encode_documents, train_sentencepiece
+from agoq.megatron.datasets import bin_path, gpt_datasets, idx_path, indexed_writer, token_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -57,56 +55,6 @@ TOKENIZER_FILE_NAME = "tokenizer.model"
 MANIFEST_FILE_NAME = "manifest.json"
 DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's example split
 DEFAULT_SEED = 1234
-
-
-# ---------------------------------------------------------------------------------------------------
-# Tokenizer adapter
-# ---------------------------------------------------------------------------------------------------
-
-
-class AgoqMegatronTokenizer(MegatronTokenizerBase):
-    """An agoq :class:`Tokenizer` seen as the tokenizer ``GPTDatasetConfig`` expects.
-
-    GPTDataset reads ``vocab_size`` (token dtype), ``eod`` (loss/position masks), ``pad`` (padding
-    mask; -1 = none) and ``unique_identifiers`` (part of the index-cache hash, so a new tokenizer
-    never reuses an old cache).
-    """
-
-    def __init__(self, tokenizer: Tokenizer):
-        super().__init__(str(tokenizer.path) if tokenizer.path else "<in-memory>", {})
-        self.tokenizer = tokenizer
-        self.unique_identifiers = OrderedDict(
-            [("class", f"{type(self).__module__}.{type(self).__qualname__}"), ("sha256", tokenizer.sha256)]
-        )
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
-
-    @property
-    def vocab(self) -> dict:
-        return {self.tokenizer.id_to_piece(i): i for i in range(self.vocab_size)}
-
-    @property
-    def eod(self) -> int:
-        return self.tokenizer.eod_id
-
-    @property
-    def eos(self) -> int:
-        return self.tokenizer.eod_id
-
-    @property
-    def pad(self) -> int:
-        return self.tokenizer.pad_id
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids)
-
-    def apply_chat_template(self, *args, **kwargs):
-        raise NotImplementedError("agoq's pretraining tokenizer has no chat template")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -125,11 +73,6 @@ class IndexedDatasetStats:
     """UTF-8 bytes of the input text."""
     num_skipped_empty: int
     seconds: float
-
-
-def token_dtype(vocab_size: int) -> type[np.number]:
-    """uint16 below 65500 pieces, else int32 (Megatron's ``DType.optimal_dtype``)."""
-    return DType.optimal_dtype(vocab_size)
 
 
 def build_indexed_dataset(
@@ -161,7 +104,7 @@ def build_indexed_dataset(
             yield text
 
     num_docs = num_tokens = num_empty = 0
-    builder = IndexedDatasetBuilder(get_bin_path(tmp_prefix), dtype=token_dtype(tokenizer.vocab_size))
+    builder = indexed_writer(tmp_prefix, tokenizer.vocab_size)
     try:
         for ids in encode_documents(counted(texts), tokenizer, workers=workers):
             if not ids:
@@ -173,17 +116,17 @@ def build_indexed_dataset(
             num_tokens += len(ids)
             if progress is not None and num_docs % progress_every == 0:
                 progress(num_docs, num_tokens, counts["bytes"])
-        builder.finalize(get_idx_path(tmp_prefix))
+        builder.finalize(idx_path(tmp_prefix))
         if num_docs == 0:
             raise ValueError(f"no non-empty documents to write to {out_prefix}; check the inputs")
         record = tokenizer_record(tokenizer.vocab_size, tokenizer.sha256, tokenizer.path)
         tokenizer_record_path(tmp_prefix).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-        os.replace(get_bin_path(tmp_prefix), get_bin_path(out_prefix))
-        os.replace(get_idx_path(tmp_prefix), get_idx_path(out_prefix))
+        os.replace(bin_path(tmp_prefix), bin_path(out_prefix))
+        os.replace(idx_path(tmp_prefix), idx_path(out_prefix))
         os.replace(tokenizer_record_path(tmp_prefix), tokenizer_record_path(out_prefix))
     finally:
         builder.data_file.close()
-        for path in (get_bin_path(tmp_prefix), get_idx_path(tmp_prefix), tokenizer_record_path(tmp_prefix)):
+        for path in (bin_path(tmp_prefix), idx_path(tmp_prefix), tokenizer_record_path(tmp_prefix)):
             Path(path).unlink(missing_ok=True)
     return IndexedDatasetStats(num_docs, num_tokens, counts["bytes"], num_empty, time.perf_counter() - start)
 
@@ -410,23 +353,9 @@ def build_gpt_datasets(
     prefixes, weights = normalize_blend(blend)
     for prefix in prefixes:  # the cheap checks; token ids: check_dataset_files, once per job
         check_split(read_index(prefix), split)
-    config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        blend=(prefixes, weights),
-        split=split,
-        path_to_cache=os.fspath(cache_dir),
-        mmap_bin_files=mmap_bin_files,
-        tokenizer=AgoqMegatronTokenizer(tokenizer),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=eod_mask_loss,
-        create_attention_mask=False,
-    )
-    builder = BlendedMegatronDatasetBuilder(
-        GPTDataset, list(num_samples), is_built_on_rank or (lambda: True), config
-    )
-    return builder.build()
+    return gpt_datasets(prefixes, weights, tokenizer, num_samples, seq_length=seq_length, seed=seed, split=split,
+                        cache_dir=cache_dir, is_built_on_rank=is_built_on_rank, mmap_bin_files=mmap_bin_files,
+                        eod_mask_loss=eod_mask_loss)
 
 
 def _num_eval_points(train_iters: int, eval_interval: int | None) -> int:

@@ -6,7 +6,7 @@ the trainer reads it here and passes what it found in:
 * torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_ADDR`` -> :class:`agoq.megatron.runtime.LaunchInfo`
   (:func:`launch_from_environment`), given to ``runtime.init_distributed`` and ``runtime.choose_device``;
 * ``AGOQ_TRITON_FAST_LAUNCH=0`` (Triton's own launch path instead of agoq's direct launches, the escape hatch of
-  agoq.kernels._fastlaunch) -> ``AgoqConfig.kernels.fast_launch`` (:func:`kernels_from_environment`; applied by
+  agoq.kernels.fastlaunch) -> ``AgoqConfig.kernels.fast_launch`` (:func:`kernels_from_environment`; applied by
   ``agoq.megatron.install.install``);
 * ``AGOQ_FP8_SWIGLU_FUSION=0`` (plain FP8 MLPs run Megatron's SwiGLU then the FP8 fc2 instead of the fused SwiGLU +
   FP8 fc2 op; benchmarks' A/B; ``1``, the default, fuses) -> ``AgoqConfig.kernels.fuse_swiglu_fp8``

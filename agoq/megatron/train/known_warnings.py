@@ -1,4 +1,4 @@
-"""Known-harmless start-up warnings of megatron-core and torch, filtered by exact message (issue 21).
+"""Known-harmless start-up warnings of megatron-core and torch, filtered by exact message.
 
 On the README's tiny PP=2 run these were 43 of 158 output lines, repeated per rank, and they buried agoq's
 own start-up report. Each entry below names the message, where it comes from and why it does not matter

@@ -32,7 +32,6 @@ it keeps the two start-up fixes that change no number (agoq.megatron.megatron_lm
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import runpy
@@ -41,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agoq.megatron import megatron_lm
+from agoq.megatron import megatron_lm, megatron_training, runtime
 from agoq.megatron.built_check import BuiltMismatch
 from agoq.megatron.train.megatron_lm import (
     MegatronLMRefusal,
@@ -116,9 +115,6 @@ def _with_agoq_args(extra_args_provider):
 
 def _after_validation(args, precheck) -> None:
     """Everything the door does once Megatron has validated the flags (module docstring, step 1)."""
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-    from megatron.training.argument_utils import core_transformer_config_from_args
-
     config = agoq_config_from_megatron_args(args)  # checks again on the validated args
     if precheck is not None:
         precheck(args)
@@ -142,8 +138,8 @@ def _after_validation(args, precheck) -> None:
                          "for the activations TE saves in 16 bits, through saved-tensor scopes around its modules; "
                          "TE's FP8 copies stay as they are")
     elif config.enabled:
-        spec = megatron_lm.agoq_gpt_layer_spec(config, options, core_transformer_config_from_args(args),
-                                               num_microbatches=get_num_microbatches())
+        spec = megatron_lm.agoq_gpt_layer_spec(config, options, megatron_training.transformer_config_from_args(args),
+                                               num_microbatches=megatron_training.num_microbatches())
         args.spec = megatron_lm.offer_layer_spec(spec)
         run.lines.append(f"agoq's layer spec goes to Megatron through Megatron-LM's --spec {' '.join(args.spec)} "
                          "(read by the model config's builder and by Megatron-LM's gpt_builder)")
@@ -157,26 +153,23 @@ def install_door(precheck: Callable | None = None) -> None:
     """Put the door's ``parse_and_validate_args`` in ``megatron.training.arguments`` (recorded, undone by
     :func:`undo_door`). ``precheck(args)``: an entry script's own refusals, run with agoq's on the first parse and
     again on the validated args (scripts/pretrain_gpt_agoq.py)."""
-    import megatron.training.arguments as arguments
 
-    from agoq.megatron.install import mark, set_module_attr
+    def make(original):
+        def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False, args_defaults={}):  # noqa: B006
+            provider = _with_agoq_args(extra_args_provider)
+            # refusals before Megatron's argument dump
+            first = megatron_training.parse_args(provider, ignore_unknown_args)
+            require_cuda()
+            check_megatron_args(first)
+            if precheck is not None:
+                precheck(first)
+            args = original(provider, ignore_unknown_args, args_defaults)
+            _after_validation(args, precheck)
+            return args
 
-    original = arguments.parse_and_validate_args
-    if getattr(original, "__agoq_patch__", None):
-        raise RuntimeError("agoq's door is already installed (megatron.training.arguments.parse_and_validate_args)")
+        return parse_and_validate_args
 
-    def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False, args_defaults={}):  # noqa: B006
-        provider = _with_agoq_args(extra_args_provider)
-        first = arguments.parse_args(provider, ignore_unknown_args)  # refusals before Megatron's argument dump
-        require_cuda()
-        check_megatron_args(first)
-        if precheck is not None:
-            precheck(first)
-        args = original(provider, ignore_unknown_args, args_defaults)
-        _after_validation(args, precheck)
-        return args
-
-    set_module_attr(arguments, "parse_and_validate_args", mark(parse_and_validate_args, SEAM_PARSE), seam=SEAM_PARSE)
+    megatron_training.replace_parse_and_validate_args(make, SEAM_PARSE)
 
 
 def undo_door() -> None:
@@ -262,27 +255,11 @@ class LossRecord:
         self.advanced = 0
 
     def install(self) -> None:
-        import megatron.training.training as mtt
-
-        from agoq.megatron.install import mark, set_module_attr
-
-        original = mtt.train_step
-
-        @functools.wraps(original)  # Megatron's signature (the contract check reads it)
-        def train_step(*args, **kwargs):
-            out = original(*args, **kwargs)
-            iteration = kwargs.get("iteration", args[7] if len(args) > 7 else None)  # train() passes it by name
-            self.after_step(iteration, out[0], out[1])
-            return out
-
-        set_module_attr(mtt, "train_step", mark(train_step, SEAM_LOG), seam=SEAM_LOG)
+        megatron_training.observe_train_step(self.after_step, SEAM_LOG)
 
     def _is_logging_rank(self) -> bool:
         if self.logging_rank is None:
-            from megatron.core import parallel_state as ps
-
-            self.logging_rank = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank()
-                                 == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
+            self.logging_rank = runtime.is_last_stage() and runtime.speaks_for_stage()
         return self.logging_rank
 
     def after_step(self, iteration: int | None, loss_dict: dict, skipped: int) -> None:

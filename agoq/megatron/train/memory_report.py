@@ -15,14 +15,14 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from agoq.config import AgoqConfig
 from agoq.megatron import runtime
 from agoq.megatron.install import runs_on_cpu
-from agoq.plan.memory import GIB, Layout, ModelShape, plan_stages
+from agoq.plan.memory import GIB, Layout, plan_stages
 from agoq.plan.peak import Recipe, StagePeak, format_peaks, grad_bytes_per_param, predict_peaks
 from agoq.plan.recipe import recipe_of
+from agoq.plan.shape import ModelShape
 from agoq.plan.storage import sequence_parallel_note
 
 
@@ -205,17 +205,16 @@ def static_breakdown_gib(model_chunks, optimizer) -> dict[str, float]:
     numel = max(sum(p.numel() for p in {id(p): p for p in params}.values()), 1)
     return {"weights_gib": weights / GIB, "grads_gib": grads / GIB, "optimizer_gib": optim / GIB,
             # per parameter of this rank's model chunks (padding of Megatron's buffers included): with
-            # the distributed optimizer the optimizer term is this rank's shard only (../shared/spec/anchors.md §3.1)
+            # the distributed optimizer the optimizer term is this rank's shard only
             "weights_bytes_per_param": weights / numel, "grads_bytes_per_param": grads / numel,
             "optimizer_bytes_per_param": optim / numel}  # fmt: skip
 
 
 def measured_report(device, iteration: int, breakdown: dict[str, float] | None = None) -> str | None:
     """Gather every stage's reading (+ its static breakdown) to global rank 0; the text there, None elsewhere."""
-    first = (parallel_state.get_tensor_model_parallel_rank() == 0
-             and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)
+    first = runtime.speaks_for_stage()
     reading = dict(runtime.memory_reading(device), **(breakdown or {}))
-    mine = (parallel_state.get_pipeline_model_parallel_rank(), reading) if first else None
+    mine = (runtime.pipeline_rank(), reading) if first else None
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() != 0:

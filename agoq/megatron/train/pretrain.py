@@ -23,20 +23,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from agoq.cli.optim_args import check_release_flags
 from agoq.config import AgoqConfig
-from agoq.megatron import checkpoint, grad_reader, runtime
+from agoq.megatron import checkpoint, runtime, training_parts
 from agoq.megatron.activations import policy_of
 from agoq.megatron.built_check import Expectation, any_rank_failed, check_built
 from agoq.megatron.compute import fc2_input_amax
 from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
-from agoq.megatron.optimizer import build_agoq_optimizer
+from agoq.megatron.optimizer import build_agoq_optimizer, build_megatron_optimizer
 from agoq.megatron.resume import RECORD_KEY, data_lines, run_record, schedule_line
 from agoq.megatron.train import environment, memory_report, training
 from agoq.megatron.train.checks import check_policy_requests
@@ -64,16 +60,14 @@ def print_last(*parts) -> None:
 
 def _print_stage_first(text: str | None) -> None:
     """Print on the first tensor- and data-parallel rank of every pipeline stage, in stage order."""
-    for stage in range(parallel_state.get_pipeline_model_parallel_world_size()):
-        if (text and parallel_state.get_pipeline_model_parallel_rank() == stage
-                and parallel_state.get_tensor_model_parallel_rank() == 0
-                and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0):
+    for stage in range(runtime.pipeline_size()):
+        if text and runtime.pipeline_rank() == stage and runtime.speaks_for_stage():
             print(f"[pipeline stage {stage}] {text}", flush=True)
         dist.barrier()
 
 
 class Progress:
-    """Rank 0's start-up progress lines (issue 21: setup was silent for minutes): ``setup [  12.3 s]: what``,
+    """Rank 0's start-up progress lines (without them setup was silent for minutes): ``setup [  12.3 s]: what``,
     seconds since pretrain() began, printed before each slow phase."""
 
     def __init__(self):
@@ -119,9 +113,9 @@ class Components:
     run_record: dict  # the run's config, shape and layout, saved with every checkpoint, checked on --load
 
 
-def megatron_optimizer_config(args, params_dtype: torch.dtype) -> OptimizerConfig:
+def megatron_optimizer_config(args, params_dtype: torch.dtype):
     """Megatron's OptimizerConfig of the run's flags (Megatron's Adam, and the Megatron side of agoq's)."""
-    return OptimizerConfig(
+    return training_parts.optimizer_config(
         optimizer="adam",
         lr=args.lr,
         min_lr=args.min_lr,
@@ -142,14 +136,13 @@ def build_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
     if args.agoq_config.optimizer.agoq:
         optimizer = build_agoq_optimizer(args.agoq_config, config, model_chunks)
     else:
-        optimizer = get_megatron_optimizer(config, model_chunks)
-        grad_reader.attach(optimizer, model_chunks)  # 8-bit gradient store + distributed optimizer: shard reads
+        optimizer = build_megatron_optimizer(config, model_chunks)
     return optimizer, build_scheduler(args, optimizer)
 
 
-def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
+def build_scheduler(args, optimizer):
     """Megatron's OptimizerParamScheduler for the run's flags (steps counted in samples, as Megatron)."""
-    return OptimizerParamScheduler(
+    return training_parts.lr_schedule(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
         lr_decay_steps=args.lr_decay_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style,
@@ -158,11 +151,11 @@ def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
     )  # fmt: skip
 
 
-def ddp_config(args, params_dtype: torch.dtype) -> DistributedDataParallelConfig:
+def ddp_config(args, params_dtype: torch.dtype):
     # Megatron's bf16 default: accumulate and reduce gradients in fp32 (arguments.py sets
     # accumulate_allreduce_grads_in_fp32 for bf16); --grad-reduce-in-bf16 keeps them in bf16 (as
     # Megatron's flag of the same name).
-    return DistributedDataParallelConfig(
+    return training_parts.ddp_config(
         grad_reduce_in_fp32=params_dtype != torch.float32 and not getattr(args, "grad_reduce_in_bf16", False),
         overlap_grad_reduce=args.overlap_grad_reduce,
         # --overlap-param-gather: the updated parameters are all-gathered in the next forward (DDP's forward
@@ -381,7 +374,7 @@ def _log_iteration(args, info, parts: Components, result, iteration, consumed, s
               "host_steal_cpu_seconds": result.steal_seconds, "host_enqueue_seconds": result.enqueue_seconds,
               "host_threads": result.threads, "gc_collections": result.gc_collections,
               "gc_seconds": result.gc_seconds, **memory}
-    if args.log_fc2_amax:  # issue 27's outlier proxy (this rank's FP8 layers: the last pipeline stage's)
+    if args.log_fc2_amax:  # the FP8 fc2-input outlier proxy (this rank's FP8 layers: the last pipeline stage's)
         record.update(fc2_input_amax(parts.model))
     tensorboard.log_iteration(record)
     if args.log_json:

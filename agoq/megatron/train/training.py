@@ -8,7 +8,7 @@ Touches: ``get_forward_backward_func`` (schedule choice), ``finalize_model_grads
   ``--overlap-param-gather`` DDP's ``start_param_sync`` (the interleaved schedule's ``param_sync_func``) and
   ``disable_forward_pre_hook(param_sync=True)`` / ``enable_forward_pre_hook`` (:class:`ParamGather`).
 Why: the shape of Megatron's ``pretrain_gpt.py`` / ``training.train_step``, rebuilt on megatron.core
-  because ``megatron.training.pretrain`` is GPU-only in 0.19.2 (../shared/spec/megatron.md 1.5).
+  because ``megatron.training.pretrain`` is GPU-only in 0.19.2 (it asserts CUDA).
 Verified on: megatron-core 0.19.2.
 Guarded by: ``tests/megatron/test_pretrain_script.py`` (loss falls), ``tests/megatron/test_layouts.py``
   (PP=2 1F1B and interleaved; DDP with and without the distributed optimizer, ``--overlap-param-gather``) and
@@ -28,12 +28,8 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.distributed import finalize_model_grads
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_model_config
 
-from agoq.megatron import graphs
+from agoq.megatron import graphs, runtime, training_parts
 from agoq.megatron.release import ReleaseDataParallel, TrainingStopped, finalize_release_grads
 from agoq.megatron.train import hoststats
 from agoq.ops.fp8_weight_cache import fp8_weights_changed
@@ -86,7 +82,7 @@ def configure_grad_hooks(model_chunks: list, config) -> None:
         # schedule launches each chunk's parameter all-gather at the same point on every stage
         sync = [chunk.start_param_sync for chunk in model_chunks]
         config.param_sync_func = sync[0] if len(sync) == 1 else sync
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = training_parts.megatron_finalize_model_grads
     if any(isinstance(chunk, ReleaseDataParallel) for chunk in model_chunks):
         config.finalize_model_grads_func = finalize_release_grads  # gradients applied in backward: no reduction
 
@@ -160,7 +156,7 @@ class StepRunner:
     iteration: int | None = None  # the iteration run() performs (labels gradient release's errors)
 
     def __post_init__(self):
-        config = get_model_config(self.model_chunks[0])
+        config = training_parts.model_config(self.model_chunks[0])
         self.forward_step = make_forward_step(self.device, self.poison, graphs.needs_rope_per_microbatch(config))
         self.param_gather = ParamGather(self.model_chunks)
 
@@ -169,7 +165,7 @@ class StepRunner:
         fp8_weights_changed()
         for chunk in self.model_chunks:
             chunk.eval()
-        total, forward_backward = 0.0, get_forward_backward_func()
+        total, forward_backward = 0.0, training_parts.forward_backward_func()
         with torch.no_grad(), self.param_gather.synced():
             for _ in range(num_batches):
                 losses = forward_backward(
@@ -182,7 +178,7 @@ class StepRunner:
                 total += 0.0 if loss is None else loss
         for chunk in self.model_chunks:
             chunk.train()
-        return total / num_batches if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else None
+        return total / num_batches if runtime.is_last_stage() else None
 
     def run(self, data_iterators: list[Iterator]) -> StepResult:
         """One step, with where its host time went (hoststats: steal, per-thread CPU / run-queue time, GC)."""
@@ -206,7 +202,7 @@ class StepRunner:
         release = getattr(self.optimizer, "release", None)  # --agoq-gradient-release: steps inside backward
         if release is not None:
             self.optimizer.iteration = self.iteration
-        forward_backward = get_forward_backward_func()
+        forward_backward = training_parts.forward_backward_func()
         losses = forward_backward(
             forward_step_func=self.forward_step,
             data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],
@@ -261,21 +257,17 @@ def _any_rank_nonfinite(model_chunks: list, loss: float | None, device: torch.de
 
 def _reduce_losses(losses: list[dict], device: torch.device) -> float | None:
     """Average 'lm loss' over micro-batches, then over the data-parallel group (last stage only)."""
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    if not runtime.is_last_stage():
         return None
     values = torch.stack([d["lm loss"].float() for d in losses]).mean().reshape(1).to(device)
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    group = runtime.data_parallel_group()
     dist.all_reduce(values, group=group)
     return float(values.item()) / dist.get_world_size(group=group)
 
 
 def is_logging_rank() -> bool:
     """Megatron prints on the last pipeline stage, first tensor- and data-parallel rank."""
-    return (
-        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
-    )
+    return runtime.is_last_stage() and runtime.speaks_for_stage()
 
 
 @dataclass

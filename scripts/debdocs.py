@@ -1,6 +1,6 @@
-"""A ~100 MB English corpus for convergence runs, rebuilt from pinned Debian packages.
+"""A ~100 MB English corpus for convergence runs, rebuilt from pinned Debian packages (scripts/build_corpus.py).
 
-Why this corpus: the convergence benchmark (issue 9) needs >= 20M tokens of real, mostly natural
+Why this corpus: the convergence benchmark needs >= 20M tokens of real, mostly natural
 English, and the build machines reach only the Python package index and the Debian/Ubuntu archives
 (no Hugging Face, no GitHub). Debian ships large English prose as documentation. The recipe below
 pins each package by file name and sha256 (Debian bookworm, main, checked 2026-11-22), so anyone can
