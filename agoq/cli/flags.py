@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from agoq.cli.agoq_flags import TRAINER_UNSET, add_agoq_flags
-from agoq.cli.flag_hints import unknown_flag_hints
+from agoq.cli.flag_hints import TE_FP8_HINT, unknown_flag_hints
 from agoq.cli.graph_args import add_graph_flags
 from agoq.cli.seqpar_args import add_sequence_parallel_flag
 
@@ -238,6 +238,8 @@ class _Parser(argparse.ArgumentParser):
             exit_quietly_after_delay()
         if message.startswith("unrecognized arguments: "):
             message += unknown_flag_hints(message.split(": ", 1)[1].split(), self._option_string_actions)
+        elif message.startswith("argument --agoq-fp8: invalid choice: 'te'"):
+            message += TE_FP8_HINT
         self.exit(2, f"{self.prog}: error: {message} (all flags: {self.prog} --help)\n")
 
 
