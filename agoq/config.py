@@ -418,8 +418,14 @@ class AgoqFlag:
         return self.flag[2:].replace("-", "_")
 
     @property
+    def owner(self) -> type:
+        """The dataclass that declares the field (AgoqConfig, or the section's)."""
+        return AgoqConfig if not self.section else {**_SECTION_TYPES, "policy": PolicyConfig}[self.section]
+
+    @property
     def switch(self) -> bool:
-        return self.invert or isinstance(getattr(_section_type(self.section)(), self.name), bool)
+        """A store-true flag: inverted, or a bool field."""
+        return self.invert or isinstance({f.name: f.default for f in dataclasses.fields(self.owner)}[self.name], bool)
 
 
 _FP8_DEFAULT = "the policy's fp8 section, else {}"
@@ -456,10 +462,6 @@ AGOQ_FLAGS: tuple[AgoqFlag, ...] = (
 )
 """Every ``--agoq-*`` flag that sets AgoqConfig, once (the door's own ``--agoq-attention`` / ``--agoq-log-json``
 set no config field). tests/unit/test_cli_frozen.py pins the parsers' flags and proves each is declared once."""
-
-
-def _section_type(section: str) -> type:
-    return AgoqConfig if not section else {**_SECTION_TYPES, "policy": PolicyConfig}[section]
 
 
 def _given(value, default):

@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from agoq.cli.config_file import load_config_file
-from agoq.config import AGOQ_FLAGS, AgoqConfig, AgoqFlag, PolicyConfig
+from agoq.config import AGOQ_FLAGS, AgoqFlag
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
 PRESET_FLAG = "--agoq-preset"
@@ -52,17 +52,10 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def field_of(flag: AgoqFlag) -> tuple[type, typing.Any, typing.Any, str]:
-    """(the section's dataclass, the field's type, its default, its docstring) of one flag."""
-    cls = _class_of(flag.section)
-    default = {f.name: f.default for f in dataclasses.fields(cls)}[flag.name]
-    return cls, typing.get_type_hints(cls)[flag.name], default, _field_docs(cls).get(flag.name, "")
-
-
-def _class_of(section: str) -> type:
-    if section in ("", "policy"):
-        return AgoqConfig if not section else PolicyConfig
-    return typing.get_type_hints(AgoqConfig)[section]
+def field_of(flag: AgoqFlag) -> tuple[typing.Any, typing.Any, str]:
+    """(the field's type, its default, its docstring) of one flag."""
+    default = {f.name: f.default for f in dataclasses.fields(flag.owner)}[flag.name]
+    return typing.get_type_hints(flag.owner)[flag.name], default, _field_docs(flag.owner).get(flag.name, "")
 
 
 def _choices(kind) -> tuple | None:
@@ -87,7 +80,7 @@ def _scalar(kind) -> type | None:
 def argument(flag: AgoqFlag, *, unset: bool, door: bool = False) -> dict:
     """The add_argument keywords of one flag. ``unset``: the argparse default is None (a valued flag not given reads
     as None, and the help says the field's default in words); switches default to False either way."""
-    _, kind, default, doc = field_of(flag)
+    kind, default, doc = field_of(flag)
     text = flag.help or doc
     if flag.values:
         text = f"{text}: {flag.values}"
@@ -124,20 +117,22 @@ def add_agoq_flags(parser: argparse.ArgumentParser, *, unset=frozenset(), door: 
             continue
         title = GROUPS[flag.section if flag.section in GROUPS else ""]
         if title not in groups:
+            first = not groups
             groups[title] = parser.add_argument_group(title)
-            if not groups.keys() - {title}:
-                groups[title].add_argument(PRESET_FLAG, default=None, metavar="NAME_OR_FILE", help=PRESET_HELP)
+            if first:
+                groups[title].add_argument(PRESET_FLAG, default=None, metavar="NAME_OR_FILE", help=_preset_help())
         groups[title].add_argument(flag.flag, **argument(flag, unset=unset is ALL or flag.flag in unset, door=door))
     return groups[GROUPS[""]]
 
 
-PRESET_HELP = (f"a preset of --agoq-* values: a name ({', '.join(sorted(p.stem for p in PRESET_DIR.glob('*.yaml')))}: "
-               "configs/presets/NAME.yaml) or a YAML file of --agoq-* keys (snake_case); the flags given on the command "
-               "line win over it, and it over the trainer's --config file (a key in both files is an error)")
-
-
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _preset_help() -> str:
+    return (f"a preset of --agoq-* values: a name ({', '.join(preset_names())}: configs/presets/NAME.yaml) or a YAML "
+            "file of --agoq-* keys (snake_case); the flags given on the command line win over it, and it over the "
+            "trainer's --config file (a key in both files is an error)")
 
 
 def preset_path(name_or_file: str) -> Path:
