@@ -53,7 +53,7 @@ from agoq.plan import capacity, launch
 from agoq.plan.memory import GIB, Layout, ModelShape
 from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report, grad_bytes_per_param
 from agoq.plan.recipe import recipe_of
-from agoq.plan.request import AGOQ_FLAGS, PlanRequest, flag_name
+from agoq.plan.request import PLANNED_AGOQ_KEYS, PlanRequest, flag_name
 from agoq.plan.storage import check_requests_on_model, sequence_parallel_note
 from agoq.policy import ScheduleInfo, load_policy
 
@@ -250,7 +250,7 @@ def config_of(values: dict, policy=None) -> AgoqConfig:
     """The run's AgoqConfig as the trainer builds it (AgoqConfig.from_flags) from the merged values; ``policy``: a
     candidate whose fp8 / default grads sections apply under the flags, as the trainer applies its --agoq-policy's
     (None: no policy section)."""
-    return AgoqConfig.from_flags({k: v for k, v in values.items() if k in AGOQ_FLAGS}, policy=policy)
+    return AgoqConfig.from_flags({k: v for k, v in values.items() if k in PLANNED_AGOQ_KEYS}, policy=policy)
 
 
 def check_run_flags(values: dict, layout: Layout) -> None:
