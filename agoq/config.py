@@ -26,16 +26,19 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal, get_args
 
 from agoq.formats import QuantFormat, parse_format
 from agoq.policy import FP8Spec, PolicySpec
 
-DEVICES = ("auto", "cpu", "cuda")
+Device = Literal["auto", "cpu", "cuda"]
+DEVICES = get_args(Device)
 ROPE_FUSIONS = ("auto", "agoq", "off")  # --rope-fusion (AgoqConfig.rope_fusion)
-OPTIMIZERS = ("torch", "adamw", "lion", "sgd")
+OptimizerKind = Literal["torch", "adamw", "lion", "sgd"]
+OPTIMIZERS = get_args(OptimizerKind)
 # agoq.optim.base.MASTER_CHOICES, spelled out: this module imports no torch (tests/unit/test_args.py checks)
-MASTER_CHOICES = ("none", "fp32", "split24", "split32")
+MasterKind = Literal["none", "fp32", "split24", "split32"]
+MASTER_CHOICES = get_args(MasterKind)
 DEFAULT_MOMENTS = "flash"
 DEFAULT_MASTER = "split24"
 # name -> (m format, v format); v is ignored by Lion / SGD
@@ -48,17 +51,14 @@ MOMENT_PRESETS = {
 }
 # --recompute-granularity: Megatron's TransformerConfig.recompute_granularity values (megatron-core 0.19.2)
 RECOMPUTE_GRANULARITIES = ("full", "selective")
-GRAD_MODES = ("reduce", "store")  # the 8-bit gradient modes (agoq.megatron.ddp imports them)
+GradMode = Literal["reduce", "store"]
+GRAD_MODES = get_args(GradMode)  # the 8-bit gradient modes (agoq.megatron.ddp imports them)
 # How the 8-bit reduction moves bytes (agoq.megatron.grad_transport): NCCL collectives (any link), NVLink
 # peer memory (CUDA symmetric memory, the ranks of one host), or auto (peer where it applies, else nccl; the
 # choice and its reason are printed at start-up).
-GRAD_TRANSPORTS = ("auto", "nccl", "peer")
+GradTransport = Literal["auto", "nccl", "peer"]
+GRAD_TRANSPORTS = get_args(GradTransport)
 FLOAT_GRADS = ("fp32", "bf16", "fp16")  # --agoq-grads values that mean Megatron's float gradients
-FP8_FLAGS = {  # FP8Spec field -> flag
-    "recipe": "--agoq-fp8", "smooth_swiglu": "--agoq-smooth-swiglu",
-    "bf16_first_layers": "--agoq-fp8-bf16-first-layers", "bf16_last_layers": "--agoq-fp8-bf16-last-layers",
-    "amax_history_len": "--agoq-fp8-amax-history-len",
-}
 
 
 def torch_optimizer_state_refusal(flag: str, value) -> str:
@@ -120,7 +120,7 @@ class PolicyConfig:
     """The bit-width policy: its file and the spec loaded from it (once, by the trainer)."""
 
     path: str | None = None
-    """--agoq-policy: the YAML file (configs/policy/*.yaml); None means the default policy."""
+    """bit-width policy YAML (configs/policy/*.yaml); see docs/policy.md"""
 
     spec: PolicySpec | None = field(default=None, repr=False)
     """The loaded policy (None with agoq disabled, or where nothing was loaded: the planner)."""
@@ -191,21 +191,23 @@ class GradsConfig:
     config: the trainer, the Megatron-LM door and the DDP wrapper (agoq.megatron.ddp.wrap_ddp_agoq) all take it."""
 
     format: QuantFormat | None = None
-    """--agoq-grads (or the policy's ``default: {grads: ...}``), parsed once (a name given here is parsed by
-    :func:`parse_grads_format`): a signed round-to-nearest quantized format, a float format (fp32/bf16/fp16:
-    Megatron's gradients) or None (Megatron's gradients). ``as_dict`` writes its name."""
+    """8-bit gradients in DDP, e.g. int8_b256 (an agoq.formats name: signed, round-to-nearest); fp32 names Megatron's
+    float gradients, as does bf16 with --grad-reduce-in-bf16. A policy YAML's default grads: entry gives the same
+    choice. Parsed once (a name given here is parsed by :func:`parse_grads_format`); ``as_dict`` writes its name"""
 
-    mode: str = "store"
-    """--agoq-grads-mode: reduce (8-bit communication, float main_grad) or store (also 8-bit accumulation)."""
+    mode: GradMode = "store"
+    """reduce: 8-bit communication, float main_grad; store: also 8-bit main_grad accumulation"""
 
     error_feedback: bool = False
-    """--agoq-grads-error-feedback: keep the requantization error in a bf16 residual (needs a quantized format)."""
+    """store mode: keep the requantization error in a bf16 residual (+2 bytes/param)"""
 
     reduce_in_bf16: bool = False
     """--grad-reduce-in-bf16: bf16 main_grad buffer instead of Megatron's fp32 (FlashOptim's 16-bit gradients)."""
 
-    transport: str = "auto"
-    """--agoq-grad-transport: auto, nccl or peer (NVLink peer memory; see GRAD_TRANSPORTS)."""
+    transport: GradTransport = "auto"
+    """how the 8-bit reduction moves bytes: nccl (collectives, any link), peer (the reduce kernels read the peers'
+    8-bit stores over NVLink; CUDA, one host), auto (peer where it applies, else nccl; the choice and its reason are
+    printed at start-up)"""
 
     @property
     def quantized(self) -> bool:
@@ -257,28 +259,37 @@ class OptimizerOptions:
     """The optimizer: Megatron's Adam (``kind="torch"``) or agoq.optim over quantized states. Megatron's own
     hyperparameters (lr, weight decay, Adam betas / eps, clipping) travel in Megatron's OptimizerConfig."""
 
-    kind: str = "torch"
-    """--agoq-optimizer: torch (Megatron's Adam) | adamw | lion | sgd."""
+    kind: OptimizerKind = "torch"
+    """torch: Megatron's own Adam; adamw / lion / sgd: agoq.optim over quantized states (lr, weight decay, Adam's
+    betas and eps, clipping from Megatron's flags)"""
 
     moments: str = DEFAULT_MOMENTS
-    """--agoq-moments: a preset (MOMENT_PRESETS) or '<m fmt>,<v fmt>'."""
+    """state formats of agoq's optimizer (needs --agoq-optimizer adamw / lion / sgd)"""
 
-    master: str = DEFAULT_MASTER
-    """--agoq-master: split24 | split32 | fp32 | none."""
+    master: MasterKind = DEFAULT_MASTER
+    """master weight of agoq's optimizer: split24 = bf16 + int8 remainder (FlashOptim), split32 = + int16, fp32 =
+    separate copy, none = plain bf16 update"""
 
     unfused: bool = False
-    """--agoq-unfused: the plain-PyTorch reference step instead of the fused Triton kernel."""
+    """use the plain-PyTorch reference step instead of the fused Triton kernel"""
 
     small_numel: int = 4096
-    """--agoq-small-numel: tensors with ndim < 2 or fewer elements keep fp32 states and a split32 master."""
+    """tensors with ndim < 2 or fewer elements keep fp32 states and a split32 master"""
 
     gradient_release: bool = False
-    """--agoq-gradient-release: step each param in its backward hook and free its grad."""
+    """step each param in its backward hook and free its grad (one stage, no accumulation)"""
 
     sgd_momentum: float = 0.9
+    """--agoq-optimizer sgd: momentum"""
+
     sgd_nesterov: bool = False
+    """--agoq-optimizer sgd: Nesterov momentum"""
+
     lion_beta1: float = 0.9
+    """--agoq-optimizer lion: update interpolation"""
+
     lion_beta2: float = 0.99
+    """--agoq-optimizer lion: momentum decay"""
 
     def __post_init__(self):
         _choose("--agoq-optimizer", self.kind, OPTIMIZERS)
@@ -328,8 +339,8 @@ class AgoqConfig:
     enabled: bool = True
     """False runs plain Megatron (the baseline, --agoq-disable): no agoq seam is installed."""
 
-    device: str = "auto"
-    """auto: CUDA when available, else megatron-core's CPU mode; cpu / cuda force one (--agoq-device)."""
+    device: Device = "auto"
+    """auto: GPU when CUDA is available, else CPU mode (gloo, shims; correctness only)"""
 
     triton_interpret: bool = False
     """Triton's CPU interpreter is on (TRITON_INTERPRET=1, read by the trainer): fused kernels run on the CPU."""
@@ -371,46 +382,43 @@ class AgoqConfig:
     def from_flags(cls, values: Mapping[str, Any], *, policy: PolicySpec | None = None,
                    triton_interpret: bool = False, kernels: KernelsConfig | None = None) -> AgoqConfig:
         """The config of the flag ``values`` (flag destinations, e.g. ``{"agoq_optimizer": "adamw"}``; a missing
-        key takes this module's default, the same for the trainer, the planner and the memory report). ``policy``: the
-        loaded policy of ``agoq_policy`` (its ``fp8:`` section and ``default: {grads: ...}`` apply under the
-        flags); None: no policy section applies (the planner compares several). ``kernels``: the trainer's
-        KernelsConfig (None: the defaults)."""
+        or None key takes the field's default, the same for the trainer, the Megatron-LM door and the planner).
+        Every ``--agoq-*`` value goes through AGOQ_FLAGS (one declaration of each flag); Megatron's own flags that
+        agoq reads (MEGATRON_FLAGS) are mapped here. ``policy``: the loaded policy of ``agoq_policy`` (its ``fp8:``
+        section and ``default: {grads: ...}`` apply under the flags); None: no policy section applies (the
+        planner compares several). ``kernels``: the trainer's KernelsConfig (None: the defaults)."""
         get = values.get
-        enabled = not get("agoq_disable", False)
         if get("recompute_granularity") not in (None, *RECOMPUTE_GRANULARITIES):
             raise ValueError(f"--recompute-granularity {get('recompute_granularity')!r}: choose one of "
                              f"{list(RECOMPUTE_GRANULARITIES)}")
-        fp8 = FP8Spec()
-        grads = get("agoq_grads")
+        given: dict[str, dict[str, Any]] = {"": {}, **{name: {} for name in (*SECTIONS, "policy")}}
+        for flag in AGOQ_FLAGS:
+            value = get(flag.dest)
+            if flag.invert:
+                value = None if value is None else not value
+            elif value is None or (value is False and flag.switch):
+                continue  # not given: the field's default (a switch is off unless given)
+            if value is not None:
+                given[flag.section][flag.name] = value
+        top, enabled = given[""], given[""].get("enabled", True)
+        fp8, grads = FP8Spec(), given["grads"]
         if enabled:
             base = policy.fp8 if policy is not None and policy.fp8 is not None else FP8Spec()
-            given = {name: get(flag[2:].replace("-", "_")) for name, flag in FP8_FLAGS.items()}
             try:
-                fp8 = replace(base, **{k: v for k, v in given.items() if v is not None})
+                fp8 = replace(base, **given["fp8"])
             except ValueError as exc:
-                raise ValueError(f"{exc} (flags {', '.join(FP8_FLAGS.values())})") from exc
-            if grads is None and policy is not None:  # --agoq-grads wins over the policy's default: {grads: ...}
-                grads = policy.default_name("grads")
+                raise ValueError(f"{exc} (flags {', '.join(f.flag for f in AGOQ_FLAGS if f.section == 'fp8')})"
+                                 ) from exc
+            if "format" not in grads and policy is not None:  # --agoq-grads wins over the policy's default grads
+                grads = {**grads, "format": policy.default_name("grads")}
         return cls(
-            enabled=enabled, device=get("agoq_device") or "auto", triton_interpret=triton_interpret,
-            rope_fusion=get("rope_fusion") or "auto",
-            policy=PolicyConfig(path=get("agoq_policy"), spec=policy if enabled else None),
+            **top, triton_interpret=triton_interpret, rope_fusion=get("rope_fusion") or "auto",
+            policy=PolicyConfig(**given["policy"], spec=policy if enabled else None),
             activations=ActivationsConfig(recompute=get("recompute_granularity") == "full",
                                           recompute_num_layers=_given(get("recompute_num_layers"), 1),
                                           selective_recompute=get("recompute_granularity") == "selective"),
-            grads=GradsConfig(format=grads, mode=get("agoq_grads_mode") or "store",
-                              error_feedback=bool(get("agoq_grads_error_feedback", False)),
-                              reduce_in_bf16=bool(get("grad_reduce_in_bf16", False)),
-                              transport=get("agoq_grad_transport") or "auto"),
-            optimizer=OptimizerOptions(
-                kind=get("agoq_optimizer") or "torch", moments=get("agoq_moments") or DEFAULT_MOMENTS,
-                master=get("agoq_master") or DEFAULT_MASTER, unfused=bool(get("agoq_unfused", False)),
-                small_numel=_given(get("agoq_small_numel"), OptimizerOptions.small_numel),
-                gradient_release=bool(get("agoq_gradient_release", False)),
-                sgd_momentum=_given(get("agoq_sgd_momentum"), OptimizerOptions.sgd_momentum),
-                sgd_nesterov=bool(get("agoq_sgd_nesterov", False)),
-                lion_beta1=_given(get("agoq_lion_beta1"), OptimizerOptions.lion_beta1),
-                lion_beta2=_given(get("agoq_lion_beta2"), OptimizerOptions.lion_beta2)),
+            grads=GradsConfig(**grads, reduce_in_bf16=bool(get("grad_reduce_in_bf16", False))),
+            optimizer=OptimizerOptions(**given["optimizer"]),
             fp8=fp8, kernels=kernels or KernelsConfig(),
         )  # fmt: skip
 
@@ -442,6 +450,88 @@ _SECTION_TYPES = {"activations": ActivationsConfig, "grads": GradsConfig, "optim
 def _plain(value):
     """A config value as JSON: a parsed format as its canonical name (``GradsConfig.format``)."""
     return value.name if isinstance(value, QuantFormat) else value
+
+
+@dataclass(frozen=True)
+class AgoqFlag:
+    """One ``--agoq-*`` flag: its name and the AgoqConfig field it sets. Its type, choices, default and help come
+    from the field (annotation, ``Literal`` choices, default, attribute docstring); agoq.cli.agoq_flags renders it
+    for the trainer, the Megatron-LM door and the planner, and :meth:`AgoqConfig.from_flags` reads it back."""
+
+    flag: str
+    field: str
+    """``section.name`` (a section of AgoqConfig, or ``policy``) or a top-level field's name."""
+    invert: bool = False
+    """A switch that sets a bool field to False (``--agoq-disable``: ``enabled=False``)."""
+    help: str | None = None
+    """The help where the field's docstring does not read as one (an inverted switch)."""
+    values: str | None = None
+    """What the value may be, in words, where no choices list it (``--agoq-moments``' presets)."""
+    default: str | None = None
+    """The default in words where it is not the field's (the policy's section applies under the flag)."""
+    metavar: str | None = None
+    door: bool = True
+    """Offered by the Megatron-LM door (``--agoq-device``: megatron.training is CUDA-only)."""
+    door_note: str | None = None
+    """Added to the help in the door (a flag megatron.training cannot host)."""
+
+    @property
+    def section(self) -> str:
+        return self.field.rpartition(".")[0]
+
+    @property
+    def name(self) -> str:
+        return self.field.rpartition(".")[2]
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+    @property
+    def owner(self) -> type:
+        """The dataclass that declares the field (AgoqConfig, or the section's)."""
+        return AgoqConfig if not self.section else {**_SECTION_TYPES, "policy": PolicyConfig}[self.section]
+
+    @property
+    def switch(self) -> bool:
+        """A store-true flag: inverted, or a bool field."""
+        return self.invert or isinstance({f.name: f.default for f in dataclasses.fields(self.owner)}[self.name], bool)
+
+
+_FP8_DEFAULT = "the policy's fp8 section, else {}"
+AGOQ_FLAGS: tuple[AgoqFlag, ...] = (
+    AgoqFlag("--agoq-policy", "policy.path", default="configs/policy/agoq.yaml"),
+    AgoqFlag("--agoq-disable", "enabled", invert=True, help="run plain Megatron (the baseline): no agoq layers, "
+             "gradients or optimizer"),
+    AgoqFlag("--agoq-device", "device", door=False),
+    AgoqFlag("--agoq-grads", "grads.format", metavar="FORMAT",
+             default="the policy's default grads entry, else off: Megatron's float gradients"),
+    AgoqFlag("--agoq-grads-mode", "grads.mode"),
+    AgoqFlag("--agoq-grads-error-feedback", "grads.error_feedback"),
+    AgoqFlag("--agoq-grad-transport", "grads.transport"),
+    AgoqFlag("--agoq-optimizer", "optimizer.kind"),
+    AgoqFlag("--agoq-moments", "optimizer.moments",
+             values=f"a preset {sorted(MOMENT_PRESETS)} or '<m fmt>,<v fmt>'"),
+    AgoqFlag("--agoq-master", "optimizer.master"),
+    AgoqFlag("--agoq-unfused", "optimizer.unfused"),
+    AgoqFlag("--agoq-small-numel", "optimizer.small_numel"),
+    AgoqFlag("--agoq-gradient-release", "optimizer.gradient_release",
+             door_note="not available under megatron.training: scripts/pretrain_llama.py only"),
+    AgoqFlag("--agoq-sgd-momentum", "optimizer.sgd_momentum"),
+    AgoqFlag("--agoq-sgd-nesterov", "optimizer.sgd_nesterov"),
+    AgoqFlag("--agoq-lion-beta1", "optimizer.lion_beta1"),
+    AgoqFlag("--agoq-lion-beta2", "optimizer.lion_beta2"),
+    AgoqFlag("--agoq-fp8", "fp8.recipe", default=_FP8_DEFAULT.format("off")),
+    AgoqFlag("--agoq-smooth-swiglu", "fp8.smooth_swiglu", default=_FP8_DEFAULT.format("off")),
+    AgoqFlag("--agoq-fp8-bf16-first-layers", "fp8.bf16_first_layers", metavar="N",
+             default=_FP8_DEFAULT.format(FP8Spec.bf16_first_layers)),
+    AgoqFlag("--agoq-fp8-bf16-last-layers", "fp8.bf16_last_layers", metavar="N",
+             default=_FP8_DEFAULT.format(FP8Spec.bf16_last_layers)),
+    AgoqFlag("--agoq-fp8-amax-history-len", "fp8.amax_history_len", metavar="N",
+             default=_FP8_DEFAULT.format(FP8Spec.amax_history_len)),
+)
+"""Every ``--agoq-*`` flag that sets AgoqConfig, once (the door's own ``--agoq-attention`` / ``--agoq-log-json``
+set no config field). tests/unit/test_cli_frozen.py pins the parsers' flags and proves each is declared once."""
 
 
 def _given(value, default):

@@ -143,7 +143,8 @@ def _flag(argv: list[str], flag: str, default=None):
     return argv[len(argv) - 1 - argv[::-1].index(flag) + 1]
 
 
-# FP8Spec field -> scripts/pretrain_llama.py flag (agoq.megatron.compute._FLAGS; equal by test)
+# FP8Spec field -> scripts/pretrain_llama.py flag (agoq.config.AGOQ_FLAGS; equal by test:
+# tests/megatron/test_plan_fp8_peak.py)
 FP8_FLAGS = {"recipe": "--agoq-fp8", "smooth_swiglu": "--agoq-smooth-swiglu",
              "bf16_first_layers": "--agoq-fp8-bf16-first-layers", "bf16_last_layers": "--agoq-fp8-bf16-last-layers",
              "amax_history_len": "--agoq-fp8-amax-history-len"}

@@ -26,7 +26,7 @@ def load_config_file(path: str, parser: argparse.ArgumentParser, *, flag: str = 
         raise ValueError(f"{flag} {path}: YAML syntax error: {exc}") from exc
     if not isinstance(values, dict):
         raise ValueError(f"{flag} {path}: expected a mapping of flag names to values")
-    allowed = {a.dest for a in parser._actions if a.dest not in ("help", "config")}
+    allowed = {a.dest for a in parser._actions if a.dest not in ("help", "config", "agoq_preset")}
     for key in values:
         if key not in allowed:
             close = difflib.get_close_matches(str(key), allowed, n=1)

@@ -19,6 +19,10 @@ MEGATRON_LM_ONLY = {
                                         "--transformer-impl", "--use-rotary-position-embeddings")},
 }
 
+TE_FP8_HINT = (" (agoq's FP8 linears take no Transformer Engine recipe: Transformer Engine's FP8 runs through "
+               "scripts/pretrain_gpt_agoq.py with --transformer-impl transformer_engine --fp8-format hybrid "
+               "--fp8-recipe delayed, docs/megatron_lm.md; or use --agoq-fp8 delayed)")
+
 
 def unknown_flag_hints(words: list[str], flags) -> str:
     """For the unknown flags among ``words``: what a Megatron-LM-only flag means here, else the closest real flag

@@ -13,16 +13,15 @@ import argparse
 import time
 from pathlib import Path
 
-from agoq.cli.flag_hints import unknown_flag_hints
+from agoq.cli.agoq_flags import TRAINER_UNSET, add_agoq_flags
+from agoq.cli.flag_hints import TE_FP8_HINT, unknown_flag_hints
 from agoq.cli.graph_args import add_graph_flags
-from agoq.cli.optim_args import add_optim_flags
 from agoq.cli.seqpar_args import add_sequence_parallel_flag
 
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
-from agoq.config import GRAD_MODES, GRAD_TRANSPORTS, RECOMPUTE_GRANULARITIES, ROPE_FUSIONS
-from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES
+from agoq.config import RECOMPUTE_GRANULARITIES, ROPE_FUSIONS
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "configs" / "policy" / "agoq.yaml"
@@ -204,51 +203,6 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                         "--agoq-smooth-swiglu; needs --agoq-fp8 delayed")
 
 
-def _agoq_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("agoq")
-    g.add_argument("--agoq-policy", default=None,
-                   help="bit-width policy YAML (default: configs/policy/agoq.yaml); see docs/policy.md")
-    g.add_argument("--agoq-disable", action="store_true", help="run plain Megatron (the baseline)")
-    g.add_argument("--agoq-device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: GPU when CUDA is available, else CPU mode (gloo, shims; correctness only)")
-
-
-def add_grad_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """--agoq-grads FORMAT, --agoq-grads-mode, --agoq-grads-error-feedback (read by agoq.megatron.ddp)."""
-    g = parser.add_argument_group("agoq gradients")
-    g.add_argument("--agoq-grads", default=None, metavar="FORMAT",
-                   help="8-bit gradients in DDP, e.g. int8_b256 (agoq.formats name); default: off "
-                        "(Megatron's float gradients; fp32 says so, as does bf16 with --grad-reduce-in-bf16). A "
-                        "policy YAML's grads: entry gives the same choice.")
-    g.add_argument("--agoq-grads-mode", choices=GRAD_MODES, default="store",
-                   help="reduce: 8-bit communication, float main_grad; store: also 8-bit main_grad accumulation")
-    g.add_argument("--agoq-grads-error-feedback", action="store_true",
-                   help="store mode: keep the requantization error in a bf16 residual (+2 bytes/param)")
-    g.add_argument("--agoq-grad-transport", choices=GRAD_TRANSPORTS, default="auto",
-                   help="how the 8-bit reduction moves bytes: nccl (collectives, any link), peer (the reduce "
-                        "kernels read the peers' 8-bit stores over NVLink; CUDA, one host), auto (peer where it "
-                        "applies, else nccl; the choice and its reason are printed at start-up)")
-    return parser
-
-
-def add_compute_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("agoq FP8 compute and Smooth-SwiGLU (docs/numerics.md); default: the policy's fp8 "
-                                  "section, else off")
-    g.add_argument("--agoq-fp8", choices=FP8_RECIPES, default=None,
-                   help="FP8 linears (E4M3 forward, E5M2 backward; needs an sm_89+ GPU): current / delayed "
-                        "per-tensor scaling, rowwise (per-row current scaling), te (Transformer Engine; not "
-                        "built), off")
-    g.add_argument("--agoq-smooth-swiglu", choices=SMOOTH_SWIGLU_MODES, default=None,
-                   help="Smooth-SwiGLU (FP8 paper): rescale the SwiGLU output per token (authors' code) or per "
-                        "FFN channel (paper text) before fc2; function-preserving, runs anywhere")
-    g.add_argument("--agoq-fp8-bf16-first-layers", type=int, default=None, metavar="N",
-                   help="keep the first N transformer layers in bf16 (default 1)")
-    g.add_argument("--agoq-fp8-bf16-last-layers", type=int, default=None, metavar="N",
-                   help="keep the last N transformer layers in bf16 (default 1; the LM head is always bf16)")
-    g.add_argument("--agoq-fp8-amax-history-len", type=int, default=None, metavar="N",
-                   help="delayed scaling: amaxes kept per tensor (default 16)")
-
-
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """argparse's '(default: X)' after each flag's help, except where the help already says its default in
     words, for switches (off unless given) and for defaults that mean "not given" (None)."""
@@ -284,6 +238,8 @@ class _Parser(argparse.ArgumentParser):
             exit_quietly_after_delay()
         if message.startswith("unrecognized arguments: "):
             message += unknown_flag_hints(message.split(": ", 1)[1].split(), self._option_string_actions)
+        elif message.startswith("argument --agoq-fp8: invalid choice: 'te'"):
+            message += TE_FP8_HINT
         self.exit(2, f"{self.prog}: error: {message} (all flags: {self.prog} --help)\n")
 
 
@@ -294,12 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Defaults are the built-in ones; a --config file replaces them (file < command line).",
     )
     parser.add_argument("--config", default=None, help="YAML file of flag values (snake_case keys)")
-    for add in (_model_flags, _parallel_flags, _optim_flags, _data_flags, _run_flags, _agoq_flags, add_grad_flags,
-                add_optim_flags, add_compute_flags, add_graph_flags):
+    for add in (_model_flags, _parallel_flags, _optim_flags, _data_flags, _run_flags):
         add(parser)
-    # None = not given, so that --agoq-moments/--agoq-master without agoq's optimizer is an error, not ignored;
-    # agoq.megatron.train.args._fill_derived puts in the defaults
-    parser.set_defaults(agoq_moments=None, agoq_master=None)
+    # generated from AgoqConfig (agoq.cli.agoq_flags); --agoq-moments / --agoq-master default to None so that they
+    # are refused without agoq's optimizer, not ignored (agoq.megatron.train.args puts in the defaults)
+    add_agoq_flags(parser, unset=TRAINER_UNSET)
+    add_graph_flags(parser)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""--agoq-optimizer / --agoq-moments / --agoq-master ... flags (wired into agoq/cli/flags.py).
+"""Checks of the parsed optimizer flags (the flags themselves are generated from AgoqConfig: agoq.cli.agoq_flags).
 
 Part of the trainer's command line (with agoq.megatron.train.args): ``check_release_flags`` reads the parsed
 Namespace (Megatron's layout and batch flags next to agoq's); library code gets ``agoq.config.AgoqConfig``."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 # the values and defaults live with the config (agoq.config: one set of defaults for the trainer, the
-# planner and the memory report); re-exported here for the flags' help and older imports
+# planner and the memory report); re-exported here for older imports
 from agoq.config import (  # noqa: F401
     DEFAULT_MASTER,
     DEFAULT_MOMENTS,
@@ -17,48 +17,6 @@ from agoq.config import (  # noqa: F401
     OPTIMIZERS,
     parse_moments,
 )
-
-
-def add_optim_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("agoq optimizer (quantized states, split master weights)")
-    g.add_argument(
-        "--agoq-optimizer",
-        choices=OPTIMIZERS,
-        default="torch",
-        help="torch: Megatron's own Adam; adamw/lion/sgd: agoq.optim over quantized states",
-    )
-    g.add_argument(
-        "--agoq-moments", default=DEFAULT_MOMENTS,
-        help=f"state formats of agoq's optimizer: preset {sorted(MOMENT_PRESETS)} or '<m fmt>,<v fmt>' "
-             f"(default {DEFAULT_MOMENTS}; needs --agoq-optimizer adamw/lion/sgd)",
-    )
-    g.add_argument(
-        "--agoq-master",
-        choices=MASTER_CHOICES,
-        default=DEFAULT_MASTER,
-        help="master weight of agoq's optimizer: split24 = bf16 + int8 remainder (FlashOptim), split32 = + int16, "
-        f"fp32 = separate copy, none = plain bf16 update (default {DEFAULT_MASTER})",
-    )
-    g.add_argument(
-        "--agoq-unfused",
-        action="store_true",
-        help="use the plain-PyTorch reference step instead of the fused Triton kernel",
-    )
-    g.add_argument(
-        "--agoq-small-numel",
-        type=int,
-        default=4096,
-        help="tensors with ndim < 2 or fewer elements keep fp32 states and a split32 master",
-    )
-    g.add_argument(
-        "--agoq-gradient-release",
-        action="store_true",
-        help="step each param in its backward hook and free its grad (one stage, no accumulation)",
-    )
-    g.add_argument("--agoq-sgd-momentum", type=float, default=0.9, help="--agoq-optimizer sgd: momentum")
-    g.add_argument("--agoq-sgd-nesterov", action="store_true", help="--agoq-optimizer sgd: Nesterov momentum")
-    g.add_argument("--agoq-lion-beta1", type=float, default=0.9, help="--agoq-optimizer lion: update interpolation")
-    g.add_argument("--agoq-lion-beta2", type=float, default=0.99, help="--agoq-optimizer lion: momentum decay")
 
 
 def check_release_flags(args: argparse.Namespace, data_parallel: int | None = None) -> None:

@@ -21,7 +21,6 @@ Guarded by: ``tests/megatron/test_fp8_smooth.py``, ``tests/gpu/test_fp8_megatron
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 
 import torch
@@ -39,30 +38,14 @@ def fp8_recipe(spec: FP8Spec) -> FP8Recipe | None:
     """The ops-level recipe of ``spec.recipe`` (None for off)."""
     if spec.recipe == "off":
         return None
-    if spec.recipe == "te":
-        raise NotImplementedError("--agoq-fp8 te has no agoq linear recipe (it selects Transformer Engine)")
     if spec.recipe == "rowwise":
         return FP8Recipe(granularity="row", scaling="current")
     return FP8Recipe(granularity="tensor", scaling=spec.recipe, amax_history_len=spec.amax_history_len)
 
 
-def _check_te(spec: FP8Spec) -> None:
-    if spec.recipe != "te":
-        return
-    if importlib.util.find_spec("transformer_engine") is None:
-        raise ValueError(
-            "--agoq-fp8 te selects Transformer Engine's FP8 spec and recipe, but transformer_engine is not "
-            "importable here (install transformer-engine[pytorch] for your CUDA and torch), or use agoq's own FP8 "
-            "linears: --agoq-fp8 delayed (or current, rowwise)")
-    raise NotImplementedError(
-        "--agoq-fp8 te: Transformer Engine is importable, but agoq's TE path is not built yet; use "
-        "--agoq-fp8 delayed (agoq's FP8 linears; Smooth-SwiGLU applies to both)")
-
-
 def check_compute(spec: FP8Spec, device: torch.device, *, num_layers: int, hidden: int, ffn: int, heads: int,
                   groups: int, tp: int, tokens_per_microbatch: int) -> None:
-    """Raise (naming the flag) when the FP8 settings cannot run here: TE missing, no FP8 GPU, dims."""
-    _check_te(spec)
+    """Raise (naming the flag) when the FP8 settings cannot run here: no FP8 GPU, dims."""
     if not spec.fp8_enabled:
         return
     flag = f"--agoq-fp8 {spec.recipe} (or the policy's fp8.recipe)"
@@ -119,7 +102,7 @@ def compute_report(spec: FP8Spec, num_layers: int, *, plain_swiglu_fusion: bool 
         fp8 = [i for i in range(num_layers) if spec.uses_fp8(i, num_layers)]
         bf16 = [i for i in range(num_layers) if i not in fp8]
         scaling = {"current": "per-tensor current scaling", "delayed": f"per-tensor delayed scaling (amax history "
-                   f"{spec.amax_history_len})", "rowwise": "row-wise current scaling", "te": "Transformer Engine"}
+                   f"{spec.amax_history_len})", "rowwise": "row-wise current scaling"}
         text = (f"fp8: {scaling[spec.recipe]}, E4M3 forward / E5M2 backward, layers {_ranges(fp8)}; bf16: "
                 f"{'layers ' + _ranges(bf16) + ' and ' if bf16 else ''}the LM head")
     else:

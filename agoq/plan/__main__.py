@@ -48,6 +48,7 @@ import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
+from agoq.cli.agoq_flags import load_preset, merge_preset
 from agoq.cli.config_file import load_config_file
 from agoq.cli.flags import build_parser as trainer_parser
 from agoq.cli.seqpar_args import sequence_parallel_problem
@@ -56,7 +57,7 @@ from agoq.plan import capacity, launch, te, te_cli
 from agoq.plan.memory import GIB, Layout
 from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report, grad_bytes_per_param
 from agoq.plan.recipe import recipe_of
-from agoq.plan.request import AGOQ_FLAGS, PlanRequest, flag_name
+from agoq.plan.request import PLANNED_AGOQ_KEYS, PlanRequest, flag_name
 from agoq.plan.shape import ModelShape
 from agoq.plan.storage import check_requests_on_model, sequence_parallel_note
 from agoq.policy import ScheduleInfo, load_policy
@@ -172,6 +173,14 @@ def read_model_file(path: str | None) -> dict:
     return load_config_file(path, trainer_parser())
 
 
+def read_files(request: PlanRequest) -> dict:
+    """The --config file's values with the --agoq-preset file's over them, as the trainer merges them (a key in
+    both is an error; the command line wins over both)."""
+    cfg = read_model_file(request.config)
+    preset = dict(request.trainer).get("agoq_preset")
+    return merge_preset(cfg, preset, request.config) if preset else cfg
+
+
 def values_of(request: PlanRequest, cfg: dict) -> dict:
     """The run's flag values as the trainer would merge them, without its defaults: the --config file's, then the
     command line's (the planner's trainer-named fields and the trainer's other flags)."""
@@ -201,14 +210,17 @@ def _check_unmodelled(values: dict, request: PlanRequest, cfg: dict) -> None:
     problem = te.local_problem(values)
     if problem:
         raise ValueError(problem)
+    preset = dict(request.trainer).get("agoq_preset")
+    preset_keys = load_preset(preset).keys() if preset else ()
     for key, (modelled, why) in UNMODELLED_KEYS.items():
         if key == "agoq_disable" and te.is_te(values):
             continue  # the TE path plans Megatron + TE alone (agoq.plan.te_cli)
         value = values.get(key, modelled)
         if value != modelled:
-            where = (f"--config {request.config}: {key}" if key in cfg and key not in dict(request.trainer)
-                     else flag_name(key))
-            fix = "plan a copy of the file without the key" if where.startswith("--config") else "drop the flag"
+            where = (flag_name(key) if key in dict(request.trainer) else f"--agoq-preset {preset}: {key}"
+                     if key in preset_keys else f"--config {request.config}: {key}" if key in cfg else flag_name(key))
+            fix = ("plan a copy of the file without the key" if where.startswith("--config") else "plan another "
+                   "preset" if where.startswith("--agoq-preset") else "drop the flag")
             raise ValueError(f"{where}: {value} is not something the planner models ({why}); its prediction would "
                              f"be for {key}: {modelled}. {fix[0].upper()}{fix[1:]}")
 
@@ -249,7 +261,7 @@ def config_of(values: dict, policy=None) -> AgoqConfig:
     """The run's AgoqConfig as the trainer builds it (AgoqConfig.from_flags) from the merged values; ``policy``: a
     candidate whose fp8 / default grads sections apply under the flags, as the trainer applies its --agoq-policy's
     (None: no policy section)."""
-    return AgoqConfig.from_flags({k: v for k, v in values.items() if k in AGOQ_FLAGS}, policy=policy)
+    return AgoqConfig.from_flags({k: v for k, v in values.items() if k in PLANNED_AGOQ_KEYS}, policy=policy)
 
 
 def check_run_flags(values: dict, layout: Layout) -> None:
@@ -456,7 +468,7 @@ def main(argv=None) -> int:
     try:
         request = parse(argv)
         request.memory_budget_bytes  # noqa: B018 - a bad --memory-budget is the first error, before any file is read
-        cfg = read_model_file(request.config)
+        cfg = read_files(request)
         if request.capacity:
             return run_capacity(request, cfg)
         if request.gpus is not None:

@@ -20,7 +20,7 @@ from agoq.plan import capacity, speed
 from agoq.plan.capacity import Candidate, Preset
 from agoq.plan.memory import GIB
 from agoq.plan.peak import predict_peaks
-from agoq.plan.request import AGOQ_FLAGS, PlanRequest
+from agoq.plan.request import PLANNED_AGOQ_KEYS, PlanRequest
 from agoq.plan.shape import ModelShape
 from agoq.policy import PolicySpec
 
@@ -56,7 +56,7 @@ def presets_for(values: dict) -> tuple[tuple[Preset, ...], dict]:
     """(the presets to try, the flags under each): the run's own settings where any of RECIPE_KEYS is given, else
     capacity's agoq presets without gradient release (it needs one GPU, --clip-grad 0 and no gradient buffer flags:
     give --agoq-gradient-release to plan it)."""
-    given = {k: values[k] for k in AGOQ_FLAGS if values.get(k) is not None and k != "recompute_granularity"}
+    given = {k: values[k] for k in PLANNED_AGOQ_KEYS if values.get(k) is not None and k != "recompute_granularity"}
     if any(k in given for k in RECIPE_KEYS):
         release = bool(given.get("agoq_gradient_release"))
         return (Preset("the flags' own", {}, None, distributed_optimizer=not release,

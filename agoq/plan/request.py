@@ -19,13 +19,13 @@ from agoq.plan.capacity import DEFAULT_MAX_GPUS, DEFAULT_MAX_MBS
 from agoq.plan.memory import parse_bytes
 from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES
 
-PLANNER_FP8_RECIPES = tuple(r for r in FP8_RECIPES if r != "te")  # agoq's FP8 linears only
-# agoq's settings: the trainer's flags of the same names, read by AgoqConfig.from_flags
-AGOQ_FLAGS = ("agoq_optimizer", "agoq_moments", "agoq_master", "agoq_grads", "grad_reduce_in_bf16",
-              "agoq_gradient_release", "recompute_granularity", "agoq_fp8", "agoq_smooth_swiglu",
-              "agoq_fp8_bf16_first_layers", "agoq_fp8_bf16_last_layers", "rope_fusion")
+# the settings the planner models: the trainer's flags of the same names, read by AgoqConfig.from_flags (the other
+# --agoq-* flags of agoq.config.AGOQ_FLAGS are not modelled)
+PLANNED_AGOQ_KEYS = ("agoq_optimizer", "agoq_moments", "agoq_master", "agoq_grads", "grad_reduce_in_bf16",
+                     "agoq_gradient_release", "recompute_granularity", "agoq_fp8", "agoq_smooth_swiglu",
+                     "agoq_fp8_bf16_first_layers", "agoq_fp8_bf16_last_layers", "rope_fusion")
 CHOICES = {"agoq_optimizer": OPTIMIZERS, "agoq_master": MASTER_CHOICES,
-           "recompute_granularity": RECOMPUTE_GRANULARITIES, "agoq_fp8": PLANNER_FP8_RECIPES,
+           "recompute_granularity": RECOMPUTE_GRANULARITIES, "agoq_fp8": FP8_RECIPES,
            "agoq_smooth_swiglu": SMOOTH_SWIGLU_MODES, "rope_fusion": ROPE_FUSIONS}
 def flag_name(field: str) -> str:
     """The command-line flag of a field: ``max_gpus`` -> ``--max-gpus``."""
@@ -62,7 +62,7 @@ class PlanRequest:
     seq_length: int | None = None
     num_layers_per_virtual_pipeline_stage: int | None = None
     use_distributed_optimizer: bool | None = None
-    # agoq's settings (AGOQ_FLAGS)
+    # agoq's settings (PLANNED_AGOQ_KEYS)
     agoq_optimizer: str | None = None
     agoq_moments: str | None = None
     agoq_master: str | None = None

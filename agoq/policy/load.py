@@ -330,8 +330,9 @@ def _parse_auto(source: str, value: Any, table: _FormatTable) -> AutoSpec:
 def _parse_fp8(source: str, value: Any) -> FP8Spec:
     _check_mapping(source, "fp8", value, FP8_KEYS)
     if value.get("recipe") == "te":
-        raise PolicyError(source, "fp8.recipe", "Transformer Engine's FP8 path is not built in agoq (it always "
-                          "fails at start-up)", got="te", allowed=list(POLICY_FP8_RECIPES),
+        raise PolicyError(source, "fp8.recipe", "Transformer Engine's FP8 is not a recipe of agoq's linears (under "
+                          "Megatron-LM it is Megatron's own: --transformer-impl transformer_engine --fp8-format, "
+                          "docs/megatron_lm.md)", got="te", allowed=list(POLICY_FP8_RECIPES),
                           fix="use current, delayed or rowwise (agoq's FP8 linears), or off")
     allowed = {"recipe": list(POLICY_FP8_RECIPES), "smooth_swiglu": list(SMOOTH_SWIGLU_MODES)}
     for key, choices in allowed.items():

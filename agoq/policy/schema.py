@@ -12,7 +12,7 @@ Vocabulary
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, get_args
 
 from agoq.formats import QuantFormat
 
@@ -62,13 +62,15 @@ PpStage = int | Literal["first", "last"]
 # The `fp8:` section: FP8 linears and Smooth-SwiGLU (FP8 paper, arXiv 2409.12517; docs/numerics.md).
 # ---------------------------------------------------------------------------------------------
 #: off: bf16 linears; current / delayed: per-tensor scaling from this tensor's amax / from the amax
-#: history; rowwise: per-row scales (current); te: Transformer Engine's recipe (needs TE installed).
-FP8_RECIPES: tuple[str, ...] = ("off", "current", "delayed", "rowwise", "te")
-#: What a policy's ``fp8.recipe`` may say: ``te`` is refused at load time (agoq's Transformer Engine path
-#: is not built: agoq.megatron.compute raises for it), so a file cannot name a recipe that always fails.
-POLICY_FP8_RECIPES: tuple[str, ...] = tuple(r for r in FP8_RECIPES if r != "te")
+#: history; rowwise: per-row scales (current). Transformer Engine's FP8 is Megatron-LM's own (--transformer-impl
+#: transformer_engine with --fp8-format, docs/megatron_lm.md), not a recipe of agoq's linears.
+FP8RecipeName = Literal["off", "current", "delayed", "rowwise"]
+FP8_RECIPES: tuple[str, ...] = get_args(FP8RecipeName)
+#: What a policy's ``fp8.recipe`` may say (the same recipes; kept as a name for the policy loader).
+POLICY_FP8_RECIPES: tuple[str, ...] = FP8_RECIPES
 #: per-token: the authors' code (one scale per token); per-channel: the paper's text (one per FFN unit).
-SMOOTH_SWIGLU_MODES: tuple[str, ...] = ("off", "per-channel", "per-token")
+SmoothSwigluMode = Literal["off", "per-channel", "per-token"]
+SMOOTH_SWIGLU_MODES: tuple[str, ...] = get_args(SmoothSwigluMode)
 #: Delayed scaling's history length; equal to agoq.ops.fp8_scaling.DEFAULT_AMAX_HISTORY_LEN (a unit
 #: test keeps them equal; this package imports no torch). Transformer Engine defaults to 1024.
 FP8_DEFAULT_AMAX_HISTORY_LEN = 16
@@ -84,11 +86,22 @@ class FP8Spec:
     to every layer's MLP (a function-preserving rescale; it changes what the FP8 cast of fc2's input sees).
     """
 
-    recipe: str = "off"
-    smooth_swiglu: str = "off"
+    recipe: FP8RecipeName = "off"
+    """FP8 linears (E4M3 forward, E5M2 backward; needs an sm_89+ GPU): current / delayed per-tensor scaling,
+    rowwise (per-row current scaling), off."""
+
+    smooth_swiglu: SmoothSwigluMode = "off"
+    """Smooth-SwiGLU (FP8 paper): rescale the SwiGLU output per token (authors' code) or per FFN channel (paper text)
+    before fc2; function-preserving, runs anywhere."""
+
     bf16_first_layers: int = 1
+    """keep the first N transformer layers in bf16"""
+
     bf16_last_layers: int = 1
+    """keep the last N transformer layers in bf16 (the LM head is always bf16)"""
+
     amax_history_len: int = FP8_DEFAULT_AMAX_HISTORY_LEN
+    """delayed scaling: amaxes kept per tensor"""
 
     def __post_init__(self) -> None:
         if self.recipe not in FP8_RECIPES:

@@ -57,10 +57,10 @@ class _NoScheduler:
 
 
 def _agoq_args():
-    from agoq.cli.optim_args import add_optim_flags
+    from agoq.cli.agoq_flags import add_agoq_flags
 
     p = argparse.ArgumentParser()
-    add_optim_flags(p)
+    add_agoq_flags(p)
     args = p.parse_args(["--agoq-optimizer", "adamw"])
     for k, v in dict(lr=LR, min_lr=LR, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
                      clip_grad=1.0, use_distributed_optimizer=False, lr_warmup_iters=0, global_batch_size=8,

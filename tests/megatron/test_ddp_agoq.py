@@ -208,7 +208,7 @@ def _skip_rank(rank: int, world_size: int, optimizer_kind: str) -> dict:
     training loop's check reads the 8-bit store through agoq_grads_nonfinite), then training goes on."""
     import argparse
 
-    from agoq.cli.optim_args import add_optim_flags
+    from agoq.cli.agoq_flags import add_agoq_flags
     from agoq.megatron.install import install
     from agoq.megatron.train.pretrain import build_optimizer
 
@@ -223,7 +223,7 @@ def _skip_rank(rank: int, world_size: int, optimizer_kind: str) -> dict:
         training.configure_grad_hooks(model, config)
         if optimizer_kind == "agoq":
             p = argparse.ArgumentParser()
-            add_optim_flags(p)
+            add_agoq_flags(p)
             args = p.parse_args(["--agoq-optimizer", "adamw", "--agoq-unfused"])
             for k, v in dict(lr=3e-3, min_lr=3e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
                              adam_eps=1e-8, clip_grad=1.0, use_distributed_optimizer=False, lr_warmup_iters=0,

@@ -31,7 +31,7 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 
-from agoq.cli.optim_args import add_optim_flags  # noqa: E402
+from agoq.cli.agoq_flags import add_agoq_flags  # noqa: E402
 from agoq.config import AgoqConfig, GradsConfig  # noqa: E402
 from agoq.megatron import runtime  # noqa: E402
 from agoq.megatron.ddp import grad_memory_report, wrap_ddp_agoq  # noqa: E402
@@ -62,7 +62,7 @@ WEIGHT_ATOL = 1e-6
 
 def _agoq_args():
     p = argparse.ArgumentParser()
-    add_optim_flags(p)
+    add_agoq_flags(p)
     args = p.parse_args(["--agoq-optimizer", "adamw", "--agoq-unfused"])
     for k, v in dict(lr=3e-3, min_lr=3e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
                      clip_grad=1.0, use_distributed_optimizer=False, lr_warmup_iters=0, global_batch_size=8,

@@ -24,10 +24,10 @@ SCRIPT = textwrap.dedent(
     model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
-    from agoq.cli.optim_args import add_optim_flags
+    from agoq.cli.agoq_flags import add_agoq_flags
     from agoq.config import AgoqConfig
     from agoq.megatron.train.pretrain import build_optimizer
-    p = argparse.ArgumentParser(); add_optim_flags(p)
+    p = argparse.ArgumentParser(); add_agoq_flags(p)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"  # fused step under Triton's interpreter
     args = p.parse_args(["--agoq-optimizer", "adamw"] + ([] if interpret else ["--agoq-unfused"]))
     for k, v in dict(lr=1e-3, min_lr=1e-4, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,

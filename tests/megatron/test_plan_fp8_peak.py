@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from agoq.config import FP8_FLAGS, AgoqConfig
-from agoq.megatron.train.args import add_compute_flags
+from agoq.cli.agoq_flags import TRAINER_UNSET, add_agoq_flags
+from agoq.config import AGOQ_FLAGS, AgoqConfig
 from agoq.plan import memory, peak
 from agoq.plan.memory import GIB, Layout, plan_stages
 from agoq.plan.peak import Recipe, predict_peaks
@@ -175,10 +175,10 @@ def test_committed_plain_fp8_rows_predate_the_fused_path():
                                     "--agoq-fp8-bf16-first-layers", "0", "--agoq-fp8-amax-history-len", "32"],
                                    ["--agoq-fp8", "current", "--agoq-fp8-bf16-last-layers", "3", "--agoq-disable"]])
 def test_validate_reads_the_fp8_flags_as_pretrain_llama(extra):
-    assert validate.FP8_FLAGS == FP8_FLAGS
+    assert validate.FP8_FLAGS == {f.name: f.flag for f in AGOQ_FLAGS if f.section == "fp8"}
     argv = ["--num-layers", "8", "--agoq-policy", "configs/policy/bf16.yaml", *extra]
     parser = argparse.ArgumentParser()
-    add_compute_flags(parser)
+    add_agoq_flags(parser, unset=TRAINER_UNSET)
     args, _ = parser.parse_known_args(argv)
     expected = FP8Spec() if "--agoq-disable" in argv else AgoqConfig.from_flags(vars(args), policy=BF16).fp8
     assert validate.fp8_spec_of(argv, "configs/policy/bf16.yaml") == expected

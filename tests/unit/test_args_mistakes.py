@@ -252,3 +252,11 @@ def test_a_policy_fp8_setting_with_its_recipe_is_accepted(tmp_path):
     policy = tmp_path / "p.yaml"
     policy.write_text("version: 1\ndefault: {activations: bf16}\nrules: []\nfp8: {amax_history_len: 64}\n")
     assert parse_args(["--agoq-policy", str(policy), "--agoq-fp8", "delayed"]).agoq_config.fp8.amax_history_len == 64
+
+
+def test_fp8_te_is_no_choice_and_says_where_te_fp8_runs(capsys):
+    """--agoq-fp8 te was offered in --help and always refused at start-up (no agoq linear runs TE's recipe): it is no
+    choice now, and the error says where Transformer Engine's FP8 runs."""
+    err = _error(capsys, ["--agoq-fp8", "te"])
+    assert "invalid choice: 'te' (choose from 'off', 'current', 'delayed', 'rowwise')" in err
+    assert "--transformer-impl transformer_engine --fp8-format hybrid" in err and "docs/megatron_lm.md" in err

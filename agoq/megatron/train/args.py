@@ -1,6 +1,7 @@
 """Command line of ``scripts/pretrain_llama.py``: Megatron-compatible flags, ``--agoq-*`` flags, config files.
 
-Precedence (lowest to highest): built-in defaults < ``--config FILE.yaml`` < flags on the command line.
+Precedence (lowest to highest): built-in defaults < ``--config FILE.yaml`` < ``--agoq-preset NAME_OR_FILE`` (agoq's
+settings only; a key in both files is an error) < flags on the command line.
 :func:`parse_args` also builds the run's ``agoq.config.AgoqConfig`` from the merged values, once, and keeps it
 as ``args.agoq_config``: the trainer passes it (or a section) to library code, which never reads this
 Namespace. Megatron's own flags (layout, batch sizes, lr) stay on the Namespace for the trainer.
@@ -22,12 +23,11 @@ import argparse
 import os
 import sys
 
+from agoq.cli.agoq_flags import merge_preset
 from agoq.cli.config_file import load_config_file
 from agoq.cli.flag_hints import MEGATRON_LM_ONLY
 from agoq.cli.flags import (
     DEFAULT_POLICY,
-    add_compute_flags,
-    add_grad_flags,
     build_parser,
     exit_quietly_after_delay,
     policy_path,
@@ -53,10 +53,9 @@ from agoq.policy import load_policy
 
 # what the script, the trainer, agoq.plan and the tests import from here
 __all__ = [
-    "DEFAULT_POLICY", "FLOAT_GRADS", "GRAD_MODES", "MEGATRON_LM_ONLY", "add_compute_flags", "add_grad_flags",
-    "build_config", "build_parser", "check_layout", "check_policy_rules", "check_unused_flags",
-    "data_blend", "given_on_command_line", "load_config_file", "microbatch_count", "parse_and_check", "parse_args",
-    "policy_path", "preflight", "validate",
+    "DEFAULT_POLICY", "FLOAT_GRADS", "GRAD_MODES", "MEGATRON_LM_ONLY", "build_config", "build_parser", "check_layout",
+    "check_policy_rules", "check_unused_flags", "data_blend", "given_on_command_line", "load_config_file",
+    "microbatch_count", "parse_and_check", "parse_args", "policy_path", "preflight", "validate",
 ]
 
 
@@ -69,9 +68,11 @@ def parse_args(argv: list[str] | None = None, *, quiet: bool = False,
     parser.quiet = quiet
     first = parser.parse_args(argv)
     file_keys: set[str] = set()
-    if first.config:
+    if first.config or first.agoq_preset:
         try:
-            values = load_config_file(first.config, parser)
+            values = load_config_file(first.config, parser) if first.config else {}
+            if first.agoq_preset:
+                values = merge_preset(values, first.agoq_preset, first.config)
         except ValueError as exc:
             parser.error(str(exc))
         parser.set_defaults(**values)

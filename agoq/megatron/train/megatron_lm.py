@@ -18,17 +18,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from agoq.cli.flags import DEFAULT_POLICY, add_compute_flags
-from agoq.config import (
-    DEFAULT_MASTER,
-    DEFAULT_MOMENTS,
-    GRAD_MODES,
-    GRAD_TRANSPORTS,
-    MASTER_CHOICES,
-    MOMENT_PRESETS,
-    OPTIMIZERS,
-    AgoqConfig,
-)
+from agoq.cli.agoq_flags import ALL, add_agoq_flags, load_preset
+from agoq.cli.flags import DEFAULT_POLICY
+from agoq.config import AGOQ_FLAGS, AgoqConfig
 from agoq.policy import load_policy
 
 ATTENTION_CHOICES = ("sdpa", "megatron")
@@ -52,56 +44,39 @@ LLAMA_FLAGS = (
 def add_agoq_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--agoq-*`` flags to Megatron's parser (``extra_args_provider``); returns the parser.
 
-    Megatron-LM flags keep their meaning: agoq reads ``--recompute-granularity``/``--recompute-num-layers``,
-    ``--grad-reduce-in-bf16``, ``--use-distributed-optimizer`` and the optimizer hyperparameters from them."""
-    g = parser.add_argument_group("agoq (activation storage, 8-bit gradients, lean optimizers; docs/megatron_lm.md)")
-    g.add_argument("--agoq-disable", action="store_true",
-                   help="plain Megatron (the baseline): no agoq layers, gradients or optimizer")
-    g.add_argument("--agoq-policy", default=None,
-                   help="bit-width policy YAML (default: configs/policy/agoq.yaml); see docs/policy.md")
+    The flags that set agoq's config are generated from it (agoq.cli.agoq_flags, as for scripts/pretrain_llama.py),
+    every valued one defaulting to None so that the checks below tell a given flag from an absent one; the door adds
+    its own two (the attention of agoq's local spec, the JSON loss log). Megatron-LM flags keep their meaning: agoq
+    reads ``--recompute-granularity``/``--recompute-num-layers``, ``--grad-reduce-in-bf16``,
+    ``--use-distributed-optimizer`` and the optimizer hyperparameters from them."""
+    g = add_agoq_flags(parser, unset=ALL, door=True)
     g.add_argument("--agoq-attention", choices=ATTENTION_CHOICES, default="sdpa",
                    help="core attention: sdpa (torch scaled_dot_product_attention, flash/cuDNN) or megatron "
                         "(the local spec's unfused DotProductAttention); applies with --agoq-disable too")
-    g.add_argument("--agoq-grads", default=None, metavar="FORMAT",
-                   help="8-bit gradients in DDP, e.g. int8_b256 (default: the policy's grads entry, else Megatron's "
-                        "float gradients)")
-    g.add_argument("--agoq-grads-mode", choices=GRAD_MODES, default=None,
-                   help="reduce: 8-bit communication, float main_grad; store (default): also 8-bit accumulation")
-    g.add_argument("--agoq-grads-error-feedback", action="store_true",
-                   help="store mode: keep the requantization error in a bf16 residual (+2 bytes/param)")
-    g.add_argument("--agoq-grad-transport", choices=GRAD_TRANSPORTS, default=None,
-                   help="how the 8-bit reduction moves bytes: nccl, peer (NVLink peer memory) or auto (default)")
-    g.add_argument("--agoq-optimizer", choices=OPTIMIZERS, default="torch",
-                   help="torch: Megatron's own optimizer (--optimizer); adamw/lion/sgd: agoq's, over quantized "
-                        "states (lr, weight decay, betas, eps, clipping from Megatron's flags)")
-    g.add_argument("--agoq-moments", default=None,
-                   help=f"state formats of agoq's optimizer: preset {sorted(MOMENT_PRESETS)} or '<m fmt>,<v fmt>' "
-                        f"(default {DEFAULT_MOMENTS})")
-    g.add_argument("--agoq-master", choices=MASTER_CHOICES, default=None,
-                   help=f"master weight of agoq's optimizer (default {DEFAULT_MASTER}: bf16 + int8 remainder)")
-    g.add_argument("--agoq-unfused", action="store_true", help="reference PyTorch optimizer step, not Triton")
-    g.add_argument("--agoq-small-numel", type=int, default=None,
-                   help="tensors with ndim < 2 or fewer elements keep fp32 states (default 4096)")
-    g.add_argument("--agoq-gradient-release", action="store_true",
-                   help="not available under megatron.training (use scripts/pretrain_llama.py)")
-    g.add_argument("--agoq-sgd-momentum", type=float, default=None, help="--agoq-optimizer sgd: momentum (0.9)")
-    g.add_argument("--agoq-sgd-nesterov", action="store_true", help="--agoq-optimizer sgd: Nesterov momentum")
-    g.add_argument("--agoq-lion-beta1", type=float, default=None, help="--agoq-optimizer lion: beta1 (0.9)")
-    g.add_argument("--agoq-lion-beta2", type=float, default=None, help="--agoq-optimizer lion: beta2 (0.99)")
     g.add_argument("--agoq-log-json", default=None, metavar="FILE",
                    help="append one JSON line per training iteration: its exact lm loss (Megatron's reduced loss of "
                         "the iteration, repr of the float), the value Megatron's log line prints where it prints one, "
                         "and the CUDA peak bytes so far")
-    add_compute_flags(parser)  # the FP8 / Smooth-SwiGLU flags as scripts/pretrain_llama.py has them
     return parser
 
 
-AGOQ_SWITCHES = ("agoq_grads", "agoq_grads_mode", "agoq_grads_error_feedback", "agoq_grad_transport", "agoq_policy",
-                 "agoq_moments", "agoq_master", "agoq_unfused", "agoq_small_numel", "agoq_gradient_release",
-                 "agoq_sgd_momentum", "agoq_sgd_nesterov", "agoq_lion_beta1", "agoq_lion_beta2", "agoq_fp8",
-                 "agoq_smooth_swiglu", "agoq_fp8_bf16_first_layers", "agoq_fp8_bf16_last_layers",
-                 "agoq_fp8_amax_history_len")
-"""Flags that set an agoq feature (all but --agoq-disable and --agoq-attention): refused with --agoq-disable."""
+AGOQ_SWITCHES = tuple(f.dest for f in AGOQ_FLAGS if f.door and f.flag != "--agoq-disable")
+"""Flags that set an agoq feature (all config flags but --agoq-disable): refused with --agoq-disable."""
+
+
+def apply_agoq_preset(args: argparse.Namespace) -> None:
+    """``--agoq-preset NAME_OR_FILE``: the preset's ``--agoq-*`` values into ``args`` where the flag was not given
+    (explicit flags win); a key the door does not take is an error naming the file, the key and the allowed keys.
+    Megatron's parser has no --config, so the door expands the preset itself, on every parse it checks."""
+    if not getattr(args, "agoq_preset", None):
+        return
+    try:
+        values = load_preset(args.agoq_preset, door=True)
+    except ValueError as error:
+        raise RefusedFlags(str(error)) from error
+    for dest, value in values.items():
+        if getattr(args, dest, None) in (None, False):
+            setattr(args, dest, value)
 
 
 def _flag(dest: str) -> str:
@@ -134,11 +109,10 @@ def check_megatron_args(args: argparse.Namespace) -> None:
     switches given beside it are refused (the plain Megatron run takes any of Megatron's flags, Transformer Engine
     included). With agoq on, ``--transformer-impl local`` gives agoq's layers and ``transformer_engine`` (Megatron-LM's
     default) TE's layers with agoq's saved-activation scopes, gradients and optimizer (agoq.megatron.te)."""
+    apply_agoq_preset(args)
     refuse_agoq_trainer_checkpoint(getattr(args, "load", None))
     if args.agoq_disable:
         extra = [_flag(d) for d in AGOQ_SWITCHES if _given(args, d)]
-        if args.agoq_optimizer != "torch":
-            extra.append("--agoq-optimizer")
         if extra:
             raise RefusedFlags(f"--agoq-disable runs the plain Megatron baseline; drop {', '.join(extra)}")
         return
@@ -269,7 +243,7 @@ def take_over_recipe_flags(args: argparse.Namespace, config: AgoqConfig | None =
 
 
 def _check_optimizer_flags(args: argparse.Namespace) -> None:
-    if args.agoq_optimizer == "torch":
+    if args.agoq_optimizer in (None, "torch"):
         for dest in ("agoq_moments", "agoq_master", "agoq_small_numel", "agoq_unfused"):
             if _given(args, dest):
                 raise RefusedFlags(f"{_flag(dest)} sets agoq's optimizer, but --agoq-optimizer is torch (Megatron's "
@@ -289,7 +263,8 @@ def _check_optimizer_flags(args: argparse.Namespace) -> None:
 
 
 def agoq_config_from_megatron_args(args: argparse.Namespace) -> AgoqConfig:
-    """The run's ``AgoqConfig`` from Megatron's parsed and validated args (``args`` is not changed).
+    """The run's ``AgoqConfig`` from Megatron's parsed and validated args (``args`` is changed only by expanding
+    ``--agoq-preset``: :func:`apply_agoq_preset`).
 
     The policy file is loaded once (``--agoq-policy``, default configs/policy/agoq.yaml); the flags of
     :func:`add_agoq_args` and Megatron's ``--recompute-granularity`` / ``--recompute-num-layers`` /
