@@ -142,7 +142,8 @@ def test_checkpoint_keys_equal_megatron_local_spec(mcore_world1):
                         vocab_size=shape.vocab_size, max_sequence_length=shape.seq_length,
                         position_embedding_type="rope")
     expected = keys(megatron)
-    assert expected["decoder.layers.0.input_layernorm.weight"][0] == "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    norm_key = expected["decoder.layers.0.input_layernorm.weight"][0]
+    assert norm_key == "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
     for spec in (agoq_layer_spec("sdpa"),
                  agoq_layer_spec("sdpa", policy=POLICIES / "agoq.yaml", schedule=ScheduleInfo(1, None, 1))):
         (model,) = build_model_chunks(shape, config, spec, None)
