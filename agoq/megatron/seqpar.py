@@ -10,16 +10,19 @@ quantized as they are: 1/tp of the bytes per rank (agoq.plan.storage.LayerDims.n
 
 Seam card
 ---------
-Touches: ``TransformerBlockSubmodules(layer_specs, layer_norm)`` and ``get_num_layers_to_build`` (GPTModel's
-  ``transformer_layer_spec`` may be a block's submodules; Megatron's own ``_get_block_submodules`` builds the same
-  from a layer spec, with its ``LayerNormImpl`` as the final norm).
+Touches: ``TransformerBlockSubmodules(layer_specs, layer_norm)``, ``transformer_block.LayerNormImpl`` and
+  ``get_num_layers_to_build`` (GPTModel's ``transformer_layer_spec`` may be a block's submodules; Megatron's own
+  ``_get_block_submodules`` builds the same from a layer spec, with its ``LayerNormImpl`` as the final norm).
+  ``block_spec`` is also where agoq's layer spec becomes one spec per layer with the layer's resolved row
+  (agoq.megatron.layer_plan), with or without sequence parallelism.
 Why: without Transformer Engine or apex Megatron's final norm is ``WrappedTorchNorm``, which megatron-core 0.19.2
   refuses under sequence parallelism (an assert); agoq's ``AgoqRMSNorm`` (``torch.nn.RMSNorm``, same parameter name
   ``weight``, its weight marked ``sequence_parallel``) takes its place there, as it does for the layers' pre-norms.
 Verified on: megatron-core 0.19.2.
-When disabled: ``sequence_parallel=False`` leaves the layer spec as given (Megatron builds its final norm).
+When disabled: ``sequence_parallel=False`` keeps Megatron's final norm (``LayerNormImpl``); a spec without agoq's
+  layer goes to Megatron as given.
 Guarded by: ``tests/megatron/test_sequence_parallel.py`` (TP=2 with sequence parallelism trains as TP=2 without and
-  as TP=1; saved bytes per rank), ``tests/megatron/test_contract.py``.
+  as TP=1; saved bytes per rank), ``tests/megatron/test_specs.py``, ``tests/megatron/test_contract.py``.
 """
 
 from __future__ import annotations
