@@ -152,7 +152,7 @@ FP8_FLAGS = {"recipe": "--agoq-fp8", "smooth_swiglu": "--agoq-smooth-swiglu",
 
 def fp8_spec_of(argv: list[str], policy_path) -> FP8Spec:
     """agoq.megatron.compute.compute_spec of a command line: flags over the policy's fp8 section over the
-    defaults; FP8 off with --agoq-disable (pretrain_llama.py builds no LayerCompute)."""
+    defaults; FP8 off with --agoq-disable (pretrain_llama.py passes no FP8 settings to the layer spec)."""
     if "--agoq-disable" in argv:
         return FP8Spec()
     base = load_policy(_policy_path(policy_path)).fp8 or FP8Spec()

@@ -45,13 +45,14 @@ from agoq.megatron.activations import storage_of, storage_table  # noqa: E402
 from agoq.megatron.checkpoint import CheckpointSaveError  # noqa: E402
 from agoq.megatron.compute import check_compute, compute_report  # noqa: E402
 from agoq.megatron.ddp import wrap_ddp_agoq  # noqa: E402
+from agoq.megatron.layer_plan import plan_of  # noqa: E402
 from agoq.megatron.optimizer import shard_alignment_for  # noqa: E402
 from agoq.megatron.release import TrainingStopped, wrap_release  # noqa: E402
 from agoq.megatron.train import data as mdata  # noqa: E402
 from agoq.megatron.train.pretrain import ddp_config, pretrain, print_rank0  # noqa: E402
 from agoq.megatron.train.training import configure_grad_hooks  # noqa: E402
 from agoq.ops.saved_act import SavePaths  # noqa: E402
-from agoq.policy import ScheduleInfo, format_table, model_sites, policy_table  # noqa: E402
+from agoq.policy import ScheduleInfo  # noqa: E402
 
 
 def model_provider(args, layout, tokenizer, info, num_microbatches):
@@ -154,15 +155,14 @@ def train_valid_test_datasets_provider(args):
     return tokenizer, factory
 
 
-def policy_report(args, shape, layout, num_microbatches) -> str:
+def policy_report(args, shape, layout, spec) -> str:
     """The policy file's resolved per-layer, per-role table for every stage (rank 0 prints; the file's own
-    text and comments are in the file)."""
+    text and comments are in the file), from the model's plan the layer spec carries (agoq.megatron.layer_plan: the
+    object whose rows the layers were built with)."""
     agoq = args.agoq_config
     if not agoq.enabled:
         return "agoq: disabled (--agoq-disable): plain Megatron baseline"
-    path, spec = policy_path(args), agoq.policy.spec
-    schedule = ScheduleInfo(pp_size=layout.pp, vp_size=layout.vpp, num_microbatches=num_microbatches)
-    table = format_table(policy_table(spec, model_sites(shape.num_layers, schedule), schedule))
+    path, table = policy_path(args), plan_of(spec).table(shape.num_layers)
     return (
         f"agoq policy {path}, resolved per layer and role (all stages):\n{table}\n"
         f"gradients: {_gradients_line(agoq)}"

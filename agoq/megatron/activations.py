@@ -1,16 +1,13 @@
-"""Apply an activation policy to agoq's layers at model build, and account for saved bytes.
+"""What agoq's layers store for backward, and how the saved bytes are accounted.
 
-``ActivationStorage`` travels in the layer spec (``agoq_layer_spec(..., policy=, schedule=, save_paths=)``,
-``params["agoq_storage"]``): a resolver shared by every layer. Each ``AgoqTransformerLayer``
-(agoq.megatron.transformer_layer) calls ``resolve(position)`` in its ``__init__``, before Megatron builds
-its submodules: the layer's position (global layer index, pipeline rank, virtual stage) resolves the
-policy per role, and the storage rule of ``agoq.plan.storage`` turns that into what each module stores.
-The layer then passes each module its format, counter key, counter, host paths and recompute role as
-constructor arguments (``ModuleSpec.params``), and the recompute hand-offs (norm -> QKV / fc1, SwiGLU ->
-fc2) as ``Handoff`` objects owned by the layer and the MLP.
+The policy is resolved per layer before Megatron builds the model (``agoq.megatron.layer_plan.ModelPlan``, carried by
+``agoq_layer_spec(..., policy=, schedule=, save_paths=)`` as ``params["agoq_plan"]``): each layer's spec carries
+what each of its modules stores (the storage rule of ``agoq.plan.storage``), and the layer passes each module its
+format, counter key, counter, host paths and recompute role as constructor arguments (``ModuleSpec.params``), and
+the recompute hand-offs (norm -> QKV / fc1, SwiGLU -> fc2) as ``Handoff`` objects owned by the layer and the MLP.
 
 Accounting, two views:
-- ``ActivationStorage.counter`` (``SavedBytesCounter``): exact bytes agoq packs, per (layer, role);
+- ``ModelPlan.counter`` (``SavedBytesCounter``): exact bytes agoq packs, per (layer, role);
   equal to ``agoq.plan.storage.agoq_bytes`` (the planner's formula).
 - ``SavedTensorMeter``: every tensor saved for backward inside the metered region that agoq did not
   replace (Megatron's saves: attention internals, bf16 roles), de-duplicated by storage, parameters
@@ -18,11 +15,9 @@ Accounting, two views:
 
 Seam card
 ---------
-Touches: the local GPT layer spec (``TransformerLayerSubmodules``, ``SelfAttentionSubmodules``,
-  ``MLPSubmodules``, ``spec.module``, ``spec.params``: substitution in ``with_agoq_modules``);
-  ``TransformerLayer`` submodule attribute names (``input_layernorm``, ``pre_mlp_layernorm``,
+Touches: ``TransformerLayer`` submodule attribute names (``input_layernorm``, ``pre_mlp_layernorm``,
   ``self_attention.linear_qkv/linear_proj``, ``mlp.linear_fc1/linear_fc2``: read by ``agoq_modules``).
-Why: the policy is per (layer, role); the layer is the first place that knows its global index.
+Why: the policy is per (layer, role); the built layers are where the bytes are saved.
 Verified on: megatron-core 0.19.2.
 Guarded by: ``tests/megatron/test_activations.py``, ``tests/megatron/test_activations_pp.py``.
 """
@@ -30,49 +25,15 @@ Guarded by: ``tests/megatron/test_activations.py``, ``tests/megatron/test_activa
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 
 import torch
 
+from agoq.megatron.layer_plan import ModelPlan, plan_of
 from agoq.megatron.layers import AgoqRMSNorm, _AgoqLinearMixin
 from agoq.megatron.mlp import AgoqMLP
-from agoq.megatron.sites import LayerPosition
-from agoq.ops.saved_act import SavedBytesCounter, SavePaths
-from agoq.plan.storage import LayerStorage, layer_storage
-from agoq.policy import LAYER_ROLES, PolicySpec, ScheduleInfo
+from agoq.policy import LAYER_ROLES, PolicySpec
 
-__all__ = ["ActivationStorage", "SavedTensorMeter", "storage_table", "agoq_modules", "with_agoq_modules"]
-
-
-@dataclass(frozen=True, eq=False)
-class ActivationStorage:
-    """The resolver the layer spec carries (``params["agoq_storage"]``, shared by every layer): the policy,
-    the schedule it is resolved under, the model's byte counter and host paths. Each
-    ``AgoqTransformerLayer`` calls ``resolve`` in its ``__init__`` with its own position and passes the
-    result to its modules' constructors; ``layers`` records what each built layer stores."""
-
-    policy: PolicySpec
-    schedule: ScheduleInfo | None
-    counter: SavedBytesCounter = field(default_factory=SavedBytesCounter)
-    layers: dict[int, LayerStorage] = field(default_factory=dict)  # filled as layers are built
-    paths: SavePaths = field(default_factory=SavePaths)  # host paths of the saved-activation code
-
-    def __deepcopy__(self, memo):  # one storage object per model, even if the spec is deep-copied
-        return self
-
-    def resolve(self, position: LayerPosition) -> LayerStorage:
-        """What the layer at ``position`` stores per role (the storage rule of ``agoq.plan.storage``)."""
-        if self.schedule is not None and (self.schedule.pp_size, self.schedule.vp_size) != (
-            position.pp_size, position.vp_size,
-        ):
-            raise ValueError(
-                f"agoq_layer_spec got schedule pp_size={self.schedule.pp_size}, vp_size={self.schedule.vp_size} "
-                f"but the model runs pp_size={position.pp_size}, vp_size={position.vp_size}; build the "
-                "ScheduleInfo from the same layout"
-            )
-        storage = layer_storage(self.policy, position.site, self.schedule)
-        self.layers[storage.layer_idx] = storage
-        return storage
+__all__ = ["SavedTensorMeter", "agoq_modules", "policy_of", "storage_of", "storage_table"]
 
 
 def agoq_modules(layer) -> dict[str, torch.nn.Module]:
@@ -94,7 +55,7 @@ def agoq_modules(layer) -> dict[str, torch.nn.Module]:
     return mods
 
 
-def storage_table(storage: ActivationStorage) -> str:
+def storage_table(storage: ModelPlan) -> str:
     """Fixed-width table of what this rank's layers store, one line per run of identical layers."""
     roles = list(LAYER_ROLES)
     rows = []
@@ -164,50 +125,11 @@ class SavedTensorMeter:
         return False
 
 
-def with_agoq_modules(spec):
-    """Substitute agoq's modules into a local GPT layer spec (same parameter names; without a resolver in
-    ``spec.params`` they run Megatron's code)."""
-    from functools import partial
-
-    from megatron.core.transformer.mlp import MLPSubmodules
-
-    from agoq.megatron.layers import AgoqColumnParallelLinear, AgoqRowParallelLinear
-    from agoq.megatron.transformer_layer import AgoqTransformerLayer
-
-    if spec.module is AgoqTransformerLayer:
-        return spec  # already substituted
-    sub = spec.submodules
-    sub.input_layernorm = AgoqRMSNorm
-    sub.pre_mlp_layernorm = AgoqRMSNorm
-    attn = sub.self_attention.submodules
-    attn.linear_qkv, attn.linear_proj = AgoqColumnParallelLinear, AgoqRowParallelLinear
-    old_mlp = sub.mlp.keywords["submodules"]
-    sub.mlp = partial(AgoqMLP.as_mlp_submodule, submodules=MLPSubmodules(
-        linear_fc1=AgoqColumnParallelLinear, linear_fc2=AgoqRowParallelLinear,
-        activation_func=old_mlp.activation_func))
-    spec.module = AgoqTransformerLayer
-    return spec
-
-
-def with_activation_storage(spec, policy, schedule: ScheduleInfo | None, paths: SavePaths | None = None):
-    """Substitute agoq's modules into a local GPT layer spec and put an ActivationStorage in its ``params``
-    (``paths``: the host paths of the saved-activation code, default :class:`agoq.ops.saved_act.SavePaths`)."""
-    from pathlib import Path
-
-    from agoq.policy import load_policy
-
-    if isinstance(policy, (str, Path)):
-        policy = load_policy(policy)
-    if not isinstance(policy, PolicySpec):
-        raise ValueError(f"policy must be an agoq.policy.PolicySpec or a YAML path, got {type(policy).__name__}")
-    spec = with_agoq_modules(spec)
-    spec.params = {**spec.params, "agoq_storage": ActivationStorage(policy, schedule, paths=paths or SavePaths())}
-    return spec
-
-
-def storage_of(spec) -> ActivationStorage | None:
-    """The ActivationStorage a spec from ``agoq_layer_spec(..., policy=...)`` carries (None without)."""
-    return spec.params.get("agoq_storage")
+def storage_of(spec) -> ModelPlan | None:
+    """The model's plan (byte counter ``counter``, this rank's resolved ``layers``, ``policy``) a spec from
+    ``agoq_layer_spec(..., policy=...)`` carries (None without a policy)."""
+    plan = plan_of(spec)
+    return None if plan is None or plan.policy is None else plan
 
 
 def policy_of(spec) -> PolicySpec | None:

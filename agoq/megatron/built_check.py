@@ -124,7 +124,7 @@ def _layer_problems(config: AgoqConfig, expect: Expectation, chunks: list) -> li
 
     from agoq.megatron.activations import agoq_modules
     from agoq.megatron.attention import SDPACoreAttention
-    from agoq.megatron.compute import LayerCompute
+    from agoq.megatron.compute import layer_compute
     from agoq.megatron.sites import position_of
     from agoq.megatron.transformer_layer import AgoqTransformerLayer
     from agoq.plan.storage import RECOMPUTED, layer_storage
@@ -133,7 +133,6 @@ def _layer_problems(config: AgoqConfig, expect: Expectation, chunks: list) -> li
     problems: list[str] = []
     wrong_attention: dict[str, list[int]] = {}
     wanted_attention = SDPACoreAttention if expect.attention == "sdpa" else DotProductAttention
-    compute = LayerCompute(config.fp8) if config.fp8.fp8_enabled else None
     layers_seen = 0
     for chunk in chunks:
         model = _unwrap(chunk)
@@ -163,8 +162,8 @@ def _layer_problems(config: AgoqConfig, expect: Expectation, chunks: list) -> li
                                 f"its site (pipeline rank {position.pp_rank}, virtual stage {position.vp_stage})")
                 continue
             problems += _module_problems(number, modules, wanted, RECOMPUTED)
-            if compute is not None:
-                fp8 = compute.resolve(position, layer.config.num_layers)["fp8"]
+            if config.fp8.fp8_enabled:
+                fp8 = layer_compute(config.fp8, position.layer_idx, layer.config.num_layers)["fp8"]
                 linears = [modules[n] for n in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")]
                 if any((getattr(m, "agoq_fp8", None) is None) != (fp8 is None) for m in linears):
                     problems.append(f"layer {number}: its linears' FP8 recipes are not the --agoq-fp8 rule's "

@@ -60,6 +60,9 @@ CONTRACT: tuple[Symbol, ...] = (
     Symbol("megatron.core.parallel_state:is_pipeline_last_stage", "per-chunk post_process",
            params=("ignore_virtual", "vp_stage")),
     Symbol("megatron.core.parallel_state:get_pipeline_model_parallel_rank", "stage of this rank"),
+    Symbol("megatron.core.parallel_state:get_pipeline_model_parallel_group",
+           "the pipeline group a chunk's layer rows are resolved on (agoq.megatron.seqpar.block_spec; the layers' "
+           "default pg_collection.pp)"),
     Symbol("megatron.core.parallel_state:get_data_parallel_rank", "data sharding",
            params=("with_context_parallel",)),
     Symbol("megatron.core.parallel_state:get_data_parallel_group", "loss averaging",
@@ -94,8 +97,24 @@ CONTRACT: tuple[Symbol, ...] = (
     Symbol("megatron.core.models.common.embeddings.rope_utils:apply_rotary_pos_emb",
            "RoPE dispatch: the fused slot under apply_rope_fusion, mscale 1, no cu_seqlens",
            params=("t", "freqs", "config", "cu_seqlens", "mscale")),
-    Symbol("megatron.core.models.gpt.gpt_layer_specs:get_gpt_layer_local_spec",
-           "base layer spec agoq substitutes into", params=("normalization",)),
+    # the one seam to Megatron's modules (agoq/megatron/specs.py): agoq's provider builds the local layer's slots
+    Symbol("megatron.core.models.backends:LocalSpecProvider",
+           "AgoqSpecProvider subclasses it (a BackendSpecProvider): the one place naming agoq's module classes",
+           attrs=("column_parallel_linear", "row_parallel_linear", "fuse_layernorm_and_linear",
+                  "column_parallel_layer_norm_linear", "layer_norm", "core_attention", "grouped_mlp_modules",
+                  "activation_func")),
+    Symbol("megatron.core.models.backends:BackendSpecProvider", "the provider protocol AgoqSpecProvider implements",
+           attrs=("column_parallel_linear", "row_parallel_linear", "fuse_layernorm_and_linear",
+                  "column_parallel_layer_norm_linear", "layer_norm", "core_attention")),
+    Symbol("megatron.core.models.gpt.gpt_layer_specs:get_gpt_layer_local_submodules",
+           "the local layer whose slots, bda functions and key map agoq's specs.layer_submodules mirrors "
+           "(tests/megatron/test_specs.py compares them)", params=("normalization",)),
+    Symbol("megatron.core.transformer.attention:SelfAttention", "the self-attention module of agoq's layer spec",
+           params=("config", "submodules", "layer_number", "attn_mask_type")),
+    Symbol("megatron.core.fusions.fused_bias_dropout:get_bias_dropout_add", "self_attn_bda / mlp_bda of the spec"),
+    Symbol("megatron.core.transformer.enums:AttnMaskType", "causal mask of the spec's self-attention",
+           attrs=("causal",)),
+    Symbol("megatron.core.transformer.identity_op:IdentityOp", "q_layernorm / k_layernorm (no QK norm)"),
     Symbol("megatron.core.transformer.attention:SelfAttentionSubmodules",
            "spec substitution of core attention", fields=("linear_qkv", "core_attention", "linear_proj")),
     Symbol("megatron.core.transformer.dot_product_attention:DotProductAttention",
@@ -185,8 +204,8 @@ CONTRACT: tuple[Symbol, ...] = (
            params=("config", "submodules", "layer_number", "pg_collection", "vp_stage", "is_mtp_layer",
                    "add_layer_offset")),
     Symbol("megatron.core.transformer.transformer_layer:get_transformer_layer_offset",
-           "AgoqTransformerLayer computes its global layer_number before building its submodules (checked equal "
-           "to TransformerLayer.layer_number after)", params=("config", "vp_stage", "pp_rank")),
+           "ModelPlan.stage: the chunk's first global layer, once per chunk, before the build (each layer checks "
+           "TransformerLayer.layer_number against its row after)", params=("config", "vp_stage", "pp_rank")),
     Symbol("megatron.core.process_groups_config:ProcessGroupCollection.use_mpu_process_groups",
            "AgoqTransformerLayer's pg_collection default, as TransformerLayer's"),
     Symbol("megatron.core.transformer.spec_utils:ModuleSpec",
@@ -261,11 +280,21 @@ CONTRACT: tuple[Symbol, ...] = (
            "synchronous all-reduce, no weight or bias gradient)", attrs=("forward", "backward")),
     # sequence parallelism on agoq's spec (agoq/megatron/seqpar.py, its seam card)
     Symbol("megatron.core.transformer.transformer_block:TransformerBlockSubmodules",
-           "under sequence parallelism GPTModel gets the block's submodules with agoq's RMSNorm as the final norm "
-           "(Megatron's WrappedTorchNorm refuses sequence parallelism)", fields=("layer_specs", "layer_norm")),
+           "GPTModel gets the block's submodules, one layer spec per layer with its resolved row (agoq.megatron."
+           "layer_plan); under sequence parallelism agoq's RMSNorm is the final norm (Megatron's WrappedTorchNorm "
+           "refuses sequence parallelism)", fields=("layer_specs", "layer_norm")),
+    Symbol("megatron.core.transformer.transformer_block:LayerNormImpl",
+           "the final norm of the block's submodules without sequence parallelism (Megatron's _get_block_submodules "
+           "picks it for a layer spec)"),
     Symbol("megatron.core.transformer.transformer_block:get_num_layers_to_build",
-           "the layer count of that block's submodules (as Megatron's _get_block_submodules counts it)",
+           "the layer count of a chunk's block submodules (as Megatron's _get_block_submodules counts it)",
            params=("config", "vp_stage", "pp_rank")),
+    Symbol("megatron.core.transformer.transformer_layer:TransformerLayerSubmodules",
+           "checkpoint keys: the norms saved under TE's fused norm + linear names, as Megatron's local spec does",
+           fields=("sharded_state_dict_keys_map", "self_attn_bda", "mlp_bda")),
+    Symbol("megatron.core.transformer.transformer_layer:TransformerLayer.sharded_state_dict",
+           "applies the spec's sharded_state_dict_keys_map (apply_prefix_mapping) to the layer's checkpoint keys",
+           params=("prefix", "sharded_offsets", "metadata")),
     Symbol("megatron.core.distributed.finalize_model_grads:_allreduce_non_tensor_model_parallel_grads",
            "all-reduces over TP the gradients of parameters with sequence_parallel=True under sequence parallelism "
            "(AgoqRMSNorm marks its weight so)", params=("model", "config")),

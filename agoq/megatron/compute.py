@@ -3,17 +3,17 @@
 ``--agoq-fp8 {off,current,delayed,rowwise,te}`` and ``--agoq-smooth-swiglu {off,per-channel,per-token}``
 (plus ``--agoq-fp8-bf16-first-layers`` / ``-last-layers`` / ``--agoq-fp8-amax-history-len``; the trainer's
 flags, agoq.megatron.train.args) override the policy file's ``fp8:`` section (``agoq.policy.FP8Spec``); neither given
-means off. The run's resolved spec is ``AgoqConfig.fp8`` (agoq.config builds it once from both). ``LayerCompute``
-travels in the layer spec (``agoq_layer_spec(..., compute=)``): a resolver each ``AgoqTransformerLayer``
-queries in its ``__init__``; the layer passes the result to its modules' constructors: its four linears
-get an ``FP8Recipe`` (or stay bf16: the first/last layers by rule; the LM head always), its MLP the
-Smooth-SwiGLU mode.
+means off. The run's resolved spec is ``AgoqConfig.fp8`` (agoq.config builds it once from both). The model's
+layers are resolved once, before Megatron builds them (``agoq.megatron.layer_plan.ModelPlan``), with
+:func:`layer_compute`: each layer's spec carries its four linears' ``FP8Recipe`` (or none: the first/last layers stay
+bf16 by rule; the LM head always) and its MLP's Smooth-SwiGLU mode, which the layer passes to its modules'
+constructors.
 
 Seam card
 ---------
 Touches: the agoq modules of ``agoq.megatron.layers`` (spec substitution; constructor arguments
   ``agoq_fp8`` / ``agoq_smooth`` through agoq.megatron.transformer_layer), ``TransformerConfig.num_layers``.
-Why: the layer is the first place that knows its global index (first/last layers stay bf16).
+Why: the FP8 rule is per global layer index (first/last layers stay bf16).
 Verified on: megatron-core 0.19.2.
 When disabled: ``--agoq-fp8 off`` and ``--agoq-smooth-swiglu off``: no module is touched.
 Guarded by: ``tests/megatron/test_fp8_smooth.py``, ``tests/gpu/test_fp8_megatron_gpu.py``.
@@ -21,15 +21,13 @@ Guarded by: ``tests/megatron/test_fp8_smooth.py``, ``tests/gpu/test_fp8_megatron
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from agoq.ops.fp8_linear import GEMM_DIM_MULTIPLE, MIN_FP8_CAPABILITY
 from agoq.ops.fp8_scaling import FP8Recipe
 from agoq.policy import FP8Spec
 
-__all__ = ["LayerCompute", "check_compute", "compute_report", "fc2_input_amax", "fp8_recipe"]
+__all__ = ["check_compute", "compute_report", "fc2_input_amax", "fp8_recipe", "layer_compute"]
 
 _SMOOTH_OPS_MODE = {"per-channel": "per_channel", "per-token": "per_token"}
 
@@ -72,26 +70,13 @@ def check_compute(spec: FP8Spec, device: torch.device, *, num_layers: int, hidde
         raise ValueError(f"{flag}: torch._scaled_mm needs multiples of {GEMM_DIM_MULTIPLE}, got {bad}")
 
 
-@dataclass(frozen=True, eq=False)
-class LayerCompute:
-    """The resolver the layer spec carries (``params["agoq_compute"]``, shared by every layer): the run's
-    FP8Spec. Each ``AgoqTransformerLayer`` calls ``resolve`` in its ``__init__`` and passes the result to its
-    linears and MLP as constructor arguments. ``layers`` records, per global layer index, whether it runs
-    FP8 (for the report and tests)."""
-
-    spec: FP8Spec
-    layers: dict[int, bool] = field(default_factory=dict)  # filled as layers are built
-
-    def __deepcopy__(self, memo):  # one object per model, even if the spec is deep-copied
-        return self
-
-    def resolve(self, position, num_layers: int) -> dict:
-        """``{"fp8": FP8Recipe | None, "smooth": str | None}`` for the layer at ``position``
-        (an ``agoq.megatron.sites.LayerPosition``) of a model of ``num_layers`` (``TransformerConfig``): its
-        four linears' recipe (the first / last layers stay bf16 by rule) and its MLP's Smooth-SwiGLU mode."""
-        fp8 = self.spec.uses_fp8(position.layer_idx, num_layers)
-        self.layers[position.layer_idx] = fp8
-        return {"fp8": fp8_recipe(self.spec) if fp8 else None, "smooth": _SMOOTH_OPS_MODE.get(self.spec.smooth_swiglu)}
+def layer_compute(spec: FP8Spec, layer_idx: int, num_layers: int) -> dict:
+    """``{"fp8": FP8Recipe | None, "smooth": str | None}`` for global layer ``layer_idx`` of a model of ``num_layers``:
+    its four linears' recipe (the first / last layers stay bf16 by rule) and its MLP's Smooth-SwiGLU mode. Applied
+    once per layer when the model's layers are resolved (agoq.megatron.layer_plan.ModelPlan), and by the built-model
+    check (agoq.megatron.built_check)."""
+    fp8 = spec.uses_fp8(layer_idx, num_layers)
+    return {"fp8": fp8_recipe(spec) if fp8 else None, "smooth": _SMOOTH_OPS_MODE.get(spec.smooth_swiglu)}
 
 
 def compute_report(spec: FP8Spec, num_layers: int, *, plain_swiglu_fusion: bool = True) -> str:

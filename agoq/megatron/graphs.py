@@ -159,7 +159,7 @@ def check_cuda_graphs(config, features: Iterable[str]) -> None:
 
 
 def layer_features(options) -> list[str]:
-    """The FEATURES keys an agoq layer uses (``options``: its ``agoq.megatron.transformer_layer.LayerOptions``)."""
+    """The FEATURES keys an agoq layer uses (``options``: its ``agoq.megatron.layer_plan.LayerOptions``)."""
     from agoq.plan.storage import QUANTIZED
 
     out = []

@@ -46,10 +46,11 @@ Verified on: megatron-core 0.19.2.
   inside ``_forward_impl`` and the activation inside ``MLP.forward``.
 Wiring: every option reaches a module through its constructor (``agoq_save``: a
   :class:`SavedInputConfig`; ``agoq_fp8``; ``agoq_smooth``; ``agoq_handoff``), as ``ModuleSpec.params``
-  that ``agoq.megatron.transformer_layer.AgoqTransformerLayer`` resolves for its own layer index and
-  stage before Megatron builds its submodules. The recompute hand-offs (pre-norm -> QKV / fc1, SwiGLU ->
-  fc2) are :class:`Handoff` slots owned by the layer (norms -> QKV / fc1) and by the MLP (SwiGLU -> fc2),
-  given to producer and consumer at construction; nothing is written onto a built module or a sibling.
+  that ``agoq.megatron.transformer_layer.AgoqTransformerLayer`` builds from its own resolved row (its layer spec's
+  ``agoq_layer``, agoq.megatron.layer_plan) before Megatron builds its submodules. The recompute
+  hand-offs (pre-norm -> QKV / fc1, SwiGLU -> fc2) are :class:`Handoff` slots owned by the layer (norms -> QKV /
+  fc1) and by the MLP (SwiGLU -> fc2), given to producer and consumer at construction; nothing is written onto
+  a built module or a sibling.
 When disabled: a module built with the default ``SavedInputConfig()`` (every bf16 role), no FP8 recipe
   and no Smooth-SwiGLU mode calls Megatron's code unchanged, so the bf16 policy is bit-identical to the
   plain local spec.

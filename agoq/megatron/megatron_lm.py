@@ -167,8 +167,9 @@ class GPTModelOptions:
 
 def agoq_gpt_layer_spec(config: AgoqConfig, options: GPTModelOptions, transformer_config, *,
                         num_microbatches: int = 1):
-    """agoq's layer spec for Megatron's ``GPTModel`` (Megatron's local spec with agoq's modules, the policy's resolver
-    and the FP8 settings; Megatron's local spec with agoq's SDPA attention when agoq is disabled), after the checks
+    """agoq's layer spec for Megatron's ``GPTModel`` (Megatron's local spec with agoq's modules and the model's plan:
+    policy and FP8 settings, resolved per layer before the build, agoq.megatron.layer_plan; Megatron's local spec
+    with agoq's SDPA attention when agoq is disabled), after the checks
     ``scripts/pretrain_llama.py`` makes before training (policy rules that decide no site or cannot take effect; FP8
     dimensions). ``transformer_config``: Megatron's (agoq changes none of its fields); ``num_microbatches`` feeds a
     policy's ``auto`` bits."""

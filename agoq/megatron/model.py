@@ -2,9 +2,9 @@
 
 Seam card
 ---------
-Touches: ``TransformerConfig``, ``get_gpt_layer_local_spec``, ``SelfAttentionSubmodules.core_attention``
-  (spec substitution; agoq's layer, norm, linear and MLP modules for activation storage and FP8 /
-  Smooth-SwiGLU; ``ModuleSpec.params`` carries the per-run resolvers to agoq's layer constructor),
+Touches: ``TransformerConfig``, the layer spec built from agoq's ``BackendSpecProvider`` (agoq.megatron.specs;
+  agoq's layer, norm, linear and MLP modules for activation storage and FP8 / Smooth-SwiGLU; ``ModuleSpec.params``
+  carries the model's plan, resolved into one spec per layer before the build: agoq.megatron.layer_plan),
   ``GPTModel``, ``DistributedDataParallel`` (public constructors only).
 Why: building the model through the spec is the first-choice seam; agoq never patches model code.
 Verified on: megatron-core 0.19.2.
@@ -14,7 +14,6 @@ Guarded by: ``tests/megatron/test_layouts.py`` (every TP/PP/VPP/DP layout trains
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -22,14 +21,9 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
-
-from agoq.megatron.attention import SDPACoreAttention
-
-ATTENTION_BACKENDS = ("sdpa", "megatron")
 
 
 @dataclass(frozen=True)
@@ -211,40 +205,42 @@ def pipeline_p2p_options(layout: ParallelLayout) -> dict[str, bool]:
 
 
 def agoq_layer_spec(attention_backend: str, policy=None, schedule=None, compute=None, save_paths=None) -> ModuleSpec:
-    """The local GPT layer spec with agoq's substitutions.
+    """agoq's layer spec: the local GPT layer built from agoq's spec provider (agoq.megatron.specs).
 
     ``attention_backend``: "sdpa" (agoq's SDPACoreAttention) or "megatron" (DotProductAttention).
     ``policy``: an activation policy (``agoq.policy.PolicySpec`` or a YAML path) or None (no agoq
     activation storage: Megatron's modules). With a policy, the layer, norms, linears and MLP are
-    agoq's subclasses (same parameter names, checkpoints unchanged) and the spec's ``params`` carry a
-    resolver (``agoq_storage``: policy, schedule, byte counter, save paths) shared by every layer: each
-    layer resolves the policy for its global index and pipeline stage in its ``__init__`` and passes its
-    modules their formats, counter and recompute hand-offs as constructor arguments
-    (``agoq.megatron.transformer_layer``); ``schedule`` (``agoq.policy.ScheduleInfo``) is required when the
-    policy uses ``auto``. The storage object (byte counter, what each layer stores) is
-    ``agoq.megatron.activations.storage_of(spec)``.
-    ``compute``: an ``agoq.policy.FP8Spec`` (FP8 linears, Smooth-SwiGLU; see
-    ``agoq.megatron.compute``: the ``agoq_compute`` resolver) or None; with it the layers are agoq's
-    modules too, policy or not.
+    agoq's subclasses (same parameter names, checkpoints unchanged) and the spec's ``params`` carry the model's
+    plan (``agoq_plan``: ``agoq.megatron.layer_plan.ModelPlan``: policy, schedule, FP8 settings, byte counter, save
+    paths), which resolves each model chunk's layers once, before Megatron builds them: ``build_model_chunks``
+    hands Megatron one spec per layer with the layer's resolved row (agoq.megatron.seqpar.block_spec).
+    ``schedule`` (``agoq.policy.ScheduleInfo``) is required when the policy uses ``auto``. The plan (byte counter,
+    what each layer stores) is ``agoq.megatron.activations.storage_of(spec)``.
+    ``compute``: an ``agoq.policy.FP8Spec`` (FP8 linears, Smooth-SwiGLU; agoq.megatron.compute) or None; with it the
+    layers are agoq's modules too, policy or not.
     ``save_paths``: an ``agoq.ops.saved_act.SavePaths`` (how the saved-activation code runs on the host;
     the default's fast paths when None); used with a policy, given to every agoq module's constructor.
     """
-    if attention_backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"--attention-backend {attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
-    if attention_backend == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    from agoq.megatron.specs import AgoqSpecProvider, layer_spec
+
     if policy is not None:
-        from agoq.megatron.activations import with_activation_storage
+        from pathlib import Path
 
-        spec = with_activation_storage(spec, policy, schedule, save_paths)
-    if compute is not None and (compute.fp8_enabled or compute.smooth_swiglu != "off"):
-        from agoq.megatron.activations import with_agoq_modules
-        from agoq.megatron.compute import LayerCompute
+        from agoq.policy import PolicySpec, load_policy
 
-        spec = with_agoq_modules(spec)
-        spec.params = {**spec.params, "agoq_compute": LayerCompute(compute)}
-    return spec
+        if isinstance(policy, (str, Path)):
+            policy = load_policy(policy)
+        if not isinstance(policy, PolicySpec):
+            raise ValueError(f"policy must be an agoq.policy.PolicySpec or a YAML path, got {type(policy).__name__}")
+    if compute is not None and not (compute.fp8_enabled or compute.smooth_swiglu != "off"):
+        compute = None
+    if policy is None and compute is None:
+        return layer_spec(AgoqSpecProvider(attention_backend, agoq_modules=False))
+    from agoq.megatron.layer_plan import ModelPlan
+    from agoq.ops.saved_act import SavePaths
+
+    plan = ModelPlan(policy, schedule if policy is not None else None, compute, paths=save_paths or SavePaths())
+    return layer_spec(AgoqSpecProvider(attention_backend), params={"agoq_plan": plan})
 
 
 def build_model_chunks(

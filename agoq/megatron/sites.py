@@ -3,8 +3,9 @@
 Seam card
 ---------
 Touches: the global 1-based layer number (Megatron adds the stage offset of
-  ``get_transformer_layer_offset``; agoq.megatron.transformer_layer computes it in the layer's ``__init__``
-  and checks it against ``TransformerLayer.layer_number``), the layer's ``pg_collection.pp`` (pipeline group),
+  ``get_transformer_layer_offset``; agoq.megatron.layer_plan computes it once per model chunk before the build,
+  and each layer checks its row's against ``TransformerLayer.layer_number``), the layer's ``pg_collection.pp``
+  (pipeline group),
   ``TransformerConfig.virtual_pipeline_model_parallel_size``, ``megatron.core.utils.get_pg_rank/size``.
 Why: the activation policy is resolved per (global layer, pipeline rank, virtual stage, role).
 Verified on: megatron-core 0.19.2 (PP=2 x VPP=2 with 4 layers puts layers {0, 2} on rank 0).

@@ -1,17 +1,16 @@
-"""agoq's transformer layer: resolves the activation policy and the FP8 settings for its own global layer
-index and pipeline stage, and hands them to its modules through their constructors.
+"""agoq's transformer layer: reads its own resolved row (format per role, FP8 recipe, Smooth-SwiGLU mode) from its
+spec and hands it to its modules through their constructors.
 
-``agoq_layer_spec`` (agoq.megatron.model) puts two resolvers in the spec's ``params``, shared by every
-layer built from it: ``agoq_storage`` (``agoq.megatron.activations.ActivationStorage``: policy,
-schedule, byte counter, host paths) and ``agoq_compute`` (``agoq.megatron.compute.LayerCompute``: the
-FP8 spec). Megatron's ``build_module`` passes them to ``AgoqTransformerLayer.__init__``, which, before
-``TransformerLayer.__init__`` builds the submodules, computes the layer's position, asks both resolvers
-for this layer, and builds a per-layer copy of the submodule spec whose agoq entries carry their
-settings as ``ModuleSpec.params`` (``wire_submodules``): ``agoq_save`` (a ``SavedInputConfig``: format,
-counter key, counter, host paths, recomputed), ``agoq_fp8`` (the linears' ``FP8Recipe``),
-``agoq_smooth`` (the MLP's Smooth-SwiGLU mode) and the recompute hand-offs (``Handoff``: the layer owns
-input_layernorm -> linear_qkv and pre_mlp_layernorm -> linear_fc1; the MLP owns SwiGLU -> linear_fc2).
-No attribute is written onto a built module, and no module reaches a sibling.
+The model's policy x layout table is resolved before Megatron builds a layer (``agoq.megatron.layer_plan.ModelPlan``):
+each layer spec carries the layer's row, a ``LayerOptions``, as ``params["agoq_layer"]``, which Megatron's
+``build_module`` passes to ``AgoqTransformerLayer.__init__``. Before ``TransformerLayer.__init__`` builds the
+submodules, the layer builds a per-layer copy of the submodule spec whose agoq entries carry their settings as
+``ModuleSpec.params`` (``wire_submodules``): ``agoq_save`` (a ``SavedInputConfig``: format, counter key, counter,
+host paths, recomputed), ``agoq_fp8`` (the linears' ``FP8Recipe``), ``agoq_smooth`` (the MLP's Smooth-SwiGLU mode) and
+the recompute hand-offs (``Handoff``: the layer owns input_layernorm -> linear_qkv and pre_mlp_layernorm ->
+linear_fc1; the MLP owns SwiGLU -> linear_fc2). No attribute is written onto a built module, and no module reaches a
+sibling. Where Megatron expanded one layer spec itself (Megatron-LM's ``--spec``), the spec carries the model's plan
+(``params["agoq_plan"]``) and the layer takes its row from it by its local number (``ModelPlan.row``).
 
 Under Megatron's CUDA graphs (``TransformerConfig.cuda_graph_impl``), the layer refuses, before Megatron builds its
 graph manager, every agoq feature it uses that graphs cannot hold or that is not validated yet
@@ -21,17 +20,17 @@ into the graph phase of the call (record, warm-up, capture: agoq.megatron.graphs
 Seam card
 ---------
 Touches: ``TransformerLayer.__init__`` (subclass, spec.module; its parameters ``layer_number``,
-  ``pg_collection``, ``vp_stage``, ``is_mtp_layer``, ``add_layer_offset``),
-  ``get_transformer_layer_offset`` (the global ``layer_number`` Megatron sets, computed the same way
-  before the submodules are built and checked equal after), ``TransformerLayerSubmodules``,
+  ``pg_collection``, ``vp_stage``, ``is_mtp_layer``, ``add_layer_offset``; the global ``layer_number`` Megatron
+  sets is checked equal to the row's after), ``TransformerLayerSubmodules``,
   ``SelfAttentionSubmodules`` and ``MLPSubmodules`` (copied per layer with ``dataclasses.replace``),
   ``ModuleSpec.params`` / ``build_module`` (constructor arguments), the MLP builder
   ``partial(AgoqMLP.as_mlp_submodule, submodules=...)`` (its keywords), ``ProcessGroupCollection``.
-Why: the policy is per (global layer, stage, role) and the layer is the first module that knows its
-  index; Megatron's own way to configure a module is its constructor arguments through the spec.
+Why: the policy is per (global layer, stage, role), resolved per layer spec before the build (Megatron's
+  ``get_gpt_decoder_block_spec`` model); Megatron's own way to configure a module is its constructor arguments
+  through the spec.
 Verified on: megatron-core 0.19.2.
-When disabled: no resolver in the spec (``agoq_layer_spec(policy=None, compute=None)`` builds
-  Megatron's own modules); with resolvers that decide bf16 / FP8 off everywhere, every agoq module
+When disabled: no row in the spec (``agoq_layer_spec(policy=None, compute=None)`` builds
+  Megatron's own modules); with rows that decide bf16 / FP8 off everywhere, every agoq module
   runs Megatron's code (bit-identical, tests/megatron/test_activations.py).
 Guarded by: ``tests/megatron/test_activations.py`` (constructor wiring, hand-off errors, bit-identity),
   ``tests/megatron/test_cuda_graph_refusal.py`` / ``test_cuda_graph_replay.py`` (graphs, on the CPU),
@@ -43,50 +42,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
 
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
-from megatron.core.utils import get_pg_rank
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from agoq.megatron.graphs import check_cuda_graphs, graph_phase, graphs_on, layer_features, set_fp8_graph_phase
+from agoq.megatron.layer_plan import LayerOptions
 from agoq.megatron.layers import (
     AgoqRMSNorm,
     Handoff,
-    SavedInputConfig,
     _AgoqLinearMixin,
     with_params,
 )
 from agoq.megatron.mlp import AgoqMLP
-from agoq.megatron.sites import position_of
-from agoq.ops.fp8_scaling import FP8Recipe
-from agoq.ops.saved_act import SavedBytesCounter, SavePaths
 from agoq.plan.storage import LayerStorage
 
 __all__ = ["AgoqTransformerLayer", "LayerOptions", "check_megatron_recompute", "wire_submodules"]
-
-_NO_SAVE = SavedInputConfig()
-
-
-@dataclass(frozen=True)
-class LayerOptions:
-    """What one layer's agoq modules get at construction, resolved for its global index and stage:
-    the storage rule's result (``agoq.plan.storage.LayerStorage``, None: every role Megatron's), the
-    shared byte counter and host paths, the FP8 recipe of its four linears and the Smooth-SwiGLU mode."""
-
-    storage: LayerStorage | None = None
-    counter: SavedBytesCounter | None = None
-    paths: SavePaths = SavePaths()
-    fp8: FP8Recipe | None = None
-    smooth: str | None = None
-
-    def save(self, role: str, recomputed: bool = False) -> SavedInputConfig:
-        if self.storage is None:
-            return _NO_SAVE
-        return SavedInputConfig(fmt=self.storage.fmt(role), key=(self.storage.layer_idx, role),
-                                counter=self.counter, paths=self.paths, recomputed=recomputed)
-
 
 def _module_class(entry):
     if isinstance(entry, functools.partial):  # the MLP builder: partial(AgoqMLP.as_mlp_submodule, ...)
@@ -177,45 +149,39 @@ def check_megatron_recompute(config, storage: LayerStorage | None) -> None:
 
 
 class AgoqTransformerLayer(TransformerLayer):
-    """TransformerLayer whose agoq modules get the activation policy's formats and the FP8 settings for
-    this layer through their constructors.
+    """TransformerLayer whose agoq modules get this layer's resolved row (``agoq_layer``, a
+    ``agoq.megatron.layer_plan.LayerOptions``, from the layer's spec) through their constructors.
 
-    ``agoq_storage`` (an ``agoq.megatron.activations.ActivationStorage``) and ``agoq_compute`` (an
-    ``agoq.megatron.compute.LayerCompute``) arrive through the spec's ``params``: resolvers shared by
-    every layer, queried here with this layer's global index and pipeline stage before Megatron builds
-    the submodules (None leaves Megatron's behaviour). The layer owns the two pre-norm hand-offs
-    (``agoq_handoffs``: input_layernorm -> linear_qkv, pre_mlp_layernorm -> linear_fc1).
+    ``agoq_plan`` (the model's ``ModelPlan``) instead of a row: the layer was built from one spec shared by the
+    chunk's layers (Megatron-LM's ``--spec``); its row is the plan's for its local ``layer_number``. Neither: Megatron's
+    behaviour. The layer owns the two pre-norm hand-offs (``agoq_handoffs``: input_layernorm -> linear_qkv,
+    pre_mlp_layernorm -> linear_fc1).
     """
 
     def __init__(self, config, submodules, layer_number: int = 1, *, pg_collection=None, vp_stage: int | None = None,
-                 is_mtp_layer: bool = False, add_layer_offset: bool = True, agoq_storage=None, agoq_compute=None,
-                 **kwargs):
+                 is_mtp_layer: bool = False, add_layer_offset: bool = True, agoq_layer: LayerOptions | None = None,
+                 agoq_plan=None, **kwargs):
         if pg_collection is None:  # as TransformerLayer.__init__
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-        # Megatron's global layer_number (TransformerLayer.__init__), needed before it builds the submodules
-        global_number = layer_number
-        if not is_mtp_layer and add_layer_offset:
-            global_number += get_transformer_layer_offset(config, vp_stage, get_pg_rank(pg_collection.pp))
-        options, handoffs = None, ()
-        if agoq_storage is not None or agoq_compute is not None:
-            position = position_of(config, global_number, pg_collection.pp, vp_stage)
-            options = LayerOptions(
-                storage=None if agoq_storage is None else agoq_storage.resolve(position),
-                counter=None if agoq_storage is None else agoq_storage.counter,
-                paths=SavePaths() if agoq_storage is None else agoq_storage.paths,
-                **({} if agoq_compute is None else agoq_compute.resolve(position, config.num_layers)),
-            )
+        options, handoffs = agoq_layer, ()
+        if options is None and agoq_plan is not None:
+            if is_mtp_layer or not add_layer_offset:
+                raise NotImplementedError("agoq's layer is a decoder layer: no multi-token-prediction layer")
+            options = agoq_plan.row(config, layer_number, pg_collection.pp, vp_stage)
+        if options is not None:
+            idx = options.position.layer_idx
             # before Megatron builds the layer's graph manager: a feature graphs cannot hold is refused by name
             check_cuda_graphs(config, layer_features(options))
             check_megatron_recompute(config, options.storage)
-            handoffs = (Handoff(f"layer {position.layer_idx} input_layernorm -> linear_qkv"),
-                        Handoff(f"layer {position.layer_idx} pre_mlp_layernorm -> linear_fc1"))
-            submodules = wire_submodules(submodules, options, *handoffs, layer_number=global_number)
+            handoffs = (Handoff(f"layer {idx} input_layernorm -> linear_qkv"),
+                        Handoff(f"layer {idx} pre_mlp_layernorm -> linear_fc1"))
+            submodules = wire_submodules(submodules, options, *handoffs, layer_number=idx + 1)
         super().__init__(config, submodules, layer_number, pg_collection=pg_collection, vp_stage=vp_stage,
                          is_mtp_layer=is_mtp_layer, add_layer_offset=add_layer_offset, **kwargs)
-        if self.layer_number != global_number:
-            raise RuntimeError(f"agoq computed global layer_number {global_number}, Megatron's layer has "
-                               f"{self.layer_number}; megatron-core's layer numbering changed (agoq.megatron.compat)")
+        if options is not None and self.layer_number != options.position.layer_idx + 1:
+            raise RuntimeError(f"agoq resolved this layer's row for global layer_number "
+                               f"{options.position.layer_idx + 1}, Megatron's layer has {self.layer_number}; "
+                               "megatron-core's layer numbering changed (agoq.megatron.compat)")
         self.agoq_options = options  # LayerOptions this layer's modules were built with (None: no agoq settings)
         self.agoq_handoffs = handoffs  # (input_layernorm -> linear_qkv, pre_mlp_layernorm -> linear_fc1)
         # under Megatron's CUDA graphs, the FP8 linears whose scaling state and weight cache follow the graph phase

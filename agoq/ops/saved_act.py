@@ -170,7 +170,10 @@ class SavedBytesCounter:
             out[role] = out.get(role, 0) + nbytes
         return out
 
-    def __deepcopy__(self, memo):  # shared by every layer built from a (deep-copied) spec
+    def __deepcopy__(self, memo):
+        # The one runtime object a layer spec holds on purpose: the model's byte accumulator, referenced by every
+        # layer's resolved row (agoq.megatron.layer_plan). A copy of a spec (Megatron-LM may deep-copy the model
+        # config that carries it) must keep counting into the model's counter, not a private one.
         return self
 
 

@@ -1,7 +1,7 @@
 """What agoq's FP8 linears (--agoq-fp8) and Smooth-SwiGLU (--agoq-smooth-swiglu) change in a stage's memory.
 
 Pure Python (no torch). Every term is read off the code named at it; the FP8 layer rule is
-``agoq.policy.FP8Spec.uses_fp8`` (the one agoq.megatron.compute.LayerCompute.resolve applies: the
+``agoq.policy.FP8Spec.uses_fp8`` (the one agoq.megatron.compute.layer_compute applies: the
 first ``bf16_first_layers`` and last ``bf16_last_layers`` layers and the LM head stay bf16).
 
 Persistent (``fp8_persistent_bytes``, held for the whole run like the weights):
@@ -120,7 +120,7 @@ def _fused_keeps_fc2_input(storage: LayerStorage) -> bool:
 
 
 def fp8_layers(spec: FP8Spec, layers, num_layers: int) -> list[int]:
-    """The FP8 ones among global layer indices ``layers`` (the rule of LayerCompute.resolve)."""
+    """The FP8 ones among global layer indices ``layers`` (the rule of agoq.megatron.compute.layer_compute)."""
     return [i for i in layers if spec.uses_fp8(i, num_layers)]
 
 

@@ -276,10 +276,10 @@ def test_save_paths_option_reaches_every_agoq_module(mcore_world1, monkeypatch):
 
 
 def test_layer_settings_reach_modules_through_their_constructors(mcore_world1):
-    """Each layer resolves the policy for its own index in __init__ and hands every agoq module its format,
-    counter key, counter, paths and recompute role as constructor arguments (ModuleSpec.params), and the
-    recompute hand-offs as objects shared by producer and consumer; the spec shared by the layers is not
-    modified (the per-layer arguments live in per-layer copies)."""
+    """Each layer gets its resolved row through its own spec (resolved before the build) and hands every agoq module
+    its format, counter key, counter, paths and recompute role as constructor arguments (ModuleSpec.params), and the
+    recompute hand-offs as objects shared by producer and consumer; the template spec is not modified (the
+    per-layer arguments live in per-layer copies)."""
     from agoq.megatron.activations import agoq_modules
     from agoq.megatron.layers import AgoqRMSNorm, Handoff
     from agoq.megatron.model import agoq_layer_spec
@@ -307,7 +307,11 @@ def test_layer_settings_reach_modules_through_their_constructors(mcore_world1):
     handoffs = [h for layer in model.decoder.layers for h in layer.agoq_handoffs]
     assert len({id(h) for h in handoffs}) == len(handoffs)  # one hand-off per layer and pair
     spec = agoq_layer_spec("sdpa", policy=POLICIES / "agoq.yaml", schedule=ScheduleInfo(1, None, 1))
-    assert spec.submodules.input_layernorm is AgoqRMSNorm  # the shared spec carries only the resolver
+    assert spec.submodules.input_layernorm is AgoqRMSNorm  # the template spec carries only the model's plan
+    assert set(spec.params) == {"agoq_plan"}
+    for layer in model.decoder.layers:  # each layer was built with its own row of the one plan
+        assert layer.agoq_options.position.layer_idx == layer.layer_number - 1
+        assert layer.agoq_options.storage is storage.layers[layer.layer_number - 1]
 
 
 def test_handoff_order_is_checked(mcore_world1):

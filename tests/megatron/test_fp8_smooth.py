@@ -198,8 +198,8 @@ def test_fp8_layers_raise_on_cpu_at_the_op(mcore_world1):
                                       use_cpu_initialization=True)
     spec = agoq_layer_spec("sdpa", compute=FP8Spec(recipe="delayed"))
     (model,) = build_model_chunks(shape, config, spec, None)
-    compute = spec.params["agoq_compute"]
-    assert compute.layers == {0: False, 1: True, 2: False}  # first and last layers stay bf16 by rule
+    plan = spec.params["agoq_plan"]  # the model's rows, resolved before Megatron built the layers
+    assert plan.fp8_layers == {0: False, 1: True, 2: False}  # first and last layers stay bf16 by rule
     layer1 = model.decoder.layers[1]
     assert layer1.mlp.linear_fc2.agoq_fp8.scaling == "delayed"
     assert model.decoder.layers[0].mlp.linear_fc1.agoq_fp8 is None

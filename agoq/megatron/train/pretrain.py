@@ -247,7 +247,7 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     progress(f"building the model ({args.num_layers} layers, hidden {args.hidden_size}, {layout.pp} pipeline "
              f"stage{'s' if layout.pp > 1 else ''}) and its {'Megatron' if args.agoq_disable else 'agoq'} layers")
     model, shape, spec = model_provider(args, layout, tokenizer, info, microbatches)
-    report = policy_report(args, shape, layout, microbatches)
+    report = policy_report(args, shape, layout, spec)  # the table of the model's plan (agoq.megatron.layer_plan)
     print_rank0(report)
     config: AgoqConfig = args.agoq_config
     plan = memory_report.plan_layout(config, layout, data_parallel=info.world_size // (layout.tp * layout.pp),
