@@ -1,6 +1,6 @@
 """AgoqConfig: the run-time options of agoq, one frozen dataclass of frozen sections (the single source of truth).
 
-Built once by a trainer (``agoq.megatron.train.args`` for ``scripts/pretrain_llama.py``; ``python -m agoq.plan``
+Built once by a trainer (``agoq.train.args`` for ``scripts/pretrain_llama.py``; ``python -m agoq.plan``
 for the planner) with :meth:`AgoqConfig.from_flags` from the ``--agoq-*`` flag values (a config file's keys
 and the command line, already merged), validated here once, and passed to everything below the trainer:
 library code reads this object (or one of its sections), never an argparse Namespace or the environment.
@@ -17,7 +17,7 @@ Sections (torchtitan's per-component config, torchao's frozen ``Float8LinearConf
                   speed and memory, never values; not saved with checkpoints
 * top level       ``enabled`` (False: plain Megatron), ``device``, ``triton_interpret`` (runtime options)
 
-``as_dict()`` is what every checkpoint saves (``agoq.megatron.resume``); ``from_dict`` reads it back.
+``as_dict()`` is what every checkpoint saves (``agoq.megatron.ckpt.resume``); ``from_dict`` reads it back.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ MOMENT_PRESETS = {
 # --recompute-granularity: Megatron's TransformerConfig.recompute_granularity values (megatron-core 0.19.2)
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 GradMode = Literal["reduce", "store"]
-GRAD_MODES = get_args(GradMode)  # the 8-bit gradient modes (agoq.megatron.ddp imports them)
-# How the 8-bit reduction moves bytes (agoq.megatron.grad_transport): NCCL collectives (any link), NVLink
+GRAD_MODES = get_args(GradMode)  # the 8-bit gradient modes (agoq.megatron.grads.ddp imports them)
+# How the 8-bit reduction moves bytes (agoq.megatron.grads.grad_transport): NCCL collectives (any link), NVLink
 # peer memory (CUDA symmetric memory, the ranks of one host), or auto (peer where it applies, else nccl; the
 # choice and its reason are printed at start-up).
 GradTransport = Literal["auto", "nccl", "peer"]
@@ -63,7 +63,7 @@ FLOAT_GRADS = ("fp32", "bf16", "fp16")  # --agoq-grads values that mean Megatron
 
 def torch_optimizer_state_refusal(flag: str, value) -> str:
     """Why a state-format flag (--agoq-moments / --agoq-master) cannot run with --agoq-optimizer torch, and the fix:
-    the one message of the trainer's flags (agoq.megatron.train.args) and ``python -m agoq.plan``."""
+    the one message of the trainer's flags (agoq.train.args) and ``python -m agoq.plan``."""
     return (f"{flag} {value} sets a state format of agoq's optimizer, but --agoq-optimizer is torch (Megatron's Adam, "
             f"fp32 states); add --agoq-optimizer adamw (or lion / sgd), or drop {flag}")
 
@@ -188,7 +188,8 @@ def parse_grads_format(value: str | QuantFormat) -> QuantFormat:
 @dataclass(frozen=True, kw_only=True)
 class GradsConfig:
     """Gradients in DDP: Megatron's float buffer (fp32, or bf16) or agoq's 8-bit store / reduction. The one gradient
-    config: the trainer, the Megatron-LM door and the DDP wrapper (agoq.megatron.ddp.wrap_ddp_agoq) all take it."""
+    config: the trainer, the Megatron-LM door and the DDP wrapper (agoq.megatron.grads.ddp.wrap_ddp_agoq) all take
+    it."""
 
     format: QuantFormat | None = None
     """8-bit gradients in DDP, e.g. int8_b256 (an agoq.formats name: signed, round-to-nearest); fp32 names Megatron's
@@ -321,7 +322,7 @@ class OptimizerOptions:
 class KernelsConfig:
     """How agoq's kernels run on the host: choices that change speed (and what a plain FP8 MLP holds), never the
     values; not part of ``as_dict`` (a checkpoint resumes under either). scripts/pretrain_llama.py's trainer fills it
-    from its environment (agoq.megatron.train.environment: AGOQ_TRITON_FAST_LAUNCH, AGOQ_FP8_SWIGLU_FUSION);
+    from its environment (agoq.train.environment: AGOQ_TRITON_FAST_LAUNCH, AGOQ_FP8_SWIGLU_FUSION);
     library code reads it from here, never from the environment."""
 
     fast_launch: bool = True

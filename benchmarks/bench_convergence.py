@@ -62,7 +62,7 @@ PRESETS = {
                                 "--agoq-smooth-swiglu", "per-token"],
 }
 GPU_ONLY_PRESETS = ("fp8-smooth-full",)  # FP8 linears run on CUDA only
-DEFAULT_SEED = 1234  # the trainer's --seed default (agoq/megatron/train/args.py)
+DEFAULT_SEED = 1234  # the trainer's --seed default (agoq/train/args.py)
 # issue 25: baseline 3 seeds (its band), agoq default and full 2 each, aggressive and FP8 + Smooth-SwiGLU 1 each
 MATRICES = {
     # ordered so that a partial matrix (runs spread over device calls) already pairs each preset with a baseline

@@ -43,7 +43,7 @@ from pretrain_suites_scale import CAPACITY_PLANS, EQUAL_MEMORY_BUDGETS_GIB  # no
 from agoq.testing.procs import PRETRAIN_SCRIPT, child_env, source_commit, torchrun_command  # noqa: E402
 
 # Dense BF16 tensor-core peak per GPU, TFLOP/s (NVIDIA's H100 and H200 datasheets: 1,979 with 2:4 sparsity for
-# the SXM parts, 1,513 for H100 PCIe), the denominator of MFU (model FLOPs of agoq.megatron.train.flops, no recompute).
+# the SXM parts, 1,513 for H100 PCIe), the denominator of MFU (model FLOPs of agoq.train.flops, no recompute).
 DENSE_BF16_TFLOPS = {"H100 PCIe": 756.5, "H100": 989.4, "H200": 989.4}
 
 
@@ -235,7 +235,7 @@ def peak_tflops(device: str | None) -> float | None:
 
 
 def _mfu(steady: list[dict], device: str | None) -> dict:
-    """Median model TFLOP/s per GPU (agoq.megatron.train.flops: no recompute counted) and MFU against the device's dense
+    """Median model TFLOP/s per GPU (agoq.train.flops: no recompute counted) and MFU against the device's dense
     BF16 peak."""
     if not steady or "tflops_per_gpu" not in steady[0]:
         return {}

@@ -97,7 +97,7 @@ def install(iterations: set[int], out: Path) -> dict:
     one ends. Returns the state (its ``written`` key holds the report's path then)."""
     import time
 
-    from agoq.megatron.train import training
+    from agoq.train import training
 
     original, state = training.StepRunner.run, {"wall": 0.0, "sites": collections.Counter()}
     activities = [torch.profiler.ProfilerActivity.CPU]

@@ -65,7 +65,7 @@ COMPACT_V_SINCE = "2026-11-25"
 SLICED_CHECK_SINCE = "2026-11-25T07:22:37"  # the fix's commit time; run 3 07:15 before, run 4 07:25 after
 PACK_HOOK_FIX_SINCE = "2026-11-25T07:34:39"  # the fix's commit time; run 4 07:25 before, run 5 07:35 after
 # the 8-bit store's float gradient buffer stays a meta placeholder at DDP construction
-# (agoq/megatron/deferred_grad_buffer.py; PastCode.float_grad_buffer_at_construction before it): the commit time
+# (agoq/megatron/grads/deferred_grad_buffer.py; PastCode.float_grad_buffer_at_construction before it): the commit time
 DEFERRED_GRAD_BUFFER_SINCE = "2026-11-26T13:57:35"  # commit 1bd195f
 # agoq's optimizer's state initialisation at the first step (PastCode.state_init): its reference master split
 # rounds in float64 since fb51259, and the states are written at their final size since 98c84d5 (commit times)
@@ -77,7 +77,7 @@ ZERO_STATE_INIT_SINCE = "2026-11-26T15:57:51"  # commit 98c84d5
 # FP8 linear and is predicted as such; the fused path's term (-4 B x f per token per FP8 layer with a bf16
 # fc1 output) is not measured yet (docs/numerics.md, "SwiGLU fused with a plain FP8 fc2").
 PLAIN_SWIGLU_FP8_FUSION_SINCE = "2026-11-26T19:34:03"
-PLAIN_FUSION_ENV = "AGOQ_FP8_SWIGLU_FUSION"  # agoq.megatron.train.environment.PLAIN_FUSION_ENV (equal by test)
+PLAIN_FUSION_ENV = "AGOQ_FP8_SWIGLU_FUSION"  # agoq.train.environment.PLAIN_FUSION_ENV (equal by test)
 # agoq.ops.fp8_weight_cache came in with commit 9a9e60e (2026-11-24T01:46:04 UTC); the planner models
 # the cache, so an FP8 run measured before it is refused rather than mispredicted.
 FP8_WEIGHT_CACHE_SINCE = "2026-11-24T01:46:04"
@@ -187,7 +187,7 @@ def from_pretrain_argv(argv: list[str], vocab: int = BUILTIN_VOCAB, world_size: 
                     # the trainer's environment switch, recorded ahead of the command (bench_pretrain's A/B rows)
                     fuse_plain_swiglu_fp8=f"{PLAIN_FUSION_ENV}=0" not in argv,
                     rope_fused=_rope_fused(argv))
-    if release:  # no gradient buffer (agoq.megatron.train.memory_report.plan_layout)
+    if release:  # no gradient buffer (agoq.train.memory_report.plan_layout)
         layout = dataclasses.replace(layout, grad_bytes=0)
     return shape, layout, policy, recipe
 

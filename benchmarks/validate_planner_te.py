@@ -38,7 +38,7 @@ from agoq.plan.recipe import recipe_of  # noqa: E402
 from agoq.policy import load_policy  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-DEFAULT_DOOR_POLICY = "configs/policy/agoq.yaml"  # agoq.megatron.train.megatron_lm: --agoq-policy's default
+DEFAULT_DOOR_POLICY = "configs/policy/agoq.yaml"  # agoq.train.megatron_lm: --agoq-policy's default
 TARGET = 0.05  # the planner's target (docs/benchmarks/planner.md): within 5 % of the measured peak
 OOM_BUDGET = 80 * GIB  # the 8B rows ran on one H100 80GB (79.18 GiB usable, the OOM messages)
 # Megatron-LM flags of the rows the planner does not take: flag -> (takes a value, why it changes no modelled byte)

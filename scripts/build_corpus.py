@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # debdocs beside it (a
 
 from debdocs import PACKAGES, iter_documents  # noqa: E402 - corpus building is no part of the agoq package
 
-from agoq.megatron.train.data import default_cache_dir  # noqa: E402
+from agoq.train.data import default_cache_dir  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from agoq.data.corpus import DEFAULT_MAX_BYTES, TXT_MODES, check_input_paths, iter_input_documents
 from agoq.data.tokenizer import MODEL_TYPES, Tokenizer, TokenizerTrainConfig, train_sentencepiece
-from agoq.megatron.train.data import build_indexed_dataset, default_cache_dir, ensure_default_dataset
+from agoq.train.data import build_indexed_dataset, default_cache_dir, ensure_default_dataset
 
 PROGRESS_EVERY_DOCS = 1000
 

@@ -3,7 +3,7 @@
 The shape of Megatron-LM's ``pretrain_gpt.py``: a model provider, a forward step and a train/valid/test
 dataset provider around ``pretrain()``. Every Megatron-LM flag keeps its meaning (data with --data-path
 and the tokenizer flags, --save/--load, logging, --use-distributed-optimizer, recompute); agoq adds
-``--agoq-*`` (agoq.megatron.train.megatron_lm.add_agoq_args). GPU only (megatron.training asserts CUDA).
+``--agoq-*`` (agoq.train.megatron_lm.add_agoq_args). GPU only (megatron.training asserts CUDA).
 Commands and the flag set that reproduces scripts/pretrain_llama.py: docs/megatron_lm.md. One GPU:
 
     torchrun --nproc-per-node 1 scripts/pretrain_gpt_agoq.py \
@@ -21,7 +21,7 @@ Commands and the flag set that reproduces scripts/pretrain_llama.py: docs/megatr
 The Megatron baseline: the same command with ``--agoq-disable``. ``--agoq-log-json FILE`` appends each
 iteration's exact loss (``repr`` of the float) and the CUDA peak, for comparisons with pretrain_llama.py.
 
-A thin user of agoq's zero-edit door (agoq/megatron/train/megatron_lm_door.py, ``python -m agoq.megatron_lm`` for any
+A thin user of agoq's zero-edit door (agoq/train/megatron_lm_door.py, ``python -m agoq.megatron_lm`` for any
 ``pretrain_gpt.py``): run directly, it enters the same door around :func:`main` (flags, refusals in one line, agoq's
 seams, the built check, ``--agoq-log-json``). What it adds: its model provider builds agoq's model from the run's
 config, so ``--agoq-attention`` applies to the ``--agoq-disable`` baseline too (SDPA by default, as
@@ -43,8 +43,8 @@ from megatron.training.argument_utils import core_transformer_config_from_args, 
 from megatron.training.utils import get_blend_and_blend_per_split
 
 from agoq.megatron.megatron_lm import build_gpt_model
-from agoq.megatron.train import megatron_lm_door
-from agoq.megatron.train.megatron_lm import RefusedFlags
+from agoq.train import megatron_lm_door
+from agoq.train.megatron_lm import RefusedFlags
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):

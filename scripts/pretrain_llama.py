@@ -21,8 +21,8 @@ import os
 import sys
 from pathlib import Path
 
-from agoq.megatron.train.args import data_blend, parse_and_check, policy_path  # no torch, no megatron
-from agoq.megatron.train.known_warnings import filter_known_warnings  # no torch, no megatron
+from agoq.train.args import data_blend, parse_and_check, policy_path  # no torch, no megatron
+from agoq.train.known_warnings import filter_known_warnings  # no torch, no megatron
 
 if __name__ in ("__main__", "__mp_main__") and os.environ.get("AGOQ_SHOW_KNOWN_WARNINGS") != "1":
     # megatron-core / torch warnings known to be harmless here, ignored before torch loads: in this process
@@ -31,7 +31,7 @@ if __name__ in ("__main__", "__mp_main__") and os.environ.get("AGOQ_SHOW_KNOWN_W
 
 if __name__ == "__main__":
     # Flags, config file, policy, layout and --data-path files are checked before torch and megatron load
-    # (~5 s): a mistake stops in about a second, in one line (agoq.megatron.train.args.parse_and_check).
+    # (~5 s): a mistake stops in about a second, in one line (agoq.train.args.parse_and_check).
     ARGS = parse_and_check(sys.argv[1:])
     if os.environ.get("RANK", "0") == "0":
         print("pretrain_llama.py: arguments checked; loading torch and megatron-core ...", flush=True)
@@ -42,17 +42,17 @@ from agoq.cli.optim_args import check_release_flags  # noqa: E402
 from agoq.data.tokenizer import Tokenizer, model_vocab_size, padded_vocab_size  # noqa: E402
 from agoq.megatron import model as mmodel  # noqa: E402
 from agoq.megatron.activations import storage_of, storage_table  # noqa: E402
-from agoq.megatron.checkpoint import CheckpointSaveError  # noqa: E402
+from agoq.megatron.ckpt.checkpoint import CheckpointSaveError  # noqa: E402
 from agoq.megatron.compute import check_compute, compute_report  # noqa: E402
-from agoq.megatron.ddp import wrap_ddp_agoq  # noqa: E402
+from agoq.megatron.grads.ddp import wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.layer_plan import plan_of  # noqa: E402
-from agoq.megatron.optimizer import shard_alignment_for  # noqa: E402
-from agoq.megatron.release import TrainingStopped, wrap_release  # noqa: E402
-from agoq.megatron.train import data as mdata  # noqa: E402
-from agoq.megatron.train.pretrain import ddp_config, pretrain, print_rank0  # noqa: E402
-from agoq.megatron.train.training import configure_grad_hooks  # noqa: E402
+from agoq.megatron.optim.optimizer import shard_alignment_for  # noqa: E402
+from agoq.megatron.optim.release import TrainingStopped, wrap_release  # noqa: E402
 from agoq.ops.saved_act import SavePaths  # noqa: E402
 from agoq.policy import ScheduleInfo  # noqa: E402
+from agoq.train import data as mdata  # noqa: E402
+from agoq.train.pretrain import ddp_config, pretrain, print_rank0  # noqa: E402
+from agoq.train.training import configure_grad_hooks  # noqa: E402
 
 
 def model_provider(args, layout, tokenizer, info, num_microbatches):
@@ -125,7 +125,7 @@ def train_valid_test_datasets_provider(args):
 
     Rank 0 builds caches first; ``valid`` and ``test`` are None without --eval-interval (or with --eval-iters 0)."""
     cache_dir = Path(args.data_cache_dir or os.environ.get("AGOQ_CACHE") or mdata.default_cache_dir())
-    if args.data_path:  # checked with the tokenizer before torch loaded (agoq.megatron.train.preflight)
+    if args.data_path:  # checked with the tokenizer before torch loaded (agoq.train.preflight)
         blend, tokenizer_path = data_blend(args.data_path), Path(args.tokenizer_model)
         tokenizer = Tokenizer.load(tokenizer_path)
     else:

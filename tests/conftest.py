@@ -92,7 +92,7 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def agoq_cache(tmp_path_factory) -> Path:
     """One ``AGOQ_CACHE`` for the whole run, shared by the xdist workers: the default dataset (corpus +
-    tokenizer, ~13 s on 2 cores) is built once, under the file lock of agoq.megatron.train.data, not once per
+    tokenizer, ~13 s on 2 cores) is built once, under the file lock of agoq.train.data, not once per
     test. Tests of the cache itself (tests/megatron/test_data.py) use their own directories."""
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):

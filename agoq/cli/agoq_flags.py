@@ -1,6 +1,6 @@
 """The ``--agoq-*`` flags, generated from AgoqConfig for every command line that takes them:
 ``scripts/pretrain_llama.py`` (agoq.cli.flags), ``python -m agoq.plan`` (the trainer's parser) and the Megatron-LM door
-(agoq.megatron.train.megatron_lm.add_agoq_args), plus ``--agoq-preset`` (a preset file of ``--agoq-*`` values).
+(agoq.train.megatron_lm.add_agoq_args), plus ``--agoq-preset`` (a preset file of ``--agoq-*`` values).
 
 Each flag is one ``agoq.config.AGOQ_FLAGS`` entry (its name and the field it sets); this module turns the field into
 the argparse argument: a ``bool`` field is a switch, ``int`` / ``float`` fields are typed, a ``Literal`` annotation

@@ -1,4 +1,4 @@
-"""The parser of ``scripts/pretrain_llama.py`` (its checks and config build: :mod:`agoq.megatron.train.args`; also
+"""The parser of ``scripts/pretrain_llama.py`` (its checks and config build: :mod:`agoq.train.args`; also
 ``python -m agoq.plan``'s trainer flags):
 Megatron-compatible flags, ``--agoq-*`` flags, the help text, and errors in one line.
 
@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_model_flags, _parallel_flags, _optim_flags, _data_flags, _run_flags):
         add(parser)
     # generated from AgoqConfig (agoq.cli.agoq_flags); --agoq-moments / --agoq-master default to None so that they
-    # are refused without agoq's optimizer, not ignored (agoq.megatron.train.args puts in the defaults)
+    # are refused without agoq's optimizer, not ignored (agoq.train.args puts in the defaults)
     add_agoq_flags(parser, unset=TRAINER_UNSET)
     add_graph_flags(parser)
     return parser

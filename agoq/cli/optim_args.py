@@ -1,6 +1,6 @@
 """Checks of the parsed optimizer flags (the flags themselves are generated from AgoqConfig: agoq.cli.agoq_flags).
 
-Part of the trainer's command line (with agoq.megatron.train.args): ``check_release_flags`` reads the parsed
+Part of the trainer's command line (with agoq.train.args): ``check_release_flags`` reads the parsed
 Namespace (Megatron's layout and batch flags next to agoq's); library code gets ``agoq.config.AgoqConfig``."""
 
 from __future__ import annotations

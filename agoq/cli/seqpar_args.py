@@ -1,5 +1,5 @@
 """Megatron-LM's ``--sequence-parallel`` in ``scripts/pretrain_llama.py`` and ``python -m agoq.plan``: the flag and what
-it needs, refused by name with the fix before torch loads (the trainer: agoq.megatron.train.checks; the planner:
+it needs, refused by name with the fix before torch loads (the trainer: agoq.train.checks; the planner:
 agoq.plan.__main__). What the layers do under it: agoq.megatron.seqpar, docs/numerics.md "Sequence parallelism".
 Light imports only (argparse).
 """

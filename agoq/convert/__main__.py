@@ -105,8 +105,8 @@ def hf_to_agoq(request: ImportRequest) -> list[str]:
     state = llama.hf_to_megatron(hf_state, dims, padded)
     del hf_state
 
-    from agoq.megatron import hf_checkpoint
-    from agoq.megatron.train.environment import launch_from_environment
+    from agoq.megatron.ckpt import hf_checkpoint
+    from agoq.train.environment import launch_from_environment
 
     hf_checkpoint.init_single_process(launch_from_environment())
     shape = _shape(dims, padded)
@@ -158,8 +158,8 @@ def agoq_to_hf(request: ExportRequest) -> list[str]:
     import torch
 
     from agoq.convert import hf_io, llama
-    from agoq.megatron import hf_checkpoint
-    from agoq.megatron.train.environment import launch_from_environment
+    from agoq.megatron.ckpt import hf_checkpoint
+    from agoq.train.environment import launch_from_environment
 
     hf_checkpoint.init_single_process(launch_from_environment())
     source = hf_checkpoint.checkpoint_source(request.load_dir, request.iteration)
@@ -186,7 +186,7 @@ def agoq_to_hf(request: ExportRequest) -> list[str]:
 
 def _generation_config(extras: dict, dims) -> dict:
     """The converted model's generation_config.json (carried by the checkpoint), else one with its token ids."""
-    from agoq.megatron.hf_checkpoint import hf_identity
+    from agoq.megatron.ckpt.hf_checkpoint import hf_identity
 
     recorded = hf_identity(extras)[1]
     if recorded is not None:
@@ -223,7 +223,7 @@ def _export_dims(request: ExportRequest, extras: dict):
     did not record, and a value of it that differs from the record is an error naming both; what neither gives is
     the trainer's default, reported. Token ids: the converted model's, else the tokenizer's."""
     from agoq.convert import llama
-    from agoq.megatron.hf_checkpoint import PADDED_VOCAB_KEY, hf_identity, saved_shape
+    from agoq.megatron.ckpt.hf_checkpoint import PADDED_VOCAB_KEY, hf_identity, saved_shape
 
     recorded = dict(saved_shape(extras))
     hf_dims, _ = hf_identity(extras)
@@ -315,7 +315,7 @@ def _vocab_from_tokenizer(path: Path | None):
 if __name__ in ("__main__", "__mp_main__") and os.environ.get("AGOQ_SHOW_KNOWN_WARNINGS") != "1":
     # megatron-core / torch warnings known to be harmless (as scripts/pretrain_llama.py), before torch loads; also
     # in the checkpoint writer's process, which re-imports this module as __mp_main__
-    from agoq.megatron.train.known_warnings import filter_known_warnings
+    from agoq.train.known_warnings import filter_known_warnings
 
     filter_known_warnings()
 

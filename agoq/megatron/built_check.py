@@ -1,6 +1,6 @@
 """Never silent: after the model, its DDP and the optimizer are built, check that what the run's ``AgoqConfig`` asks
 for is what was built, on every rank, before the first step. Used by both trainers: agoq's own
-(agoq/megatron/train/pretrain.py) and Megatron-LM's ``megatron.training`` through agoq's door
+(agoq/train/pretrain.py) and Megatron-LM's ``megatron.training`` through agoq's door
 (agoq/megatron/megatron_lm.py wraps ``setup_model_and_optimizer`` with :func:`check_built`).
 
 What is checked, with agoq on (``config.enabled``; ``--agoq-disable`` asks for nothing):
@@ -204,13 +204,13 @@ def _module_problems(number: int, modules: dict, wanted, recomputed: str) -> lis
 def _ddp_problems(config: AgoqConfig, chunks: list) -> list[str]:
     from megatron.core.distributed import DistributedDataParallel
 
-    from agoq.megatron.ddp import AgoqDistributedDataParallel
+    from agoq.megatron.grads.ddp import AgoqDistributedDataParallel
 
     problems = []
     grads = config.grads
     for idx, chunk in enumerate(chunks):
         if config.optimizer.gradient_release:  # agoq's ReleaseDataParallel: the optimizer steps inside backward
-            from agoq.megatron.release import ReleaseDataParallel
+            from agoq.megatron.optim.release import ReleaseDataParallel
 
             if not isinstance(chunk, ReleaseDataParallel):
                 problems.append(f"model chunk {idx} is {_qualname(chunk)}, not agoq's ReleaseDataParallel that "
@@ -219,7 +219,8 @@ def _ddp_problems(config: AgoqConfig, chunks: list) -> list[str]:
             grad = getattr(chunk, "agoq_grads", None)
             if not isinstance(chunk, AgoqDistributedDataParallel) or grad is None:
                 problems.append(f"model chunk {idx} is wrapped by {_qualname(chunk)}, not agoq's 8-bit gradient DDP "
-                                f"(agoq.megatron.ddp.AgoqDistributedDataParallel) that --agoq-grads {grads.format} "
+                                "(agoq.megatron.grads.ddp.AgoqDistributedDataParallel) that "
+                                f"--agoq-grads {grads.format} "
                                 "asks for: the DDP class this construction path uses was not agoq's")
             elif (grad.format, grad.mode) != (grads.format, grads.mode):
                 problems.append(f"model chunk {idx}: 8-bit gradients {grad.format} ({grad.mode} mode), asked "
@@ -233,8 +234,8 @@ def _ddp_problems(config: AgoqConfig, chunks: list) -> list[str]:
 
 
 def _optimizer_problems(config: AgoqConfig, optimizer) -> list[str]:
-    from agoq.megatron.dist_optimizer import AgoqDistributedOptimizer
-    from agoq.megatron.megatron_optimizer import AgoqMegatronOptimizer
+    from agoq.megatron.optim.dist_optimizer import AgoqDistributedOptimizer
+    from agoq.megatron.optim.megatron_optimizer import AgoqMegatronOptimizer
 
     if optimizer is None:
         return []
@@ -243,7 +244,8 @@ def _optimizer_problems(config: AgoqConfig, optimizer) -> list[str]:
     opt = config.optimizer
     if opt.agoq and len(agoq_parts) != len(parts):
         names = ", ".join(_qualname(p) for p in parts if p not in agoq_parts)
-        return [f"the optimizer is {names}, not agoq's {opt.kind} (agoq.megatron.optimizer) that --agoq-optimizer "
+        return [f"the optimizer is {names}, not agoq's {opt.kind} (agoq.megatron.optim.optimizer) that "
+                "--agoq-optimizer "
                 f"{opt.kind} asks for: Megatron's optimizer factory was called instead of agoq's"]
     if not opt.agoq and agoq_parts:
         return [f"the optimizer is agoq's ({_qualname(agoq_parts[0])}), but --agoq-optimizer is torch"]
@@ -251,7 +253,7 @@ def _optimizer_problems(config: AgoqConfig, optimizer) -> list[str]:
         unread = [_qualname(p) for p in parts if getattr(p, "grad_reader", None) is None]
         if unread:
             return [f"the optimizer ({', '.join(unread)}) has no reader of the 8-bit gradient store "
-                    "(agoq.megatron.grad_reader.attach was not called on it)"]
+                    "(agoq.megatron.grads.grad_reader.attach was not called on it)"]
     return []
 
 
@@ -301,7 +303,7 @@ def built_summary(model_chunks: list, optimizer) -> str:
     its parent agoq or Megatron class, its 8-bit gradient format) and the optimizer class."""
     from megatron.core.distributed import DistributedDataParallel
 
-    from agoq.megatron.ddp import AgoqDistributedDataParallel
+    from agoq.megatron.grads.ddp import AgoqDistributedDataParallel
 
     layers: dict[str, int] = {}
     attention: set[str] = set()

@@ -135,7 +135,7 @@ CONTRACT: tuple[Symbol, ...] = (
     Symbol("megatron.core.distributed:DistributedDataParallelConfig", "DDP options",
            fields=("grad_reduce_in_fp32", "overlap_grad_reduce", "use_distributed_optimizer",
                    "check_for_nan_in_grad", "bucket_size")),
-    # --overlap-param-gather (agoq/megatron/train/pretrain.py ddp_config, training.ParamGather / configure_grad_hooks):
+    # --overlap-param-gather (agoq/train/pretrain.py ddp_config, training.ParamGather / configure_grad_hooks):
     # Megatron's DDP forward pre-hooks all-gather the updated params in the next forward; the trainer forces the
     # gather (disable with param_sync=True) before saves, evaluation and at the end, and re-enables the hooks
     Symbol("megatron.core.distributed:DistributedDataParallelConfig", "--overlap-param-gather",
@@ -173,7 +173,7 @@ CONTRACT: tuple[Symbol, ...] = (
            "pre-created from a signal-proof manager so a save survives SIGTERM (checkpoint.py)"),
     Symbol("megatron.core.dist_checkpointing:load", "checkpoint load",
            params=("sharded_state_dict", "checkpoint_dir")),
-    # 8-bit gradients (agoq/megatron/ddp.py): subclass + bucket-group class swap (private API).
+    # 8-bit gradients (agoq/megatron/grads/ddp.py): subclass + bucket-group class swap (private API).
     Symbol("megatron.core.distributed:DistributedDataParallel", "subclassed for 8-bit grads",
            params=("config", "ddp_config", "module", "disable_bucketing", "pg_collection"),
            attrs=("_make_backward_post_hook", "zero_grad_buffer", "scale_gradients", "finish_grad_sync", "no_sync")),
@@ -338,7 +338,7 @@ CONTRACT: tuple[Symbol, ...] = (
            "with cuda_graph_impl='local' a TransformerLayer builds its CudaGraphManager in __init__: agoq's "
            "feature check runs before (AgoqTransformerLayer), tests stub it on the CPU", params=("config",)),
     Symbol("megatron.core.utils:get_pg_rank", "pipeline rank of a layer (agoq.megatron.sites)"),
-    # agoq optimizers under the distributed optimizer (agoq/megatron/dist_optimizer.py, its seam card):
+    # agoq optimizers under the distributed optimizer (agoq/megatron/optim/dist_optimizer.py, its seam card):
     # DistributedOptimizer subclassed in precision-aware mode, checkpoint methods replaced, aligned layout.
     Symbol("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer",
            "AgoqDistributedOptimizer: bf16 shards + .decoupled_grad (precision-aware mode); own checkpoints",
@@ -347,7 +347,7 @@ CONTRACT: tuple[Symbol, ...] = (
                    "distributed_optimizer_instance_id"),
            attrs=("_get_model_param_range_map", "_copy_model_grads_to_main_grads", "_copy_main_params_to_model_params",
                   "step_with_ready_grads", "sharded_state_dict", "load_state_dict", "zero_grad")),
-    # 8-bit gradient store under the distributed optimizer (agoq/megatron/grad_reader.py, its seam card): the
+    # 8-bit gradient store under the distributed optimizer (agoq/megatron/grads/grad_reader.py, its seam card): the
     # reduced shard stays 8-bit; Megatron's optimizer is class-swapped to read it, agoq's reads it per shard.
     Symbol("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer",
            "class swap -> ShardGradsDistributedOptimizer (fp32 shard .grad from the 8-bit store); reads the "
@@ -383,7 +383,7 @@ CONTRACT: tuple[Symbol, ...] = (
     Symbol("megatron.core.dist_checkpointing:load_common_state_dict", "saved data-parallel size before a load",
            params=("checkpoint_dir",)),
     Symbol("megatron.core.utils:get_pg_size", "pipeline size of a layer (agoq.megatron.sites)"),
-    # gradient release (agoq/megatron/release.py, its seam card): a buffer-less data-parallel wrapper, a
+    # gradient release (agoq/megatron/optim/release.py, its seam card): a buffer-less data-parallel wrapper, a
     # no-op finalize hook and an FP32Optimizer subclass whose step() steps nothing.
     Symbol("megatron.core.distributed.data_parallel_base:_BaseDataParallel",
            "ReleaseDataParallel subclass: the chunk interface the schedules / StepRunner / checkpoints call",

@@ -2,7 +2,7 @@
 
 ``--agoq-fp8 {off,current,delayed,rowwise,te}`` and ``--agoq-smooth-swiglu {off,per-channel,per-token}``
 (plus ``--agoq-fp8-bf16-first-layers`` / ``-last-layers`` / ``--agoq-fp8-amax-history-len``; the trainer's
-flags, agoq.megatron.train.args) override the policy file's ``fp8:`` section (``agoq.policy.FP8Spec``); neither given
+flags, agoq.train.args) override the policy file's ``fp8:`` section (``agoq.policy.FP8Spec``); neither given
 means off. The run's resolved spec is ``AgoqConfig.fp8`` (agoq.config builds it once from both). The model's
 layers are resolved once, before Megatron builds them (``agoq.megatron.layer_plan.ModelPlan``), with
 :func:`layer_compute`: each layer's spec carries its four linears' ``FP8Recipe`` (or none: the first/last layers stay

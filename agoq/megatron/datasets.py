@@ -1,6 +1,6 @@
 """megatron-core's dataset pieces agoq's trainer uses: its ``.bin/.idx`` writer and paths, the token dtype, and
 ``GPTDataset``s built by ``BlendedMegatronDatasetBuilder`` over an agoq :class:`~agoq.data.tokenizer.Tokenizer`
-(seen through :class:`AgoqMegatronTokenizer`). agoq.megatron.train.data builds the datasets and iterators on them.
+(seen through :class:`AgoqMegatronTokenizer`). agoq.train.data builds the datasets and iterators on them.
 
 Seam card
 ---------
@@ -28,7 +28,7 @@ from agoq.data.tokenizer import Tokenizer
 
 # Part of the index caches' key (unique_identifiers): the adapter's name when the key was first written, kept as it
 # was so that the caches built before this class moved here stay valid.
-CACHE_CLASS_NAME = "agoq.megatron.train.data.AgoqMegatronTokenizer"
+CACHE_CLASS_NAME = "agoq.train.data.AgoqMegatronTokenizer"
 
 
 class AgoqMegatronTokenizer(MegatronTokenizerBase):

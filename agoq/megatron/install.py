@@ -12,13 +12,13 @@ Touches: whatever the registered seams and runtime changes touch; each is named 
     handle).
   * Runtime changes made later, when agoq builds the objects they concern, recorded here through
     :func:`swap_class` / :func:`set_module_attr`: ``ddp.bucket_group`` (every bucket group of agoq's
-    DDP becomes ``AgoqBucketGroup``, agoq/megatron/ddp.py), ``grad_reader.distributed_optimizer``
-    (Megatron's ``DistributedOptimizer`` reading the 8-bit shard, agoq/megatron/grad_reader.py) and
+    DDP becomes ``AgoqBucketGroup``, agoq/megatron/grads/ddp.py), ``grad_reader.distributed_optimizer``
+    (Megatron's ``DistributedOptimizer`` reading the 8-bit shard, agoq/megatron/grads/grad_reader.py) and
     ``checkpoint.results_queue`` (``filesystem_async._results_queue`` from a signal-proof manager,
-    agoq/megatron/checkpoint.py).
+    agoq/megatron/ckpt/checkpoint.py).
   * Scoped, nothing to undo: ``ddp.deferred_grad_buffer`` (a ``TorchFunctionMode`` active only while
     agoq's DDP runs Megatron's DDP constructor in store mode, popped on return or error; marked;
-    agoq/megatron/deferred_grad_buffer.py).
+    agoq/megatron/grads/deferred_grad_buffer.py).
   Spec substitutions (SDPA attention, agoq linears) need no install step: they enter through the
   layer spec (agoq/megatron/model.py).
 Why: one place where agoq changes process state (the Liger pattern: every patch carries a marker,

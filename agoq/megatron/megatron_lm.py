@@ -1,9 +1,9 @@
 """agoq inside Megatron-LM's own trainer, ``megatron.training.pretrain`` (shipped in the megatron-core wheel).
 
-The plugin side of the door to Megatron-LM (``python -m agoq.megatron_lm SCRIPT``, agoq/megatron/train/
+The plugin side of the door to Megatron-LM (``python -m agoq.megatron_lm SCRIPT``, agoq/train/
 megatron_lm_door.py, and ``scripts/pretrain_gpt_agoq.py`` through it); it takes agoq's typed config only. The flags and
 the bridge from Megatron's parsed args (``add_agoq_args``, ``agoq_config_from_megatron_args``, ``gpt_model_options``)
-are the trainer side: agoq/megatron/train/megatron_lm.py.
+are the trainer side: agoq/train/megatron_lm.py.
 
 * :func:`agoq_gpt_layer_spec` — agoq's layer spec for Megatron's ``GPTModel`` after the trainer's policy / FP8 checks;
   :func:`offer_layer_spec` puts it where Megatron-LM's ``--spec`` finds it (both construction paths read ``--spec``);
@@ -24,12 +24,12 @@ Touches (megatron-core 0.19.2, ``megatron/training/``):
     ``models.dist_utils.DistributedDataParallel`` (``GPTModelBuilder.build_distributed_models`` wraps them with it,
     through ``_ddp_wrap``) — both replaced by one class (patches ``megatron_training.ddp`` and
     ``megatron_training.builder_ddp``) only with ``--agoq-grads FORMAT`` (agoq's 8-bit gradient DDP,
-    agoq/megatron/ddp.py) or agoq's optimizer (under ``--use-distributed-optimizer``: Megatron's DDP with the
-    quantization-group-aligned buffer layout, agoq/megatron/dist_optimizer.py).
+    agoq/megatron/grads/ddp.py) or agoq's optimizer (under ``--use-distributed-optimizer``: Megatron's DDP with the
+    quantization-group-aligned buffer layout, agoq/megatron/optim/dist_optimizer.py).
   * ``training.get_megatron_optimizer`` — the module global ``setup_model_and_optimizer`` calls on both paths;
     replaced (patch ``megatron_training.optimizer``) with a function that builds agoq's optimizer
-    (``--agoq-optimizer adamw|lion|sgd``, agoq/megatron/optimizer.py) or Megatron's and attaches agoq's
-    8-bit gradient reader (agoq/megatron/grad_reader.py) when ``--agoq-grads`` is on.
+    (``--agoq-optimizer adamw|lion|sgd``, agoq/megatron/optim/optimizer.py) or Megatron's and attaches agoq's
+    8-bit gradient reader (agoq/megatron/grads/grad_reader.py) when ``--agoq-grads`` is on.
   * ``training.setup_model_and_optimizer`` — the module global ``pretrain`` calls; wrapped (patch
     ``megatron_training.built_check``, agoq on) to check on every rank what was built (agoq/megatron/built_check.py).
   * ``megatron.core.datasets.utils.compile_helpers`` — replaced (patch ``megatron_training.dataset_helpers``,
@@ -146,7 +146,7 @@ MEGATRON_TRAINING_CONTRACT: tuple[compat.Symbol, ...] = (
 @dataclass(frozen=True, kw_only=True)
 class GPTModelOptions:
     """What the model provider needs besides Megatron's TransformerConfig
-    (agoq.megatron.train.megatron_lm.gpt_model_options
+    (agoq.train.megatron_lm.gpt_model_options
     reads them from Megatron's parsed args)."""
 
     attention: str = "sdpa"
@@ -258,11 +258,11 @@ def _ddp_class(config: AgoqConfig) -> type:
     With ``--agoq-grads FORMAT``: agoq's 8-bit gradient DDP with Megatron's buffer layout (as
     ``scripts/pretrain_llama.py`` builds it). Otherwise, with agoq's optimizer under
     ``--use-distributed-optimizer``: Megatron's DDP with the quantization-group-aligned layout in place of
-    the one ``wrap_model_chunks_with_ddp`` computed (agoq/megatron/dist_optimizer.py)."""
+    the one ``wrap_model_chunks_with_ddp`` computed (agoq/megatron/optim/dist_optimizer.py)."""
     from megatron.core.distributed import DistributedDataParallel
 
-    from agoq.megatron.ddp import AgoqDistributedDataParallel
-    from agoq.megatron.optimizer import shard_alignment_for
+    from agoq.megatron.grads.ddp import AgoqDistributedDataParallel
+    from agoq.megatron.optim.optimizer import shard_alignment_for
 
     grads = config.grads if config.grads.quantized else None
     options = config.optimizer
@@ -294,8 +294,8 @@ class _OptimizerFactory:
 
     def __call__(self, config, model_chunks, config_overrides=None, use_gloo_process_groups=True,
                  pg_collection=None, dump_param_to_param_group_map=None):
-        from agoq.megatron import grad_reader
-        from agoq.megatron.optimizer import build_agoq_optimizer
+        from agoq.megatron.grads import grad_reader
+        from agoq.megatron.optim.optimizer import build_agoq_optimizer
 
         if self.config.optimizer.agoq:
             # agoq's param groups use Megatron's standard rule (no weight decay for biases and 1-D params):

@@ -1,5 +1,5 @@
 """The calls of Megatron-LM's training package (``megatron.training``) that agoq's door to Megatron-LM's own
-``pretrain_gpt.py`` makes (agoq.megatron.train.megatron_lm_door): parse the flags, replace
+``pretrain_gpt.py`` makes (agoq.train.megatron_lm_door): parse the flags, replace
 ``parse_and_validate_args``, observe ``train_step``, read the model config and the micro-batch count.
 
 Seam card

@@ -295,7 +295,7 @@ def wrap_ddp(
     device: torch.device, param_alignment: int | None = None,
 ) -> list[DistributedDataParallel]:
     """Megatron's get_model wrapping. ``param_alignment`` (elements, with the distributed optimizer):
-    every DP shard of every param starts at a multiple of it (agoq.megatron.dist_optimizer)."""
+    every DP shard of every param starts at a multiple of it (agoq.megatron.optim.dist_optimizer)."""
     wrapped = []
     for idx, chunk in enumerate(chunks):
         chunk.to(device)
@@ -313,7 +313,7 @@ def wrap_ddp(
 
 
 def _aligned_layout(module, ddp_config: DistributedDataParallelConfig, disable_bucketing: bool, align: int):
-    from agoq.megatron.dist_optimizer import aligned_full_param_layout, ddp_bucket_size
+    from agoq.megatron.optim.dist_optimizer import aligned_full_param_layout, ddp_bucket_size
 
     dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True)
     bucket = ddp_bucket_size(ddp_config, parallel_state.get_data_parallel_world_size(),

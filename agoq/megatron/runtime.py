@@ -13,7 +13,7 @@ Guarded by: every multi-process test in ``tests/megatron``.
 
 Reads no environment: where this process sits in the job (torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``
 / ``MASTER_ADDR``) comes in as a :class:`LaunchInfo`, which the trainer builds from the environment
-(``agoq.megatron.train.environment.launch_from_environment``) and in-process users state (:data:`SINGLE_PROCESS`).
+(``agoq.train.environment.launch_from_environment``) and in-process users state (:data:`SINGLE_PROCESS`).
 """
 
 from __future__ import annotations

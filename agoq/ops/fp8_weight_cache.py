@@ -8,7 +8,7 @@ A cached entry is valid while all of these hold (checked on the host, no GPU syn
     registered by ``agoq.megatron.install`` as its ``fp8_weight_cache`` seam and removed by the install
     handle's ``undo()``; without install, e.g. agoq.ops used alone, the first cache adds it; Megatron's
     optimizers and agoq's step through a torch optimizer) and at the start of every training / eval
-    step (agoq.megatron.train.training.StepRunner);
+    step (agoq.train.training.StepRunner);
   - the weight tensor is the same (``data_ptr``, shape, dtype) and its autograd version counter
     (``weight._version``, bumped by in-place ops such as ``copy_`` or ``load_state_dict``) is unchanged;
   - the recipe object is the same.

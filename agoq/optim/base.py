@@ -44,7 +44,7 @@ MASTER_DTYPES = {"split24": torch.int8, "split32": torch.int16, "fp32": torch.fl
 # cosine-decayed AdamW steps (lr 3e-5 * ~1) and would stall (FlashOptim caveat, arXiv 2602.23349).
 SMALL_TENSOR_RULE = "ndim < 2 or numel < small_numel -> fp32 states, split32 master (if bf16/fp16)"
 DEFAULT_SMALL_NUMEL = 4096
-LOGICAL_SHAPE_ATTR = "agoq_logical_shape"  # set on flat param shards by agoq.megatron.dist_optimizer
+LOGICAL_SHAPE_ATTR = "agoq_logical_shape"  # set on flat param shards by agoq.megatron.optim.dist_optimizer
 
 
 def check_master(master: str) -> str:
@@ -206,7 +206,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
 
     def _step_from_source(self) -> None:
         """One parameter at a time, each gradient from ``grad_source`` (built, used, dropped in turn:
-        agoq/megatron/grad_reader.py's 8-bit shard reads); no multi-tensor launch, which needs them all."""
+        agoq/megatron/grads/grad_reader.py's 8-bit shard reads); no multi-tensor launch, which needs them all."""
         for group in self.param_groups:
             for p in group["params"]:
                 grad = self.grad_source(p)

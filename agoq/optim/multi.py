@@ -21,7 +21,7 @@ that had no gradient for some steps) get their own launch.
 Per-tensor fallbacks (logged once per reason, agoq.optim logger): a bucket whose operands cannot share
 a launch (mixed dtypes inside one operand, misaligned views, >2**31 programs), non-contiguous grads,
 and all non-fused groups. Per-parameter entry points stay per tensor by design: ``step_param`` (used by
-gradient release hooks, agoq.optim.release, and the 8-bit grad reader of agoq.megatron.grad_reader,
+gradient release hooks, agoq.optim.release, and the 8-bit grad reader of agoq.megatron.grads.grad_reader,
 which materialises one parameter's gradient at a time so it cannot batch launches).
 """
 

@@ -304,7 +304,7 @@ def shape_of(values: dict, config: str | None) -> ModelShape:
     return ModelShape(**dims, vocab_size=raw_vocab(values))
 
 
-# the trainer's derived defaults (agoq.megatron.train.args._fill_derived): MHA, and LLaMA's 8/3 x hidden rounded up
+# the trainer's derived defaults (agoq.train.args._fill_derived): MHA, and LLaMA's 8/3 x hidden rounded up
 # to a multiple of 64
 DERIVED = {"num_query_groups": lambda v: v["num_attention_heads"],
            "ffn_hidden_size": lambda v: 64 * -(-int(8 * v["hidden_size"] / 3) // 64)}

@@ -8,7 +8,7 @@ DDP construction (``StagePeak.construction``): Megatron's ``_ParamAndGradBuffer.
 (megatron.core.distributed.param_and_grad_buffer) allocates, with the distributed optimizer, the bf16
 parameter buffer while the model's original parameters are still alive (copied in afterwards), and the
 float gradient buffer (grad dtype x buffer elements). With agoq's 8-bit store the gradient buffer is a
-meta placeholder (agoq/megatron/deferred_grad_buffer.py): construction holds parameters + parameter
+meta placeholder (agoq/megatron/grads/deferred_grad_buffer.py): construction holds parameters + parameter
 buffer, and the 8-bit store is built after the parameters were copied (<= the parameters' bytes, in the
 persistent term). Gradient release builds no DDP.
 
@@ -35,7 +35,7 @@ Optimizer-step phase: persistent state plus the step's temporaries. Megatron's A
 parameter (4 B/param; the other foreach ops are in place). With bf16 gradients Megatron's
 ``_copy_model_grads_to_main_grads`` makes fp32 copies (``main_grad.float()``, 4 B/param). With the 8-bit
 store and Megatron's AdamW the reduced gradient is dequantized into a float buffer (4 B/param,
-agoq.megatron.grad_store; with the distributed optimizer only the rank's fp32 shard gradients, 4/dp; with
+agoq.megatron.grads.grad_store; with the distributed optimizer only the rank's fp32 shard gradients, 4/dp; with
 agoq's optimizer nothing: it reads the 8-bit shard one parameter at a time). agoq's optimizer steps one
 parameter (or shard) at a time with the fused Triton step, which allocates nothing; what it does allocate is
 ``agoq_step_bytes``: the 8-bit store's fp32 read of the largest parameter and its clipped copy (the states are
@@ -74,7 +74,7 @@ DIST_OPT_PARAM_ALIGN = 64  # elements; megatron param_and_grad_buffer pads each 
 DIST_OPT_BUCKET_ALIGN = 128  # bucket end padded to a multiple of lcm(dp, 128) (dist-opt)
 TORCH_ADAM_STEP_BYTES = FP32_BYTES  # torch._foreach_sqrt(exp_avg_sq): one fp32 list, per parameter
 # agoq's optimizer with the 8-bit store reads one parameter's (shard's) reduced gradient as fp32
-# (agoq.megatron.grad_reader: QuantizedGradReader.grad / ShardGradReader.clipped_grad) and, while Megatron's
+# (agoq.megatron.grads.grad_reader: QuantizedGradReader.grad / ShardGradReader.clipped_grad) and, while Megatron's
 # --clip-grad (default 1.0) scales it, ``g * clip_coeff`` is a second fp32 tensor until the first is dropped;
 # the fused step (agoq.kernels.optim._launch_step) then allocates nothing. Measured: capacity_1gpu.json
 # 8b/agoq full, iteration 1 (grad norm 56): 48.419 GiB = 46.036 allocated after the step - 1.529 GiB of
@@ -82,7 +82,7 @@ TORCH_ADAM_STEP_BYTES = FP32_BYTES  # torch._foreach_sqrt(exp_avg_sq): one fp32 
 # With Megatron's float buffer the step reads main_grad in place (FP32Optimizer clips in place): 0.
 STORE_GRAD_READ_FP32_COPIES = 2
 MASTER_BYTES = {"none": 0, "split24": 1, "split32": 2, "fp32": 4}
-# The non-finite gradient check before the step (agoq.megatron.train.training / ddp, agoq.ops.nonfinite):
+# The non-finite gradient check before the step (agoq.train.training / ddp, agoq.ops.nonfinite):
 # torch.isfinite of a float slice allocates |x| (grad dtype) plus three bool temporaries. It runs over slices of
 # NONFINITE_CHECK_SLICE elements (agoq.ops.nonfinite, equal by test).
 NONFINITE_CHECK_SLICE = 2**24
@@ -108,7 +108,7 @@ class Recipe:
     # (agoq.megatron.compute.compute_spec): weight caches, scaling state, saved inputs (agoq.plan.fp8)
     fp8: FP8Spec = FP8Spec()
     # plain SwiGLU fused with the FP8 fc2 under delayed scaling (agoq.plan.fp8.fused_plain); False: Megatron's SwiGLU
-    # before the FP8 fc2, as with the trainer's AGOQ_FP8_SWIGLU_FUSION=0 (agoq.megatron.train.memory_report)
+    # before the FP8 fc2, as with the trainer's AGOQ_FP8_SWIGLU_FUSION=0 (agoq.train.memory_report)
     fuse_plain_swiglu_fp8: bool = True
     # agoq's fused RoPE in Megatron's slot (--rope-fusion; agoq.megatron.rope): no per-layer cos / sin saves
     # (agoq.plan.storage.megatron_bytes); False: Megatron's unfused RoPE
@@ -218,7 +218,7 @@ def agoq_step_bytes(largest_numel: int, recipe: Recipe) -> int:
 
 
 def release_step_bytes(largest_numel: int) -> int:
-    """Gradient release (agoq.megatron.release): inside backward, one parameter's hook holds its bf16 gradient
+    """Gradient release (agoq.megatron.optim.release): inside backward, one parameter's hook holds its bf16 gradient
     and the non-finite check's temporaries (``nonfinite_check_bytes``: one slice); the fused step allocates
     nothing. Bounded by the largest parameter. The output layer's hook fires at the start of backward, after
     the loss's and the output layer's backward released the head's saves: counted on top of the layers' held
@@ -234,7 +234,7 @@ def grad_bytes_per_param(recipe: Recipe, layout: Layout) -> tuple[float, float]:
     forward/backward, extra float bytes from the reduction to the next zero_grad).
 
     Megatron's float buffer: 4 (2 with --grad-reduce-in-bf16); Megatron's fp32 step over a bf16 buffer adds
-    fp32 copies (4/share). agoq's 8-bit store (agoq.megatron.grad_store): codes + scales (+ 2 B residual
+    fp32 copies (4/share). agoq's 8-bit store (agoq.megatron.grads.grad_store): codes + scales (+ 2 B residual
     with error feedback), the reduced gradient requantized in place with or without the distributed
     optimizer; agoq's optimizer reads it one parameter (shard) at a time (0 extra); Megatron's Adam needs
     every fp32 gradient at once: the whole float buffer (4) without the distributed optimizer, its fp32
@@ -253,8 +253,8 @@ def grad_bytes_per_param(recipe: Recipe, layout: Layout) -> tuple[float, float]:
 def ddp_construction_bytes(weights: int, buffer_numel: int, layout: Layout, recipe: Recipe) -> int:
     """Allocated while Megatron's DDP builds its buffers (module docstring): the model's parameters, with the
     distributed optimizer the bf16 parameter buffer, and the float gradient buffer, except with agoq's 8-bit
-    store (a meta placeholder, agoq/megatron/deferred_grad_buffer.py). 0 with gradient release
-    (agoq.megatron.release wraps the model without Megatron's DDP)."""
+    store (a meta placeholder, agoq/megatron/grads/deferred_grad_buffer.py). 0 with gradient release
+    (agoq.megatron.optim.release wraps the model without Megatron's DDP)."""
     if recipe.gradient_release:
         return 0
     param_buffer = BF16_BYTES * buffer_numel if layout.distributed_optimizer else 0

@@ -1,5 +1,5 @@
 """The planner's Recipe of a run's AgoqConfig: one function for the trainer's start-up report
-(agoq.megatron.train.memory_report), benchmarks and ``python -m agoq.plan``."""
+(agoq.train.memory_report), benchmarks and ``python -m agoq.plan``."""
 
 from __future__ import annotations
 

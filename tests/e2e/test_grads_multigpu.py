@@ -77,8 +77,9 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from agoq.config import AgoqConfig
-    from agoq.megatron import grad_reader, runtime
-    from agoq.megatron.ddp import grad_memory_report, wrap_ddp_agoq
+    from agoq.megatron import runtime
+    from agoq.megatron.grads import grad_reader
+    from agoq.megatron.grads.ddp import grad_memory_report, wrap_ddp_agoq
     from agoq.megatron.install import install
     from agoq.megatron.model import (
         LlamaShape,
@@ -87,9 +88,9 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
         build_model_chunks,
         llama_transformer_config,
     )
-    from agoq.megatron.optimizer import build_agoq_optimizer
-    from agoq.megatron.train import training
-    from agoq.megatron.train.pretrain import megatron_optimizer_config
+    from agoq.megatron.optim.optimizer import build_agoq_optimizer
+    from agoq.train import training
+    from agoq.train.pretrain import megatron_optimizer_config
 
     cuda = device_type == "cuda"
     if cuda:

@@ -4,7 +4,7 @@
 way ``scripts/pretrain_llama.py`` does (its own ``model_provider``: agoq spec, DDP or agoq's gradient
 wrappers, Megatron's optimizer and LR schedule), overwrites every parameter with ``reference_state`` (keyed
 by *global* parameter name, so PP=1 and PP=2 x VPP=2 hold identical weights), and runs
-``ITERATIONS`` real training steps (``agoq.megatron.train.training.StepRunner``: Megatron's schedules,
+``ITERATIONS`` real training steps (``agoq.train.training.StepRunner``: Megatron's schedules,
 ``finalize_model_grads``, optimizer step, LR schedule) on a fixed, learnable token stream.
 
 Per case it returns the loss and grad norm of every iteration and the reduced iteration-1 gradient of
@@ -133,9 +133,9 @@ def run_case(case: Case, reference_state: dict | None, device: torch.device, wor
     from agoq.megatron import runtime
     from agoq.megatron.activations import storage_of
     from agoq.megatron.model import ParallelLayout
-    from agoq.megatron.train import pretrain
-    from agoq.megatron.train.args import parse_args
-    from agoq.megatron.train.training import StepRunner
+    from agoq.train import pretrain
+    from agoq.train.args import parse_args
+    from agoq.train.training import StepRunner
 
     if case.two_node:
         from agoq.megatron.layers import _AgoqLinearMixin

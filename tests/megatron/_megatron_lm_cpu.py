@@ -8,7 +8,7 @@ flags. ``megatron.training`` is CUDA-only; on top of agoq's CPU mode (agoq/megat
 install_for_megatron_training's contract check, as agoq's own trainer does) this test driver stands in for what
 ``initialize_megatron`` and ``get_model`` ask of CUDA. Each stand-in is here and nowhere in the product:
 
-* the door's ``require_cuda`` (agoq/megatron/train/megatron_lm_door.py) a no-op: it refuses a machine without CUDA.
+* the door's ``require_cuda`` (agoq/train/megatron_lm_door.py) a no-op: it refuses a machine without CUDA.
 
 * ``initialize_megatron(allow_no_cuda=True)``: it asserts ``torch.cuda.is_available()`` otherwise.
 * ``torch.cuda.device_count() == 1``: with 0, ``_initialize_distributed`` skips ``initialize_model_parallel`` and
@@ -54,7 +54,7 @@ def main() -> None:
     import megatron.training.training as training
 
     from agoq.megatron import megatron_lm
-    from agoq.megatron.train import megatron_lm_door
+    from agoq.train import megatron_lm_door
 
     install = megatron_lm.install_for_megatron_training
 

@@ -10,7 +10,7 @@ def one_global_batch(chunks, shape, num_microbatches: int, micro_batch: int, see
     current parallel state (1F1B, or interleaved when there are several chunks); grads land in .grad."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from agoq.megatron.train.training import make_forward_step
+    from agoq.train.training import make_forward_step
 
     g = torch.Generator().manual_seed(seed)
     batches = []

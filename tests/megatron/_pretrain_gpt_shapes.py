@@ -93,7 +93,7 @@ datasets_provider.is_distributed = True
 def main() -> None:
     if SHAPE == "hooks":
         from agoq.megatron.megatron_lm import install_for_megatron_training
-        from agoq.megatron.train.megatron_lm import add_agoq_args, agoq_config_from_megatron_args
+        from agoq.train.megatron_lm import add_agoq_args, agoq_config_from_megatron_args
 
         args = parse_and_validate_args(extra_args_provider=add_agoq_args)
         install_for_megatron_training(agoq_config_from_megatron_args(args))

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agoq.megatron.train.args import parse_args
 from agoq.testing.procs import REPO_ROOT
+from agoq.train.args import parse_args
 from tests.megatron._bench_scripts import load_bench_script
 
 BENCH = load_bench_script("bench_pretrain")

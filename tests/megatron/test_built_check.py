@@ -16,7 +16,7 @@ FULL = ["--agoq-grads", "int8_b256", "--agoq-optimizer", "adamw"]
 
 
 def _args(flags):
-    from agoq.megatron.train.args import parse_args
+    from agoq.train.args import parse_args
 
     return parse_args(flags)
 
@@ -26,11 +26,11 @@ def _build(args, *, attention: str, policy, grads: str | None, agoq_optimizer: b
     from megatron.core.optimizer import get_megatron_optimizer
 
     from agoq.config import GradsConfig
-    from agoq.megatron.ddp import wrap_ddp_agoq
+    from agoq.megatron.grads.ddp import wrap_ddp_agoq
     from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
-    from agoq.megatron.optimizer import build_agoq_optimizer
-    from agoq.megatron.train.pretrain import ddp_config, megatron_optimizer_config
+    from agoq.megatron.optim.optimizer import build_agoq_optimizer
     from agoq.policy import ScheduleInfo, load_policy
+    from agoq.train.pretrain import ddp_config, megatron_optimizer_config
 
     shape = tiny_shape()
     config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.float32, use_cpu_initialization=True)

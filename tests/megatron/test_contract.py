@@ -38,7 +38,7 @@ def test_versions_line_names_the_installed_release_not_a_git_tag(monkeypatch):
     .venv inside agoq's checkout printed agoq's commit as megatron-core's); the start-up line reads pip's release."""
     import megatron.core
 
-    from agoq.megatron.train.pretrain import versions_line
+    from agoq.train.pretrain import versions_line
 
     monkeypatch.setattr(megatron.core, "__version__", "0.19.2+0123abc")  # what the git suffix looks like
     line = versions_line()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agoq.megatron import checkpoint, hf_checkpoint
+from agoq.megatron.ckpt import checkpoint, hf_checkpoint
 
 
 def test_an_iteration_that_was_not_saved_names_the_saved_ones(tmp_path):
@@ -33,7 +33,7 @@ _NEW_MODEL = {**_OLD_MODEL, "rotary_base": 500000, "norm_epsilon": 1e-6, "rope_s
 def _dims(tmp_path, model: dict, yaml_text: str | None):
     from agoq.convert.__main__ import _export_dims
     from agoq.convert.request import ExportRequest
-    from agoq.megatron.resume import RECORD_KEY
+    from agoq.megatron.ckpt.resume import RECORD_KEY
 
     config = None
     if yaml_text is not None:

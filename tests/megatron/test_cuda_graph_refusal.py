@@ -30,12 +30,12 @@ def _rank(rank: int, world: int) -> dict:
 
     from agoq.config import GradsConfig
     from agoq.megatron import runtime
-    from agoq.megatron.ddp import wrap_ddp_agoq
+    from agoq.megatron.grads.ddp import wrap_ddp_agoq
     from agoq.megatron.graphs import allow_unvalidated
     from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
-    from agoq.megatron.train.args import DEFAULT_POLICY
     from agoq.policy import FP8Spec
     from agoq.policy.stages import ScheduleInfo
+    from agoq.train.args import DEFAULT_POLICY
     from tests.megatron._tiny import tiny_shape
 
     shape, layout = tiny_shape(), ParallelLayout(tp=1, pp=1)
@@ -146,7 +146,7 @@ def test_pp_graphs_give_each_micro_batch_its_own_rotary_table():
 
 
 def _rope_tables(rope, batch, fresh: bool) -> list:
-    from agoq.megatron.train.training import make_forward_step
+    from agoq.train.training import make_forward_step
 
     tables = []
 

@@ -67,9 +67,9 @@ def _rank(rank: int, world: int) -> dict:
     from agoq.megatron import runtime
     from agoq.megatron.activations import storage_of
     from agoq.megatron.model import ParallelLayout, agoq_layer_spec, llama_transformer_config
-    from agoq.megatron.train.args import DEFAULT_POLICY
     from agoq.policy import FP8Spec
     from agoq.policy.stages import ScheduleInfo
+    from agoq.train.args import DEFAULT_POLICY
     from tests.megatron._tiny import tiny_shape
 
     shape, layout = tiny_shape(), ParallelLayout(tp=1, pp=1)

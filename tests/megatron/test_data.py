@@ -1,4 +1,4 @@
-"""agoq.megatron.train.data and scripts/prepare_data.py on real megatron-core datasets (CPU)."""
+"""agoq.train.data and scripts/prepare_data.py on real megatron-core datasets (CPU)."""
 
 import importlib.util
 import json
@@ -20,7 +20,7 @@ from megatron.training.datasets.data_samplers import MegatronPretrainingSampler 
 from agoq.data.corpus import collect_stdlib_corpus  # noqa: E402
 from agoq.data.sampler import PretrainingSampler  # noqa: E402
 from agoq.data.tokenizer import Tokenizer, TokenizerTrainConfig, train_sentencepiece  # noqa: E402
-from agoq.megatron.train.data import (  # noqa: E402
+from agoq.train.data import (  # noqa: E402
     build_data_iterators,
     build_gpt_datasets,
     build_indexed_dataset,
@@ -313,7 +313,7 @@ def test_megatron_written_files_pass_the_header_check(tiny):
 _DEFAULT_SPLIT_CHILD = """
 import sys
 from agoq.data.tokenizer import Tokenizer
-from agoq.megatron.train.data import build_data_iterators
+from agoq.train.data import build_data_iterators
 try:
     build_data_iterators(sys.argv[1], Tokenizer.load(sys.argv[2]), seq_length=32, micro_batch_size=2,
                          global_batch_size=4, dp_rank=0, dp_size=1, train_iters=2, cache_dir=sys.argv[3])

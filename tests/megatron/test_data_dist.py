@@ -14,7 +14,7 @@ import torch
 pytestmark = [pytest.mark.megatron, pytest.mark.dist]
 
 from agoq.data.tokenizer import Tokenizer, TokenizerTrainConfig  # noqa: E402
-from agoq.megatron.train.data import build_data_iterators, ensure_default_dataset  # noqa: E402
+from agoq.train.data import build_data_iterators, ensure_default_dataset  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 2
@@ -29,7 +29,7 @@ RANK_SCRIPT = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from agoq.data.tokenizer import Tokenizer, TokenizerTrainConfig
-    from agoq.megatron.train.data import build_data_iterators, ensure_default_dataset_distributed
+    from agoq.train.data import build_data_iterators, ensure_default_dataset_distributed
 
     rank, out = int(sys.argv[1]), Path(sys.argv[2])
     cap, vocab, kwargs = int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])

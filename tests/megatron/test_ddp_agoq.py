@@ -26,16 +26,17 @@ from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E40
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 
 from agoq.config import AgoqConfig, GradsConfig  # noqa: E402
-from agoq.megatron import grad_reader, runtime  # noqa: E402
-from agoq.megatron.ddp import grad_memory_report, wrap_ddp_agoq  # noqa: E402
+from agoq.megatron import runtime  # noqa: E402
+from agoq.megatron.grads import grad_reader  # noqa: E402
+from agoq.megatron.grads.ddp import grad_memory_report, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.model import (  # noqa: E402
     ParallelLayout,
     agoq_layer_spec,
     build_model_chunks,
     llama_transformer_config,
 )
-from agoq.megatron.train import training  # noqa: E402
 from agoq.testing.dist import spawn_ranks  # noqa: E402
+from agoq.train import training  # noqa: E402
 from tests.megatron._tiny import tiny_shape  # noqa: E402
 
 STEPS = 8
@@ -210,7 +211,7 @@ def _skip_rank(rank: int, world_size: int, optimizer_kind: str) -> dict:
 
     from agoq.cli.agoq_flags import add_agoq_flags
     from agoq.megatron.install import install
-    from agoq.megatron.train.pretrain import build_optimizer
+    from agoq.train.pretrain import build_optimizer
 
     handle = install(AgoqConfig(device="cpu"))
     try:

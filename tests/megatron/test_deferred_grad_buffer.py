@@ -1,5 +1,5 @@
 """--agoq-grads store mode builds Megatron's DDP without its float gradient buffer (issue 19 item 1: "no
-full-size float buffer, no transient larger than one bucket"; agoq/megatron/deferred_grad_buffer.py).
+full-size float buffer, no transient larger than one bucket"; agoq/megatron/grads/deferred_grad_buffer.py).
 
 Measured from torch's CPU allocator events (agoq.testing.memory) on 2 gloo ranks, tiny LLaMA with 16 narrow
 layers and ~20k-element buckets (8 buckets), overlap_grad_reduce on:
@@ -29,8 +29,8 @@ from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E40
 
 from agoq.config import AgoqConfig, GradsConfig  # noqa: E402
 from agoq.megatron import runtime  # noqa: E402
-from agoq.megatron.ddp import grad_memory_report, wrap_ddp_agoq  # noqa: E402
-from agoq.megatron.deferred_grad_buffer import GradBufferOnMeta, check_deferred  # noqa: E402
+from agoq.megatron.grads.ddp import grad_memory_report, wrap_ddp_agoq  # noqa: E402
+from agoq.megatron.grads.deferred_grad_buffer import GradBufferOnMeta, check_deferred  # noqa: E402
 from agoq.megatron.model import (  # noqa: E402
     ParallelLayout,
     agoq_layer_spec,

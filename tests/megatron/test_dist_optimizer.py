@@ -1,4 +1,4 @@
-"""--agoq-optimizer with --use-distributed-optimizer (agoq.megatron.dist_optimizer) on CPU.
+"""--agoq-optimizer with --use-distributed-optimizer (agoq.megatron.optim.dist_optimizer) on CPU.
 
 Layout: DP shards aligned to quantization groups (pure functions, no process group). End to end:
 scripts/pretrain_llama.py under torchrun, 2 gloo ranks: trains, equals the non-distributed agoq step,
@@ -49,7 +49,7 @@ SIZES = [64 * 3 + 32, 4096 + 64, 1000, 12_352, 97, 6144 + 64 * 5]
 def test_aligned_layout_puts_every_shard_boundary_on_a_group_boundary(dp, align, bucket_size):
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from agoq.megatron.dist_optimizer import aligned_full_param_layout
+    from agoq.megatron.optim.dist_optimizer import aligned_full_param_layout
 
     cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
     layout = aligned_full_param_layout(_params(SIZES), bucket_size, dp, cfg, align)
@@ -74,7 +74,7 @@ def test_megatron_default_layout_can_split_a_32_element_group():
 
 
 def test_shard_alignment_is_lcm_of_64_and_the_blocks():
-    from agoq.megatron.dist_optimizer import shard_alignment
+    from agoq.megatron.optim.dist_optimizer import shard_alignment
 
     assert shard_alignment(["cint8_b32", "cuint8_b32"]) == 64
     assert shard_alignment(["fp8e4m3_b128", "fp8e5m2_b128"]) == 128
@@ -84,7 +84,7 @@ def test_shard_alignment_is_lcm_of_64_and_the_blocks():
 
 def test_misaligned_shard_is_refused_with_the_fix():
     """A DDP built without agoq's layout whose shard splits a group: the optimizer refuses to start."""
-    from agoq.megatron.dist_optimizer import AgoqDistributedOptimizer
+    from agoq.megatron.optim.dist_optimizer import AgoqDistributedOptimizer
     from agoq.optim import AdamW
 
     model_param = torch.nn.Parameter(torch.zeros(64, 128, dtype=torch.bfloat16))

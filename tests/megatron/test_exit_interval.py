@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from agoq.megatron.train.training import exit_interval_reached  # noqa: E402
+from agoq.train.training import exit_interval_reached  # noqa: E402
 
 
 def test_a_fresh_run_stops_at_n_and_a_resumed_one_at_the_next_multiple():

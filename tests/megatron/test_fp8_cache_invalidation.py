@@ -19,8 +19,8 @@ import torch
 
 pytestmark = [pytest.mark.megatron]
 
-from agoq.megatron import grad_reader  # noqa: E402
-from agoq.megatron.release import AgoqReleaseOptimizer  # noqa: E402
+from agoq.megatron.grads import grad_reader  # noqa: E402
+from agoq.megatron.optim.release import AgoqReleaseOptimizer  # noqa: E402
 from agoq.ops.fp8_weight_cache import weight_generation  # noqa: E402
 from agoq.optim import AdamW  # noqa: E402
 

@@ -34,7 +34,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # n
 from agoq.cli.agoq_flags import add_agoq_flags  # noqa: E402
 from agoq.config import AgoqConfig, GradsConfig  # noqa: E402
 from agoq.megatron import runtime  # noqa: E402
-from agoq.megatron.ddp import grad_memory_report, wrap_ddp_agoq  # noqa: E402
+from agoq.megatron.grads.ddp import grad_memory_report, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.model import (  # noqa: E402
     LlamaShape,
     ParallelLayout,
@@ -82,7 +82,7 @@ def _batch(rank: int, step: int, mb: int):
 
 
 def _run_variant(rank: int, grad: GradsConfig, optimizer_kind: str, chunk_bytes: int | None = None) -> dict:
-    from agoq.megatron.train.pretrain import build_optimizer
+    from agoq.train.pretrain import build_optimizer
 
     runtime.init_model_parallel(ParallelLayout(tp=1, pp=1), seed=1234, device=torch.device("cpu"))
     config = llama_transformer_config(SHAPE, ParallelLayout(tp=1, pp=1), params_dtype=torch.float32,

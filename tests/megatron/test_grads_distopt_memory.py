@@ -1,6 +1,6 @@
 """8-bit gradients (``--agoq-grads int8_b256``, store mode) under ``--use-distributed-optimizer``: the
 gradient bytes per parameter per rank that scripts/pretrain_llama.py measures from the live tensors
-(``--log-json`` ``memory_breakdown``, agoq/megatron/train/memory_report.py) at their real cost, d = 2 ranks.
+(``--log-json`` ``memory_breakdown``, agoq/train/memory_report.py) at their real cost, d = 2 ranks.
 
 Bounds (issue 19; docs/numerics.md "Distributed optimizer"): the 8-bit store is 1 + 4/256 B/param plus
 per-parameter padding to whole 256-element blocks (< 0.1 here). agoq's optimizer reads its shard from the
@@ -83,7 +83,7 @@ def _reduce_shard_in_place(rank: int, world_size: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from agoq.megatron.grad_store import BucketStore
+    from agoq.megatron.grads.grad_store import BucketStore
 
     params = [torch.nn.Parameter(torch.zeros(600)), torch.nn.Parameter(torch.zeros(1400))]
     bucket = SimpleNamespace(params_list=params, param_to_index={params[0]: (0, 600), params[1]: (600, 2000)},

@@ -148,7 +148,8 @@ def _tp1_worker(rank, world_size, ckpt: str, out_dir: str, tokenizer: str):
     """Logits of the converted checkpoint, then the CLI's export / import in this process."""
     from agoq.convert.__main__ import _shape, main
     from agoq.convert.llama import LlamaDims
-    from agoq.megatron import hf_checkpoint, runtime
+    from agoq.megatron import runtime
+    from agoq.megatron.ckpt import hf_checkpoint
 
     hf_checkpoint.init_single_process(runtime.SINGLE_PROCESS)
     source = hf_checkpoint.checkpoint_source(ckpt)
@@ -214,7 +215,8 @@ def _logits_in_layout(layout, ckpt: str):
 
     from agoq.convert.__main__ import _shape
     from agoq.convert.llama import LlamaDims
-    from agoq.megatron import hf_checkpoint, runtime
+    from agoq.megatron import runtime
+    from agoq.megatron.ckpt import hf_checkpoint
 
     runtime.init_model_parallel(layout, seed=0, device=torch.device("cpu"))
     try:
@@ -287,12 +289,12 @@ def _prepare_data(tokenizer: Path, out: Path) -> Path:
 
 def _first_batch_loss(hf_dir: Path, prefix: Path, cache: Path, padded: int) -> float:
     """The tiny HF model's loss on the trainer's first global batch (the same GPTDataset iterator, seed and
-    split: agoq.megatron.train.data.build_data_iterators), over Megatron's padded vocabulary (the padded rows'
+    split: agoq.train.data.build_data_iterators), over Megatron's padded vocabulary (the padded rows'
     logits are 0), token-averaged as Megatron's loss is. A fresh init would give ~ln(padded) instead."""
     from transformers import AutoModelForCausalLM
 
     from agoq.data.tokenizer import Tokenizer
-    from agoq.megatron.train import data as mdata
+    from agoq.train import data as mdata
 
     train, _, _ = mdata.build_data_iterators(
         [str(prefix)], Tokenizer.load(hf_dir / "tokenizer.json"), seq_length=TRAIN_SEQ, micro_batch_size=TRAIN_MBS,
@@ -409,7 +411,8 @@ def _llama3_worker(rank, world_size, hf_dir: str, out_dir: str):
     model's parameter count, then agoq-to-hf and the round trip's hf-to-agoq and logits again."""
     from agoq.convert.__main__ import _shape, main
     from agoq.convert.llama import LlamaDims
-    from agoq.megatron import hf_checkpoint, install, model, runtime
+    from agoq.megatron import install, model, runtime
+    from agoq.megatron.ckpt import hf_checkpoint
 
     hf_checkpoint.init_single_process(runtime.SINGLE_PROCESS)
     out = Path(out_dir)

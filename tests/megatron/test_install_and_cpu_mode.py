@@ -54,9 +54,11 @@ def test_undo_restores_every_runtime_change():
     from torch.optim.optimizer import _global_optimizer_post_hooks
 
     from agoq.config import GradsConfig
-    from agoq.megatron import checkpoint, grad_reader, runtime
     from agoq.megatron import install as install_mod
-    from agoq.megatron.ddp import AgoqBucketGroup, GroupGrads, wrap_ddp_agoq
+    from agoq.megatron import runtime
+    from agoq.megatron.ckpt import checkpoint
+    from agoq.megatron.grads import grad_reader
+    from agoq.megatron.grads.ddp import AgoqBucketGroup, GroupGrads, wrap_ddp_agoq
     from agoq.megatron.model import (
         LlamaShape,
         ParallelLayout,

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from agoq.megatron.train.training import IntervalMeter, StepResult
+from agoq.train.training import IntervalMeter, StepResult
 
 pytestmark = pytest.mark.megatron
 
@@ -43,7 +43,7 @@ def test_one_iteration_interval_is_the_iteration_itself_and_other_stages_have_no
 
 
 def test_interval_line_averages_the_host_steal_and_unknown_stays_unknown():
-    """--log-json host_steal_cpu_seconds (agoq.megatron.train.hoststats): the interval's mean per step; one
+    """--log-json host_steal_cpu_seconds (agoq.train.hoststats): the interval's mean per step; one
     iteration whose steal could not be read makes the interval's unknown (None), never a partial mean."""
     meter = IntervalMeter()
     steps = [StepResult(loss=1.0, grad_norm=1.0, update_successful=True, seconds=0.2, steal_seconds=s)

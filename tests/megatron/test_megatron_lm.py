@@ -1,4 +1,4 @@
-"""agoq in Megatron-LM's trainer (agoq/megatron/train/megatron_lm.py, agoq/megatron/megatron_lm.py,
+"""agoq in Megatron-LM's trainer (agoq/train/megatron_lm.py, agoq/megatron/megatron_lm.py,
 scripts/pretrain_gpt_agoq.py)
 on the CPU.
 
@@ -36,7 +36,7 @@ def _megatron_args(monkeypatch, argv: list[str]) -> argparse.Namespace:
     """Megatron's parse_args + validate_args with agoq's flags (no global state: no tokenizer, no timers)."""
     from megatron.training.arguments import parse_args, validate_args
 
-    from agoq.megatron.train.megatron_lm import add_agoq_args
+    from agoq.train.megatron_lm import add_agoq_args
 
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt_agoq.py", *argv])
     args = parse_args(extra_args_provider=add_agoq_args)
@@ -57,8 +57,8 @@ def _bench_megatron_argv(variant: str, extra: tuple[str, ...] = ()) -> list[str]
 def test_agoq_flags_join_megatron_parser_and_cover_the_trainer_flags():
     from megatron.training.arguments import add_megatron_arguments
 
-    from agoq.megatron.train.args import build_parser
-    from agoq.megatron.train.megatron_lm import add_agoq_args
+    from agoq.train.args import build_parser
+    from agoq.train.megatron_lm import add_agoq_args
 
     parser = add_agoq_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))  # raises on a clash
     ours = {o: a for a in parser._actions for o in a.option_strings if o.startswith("--agoq-")}
@@ -75,8 +75,8 @@ def test_agoq_flags_join_megatron_parser_and_cover_the_trainer_flags():
 
 @pytest.mark.parametrize("variant", sorted(BENCH.VARIANTS))
 def test_config_equals_the_trainers_for_the_same_flags(monkeypatch, variant):
-    from agoq.megatron.train.args import parse_args as trainer_parse_args
-    from agoq.megatron.train.megatron_lm import agoq_config_from_megatron_args
+    from agoq.train.args import parse_args as trainer_parse_args
+    from agoq.train.megatron_lm import agoq_config_from_megatron_args
 
     ours = agoq_config_from_megatron_args(_megatron_args(monkeypatch, _bench_megatron_argv(variant)))
     trainer = trainer_parse_args([*BENCH.common_flags("tiny", 20), *BENCH.TRAINER_EQUIVALENCE_FLAGS,
@@ -152,7 +152,7 @@ def test_transformer_engine_with_agoq_on_is_taken(monkeypatch):
     """Megatron-LM's default --transformer-impl transformer_engine with agoq on: TE's layers with agoq's scopes,
     gradients and optimizer (agoq.megatron.te); the local spec's attention checks do not apply."""
     from agoq.megatron import te
-    from agoq.megatron.train.megatron_lm import agoq_config_from_megatron_args, uses_transformer_engine
+    from agoq.train.megatron_lm import agoq_config_from_megatron_args, uses_transformer_engine
 
     monkeypatch.setattr(te, "te_available", lambda: True)  # the checks of the flags, as on a machine with TE
     argv = _without(_bench_megatron_argv("agoq_full"), "--transformer-impl", 1)
@@ -168,7 +168,7 @@ def _without(argv: list[str], flag: str, nargs: int) -> list[str]:
 
 @pytest.mark.parametrize(("extra", "error", "words"), REFUSED, ids=[" ".join(r[0]) for r in REFUSED])
 def test_unsupported_combinations_name_the_flag_and_the_fix(monkeypatch, extra, error, words):
-    from agoq.megatron.train.megatron_lm import MegatronLMRefusal, agoq_config_from_megatron_args
+    from agoq.train.megatron_lm import MegatronLMRefusal, agoq_config_from_megatron_args
 
     argv = _bench_megatron_argv("agoq_default")
     if "--fp16" in extra:
@@ -187,7 +187,7 @@ def test_unsupported_combinations_name_the_flag_and_the_fix(monkeypatch, extra, 
 def test_the_baseline_takes_transformer_engine_and_recipe_flags_are_taken_over_with_a_line(monkeypatch):
     """--agoq-disable runs Megatron as the flags say (Transformer Engine included; nothing taken over); with agoq on,
     Megatron-LM's default --persist-layer-norm and --gradient-accumulation-fusion are turned off, one line each."""
-    from agoq.megatron.train.megatron_lm import agoq_config_from_megatron_args, take_over_recipe_flags
+    from agoq.train.megatron_lm import agoq_config_from_megatron_args, take_over_recipe_flags
 
     recipe = [w for w in _bench_megatron_argv("agoq_default")
               if w not in ("--no-persist-layer-norm", "--no-gradient-accumulation-fusion")]
@@ -205,7 +205,7 @@ def test_the_baseline_takes_transformer_engine_and_recipe_flags_are_taken_over_w
 @pytest.mark.parametrize(("dest", "flag"), [("swiglu", "--swiglu"), ("normalization", "--normalization RMSNorm"),
                                             ("add_bias_linear", "--disable-bias-linear")])
 def test_non_llama_model_flags_are_refused_with_agoq_on(monkeypatch, dest, flag):
-    from agoq.megatron.train.megatron_lm import agoq_config_from_megatron_args
+    from agoq.train.megatron_lm import agoq_config_from_megatron_args
 
     args = _megatron_args(monkeypatch, _bench_megatron_argv("agoq_default"))
     setattr(args, dest, {"swiglu": False, "normalization": "LayerNorm", "add_bias_linear": True}[dest])
@@ -261,7 +261,7 @@ def test_install_patches_what_the_config_needs_and_undo_restores_megatron(monkey
 
     from agoq.megatron.install import marked_seam
     from agoq.megatron.megatron_lm import install_for_megatron_training
-    from agoq.megatron.train.megatron_lm import agoq_config_from_megatron_args
+    from agoq.train.megatron_lm import agoq_config_from_megatron_args
 
     mtt, dataset_utils, originals = training_module
     ddp, factory, compile_helpers, builder_ddp, setup, datasets = originals
@@ -297,7 +297,7 @@ def test_install_fills_the_rope_slot_for_megatron_lms_rope_fusion_with_agoq_on(m
 
     from agoq.megatron.megatron_lm import install_for_megatron_training
     from agoq.megatron.rope import agoq_fused_apply_rotary_pos_emb, rope_fusion_provider
-    from agoq.megatron.train.megatron_lm import agoq_config_from_megatron_args
+    from agoq.train.megatron_lm import agoq_config_from_megatron_args
 
     argv = [w for w in _bench_megatron_argv("agoq_default" if agoq_on else "baseline") if w != "--no-rope-fusion"]
     config = agoq_config_from_megatron_args(_megatron_args(monkeypatch, argv))
@@ -348,7 +348,7 @@ CPU_ITERS = 3
 
 @pytest.fixture(scope="module")
 def default_data(agoq_cache):
-    from agoq.megatron.train.data import ensure_default_dataset
+    from agoq.train.data import ensure_default_dataset
 
     paths = ensure_default_dataset(agoq_cache)
     return {"prefix": str(paths.prefix), "tokenizer": str(paths.tokenizer_model)}
@@ -443,7 +443,7 @@ def _documented_command() -> list[str]:
 def test_documented_command_and_presets_pass_megatrons_and_agoqs_checks(monkeypatch, preset):
     """docs/megatron_lm.md's command (with each preset of its table) through Megatron's parse + validate and
     agoq's config; the docs check (tests/unit/test_docs_commands.py) only parses it."""
-    from agoq.megatron.train.megatron_lm import agoq_config_from_megatron_args
+    from agoq.train.megatron_lm import agoq_config_from_megatron_args
 
     argv = _documented_command() + preset
     config = agoq_config_from_megatron_args(_megatron_args(monkeypatch, argv))

@@ -1,5 +1,5 @@
 """agoq's zero-edit door to Megatron-LM (``python -m agoq.megatron_lm SCRIPT <flags>``,
-agoq/megatron/train/megatron_lm_door.py) on the CPU, through megatron.training's real ``pretrain``
+agoq/train/megatron_lm_door.py) on the CPU, through megatron.training's real ``pretrain``
 (tests/megatron/_megatron_lm_cpu.py), on a ``pretrain_gpt.py`` of megatron.training 0.19's shapes
 (tests/megatron/_pretrain_gpt_shapes.py, no agoq import):
 
@@ -44,7 +44,7 @@ BUILT = ("built as asked on every rank", "AgoqTransformerLayer", "SDPACoreAttent
 
 @pytest.fixture(scope="module")
 def default_data(agoq_cache):
-    from agoq.megatron.train.data import ensure_default_dataset
+    from agoq.train.data import ensure_default_dataset
 
     paths = ensure_default_dataset(agoq_cache)
     return {"prefix": str(paths.prefix), "tokenizer": str(paths.tokenizer_model)}
@@ -232,7 +232,7 @@ def test_documented_zero_edit_command_passes_megatrons_and_agoqs_checks(monkeypa
 
     from megatron.training.arguments import parse_args, validate_args
 
-    from agoq.megatron.train.megatron_lm import add_agoq_args, agoq_config_from_megatron_args, take_over_recipe_flags
+    from agoq.train.megatron_lm import add_agoq_args, agoq_config_from_megatron_args, take_over_recipe_flags
 
     argv = _documented_door_command()
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
@@ -247,9 +247,9 @@ def test_documented_zero_edit_command_passes_megatrons_and_agoqs_checks(monkeypa
 
 def test_agoqs_spec_name_is_the_slot_the_door_fills():
     """A checkpoint saved through the door records agoq's --spec in its args; loading those args back must not be
-    refused as a user's --spec (agoq.megatron.train.megatron_lm.AGOQ_SPEC)."""
+    refused as a user's --spec (agoq.train.megatron_lm.AGOQ_SPEC)."""
     from agoq.megatron import megatron_lm
-    from agoq.megatron.train.megatron_lm import AGOQ_SPEC
+    from agoq.train.megatron_lm import AGOQ_SPEC
 
     assert AGOQ_SPEC == [megatron_lm.__name__, megatron_lm.LAYER_SPEC_SLOT]
 

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(
     from megatron.core.transformer import TransformerConfig
     from agoq.cli.agoq_flags import add_agoq_flags
     from agoq.config import AgoqConfig
-    from agoq.megatron.train.pretrain import build_optimizer
+    from agoq.train.pretrain import build_optimizer
     p = argparse.ArgumentParser(); add_agoq_flags(p)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"  # fused step under Triton's interpreter
     args = p.parse_args(["--agoq-optimizer", "adamw"] + ([] if interpret else ["--agoq-unfused"]))

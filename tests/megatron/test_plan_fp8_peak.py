@@ -1,6 +1,6 @@
 """The planner's FP8 / Smooth-SwiGLU terms (agoq.plan.fp8) against hand arithmetic and the committed H100 runs
 (benchmarks/results/fp8_step.json, fp8_scale_1b.json, fp8_scale_7b.json). Pure Python besides the flag
-parser of agoq.megatron.train.args."""
+parser of agoq.train.args."""
 
 from __future__ import annotations
 
@@ -215,13 +215,13 @@ def test_cli_takes_the_fp8_flags(capsys):
 
 
 def test_pretrain_llama_start_up_prediction_carries_the_fp8_spec():
-    """agoq.megatron.train.memory_report.recipe_from_config (the script's start-up prediction and bench_pretrain's
+    """agoq.train.memory_report.recipe_from_config (the script's start-up prediction and bench_pretrain's
     predicted_peak_gib) on the fp8_scale suite's own command lines."""
     import importlib.util
 
-    from agoq.megatron.train.args import parse_args
-    from agoq.megatron.train.memory_report import recipe_from_config
     from agoq.testing.procs import REPO_ROOT
+    from agoq.train.args import parse_args
+    from agoq.train.memory_report import recipe_from_config
 
     script = REPO_ROOT / "benchmarks" / "bench_pretrain.py"
     spec = importlib.util.spec_from_file_location("bench_pretrain_fp8plan", script)
@@ -241,7 +241,7 @@ def test_start_up_prediction_follows_the_plain_fusion_switch():
     """The trainer's start-up prediction (memory_report.recipe_from_config) models what the run will do: the fused
     path by default, Megatron's SwiGLU under AGOQ_FP8_SWIGLU_FUSION=0 (AgoqConfig.kernels.fuse_swiglu_fp8)."""
     from agoq.config import KernelsConfig
-    from agoq.megatron.train.memory_report import recipe_from_config
+    from agoq.train.memory_report import recipe_from_config
 
     assert recipe_from_config(AgoqConfig()).fuse_plain_swiglu_fp8
     assert not recipe_from_config(AgoqConfig(kernels=KernelsConfig(fuse_swiglu_fp8=False))).fuse_plain_swiglu_fp8
@@ -250,8 +250,8 @@ def test_start_up_prediction_follows_the_plain_fusion_switch():
 def test_validate_reads_the_plain_fusion_switch_off_a_recorded_command():
     """bench_pretrain records a variant's environment ahead of its command: its plain-FP8 A/B row
     (AGOQ_FP8_SWIGLU_FUSION=0) is predicted with Megatron's SwiGLU, the others with the fused path."""
-    from agoq.megatron.train.environment import PLAIN_FUSION_ENV
     from agoq.testing.procs import REPO_ROOT
+    from agoq.train.environment import PLAIN_FUSION_ENV
 
     assert validate.PLAIN_FUSION_ENV == PLAIN_FUSION_ENV
     bench = load_bench_script("bench_pretrain")

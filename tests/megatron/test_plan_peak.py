@@ -100,7 +100,7 @@ def test_first_iteration_peaks_follow_the_step_terms():
 
 
 def test_store_mode_construction_holds_no_float_gradient_buffer():
-    """agoq/megatron/deferred_grad_buffer.py: with the 8-bit store Megatron's float gradient buffer is a meta
+    """agoq/megatron/grads/deferred_grad_buffer.py: with the 8-bit store Megatron's float gradient buffer is a meta
     placeholder at construction (PastCode.float_grad_buffer_at_construction before it, set by validate_planner from
     the report's date). The dp2_pp2 run before it peaked there (10.59 GiB on both stages, git history); the
     current one postdates it: construction = parameters + bf16 parameter buffer, below the training peak."""

@@ -40,7 +40,7 @@ def test_pp2_1f1b_loss_falls(env):
 
 
 def _third_party_warnings(output: str) -> list[str]:
-    """Warning lines of megatron-core / torch (agoq.megatron.train.known_warnings filters the harmless ones);
+    """Warning lines of megatron-core / torch (agoq.train.known_warnings filters the harmless ones);
     torchrun's own banner (the launcher, before our processes start) is not ours to filter."""
     return [line for line in output.splitlines()
             if ("Warning" in line or "warnings.warn" in line or "DEPRECATED" in line or "deprecated" in line

@@ -1,4 +1,4 @@
-"""--agoq-gradient-release in agoq's Megatron path (agoq/megatron/release.py), one gloo rank on CPU.
+"""--agoq-gradient-release in agoq's Megatron path (agoq/megatron/optim/release.py), one gloo rank on CPU.
 
 Claims checked:
   * a tiny LLaMA trained with release equals the same run without release (Megatron's DDP + fp32
@@ -20,8 +20,8 @@ import torch
 
 pytestmark = [pytest.mark.megatron]
 
-from agoq.megatron.train.args import parse_args  # noqa: E402
 from agoq.testing.procs import TINY_CONFIG  # noqa: E402
+from agoq.train.args import parse_args  # noqa: E402
 
 SEQ, MBS, VOCAB, STEPS = 32, 2, 256, 6  # 6 steps at lr 1e-2: the norm gains' fp32-vs-bf16 gradient showed at step 3
 VALID = ["--config", str(TINY_CONFIG), "--seq-length", str(SEQ), "--micro-batch-size", str(MBS),
@@ -53,10 +53,10 @@ def _build(args, device, release: bool, num_microbatches=1, alive_probe=None):
         llama_transformer_config,
         wrap_ddp,
     )
-    from agoq.megatron.release import wrap_release
-    from agoq.megatron.train.pretrain import build_optimizer, ddp_config
-    from agoq.megatron.train.training import StepRunner, configure_grad_hooks
+    from agoq.megatron.optim.release import wrap_release
     from agoq.policy import ScheduleInfo
+    from agoq.train.pretrain import build_optimizer, ddp_config
+    from agoq.train.training import StepRunner, configure_grad_hooks
     from tests.megatron._tiny import tiny_shape
 
     dtype = torch.float32 if args.fp32 else torch.bfloat16
@@ -136,7 +136,7 @@ def test_fused_release_equals_the_fused_multi_tensor_run():
 
 
 def test_no_gradient_buffer_and_one_gradient_alive_at_a_time(mcore_world1):
-    from agoq.megatron.train.memory_report import static_breakdown_gib
+    from agoq.train.memory_report import static_breakdown_gib
 
     alive = []
 
@@ -182,7 +182,7 @@ def test_each_conflicting_flag_is_named(extra, named, capsys):
 def test_the_batch_is_checked_against_the_real_data_parallel_size_before_torch_loads():
     """Micro-batches per step depend on the data-parallel size, known from the world size in the script's preflight:
     one process accumulating 4 micro-batches is named as accumulation, two ranks with one micro-batch each as DP."""
-    from agoq.megatron.train.preflight import preflight
+    from agoq.train.preflight import preflight
 
     accumulating = _args(["--global-batch-size", str(4 * MBS)])  # parsing alone cannot tell: no error yet
     with pytest.raises(ValueError, match="gradient accumulation over 4 micro-batches"):
@@ -218,7 +218,7 @@ def test_nonfinite_gradient_raises_with_iteration_and_parameter(mcore_world1):
     model, _, _, runner = _build(args, mcore_world1, release=True)
     before = [p.detach().clone() for p in model[0].parameters()]
     runner.iteration, runner.poison["now"] = 5, True
-    from agoq.megatron.release import TrainingStopped
+    from agoq.megatron.optim.release import TrainingStopped
 
     with pytest.raises(TrainingStopped, match=r"non-finite gradient .* of output_layer\.weight at iteration 5"):
         runner.run([_batches()])
@@ -230,7 +230,7 @@ def test_script_prints_a_release_stop_in_one_line(monkeypatch, capsys):
     """The documented stop reaches the user as one line and exit status 1, not as a traceback (issue 21)."""
     import importlib.util
 
-    from agoq.megatron.release import TrainingStopped
+    from agoq.megatron.optim.release import TrainingStopped
     from agoq.testing.procs import PRETRAIN_SCRIPT
 
     spec = importlib.util.spec_from_file_location("agoq_pretrain_script_release", PRETRAIN_SCRIPT)

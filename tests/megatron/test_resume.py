@@ -210,12 +210,12 @@ def test_sigterm_saves_and_the_resumed_run_continues_the_same_losses(env, uninte
 
 # ------------------------------------------------------------------------------ in-process (no launch)
 def _record(**changes):
-    """A run record (agoq.megatron.resume.run_record) of the tiny model; ``changes``: flag values, or the
+    """A run record (agoq.megatron.ckpt.resume.run_record) of the tiny model; ``changes``: flag values, or the
     layout's ``pipeline_parallel`` / ``virtual_pipeline``."""
     from types import SimpleNamespace
 
     from agoq.config import AgoqConfig
-    from agoq.megatron.resume import run_record
+    from agoq.megatron.ckpt.resume import run_record
 
     model = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=192,
                  vocab_size=32768, seq_length=128, rotary_base=10000, norm_epsilon=1e-5, rope_scaling=False,
@@ -229,7 +229,7 @@ def _record(**changes):
 
 
 def test_resume_record_allows_what_the_checkpoint_serves_and_names_what_it_does_not():
-    from agoq.megatron.resume import RECORD_KEY, ResumeMismatch, check_contract
+    from agoq.megatron.ckpt.resume import RECORD_KEY, ResumeMismatch, check_contract
 
     saved = {RECORD_KEY: _record()}
     assert check_contract("ck", saved, _record()) == []
@@ -258,7 +258,7 @@ def test_resume_record_allows_what_the_checkpoint_serves_and_names_what_it_does_
 def test_the_whole_model_shape_is_recorded_and_checked():
     """Issue 42: RoPE base / scaling, norm epsilon and tying are recorded; tying stops a load (other tensors), the
     others are allowed and reported; records saved before these fields (None) are not compared."""
-    from agoq.megatron.resume import RECORD_KEY, ResumeMismatch, check_contract
+    from agoq.megatron.ckpt.resume import RECORD_KEY, ResumeMismatch, check_contract
 
     saved = {RECORD_KEY: _record()}
     assert saved[RECORD_KEY]["model"]["rotary_base"] == 10000
@@ -275,7 +275,7 @@ def test_the_whole_model_shape_is_recorded_and_checked():
 
 
 def test_flat_contract_of_older_and_converted_checkpoints_is_checked_by_its_keys():
-    from agoq.megatron.resume import CONTRACT_KEY, ResumeContract, ResumeMismatch, check_contract
+    from agoq.megatron.ckpt.resume import CONTRACT_KEY, ResumeContract, ResumeMismatch, check_contract
 
     flat = ResumeContract.from_record(_record()).as_dict()  # what checkpoints saved before the record
     assert check_contract("ck", {CONTRACT_KEY: dict(flat, future_setting=1)}, _record()) == []
@@ -289,7 +289,7 @@ def test_flat_contract_of_older_and_converted_checkpoints_is_checked_by_its_keys
 def test_every_config_key_is_classified_for_resume():
     """A new AgoqConfig field must be placed: in the contract (stops a load when changed), allowed and
     reported, or runtime (silent)."""
-    from agoq.megatron.resume import CONFIG_IN_CONTRACT, CONFIG_MAY_CHANGE, CONFIG_RUNTIME, config_keys
+    from agoq.megatron.ckpt.resume import CONFIG_IN_CONTRACT, CONFIG_MAY_CHANGE, CONFIG_RUNTIME, config_keys
 
     keys = set(config_keys(_record()["agoq"]))
     classified = [*CONFIG_IN_CONTRACT, *CONFIG_MAY_CHANGE, *CONFIG_RUNTIME]
@@ -298,7 +298,7 @@ def test_every_config_key_is_classified_for_resume():
 
 
 def test_override_flag_accepts_megatron_lms_spelling(tmp_path):
-    from agoq.megatron.train.args import parse_args
+    from agoq.train.args import parse_args
 
     load = ["--load", str(tmp_path)]  # without --load the flag is an error (tests/unit/test_args_mistakes.py)
     assert parse_args(["--override-opt_param-scheduler", *load]).override_opt_param_scheduler

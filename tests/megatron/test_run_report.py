@@ -1,4 +1,4 @@
-"""What scripts/pretrain_llama.py says about a run (agoq.megatron.train.pretrain / memory_report), in-process: the
+"""What scripts/pretrain_llama.py says about a run (agoq.train.pretrain / memory_report), in-process: the
 stop signal by name, the closing line after a resume, the memory header's optimizer and gradient format
 (issue 21, "docs contradict the code")."""
 
@@ -9,9 +9,9 @@ import signal
 import pytest
 
 from agoq.config import AgoqConfig
-from agoq.megatron.train.memory_report import gradient_name, optimizer_name, recipe_from_config
-from agoq.megatron.train.pretrain import done_line, signal_name
 from agoq.plan.memory import Layout
+from agoq.train.memory_report import gradient_name, optimizer_name, recipe_from_config
+from agoq.train.pretrain import done_line, signal_name
 
 pytestmark = pytest.mark.megatron
 
@@ -53,7 +53,7 @@ def test_memory_header_names_the_optimizer_and_gradients_in_use(kw, optimizer, g
 def test_memory_prediction_says_graph_memory_is_not_modelled():
     """Megatron's CUDA graphs hold their own pool (docs/benchmarks/activations.md): the start-up prediction says so
     when graphs are on, and only then."""
-    from agoq.megatron.train.memory_report import GRAPHS_NOTE, predicted_report
+    from agoq.train.memory_report import GRAPHS_NOTE, predicted_report
     from tests.megatron._tiny import tiny_shape
 
     eager = predicted_report(_config(), tiny_shape(), Layout(), None)

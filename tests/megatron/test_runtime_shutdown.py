@@ -34,7 +34,7 @@ def test_nccl_groups_are_left_to_the_process_exit_after_an_error(calls, monkeypa
 
 def test_the_trainer_tears_down_as_failed_when_the_job_raises(monkeypatch):
     """pretrain() passes after_error=True when its run raises, False when it returns."""
-    from agoq.megatron.train import pretrain as trainer
+    from agoq.train import pretrain as trainer
 
     seen = []
     # pretrain() installs its stop handlers and ignores SIGUSR1 on the way out: here that would stay in the

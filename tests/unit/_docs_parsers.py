@@ -64,7 +64,7 @@ def parse_script_args(target: str, args: list[str], *, module: bool = False) -> 
 
 def check_pretrain(args: list[str], world_size: int, stand_in: Path) -> str | None:
     """scripts/pretrain_llama.py's start-up checks on ``args`` (without reading your data files)."""
-    from agoq.megatron.train.args import check_layout, parse_args
+    from agoq.train.args import check_layout, parse_args
 
     args = list(args)
     for i, word in enumerate(args[:-1]):
@@ -78,7 +78,7 @@ def check_pretrain(args: list[str], world_size: int, stand_in: Path) -> str | No
             ns = parse_args(args, quiet=False)
         check_layout(ns, world_size)
         from agoq.megatron.model import ParallelLayout
-        from agoq.megatron.train.pretrain import num_microbatches
+        from agoq.train.pretrain import num_microbatches
 
         layout = ParallelLayout(tp=ns.tensor_model_parallel_size, pp=ns.pipeline_model_parallel_size, vpp=ns.vpp)
         num_microbatches(ns, layout, world_size)
@@ -108,7 +108,7 @@ def parser_options(target: str, *, module: bool = False) -> dict[str, argparse.A
     """The options (option string -> action) of the parser ``target`` builds (run in this process until it
     parses)."""
     if target == PRETRAIN:
-        from agoq.megatron.train.args import build_parser
+        from agoq.train.args import build_parser
 
         return dict(build_parser()._option_string_actions)
     original = argparse.ArgumentParser.parse_args

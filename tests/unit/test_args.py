@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agoq.megatron.train.args import parse_args
 from agoq.testing.procs import TINY_CONFIG
+from agoq.train.args import parse_args
 
 
 def _error(capsys, argv) -> str:
@@ -82,7 +82,7 @@ def test_recompute_flags(capsys):
 
 
 def test_grad_reduce_in_bf16_sets_megatron_ddp_and_refuses_unvalidated_combos(capsys):
-    from agoq.megatron.train.pretrain import ddp_config
+    from agoq.train.pretrain import ddp_config
 
     args = parse_args(["--grad-reduce-in-bf16"])
     import torch
@@ -100,7 +100,7 @@ def test_overlap_param_gather_needs_the_distributed_optimizer_and_reaches_megatr
     default) only with an interleaved pipeline."""
     import torch
 
-    from agoq.megatron.train.pretrain import ddp_config
+    from agoq.train.pretrain import ddp_config
 
     err = _error(capsys, ["--overlap-param-gather", "--overlap-grad-reduce"])
     assert "--overlap-param-gather" in err and "needs --use-distributed-optimizer" in err
@@ -123,15 +123,15 @@ def test_parsing_imports_neither_torch_nor_megatron():
     import sys
 
     code = ("import sys; sys.modules['torch'] = None; sys.modules['megatron'] = None\n"
-            "from agoq.megatron.train.args import parse_args; parse_args(['--agoq-optimizer', 'adamw'])")
+            "from agoq.train.args import parse_args; parse_args(['--agoq-optimizer', 'adamw'])")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_light_copies_of_choices_agree_with_their_sources():
     from agoq.cli import optim_args
-    from agoq.megatron import ddp
-    from agoq.megatron.train import args as margs
+    from agoq.megatron.grads import ddp
     from agoq.optim.base import MASTER_CHOICES
+    from agoq.train import args as margs
 
     assert optim_args.MASTER_CHOICES == MASTER_CHOICES and margs.GRAD_MODES == ddp.GRAD_MODES
 
@@ -151,7 +151,7 @@ def test_quiet_ranks_exit_after_the_printing_rank(monkeypatch, capsys):
     import time
 
     from agoq.cli import flags
-    from agoq.megatron.train import args as margs
+    from agoq.train import args as margs
 
     monkeypatch.setattr(flags, "QUIET_EXIT_DELAY_S", 0.2)
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -201,7 +201,7 @@ def test_grads_error_names_the_allowed_values(capsys):
 
 
 def test_grads_error_on_the_megatron_lm_path_keeps_every_float_name():
-    """Under megatron.training (agoq.megatron.train.megatron_lm) the config layer's message lists FLOAT_GRADS."""
+    """Under megatron.training (agoq.train.megatron_lm) the config layer's message lists FLOAT_GRADS."""
     from agoq.config import AgoqConfig
 
     with pytest.raises(ValueError, match=r"or fp32, bf16, fp16 \(Megatron's float gradients\)"):
@@ -215,7 +215,7 @@ def test_state_flags_with_agoq_optimizer_and_defaults():
 
 
 def test_weighted_data_path_is_megatrons_blend():
-    from agoq.megatron.train.args import data_blend
+    from agoq.train.args import data_blend
 
     assert data_blend(["0.3", "data/a", "0.7", "data/b"]) == [(0.3, "data/a"), (0.7, "data/b")]
     assert data_blend(["data/a", "data/b"]) == ["data/a", "data/b"]
@@ -269,8 +269,8 @@ def test_a_rule_naming_layers_beyond_the_model_is_an_error_even_when_some_exist(
 
 def test_preflight_checks_layout_and_data_before_torch(tmp_path):
     from agoq.data.tokenizer import TokenizerTrainConfig, train_sentencepiece
-    from agoq.megatron.train.args import preflight
     from agoq.testing.indexed import write_indexed_dataset as write_dataset
+    from agoq.train.args import preflight
 
     with pytest.raises(ValueError, match=r"world size 2 is not divisible by --tensor-model-parallel-size 1 x "
                                          r"--pipeline-model-parallel-size 4; launch a multiple of 4 processes"):

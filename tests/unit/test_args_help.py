@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from agoq.megatron.train.args import build_parser
+from agoq.train.args import build_parser
 
 
 def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:

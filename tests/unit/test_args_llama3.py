@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from agoq.megatron.train.args import parse_args
+from agoq.train.args import parse_args
 
 
 def _error(argv, capsys) -> str:

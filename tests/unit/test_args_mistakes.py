@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agoq.megatron.train.args import parse_args
+from agoq.train.args import parse_args
 
 
 def _error(capsys, argv) -> str:
@@ -167,7 +167,7 @@ def test_virtual_pipeline_errors_name_the_values_that_fit(capsys, argv, expected
 
 def test_batch_sizes_against_the_processes_are_checked_before_torch_with_the_sizes_that_fit():
     """The script's preflight (before torch and megatron load; it used to be found after both had loaded)."""
-    from agoq.megatron.train.args import preflight
+    from agoq.train.args import preflight
 
     with pytest.raises(ValueError, match=r"--global-batch-size 15 must be a multiple of --micro-batch-size 2 x "
                                          r"data-parallel size 2 \(world size 2 / \(TP 1 x PP 1\)\) = 4; use "
@@ -228,7 +228,7 @@ def test_an_unknown_flag_names_the_closest_real_one_or_what_megatron_lms_flag_me
 
 
 def test_megatron_lm_only_flags_are_not_flags_here():
-    from agoq.megatron.train.args import MEGATRON_LM_ONLY, build_parser
+    from agoq.train.args import MEGATRON_LM_ONLY, build_parser
 
     assert not set(MEGATRON_LM_ONLY) & set(build_parser()._option_string_actions)
 

@@ -1,5 +1,5 @@
 """House rule 1: layers by what code may know. Only the plugin (agoq/megatron outside the trainer) imports megatron;
-the reference trainer (today agoq/megatron/train, the plugin's client) reaches megatron-core only through the
+the reference trainer (today agoq/train, the plugin's client) reaches megatron-core only through the
 plugin's functions; the plugin has no command line and no training loop, and no library package imports the trainer;
 agoq.policy and agoq.formats import no torch; importing agoq initialises no CUDA."""
 
@@ -31,7 +31,7 @@ FORBIDDEN = {
     # the trainer's flags and config-file loader, shared with python -m agoq.plan: argparse and yaml only
     "agoq.cli": ("torch", "megatron"),
     "agoq.plan": ("torch", "megatron"),
-    # the converter's package: megatron only through agoq.megatron.hf_checkpoint, imported when a command runs
+    # the converter's package: megatron only through agoq.megatron.ckpt.hf_checkpoint, imported when a command runs
     "agoq.convert": ("megatron", "transformers", "safetensors", "tokenizers"),
 }
 
@@ -51,16 +51,16 @@ MEGATRON_PACKAGES = ("megatron",)  # agoq/megatron: the plugin, the one package 
 # The trainer, relative to agoq/. It imports no megatron (the rule below holds wherever it lives). It sits inside
 # agoq/megatron for now, so the scan of MEGATRON_PACKAGES steps over it by this name only; moved to agoq/train it
 # needs no exception: set TRAINER_DIR = ("train",) (and "agoq.train" in PLUGIN_FORBIDDEN_MODULES).
-TRAINER_DIR = ("megatron", "train")
+TRAINER_DIR = ("train",)
 
 # The plugin (agoq/megatron outside train/) must not hold a trainer: no command line (argparse), no training loop
 # (running
 # Megatron's forward/backward schedules or an LR schedule is the trainer's job), no import of the trainer.
-PLUGIN_FORBIDDEN_MODULES = ("argparse", "agoq.megatron.train")
+PLUGIN_FORBIDDEN_MODULES = ("argparse", "agoq.train")
 PLUGIN_FORBIDDEN_NAMES = ("get_forward_backward_func", "OptimizerParamScheduler", "ArgumentParser")
-# Modules outside agoq/megatron/train that may import it: command-line tools above the trainer (python -m agoq.convert
+# Modules outside agoq/train that may import it: command-line tools above the trainer (python -m agoq.convert
 # filters the trainer's known start-up warnings; python -m agoq.megatron_lm runs a Megatron-LM script through agoq's
-# door, agoq.megatron.train.megatron_lm_door). python -m agoq.plan takes the trainer's flags and --config files from
+# door, agoq.train.megatron_lm_door). python -m agoq.plan takes the trainer's flags and --config files from
 # agoq.cli, below the trainer, and must not reach up into it.
 TRAINER_IMPORTERS = ("agoq/convert/__main__.py", "agoq/megatron_lm.py")
 # Plugin files that name a training loop's parts, each with its reason (a stale entry fails).
@@ -113,11 +113,11 @@ def test_only_agoq_megatron_imports_megatron_ast_scan():
 
 def test_plugin_has_no_command_line_and_no_training_loop_ast_scan():
     """agoq/megatron is the plugin only: argparse, the schedules' driver, the LR schedule and
-    agoq.megatron.train belong to the trainer (agoq/megatron/train)."""
+    agoq.train belong to the trainer (agoq/train)."""
     offenders = [f"{path.relative_to(REPO_ROOT)}:{where}"
                  for path in sorted((AGOQ / "megatron").rglob("*.py")) if not _in_trainer(path)
                  if path.relative_to(REPO_ROOT).as_posix() not in PLUGIN_EXCEPTIONS for where in _plugin_offences(path)]
-    fix = "move it to agoq/megatron/train (the trainer) or take it as an argument"
+    fix = "move it to agoq/train (the trainer) or take it as an argument"
     assert offenders == [], fix + ":\n" + "\n".join(offenders)
 
 
@@ -137,7 +137,7 @@ def test_no_plugin_module_uses_the_training_parts_it_hands_to_the_trainer():
 
 def test_the_plugin_scan_sees_what_it_forbids(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import argparse\nfrom agoq.megatron.train.args import parse_args\nimport agoq.megatron.train\n"
+    bad.write_text("import argparse\nfrom agoq.train.args import parse_args\nimport agoq.train\n"
                    "from megatron.core.pipeline_parallel import get_forward_backward_func\n"
                    "from megatron.core import optimizer_param_scheduler as ops\n"
                    "def f():\n    return ops.OptimizerParamScheduler, argparse.ArgumentParser()\n")
@@ -153,7 +153,7 @@ def test_no_library_package_imports_the_trainer_ast_scan():
         rel = path.relative_to(REPO_ROOT).as_posix()
         if _in_trainer(path) or rel in TRAINER_IMPORTERS:
             continue
-        if any(_is_module(name, "agoq.megatron.train") for name in _imported_modules(path)):
+        if any(_is_module(name, "agoq.train") for name in _imported_modules(path)):
             offenders.append(rel)
     assert offenders == []
 

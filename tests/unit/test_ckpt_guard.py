@@ -1,5 +1,5 @@
 """Issue 43, in-process (no torch launch): what --load means and what --save may be written over
-(agoq.megatron.train.ckpt_guard), the --save lock (agoq.megatron.train.save_lock), the free-space check, and the
+(agoq.train.ckpt_guard), the --save lock (agoq.train.save_lock), the free-space check, and the
 messages of finding 5 that need no checkpoint (tokenizer.json, non-finite flag values). The trainer runs of the
 same rules: tests/megatron/test_ckpt_safety.py."""
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from agoq.megatron.ckpt_files import PROGRESS_FILE, TRACKER_FILE
-from agoq.megatron.train import ckpt_guard, save_lock
-from agoq.megatron.train.ckpt_guard import CheckpointRefusal, resolve_load
+from agoq.megatron.ckpt.ckpt_files import PROGRESS_FILE, TRACKER_FILE
+from agoq.train import ckpt_guard, save_lock
+from agoq.train.ckpt_guard import CheckpointRefusal, resolve_load
 
 
 def _checkpoints(folder: Path, complete=(2, 4), incomplete=(), tracker: str | None = "4") -> Path:
@@ -79,7 +79,7 @@ def test_a_fresh_start_only_where_neither_load_nor_save_holds_a_checkpoint(tmp_p
 def test_each_trainer_refuses_the_others_checkpoints_by_name(tmp_path):
     """Checkpoint interop: megatron.training (the door) and scripts/pretrain_llama.py write different layouts; each
     refuses the other's folder, naming the trainer that wrote it, before anything is read."""
-    from agoq.megatron.train.megatron_lm import RefusedFlags, refuse_agoq_trainer_checkpoint
+    from agoq.train.megatron_lm import RefusedFlags, refuse_agoq_trainer_checkpoint
 
     megatron = _checkpoints(tmp_path / "megatron", complete=(), incomplete=(2, 4))  # a tracker, no progress records
     with pytest.raises(CheckpointRefusal, match=r"iter_0000004 was written by megatron\.training .*python -m "
@@ -182,7 +182,7 @@ def test_the_holder_refreshes_its_heartbeat(tmp_path, monkeypatch):
 def test_the_lock_is_created_atomically_without_flock(tmp_path):
     """Six processes race for one folder while the winner holds it: exactly one wins (os.link / O_EXCL, no
     flock), the others are refused naming it."""
-    code = ("import sys, time; from agoq.megatron.train.save_lock import SaveLock, SaveLocked\n"
+    code = ("import sys, time; from agoq.train.save_lock import SaveLock, SaveLocked\n"
             "try:\n    lock = SaveLock(sys.argv[1], {}).acquire(); print('won', flush=True); time.sleep(4); "
             "lock.release()\nexcept SaveLocked:\n    print('lost')\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
@@ -240,7 +240,7 @@ def test_a_broken_tokenizer_json_is_reported_as_json(tmp_path):
 
 @pytest.mark.parametrize("flag, value", [("--lr", "nan"), ("--min-lr", "inf"), ("--clip-grad", "-inf")])
 def test_a_non_finite_flag_value_is_named_without_self_defeating_advice(capsys, flag, value):
-    from agoq.megatron.train.args import parse_args
+    from agoq.train.args import parse_args
 
     with pytest.raises(SystemExit):
         parse_args([f"{flag}={value}"])

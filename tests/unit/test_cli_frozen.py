@@ -24,8 +24,8 @@ GENERATOR = "agoq/cli/agoq_flags.py"
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
     from agoq.cli.flags import build_parser as trainer
-    from agoq.megatron.train.megatron_lm import add_agoq_args
     from agoq.plan.__main__ import build_parser as planner
+    from agoq.train.megatron_lm import add_agoq_args
 
     return {"trainer": trainer(), "planner": planner(), "door": add_agoq_args(argparse.ArgumentParser())}
 
@@ -121,8 +121,8 @@ def test_config_flags_come_from_agoq_config_and_the_door_adds_two():
     in_config = {flag for flag, files in where.items() if files == ["agoq/config.py"]}
     assert in_config == {f.flag for f in AGOQ_FLAGS}
     rest = {flag: files for flag, files in where.items() if flag not in in_config}
-    assert rest == {"--agoq-attention": ["agoq/megatron/train/megatron_lm.py"],
-                    "--agoq-log-json": ["agoq/megatron/train/megatron_lm.py"], "--agoq-preset": [GENERATOR]}
+    assert rest == {"--agoq-attention": ["agoq/train/megatron_lm.py"],
+                    "--agoq-log-json": ["agoq/train/megatron_lm.py"], "--agoq-preset": [GENERATOR]}
 
 
 def test_a_second_declaration_is_caught(tmp_path, monkeypatch):

@@ -42,7 +42,7 @@ def test_peer_transport_problems_on_cpu_name_the_flag():
     """On CPU (gloo) auto picks nccl and says why; peer stops with the flag and the fix. No process group is
     touched (the local checks fail first), so a plain object stands in for the group."""
     from agoq.formats import parse_format
-    from agoq.megatron.grad_transport import resolve_transport
+    from agoq.megatron.grads.grad_transport import resolve_transport
 
     INT8 = parse_format("int8_b256")  # noqa: N806
 
@@ -61,7 +61,7 @@ def test_peer_transport_problems_on_cpu_name_the_flag():
 
 def test_transport_choices_are_checked_where_the_flag_lands():
     from agoq.config import GRAD_TRANSPORTS, GradsConfig
-    from agoq.megatron import ddp
+    from agoq.megatron.grads import ddp
 
     assert ddp.GRAD_TRANSPORTS == GRAD_TRANSPORTS
     with pytest.raises(ValueError, match="--agoq-grad-transport 'nvlink': choose one of"):

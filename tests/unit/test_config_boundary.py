@@ -1,5 +1,5 @@
 """House rule 2, one typed config: below the trainer, agoq's code reads ``agoq.config.AgoqConfig`` (or a
-section of it), never an argparse Namespace or the environment (AST scan of agoq/: only agoq/megatron/train, the
+section of it), never an argparse Namespace or the environment (AST scan of agoq/: only agoq/train, the
 trainer,
 reads the environment, plus the short list of argued exceptions below); the config is frozen, built by one
 function with one set of defaults, and survives the JSON a checkpoint saves."""
@@ -25,7 +25,7 @@ AGOQ = REPO_ROOT / "agoq"
 
 # The reference trainer (every module of the package): it parses the command line, reads torchrun's environment,
 # keeps Megatron's own flags on its Namespace and builds the config it passes below.
-TRAINER_PACKAGE = "agoq/megatron/train/"
+TRAINER_PACKAGE = "agoq/train/"
 # The tools' entry points: they parse command lines (a Namespace) and build the config.
 ENTRY_POINTS = {
     "agoq/plan/__main__.py": "python -m agoq.plan: the planner's command line",
@@ -39,11 +39,11 @@ ENTRY_POINTS = {
 # Environment reads outside the trainer package, each argued; everything else (the plugin, kernels, ops, ...)
 # takes what the environment said as an argument: torchrun's variables as agoq.megatron.runtime.LaunchInfo,
 # AGOQ_TRITON_FAST_LAUNCH through fastlaunch.set_fast_launch, TRITON_INTERPRET as AgoqConfig.triton_interpret
-# (agoq.megatron.train.environment reads them), and Triton's interpreter switch from Triton (triton.knobs).
+# (agoq.train.environment reads them), and Triton's interpreter switch from Triton (triton.knobs).
 ENV_READERS = {
     "agoq/convert/__main__.py": "a command line's launch code, the counterpart of scripts/pretrain_llama.py: "
                                 "AGOQ_SHOW_KNOWN_WARNINGS before torch loads (torchrun's variables it takes from "
-                                "agoq.megatron.train.environment)",
+                                "agoq.train.environment)",
     "agoq/testing/procs.py": "test harness: a child process gets the parent's environment plus the checkout on "
                              "PYTHONPATH, so copying os.environ is its job",
 }
@@ -135,8 +135,8 @@ def test_config_round_trips_through_checkpoint_json():
 
 def test_one_builder_one_set_of_defaults():
     """The trainer's parse_args, the planner and the memory report build with AgoqConfig.from_flags."""
-    from agoq.megatron.train.args import parse_args
     from agoq.plan.__main__ import config_of
+    from agoq.train.args import parse_args
 
     trainer = parse_args([]).agoq_config
     planner = config_of({})

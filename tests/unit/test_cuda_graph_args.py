@@ -9,7 +9,7 @@ import typing
 import pytest
 
 from agoq.cli.graph_args import CUDA_GRAPH_IMPLS
-from agoq.megatron.train.args import parse_args
+from agoq.train.args import parse_args
 
 
 def _error(capsys, argv) -> str:

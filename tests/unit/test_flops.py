@@ -1,4 +1,4 @@
-"""agoq.megatron.train.flops: training FLOPs per token / per step and TFLOP/s per GPU for LLaMA (GQA + SwiGLU).
+"""agoq.train.flops: training FLOPs per token / per step and TFLOP/s per GPU for LLaMA (GQA + SwiGLU).
 
 Two independent oracles:
 - an identity: every matmul weight is used once per token (2 FLOPs per multiply-add, 3 passes), so the
@@ -15,7 +15,7 @@ import argparse
 
 import pytest
 
-from agoq.megatron.train import flops
+from agoq.train import flops
 
 SHAPES = {
     # name: (layers, hidden, heads, query groups, ffn, seq, vocab)

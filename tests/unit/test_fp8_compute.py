@@ -8,10 +8,10 @@ import torch
 
 from agoq.config import AgoqConfig
 from agoq.megatron.compute import check_compute, compute_report, fp8_recipe
-from agoq.megatron.train.args import parse_args
 from agoq.ops.fp8_scaling import DEFAULT_AMAX_HISTORY_LEN
 from agoq.policy import FP8Spec, PolicyError, policy_from_dict
 from agoq.policy.schema import FP8_DEFAULT_AMAX_HISTORY_LEN
+from agoq.train.args import parse_args
 
 BASE = {"version": 1, "default": {"activations": "bf16"}}
 DIMS = dict(num_layers=4, hidden=64, ffn=192, heads=4, groups=2, tp=1, tokens_per_microbatch=256)

@@ -1,4 +1,4 @@
-"""agoq.megatron.train.hoststats: the hypervisor's steal time per step from /proc/stat (the 8th value of the "cpu"
+"""agoq.train.hoststats: the hypervisor's steal time per step from /proc/stat (the 8th value of the "cpu"
 line, USER_HZ ticks), None where it cannot be read; and the logged interval's mean of it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from agoq.megatron.train import hoststats
+from agoq.train import hoststats
 
 HZ = os.sysconf("SC_CLK_TCK")
 

@@ -1,4 +1,4 @@
-"""agoq.megatron.train.known_warnings: exactly the listed third-party start-up warnings are ignored, nothing else."""
+"""agoq.train.known_warnings: exactly the listed third-party start-up warnings are ignored, nothing else."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def test_listed_warnings_are_ignored_and_others_still_print():
     module's other warnings, the listed message from another module, and other log records still print."""
     code = textwrap.dedent("""
         import logging, warnings
-        from agoq.megatron.train.known_warnings import filter_known_warnings
+        from agoq.train.known_warnings import filter_known_warnings
         filter_known_warnings()
         filter_known_warnings()  # idempotent
         g = {"__name__": "megatron.core.optimizer"}
@@ -39,12 +39,12 @@ def test_listed_warnings_are_ignored_and_others_still_print():
 
 
 def test_every_entry_says_why():
-    from agoq.megatron.train.known_warnings import KNOWN_WARNINGS
+    from agoq.train.known_warnings import KNOWN_WARNINGS
 
     assert all(entry.message and entry.module and len(entry.why) > 20 for entry in KNOWN_WARNINGS)
     # importing adds no filter: checked in a fresh process (filters are process-wide, and in a shared pytest
     # worker another test may have run the script's start-up in-process, which installs them)
-    code = ("import logging, agoq.megatron.train.known_warnings; "
+    code = ("import logging, agoq.train.known_warnings; "
             "print(len(logging.getLogger('megatron.core.models.gpt.gpt_model').filters))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env=child_env(), cwd=REPO_ROOT)

@@ -1,4 +1,4 @@
-"""Megatron-LM's --manual-gc in agoq's trainer (agoq.megatron.train.manual_gc): the automatic collector off while
+"""Megatron-LM's --manual-gc in agoq's trainer (agoq.train.manual_gc): the automatic collector off while
 training and back on after (also on an exception), full collections every --manual-gc-interval steps and around
 evaluations unless --no-manual-gc-eval, nothing at all without --manual-gc."""
 
@@ -8,7 +8,7 @@ import gc
 
 import pytest
 
-from agoq.megatron.train.manual_gc import ManualGC
+from agoq.train.manual_gc import ManualGC
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agoq.megatron.train.args import parse_args
+from agoq.train.args import parse_args
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
 LAYOUT_LINE = re.compile(r"^# layout: (\d+) GPUs? \(TP=(\d+), PP=(\d+)", re.MULTILINE)
@@ -101,7 +101,7 @@ def test_config_matches_published_shape_and_size(name):
 @pytest.mark.parametrize("path", _config_files(), ids=lambda p: p.name)
 def test_config_fits_its_stated_layout(path):
     from agoq.megatron.model import LlamaShape, ParallelLayout
-    from agoq.megatron.train.pretrain import num_microbatches
+    from agoq.train.pretrain import num_microbatches
 
     if path.name in NOT_PUBLISHED:
         pytest.skip("smoke config: its layout is given on the command line")

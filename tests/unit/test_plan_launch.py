@@ -9,12 +9,12 @@ import shlex
 
 import pytest
 
-from agoq.megatron.train.args import parse_args, preflight
 from agoq.plan import __main__ as plan
 from agoq.plan import capacity, speed
 from agoq.plan.memory import GIB
 from agoq.plan.shape import ModelShape
 from agoq.testing.procs import REPO_ROOT
+from agoq.train.args import parse_args, preflight
 
 LLAMA3_8B = str(REPO_ROOT / "configs" / "model" / "llama3-8b.yaml")
 

@@ -75,8 +75,8 @@ def test_the_error_names_the_file_rule_role_cause_and_fix():
 
 
 def test_preflight_and_the_planner_refuse_it(tmp_path, capsys):
-    from agoq.megatron.train.args import parse_args, preflight
     from agoq.plan.__main__ import main as plan_main
+    from agoq.train.args import parse_args, preflight
 
     path = tmp_path / "dead.yaml"
     path.write_text("version: 1\ndefault: {activations: int8_b128}\n"

@@ -12,8 +12,8 @@ import yaml
 
 from agoq.cli.agoq_flags import PRESET_DIR, load_preset, preset_names
 from agoq.config import AgoqConfig
-from agoq.megatron.train.args import parse_args
 from agoq.testing.procs import TINY_CONFIG
+from agoq.train.args import parse_args
 
 # name -> the flags the preset stands for (its header's "Same as the flags: ..."; the benchmarks' settings)
 PRESETS = {
@@ -99,7 +99,7 @@ def test_a_config_file_cannot_name_a_preset(tmp_path, capsys):
 # -- the Megatron-LM door (Megatron's parser has no --config: the door expands the preset itself) -------------------
 
 def _door_args(argv):
-    from agoq.megatron.train.megatron_lm import add_agoq_args, apply_agoq_preset
+    from agoq.train.megatron_lm import add_agoq_args, apply_agoq_preset
 
     args = add_agoq_args(argparse.ArgumentParser()).parse_args(argv)
     apply_agoq_preset(args)
@@ -113,7 +113,7 @@ def test_door_preset_gives_the_config_of_its_flags(name):
 
 
 def test_door_explicit_flags_win_and_foreign_keys_are_refused(tmp_path):
-    from agoq.megatron.train.megatron_lm import RefusedFlags
+    from agoq.train.megatron_lm import RefusedFlags
 
     args = _door_args(["--agoq-preset", "agoq-full-fp8", "--agoq-smooth-swiglu", "per-channel"])
     assert (args.agoq_optimizer, args.agoq_fp8, args.agoq_smooth_swiglu) == ("adamw", "delayed", "per-channel")
@@ -126,12 +126,12 @@ def test_door_explicit_flags_win_and_foreign_keys_are_refused(tmp_path):
 
 
 def test_door_baseline_preset_with_an_agoq_flag_is_refused():
-    from agoq.megatron.train.megatron_lm import AGOQ_SWITCHES, RefusedFlags, _given
+    from agoq.train.megatron_lm import AGOQ_SWITCHES, RefusedFlags, _given
 
     args = _door_args(["--agoq-preset", "baseline", "--agoq-grads", "int8_b256"])
     assert args.agoq_disable and [d for d in AGOQ_SWITCHES if _given(args, d)] == ["agoq_grads"]
     with pytest.raises(RefusedFlags, match="--agoq-disable runs the plain Megatron baseline; drop --agoq-grads"):
-        from agoq.megatron.train.megatron_lm import check_megatron_args
+        from agoq.train.megatron_lm import check_megatron_args
 
         args.load = None
         check_megatron_args(args)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from agoq.megatron.train.args import parse_args
 from agoq.plan.__main__ import main as plan_main
 from agoq.plan.storage import SEQUENCE_SHARDED_ROLES, LayerDims, head_saved_bytes, megatron_bytes
+from agoq.train.args import parse_args
 from tests.megatron._layouts import TINY
 
 LLAMA_1B = ["--config", str(TINY.parent / "llama-1b.yaml"), "--vocab-size", "32000", "--seq-length", "4096",

@@ -1,4 +1,4 @@
-"""agoq.megatron.train.tensorboard: Megatron tag names, the policy table as text, a clear error without the package."""
+"""agoq.train.tensorboard: Megatron tag names, the policy table as text, a clear error without the package."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from agoq.megatron.train import tensorboard as tb
+from agoq.train import tensorboard as tb
 
 RECORD = {"iteration": 7, "lm_loss": 6.5, "grad_norm": 1.25, "lr": 3e-4, "consumed_samples": 56,
           "skipped_iterations": 0, "step_seconds": 0.5, "tokens_per_second": 2048.0, "tflops_per_gpu": 12.5,

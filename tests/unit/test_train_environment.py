@@ -1,4 +1,4 @@
-"""agoq.megatron.train.environment: the trainer reads torchrun's variables and agoq's kernel switch from the environment
+"""agoq.train.environment: the trainer reads torchrun's variables and agoq's kernel switch from the environment
 and passes them in; the library modules that used to read them at import read nothing (issue 20 item 5)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ TORCHRUN_RANK1 = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADD
 
 def test_launch_from_torchrun_variables_and_without_them():
     from agoq.megatron.runtime import SINGLE_PROCESS, LaunchInfo
-    from agoq.megatron.train.environment import launch_from_environment
+    from agoq.train.environment import launch_from_environment
 
     assert launch_from_environment({}) == SINGLE_PROCESS
     assert launch_from_environment(TORCHRUN_RANK1) == LaunchInfo(rank=1, world_size=2, local_rank=1,
@@ -27,7 +27,7 @@ def test_kernel_switches_become_the_config_kernels_section(fast, fused):
     """AGOQ_TRITON_FAST_LAUNCH / AGOQ_FP8_SWIGLU_FUSION (1, the default, or 0) become AgoqConfig.kernels; a typo
     stops the run with the variable's name ("false" used to leave the fast launch on without a word)."""
     from agoq.config import KernelsConfig
-    from agoq.megatron.train.environment import FAST_LAUNCH_ENV, PLAIN_FUSION_ENV, kernels_from_environment
+    from agoq.train.environment import FAST_LAUNCH_ENV, PLAIN_FUSION_ENV, kernels_from_environment
 
     environ = {k: v for k, v in ((FAST_LAUNCH_ENV, fast), (PLAIN_FUSION_ENV, fused)) if v is not None}
     assert kernels_from_environment(environ) == KernelsConfig(fast_launch=fast != "0", fuse_swiglu_fp8=fused != "0")

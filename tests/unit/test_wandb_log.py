@@ -1,5 +1,5 @@
 """Megatron-LM's --wandb-project / --wandb-exp-name / --wandb-save-dir in scripts/pretrain_llama.py
-(agoq.megatron.train.wandb_log): the flags as Megatron-LM takes them, a clear error naming `pip install wandb` when
+(agoq.train.wandb_log): the flags as Megatron-LM takes them, a clear error naming `pip install wandb` when
 the package is missing, and the logged keys and values in the offline run file (WANDB_MODE=offline)."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from agoq.megatron.train.args import parse_args
+from agoq.train.args import parse_args
 
 pytest.importorskip("wandb", reason="pip install wandb (the [wandb] extra) to test the wandb logger")
 
-from agoq.megatron.train import wandb_log  # noqa: E402
 from agoq.testing import wandb_offline  # noqa: E402
+from agoq.train import wandb_log  # noqa: E402
 
 
 @pytest.fixture

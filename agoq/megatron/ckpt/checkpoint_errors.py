@@ -1,4 +1,5 @@
-"""The messages of a checkpoint that failed to save or read (agoq.megatron.checkpoint): one line per rank naming the
+"""The messages of a checkpoint that failed to save or read (agoq.megatron.ckpt.checkpoint): one line per rank
+naming the
 file and the errno, never torch's raw traceback.
 
 Megatron's and torch DCP's writers keep little of a write error (the exception's class, or "unexpected pos 704 vs

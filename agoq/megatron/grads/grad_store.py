@@ -18,7 +18,7 @@ Reduction (agoq.comm.reduce), started per bucket when Megatron would start its c
     both neighbours' ranges; it is requantized after the whole reduction (``finish_reduce_scatter``),
     since a later chunk still sends this rank's contribution to it. Megatron's DistributedOptimizer
     reads ``main_grad`` for its shard; here it cannot (``main_grad`` has no storage), so
-    agoq/megatron/grad_reader.py attaches a reader (``shard_grad``: one parameter's shard dequantized
+    agoq/megatron/grads/grad_reader.py attaches a reader (``shard_grad``: one parameter's shard dequantized
     at a time) to agoq's optimizer (streamed, 0 extra bytes) or to Megatron's (its fp32 shard ``.grad``
     tensors, 4/W bytes per parameter from the step to zero_grad). Without an attached reader the
     reduction raises.
@@ -30,7 +30,7 @@ reductions read the peers' stores directly, bit for bit the same results.
 Readers after the all-reduce: ``materialize()`` dequantizes into Megatron's float grad buffer (for
 optimizers that need every ``.grad`` at once, e.g. torch Adam: 4 bytes/param again, but only from the
 end of the reduction to the next zero_grad_buffer), or ``grad(param)`` dequantizes one parameter on
-demand (agoq's optimizers, agoq/megatron/grad_reader.py). Parameters that Megatron's
+demand (agoq's optimizers, agoq/megatron/grads/grad_reader.py). Parameters that Megatron's
 finalize_model_grads all-reduces through ``main_grad`` after the DP reduction (sequence-parallel or
 TP-averaged norms, q/k layernorms, shared embeddings) always get a real fp32 ``main_grad``.
 
@@ -81,7 +81,7 @@ class BucketStore:
         self.original_main_grad = {p: p.main_grad for p in self.params}
         self.float_main_grad: dict = {}  # param -> fp32 tensor installed as main_grad until release()
         self.own_float: list = []  # fp32 tensors installed as main_grad (finalize_touched parameters)
-        self.reader_attached = False  # distributed optimizer: agoq.megatron.grad_reader reads the shard
+        self.reader_attached = False  # distributed optimizer: agoq.megatron.grads.grad_reader reads the shard
         self.shared_blocks: set = set()  # blocks of this rank's range that a neighbour's range also holds
         self.deferred: dict = {}  # shared block -> its fp32 reduced values until finish_reduce_scatter
         self.reducing = False
@@ -113,7 +113,7 @@ class BucketStore:
         if not self.reader_attached:
             raise RuntimeError(
                 "8-bit gradient store with the distributed optimizer: the reduced shard stays 8-bit and the "
-                "optimizer must read it through agoq.megatron.grad_reader.attach(optimizer, model_chunks) "
+                "optimizer must read it through agoq.megatron.grads.grad_reader.attach(optimizer, model_chunks) "
                 "(scripts/pretrain_llama.py does); Megatron's main_grad holds no reduced values"
             )
         self.qbuf.fold_residual_()

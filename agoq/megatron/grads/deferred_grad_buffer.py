@@ -37,7 +37,7 @@ Why (the options weighed against the goal "no full-size float buffer, no transie
     carry the exact geometry to re-point later. A meta tensor that is read raises ("Cannot copy out of
     meta tensor", ".item() cannot be called on meta tensors") where a 0-byte storage used to be
     undefined behaviour; in-place writes into a meta tensor are no-ops, which is why store mode
-    replaces Megatron's backward hook (agoq/megatron/ddp.py) for every parameter with a buffer slot.
+    replaces Megatron's backward hook (agoq/megatron/grads/ddp.py) for every parameter with a buffer slot.
 When the buffer exists: only for readers that need every float gradient at once (Megatron's torch
   optimizers without the distributed optimizer: ``BucketStore.materialize``), from the end of the
   reduction to the next ``zero_grad_buffer`` (4 B/param then, as before).
@@ -109,7 +109,7 @@ def check_deferred(buffers: list, mode: GradBufferOnMeta) -> None:
         raise RuntimeError(
             "--agoq-grads-mode store: Megatron's _ParamAndGradBuffer did not allocate as agoq expects "
             "(megatron-core 0.19.2: torch.zeros(numel, ..., requires_grad=False), parameter buffer before "
-            "gradient buffer; agoq/megatron/deferred_grad_buffer.py): " + "; ".join(bad)
+            "gradient buffer; agoq/megatron/grads/deferred_grad_buffer.py): " + "; ".join(bad)
             + ". Use --agoq-grads-mode reduce with this configuration."
         )
 

@@ -6,7 +6,7 @@ parameter at a time (``QuantizedOptimizer.step_param``), so with 8-bit gradients
 that: the reader dequantizes one parameter's reduced gradient, the clip factor is applied to it, the
 parameter is stepped and the fp32 copy is dropped. Transient float memory: the largest parameter.
 
-Hook (agoq/megatron/megatron_optimizer.py): ``AgoqMegatronOptimizer.grad_reader``; when set, its
+Hook (agoq/megatron/optim/megatron_optimizer.py): ``AgoqMegatronOptimizer.grad_reader``; when set, its
 ``prepare_grads`` / ``clip_grad_norm`` / ``step_with_ready_grads`` call :func:`prepare_grads`,
 :func:`clip_grad_norm` and :func:`step_with_ready_grads` here. :func:`attach` sets it.
 
@@ -16,9 +16,9 @@ root; clip factor ``clip_grad / (norm + 1e-6)`` when below 1, as ``clip_grad_by_
 Not supported (raise): separate grad-norm groups (MTP), ``log_num_zeros_in_grad`` with agoq's optimizer.
 
 Distributed optimizer (``--use-distributed-optimizer``): the DDP requantizes this rank's reduced shard
-into its 8-bit store (agoq/megatron/grad_store.py) and Megatron's ``main_grad`` holds nothing, so the
+into its 8-bit store (agoq/megatron/grads/grad_store.py) and Megatron's ``main_grad`` holds nothing, so the
 optimizer must read the shard from the store (the reduction raises when no reader is attached):
-  * agoq's optimizer (agoq.megatron.dist_optimizer.AgoqDistributedOptimizer, a :class:`ReadsShardGrads`:
+  * agoq's optimizer (agoq.megatron.optim.dist_optimizer.AgoqDistributedOptimizer, a :class:`ReadsShardGrads`:
     this module names no optimizer class of agoq's, the optimizer imports it): a
     :class:`ShardGradReader` over its shards; norm, clip and step as above, one shard at a time (the
     inner optimizer's ``grad_source``); no ``.decoupled_grad`` is assigned. Extra bytes: one shard.
@@ -31,7 +31,7 @@ Seam card
 ---------
 Touches (megatron-core 0.19.2): ``megatron.core.optimizer.optimizer._get_param_grad_norm_group``;
   ``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer`` — instance class swap (as
-  agoq/megatron/ddp.py does for the bucket groups) overriding ``_copy_model_grads_to_main_grads``
+  agoq/megatron/grads/ddp.py does for the bucket groups) overriding ``_copy_model_grads_to_main_grads``
   (private); reads its ``model_float16_groups`` / ``shard_fp32_from_float16_groups`` /
   ``model_fp32_groups`` / ``shard_fp32_groups`` and ``_get_model_param_range_map``; ``ChainedOptimizer
   .chained_optimizers``.
@@ -96,7 +96,7 @@ class ShardGradReader(QuantizedGradReader):
 
 
 class ReadsShardGrads:
-    """Base of a distributed optimizer that steps from its 8-bit shards itself (agoq.megatron.dist_optimizer
+    """Base of a distributed optimizer that steps from its 8-bit shards itself (agoq.megatron.optim.dist_optimizer
     .AgoqDistributedOptimizer): ``shard_info`` maps id(shard) -> (model param, start, end); :func:`attach`
     sets ``grad_reader`` (a :class:`ShardGradReader`) and the inner optimizer's ``grad_source``."""
 

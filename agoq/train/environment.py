@@ -11,7 +11,7 @@ the trainer reads it here and passes what it found in:
 * ``AGOQ_FP8_SWIGLU_FUSION=0`` (plain FP8 MLPs run Megatron's SwiGLU then the FP8 fc2 instead of the fused SwiGLU +
   FP8 fc2 op; benchmarks' A/B; ``1``, the default, fuses) -> ``AgoqConfig.kernels.fuse_swiglu_fp8``
   (:func:`kernels_from_environment`; the layers and the start-up memory prediction read it from the config);
-* ``TRITON_INTERPRET=1`` -> ``AgoqConfig.triton_interpret`` (agoq.megatron.train.args builds the config).
+* ``TRITON_INTERPRET=1`` -> ``AgoqConfig.triton_interpret`` (agoq.train.args builds the config).
 
 Other readers outside the library: ``scripts/pretrain_llama.py`` (``AGOQ_CACHE``, ``AGOQ_SHOW_KNOWN_WARNINGS``,
 rank-0 printing) and the command-line tools' ``__main__`` modules.
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from agoq.config import KernelsConfig
 
-if TYPE_CHECKING:  # the flags' parse (agoq.megatron.train.args) reads the kernel switches before torch loads
+if TYPE_CHECKING:  # the flags' parse (agoq.train.args) reads the kernel switches before torch loads
     from agoq.megatron.runtime import LaunchInfo
 
 FAST_LAUNCH_ENV = "AGOQ_TRITON_FAST_LAUNCH"
@@ -62,6 +62,6 @@ def plain_fusion_from_environment(environ: Mapping[str, str] = os.environ) -> bo
 
 
 def kernels_from_environment(environ: Mapping[str, str] = os.environ) -> KernelsConfig:
-    """The run's ``AgoqConfig.kernels`` from the environment (read once, by agoq.megatron.train.args.build_config)."""
+    """The run's ``AgoqConfig.kernels`` from the environment (read once, by agoq.train.args.build_config)."""
     return KernelsConfig(fast_launch=fast_launch_from_environment(environ),
                          fuse_swiglu_fp8=plain_fusion_from_environment(environ))

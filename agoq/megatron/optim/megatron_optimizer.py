@@ -1,6 +1,7 @@
 """agoq.optim in Megatron's optimizer interface without the distributed optimizer: ``AgoqMegatronOptimizer``
 (Megatron's FP32Optimizer over an agoq.optim optimizer on the bf16 params, with compressed sharded checkpoints).
-agoq.megatron.optimizer.build_agoq_optimizer builds it; agoq.megatron.release.AgoqReleaseOptimizer extends it.
+agoq.megatron.optim.optimizer.build_agoq_optimizer builds it; agoq.megatron.optim.release.AgoqReleaseOptimizer
+extends it.
 
 Path: agoq's optimizer runs directly on the bf16 model params inside Megatron's FP32Optimizer
 wrapper (which copies param.main_grad to .grad, clips by the global norm and steps), so no fp32 main-param copy
@@ -8,7 +9,7 @@ exists: the split master replaces it. Checkpoints: ``sharded_state_dict`` saves 
 remainders as they are (flat ShardedTensors keyed by the model param's key, replicated over DP, so any DP size loads
 them), and no torch param groups: those differ between pipeline stages, and a load keeps the live ones.
 With 8-bit gradients (``--agoq-grads`` store mode) ``grad_reader`` is set and the gradients are read one parameter
-at a time (agoq/megatron/grad_reader.py).
+at a time (agoq/megatron/grads/grad_reader.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.optimizer.optimizer import FP32Optimizer
 
-from agoq.megatron import grad_reader
+from agoq.megatron.grads import grad_reader
 
 STATE_PREFIX = "optimizer.agoq_state"
 
@@ -43,7 +44,7 @@ class AgoqMegatronOptimizer(FP32Optimizer):
     """FP32Optimizer over agoq.optim (works on bf16 params: agoq keeps the master), with compressed
     sharded checkpoints."""
 
-    grad_reader = None  # set by agoq.megatron.grad_reader.attach: 8-bit gradients read one param at a time
+    grad_reader = None  # set by agoq.megatron.grads.grad_reader.attach: 8-bit gradients read one param at a time
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         if self.grad_reader is not None:

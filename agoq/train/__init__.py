@@ -6,9 +6,9 @@ argparse; ``config_file``; ``checks`` and ``preflight``), the training loop
 (``pretrain``, ``training``), the data pipeline (``data``), start-up and per-iteration reports
 (``memory_report``, ``flops``, ``tensorboard``, ``known_warnings``). ``scripts/pretrain_llama.py`` calls it.
 
-Layering: agoq.megatron.train imports megatron-core only through agoq.megatron's functions (``runtime``,
+Layering: agoq.train imports megatron-core only through agoq.megatron's functions (``runtime``,
 ``training_parts``, ``datasets``, ``optimizer``, ``megatron_training``; tests/unit/test_boundaries.py); nothing
-else in agoq imports agoq.megatron.train except the command-line tools (``agoq.convert.__main__``). It is the only
+else in agoq imports agoq.train except the command-line tools (``agoq.convert.__main__``). It is the only
 agoq package that reads the environment (``environment``: torchrun's variables, kernel switches;
 tests/unit/test_config_boundary.py).
 """

@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 
 from agoq.megatron import graphs, runtime, training_parts
-from agoq.megatron.release import ReleaseDataParallel, TrainingStopped, finalize_release_grads
-from agoq.megatron.train import hoststats
+from agoq.megatron.optim.release import ReleaseDataParallel, TrainingStopped, finalize_release_grads
 from agoq.ops.fp8_weight_cache import fp8_weights_changed
 from agoq.ops.nonfinite import nonfinite_in
+from agoq.train import hoststats
 
 
 def _loss_func(loss_mask_BS: torch.Tensor, output_BS: torch.Tensor):
@@ -242,7 +242,7 @@ def _any_rank_nonfinite(model_chunks: list, loss: float | None, device: torch.de
     bad = loss is not None and not math.isfinite(loss)
     found = None
     for chunk in model_chunks:
-        check = getattr(chunk, "agoq_grads_nonfinite", None)  # 8-bit gradients (agoq/megatron/ddp.py)
+        check = getattr(chunk, "agoq_grads_nonfinite", None)  # 8-bit gradients (agoq/megatron/grads/ddp.py)
         if check is not None:
             bad = bad or check()
             continue

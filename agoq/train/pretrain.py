@@ -5,9 +5,9 @@ there is no GPU) → process groups → data (rank 0 builds caches first) → mo
 Megatron optimizer + LR schedule → resume → train loop (log, save on interval / signal / end).
 Everything that can be wrong with the input is checked before the first forward pass.
 
-A trainer entry point (with agoq.megatron.train.args): it reads the parsed Namespace for Megatron's own flags
+A trainer entry point (with agoq.train.args): it reads the parsed Namespace for Megatron's own flags
 (layout, batch sizes, lr, logging) and hands agoq's library code the run's ``AgoqConfig``
-(``args.agoq_config``, built once by agoq.megatron.train.args.parse_args) or one of its sections.
+(``args.agoq_config``, built once by agoq.train.args.parse_args) or one of its sections.
 """
 
 from __future__ import annotations
@@ -26,23 +26,24 @@ import torch.distributed as dist
 
 from agoq.cli.optim_args import check_release_flags
 from agoq.config import AgoqConfig
-from agoq.megatron import checkpoint, runtime, training_parts
+from agoq.megatron import runtime, training_parts
 from agoq.megatron.activations import policy_of
 from agoq.megatron.built_check import Expectation, any_rank_failed, check_built
+from agoq.megatron.ckpt import checkpoint
+from agoq.megatron.ckpt.resume import RECORD_KEY, data_lines, run_record, schedule_line
 from agoq.megatron.compute import fc2_input_amax
 from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
-from agoq.megatron.optimizer import build_agoq_optimizer, build_megatron_optimizer
-from agoq.megatron.resume import RECORD_KEY, data_lines, run_record, schedule_line
-from agoq.megatron.train import environment, memory_report, training
-from agoq.megatron.train.checks import check_policy_requests
-from agoq.megatron.train.ckpt_startup import CheckpointGuard, predicted_checkpoint_bytes
-from agoq.megatron.train.flops import tflops_per_gpu, training_flops_per_iteration
-from agoq.megatron.train.manual_gc import ManualGC
-from agoq.megatron.train.preflight import check_layout, microbatch_count
-from agoq.megatron.train.tensorboard import open_tensorboard
-from agoq.megatron.train.wandb_log import Loggers, open_wandb
+from agoq.megatron.optim.optimizer import build_agoq_optimizer, build_megatron_optimizer
 from agoq.policy import ScheduleInfo
+from agoq.train import environment, memory_report, training
+from agoq.train.checks import check_policy_requests
+from agoq.train.ckpt_startup import CheckpointGuard, predicted_checkpoint_bytes
+from agoq.train.flops import tflops_per_gpu, training_flops_per_iteration
+from agoq.train.manual_gc import ManualGC
+from agoq.train.preflight import check_layout, microbatch_count
+from agoq.train.tensorboard import open_tensorboard
+from agoq.train.wandb_log import Loggers, open_wandb
 
 log = logging.getLogger("agoq.pretrain")
 
@@ -159,7 +160,7 @@ def ddp_config(args, params_dtype: torch.dtype):
         grad_reduce_in_fp32=params_dtype != torch.float32 and not getattr(args, "grad_reduce_in_bf16", False),
         overlap_grad_reduce=args.overlap_grad_reduce,
         # --overlap-param-gather: the updated parameters are all-gathered in the next forward (DDP's forward
-        # pre-hooks; agoq.megatron.train.training.ParamGather syncs them before saves and evaluation); with
+        # pre-hooks; agoq.train.training.ParamGather syncs them before saves and evaluation); with
         # interleaved pipelines the stages launch the gathers together (Megatron-LM's default
         # align_param_gather: the schedule calls each chunk's start_param_sync, training.configure_grad_hooks)
         overlap_param_gather=getattr(args, "overlap_param_gather", False),
@@ -173,7 +174,7 @@ def ddp_config(args, params_dtype: torch.dtype):
 
 
 def num_microbatches(args, layout: ParallelLayout, world_size: int) -> int:
-    """Micro-batches per step (agoq.megatron.train.preflight.microbatch_count: the script checks it before torch
+    """Micro-batches per step (agoq.train.preflight.microbatch_count: the script checks it before torch
     loads)."""
     return microbatch_count(args.global_batch_size, args.micro_batch_size, layout.tp, layout.pp, layout.vpp,
                             world_size)
@@ -201,7 +202,7 @@ def versions_line() -> str:
 
 def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy_report: Callable,
              storage_report: Callable) -> None:
-    """Run the whole job described by ``args`` (see agoq.megatron.train.args; ``args.agoq_config``: agoq's part).
+    """Run the whole job described by ``args`` (see agoq.train.args; ``args.agoq_config``: agoq's part).
 
     ``datasets_provider(args)`` returns ``(tokenizer, factory)``; ``factory(consumed_samples, consumed_valid_samples)``
     returns the ``(train, valid, test)`` micro-batch iterators (scripts/pretrain_llama.py's), or ``(train, valid)``
@@ -343,7 +344,7 @@ def _resume(args, record: dict, policy: str, parts: tuple, guard: CheckpointGuar
                                 "may be changing the folder")
     progress, extras = loaded
     guard.after_load(target.folder, progress.iteration)
-    from agoq.megatron.hf_checkpoint import carry_hf_identity
+    from agoq.megatron.ckpt.hf_checkpoint import carry_hf_identity
 
     carry_hf_identity(extras, record)  # a converted checkpoint's HF token ids / generation config, for the export
     print_rank0(f"resumed from {target.folder} at iteration {progress.iteration} "

@@ -1,5 +1,5 @@
 """Optional Weights & Biases output with Megatron-LM's flags (``--wandb-project``, ``--wandb-exp-name``,
-``--wandb-save-dir``), beside TensorBoard (agoq.megatron.train.tensorboard): the same per-iteration scalars under the
+``--wandb-save-dir``), beside TensorBoard (agoq.train.tensorboard): the same per-iteration scalars under the
 same Megatron tag names, the run's flags as the run config, the resolved policy table in it.
 
 As Megatron-LM (megatron/training/global_vars.py, ``_set_wandb_writer``, 0.19): on when ``--wandb-project`` is given,
@@ -16,7 +16,7 @@ import numbers
 from collections.abc import Mapping
 from pathlib import Path
 
-from agoq.megatron.train.tensorboard import NOT_SCALARS, POLICY_TAG, SCALAR_TAGS, VS_SAMPLES, NullTensorBoard, _scalars
+from agoq.train.tensorboard import NOT_SCALARS, POLICY_TAG, SCALAR_TAGS, VS_SAMPLES, NullTensorBoard, _scalars
 
 MISSING = ("--wandb-project needs the 'wandb' package, which is not installed: pip install wandb (or drop "
            "--wandb-project)")
@@ -43,7 +43,7 @@ def _wandb():
 
 
 class WandbLogger:
-    """One wandb run; the same methods as agoq.megatron.train.tensorboard.TensorBoardLogger."""
+    """One wandb run; the same methods as agoq.train.tensorboard.TensorBoardLogger."""
 
     def __init__(self, project: str, name: str, save_dir: str, config: Mapping, wandb=None):
         self._wandb = wandb or _wandb()

@@ -91,7 +91,7 @@ def _given(args, dest: str) -> bool:
 class MegatronLMRefusal(Exception):
     """A combination agoq cannot run under ``megatron.training``, found before anything is built. The message names
     the flag (in Megatron-LM's spelling, or agoq's ``--agoq-*``) and the fix; the door (``python -m agoq.megatron_lm``,
-    agoq/megatron/train/megatron_lm_door.py) prints it as one line and exits, without a traceback."""
+    agoq/train/megatron_lm_door.py) prints it as one line and exits, without a traceback."""
 
 
 class RefusedFlags(MegatronLMRefusal, ValueError):
@@ -168,7 +168,7 @@ def refuse_agoq_trainer_checkpoint(load: str | None) -> None:
         return
     from pathlib import Path
 
-    from agoq.megatron.ckpt_files import complete_iterations, is_complete, names
+    from agoq.megatron.ckpt.ckpt_files import complete_iterations, is_complete, names
 
     folder = Path(load)
     held = [folder.name] if is_complete(folder) else ([names(complete_iterations(folder))]

@@ -1,15 +1,15 @@
 """Megatron glue for agoq.optim: build_agoq_optimizer(config, megatron_config, model_chunks) -> optimizer,
-the agoq counterpart of Megatron's get_megatron_optimizer (agoq.megatron.train.pretrain.build_optimizer). ``config``
+the agoq counterpart of Megatron's get_megatron_optimizer (agoq.train.pretrain.build_optimizer). ``config``
 is the run's AgoqConfig (its ``optimizer`` section: kind, state formats, master; ``grads.reduce_in_bf16``);
 ``megatron_config`` is Megatron's OptimizerConfig (lr, weight decay, Adam betas / eps, clipping, dtype,
 distributed optimizer) that the trainer builds; the trainer builds the LR schedule too.
 
-Without --use-distributed-optimizer: agoq.megatron.megatron_optimizer.AgoqMegatronOptimizer (agoq's optimizer on
+Without --use-distributed-optimizer: agoq.megatron.optim.megatron_optimizer.AgoqMegatronOptimizer (agoq's optimizer on
 the bf16 params inside Megatron's FP32Optimizer wrapper; no fp32 main-param copy); with --agoq-gradient-release:
-agoq.megatron.release.AgoqReleaseOptimizer. Megatron's LR schedule writes group["lr"] / group["weight_decay"]
+agoq.megatron.optim.release.AgoqReleaseOptimizer. Megatron's LR schedule writes group["lr"] / group["weight_decay"]
 (wd_mult 0 for biases and 1-D params, Megatron's default rule: ``param_groups``); hyperparameters are this run's
 flags.
-With --use-distributed-optimizer: agoq.megatron.dist_optimizer.AgoqDistributedOptimizer (Megatron's
+With --use-distributed-optimizer: agoq.megatron.optim.dist_optimizer.AgoqDistributedOptimizer (Megatron's
 DistributedOptimizer in precision-aware mode; agoq states for this rank's shard only; DP-independent
 compressed checkpoints), with DP shards aligned to the quantization groups (shard_alignment_for).
 """
@@ -23,11 +23,11 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from agoq.config import AgoqConfig, parse_moments
-from agoq.megatron import grad_reader
-from agoq.megatron.dist_optimizer import AgoqDistributedOptimizer, shard_alignment
+from agoq.megatron.grads import grad_reader
 from agoq.megatron.graphs import check_cuda_graphs
-from agoq.megatron.megatron_optimizer import AgoqMegatronOptimizer, init_all_states, keep_autograd_grad_dtype
-from agoq.megatron.release import AgoqReleaseOptimizer
+from agoq.megatron.optim.dist_optimizer import AgoqDistributedOptimizer, shard_alignment
+from agoq.megatron.optim.megatron_optimizer import AgoqMegatronOptimizer, init_all_states, keep_autograd_grad_dtype
+from agoq.megatron.optim.release import AgoqReleaseOptimizer
 from agoq.optim import SGD, AdamW, Lion
 from agoq.optim.release import check_release_compatible
 
@@ -120,7 +120,7 @@ def build_agoq_optimizer(agoq_config: AgoqConfig, config: OptimizerConfig, model
 
 def build_megatron_optimizer(config: OptimizerConfig, model_chunks: list):
     """Megatron's own optimizer (``--agoq-optimizer torch``: Megatron's Adam) over ``model_chunks``, with the reader of
-    agoq's 8-bit gradient store attached where the distributed optimizer needs it (agoq.megatron.grad_reader)."""
+    agoq's 8-bit gradient store attached where the distributed optimizer needs it (agoq.megatron.grads.grad_reader)."""
     optimizer = get_megatron_optimizer(config, model_chunks)
     grad_reader.attach(optimizer, model_chunks)  # 8-bit gradient store + distributed optimizer: shard reads
     return optimizer
@@ -128,7 +128,8 @@ def build_megatron_optimizer(config: OptimizerConfig, model_chunks: list):
 
 def shard_alignment_for(options, distributed_optimizer: bool) -> int | None:
     """Elements the DDP buffer layout must align DP shards to for agoq's optimizer (``options``: an
-    ``AgoqConfig.optimizer``) with --use-distributed-optimizer (None otherwise): see agoq.megatron.dist_optimizer."""
+    ``AgoqConfig.optimizer``) with --use-distributed-optimizer (None otherwise): see
+    agoq.megatron.optim.dist_optimizer."""
     if not options.agoq or not distributed_optimizer:
         return None
     return shard_alignment(parse_moments(options.moments))

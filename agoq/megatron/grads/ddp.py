@@ -13,7 +13,7 @@ Touches (megatron-core 0.19.2, ``megatron/core/distributed/``):
     ``start_grad_sync``, ``check_grads`` and ``finish_grad_sync`` (Megatron's, then agoq's
     post-reduction step; Megatron's only needs a handle with ``wait()``).
   * ``_ParamAndGradBuffer.__init__``'s gradient-buffer allocation (store mode): Megatron's constructor runs
-    under agoq/megatron/deferred_grad_buffer.py's scoped ``TorchFunctionMode``, which puts that buffer on
+    under agoq/megatron/grads/deferred_grad_buffer.py's scoped ``TorchFunctionMode``, which puts that buffer on
     the meta device; its bucket and ``main_grad`` views are placeholders, re-pointed at a real buffer
     only by the materialize path (no full-size float buffer at construction; why this mechanism: there).
   * Reads ``_ParamAndGradBucket.{grad_data, params_list, param_to_index, gradient_scaling_factor,
@@ -31,18 +31,18 @@ Modes:
     agoq.comm.reduce (all-to-all of 8-bit codes + scales, fp32 sum, requantize, all-gather; with the
     distributed optimizer the owned fp32 shard is kept and the all-gather skipped). Megatron's
     gradient_scaling_factor is applied to the fp32 sum (no separate pass over the buffer).
-  * ``store``: main_grad is accumulated in 8 bits (agoq/megatron/grad_store.py: one block grid per
+  * ``store``: main_grad is accumulated in 8 bits (agoq/megatron/grads/grad_store.py: one block grid per
     parameter, dequant-add-requant in the backward post-hook) and Megatron's float grad buffer is not
-    allocated, not even at construction (meta placeholders, agoq/megatron/deferred_grad_buffer.py). The
+    allocated, not even at construction (meta placeholders, agoq/megatron/grads/deferred_grad_buffer.py). The
     reduction works on the 8-bit store directly (no float copy of the bucket): without the distributed
     optimizer the reduced gradient stays 8-bit in the store, and either a reader dequantizes it one
     parameter at a time (``agoq_set_lazy(True)``, done by agoq's optimizer through
-    agoq/megatron/grad_reader.py) or, for optimizers that need every ``.grad`` at once (Megatron's
+    agoq/megatron/grads/grad_reader.py) or, for optimizers that need every ``.grad`` at once (Megatron's
     torch optimizers), it is dequantized into the float buffer in ``finish_grad_sync`` (allocated
     there and every bucket / main_grad view re-pointed at it; placeholders back in
     ``zero_grad_buffer``). With the distributed optimizer the owned shard's sum is requantized in place
     into the 8-bit store (no float window, no float buffer) and the optimizer reads it through
-    agoq/megatron/grad_reader.py (``attach``; the reduction raises without it).
+    agoq/megatron/grads/grad_reader.py (``attach``; the reduction raises without it).
 Kept: ``check_for_nan_in_grad`` (store mode: the same check on the norm of the 8-bit bucket; NaN
   blocks stay NaN through the reduction), gradient scaling, grad-norm clipping, loss scaling,
   ``overlap_grad_reduce`` (async handles; on CUDA the reduction runs on a side stream), TP / PP / VPP,
@@ -74,9 +74,9 @@ from agoq.comm.pipeline import check_reduction_kernel, run_maybe_async
 from agoq.comm.reduce import allreduce_8bit, reduce_scatter_8bit
 from agoq.comm.symm import allreduce_8bit_peer, reduce_scatter_8bit_peer
 from agoq.config import GRAD_MODES, GRAD_TRANSPORTS, GradsConfig
-from agoq.megatron.deferred_grad_buffer import DeferredGradBuffer, GradBufferOnMeta, check_deferred
-from agoq.megatron.grad_store import BucketStore, finalize_touched
-from agoq.megatron.grad_transport import resolve_transport
+from agoq.megatron.grads.deferred_grad_buffer import DeferredGradBuffer, GradBufferOnMeta, check_deferred
+from agoq.megatron.grads.grad_store import BucketStore, finalize_touched
+from agoq.megatron.grads.grad_transport import resolve_transport
 from agoq.megatron.graphs import check_cuda_graphs
 from agoq.megatron.install import mark, swap_class
 from agoq.ops.nonfinite import nonfinite_in
@@ -93,7 +93,7 @@ class GroupGrads:
     grads: GradsConfig
     """The run's gradient config (a quantized format)."""
     transport: str
-    """This group's resolved transport: nccl or peer (agoq.megatron.grad_transport.resolve_transport)."""
+    """This group's resolved transport: nccl or peer (agoq.megatron.grads.grad_transport.resolve_transport)."""
     stores: list | None
     """Store mode: one BucketStore per bucket; reduce mode: None."""
     on_reduced: Callable | None = None
@@ -236,7 +236,7 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
                  grads: GradsConfig, chunk_bytes: int | None = None):
         if not grads.quantized:
             raise ValueError(f"AgoqDistributedDataParallel needs a quantized gradient format, got --agoq-grads "
-                             f"{grads.format}; build Megatron's DDP (agoq.megatron.ddp.wrap_ddp_agoq does)")
+                             f"{grads.format}; build Megatron's DDP (agoq.megatron.grads.ddp.wrap_ddp_agoq does)")
         _check_supported(config, ddp_config, grads)
         check_reduction_kernel(next(iter(module.parameters())).device, grads.format)
         if grads.mode == "store":  # Megatron's float grad buffer: meta placeholders (deferred_grad_buffer.py)
@@ -318,7 +318,7 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
         return None if store is None else store.shard_grad(param, start, end)
 
     def agoq_set_shard_reader(self) -> None:
-        """agoq/megatron/grad_reader.py attached a reader of the 8-bit reduced shards (see BucketStore)."""
+        """agoq/megatron/grads/grad_reader.py attached a reader of the 8-bit reduced shards (see BucketStore)."""
         for store in self.stores():
             store.reader_attached = True
 

@@ -18,7 +18,7 @@ A converted checkpoint is ``<dir>/iter_0000000/`` + ``latest_checkpointed_iterat
 tensors only; its common state says so (``agoq.weights_only``) and carries the model-shape part of the
 resume record (:data:`SHAPE_FIELDS`: widths, padded and real vocabulary, RoPE base and scaling, norm epsilon,
 tying), so ``--load`` checks the shape, loads the weights and starts the optimizer, LR schedule and
-data position fresh (``agoq.megatron.checkpoint``). It also keeps the HF model's identity (``hf_dims``: token ids,
+data position fresh (``agoq.megatron.ckpt.checkpoint``). It also keeps the HF model's identity (``hf_dims``: token ids,
 an eos list as a list, context; ``hf_generation_config``), which the trainer carries into its own checkpoints'
 run record (:func:`carry_hf_identity`) so that ``agoq-to-hf`` writes them back.
 """
@@ -33,7 +33,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
-from agoq.megatron import checkpoint, runtime
+from agoq.megatron import runtime
+from agoq.megatron.ckpt import checkpoint
+from agoq.megatron.ckpt.resume import CONTRACT_KEY, RECORD_KEY
 from agoq.megatron.model import (
     LlamaShape,
     ParallelLayout,
@@ -41,7 +43,6 @@ from agoq.megatron.model import (
     build_model_chunks,
     llama_transformer_config,
 )
-from agoq.megatron.resume import CONTRACT_KEY, RECORD_KEY
 
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                 "vocab_size", "rotary_base", "norm_epsilon", "rope_scaling", "rope_scaling_factor",

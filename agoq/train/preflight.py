@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from agoq.cli.optim_args import check_release_flags
-from agoq.megatron.train.checks import check_policy_requests, data_blend
+from agoq.train.checks import check_policy_requests, data_blend
 
 
 def check_layout(args: argparse.Namespace, world_size: int) -> None:

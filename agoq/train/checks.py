@@ -1,7 +1,7 @@
 """Checks of the parsed command line of ``scripts/pretrain_llama.py`` that need no process group (called by
-:func:`agoq.megatron.train.args.parse_args`): values and combinations (:func:`validate`), the policy's rules against
+:func:`agoq.train.args.parse_args`): values and combinations (:func:`validate`), the policy's rules against
 this model (:func:`check_policy_rules`), and flags that would do nothing in this run (:func:`check_unused_flags`).
-The checks against the world size and the data files run in :mod:`agoq.megatron.train.preflight`.
+The checks against the world size and the data files run in :mod:`agoq.train.preflight`.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from agoq.cli.optim_args import check_release_flags
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
 from agoq.config import float_grads_mismatch
 from agoq.data.indexed import split_weights
-from agoq.megatron.train.wandb_log import check_wandb_flags
 from agoq.policy import ScheduleInfo, check_rules_used, model_sites
+from agoq.train.wandb_log import check_wandb_flags
 
 
 def validate(args: argparse.Namespace) -> None:
     """Checks that need no process group; layout checks against the world size run at start-up. Then
-    :func:`agoq.megatron.train.args.parse_args` builds the config (whose sections validate agoq's own values) and
+    :func:`agoq.train.args.parse_args` builds the config (whose sections validate agoq's own values) and
     checks the policy's rules against this model (:func:`check_policy_rules`)."""
     _check_finite(args)
     if args.eval_interval is not None and (args.eval_interval <= 0 or args.eval_iters <= 0):

@@ -4,7 +4,7 @@ written over, one job per ``--save`` folder, and room for the next checkpoint.
 ``--load PATH`` (:func:`resolve_load`):
 
 * a folder with a tracker (``latest_checkpointed_iteration.txt``): its iteration, falling back to older complete
-  checkpoints when a file fails to read (agoq.megatron.checkpoint.load_checkpoint);
+  checkpoints when a file fails to read (agoq.megatron.ckpt.checkpoint.load_checkpoint);
 * an ``iter_NNNNNNN`` folder: that iteration of its parent folder, no fallback, said in one line (Megatron-LM's
   ``--ckpt-step N`` semantics);
 * a folder with ``iter_*`` checkpoints but no usable tracker: the run stops, naming the newest complete one and the
@@ -17,7 +17,7 @@ written over, one job per ``--save`` folder, and room for the next checkpoint.
 folder (a file is refused); the run never writes over a complete checkpoint it did not load from: a ``--save``
 holding checkpoints of another run (or newer ones than the loaded iteration) stops the run before training, naming
 them. Interrupted saves (no ``agoq_progress.json``) are not checkpoints and may be replaced. Rank 0 also takes the
-folder's lock (agoq.megatron.train.save_lock) and checks the free space against the predicted checkpoint size
+folder's lock (agoq.train.save_lock) and checks the free space against the predicted checkpoint size
 (:func:`predicted_checkpoint_bytes`: the planner's bytes per parameter of each state format).
 
 Every check runs on rank 0; all ranks raise the same error (:func:`agreed`), so no rank waits for another.
@@ -31,7 +31,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from agoq.megatron.ckpt_files import (
+from agoq.megatron.ckpt.ckpt_files import (
     complete_iterations,
     is_complete,
     iteration_dir,
@@ -41,7 +41,7 @@ from agoq.megatron.ckpt_files import (
     saved_iterations,
     written_by_megatron_training,
 )
-from agoq.megatron.train.save_lock import SaveLock
+from agoq.train.save_lock import SaveLock
 
 ALLOW_FRESH = "--allow-fresh-start"
 

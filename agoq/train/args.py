@@ -12,8 +12,8 @@ the file, the key and the allowed keys. Unknown or abbreviated flags are errors 
 The command line's parts, by concern: the parser and its flags (:mod:`agoq.cli.flags`, with
 ``optim_args``, ``graph_args`` and ``flag_hints`` for unknown flags; below the trainer, so python -m agoq.plan takes
 the same flags), config files (:mod:`agoq.cli.config_file`), checks of the parsed values
-(:mod:`agoq.megatron.train.checks`) and the checks against the world size and data files
-(:mod:`agoq.megatron.train.preflight`). This module puts them together (:func:`parse_args`, :func:`build_config`,
+(:mod:`agoq.train.checks`) and the checks against the world size and data files
+(:mod:`agoq.train.preflight`). This module puts them together (:func:`parse_args`, :func:`build_config`,
 :func:`parse_and_check`) and re-exports the names the script, the trainer and the tests import from it.
 """
 
@@ -39,7 +39,8 @@ from agoq.cli.seqpar_args import check_sequence_parallel_args
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
 from agoq.config import FLOAT_GRADS, GRAD_MODES, AgoqConfig, GradsFormatError, torch_optimizer_state_refusal
-from agoq.megatron.train.checks import (
+from agoq.policy import load_policy
+from agoq.train.checks import (
     check_fc2_amax_flag,
     check_policy_rules,
     check_unused_flags,
@@ -48,8 +49,7 @@ from agoq.megatron.train.checks import (
     unused_file_settings,
     validate,
 )
-from agoq.megatron.train.preflight import check_layout, microbatch_count, preflight
-from agoq.policy import load_policy
+from agoq.train.preflight import check_layout, microbatch_count, preflight
 
 # what the script, the trainer, agoq.plan and the tests import from here
 __all__ = [
@@ -97,9 +97,9 @@ def parse_args(argv: list[str] | None = None, *, quiet: bool = False,
 def build_config(args: argparse.Namespace, environ) -> AgoqConfig:
     """The run's AgoqConfig from the parsed flags (config file < command line), the policy file loaded once,
     and the environment variables agoq's library would otherwise read (TRITON_INTERPRET; the kernels section's,
-    agoq.megatron.train.environment.kernels_from_environment). The planner
+    agoq.train.environment.kernels_from_environment). The planner
     and the memory report build theirs with the same ``AgoqConfig.from_flags``."""
-    from agoq.megatron.train.environment import kernels_from_environment
+    from agoq.train.environment import kernels_from_environment
 
     policy = None if args.agoq_disable else load_policy(policy_path(args))
     try:

@@ -13,7 +13,7 @@ Why: the sharded format reloads under a different data-parallel size and is what
   ``latest_checkpointed_iteration.txt`` that is written (atomically, by rename) only after every
   rank finished writing, so an interrupted save never replaces the last complete checkpoint.
 Verified on: megatron-core 0.19.2 (CPU gloo and GPU NCCL).
-Resume order: the resume record (agoq.megatron.resume) is checked before any tensor is read; every rank
+Resume order: the resume record (agoq.megatron.ckpt.resume) is checked before any tensor is read; every rank
   reads, all ranks agree, and only then is anything applied (a rank's read failure never leaves another
   rank with a newer state than the checkpoint the job falls back to).
 Guarded by: ``tests/megatron/test_resume.py`` (resume matrix, fallback, schedule, mismatches).
@@ -34,9 +34,9 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
-from agoq.megatron.checkpoint_errors import read_error_text, save_error_text
-from agoq.megatron.ckpt_files import PROGRESS_FILE, TRACKER_FILE, iteration_dir  # noqa: F401 (re-exported)
-from agoq.megatron.resume import (  # noqa: F401 (keys re-exported)
+from agoq.megatron.ckpt.checkpoint_errors import read_error_text, save_error_text
+from agoq.megatron.ckpt.ckpt_files import PROGRESS_FILE, TRACKER_FILE, iteration_dir  # noqa: F401 (re-exported)
+from agoq.megatron.ckpt.resume import (  # noqa: F401 (keys re-exported)
     CONTRACT_KEY,
     RECORD_KEY,
     ResumeMismatch,
@@ -48,7 +48,7 @@ from agoq.megatron.resume import (  # noqa: F401 (keys re-exported)
 # 0.19.2 with "ShardedTensor.flattened_range is not supported" (measured).
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 # state["agoq"][WEIGHTS_ONLY_KEY] = True: a converted checkpoint (python -m agoq.convert hf-to-agoq,
-# agoq.megatron.hf_checkpoint) holding the model's tensors only; --load takes the weights and starts the
+# agoq.megatron.ckpt.hf_checkpoint) holding the model's tensors only; --load takes the weights and starts the
 # optimizer, LR schedule and data position fresh.
 WEIGHTS_ONLY_KEY = "weights_only"
 CONVERTED_HINT = ("It is a converted checkpoint: its shape is the Hugging Face model's (use the model.yaml written "
@@ -302,7 +302,7 @@ def load_checkpoint(
     every rank, and agreed between all ranks after each stage:
       1. complete: ``agoq_progress.json`` (rank 0 writes it after every rank finished) exists and parses;
       2. its common state reads, and its saved run record serves this run's ``record``
-         (agoq.megatron.resume.run_record; else ResumeMismatch: the
+         (agoq.megatron.ckpt.resume.run_record; else ResumeMismatch: the
          older checkpoints share the settings, so there is no fallback);
       3. every rank reads its tensors into a template.
     A candidate failing 1 or 3 on any rank is reported with every failing rank's error and skipped.

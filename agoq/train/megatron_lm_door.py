@@ -21,7 +21,7 @@ every ``pretrain_gpt.py`` of megatron.training 0.19.x makes:
 3. ``--agoq-log-json FILE``: the loss of every iteration (patch ``megatron_lm_door.log_json`` of
    ``megatron.training.training.train_step``; see :class:`LossRecord`).
 
-Refusals (:class:`agoq.megatron.train.megatron_lm.MegatronLMRefusal`, :class:`agoq.megatron.built_check.BuiltMismatch`)
+Refusals (:class:`agoq.train.megatron_lm.MegatronLMRefusal`, :class:`agoq.megatron.built_check.BuiltMismatch`)
 print one line (``agoq: ...``) and exit with status 2, without a traceback. Every change is undone when the script
 returns (the install handle).
 
@@ -42,7 +42,7 @@ from pathlib import Path
 
 from agoq.megatron import megatron_lm, megatron_training, runtime
 from agoq.megatron.built_check import BuiltMismatch
-from agoq.megatron.train.megatron_lm import (
+from agoq.train.megatron_lm import (
     MegatronLMRefusal,
     RefusedFlags,
     UnavailableUnderMegatronTraining,

@@ -14,7 +14,7 @@ Touches (megatron-core 0.19.2):
   * ``TransformerConfig.finalize_model_grads_func`` — set to ``finalize_release_grads`` (no reduction is
     needed with one data-parallel, tensor-parallel and pipeline rank; per-token loss scaling would
     need gradients that are already applied, so it raises).
-  * ``optimizer.optimizer.FP32Optimizer`` through ``agoq.megatron.megatron_optimizer.AgoqMegatronOptimizer``
+  * ``optimizer.optimizer.FP32Optimizer`` through ``agoq.megatron.optim.megatron_optimizer.AgoqMegatronOptimizer``
     — ``AgoqReleaseOptimizer.step()`` steps nothing (the hooks did) and returns Megatron's
     ``(update_successful, grad_norm, num_zeros)`` = ``(True, None, None)``, as FP32Optimizer does with
     ``--clip-grad 0``; the caller's LR-schedule step and the checkpoint's per-param ``step`` advance
@@ -40,7 +40,7 @@ from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from agoq.megatron.megatron_optimizer import AgoqMegatronOptimizer, keep_autograd_grad_dtype
+from agoq.megatron.optim.megatron_optimizer import AgoqMegatronOptimizer, keep_autograd_grad_dtype
 from agoq.ops.fp8_weight_cache import fp8_weights_changed
 from agoq.ops.nonfinite import nonfinite_in
 from agoq.optim.release import GradientRelease
@@ -123,7 +123,8 @@ class AgoqReleaseOptimizer(AgoqMegatronOptimizer):
 
     def __init__(self, optimizer, config, init_state_fn, model_chunks: list):
         if not model_chunks or not all(isinstance(c, ReleaseDataParallel) for c in model_chunks):
-            raise ValueError("--agoq-gradient-release needs the model wrapped by agoq.megatron.release.wrap_release "
+            raise ValueError("--agoq-gradient-release needs the model wrapped by "
+                             "agoq.megatron.optim.release.wrap_release "
                              "(Megatron's DDP would allocate the gradient buffer release removes)")  # fmt: skip
         super().__init__(optimizer, config, init_state_fn)
         self.model_chunks = model_chunks

@@ -5,7 +5,7 @@ Seam card
 Touches: ``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer`` (subclassed:
   ``AgoqDistributedOptimizer``; overrides ``sharded_state_dict`` / ``load_state_dict``, and with 8-bit
   gradients (``--agoq-grads`` store mode) ``_copy_model_grads_to_main_grads`` / ``clip_grad_norm``: the
-  shards are read from the 8-bit store one parameter at a time, agoq/megatron/grad_reader.py), its
+  shards are read from the 8-bit store one parameter at a time, agoq/megatron/grads/grad_reader.py), its
   precision-aware mode (``OptimizerConfig.use_precision_aware_optimizer`` and
   ``use_precision_aware_optimizer_no_fp8_or_ds_fp8`` set after the config is built, measured on
   megatron-core 0.19.2), ``ProcessGroupCollection.setup_process_groups_for_optimizer``, and
@@ -55,8 +55,8 @@ from megatron.core.optimizer.param_layout import (
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from agoq.formats import parse_format
-from agoq.megatron import grad_reader
-from agoq.megatron.megatron_optimizer import STATE_PREFIX, init_all_states
+from agoq.megatron.grads import grad_reader
+from agoq.megatron.optim.megatron_optimizer import STATE_PREFIX, init_all_states
 from agoq.optim.base import LOGICAL_SHAPE_ATTR, parse_formats
 
 MEGATRON_PARAM_ALIGN = 64  # megatron.core.optimizer.param_layout.pad_param_start (elements)
@@ -125,7 +125,7 @@ def aligned_full_param_layout(params, bucket_size, dp_size: int, ddp_config, ali
 class AgoqDistributedOptimizer(grad_reader.ReadsShardGrads, DistributedOptimizer):
     """Megatron's DistributedOptimizer (precision-aware mode) over an agoq.optim optimizer."""
 
-    grad_reader = None  # agoq.megatron.grad_reader.attach: 8-bit reduced shards, read one param at a time
+    grad_reader = None  # agoq.megatron.grads.grad_reader.attach: 8-bit reduced shards, read one param at a time
 
     def _copy_model_grads_to_main_grads(self):
         if self.grad_reader is None:

@@ -1,4 +1,4 @@
-"""The checkpoint rules of agoq.megatron.train.ckpt_guard applied to a running job: rank 0 checks, every rank gets
+"""The checkpoint rules of agoq.train.ckpt_guard applied to a running job: rank 0 checks, every rank gets
 the same answer (a refusal is raised on every rank, before training, so no rank waits in a collective).
 
 Order in the trainer: :meth:`CheckpointGuard.start` right after the process groups exist (the --save folder,
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from agoq.megatron.train import ckpt_guard
-from agoq.megatron.train.ckpt_guard import CheckpointRefusal, LoadTarget
+from agoq.train import ckpt_guard
+from agoq.train.ckpt_guard import CheckpointRefusal, LoadTarget
 
 
 def agreed(decide: Callable):

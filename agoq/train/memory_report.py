@@ -30,7 +30,7 @@ def plan_layout(config: AgoqConfig, layout, *, data_parallel: int, micro_batch_s
                 seq_length: int, distributed_optimizer: bool, sequence_parallel: bool = False) -> Layout:
     """The planner's Layout of a run: ``layout`` (an agoq.megatron.model.ParallelLayout) and Megatron's batch
     settings from the trainer; the gradient buffer's bytes per parameter from ``config.grads`` / ``optimizer``:
-    fp32 main_grad, bf16 with --grad-reduce-in-bf16, none with --agoq-gradient-release (agoq.megatron.release)."""
+    fp32 main_grad, bf16 with --grad-reduce-in-bf16, none with --agoq-gradient-release (agoq.megatron.optim.release)."""
     grad_bytes = 0 if config.optimizer.gradient_release else 2 if config.grads.reduce_in_bf16 else 4
     return Layout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, dp=data_parallel, mbs=micro_batch_size,
                   gbs=global_batch_size, seq=seq_length, distributed_optimizer=distributed_optimizer,
@@ -50,7 +50,7 @@ def _plan_inputs(shape, policy):
 def recipe_from_config(config: AgoqConfig) -> Recipe:
     """The planner's Recipe of a run's config (agoq.plan.recipe.recipe_of: the same for the planner's CLI), with
     the plain SwiGLU + FP8 fc2 fusion of ``config.kernels`` (the trainer's AGOQ_FP8_SWIGLU_FUSION,
-    agoq.megatron.train.environment), which changes what plain FP8 layers hold (agoq.plan.fp8)."""
+    agoq.train.environment), which changes what plain FP8 layers hold (agoq.plan.fp8)."""
     return dataclasses.replace(recipe_of(config, on_cuda=not runs_on_cpu(config)),
                                fuse_plain_swiglu_fp8=config.kernels.fuse_swiglu_fp8)
 

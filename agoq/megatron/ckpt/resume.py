@@ -32,7 +32,7 @@ from agoq.config import MOMENT_PRESETS, AgoqConfig
 
 RECORD_KEY = "config"  # key in the checkpoint's state["agoq"] extras: run_record(...)
 # ResumeContract fields, flat (any subset): what checkpoints saved before the record (2026-11-26), and what
-# converted weights-only checkpoints write (agoq.megatron.hf_checkpoint: the model shape); checked key by key
+# converted weights-only checkpoints write (agoq.megatron.ckpt.hf_checkpoint: the model shape); checked key by key
 CONTRACT_KEY = "resume_contract"
 
 

@@ -1,0 +1,1 @@
+"""Checkpoints: Megatron's dist checkpointing, resume checks, file safety, Hugging Face import/export."""
