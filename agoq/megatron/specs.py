@@ -12,7 +12,7 @@ when asked): the spec of ``--agoq-disable``.
 Norm and QKV / fc1 stay two modules (``fuse_layernorm_and_linear()`` is False; the norm hands its recompute stash to
 the linear through a ``Handoff``, agoq.megatron.layers): one module in Megatron's ``column_parallel_layer_norm_linear``
 slot would move the norm weight inside the linear and change the order of the layer's parameters, hence Megatron's
-gradient-buffer layout and the grad-norm summation order, which the bit-for-bit parity of issue 44 forbids.
+gradient-buffer layout and the grad-norm summation order, which a behaviour-preserving step must keep bit for bit.
 
 Seam card
 ---------

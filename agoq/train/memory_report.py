@@ -133,7 +133,7 @@ def predicted_report(config: AgoqConfig, shape, plan: Layout, policy, cuda_graph
 def _bf16_policy_path():
     from pathlib import Path
 
-    return Path(__file__).resolve().parents[3] / "configs" / "policy" / "bf16.yaml"
+    return Path(__file__).resolve().parents[2] / "configs" / "policy" / "bf16.yaml"
 
 
 # How deep the optimizer object graph is walked for state tensors (Megatron wrapper -> torch optimizer ->
