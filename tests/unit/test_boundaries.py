@@ -1,6 +1,5 @@
-"""House rule 1: layers by what code may know. Only the plugin (agoq/megatron outside the trainer) imports megatron;
-the reference trainer (today agoq/train, the plugin's client) reaches megatron-core only through the
-plugin's functions; the plugin has no command line and no training loop, and no library package imports the trainer;
+"""House rule 1: layers by what code may know. Only the plugin (agoq/megatron) imports megatron; the reference
+trainer (agoq/train, the plugin's client) reaches megatron-core only through the plugin's functions; the plugin has no command line and no training loop, and no library package imports the trainer;
 agoq.policy and agoq.formats import no torch; importing agoq initialises no CUDA."""
 
 from __future__ import annotations
@@ -48,13 +47,11 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 MEGATRON_PACKAGES = ("megatron",)  # agoq/megatron: the plugin, the one package that imports megatron
-# The trainer, relative to agoq/. It imports no megatron (the rule below holds wherever it lives). It sits inside
-# agoq/megatron for now, so the scan of MEGATRON_PACKAGES steps over it by this name only; moved to agoq/train it
-# needs no exception: set TRAINER_DIR = ("train",) (and "agoq.train" in PLUGIN_FORBIDDEN_MODULES).
+# The trainer, relative to agoq/: outside the plugin, so it needs no exception; it imports no megatron (the rule
+# below holds wherever it lives) and reads megatron-core through agoq.megatron's functions.
 TRAINER_DIR = ("train",)
 
-# The plugin (agoq/megatron outside train/) must not hold a trainer: no command line (argparse), no training loop
-# (running
+# The plugin (agoq/megatron) must not hold a trainer: no command line (argparse), no training loop (running
 # Megatron's forward/backward schedules or an LR schedule is the trainer's job), no import of the trainer.
 PLUGIN_FORBIDDEN_MODULES = ("argparse", "agoq.train")
 PLUGIN_FORBIDDEN_NAMES = ("get_forward_backward_func", "OptimizerParamScheduler", "ArgumentParser")
