@@ -1,6 +1,7 @@
 """House rule 1: layers by what code may know. Only the plugin (agoq/megatron) imports megatron; the reference
-trainer (agoq/train, the plugin's client) reaches megatron-core only through the plugin's functions; the plugin has no command line and no training loop, and no library package imports the trainer;
-agoq.policy and agoq.formats import no torch; importing agoq initialises no CUDA."""
+trainer (agoq/train, the plugin's client) reaches megatron-core only through the plugin's functions; the plugin has
+no command line and no training loop, and no library package imports the trainer; agoq.policy and agoq.formats import
+no torch; importing agoq initialises no CUDA."""
 
 from __future__ import annotations
 
