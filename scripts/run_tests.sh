@@ -31,7 +31,10 @@ fi
 status=0
 # Lint first (seconds): pyproject.toml's ruff rules over the whole checkout; a finding fails the run like a test.
 "$PY" -m ruff check . || { echo "run_tests.sh: ruff found the problems above (ruff check --fix fixes the [*] ones)"; status=1; }
-"$PY" -m pytest tests/megatron tests/dist tests/unit -m "not gpu and not multigpu" -q -p no:cacheprovider \
+# AGOQ_TEST_EXTENDED=1: also the extended tier (pyproject.toml's marker: heavy tests whose coverage overlaps CI's)
+select="not gpu and not multigpu"
+[ "${AGOQ_TEST_EXTENDED:-0}" = "1" ] || select="$select and not extended"
+"$PY" -m pytest tests/megatron tests/dist tests/unit -m "$select" -q -p no:cacheprovider \
   "${parallel[@]}" "$@" || status=$?
 TRITON_INTERPRET=1 "$PY" -m pytest tests/kernels -m "not gpu" -q -p no:cacheprovider "${parallel[@]}" "$@" \
   || { rc=$?; [ $rc -eq 5 ] || status=$rc; }

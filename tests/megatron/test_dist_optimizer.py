@@ -232,6 +232,7 @@ def test_bf16_grads_with_agoq_optimizer_train_and_report_2_bytes(env, distopt):
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.extended  # the multi-tensor kernels equal the reference in tests/kernels/test_optim_multi.py
 def test_dp2_distopt_fused_multi_tensor_step_matches_reference(env):
     """The fused step with multi-tensor launches (Triton's interpreter on CPU) on the distributed optimizer's
     shards (views of the DDP buffers, grads in .decoupled_grad) gives the reference step's losses. ~3 min."""

@@ -279,6 +279,7 @@ def test_script_release_trains_like_the_buffered_run_and_resumes(tmp_path, agoq_
 
 
 @pytest.mark.dist
+@pytest.mark.extended  # the release path itself: test_script_release_trains_like_the_buffered_run_and_resumes
 def test_bench_pretrain_release_suite_smoke(tmp_path, agoq_cache):
     """benchmarks/bench_pretrain.py --suite release --smoke (CPU): the three variants run, the release one holds
     no gradient bytes (measured breakdown), and every variant carries the planner's predicted peak."""
