@@ -7,11 +7,15 @@ returns every rank's return value (rank order). A failure on any rank raises ``R
 that rank's traceback; a hang raises after ``timeout_s``. The idea follows flashoptim's
 ``ddp_runner`` without its CUDA requirement.
 
-Processes are spawned by default, so ``fn`` must be a module-level function. Forking is faster (no
-second ~2 s torch import) but deadlocked in the full CPU suite: a parent whose OpenMP/gloo threads
-already ran forks children that hang in the thread pool (measured: tests/dist hung for minutes after
-tests/unit ran in the same pytest process). ``start_method="fork"`` remains available for a fresh
-parent.
+``fn`` must be a module-level function (it is pickled by name). The default start method is
+``forkserver``: a fresh server process, started once per parent, imports torch and megatron-core
+(``PRELOAD``; the ~5 s a rank otherwise spends importing them on a 2-core machine) and forks every rank
+from that single-threaded state. Forking the parent itself is faster still but deadlocked in the full
+CPU suite: a parent whose OpenMP/gloo threads already ran forks children that hang in the thread pool
+(measured: tests/dist hung for minutes after tests/unit ran in the same pytest process); the server has
+run no operator, so its children start clean. A forked rank inherits the server's environment, so each
+rank is handed the parent's ``os.environ`` of the call and applies it before ``fn`` runs. ``"spawn"``
+(a fresh interpreter per rank) and ``"fork"`` (for a fresh parent) remain available.
 """
 
 from __future__ import annotations
@@ -31,15 +35,21 @@ import torch.multiprocessing as mp
 __all__ = ["spawn_ranks", "RankError"]
 
 DEFAULT_TIMEOUT_S = 300.0  # generous for 2 shared CPU cores; a real hang is still reported
+# what the fork server imports before it forks ranks (a name that does not import is skipped by multiprocessing)
+PRELOAD = ("torch", "torch.distributed", "megatron.core", "agoq.megatron")
 
 
 class RankError(RuntimeError):
     """A rank raised (or died); the message holds its traceback or exit code."""
 
 
-def _child(rank: int, world_size: int, fn: Callable, args: tuple, backend: str, workdir: str, threads: int) -> None:
+def _child(rank: int, world_size: int, fn: Callable, args: tuple, backend: str, workdir: str, threads: int,
+           environ: dict[str, str]) -> None:
     out = Path(workdir) / f"rank{rank}.pkl"
     try:
+        if os.environ != environ:  # a forkserver rank starts with the server's environment, not the caller's
+            os.environ.clear()
+            os.environ.update(environ)
         if threads:
             torch.set_num_threads(threads)
         dist.init_process_group(backend, init_method=f"file://{workdir}/rendezvous", rank=rank,
@@ -56,15 +66,18 @@ def _child(rank: int, world_size: int, fn: Callable, args: tuple, backend: str, 
 
 
 def spawn_ranks(world_size: int, fn: Callable[..., Any], backend: str = "gloo", *, args: tuple = (),
-                timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str = "spawn",
+                timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str = "forkserver",
                 threads_per_rank: int = 1) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results in rank order."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (the first call), kept after
     with tempfile.TemporaryDirectory(prefix="agoq-ranks-") as workdir:
         procs = [
-            ctx.Process(target=_child, args=(r, world_size, fn, args, backend, workdir, threads_per_rank))
+            ctx.Process(target=_child,
+                        args=(r, world_size, fn, args, backend, workdir, threads_per_rank, dict(os.environ)))
             for r in range(world_size)
         ]
         for p in procs:

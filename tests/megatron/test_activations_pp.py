@@ -73,7 +73,7 @@ def test_pp2_stages_get_their_auto_formats_and_bf16_is_neutral(vpp):
     from agoq.testing.dist import spawn_ranks
 
     # spawn, not fork: a parent that already ran in-process megatron (mcore_world1) segfaults forked children
-    per_rank = spawn_ranks(2, _rank, args=(vpp,), start_method="spawn")
+    per_rank = spawn_ranks(2, _rank, args=(vpp,))
     names = _expected(vpp)
     # layer placement (megatron-core 0.19.2): no VPP: rank 0 {0,1}, rank 1 {2,3}; VPP=2: rank 0 {0,2}, rank 1 {1,3}
     placement = {None: ({0, 1}, {2, 3}), 2: ({0, 2}, {1, 3})}[vpp]

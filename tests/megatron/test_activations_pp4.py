@@ -91,7 +91,7 @@ def test_pp4_ladder_formats_and_measured_peaks_equal_planner(vpp):
     from agoq.testing.dist import spawn_ranks
 
     policies = ("agoq", "int4")
-    per_rank = spawn_ranks(PP, _rank, args=(vpp, policies), start_method="spawn", timeout_s=600)
+    per_rank = spawn_ranks(PP, _rank, args=(vpp, policies), timeout_s=600)
     from agoq.policy import ScheduleInfo, auto_names, load_policy
 
     ladder = auto_names(load_policy(POLICIES / "agoq.yaml"), ScheduleInfo(PP, vpp, NUM_MICROBATCHES))

@@ -151,7 +151,7 @@ def test_tp2_smooth_swiglu_equals_plain_through_the_real_model():
     must equal the plain TP=2 model bit for bit on every rank's parameter shards."""
     from agoq.testing.dist import spawn_ranks
 
-    per_rank = spawn_ranks(2, _tp_rank, start_method="spawn")
+    per_rank = spawn_ranks(2, _tp_rank)
     for rank, result in enumerate(per_rank):
         for mode in ("per-token", "per-channel"):
             _assert_identical(result["off"], result[mode], f"rank {rank} {mode}")

@@ -240,5 +240,5 @@ def test_tp2_fused_plain_fp8_mlp_equals_megatrons(fp8_on_cpu):
     reduced), so each rank's loss and last fc2 weight-gradient shard equal the unfused path's."""
     from agoq.testing.dist import spawn_ranks
 
-    per_rank = spawn_ranks(2, _tp_rank, start_method="spawn")
+    per_rank = spawn_ranks(2, _tp_rank)
     assert per_rank == [[(True, True, True)] * 2] * 2, per_rank
