@@ -31,7 +31,7 @@ GROUPS = {  # AgoqConfig section -> argument group title (the top-level fields a
     "": "agoq",
     "grads": "agoq gradients",
     "optimizer": "agoq optimizer (quantized states, split master weights)",
-    "fp8": "agoq FP8 compute and Smooth-SwiGLU (docs/fp8.md)",
+    "fp8": "agoq FP8 compute and Smooth-SwiGLU (docs/numerics.md)",
 }
 # The trainer's flags whose argparse default is None although the field has one: the policy's fp8 section applies
 # under the fp8 flags, and --agoq-moments / --agoq-master are refused with --agoq-optimizer torch only when given.

@@ -100,8 +100,8 @@ VALIDATED: frozenset[str] = frozenset({"activations", "fp8_current", "fp8_delaye
                                        "smooth_per_channel"})
 """Features that passed the GPU validation (tests/gpu/test_cuda_graphs_gpu.py, PP=2: tests/e2e/
 test_cuda_graphs_multigpu.py) and run under ``cuda_graph_impl="local"``; add a name only with the run's evidence in
-docs/numerics.md ("CUDA graphs"). All six: every case bit-identical to eager over 10 iterations on one
-H100, and (activations, FP8 delayed, per-token Smooth-SwiGLU) over 8 at PP=2 on two H100s, 2026-11-27 (agoq code
+docs/benchmarks/log.md ("CUDA graphs: GPU validation"). All six: every case bit-identical to eager over 10 iterations
+on one H100, and (activations, FP8 delayed, per-token Smooth-SwiGLU) over 8 at PP=2 on two H100s, 2026-11-27 (agoq code
 of deae7fe; PP=2 with the rotary fix of 93150a8). "activations" again with the norm + linear node
 (agoq.ops.norm_linear, the default since): both files passed on H100s on 2026-11-27 11:08 and 11:38 UTC (agoq
 10f4182 and a later commit with the same layer code)."""

@@ -241,7 +241,7 @@ def test_non_contiguous_grad_falls_back_per_tensor_and_says_so(caplog):
     ],
 )
 def test_launch_shape_per_format(master_dtype, m_fmt, v_fmt, shape):
-    """The per-format launch shape table (docs/numerics.md "Device time"); the sweep's override wins."""
+    """The per-format launch shape table (docs/benchmarks/log.md "Device time"); the sweep's override wins."""
     _, km = _kernels()
     b = _tensors([64, 96], torch.bfloat16, master_dtype, m_fmt, v_fmt, flat_views=False)
     launch = km.MultiTensorLaunch.build(*[[t[i] for t in b] for i in range(5)])
