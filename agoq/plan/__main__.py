@@ -202,7 +202,7 @@ UNMODELLED_KEYS = {
                                                   "fewer; the planner models the untied output layer"),
     "agoq_policy": (None, "the candidates are --policies (default: the shipped ones); pass --policies FILE to plan "
                           "this one"),
-    "cuda_graph_impl": ("none", "CUDA graphs keep their static buffers (2-8 GiB measured, docs/numerics.md)"),
+    "cuda_graph_impl": ("none", "CUDA graphs keep static input/output buffers the planner does not model"),
 }
 
 

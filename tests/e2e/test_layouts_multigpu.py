@@ -38,7 +38,7 @@ CASES_2 = [Case("pp2_vpp2", pp=2, layers_per_virtual_stage=2, num_layers=LAYERS)
 # with agoq full: 8-bit gradients reduced by agoq's 8-bit reduce-scatter under the distributed optimizer, agoq's
 # AdamW, the default activation policy; the updated parameters all-gathered in the next forward (NCCL, async).
 # Not bit-comparable with PP=1 (8-bit gradients, low-bit activations): it must learn and stay within AGOQ_BAND
-# of the fp32 PP=1 losses at every step (8-bit gradients move a tiny model's loss by ~0.1 %, docs/numerics.md; a
+# of the fp32 PP=1 losses at every step (8-bit gradients move a tiny model's loss by ~0.03 %, docs/numerics.md; a
 # lost shard or a wrong scale is off by far more or diverges).
 AGOQ_FULL = Case("dp2_pp2_distopt_agoq_full", pp=2, num_layers=LAYERS, policy="agoq",
                  flags=("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
