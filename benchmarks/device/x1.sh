@@ -25,8 +25,9 @@
 #   fp8_scale       issue 27's suite on current code (plain FP8 now fused): one current result            ~8 min
 #   equal_memory_1b  issue 23 item 2 at ~1B, with the agoq + FP8 Smooth-SwiGLU rows                         ~9 min
 #   commits         issue 44: the checkout before the one-step redesign (.old/a43a8b4, unpacked and carried: see
-#                   benchmarks/bench_commits.py) against this one, ~1B at micro-batch 1: baseline, agoq full, agoq
-#                   full + FP8 Smooth-SwiGLU, 2 interleaved rounds: tokens/s, peak, losses bit-identical or not ~9 min
+#                   benchmarks/bench_commits.py) against this one, ~1B at micro-batch 1: baseline and agoq full
+#                   (COMMITS_VARIANTS adds agoq_full_fp8), 2 interleaved rounds: tokens/s, peak, losses
+#                   bit-identical or not                                                                  ~6 min
 # Done on 2026-11-27 and left out: issue 25's convergence matrix (docs/benchmarks/convergence.md; rerun one run with
 # benchmarks/bench_convergence.py --preset) and the CUDA-graph validation (docs/numerics.md).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -71,5 +72,5 @@ step gpu_tier 900 env AGOQ_CUDA_GRAPHS_REPORT_DIR="$AGOQ_RESULTS/graph_reports" 
 step fp8_scale 1200 "$PY" $B --suite fp8_scale --timeout 150 --out "$AGOQ_RESULTS/fp8_scale.json"
 step equal_memory_1b 1200 "$PY" $B --suite equal_memory_1b --timeout 110 --out "$AGOQ_RESULTS/equal_memory_1b.json"
 step commits 900 "$PY" benchmarks/bench_commits.py --tree old=.old/a43a8b4 --tree new=. --rounds 2 \
-  --out "$AGOQ_RESULTS/commits.json"
+  --variants ${COMMITS_VARIANTS:-baseline agoq_full} --out "$AGOQ_RESULTS/commits.json"
 echo "== plan x1 finished $(date -u +%T)"
