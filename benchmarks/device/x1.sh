@@ -71,6 +71,6 @@ step gpu_tier 900 env AGOQ_CUDA_GRAPHS_REPORT_DIR="$AGOQ_RESULTS/graph_reports" 
   -m gpu -rA tests/gpu
 step fp8_scale 1200 "$PY" $B --suite fp8_scale --timeout 150 --out "$AGOQ_RESULTS/fp8_scale.json"
 step equal_memory_1b 1200 "$PY" $B --suite equal_memory_1b --timeout 110 --out "$AGOQ_RESULTS/equal_memory_1b.json"
-step commits 900 "$PY" benchmarks/bench_commits.py --tree old=.old/a43a8b4 --tree new=. --rounds 2 \
+step commits 900 "$PY" benchmarks/bench_commits.py --tree old=.old/a43a8b4 --tree new=. --rounds "${COMMITS_ROUNDS:-2}" \
   --variants ${COMMITS_VARIANTS:-baseline agoq_full} --out "$AGOQ_RESULTS/commits.json"
 echo "== plan x1 finished $(date -u +%T)"
