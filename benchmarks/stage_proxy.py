@@ -286,16 +286,21 @@ def run_case(name: str, flags: list[str], iterations: int, microbatches: int | N
             raise ValueError(f"--microbatches {run_mb}: stage 0 keeps {inflight} in flight in the real run; run at "
                              "least that many")
         n_params = sum(p.numel() for chunk in parts["model"] for p in chunk.parameters())
-        iters = [run_iteration(parts, args, device, meter, run_mb, seed=args.seed + i) for i in range(iterations)]
         storage = parts["spec"].params.get("agoq_plan") if hasattr(parts["spec"], "params") else None
-        measured = {phase: meter.peaks[phase] / GIB for phase in PHASES if phase in meter.peaks}
         record = {"name": name, "flags": flags, "pipeline_stages": parts["layout"].pp,
                   "layers_on_stage": parts["shape"].num_layers // parts["layout"].pp,
                   "microbatches_per_step": parts["microbatches"], "microbatches_run": run_mb,
-                  "in_flight": inflight, "parameters_on_stage": n_params, "iterations": iters,
-                  "saved_peak_gib": None if storage is None else storage.counter.peak / GIB,
-                  "predicted": prediction(args, parts)}
+                  "in_flight": inflight, "parameters_on_stage": n_params, "predicted": prediction(args, parts),
+                  "iterations": []}
+        try:
+            for i in range(iterations):
+                record["iterations"].append(run_iteration(parts, args, device, meter, run_mb, seed=args.seed + i))
+        except torch.OutOfMemoryError as exc:  # the answer too: which phase, and how far it got
+            record.update(failed="out of memory", failed_in_phase=meter.current, error_text=str(exc)[:1500])
+            meter.peaks[meter.current or "?"] = torch.cuda.max_memory_allocated(device)
+        record["saved_peak_gib"] = None if storage is None else storage.counter.peak / GIB
         if device.type == "cuda":
+            measured = {phase: meter.peaks[phase] / GIB for phase in meter.peaks}
             record["measured_gib"] = {**measured, "peak": max(measured.values())}
             record["error"] = record["predicted"]["peak_gib"] / record["measured_gib"]["peak"] - 1
             record["reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
@@ -346,8 +351,9 @@ def main(argv=None) -> int:
             record = run_case(name, flags, opts.iterations, opts.microbatches)
         except ValueError as exc:
             record = {"name": name, "flags": flags, "refused": str(exc)}
-        except torch_oom() as exc:
-            record = {"name": name, "flags": flags, "failed": "out of memory", "error_text": str(exc)[:2000]}
+        except torch_oom() as exc:  # while building (the iterations' own is recorded by run_case)
+            record = {"name": name, "flags": flags, "failed": "out of memory while building",
+                      "error_text": str(exc)[:2000]}
         Path(opts.out).write_text(json.dumps(record, indent=1) + "\n")
         return 0 if "refused" not in record and "failed" not in record else 1
     report = {"benchmark": "stage_proxy", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -372,8 +378,8 @@ def main(argv=None) -> int:
             record, rc = {"name": name, "flags": flags, "failed": f"timed out after {opts.timeout:.0f} s"}, 1
         child_out.unlink(missing_ok=True)
         report["cases"].append(record)
-        print(json.dumps({k: record.get(k) for k in ("name", "measured_gib", "predicted", "error", "refused",
-                                                      "failed")}), flush=True)
+        print(json.dumps({k: record.get(k) for k in ("name", "measured_gib", "error", "refused", "failed")}
+                         | {"predicted_gib": record.get("predicted", {}).get("peak_gib")}), flush=True)
         Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
         Path(opts.out).write_text(json.dumps(report, indent=1) + "\n")
     return rc
