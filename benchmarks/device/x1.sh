@@ -36,13 +36,15 @@
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 header
 B=benchmarks/bench_pretrain.py
-step stage_proxy_70b 570 "$PY" benchmarks/stage_proxy.py --out "$AGOQ_RESULTS/stage_proxy_70b.json" --iterations 3 \
-  --timeout 180 \
+step stage_proxy_70b 580 "$PY" benchmarks/stage_proxy.py --out "$AGOQ_RESULTS/stage_proxy_70b.json" --iterations 3 \
+  --timeout 240 \
   --case 8b_pp4_stage0 -- --config configs/model/llama3-8b.yaml --vocab-size 4096 --seq-length 4096 \
     --micro-batch-size 1 --global-batch-size 16 --agoq-grads int8_b256 --agoq-optimizer adamw \
-  --case 70b_pp8_stage0 -- --config configs/model/llama3-70b.yaml --agoq-preset agoq-full \
+  --case 70b_pp8_stage0 -- --config configs/model/llama3-70b.yaml --tensor-model-parallel-size 1 \
+    --pipeline-model-parallel-size 8 --agoq-preset agoq-full \
     --recompute-granularity selective --agoq-policy configs/policy/aggressive.yaml \
-  --case 70b_pp8_stage0_full_recompute -- --config configs/model/llama3-70b.yaml --agoq-preset agoq-full \
+  --case 70b_pp8_stage0_full_recompute -- --config configs/model/llama3-70b.yaml --tensor-model-parallel-size 1 \
+    --pipeline-model-parallel-size 8 --agoq-preset agoq-full \
     --recompute-granularity full --agoq-policy configs/policy/bf16.yaml
 step rope 900 bash -c '"$0" -m pytest -q -p no:cacheprovider -rA tests/kernels/test_rope_kernels.py \
   tests/megatron/test_rope.py; rc=$?
