@@ -116,9 +116,10 @@ class PhaseMeter:
         self.current = None
 
 
-def build_proxy(args, device):
-    """Stage 0 of the flags' layout on this one-rank world: (parts dict). Raises ValueError for what the proxy cannot
-    represent (agoq.megatron.stage_proxy.check_proxy_layout)."""
+def build_proxy(args, device, data_parallel: int = 1):
+    """Stage 0 of the flags' layout on this one-rank world: (parts dict). ``data_parallel``: the real run's DP size
+    (the trainer takes it from the world size; here ``--data-parallel``). Raises ValueError for what the proxy cannot
+    represent (agoq.megatron.stage_proxy.check_proxy_layout: DP > 1 among them)."""
     import torch
 
     from agoq.data.tokenizer import padded_vocab_size
@@ -135,7 +136,6 @@ def build_proxy(args, device):
     agoq = args.agoq_config
     layout = mmodel.ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                                    vpp=args.vpp)
-    data_parallel = getattr(args, "proxy_data_parallel", 1)
     stage_proxy.check_proxy_layout(layout, data_parallel=data_parallel, sequence_parallel=args.sequence_parallel,
                                    tied_embeddings=not args.untie_embeddings_and_output_weights)
     if agoq.optimizer.gradient_release:
@@ -262,7 +262,7 @@ def prediction(args, parts: dict) -> dict:
             "all_stages_gib": [p.peak / GIB for p in peaks]}
 
 
-def run_case(name: str, flags: list[str], iterations: int, microbatches: int | None) -> dict:
+def run_case(name: str, flags: list[str], iterations: int, microbatches: int | None, data_parallel: int = 1) -> dict:
     """Build and run one case in this process; the report's record of it."""
     import torch
 
@@ -278,7 +278,7 @@ def run_case(name: str, flags: list[str], iterations: int, microbatches: int | N
     meter = PhaseMeter(device)
     try:
         meter.enter("build")
-        parts = build_proxy(args, device)
+        parts = build_proxy(args, device, data_parallel)
         meter.stop()
         inflight = min(parts["layout"].pp, parts["microbatches"])
         run_mb = microbatches or inflight
@@ -340,6 +340,8 @@ def main(argv=None) -> int:
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--microbatches", type=int, default=None,
                         help="micro-batches run per iteration (default: the most 1F1B keeps in flight on stage 0)")
+    parser.add_argument("--data-parallel", type=int, default=1,
+                        help="the real run's data-parallel size (only 1 is proxied; larger is refused with the reason)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child: run the one case here
     parser.add_argument("--timeout", type=float, default=600, help="seconds per case")
     opts = parser.parse_args(own)
@@ -348,7 +350,7 @@ def main(argv=None) -> int:
     if opts.one:
         name, flags = cases[0]
         try:
-            record = run_case(name, flags, opts.iterations, opts.microbatches)
+            record = run_case(name, flags, opts.iterations, opts.microbatches, opts.data_parallel)
         except ValueError as exc:
             record = {"name": name, "flags": flags, "refused": str(exc)}
         except torch_oom() as exc:  # while building (the iterations' own is recorded by run_case)
@@ -363,7 +365,7 @@ def main(argv=None) -> int:
     for name, flags in cases:
         child_out = Path(opts.out).with_suffix(f".{len(report['cases'])}.json")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--out", str(child_out),
-               "--iterations", str(opts.iterations)]
+               "--iterations", str(opts.iterations), "--data-parallel", str(opts.data_parallel)]
         cmd += ["--microbatches", str(opts.microbatches)] if opts.microbatches else []
         cmd += ["--case", name, "--", *flags]
         print(f"stage_proxy: {dt.datetime.now(dt.UTC):%H:%M:%S} {name}", file=sys.stderr, flush=True)
