@@ -20,10 +20,11 @@ chunk is built with ``pg_collection.pp`` = a one-rank stand-in reporting rank 0 
 real run. Megatron's 1F1B schedule runs with a stand-in ``p2p_communicator``: nothing arrives forward, sends are
 dropped, each backward receives a synthetic output gradient ([s, b, h], ``pipeline_dtype``, small normal values).
 
-Not represented, refused with the reason: TP > 1, VPP, DP > 1 (the distributed optimizer's 1/DP shards: proxy the
-DP = 1 layout of the same TP x PP, whose unsharded optimizer is an upper bound), sequence parallelism, tied
-embeddings. What stage 0 of a real run has that the proxy does not: NCCL's own buffers (outside the allocator) and
-the data loader's prefetch (host memory).
+Not represented, refused with the reason: TP > 1, VPP, DP > 1 (``--data-parallel N``, the real run's DP size, which
+the trainer reads from the world size: the distributed optimizer's 1/DP shards and the reduction's peers would be
+emulated, not built; proxy the DP = 1 layout of the same TP x PP, whose unsharded optimizer is an upper bound),
+sequence parallelism, tied embeddings. What stage 0 of a real run has that the proxy does not: NCCL's own buffers
+(outside the allocator) and the data loader's prefetch (host memory).
 
 The planner is asked for exactly the same run: agoq.train.memory_report.predicted_peaks (the trainer's start-up
 prediction; agoq.plan.peak) for the layout (TP = 1, PP = P, DP = 1), micro-batch, global batch, sequence, optimizer,
