@@ -47,7 +47,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from agoq.megatron.model import LlamaShape, ParallelLayout, check_rope_scaling_bands, gpt_chunk
 
 __all__ = ["FirstStageNeighbours", "StagePipelineGroup", "build_first_stage", "check_proxy_layout",
-           "run_first_stage_schedule"]
+           "run_first_stage_schedule", "stage_process_groups"]
 
 
 class StagePipelineGroup:
