@@ -124,7 +124,8 @@ CONTRACT: tuple[Symbol, ...] = (
     Symbol("megatron.core.models.gpt:GPTModel", "one model chunk per (pp rank, vp stage)",
            params=("config", "transformer_layer_spec", "vocab_size", "max_sequence_length",
                    "pre_process", "post_process", "share_embeddings_and_output_weights",
-                   "position_embedding_type", "rotary_base", "rope_scaling", "rope_scaling_factor", "vp_stage")),
+                   "position_embedding_type", "rotary_base", "rope_scaling", "rope_scaling_factor", "pg_collection",
+                   "vp_stage")),
     # LLaMA-3 scaled RoPE (--use-rope-scaling): GPTModel passes the factor; the bands are _apply_scaling's defaults
     # (agoq.megatron.model.check_rope_scaling_bands compares them with agoq.ref.rope.LLAMA3_ROPE_FIXED)
     Symbol("megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding._apply_scaling",
@@ -164,9 +165,15 @@ CONTRACT: tuple[Symbol, ...] = (
            attrs=("state_dict", "load_state_dict", "step")),
     Symbol("megatron.core.pipeline_parallel:get_forward_backward_func", "schedule selection"),
     Symbol("megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_without_interleaving",
-           "1F1B keyword arguments",
+           "1F1B keyword arguments; the stage proxy (agoq.megatron.stage_proxy) passes its own pipeline neighbours "
+           "(p2p_communicator) and process groups (pg_collection)",
            params=("forward_step_func", "data_iterator", "model", "num_microbatches", "seq_length",
-                   "micro_batch_size", "forward_only")),
+                   "micro_batch_size", "forward_only", "p2p_communicator", "pg_collection")),
+    Symbol("megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator",
+           "what 1F1B asks of its p2p_communicator (agoq.megatron.stage_proxy.FirstStageNeighbours answers it)",
+           attrs=("is_pp_first_stage", "is_pp_last_stage", "total_stages", "current_stage", "recv_forward",
+                  "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
+                  "send_backward_recv_forward")),
     Symbol("megatron.core.dist_checkpointing:save", "checkpoint save",
            params=("sharded_state_dict", "checkpoint_dir")),
     Symbol("megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",

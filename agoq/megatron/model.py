@@ -247,29 +247,40 @@ def build_model_chunks(
     shape: LlamaShape, config: TransformerConfig, layer_spec: ModuleSpec, vpp: int | None
 ) -> list[GPTModel]:
     """One GPTModel per virtual stage of this pipeline rank (Megatron's ``get_model`` layout)."""
-    from agoq.megatron.seqpar import block_spec
-
     if shape.rope_scaling:
         check_rope_scaling_bands()
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        chunk = GPTModel(
-            config=config,
-            transformer_layer_spec=block_spec(layer_spec, config, stage),
-            vocab_size=shape.vocab_size,
-            max_sequence_length=shape.seq_length,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=shape.share_embeddings_and_output_weights,
-            position_embedding_type="rope",
-            rotary_base=shape.rotary_base,
-            rope_scaling=shape.rope_scaling,
-            rope_scaling_factor=shape.rope_scaling_factor,
-            vp_stage=stage,
-        )
-        chunks.append(chunk)
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        chunks.append(gpt_chunk(shape, config, layer_spec, stage, pre_process=first, post_process=last))
     return chunks
+
+
+def gpt_chunk(shape: LlamaShape, config: TransformerConfig, layer_spec: ModuleSpec, vp_stage: int | None, *,
+              pre_process: bool, post_process: bool, pg_collection=None) -> GPTModel:
+    """One model chunk: Megatron's ``GPTModel`` of ``shape`` with agoq's block spec (agoq.megatron.seqpar.block_spec).
+    ``pg_collection``: None for Megatron's process groups (``parallel_state``); agoq.megatron.stage_proxy passes one
+    whose pipeline group is a pipeline stage's one-rank stand-in (its layers then resolve their rows on it)."""
+    from agoq.megatron.seqpar import block_spec
+
+    pp_group = None if pg_collection is None else pg_collection.pp
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(layer_spec, config, vp_stage, pp_group),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=shape.share_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=shape.rotary_base,
+        rope_scaling=shape.rope_scaling,
+        rope_scaling_factor=shape.rope_scaling_factor,
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )
 
 
 def check_rope_scaling_bands() -> None:

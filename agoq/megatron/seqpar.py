@@ -29,12 +29,15 @@ from __future__ import annotations
 
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.utils import get_pg_rank
 
 __all__ = ["block_spec"]
 
 
-def block_spec(layer_spec, config, vp_stage: int | None):
-    """What ``GPTModel(transformer_layer_spec=...)`` gets for one model chunk.
+def block_spec(layer_spec, config, vp_stage: int | None, pp_group=None):
+    """What ``GPTModel(transformer_layer_spec=...)`` gets for one model chunk. ``pp_group``: the pipeline group the
+    chunk's layers resolve their rows on (None: Megatron's, ``parallel_state``; agoq.megatron.stage_proxy passes the
+    one-rank stand-in of a pipeline stage).
 
     A layer spec from ``agoq_layer_spec`` with agoq's modules carries the model's plan (agoq.megatron.layer_plan):
     the block's submodules, one spec per layer with that layer's resolved row, and as final norm Megatron's own
@@ -52,12 +55,12 @@ def block_spec(layer_spec, config, vp_stage: int | None):
     if not (isinstance(module, type) and issubclass(module, AgoqTransformerLayer)):
         return layer_spec
     plan = plan_of(layer_spec)
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    if pp_group is None:
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
     if plan is not None:
         layer_specs = plan.layer_specs(layer_spec, config, vp_stage, pp_group)
     elif config.sequence_parallel:
-        count = get_num_layers_to_build(config, vp_stage=vp_stage,
-                                        pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+        count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=get_pg_rank(pp_group))
         layer_specs = [layer_spec] * count
     else:
         return layer_spec

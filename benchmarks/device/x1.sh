@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # One GPU (nvidia-h100-x1 / nvidia-h200): the open one-GPU checks and suites, most urgent first.
-#   bash benchmarks/device/x1.sh [step ...]      (no step: all, in this order; ~43 minutes on one H100)
+#   bash benchmarks/device/x1.sh [step ...]      (no step: all, in this order; ~47 minutes on one H100)
 # Steps and what they settle:
+#   stage_proxy_70b issue 47: whether stage 0 of the planner's TP=1 layout for LLaMA-3-70B on one 8 x H100 node (PP=8,
+#                   selective recompute, the aggressive policy, agoq full; the planner's fastest, TP=2 x PP=4, cannot
+#                   be proxied on one GPU) fits 80 GB: benchmarks/stage_proxy.py builds that stage alone on this GPU
+#                   (embedding + layers 1-10, 8-bit gradients, agoq's AdamW, 8 micro-batches in flight through
+#                   Megatron's 1F1B) and reports its peak per phase beside the planner's 77.29 GiB; plus the proxy's
+#                   own check, stage 0 of the 8B PP=4 run measured on 4 H100 (16.29 GiB, docs/benchmarks/grads.md)
+#                   -> $AGOQ_RESULTS/stage_proxy_70b.json                                                 ~4 min
 #   rope            issue 24: agoq's fused RoPE (agoq.megatron.rope) on CUDA: kernel = reference and model = Megatron's
 #                   unfused RoPE bit for bit (tests), the ~1B harness bf16 / bf16@rope / agoq / agoq@rope in rounds,
 #                   host time per function, and eager whole steps in 2 rounds: baseline, agoq (fused RoPE),
@@ -33,6 +40,16 @@
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 header
 B=benchmarks/bench_pretrain.py
+step stage_proxy_70b 580 "$PY" benchmarks/stage_proxy.py --out "$AGOQ_RESULTS/stage_proxy_70b.json" --iterations 3 \
+  --timeout 240 \
+  --case 8b_pp4_stage0 -- --config configs/model/llama3-8b.yaml --vocab-size 4096 --seq-length 4096 \
+    --micro-batch-size 1 --global-batch-size 16 --agoq-grads int8_b256 --agoq-optimizer adamw \
+  --case 70b_pp8_stage0 -- --config configs/model/llama3-70b.yaml --tensor-model-parallel-size 1 \
+    --pipeline-model-parallel-size 8 --agoq-preset agoq-full \
+    --recompute-granularity selective --agoq-policy configs/policy/aggressive.yaml \
+  --case 70b_pp8_stage0_full_recompute -- --config configs/model/llama3-70b.yaml --tensor-model-parallel-size 1 \
+    --pipeline-model-parallel-size 8 --agoq-preset agoq-full \
+    --recompute-granularity full --agoq-policy configs/policy/bf16.yaml
 step rope 900 bash -c '"$0" -m pytest -q -p no:cacheprovider -rA tests/kernels/test_rope_kernels.py \
   tests/megatron/test_rope.py; rc=$?
   "$0" benchmarks/bench_memory.py --policies bf16 bf16@rope agoq agoq@rope --mbs 1 --steps 8 --rounds 4 \

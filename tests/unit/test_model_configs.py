@@ -43,6 +43,8 @@ PUBLISHED = {
     "llama2-13b.yaml": Published(40, 5120, 40, 40, 13824, 32000, 13.0e9),
     # arXiv 2407.21783 Table 3 + meta-llama/Meta-Llama-3-8B config.json; 8,030,261,248 parameters.
     "llama3-8b.yaml": Published(32, 4096, 32, 8, 14336, 128256, 8.03e9),
+    # arXiv 2407.21783 Table 3 + meta-llama/Meta-Llama-3-70B config.json; 70,553,706,496 parameters.
+    "llama3-70b.yaml": Published(80, 8192, 64, 8, 28672, 128256, 70.55e9),
     # Qwen2.5-32B: arXiv 2412.15115 Table 1 + config.json; model card "32.5B" (Qwen adds QKV biases).
     "llama-32b.yaml": Published(64, 5120, 40, 8, 27648, 152064, 32.5e9),
     # meta-llama/Llama-3.2-1B config.json; 1,235,814,400 parameters with tied embeddings.
