@@ -50,6 +50,8 @@ step stage_proxy_70b 580 "$PY" benchmarks/stage_proxy.py --out "$AGOQ_RESULTS/st
   --case 70b_pp8_stage0_full_recompute -- --config configs/model/llama3-70b.yaml --tensor-model-parallel-size 1 \
     --pipeline-model-parallel-size 8 --agoq-preset agoq-full \
     --recompute-granularity full --agoq-policy configs/policy/bf16.yaml
+step commits 900 "$PY" benchmarks/bench_commits.py --tree old=.old/a43a8b4 --tree new=. --rounds "${COMMITS_ROUNDS:-2}" \
+  --variants ${COMMITS_VARIANTS:-baseline agoq_full} --out "$AGOQ_RESULTS/commits.json"
 step rope 900 bash -c '"$0" -m pytest -q -p no:cacheprovider -rA tests/kernels/test_rope_kernels.py \
   tests/megatron/test_rope.py; rc=$?
   "$0" benchmarks/bench_memory.py --policies bf16 bf16@rope agoq agoq@rope --mbs 1 --steps 8 --rounds 4 \
@@ -88,6 +90,4 @@ step gpu_tier 900 env AGOQ_CUDA_GRAPHS_REPORT_DIR="$AGOQ_RESULTS/graph_reports" 
   -m gpu -rA tests/gpu
 step fp8_scale 1200 "$PY" $B --suite fp8_scale --timeout 150 --out "$AGOQ_RESULTS/fp8_scale.json"
 step equal_memory_1b 1200 "$PY" $B --suite equal_memory_1b --timeout 110 --out "$AGOQ_RESULTS/equal_memory_1b.json"
-step commits 900 "$PY" benchmarks/bench_commits.py --tree old=.old/a43a8b4 --tree new=. --rounds "${COMMITS_ROUNDS:-2}" \
-  --variants ${COMMITS_VARIANTS:-baseline agoq_full} --out "$AGOQ_RESULTS/commits.json"
 echo "== plan x1 finished $(date -u +%T)"
