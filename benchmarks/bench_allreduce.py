@@ -56,7 +56,8 @@ in the JSON and makes the script exit non-zero (after writing it).
 
 Targets (issues 5, 19), for the faster agoq transport: >= 2.5x vs NCCL's fp32 all-reduce and >= 1.3x vs its bf16
 one at >= 256 MiB; >= 2x and >= 1.1x at 64-256 MiB (Megatron's 40M-element bucket is 160 MiB). A link
-model (docs/benchmarks/log.md, 'Link model') predicts the speed-up on slower links: t(agoq) ~ 2 t_roundtrip + wire_bytes / B.
+model (docs/benchmarks/log.md, 'Link model') predicts the speed-up on slower links:
+t(agoq) ~ 2 t_roundtrip + wire_bytes / B.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_allreduce.py --out $OUT/grads.json
     python benchmarks/bench_allreduce.py --smoke            # CPU, 2 gloo ranks, tiny sizes, no targets

@@ -250,7 +250,8 @@ def ensure_default_dataset_distributed(cache_dir: str | os.PathLike, **kwargs) -
     if len(set(keys)) != 1:
         raise ValueError(
             f"ranks built different default datasets {sorted(set(keys))}: their Python stdlib differs; "
-            "pass one shared --data-cache-dir on a file system every node sees, or use the same Python install on every node"
+            "pass one shared --data-cache-dir on a file system every node sees, or use the same Python install on "
+            "every node"
         )
     return paths
 
