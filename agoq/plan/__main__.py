@@ -52,7 +52,8 @@ from agoq.cli.agoq_flags import load_preset, merge_preset
 from agoq.cli.config_file import load_config_file
 from agoq.cli.flags import build_parser as trainer_parser
 from agoq.cli.seqpar_args import sequence_parallel_problem
-from agoq.config import AgoqConfig, float_grads_mismatch, torch_optimizer_state_refusal
+from agoq.config import AgoqConfig
+from agoq.config.values import float_grads_mismatch, torch_optimizer_state_refusal
 from agoq.plan import capacity, launch, te, te_cli
 from agoq.plan.memory import GIB, Layout
 from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report, grad_bytes_per_param

@@ -148,7 +148,7 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("megatron.core", reason="needs megatron-core (the carried wheel on the GPU machine)")
-    from agoq.config import GradsConfig
+    from agoq.config.sections import GradsConfig
     from agoq.testing.dist import spawn_ranks
 
     fmt = "int8_b256"

@@ -25,7 +25,7 @@ def _build(args, *, attention: str, policy, grads: str | None, agoq_optimizer: b
     """(model chunks, optimizer) of the tiny model: ``policy`` None builds Megatron's local spec (no agoq layers)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from agoq.config import GradsConfig
+    from agoq.config.sections import GradsConfig
     from agoq.megatron.grads.ddp import wrap_ddp_agoq
     from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
     from agoq.megatron.optim.optimizer import build_agoq_optimizer

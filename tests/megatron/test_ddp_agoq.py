@@ -25,7 +25,8 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 
-from agoq.config import AgoqConfig, GradsConfig  # noqa: E402
+from agoq.config import AgoqConfig  # noqa: E402
+from agoq.config.sections import GradsConfig  # noqa: E402
 from agoq.megatron import runtime  # noqa: E402
 from agoq.megatron.grads import grad_reader  # noqa: E402
 from agoq.megatron.grads.ddp import grad_memory_report, wrap_ddp_agoq  # noqa: E402

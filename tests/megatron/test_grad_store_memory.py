@@ -32,7 +32,8 @@ from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E40
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 
 from agoq.cli.agoq_flags import add_agoq_flags  # noqa: E402
-from agoq.config import AgoqConfig, GradsConfig  # noqa: E402
+from agoq.config import AgoqConfig  # noqa: E402
+from agoq.config.sections import GradsConfig  # noqa: E402
 from agoq.megatron import runtime  # noqa: E402
 from agoq.megatron.grads.ddp import grad_memory_report, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.model import (  # noqa: E402

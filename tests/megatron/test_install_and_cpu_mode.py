@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agoq.config import AgoqConfig, PolicyConfig
+from agoq.config import AgoqConfig
+from agoq.config.sections import PolicyConfig
 from agoq.megatron.install import install
 
 pytestmark = pytest.mark.megatron
@@ -53,7 +54,7 @@ def test_undo_restores_every_runtime_change():
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from torch.optim.optimizer import _global_optimizer_post_hooks
 
-    from agoq.config import GradsConfig
+    from agoq.config.sections import GradsConfig
     from agoq.megatron import install as install_mod
     from agoq.megatron import runtime
     from agoq.megatron.ckpt import checkpoint

@@ -128,12 +128,12 @@ def test_parsing_imports_neither_torch_nor_megatron():
 
 
 def test_light_copies_of_choices_agree_with_their_sources():
-    from agoq.cli import optim_args
+    from agoq.config import values
     from agoq.megatron.grads import ddp
     from agoq.optim.base import MASTER_CHOICES
     from agoq.train import args as margs
 
-    assert optim_args.MASTER_CHOICES == MASTER_CHOICES and margs.GRAD_MODES == ddp.GRAD_MODES
+    assert values.MASTER_CHOICES == MASTER_CHOICES and margs.GRAD_MODES == ddp.GRAD_MODES
 
 
 def test_an_error_is_one_line_without_the_usage_dump(capsys):

@@ -28,7 +28,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from agoq.config import MOMENT_PRESETS, AgoqConfig
+from agoq.config import AgoqConfig
+from agoq.config.values import MOMENT_PRESETS
 
 RECORD_KEY = "config"  # key in the checkpoint's state["agoq"] extras: run_record(...)
 # ResumeContract fields, flat (any subset): what checkpoints saved before the record (2026-11-26), and what

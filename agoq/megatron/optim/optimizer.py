@@ -22,7 +22,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-from agoq.config import AgoqConfig, parse_moments
+from agoq.config import AgoqConfig
+from agoq.config.values import parse_moments
 from agoq.megatron.grads import grad_reader
 from agoq.megatron.graphs import check_cuda_graphs
 from agoq.megatron.optim.dist_optimizer import AgoqDistributedOptimizer, shard_alignment
