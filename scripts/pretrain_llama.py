@@ -42,7 +42,7 @@ from agoq.cli.optim_args import check_release_flags  # noqa: E402
 from agoq.data.tokenizer import Tokenizer, model_vocab_size, padded_vocab_size  # noqa: E402
 from agoq.megatron import model as mmodel  # noqa: E402
 from agoq.megatron.activations import storage_of, storage_table  # noqa: E402
-from agoq.megatron.ckpt.checkpoint import CheckpointSaveError  # noqa: E402
+from agoq.megatron.ckpt.save import CheckpointSaveError  # noqa: E402
 from agoq.megatron.compute import check_compute, compute_report  # noqa: E402
 from agoq.megatron.grads.ddp import wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.layer_plan import plan_of  # noqa: E402

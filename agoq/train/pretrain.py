@@ -29,8 +29,10 @@ from agoq.config import AgoqConfig
 from agoq.megatron import runtime, training_parts
 from agoq.megatron.activations import policy_of
 from agoq.megatron.built_check import Expectation, any_rank_failed, check_built
-from agoq.megatron.ckpt import checkpoint
+from agoq.megatron.ckpt import state as ckpt_state
+from agoq.megatron.ckpt.load import load_checkpoint
 from agoq.megatron.ckpt.resume import RECORD_KEY, data_lines, run_record, schedule_line
+from agoq.megatron.ckpt.save import save_checkpoint
 from agoq.megatron.compute import fc2_input_amax
 from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
@@ -326,7 +328,7 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
         tensorboard.close()
 
 
-def _resume(args, record: dict, policy: str, parts: tuple, guard: CheckpointGuard) -> checkpoint.Progress:
+def _resume(args, record: dict, policy: str, parts: tuple, guard: CheckpointGuard) -> ckpt_state.Progress:
     """--load (as resolved by ``guard``): the checkpoint's progress (iteration 0 without one), one line on the LR
     schedule in force and the data-order lines (resume.data_lines)."""
     model, optimizer, scheduler = parts
@@ -334,11 +336,11 @@ def _resume(args, record: dict, policy: str, parts: tuple, guard: CheckpointGuar
     if target.note:
         print_rank0(target.note)
     if target.folder is None:
-        return checkpoint.Progress(iteration=0, consumed_samples=0)
+        return ckpt_state.Progress(iteration=0, consumed_samples=0)
     requested = scheduler.state_dict()
-    loaded = checkpoint.load_checkpoint(target.folder, model, optimizer, scheduler, record=record,
-                                        policy_report=policy, override_schedule=args.override_opt_param_scheduler,
-                                        iteration=target.iteration)
+    loaded = load_checkpoint(target.folder, model, optimizer, scheduler, record=record,
+                             policy_report=policy, override_schedule=args.override_opt_param_scheduler,
+                             iteration=target.iteration)
     if loaded is None:  # the tracker was there at start-up
         raise FileNotFoundError(f"--load {args.load}: its tracker file disappeared during start-up; another job "
                                 "may be changing the folder")
@@ -351,7 +353,7 @@ def _resume(args, record: dict, policy: str, parts: tuple, guard: CheckpointGuar
                 f"({progress.consumed_samples} samples consumed)")
     print_rank0(schedule_line(scheduler.state_dict(), requested, override=args.override_opt_param_scheduler,
                               global_batch_size=args.global_batch_size, train_iters=args.train_iters))
-    if not extras.get(checkpoint.WEIGHTS_ONLY_KEY):  # a converted checkpoint starts the data fresh
+    if not extras.get(ckpt_state.WEIGHTS_ONLY_KEY):  # a converted checkpoint starts the data fresh
         for line in data_lines(extras.get(RECORD_KEY), record, progress.iteration):
             print_rank0(line)
     return progress
@@ -424,14 +426,13 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
                 with open(args.log_json, "a") as out:
                     reading = dict(runtime.memory_reading(info.device), **breakdown)
                     out.write(json.dumps({"iteration": iteration, "memory_breakdown": reading}) + "\n")
-        state = checkpoint.Progress(iteration, consumed, skipped)
+        state = ckpt_state.Progress(iteration, consumed, skipped)
         stopping = stop.agreed(info.device) or training.exit_interval_reached(iteration, args.exit_interval)
         periodic = args.save_interval and iteration % args.save_interval == 0
         if args.save and (periodic or stopping or iteration == args.train_iters):
             with runner.param_gather.synced():  # --overlap-param-gather: save the updated weights, not the stale
-                path = checkpoint.save_checkpoint(args.save, state, parts.model, parts.optimizer, parts.scheduler,
-                                                  extra={"policy_report": parts.policy_report,
-                                                         RECORD_KEY: parts.run_record})
+                path = save_checkpoint(args.save, state, parts.model, parts.optimizer, parts.scheduler,
+                                       extra={"policy_report": parts.policy_report, RECORD_KEY: parts.run_record})
             print_rank0(f"saved checkpoint {path}")
         if stopping:
             print_rank0(f"stopping at iteration {iteration}"
