@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -133,19 +134,31 @@ def megatron_optimizer_config(args, params_dtype: torch.dtype):
     )
 
 
+@dataclass(frozen=True)
+class MegatronLoop:
+    """megatron-core's parts of a training loop, which the trainer runs: handed in by the entry script
+    (scripts/pretrain_llama.py imports them from megatron-core, as Megatron-LM's training package does), because the
+    trainer imports no megatron and the plugin (agoq.megatron) runs no loop and names none of its parts
+    (tests/unit/test_boundaries.py)."""
+
+    schedule: Callable[[], Callable]
+    """``megatron.core.pipeline_parallel.get_forward_backward_func``: the pipeline schedule for the run's layout."""
+    lr_schedule: Callable[..., Any]
+    """``megatron.core.optimizer_param_scheduler.OptimizerParamScheduler``: the LR and weight-decay schedule."""
+
+
 def build_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
-    """(optimizer, scheduler): Megatron's Adam (--agoq-optimizer torch) or agoq's (args.agoq_config.optimizer)."""
+    """Megatron's Adam (--agoq-optimizer torch) or agoq's (args.agoq_config.optimizer)."""
     config = megatron_optimizer_config(args, params_dtype)
     if args.agoq_config.optimizer.agoq:
-        optimizer = build_agoq_optimizer(args.agoq_config, config, model_chunks)
-    else:
-        optimizer = build_megatron_optimizer(config, model_chunks)
-    return optimizer, build_scheduler(args, optimizer)
+        return build_agoq_optimizer(args.agoq_config, config, model_chunks)
+    return build_megatron_optimizer(config, model_chunks)
 
 
-def build_scheduler(args, optimizer):
-    """Megatron's OptimizerParamScheduler for the run's flags (steps counted in samples, as Megatron)."""
-    return training_parts.lr_schedule(
+def build_scheduler(args, optimizer, lr_schedule: Callable[..., Any]):
+    """``lr_schedule`` (Megatron's OptimizerParamScheduler, :attr:`MegatronLoop.lr_schedule`) over ``optimizer`` for
+    the run's flags (steps counted in samples, as Megatron)."""
+    return lr_schedule(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
         lr_decay_steps=args.lr_decay_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style,
@@ -203,8 +216,9 @@ def versions_line() -> str:
 
 
 def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy_report: Callable,
-             storage_report: Callable) -> None:
-    """Run the whole job described by ``args`` (see agoq.train.args; ``args.agoq_config``: agoq's part).
+             storage_report: Callable, loop: MegatronLoop) -> None:
+    """Run the whole job described by ``args`` (see agoq.train.args; ``args.agoq_config``: agoq's part) with
+    megatron-core's schedule and LR schedule (``loop``).
 
     ``datasets_provider(args)`` returns ``(tokenizer, factory)``; ``factory(consumed_samples, consumed_valid_samples)``
     returns the ``(train, valid, test)`` micro-batch iterators (scripts/pretrain_llama.py's), or ``(train, valid)``
@@ -219,7 +233,8 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
     failed, guard = True, None
     try:
         guard = CheckpointGuard.start(args)  # --save folder and its lock, what --load means (docs/user-guide.md 8)
-        _run(args, info, model_provider, datasets_provider, (policy_report, storage_report), (stop, progress, guard))
+        _run(args, info, model_provider, datasets_provider, (policy_report, storage_report), (stop, progress, guard),
+             loop)
         failed = False
     finally:
         if guard is not None:
@@ -230,7 +245,8 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, reports, control) -> None:
+def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, reports, control,
+         loop: MegatronLoop) -> None:
     policy_report, storage_report = reports
     stop, progress, guard = control
     layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, vpp=args.vpp)
@@ -268,7 +284,8 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     _print_stage_first(storage_report(spec))
     params_dtype = torch.float32 if args.fp32 else torch.bfloat16
     progress("building the optimizer")
-    optimizer, scheduler = build_optimizer(args, model, params_dtype)
+    optimizer = build_optimizer(args, model, params_dtype)
+    scheduler = build_scheduler(args, optimizer, loop.lr_schedule)
     # never silent: what the flags ask of agoq is what was built, on every rank, before the first step
     check_built(config, model, optimizer, Expectation(args.attention_backend, ScheduleInfo(
         pp_size=layout.pp, vp_size=layout.vpp, num_microbatches=microbatches)), rank=info.rank, agree=any_rank_failed)
@@ -323,7 +340,7 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
         with manual_gc.training():  # --manual-gc: Python's automatic collector off while training
             _train_loop(args, info, components, (iterators, components_valid, components_test), microbatches,
                         start_state,
-                        tensorboard, stop, manual_gc)
+                        tensorboard, stop, manual_gc, loop.schedule())
     finally:
         tensorboard.close()
 
@@ -386,13 +403,15 @@ def _log_iteration(args, info, parts: Components, result, iteration, consumed, s
 
 
 def _train_loop(args, info, parts: Components, data, microbatches: int, progress, tensorboard, stop,
-                manual_gc: ManualGC) -> None:
-    """The training iterations; ``manual_gc``: --manual-gc's collections (the collector is off around this call)."""
+                manual_gc: ManualGC, forward_backward_func: Callable) -> None:
+    """The training iterations; ``manual_gc``: --manual-gc's collections (the collector is off around this call);
+    ``forward_backward_func``: Megatron's pipeline schedule for the run's layout."""
     iterators, valid_iterators, test_iterators = data
     runner = training.StepRunner(
         model_chunks=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler, device=info.device,
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size, num_microbatches=microbatches,
+        forward_backward_func=forward_backward_func,
     )
     iteration, consumed, skipped = progress.iteration, progress.consumed_samples, progress.skipped_iterations
     tokens_per_step = args.global_batch_size * args.seq_length

@@ -75,6 +75,7 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from agoq.config import AgoqConfig
     from agoq.megatron import runtime
@@ -127,7 +128,8 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
                     use_distributed_optimizer=distopt), model)
                 grad_reader.attach(optimizer, model)  # as pretrain.build_optimizer: the 8-bit shard's reader
             runner = training.StepRunner(model, optimizer, _NoScheduler(), device, shape.seq_length, MICRO_BATCH,
-                                         MICRO_BATCH * MICRO_BATCHES * world_size, MICRO_BATCHES)
+                                         MICRO_BATCH * MICRO_BATCHES * world_size, MICRO_BATCHES,
+                                         get_forward_backward_func())
             data = [_batches(shape, parallel_state.get_data_parallel_rank())]
             losses = []
             for _ in range(STEPS):

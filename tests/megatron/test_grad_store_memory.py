@@ -97,7 +97,7 @@ def _run_variant(rank: int, grad: GradsConfig, optimizer_kind: str, chunk_bytes:
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0, bf16=False,
                                                      params_dtype=torch.float32), [model])
     else:
-        opt, _ = build_optimizer(_agoq_args(), [model], torch.float32)
+        opt = build_optimizer(_agoq_args(), [model], torch.float32)
         if optimizer_kind == "agoq_materialized":  # same optimizer, Megatron's float-buffer read path
             opt.grad_reader = None
             model.agoq_set_lazy(False)
