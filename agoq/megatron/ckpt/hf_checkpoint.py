@@ -16,7 +16,7 @@ Guarded by: ``tests/megatron/test_hf_convert.py`` (logits against transformers a
 
 A converted checkpoint is ``<dir>/iter_0000000/`` + ``latest_checkpointed_iteration.txt`` with the model's
 tensors only; its common state says so (``agoq.weights_only``) and carries the model-shape part of the
-resume record (:data:`SHAPE_FIELDS`: widths, padded and real vocabulary, RoPE base and scaling, norm epsilon,
+resume record (:data:`CONVERTED_SHAPE_FIELDS`: widths, padded and real vocabulary, RoPE base and scaling, norm epsilon,
 tying), so ``--load`` checks the shape, loads the weights and starts the optimizer, LR schedule and
 data position fresh (``agoq.megatron.ckpt.load``). It also keeps the HF model's identity (``hf_dims``: token ids,
 an eos list as a list, context; ``hf_generation_config``), which the trainer carries into its own checkpoints'
@@ -35,7 +35,7 @@ from megatron.core import dist_checkpointing, parallel_state
 
 from agoq.megatron import runtime
 from agoq.megatron.ckpt.ckpt_files import PROGRESS_FILE, TRACKER_FILE, iteration_dir, latest_iteration
-from agoq.megatron.ckpt.resume import CONTRACT_KEY, RECORD_KEY
+from agoq.megatron.ckpt.resume import CONTRACT_KEY, RECORD_KEY, SHAPE_FIELDS_LATER
 from agoq.megatron.ckpt.state import WEIGHTS_ONLY_KEY, Progress
 from agoq.megatron.model import (
     LlamaShape,
@@ -44,10 +44,10 @@ from agoq.megatron.model import (
     build_model_chunks,
     llama_transformer_config,
 )
+from agoq.plan.shape import SHAPE_FIELDS
 
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "vocab_size", "rotary_base", "norm_epsilon", "rope_scaling", "rope_scaling_factor",
-                "share_embeddings_and_output_weights", "unpadded_vocab_size")  # fmt: skip
+# the model's size (agoq.plan.shape) and the rest of its shape that run records keep (agoq.megatron.ckpt.resume)
+CONVERTED_SHAPE_FIELDS = (*SHAPE_FIELDS, *SHAPE_FIELDS_LATER)
 # a converted checkpoint's common state: the HF architecture (agoq.convert.llama.LlamaDims as a dict), the padded
 # rows, the HF generation_config.json (dict or None); the trainer carries the first and last into its run record
 HF_DIMS_KEY = "hf_dims"
@@ -108,7 +108,7 @@ def save_weights_only(model, save_dir: str | os.PathLike, shape: LlamaShape, ext
     if target.exists() and any(target.iterdir()):
         raise FileExistsError(f"{target} exists; pass an empty or new output directory")
     target.mkdir(parents=True, exist_ok=True)
-    record = {field: getattr(shape, field) for field in SHAPE_FIELDS}
+    record = {field: getattr(shape, field) for field in CONVERTED_SHAPE_FIELDS}
     agoq = dict(extra, **{WEIGHTS_ONLY_KEY: True, CONTRACT_KEY: record})
     dist_checkpointing.save({"model": model.sharded_state_dict(), "agoq": agoq}, str(target))
     (target / PROGRESS_FILE).write_text(
