@@ -53,7 +53,8 @@ from agoq.megatron.optim.release import TrainingStopped, wrap_release  # noqa: E
 from agoq.ops.saved_act import SavePaths  # noqa: E402
 from agoq.policy import ScheduleInfo  # noqa: E402
 from agoq.train import data as mdata  # noqa: E402
-from agoq.train.pretrain import MegatronLoop, ddp_config, pretrain, print_rank0  # noqa: E402
+from agoq.train.megatron_setup import MegatronLoop, ddp_config  # noqa: E402
+from agoq.train.pretrain import pretrain, print_rank0  # noqa: E402
 from agoq.train.training import configure_grad_hooks  # noqa: E402
 
 

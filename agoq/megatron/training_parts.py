@@ -2,7 +2,7 @@
 the optimizer / DDP configs built from plain values (the trainer maps its flags onto their fields) and the default
 gradient finalisation. No plugin module uses them. The loop's own parts (the pipeline schedule and the LR schedule)
 are not here: the plugin runs no loop and names none of its parts; the trainer's entry script hands them in
-(agoq.train.pretrain.MegatronLoop).
+(agoq.train.megatron_setup.MegatronLoop).
 
 Seam card
 ---------

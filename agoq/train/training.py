@@ -3,7 +3,7 @@
 Seam card
 ---------
 Touches: the pipeline schedule :class:`StepRunner` is given (megatron-core's ``get_forward_backward_func()``, which
-  the entry script hands in: agoq.train.pretrain.MegatronLoop), ``finalize_model_grads`` and the
+  the entry script hands in: agoq.train.megatron_setup.MegatronLoop), ``finalize_model_grads`` and the
   ``no_sync_func`` / ``grad_sync_func`` / ``param_sync_func`` / ``finalize_model_grads_func`` config hooks,
   Megatron's optimizer ``step()`` contract ``(update_successful, grad_norm, num_zeros)``; with
   ``--overlap-param-gather`` DDP's ``start_param_sync`` (the interleaved schedule's ``param_sync_func``) and

@@ -135,7 +135,7 @@ def run_case(case: Case, reference_state: dict | None, device: torch.device, wor
     from agoq.megatron import runtime
     from agoq.megatron.activations import storage_of
     from agoq.megatron.model import ParallelLayout
-    from agoq.train import pretrain
+    from agoq.train import megatron_setup, pretrain
     from agoq.train.args import parse_args
     from agoq.train.training import StepRunner
 
@@ -165,8 +165,8 @@ def run_case(case: Case, reference_state: dict | None, device: torch.device, wor
             with torch.no_grad():
                 for name, param in params.items():
                     param.copy_(tp_shard(reference_state[name], name, _partition_dim(param), tp_rank, layout.tp))
-        optimizer = pretrain.build_optimizer(args, model, torch.float32)
-        scheduler = pretrain.build_scheduler(args, optimizer, OptimizerParamScheduler)
+        optimizer = megatron_setup.build_optimizer(args, model, torch.float32)
+        scheduler = megatron_setup.build_scheduler(args, optimizer, OptimizerParamScheduler)
         dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         batches = micro_batches(dp_rank, dp_size)

@@ -213,7 +213,7 @@ def _skip_rank(rank: int, world_size: int, optimizer_kind: str) -> dict:
 
     from agoq.cli.agoq_flags import add_agoq_flags
     from agoq.megatron.install import install
-    from agoq.train.pretrain import build_optimizer
+    from agoq.train.megatron_setup import build_optimizer
 
     handle = install(AgoqConfig(device="cpu"))
     try:

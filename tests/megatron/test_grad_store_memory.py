@@ -83,7 +83,7 @@ def _batch(rank: int, step: int, mb: int):
 
 
 def _run_variant(rank: int, grad: GradsConfig, optimizer_kind: str, chunk_bytes: int | None = None) -> dict:
-    from agoq.train.pretrain import build_optimizer
+    from agoq.train.megatron_setup import build_optimizer
 
     runtime.init_model_parallel(ParallelLayout(tp=1, pp=1), seed=1234, device=torch.device("cpu"))
     config = llama_transformer_config(SHAPE, ParallelLayout(tp=1, pp=1), params_dtype=torch.float32,

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     from agoq.cli.agoq_flags import add_agoq_flags
     from agoq.config import AgoqConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from agoq.train.pretrain import build_optimizer, build_scheduler
+    from agoq.train.megatron_setup import build_optimizer, build_scheduler
     p = argparse.ArgumentParser(); add_agoq_flags(p)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"  # fused step under Triton's interpreter
     args = p.parse_args(["--agoq-optimizer", "adamw"] + ([] if interpret else ["--agoq-unfused"]))

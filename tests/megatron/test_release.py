@@ -57,7 +57,7 @@ def _build(args, device, release: bool, num_microbatches=1, alive_probe=None):
     )
     from agoq.megatron.optim.release import wrap_release
     from agoq.policy import ScheduleInfo
-    from agoq.train.pretrain import build_optimizer, build_scheduler, ddp_config
+    from agoq.train.megatron_setup import build_optimizer, build_scheduler, ddp_config
     from agoq.train.training import StepRunner, configure_grad_hooks
     from tests.megatron._tiny import tiny_shape
 

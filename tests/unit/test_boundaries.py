@@ -62,7 +62,7 @@ PLUGIN_FORBIDDEN_NAMES = ("get_forward_backward_func", "OptimizerParamScheduler"
 # agoq.cli, below the trainer, and must not reach up into it.
 TRAINER_IMPORTERS = ("agoq/convert/__main__.py", "agoq/megatron_lm.py")
 # Plugin files that name a training loop's parts, each with its reason (a stale entry fails). None: megatron-core's
-# schedule and LR schedule reach the trainer from its entry script (agoq.train.pretrain.MegatronLoop).
+# schedule and LR schedule reach the trainer from its entry script (agoq.train.megatron_setup.MegatronLoop).
 PLUGIN_EXCEPTIONS: dict[str, str] = {}
 
 
