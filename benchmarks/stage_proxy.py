@@ -6,10 +6,11 @@ What runs is stage 0 of the layout the trainer flags describe (``scripts/pretrai
 TransformerConfig (agoq.megatron.model.llama_transformer_config), agoq's layer spec and its plan (policy resolved per
 layer and pipeline stage), DDP or agoq's 8-bit gradient buffer (wrap_ddp / wrap_ddp_agoq, as the script's
 model_provider picks), the gradient hooks (agoq.train.training.configure_grad_hooks), Megatron's or agoq's optimizer
-and the LR schedule (agoq.train.pretrain.build_optimizer), the trainer's forward step (make_forward_step). Each
-iteration is what the trainer's StepRunner does on stage 0: zero the gradient buffers, Megatron's 1F1B schedule over
-the micro-batches (warm-up P - 1 forwards whose graphs stay alive, then 1F1B, then the cool-down backwards: at most
-min(P, micro-batches) in flight), the gradient finalisation, the optimizer step, the LR step.
+and the LR schedule (agoq.train.megatron_setup.build_optimizer / build_scheduler), the trainer's forward step
+(make_forward_step). Each iteration is what the trainer's StepRunner does on stage 0: zero the gradient buffers,
+Megatron's 1F1B schedule over the micro-batches (warm-up P - 1 forwards whose graphs stay alive, then 1F1B, then the
+cool-down backwards: at most min(P, micro-batches) in flight), the gradient finalisation, the optimizer step, the LR
+step.
 
 How one rank stands in for stage 0 of P (the narrowest honest way; agoq.megatron.stage_proxy's docstring has the
 detail): Megatron's ``parallel_state`` is a world of one (TP = PP = DP = 1; it cannot hold PP = P on one rank), so
@@ -130,8 +131,8 @@ def build_proxy(args, device, data_parallel: int = 1):
     from agoq.megatron.optim.optimizer import shard_alignment_for
     from agoq.ops.saved_act import SavePaths
     from agoq.policy import ScheduleInfo
+    from agoq.train.megatron_setup import build_optimizer, build_scheduler, ddp_config
     from agoq.train.preflight import microbatch_count
-    from agoq.train.pretrain import build_optimizer, ddp_config
     from agoq.train.training import configure_grad_hooks
 
     agoq = args.agoq_config
@@ -180,7 +181,10 @@ def build_proxy(args, device, data_parallel: int = 1):
     else:
         model = wrap_ddp_agoq(chunks, config, ddp_config(args, params_dtype), device, agoq.grads)
     configure_grad_hooks(model, config)
-    optimizer, scheduler = build_optimizer(args, model, params_dtype)
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # as the entry script does
+
+    optimizer = build_optimizer(args, model, params_dtype)
+    scheduler = build_scheduler(args, optimizer, OptimizerParamScheduler)
     return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "spec": spec, "groups": groups,
             "shape": shape, "layout": layout, "config": config, "microbatches": microbatches,
             "params_dtype": params_dtype}

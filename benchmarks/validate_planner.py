@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))  # planner_history beside it, also 
 import planner_history  # noqa: E402
 from planner_history import PastCode  # noqa: E402
 
-from agoq.config import DEFAULT_MOMENTS, parse_moments  # noqa: E402
+from agoq.config.values import DEFAULT_MOMENTS, parse_moments  # noqa: E402
 from agoq.plan.memory import GIB, Layout  # noqa: E402
 from agoq.plan.peak import CUDA_RUNTIME_BYTES, Recipe, StagePeak  # noqa: E402
 from agoq.plan.shape import ModelShape  # noqa: E402

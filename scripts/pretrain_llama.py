@@ -37,12 +37,14 @@ if __name__ == "__main__":
         print("pretrain_llama.py: arguments checked; loading torch and megatron-core ...", flush=True)
 
 import torch  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 from agoq.cli.optim_args import check_release_flags  # noqa: E402
 from agoq.data.tokenizer import Tokenizer, model_vocab_size, padded_vocab_size  # noqa: E402
 from agoq.megatron import model as mmodel  # noqa: E402
 from agoq.megatron.activations import storage_of, storage_table  # noqa: E402
-from agoq.megatron.ckpt.checkpoint import CheckpointSaveError  # noqa: E402
+from agoq.megatron.ckpt.save import CheckpointSaveError  # noqa: E402
 from agoq.megatron.compute import check_compute, compute_report  # noqa: E402
 from agoq.megatron.grads.ddp import wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.layer_plan import plan_of  # noqa: E402
@@ -51,7 +53,8 @@ from agoq.megatron.optim.release import TrainingStopped, wrap_release  # noqa: E
 from agoq.ops.saved_act import SavePaths  # noqa: E402
 from agoq.policy import ScheduleInfo  # noqa: E402
 from agoq.train import data as mdata  # noqa: E402
-from agoq.train.pretrain import ddp_config, pretrain, print_rank0  # noqa: E402
+from agoq.train.megatron_setup import MegatronLoop, ddp_config  # noqa: E402
+from agoq.train.pretrain import pretrain, print_rank0  # noqa: E402
 from agoq.train.training import configure_grad_hooks  # noqa: E402
 
 
@@ -186,7 +189,8 @@ def storage_report(spec) -> str | None:
 def main(argv=None, args=None) -> int:
     args = args if args is not None else parse_and_check(argv)
     try:
-        pretrain(args, model_provider, train_valid_test_datasets_provider, policy_report, storage_report)
+        pretrain(args, model_provider, train_valid_test_datasets_provider, policy_report, storage_report,
+                 MegatronLoop(schedule=get_forward_backward_func, lr_schedule=OptimizerParamScheduler))
     except (ValueError, FileNotFoundError, NotImplementedError) as exc:  # bad input: one line, no traceback
         if os.environ.get("RANK", "0") == "0":
             print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)

@@ -21,7 +21,7 @@ from agoq.cli.seqpar_args import add_sequence_parallel_flag
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
-from agoq.config import RECOMPUTE_GRANULARITIES, ROPE_FUSIONS
+from agoq.config.values import RECOMPUTE_GRANULARITIES, ROPE_FUSIONS
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "configs" / "policy" / "agoq.yaml"

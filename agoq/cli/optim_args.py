@@ -7,17 +7,6 @@ from __future__ import annotations
 
 import argparse
 
-# the values and defaults live with the config (agoq.config: one set of defaults for the trainer, the
-# planner and the memory report); re-exported here for older imports
-from agoq.config import (  # noqa: F401
-    DEFAULT_MASTER,
-    DEFAULT_MOMENTS,
-    MASTER_CHOICES,
-    MOMENT_PRESETS,
-    OPTIMIZERS,
-    parse_moments,
-)
-
 
 def check_release_flags(args: argparse.Namespace, data_parallel: int | None = None) -> None:
     """With --agoq-gradient-release: raise ValueError naming the first flag it conflicts with.

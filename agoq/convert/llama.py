@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from agoq.plan.shape import ModelShape
 from agoq.ref.rope import LLAMA3_ROPE_FIXED
 
 # HF keys that carry no weights (old checkpoints saved RoPE's inverse frequencies)
@@ -45,15 +46,10 @@ IGNORED_HF_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_fr
 
 
 @dataclass(frozen=True)
-class LlamaDims:
-    """The architecture both sides agree on; ``vocab_size`` is the real (unpadded) vocabulary."""
+class LlamaDims(ModelShape):
+    """The architecture both sides agree on: the model's size (agoq.plan.shape.ModelShape; ``vocab_size`` is the real,
+    unpadded vocabulary) and the Hugging Face config's other values."""
 
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
-    vocab_size: int
     rotary_base: int
     norm_epsilon: float
     max_position_embeddings: int

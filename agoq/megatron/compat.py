@@ -157,7 +157,7 @@ CONTRACT: tuple[Symbol, ...] = (
            fields=("optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
                    "clip_grad", "bf16", "params_dtype", "use_distributed_optimizer")),
     Symbol("megatron.core.optimizer_param_scheduler:OptimizerParamScheduler",
-           "LR schedule; on resume checkpoint.py sets its two mode attributes (named as these parameters) "
+           "LR schedule; on resume ckpt/load.py sets its two mode attributes (named as these parameters) "
            "before load_state_dict",
            params=("optimizer", "init_lr", "max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps",
                    "lr_decay_style", "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style",
@@ -177,7 +177,7 @@ CONTRACT: tuple[Symbol, ...] = (
     Symbol("megatron.core.dist_checkpointing:save", "checkpoint save",
            params=("sharded_state_dict", "checkpoint_dir")),
     Symbol("megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",
-           "pre-created from a signal-proof manager so a save survives SIGTERM (checkpoint.py)"),
+           "pre-created from a signal-proof manager so a save survives SIGTERM (ckpt/save.py)"),
     Symbol("megatron.core.dist_checkpointing:load", "checkpoint load",
            params=("sharded_state_dict", "checkpoint_dir")),
     # 8-bit gradients (agoq/megatron/grads/ddp.py): subclass + bucket-group class swap (private API).

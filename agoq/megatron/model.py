@@ -25,9 +25,11 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from agoq.plan.shape import ModelShape
+
 
 @dataclass(frozen=True)
-class LlamaShape:
+class LlamaShape(ModelShape):
     """Architecture of a LLaMA-family decoder (RMSNorm, SwiGLU, RoPE, GQA, no biases; untied unless
     ``share_embeddings_and_output_weights``).
 
@@ -36,15 +38,10 @@ class LlamaShape:
     megatron-core (agoq.ref.rope.LLAMA3_ROPE_FIXED, checked by :func:`check_rope_scaling_bands`).
     ``share_embeddings_and_output_weights``: the output layer uses the embedding's weight (LLaMA-3.2-1B / 3B;
     under pipeline parallelism the last stage holds a copy that Megatron keeps equal). ``unpadded_vocab_size``:
-    the tokenizer's vocabulary before padding (recorded with checkpoints; None where unknown)."""
+    the tokenizer's vocabulary before padding (recorded with checkpoints; None where unknown). The size fields are
+    agoq.plan.shape.ModelShape's; ``vocab_size`` is already padded for TP (agoq.data.tokenizer.padded_vocab_size)."""
 
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
     seq_length: int
-    vocab_size: int  # already padded for TP (see agoq.data.tokenizer.padded_vocab_size)
     rotary_base: int = 10000
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
@@ -72,13 +69,8 @@ class LlamaShape:
     def num_parameters(self) -> int:
         """Total parameters (embedding + layers + final norm + the output layer unless it shares the embedding's
         weight; a tied model's last-stage copy under pipeline parallelism is the same parameter, counted once)."""
-        head_dim = self.hidden_size // self.num_attention_heads
-        qkv = self.hidden_size * head_dim * (self.num_attention_heads + 2 * self.num_query_groups)
-        attn = qkv + self.hidden_size * self.hidden_size
-        mlp = 3 * self.hidden_size * self.ffn_hidden_size
-        per_layer = attn + mlp + 2 * self.hidden_size
         tables = 1 if self.share_embeddings_and_output_weights else 2
-        return self.num_layers * per_layer + tables * self.vocab_size * self.hidden_size + self.hidden_size
+        return self.num_layers * self.layer_params() + tables * self.vocab_size * self.hidden_size + self.hidden_size
 
 
 @dataclass(frozen=True)

@@ -52,19 +52,20 @@ from agoq.cli.agoq_flags import load_preset, merge_preset
 from agoq.cli.config_file import load_config_file
 from agoq.cli.flags import build_parser as trainer_parser
 from agoq.cli.seqpar_args import sequence_parallel_problem
-from agoq.config import AgoqConfig, float_grads_mismatch, torch_optimizer_state_refusal
+from agoq.config import AgoqConfig
+from agoq.config.values import float_grads_mismatch, torch_optimizer_state_refusal
 from agoq.plan import capacity, launch, te, te_cli
 from agoq.plan.memory import GIB, Layout
 from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report, grad_bytes_per_param
 from agoq.plan.recipe import recipe_of
 from agoq.plan.request import PLANNED_AGOQ_KEYS, PlanRequest, flag_name
-from agoq.plan.shape import ModelShape
+from agoq.plan.shape import SHAPE_FIELDS, ModelShape
 from agoq.plan.storage import check_requests_on_model, sequence_parallel_note
 from agoq.policy import ScheduleInfo, load_policy
 
 POLICY_DIR = Path(__file__).resolve().parents[2] / "configs" / "policy"
 DEFAULT_CANDIDATES = ("bf16", "int8", "agoq", "int4", "aggressive")
-SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
+SHAPE_KEYS = tuple(k for k in SHAPE_FIELDS if k != "vocab_size")  # what --config gives; the tokenizer the vocabulary
 MEGATRON_VOCAB_DIVISIBLE_BY = 128  # the trainer's --make-vocab-size-divisible-by default
 DEFAULT_BUDGET_GIB = 80  # without --memory-budget and without a GPU nvidia-smi lists (an H100 80GB's size class)
 # the planner's layout defaults where neither the flags nor the --config file set a value (trainer flag names)

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from agoq.config import AgoqConfig, parse_moments
+from agoq.config import AgoqConfig
+from agoq.config.values import parse_moments
 from agoq.plan.peak import Recipe
 from agoq.policy import FP8Spec
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from agoq.config import MASTER_CHOICES, OPTIMIZERS, RECOMPUTE_GRANULARITIES, ROPE_FUSIONS
+from agoq.config.values import MASTER_CHOICES, OPTIMIZERS, RECOMPUTE_GRANULARITIES, ROPE_FUSIONS
 from agoq.plan.capacity import DEFAULT_MAX_GPUS, DEFAULT_MAX_MBS
 from agoq.plan.memory import parse_bytes
 from agoq.policy import FP8_RECIPES, SMOOTH_SWIGLU_MODES

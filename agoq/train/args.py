@@ -32,13 +32,20 @@ from agoq.cli.flags import (
     exit_quietly_after_delay,
     policy_path,
 )
-from agoq.cli.optim_args import DEFAULT_MASTER, DEFAULT_MOMENTS
 from agoq.cli.seqpar_args import check_sequence_parallel_args
 
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
-from agoq.config import FLOAT_GRADS, GRAD_MODES, AgoqConfig, GradsFormatError, torch_optimizer_state_refusal
+from agoq.config import AgoqConfig
+from agoq.config.values import (
+    DEFAULT_MASTER,
+    DEFAULT_MOMENTS,
+    FLOAT_GRADS,
+    GRAD_MODES,
+    GradsFormatError,
+    torch_optimizer_state_refusal,
+)
 from agoq.policy import load_policy
 from agoq.train.checks import (
     check_fc2_amax_flag,

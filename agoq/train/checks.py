@@ -16,7 +16,7 @@ from agoq.cli.optim_args import check_release_flags
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
 # data file stops in about a second (tests/unit/test_args.py::test_parsing_imports_neither_torch_nor_megatron).
-from agoq.config import float_grads_mismatch
+from agoq.config.values import float_grads_mismatch
 from agoq.data.indexed import split_weights
 from agoq.policy import ScheduleInfo, check_rules_used, model_sites
 from agoq.train.wandb_log import check_wandb_flags

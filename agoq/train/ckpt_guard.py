@@ -4,7 +4,7 @@ written over, one job per ``--save`` folder, and room for the next checkpoint.
 ``--load PATH`` (:func:`resolve_load`):
 
 * a folder with a tracker (``latest_checkpointed_iteration.txt``): its iteration, falling back to older complete
-  checkpoints when a file fails to read (agoq.megatron.ckpt.checkpoint.load_checkpoint);
+  checkpoints when a file fails to read (agoq.megatron.ckpt.load.load_checkpoint);
 * an ``iter_NNNNNNN`` folder: that iteration of its parent folder, no fallback, said in one line (Megatron-LM's
   ``--ckpt-step N`` semantics);
 * a folder with ``iter_*`` checkpoints but no usable tracker: the run stops, naming the newest complete one and the

@@ -102,8 +102,7 @@ def predicted_checkpoint_bytes(config, shape, plan, *, fp32_params: bool) -> int
     from agoq.plan.peak import param_tensors
     from agoq.plan.shape import ModelShape
 
-    model = ModelShape(shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.num_query_groups,
-                       shape.ffn_hidden_size, shape.vocab_size)
+    model = ModelShape.of(shape)
     params = plan.tp * sum(sum(param_tensors(model, plan, rank)) for rank in range(plan.pp))
     return ckpt_guard.predicted_checkpoint_bytes(
         params, weight_bytes=4 if fp32_params else 2,

@@ -23,7 +23,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from agoq.config import KernelsConfig
+from agoq.config.sections import KernelsConfig
 
 if TYPE_CHECKING:  # the flags' parse (agoq.train.args) reads the kernel switches before torch loads
     from agoq.megatron.runtime import LaunchInfo

@@ -42,8 +42,7 @@ def _plan_inputs(shape, policy):
         from agoq.policy import load_policy
 
         policy = load_policy(_bf16_policy_path())
-    model = ModelShape(shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.num_query_groups,
-                       shape.ffn_hidden_size, shape.vocab_size)
+    model = ModelShape.of(shape)
     return model, policy
 
 

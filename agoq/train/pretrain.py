@@ -26,21 +26,23 @@ import torch.distributed as dist
 
 from agoq.cli.optim_args import check_release_flags
 from agoq.config import AgoqConfig
-from agoq.megatron import runtime, training_parts
+from agoq.megatron import runtime
 from agoq.megatron.activations import policy_of
 from agoq.megatron.built_check import Expectation, any_rank_failed, check_built
-from agoq.megatron.ckpt import checkpoint
+from agoq.megatron.ckpt import state as ckpt_state
+from agoq.megatron.ckpt.load import load_checkpoint
 from agoq.megatron.ckpt.resume import RECORD_KEY, data_lines, run_record, schedule_line
+from agoq.megatron.ckpt.save import save_checkpoint
 from agoq.megatron.compute import fc2_input_amax
 from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
-from agoq.megatron.optim.optimizer import build_agoq_optimizer, build_megatron_optimizer
 from agoq.policy import ScheduleInfo
 from agoq.train import environment, memory_report, training
 from agoq.train.checks import check_policy_requests
 from agoq.train.ckpt_startup import CheckpointGuard, predicted_checkpoint_bytes
 from agoq.train.flops import tflops_per_gpu, training_flops_per_iteration
 from agoq.train.manual_gc import ManualGC
+from agoq.train.megatron_setup import MegatronLoop, build_optimizer, build_scheduler
 from agoq.train.preflight import check_layout, microbatch_count
 from agoq.train.tensorboard import open_tensorboard
 from agoq.train.wandb_log import Loggers, open_wandb
@@ -114,65 +116,6 @@ class Components:
     run_record: dict  # the run's config, shape and layout, saved with every checkpoint, checked on --load
 
 
-def megatron_optimizer_config(args, params_dtype: torch.dtype):
-    """Megatron's OptimizerConfig of the run's flags (Megatron's Adam, and the Megatron side of agoq's)."""
-    return training_parts.optimizer_config(
-        optimizer="adam",
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
-        bf16=params_dtype == torch.bfloat16,
-        params_dtype=params_dtype,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-    )
-
-
-def build_optimizer(args, model_chunks: list, params_dtype: torch.dtype):
-    """(optimizer, scheduler): Megatron's Adam (--agoq-optimizer torch) or agoq's (args.agoq_config.optimizer)."""
-    config = megatron_optimizer_config(args, params_dtype)
-    if args.agoq_config.optimizer.agoq:
-        optimizer = build_agoq_optimizer(args.agoq_config, config, model_chunks)
-    else:
-        optimizer = build_megatron_optimizer(config, model_chunks)
-    return optimizer, build_scheduler(args, optimizer)
-
-
-def build_scheduler(args, optimizer):
-    """Megatron's OptimizerParamScheduler for the run's flags (steps counted in samples, as Megatron)."""
-    return training_parts.lr_schedule(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
-        lr_decay_steps=args.lr_decay_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * args.global_batch_size, wd_incr_style="constant",
-    )  # fmt: skip
-
-
-def ddp_config(args, params_dtype: torch.dtype):
-    # Megatron's bf16 default: accumulate and reduce gradients in fp32 (arguments.py sets
-    # accumulate_allreduce_grads_in_fp32 for bf16); --grad-reduce-in-bf16 keeps them in bf16 (as
-    # Megatron's flag of the same name).
-    return training_parts.ddp_config(
-        grad_reduce_in_fp32=params_dtype != torch.float32 and not getattr(args, "grad_reduce_in_bf16", False),
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        # --overlap-param-gather: the updated parameters are all-gathered in the next forward (DDP's forward
-        # pre-hooks; agoq.train.training.ParamGather syncs them before saves and evaluation); with
-        # interleaved pipelines the stages launch the gathers together (Megatron-LM's default
-        # align_param_gather: the schedule calls each chunk's start_param_sync, training.configure_grad_hooks)
-        overlap_param_gather=getattr(args, "overlap_param_gather", False),
-        align_param_gather=bool(getattr(args, "overlap_param_gather", False) and getattr(args, "vpp", None)),
-        bucket_size=args.ddp_bucket_size,  # None: Megatron's max(40M, 1M x DP) with overlap, one bucket without
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        # agoq's step checks loss and reduced gradients itself and skips a non-finite step (counted,
-        # logged); Megatron's check would stop the job from inside the gradient reduction instead.
-        check_for_nan_in_grad=False,
-    )
-
-
 def num_microbatches(args, layout: ParallelLayout, world_size: int) -> int:
     """Micro-batches per step (agoq.train.preflight.microbatch_count: the script checks it before torch
     loads)."""
@@ -201,8 +144,9 @@ def versions_line() -> str:
 
 
 def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy_report: Callable,
-             storage_report: Callable) -> None:
-    """Run the whole job described by ``args`` (see agoq.train.args; ``args.agoq_config``: agoq's part).
+             storage_report: Callable, loop: MegatronLoop) -> None:
+    """Run the whole job described by ``args`` (see agoq.train.args; ``args.agoq_config``: agoq's part) with
+    megatron-core's schedule and LR schedule (``loop``).
 
     ``datasets_provider(args)`` returns ``(tokenizer, factory)``; ``factory(consumed_samples, consumed_valid_samples)``
     returns the ``(train, valid, test)`` micro-batch iterators (scripts/pretrain_llama.py's), or ``(train, valid)``
@@ -217,7 +161,8 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
     failed, guard = True, None
     try:
         guard = CheckpointGuard.start(args)  # --save folder and its lock, what --load means (docs/user-guide.md 8)
-        _run(args, info, model_provider, datasets_provider, (policy_report, storage_report), (stop, progress, guard))
+        _run(args, info, model_provider, datasets_provider, (policy_report, storage_report), (stop, progress, guard),
+             loop)
         failed = False
     finally:
         if guard is not None:
@@ -228,7 +173,8 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, reports, control) -> None:
+def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, reports, control,
+         loop: MegatronLoop) -> None:
     policy_report, storage_report = reports
     stop, progress, guard = control
     layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, vpp=args.vpp)
@@ -266,7 +212,8 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     _print_stage_first(storage_report(spec))
     params_dtype = torch.float32 if args.fp32 else torch.bfloat16
     progress("building the optimizer")
-    optimizer, scheduler = build_optimizer(args, model, params_dtype)
+    optimizer = build_optimizer(args, model, params_dtype)
+    scheduler = build_scheduler(args, optimizer, loop.lr_schedule)
     # never silent: what the flags ask of agoq is what was built, on every rank, before the first step
     check_built(config, model, optimizer, Expectation(args.attention_backend, ScheduleInfo(
         pp_size=layout.pp, vp_size=layout.vpp, num_microbatches=microbatches)), rank=info.rank, agree=any_rank_failed)
@@ -321,12 +268,12 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
         with manual_gc.training():  # --manual-gc: Python's automatic collector off while training
             _train_loop(args, info, components, (iterators, components_valid, components_test), microbatches,
                         start_state,
-                        tensorboard, stop, manual_gc)
+                        tensorboard, stop, manual_gc, loop.schedule())
     finally:
         tensorboard.close()
 
 
-def _resume(args, record: dict, policy: str, parts: tuple, guard: CheckpointGuard) -> checkpoint.Progress:
+def _resume(args, record: dict, policy: str, parts: tuple, guard: CheckpointGuard) -> ckpt_state.Progress:
     """--load (as resolved by ``guard``): the checkpoint's progress (iteration 0 without one), one line on the LR
     schedule in force and the data-order lines (resume.data_lines)."""
     model, optimizer, scheduler = parts
@@ -334,11 +281,11 @@ def _resume(args, record: dict, policy: str, parts: tuple, guard: CheckpointGuar
     if target.note:
         print_rank0(target.note)
     if target.folder is None:
-        return checkpoint.Progress(iteration=0, consumed_samples=0)
+        return ckpt_state.Progress(iteration=0, consumed_samples=0)
     requested = scheduler.state_dict()
-    loaded = checkpoint.load_checkpoint(target.folder, model, optimizer, scheduler, record=record,
-                                        policy_report=policy, override_schedule=args.override_opt_param_scheduler,
-                                        iteration=target.iteration)
+    loaded = load_checkpoint(target.folder, model, optimizer, scheduler, record=record,
+                             policy_report=policy, override_schedule=args.override_opt_param_scheduler,
+                             iteration=target.iteration)
     if loaded is None:  # the tracker was there at start-up
         raise FileNotFoundError(f"--load {args.load}: its tracker file disappeared during start-up; another job "
                                 "may be changing the folder")
@@ -351,7 +298,7 @@ def _resume(args, record: dict, policy: str, parts: tuple, guard: CheckpointGuar
                 f"({progress.consumed_samples} samples consumed)")
     print_rank0(schedule_line(scheduler.state_dict(), requested, override=args.override_opt_param_scheduler,
                               global_batch_size=args.global_batch_size, train_iters=args.train_iters))
-    if not extras.get(checkpoint.WEIGHTS_ONLY_KEY):  # a converted checkpoint starts the data fresh
+    if not extras.get(ckpt_state.WEIGHTS_ONLY_KEY):  # a converted checkpoint starts the data fresh
         for line in data_lines(extras.get(RECORD_KEY), record, progress.iteration):
             print_rank0(line)
     return progress
@@ -384,13 +331,15 @@ def _log_iteration(args, info, parts: Components, result, iteration, consumed, s
 
 
 def _train_loop(args, info, parts: Components, data, microbatches: int, progress, tensorboard, stop,
-                manual_gc: ManualGC) -> None:
-    """The training iterations; ``manual_gc``: --manual-gc's collections (the collector is off around this call)."""
+                manual_gc: ManualGC, forward_backward_func: Callable) -> None:
+    """The training iterations; ``manual_gc``: --manual-gc's collections (the collector is off around this call);
+    ``forward_backward_func``: Megatron's pipeline schedule for the run's layout."""
     iterators, valid_iterators, test_iterators = data
     runner = training.StepRunner(
         model_chunks=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler, device=info.device,
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size, num_microbatches=microbatches,
+        forward_backward_func=forward_backward_func,
     )
     iteration, consumed, skipped = progress.iteration, progress.consumed_samples, progress.skipped_iterations
     tokens_per_step = args.global_batch_size * args.seq_length
@@ -424,14 +373,13 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
                 with open(args.log_json, "a") as out:
                     reading = dict(runtime.memory_reading(info.device), **breakdown)
                     out.write(json.dumps({"iteration": iteration, "memory_breakdown": reading}) + "\n")
-        state = checkpoint.Progress(iteration, consumed, skipped)
+        state = ckpt_state.Progress(iteration, consumed, skipped)
         stopping = stop.agreed(info.device) or training.exit_interval_reached(iteration, args.exit_interval)
         periodic = args.save_interval and iteration % args.save_interval == 0
         if args.save and (periodic or stopping or iteration == args.train_iters):
             with runner.param_gather.synced():  # --overlap-param-gather: save the updated weights, not the stale
-                path = checkpoint.save_checkpoint(args.save, state, parts.model, parts.optimizer, parts.scheduler,
-                                                  extra={"policy_report": parts.policy_report,
-                                                         RECORD_KEY: parts.run_record})
+                path = save_checkpoint(args.save, state, parts.model, parts.optimizer, parts.scheduler,
+                                       extra={"policy_report": parts.policy_report, RECORD_KEY: parts.run_record})
             print_rank0(f"saved checkpoint {path}")
         if stopping:
             print_rank0(f"stopping at iteration {iteration}"

@@ -2,7 +2,8 @@
 
 Seam card
 ---------
-Touches: ``get_forward_backward_func`` (schedule choice), ``finalize_model_grads`` and the
+Touches: the pipeline schedule :class:`StepRunner` is given (megatron-core's ``get_forward_backward_func()``, which
+  the entry script hands in: agoq.train.megatron_setup.MegatronLoop), ``finalize_model_grads`` and the
   ``no_sync_func`` / ``grad_sync_func`` / ``param_sync_func`` / ``finalize_model_grads_func`` config hooks,
   Megatron's optimizer ``step()`` contract ``(update_successful, grad_norm, num_zeros)``; with
   ``--overlap-param-gather`` DDP's ``start_param_sync`` (the interleaved schedule's ``param_sync_func``) and
@@ -150,6 +151,9 @@ class StepRunner:
     micro_batch_size: int
     global_batch_size: int
     num_microbatches: int
+    forward_backward_func: Callable
+    """Megatron's pipeline schedule for this run's layout (``get_forward_backward_func()``, as Megatron-LM's
+    ``train_step`` takes it): no pipelining, 1F1B or interleaved."""
     forward_step: Callable = field(init=False)
     param_gather: ParamGather = field(init=False)
     poison: dict = field(default_factory=dict)
@@ -165,10 +169,10 @@ class StepRunner:
         fp8_weights_changed()
         for chunk in self.model_chunks:
             chunk.eval()
-        total, forward_backward = 0.0, training_parts.forward_backward_func()
+        total = 0.0
         with torch.no_grad(), self.param_gather.synced():
             for _ in range(num_batches):
-                losses = forward_backward(
+                losses = self.forward_backward_func(
                     forward_step_func=self.forward_step,
                     data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],
                     model=self.model_chunks, num_microbatches=self.num_microbatches,
@@ -202,8 +206,7 @@ class StepRunner:
         release = getattr(self.optimizer, "release", None)  # --agoq-gradient-release: steps inside backward
         if release is not None:
             self.optimizer.iteration = self.iteration
-        forward_backward = training_parts.forward_backward_func()
-        losses = forward_backward(
+        losses = self.forward_backward_func(
             forward_step_func=self.forward_step,
             data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],
             model=self.model_chunks,

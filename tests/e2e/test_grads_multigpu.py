@@ -75,6 +75,7 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from agoq.config import AgoqConfig
     from agoq.megatron import runtime
@@ -90,7 +91,7 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
     )
     from agoq.megatron.optim.optimizer import build_agoq_optimizer
     from agoq.train import training
-    from agoq.train.pretrain import megatron_optimizer_config
+    from agoq.train.megatron_setup import megatron_optimizer_config
 
     cuda = device_type == "cuda"
     if cuda:
@@ -125,9 +126,10 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
                 optimizer = get_megatron_optimizer(OptimizerConfig(
                     optimizer="adam", lr=LR, clip_grad=1.0, bf16=cuda, params_dtype=config.params_dtype,
                     use_distributed_optimizer=distopt), model)
-                grad_reader.attach(optimizer, model)  # as pretrain.build_optimizer: the 8-bit shard's reader
+                grad_reader.attach(optimizer, model)  # as megatron_setup.build_optimizer: the 8-bit shard's reader
             runner = training.StepRunner(model, optimizer, _NoScheduler(), device, shape.seq_length, MICRO_BATCH,
-                                         MICRO_BATCH * MICRO_BATCHES * world_size, MICRO_BATCHES)
+                                         MICRO_BATCH * MICRO_BATCHES * world_size, MICRO_BATCHES,
+                                         get_forward_backward_func())
             data = [_batches(shape, parallel_state.get_data_parallel_rank())]
             losses = []
             for _ in range(STEPS):
@@ -148,7 +150,7 @@ def _train(rank: int, world_size: int, variants: list, device_type: str = "cuda"
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("megatron.core", reason="needs megatron-core (the carried wheel on the GPU machine)")
-    from agoq.config import GradsConfig
+    from agoq.config.sections import GradsConfig
     from agoq.testing.dist import spawn_ranks
 
     fmt = "int8_b256"

@@ -129,11 +129,13 @@ class _Vocab:
 
 def run_case(case: Case, reference_state: dict | None, device: torch.device, world_size: int) -> dict:
     from megatron.core import parallel_state
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from agoq.megatron import runtime
     from agoq.megatron.activations import storage_of
     from agoq.megatron.model import ParallelLayout
-    from agoq.train import pretrain
+    from agoq.train import megatron_setup, pretrain
     from agoq.train.args import parse_args
     from agoq.train.training import StepRunner
 
@@ -163,13 +165,14 @@ def run_case(case: Case, reference_state: dict | None, device: torch.device, wor
             with torch.no_grad():
                 for name, param in params.items():
                     param.copy_(tp_shard(reference_state[name], name, _partition_dim(param), tp_rank, layout.tp))
-        optimizer, scheduler = pretrain.build_optimizer(args, model, torch.float32)
+        optimizer = megatron_setup.build_optimizer(args, model, torch.float32)
+        scheduler = megatron_setup.build_scheduler(args, optimizer, OptimizerParamScheduler)
         dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         batches = micro_batches(dp_rank, dp_size)
         runner = StepRunner(model_chunks=model, optimizer=optimizer, scheduler=scheduler, device=device,
                             seq_length=SEQ, micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
-                            num_microbatches=count)
+                            num_microbatches=count, forward_backward_func=get_forward_backward_func())
         iterators = [iter([{k: v.to(device) for k, v in b.items()} for b in batches]) for _ in model]
         losses, norms, grads = [], [], {}
         for iteration in range(ITERATIONS):

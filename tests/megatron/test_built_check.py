@@ -25,12 +25,12 @@ def _build(args, *, attention: str, policy, grads: str | None, agoq_optimizer: b
     """(model chunks, optimizer) of the tiny model: ``policy`` None builds Megatron's local spec (no agoq layers)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from agoq.config import GradsConfig
+    from agoq.config.sections import GradsConfig
     from agoq.megatron.grads.ddp import wrap_ddp_agoq
     from agoq.megatron.model import ParallelLayout, agoq_layer_spec, build_model_chunks, llama_transformer_config
     from agoq.megatron.optim.optimizer import build_agoq_optimizer
     from agoq.policy import ScheduleInfo, load_policy
-    from agoq.train.pretrain import ddp_config, megatron_optimizer_config
+    from agoq.train.megatron_setup import ddp_config, megatron_optimizer_config
 
     shape = tiny_shape()
     config = llama_transformer_config(shape, ParallelLayout(), params_dtype=torch.float32, use_cpu_initialization=True)

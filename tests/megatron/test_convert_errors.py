@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from agoq.megatron.ckpt import checkpoint, hf_checkpoint
+from agoq.megatron.ckpt import ckpt_files, hf_checkpoint
 
 
 def test_an_iteration_that_was_not_saved_names_the_saved_ones(tmp_path):
     for it in (2, 10):
-        (checkpoint.iteration_dir(tmp_path, it)).mkdir()
-        (checkpoint.iteration_dir(tmp_path, it) / checkpoint.PROGRESS_FILE).write_text("{}")
-    (tmp_path / checkpoint.TRACKER_FILE).write_text("10\n")
+        (ckpt_files.iteration_dir(tmp_path, it)).mkdir()
+        (ckpt_files.iteration_dir(tmp_path, it) / ckpt_files.PROGRESS_FILE).write_text("{}")
+    (tmp_path / ckpt_files.TRACKER_FILE).write_text("10\n")
     # it used to say 'iter_0000007: not a complete agoq checkpoint (agoq_progress.json missing)'
     with pytest.raises(FileNotFoundError, match=r"no checkpoint of iteration 7 \(iter_0000007 does not exist\); "
                                                 r"saved iterations: 2, 10. Pass one of them, or leave --iteration out"):
         hf_checkpoint.checkpoint_source(tmp_path, 7)
-    assert hf_checkpoint.checkpoint_source(tmp_path, 2) == checkpoint.iteration_dir(tmp_path, 2)
-    assert hf_checkpoint.checkpoint_source(tmp_path) == checkpoint.iteration_dir(tmp_path, 10)
-    checkpoint.iteration_dir(tmp_path, 3).mkdir()  # a save that did not finish keeps its own message
+    assert hf_checkpoint.checkpoint_source(tmp_path, 2) == ckpt_files.iteration_dir(tmp_path, 2)
+    assert hf_checkpoint.checkpoint_source(tmp_path) == ckpt_files.iteration_dir(tmp_path, 10)
+    ckpt_files.iteration_dir(tmp_path, 3).mkdir()  # a save that did not finish keeps its own message
     with pytest.raises(FileNotFoundError, match="iter_0000003: not a complete agoq checkpoint"):
         hf_checkpoint.checkpoint_source(tmp_path, 3)
 

@@ -28,7 +28,7 @@ def _rank(rank: int, world: int) -> dict:
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from agoq.config import GradsConfig
+    from agoq.config.sections import GradsConfig
     from agoq.megatron import runtime
     from agoq.megatron.grads.ddp import wrap_ddp_agoq
     from agoq.megatron.graphs import allow_unvalidated

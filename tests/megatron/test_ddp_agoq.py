@@ -24,8 +24,10 @@ pytestmark = [pytest.mark.megatron, pytest.mark.dist]
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
-from agoq.config import AgoqConfig, GradsConfig  # noqa: E402
+from agoq.config import AgoqConfig  # noqa: E402
+from agoq.config.sections import GradsConfig  # noqa: E402
 from agoq.megatron import runtime  # noqa: E402
 from agoq.megatron.grads import grad_reader  # noqa: E402
 from agoq.megatron.grads.ddp import grad_memory_report, wrap_ddp_agoq  # noqa: E402
@@ -93,7 +95,7 @@ def _train(rank: int, world_size: int, pp: int, variants: list) -> dict:
             model, optimizer = _build(pp, distopt, overlap, grad)
             runner = training.StepRunner(model, optimizer, _NoScheduler(), torch.device("cpu"), SHAPE.seq_length,
                                          MICRO_BATCH, MICRO_BATCH * NUM_MICROBATCHES * world_size // pp,
-                                         NUM_MICROBATCHES)
+                                         NUM_MICROBATCHES, get_forward_backward_func())
             data = [_batches(parallel_state.get_data_parallel_rank())]
             losses, norms, memory, grad0 = [], [], grad_memory_report(model), None
             for step in range(STEPS):
@@ -211,7 +213,7 @@ def _skip_rank(rank: int, world_size: int, optimizer_kind: str) -> dict:
 
     from agoq.cli.agoq_flags import add_agoq_flags
     from agoq.megatron.install import install
-    from agoq.train.pretrain import build_optimizer
+    from agoq.train.megatron_setup import build_optimizer
 
     handle = install(AgoqConfig(device="cpu"))
     try:
@@ -232,12 +234,13 @@ def _skip_rank(rank: int, world_size: int, optimizer_kind: str) -> dict:
                              pipeline_model_parallel_size=1).items():
                 setattr(args, k, v)
             args.agoq_config = AgoqConfig.from_flags(vars(args))
-            optimizer, _ = build_optimizer(args, model, torch.float32)
+            optimizer = build_optimizer(args, model, torch.float32)
         else:
             optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0, bf16=False,
                                                                params_dtype=torch.float32), model)
         runner = training.StepRunner(model, optimizer, _NoScheduler(), torch.device("cpu"), SHAPE.seq_length,
-                                     MICRO_BATCH, MICRO_BATCH * NUM_MICROBATCHES * world_size, NUM_MICROBATCHES)
+                                     MICRO_BATCH, MICRO_BATCH * NUM_MICROBATCHES * world_size, NUM_MICROBATCHES,
+                                     get_forward_backward_func())
         data = [_batches(rank)]
         weights = lambda: torch.cat([p.detach().reshape(-1).clone() for c in model for p in c.module.parameters()])
         out = {"ok": [], "changed": []}

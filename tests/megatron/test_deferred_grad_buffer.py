@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.megatron, pytest.mark.dist]
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
 
-from agoq.config import AgoqConfig, GradsConfig  # noqa: E402
+from agoq.config import AgoqConfig  # noqa: E402
+from agoq.config.sections import GradsConfig  # noqa: E402
 from agoq.megatron import runtime  # noqa: E402
 from agoq.megatron.grads.ddp import grad_memory_report, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.grads.deferred_grad_buffer import GradBufferOnMeta, check_deferred  # noqa: E402

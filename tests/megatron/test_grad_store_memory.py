@@ -32,7 +32,8 @@ from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E40
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 
 from agoq.cli.agoq_flags import add_agoq_flags  # noqa: E402
-from agoq.config import AgoqConfig, GradsConfig  # noqa: E402
+from agoq.config import AgoqConfig  # noqa: E402
+from agoq.config.sections import GradsConfig  # noqa: E402
 from agoq.megatron import runtime  # noqa: E402
 from agoq.megatron.grads.ddp import grad_memory_report, wrap_ddp_agoq  # noqa: E402
 from agoq.megatron.model import (  # noqa: E402
@@ -82,7 +83,7 @@ def _batch(rank: int, step: int, mb: int):
 
 
 def _run_variant(rank: int, grad: GradsConfig, optimizer_kind: str, chunk_bytes: int | None = None) -> dict:
-    from agoq.train.pretrain import build_optimizer
+    from agoq.train.megatron_setup import build_optimizer
 
     runtime.init_model_parallel(ParallelLayout(tp=1, pp=1), seed=1234, device=torch.device("cpu"))
     config = llama_transformer_config(SHAPE, ParallelLayout(tp=1, pp=1), params_dtype=torch.float32,
@@ -96,7 +97,7 @@ def _run_variant(rank: int, grad: GradsConfig, optimizer_kind: str, chunk_bytes:
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0, bf16=False,
                                                      params_dtype=torch.float32), [model])
     else:
-        opt, _ = build_optimizer(_agoq_args(), [model], torch.float32)
+        opt = build_optimizer(_agoq_args(), [model], torch.float32)
         if optimizer_kind == "agoq_materialized":  # same optimizer, Megatron's float-buffer read path
             opt.grad_reader = None
             model.agoq_set_lazy(False)

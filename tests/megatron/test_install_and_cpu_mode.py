@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agoq.config import AgoqConfig, PolicyConfig
+from agoq.config import AgoqConfig
+from agoq.config.sections import PolicyConfig
 from agoq.megatron.install import install
 
 pytestmark = pytest.mark.megatron
@@ -53,10 +54,10 @@ def test_undo_restores_every_runtime_change():
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from torch.optim.optimizer import _global_optimizer_post_hooks
 
-    from agoq.config import GradsConfig
+    from agoq.config.sections import GradsConfig
     from agoq.megatron import install as install_mod
     from agoq.megatron import runtime
-    from agoq.megatron.ckpt import checkpoint
+    from agoq.megatron.ckpt import save as ckpt_save
     from agoq.megatron.grads import grad_reader
     from agoq.megatron.grads.ddp import AgoqBucketGroup, GroupGrads, wrap_ddp_agoq
     from agoq.megatron.model import (
@@ -88,7 +89,7 @@ def test_undo_restores_every_runtime_change():
                                                            params_dtype=torch.float32,
                                                            use_distributed_optimizer=True), model)
         grad_reader.attach(optimizer, model)
-        checkpoint._install_signal_safe_results_queue()
+        ckpt_save._install_signal_safe_results_queue()
         groups = [bg for chunk in model for bg in chunk.bucket_groups]
         dist_opts = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])]
         assert groups and all(type(bg) is AgoqBucketGroup for bg in groups)
@@ -107,4 +108,4 @@ def test_undo_restores_every_runtime_change():
     assert all(type(o) is DistributedOptimizer for o in dist_opts)
     assert filesystem_async._results_queue is queue_before
     assert dict(_global_optimizer_post_hooks) == hooks_before and not fp8_weight_cache.optimizer_hook_installed()
-    assert install_mod.runtime_changes() == [] and not checkpoint._MANAGERS
+    assert install_mod.runtime_changes() == [] and not ckpt_save._MANAGERS

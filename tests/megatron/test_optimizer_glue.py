@@ -26,7 +26,8 @@ SCRIPT = textwrap.dedent(
     from megatron.core.transformer import TransformerConfig
     from agoq.cli.agoq_flags import add_agoq_flags
     from agoq.config import AgoqConfig
-    from agoq.train.pretrain import build_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from agoq.train.megatron_setup import build_optimizer, build_scheduler
     p = argparse.ArgumentParser(); add_agoq_flags(p)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"  # fused step under Triton's interpreter
     args = p.parse_args(["--agoq-optimizer", "adamw"] + ([] if interpret else ["--agoq-unfused"]))
@@ -45,7 +46,8 @@ SCRIPT = textwrap.dedent(
     m = M().to(torch.bfloat16)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), m)
     args.agoq_config = AgoqConfig.from_flags(vars(args), triton_interpret=interpret)
-    opt, sch = build_optimizer(args, [ddp], torch.bfloat16)
+    opt = build_optimizer(args, [ddp], torch.bfloat16)
+    sch = build_scheduler(args, opt, OptimizerParamScheduler)
     w0 = m.l.weight.detach().clone()
     for i in range(3):
         ddp.zero_grad_buffer(); opt.zero_grad()

@@ -240,7 +240,7 @@ def test_pretrain_llama_start_up_prediction_carries_the_fp8_spec():
 def test_start_up_prediction_follows_the_plain_fusion_switch():
     """The trainer's start-up prediction (memory_report.recipe_from_config) models what the run will do: the fused
     path by default, Megatron's SwiGLU under AGOQ_FP8_SWIGLU_FUSION=0 (AgoqConfig.kernels.fuse_swiglu_fp8)."""
-    from agoq.config import KernelsConfig
+    from agoq.config.sections import KernelsConfig
     from agoq.train.memory_report import recipe_from_config
 
     assert recipe_from_config(AgoqConfig()).fuse_plain_swiglu_fp8

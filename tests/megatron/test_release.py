@@ -44,6 +44,8 @@ def _batches(num_microbatches=1):
 
 
 def _build(args, device, release: bool, num_microbatches=1, alive_probe=None):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from agoq.megatron.model import (
@@ -55,7 +57,7 @@ def _build(args, device, release: bool, num_microbatches=1, alive_probe=None):
     )
     from agoq.megatron.optim.release import wrap_release
     from agoq.policy import ScheduleInfo
-    from agoq.train.pretrain import build_optimizer, ddp_config
+    from agoq.train.megatron_setup import build_optimizer, build_scheduler, ddp_config
     from agoq.train.training import StepRunner, configure_grad_hooks
     from tests.megatron._tiny import tiny_shape
 
@@ -76,10 +78,11 @@ def _build(args, device, release: bool, num_microbatches=1, alive_probe=None):
     else:
         model = wrap_ddp(chunks, config, ddp_config(args, dtype), device)
     configure_grad_hooks(model, config)
-    optimizer, scheduler = build_optimizer(args, model, dtype)
+    optimizer = build_optimizer(args, model, dtype)
+    scheduler = build_scheduler(args, optimizer, OptimizerParamScheduler)
     runner = StepRunner(model_chunks=model, optimizer=optimizer, scheduler=scheduler, device=device,
                         seq_length=SEQ, micro_batch_size=MBS, global_batch_size=MBS * num_microbatches,
-                        num_microbatches=num_microbatches)  # fmt: skip
+                        num_microbatches=num_microbatches, forward_backward_func=get_forward_backward_func())
     return model, optimizer, scheduler, runner
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from agoq.megatron.ckpt.checkpoint import _pin_group_lr_bounds
+from agoq.megatron.ckpt.load import _pin_group_lr_bounds
 from agoq.megatron.ckpt.resume import schedule_line
 
 pytestmark = pytest.mark.megatron

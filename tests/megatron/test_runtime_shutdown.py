@@ -56,7 +56,7 @@ def test_the_trainer_tears_down_as_failed_when_the_job_raises(monkeypatch):
 
     monkeypatch.setattr(trainer, "_run", boom)
     with pytest.raises(RuntimeError, match="rank-local"):
-        trainer.pretrain(Args(), None, None, None, None)
+        trainer.pretrain(Args(), None, None, None, None, None)
     monkeypatch.setattr(trainer, "_run", lambda *a, **k: None)
-    trainer.pretrain(Args(), None, None, None, None)
+    trainer.pretrain(Args(), None, None, None, None, None)
     assert seen == [True, False]

@@ -82,7 +82,7 @@ def test_recompute_flags(capsys):
 
 
 def test_grad_reduce_in_bf16_sets_megatron_ddp_and_refuses_unvalidated_combos(capsys):
-    from agoq.train.pretrain import ddp_config
+    from agoq.train.megatron_setup import ddp_config
 
     args = parse_args(["--grad-reduce-in-bf16"])
     import torch
@@ -100,7 +100,7 @@ def test_overlap_param_gather_needs_the_distributed_optimizer_and_reaches_megatr
     default) only with an interleaved pipeline."""
     import torch
 
-    from agoq.train.pretrain import ddp_config
+    from agoq.train.megatron_setup import ddp_config
 
     err = _error(capsys, ["--overlap-param-gather", "--overlap-grad-reduce"])
     assert "--overlap-param-gather" in err and "needs --use-distributed-optimizer" in err
@@ -128,12 +128,12 @@ def test_parsing_imports_neither_torch_nor_megatron():
 
 
 def test_light_copies_of_choices_agree_with_their_sources():
-    from agoq.cli import optim_args
+    from agoq.config import values
     from agoq.megatron.grads import ddp
     from agoq.optim.base import MASTER_CHOICES
     from agoq.train import args as margs
 
-    assert optim_args.MASTER_CHOICES == MASTER_CHOICES and margs.GRAD_MODES == ddp.GRAD_MODES
+    assert values.MASTER_CHOICES == MASTER_CHOICES and margs.GRAD_MODES == ddp.GRAD_MODES
 
 
 def test_an_error_is_one_line_without_the_usage_dump(capsys):

@@ -61,11 +61,9 @@ PLUGIN_FORBIDDEN_NAMES = ("get_forward_backward_func", "OptimizerParamScheduler"
 # door, agoq.train.megatron_lm_door). python -m agoq.plan takes the trainer's flags and --config files from
 # agoq.cli, below the trainer, and must not reach up into it.
 TRAINER_IMPORTERS = ("agoq/convert/__main__.py", "agoq/megatron_lm.py")
-# Plugin files that name a training loop's parts, each with its reason (a stale entry fails).
-PLUGIN_EXCEPTIONS: dict[str, str] = {
-    "agoq/megatron/training_parts.py": "hands megatron-core's schedule, LR schedule and configs to the trainer (which "
-                                       "imports no megatron) and runs none of them; no plugin module imports it",
-}
+# Plugin files that name a training loop's parts, each with its reason (a stale entry fails). None: megatron-core's
+# schedule and LR schedule reach the trainer from its entry script (agoq.train.megatron_setup.MegatronLoop).
+PLUGIN_EXCEPTIONS: dict[str, str] = {}
 
 
 def _is_module(name: str, top: str) -> bool:

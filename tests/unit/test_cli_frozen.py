@@ -114,11 +114,11 @@ def test_each_agoq_flag_is_declared_once():
 
 def test_config_flags_come_from_agoq_config_and_the_door_adds_two():
     """Every --agoq-* flag but the door's own two (--agoq-attention, --agoq-log-json: no config field) and
-    --agoq-preset is an AGOQ_FLAGS entry of agoq/config.py."""
+    --agoq-preset is an AGOQ_FLAGS entry of agoq/config/__init__.py."""
     from agoq.config import AGOQ_FLAGS
 
     _, where, _ = declarations()
-    in_config = {flag for flag, files in where.items() if files == ["agoq/config.py"]}
+    in_config = {flag for flag, files in where.items() if files == ["agoq/config/__init__.py"]}
     assert in_config == {f.flag for f in AGOQ_FLAGS}
     rest = {flag: files for flag, files in where.items() if flag not in in_config}
     assert rest == {"--agoq-attention": ["agoq/train/megatron_lm.py"],
@@ -130,7 +130,7 @@ def test_a_second_declaration_is_caught(tmp_path, monkeypatch):
     import tests.unit.test_cli_frozen as me
 
     (tmp_path / "agoq").mkdir()
-    for rel in ("agoq/config.py", GENERATOR):
+    for rel in ("agoq/config/__init__.py", GENERATOR):
         target = tmp_path / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text((REPO_ROOT / rel).read_text())
@@ -138,7 +138,8 @@ def test_a_second_declaration_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(me, "AGOQ", tmp_path / "agoq")
     monkeypatch.setattr(me, "REPO_ROOT", tmp_path)
     count, where, _ = me.declarations()
-    assert count["--agoq-grads-mode"] == 2 and sorted(where["--agoq-grads-mode"]) == ["agoq/config.py", "agoq/copy.py"]
+    assert count["--agoq-grads-mode"] == 2
+    assert sorted(where["--agoq-grads-mode"]) == ["agoq/config/__init__.py", "agoq/copy.py"]
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ def test_peer_transport_problems_on_cpu_name_the_flag():
 
 
 def test_transport_choices_are_checked_where_the_flag_lands():
-    from agoq.config import GRAD_TRANSPORTS, GradsConfig
+    from agoq.config.sections import GradsConfig
+    from agoq.config.values import GRAD_TRANSPORTS
     from agoq.megatron.grads import ddp
 
     assert ddp.GRAD_TRANSPORTS == GRAD_TRANSPORTS

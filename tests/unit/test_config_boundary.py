@@ -12,13 +12,9 @@ import json
 
 import pytest
 
-from agoq.config import (
-    DEFAULT_MOMENTS,
-    AgoqConfig,
-    GradsConfig,
-    OptimizerOptions,
-    PolicyConfig,
-)
+from agoq.config import AgoqConfig
+from agoq.config.sections import GradsConfig, OptimizerOptions, PolicyConfig
+from agoq.config.values import DEFAULT_MOMENTS
 from agoq.testing.procs import REPO_ROOT
 
 AGOQ = REPO_ROOT / "agoq"

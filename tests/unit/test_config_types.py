@@ -4,7 +4,9 @@ not saved)."""
 
 import pytest
 
-from agoq.config import AgoqConfig, GradsConfig, GradsFormatError, KernelsConfig, OptimizerOptions, StateFormats
+from agoq.config import AgoqConfig
+from agoq.config.sections import GradsConfig, KernelsConfig, OptimizerOptions, StateFormats
+from agoq.config.values import GradsFormatError
 from agoq.formats import QuantFormat, parse_format
 
 

@@ -26,7 +26,7 @@ def test_launch_from_torchrun_variables_and_without_them():
 def test_kernel_switches_become_the_config_kernels_section(fast, fused):
     """AGOQ_TRITON_FAST_LAUNCH / AGOQ_FP8_SWIGLU_FUSION (1, the default, or 0) become AgoqConfig.kernels; a typo
     stops the run with the variable's name ("false" used to leave the fast launch on without a word)."""
-    from agoq.config import KernelsConfig
+    from agoq.config.sections import KernelsConfig
     from agoq.train.environment import FAST_LAUNCH_ENV, PLAIN_FUSION_ENV, kernels_from_environment
 
     environ = {k: v for k, v in ((FAST_LAUNCH_ENV, fast), (PLAIN_FUSION_ENV, fused)) if v is not None}
@@ -39,7 +39,8 @@ def test_kernel_switches_become_the_config_kernels_section(fast, fused):
 def test_install_applies_the_fast_launch_setting_and_undo_restores_it():
     """kernels.fast_launch False (AGOQ_TRITON_FAST_LAUNCH=0) switches agoq's direct launches off through
     agoq.megatron.install's ``triton_launch`` seam; the handle's undo turns them back on."""
-    from agoq.config import AgoqConfig, KernelsConfig
+    from agoq.config import AgoqConfig
+    from agoq.config.sections import KernelsConfig
     from agoq.kernels import fastlaunch
     from agoq.megatron.install import install
 

@@ -1,6 +1,5 @@
-"""The messages of a checkpoint that failed to save or read (agoq.megatron.ckpt.checkpoint): one line per rank
-naming the
-file and the errno, never torch's raw traceback.
+"""The messages of a checkpoint that failed to save or read (agoq.megatron.ckpt.save, agoq.megatron.ckpt.load): one
+line per rank naming the file and the errno, never torch's raw traceback.
 
 Megatron's and torch DCP's writers keep little of a write error (the exception's class, or "unexpected pos 704 vs
 598" for a short write), so the errno is recovered from the exception chain, the class name, or the free space left.

@@ -98,3 +98,21 @@ def written_by_megatron_training(folder: str | os.PathLike) -> int | None:
     if tracker.iteration is None or not iteration_dir(folder, tracker.iteration).is_dir():
         return None
     return None if any(saved_iterations(folder).values()) else tracker.iteration
+
+
+def latest_iteration(load_dir: str | os.PathLike) -> int | None:
+    """The last completed checkpoint's iteration, or None when the directory has none."""
+    tracker = Path(load_dir) / TRACKER_FILE
+    if not tracker.exists():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"{tracker}: expected an iteration number, found {text!r}; fix or delete the file")
+    return int(text)
+
+
+def latest_iteration_or_none(load_dir) -> int | None:
+    try:
+        return latest_iteration(load_dir)
+    except (OSError, ValueError):
+        return None

@@ -16,9 +16,9 @@ Guarded by: ``tests/megatron/test_hf_convert.py`` (logits against transformers a
 
 A converted checkpoint is ``<dir>/iter_0000000/`` + ``latest_checkpointed_iteration.txt`` with the model's
 tensors only; its common state says so (``agoq.weights_only``) and carries the model-shape part of the
-resume record (:data:`SHAPE_FIELDS`: widths, padded and real vocabulary, RoPE base and scaling, norm epsilon,
+resume record (:data:`CONVERTED_SHAPE_FIELDS`: widths, padded and real vocabulary, RoPE base and scaling, norm epsilon,
 tying), so ``--load`` checks the shape, loads the weights and starts the optimizer, LR schedule and
-data position fresh (``agoq.megatron.ckpt.checkpoint``). It also keeps the HF model's identity (``hf_dims``: token ids,
+data position fresh (``agoq.megatron.ckpt.load``). It also keeps the HF model's identity (``hf_dims``: token ids,
 an eos list as a list, context; ``hf_generation_config``), which the trainer carries into its own checkpoints'
 run record (:func:`carry_hf_identity`) so that ``agoq-to-hf`` writes them back.
 """
@@ -34,8 +34,9 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
 from agoq.megatron import runtime
-from agoq.megatron.ckpt import checkpoint
-from agoq.megatron.ckpt.resume import CONTRACT_KEY, RECORD_KEY
+from agoq.megatron.ckpt.ckpt_files import PROGRESS_FILE, TRACKER_FILE, iteration_dir, latest_iteration
+from agoq.megatron.ckpt.resume import CONTRACT_KEY, RECORD_KEY, SHAPE_FIELDS_LATER
+from agoq.megatron.ckpt.state import WEIGHTS_ONLY_KEY, Progress
 from agoq.megatron.model import (
     LlamaShape,
     ParallelLayout,
@@ -43,10 +44,10 @@ from agoq.megatron.model import (
     build_model_chunks,
     llama_transformer_config,
 )
+from agoq.plan.shape import SHAPE_FIELDS
 
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "vocab_size", "rotary_base", "norm_epsilon", "rope_scaling", "rope_scaling_factor",
-                "share_embeddings_and_output_weights", "unpadded_vocab_size")  # fmt: skip
+# the model's size (agoq.plan.shape) and the rest of its shape that run records keep (agoq.megatron.ckpt.resume)
+CONVERTED_SHAPE_FIELDS = (*SHAPE_FIELDS, *SHAPE_FIELDS_LATER)
 # a converted checkpoint's common state: the HF architecture (agoq.convert.llama.LlamaDims as a dict), the padded
 # rows, the HF generation_config.json (dict or None); the trainer carries the first and last into its run record
 HF_DIMS_KEY = "hf_dims"
@@ -103,33 +104,33 @@ def load_model_state(model, state: dict[str, torch.Tensor]) -> None:
 
 def save_weights_only(model, save_dir: str | os.PathLike, shape: LlamaShape, extra: dict) -> Path:
     """``save_dir/iter_0000000`` with the model's tensors, its shape record and ``extra``; then the tracker."""
-    target = checkpoint.iteration_dir(save_dir, 0)
+    target = iteration_dir(save_dir, 0)
     if target.exists() and any(target.iterdir()):
         raise FileExistsError(f"{target} exists; pass an empty or new output directory")
     target.mkdir(parents=True, exist_ok=True)
-    record = {field: getattr(shape, field) for field in SHAPE_FIELDS}
-    agoq = dict(extra, **{checkpoint.WEIGHTS_ONLY_KEY: True, CONTRACT_KEY: record})
+    record = {field: getattr(shape, field) for field in CONVERTED_SHAPE_FIELDS}
+    agoq = dict(extra, **{WEIGHTS_ONLY_KEY: True, CONTRACT_KEY: record})
     dist_checkpointing.save({"model": model.sharded_state_dict(), "agoq": agoq}, str(target))
-    (target / checkpoint.PROGRESS_FILE).write_text(
-        json.dumps(checkpoint.Progress(iteration=0, consumed_samples=0).__dict__, indent=1) + "\n")
-    (Path(save_dir) / checkpoint.TRACKER_FILE).write_text("0\n")
+    (target / PROGRESS_FILE).write_text(
+        json.dumps(Progress(iteration=0, consumed_samples=0).__dict__, indent=1) + "\n")
+    (Path(save_dir) / TRACKER_FILE).write_text("0\n")
     return target
 
 
 def checkpoint_source(load_dir: str | os.PathLike, iteration: int | None = None) -> Path:
     """The ``iter_N`` directory to read: ``iteration``, else the tracker's."""
     if iteration is None:
-        iteration = checkpoint.latest_iteration(load_dir)
+        iteration = latest_iteration(load_dir)
         if iteration is None:
-            raise FileNotFoundError(f"{load_dir}: no {checkpoint.TRACKER_FILE}; pass the directory given to --save")
-    source = checkpoint.iteration_dir(load_dir, iteration)
+            raise FileNotFoundError(f"{load_dir}: no {TRACKER_FILE}; pass the directory given to --save")
+    source = iteration_dir(load_dir, iteration)
     if not source.is_dir():  # it used to read 'not a complete agoq checkpoint', as if the directory were there
         saved = sorted(int(d.name[len("iter_"):]) for d in Path(load_dir).glob("iter_*") if d.name[5:].isdigit())
         raise FileNotFoundError(f"{load_dir}: no checkpoint of iteration {iteration} ({source.name} does not exist); "
                                 f"saved iterations: {', '.join(map(str, saved)) or 'none'}. Pass one of them, or "
                                 "leave --iteration out for the latest")
-    if not (source / checkpoint.PROGRESS_FILE).is_file():
-        raise FileNotFoundError(f"{source}: not a complete agoq checkpoint ({checkpoint.PROGRESS_FILE} missing)")
+    if not (source / PROGRESS_FILE).is_file():
+        raise FileNotFoundError(f"{source}: not a complete agoq checkpoint ({PROGRESS_FILE} missing)")
     return source
 
 

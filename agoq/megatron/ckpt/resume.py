@@ -28,7 +28,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from agoq.config import MOMENT_PRESETS, AgoqConfig
+from agoq.config import AgoqConfig
+from agoq.config.values import MOMENT_PRESETS
+from agoq.plan.shape import SHAPE_FIELDS, ModelShape
 
 RECORD_KEY = "config"  # key in the checkpoint's state["agoq"] extras: run_record(...)
 # ResumeContract fields, flat (any subset): what checkpoints saved before the record (2026-11-26), and what
@@ -40,11 +42,10 @@ class ResumeMismatch(ValueError):
     """The checkpoint's saved settings cannot serve this run (nothing was read or changed)."""
 
 
-_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                 "vocab_size", "seq_length")
+_SHAPE_FIELDS = (*SHAPE_FIELDS, "seq_length")
 # the rest of the model's shape, recorded since LLaMA-3.x support (None in older records: not compared),
 # so that agoq-to-hf exports what was trained without a --config
-_SHAPE_FIELDS_LATER = ("rotary_base", "norm_epsilon", "rope_scaling", "rope_scaling_factor",
+SHAPE_FIELDS_LATER = ("rotary_base", "norm_epsilon", "rope_scaling", "rope_scaling_factor",
                        "share_embeddings_and_output_weights", "unpadded_vocab_size")
 
 
@@ -55,7 +56,7 @@ def run_record(config: AgoqConfig, *, shape, tensor_parallel: int, pipeline_para
     the data order (:data:`DATA_FLAGS` keys; reported on resume by :func:`data_lines`). The data-parallel size
     is not part of it (a checkpoint loads at any)."""
     record = {"agoq": config.as_dict(),
-              "model": {name: getattr(shape, name) for name in _SHAPE_FIELDS + _SHAPE_FIELDS_LATER},
+              "model": {name: getattr(shape, name) for name in _SHAPE_FIELDS + SHAPE_FIELDS_LATER},
               "parallel": {"tensor": tensor_parallel, "pipeline": pipeline_parallel,
                            "virtual_pipeline": virtual_pipeline or 1, "distributed_optimizer": distributed_optimizer}}
     if data is not None:
@@ -64,16 +65,11 @@ def run_record(config: AgoqConfig, *, shape, tensor_parallel: int, pipeline_para
 
 
 @dataclass(frozen=True)
-class ResumeContract:
+class ResumeContract(ModelShape):
     """The settings a checkpoint's tensors depend on (and a few recorded for the report only), derived from
-    a run record (:func:`run_record`)."""
+    a run record (:func:`run_record`): the model's size (agoq.plan.shape.ModelShape; ``vocab_size`` padded for the
+    tokenizer, --make-vocab-size-divisible-by and TP), its sequence length, layout and optimizer."""
 
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
-    vocab_size: int  # padded (tokenizer, --make-vocab-size-divisible-by, TP)
     seq_length: int
     tensor_parallel: int
     pipeline_parallel: int
@@ -85,7 +81,7 @@ class ResumeContract:
     distributed_optimizer: bool
     gradient_release: bool
     grads: str | None  # agoq 8-bit gradient format (None: Megatron's float main_grad)
-    rotary_base: int | None = None  # this and below: None = not recorded (_SHAPE_FIELDS_LATER)
+    rotary_base: int | None = None  # this and below: None = not recorded (SHAPE_FIELDS_LATER)
     norm_epsilon: float | None = None
     rope_scaling: bool | None = None
     rope_scaling_factor: float | None = None
@@ -195,7 +191,7 @@ def check_contract(source: str, saved_extra: dict | None, current: dict) -> list
         return [_LEGACY_NOTE.format(source=source)]
     now = ResumeContract.from_record(current).as_dict()
     changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]
-               and not (k in _SHAPE_FIELDS_LATER and saved[k] is None)}
+               and not (k in SHAPE_FIELDS_LATER and saved[k] is None)}
     changed.pop("unpadded_vocab_size", None)  # the padded size is what the tensors depend on (checked above)
     if not (saved.get("rope_scaling") or now.get("rope_scaling")):
         changed.pop("rope_scaling_factor", None)  # unused without scaling

@@ -73,7 +73,8 @@ from agoq.comm.grad_buffer import QuantizedGradBuffer
 from agoq.comm.pipeline import check_reduction_kernel, run_maybe_async
 from agoq.comm.reduce import allreduce_8bit, reduce_scatter_8bit
 from agoq.comm.symm import allreduce_8bit_peer, reduce_scatter_8bit_peer
-from agoq.config import GRAD_MODES, GRAD_TRANSPORTS, GradsConfig
+from agoq.config.sections import GradsConfig
+from agoq.config.values import GRAD_MODES, GRAD_TRANSPORTS
 from agoq.megatron.grads.deferred_grad_buffer import DeferredGradBuffer, GradBufferOnMeta, check_deferred
 from agoq.megatron.grads.grad_store import BucketStore, finalize_touched
 from agoq.megatron.grads.grad_transport import resolve_transport

@@ -1,7 +1,7 @@
 """Which transport carries a data-parallel group's 8-bit gradient reduction: NCCL collectives or NVLink
 peer memory (agoq.comm.symm / agoq.comm.symm_store).
 
-``--agoq-grad-transport`` (agoq.config.GradsConfig.transport):
+``--agoq-grad-transport`` (agoq.config.sections.GradsConfig.transport):
   * ``nccl``: NCCL (or gloo) collectives: any link, any number of hosts.
   * ``peer``: the reduce kernels read the peers' 8-bit stores over NVLink (CUDA symmetric memory). Every
     rank of the group must be on one host, on CUDA, with a one-byte format (int8 round-to-nearest, fp8);

@@ -1,5 +1,5 @@
 """Megatron glue for agoq.optim: build_agoq_optimizer(config, megatron_config, model_chunks) -> optimizer,
-the agoq counterpart of Megatron's get_megatron_optimizer (agoq.train.pretrain.build_optimizer). ``config``
+the agoq counterpart of Megatron's get_megatron_optimizer (agoq.train.megatron_setup.build_optimizer). ``config``
 is the run's AgoqConfig (its ``optimizer`` section: kind, state formats, master; ``grads.reduce_in_bf16``);
 ``megatron_config`` is Megatron's OptimizerConfig (lr, weight decay, Adam betas / eps, clipping, dtype,
 distributed optimizer) that the trainer builds; the trainer builds the LR schedule too.
@@ -22,7 +22,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-from agoq.config import AgoqConfig, parse_moments
+from agoq.config import AgoqConfig
+from agoq.config.values import parse_moments
 from agoq.megatron.grads import grad_reader
 from agoq.megatron.graphs import check_cuda_graphs
 from agoq.megatron.optim.dist_optimizer import AgoqDistributedOptimizer, shard_alignment
@@ -84,7 +85,7 @@ def build_agoq_optimizer(agoq_config: AgoqConfig, config: OptimizerConfig, model
     caller keeps Megatron's own optimizer for kind torch and builds the LR schedule."""
     if not agoq_config.optimizer.agoq:
         raise ValueError(
-            "build_agoq_optimizer needs --agoq-optimizer adamw|lion|sgd (torch = pretrain.build_optimizer)"
+            "build_agoq_optimizer needs --agoq-optimizer adamw|lion|sgd (torch = megatron_setup.build_optimizer)"
         )
     if agoq_config.optimizer.gradient_release:  # the trainer checked its flags; what the process groups say
         check_release_compatible(pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size(),
