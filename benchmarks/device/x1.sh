@@ -2,13 +2,17 @@
 # One GPU (nvidia-h100-x1 / nvidia-h200): the open one-GPU checks and suites, most urgent first.
 #   bash benchmarks/device/x1.sh [step ...]      (no step: all, in this order; ~47 minutes on one H100)
 # Steps and what they settle:
-#   stage_proxy_70b issue 47: whether stage 0 of the planner's TP=1 layout for LLaMA-3-70B on one 8 x H100 node (PP=8,
+#   stage_proxy_70b  issue 47: whether stage 0 of the planner's TP=1 layout for LLaMA-3-70B on one 8 x H100 node (PP=8,
 #                   selective recompute, the aggressive policy, agoq full; the planner's fastest, TP=2 x PP=4, cannot
 #                   be proxied on one GPU) fits 80 GB: benchmarks/stage_proxy.py builds that stage alone on this GPU
 #                   (embedding + layers 1-10, 8-bit gradients, agoq's AdamW, 8 micro-batches in flight through
 #                   Megatron's 1F1B) and reports its peak per phase beside the planner's 77.29 GiB; plus the proxy's
 #                   own check, stage 0 of the 8B PP=4 run measured on 4 H100 (16.29 GiB, docs/benchmarks/grads.md)
 #                   -> $AGOQ_RESULTS/stage_proxy_70b.json                                                 ~4 min
+#   commits         issue 44: the checkout before the one-step redesign (.old/a43a8b4, unpacked and carried: see
+#                   benchmarks/bench_commits.py) against this one, ~1B at micro-batch 1: baseline and agoq full
+#                   (COMMITS_VARIANTS adds agoq_full_fp8), 2 interleaved rounds: tokens/s, peak, losses
+#                   bit-identical or not                                                                  ~6 min
 #   rope            issue 24: agoq's fused RoPE (agoq.megatron.rope) on CUDA: kernel = reference and model = Megatron's
 #                   unfused RoPE bit for bit (tests), the ~1B harness bf16 / bf16@rope / agoq / agoq@rope in rounds,
 #                   host time per function, and eager whole steps in 2 rounds: baseline, agoq (fused RoPE),
@@ -31,10 +35,6 @@
 #   gpu_tier        the GPU tier on current code: every tests/gpu file (fused FP8, CUDA graphs, kernels)          ~8 min
 #   fp8_scale       issue 27's suite on current code (plain FP8 now fused): one current result            ~8 min
 #   equal_memory_1b  issue 23 item 2 at ~1B, with the agoq + FP8 Smooth-SwiGLU rows                         ~9 min
-#   commits         issue 44: the checkout before the one-step redesign (.old/a43a8b4, unpacked and carried: see
-#                   benchmarks/bench_commits.py) against this one, ~1B at micro-batch 1: baseline and agoq full
-#                   (COMMITS_VARIANTS adds agoq_full_fp8), 2 interleaved rounds: tokens/s, peak, losses
-#                   bit-identical or not                                                                  ~6 min
 # Done on 2026-11-27 and left out: issue 25's convergence matrix (docs/benchmarks/convergence.md; rerun one run with
 # benchmarks/bench_convergence.py --preset) and the CUDA-graph validation (docs/numerics.md).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

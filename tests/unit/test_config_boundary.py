@@ -42,6 +42,8 @@ ENV_READERS = {
                                 "agoq.train.environment)",
     "agoq/testing/procs.py": "test harness: a child process gets the parent's environment plus the checkout on "
                              "PYTHONPATH, so copying os.environ is its job",
+    "agoq/testing/dist.py": "test harness: a rank forked by the fork server starts with the server's environment, "
+                            "so handing it the caller's os.environ is its job",
 }
 NAMESPACE_NAMES = ("args", "namespace", "ns", "flags")
 
