@@ -103,9 +103,14 @@ def _resume(env, tmp_path: Path, args: list[str], ckpt: Path, check: bool = True
     return proc, (_records(log) if log.exists() else {})
 
 
-# pp2-megatron-adam: Megatron's Adam resumes through this trainer also in dp2-megatron-adam-distopt (CI) and through
-# megatron.training in tests/megatron/test_megatron_lm.py; here it runs in the extended tier (pyproject.toml)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended) if c == "pp2-megatron-adam" else c
+# In the extended tier (pyproject.toml): pp2-megatron-adam (Megatron's Adam resumes through this trainer also in
+# dp2-megatron-adam-distopt and through megatron.training in tests/megatron/test_megatron_lm.py) and pp2-agoq-adamw
+# (agoq's AdamW split over PP=2's param groups resumes also in pp2-vpp2-agoq-adamw, the same split and more, and in
+# test_dist_optimizer.py's PP=2 interleaved run)
+EXTENDED_CASES = ("pp2-megatron-adam", "pp2-agoq-adamw")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED_CASES else c
                                   for c in CASES])
 @pytest.mark.slow
 def test_resume_continues_bit_identically(env, uninterrupted, tmp_path, case):
