@@ -3,7 +3,12 @@ interleaved rounds (old, new, old, new, ...), so that host drift lands on both.
 
 It answers "did a restructuring change what a user gets?" on the real device: per variant and checkout, the median
 step time and tokens/s (iterations from ``--skip`` on), the peak allocated GiB, and every iteration's loss and
-gradient norm, with a verdict whether the two checkouts' losses and grad norms are bit-identical in every round.
+gradient norm, with a verdict whether the two checkouts' losses and grad norms are bit-identical in every round,
+and, where they are not, whether the checkouts differ by more than two runs of one checkout do (on a GPU, CUDA's
+atomics -- the embedding's backward among them -- make two runs of one checkout differ from the first backward on;
+H100, 2026-12-07: the ~1B baseline's grad norm differed in the 6th digit at iteration 0). ``--deterministic`` runs
+every rank with ``torch.use_deterministic_algorithms(True, warn_only=True)`` and ``CUBLAS_WORKSPACE_CONFIG=:4096:8``
+(through a ``sitecustomize`` on ``PYTHONPATH``, so that neither checkout needs a flag for it).
 
     # the checkout before the step, unpacked beside this one (ignored by git; carried to the GPU machine):
     mkdir -p .old/a43a8b4 && git archive a43a8b4 | tar -x -C .old/a43a8b4
@@ -46,6 +51,18 @@ def schedule(iters: int, micro_batch: int, global_batch: int) -> list[str]:
             "--seed", "1234"]
 
 
+DETERMINISTIC_SITE = (
+    "import torch  # written by benchmarks/bench_commits.py --deterministic\n"
+    "torch.use_deterministic_algorithms(True, warn_only=True)\n")
+
+
+def deterministic_site(folder: Path) -> dict[str, str]:
+    """Environment additions that make every Python process started with them use deterministic algorithms."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(DETERMINISTIC_SITE)
+    return {"AGOQ_BENCH_SITE": str(folder), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
 def run_one(tree: Path, variant: str, args, record: Path, port: int) -> dict:
     """One run of ``variant`` from checkout ``tree``; its per-iteration record read back from ``--log-json``."""
     record.unlink(missing_ok=True)
@@ -54,7 +71,8 @@ def run_one(tree: Path, variant: str, args, record: Path, port: int) -> dict:
                "--master-port", str(port), "scripts/pretrain_llama.py", *shape,
                *schedule(args.iters, args.micro_batch, args.global_batch), *VARIANTS[variant],
                "--log-json", str(record)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+    first = [str(tree)] + ([os.environ["AGOQ_BENCH_SITE"]] if "AGOQ_BENCH_SITE" in os.environ else [])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*first, os.environ.get("PYTHONPATH", "")])}
     start = time.perf_counter()
     proc = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=args.run_timeout)
     iterations = []
@@ -72,8 +90,52 @@ def run_one(tree: Path, variant: str, args, record: Path, port: int) -> dict:
     return run
 
 
+def first_difference(a: dict, b: dict) -> int | None:
+    """The first iteration whose loss or grad norm differs between two runs (None: identical traces)."""
+    pairs = zip(zip(a["losses"], a["grad_norms"]), zip(b["losses"], b["grad_norms"]))
+    return next((i for i, (x, y) in enumerate(pairs) if x != y), None)
+
+
+def max_loss_gap(a: dict, b: dict) -> float:
+    return max((abs(x - y) for x, y in zip(a["losses"], b["losses"])), default=0.0)
+
+
+def spread(per_tree: dict[str, list[dict]]) -> dict:
+    """Two runs of one checkout against two runs of different checkouts: the earliest iteration where a pair
+    differs and the largest loss gap, and the verdict on whether the checkouts differ beyond the run-to-run spread."""
+    runs = [(t, r) for t, rs in per_tree.items() for r in rs if r["losses"]]
+    within = [(a, b) for i, (ta, a) in enumerate(runs) for tb, b in runs[i + 1:] if ta == tb]
+    across = [(a, b) for i, (ta, a) in enumerate(runs) for tb, b in runs[i + 1:] if ta != tb]
+
+    def describe(pairs):
+        firsts = [first_difference(a, b) for a, b in pairs]
+        differing = [f for f in firsts if f is not None]
+        return {"pairs": len(pairs), "identical_pairs": len(firsts) - len(differing),
+                "first_differing_iteration": min(differing, default=None),
+                "max_loss_gap": max((max_loss_gap(a, b) for a, b in pairs), default=None)}
+
+    out = {"within_checkout": describe(within), "across_checkouts": describe(across)}
+    w, x = out["within_checkout"], out["across_checkouts"]
+    if not across:
+        out["verdict"] = "no pair of checkouts ran"
+    elif x["identical_pairs"] == x["pairs"]:
+        out["verdict"] = "bit-identical"
+    elif not within:
+        out["verdict"] = "differs; no two runs of one checkout to compare with"
+    elif w["identical_pairs"] == w["pairs"]:
+        out["verdict"] = "differs beyond the run-to-run spread (runs of one checkout are bit-identical)"
+    elif x["first_differing_iteration"] >= w["first_differing_iteration"]:
+        # once two runs of one checkout differ, later gaps grow chaotically in both kinds of pair: the first
+        # differing iteration is the comparison that does not depend on how many pairs there are
+        out["verdict"] = "within the run-to-run spread (differs no earlier than runs of one checkout)"
+    else:
+        out["verdict"] = "differs earlier than runs of one checkout do"
+    return out
+
+
 def summarise(rows: list[dict], trees: list[str]) -> dict:
-    """Per variant: medians over rounds for each checkout, the ratio of the last to the first, bit-equality."""
+    """Per variant: medians over rounds for each checkout, the ratio of the last to the first, bit-equality, and
+    the cross-checkout differences against the run-to-run spread of one checkout."""
     out = {}
     for variant in dict.fromkeys(r["variant"] for r in rows):
         per_tree = {t: [r for r in rows if r["variant"] == variant and r["tree"] == t] for t in trees}
@@ -88,6 +150,7 @@ def summarise(rows: list[dict], trees: list[str]) -> dict:
         traces = {(tuple(r["losses"]), tuple(r["grad_norms"])) for runs in per_tree.values() for r in runs}
         entry["losses_and_grad_norms_identical"] = len(traces) == 1 and all(r["losses"] for r in rows
                                                                              if r["variant"] == variant)
+        entry["spread"] = spread(per_tree)
         out[variant] = entry
     return out
 
@@ -103,6 +166,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--run-timeout", type=int, default=300)
+    parser.add_argument("--deterministic", action="store_true",
+                        help="every rank under torch.use_deterministic_algorithms (a sitecustomize on PYTHONPATH)")
     parser.add_argument("--smoke", action="store_true", help="tiny model (CPU): checks the harness, not speed")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -122,10 +187,13 @@ def main() -> None:
               torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
               "agoq_commit": source_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "iters": args.iters, "skip": args.skip, "micro_batch": args.micro_batch,
-              "global_batch": args.global_batch, "shape": "tiny" if args.smoke else "1b", "rows": []}
+              "global_batch": args.global_batch, "shape": "tiny" if args.smoke else "1b",
+              "deterministic": args.deterministic, "rows": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     port = 29600
     with tempfile.TemporaryDirectory() as tmp:
+        if args.deterministic:
+            os.environ.update(deterministic_site(Path(tmp) / "site"))
         for rnd in range(args.rounds):
             for variant in args.variants:
                 for name, tree in trees.items():

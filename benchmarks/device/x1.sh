@@ -9,10 +9,15 @@
 #                   Megatron's 1F1B) and reports its peak per phase beside the planner's 77.29 GiB; plus the proxy's
 #                   own check, stage 0 of the 8B PP=4 run measured on 4 H100 (16.29 GiB, docs/benchmarks/grads.md)
 #                   -> $AGOQ_RESULTS/stage_proxy_70b.json                                                 ~4 min
+#   stage_proxy_70b_es  issue 47: the PP=8 stage 0 again with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, 4
+#                   iterations (on 2026-12-07 the default allocator's first iteration ran at 76.99 GiB, the second ran
+#                   out of memory in backward with 0.90 GiB reserved but unallocated)
+#                   -> $AGOQ_RESULTS/stage_proxy_70b_es.json                                              ~3 min
 #   commits         issue 44: the checkout before the one-step redesign (.old/a43a8b4, unpacked and carried: see
 #                   benchmarks/bench_commits.py) against this one, ~1B at micro-batch 1: baseline and agoq full
 #                   (COMMITS_VARIANTS adds agoq_full_fp8), 2 interleaved rounds: tokens/s, peak, losses
-#                   bit-identical or not                                                                  ~6 min
+#                   bit-identical or not, against two runs of one checkout (COMMITS_FLAGS=--deterministic: deterministic
+#                   algorithms in every rank)                                                             ~6 min
 #   rope            issue 24: agoq's fused RoPE (agoq.megatron.rope) on CUDA: kernel = reference and model = Megatron's
 #                   unfused RoPE bit for bit (tests), the ~1B harness bf16 / bf16@rope / agoq / agoq@rope in rounds,
 #                   host time per function, and eager whole steps in 2 rounds: baseline, agoq (fused RoPE),
@@ -50,7 +55,12 @@ step stage_proxy_70b 580 "$PY" benchmarks/stage_proxy.py --out "$AGOQ_RESULTS/st
   --case 70b_pp8_stage0_full_recompute -- --config configs/model/llama3-70b.yaml --tensor-model-parallel-size 1 \
     --pipeline-model-parallel-size 8 --agoq-preset agoq-full \
     --recompute-granularity full --agoq-policy configs/policy/bf16.yaml
-step commits 900 "$PY" benchmarks/bench_commits.py --tree old=.old/a43a8b4 --tree new=. --rounds "${COMMITS_ROUNDS:-2}" \
+step stage_proxy_70b_es 400 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$PY" benchmarks/stage_proxy.py \
+  --out "$AGOQ_RESULTS/stage_proxy_70b_es.json" --iterations 4 --timeout 300 \
+  --case 70b_pp8_stage0 -- --config configs/model/llama3-70b.yaml --tensor-model-parallel-size 1 \
+    --pipeline-model-parallel-size 8 --agoq-preset agoq-full \
+    --recompute-granularity selective --agoq-policy configs/policy/aggressive.yaml
+step commits 900 "$PY" benchmarks/bench_commits.py ${COMMITS_FLAGS:-} --tree old=.old/a43a8b4 --tree new=. --rounds "${COMMITS_ROUNDS:-2}" \
   --variants ${COMMITS_VARIANTS:-baseline agoq_full} --out "$AGOQ_RESULTS/commits.json"
 step rope 900 bash -c '"$0" -m pytest -q -p no:cacheprovider -rA tests/kernels/test_rope_kernels.py \
   tests/megatron/test_rope.py; rc=$?

@@ -43,3 +43,38 @@ def test_a_run_without_iterations_is_not_called_identical():
     rows = [_run("old", None, ()), _run("new", None, ())]
     entry = bench_commits.summarise(rows, ["old", "new"])["agoq_full"]
     assert entry["losses_and_grad_norms_identical"] is False and "speed_ratio" not in entry
+
+
+def _traced(tree, losses, norms):
+    return _run(tree, 100.0, losses, norms=norms)
+
+
+@pytest.mark.parametrize("case, verdict", [
+    ("runs_of_one_checkout_differ_first", "within the run-to-run spread"),
+    ("checkouts_differ_first", "differs earlier than runs of one checkout do"),
+    ("one_checkout_is_deterministic", "differs beyond the run-to-run spread"),
+])
+def test_differing_checkouts_are_judged_against_two_runs_of_one(case, verdict):
+    base = (3.0, 2.5, 2.0)
+    if case == "runs_of_one_checkout_differ_first":  # old's two runs part at iteration 1, the checkouts at 2
+        rows = [_traced("old", base, (1, 1, 1)), _traced("old", (3.0, 2.6, 2.0), (1, 1, 1)),
+                _traced("new", (3.0, 2.5, 2.1), (1, 1, 1))]
+    elif case == "checkouts_differ_first":  # the checkouts part at iteration 0, runs of old only at 2
+        rows = [_traced("old", base, (1, 1, 1)), _traced("old", (3.0, 2.5, 2.2), (1, 1, 1)),
+                _traced("new", base, (0.9, 1, 1))]
+    else:
+        rows = [_traced("old", base, (1, 1, 1)), _traced("old", base, (1, 1, 1)), _traced("new", base, (1, 1, 1.5))]
+    spread = bench_commits.summarise(rows, ["old", "new"])["agoq_full"]["spread"]
+    assert spread["verdict"].startswith(verdict), spread
+    assert spread["within_checkout"]["pairs"] == 1 and spread["across_checkouts"]["pairs"] == 2
+
+
+def test_the_deterministic_site_switches_torch_to_deterministic_algorithms(tmp_path):
+    import subprocess
+    import sys
+    env = bench_commits.deterministic_site(tmp_path / "site")
+    assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    probe = "import torch; print(torch.are_deterministic_algorithms_enabled())"
+    out = subprocess.run([sys.executable, "-c", probe], env={"PYTHONPATH": env["AGOQ_BENCH_SITE"]},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "True"
