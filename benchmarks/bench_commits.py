@@ -91,13 +91,18 @@ def run_one(tree: Path, variant: str, args, record: Path, port: int) -> dict:
 
 
 def first_difference(a: dict, b: dict) -> int | None:
-    """The first iteration whose loss or grad norm differs between two runs (None: identical traces)."""
-    pairs = zip(zip(a["losses"], a["grad_norms"]), zip(b["losses"], b["grad_norms"]))
-    return next((i for i, (x, y) in enumerate(pairs) if x != y), None)
+    """The first iteration whose loss or grad norm differs between two runs (None: identical traces); a run that
+    stopped early differs at the first iteration it lacks."""
+    ta = list(zip(a["losses"], a["grad_norms"], strict=True))
+    tb = list(zip(b["losses"], b["grad_norms"], strict=True))
+    shared = min(len(ta), len(tb))
+    first = next((i for i in range(shared) if ta[i] != tb[i]), None)
+    return first if first is not None or len(ta) == len(tb) else shared
 
 
 def max_loss_gap(a: dict, b: dict) -> float:
-    return max((abs(x - y) for x, y in zip(a["losses"], b["losses"])), default=0.0)
+    shared = min(len(a["losses"]), len(b["losses"]))
+    return max((abs(x - y) for x, y in zip(a["losses"][:shared], b["losses"][:shared], strict=True)), default=0.0)
 
 
 def spread(per_tree: dict[str, list[dict]]) -> dict:

@@ -68,6 +68,11 @@ DEFAULT_CANDIDATES = ("bf16", "int8", "agoq", "int4", "aggressive")
 SHAPE_KEYS = tuple(k for k in SHAPE_FIELDS if k != "vocab_size")  # what --config gives; the tokenizer the vocabulary
 MEGATRON_VOCAB_DIVISIBLE_BY = 128  # the trainer's --make-vocab-size-divisible-by default
 DEFAULT_BUDGET_GIB = 80  # without --memory-budget and without a GPU nvidia-smi lists (an H100 80GB's size class)
+# GPU memory a training process holds outside PyTorch's caching allocator (CUDA context, library handles): 1.29 GiB on
+# one H100 80GB with torch 2.11 (2026-12-07, the out-of-memory report of the 70B PP=8 stage-0 proxy: 78.57 GiB in use,
+# 77.29 of it reserved by PyTorch; benchmarks/results/stage_proxy_70b.json). The planner predicts PyTorch's allocated
+# bytes, so a prediction must fit the GPU's memory less this.
+OUTSIDE_ALLOCATOR_GIB = 1.29
 # the planner's layout defaults where neither the flags nor the --config file set a value (trainer flag names)
 LAYOUT_DEFAULTS = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "dp": 1, "micro_batch_size": 1,
                    "global_batch_size": 1, "seq_length": 2048, "use_distributed_optimizer": False}
@@ -144,13 +149,20 @@ def _nvidia_smi_mib() -> list[int]:
 
 
 def budget_of(request: PlanRequest, probe=None) -> int:
-    """--memory-budget in bytes, or the default; the budget and where it came from are printed."""
+    """The bytes a prediction may take per GPU: --memory-budget (a GPU's memory) or the default, less the memory a
+    process holds outside PyTorch's allocator (OUTSIDE_ALLOCATOR_GIB); both and where they came from are printed."""
     if request.memory_budget is not None:
-        budget, source = request.memory_budget_bytes, f"--memory-budget {request.memory_budget}"
+        gpu, source = request.memory_budget_bytes, f"--memory-budget {request.memory_budget}"
     else:
-        budget, source = default_budget(probe)
+        gpu, source = default_budget(probe)
         source += "; --memory-budget to change"
-    print(f"memory budget: {budget / GIB:.2f} GiB per GPU ({source})")
+    outside = round(OUTSIDE_ALLOCATOR_GIB * GIB)
+    if gpu <= outside:
+        raise ValueError(f"--memory-budget {gpu / GIB:.2f} GiB leaves nothing for training: a process holds "
+                         f"{OUTSIDE_ALLOCATOR_GIB} GiB outside PyTorch's allocator (CUDA context); give a GPU's memory")
+    budget = gpu - outside
+    print(f"memory budget: {gpu / GIB:.2f} GiB per GPU ({source}); {budget / GIB:.2f} GiB of it for PyTorch's "
+          f"allocator ({OUTSIDE_ALLOCATOR_GIB} GiB outside it: CUDA context, measured on an H100)")
     return budget
 
 
@@ -453,11 +465,12 @@ def run_gpus(request: PlanRequest, cfg: dict) -> int:
           f"{shape.num_attention_heads} heads / {shape.num_query_groups} query groups, FFN {shape.ffn_hidden_size}, "
           f"vocabulary {shape.vocab_size}; seq {search.seq}, {request.gpus} GPUs; {tried} layouts predicted")
     if best is None:
-        print(f"nothing fits {budget / GIB:.2f} GiB per GPU on {request.gpus} GPUs: more GPUs (python -m agoq.plan "
+        print(f"nothing fits {budget / GIB:.2f} GiB (PyTorch's share) per GPU on {request.gpus} GPUs: more GPUs "
+              "(python -m agoq.plan "
               "--capacity), a shorter --seq-length, or a larger --memory-budget")
         return 3
     print(launch.describe(best, budget))
-    command = launch.command(best, request, paths, values)
+    command = launch.command(best, request, paths, values, launch.allocator_env(best, budget))
     print("launch it with:")
     print("  " + command)
     if values.get("tokenizer_model") and not values.get("data_path"):

@@ -126,9 +126,28 @@ def fastest(shape: ModelShape, presets_and_flags, policies: dict[str, PolicySpec
     return None, tried
 
 
+# PyTorch's caching allocator may hold this much reserved but unallocated when a stage runs near its peak: 0.90 GiB
+# when the LLaMA-3-70B PP=8 stage-0 proxy ran out of memory in its second iteration (default allocator, one H100,
+# 2026-12-07), while with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True the same stage ran 4 iterations at 77.24 GiB
+# (benchmarks/results/stage_proxy_70b.json, stage_proxy_70b_es.json). A layout closer than this to the budget is
+# launched with expandable segments.
+FRAGMENTATION_GIB = 0.90
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def allocator_env(choice: Choice, budget: int) -> dict[str, str]:
+    """The environment a launch needs for its allocator: expandable segments when the predicted peak is within
+    FRAGMENTATION_GIB of ``budget``, else nothing."""
+    return dict(EXPANDABLE) if budget - choice.candidate.peak < FRAGMENTATION_GIB * GIB else {}
+
+
 def describe(choice: Choice, budget: int) -> str:
     c, t = choice.candidate, choice.time
     tokens = c.gbs * choice.seq / t.total
+    tight = ([f"margin {(budget - c.peak) / GIB:.2f} GiB is under the allocator's measured fragmentation "
+              f"({FRAGMENTATION_GIB} GiB): the command sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+              "(without it this stage can run out of memory after its first iteration)"]
+             if allocator_env(choice, budget) else [])
     return "\n".join([
         f"fastest that fits: TP={c.tp} PP={c.pp} DP={c.dp}{f' VPP={c.vpp}' if c.vpp else ''}, micro-batch {c.mbs}, "
         f"global batch {c.gbs}, recompute {c.recompute or 'none'}, distributed optimizer "
@@ -136,7 +155,7 @@ def describe(choice: Choice, budget: int) -> str:
         f"predicted peak {c.peak / GIB:.2f} GiB of {budget / GIB:.2f} (stages: "
         f"{', '.join(f'{p.peak / GIB:.2f}' for p in c.peaks)}); modelled step {t.total:.3f} s, {tokens:,.0f} tokens/s "
         f"(compute {t.compute:.3f}, recompute {t.recompute:.3f}, TP all-reduces {t.tp_comm:.3f}, pipeline bubble "
-        f"{t.bubble:.3f}; agoq.plan.speed: H100 constants, a ranking model, not a measurement)"])
+        f"{t.bubble:.3f}; agoq.plan.speed: H100 constants, a ranking model, not a measurement)", *tight])
 
 
 def _render(dest: str, value, actions) -> list[str]:
@@ -150,9 +169,11 @@ def _render(dest: str, value, actions) -> list[str]:
     return [flag, str(value)]
 
 
-def command(choice: Choice, request: PlanRequest, policy_paths: list[Path], values: dict) -> str:
+def command(choice: Choice, request: PlanRequest, policy_paths: list[Path], values: dict,
+            env: dict[str, str] | None = None) -> str:
     """``torchrun ... scripts/pretrain_llama.py`` with the --config file, the command line's trainer flags and the
-    chosen layout, batch, recompute, distributed optimizer, preset flags and policy."""
+    chosen layout, batch, recompute, distributed optimizer, preset flags and policy; ``env`` (allocator_env) is
+    written before ``torchrun`` as NAME=VALUE words."""
     from agoq.cli.flags import build_parser
 
     actions = {a.dest: a for a in build_parser()._actions}
@@ -170,7 +191,8 @@ def command(choice: Choice, request: PlanRequest, policy_paths: list[Path], valu
     chosen["agoq_policy"] = _relative(policy)
     trainer_fields = [k for k in actions if hasattr(request, k) and k != "config"]
     own = {k: v for k, v in request.given(trainer_fields).items() if k not in chosen}
-    words = ["torchrun", "--standalone", "--nproc-per-node", str(c.gpus), SCRIPT]
+    words = [*(f"{k}={v}" for k, v in (env or {}).items()), "torchrun", "--standalone", "--nproc-per-node",
+             str(c.gpus), SCRIPT]
     if request.config:
         words += ["--config", request.config]
     for dest, value in [*own.items(), *((k, v) for k, v in request.trainer if k not in chosen), *chosen.items()]:

@@ -19,10 +19,21 @@ from agoq.train.args import parse_args, preflight
 LLAMA3_8B = str(REPO_ROOT / "configs" / "model" / "llama3-8b.yaml")
 
 
-def _command(out: str) -> list[str]:
-    lines = [line.strip() for line in out.splitlines() if line.strip().startswith("torchrun ")]
+def _launch_line(out: str) -> list[str]:
+    lines = [shlex.split(line) for line in out.splitlines() if "torchrun" in line.split()]
     assert len(lines) == 1, out
-    return shlex.split(lines[0])
+    return lines[0]
+
+
+def _command(out: str) -> list[str]:
+    """The launch command from ``torchrun`` on (the environment words before it: _env)."""
+    words = _launch_line(out)
+    return words[words.index("torchrun"):]
+
+
+def _env(out: str) -> dict[str, str]:
+    words = _launch_line(out)
+    return dict(w.split("=", 1) for w in words[:words.index("torchrun")])
 
 
 def _chosen(out: str) -> str:
@@ -105,7 +116,7 @@ def test_command_line_settings_are_kept_and_passed_on(capsys):
 
 def test_nothing_fits_is_exit_3(capsys):
     assert plan.main(["--config", LLAMA3_8B, "--gpus", "1", "--memory-budget", "8GiB"]) == 3
-    assert "nothing fits 8.00 GiB per GPU on 1 GPUs" in capsys.readouterr().out
+    assert "nothing fits 6.71 GiB (PyTorch's share) per GPU on 1 GPUs" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("text, bytes_", [("80GiB", 80 * GIB), ("80GB", 80 * 10**9), ("85017493504", 85017493504)])
@@ -172,3 +183,36 @@ def test_speed_model_terms():
     pp2 = speed.step_time(ModelShape(8, 1024, 8, 8, 2816, 128), **{**kw, "pp": 2}, recompute=None)
     assert pp2.bubble == pytest.approx((pp2.compute + pp2.tp_comm) / 8)  # (PP-1) = 1 slot of 8 micro-batches
     assert speed.step_time(shape, **{**kw, "tp": 2}, recompute=None).tp_comm > 0 == none.tp_comm
+
+
+def test_the_budget_a_prediction_must_fit_is_the_gpu_less_what_cuda_holds_outside_pytorch(capsys):
+    request = plan.parse(["--config", LLAMA3_8B, "--memory-budget", "80GiB"])
+    outside = round(plan.OUTSIDE_ALLOCATOR_GIB * GIB)
+    assert plan.budget_of(request) == 80 * GIB - outside
+    assert ("memory budget: 80.00 GiB per GPU (--memory-budget 80GiB); 78.71 GiB of it for PyTorch's allocator"
+            in capsys.readouterr().out)
+    with pytest.raises(ValueError, match="leaves nothing for training"):
+        plan.budget_of(plan.parse(["--config", LLAMA3_8B, "--memory-budget", "1GiB"]))
+
+
+def test_a_layout_within_the_allocators_fragmentation_launches_with_expandable_segments(capsys):
+    """The same fastest layout, once with room to spare and once within FRAGMENTATION_GIB of the budget: only the
+    second command carries PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, and says why."""
+    from agoq.plan import launch
+
+    argv = ["--config", LLAMA3_8B, "--gpus", "8"]
+    assert plan.main([*argv, "--memory-budget", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    peak_gib = float(out.split("predicted peak ")[1].split()[0])
+    chosen = _chosen(out)
+    outside = plan.OUTSIDE_ALLOCATOR_GIB
+    budgets = {"roomy": peak_gib + outside + 2 * launch.FRAGMENTATION_GIB,
+               "tight": peak_gib + outside + launch.FRAGMENTATION_GIB / 2}
+    for name, gib in budgets.items():
+        assert plan.main([*argv, "--memory-budget", str(round(gib * GIB))]) == 0
+        out = capsys.readouterr().out
+        assert _chosen(out) == chosen, name  # a smaller budget cannot make a faster layout fit
+        tight = name == "tight"
+        assert _env(out) == (launch.EXPANDABLE if tight else {}), name
+        assert ("under the allocator's measured fragmentation" in out) is tight
+        parse_args(_command(out)[5:], quiet=True)  # the rest is still the trainer's command

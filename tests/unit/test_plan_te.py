@@ -99,7 +99,7 @@ def test_combinations_not_modelled_are_refused_in_one_line(extra, words, capsys)
 
 
 def test_shipped_candidates_the_scopes_refuse_are_skipped_out_loud(capsys):
-    assert main(BASE + TE + ["--memory-budget", "1GiB"]) == 3
+    assert main(BASE + TE + ["--memory-budget", "2GiB"]) == 3
     out = capsys.readouterr().out
     assert "aggressive: skipped on TE" in out and "attn.q" in out
     assert re.search(r"^\s+agoq\s+stage 0", out, re.M)
