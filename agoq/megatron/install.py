@@ -188,7 +188,7 @@ def set_module_attr(module: ModuleType, name: str, value: Any, *, seam: str,
     original = getattr(module, name, _ABSENT)
     if original is _ABSENT and not allow_absent:
         raise AttributeError(f"agoq: {module.__name__} has no {name!r} to replace (seam {seam}); megatron-core "
-                             "changed: see the contract table (agoq.megatron.compat)")
+                             "changed: see the contract table (agoq.megatron.contract)")
     setattr(module, name, value)
 
     def undo() -> None:

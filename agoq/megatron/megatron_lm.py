@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 from agoq.config import AgoqConfig
 from agoq.megatron import compat
+from agoq.megatron.contract import Symbol
 
 log = logging.getLogger("agoq.megatron_lm")
 
@@ -73,67 +74,67 @@ SEAM_EMPTY_SPLITS = "megatron_training.empty_splits"
 SEAM_BUILT_CHECK = "megatron_training.built_check"
 SEAM_LAYER_SPEC = "megatron_training.layer_spec"
 
-# The megatron.training symbols this module relies on (agoq.megatron.compat.CONTRACT's rows for megatron.core; this
+# The megatron.training symbols this module relies on (agoq.megatron.contract.CONTRACT's rows for megatron.core; this
 # table is checked by install_for_megatron_training only, so agoq's own trainer never imports megatron.training)
-MEGATRON_TRAINING_CONTRACT: tuple[compat.Symbol, ...] = (
-    compat.Symbol("megatron.training.training:pretrain", "the entry (config container first since 0.19)",
+MEGATRON_TRAINING_CONTRACT: tuple[Symbol, ...] = (
+    Symbol("megatron.training.training:pretrain", "the entry (config container first since 0.19)",
            params=("cfg_container", "train_valid_test_dataset_provider", "model_type", "forward_step_func",
                    "model_provider")),
-    compat.Symbol("megatron.training.training:DDP", "module global get_model wraps chunks with (agoq's DDP seam)"),
-    compat.Symbol("megatron.training.training:get_megatron_optimizer",
+    Symbol("megatron.training.training:DDP", "module global get_model wraps chunks with (agoq's DDP seam)"),
+    Symbol("megatron.training.training:get_megatron_optimizer",
            "module global setup_model_and_optimizer calls (agoq's optimizer seam)",
            params=("config", "model_chunks", "config_overrides", "use_gloo_process_groups", "pg_collection",
                    "dump_param_to_param_group_map")),
-    compat.Symbol("megatron.training.training:wrap_model_chunks_with_ddp",
+    Symbol("megatron.training.training:wrap_model_chunks_with_ddp",
            "calls DP(config=, ddp_config=, module=, disable_bucketing=[, full_param_layout=]) with DP = the "
            "module global DDP (agoq's class: isinstance checks in train() / evaluate())",
            params=("model_chunks", "config", "ddp_config", "DP", "bucket_sizes", "disable_bucketing_per_chunk")),
-    compat.Symbol("megatron.training.arguments:parse_and_validate_args", "Megatron's flags + extra_args_provider",
+    Symbol("megatron.training.arguments:parse_and_validate_args", "Megatron's flags + extra_args_provider",
            params=("extra_args_provider", "ignore_unknown_args", "args_defaults")),
-    compat.Symbol("megatron.training.arguments:parse_args",
+    Symbol("megatron.training.arguments:parse_args",
                   "the door's first parse (refusals before Megatron's argument dump)",
                   params=("extra_args_provider", "ignore_unknown_args")),
-    compat.Symbol("megatron.training.training:setup_model_and_optimizer",
+    Symbol("megatron.training.training:setup_model_and_optimizer",
                   "module global pretrain() calls; returns (model chunks, optimizer, scheduler): the built check",
                   params=("model_type", "model_provider_func", "checkpointing_context", "cfg_container",
                           "pg_collection")),
-    compat.Symbol("megatron.training.training:build_train_valid_test_datasets",
+    Symbol("megatron.training.training:build_train_valid_test_datasets",
                   "module global the loader builder calls with the provider and the samples per split",
                   params=("build_train_valid_test_datasets_provider", "train_valid_test_num_samples")),
-    compat.Symbol("megatron.training.training:get_train_valid_test_num_samples", "samples per split"),
-    compat.Symbol("megatron.training.training:train_step",
+    Symbol("megatron.training.training:get_train_valid_test_num_samples", "samples per split"),
+    Symbol("megatron.training.training:train_step",
                   "module global train() calls once per iteration (--agoq-log-json reads its reduced losses)",
                   params=("forward_step_func", "data_iterator", "model", "optimizer", "iteration")),
-    compat.Symbol("megatron.training.training:training_log",
+    Symbol("megatron.training.training:training_log",
                   "its printed loss: the fp32 sum since the last print over the iterations it advanced; the first "
                   "iteration is printed without a reset (--agoq-log-json's megatron_log_lm_loss mirrors it)",
                   params=("loss_dict", "total_loss_dict", "iteration", "skipped_iter", "is_first_iteration")),
-    compat.Symbol("megatron.training.models.dist_utils:DistributedDataParallel",
+    Symbol("megatron.training.models.dist_utils:DistributedDataParallel",
                   "module global the model builder's _ddp_wrap wraps chunks with (agoq's DDP seam, builder path)"),
-    compat.Symbol("megatron.training.models.dist_utils:_ddp_wrap",
+    Symbol("megatron.training.models.dist_utils:_ddp_wrap",
                   "calls DP(config=, ddp_config=, module=, disable_bucketing=, pg_collection=[, full_param_layout=]) "
                   "with DP = the module global DistributedDataParallel",
                   params=("model", "ddp_config", "pg_collection")),
-    compat.Symbol("megatron.training.argument_utils:gpt_config_from_args",
+    Symbol("megatron.training.argument_utils:gpt_config_from_args",
                   "GPTModelConfig from args; --spec (args.spec) becomes its transformer_layer_spec",
                   params=("args", "config", "model_config_cls")),
-    compat.Symbol("megatron.training.models.gpt:GPTModelConfig", "the builder path's model config",
+    Symbol("megatron.training.models.gpt:GPTModelConfig", "the builder path's model config",
                   fields=("transformer", "transformer_layer_spec", "vocab_size", "seq_length")),
-    compat.Symbol("megatron.training.models.gpt:GPTModelBuilder.build_model",
+    Symbol("megatron.training.models.gpt:GPTModelBuilder.build_model",
                   "uses a ModuleSpec transformer_layer_spec as given (agoq's, through --spec)",
                   params=("pg_collection", "pre_process", "post_process", "vp_stage")),
-    compat.Symbol("megatron.core.transformer.spec_utils:import_module", "--spec MODULE NAME -> vars(MODULE)[NAME]",
+    Symbol("megatron.core.transformer.spec_utils:import_module", "--spec MODULE NAME -> vars(MODULE)[NAME]",
                   params=("module_path",)),
-    compat.Symbol("megatron.training.argument_utils:core_transformer_config_from_args",
+    Symbol("megatron.training.argument_utils:core_transformer_config_from_args",
                   "the model's TransformerConfig"),
-    compat.Symbol("megatron.training.argument_utils:pretrain_cfg_container_from_args", "pretrain's first argument",
+    Symbol("megatron.training.argument_utils:pretrain_cfg_container_from_args", "pretrain's first argument",
            params=("args", "model_cfg")),
-    compat.Symbol("megatron.training.global_vars:get_tokenizer", "vocabulary and end-of-document id for GPTDataset"),
-    compat.Symbol("megatron.core.datasets.gpt_dataset:GPTDatasetConfig", "Megatron's data pipeline",
+    Symbol("megatron.training.global_vars:get_tokenizer", "vocabulary and end-of-document id for GPTDataset"),
+    Symbol("megatron.core.datasets.gpt_dataset:GPTDatasetConfig", "Megatron's data pipeline",
            fields=("random_seed", "sequence_length", "blend", "blend_per_split", "split", "path_to_cache",
                    "mmap_bin_files", "tokenizer", "reset_position_ids", "reset_attention_mask", "eod_mask_loss",
                    "create_attention_mask")),
-    compat.Symbol("megatron.core.models.gpt:GPTModel", "model provider",
+    Symbol("megatron.core.models.gpt:GPTModel", "model provider",
            params=("config", "transformer_layer_spec", "vocab_size", "max_sequence_length", "pre_process",
                    "post_process", "fp16_lm_cross_entropy", "parallel_output",
                    "share_embeddings_and_output_weights", "position_embedding_type", "rotary_percent",

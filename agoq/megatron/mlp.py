@@ -1,6 +1,6 @@
 """agoq's Megatron MLP (moved out of agoq/megatron/layers.py, which keeps the norms, the linears and the
 hand-offs it uses): SwiGLU with quantized-input storage and recompute, Smooth-SwiGLU, and the SwiGLU fused with
-an FP8 fc2. The Megatron symbols it touches are CONTRACT rows (agoq/megatron/compat.py)."""
+an FP8 fc2. The Megatron symbols it touches are CONTRACT rows (agoq/megatron/contract.py)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ Verified on: megatron-core 0.19.2.
 When disabled: ``--rope-fusion off`` (trainer), ``llama_transformer_config(rope_fusion=False)``: Megatron's unfused
   RoPE, the slot untouched.
 Guarded by: ``tests/megatron/test_rope.py`` (same values and gradients as Megatron's unfused RoPE, in a model too),
-  ``tests/kernels/test_rope_kernels.py`` (kernel = reference, bits), the contract table (agoq.megatron.compat).
+  ``tests/kernels/test_rope_kernels.py`` (kernel = reference, bits), the contract table (agoq.megatron.contract).
 
 Second seam (same card, same switch): Megatron's QKV split + RoPE slot
 ``megatron.core.transformer.attention.apply_fused_qkv_rotary_pos_emb`` with its flag ``HAVE_FUSED_QKV_ROPE``

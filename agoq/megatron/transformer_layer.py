@@ -181,7 +181,7 @@ class AgoqTransformerLayer(TransformerLayer):
         if options is not None and self.layer_number != options.position.layer_idx + 1:
             raise RuntimeError(f"agoq resolved this layer's row for global layer_number "
                                f"{options.position.layer_idx + 1}, Megatron's layer has {self.layer_number}; "
-                               "megatron-core's layer numbering changed (agoq.megatron.compat)")
+                               "megatron-core's layer numbering changed (agoq.megatron.contract)")
         self.agoq_options = options  # LayerOptions this layer's modules were built with (None: no agoq settings)
         self.agoq_handoffs = handoffs  # (input_layernorm -> linear_qkv, pre_mlp_layernorm -> linear_fc1)
         # under Megatron's CUDA graphs, the FP8 linears whose scaling state and weight cache follow the graph phase

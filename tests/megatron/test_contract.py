@@ -1,10 +1,11 @@
-"""compat.CONTRACT holds on the pinned megatron-core, and a drift is reported as one clear error."""
+"""The contract table (agoq.megatron.contract.CONTRACT) holds on the pinned megatron-core, and compat reports a drift as
+one clear error."""
 
 from __future__ import annotations
 
 import pytest
 
-from agoq.megatron import compat
+from agoq.megatron import compat, contract
 
 pytestmark = pytest.mark.megatron
 
@@ -14,10 +15,10 @@ def test_contract_holds_on_installed_megatron():
 
 
 def test_drift_is_listed_with_the_fix(monkeypatch):
-    drifted = compat.CONTRACT + (
-        compat.Symbol("megatron.core.models.gpt:GPTModel", "test", params=("no_such_param",)),
-        compat.Symbol("megatron.core.no_such_module:Thing", "test"),
-        compat.Symbol("megatron.core.distributed:DistributedDataParallelConfig", "test", fields=("nope",)),
+    drifted = contract.CONTRACT + (
+        contract.Symbol("megatron.core.models.gpt:GPTModel", "test", params=("no_such_param",)),
+        contract.Symbol("megatron.core.no_such_module:Thing", "test"),
+        contract.Symbol("megatron.core.distributed:DistributedDataParallelConfig", "test", fields=("nope",)),
     )
     with pytest.raises(RuntimeError) as exc:
         compat.check(drifted)
