@@ -13,8 +13,9 @@ shape, the layout, the batch and any agoq settings); the trainer's flags that do
 ``--data-path``, ...) are taken and passed on to the launch command. The vocabulary is the model's: ``--vocab-size``
 (the trainer's flag, also a --config key), else the ``--tokenizer-model`` file's, padded to
 ``--make-vocab-size-divisible-by`` x TP as the trainer pads it; neither is an error naming both. ``--memory-budget``
-(per GPU: ``80GiB``, ``80GB`` or a byte count) defaults to the smallest GPU ``nvidia-smi`` lists, else 80 GiB, and the
-line that starts the report says which. ``--dp`` (the trainer takes it from the world size) is the planner's own.
+(a GPU's memory: ``80GiB``, ``80GB`` or a byte count) defaults to the smallest GPU ``nvidia-smi`` lists, else 80 GiB;
+predictions must fit it less OUTSIDE_ALLOCATOR_GIB (the CUDA context, outside PyTorch's allocator), and the line that
+starts the report says both. ``--dp`` (the trainer takes it from the world size) is the planner's own.
 
 Default mode: candidates (richest first) configs/policy/{bf16,int8,agoq,int4,aggressive}.yaml, or --policies; a
 policy fits when the predicted peak (agoq.plan.peak: persistent state + activations + backward / loss /
@@ -92,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(**{a.dest: None for a in p._actions if a.dest != "help"})
     g = p.add_argument_group("planner (python -m agoq.plan's own flags)")
     g.add_argument("--memory-budget", default=None,
-                   help="per GPU: 80GiB, 80GB or a byte count (default: the smallest GPU nvidia-smi lists, else 80GiB)")
+                   help="a GPU's memory: 80GiB, 80GB or a byte count (default: the smallest GPU nvidia-smi lists, "
+                        f"else 80GiB); predictions must fit it less {OUTSIDE_ALLOCATOR_GIB} GiB (CUDA context)")
     g.add_argument("--gpus", type=int, default=None,
                    help="the fastest layout that fits on this many GPUs, and the torchrun command to launch it")
     g.add_argument("--dp", type=int, default=None, help="data-parallel size (default 1; --gpus: GPUs / (TP x PP))")
@@ -378,6 +380,8 @@ def run_capacity(request: PlanRequest, cfg: dict) -> int:
     if request.out:
         report = {"model": request.config, "shape": dims, "vocab": vocab, "seq_length": kw["seq"],
                   "global_batch_size": kw["gbs"], "memory_budget_gib": round(budget / GIB, 3),
+                  "gpu_memory_gib": round(budget / GIB + OUTSIDE_ALLOCATOR_GIB, 3),
+                  "outside_allocator_gib": OUTSIDE_ALLOCATOR_GIB,
                   "max_gpus": request.max_gpus,
                   "answers": [capacity.answer_dict(a, budget, "configs/policy") for a in answers]}
         Path(request.out).write_text(json.dumps(report, indent=1) + "\n")
