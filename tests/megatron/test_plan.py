@@ -52,6 +52,6 @@ def test_cli_writes_the_chosen_policy_and_reports_no_fit(tmp_path, capsys):
     out = tmp_path / "chosen.yaml"
     assert main(flags + ["--memory-budget", "1000GiB", "--out", str(out)]) == 0
     assert out.read_text() == (POLICIES / "bf16.yaml").read_text()
-    assert main(flags + ["--memory-budget", "1GiB"]) == 3
+    assert main(flags + ["--memory-budget", "2GiB"]) == 3  # 0.71 GiB for PyTorch: 1.29 GiB is outside its allocator
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert main(["--memory-budget", "80GiB"]) == 2  # no model shape
