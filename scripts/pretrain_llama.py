@@ -206,4 +206,6 @@ def main(argv=None, args=None) -> int:
 
 
 if __name__ == "__main__":  # dist_checkpointing's writer re-imports __main__ in a spawned process
-    sys.exit(main(args=ARGS))
+    from agoq.train.leave import leave
+
+    leave(main(args=ARGS))  # atexit handlers and flushed streams, without the interpreter's teardown (agoq.train.leave)
