@@ -39,6 +39,7 @@ from pretrain_suites_scale import (
     dp8_suite,
     equal_memory_1b_suite,
     equal_memory_8b_pp4_suite,
+    llama70b_8gpu_suite,
     pp2_interleaved_suite,
     pp4_distopt_suite,
     pp4_interleaved_suite,
@@ -321,4 +322,4 @@ SUITES = {"act_host": act_host_suite, "graphs": graphs_suite, "graphs_pp2": grap
           "pp4_interleaved": pp4_interleaved_suite, "pp4_distopt": pp4_distopt_suite, "dp2_pp2": dp2_pp2_suite,
           "capacity_1gpu": capacity_1gpu_suite, "capacity_4gpu": capacity_4gpu_suite,
           "equal_memory_1b": equal_memory_1b_suite, "equal_memory_8b_pp4": equal_memory_8b_pp4_suite,
-          "dp2_pp4_8b": dp2_pp4_8b_suite, "dp8": dp8_suite}
+          "dp2_pp4_8b": dp2_pp4_8b_suite, "dp8": dp8_suite, "llama70b_8gpu": llama70b_8gpu_suite}

@@ -293,6 +293,43 @@ def capacity_4gpu_suite(smoke: bool) -> list[dict]:
             _v("32b/pp4/agoq full + 4-bit moments", 4, common + _FULL_4BIT, "agoq")]
 
 
+def llama70b_8gpu_suite(smoke: bool) -> list[dict]:
+    """Issue 47 on one 8-GPU node (a withheld kind so far): the LLaMA-3-70B shape (configs/model/llama3-70b.yaml's
+    architecture, the 128,256-row vocabulary), seq 4096, micro-batch 1, 20 iterations, each layout the planner
+    answered for 8 x 80 GB (docs/benchmarks/capacity.md): TP=2 x PP=4 agoq full + int8 policy (the fastest, 74.12 GiB
+    predicted on stage 0); TP=1 x PP=8 with selective recompute and the aggressive policy under expandable segments
+    (77.29 predicted; its stage 0 measured 77.24 alone on one H100, and ran out of memory without them); FP8 Smooth-
+    SwiGLU at TP=4 x PP=2, agoq policy (75.00); and Megatron bf16 at its lowest-peak layout, TP=4 x PP=2 with full
+    recompute (180.78 predicted: expected out of memory). Global batch 32, not the model file's 512: every stage
+    holds the same micro-batches in flight (min(PP, micro-batches per step)), so the same peaks, in 1/16 of the
+    step time (~15 s modelled at TP=2 x PP=4). About 25 minutes on eight H100s."""
+    if smoke:
+        common = _SMOKE_23 + ["--num-layers", "4", "--micro-batch-size", "1", "--global-batch-size", "4"]
+        pp2 = ["--pipeline-model-parallel-size", "2"]
+        return [_v("tiny/pp2/baseline (Megatron bf16)", 2, common + pp2 + _BASELINE, "baseline"),
+                _v("tiny/pp2/agoq full", 2, common + pp2 + _FULL + _policy("int8"), "agoq")]
+    # --vocab-size: the model's 128,256 rows padded per TP as the planner pads them (REAL_VOCAB's divisor would be
+    # multiplied by TP); the built-in corpus's 4096-entry tokenizer fits in them
+    common = arch_flags("llama3-70b") + ["--vocab-size", "128256"] + COMMON[2:] + [
+        "--seq-length", "4096", "--micro-batch-size", "1", "--global-batch-size", "32", "--train-iters", "20"]
+    layout = lambda tp, pp: ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]  # noqa: E731
+    variants = [
+        _v("70b/tp2_pp4/agoq full", 8, common + layout(2, 4) + _FULL + _policy("int8"), "agoq"),
+        {**_v("70b/tp1_pp8/agoq full, selective recompute", 8,
+              common + layout(1, 8) + _FULL + _SELECTIVE + _policy("aggressive"), "agoq"),
+         "env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}},
+        _v("70b/tp4_pp2/agoq full + fp8 smooth-swiglu", 8, common + layout(4, 2) + _FULL + _FP8_SMOOTH
+           + _policy("agoq"), "agoq"),
+        _v("70b/tp4_pp2/baseline (Megatron bf16, full recompute)", 8,
+           common + layout(4, 2) + _BASELINE + _FULL_RECOMPUTE, "baseline", expect="oom"),
+    ]
+    return variants
+
+
+def _policy(name: str) -> list[str]:
+    return ["--agoq-policy", str(REPO_ROOT / "configs" / "policy" / f"{name}.yaml")]
+
+
 def equal_memory_1b_suite(smoke: bool) -> list[dict]:
     """Issue 23 item 2 on one GPU: ~1B (the LLaMA-3.2-1B body, the built-in 4096-row vocabulary as the memory
     suite), seq 4096, 32 sequences per step, 8 iterations. The baseline's options: micro-batch 1 / 2 / 4 / 8

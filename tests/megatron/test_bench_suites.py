@@ -60,7 +60,7 @@ def _predicted_peaks_gib(variant: dict) -> list[float]:
                     gbs=args.global_batch_size, seq=args.seq_length,
                     distributed_optimizer=args.use_distributed_optimizer,
                     grad_bytes=0 if config.optimizer.gradient_release else 4)
-    rows = padded_vocab_size(DEFAULT_VOCAB_SIZE, tp, args.make_vocab_size_divisible_by)
+    rows = padded_vocab_size(args.vocab_size or DEFAULT_VOCAB_SIZE, tp, args.make_vocab_size_divisible_by)
     shape = ModelShape(args.num_layers, args.hidden_size, args.num_attention_heads, args.num_query_groups,
                        args.ffn_hidden_size, rows)
     policy = config.policy.spec if config.enabled else load_policy(REPO_ROOT / "configs" / "policy" / "bf16.yaml")
@@ -88,6 +88,36 @@ def test_capacity_suites_run_the_model_files_shape_with_the_real_vocabulary(suit
             assert variant["expect"] == "oom" and args.agoq_disable and worst > CAPACITY_BUDGET_GIB, worst
         else:
             assert variant["expect"] is None and worst < CAPACITY_BUDGET_GIB, (variant["name"], worst)
+
+
+def test_the_70b_suite_runs_the_layouts_the_planner_answered_for_one_8_gpu_node():
+    """issue 47: every agoq layout is predicted to fit an 80 GB H100 less the CUDA context, the one within the
+    allocator's fragmentation runs with expandable segments (as the planner's command), Megatron bf16 is expected
+    out of memory, and the suite's global batch 32 gives the same predicted stage peaks as the model file's 512."""
+    import yaml
+
+    from agoq.plan import launch
+    from agoq.plan.__main__ import OUTSIDE_ALLOCATOR_GIB
+    from agoq.plan.memory import GIB
+
+    budget_gib = 85017493504 / GIB - OUTSIDE_ALLOCATOR_GIB  # an H100 80GB's memory, as capacity.md's 70B section
+    cfg = yaml.safe_load((REPO_ROOT / "configs" / "model" / "llama3-70b.yaml").read_text())
+    variants = BENCH.SUITES["llama70b_8gpu"](False)
+    assert {v["side"] for v in variants} == {"baseline", "agoq"}
+    for variant in variants:
+        args = parse_args(variant["args"])
+        assert variant["nproc"] == 8 == args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+        assert all(getattr(args, key) == cfg[key] for key in BENCH.ARCH_KEYS), variant["name"]
+        assert args.vocab_size == cfg["vocab_size"] and args.seq_length == 4096 and args.train_iters >= 20
+        peaks = _predicted_peaks_gib(variant)
+        full_batch = {**variant, "args": [*variant["args"], "--global-batch-size", "512"]}
+        assert _predicted_peaks_gib(full_batch) == pytest.approx(peaks, rel=1e-12), variant["name"]
+        if variant["side"] == "baseline":
+            assert variant["expect"] == "oom" and args.agoq_disable and max(peaks) > budget_gib
+            continue
+        assert variant["expect"] is None and max(peaks) <= budget_gib, (variant["name"], max(peaks))
+        tight = budget_gib - max(peaks) < launch.FRAGMENTATION_GIB
+        assert variant.get("env", {}) == (launch.EXPANDABLE if tight else {}), variant["name"]
 
 
 def test_equal_memory_8b_variants_are_all_predicted_to_fit_one_h100():
