@@ -11,7 +11,9 @@ the trainer reads it here and passes what it found in:
 * ``AGOQ_FP8_SWIGLU_FUSION=0`` (plain FP8 MLPs run Megatron's SwiGLU then the FP8 fc2 instead of the fused SwiGLU +
   FP8 fc2 op; benchmarks' A/B; ``1``, the default, fuses) -> ``AgoqConfig.kernels.fuse_swiglu_fp8``
   (:func:`kernels_from_environment`; the layers and the start-up memory prediction read it from the config);
-* ``TRITON_INTERPRET=1`` -> ``AgoqConfig.triton_interpret`` (agoq.train.args builds the config).
+* ``TRITON_INTERPRET=1`` -> ``AgoqConfig.triton_interpret`` (agoq.train.args builds the config);
+* torchrun's ``TORCHELASTIC_RUN_ID`` (set for every rank its agent starts) -> whether a rank watches its launcher
+  (:func:`launched_by_torchrun`, agoq.train.orphan).
 
 Other readers outside the library: ``scripts/pretrain_llama.py`` (``AGOQ_CACHE``, ``AGOQ_SHOW_KNOWN_WARNINGS``,
 rank-0 printing) and the command-line tools' ``__main__`` modules.
@@ -41,6 +43,11 @@ def launch_from_environment(environ: Mapping[str, str] = os.environ) -> LaunchIn
     return LaunchInfo(rank=int(environ.get("RANK", "0")), world_size=int(environ.get("WORLD_SIZE", "1")),
                       local_rank=int(environ.get("LOCAL_RANK", "0")),
                       rendezvous_from_environment="MASTER_ADDR" in environ)
+
+
+def launched_by_torchrun(environ: Mapping[str, str] = os.environ) -> bool:
+    """True in a rank that torchrun's agent started (the agent sets ``TORCHELASTIC_RUN_ID`` for its workers)."""
+    return "TORCHELASTIC_RUN_ID" in environ
 
 
 def fast_launch_from_environment(environ: Mapping[str, str] = os.environ) -> bool:

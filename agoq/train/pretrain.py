@@ -43,6 +43,7 @@ from agoq.train.ckpt_startup import CheckpointGuard, predicted_checkpoint_bytes
 from agoq.train.flops import tflops_per_gpu, training_flops_per_iteration
 from agoq.train.manual_gc import ManualGC
 from agoq.train.megatron_setup import MegatronLoop, build_optimizer, build_scheduler
+from agoq.train.orphan import LauncherWatch
 from agoq.train.preflight import check_layout, microbatch_count
 from agoq.train.tensorboard import open_tensorboard
 from agoq.train.wandb_log import Loggers, open_wandb
@@ -155,6 +156,7 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
     launch = environment.launch_from_environment()
     device = runtime.choose_device(config.device, launch.local_rank)
     stop = StopSignal()  # from the start: a signal during start-up stops the job after its first iteration
+    watch = LauncherWatch(launch.rank).start() if environment.launched_by_torchrun() else None
     progress = Progress()
     install(config)
     info = runtime.init_distributed(device, launch)
@@ -168,6 +170,8 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
         if guard is not None:
             guard.release()
         runtime.shutdown(after_error=failed)  # no collective NCCL teardown on an exception (see shutdown)
+        if watch is not None:
+            watch.stop()
         # slurm sends USR1 to the batch step and the launcher relays it: a second copy arriving during
         # interpreter shutdown would kill the process (exit -10) after the checkpoint was saved.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
