@@ -14,7 +14,7 @@ shape, the layout, the batch and any agoq settings); the trainer's flags that do
 (the trainer's flag, also a --config key), else the ``--tokenizer-model`` file's, padded to
 ``--make-vocab-size-divisible-by`` x TP as the trainer pads it; neither is an error naming both. ``--memory-budget``
 (a GPU's memory: ``80GiB``, ``80GB`` or a byte count) defaults to the smallest GPU ``nvidia-smi`` lists, else 80 GiB;
-predictions must fit it less OUTSIDE_ALLOCATOR_GIB (the CUDA context, outside PyTorch's allocator), and the line that
+predictions must fit it less agoq.plan.headroom.OUTSIDE_ALLOCATOR_GIB (the CUDA context), and the line that
 starts the report says both. ``--dp`` (the trainer takes it from the world size) is the planner's own.
 
 Default mode: candidates (richest first) configs/policy/{bf16,int8,agoq,int4,aggressive}.yaml, or --policies; a
@@ -56,6 +56,7 @@ from agoq.cli.seqpar_args import sequence_parallel_problem
 from agoq.config import AgoqConfig
 from agoq.config.values import float_grads_mismatch, torch_optimizer_state_refusal
 from agoq.plan import capacity, launch, te, te_cli
+from agoq.plan.headroom import OUTSIDE_ALLOCATOR_GIB, allocator_budget
 from agoq.plan.memory import GIB, Layout
 from agoq.plan.peak import Recipe, choose_by_peak, format_peak_report, grad_bytes_per_param
 from agoq.plan.recipe import recipe_of
@@ -69,11 +70,6 @@ DEFAULT_CANDIDATES = ("bf16", "int8", "agoq", "int4", "aggressive")
 SHAPE_KEYS = tuple(k for k in SHAPE_FIELDS if k != "vocab_size")  # what --config gives; the tokenizer the vocabulary
 MEGATRON_VOCAB_DIVISIBLE_BY = 128  # the trainer's --make-vocab-size-divisible-by default
 DEFAULT_BUDGET_GIB = 80  # without --memory-budget and without a GPU nvidia-smi lists (an H100 80GB's size class)
-# GPU memory a training process holds outside PyTorch's caching allocator (CUDA context, library handles): 1.29 GiB on
-# one H100 80GB with torch 2.11 (2026-12-07, the out-of-memory report of the 70B PP=8 stage-0 proxy: 78.57 GiB in use,
-# 77.29 of it reserved by PyTorch; benchmarks/results/stage_proxy_70b.json). The planner predicts PyTorch's allocated
-# bytes, so a prediction must fit the GPU's memory less this.
-OUTSIDE_ALLOCATOR_GIB = 1.29
 # the planner's layout defaults where neither the flags nor the --config file set a value (trainer flag names)
 LAYOUT_DEFAULTS = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "dp": 1, "micro_batch_size": 1,
                    "global_batch_size": 1, "seq_length": 2048, "use_distributed_optimizer": False}
@@ -158,11 +154,10 @@ def budget_of(request: PlanRequest, probe=None) -> int:
     else:
         gpu, source = default_budget(probe)
         source += "; --memory-budget to change"
-    outside = round(OUTSIDE_ALLOCATOR_GIB * GIB)
-    if gpu <= outside:
+    budget = allocator_budget(gpu)
+    if budget <= 0:
         raise ValueError(f"--memory-budget {gpu / GIB:.2f} GiB leaves nothing for training: a process holds "
                          f"{OUTSIDE_ALLOCATOR_GIB} GiB outside PyTorch's allocator (CUDA context); give a GPU's memory")
-    budget = gpu - outside
     print(f"memory budget: {gpu / GIB:.2f} GiB per GPU ({source}); {budget / GIB:.2f} GiB of it for PyTorch's "
           f"allocator ({OUTSIDE_ALLOCATOR_GIB} GiB outside it: CUDA context, measured on an H100)")
     return budget

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from agoq.plan import capacity, speed
 from agoq.plan.capacity import Candidate, Preset
+from agoq.plan.headroom import EXPANDABLE, FRAGMENTATION_GIB, needs_expandable
 from agoq.plan.memory import GIB
 from agoq.plan.peak import predict_peaks
 from agoq.plan.request import PLANNED_AGOQ_KEYS, PlanRequest
@@ -126,19 +127,12 @@ def fastest(shape: ModelShape, presets_and_flags, policies: dict[str, PolicySpec
     return None, tried
 
 
-# PyTorch's caching allocator may hold this much reserved but unallocated when a stage runs near its peak: 0.90 GiB
-# when the LLaMA-3-70B PP=8 stage-0 proxy ran out of memory in its second iteration (default allocator, one H100,
-# 2026-12-07), while with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True the same stage ran 4 iterations at 77.24 GiB
-# (benchmarks/results/stage_proxy_70b.json, stage_proxy_70b_es.json). A layout closer than this to the budget is
-# launched with expandable segments.
-FRAGMENTATION_GIB = 0.90
-EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
 def allocator_env(choice: Choice, budget: int) -> dict[str, str]:
     """The environment a launch needs for its allocator: expandable segments when the predicted peak is within
     FRAGMENTATION_GIB of ``budget``, else nothing."""
-    return dict(EXPANDABLE) if budget - choice.candidate.peak < FRAGMENTATION_GIB * GIB else {}
+    return dict(EXPANDABLE) if needs_expandable(choice.candidate.peak, budget) else {}
 
 
 def describe(choice: Choice, budget: int) -> str:

@@ -12,6 +12,8 @@ the trainer reads it here and passes what it found in:
   FP8 fc2 op; benchmarks' A/B; ``1``, the default, fuses) -> ``AgoqConfig.kernels.fuse_swiglu_fp8``
   (:func:`kernels_from_environment`; the layers and the start-up memory prediction read it from the config);
 * ``TRITON_INTERPRET=1`` -> ``AgoqConfig.triton_interpret`` (agoq.train.args builds the config);
+* PyTorch's ``PYTORCH_CUDA_ALLOC_CONF`` -> whether the start-up memory warning asks for expandable segments
+  (:func:`expandable_segments`, agoq.plan.headroom);
 * torchrun's ``TORCHELASTIC_RUN_ID`` (set for every rank its agent starts) -> whether a rank watches its launcher
   (:func:`launched_by_torchrun`, agoq.train.orphan).
 
@@ -43,6 +45,12 @@ def launch_from_environment(environ: Mapping[str, str] = os.environ) -> LaunchIn
     return LaunchInfo(rank=int(environ.get("RANK", "0")), world_size=int(environ.get("WORLD_SIZE", "1")),
                       local_rank=int(environ.get("LOCAL_RANK", "0")),
                       rendezvous_from_environment="MASTER_ADDR" in environ)
+
+
+def expandable_segments(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``PYTORCH_CUDA_ALLOC_CONF`` turns on the CUDA allocator's expandable segments."""
+    options = environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower().split(",")
+    return "expandable_segments:true" in options
 
 
 def launched_by_torchrun(environ: Mapping[str, str] = os.environ) -> bool:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from agoq.config import AgoqConfig
 from agoq.megatron import runtime
 from agoq.megatron.install import runs_on_cpu
+from agoq.plan.headroom import headroom_note
 from agoq.plan.memory import GIB, Layout, plan_stages
 from agoq.plan.peak import Recipe, StagePeak, format_peaks, grad_bytes_per_param, predict_peaks
 from agoq.plan.recipe import recipe_of
@@ -57,6 +58,15 @@ def recipe_from_config(config: AgoqConfig) -> Recipe:
 def predicted_peaks(config: AgoqConfig, shape, plan: Layout, policy) -> list[StagePeak]:
     model, policy = _plan_inputs(shape, policy)
     return predict_peaks(model, plan, policy, recipe_from_config(config))
+
+
+def headroom_line(peaks: list[StagePeak], device: torch.device, expandable: bool) -> str | None:
+    """agoq.plan.headroom's start-up warning for the worst predicted stage against this rank's GPU (``expandable``:
+    PYTORCH_CUDA_ALLOC_CONF has expandable segments); None on the CPU or with room to spare."""
+    if device.type != "cuda" or not peaks:
+        return None
+    gpu_bytes = torch.cuda.get_device_properties(device).total_memory
+    return headroom_note(max(p.peak for p in peaks), gpu_bytes, expandable)
 
 
 def optimizer_name(config: AgoqConfig, recipe: Recipe, dp: int, distributed_optimizer: bool) -> str:

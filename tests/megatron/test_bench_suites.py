@@ -96,11 +96,10 @@ def test_the_70b_suite_runs_the_layouts_the_planner_answered_for_one_8_gpu_node(
     out of memory, and the suite's global batch 32 gives the same predicted stage peaks as the model file's 512."""
     import yaml
 
-    from agoq.plan import launch
-    from agoq.plan.__main__ import OUTSIDE_ALLOCATOR_GIB
+    from agoq.plan import headroom
     from agoq.plan.memory import GIB
 
-    budget_gib = 85017493504 / GIB - OUTSIDE_ALLOCATOR_GIB  # an H100 80GB's memory, as capacity.md's 70B section
+    budget_gib = 85017493504 / GIB - headroom.OUTSIDE_ALLOCATOR_GIB  # an H100 80GB, as capacity.md's 70B section
     cfg = yaml.safe_load((REPO_ROOT / "configs" / "model" / "llama3-70b.yaml").read_text())
     variants = BENCH.SUITES["llama70b_8gpu"](False)
     assert {v["side"] for v in variants} == {"baseline", "agoq"}
@@ -116,8 +115,8 @@ def test_the_70b_suite_runs_the_layouts_the_planner_answered_for_one_8_gpu_node(
             assert variant["expect"] == "oom" and args.agoq_disable and max(peaks) > budget_gib
             continue
         assert variant["expect"] is None and max(peaks) <= budget_gib, (variant["name"], max(peaks))
-        tight = budget_gib - max(peaks) < launch.FRAGMENTATION_GIB
-        assert variant.get("env", {}) == (launch.EXPANDABLE if tight else {}), variant["name"]
+        tight = budget_gib - max(peaks) < headroom.FRAGMENTATION_GIB
+        assert variant.get("env", {}) == (headroom.EXPANDABLE if tight else {}), variant["name"]
 
 
 def test_equal_memory_8b_variants_are_all_predicted_to_fit_one_h100():

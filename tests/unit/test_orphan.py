@@ -72,3 +72,12 @@ def test_the_watch_calls_back_once_on_a_changed_parent_and_stops_on_request(monk
 def test_only_ranks_torchrun_started_are_watched():
     assert launched_by_torchrun({"TORCHELASTIC_RUN_ID": "none", "RANK": "0"})
     assert not launched_by_torchrun({"RANK": "0", "WORLD_SIZE": "1"})  # python / srun directly: nohup must work
+
+
+def test_expandable_segments_is_read_from_pytorchs_allocator_setting():
+    from agoq.train.environment import expandable_segments
+
+    assert expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:True"})
+    assert not expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
+    assert not expandable_segments({})

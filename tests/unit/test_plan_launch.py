@@ -10,7 +10,7 @@ import shlex
 import pytest
 
 from agoq.plan import __main__ as plan
-from agoq.plan import capacity, speed
+from agoq.plan import capacity, headroom, speed
 from agoq.plan.memory import GIB
 from agoq.plan.shape import ModelShape
 from agoq.testing.procs import REPO_ROOT
@@ -187,7 +187,7 @@ def test_speed_model_terms():
 
 def test_the_budget_a_prediction_must_fit_is_the_gpu_less_what_cuda_holds_outside_pytorch(capsys):
     request = plan.parse(["--config", LLAMA3_8B, "--memory-budget", "80GiB"])
-    outside = round(plan.OUTSIDE_ALLOCATOR_GIB * GIB)
+    outside = round(headroom.OUTSIDE_ALLOCATOR_GIB * GIB)
     assert plan.budget_of(request) == 80 * GIB - outside
     assert ("memory budget: 80.00 GiB per GPU (--memory-budget 80GiB); 78.71 GiB of it for PyTorch's allocator"
             in capsys.readouterr().out)
@@ -198,21 +198,35 @@ def test_the_budget_a_prediction_must_fit_is_the_gpu_less_what_cuda_holds_outsid
 def test_a_layout_within_the_allocators_fragmentation_launches_with_expandable_segments(capsys):
     """The same fastest layout, once with room to spare and once within FRAGMENTATION_GIB of the budget: only the
     second command carries PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, and says why."""
-    from agoq.plan import launch
-
     argv = ["--config", LLAMA3_8B, "--gpus", "8"]
     assert plan.main([*argv, "--memory-budget", "80GiB"]) == 0
     out = capsys.readouterr().out
     peak_gib = float(out.split("predicted peak ")[1].split()[0])
     chosen = _chosen(out)
-    outside = plan.OUTSIDE_ALLOCATOR_GIB
-    budgets = {"roomy": peak_gib + outside + 2 * launch.FRAGMENTATION_GIB,
-               "tight": peak_gib + outside + launch.FRAGMENTATION_GIB / 2}
+    outside = headroom.OUTSIDE_ALLOCATOR_GIB
+    budgets = {"roomy": peak_gib + outside + 2 * headroom.FRAGMENTATION_GIB,
+               "tight": peak_gib + outside + headroom.FRAGMENTATION_GIB / 2}
     for name, gib in budgets.items():
         assert plan.main([*argv, "--memory-budget", str(round(gib * GIB))]) == 0
         out = capsys.readouterr().out
         assert _chosen(out) == chosen, name  # a smaller budget cannot make a faster layout fit
         tight = name == "tight"
-        assert _env(out) == (launch.EXPANDABLE if tight else {}), name
+        assert _env(out) == (headroom.EXPANDABLE if tight else {}), name
         assert ("under the allocator's measured fragmentation" in out) is tight
         parse_args(_command(out)[5:], quiet=True)  # the rest is still the trainer's command
+
+
+@pytest.mark.parametrize("peak_gib, expandable, expected", [
+    (70.0, False, None),  # room to spare
+    (77.5, True, None),  # close, but launched with expandable segments
+    (77.5, False, "under 0.9 GiB to spare; launch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
+    (78.0, True, "expect out of memory"),  # over the 77.89 GiB PyTorch may hold on a 79.18 GiB GPU
+])  # fmt: skip
+def test_the_trainers_start_up_note_on_a_predicted_peak(peak_gib, expandable, expected):
+    gpu = 85017493504  # an H100 80GB (79.18 GiB)
+    note = headroom.headroom_note(peak_gib * GIB, gpu, expandable)
+    if expected is None:
+        assert note is None
+    else:
+        assert note.startswith("warning: predicted peak") and expected in note, note
+        assert "79.18 GiB less 1.29 GiB outside PyTorch's allocator (77.89 GiB)" in note
