@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 from agoq.config.sections import (
@@ -241,6 +242,21 @@ AGOQ_FLAGS: tuple[AgoqFlag, ...] = (
 )
 """Every ``--agoq-*`` flag that sets AgoqConfig, once (the door's own ``--agoq-attention`` / ``--agoq-log-json``
 set no config field). tests/unit/test_cli_frozen.py pins the parsers' flags and proves each is declared once."""
+
+
+FLAG_OF_FIELD: Mapping[str, str] = MappingProxyType({f.field: f.flag for f in AGOQ_FLAGS})
+"""AgoqFlag.field -> its command-line spelling (``grads.format`` -> ``--agoq-grads``), read through :func:`flag_for`."""
+
+
+def flag_for(field: str) -> str:
+    """The command-line spelling of the ``--agoq-*`` flag that sets AgoqConfig ``field`` (an AGOQ_FLAGS field:
+    ``section.name`` or a top-level name; ``enabled`` -> ``--agoq-disable``), for the messages that name the flag:
+    a renamed flag renames them (tests/unit/test_flag_names.py finds the ones spelled out)."""
+    try:
+        return FLAG_OF_FIELD[field]
+    except KeyError:
+        raise KeyError(f"no --agoq-* flag sets the AgoqConfig field {field!r}; the fields with a flag "
+                       f"(agoq.config.AGOQ_FLAGS): {', '.join(FLAG_OF_FIELD)}") from None
 
 
 def _given(value, default):
