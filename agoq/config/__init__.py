@@ -73,12 +73,13 @@ class AgoqConfig:
         check_choice("AgoqConfig.device", self.device, DEVICES)
         check_choice("AgoqConfig.rope_fusion (--rope-fusion)", self.rope_fusion, ROPE_FUSIONS)
         if self.optimizer.gradient_release and self.grads.format is not None:
-            raise ValueError(f"--agoq-gradient-release conflicts with --agoq-grads {self.grads.format} (8-bit "
-                             "gradients live in a gradient buffer; release keeps none); drop one of the two")
+            raise ValueError(f"{flag_for('optimizer.gradient_release')} conflicts with {flag_for('grads.format')} "
+                             f"{self.grads.format} (8-bit gradients live in a gradient buffer; release keeps none); "
+                             "drop one of the two")
         if self.optimizer.gradient_release and self.grads.reduce_in_bf16:
-            raise ValueError("--agoq-gradient-release conflicts with --grad-reduce-in-bf16 (there is no gradient "
-                             "buffer to keep in bf16; release's gradients are the params' dtype already); drop one "
-                             "of the two")
+            raise ValueError(f"{flag_for('optimizer.gradient_release')} conflicts with --grad-reduce-in-bf16 (there is "
+                             "no gradient buffer to keep in bf16; release's gradients are the params' dtype already); "
+                             "drop one of the two")
 
     def rope_fused(self, on_cuda: bool) -> bool:
         """Whether the run uses agoq's fused RoPE (``rope_fusion`` resolved for the run's device)."""

@@ -53,7 +53,7 @@ from agoq.cli.agoq_flags import load_preset, merge_preset
 from agoq.cli.config_file import load_config_file
 from agoq.cli.flags import build_parser as trainer_parser
 from agoq.cli.seqpar_args import sequence_parallel_problem
-from agoq.config import AgoqConfig
+from agoq.config import AgoqConfig, flag_for
 from agoq.config.values import float_grads_mismatch, torch_optimizer_state_refusal
 from agoq.plan import capacity, launch, te, te_cli
 from agoq.plan.memory import GIB, Layout
@@ -290,7 +290,7 @@ def check_run_flags(values: dict, layout: Layout) -> None:
     grads = values.get("agoq_grads")
     mismatch = float_grads_mismatch(grads, bf16_buffer=bool(values.get("grad_reduce_in_bf16")))
     if mismatch:
-        raise ValueError(f"--agoq-grads {grads} {mismatch}")
+        raise ValueError(f"{flag_for('grads.format')} {grads} {mismatch}")
     if values.get("sequence_parallel"):  # the trainer's refusals (agoq.cli.seqpar_args), on the merged values
         problem = sequence_parallel_problem(tp=layout.tp, seq_length=layout.seq, fp8=config_of(values).fp8)
         if problem:
@@ -302,9 +302,9 @@ def check_run_flags(values: dict, layout: Layout) -> None:
                  (layout.pp > 1, f"PP={layout.pp}"), (layout.dp > 1, f"DP={layout.dp}")]
     found = [what for hit, what in conflicts if hit]
     if found:
-        raise ValueError(f"--agoq-gradient-release conflicts with {', '.join(found)} (from the flags or the --config "
-                         "file): release keeps no gradient buffer and needs one GPU per model, as the trainer "
-                         "refuses; drop --agoq-gradient-release or those settings")
+        raise ValueError(f"{flag_for('optimizer.gradient_release')} conflicts with {', '.join(found)} (from the flags "
+                         "or the --config file): release keeps no gradient buffer and needs one GPU per model, as the "
+                         f"trainer refuses; drop {flag_for('optimizer.gradient_release')} or those settings")
 
 
 def shape_of(values: dict, config: str | None) -> ModelShape:
