@@ -49,7 +49,7 @@ import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
-from agoq.cli.agoq_flags import load_preset, merge_preset
+from agoq.cli.agoq_flags import PRESET_FLAG, load_preset, merge_preset
 from agoq.cli.config_file import load_config_file
 from agoq.cli.flags import build_parser as trainer_parser
 from agoq.cli.seqpar_args import sequence_parallel_problem
@@ -232,10 +232,10 @@ def _check_unmodelled(values: dict, request: PlanRequest, cfg: dict) -> None:
             continue  # the TE path plans Megatron + TE alone (agoq.plan.te_cli)
         value = values.get(key, modelled)
         if value != modelled:
-            where = (flag_name(key) if key in dict(request.trainer) else f"--agoq-preset {preset}: {key}"
+            where = (flag_name(key) if key in dict(request.trainer) else f"{PRESET_FLAG} {preset}: {key}"
                      if key in preset_keys else f"--config {request.config}: {key}" if key in cfg else flag_name(key))
             fix = ("plan a copy of the file without the key" if where.startswith("--config") else "plan another "
-                   "preset" if where.startswith("--agoq-preset") else "drop the flag")
+                   "preset" if where.startswith(PRESET_FLAG) else "drop the flag")
             raise ValueError(f"{where}: {value} is not something the planner models ({why}); its prediction would "
                              f"be for {key}: {modelled}. {fix[0].upper()}{fix[1:]}")
 
