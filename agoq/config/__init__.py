@@ -20,8 +20,9 @@ Sections (torchtitan's per-component config, torchao's frozen ``Float8LinearConf
 ``as_dict()`` is what every checkpoint saves (``agoq.megatron.ckpt.resume``); ``from_dict`` reads it back.
 
 The package: this module holds AgoqConfig and the flag table (:data:`AGOQ_FLAGS`, the ``--agoq-*`` flags over its
-fields, which :meth:`AgoqConfig.from_flags` reads back); ``agoq.config.sections`` the section dataclasses;
-``agoq.config.values`` each option's allowed values and parsers (moment presets, gradient formats, refusals).
+fields, which :meth:`AgoqConfig.from_flags` reads back; messages name a flag with :func:`flag_for`);
+``agoq.config.sections`` the section dataclasses; ``agoq.config.values`` each option's allowed values and parsers
+(moment presets, gradient formats, refusals).
 """
 
 from __future__ import annotations
