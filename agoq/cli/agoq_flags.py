@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from agoq.cli.config_file import load_config_file
-from agoq.config import AGOQ_FLAGS, AgoqFlag
+from agoq.config import AGOQ_FLAGS, AgoqFlag, flag_for
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
 PRESET_FLAG = "--agoq-preset"
@@ -35,7 +35,8 @@ GROUPS = {  # AgoqConfig section -> argument group title (the top-level fields a
 }
 # The trainer's flags whose argparse default is None although the field has one: the policy's fp8 section applies
 # under the fp8 flags, and --agoq-moments / --agoq-master are refused with --agoq-optimizer torch only when given.
-TRAINER_UNSET = frozenset(f.flag for f in AGOQ_FLAGS if f.section == "fp8") | {"--agoq-moments", "--agoq-master"}
+TRAINER_UNSET = frozenset(f.flag for f in AGOQ_FLAGS if f.section == "fp8") | {flag_for("optimizer.moments"),
+                                                                                flag_for("optimizer.master")}
 ALL = "all"
 
 

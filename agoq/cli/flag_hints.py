@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import difflib
 
+from agoq.config import flag_for
+
 _LLAMA_ALWAYS = "the model is always LLaMA on megatron-core's local layers (RMSNorm, SwiGLU, RoPE, no biases)"
 # Megatron-LM pretrain_gpt.py flags a Megatron user passes out of habit, which this LLaMA-only trainer does not take
 MEGATRON_LM_ONLY = {
@@ -21,7 +23,7 @@ MEGATRON_LM_ONLY = {
 
 TE_FP8_HINT = (" (agoq's FP8 linears take no Transformer Engine recipe: Transformer Engine's FP8 runs through "
                "scripts/pretrain_gpt_agoq.py with --transformer-impl transformer_engine --fp8-format hybrid "
-               "--fp8-recipe delayed, docs/megatron_lm.md; or use --agoq-fp8 delayed)")
+               f"--fp8-recipe delayed, docs/megatron_lm.md; or use {flag_for('fp8.recipe')} delayed)")
 
 
 def unknown_flag_hints(words: list[str], flags) -> str:

@@ -17,6 +17,7 @@ from agoq.cli.agoq_flags import TRAINER_UNSET, add_agoq_flags
 from agoq.cli.flag_hints import TE_FP8_HINT, unknown_flag_hints
 from agoq.cli.graph_args import add_graph_flags
 from agoq.cli.seqpar_args import add_sequence_parallel_flag
+from agoq.config import flag_for
 
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
@@ -69,7 +70,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rope-fusion", choices=ROPE_FUSIONS, default=None,
                    help="RoPE: auto (default): agoq's fused Triton RoPE where agoq is on and the run is on "
                         "CUDA, with Megatron's QKV split in the same op (Megatron's values and gradients bit for "
-                        "bit, one launch each way per layer instead of ~45); agoq: always, --agoq-disable too; "
+                        f"bit, one launch each way per layer instead of ~45); agoq: always, {flag_for('enabled')} too; "
                         "off: Megatron's split and unfused RoPE. A Transformer Engine RoPE, when installed, is kept")
     g.add_argument("--fp32", action="store_true", help="fp32 parameters and compute (default: bf16)")
     g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
@@ -200,7 +201,7 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-fc2-amax", action="store_true",
                    help="add each FP8 fc2 input's newest amax (per layer, and their max) to the logged iterations "
                         "(TensorBoard, --log-json): the FP8 paper's outlier proxy, with or without "
-                        "--agoq-smooth-swiglu; needs --agoq-fp8 delayed")
+                        f"{flag_for('fp8.smooth_swiglu')}; needs {flag_for('fp8.recipe')} delayed")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -238,7 +239,7 @@ class _Parser(argparse.ArgumentParser):
             exit_quietly_after_delay()
         if message.startswith("unrecognized arguments: "):
             message += unknown_flag_hints(message.split(": ", 1)[1].split(), self._option_string_actions)
-        elif message.startswith("argument --agoq-fp8: invalid choice: 'te'"):
+        elif message.startswith(f"argument {flag_for('fp8.recipe')}: invalid choice: 'te'"):
             message += TE_FP8_HINT
         self.exit(2, f"{self.prog}: error: {message} (all flags: {self.prog} --help)\n")
 

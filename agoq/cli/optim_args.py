@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from agoq.config import flag_for
+
 
 def check_release_flags(args: argparse.Namespace, data_parallel: int | None = None) -> None:
     """With --agoq-gradient-release: raise ValueError naming the first flag it conflicts with.
@@ -34,7 +36,7 @@ def check_release_flags(args: argparse.Namespace, data_parallel: int | None = No
     ]  # fmt: skip
     for bad, what in flags:
         if bad:
-            raise ValueError(f"--agoq-gradient-release conflicts with {what}; drop one of the two")
+            raise ValueError(f"{flag_for('optimizer.gradient_release')} conflicts with {what}; drop one of the two")
     if data_parallel is None:  # parsing: the data-parallel size, hence the micro-batches per step, comes later
         data_parallel, accumulation = 1, 1
     else:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from agoq.config import flag_for
+
 __all__ = ["add_sequence_parallel_flag", "check_sequence_parallel_args", "sequence_parallel_problem"]
 
 
@@ -18,8 +20,8 @@ def add_sequence_parallel_flag(g) -> None:
                         "divisible by it): the residual stream, the norms and the activations they save are split "
                         "along the sequence over the TP ranks (column-parallel linears all-gather their input, "
                         "row-parallel ones reduce-scatter their output), so agoq's saved norm inputs take 1/TP per "
-                        "rank; agoq's layers only (not with --agoq-disable, whose torch norms Megatron refuses under "
-                        "it) and not with FP8 linears (docs/numerics.md, 'Sequence parallelism')")
+                        f"rank; agoq's layers only (not with {flag_for('enabled')}, whose torch norms Megatron refuses "
+                        "under it) and not with FP8 linears (docs/numerics.md, 'Sequence parallelism')")
 
 
 def sequence_parallel_problem(*, tp: int, seq_length: int, agoq_disable: bool = False, fp8=None) -> str | None:
@@ -32,14 +34,14 @@ def sequence_parallel_problem(*, tp: int, seq_length: int, agoq_disable: bool = 
         return (f"--sequence-parallel needs --seq-length {seq_length} divisible by --tensor-model-parallel-size {tp}; "
                 f"pick a sequence length that is a multiple of {tp}")
     if agoq_disable:
-        return ("--sequence-parallel with --agoq-disable: Megatron's local spec builds torch norms "
+        return (f"--sequence-parallel with {flag_for('enabled')}: Megatron's local spec builds torch norms "
                 "(WrappedTorchNorm), which megatron-core 0.19.2 refuses under sequence parallelism; drop "
-                "--agoq-disable (agoq's layers with --agoq-policy configs/policy/bf16.yaml train as Megatron's do) or "
-                "drop --sequence-parallel")
+                f"{flag_for('enabled')} (agoq's layers with {flag_for('policy.path')} configs/policy/bf16.yaml train "
+                "as Megatron's do) or drop --sequence-parallel")
     if fp8 is not None and fp8.fp8_enabled:
-        return (f"--sequence-parallel with FP8 linears (recipe {fp8.recipe!r}, from --agoq-fp8 or the policy's fp8 "
-                "section): agoq's FP8 linears do not all-gather a sequence-sharded input yet; pass --agoq-fp8 off or "
-                "drop --sequence-parallel")
+        return (f"--sequence-parallel with FP8 linears (recipe {fp8.recipe!r}, from {flag_for('fp8.recipe')} or the "
+                "policy's fp8 section): agoq's FP8 linears do not all-gather a sequence-sharded input yet; pass "
+                f"{flag_for('fp8.recipe')} off or drop --sequence-parallel")
     return None
 
 

@@ -20,8 +20,9 @@ Sections (torchtitan's per-component config, torchao's frozen ``Float8LinearConf
 ``as_dict()`` is what every checkpoint saves (``agoq.megatron.ckpt.resume``); ``from_dict`` reads it back.
 
 The package: this module holds AgoqConfig and the flag table (:data:`AGOQ_FLAGS`, the ``--agoq-*`` flags over its
-fields, which :meth:`AgoqConfig.from_flags` reads back); ``agoq.config.sections`` the section dataclasses;
-``agoq.config.values`` each option's allowed values and parsers (moment presets, gradient formats, refusals).
+fields, which :meth:`AgoqConfig.from_flags` reads back; messages name a flag with :func:`flag_for`);
+``agoq.config.sections`` the section dataclasses; ``agoq.config.values`` each option's allowed values and parsers
+(moment presets, gradient formats, refusals).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 from agoq.config.sections import (
@@ -72,12 +74,13 @@ class AgoqConfig:
         check_choice("AgoqConfig.device", self.device, DEVICES)
         check_choice("AgoqConfig.rope_fusion (--rope-fusion)", self.rope_fusion, ROPE_FUSIONS)
         if self.optimizer.gradient_release and self.grads.format is not None:
-            raise ValueError(f"--agoq-gradient-release conflicts with --agoq-grads {self.grads.format} (8-bit "
-                             "gradients live in a gradient buffer; release keeps none); drop one of the two")
+            raise ValueError(f"{flag_for('optimizer.gradient_release')} conflicts with {flag_for('grads.format')} "
+                             f"{self.grads.format} (8-bit gradients live in a gradient buffer; release keeps none); "
+                             "drop one of the two")
         if self.optimizer.gradient_release and self.grads.reduce_in_bf16:
-            raise ValueError("--agoq-gradient-release conflicts with --grad-reduce-in-bf16 (there is no gradient "
-                             "buffer to keep in bf16; release's gradients are the params' dtype already); drop one "
-                             "of the two")
+            raise ValueError(f"{flag_for('optimizer.gradient_release')} conflicts with --grad-reduce-in-bf16 (there is "
+                             "no gradient buffer to keep in bf16; release's gradients are the params' dtype already); "
+                             "drop one of the two")
 
     def rope_fused(self, on_cuda: bool) -> bool:
         """Whether the run uses agoq's fused RoPE (``rope_fusion`` resolved for the run's device)."""
@@ -241,6 +244,21 @@ AGOQ_FLAGS: tuple[AgoqFlag, ...] = (
 )
 """Every ``--agoq-*`` flag that sets AgoqConfig, once (the door's own ``--agoq-attention`` / ``--agoq-log-json``
 set no config field). tests/unit/test_cli_frozen.py pins the parsers' flags and proves each is declared once."""
+
+
+FLAG_OF_FIELD: Mapping[str, str] = MappingProxyType({f.field: f.flag for f in AGOQ_FLAGS})
+"""AgoqFlag.field -> its command-line spelling (``grads.format`` -> ``--agoq-grads``), read through :func:`flag_for`."""
+
+
+def flag_for(field: str) -> str:
+    """The command-line spelling of the ``--agoq-*`` flag that sets AgoqConfig ``field`` (an AGOQ_FLAGS field:
+    ``section.name`` or a top-level name; ``enabled`` -> ``--agoq-disable``), for the messages that name the flag:
+    a renamed flag renames them (tests/unit/test_flag_names.py finds the ones spelled out)."""
+    try:
+        return FLAG_OF_FIELD[field]
+    except KeyError:
+        raise KeyError(f"no --agoq-* flag sets the AgoqConfig field {field!r}; the fields with a flag "
+                       f"(agoq.config.AGOQ_FLAGS): {', '.join(FLAG_OF_FIELD)}") from None
 
 
 def _given(value, default):

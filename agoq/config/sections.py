@@ -18,7 +18,8 @@ from agoq.config.values import (
     GradTransport,
     MasterKind,
     OptimizerKind,
-    check_choice,
+    check_flag_choice,
+    flag_for,
     parse_grads_format,
     parse_moments,
 )
@@ -97,19 +98,21 @@ class GradsConfig:
         return None if self.format is None else self.format.name
 
     def __post_init__(self):
-        check_choice("--agoq-grads-mode", self.mode, GRAD_MODES)
-        check_choice("--agoq-grad-transport", self.transport, GRAD_TRANSPORTS)
+        check_flag_choice("grads.mode", self.mode, GRAD_MODES)
+        check_flag_choice("grads.transport", self.transport, GRAD_TRANSPORTS)
         if self.format is not None:
             object.__setattr__(self, "format", parse_grads_format(self.format))
         if self.error_feedback and not self.quantized:
-            raise ValueError("--agoq-grads-error-feedback needs --agoq-grads FORMAT (a quantized format)")
+            raise ValueError(f"{flag_for('grads.error_feedback')} needs {flag_for('grads.format')} FORMAT (a quantized "
+                             "format)")
         if self.error_feedback and self.mode != "store":
-            raise ValueError("--agoq-grads-error-feedback needs --agoq-grads-mode store (it corrects 8-bit "
-                             "accumulation)")
+            raise ValueError(f"{flag_for('grads.error_feedback')} needs {flag_for('grads.mode')} store (it corrects "
+                             "8-bit accumulation)")
         if self.reduce_in_bf16 and self.quantized:
             raise ValueError(
-                f"--grad-reduce-in-bf16 with --agoq-grads {self.format}: the 8-bit gradient path is validated with "
-                "Megatron's fp32 float buffer only; use one of the two (8-bit grads already store 1 byte/param)")
+                f"--grad-reduce-in-bf16 with {flag_for('grads.format')} {self.format}: the 8-bit gradient path is "
+                "validated with Megatron's fp32 float buffer only; use one of the two (8-bit grads already store 1 "
+                "byte/param)")
 
 
 @dataclass(frozen=True)
@@ -169,12 +172,13 @@ class OptimizerOptions:
     """--agoq-optimizer lion: momentum decay"""
 
     def __post_init__(self):
-        check_choice("--agoq-optimizer", self.kind, OPTIMIZERS)
-        check_choice("--agoq-master", self.master, MASTER_CHOICES)
+        check_flag_choice("optimizer.kind", self.kind, OPTIMIZERS)
+        check_flag_choice("optimizer.master", self.master, MASTER_CHOICES)
         parse_moments(self.moments)
         if self.gradient_release and self.kind == "torch":
-            raise ValueError("--agoq-gradient-release conflicts with --agoq-optimizer torch (release steps agoq's "
-                             "optimizer inside backward: use --agoq-optimizer adamw, lion or sgd); drop one of the two")
+            raise ValueError(f"{flag_for('optimizer.gradient_release')} conflicts with {flag_for('optimizer.kind')} "
+                             "torch (release steps agoq's optimizer inside backward: use "
+                             f"{flag_for('optimizer.kind')} adamw, lion or sgd); drop one of the two")
 
     @property
     def agoq(self) -> bool:

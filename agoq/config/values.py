@@ -42,8 +42,8 @@ FLOAT_GRADS = ("fp32", "bf16", "fp16")  # --agoq-grads values that mean Megatron
 def torch_optimizer_state_refusal(flag: str, value) -> str:
     """Why a state-format flag (--agoq-moments / --agoq-master) cannot run with --agoq-optimizer torch, and the fix:
     the one message of the trainer's flags (agoq.train.args) and ``python -m agoq.plan``."""
-    return (f"{flag} {value} sets a state format of agoq's optimizer, but --agoq-optimizer is torch (Megatron's Adam, "
-            f"fp32 states); add --agoq-optimizer adamw (or lion / sgd), or drop {flag}")
+    return (f"{flag} {value} sets a state format of agoq's optimizer, but {flag_for('optimizer.kind')} is torch "
+            f"(Megatron's Adam, fp32 states); add {flag_for('optimizer.kind')} adamw (or lion / sgd), or drop {flag}")
 
 
 def float_grads_mismatch(fmt: str | None, *, bf16_buffer: bool, fp32_params: bool = False) -> str | None:
@@ -76,15 +76,16 @@ def parse_moments(text: str) -> tuple[str, str]:
         return MOMENT_PRESETS[text]
     parts = [t.strip() for t in text.split(",")]
     if len(parts) != 2:
-        raise ValueError(f"--agoq-moments {text!r}: use a preset {sorted(MOMENT_PRESETS)} or '<m fmt>,<v fmt>'")
+        raise ValueError(f"{flag_for('optimizer.moments')} {text!r}: use a preset {sorted(MOMENT_PRESETS)} or "
+                         "'<m fmt>,<v fmt>'")
     for which, name in zip(("m", "v"), parts, strict=True):
         try:
             rounding = parse_format(name).rounding
         except ValueError as exc:
-            raise ValueError(f"--agoq-moments {text!r}: the {which} format: {exc}") from None
+            raise ValueError(f"{flag_for('optimizer.moments')} {text!r}: the {which} format: {exc}") from None
         if rounding == "stochastic":
-            raise ValueError(f"--agoq-moments {text!r}: the {which} format {name!r} rounds stochastically, which "
-                             "agoq's optimizer does not support; drop the _sr suffix")
+            raise ValueError(f"{flag_for('optimizer.moments')} {text!r}: the {which} format {name!r} rounds "
+                             "stochastically, which agoq's optimizer does not support; drop the _sr suffix")
     return parts[0], parts[1]
 
 
@@ -92,6 +93,21 @@ def parse_moments(text: str) -> tuple[str, str]:
 def check_choice(flag: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{flag} {value!r}: choose one of {list(allowed)}")
+
+
+def check_flag_choice(field: str, value, allowed) -> None:
+    """check_choice of an AgoqConfig field that an ``--agoq-*`` flag sets: the message names the flag."""
+    if value not in allowed:
+        check_choice(flag_for(field), value, allowed)
+
+
+def flag_for(field: str) -> str:
+    """:func:`agoq.config.flag_for` (the ``--agoq-*`` flag of an AgoqConfig field) for this module and the sections,
+    looked up when a message is built: agoq.config declares its flag table over them (and builds default sections
+    while it imports)."""
+    from agoq.config import flag_for as declared
+
+    return declared(field)
 
 
 class GradsFormatError(ValueError):
@@ -118,12 +134,12 @@ def parse_grads_format(value: str | QuantFormat) -> QuantFormat:
     try:
         fmt = parse_format(value)
     except ValueError as exc:
-        raise GradsFormatError(f"--agoq-grads {value}: {exc}. Allowed: ") from None
+        raise GradsFormatError(f"{flag_for('grads.format')} {value}: {exc}. Allowed: ") from None
     if not fmt.quantized:
         if fmt.name in FLOAT_GRADS:
             return fmt
-        raise GradsFormatError(f"--agoq-grads {fmt}: unquantized; allowed: ")
+        raise GradsFormatError(f"{flag_for('grads.format')} {fmt}: unquantized; allowed: ")
     if not fmt.signed or fmt.rounding == "stochastic":
-        raise GradsFormatError(f"--agoq-grads {fmt}: "
+        raise GradsFormatError(f"{flag_for('grads.format')} {fmt}: "
                                f"{'unsigned' if not fmt.signed else 'stochastic rounding'}; allowed: ")
     return fmt

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agoq.config import AgoqConfig
+from agoq.config import AgoqConfig, flag_for
 from agoq.policy import ScheduleInfo
 
 __all__ = ["BuiltMismatch", "Expectation", "any_rank_failed", "built_problems", "built_summary", "check_built"]
@@ -166,8 +166,8 @@ def _layer_problems(config: AgoqConfig, expect: Expectation, chunks: list) -> li
                 fp8 = layer_compute(config.fp8, position.layer_idx, layer.config.num_layers)["fp8"]
                 linears = [modules[n] for n in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")]
                 if any((getattr(m, "agoq_fp8", None) is None) != (fp8 is None) for m in linears):
-                    problems.append(f"layer {number}: its linears' FP8 recipes are not the --agoq-fp8 rule's "
-                                    f"({'FP8' if fp8 else 'bf16'} for this layer)")
+                    problems.append(f"layer {number}: its linears' FP8 recipes are not the {flag_for('fp8.recipe')} "
+                                    f"rule's ({'FP8' if fp8 else 'bf16'} for this layer)")
     if layers_seen == 0 and chunks:
         problems.append("no transformer layer in this rank's model chunks")
     for name, numbers in sorted(not_agoq.items()):
@@ -214,19 +214,20 @@ def _ddp_problems(config: AgoqConfig, chunks: list) -> list[str]:
 
             if not isinstance(chunk, ReleaseDataParallel):
                 problems.append(f"model chunk {idx} is {_qualname(chunk)}, not agoq's ReleaseDataParallel that "
-                                "--agoq-gradient-release asks for")
+                                f"{flag_for('optimizer.gradient_release')} asks for")
         elif grads.quantized:
             grad = getattr(chunk, "agoq_grads", None)
             if not isinstance(chunk, AgoqDistributedDataParallel) or grad is None:
                 problems.append(f"model chunk {idx} is wrapped by {_qualname(chunk)}, not agoq's 8-bit gradient DDP "
                                 "(agoq.megatron.grads.ddp.AgoqDistributedDataParallel) that "
-                                f"--agoq-grads {grads.format} "
+                                f"{flag_for('grads.format')} {grads.format} "
                                 "asks for: the DDP class this construction path uses was not agoq's")
             elif (grad.format, grad.mode) != (grads.format, grads.mode):
                 problems.append(f"model chunk {idx}: 8-bit gradients {grad.format} ({grad.mode} mode), asked "
                                 f"{grads.format} ({grads.mode} mode)")
         elif isinstance(chunk, AgoqDistributedDataParallel):
-            problems.append(f"model chunk {idx} is agoq's 8-bit gradient DDP, but no --agoq-grads format was asked")
+            problems.append(f"model chunk {idx} is agoq's 8-bit gradient DDP, but no {flag_for('grads.format')} format "
+                            "was asked")
         elif not isinstance(chunk, DistributedDataParallel):
             problems.append(f"model chunk {idx} is {_qualname(chunk)}, not Megatron's DistributedDataParallel "
                             "(agoq's gradients and optimizer hook its buffers)")
@@ -245,10 +246,10 @@ def _optimizer_problems(config: AgoqConfig, optimizer) -> list[str]:
     if opt.agoq and len(agoq_parts) != len(parts):
         names = ", ".join(_qualname(p) for p in parts if p not in agoq_parts)
         return [f"the optimizer is {names}, not agoq's {opt.kind} (agoq.megatron.optim.optimizer) that "
-                "--agoq-optimizer "
+                f"{flag_for('optimizer.kind')} "
                 f"{opt.kind} asks for: Megatron's optimizer factory was called instead of agoq's"]
     if not opt.agoq and agoq_parts:
-        return [f"the optimizer is agoq's ({_qualname(agoq_parts[0])}), but --agoq-optimizer is torch"]
+        return [f"the optimizer is agoq's ({_qualname(agoq_parts[0])}), but {flag_for('optimizer.kind')} is torch"]
     if opt.agoq and config.grads.quantized and config.grads.mode == "store":
         unread = [_qualname(p) for p in parts if getattr(p, "grad_reader", None) is None]
         if unread:

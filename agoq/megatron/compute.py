@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from agoq.config import flag_for
 from agoq.ops.fp8_linear import GEMM_DIM_MULTIPLE, MIN_FP8_CAPABILITY
 from agoq.ops.fp8_scaling import FP8Recipe
 from agoq.policy import FP8Spec
@@ -46,20 +47,21 @@ def check_compute(spec: FP8Spec, device: torch.device, *, num_layers: int, hidde
     """Raise (naming the flag) when the FP8 settings cannot run here: no FP8 GPU, dims."""
     if not spec.fp8_enabled:
         return
-    flag = f"--agoq-fp8 {spec.recipe} (or the policy's fp8.recipe)"
+    flag = f"{flag_for('fp8.recipe')} {spec.recipe} (or the policy's fp8.recipe)"
     if device.type != "cuda":
         raise ValueError(
             f"{flag} needs an NVIDIA GPU with FP8 tensor cores (compute capability >= "
             f"{'.'.join(map(str, MIN_FP8_CAPABILITY))}: Ada, Hopper or newer); this run is on the {device.type}. "
-            "Use --agoq-fp8 off; --agoq-smooth-swiglu alone runs on the CPU")
+            f"Use {flag_for('fp8.recipe')} off; {flag_for('fp8.smooth_swiglu')} alone runs on the CPU")
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_FP8_CAPABILITY:
         raise ValueError(f"{flag} needs compute capability >= {MIN_FP8_CAPABILITY} (FP8 tensor cores); this GPU "
-                         f"({torch.cuda.get_device_name(device)}) has {capability}. Use --agoq-fp8 off")
+                         f"({torch.cuda.get_device_name(device)}) has {capability}. Use {flag_for('fp8.recipe')} off")
     if not any(spec.uses_fp8(i, num_layers) for i in range(num_layers)):
         raise ValueError(f"{flag}: no layer runs in FP8 (--num-layers {num_layers}, bf16 first "
                          f"{spec.bf16_first_layers} and last {spec.bf16_last_layers}); lower "
-                         "--agoq-fp8-bf16-first-layers / --agoq-fp8-bf16-last-layers or use --agoq-fp8 off")
+                         f"{flag_for('fp8.bf16_first_layers')} / {flag_for('fp8.bf16_last_layers')} or use "
+                         f"{flag_for('fp8.recipe')} off")
     head_dim = hidden // heads
     dims = {"tokens per micro-batch (--seq-length x --micro-batch-size)": tokens_per_microbatch,
             "--hidden-size": hidden, "--ffn-hidden-size / TP": ffn // tp,

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from agoq.config import flag_for
+
 log = logging.getLogger("agoq.cpu_mode")
 
 _CUDA_DEVICE_RE = re.compile(r"^cuda(:\d+)?$")
@@ -133,7 +135,7 @@ def enter_cpu_mode() -> None:
     if torch.cuda.is_available():
         raise RuntimeError(
             "agoq CPU mode was requested on a machine with a CUDA GPU; GPU runs must not use the "
-            "CPU shims. Run without --agoq-device cpu, or hide the GPUs with CUDA_VISIBLE_DEVICES=''."
+            f"CPU shims. Run without {flag_for('device')} cpu, or hide the GPUs with CUDA_VISIBLE_DEVICES=''."
         )
     _patch(torch.cuda, "current_device", lambda: _CPU)
     _patch(torch.cuda, "current_stream", lambda device=None: _NoOpStream())

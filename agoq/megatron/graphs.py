@@ -50,6 +50,8 @@ import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.cuda_graphs import is_graph_warmup
 
+from agoq.config import flag_for
+
 __all__ = ["FEATURES", "VALIDATED", "allow_unvalidated", "captured_graphs", "check_cuda_graphs", "graph_phase",
            "graphs_on", "layer_features", "needs_rope_per_microbatch", "rope_per_microbatch",
            "set_fp8_graph_phase"]
@@ -76,22 +78,23 @@ _CAPTURE_SAFE = ("its graph path is built and CPU-tested (agoq/megatron/graphs.p
 _HOOKS = ("Megatron's graphed backward adds each weight gradient into param.main_grad inside the graph and gives "
           "autograd no parameter gradient, so no per-parameter backward hook runs")
 
+_FP8, _SMOOTH = flag_for("fp8.recipe"), flag_for("fp8.smooth_swiglu")
+_GRADS, _RELEASE = flag_for("grads.format"), flag_for("optimizer.gradient_release")
 FEATURES: dict[str, Feature] = {
     "activations": Feature("agoq's low-bit saved activations (quantized saves, norm / SwiGLU recompute)",
-                           "use a bf16 activation policy (--agoq-policy configs/policy/bf16.yaml) or --agoq-disable",
-                           UNVALIDATED, _CAPTURE_SAFE),
-    "fp8_current": Feature("agoq's FP8 linears with current scaling", "--agoq-fp8 off", UNVALIDATED, _CAPTURE_SAFE),
-    "fp8_delayed": Feature("agoq's FP8 linears with delayed scaling", "--agoq-fp8 off", UNVALIDATED, _CAPTURE_SAFE),
-    "fp8_rowwise": Feature("agoq's FP8 linears with row-wise scaling", "--agoq-fp8 off", UNVALIDATED, _CAPTURE_SAFE),
-    "smooth_per_token": Feature("per-token Smooth-SwiGLU", "--agoq-smooth-swiglu off", UNVALIDATED, _CAPTURE_SAFE),
-    "smooth_per_channel": Feature("per-channel Smooth-SwiGLU", "--agoq-smooth-swiglu off", UNVALIDATED,
-                                  _CAPTURE_SAFE),
-    "grads_store": Feature("agoq's 8-bit gradient store (--agoq-grads, store mode)", "drop --agoq-grads",
+                           f"use a bf16 activation policy ({flag_for('policy.path')} configs/policy/bf16.yaml) or "
+                           f"{flag_for('enabled')}", UNVALIDATED, _CAPTURE_SAFE),
+    "fp8_current": Feature("agoq's FP8 linears with current scaling", f"{_FP8} off", UNVALIDATED, _CAPTURE_SAFE),
+    "fp8_delayed": Feature("agoq's FP8 linears with delayed scaling", f"{_FP8} off", UNVALIDATED, _CAPTURE_SAFE),
+    "fp8_rowwise": Feature("agoq's FP8 linears with row-wise scaling", f"{_FP8} off", UNVALIDATED, _CAPTURE_SAFE),
+    "smooth_per_token": Feature("per-token Smooth-SwiGLU", f"{_SMOOTH} off", UNVALIDATED, _CAPTURE_SAFE),
+    "smooth_per_channel": Feature("per-channel Smooth-SwiGLU", f"{_SMOOTH} off", UNVALIDATED, _CAPTURE_SAFE),
+    "grads_store": Feature(f"agoq's 8-bit gradient store ({_GRADS}, store mode)", f"drop {_GRADS}",
                            INCOMPATIBLE, _HOOKS + " (the 8-bit store accumulates in DDP's hook)"),
-    "grads_reduce": Feature("agoq's 8-bit gradient reduction (--agoq-grads, reduce mode)", "drop --agoq-grads",
+    "grads_reduce": Feature(f"agoq's 8-bit gradient reduction ({_GRADS}, reduce mode)", f"drop {_GRADS}",
                             UNVALIDATED, "its float main_grad would take the graph's accumulation, but it has not "
                             "been run under graphs (data parallelism on GPUs)"),
-    "gradient_release": Feature("agoq's gradient release (--agoq-gradient-release)", "drop --agoq-gradient-release",
+    "gradient_release": Feature(f"agoq's gradient release ({_RELEASE})", f"drop {_RELEASE}",
                                 INCOMPATIBLE, _HOOKS + " (release steps each parameter in that hook and keeps no "
                                 "main_grad)"),
 }

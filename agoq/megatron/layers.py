@@ -72,6 +72,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from agoq.config import flag_for
 from agoq.formats import QuantFormat
 from agoq.ops import saved_norm, saved_swiglu  # noqa: F401 - their compile boundaries exist before prepare_all
 from agoq.ops.fp8_linear import fp8_linear
@@ -196,7 +197,7 @@ class AgoqRMSNorm(torch.nn.RMSNorm):
         if problems:
             raise NotImplementedError(
                 f"agoq's RMSNorm does not support {'; '.join(problems)} (TransformerConfig; Megatron-LM's flags in "
-                "brackets); or use --agoq-disable"
+                f"brackets); or use {flag_for('enabled')}"
             )
         if agoq_save.fmt is not None and agoq_handoff is None:
             raise ValueError(f"agoq: the norm {agoq_save.key} stores its input quantized but has no hand-off to the "
@@ -242,7 +243,8 @@ class _AgoqLinearMixin:
         if agoq_fp8 is not None and self.config.sequence_parallel:
             raise NotImplementedError(
                 f"agoq's FP8 linears do not all-gather a sequence-sharded input (layer/role {agoq_save.key}: "
-                "sequence_parallel=True); run these layers in bf16 (--agoq-fp8 off) or drop --sequence-parallel")
+                f"sequence_parallel=True); run these layers in bf16 ({flag_for('fp8.recipe')} off) or drop "
+                "--sequence-parallel")
         self.agoq_save = agoq_save
         self.agoq_handoff = agoq_handoff
         self.agoq_fp8 = agoq_fp8  # FP8Recipe for this linear, or None: Megatron's bf16 GEMMs
@@ -406,7 +408,8 @@ class _AgoqLinearMixin:
         return y if kw.get("bias") is None else y + kw["bias"]
 
     def _check_fp8_kwargs(self, args, kw) -> None:
-        self._check_unfused_kwargs(args, kw, "agoq's FP8 linear", "run this layer in bf16 (--agoq-fp8 off)")
+        self._check_unfused_kwargs(args, kw, "agoq's FP8 linear",
+                                   f"run this layer in bf16 ({flag_for('fp8.recipe')} off)")
 
     def _check_unfused_kwargs(self, args, kw, what: str, fix: str, *, sequence_parallel: bool = False) -> None:
         """Raise when Megatron passes an option that agoq's own linear nodes do not implement

@@ -60,7 +60,7 @@ import functools
 import logging
 from dataclasses import dataclass
 
-from agoq.config import AgoqConfig
+from agoq.config import AgoqConfig, flag_for
 from agoq.megatron import compat
 from agoq.megatron.contract import Symbol
 
@@ -444,7 +444,7 @@ def install_for_megatron_training(config: AgoqConfig):
 def describe(config: AgoqConfig) -> str:
     """One line for the log: what agoq does in this run."""
     if not config.enabled:
-        return "agoq: disabled (--agoq-disable): plain Megatron model, DDP and optimizer"
+        return f"agoq: disabled ({flag_for('enabled')}): plain Megatron model, DDP and optimizer"
     opt = config.optimizer
     parts = [f"policy {config.policy.path or 'configs/policy/agoq.yaml (default)'}",
              f"gradients {config.grads.format or 'Megatron float'}"

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
+from agoq.config import flag_for
 from agoq.megatron.layers import _NO_SAVE, Handoff, SavedInputConfig, SmoothFc2Input, with_params
 from agoq.ops.saved_act import default_saved_hooks_active
 from agoq.ops.saved_swiglu import smooth_swiglu_saving_input, swiglu_reference, swiglu_saving_input
@@ -83,7 +84,8 @@ class AgoqMLP(MLP):
         if self.config.glu_linear_offset:
             problems.append("glu_linear_offset=0")
         if problems:
-            raise NotImplementedError(f"Smooth-SwiGLU needs {', '.join(problems)}; use --agoq-smooth-swiglu off")
+            raise NotImplementedError(f"Smooth-SwiGLU needs {', '.join(problems)}; use "
+                                      f"{flag_for('fp8.smooth_swiglu')} off")
 
     def plain_fusion_problems(self) -> list[str]:
         """Why plain SwiGLU cannot run fused with fc2 (empty: it can): fc2 must be FP8 with per-tensor delayed
@@ -94,7 +96,7 @@ class AgoqMLP(MLP):
         recipe = getattr(self.linear_fc2, "agoq_fp8", None)
         problems = []
         if recipe is None or recipe.granularity != "tensor" or recipe.scaling != "delayed":
-            problems.append("an FP8 fc2 with per-tensor delayed scaling (--agoq-fp8 delayed)")
+            problems.append(f"an FP8 fc2 with per-tensor delayed scaling ({flag_for('fp8.recipe')} delayed)")
         problems += self._swiglu_problems()
         if self.config.glu_linear_offset:
             problems.append("glu_linear_offset=0")

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from agoq.config import flag_for
 from agoq.megatron.model import ParallelLayout
 
 GIB = 1024**3
@@ -70,10 +71,11 @@ class RankInfo:
 def choose_device(requested: str, local_rank: int) -> torch.device:
     """``auto`` picks this rank's GPU when CUDA is available, else the CPU; ``cuda`` without a GPU raises."""
     if requested not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"--agoq-device {requested!r}: choose auto, cpu or cuda")
+        raise ValueError(f"{flag_for('device')} {requested!r}: choose auto, cpu or cuda")
     has_cuda = torch.cuda.is_available()
     if requested == "cuda" and not has_cuda:
-        raise ValueError("--agoq-device cuda was given but no CUDA GPU is visible; use --agoq-device auto or cpu")
+        raise ValueError(f"{flag_for('device')} cuda was given but no CUDA GPU is visible; use {flag_for('device')} "
+                         "auto or cpu")
     if requested == "cpu" or not has_cuda:
         return torch.device("cpu")
     torch.cuda.set_device(local_rank)

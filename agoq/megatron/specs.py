@@ -40,6 +40,8 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from agoq.config import flag_for
+
 __all__ = ["ATTENTION_BACKENDS", "AgoqSpecProvider", "layer_spec", "layer_submodules"]
 
 ATTENTION_BACKENDS = ("sdpa", "megatron")
@@ -89,7 +91,7 @@ class AgoqSpecProvider(LocalSpecProvider):
             return super().layer_norm(rms_norm=rms_norm, for_qk=for_qk, has_residual=has_residual)
         if not rms_norm or for_qk:
             raise NotImplementedError("agoq's layer has RMSNorm pre-norms only (--normalization RMSNorm, no QK "
-                                      "norm); or use --agoq-disable")
+                                      f"norm); or use {flag_for('enabled')}")
         from agoq.megatron.layers import AgoqRMSNorm
 
         return AgoqRMSNorm

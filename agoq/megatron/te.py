@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from agoq.config import AgoqConfig
+from agoq.config import AgoqConfig, flag_for
 
 TE_INSTALL_HINT = ("pip install --no-build-isolation 'transformer-engine[pytorch]' (it builds against your torch and "
                    "CUDA; benchmarks/device/te_wheels.sh + te_device.sh do it on a machine without internet)")
@@ -51,16 +51,17 @@ def check_te_composition(config: AgoqConfig, gradient_accumulation_fusion: bool)
     if not config.enabled:
         return
     if config.fp8.fp8_enabled:
-        raise ValueError(f"--agoq-fp8 {config.fp8.recipe} with --transformer-impl transformer_engine: TE's modules "
-                         "run the FP8 GEMMs; use Megatron-LM's --fp8-format hybrid --fp8-recipe delayed (or "
-                         "tensorwise) instead, or --transformer-impl local for agoq's FP8 linears")
+        raise ValueError(f"{flag_for('fp8.recipe')} {config.fp8.recipe} with --transformer-impl transformer_engine: "
+                         "TE's modules run the FP8 GEMMs; use Megatron-LM's --fp8-format hybrid --fp8-recipe delayed "
+                         "(or tensorwise) instead, or --transformer-impl local for agoq's FP8 linears")
     if config.fp8.smooth_swiglu != "off":
-        raise ValueError("--agoq-smooth-swiglu with --transformer-impl transformer_engine: agoq's Smooth-SwiGLU runs "
-                         "in its own MLP, not in TE's; drop the flag, or use --transformer-impl local")
+        raise ValueError(f"{flag_for('fp8.smooth_swiglu')} with --transformer-impl transformer_engine: agoq's "
+                         "Smooth-SwiGLU runs in its own MLP, not in TE's; drop the flag, or use --transformer-impl "
+                         "local")
     if config.grads.quantized and config.grads.mode == "store" and gradient_accumulation_fusion:
-        raise ValueError("--agoq-grads in store mode with --gradient-accumulation-fusion: TE accumulates weight "
-                         "gradients into the float main_grad that the 8-bit store replaces; add "
-                         "--no-gradient-accumulation-fusion, or --agoq-grads-mode reduce")
+        raise ValueError(f"{flag_for('grads.format')} in store mode with --gradient-accumulation-fusion: TE "
+                         "accumulates weight gradients into the float main_grad that the 8-bit store replaces; add "
+                         f"--no-gradient-accumulation-fusion, or {flag_for('grads.mode')} reduce")
 
 
 def te_layer_spec():

@@ -49,11 +49,11 @@ import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
-from agoq.cli.agoq_flags import load_preset, merge_preset
+from agoq.cli.agoq_flags import PRESET_FLAG, load_preset, merge_preset
 from agoq.cli.config_file import load_config_file
 from agoq.cli.flags import build_parser as trainer_parser
 from agoq.cli.seqpar_args import sequence_parallel_problem
-from agoq.config import AgoqConfig
+from agoq.config import AgoqConfig, flag_for
 from agoq.config.values import float_grads_mismatch, torch_optimizer_state_refusal
 from agoq.plan import capacity, launch, te, te_cli
 from agoq.plan.headroom import OUTSIDE_ALLOCATOR_GIB, allocator_budget
@@ -227,10 +227,10 @@ def _check_unmodelled(values: dict, request: PlanRequest, cfg: dict) -> None:
             continue  # the TE path plans Megatron + TE alone (agoq.plan.te_cli)
         value = values.get(key, modelled)
         if value != modelled:
-            where = (flag_name(key) if key in dict(request.trainer) else f"--agoq-preset {preset}: {key}"
+            where = (flag_name(key) if key in dict(request.trainer) else f"{PRESET_FLAG} {preset}: {key}"
                      if key in preset_keys else f"--config {request.config}: {key}" if key in cfg else flag_name(key))
             fix = ("plan a copy of the file without the key" if where.startswith("--config") else "plan another "
-                   "preset" if where.startswith("--agoq-preset") else "drop the flag")
+                   "preset" if where.startswith(PRESET_FLAG) else "drop the flag")
             raise ValueError(f"{where}: {value} is not something the planner models ({why}); its prediction would "
                              f"be for {key}: {modelled}. {fix[0].upper()}{fix[1:]}")
 
@@ -285,7 +285,7 @@ def check_run_flags(values: dict, layout: Layout) -> None:
     grads = values.get("agoq_grads")
     mismatch = float_grads_mismatch(grads, bf16_buffer=bool(values.get("grad_reduce_in_bf16")))
     if mismatch:
-        raise ValueError(f"--agoq-grads {grads} {mismatch}")
+        raise ValueError(f"{flag_for('grads.format')} {grads} {mismatch}")
     if values.get("sequence_parallel"):  # the trainer's refusals (agoq.cli.seqpar_args), on the merged values
         problem = sequence_parallel_problem(tp=layout.tp, seq_length=layout.seq, fp8=config_of(values).fp8)
         if problem:
@@ -297,9 +297,9 @@ def check_run_flags(values: dict, layout: Layout) -> None:
                  (layout.pp > 1, f"PP={layout.pp}"), (layout.dp > 1, f"DP={layout.dp}")]
     found = [what for hit, what in conflicts if hit]
     if found:
-        raise ValueError(f"--agoq-gradient-release conflicts with {', '.join(found)} (from the flags or the --config "
-                         "file): release keeps no gradient buffer and needs one GPU per model, as the trainer "
-                         "refuses; drop --agoq-gradient-release or those settings")
+        raise ValueError(f"{flag_for('optimizer.gradient_release')} conflicts with {', '.join(found)} (from the flags "
+                         "or the --config file): release keeps no gradient buffer and needs one GPU per model, as the "
+                         f"trainer refuses; drop {flag_for('optimizer.gradient_release')} or those settings")
 
 
 def shape_of(values: dict, config: str | None) -> ModelShape:

@@ -31,7 +31,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 
-from agoq.config import AgoqConfig
+from agoq.config import AgoqConfig, flag_for
 from agoq.plan.memory import GIB, Layout
 from agoq.plan.peak import MASTER_BYTES, Recipe, StagePeak, predict_peaks
 from agoq.plan.recipe import recipe_of
@@ -76,9 +76,9 @@ PRESETS = (
 TERMS = ("weights", "master", "optimizer states", "grads", "activations", "logits", "temporaries", "runtime")
 REMEDIES = {
     "weights": "more pipeline / tensor parallelism (weights are split only by PP and TP)",
-    "master": "the distributed optimizer (DP > 1) or agoq's split master (--agoq-optimizer adamw)",
+    "master": f"the distributed optimizer (DP > 1) or agoq's split master ({flag_for('optimizer.kind')} adamw)",
     "optimizer states": "the distributed optimizer (DP > 1), agoq's 8-bit or 4-bit moments",
-    "grads": "8-bit gradients (--agoq-grads int8_b256) or gradient release (PP = TP = DP = 1)",
+    "grads": f"8-bit gradients ({flag_for('grads.format')} int8_b256) or gradient release (PP = TP = DP = 1)",
     "activations": "recompute, a lower-bit activation policy, or more pipeline stages",
     "logits": "tensor parallelism (the logits are vocabulary-parallel), a shorter sequence or micro-batch",
     "temporaries": "tensor parallelism (the largest temporaries are per-layer [tokens, ffn] tensors)",

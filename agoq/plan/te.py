@@ -55,6 +55,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agoq.config import flag_for
 from agoq.formats import QuantFormat, parse_format
 from agoq.plan.memory import Layout, ModelShape
 from agoq.plan.peak import (
@@ -124,7 +125,7 @@ def add_arguments(parser) -> None:
     g = parser.add_argument_group("Transformer Engine (Megatron-LM's flags; the planner models one GPU)")
     g.add_argument("--transformer-impl", choices=IMPLS, default=None,
                    help="transformer_engine: plan Megatron's TE spec (agoq's scopes on TE's modules; "
-                        "--agoq-disable: Megatron + TE alone)")
+                        f"{flag_for('enabled')}: Megatron + TE alone)")
     g.add_argument("--fp8-format", choices=FP8_FORMATS, default=None, help="TE's FP8 GEMMs")
     g.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None, help="modelled: delayed")
     g.add_argument("--fp8-amax-history-len", type=int, default=None)
@@ -160,7 +161,7 @@ def local_problem(values: dict) -> str | None:
     given = [_flag(k) for k in TE_ONLY_KEYS if values.get(k) is not None]
     if given and not is_te(values):
         return (f"{', '.join(given)}: Megatron-LM's Transformer Engine flags; the planner models them with "
-                "--transformer-impl transformer_engine (agoq's own FP8 on the local spec: --agoq-fp8)")
+                f"--transformer-impl transformer_engine (agoq's own FP8 on the local spec: {flag_for('fp8.recipe')})")
     return None
 
 
@@ -196,7 +197,7 @@ def settings_of(values: dict, layout: Layout) -> TESettings:
                              f"modelled: {', '.join(MOMENT_BYTES)}")
     agoq = not values.get("agoq_disable")
     if aware and agoq and values.get("agoq_optimizer") not in (None, "torch"):
-        raise ValueError("--use-precision-aware-optimizer with --agoq-optimizer: two optimizers; drop one")
+        raise ValueError(f"--use-precision-aware-optimizer with {flag_for('optimizer.kind')}: two optimizers; drop one")
     if values.get("recompute_method") not in (None, "uniform"):
         raise ValueError(f"--recompute-method {values['recompute_method']}: not modelled by the planner's TE path "
                          "(modelled: uniform, one layer per group)")
@@ -204,14 +205,14 @@ def settings_of(values: dict, layout: Layout) -> TESettings:
         raise ValueError("--recompute-granularity selective with --transformer-impl transformer_engine: not modelled "
                          "(TE's attention recompute); use full or none")
     if agoq and (values.get("agoq_fp8") or values.get("agoq_smooth_swiglu") not in (None, "off")):
-        raise ValueError("--agoq-fp8 / --agoq-smooth-swiglu with --transformer-impl transformer_engine: TE's modules "
-                         "run the FP8 GEMMs (agoq.megatron.te refuses them); use --fp8-format hybrid --fp8-recipe "
-                         "delayed")
+        raise ValueError(f"{flag_for('fp8.recipe')} / {flag_for('fp8.smooth_swiglu')} with --transformer-impl "
+                         "transformer_engine: TE's modules run the FP8 GEMMs (agoq.megatron.te refuses them); use "
+                         "--fp8-format hybrid --fp8-recipe delayed")
     fusion = values.get("gradient_accumulation_fusion")
     fusion = True if fusion is None else fusion
     if agoq and fusion and values.get("agoq_grads") and (values.get("agoq_grads_mode") or "store") == "store":
-        raise ValueError("--agoq-grads (store mode) with gradient-accumulation fusion: TE writes the float "
-                         "main_grad the 8-bit store replaces (agoq.megatron.te refuses it); add "
+        raise ValueError(f"{flag_for('grads.format')} (store mode) with gradient-accumulation fusion: TE writes the "
+                         "float main_grad the 8-bit store replaces (agoq.megatron.te refuses it); add "
                          "--no-gradient-accumulation-fusion")
     mask = values.get("create_attention_mask_in_dataloader")
     return TESettings(fp8=fmt is not None, amax_history_len=values.get("fp8_amax_history_len") or 1024,

@@ -12,6 +12,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from agoq.config import flag_for
 from agoq.plan import te
 from agoq.plan.memory import GIB, Layout, ModelShape
 from agoq.plan.peak import format_peak_report, format_peaks
@@ -23,7 +24,7 @@ AGOQ_ONLY = ("agoq_optimizer", "agoq_moments", "agoq_master", "agoq_grads", "ago
 
 def describe(settings: te.TESettings) -> str:
     side = "agoq on Megatron + TE (saved-activation scopes on TE's modules)" if settings.agoq else \
-        "Megatron + TE alone (--agoq-disable)"
+        f"Megatron + TE alone ({flag_for('enabled')})"
     fp8 = f"FP8 delayed (hybrid), amax history {settings.amax_history_len}" if settings.fp8 else "bf16 GEMMs"
     opt = (f"precision-aware optimizer (master remainder, moments {settings.exp_avg} / {settings.exp_avg_sq})"
            if settings.precision_aware else "")
@@ -41,8 +42,8 @@ def run_te(request, values: dict, shape: ModelShape, layout: Layout, recipe_for:
         given = [k for k in AGOQ_ONLY if values.get(k) not in (None, False) or (k == "policies" and request.policies)]
         if given:
             names = ", ".join("--" + k.replace("_", "-") for k in given)
-            raise ValueError(f"{names} with --agoq-disable: Megatron + TE alone stores no policy and runs Megatron's "
-                             "optimizer; drop them, or drop --agoq-disable")
+            raise ValueError(f"{names} with {flag_for('enabled')}: Megatron + TE alone stores no policy and runs "
+                             f"Megatron's optimizer; drop them, or drop {flag_for('enabled')}")
     budget = budget_of()
     print(describe(settings))
     print("what the TE path changes against agoq's local spec (agoq.plan.te):")

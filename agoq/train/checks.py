@@ -12,6 +12,7 @@ from pathlib import Path
 from agoq.cli.flags import build_parser, policy_path
 from agoq.cli.graph_args import check_graph_flags
 from agoq.cli.optim_args import check_release_flags
+from agoq.config import flag_for
 
 # Light imports only (argparse, yaml, numpy, sentencepiece, the torch-free policy and format packages): the
 # script parses and checks its command line before torch and megatron load (~5 s), so a bad flag, policy or
@@ -84,8 +85,9 @@ def validate(args: argparse.Namespace) -> None:
     if args.agoq_disable and (args.agoq_grads or args.agoq_policy or args.agoq_optimizer != "torch"
                               or any(v is not None for v in compute_flags)):
         raise ValueError(
-            "--agoq-disable runs the plain Megatron baseline; drop --agoq-grads / --agoq-policy / --agoq-optimizer "
-            "/ --agoq-fp8* / --agoq-smooth-swiglu"
+            f"{flag_for('enabled')} runs the plain Megatron baseline; drop {flag_for('grads.format')} / "
+            f"{flag_for('policy.path')} / {flag_for('optimizer.kind')} / {flag_for('fp8.recipe')}* / "
+            f"{flag_for('fp8.smooth_swiglu')}"
         )
     _check_param_gather_flags(args)
     check_graph_flags(args)
@@ -182,13 +184,13 @@ def check_unused_flags(args: argparse.Namespace, given: set[str], command_line: 
                          "which is not given (plain RoPE); add --use-rope-scaling, or drop --rope-scaling-factor")
     config = args.agoq_config
     if not config.grads.quantized:
-        why = ("--agoq-disable" if args.agoq_disable else
-               f"--agoq-grads {args.agoq_grads}" if args.agoq_grads else
-               "no --agoq-grads FORMAT, and the policy sets no default grads")
+        why = (flag_for("enabled") if args.agoq_disable else
+               f"{flag_for('grads.format')} {args.agoq_grads}" if args.agoq_grads else
+               f"no {flag_for('grads.format')} FORMAT, and the policy sets no default grads")
         for name in ("agoq_grads_mode", "agoq_grad_transport"):
             flag = "--" + name.replace("_", "-")
             if name in given:
-                add = "" if args.agoq_disable else "add --agoq-grads int8_b256, or "
+                add = "" if args.agoq_disable else f"add {flag_for('grads.format')} int8_b256, or "
                 raise ValueError(f"{flag} {getattr(args, name)} applies to agoq's 8-bit gradients, which this run does "
                                  f"not use ({why}); {add}drop {flag}")
     _check_float_grads_name(args)
@@ -196,8 +198,9 @@ def check_unused_flags(args: argparse.Namespace, given: set[str], command_line: 
     for name in ("agoq_sgd_momentum", "agoq_sgd_nesterov", "agoq_lion_beta1", "agoq_lion_beta2"):
         kind = name.split("_")[1]
         if name in given and args.agoq_optimizer != kind:
-            raise ValueError(f"--{name.replace('_', '-')} applies to --agoq-optimizer {kind} (this run: "
-                             f"{args.agoq_optimizer}); add --agoq-optimizer {kind}, or drop --{name.replace('_', '-')}")
+            raise ValueError(f"--{name.replace('_', '-')} applies to {flag_for('optimizer.kind')} {kind} (this run: "
+                             f"{args.agoq_optimizer}); add {flag_for('optimizer.kind')} {kind}, or drop "
+                             f"--{name.replace('_', '-')}")
     _check_adam_flags(args, given, command_line)
 
 
@@ -217,15 +220,17 @@ def _companions(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
         ("force_unlock", bool(args.save), "takes the lock of the --save folder, and no --save DIR is given; add "
          "--save DIR"),
         ("agoq_unfused", args.agoq_optimizer != "torch", "runs agoq's optimizer step in plain PyTorch, but "
-         "--agoq-optimizer is torch (Megatron's Adam); add --agoq-optimizer adamw (or lion / sgd)"),
+         f"{flag_for('optimizer.kind')} is torch (Megatron's Adam); add {flag_for('optimizer.kind')} adamw (or lion / "
+         "sgd)"),
         ("agoq_small_numel", args.agoq_optimizer != "torch", "tunes agoq's fused optimizer step, but "
-         "--agoq-optimizer is torch (Megatron's Adam); add --agoq-optimizer adamw (or lion / sgd)"),
+         f"{flag_for('optimizer.kind')} is torch (Megatron's Adam); add {flag_for('optimizer.kind')} adamw (or lion / "
+         "sgd)"),
         ("agoq_fp8_amax_history_len", fp8 == "delayed", f"sizes FP8 delayed scaling's amax history, and this run's "
-         f"FP8 recipe is {fp8}; add --agoq-fp8 delayed"),
+         f"FP8 recipe is {fp8}; add {flag_for('fp8.recipe')} delayed"),
         ("agoq_fp8_bf16_first_layers", fp8 != "off", "keeps the first layers of FP8 linears in bf16, and FP8 is off; "
-         "add --agoq-fp8 delayed (or current / rowwise)"),
+         f"add {flag_for('fp8.recipe')} delayed (or current / rowwise)"),
         ("agoq_fp8_bf16_last_layers", fp8 != "off", "keeps the last layers of FP8 linears in bf16, and FP8 is off; "
-         "add --agoq-fp8 delayed (or current / rowwise)"),
+         f"add {flag_for('fp8.recipe')} delayed (or current / rowwise)"),
     ]
 
 
@@ -240,11 +245,13 @@ def _check_companion_flags(args: argparse.Namespace, given: set[str]) -> None:
             raise ValueError(f"{shown} {fix}, or drop {flag}")
     _check_policy_fp8_settings(args, given)
     if args.fp32 and "agoq_master" in given and args.agoq_master != "none":
-        raise ValueError(f"--agoq-master {args.agoq_master} splits a 16-bit parameter's fp32 master, but --fp32 "
-                         "parameters are their own master (agoq's optimizer keeps none); drop --agoq-master")
+        raise ValueError(f"{flag_for('optimizer.master')} {args.agoq_master} splits a 16-bit parameter's fp32 master, "
+                         "but --fp32 parameters are their own master (agoq's optimizer keeps none); drop "
+                         f"{flag_for('optimizer.master')}")
     if args.agoq_optimizer == "sgd" and args.agoq_sgd_nesterov and args.agoq_sgd_momentum == 0:
-        raise ValueError("--agoq-sgd-nesterov needs momentum, and --agoq-sgd-momentum is 0 (plain SGD); set "
-                         "--agoq-sgd-momentum > 0, or drop --agoq-sgd-nesterov")
+        raise ValueError(f"{flag_for('optimizer.sgd_nesterov')} needs momentum, and "
+                         f"{flag_for('optimizer.sgd_momentum')} is 0 (plain SGD); set "
+                         f"{flag_for('optimizer.sgd_momentum')} > 0, or drop {flag_for('optimizer.sgd_nesterov')}")
 
 
 def _check_policy_fp8_settings(args: argparse.Namespace, given: set[str]) -> None:
@@ -263,13 +270,13 @@ def _check_policy_fp8_settings(args: argparse.Namespace, given: set[str]) -> Non
         value = getattr(spec.fp8, key)
         if value != getattr(defaults, key) and not active and f"agoq_fp8_{key}" not in given:
             raise ValueError(f"{policy_path(args)}: fp8.{key} {value} acts only with {what}, and this run's FP8 "
-                             f"recipe is {recipe} (the policy's fp8.recipe, or --agoq-fp8 over it); set the recipe, "
-                             f"or drop fp8.{key}")
+                             f"recipe is {recipe} (the policy's fp8.recipe, or {flag_for('fp8.recipe')} over it); set "
+                             f"the recipe, or drop fp8.{key}")
 
 
 ADAM_FLAGS = ("adam_beta1", "adam_beta2", "adam_eps")
-OWN_FLAGS = {"lion": "--agoq-lion-beta1 and --agoq-lion-beta2 (and no eps)",
-             "sgd": "--agoq-sgd-momentum and --agoq-sgd-nesterov"}
+OWN_FLAGS = {"lion": f"{flag_for('optimizer.lion_beta1')} and {flag_for('optimizer.lion_beta2')} (and no eps)",
+             "sgd": f"{flag_for('optimizer.sgd_momentum')} and {flag_for('optimizer.sgd_nesterov')}"}
 
 
 def _check_adam_flags(args: argparse.Namespace, given: set[str], command_line: set[str]) -> None:
@@ -284,9 +291,10 @@ def _check_adam_flags(args: argparse.Namespace, given: set[str], command_line: s
     if unused:
         flags = ", ".join("--" + name.replace("_", "-") for name in unused)
         values = ", ".join(f"--{name.replace('_', '-')} {getattr(args, name)}" for name in unused)
-        raise ValueError(f"{values} set{'s' * (len(unused) == 1)} Adam (--agoq-optimizer torch or adamw), which "
-                         f"--agoq-optimizer {args.agoq_optimizer} does not use; {args.agoq_optimizer} takes "
-                         f"{OWN_FLAGS[args.agoq_optimizer]}; drop {flags} (or use --agoq-optimizer adamw)")
+        raise ValueError(f"{values} set{'s' * (len(unused) == 1)} Adam ({flag_for('optimizer.kind')} torch or adamw), "
+                         f"which {flag_for('optimizer.kind')} {args.agoq_optimizer} does not use; "
+                         f"{args.agoq_optimizer} takes {OWN_FLAGS[args.agoq_optimizer]}; drop {flags} (or use "
+                         f"{flag_for('optimizer.kind')} adamw)")
 
 
 def unused_file_settings(args: argparse.Namespace, file_keys: set[str], command_line: set[str]) -> list[str]:
@@ -297,7 +305,7 @@ def unused_file_settings(args: argparse.Namespace, file_keys: set[str], command_
     from_file = file_keys - command_line
     notes = []
     if args.agoq_optimizer in OWN_FLAGS and (adam := [k for k in ADAM_FLAGS if k in from_file]):
-        notes.append(f"{', '.join(adam)} (Adam's; --agoq-optimizer {args.agoq_optimizer} takes "
+        notes.append(f"{', '.join(adam)} (Adam's; {flag_for('optimizer.kind')} {args.agoq_optimizer} takes "
                      f"{OWN_FLAGS[args.agoq_optimizer]})")
     if "save_interval" in from_file and args.save_interval and not args.save:
         notes.append(f"save_interval {args.save_interval} (checkpoints are saved only with --save DIR)")
@@ -311,7 +319,7 @@ def _check_float_grads_name(args: argparse.Namespace) -> None:
     fmt = args.agoq_config.grads.format_name
     mismatch = float_grads_mismatch(fmt, bf16_buffer=args.grad_reduce_in_bf16, fp32_params=args.fp32)
     if mismatch:
-        source = f"--agoq-grads {fmt}" if args.agoq_grads else f"{policy_path(args)}: default.grads {fmt}"
+        source = f"{flag_for('grads.format')} {fmt}" if args.agoq_grads else f"{policy_path(args)}: default.grads {fmt}"
         raise ValueError(f"{source} {mismatch}")
 
 
@@ -319,8 +327,9 @@ def check_fc2_amax_flag(args: argparse.Namespace) -> None:
     """--log-fc2-amax reads fc2's delayed-scaling history (agoq.megatron.compute.fc2_input_amax): without FP8
     delayed scaling there is none, and the flag would log nothing."""
     if args.log_fc2_amax and args.agoq_config.fp8.recipe != "delayed":
-        raise ValueError(f"--log-fc2-amax reads the FP8 fc2's amax history, which only --agoq-fp8 delayed keeps "
-                         f"(this run: {args.agoq_config.fp8.recipe}); add --agoq-fp8 delayed or drop the flag")
+        raise ValueError(f"--log-fc2-amax reads the FP8 fc2's amax history, which only {flag_for('fp8.recipe')} "
+                         f"delayed keeps (this run: {args.agoq_config.fp8.recipe}); add {flag_for('fp8.recipe')} "
+                         "delayed or drop the flag")
 
 
 def _check_param_gather_flags(args: argparse.Namespace) -> None:

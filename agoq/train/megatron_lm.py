@@ -20,7 +20,7 @@ from pathlib import Path
 
 from agoq.cli.agoq_flags import ALL, add_agoq_flags, load_preset
 from agoq.cli.flags import DEFAULT_POLICY
-from agoq.config import AGOQ_FLAGS, AgoqConfig
+from agoq.config import AGOQ_FLAGS, AgoqConfig, flag_for
 from agoq.policy import load_policy
 
 ATTENTION_CHOICES = ("sdpa", "megatron")
@@ -52,7 +52,7 @@ def add_agoq_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = add_agoq_flags(parser, unset=ALL, door=True)
     g.add_argument("--agoq-attention", choices=ATTENTION_CHOICES, default="sdpa",
                    help="core attention: sdpa (torch scaled_dot_product_attention, flash/cuDNN) or megatron "
-                        "(the local spec's unfused DotProductAttention); applies with --agoq-disable too")
+                        f"(the local spec's unfused DotProductAttention); applies with {flag_for('enabled')} too")
     g.add_argument("--agoq-log-json", default=None, metavar="FILE",
                    help="append one JSON line per training iteration: its exact lm loss (Megatron's reduced loss of "
                         "the iteration, repr of the float), the value Megatron's log line prints where it prints one, "
@@ -60,7 +60,7 @@ def add_agoq_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-AGOQ_SWITCHES = tuple(f.dest for f in AGOQ_FLAGS if f.door and f.flag != "--agoq-disable")
+AGOQ_SWITCHES = tuple(f.dest for f in AGOQ_FLAGS if f.door and f.field != "enabled")
 """Flags that set an agoq feature (all config flags but --agoq-disable): refused with --agoq-disable."""
 
 
@@ -114,12 +114,12 @@ def check_megatron_args(args: argparse.Namespace) -> None:
     if args.agoq_disable:
         extra = [_flag(d) for d in AGOQ_SWITCHES if _given(args, d)]
         if extra:
-            raise RefusedFlags(f"--agoq-disable runs the plain Megatron baseline; drop {', '.join(extra)}")
+            raise RefusedFlags(f"{flag_for('enabled')} runs the plain Megatron baseline; drop {', '.join(extra)}")
         return
     impl = getattr(args, "transformer_impl", "local")
     if impl not in ("local", "transformer_engine"):
         raise RefusedFlags(f"--transformer-impl {impl}: agoq composes with Megatron's local spec and Transformer "
-                           "Engine's (--transformer-impl local or transformer_engine), or add --agoq-disable")
+                           f"Engine's (--transformer-impl local or transformer_engine), or add {flag_for('enabled')}")
     te = impl == "transformer_engine"
     if te:
         for dest, fix in (("agoq_fp8", "use Megatron-LM's --fp8-format hybrid --fp8-recipe delayed (TE's recipes)"),
@@ -133,13 +133,13 @@ def check_megatron_args(args: argparse.Namespace) -> None:
             raise RefusedFlags(agoq_te.te_missing_message())
     if args.agoq_gradient_release:
         raise UnavailableUnderMegatronTraining(
-            "--agoq-gradient-release steps the optimizer inside backward, which megatron.training's train_step "
-            "cannot host; run it with scripts/pretrain_llama.py or drop the flag")
+            f"{flag_for('optimizer.gradient_release')} steps the optimizer inside backward, which megatron.training's "
+            "train_step cannot host; run it with scripts/pretrain_llama.py or drop the flag")
     if not te:
         _check_local_attention(args)
     if getattr(args, "spec", None) is not None and list(args.spec) != AGOQ_SPEC:  # agoq's own (checkpoint args)
         raise RefusedFlags(f"--spec {' '.join(args.spec)}: agoq gives Megatron its own layer spec (through --spec); "
-                           "drop --spec, or --agoq-disable for your spec without agoq")
+                           f"drop --spec, or {flag_for('enabled')} for your spec without agoq")
     position = "rope" if getattr(args, "use_rotary_position_embeddings", False) else args.position_embedding_type
     for dest, wanted, fix in LLAMA_FLAGS:
         if te and dest == "transformer_impl":
@@ -147,9 +147,9 @@ def check_megatron_args(args: argparse.Namespace) -> None:
         value = position if dest == "position_embedding_type" else getattr(args, dest, None)
         if value != wanted:
             raise RefusedFlags(f"agoq's layers are LLaMA's ({fix[2:].split()[0]}: {value!r}); add {fix}, or "
-                               "--agoq-disable for the plain Megatron model")
+                               f"{flag_for('enabled')} for the plain Megatron model")
     if args.fp16:
-        raise RefusedFlags("--fp16: agoq runs bf16 (--bf16) or fp32 parameters; use --bf16, or --agoq-disable")
+        raise RefusedFlags(f"--fp16: agoq runs bf16 (--bf16) or fp32 parameters; use --bf16, or {flag_for('enabled')}")
     modules = list(getattr(args, "recompute_modules", None) or ["core_attn"])
     if not te and args.recompute_granularity == "selective" and modules != ["core_attn"]:
         raise RefusedFlags(f"--recompute-modules {' '.join(modules)}: with agoq's layers, selective recompute covers "
@@ -227,7 +227,8 @@ def take_over_recipe_flags(args: argparse.Namespace, config: AgoqConfig | None =
             args.gradient_accumulation_fusion = False
             notes.append("--gradient-accumulation-fusion (Megatron-LM's default) turned off: TE would accumulate "
                          "weight gradients into the float main_grad that agoq's 8-bit gradient store replaces (add "
-                         "--no-gradient-accumulation-fusion to drop this line, or --agoq-grads-mode reduce to keep it)")
+                         f"--no-gradient-accumulation-fusion to drop this line, or {flag_for('grads.mode')} reduce to "
+                         "keep it)")
     elif args.gradient_accumulation_fusion:
         args.gradient_accumulation_fusion = False
         notes.append("--gradient-accumulation-fusion (Megatron-LM's default) taken over: agoq's linears compute their "
@@ -246,12 +247,13 @@ def _check_optimizer_flags(args: argparse.Namespace) -> None:
     if args.agoq_optimizer in (None, "torch"):
         for dest in ("agoq_moments", "agoq_master", "agoq_small_numel", "agoq_unfused"):
             if _given(args, dest):
-                raise RefusedFlags(f"{_flag(dest)} sets agoq's optimizer, but --agoq-optimizer is torch (Megatron's "
-                                 f"optimizer); add --agoq-optimizer adamw (or lion / sgd), or drop {_flag(dest)}")
+                raise RefusedFlags(f"{_flag(dest)} sets agoq's optimizer, but {flag_for('optimizer.kind')} is torch "
+                                   f"(Megatron's optimizer); add {flag_for('optimizer.kind')} adamw (or lion / sgd), "
+                                   f"or drop {_flag(dest)}")
         return
     if args.optimizer != "adam":
-        raise RefusedFlags(f"--optimizer {args.optimizer} with --agoq-optimizer {args.agoq_optimizer}: agoq's "
-                         "optimizer replaces Megatron's; drop --optimizer (or --agoq-optimizer)")
+        raise RefusedFlags(f"--optimizer {args.optimizer} with {flag_for('optimizer.kind')} {args.agoq_optimizer}: "
+                           f"agoq's optimizer replaces Megatron's; drop --optimizer (or {flag_for('optimizer.kind')})")
     for dest, why in (("use_precision_aware_optimizer", "agoq keeps its own state formats"),
                       ("optimizer_cpu_offload", "agoq's states live on the GPU"),
                       ("decoupled_lr", "agoq's optimizer has one learning rate per step"),
@@ -259,7 +261,8 @@ def _check_optimizer_flags(args: argparse.Namespace) -> None:
                       ("apply_wd_to_qk_layernorm", "agoq's param groups exempt every 1-D parameter from weight "
                                                    "decay (Megatron's standard rule)")):
         if getattr(args, dest, None) not in (None, False):
-            raise RefusedFlags(f"{_flag(dest)} with --agoq-optimizer {args.agoq_optimizer}: {why}; drop one of the two")
+            raise RefusedFlags(f"{_flag(dest)} with {flag_for('optimizer.kind')} {args.agoq_optimizer}: {why}; drop "
+                               "one of the two")
 
 
 def agoq_config_from_megatron_args(args: argparse.Namespace) -> AgoqConfig:

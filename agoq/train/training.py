@@ -30,6 +30,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from agoq.config import flag_for
 from agoq.megatron import graphs, runtime, training_parts
 from agoq.megatron.optim.release import ReleaseDataParallel, TrainingStopped, finalize_release_grads
 from agoq.ops.fp8_weight_cache import fp8_weights_changed
@@ -219,9 +220,9 @@ class StepRunner:
         loss = _reduce_losses(losses, self.device)
         if _any_rank_nonfinite(self.model_chunks, loss, self.device):
             if release is not None:  # the parameters were stepped in backward: skipping is impossible
-                raise TrainingStopped(f"--agoq-gradient-release: non-finite loss {loss} at iteration {self.iteration} "
-                                   "after the parameters were updated in backward; stopping (resume from the "
-                                   "last checkpoint)")
+                raise TrainingStopped(f"{flag_for('optimizer.gradient_release')}: non-finite loss {loss} at iteration "
+                                      f"{self.iteration} after the parameters were updated in backward; stopping "
+                                      "(resume from the last checkpoint)")
             # Skip the update (Megatron's fp16 loss-scaler behaviour, applied to bf16): no optimizer or
             # LR-schedule step; the caller counts and reports it.
             return StepResult(loss=loss, grad_norm=None, update_successful=False,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from agoq.config import AgoqConfig
+from agoq.config import AgoqConfig, flag_for
 from agoq.config.values import MOMENT_PRESETS
 from agoq.plan.shape import SHAPE_FIELDS, ModelShape
 
@@ -116,10 +116,10 @@ _MUST_MATCH = {
     "tensor_parallel": "--tensor-model-parallel-size",
     "pipeline_parallel": "--pipeline-model-parallel-size",
     "virtual_pipeline": "model chunks per pipeline rank (--num-layers-per-virtual-pipeline-stage)",
-    "optimizer": "--agoq-optimizer",
-    "moments": "--agoq-moments",
-    "master": "--agoq-master",
-    "small_numel": "--agoq-small-numel",
+    "optimizer": flag_for("optimizer.kind"),
+    "moments": flag_for("optimizer.moments"),
+    "master": flag_for("optimizer.master"),
+    "small_numel": flag_for("optimizer.small_numel"),
     "distributed_optimizer": "--use-distributed-optimizer",
     "share_embeddings_and_output_weights": "tied embeddings (--tie-embeddings-and-output-weights)",
 }
@@ -130,30 +130,30 @@ _MAY_CHANGE = {
     "norm_epsilon": "--norm-epsilon",
     "rope_scaling": "--use-rope-scaling",
     "rope_scaling_factor": "--rope-scaling-factor",
-    "gradient_release": "--agoq-gradient-release",
-    "grads": "--agoq-grads",
+    "gradient_release": flag_for("optimizer.gradient_release"),
+    "grads": flag_for("grads.format"),
 }
 # AgoqConfig keys ("section.field" of as_dict) that the contract above does not derive: allowed to change,
 # reported by their flag ...
 CONFIG_MAY_CHANGE = {
-    "enabled": "--agoq-disable",
-    "policy.path": "--agoq-policy",
+    "enabled": flag_for("enabled"),
+    "policy.path": flag_for("policy.path"),
     "activations.recompute": "--recompute-granularity",
     "activations.recompute_num_layers": "--recompute-num-layers",
     "activations.selective_recompute": "--recompute-granularity",
-    "grads.mode": "--agoq-grads-mode",
-    "grads.error_feedback": "--agoq-grads-error-feedback",
+    "grads.mode": flag_for("grads.mode"),
+    "grads.error_feedback": flag_for("grads.error_feedback"),
     "grads.reduce_in_bf16": "--grad-reduce-in-bf16",
-    "grads.transport": "--agoq-grad-transport",
-    "optimizer.sgd_momentum": "--agoq-sgd-momentum",
-    "optimizer.sgd_nesterov": "--agoq-sgd-nesterov",
-    "optimizer.lion_beta1": "--agoq-lion-beta1",
-    "optimizer.lion_beta2": "--agoq-lion-beta2",
-    "fp8.recipe": "--agoq-fp8",
-    "fp8.smooth_swiglu": "--agoq-smooth-swiglu",
-    "fp8.bf16_first_layers": "--agoq-fp8-bf16-first-layers",
-    "fp8.bf16_last_layers": "--agoq-fp8-bf16-last-layers",
-    "fp8.amax_history_len": "--agoq-fp8-amax-history-len",
+    "grads.transport": flag_for("grads.transport"),
+    "optimizer.sgd_momentum": flag_for("optimizer.sgd_momentum"),
+    "optimizer.sgd_nesterov": flag_for("optimizer.sgd_nesterov"),
+    "optimizer.lion_beta1": flag_for("optimizer.lion_beta1"),
+    "optimizer.lion_beta2": flag_for("optimizer.lion_beta2"),
+    "fp8.recipe": flag_for("fp8.recipe"),
+    "fp8.smooth_swiglu": flag_for("fp8.smooth_swiglu"),
+    "fp8.bf16_first_layers": flag_for("fp8.bf16_first_layers"),
+    "fp8.bf16_last_layers": flag_for("fp8.bf16_last_layers"),
+    "fp8.amax_history_len": flag_for("fp8.amax_history_len"),
 }
 # ... or silently: how the run executes, not what it computes
 CONFIG_RUNTIME = ("device", "triton_interpret", "rope_fusion", "optimizer.unfused")
@@ -239,7 +239,7 @@ def _resume_flag(field: str, saved: dict) -> str:
         return f"the tokenizer and --make-vocab-size-divisible-by that give a padded vocabulary of {value}"
     if field == "moments" and value is not None:
         preset = [name for name, pair in MOMENT_PRESETS.items() if value in (",".join(pair), pair[0])]
-        return f"--agoq-moments {preset[0] if preset else value}"
+        return f"{flag_for('optimizer.moments')} {preset[0] if preset else value}"
     return f"{_MUST_MATCH[field]} {value}"
 
 

@@ -73,6 +73,7 @@ from agoq.comm.grad_buffer import QuantizedGradBuffer
 from agoq.comm.pipeline import check_reduction_kernel, run_maybe_async
 from agoq.comm.reduce import allreduce_8bit, reduce_scatter_8bit
 from agoq.comm.symm import allreduce_8bit_peer, reduce_scatter_8bit_peer
+from agoq.config import flag_for
 from agoq.config.sections import GradsConfig
 from agoq.config.values import GRAD_MODES, GRAD_TRANSPORTS
 from agoq.megatron.grads.deferred_grad_buffer import DeferredGradBuffer, GradBufferOnMeta, check_deferred
@@ -236,8 +237,9 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
                  module: torch.nn.Module, disable_bucketing: bool = False, pg_collection=None, *,
                  grads: GradsConfig, chunk_bytes: int | None = None):
         if not grads.quantized:
-            raise ValueError(f"AgoqDistributedDataParallel needs a quantized gradient format, got --agoq-grads "
-                             f"{grads.format}; build Megatron's DDP (agoq.megatron.grads.ddp.wrap_ddp_agoq does)")
+            raise ValueError("AgoqDistributedDataParallel needs a quantized gradient format, got "
+                             f"{flag_for('grads.format')} {grads.format}; build Megatron's DDP "
+                             "(agoq.megatron.grads.ddp.wrap_ddp_agoq does)")
         _check_supported(config, ddp_config, grads)
         check_reduction_kernel(next(iter(module.parameters())).device, grads.format)
         if grads.mode == "store":  # Megatron's float grad buffer: meta placeholders (deferred_grad_buffer.py)
@@ -265,8 +267,8 @@ class AgoqDistributedDataParallel(DistributedDataParallel):
     def _build_stores(self, bucket_group, touched: set, transport: str) -> list[BucketStore]:
         if any(b.params_with_extra_main_grads for b in bucket_group.buckets):
             raise NotImplementedError(
-                "--agoq-grads-mode store: some parameters keep a separate fp32 main_grad next to a bf16 grad "
-                "buffer (Megatron's promoted main_grads); use --agoq-grads-mode reduce or --grad-reduce-in-fp32"
+                f"{flag_for('grads.mode')} store: some parameters keep a separate fp32 main_grad next to a bf16 grad "
+                f"buffer (Megatron's promoted main_grads); use {flag_for('grads.mode')} reduce or --grad-reduce-in-fp32"
             )
         group = self._reduction_group(bucket_group)
         world, rank = group.size(), group.rank()
@@ -396,16 +398,16 @@ def _check_supported(config: TransformerConfig, ddp_config: DistributedDataParal
     if ddp_config.num_distributed_optimizer_instances > 1:
         raise NotImplementedError(
             "agoq 8-bit gradients support num_distributed_optimizer_instances=1 only; drop "
-            "--num-distributed-optimizer-instances or --agoq-grads"
+            f"--num-distributed-optimizer-instances or {flag_for('grads.format')}"
         )
     if grad.mode == "store" and getattr(ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False):
         raise NotImplementedError(
-            "--agoq-grads-mode store frees Megatron's grad buffer, which reuse_grad_buf_for_mxfp8_param_ag uses "
-            "as the parameter all-gather buffer; turn that option off or use --agoq-grads-mode reduce"
+            f"{flag_for('grads.mode')} store frees Megatron's grad buffer, which reuse_grad_buf_for_mxfp8_param_ag "
+            f"uses as the parameter all-gather buffer; turn that option off or use {flag_for('grads.mode')} reduce"
         )
     if grad.mode == "store" and config.gradient_accumulation_fusion:
         raise NotImplementedError(
-            "--agoq-grads-mode store accumulates main_grad in 8 bits, but gradient_accumulation_fusion "
+            f"{flag_for('grads.mode')} store accumulates main_grad in 8 bits, but gradient_accumulation_fusion "
             "writes wgrads into main_grad directly; disable gradient accumulation fusion or use mode reduce"
         )
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
+from agoq.config import flag_for
 from agoq.megatron.install import mark
 
 __all__ = ["DeferredGradBuffer", "GradBufferOnMeta", "check_deferred"]
@@ -107,10 +108,10 @@ def check_deferred(buffers: list, mode: GradBufferOnMeta) -> None:
         bad.append(f"{len(mode.requested)} allocations sent to meta for {len(buffers)} buffers")
     if bad:
         raise RuntimeError(
-            "--agoq-grads-mode store: Megatron's _ParamAndGradBuffer did not allocate as agoq expects "
+            f"{flag_for('grads.mode')} store: Megatron's _ParamAndGradBuffer did not allocate as agoq expects "
             "(megatron-core 0.19.2: torch.zeros(numel, ..., requires_grad=False), parameter buffer before "
             "gradient buffer; agoq/megatron/grads/deferred_grad_buffer.py): " + "; ".join(bad)
-            + ". Use --agoq-grads-mode reduce with this configuration."
+            + f". Use {flag_for('grads.mode')} reduce with this configuration."
         )
 
 

@@ -50,6 +50,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import _get_param_grad_norm_group
 from megatron.core.transformer.module import param_is_not_shared
 
+from agoq.config import flag_for
 from agoq.megatron.install import mark, swap_class
 from agoq.ops.fp8_weight_cache import fp8_weights_changed
 
@@ -136,21 +137,24 @@ def _attach_distributed(optimizer, chunks: list) -> list:
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if isinstance(opt, ReadsShardGrads):  # agoq's (AgoqDistributedOptimizer)
             if getattr(opt.config, "log_num_zeros_in_grad", False) or opt.grad_scaler is not None:
-                raise NotImplementedError("--log-num-zeros-in-grad or an fp16 loss scaler with --agoq-grads store, "
-                                          "agoq's optimizer and the distributed optimizer is not implemented")
+                raise NotImplementedError("--log-num-zeros-in-grad or an fp16 loss scaler with "
+                                          f"{flag_for('grads.format')} store, agoq's optimizer and the distributed "
+                                          "optimizer is not implemented")
             reader = ShardGradReader(chunks, opt.shard_info)
             opt.grad_reader = reader
             opt.optimizer.grad_source = reader.clipped_grad
         elif isinstance(opt, DistributedOptimizer):
             if opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-                raise NotImplementedError("Megatron's precision-aware distributed optimizer with --agoq-grads store "
-                                          "is not implemented; use --agoq-optimizer adamw|lion|sgd")
+                raise NotImplementedError("Megatron's precision-aware distributed optimizer with "
+                                          f"{flag_for('grads.format')} store is not implemented; use "
+                                          f"{flag_for('optimizer.kind')} adamw|lion|sgd")
             reader = ShardGradReader(chunks, _megatron_shards(opt))
             swap_class(opt, ShardGradsDistributedOptimizer, seam="grad_reader.distributed_optimizer")
             opt.agoq_shard_reader = reader
         else:
-            raise NotImplementedError(f"--agoq-grads store with the distributed optimizer: {type(opt).__name__} "
-                                      "is not a DistributedOptimizer and cannot read the 8-bit shard")
+            raise NotImplementedError(f"{flag_for('grads.format')} store with the distributed optimizer: "
+                                      f"{type(opt).__name__} is not a DistributedOptimizer and cannot read the 8-bit "
+                                      "shard")
         readers.append(reader)
     for chunk in chunks:
         chunk.agoq_set_shard_reader()
@@ -172,11 +176,11 @@ def attach(optimizer, model_chunks: list):
     if not hasattr(optimizer, "grad_reader"):
         return None  # Megatron's optimizers: the DDP materialises the float buffer after the reduction
     if getattr(optimizer.config, "log_num_zeros_in_grad", False):
-        raise NotImplementedError("--log-num-zeros-in-grad with --agoq-grads store and agoq's optimizer is not "
-                                  "implemented; drop the flag or use --agoq-grads-mode reduce")
+        raise NotImplementedError(f"--log-num-zeros-in-grad with {flag_for('grads.format')} store and agoq's optimizer "
+                                  f"is not implemented; drop the flag or use {flag_for('grads.mode')} reduce")
     if any(_get_param_grad_norm_group(p) is not None for p in optimizer.get_parameters()):
-        raise NotImplementedError("separate grad-norm groups (MTP) with --agoq-grads store and agoq's optimizer "
-                                  "are not implemented; use --agoq-grads-mode reduce")
+        raise NotImplementedError(f"separate grad-norm groups (MTP) with {flag_for('grads.format')} store and agoq's "
+                                  f"optimizer are not implemented; use {flag_for('grads.mode')} reduce")
     for chunk in chunks:
         chunk.agoq_set_lazy(True)
     reader = QuantizedGradReader(chunks)

@@ -20,6 +20,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from agoq.config import flag_for
 from agoq.formats import QuantFormat, uses_bytes_kernel
 
 __all__ = ["resolve_transport", "peer_problems"]
@@ -67,11 +68,11 @@ def peer_problems(group, device: torch.device, fmt: QuantFormat) -> list[str]:
 def resolve_transport(requested: str, group, device: torch.device, fmt: QuantFormat) -> tuple[str, str]:
     """(transport, reason) for ``requested`` in auto / nccl / peer (module docstring)."""
     if requested == "nccl":
-        return "nccl", "--agoq-grad-transport nccl"
+        return "nccl", f"{flag_for('grads.transport')} nccl"
     problems = peer_problems(group, device, fmt)
     if not problems:
         return "peer", f"NVLink peer memory, {dist.get_world_size(group)} ranks on one host"
     if requested == "peer":
-        raise ValueError(f"--agoq-grad-transport peer: {'; '.join(problems)}. Use --agoq-grad-transport nccl "
-                         "(or auto, which picks nccl here)")
+        raise ValueError(f"{flag_for('grads.transport')} peer: {'; '.join(problems)}. Use "
+                         f"{flag_for('grads.transport')} nccl (or auto, which picks nccl here)")
     return "nccl", f"auto: {'; '.join(problems)}"

@@ -54,6 +54,7 @@ from megatron.core.optimizer.param_layout import (
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from agoq.config import flag_for
 from agoq.formats import parse_format
 from agoq.megatron.grads import grad_reader
 from agoq.megatron.optim.megatron_optimizer import STATE_PREFIX, init_all_states
@@ -141,7 +142,7 @@ class AgoqDistributedOptimizer(grad_reader.ReadsShardGrads, DistributedOptimizer
         ddp_config = model_chunks[0].ddp_config
         if ddp_config.num_distributed_optimizer_instances != 1 or ddp_config.use_megatron_fsdp:
             raise NotImplementedError(
-                "--agoq-optimizer with the distributed optimizer supports one optimizer instance and no "
+                f"{flag_for('optimizer.kind')} with the distributed optimizer supports one optimizer instance and no "
                 "Megatron-FSDP; drop --num-distributed-optimizer-instances"
             )
         # precision-aware mode: shards of the bf16 params, gradients in .decoupled_grad, no fp32 main copy
@@ -255,7 +256,8 @@ class AgoqDistributedOptimizer(grad_reader.ReadsShardGrads, DistributedOptimizer
                 name, (old, new) = next(iter(bad.items()))
                 raise ValueError(f"checkpoint optimizer states were saved as {old!r} for {name} (and "
                                  f"{len(bad) - 1} more), this run uses {new!r}: load with the same "
-                                 "--agoq-optimizer/--agoq-moments/--agoq-master/--agoq-small-numel")  # fmt: skip
+                                 f"{flag_for('optimizer.kind')}/{flag_for('optimizer.moments')}/"
+                                 f"{flag_for('optimizer.master')}/{flag_for('optimizer.small_numel')}")  # fmt: skip
         if "agoq_pieces" not in state_dict:
             raise ValueError("this checkpoint's agoq optimizer states were saved without --use-distributed-optimizer; "
                              "resume with the same setting (the two state layouts differ)")  # fmt: skip

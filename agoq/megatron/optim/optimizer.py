@@ -22,7 +22,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-from agoq.config import AgoqConfig
+from agoq.config import AgoqConfig, flag_for
 from agoq.config.values import parse_moments
 from agoq.megatron.grads import grad_reader
 from agoq.megatron.graphs import check_cuda_graphs
@@ -85,7 +85,8 @@ def build_agoq_optimizer(agoq_config: AgoqConfig, config: OptimizerConfig, model
     caller keeps Megatron's own optimizer for kind torch and builds the LR schedule."""
     if not agoq_config.optimizer.agoq:
         raise ValueError(
-            "build_agoq_optimizer needs --agoq-optimizer adamw|lion|sgd (torch = megatron_setup.build_optimizer)"
+            f"build_agoq_optimizer needs {flag_for('optimizer.kind')} adamw|lion|sgd (torch = "
+            "megatron_setup.build_optimizer)"
         )
     if agoq_config.optimizer.gradient_release:  # the trainer checked its flags; what the process groups say
         check_release_compatible(pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size(),

@@ -40,6 +40,7 @@ from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from agoq.config import flag_for
 from agoq.megatron.optim.megatron_optimizer import AgoqMegatronOptimizer, keep_autograd_grad_dtype
 from agoq.ops.fp8_weight_cache import fp8_weights_changed
 from agoq.ops.nonfinite import nonfinite_in
@@ -79,8 +80,9 @@ class ReleaseDataParallel(_BaseDataParallel):
         """Nothing to reduce (see start_grad_sync)."""
 
     def scale_gradients(self, scaling_factor: float) -> None:
-        raise RuntimeError("--agoq-gradient-release: gradients are applied inside backward and cannot be scaled "
-                           "afterwards (per-token loss scaling is not supported with release)")  # fmt: skip
+        raise RuntimeError(f"{flag_for('optimizer.gradient_release')}: gradients are applied inside backward and "
+                           "cannot be scaled afterwards (per-token loss scaling is not supported with "
+                           "release)")  # fmt: skip
 
     def zero_grad_buffer(self):
         """No buffer; drop any .grad left over (release frees each one inside backward)."""
@@ -94,7 +96,7 @@ class ReleaseDataParallel(_BaseDataParallel):
 def wrap_release(chunks: list, config: TransformerConfig, device: torch.device) -> list[ReleaseDataParallel]:
     """agoq.megatron.model.wrap_ddp's shape (to device, Float16Module for bf16) without Megatron's DDP."""
     if len(chunks) != 1:
-        raise ValueError("--agoq-gradient-release needs one model chunk (no virtual pipeline stages)")
+        raise ValueError(f"{flag_for('optimizer.gradient_release')} needs one model chunk (no virtual pipeline stages)")
     wrapped = []
     for chunk in chunks:
         chunk.to(device)
@@ -107,7 +109,7 @@ def wrap_release(chunks: list, config: TransformerConfig, device: torch.device) 
 def finalize_release_grads(model: list, num_tokens=None, pg_collection=None, force_all_reduce=False) -> None:
     """Megatron's finalize_model_grads_func contract; with release there is nothing to finalize."""
     if num_tokens is not None:
-        raise RuntimeError("--agoq-gradient-release does not support per-token loss scaling "
+        raise RuntimeError(f"{flag_for('optimizer.gradient_release')} does not support per-token loss scaling "
                            "(calculate_per_token_loss): the gradients are already applied")  # fmt: skip
     for chunk in model:
         chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
@@ -123,7 +125,7 @@ class AgoqReleaseOptimizer(AgoqMegatronOptimizer):
 
     def __init__(self, optimizer, config, init_state_fn, model_chunks: list):
         if not model_chunks or not all(isinstance(c, ReleaseDataParallel) for c in model_chunks):
-            raise ValueError("--agoq-gradient-release needs the model wrapped by "
+            raise ValueError(f"{flag_for('optimizer.gradient_release')} needs the model wrapped by "
                              "agoq.megatron.optim.release.wrap_release "
                              "(Megatron's DDP would allocate the gradient buffer release removes)")  # fmt: skip
         super().__init__(optimizer, config, init_state_fn)
@@ -137,16 +139,17 @@ class AgoqReleaseOptimizer(AgoqMegatronOptimizer):
 
     def _before_step(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         if any(getattr(chunk, "accumulating", False) for chunk in self.model_chunks):
-            raise RuntimeError("--agoq-gradient-release: a backward ran inside no_sync(), i.e. gradients are "
-                               "accumulated over several micro-batches; release needs one micro-batch per step "
-                               "(--global-batch-size = --micro-batch-size)")  # fmt: skip
+            raise RuntimeError(f"{flag_for('optimizer.gradient_release')}: a backward ran inside no_sync(), i.e. "
+                               "gradients are accumulated over several micro-batches; release needs one micro-batch "
+                               "per step (--global-batch-size = --micro-batch-size)")  # fmt: skip
         if bool(nonfinite_in(grad.reshape(-1))):
             at = f"iteration {self.iteration}" if self.iteration is not None else "this step"
             name = self.param_names.get(id(p), f"<unnamed {tuple(p.shape)}>")
             raise TrainingStopped(
-                f"--agoq-gradient-release: non-finite gradient (NaN/Inf) of {name} at {at}. The step cannot be "
-                f"skipped as without release (other parameters may already be updated): stopping. Resume from "
-                f"the last checkpoint (lower --lr, or run without --agoq-gradient-release to skip such steps)")
+                f"{flag_for('optimizer.gradient_release')}: non-finite gradient (NaN/Inf) of {name} at {at}. The step "
+                "cannot be skipped as without release (other parameters may already be updated): stopping. Resume from "
+                f"the last checkpoint (lower --lr, or run without {flag_for('optimizer.gradient_release')} to skip "
+                "such steps)")
 
     def zero_grad(self, set_to_none: bool = True):
         self.release.reset_count()
@@ -159,7 +162,8 @@ class AgoqReleaseOptimizer(AgoqMegatronOptimizer):
         if left or stepped != self.num_params:
             names = [self.param_names.get(id(p), str(tuple(p.shape))) for p in left[:3]]
             raise RuntimeError(
-                f"--agoq-gradient-release: {stepped} of {self.num_params} parameters were stepped in backward"
+                f"{flag_for('optimizer.gradient_release')}: {stepped} of {self.num_params} parameters were stepped in "
+                "backward"
                 + (f"; gradients left unreleased: {names}" if left else "")
                 + " (unused parameters, or a backward outside Megatron's schedule, are not supported with release)")
         fp8_weights_changed()  # the hooks moved the weights outside torch's Optimizer.step (its post-hook)
