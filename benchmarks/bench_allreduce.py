@@ -746,7 +746,7 @@ def resolve_baseline_args(args, parser: argparse.ArgumentParser) -> None:
     args.collectives = tuple(args.collectives or COLLECTIVES)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-mib", type=int, nargs="+", default=None)
     p.add_argument("--chunk-mib", type=int, nargs="+", default=DEFAULT_CHUNK_MIB,
@@ -776,6 +776,11 @@ def main() -> None:
                    help="both (default on GPUs): each case is timed as a single call from an idle GPU (ms: host "
                         "enqueue included) and again with the enqueue hidden behind a GPU sleep (device_ms); "
                         "latency: the first only")
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     args = p.parse_args()
     if args.link == "socket":
         os.environ.update(SOCKET_LINK_ENV)  # read by NCCL when the communicator is created
