@@ -84,6 +84,16 @@ def best_per_size(cands: list[dict], metric: str) -> dict[int, dict]:
     return best
 
 
+def _described(c: dict, collective: str, metric: str, peak: float | None) -> dict:
+    """A candidate with its bus bandwidth (and fraction of the link's peak)."""
+    bw = bus_bandwidth_gbps(collective, case_bytes(c["case"], c["numel"], c["world_size"]), c[metric],
+                            c["world_size"])
+    out = {"case": c["case"], "source": c["source"], metric: c[metric], "busbw_gbps": bw}
+    if peak:
+        out["link_fraction"] = bw / peak
+    return out
+
+
 def agoq_wire_bytes(numel: int, world: int, fmt: str, collective: str) -> int:
     from agoq.comm.reduce import wire_bytes
 
@@ -122,9 +132,9 @@ def judge(grads: dict, sweep: list[tuple[str, dict]], metric: str, wire_bytes_fn
             entry.update(best={"case": b["case"], "source": b["source"], metric: b[metric], "busbw_gbps": busbw},
                          speedup=b[metric] / agoq_ms, bytes_bound=bus_bytes / wire, agoq_wire_gbps=wire_rate,
                          rate_ratio=wire_rate / busbw,
-                         runners_up=sorted(({"case": c["case"], "source": c["source"], metric: c[metric]}
+                         runners_up=sorted((_described(c, coll, metric, peak)
                                             for c in usable if c["size_mib"] == size and c is not b),
-                                           key=lambda c: c[metric])[:6])
+                                           key=lambda c: c[metric]))
             if peak:
                 entry["best"]["link_fraction"] = busbw / peak
                 entry["agoq_wire_link_fraction"] = wire_rate / peak

@@ -66,6 +66,9 @@ def test_the_fastest_usable_baseline_sets_the_speedup_and_the_verdict():
     assert ar160["best"]["source"].startswith("sweep allreduce_ring_ll128")
     assert ar160["speedup"] == pytest.approx(0.250 / 0.200) and ar160["verdict"] == "MISSED (>= 1.3x)"
     assert [r["source"] for r in ar160["runners_up"]] == ["full run"]
+    runner = ar160["runners_up"][0]  # every candidate's bus bandwidth against the link's peak
+    assert runner["busbw_gbps"] == pytest.approx(2 * NUMEL[160] / (0.306 * 1e6))
+    assert runner["link_fraction"] == pytest.approx(runner["busbw_gbps"] / 400.0)
     rs1g = _by(res, "reduce_scatter", 1024)
     assert rs1g["best"]["case"] == "nccl_reduce_scatter_bf16" and rs1g["speedup"] == pytest.approx(2.0)
     assert rs1g["verdict"] == "met (>= 1.6x)"
