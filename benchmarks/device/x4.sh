@@ -16,7 +16,7 @@ B=benchmarks/bench_pretrain.py
 mkdir -p "$AGOQ_RESULTS/graph_reports"
 step e2e 900 env AGOQ_CUDA_GRAPHS_REPORT_DIR="$AGOQ_RESULTS/graph_reports" "$PY" -m pytest -q -p no:cacheprovider \
   -m multigpu -rA tests/e2e
-step allreduce4 400 torchrun --standalone --nproc-per-node 4 benchmarks/bench_allreduce.py \
+step allreduce4 600 torchrun --standalone --nproc-per-node 4 benchmarks/bench_allreduce.py \
   --sizes-mib 16 64 160 256 1024 --out "$AGOQ_RESULTS/grads_4gpu.json"
 step nccl_sweep4 1000 "$PY" benchmarks/nccl_sweep.py --nproc 4 --sizes-mib 16 64 160 256 1024 \
   --out-dir "$AGOQ_RESULTS/nccl_sweep_4gpu"
