@@ -39,6 +39,28 @@ median is reported):
   agoq_peer_store_reduce_to_owners_via_fp32  the same through an fp32 chunk and a separate quantize (the path
                                        before the in-place reduction; still taken for shared/touched blocks)
 
+Issue 46 item 1, the fastest bf16 reductions the machine offers (allreduce_baselines.py says what each is, where
+torch's API comes from, how each accumulates; CUDA, --link default; --baselines picks them, default both):
+
+  symm_oneshot_allreduce_bf16 / symm_twoshot_allreduce_bf16 / symm_reduce_scatter_bf16   (--baselines symm)
+                                       torch.ops.symm_mem one-shot / two-shot all-reduce and reduce-scatter on a
+                                       bf16 symmetric-memory buffer
+  nccl_window_allreduce_bf16 / nccl_window_reduce_scatter_bf16                              (--baselines window)
+                                       NCCL on buffers registered as an NCCL window (its symmetric kernels)
+
+A baseline that cannot be set up or raises is recorded in the row's ``baseline_errors`` (and printed), and the other
+cases run on; each one's result is checked against the fp32 all-reduce of the same bf16 inputs (``baseline_check``,
+relative L2 error < 1 %, all-reduce results identical on every rank). A failed baseline does not fail the run (the
+exit status is agoq's correctness); the summary step (allreduce_best.py) leaves failed baselines out of the best.
+--baseline-only times only NCCL's bf16 all-reduce / reduce-scatter (--collectives) and the --baselines cases, every
+one guarded: the NCCL_ALGO / NCCL_PROTO sweep (nccl_sweep.py) launches it once per setting.
+
+Bus bandwidth (nccl-tests' convention; bytes = the collective's full input, an all-gather's full output): busbw =
+bytes / time x 2 (W-1)/W for an all-reduce, x (W-1)/W for a reduce-scatter or all-gather; ``busbw_gbps`` (from ms)
+and ``device_busbw_gbps`` (from device_ms) for every NCCL, symmetric-memory and window case and the raw all-gather,
+and ``link_fraction`` / ``device_link_fraction``: each over the link's measured peak (the report's ``link_peak``: a
+copy-engine copy from a peer GPU's symmetric-memory buffer, one direction, once per run).
+
 Two timings per case (--timing both, the default on GPUs). ``ms``: one call from an idle GPU, so the host's enqueue
 time (Python, launches) is part of it, as when a reduction is issued with nothing queued ahead of it. ``device_ms``:
 the same call with a GPU sleep and a one-element all-reduce (which lines the ranks' GPUs up) enqueued before the
@@ -60,6 +82,8 @@ model (docs/benchmarks/log.md, 'Link model') predicts the speed-up on slower lin
 t(agoq) ~ 2 t_roundtrip + wire_bytes / B.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_allreduce.py --out $OUT/grads.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_allreduce.py --baseline-only --baselines \\
+        --collectives allreduce --out $OUT/ar.json     # NCCL's bf16 all-reduce alone (under NCCL_ALGO=...)
     python benchmarks/bench_allreduce.py --smoke            # CPU, 2 gloo ranks, tiny sizes, no targets
 """
 
@@ -73,6 +97,7 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 # NVLink multicast stays off (the GPU machines' rule; agoq's peer reduction uses point-to-point signal pads only).
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -80,7 +105,23 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from agoq.comm.reduce import (
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # allreduce_baselines.py beside this script (not a package)
+
+from allreduce_baselines import (  # noqa: E402
+    ALLREDUCE,
+    BASELINE_ACCUMULATION,
+    COLLECTIVES,
+    EXTRA_KINDS,
+    REDUCE_SCATTER,
+    ExtraBaselines,
+    add_bus_bandwidth,
+    check_result,
+    measure_link_peak,
+    record_failure,
+    time_cases,
+)
+
+from agoq.comm.reduce import (  # noqa: E402
     allreduce_8bit,
     allreduce_blocks_,
     allreduce_blocks_gather_,
@@ -88,10 +129,10 @@ from agoq.comm.reduce import (
     reduce_scatter_8bit,
     wire_bytes,
 )
-from agoq.formats import parse_format
-from agoq.ref.collectives import ref_allreduce_8bit, ref_reduce_scatter_8bit
-from agoq.testing.dist import spawn_ranks
-from agoq.testing.procs import source_commit
+from agoq.formats import parse_format  # noqa: E402
+from agoq.ref.collectives import ref_allreduce_8bit, ref_reduce_scatter_8bit  # noqa: E402
+from agoq.testing.dist import spawn_ranks  # noqa: E402
+from agoq.testing.procs import source_commit  # noqa: E402
 
 DEFAULT_SIZES_MIB = [16, 64, 256, 1024]
 SMOKE_SIZES_MIB = [1]
@@ -243,11 +284,87 @@ def check_size(numel: int, fmt: str, device, exact: bool) -> dict:
     return out
 
 
+def gradient_numel(size_mib: int, world: int, fmt: str) -> int:
+    """Elements of a ``size_mib`` MiB fp32 gradient, rounded down to whole blocks on every rank."""
+    numel = size_mib * (1 << 20) // 4
+    return numel - numel % (world * parse_format(fmt).block)
+
+
+def check_baselines(x16: torch.Tensor, extras: ExtraBaselines | None, errors: dict,
+                    collectives: tuple[str, ...]) -> dict:
+    """NCCL's bf16 all-reduce / reduce-scatter and the extra baselines on ``x16``, each against the fp32 all-reduce of
+    the same bf16 inputs (allreduce_baselines.check_result); a case that raises is recorded in ``errors``."""
+    exact = x16.float()
+    dist.all_reduce(exact)
+    world, out = dist.get_world_size(), {}
+    nccl = {}
+    if ALLREDUCE in collectives:
+        nccl["nccl_allreduce_bf16"] = (lambda y: (dist.all_reduce(y), y)[1], x16.clone(), True)
+    if REDUCE_SCATTER in collectives:
+        shard = torch.empty(x16.numel() // world, dtype=x16.dtype, device=x16.device)
+        nccl["nccl_reduce_scatter_bf16"] = (lambda y: (dist.reduce_scatter_tensor(shard, y), shard)[1], x16, False)
+    for case, (fn, arg, full) in nccl.items():
+        if case in errors:
+            continue
+        try:
+            out[case] = check_result(fn(arg), exact, full)
+        except Exception as err:
+            record_failure(errors, case, err)
+    if extras is not None:
+        out.update(extras.check(x16, exact, errors))
+    return out
+
+
+def _guarded_timings(cases: dict, guarded: set, fresh, device, args) -> dict:
+    device_timer = None
+    if args.cycles_per_ms:
+        def device_timer(fn):
+            return _median_device_ms(fn, args.warmup, args.iters, args.cycles_per_ms)
+    return time_cases(cases, guarded, fresh, lambda fn: _median_ms(fn, device, args.warmup, args.iters),
+                      device_timer)
+
+
+def bench_baselines(size_mib: int, device: torch.device, args) -> dict:
+    """--baseline-only: NCCL's bf16 all-reduce / reduce-scatter (--collectives) and the --baselines cases, every
+    case guarded (an NCCL_ALGO / NCCL_PROTO that NCCL refuses is recorded, not raised)."""
+    world = dist.get_world_size()
+    numel = gradient_numel(size_mib, world, args.format)
+    x16 = _inputs(numel, dist.get_rank(), device).to(torch.bfloat16)
+    shard16 = torch.empty(numel // world, device=device, dtype=torch.bfloat16)
+    work = {}
+    cases = {}
+    if ALLREDUCE in args.collectives:
+        cases["nccl_allreduce_bf16"] = lambda: dist.all_reduce(work["bf16"])
+    if REDUCE_SCATTER in args.collectives:
+        cases["nccl_reduce_scatter_bf16"] = lambda: dist.reduce_scatter_tensor(shard16, x16)
+    extras = args.extras
+    if extras is not None:
+        cases.update(extras.cases(numel))
+
+    def fresh() -> None:
+        work["bf16"] = x16.clone()
+        if extras is not None:
+            extras.load(x16)
+
+    timed = _guarded_timings(cases, set(cases), fresh, device, args)
+    work.clear()
+    errors = {**(extras.not_run() if extras is not None else {}), **timed["errors"]}
+    row = {"size_mib": size_mib, "numel": numel, "world_size": world, "baseline_only": True,
+           "collectives": list(args.collectives), "ms": timed["ms"]}
+    if timed["device_ms"]:
+        row.update(device_ms=timed["device_ms"], host_enqueue_ms=timed["host_enqueue_ms"],
+                   device_clean=timed["device_clean"])
+    row["baseline_check"] = check_baselines(x16, extras, errors, args.collectives)
+    row["baseline_errors"] = errors
+    return row
+
+
 def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
+    if args.baseline_only:
+        return bench_baselines(size_mib, device, args)
     world = dist.get_world_size()
     qfmt = parse_format(fmt)
-    numel = size_mib * (1 << 20) // 4
-    numel -= numel % (world * qfmt.block)
+    numel = gradient_numel(size_mib, world, fmt)
     x32 = _inputs(numel, dist.get_rank(), device)
     x16 = x32.to(torch.bfloat16)
     shard32 = torch.empty(numel // world, device=device)
@@ -300,6 +417,10 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
         name = "agoq_allreduce_fp32" + (f"_c{mib}" if mib else "")
         chunk = mib << 20 if mib else None
         cases[name] = (lambda c: lambda: allreduce_8bit(work["fp32"], fmt=fmt, chunk_bytes=c))(chunk)
+    extras = args.extras
+    extra_cases = extras.cases(numel) if extras is not None else {}
+    cases.update(extra_cases)
+
     def fresh_inputs() -> None:
         """Every case starts from the same gradient: the in-place reductions grow the values (every stored scale
         x W per call without averaging: at W = 4 the fp32 scales overflowed within a case's 100 calls)."""
@@ -309,15 +430,11 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
         if args.peer:
             peer_store.codes_u8.copy_(codes0)
             peer_store.scales.copy_(scales0)
+        if extras is not None:
+            extras.load(x16)
 
-    ms, device_ms, host_ms, clean = {}, {}, {}, {}
-    for name, fn in cases.items():
-        fresh_inputs()
-        ms[name] = _median_ms(fn, device, args.warmup, args.iters)
-        if args.cycles_per_ms:
-            fresh_inputs()
-            device_ms[name], host_ms[name], clean[name] = _median_device_ms(fn, args.warmup, args.iters,
-                                                                           args.cycles_per_ms)
+    timed = _guarded_timings(cases, set(extra_cases), fresh_inputs, device, args)  # only the extra baselines guarded
+    ms, device_ms, host_ms, clean = timed["ms"], timed["device_ms"], timed["host_enqueue_ms"], timed["device_clean"]
     work.clear()
     agoq_names = [n for n in ms if n.startswith("agoq_allreduce_fp32")]
     best = min(agoq_names, key=lambda n: ms[n])
@@ -343,6 +460,9 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
         "link_model": link_model(numel, world, fmt, local_ms=ms["local_quant_roundtrip"]),
         "check": check_size(numel, fmt, device, exact=size_mib <= args.exact_check_mib),
     }
+    baseline_errors = {**(extras.not_run() if extras is not None else {}), **timed["errors"]}
+    row["baseline_check"] = check_baselines(x16, extras, baseline_errors, COLLECTIVES)
+    row["baseline_errors"] = baseline_errors
     if device_ms:
         row.update(device_ms=device_ms, host_enqueue_ms=host_ms, device_clean=clean,
                    device_speedups=device_speedups(device_ms))
@@ -384,6 +504,13 @@ DEVICE_RATIOS = [
     ("peer_rs_vs_reduce_scatter_fp32", "agoq_peer_reduce_scatter_fp32", "nccl_reduce_scatter_fp32"),
     ("peer_rs_vs_reduce_scatter_bf16", "agoq_peer_reduce_scatter_fp32", "nccl_reduce_scatter_bf16"),
     ("store_gather_vs_allreduce_bf16", "agoq_store_allreduce_gather", "nccl_allreduce_bf16"),
+    # issue 46: against the faster bf16 baselines (allreduce_baselines.py), where they ran
+    ("store_ar_vs_symm_oneshot_bf16", "agoq_peer_store_allreduce", "symm_oneshot_allreduce_bf16"),
+    ("store_ar_vs_symm_twoshot_bf16", "agoq_peer_store_allreduce", "symm_twoshot_allreduce_bf16"),
+    ("store_ar_vs_nccl_window_bf16", "agoq_peer_store_allreduce", "nccl_window_allreduce_bf16"),
+    ("store_owners_vs_symm_reduce_scatter_bf16", "agoq_peer_store_reduce_to_owners", "symm_reduce_scatter_bf16"),
+    ("store_owners_vs_nccl_window_reduce_scatter_bf16", "agoq_peer_store_reduce_to_owners",
+     "nccl_window_reduce_scatter_bf16"),
 ]
 
 
@@ -462,16 +589,62 @@ def run(rank: int, world: int, args) -> list[dict]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     args.cycles_per_ms = _sleep_cycles_per_ms(device) if device.type == "cuda" and args.timing == "both" else 0.0
-    return [bench_size(s, args.format, device, args) for s in args.sizes_mib]
+    group, keep = dist.group.WORLD, []
+    args.link_peak = None
+    if device.type == "cuda" and args.link == "default":
+        try:
+            args.link_peak = measure_link_peak(group, device, keep)
+        except Exception as err:
+            args.link_peak = {}
+            record_failure(args.link_peak, "error", err)
+    max_numel = max(gradient_numel(s, world, args.format) for s in args.sizes_mib)
+    args.extras = ExtraBaselines(args.baselines, group, max_numel, device,
+                                 tuple(args.collectives)) if args.baselines else None
+    try:
+        rows = [bench_size(s, args.format, device, args) for s in args.sizes_mib]
+    finally:
+        if args.extras is not None:
+            args.extras.close()
+    peak = (args.link_peak or {}).get("link_peak_gbps")
+    for row in rows:
+        add_bus_bandwidth(row, peak)
+        if args.extras is not None and args.extras.setup_errors:
+            row["baseline_setup_errors"] = dict(args.extras.setup_errors)
+    args.extras = None
+    return rows
 
 
 def _spawned(rank: int, world: int, args) -> list[dict]:
     return run(rank, world, args)
 
 
+def baseline_lines(r: dict) -> list[str]:
+    """The bf16 baselines of a row (issue 46): device time (else single-call) ms, bus bandwidth and its fraction of
+    the link's peak; failed baselines and failed checks by name."""
+    timing = "device_ms" if r.get("device_ms") else "ms"
+    bw = r.get("device_busbw_gbps" if timing == "device_ms" else "busbw_gbps", {})
+    frac = r.get("device_link_fraction" if timing == "device_ms" else "link_fraction", {})
+    parts = []
+    for case, t in r.get(timing, {}).items():
+        if case in bw and (case.endswith("_bf16") or r.get("baseline_only")):
+            parts.append(f"{case} {t:.3f} ms {bw[case]:.0f} GB/s" + (f" ({frac[case]:.0%} of link)" if case in frac
+                                                                      else ""))
+    lines = [f"      bf16 baselines ({timing}): " + ", ".join(parts)] if parts else []
+    failed = sorted(c for c, chk in r.get("baseline_check", {}).items() if not chk["ok"])
+    if failed:
+        lines.append(f"      BASELINE CHECK FAILED (left out of the best): {failed}")
+    for case, err in r.get("baseline_errors", {}).items():
+        lines.append(f"      BASELINE FAILED {case}: {err}")
+    return lines
+
+
 def summarize(rows: list[dict], check_targets: bool) -> tuple[list[str], bool]:
     lines, ok = [], True
     for r in rows:
+        if r.get("baseline_only"):
+            lines.append(f"{r['size_mib']:>5} MiB | baseline only ({', '.join(r['collectives'])})")
+            lines.extend(baseline_lines(r))
+            continue
         ms = r["ms"]
         auto = ms["agoq_allreduce_fp32"] if "agoq_allreduce_fp32" in ms else ms[r["agoq_allreduce_best"]]
         lines.append(
@@ -508,7 +681,8 @@ def summarize(rows: list[dict], check_targets: bool) -> tuple[list[str], bool]:
                          + f" | store AR {dev.get('agoq_peer_store_allreduce', float('nan')):7.3f} ms, to owners "
                          f"{dev.get('agoq_peer_store_reduce_to_owners', float('nan')):7.3f} ms"
                          + (f" | NOT CLEAN (host still enqueuing): {unclean}" if unclean else ""))
-    if check_targets:
+        lines.extend(baseline_lines(r))
+    if check_targets and not all(r.get("baseline_only") for r in rows):
         lines.append(target_line(rows))
         if any("device_speedups" in r for r in rows):
             lines.append(device_target_line(rows))
@@ -558,7 +732,21 @@ def _add_bus_bandwidth(rows: list[dict], world: int) -> None:
         r["nccl_allreduce_fp32_busbw_gbps"] = bus_bytes / (r["ms"]["nccl_allreduce_fp32"] * 1e6)  # ms -> GB/s
 
 
-def main() -> None:
+def resolve_baseline_args(args, parser: argparse.ArgumentParser) -> None:
+    """--baselines default (both kinds on CUDA over NVLink, none otherwise), refused where they cannot run;
+    --collectives only with --baseline-only."""
+    cuda_nvlink = args.device == "cuda" and args.link == "default"
+    if args.baselines is None:
+        args.baselines = sorted(EXTRA_KINDS) if cuda_nvlink else []
+    elif args.baselines and not cuda_nvlink:
+        parser.error(f"--baselines {' '.join(args.baselines)} needs CUDA and --link default (symmetric memory and "
+                     "NCCL windows are NVLink features); pass --baselines with no value or leave it out")
+    if args.collectives is not None and not args.baseline_only:
+        parser.error("--collectives selects the cases of --baseline-only; a full run times both collectives")
+    args.collectives = tuple(args.collectives or COLLECTIVES)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-mib", type=int, nargs="+", default=None)
     p.add_argument("--chunk-mib", type=int, nargs="+", default=DEFAULT_CHUNK_MIB,
@@ -574,15 +762,31 @@ def main() -> None:
                    help="socket: NCCL over TCP sockets between the local GPUs, a stand-in for an inter-node link "
                         f"(sets {' '.join(f'{k}={v}' for k, v in SOCKET_LINK_ENV.items())})")
     p.add_argument("--no-peer", action="store_true", help="skip the NVLink peer-memory transport")
+    p.add_argument("--baselines", nargs="*", choices=sorted(EXTRA_KINDS), default=None,
+                   help="the extra bf16 baselines (issue 46; allreduce_baselines.py): symm = torch symmetric-memory "
+                        "one-shot / two-shot all-reduce and reduce-scatter, window = NCCL on window-registered "
+                        "buffers; default both on CUDA with --link default, none otherwise; --baselines with no "
+                        "value: none")
+    p.add_argument("--baseline-only", action="store_true",
+                   help="time only NCCL's bf16 reductions (--collectives) and the --baselines cases, every one "
+                        "guarded (the NCCL_ALGO / NCCL_PROTO sweep, nccl_sweep.py)")
+    p.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=None,
+                   help=f"with --baseline-only: the collectives timed (default: {' '.join(COLLECTIVES)})")
     p.add_argument("--timing", choices=("both", "latency"), default="both",
                    help="both (default on GPUs): each case is timed as a single call from an idle GPU (ms: host "
                         "enqueue included) and again with the enqueue hidden behind a GPU sleep (device_ms); "
                         "latency: the first only")
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     args = p.parse_args()
     if args.link == "socket":
         os.environ.update(SOCKET_LINK_ENV)  # read by NCCL when the communicator is created
     args.device = "cpu" if args.smoke else "cuda"
-    args.peer = args.device == "cuda" and args.link == "default" and not args.no_peer
+    args.peer = args.device == "cuda" and args.link == "default" and not args.no_peer and not args.baseline_only
+    resolve_baseline_args(args, p)
     args.sizes_mib = args.sizes_mib or (SMOKE_SIZES_MIB if args.smoke else DEFAULT_SIZES_MIB)
     if args.out is None and os.environ.get("OUT"):
         args.out = os.path.join(os.environ["OUT"], "grads.json")
@@ -596,7 +800,8 @@ def main() -> None:
         rank = dist.get_rank()
         rows = run(rank, dist.get_world_size(), args)
         env = f"{torch.cuda.get_device_name()} x{dist.get_world_size()} nccl {torch.cuda.nccl.version()}"
-        _add_bus_bandwidth(rows, dist.get_world_size())
+        if not args.baseline_only:
+            _add_bus_bandwidth(rows, dist.get_world_size())
         dist.destroy_process_group()
     if rank != 0:
         return
@@ -611,6 +816,9 @@ def main() -> None:
         report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "env": env, "link": link,
                   "torch": torch.__version__, "triton": triton.__version__, "host": platform.node(),
                   "agoq_commit": source_commit(), "command": " ".join(sys.argv),
+                  "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
+                  "baselines": args.baselines, "baseline_only": args.baseline_only,
+                  "baseline_accumulation": BASELINE_ACCUMULATION, "link_peak": getattr(args, "link_peak", None),
                   "seconds": time.time() - started, "correct": ok, "rows": rows}
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Two GPUs of one host (nvidia-h100-x2 / nvidia-h200-x2): the open 2-GPU checks and suites, most urgent first.
-#   bash benchmarks/device/x2.sh [step ...]      (no step: all, in this order; ~29 minutes on two H100)
+#   bash benchmarks/device/x2.sh [step ...]      (no step: all, in this order; ~36 minutes on two H100)
 # Steps and what they settle:
-#   allreduce    issue 19 item 2: the 8-bit reductions vs NCCL on NVLink (reduce-to-owners in one launch)   ~1 min
+#   allreduce    issue 19 item 2 / 46 item 1: the 8-bit reductions vs NCCL on NVLink, with the torch symmetric-memory and NCCL-window bf16 baselines, bus bandwidths, the link's peak   ~2 min
+#   nccl_sweep   issue 46 item 1: NCCL's bf16 all-reduce / reduce-scatter under each NCCL_ALGO x NCCL_PROTO, one launch each, NCCL's TUNING log   ~6 min
+#   best_baseline  issue 46 item 1: the store's all-reduce / reduce-to-owners vs the fastest bf16 baseline per size (targets 1.3x at 64-256 MiB, 1.6x at 1 GiB)   ~0 min
 #   allreduce_socket  issue 19 item 3: the same over NCCL sockets (inter-node stand-in), with the all-gather floor  ~4 min
 #   dp2_socket   issue 19 item 3: DP=2 ~1B steps on the socket link without the distributed optimizer        ~4 min
 #   eager_pp2    issue 24 item 3 eager at PP=2 alone: baseline, agoq, Megatron + agoq RoPE, 2 rounds        ~5 min
@@ -15,6 +17,10 @@ header
 nvidia-smi topo -m 2>/dev/null | head -4
 step allreduce 400 torchrun --standalone --nproc-per-node 2 benchmarks/bench_allreduce.py \
   --sizes-mib 16 64 160 256 1024 --out "$AGOQ_RESULTS/grads.json"
+step nccl_sweep 900 "$PY" benchmarks/nccl_sweep.py --nproc 2 --sizes-mib 16 64 160 256 1024 \
+  --out-dir "$AGOQ_RESULTS/nccl_sweep_2gpu"
+step best_baseline 120 "$PY" benchmarks/allreduce_best.py --grads "$AGOQ_RESULTS/grads.json" \
+  --sweep "$AGOQ_RESULTS/nccl_sweep_2gpu" --out "$AGOQ_RESULTS/grads_best_baseline.json"
 step allreduce_socket 420 torchrun --standalone --nproc-per-node 2 benchmarks/bench_allreduce.py --link socket \
   --sizes-mib 16 64 160 256 --chunk-mib 0 --warmup 2 --iters 5 --out "$AGOQ_RESULTS/grads_socket.json"
 step dp2_socket 600 "$PY" benchmarks/bench_pretrain.py --suite dp2_socket_allreduce --timeout 150 \

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Four GPUs of one host (nvidia-h100-x4 / nvidia-h200-x4): the two- and four-GPU plans' steps in one lease, the
 # timings that a shared host would blur one after another with nothing beside them, the checks side by side.
-#   bash benchmarks/device/x4_lanes.sh [step ...]   (no step: all; ~17 minutes on four H100, ~33 with the suites)
+#   bash benchmarks/device/x4_lanes.sh [step ...]   (no step: all; ~31 minutes on four H100, ~47 with the suites)
 # Phase 1, one step at a time, nothing beside it (2026-11-27: eager steps beside other lanes jittered by +-10 %, pinned
 # core ranges need not be disjoint physical cores):
-#   x2.sh allreduce (GPUs 0,1), x4.sh allreduce4 (all four), x2.sh dp2_socket, eager_pp2 and profile_pp2 (GPUs 0,1)
+#   x2.sh allreduce, nccl_sweep, best_baseline (GPUs 0,1), x4.sh allreduce4, nccl_sweep4, best_baseline4 (all four),
+#   x2.sh dp2_socket, eager_pp2 and profile_pp2 (GPUs 0,1)
 # Phase 2, two lanes at once (checks, and ratios measured inside one lane against a baseline of the same minutes):
 #   lane A (GPUs 0,1, first half of the cores):  x2.sh allreduce_socket, then x1.sh gpu_tier (GPU 0)
 #   lane B (GPUs 2,3, second half of the cores): x2.sh e2e
@@ -37,8 +38,8 @@ sub_plan() {
 # the 4-GPU suites run only when named (STEPS is ",all," otherwise)
 named() { [[ "$STEPS" == *",$1,"* ]]; }
 
-sub_plan 0,1 "" x2.sh allreduce
-sub_plan 0,1,2,3 "" x4.sh allreduce4
+sub_plan 0,1 "" x2.sh allreduce nccl_sweep best_baseline
+sub_plan 0,1,2,3 "" x4.sh allreduce4 nccl_sweep4 best_baseline4
 sub_plan 0,1 "" x2.sh dp2_socket eager_pp2 profile_pp2
 
 { sub_plan 0,1 "$(cores 0 2)" x2.sh allreduce_socket; sub_plan 0 "$(cores 0 2)" x1.sh gpu_tier; } \
