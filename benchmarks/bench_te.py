@@ -264,7 +264,7 @@ def run_layout_row(name: str, row: te_layouts.LayoutRow, args, port: int, workdi
     prediction or refusal."""
     record = workdir / (name.replace("/", "_") + ".json")
     command = layout_command(row, args.iters, record, port)
-    env = {**ROWS[row.base][3], **row.env}
+    env = {**ROWS[row.base][3], **te_layouts.row_env(row)}
     out = _execute(name, command, env, ROWS[row.base][0], record, args.row_timeout, args.skip, row.global_batch,
                    _seq(shape_flags(row.shape, row.seq)), row.nproc)
     ranks = read_rank_records(record)

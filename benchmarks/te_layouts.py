@@ -82,6 +82,12 @@ def check_layout(name: str, row: LayoutRow) -> None:
                          f"x DP {row.dp}")
 
 
+def row_env(row: LayoutRow) -> dict:
+    """The row's environment: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` under TP or CP (megatron.training's validate_args
+    asserts it before Blackwell, as Megatron-LM's example scripts export it), the row's own (the socket link)."""
+    return {**({"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if row.tp > 1 or row.cp > 1 else {}), **row.env}
+
+
 def layout_flags(row: LayoutRow) -> list[str]:
     """Megatron-LM's parallelism flags of ``row`` (the data-parallel users' flags where DP > 1)."""
     flags = []
