@@ -179,8 +179,9 @@ def layout_command(row: te_layouts.LayoutRow, iters: int, record: Path, port: in
     if driver == DOOR:
         raise ValueError(f"{row.base}: the suites run Megatron-LM's driver (te/ and agoq_te/ rows), whose per-rank "
                          "peaks the summary reads; scripts/pretrain_gpt_agoq.py writes no per-rank file")
-    layout = te_layouts.layout_flags(row)
-    extra = [*extra, *[f for f in layout if f not in extra], *row.extra]
+    given = {*extra, *row.extra}  # a switch the row already gives (--use-distributed-optimizer) is not repeated
+    layout = [f for f in te_layouts.layout_flags(row) if not (f in given and f in te_layouts.SWITCHES)]
+    extra = [*extra, *layout, *row.extra]
     return _command(driver, extra, shape_flags(row.shape, row.seq), row.shape, row.micro_batch, iters,
                     row.global_batch, record, port, row.nproc)
 

@@ -40,6 +40,7 @@ SOCKET_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DI
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 DP_USERS = ["--use-distributed-optimizer", "--overlap-grad-reduce"]  # Megatron's default bucket size
 BF16_REDUCE = ["--grad-reduce-in-bf16"]
+SWITCHES = (*DP_USERS, "--sequence-parallel")  # layout_flags' flags without a value
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 NO_MASK = ["--no-create-attention-mask-in-dataloader"]
 CP_NOT_MODELLED = ("planner: CP not modelled (agoq.plan has no context-parallel term; it takes no "
