@@ -274,9 +274,12 @@ def run_layout_row(name: str, row: te_layouts.LayoutRow, args, port: int, workdi
                seq=_seq(shape_flags(row.shape, row.seq)), rank_peaks=ranks,
                stage_peaks_bytes=te_layouts.stage_peaks(ranks) if ranks else None,
                planner=planner_prediction(command, row))
-    if ranks:
+    if len(ranks) == row.nproc:
         out["peak_allocated_bytes"] = max(r["peak_allocated_bytes"] for r in ranks)
         out["peak_reserved_bytes"] = max(r["peak_reserved_bytes"] for r in ranks)
+    elif ranks:  # some ranks did not finish: their peaks are unknown, so the row's is too
+        out["peak_allocated_bytes"] = out["peak_reserved_bytes"] = None
+        out["rank_peaks_missing"] = sorted(set(range(row.nproc)) - {r["rank"] for r in ranks})
     return out
 
 
