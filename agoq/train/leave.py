@@ -7,7 +7,7 @@ exit does that has an effect outside the process -- the ``atexit`` handlers (``l
 join of its children, W&B's) and the flush of ``sys.stdout`` / ``sys.stderr`` -- then ends the process with
 ``os._exit``. Objects' ``__del__`` methods do not run, so a file that relies on one loses its buffered tail: the
 trainer writes every file in a ``with`` block and closes TensorBoard / W&B in ``pretrain``'s ``finally``, so nothing
-it writes is open when ``main`` returns (``tests/unit/test_leave.py``; the trainer tests read runs' files back after it).
+it writes is open when ``main`` returns (``tests/unit/test_leave.py``; the trainer tests read runs' files back).
 """
 
 from __future__ import annotations
