@@ -208,12 +208,11 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
                                      sequence_parallel=args.sequence_parallel)  # fmt: skip
     print_rank0(memory_report.predicted_report(config, shape, plan, policy_of(spec),
                                                cuda_graphs=args.cuda_graph_impl != "none"))
-    room = memory_report.headroom_line(memory_report.predicted_peaks(config, shape, plan, policy_of(spec)),
-                                       info.device, environment.expandable_segments())
+    peaks = memory_report.predicted_peaks(config, shape, plan, policy_of(spec))
+    room = memory_report.headroom_line(peaks, info.device, environment.expandable_segments())
     if room is not None:
         print_rank0(room)
     if args.log_json and training.is_logging_rank():  # benchmarks/bench_pretrain.py puts it next to the measured peak
-        peaks = memory_report.predicted_peaks(config, shape, plan, policy_of(spec))
         with open(args.log_json, "a") as out:
             out.write(json.dumps({"predicted_memory": {
                 "peak_gib": [p.peak / memory_report.GIB for p in peaks], "phase": [p.phase for p in peaks]}}) + "\n")

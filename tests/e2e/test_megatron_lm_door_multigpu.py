@@ -18,8 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from agoq.testing.procs import child_env
-from tests.megatron._bench_scripts import load_bench_script
+from tests.megatron._bench_scripts import load_bench_script, megatron_lm_bench
 
 ITERS = 20
 SHAPES = "tests/megatron/_pretrain_gpt_shapes.py"
@@ -32,10 +31,7 @@ AGOQ_MODULES = ("AgoqTransformerLayer", "AgoqDistributedDataParallel", "AgoqMega
 
 @pytest.fixture(scope="module")
 def bench_env(tmp_path_factory):
-    pytest.importorskip("megatron.training", reason="needs megatron-core 0.19.2 (megatron.training)")
-    bench = load_bench_script("bench_megatron_lm")
-    env = child_env(AGOQ_CACHE=str(tmp_path_factory.mktemp("agoq_cache")), OMP_NUM_THREADS="2")
-    return bench, env, bench.default_data(env)
+    return megatron_lm_bench(tmp_path_factory)
 
 
 def on_two_gpus(command: list[str], script: str | None = None) -> list[str]:

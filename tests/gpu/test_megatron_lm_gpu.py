@@ -24,8 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from agoq.testing.procs import child_env
-from tests.megatron._bench_scripts import load_bench_script
+from tests.megatron._bench_scripts import megatron_lm_bench
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -36,10 +35,7 @@ NONFINITE_BYTES_PER_ELEMENT = 7  # module docstring (measured in the allocator t
 
 @pytest.fixture(scope="module")
 def bench_env(tmp_path_factory):
-    pytest.importorskip("megatron.training", reason="needs megatron-core 0.19.2 (megatron.training)")
-    bench = load_bench_script("bench_megatron_lm")
-    env = child_env(AGOQ_CACHE=str(tmp_path_factory.mktemp("agoq_cache")), OMP_NUM_THREADS="2")
-    return bench, env, bench.default_data(env)
+    return megatron_lm_bench(tmp_path_factory)
 
 
 @pytest.mark.parametrize("variant", ["baseline", "agoq_default", "agoq_full"])

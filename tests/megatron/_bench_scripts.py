@@ -31,3 +31,16 @@ def load_bench_script(name: str):
         del sys.modules[module_name]
         raise
     return module
+
+
+def megatron_lm_bench(tmp_path_factory) -> tuple:
+    """(benchmarks/bench_megatron_lm.py, a child environment with its own agoq cache, the default dataset) for the GPU
+    tests that run Megatron-LM's trainer beside pretrain_llama.py (skips without megatron.training)."""
+    import pytest
+
+    from agoq.testing.procs import child_env
+
+    pytest.importorskip("megatron.training", reason="needs megatron-core 0.19.2 (megatron.training)")
+    bench = load_bench_script("bench_megatron_lm")
+    env = child_env(AGOQ_CACHE=str(tmp_path_factory.mktemp("agoq_cache")), OMP_NUM_THREADS="2")
+    return bench, env, bench.default_data(env)
