@@ -267,7 +267,33 @@ def prediction(args, parts: dict) -> dict:
             "all_stages_gib": [p.peak / GIB for p in peaks]}
 
 
-def run_case(name: str, flags: list[str], iterations: int, microbatches: int | None, data_parallel: int = 1) -> dict:
+def cap_allocator(device, gpu_memory_gib: float | None) -> dict | None:
+    """Make this GPU stand in for a smaller one of ``gpu_memory_gib`` GiB (as torch reports its total memory): cap
+    PyTorch's caching allocator, with ``torch.cuda.set_per_process_memory_fraction``, at what the smaller GPU leaves
+    it (its memory less agoq.plan.headroom.OUTSIDE_ALLOCATOR_GIB, the CUDA context measured on an H100), so that an
+    allocation the smaller GPU could not reserve fails here too; with expandable segments as with the default
+    allocator, the cap is checked where the allocator asks the driver for memory. The record says what was capped."""
+    if gpu_memory_gib is None:
+        return None
+    import torch
+
+    from agoq.plan.headroom import OUTSIDE_ALLOCATOR_GIB
+
+    if device.type != "cuda":
+        raise ValueError(f"--gpu-memory-gib {gpu_memory_gib}: emulates a smaller GPU on a larger one; this device "
+                         f"is {device.type}, not a GPU")
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = (gpu_memory_gib - OUTSIDE_ALLOCATOR_GIB) * GIB
+    if gpu_memory_gib * GIB > total:
+        raise ValueError(f"--gpu-memory-gib {gpu_memory_gib}: emulates a smaller GPU on a larger one; this GPU has "
+                         f"{total / GIB:.2f} GiB")
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    return {"emulated_gpu_gib": gpu_memory_gib, "allocator_cap_gib": cap / GIB, "this_gpu_gib": total / GIB,
+            "outside_allocator_gib": OUTSIDE_ALLOCATOR_GIB}
+
+
+def run_case(name: str, flags: list[str], iterations: int, microbatches: int | None, data_parallel: int = 1,
+             gpu_memory_gib: float | None = None) -> dict:
     """Build and run one case in this process; the report's record of it."""
     import torch
 
@@ -282,6 +308,7 @@ def run_case(name: str, flags: list[str], iterations: int, microbatches: int | N
     runtime.init_model_parallel(ParallelLayout(), args.seed, device)
     meter = PhaseMeter(device)
     try:
+        capped = cap_allocator(device, gpu_memory_gib)
         meter.enter("build")
         parts = build_proxy(args, device, data_parallel)
         meter.stop()
@@ -297,6 +324,8 @@ def run_case(name: str, flags: list[str], iterations: int, microbatches: int | N
                   "microbatches_per_step": parts["microbatches"], "microbatches_run": run_mb,
                   "in_flight": inflight, "parameters_on_stage": n_params, "predicted": prediction(args, parts),
                   "iterations": []}
+        if capped:
+            record["emulated"] = capped
         try:
             for i in range(iterations):
                 record["iterations"].append(run_iteration(parts, args, device, meter, run_mb, seed=args.seed + i))
@@ -347,6 +376,9 @@ def main(argv=None) -> int:
                         help="micro-batches run per iteration (default: the most 1F1B keeps in flight on stage 0)")
     parser.add_argument("--data-parallel", type=int, default=1,
                         help="the real run's data-parallel size (only 1 is proxied; larger is refused with the reason)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="stand in for a smaller GPU of this total memory (torch's figure; an H100 80GB: 79.18): "
+                             "PyTorch's allocator is capped at it less the measured CUDA context")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child: run the one case here
     parser.add_argument("--timeout", type=float, default=600, help="seconds per case")
     opts = parser.parse_args(own)
@@ -355,7 +387,8 @@ def main(argv=None) -> int:
     if opts.one:
         name, flags = cases[0]
         try:
-            record = run_case(name, flags, opts.iterations, opts.microbatches, opts.data_parallel)
+            record = run_case(name, flags, opts.iterations, opts.microbatches, opts.data_parallel,
+                              opts.gpu_memory_gib)
         except ValueError as exc:
             record = {"name": name, "flags": flags, "refused": str(exc)}
         except torch_oom() as exc:  # while building (the iterations' own is recorded by run_case)
@@ -372,6 +405,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--out", str(child_out),
                "--iterations", str(opts.iterations), "--data-parallel", str(opts.data_parallel)]
         cmd += ["--microbatches", str(opts.microbatches)] if opts.microbatches else []
+        cmd += ["--gpu-memory-gib", str(opts.gpu_memory_gib)] if opts.gpu_memory_gib else []
         cmd += ["--case", name, "--", *flags]
         print(f"stage_proxy: {dt.datetime.now(dt.UTC):%H:%M:%S} {name}", file=sys.stderr, flush=True)
         try:

@@ -16,6 +16,8 @@
 #   stage_proxy_70b_fp8  issue 47: the fastest TP=1 layout with FP8 (agoq-full-fp8, PP=8, full recompute, bf16
 #                   policy; planner 77.18 GiB, 0.71 GiB under the 77.89 budget) with the default allocator and with
 #                   expandable segments, 3 iterations each -> stage_proxy_70b_fp8{,_es}.json                  ~3 min
+#                   On an H200, PROXY_GPU_GIB=79.18 stands it in for an H100 80GB (stage_proxy.py --gpu-memory-gib:
+#                   PyTorch's allocator capped at 79.18 - 1.29 GiB, the H100's measured CUDA context)
 #   commits         issue 44: the checkout before the one-step redesign (.old/a43a8b4, unpacked and carried: see
 #                   benchmarks/bench_commits.py) against this one, ~1B at micro-batch 1: baseline and agoq full
 #                   (COMMITS_VARIANTS adds agoq_full_fp8), 2 interleaved rounds: tokens/s, peak, losses
@@ -66,9 +68,11 @@ step stage_proxy_70b_es 400 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 FP8_70B=(--config configs/model/llama3-70b.yaml --tensor-model-parallel-size 1 --pipeline-model-parallel-size 8
   --agoq-preset agoq-full-fp8 --recompute-granularity full --agoq-policy configs/policy/bf16.yaml)
 step stage_proxy_70b_fp8 300 bash -c '"$0" benchmarks/stage_proxy.py --out "$AGOQ_RESULTS/stage_proxy_70b_fp8.json" \
-  --iterations 3 --timeout 130 --case 70b_pp8_fp8_full_default -- "${@}"; a=$?
+  --iterations 3 --timeout 130 ${PROXY_GPU_GIB:+--gpu-memory-gib $PROXY_GPU_GIB} \
+  --case 70b_pp8_fp8_full_default -- "${@}"; a=$?
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$0" benchmarks/stage_proxy.py --iterations 3 --timeout 130 \
-  --out "$AGOQ_RESULTS/stage_proxy_70b_fp8_es.json" --case 70b_pp8_fp8_full_expandable -- "${@}"; exit $((a | $?))' \
+  ${PROXY_GPU_GIB:+--gpu-memory-gib $PROXY_GPU_GIB} --out "$AGOQ_RESULTS/stage_proxy_70b_fp8_es.json" \
+  --case 70b_pp8_fp8_full_expandable -- "${@}"; exit $((a | $?))' \
   "$PY" "${FP8_70B[@]}"
 step commits 900 "$PY" benchmarks/bench_commits.py ${COMMITS_FLAGS:-} --tree old=.old/a43a8b4 --tree new=. --rounds "${COMMITS_ROUNDS:-2}" \
   --variants ${COMMITS_VARIANTS:-baseline agoq_full} --out "$AGOQ_RESULTS/commits.json"

@@ -174,3 +174,14 @@ def test_data_parallel_and_tied_embeddings_are_refused():
         check_proxy_layout(ParallelLayout(tp=1, pp=4), data_parallel=2)
     with pytest.raises(ValueError, match="tied embeddings"):
         check_proxy_layout(ParallelLayout(tp=1, pp=4), data_parallel=1, tied_embeddings=True)
+
+
+def test_emulating_a_smaller_gpu_needs_a_gpu_and_a_smaller_size():
+    """--gpu-memory-gib caps the caching allocator on a GPU; on the CPU, and above the GPU's own memory, it is
+    refused with the reason rather than run uncapped."""
+    from tests.megatron._bench_scripts import load_bench_script
+
+    proxy = load_bench_script("stage_proxy")
+    assert proxy.cap_allocator(torch.device("cpu"), None) is None
+    with pytest.raises(ValueError, match="--gpu-memory-gib 79.18: .* this device is cpu, not a GPU"):
+        proxy.cap_allocator(torch.device("cpu"), 79.18)
