@@ -14,7 +14,7 @@ Touches: whatever the registered seams and runtime changes touch; each is named 
     :func:`swap_class` / :func:`set_module_attr`: ``ddp.bucket_group`` (every bucket group of agoq's
     DDP becomes ``AgoqBucketGroup``, agoq/megatron/grads/ddp.py), ``grad_reader.distributed_optimizer``
     (Megatron's ``DistributedOptimizer`` reading the 8-bit shard, agoq/megatron/grads/grad_reader.py) and
-    ``checkpoint.results_queue`` (``filesystem_async._results_queue`` from a signal-proof manager,
+    ``checkpoint.results_queue`` (``filesystem_async._results_queue`` from agoq's signal-proof queue server,
     agoq/megatron/ckpt/save.py).
   * Scoped, nothing to undo: ``ddp.deferred_grad_buffer`` (a ``TorchFunctionMode`` active only while
     agoq's DDP runs Megatron's DDP constructor in store mode, popped on return or error; marked;

@@ -99,6 +99,7 @@ def test_undo_restores_every_runtime_change():
         assert install_mod.marked_seam(AgoqBucketGroup) == "ddp.bucket_group"
         assert all(install_mod.marked_seam(type(o)) == "grad_reader.distributed_optimizer" for o in dist_opts)
         assert filesystem_async._results_queue is not queue_before
+        [server] = ckpt_save._SERVERS
         seams = {c.seam for c in install_mod.runtime_changes()}
         assert seams == {"ddp.bucket_group", "grad_reader.distributed_optimizer", "checkpoint.results_queue"}
     finally:
@@ -108,4 +109,5 @@ def test_undo_restores_every_runtime_change():
     assert all(type(o) is DistributedOptimizer for o in dist_opts)
     assert filesystem_async._results_queue is queue_before
     assert dict(_global_optimizer_post_hooks) == hooks_before and not fp8_weight_cache.optimizer_hook_installed()
-    assert install_mod.runtime_changes() == [] and not ckpt_save._MANAGERS
+    assert install_mod.runtime_changes() == [] and not ckpt_save._SERVERS
+    assert server.process.returncode == 0  # undo() stopped the queue server (it ended on its closed stdin)

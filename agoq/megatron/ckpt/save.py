@@ -5,8 +5,8 @@ complete checkpoint.
 Seam card
 ---------
 Touches: ``dist_checkpointing.save`` (public API) and ``dist_checkpointing.strategies.filesystem_async.
-  _results_queue`` (pre-created from a signal-proof manager process; listed in the contract, recorded in
-  agoq.megatron.install as seam ``checkpoint.results_queue`` and undone by its handle).
+  _results_queue`` (pre-created from agoq's queue server, agoq.megatron.ckpt.queue_server; listed in the contract,
+  recorded in agoq.megatron.install as seam ``checkpoint.results_queue`` and undone by its handle).
 Why: Megatron's layout, ``<save>/iter_0000010/`` plus a tracker file ``latest_checkpointed_iteration.txt`` that is
   written (atomically, by rename) only after every rank finished writing, so an interrupted save never replaces the
   last complete checkpoint.
@@ -26,59 +26,37 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from agoq.megatron.ckpt.checkpoint_errors import save_error_text
 from agoq.megatron.ckpt.ckpt_files import PROGRESS_FILE, TRACKER_FILE, iteration_dir, latest_iteration_or_none
+from agoq.megatron.ckpt.queue_server import start_queue_server
 from agoq.megatron.ckpt.state import Progress, data_parallel_size, full_sharded_state_dict, torch_optimizer_step
 
 
-def _ignore_stop_signals_in_child() -> None:
-    """Initializer of the checkpoint writer's result-queue server process.
-
-    The launcher (torchrun, slurm) delivers SIGTERM/SIGINT/SIGUSR1 to every process of the job; the
-    training ranks turn it into "save, then exit", but the writer's helper process would die and break
-    that very save (BrokenPipeError, measured). It ignores the stop signals and instead dies with its
-    parent (Linux PR_SET_PDEATHSIG), so it never outlives the rank.
-    """
-    import ctypes
-    import signal
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
-    pr_set_pdeathsig = 1
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except OSError:  # not Linux/glibc: the manager's own finalizer still stops it at a normal exit
-        pass
-
-
 def _install_signal_safe_results_queue() -> None:
-    """Pre-create megatron's module-global ``_results_queue`` from a signal-proof manager process.
+    """Pre-create megatron's module-global ``_results_queue`` from agoq's queue server (agoq.megatron.ckpt.
+    queue_server: standard library only, ignores the launcher's stop signals, dies with the rank), before Megatron's
+    first save would spawn a copy of the training script to serve it.
 
-    Touches ``dist_checkpointing.strategies.filesystem_async._results_queue`` (listed in the contract);
-    megatron creates it lazily with ``ctx.Manager().Queue()`` on the first save, which we do first.
+    Touches ``dist_checkpointing.strategies.filesystem_async._results_queue`` (listed in the contract).
     Recorded in agoq.megatron.install (seam ``checkpoint.results_queue``): the install handle's
-    ``undo()`` puts Megatron's ``None`` back and stops the manager.
+    ``undo()`` puts Megatron's ``None`` back and stops the server.
     """
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
-
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is not None:
         return
     from agoq.megatron.install import set_module_attr
 
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_ignore_stop_signals_in_child)
-    _MANAGERS.append(manager)  # keep it alive until the process ends or the install handle's undo()
+    server = start_queue_server()
+    _SERVERS.append(server)  # keep it alive until the process ends or the install handle's undo()
 
-    def stop_manager() -> None:
-        _MANAGERS.remove(manager)
-        manager.shutdown()
+    def stop_server() -> None:
+        _SERVERS.remove(server)
+        server.stop()
 
-    set_module_attr(filesystem_async, "_results_queue", manager.Queue(), seam="checkpoint.results_queue",
-                    cleanup=stop_manager)
+    set_module_attr(filesystem_async, "_results_queue", server.queue, seam="checkpoint.results_queue",
+                    cleanup=stop_server)
 
 
-_MANAGERS: list = []
+_SERVERS: list = []
 
 
 class CheckpointSaveError(RuntimeError):
