@@ -30,6 +30,12 @@ the summary of rows from several runs (a suite split over calls).
     python benchmarks/bench_te.py --shape 8b --global-batch 8 --micro-batch 1 --rows agoq_te/full_fp8  # LLaMA-3-8B
     python benchmarks/bench_te.py --suite dp_1b --nproc 2 --iters 20 --out te_dp2.json    # a suite's 2-GPU rows
     python benchmarks/bench_te.py --summarize te4_8b_a.json te4_8b_b.json                 # one summary of both
+    python benchmarks/bench_te.py --rows te/fp8_delayed agoq_te/full_fp8 --iters 12 --profile 8 10   # GPU time by kind
+
+``--profile A B`` runs Megatron-LM's own torch profiler (``--profile --use-pytorch-profiler``) over iterations A..B-1
+of each one-GPU row and stores ``benchmarks/trace_summary.py``'s summary in the row (``profile``: GPU busy time,
+kernel time per category, the top kernels); ``python benchmarks/trace_summary.py B.json.gz --against A.json.gz``
+compares two kept traces (``--keep-traces DIR``).
 """
 
 from __future__ import annotations
@@ -251,12 +257,46 @@ def _seq(model: list[str]) -> int:
     return int(model[model.index("--seq-length") + 1])
 
 
+def profile_flags(name: str, steps: list[int] | None, workdir: Path) -> list[str]:
+    """Megatron-LM's own profiler over iterations [A, B) of the row (``--profile A B``): its Chrome trace lands in
+    ``<workdir>/<row>/torch_profile/rank-0.json.gz``. Only the megatron.training rows have it."""
+    if not steps:
+        return []
+    if ROWS[name][0] == DOOR:
+        raise ValueError(f"--profile: row {name} runs scripts/pretrain_gpt_agoq.py (agoq's trainer; profile it "
+                         "with benchmarks/bench_step_profile.py); the te/ and agoq_te/ rows run megatron.training's "
+                         "profiler")
+    return ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(steps[0]), "--profile-step-end",
+            str(steps[1]), "--profile-ranks", "0", "--tensorboard-dir", str(workdir / name.replace("/", "_") / "tb")]
+
+
+def attach_profile(row: dict, name: str, workdir: Path, keep: Path | None) -> None:
+    """The row's trace summarised (benchmarks/trace_summary.py) into ``row["profile"]``; the trace itself copied to
+    ``keep``/<row>.trace.json.gz when asked. A missing trace is said in the row, not skipped."""
+    import shutil
+
+    import trace_summary  # benchmarks/, beside this file
+
+    trace = workdir / name.replace("/", "_") / "torch_profile" / "rank-0.json.gz"
+    if not trace.is_file():
+        row["profile"] = {"missing": f"no trace at {trace} (the row ended before the profiled iterations?)"}
+        return
+    row["profile"] = trace_summary.summarize(trace_summary.load_events(trace))
+    row["profile"]["note"] = "the profiled iterations are in the row's timings too (the profiler slows them)"
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        shutil.copy(trace, keep / (name.replace("/", "_") + ".trace.json.gz"))
+
+
 def run_row(name: str, args, port: int, workdir: Path) -> dict:
     driver, row_micro_batch, _, extra_env = ROWS[name]
     record = workdir / (name.replace("/", "_") + ".json")
     command = row_command(name, args.shape, args.iters, args.global_batch, record, port, args.micro_batch)
+    command += profile_flags(name, args.profile, workdir)
     row = _execute(name, command, extra_env, driver, record, args.row_timeout, args.skip, args.global_batch,
                    _seq(SHAPES[args.shape]), 1)
+    if args.profile:
+        attach_profile(row, name, workdir, args.keep_traces)
     return {"name": name, "micro_batch": args.micro_batch or row_micro_batch, **row}
 
 
@@ -357,6 +397,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int, default=None, help="every row at this micro-batch (default: the "
                         "row's own)")
     parser.add_argument("--row-timeout", type=int, default=420)
+    parser.add_argument("--profile", type=int, nargs=2, default=None, metavar=("A", "B"),
+                        help="one-GPU rows: Megatron-LM's torch profiler over iterations A..B-1, summarised per row "
+                             "(benchmarks/trace_summary.py: GPU busy time and kernel time by category)")
+    parser.add_argument("--keep-traces", type=Path, default=None, help="with --profile: copy each trace here")
     parser.add_argument("--summarize", type=Path, nargs="+", default=None,
                         help="print the summary of these result files' rows together, run nothing")
     args = parser.parse_args(argv)
@@ -365,6 +409,12 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(summarize(rows), indent=1))
         return
     todo = _rows_to_run(args)
+    if args.profile and (args.suite or args.profile[0] < 1 or args.profile[1] <= args.profile[0]
+                         or args.profile[1] > args.iters):
+        parser.error(f"--profile {args.profile[0]} {args.profile[1]}: one-GPU rows only, 1 <= A < B <= --iters "
+                     f"({args.iters})")
+    for name, _ in todo:
+        profile_flags(name, args.profile, Path("."))  # a row that cannot be profiled stops the run before it starts
     import torch
 
     result = {"bench": "te", "suite": args.suite, "shape": None if args.suite else args.shape, "iters": args.iters,

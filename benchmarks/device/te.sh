@@ -14,6 +14,11 @@
 #              (default 10; ~45 s a row at 10)                                                             ~16 min
 #   te_bench_8b  the LLaMA-3-8B shape (128,256 vocabulary) at micro-batch 1, global batch 8: agoq + TE FP8
 #              against what Megatron + TE fits with its levers (TE_ROWS_8B, default below)            ~5 min
+#   te_profile  where agoq + TE FP8's 0.89x of TE FP8 goes (docs/benchmarks/te.md): the pair at micro-batch 2
+#              (TE_PROFILE_ROWS, default te/fp8_delayed agoq_te/full_fp8 te/bf16 agoq_te/full), 12 iterations,
+#              Megatron-LM's torch profiler over iterations 8-9 (bench_te.py --profile 8 10): GPU busy time and
+#              kernel time by category per row in te_profile.json, the traces in traces/, agoq's rows against
+#              TE's in te_profile_fp8.txt / te_profile_bf16.txt (benchmarks/trace_summary.py --against)  ~4 min
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 [ -d /tmp/te/site/transformer_engine ] || { echo "te.sh: Transformer Engine is not installed (benchmarks/device/te_device.sh)" >&2; exit 2; }
 export PYTHONPATH="/tmp/te/site:$PYTHONPATH"
@@ -28,3 +33,12 @@ TE_ROWS_8B="${TE_ROWS_8B:-agoq_te/full_fp8 agoq/full_fp8 te/fp8_precision_aware_
 # shellcheck disable=SC2086
 step te_bench_8b 1200 "$PY" benchmarks/bench_te.py --out "$AGOQ_RESULTS/te_8b.json" --shape 8b --global-batch 8 \
   --micro-batch 1 --iters "${TE_ITERS_8B:-10}" --rows $TE_ROWS_8B
+TE_PROFILE_ROWS="${TE_PROFILE_ROWS:-te/fp8_delayed agoq_te/full_fp8 te/bf16 agoq_te/full}"
+# shellcheck disable=SC2016,SC2086
+step te_profile 900 bash -c '"$0" benchmarks/bench_te.py --out "$1/te_profile.json" --iters 12 --profile 8 10 \
+  --keep-traces "$1/traces" --rows $2; rc=$?; t="$1/traces"
+  [ -f "$t/agoq_te_full_fp8.trace.json.gz" ] && "$0" benchmarks/trace_summary.py "$t/agoq_te_full_fp8.trace.json.gz" \
+    --against "$t/te_fp8_delayed.trace.json.gz" --json "$1/te_profile_fp8_vs.json" > "$1/te_profile_fp8.txt"
+  [ -f "$t/agoq_te_full.trace.json.gz" ] && "$0" benchmarks/trace_summary.py "$t/agoq_te_full.trace.json.gz" \
+    --against "$t/te_bf16.trace.json.gz" --json "$1/te_profile_bf16_vs.json" > "$1/te_profile_bf16.txt"
+  exit $rc' "$PY" "$AGOQ_RESULTS" "$TE_PROFILE_ROWS"

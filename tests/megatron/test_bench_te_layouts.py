@@ -60,3 +60,21 @@ def test_tp_and_cp_rows_need_their_environment(megatron_parser, monkeypatch):
     args.world_size, args.rank, args._is_global_batch_size_explicitly_specified = 2, 0, True
     with pytest.raises(AssertionError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
         margs.validate_args(args)
+
+
+@pytest.mark.parametrize("name", ["te/fp8_delayed", "agoq_te/full_fp8"])
+def test_profiled_rows_parse_in_megatron_training_and_name_the_trace(megatron_parser, name, tmp_path):
+    """bench_te.py --profile A B: Megatron-LM's own profiler flags on the one-GPU rows, parsed by megatron.training
+    as the run will; the trace path attach_profile reads is where Megatron's trace handler writes it
+    (<tensorboard-dir>/../torch_profile/rank-0.json.gz); agoq's own trainer rows are refused with the tool to use."""
+    command = BENCH.row_command(name, "1b", 12, 16, Path("/tmp/r.json"), 29500)
+    command += BENCH.profile_flags(name, [8, 10], tmp_path)
+    args = megatron_parser.parse_args(command[command.index(str(BENCH.UPSTREAM)) + 1:])
+    assert (args.profile, args.use_pytorch_profiler, args.profile_step_start, args.profile_step_end,
+            args.profile_ranks) == (True, True, 8, 10, [0])
+    trace = Path(args.tensorboard_dir) / ".." / "torch_profile" / "rank-0.json.gz"
+    row = {}
+    BENCH.attach_profile(row, name, tmp_path, None)
+    assert row["profile"]["missing"].startswith(f"no trace at {trace.resolve()}")
+    with pytest.raises(ValueError, match=r"agoq/full runs .*benchmarks/bench_step_profile.py"):
+        BENCH.profile_flags("agoq/full", [8, 10], tmp_path)
