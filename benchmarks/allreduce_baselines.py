@@ -34,8 +34,11 @@ checked (< BF16_MAX_REL_ERR) and recorded.
 
 Nothing silent: a baseline that cannot be set up or raises while timed (op missing, dtype / size refused, NCCL
 refusing a protocol) is recorded in the row's ``baseline_errors`` with its error text, printed to stderr with the
-rank, and the other cases run on. A failure on one rank only would leave the ranks out of step (a hang, caught by
-the step's time limit); the failures met so far (op missing, refused sizes) are the same on every rank.
+rank, and the other cases run on. A failure on one rank only leaves the other ranks waiting in a collective that
+will not complete; every guarded case runs under a stall watchdog (:class:`StallWatchdog`, ``--case-timeout``):
+a case that has not ended within its limit prints which case, on which rank, and ends the process with exit 3
+rather than waiting for the step's time limit. The failures met so far (op missing, refused sizes) are the same on
+every rank.
 
 Bus bandwidth (nccl-tests' convention, bytes = the full input of the collective, for an all-gather its full output):
 busbw = bytes / time x 2 (W-1)/W for an all-reduce, x (W-1)/W for a reduce-scatter or an all-gather. The link's peak
@@ -46,7 +49,9 @@ one GPU can receive from one peer, the rate a ring all-reduce's busbw is measure
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -140,18 +145,57 @@ def record_failure(errors: dict, name: str, err: BaseException | str) -> None:
           file=sys.stderr, flush=True)
 
 
-def time_cases(cases: dict, guarded: set, fresh, time_ms, time_device=None) -> dict:
+STALL_EXIT = 3
+
+
+class StallWatchdog:
+    """Ends the process (exit STALL_EXIT, after a line naming the case and the rank) when a case has run longer than
+    ``limit_s``: a collective a peer never joined does not return. ``with watchdog.case(name): ...`` arms it for one
+    case; ``limit_s`` None or 0 disarms it. ``exit_fn`` is os._exit (a test passes its own)."""
+
+    def __init__(self, limit_s: float | None, exit_fn=os._exit):
+        self.limit_s, self.exit_fn = limit_s, exit_fn
+
+    def case(self, name: str):
+        watchdog, done = self, threading.Event()  # one event per case: a late wake-up never fires for the next
+
+        class _Armed:
+            def __enter__(self):
+                if watchdog.limit_s:
+                    threading.Thread(target=watchdog._watch, args=(name, done), daemon=True).start()
+
+            def __exit__(self, *exc):
+                done.set()
+                return False
+
+        return _Armed()
+
+    def _watch(self, name: str, done: threading.Event) -> None:
+        if not done.wait(self.limit_s):
+            print(f"[rank {_rank()}] baseline {name}: no result after {self.limit_s:.0f} s (a peer rank failed or "
+                  "left the collective: see the other ranks' lines); ending this rank with exit "
+                  f"{STALL_EXIT} instead of waiting", file=sys.stderr, flush=True)
+            self.exit_fn(STALL_EXIT)
+
+
+NO_WATCHDOG = StallWatchdog(None)
+
+
+def time_cases(cases: dict, guarded: set, fresh, time_ms, time_device=None,
+               watchdog: StallWatchdog = NO_WATCHDOG) -> dict:
     """Time every case: ``fresh()`` before each timing, ``time_ms(fn)`` -> ms, ``time_device(fn)`` -> (device ms,
     host enqueue ms, clean) when given. A case in ``guarded`` that raises is recorded in ``errors`` (and printed)
     and leaves no timing; any other case's error propagates."""
     out = {"ms": {}, "device_ms": {}, "host_enqueue_ms": {}, "device_clean": {}, "errors": {}}
     for name, fn in cases.items():
         try:
-            fresh()
-            out["ms"][name] = time_ms(fn)
-            if time_device is not None:
+            with watchdog.case(name) if name in guarded else NO_WATCHDOG.case(name):
                 fresh()
-                out["device_ms"][name], out["host_enqueue_ms"][name], out["device_clean"][name] = time_device(fn)
+                out["ms"][name] = time_ms(fn)
+                if time_device is not None:
+                    fresh()
+                    out["device_ms"][name], out["host_enqueue_ms"][name], out["device_clean"][name] = \
+                        time_device(fn)
         except Exception as err:
             if name not in guarded:
                 raise
@@ -273,7 +317,8 @@ class ExtraBaselines:
         for buffers in self.buffers.values():
             buffers.load(x16)
 
-    def check(self, x16: torch.Tensor, exact: torch.Tensor, errors: dict) -> dict:
+    def check(self, x16: torch.Tensor, exact: torch.Tensor, errors: dict,
+              watchdog: StallWatchdog = NO_WATCHDOG) -> dict:
         """Each extra baseline run once on ``x16`` and compared with ``exact`` (the fp32 all-reduce of the same bf16
         inputs); a case that raises is recorded in ``errors``."""
         numel, out = x16.numel(), {}
@@ -283,10 +328,11 @@ class ExtraBaselines:
                 if not self._wanted(case) or case in errors:
                     continue
                 try:
-                    buffers.load(x16)
-                    fn()
-                    result, full = results[case]
-                    out[case] = check_result(result, exact, full)
+                    with watchdog.case(case):
+                        buffers.load(x16)
+                        fn()
+                        result, full = results[case]
+                        out[case] = check_result(result, exact, full)
                 except Exception as err:
                     record_failure(errors, case, err)
         return out

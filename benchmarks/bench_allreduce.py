@@ -114,6 +114,7 @@ from allreduce_baselines import (  # noqa: E402
     EXTRA_KINDS,
     REDUCE_SCATTER,
     ExtraBaselines,
+    StallWatchdog,
     add_bus_bandwidth,
     check_result,
     measure_link_peak,
@@ -291,7 +292,7 @@ def gradient_numel(size_mib: int, world: int, fmt: str) -> int:
 
 
 def check_baselines(x16: torch.Tensor, extras: ExtraBaselines | None, errors: dict,
-                    collectives: tuple[str, ...]) -> dict:
+                    collectives: tuple[str, ...], watchdog: StallWatchdog) -> dict:
     """NCCL's bf16 all-reduce / reduce-scatter and the extra baselines on ``x16``, each against the fp32 all-reduce of
     the same bf16 inputs (allreduce_baselines.check_result); a case that raises is recorded in ``errors``."""
     exact = x16.float()
@@ -307,11 +308,12 @@ def check_baselines(x16: torch.Tensor, extras: ExtraBaselines | None, errors: di
         if case in errors:
             continue
         try:
-            out[case] = check_result(fn(arg), exact, full)
+            with watchdog.case(case):
+                out[case] = check_result(fn(arg), exact, full)
         except Exception as err:
             record_failure(errors, case, err)
     if extras is not None:
-        out.update(extras.check(x16, exact, errors))
+        out.update(extras.check(x16, exact, errors, watchdog))
     return out
 
 
@@ -321,7 +323,7 @@ def _guarded_timings(cases: dict, guarded: set, fresh, device, args) -> dict:
         def device_timer(fn):
             return _median_device_ms(fn, args.warmup, args.iters, args.cycles_per_ms)
     return time_cases(cases, guarded, fresh, lambda fn: _median_ms(fn, device, args.warmup, args.iters),
-                      device_timer)
+                      device_timer, args.watchdog)
 
 
 def bench_baselines(size_mib: int, device: torch.device, args) -> dict:
@@ -354,7 +356,7 @@ def bench_baselines(size_mib: int, device: torch.device, args) -> dict:
     if timed["device_ms"]:
         row.update(device_ms=timed["device_ms"], host_enqueue_ms=timed["host_enqueue_ms"],
                    device_clean=timed["device_clean"])
-    row["baseline_check"] = check_baselines(x16, extras, errors, args.collectives)
+    row["baseline_check"] = check_baselines(x16, extras, errors, args.collectives, args.watchdog)
     row["baseline_errors"] = errors
     return row
 
@@ -461,7 +463,7 @@ def bench_size(size_mib: int, fmt: str, device: torch.device, args) -> dict:
         "check": check_size(numel, fmt, device, exact=size_mib <= args.exact_check_mib),
     }
     baseline_errors = {**(extras.not_run() if extras is not None else {}), **timed["errors"]}
-    row["baseline_check"] = check_baselines(x16, extras, baseline_errors, COLLECTIVES)
+    row["baseline_check"] = check_baselines(x16, extras, baseline_errors, COLLECTIVES, args.watchdog)
     row["baseline_errors"] = baseline_errors
     if device_ms:
         row.update(device_ms=device_ms, host_enqueue_ms=host_ms, device_clean=clean,
@@ -735,6 +737,7 @@ def _add_bus_bandwidth(rows: list[dict], world: int) -> None:
 def resolve_baseline_args(args, parser: argparse.ArgumentParser) -> None:
     """--baselines default (both kinds on CUDA over NVLink, none otherwise), refused where they cannot run;
     --collectives only with --baseline-only."""
+    args.watchdog = StallWatchdog(args.case_timeout)  # every guarded case runs under it (allreduce_baselines.py)
     cuda_nvlink = args.device == "cuda" and args.link == "default"
     if args.baselines is None:
         args.baselines = sorted(EXTRA_KINDS) if cuda_nvlink else []
@@ -758,6 +761,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sizes up to this also get the bit-exact comparison with the reference")
     p.add_argument("--out", default=None, help="JSON report (rank 0); default $OUT/grads.json when $OUT is set")
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 self-spawned ranks, tiny sizes")
+    p.add_argument("--case-timeout", type=float, default=300.0,
+                   help="seconds a guarded baseline case may run before its rank ends with exit 3 (a peer rank "
+                        "failed and left the collective; 0: wait)")
     p.add_argument("--link", choices=("default", "socket"), default="default",
                    help="socket: NCCL over TCP sockets between the local GPUs, a stand-in for an inter-node link "
                         f"(sets {' '.join(f'{k}={v}' for k, v in SOCKET_LINK_ENV.items())})")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import pytest
 import torch
@@ -170,3 +171,46 @@ def test_baseline_only_rows_time_check_and_record_every_baseline(one_rank_group,
     lines = bench.baseline_lines(row)
     assert any("BASELINE FAILED symm_oneshot_allreduce_bf16" in line for line in lines)
     assert any("BASELINE CHECK FAILED" in line and "symm_reduce_scatter_bf16" in line for line in lines)
+
+
+def _one_rank_fails(rank: int, world: int) -> dict:
+    """A guarded case that raises on rank 1 before its collective while rank 0 enters it (gloo: rank 0's host
+    waits for a peer that never comes)."""
+    baselines = load_bench_script("allreduce_baselines")
+
+    def case():
+        if rank == 1:
+            raise RuntimeError("op refused on this rank only")
+        dist.all_reduce(torch.ones(4))
+
+    out = baselines.time_cases({"one_sided": case}, {"one_sided"}, lambda: None, lambda fn: fn() or 1.0,
+                               watchdog=baselines.StallWatchdog(3.0))
+    if rank == 1:  # goes on with its next cases (here: stays alive; a rank that exits resets gloo's connection)
+        time.sleep(15)
+    return out["errors"]
+
+
+def test_a_case_failing_on_one_rank_ends_the_waiting_rank_instead_of_hanging():
+    """Rank 1 records its failure and returns; rank 0, stuck in the collective, is ended by the stall watchdog with
+    exit 3 within seconds (gloo's own timeout is 30 minutes, the GPU step's limit 10)."""
+    from agoq.testing.dist import RankError, spawn_ranks
+
+    with pytest.raises(RankError) as exc:
+        spawn_ranks(2, _one_rank_fails, timeout_s=60)
+    text = str(exc.value)
+    assert "rank 0 exited with code 3 before reporting a result" in text
+    assert "did not finish within" not in text  # ended by the watchdog, not by the test's own limit
+
+
+def test_the_watchdog_stays_quiet_for_cases_that_end():
+    baselines = load_bench_script("allreduce_baselines")
+    fired = []
+    watchdog = baselines.StallWatchdog(0.5, exit_fn=fired.append)
+    for _ in range(3):
+        with watchdog.case("quick"):
+            pass
+    time.sleep(1.0)
+    assert fired == []
+    with watchdog.case("slow"):
+        time.sleep(1.0)
+    assert fired == [baselines.STALL_EXIT]
