@@ -173,7 +173,8 @@ CONTRACT: tuple[Symbol, ...] = (
     Symbol("megatron.core.dist_checkpointing:save", "checkpoint save",
            params=("sharded_state_dict", "checkpoint_dir")),
     Symbol("megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",
-           "pre-created from a signal-proof manager so a save survives SIGTERM (ckpt/save.py)"),
+           "pre-created from agoq's queue server (ckpt/queue_server.py): a save survives SIGTERM, and no spawned "
+           "copy of the training script serves it"),
     Symbol("megatron.core.dist_checkpointing:load", "checkpoint load",
            params=("sharded_state_dict", "checkpoint_dir")),
     # 8-bit gradients (agoq/megatron/grads/ddp.py): subclass + bucket-group class swap (private API).
