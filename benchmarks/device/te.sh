@@ -19,6 +19,11 @@
 #              Megatron-LM's torch profiler over iterations 8-9 (bench_te.py --profile 8 10): GPU busy time and
 #              kernel time by category per row in te_profile.json, the traces in traces/, agoq's rows against
 #              TE's in te_profile_fp8.txt / te_profile_bf16.txt (benchmarks/trace_summary.py --against)  ~4 min
+#   te_mbs16   the open finding of docs/benchmarks/te.md (agoq + TE FP8 at micro-batch 16 = the global batch: loss
+#              6.56 at iteration 3, 2.4-2.5 at every other micro-batch): TE FP8 and agoq + TE FP8 both at micro-batch
+#              16 (one micro-batch per step, so delayed scaling's first step has no amax history within the step),
+#              8 iterations, losses per iteration -> te_mbs16.json (TE FP8 at 16 needs ~98 GiB: an H200, or an
+#              out-of-memory row on an H100)                                                              ~3 min
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 [ -d /tmp/te/site/transformer_engine ] || { echo "te.sh: Transformer Engine is not installed (benchmarks/device/te_device.sh)" >&2; exit 2; }
 export PYTHONPATH="/tmp/te/site:$PYTHONPATH"
@@ -42,3 +47,5 @@ step te_profile 900 bash -c '"$0" benchmarks/bench_te.py --out "$1/te_profile.js
   [ -f "$t/agoq_te_full.trace.json.gz" ] && "$0" benchmarks/trace_summary.py "$t/agoq_te_full.trace.json.gz" \
     --against "$t/te_bf16.trace.json.gz" --json "$1/te_profile_bf16_vs.json" > "$1/te_profile_bf16.txt"
   exit $rc' "$PY" "$AGOQ_RESULTS" "$TE_PROFILE_ROWS"
+step te_mbs16 600 "$PY" benchmarks/bench_te.py --out "$AGOQ_RESULTS/te_mbs16.json" --micro-batch 16 --iters 8 \
+  --rows te/fp8_delayed agoq_te/full_fp8 te/bf16
