@@ -53,3 +53,33 @@ def test_schedule_line_names_each_differing_flag_once():
     assert "not used from this command line: --lr, --weight-decay (" in line, line
     assert "--weight-decay" not in schedule_line(in_force, in_force, override=False, global_batch_size=GBS,
                                                  train_iters=10)
+
+
+def _report(policy_path, pp: int = 2) -> str:
+    from agoq.policy import ScheduleInfo
+    from agoq.policy.load import load_policy
+    from agoq.policy.resolve import model_sites, policy_table, to_json
+
+    spec = load_policy(policy_path)
+    schedule = ScheduleInfo(pp_size=pp, vp_size=None, num_microbatches=8)
+    return to_json(policy_table(spec, model_sites(4, schedule), schedule), spec, schedule)
+
+
+def test_policy_note_ignores_the_policy_files_path_and_names_a_changed_table(tmp_path):
+    """The saved report holds the policy file's path; the same table read from a checkout at another path (another
+    node's mount, a moved folder) is no difference (it printed a note on every such resume); another table is."""
+    import shutil
+    from pathlib import Path
+
+    from agoq.megatron.ckpt.resume import policy_note
+
+    policies = Path(__file__).resolve().parents[2] / "configs" / "policy"
+    moved = tmp_path / "elsewhere" / "agoq.yaml"
+    moved.parent.mkdir()
+    shutil.copy(policies / "agoq.yaml", moved)
+    saved, same_elsewhere = _report(policies / "agoq.yaml"), _report(moved)
+    assert saved != same_elsewhere  # the path differs in the document
+    assert policy_note("ck", saved, same_elsewhere) is None
+    note = policy_note("ck", saved, _report(policies / "bf16.yaml"))
+    assert note.startswith("ck: the resolved policy table differs from the checkpoint's")
+    assert policy_note("ck", saved, _report(moved, pp=1)) is not None  # the same file, another stage layout

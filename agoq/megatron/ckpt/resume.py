@@ -26,6 +26,7 @@ No Megatron import: plain values in, plain values out.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from agoq.config import AgoqConfig, flag_for
@@ -243,9 +244,22 @@ def _resume_flag(field: str, saved: dict) -> str:
     return f"{_MUST_MATCH[field]} {value}"
 
 
+def _table_of(report: str) -> object:
+    """The policy report (agoq.policy.resolve's JSON) without the policy file's path: the same table read from a
+    checkout at another path (another node's mount, a moved folder) is the same table."""
+    try:
+        doc = json.loads(report)
+    except ValueError:  # not JSON: compared as text
+        return report
+    if isinstance(doc, dict):
+        doc.pop("policy_source", None)
+    return doc
+
+
 def policy_note(source: str, saved_report: str | None, current_report: str) -> str | None:
-    """One line when the resolved activation/gradient policy differs from the checkpoint's (allowed)."""
-    if saved_report is None or saved_report == current_report:
+    """One line when the resolved activation/gradient policy differs from the checkpoint's (allowed); the policy
+    file's path alone is no difference."""
+    if saved_report is None or _table_of(saved_report) == _table_of(current_report):
         return None
     return (f"{source}: the resolved policy table differs from the checkpoint's (allowed: activations and "
             "gradients are not part of a checkpoint); the new table is printed above")
