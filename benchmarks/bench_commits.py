@@ -4,11 +4,14 @@ interleaved rounds (old, new, old, new, ...), so that host drift lands on both.
 It answers "did a restructuring change what a user gets?" on the real device: per variant and checkout, the median
 step time and tokens/s (iterations from ``--skip`` on), the peak allocated GiB, and every iteration's loss and
 gradient norm, with a verdict whether the two checkouts' losses and grad norms are bit-identical in every round,
-and, where they are not, whether the checkouts differ by more than two runs of one checkout do (on a GPU, CUDA's
-atomics -- the embedding's backward among them -- make two runs of one checkout differ from the first backward on;
-H100, 2026-12-07: the ~1B baseline's grad norm differed in the 6th digit at iteration 0). ``--deterministic`` runs
-every rank with ``torch.use_deterministic_algorithms(True, warn_only=True)`` and ``CUBLAS_WORKSPACE_CONFIG=:4096:8``
-(through a ``sitecustomize`` on ``PYTHONPATH``, so that neither checkout needs a flag for it).
+and, where they are not, whether the checkouts differ by more than two runs of one checkout do (on a GPU, kernels
+that accumulate with atomics make two runs of one checkout differ from the first backward on; H100, 2026-12-07: the
+~1B baseline's grad norm differed in the 6th digit at iteration 0, with deterministic algorithms requested in
+warn-only mode). ``--deterministic`` runs every rank with ``torch.use_deterministic_algorithms(True)`` (not
+warn-only: under ``warn_only=True`` PyTorch's flash-attention backward keeps its non-deterministic dQ accumulation
+and only warns, aten/src/ATen/native/transformers/cuda/attention_backward.cu; an op with no deterministic kernel
+then stops its run with PyTorch's error, which the row records) and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (through a
+``sitecustomize`` on ``PYTHONPATH``, so that neither checkout needs a flag for it).
 
     # the checkout before the step, unpacked beside this one (ignored by git; carried to the GPU machine):
     mkdir -p .old/a43a8b4 && git archive a43a8b4 | tar -x -C .old/a43a8b4
@@ -53,7 +56,7 @@ def schedule(iters: int, micro_batch: int, global_batch: int) -> list[str]:
 
 DETERMINISTIC_SITE = (
     "import torch  # written by benchmarks/bench_commits.py --deterministic\n"
-    "torch.use_deterministic_algorithms(True, warn_only=True)\n")
+    "torch.use_deterministic_algorithms(True)\n")
 
 
 def deterministic_site(folder: Path) -> dict[str, str]:
