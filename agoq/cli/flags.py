@@ -137,6 +137,9 @@ def _optim_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=1234,
                    help="weight initialisation (stage s of a pipeline seeds with SEED + 100 x s, as Megatron-LM) "
                         "and data order")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="Megatron-LM's flag: bit-reproducible runs on a GPU (torch's deterministic algorithms, "
+                        "NCCL_ALGO=Ring, CUBLAS_WORKSPACE_CONFIG=:4096:8; slower; agoq.train.determinism)")
 
 
 def _data_flags(p: argparse.ArgumentParser) -> None:

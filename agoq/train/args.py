@@ -47,6 +47,7 @@ from agoq.config.values import (
     torch_optimizer_state_refusal,
 )
 from agoq.policy import load_policy
+from agoq.train import determinism
 from agoq.train.checks import (
     check_fc2_amax_flag,
     check_policy_rules,
@@ -150,6 +151,8 @@ def parse_and_check(argv: list[str] | None = None) -> argparse.Namespace:
     args = parse_args(argv, quiet=quiet)
     try:
         preflight(args, int(os.environ.get("WORLD_SIZE", "1")))
+        if args.deterministic_mode:  # before torch loads: NCCL and cuBLAS read these once
+            determinism.apply_environment(os.environ)
     except ValueError as exc:
         if quiet:
             exit_quietly_after_delay()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -37,7 +38,7 @@ from agoq.megatron.compute import fc2_input_amax
 from agoq.megatron.install import install
 from agoq.megatron.model import ParallelLayout
 from agoq.policy import ScheduleInfo
-from agoq.train import environment, memory_report, training
+from agoq.train import determinism, environment, memory_report, training
 from agoq.train.checks import check_policy_requests
 from agoq.train.ckpt_startup import CheckpointGuard, predicted_checkpoint_bytes
 from agoq.train.flops import tflops_per_gpu, training_flops_per_iteration
@@ -153,6 +154,9 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
     returns the ``(train, valid, test)`` micro-batch iterators (scripts/pretrain_llama.py's), or ``(train, valid)``
     for a provider without a test split (no test evaluation then)."""
     config: AgoqConfig = args.agoq_config
+    if args.deterministic_mode:  # before the first communicator, cuBLAS handle and kernel (also without the script)
+        determinism.apply_environment(os.environ)
+        args.determinism_line = determinism.enable_torch(os.environ)
     launch = environment.launch_from_environment()
     device = runtime.choose_device(config.device, launch.local_rank)
     stop = StopSignal()  # from the start: a signal during start-up stops the job after its first iteration
@@ -187,6 +191,8 @@ def _run(args, info: runtime.RankInfo, model_provider, datasets_provider, report
     microbatches = num_microbatches(args, layout, info.world_size)
     check_policy_requests(args, microbatches)  # the script's preflight did too; callers of pretrain() may not
     print_rank0(versions_line())
+    if getattr(args, "determinism_line", None):
+        print_rank0(args.determinism_line)
     if unused := getattr(args, "config_file_unused", None):  # parse_args fills it (callers of pretrain() may not)
         print_rank0(f"--config {args.config}: not used by this run: {'; '.join(unused)}")
     print_rank0(f"device: {info.device} | world size {info.world_size} | tp {layout.tp} pp {layout.pp} "

@@ -132,11 +132,16 @@ def test_validation_loss_is_reported_and_resumes_on_the_same_batches(env, tmp_pa
 
 def test_a_test_split_of_weight_zero_is_said_and_skipped(env):
     """--split with no test weight: the end-of-training test evaluation has no batches; the run says so at start-up
-    and completes with its validation (it crashed in the schedule before)."""
+    and completes with its validation (it crashed in the schedule before). The same launch runs with
+    --deterministic-mode (sharing it saves CI a launch): every op of the training step, the evaluation and the
+    data path has a deterministic kernel (PyTorch raises on one that has none), and the line reads the settings back
+    from torch and the rank's environment."""
     proc = run_pretrain(1, TINY + ["--train-iters", "2", "--lr-warmup-iters", "1", "--eval-interval", "2",
-                                   "--eval-iters", "1", "--split", "99,1,0"], env=env)
+                                   "--eval-iters", "1", "--split", "99,1,0", "--deterministic-mode"], env=env)
     assert "test split: weight 0 in --split 99,1,0: no test evaluation when training completes" in proc.stdout
     assert "validation at iteration 2 | lm loss: " in proc.stdout and "test at iteration" not in proc.stdout
+    assert ("deterministic mode (--deterministic-mode): torch deterministic algorithms on; NCCL_ALGO=Ring, "
+            "CUBLAS_WORKSPACE_CONFIG=:4096:8, NVTE_ALLOW_NONDETERMINISTIC_ALGO=0") in proc.stdout
 
 
 def test_nonfinite_step_is_skipped_counted_and_training_continues(env):
