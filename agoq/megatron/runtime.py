@@ -181,6 +181,20 @@ def memory_reading(device: torch.device) -> dict[str, float]:
     return {"rss_gib": psutil.Process().memory_info().rss / GIB}
 
 
+def outside_allocator_gib(device: torch.device) -> dict[str, float]:
+    """GiB of this GPU in use outside PyTorch's caching allocator and agoq's symmetric memory: the device's used
+    memory (``cudaMemGetInfo``) less the allocator's reserved bytes and the symmetric buffers -- the CUDA context,
+    NCCL's communicator buffers, cuBLAS / cuDNN workspaces (and another process's memory on a shared GPU). The
+    planner reserves agoq.plan.headroom.OUTSIDE_ALLOCATOR_GIB for it (one H100, without NCCL). Empty on the CPU."""
+    if device.type != "cuda":
+        return {}
+    from agoq.comm.symm_store import symmetric_bytes
+
+    free, total = torch.cuda.mem_get_info(device)
+    outside = total - free - torch.cuda.memory_reserved(device) - symmetric_bytes()
+    return {"outside_allocator_gib": outside / GIB, "device_total_gib": total / GIB}
+
+
 def format_memory(reading: dict[str, float]) -> str:
     if "peak_gib" in reading:
         return f"mem alloc {reading['allocated_gib']:.2f} GiB | peak {reading['peak_gib']:.2f} GiB"

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from agoq.config import AgoqConfig
 from agoq.megatron import runtime
 from agoq.megatron.install import runs_on_cpu
-from agoq.plan.headroom import headroom_note
+from agoq.plan.headroom import OUTSIDE_ALLOCATOR_GIB, headroom_note
 from agoq.plan.memory import GIB, Layout, plan_stages
 from agoq.plan.peak import Recipe, StagePeak, format_peaks, grad_bytes_per_param, predict_peaks
 from agoq.plan.recipe import recipe_of
@@ -222,7 +222,7 @@ def static_breakdown_gib(model_chunks, optimizer) -> dict[str, float]:
 def measured_report(device, iteration: int, breakdown: dict[str, float] | None = None) -> str | None:
     """Gather every stage's reading (+ its static breakdown) to global rank 0; the text there, None elsewhere."""
     first = runtime.speaks_for_stage()
-    reading = dict(runtime.memory_reading(device), **(breakdown or {}))
+    reading = dict(runtime.memory_reading(device), **runtime.outside_allocator_gib(device), **(breakdown or {}))
     mine = (runtime.pipeline_rank(), reading) if first else None
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -234,8 +234,12 @@ def measured_report(device, iteration: int, breakdown: dict[str, float] | None =
 
 
 def _format_breakdown(reading: dict[str, float]) -> str:
+    outside = ""
+    if "outside_allocator_gib" in reading:
+        outside = (f" | outside PyTorch's allocator {reading['outside_allocator_gib']:.2f} GiB (the planner reserves "
+                   f"{OUTSIDE_ALLOCATOR_GIB})")
     if "weights_gib" not in reading:
-        return ""
+        return outside
     held = reading["weights_gib"] + reading["grads_gib"] + reading["optimizer_gib"]
     text = (f" (weights {reading['weights_gib']:.2f} + grads {reading['grads_gib']:.2f} + optimizer "
             f"{reading['optimizer_gib']:.2f} GiB")
@@ -244,4 +248,4 @@ def _format_breakdown(reading: dict[str, float]) -> str:
     if "weights_bytes_per_param" in reading:
         w, g, o = (reading[f"{k}_bytes_per_param"] for k in ("weights", "grads", "optimizer"))
         text += f"; per parameter on this rank: weights {w:.3f} + grads {g:.3f} + optimizer {o:.3f} = {w + g + o:.3f} B"
-    return text + ")"
+    return text + ")" + outside

@@ -384,7 +384,8 @@ def _train_loop(args, info, parts: Components, data, microbatches: int, progress
             print_rank0(memory_report.measured_report(info.device, iteration, breakdown))
             if args.log_json and training.is_logging_rank():
                 with open(args.log_json, "a") as out:
-                    reading = dict(runtime.memory_reading(info.device), **breakdown)
+                    reading = dict(runtime.memory_reading(info.device), **runtime.outside_allocator_gib(info.device),
+                                   **breakdown)
                     out.write(json.dumps({"iteration": iteration, "memory_breakdown": reading}) + "\n")
         state = ckpt_state.Progress(iteration, consumed, skipped)
         stopping = stop.agreed(info.device) or training.exit_interval_reached(iteration, args.exit_interval)
