@@ -89,7 +89,7 @@ def test_undo_restores_every_runtime_change():
                                                            params_dtype=torch.float32,
                                                            use_distributed_optimizer=True), model)
         grad_reader.attach(optimizer, model)
-        ckpt_save._install_signal_safe_results_queue()
+        ckpt_save.install_results_queue()
         groups = [bg for chunk in model for bg in chunk.bucket_groups]
         dist_opts = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])]
         assert groups and all(type(bg) is AgoqBucketGroup for bg in groups)

@@ -257,8 +257,10 @@ def test_the_model_provider_refuses_the_policies_the_trainer_refuses():
 @pytest.mark.parametrize("variant", ["baseline", "agoq_default", "agoq_full"])
 def test_install_patches_what_the_config_needs_and_undo_restores_megatron(monkeypatch, training_module, variant):
     import megatron.training.models.dist_utils as dist_utils
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.distributed import DistributedDataParallel
 
+    from agoq.megatron.ckpt.queue_server import PicklingQueueProxy
     from agoq.megatron.install import marked_seam
     from agoq.megatron.megatron_lm import install_for_megatron_training
     from agoq.train.megatron_lm import agoq_config_from_megatron_args
@@ -266,8 +268,11 @@ def test_install_patches_what_the_config_needs_and_undo_restores_megatron(monkey
     mtt, dataset_utils, originals = training_module
     ddp, factory, compile_helpers, builder_ddp, setup, datasets = originals
     config = agoq_config_from_megatron_args(_megatron_args(monkeypatch, _bench_megatron_argv(variant)))
+    queue_before = filesystem_async._results_queue
     handle = install_for_megatron_training(config)
     try:
+        # every variant, agoq off too: Megatron-LM's saves report through agoq's queue server
+        assert isinstance(filesystem_async._results_queue, PicklingQueueProxy)
         assert marked_seam(dataset_utils.compile_helpers) == "megatron_training.dataset_helpers"
         assert marked_seam(mtt.build_train_valid_test_datasets) == "megatron_training.empty_splits"
         if variant == "agoq_full":
@@ -286,6 +291,7 @@ def test_install_patches_what_the_config_needs_and_undo_restores_megatron(monkey
         handle.undo()
     assert (mtt.DDP, mtt.get_megatron_optimizer, dataset_utils.compile_helpers, dist_utils.DistributedDataParallel,
             mtt.setup_model_and_optimizer, mtt.build_train_valid_test_datasets) == originals
+    assert filesystem_async._results_queue is queue_before
 
 
 @pytest.mark.parametrize("agoq_on", [True, False])

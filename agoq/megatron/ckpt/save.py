@@ -30,7 +30,7 @@ from agoq.megatron.ckpt.queue_server import start_queue_server
 from agoq.megatron.ckpt.state import Progress, data_parallel_size, full_sharded_state_dict, torch_optimizer_step
 
 
-def _install_signal_safe_results_queue() -> None:
+def install_results_queue() -> None:
     """Pre-create megatron's module-global ``_results_queue`` from agoq's queue server (agoq.megatron.ckpt.
     queue_server: standard library only, ignores the launcher's stop signals, dies with the rank), before Megatron's
     first save would spawn a copy of the training script to serve it.
@@ -70,7 +70,7 @@ def save_checkpoint(save_dir: str | os.PathLike, progress: Progress, model_chunk
     (a full disk, a folder turned read-only) raises CheckpointSaveError on every rank, naming the path and errno;
     the tracker is left on the last complete checkpoint."""
     target = iteration_dir(save_dir, progress.iteration)
-    _install_signal_safe_results_queue()
+    install_results_queue()
     _save_step(save_dir, target, lambda: target.mkdir(parents=True, exist_ok=True) if dist.get_rank() == 0 else None)
     extra = dict(extra or {}, torch_optimizer_step=torch_optimizer_step(optimizer),
                  data_parallel_size=data_parallel_size())
