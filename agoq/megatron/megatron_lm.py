@@ -412,8 +412,8 @@ def install_for_megatron_training(config: AgoqConfig):
                          "config with agoq_config_from_megatron_args")
     handle = install(config)
     # Megatron-LM's saves report their writers' results through agoq's queue server (seam checkpoint.results_queue,
-    # undone by the handle), not a spawned copy of the user's script (4.9 s and 739 MiB per rank, measured) that
-    # the launcher's SIGTERM would kill in the middle of the save it asked for
+    # undone by the handle), not a spawned copy of the user's script (4.9 s and 739 MiB per rank, measured) that a
+    # stop signal sent to the whole job (Slurm's) would kill in the middle of the save it asked for
     install_results_queue()
     if config.enabled and config.rope_fusion == "agoq":  # Megatron-LM's --rope-fusion (its default) without TE
         from agoq.megatron.rope import provide_rope_fusion
