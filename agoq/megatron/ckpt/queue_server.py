@@ -30,6 +30,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from multiprocessing import current_process
@@ -100,8 +101,10 @@ def start_queue_server(timeout_s: float = START_TIMEOUT_S) -> QueueServer:
     """Start the server (this file run by the same interpreter, isolated from site-packages) and connect to it.
     Raises RuntimeError with the server's own output if it has not said its address within ``timeout_s``."""
     authkey = bytes(current_process().authkey)
+    # its stderr into a file, not a pipe: nobody reads it while it serves, and a full pipe would stop the server
+    errors = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=errors, text=True)
     try:
         proc.stdin.write(f"{authkey.hex()} {os.getpid()}\n")
         proc.stdin.flush()
@@ -111,9 +114,12 @@ def start_queue_server(timeout_s: float = START_TIMEOUT_S) -> QueueServer:
     line = proc.stdout.readline() if ready else ""
     if not line:
         proc.kill()
-        _, err = proc.communicate()
+        proc.wait()
+        errors.seek(0)
+        err = errors.read()
         raise RuntimeError(f"the checkpoint writer's queue server ({__file__}) did not start within {timeout_s:.0f} s "
                            f"(exit {proc.returncode}): {err.strip()[-1500:] or 'no output'}")
+    errors.close()  # the server keeps its own handle of the (unlinked) file
     address = json.loads(line)["address"]
     address = tuple(address) if isinstance(address, list) else address  # an AF_INET (host, port) pair
     manager = QueueManager(address=address, authkey=authkey)
