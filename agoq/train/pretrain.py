@@ -154,7 +154,8 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable, policy
     returns the ``(train, valid, test)`` micro-batch iterators (scripts/pretrain_llama.py's), or ``(train, valid)``
     for a provider without a test split (no test evaluation then)."""
     config: AgoqConfig = args.agoq_config
-    if args.deterministic_mode:  # before the first communicator, cuBLAS handle and kernel (also without the script)
+    if getattr(args, "deterministic_mode", False):  # before the first communicator, cuBLAS handle and kernel (also
+        # without the script; a caller's own Namespace may lack the flag)
         determinism.apply_environment(os.environ)
         args.determinism_line = determinism.enable_torch(os.environ)
     launch = environment.launch_from_environment()
