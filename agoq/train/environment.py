@@ -17,6 +17,9 @@ the trainer reads it here and passes what it found in:
 * torchrun's ``TORCHELASTIC_RUN_ID`` (set for every rank its agent starts) -> whether a rank watches its launcher
   (:func:`launched_by_torchrun`, agoq.train.orphan).
 
+With ``--deterministic-mode``, agoq.train.determinism checks and fills ``NCCL_ALGO``, ``CUBLAS_WORKSPACE_CONFIG`` and
+``NVTE_ALLOW_NONDETERMINISTIC_ALGO`` (for the libraries that read them, before torch loads).
+
 Other readers outside the library: ``scripts/pretrain_llama.py`` (``AGOQ_CACHE``, ``AGOQ_SHOW_KNOWN_WARNINGS``,
 rank-0 printing) and the command-line tools' ``__main__`` modules.
 """
