@@ -221,8 +221,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 # A quiet rank (not the first of its node) waits this long before it exits on an argument error: torchrun
 # stops every worker as soon as one exits non-zero, and a quiet rank that exited first could take the
-# printing rank down before its one error line was out (seen about once in nine launches, 2026-11-26).
-QUIET_EXIT_DELAY_S = 1.0
+# printing rank down before its one error line was out (seen about once in nine launches, 2026-11-26; and with 1 s,
+# once in CI on 2026-12-07: on two loaded cores the printing rank reached its check over 1 s after the others).
+# The wait costs nothing when the printing rank exits first: torchrun then stops the waiting ranks at once.
+QUIET_EXIT_DELAY_S = 5.0
 
 
 def exit_quietly_after_delay() -> None:
