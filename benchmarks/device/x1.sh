@@ -43,6 +43,8 @@
 #   graphs          issue 24 item 3 (eager, eager --manual-gc, graphs), on its own GPU and cores; with the two
 #                   RoPE rows (Megatron + agoq RoPE only, agoq with Megatron's RoPE)                        ~14 min
 #   gpu_tier        the GPU tier on current code: every tests/gpu file (fused FP8, CUDA graphs, kernels)          ~8 min
+#                   GPU_TESTS="tests/gpu/test_stage_proxy_gpu.py ..." runs only the files named (a short lease: those that
+#                   have not yet run on a GPU)
 #   fp8_scale       issue 27's suite on current code (plain FP8 now fused): one current result            ~8 min
 #   equal_memory_1b  issue 23 item 2 at ~1B, with the agoq + FP8 Smooth-SwiGLU rows                         ~9 min
 # Done on 2026-11-27 and left out: issue 25's convergence matrix (docs/benchmarks/convergence.md; rerun one run with
@@ -111,7 +113,7 @@ step profile 600 bash benchmarks/device/profile_pair.sh 1 step_profile --global-
 step graphs 1500 "$PY" $B --suite graphs --timeout 150 --out "$AGOQ_RESULTS/pretrain_graphs.json"
 mkdir -p "$AGOQ_RESULTS/graph_reports"
 step gpu_tier 900 env AGOQ_CUDA_GRAPHS_REPORT_DIR="$AGOQ_RESULTS/graph_reports" "$PY" -m pytest -q -p no:cacheprovider \
-  -m gpu -rA tests/gpu
+  -m gpu -rA ${GPU_TESTS:-tests/gpu}
 step fp8_scale 1200 "$PY" $B --suite fp8_scale --timeout 150 --out "$AGOQ_RESULTS/fp8_scale.json"
 step equal_memory_1b 1200 "$PY" $B --suite equal_memory_1b --timeout 110 --out "$AGOQ_RESULTS/equal_memory_1b.json"
 echo "== plan x1 finished $(date -u +%T)"
