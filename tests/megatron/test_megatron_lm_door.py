@@ -211,6 +211,30 @@ def test_megatron_lms_own_pretrain_gpt_through_the_door(runs, default_data, tmp_
     assert run.losses == ok(runs["pretrain_llama"]).losses
 
 
+@pytest.mark.skipif(not __import__("os").environ.get("AGOQ_MEGATRON_LM"),
+                    reason="set AGOQ_MEGATRON_LM to a Megatron-LM checkout at core_r0.19.x (its pretrain_gpt.py)")
+def test_megatron_lms_own_pretrain_gpt_saves_and_resumes_through_the_door(default_data, tmp_path):
+    """The same script with Megatron's own --save / --exit-interval / --load and the distributed optimizer: the
+    checkpoint writers' results go through agoq's queue server (agoq/megatron/ckpt/queue_server.py, which the door
+    installs), and the resumed iterations equal the uninterrupted run's (--no-load-rng: no CUDA RNG on the CPU)."""
+    import os
+    from pathlib import Path
+
+    script = Path(os.environ["AGOQ_MEGATRON_LM"]) / "pretrain_gpt.py"
+    flags = [*FULL, "--use-distributed-optimizer", "--train-iters", "4"]
+    ckpt = str(tmp_path / "ckpt")
+
+    def losses(name: str, extra: list[str]) -> list[float]:
+        command = megatron_cpu_command(default_data, tmp_path, name, [*flags, *extra], script=script, door=True)
+        return ok(launch(command, tmp_path, name)).losses
+
+    straight = losses("a.jsonl", [])
+    first = losses("b.jsonl", ["--save", ckpt, "--save-interval", "2", "--exit-interval", "2"])
+    assert (Path(ckpt) / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    resumed = losses("c.jsonl", ["--load", ckpt, "--no-load-rng"])
+    assert len(straight) == 4 and first == straight[:2] and resumed == straight[2:], (straight, first, resumed)
+
+
 def _documented_door_command() -> list[str]:
     """The flags of docs/megatron_lm.md's zero-edit command (after the script path); its block is skipped by the
     docs check (the script is your Megatron-LM checkout's), so this test checks it."""
