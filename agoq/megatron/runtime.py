@@ -164,6 +164,17 @@ def data_parallel_group():
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
+def mean_over_data_parallel(value_1: torch.Tensor) -> float:
+    """A per-rank value (shape [1], e.g. a rank's loss averaged over its micro-batches) averaged over
+    :func:`data_parallel_group`: an fp32 all-reduce sum, then divided by the group's size as a Python float. Both
+    trainers' loss records go through here, so that they agree bit for bit (agoq's trainer, agoq.train.training;
+    the Megatron-LM door, agoq.train.megatron_lm_door). Every rank of the group must call it."""
+    summed_1 = value_1.detach().float().reshape(1).clone()
+    group = data_parallel_group()
+    dist.all_reduce(summed_1, group=group)
+    return float(summed_1.item()) / dist.get_world_size(group=group)
+
+
 def memory_reading(device: torch.device) -> dict[str, float]:
     """GiB: allocated and peak on GPU (torch's allocator, plus the CUDA symmetric memory that holds agoq's
     8-bit gradient stores under the peer transport, which the allocator does not count: agoq.comm.symm_store);

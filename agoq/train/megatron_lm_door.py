@@ -231,18 +231,23 @@ def main(argv: list[str] | None = None) -> None:
 # -- --agoq-log-json ---------------------------------------------------------------------------------
 
 class LossRecord:
-    """``--agoq-log-json FILE``: one JSON line per training iteration, from ``train_step``'s return (Megatron's
-    reduced losses of the iteration: the mean over micro-batches of a 2-tuple loss function's report, or the token
-    sum / token count of a 3-tuple one), written by the last pipeline stage's first tensor- and data-parallel rank:
+    """``--agoq-log-json FILE``: one JSON line per training iteration, from ``train_step``'s return, written by the
+    last pipeline stage's first tensor- and data-parallel rank. What ``train_step`` returns is each rank's own: the
+    mean over its micro-batches of a 2-tuple loss function's report (Megatron reduces nothing over data-parallel
+    ranks then), or the token sum / token count of a 3-tuple one (reduced over them: the same on every rank).
 
-    * ``lm_loss``: the iteration's loss, exact (``repr`` of the float);
-    * ``megatron_log_lm_loss``: on the iterations where Megatron prints a log line, the value that line prints:
-      Megatron's ``training_log`` sums the losses (fp32) of the iterations since its last print and divides by their
-      number; it prints the first iteration of a run without resetting that sum, so with ``--log-interval 1`` the line
-      of the second iteration shows the mean of the first two (``lm_loss`` is each iteration's own);
+    * ``lm_loss``: the iteration's loss over the whole global batch, exact (``repr`` of the float): with data
+      parallelism and ranks that differ, their mean (:func:`agoq.megatron.runtime.mean_over_data_parallel`, as
+      scripts/pretrain_llama.py's ``--log-json`` records it); otherwise the value every rank holds;
+    * ``megatron_log_lm_loss``: on the iterations where Megatron prints a log line, the value that line prints. The
+      line is printed by the last rank, so with a 2-tuple loss at DP > 1 it is the last data-parallel rank's own
+      loss, not the global batch's. Megatron's ``training_log`` sums the losses (fp32) of the iterations since its
+      last print and divides by their number; it prints the first iteration of a run without resetting that sum, so
+      with ``--log-interval 1`` the line of the second iteration shows the mean of the first two;
     * ``peak_bytes_so_far``: ``torch.cuda.max_memory_allocated()`` after the step;
 
-    and ``{"final": true, "peak_bytes": ...}`` when the script returns."""
+    and ``{"final": true, "peak_bytes": ...}`` when the script returns. At DP > 1 every data-parallel rank of the last
+    stage takes part in one all-gather (and, when their losses differ, one all-reduce) of one number per iteration."""
 
     KEY = "lm loss"
 
@@ -268,12 +273,12 @@ class LossRecord:
         if iteration is None or not loss_dict or self.KEY not in loss_dict:
             return
         iteration += 1  # train() counts the step after train_step returns; its log line shows this number
-        loss = loss_dict[self.KEY]
+        printed, global_loss = self._over_data_parallel(loss_dict[self.KEY])
         if not skipped:  # Megatron's training_log: skipped iterations add nothing to the printed mean
-            start = torch.tensor([0.0], dtype=torch.float, device=loss.device) if self.total is None else self.total
-            self.total = start + loss
+            start = torch.tensor([0.0], dtype=torch.float, device=printed.device) if self.total is None else self.total
+            self.total = start + printed
             self.advanced += 1
-        record = {"iteration": iteration, "lm_loss": float(loss.item()), "skipped": bool(skipped)}
+        record = {"iteration": iteration, "lm_loss": global_loss, "skipped": bool(skipped)}
         if iteration % self.log_interval == 0 or self.first:
             record["megatron_log_lm_loss"] = (0.0 if self.total is None else self.total.item()) / float(
                 max(1, self.advanced))
@@ -283,6 +288,24 @@ class LossRecord:
         record["peak_bytes_so_far"] = torch.cuda.max_memory_allocated()
         if self._is_logging_rank():
             self._append(record)
+
+    @staticmethod
+    def _over_data_parallel(loss):
+        """(the loss the last data-parallel rank holds: what Megatron's log line adds up, the global batch's loss as
+        a float). Every data-parallel rank of the last stage calls this in the same iteration."""
+        import torch
+        import torch.distributed as dist
+
+        group = runtime.data_parallel_group()
+        size = dist.get_world_size(group=group)
+        if size == 1:
+            return loss, float(loss.item())
+        mine = loss.detach().reshape(1)
+        ranks = [torch.empty_like(mine) for _ in range(size)]
+        dist.all_gather(ranks, mine, group=group)
+        if all(torch.equal(value, ranks[0]) for value in ranks):  # a 3-tuple loss: Megatron reduced it already
+            return ranks[-1].reshape(loss.shape), float(ranks[0].item())
+        return ranks[-1].reshape(loss.shape), runtime.mean_over_data_parallel(mine)
 
     def finish(self) -> None:
         import torch

@@ -263,10 +263,8 @@ def _reduce_losses(losses: list[dict], device: torch.device) -> float | None:
     """Average 'lm loss' over micro-batches, then over the data-parallel group (last stage only)."""
     if not runtime.is_last_stage():
         return None
-    values = torch.stack([d["lm loss"].float() for d in losses]).mean().reshape(1).to(device)
-    group = runtime.data_parallel_group()
-    dist.all_reduce(values, group=group)
-    return float(values.item()) / dist.get_world_size(group=group)
+    return runtime.mean_over_data_parallel(torch.stack([d["lm loss"].float() for d in losses]).mean().reshape(1)
+                                           .to(device))
 
 
 def is_logging_rank() -> bool:

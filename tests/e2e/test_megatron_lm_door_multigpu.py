@@ -22,11 +22,11 @@ from tests.megatron._bench_scripts import load_bench_script, megatron_lm_bench
 
 ITERS = 20
 SHAPES = "tests/megatron/_pretrain_gpt_shapes.py"
-LAYOUTS = {  # name -> (flags of both trainers, base port)
-    "dp2_distopt": (["--use-distributed-optimizer", "--overlap-grad-reduce"], 29800),
-    "pp2": (["--pipeline-model-parallel-size", "2"], 29810),
+LAYOUTS = {  # name -> (flags of both trainers, base port, the optimizer class the door's report names)
+    "dp2_distopt": (["--use-distributed-optimizer", "--overlap-grad-reduce"], 29800, "AgoqDistributedOptimizer"),
+    "pp2": (["--pipeline-model-parallel-size", "2"], 29810, "AgoqMegatronOptimizer"),
 }
-AGOQ_MODULES = ("AgoqTransformerLayer", "AgoqDistributedDataParallel", "AgoqMegatronOptimizer")
+AGOQ_MODULES = ("AgoqTransformerLayer", "AgoqDistributedDataParallel")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_the_door_trains_as_pretrain_llama_on_two_gpus(bench_env, tmp_path, layo
     import subprocess
 
     bench, env, data = bench_env
-    flags, port = LAYOUTS[layout]
+    flags, port, optimizer = LAYOUTS[layout]
     flags = [*bench.VARIANTS["agoq_full"], *flags]
     door = on_two_gpus(bench.megatron_command("tiny", ITERS, flags, data, tmp_path / "m.jsonl", port), SHAPES)
     own = on_two_gpus(bench.agoq_command("tiny", ITERS, flags, data, tmp_path / "a.jsonl", port + 2))
@@ -80,5 +80,5 @@ def test_the_door_trains_as_pretrain_llama_on_two_gpus(bench_env, tmp_path, layo
     comparison = bench.compare(theirs, ours)
     assert comparison["bit_identical"], (comparison, theirs["losses"], ours["losses"])
     built = next((line for line in theirs["stdout"].splitlines() if "built as asked" in line), "")
-    for name in AGOQ_MODULES:
+    for name in (*AGOQ_MODULES, optimizer):
         assert name in built, (layout, name, built)

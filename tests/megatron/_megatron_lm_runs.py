@@ -72,6 +72,19 @@ def launch(command: list[str], tmp_path: Path, log_name: str | None, env: dict |
     return Run(proc.returncode, proc.stdout + proc.stderr, records)
 
 
+def launch_ranks(nproc: int, command: list[str], tmp_path: Path, log_name: str, env: dict | None = None,
+                 timeout: int = 400) -> Run:
+    """Run ``command`` (``[python, SCRIPT, *args]``, as the builders below make it) on ``nproc`` gloo ranks under
+    ``torchrun --standalone`` (its own free port), AGOQ_CACHE under ``tmp_path``."""
+    python, script, *args = command
+    ranks = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), script, *args]
+    proc = subprocess.run(ranks, env=child_env(AGOQ_CACHE=str(tmp_path / "cache"), **(env or {})), cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    log = tmp_path / log_name
+    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return Run(proc.returncode, proc.stdout + proc.stderr, records)
+
+
 def ok(run: Run) -> Run:
     assert run.returncode == 0, run.output[-6000:]
     return run

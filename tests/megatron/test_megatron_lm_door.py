@@ -28,7 +28,9 @@ from tests.megatron._megatron_lm_runs import (
     LLAMA_RECIPE_FLAGS,
     SCRIPT,
     SHAPES,
+    Run,
     launch,
+    launch_ranks,
     megatron_cpu_command,
     ok,
     pretrain_llama_command,
@@ -196,6 +198,42 @@ def test_recipe_flags_are_megatron_lms_own(monkeypatch):
     assert set(BENCH.MEGATRON_EQUIVALENCE_FLAGS) > {"--no-persist-layer-norm"}  # the bit-identity runs turn them off
 
 
+TWO_RANK_LAYOUTS = {  # name -> (flags, the optimizer class the door's report names)
+    "dp2_distopt_overlap": (["--use-distributed-optimizer", "--overlap-grad-reduce"], "AgoqDistributedOptimizer"),
+    "pp2": (["--pipeline-model-parallel-size", "2"], "AgoqMegatronOptimizer"),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(TWO_RANK_LAYOUTS))
+def test_the_door_trains_as_pretrain_llama_on_two_ranks(default_data, tmp_path, layout):
+    """Two gloo ranks, data parallelism as Megatron-LM users run it (distributed optimizer, overlapped reduction) and
+    PP=2: the door's --agoq-log-json records the global batch's loss, bit for bit pretrain_llama.py's, although the
+    2-tuple loss function's report that Megatron returns on each rank is that rank's own at DP=2; and each
+    recorded ``megatron_log_lm_loss`` is what Megatron's line prints (the last rank's). The CPU twin of
+    tests/e2e/test_megatron_lm_door_multigpu.py."""
+    door = _door_against_pretrain_llama_on_two_ranks(default_data, tmp_path, layout, SHAPES)
+    if layout.startswith("dp2"):  # the ranks' own losses differ: the printed line is not the global batch's
+        assert f"{door.losses[0]:.6E}" != door.megatron_log_lines()[1]
+
+
+def _door_against_pretrain_llama_on_two_ranks(default_data, tmp_path, layout: str, script) -> Run:
+    layout_flags, optimizer = TWO_RANK_LAYOUTS[layout]
+    flags = [*FULL, *layout_flags, "--train-iters", str(ITERS)]
+    door_command = megatron_cpu_command(default_data, tmp_path, "door.jsonl", flags, script=script, door=True)
+    door = ok(launch_ranks(2, door_command, tmp_path, "door.jsonl", env={"AGOQ_TEST_SHAPE": "builder"}))
+    own = ok(launch_ranks(2, pretrain_llama_command(default_data, tmp_path, "own.jsonl", flags), tmp_path, "own.jsonl"))
+    assert len(door.losses) == ITERS and door.losses == own.losses, (door.losses, own.losses)
+    printed = door.megatron_log_lines()
+    recorded = {r["iteration"]: r for r in door.records if "iteration" in r}
+    assert sorted(printed) == sorted(recorded) == list(range(1, ITERS + 1)), (printed, recorded)
+    for iteration, text in printed.items():
+        assert f"{recorded[iteration]['megatron_log_lm_loss']:.6E}" == text, (iteration, text, recorded[iteration])
+    built = next((line for line in door.output.splitlines() if "built as asked on every rank" in line), "")
+    for name in ("AgoqTransformerLayer", "AgoqDistributedDataParallel", optimizer):
+        assert name in built, (name, built)
+    return door
+
+
 @pytest.mark.skipif(not __import__("os").environ.get("AGOQ_MEGATRON_LM"),
                     reason="set AGOQ_MEGATRON_LM to a Megatron-LM checkout at core_r0.19.x (its pretrain_gpt.py)")
 def test_megatron_lms_own_pretrain_gpt_through_the_door(runs, default_data, tmp_path):
@@ -233,6 +271,18 @@ def test_megatron_lms_own_pretrain_gpt_saves_and_resumes_through_the_door(defaul
     assert (Path(ckpt) / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     resumed = losses("c.jsonl", ["--load", ckpt, "--no-load-rng"])
     assert len(straight) == 4 and first == straight[:2] and resumed == straight[2:], (straight, first, resumed)
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("AGOQ_MEGATRON_LM"),
+                    reason="set AGOQ_MEGATRON_LM to a Megatron-LM checkout at core_r0.19.x (its pretrain_gpt.py)")
+@pytest.mark.parametrize("layout", sorted(TWO_RANK_LAYOUTS))
+def test_megatron_lms_own_pretrain_gpt_on_two_ranks(default_data, tmp_path, layout):
+    """The same script on two ranks (its 3-tuple loss, which Megatron reduces over data-parallel ranks itself)."""
+    import os
+    from pathlib import Path
+
+    _door_against_pretrain_llama_on_two_ranks(default_data, tmp_path, layout,
+                                              Path(os.environ["AGOQ_MEGATRON_LM"]) / "pretrain_gpt.py")
 
 
 def _documented_door_command() -> list[str]:
