@@ -268,7 +268,8 @@ def _reduce_losses(losses: list[dict], device: torch.device) -> float | None:
 
 
 def is_logging_rank() -> bool:
-    """Megatron prints on the last pipeline stage, first tensor- and data-parallel rank."""
+    """The rank that prints and records the iteration: the last pipeline stage's first tensor- and data-parallel
+    rank (its loss is the data-parallel mean; Megatron-LM's own log line comes from the last rank)."""
     return runtime.is_last_stage() and runtime.speaks_for_stage()
 
 
