@@ -6,6 +6,8 @@ agoq/train/megatron_lm_door.py) on the CPU, through megatron.training's real ``p
 * both construction paths (the config container with a model config, Megatron-LM core_r0.19.0's way, and a model
   provider) with ``--agoq-grads int8_b256 --agoq-optimizer adamw`` build agoq's layers, 8-bit gradient DDP and
   optimizer (the door's start-up report names the classes built) and train bit-identically to pretrain_llama.py;
+* on two gloo ranks (DP=2 with the distributed optimizer and overlapped reduction; PP=2) the door's record holds the
+  global batch's loss, bit for bit pretrain_llama.py's, and Megatron's printed line beside it;
 * the old hooks without the door (agoq's DDP and optimizer, Megatron's layers) stop before the first step, naming what
   is missing;
 * Megatron-LM's LLaMA recipe flags (Megatron's defaults: fusions, --persist-layer-norm,
