@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agoq.testing.procs import REPO_ROOT, child_env
+from agoq.testing.procs import REPO_ROOT, child_env, torchrun_command
 from tests.megatron._bench_scripts import load_bench_script
 
 DRIVER = REPO_ROOT / "tests" / "megatron" / "_megatron_lm_cpu.py"
@@ -76,10 +76,9 @@ def launch_ranks(nproc: int, command: list[str], tmp_path: Path, log_name: str, 
                  timeout: int = 400) -> Run:
     """Run ``command`` (``[python, SCRIPT, *args]``, as the builders below make it) on ``nproc`` gloo ranks under
     ``torchrun --standalone`` (its own free port), AGOQ_CACHE under ``tmp_path``."""
-    python, script, *args = command
-    ranks = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), script, *args]
-    proc = subprocess.run(ranks, env=child_env(AGOQ_CACHE=str(tmp_path / "cache"), **(env or {})), cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    _python, script, *args = command
+    proc = subprocess.run(torchrun_command(nproc, Path(script), args), cwd=REPO_ROOT, capture_output=True, text=True,
+                          env=child_env(AGOQ_CACHE=str(tmp_path / "cache"), **(env or {})), timeout=timeout)
     log = tmp_path / log_name
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return Run(proc.returncode, proc.stdout + proc.stderr, records)
